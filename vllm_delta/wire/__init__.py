@@ -1,0 +1,29 @@
+"""The delta wire format: encodings, flush files, manifest, reader and writer.
+
+Imports neither vLLM nor torch.distributed; trainers and engines both use it. See
+docs/wire-format.md for the byte layout.
+"""
+
+from .container import Limits
+from .digest import HASH_ALGO, bytes_digest, tensor_digest
+from .encodings import DEFAULT_ENCODING, ENCODINGS, Encoding, get_encoding
+from .errors import (BoundsError, CorruptDeltaError, DeltaError, DtypeMismatchError, FormatError,
+                     IncompatibleDeltaError, IncompleteDeltaError, IntegrityError, LimitError,
+                     ShapeMismatchError, UnknownDtypeError, UnknownEncodingError, UnknownParamError,
+                     VersionError)
+from .flush import EncodedFlush, ParamChange, ParamDelta, encode_flush
+from .manifest import (MANIFEST_NAME, FileEntry, Manifest, ParamEntry, load_manifest, merge_manifests,
+                       parse_manifest, write_manifest)
+from .reader import DeltaDecoder, DeltaInfo, iter_delta, open_delta, read_delta
+from .writer import DeltaWriter, file_entry, flush_name
+
+__all__ = [
+    "BoundsError", "CorruptDeltaError", "DEFAULT_ENCODING", "DeltaDecoder", "DeltaError", "DeltaInfo",
+    "DeltaWriter", "DtypeMismatchError", "ENCODINGS", "EncodedFlush", "Encoding", "FileEntry",
+    "FormatError", "HASH_ALGO", "IncompatibleDeltaError", "IncompleteDeltaError", "IntegrityError",
+    "Limits", "LimitError", "MANIFEST_NAME", "Manifest", "ParamChange", "ParamDelta", "ParamEntry",
+    "ShapeMismatchError", "UnknownDtypeError", "UnknownEncodingError", "UnknownParamError",
+    "VersionError", "bytes_digest", "encode_flush", "file_entry", "flush_name", "get_encoding",
+    "iter_delta", "load_manifest", "merge_manifests", "open_delta", "parse_manifest", "read_delta",
+    "tensor_digest", "write_manifest",
+]

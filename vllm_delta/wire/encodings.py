@@ -1,0 +1,198 @@
+"""The registry of encodings: how one param's positions and values become named byte streams.
+
+An encoding pairs a position codec with a value codec and says how the flush is compressed:
+not at all, the whole file with zstd (the seed's `deltas_zstd`), or each stream on its own
+(so each gets its own entropy tables). Streams of all params in a flush are concatenated; a
+param's metadata records its byte span in each stream it uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+from . import codecs
+from .dtypes import DType
+from .errors import FormatError, UnknownEncodingError
+
+Streams = dict[str, bytes]
+Spans = dict[str, memoryview]
+
+
+def _need(spans: Spans, name: str, *, file, param) -> memoryview:
+    if name not in spans:
+        raise FormatError(f"missing stream {name!r}", file=file, param=param)
+    return spans[name]
+
+
+def _planes(spans: Spans, prefix: str, width: int, *, file, param) -> list[memoryview]:
+    return [_need(spans, f"{prefix}{j}", file=file, param=param) for j in range(width)]
+
+
+class PositionCodec(Protocol):
+    def encode(self, pos: np.ndarray, numel: int) -> tuple[int, Streams]: ...
+    def decode(self, spans: Spans, count: int, width: int, numel: int, *, file, param) -> np.ndarray: ...
+
+
+class ValueCodec(Protocol):
+    relative: bool
+    def encode(self, new: np.ndarray, old: np.ndarray | None, d: DType) -> Streams: ...
+    def decode(self, spans: Spans, count: int, d: DType, *, file, param) -> np.ndarray: ...
+
+
+class Indices:
+    """Absolute flat positions, int32 or int64 when the tensor has more than 2^31 elements."""
+
+    def encode(self, pos, numel):
+        w = codecs.index_width(numel)
+        return w, {"positions": codecs.encode_indices(pos, w)}
+
+    def decode(self, spans, count, width, numel, *, file, param):
+        buf = _need(spans, "positions", file=file, param=param)
+        return codecs.decode_indices(buf, count, width, numel, file=file, param=param)
+
+
+class Gaps:
+    """Gaps in one contiguous narrow-int stream (the seed's `deltas`)."""
+
+    def encode(self, pos, numel):
+        w, gaps = codecs.encode_gaps(pos)
+        return w, {"positions": gaps.tobytes()}
+
+    def decode(self, spans, count, width, numel, *, file, param):
+        buf = _need(spans, "positions", file=file, param=param)
+        gaps = codecs.gaps_from_bytes(buf, count, width, file=file, param=param)
+        return codecs.decode_gaps(gaps, numel, file=file, param=param)
+
+
+class GapPlanes:
+    """Gaps split into byte planes `pos0..pos7`: the low plane carries the information."""
+
+    def encode(self, pos, numel):
+        w, gaps = codecs.encode_gaps(pos)
+        return w, {f"pos{j}": p for j, p in enumerate(codecs.to_planes(gaps))}
+
+    def decode(self, spans, count, width, numel, *, file, param):
+        if width not in codecs.GAP_WIDTHS:
+            raise FormatError(f"gap width {width} is not one of {codecs.GAP_WIDTHS}", file=file, param=param)
+        planes = _planes(spans, "pos", width, file=file, param=param)
+        gaps = codecs.from_planes(planes, count, width, "gaps", file=file, param=param)
+        return codecs.decode_gaps(gaps, numel, file=file, param=param)
+
+
+class RawValues:
+    """New bit patterns, contiguous, in the param's own dtype."""
+
+    relative = False
+
+    def encode(self, new, old, d):
+        return {"values": new.tobytes()}
+
+    def decode(self, spans, count, d, *, file, param):
+        buf = _need(spans, "values", file=file, param=param)
+        return codecs.values_from_bytes(buf, count, d, file=file, param=param)
+
+
+class ValuePlanes:
+    """New bit patterns split into byte planes `val0..`: exponent bytes repeat, mantissas do not."""
+
+    relative = False
+
+    def encode(self, new, old, d):
+        return {f"val{j}": p for j, p in enumerate(codecs.to_planes(new))}
+
+    def decode(self, spans, count, d, *, file, param):
+        planes = _planes(spans, "val", d.itemsize, file=file, param=param)
+        return codecs.from_planes(planes, count, d.itemsize, "values", file=file, param=param)
+
+
+class UlpSteps:
+    """Signed ULP steps from the old value: packed `sign`, packed `flag` (|step|>1), planes `esc0..`.
+
+    Decodes to steps (unsigned, wrapping), which the receiver resolves against its own bits.
+    """
+
+    relative = True
+
+    def encode(self, new, old, d):
+        sign, flag, esc = codecs.encode_steps(codecs.ulp_steps(new, old, d), d)
+        streams = {"sign": sign, "flag": flag}
+        streams.update({f"esc{j}": p for j, p in enumerate(codecs.to_planes(esc))})
+        return streams
+
+    def decode(self, spans, count, d, *, file, param):
+        neg = codecs.unpack_bits(_need(spans, "sign", file=file, param=param), count, "signs",
+                                 file=file, param=param)
+        big = codecs.unpack_bits(_need(spans, "flag", file=file, param=param), count, "flags",
+                                 file=file, param=param)
+        planes = _planes(spans, "esc", d.itemsize, file=file, param=param)
+        esc = codecs.from_planes(planes, int(big.sum()), d.itemsize, "escapes", file=file, param=param)
+        return codecs.decode_steps(neg, big, esc, d)
+
+
+Compression = Literal["none", "file", "streams"]
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One named way to put a param's changes on the wire."""
+
+    name: str
+    positions: PositionCodec
+    values: ValueCodec
+    compression: Compression
+    description: str
+    zstd_level: int = 1
+
+    @property
+    def needs_base(self) -> bool:
+        """Values are relative to the receiver's current bits: apply exactly once, on base_version."""
+        return self.values.relative
+
+    @property
+    def idempotent(self) -> bool:
+        """Applying the delta twice leaves the same weights as applying it once."""
+        return not self.values.relative
+
+    def encode_param(self, pos: np.ndarray, numel: int, new: np.ndarray, old: np.ndarray | None,
+                     d: DType) -> tuple[int, Streams]:
+        width, streams = self.positions.encode(pos, numel)
+        if self.needs_base and old is None:
+            raise ValueError(f"encoding {self.name!r} needs the old values")
+        streams.update(self.values.encode(new, old, d))
+        return width, streams
+
+    def decode_param(self, spans: Spans, count: int, width: int, numel: int, d: DType, *,
+                     file: str | None, param: str | None) -> tuple[np.ndarray, np.ndarray]:
+        """Positions (int64, validated) and the value payload (new bits, or steps if needs_base)."""
+        pos = self.positions.decode(spans, count, width, numel, file=file, param=param)
+        return pos, self.values.decode(spans, count, d, file=file, param=param)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "idempotent": self.idempotent, "needs_base": self.needs_base,
+                "compression": self.compression, "description": self.description}
+
+
+ENCODINGS: dict[str, Encoding] = {e.name: e for e in (
+    Encoding("indices", Indices(), RawValues(), "none",
+             "seed-compatible: absolute int32 positions (int64 past 2^31 elements), raw values"),
+    Encoding("deltas", Gaps(), RawValues(), "none",
+             "seed-compatible: gaps idx[k]-idx[k-1]-1 in the narrowest of u8/u16/u32/u64, raw values"),
+    Encoding("deltas_zstd", Gaps(), RawValues(), "file",
+             "seed-compatible: `deltas` with the whole file zstd-1 compressed"),
+    Encoding("planes_zstd", GapPlanes(), ValuePlanes(), "streams",
+             "overwrite: gap and value byte planes, each plane its own zstd stream"),
+    Encoding("ulp_zstd", GapPlanes(), UlpSteps(), "streams",
+             "base-relative: gap byte planes + signed ULP steps from the old bits, zstd per stream"),
+)}
+
+DEFAULT_ENCODING = "ulp_zstd"
+
+
+def get_encoding(name: str, *, file: str | None = None) -> Encoding:
+    enc = ENCODINGS.get(name)
+    if enc is None:
+        raise UnknownEncodingError(f"unknown encoding {name!r}", file=file)
+    return enc

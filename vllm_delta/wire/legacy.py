@@ -1,0 +1,116 @@
+"""Reader for flush files in the seed's published layout, so seed-built trainers can push to us.
+
+Layout: tensors `__positions__` (uint8 blob of every param's packed positions) and `__values__`
+(the values, concatenated in one dtype; the seed promoted mixed bf16/fp32 to fp32). Metadata:
+`encoding` (indices | deltas | deltas_zstd), `current_version`, `checksum`, and `params`, a JSON
+list of {name, dtype, shape, pos_start, pos_end, pos_width, val_start, val_end}: byte offsets into
+`__positions__`, element offsets into `__values__`. The file may be one zstd frame as a whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from . import codecs
+from .dtypes import DType, by_name, from_bits, to_bits
+from .errors import FormatError, IntegrityError, UnknownEncodingError
+from .flush import Expected, FlushHeader, ParamDelta, check_expected, meta_int, meta_json
+
+SEED_ENCODINGS = ("indices", "deltas", "deltas_zstd")
+_MASK64 = (1 << 64) - 1
+
+
+def seed_hash(data: bytes | memoryview) -> int:
+    """The seed's weak `hash_tensor`: XOR of the bytes as little-endian 64-bit words, zero-padded."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    head = buf[: buf.size - buf.size % 8].view("<u8")
+    acc = int(np.bitwise_xor.reduce(head)) if head.size else 0
+    if buf.size % 8:
+        tail = np.zeros(8, dtype=np.uint8)
+        tail[: buf.size % 8] = buf[buf.size - buf.size % 8:]
+        acc ^= int(tail.view("<u8")[0])
+    return acc
+
+
+def seed_checksum(positions: bytes | memoryview, values: bytes | memoryview) -> int:
+    """`hash_tensor(positions) ^ (hash_tensor(values) << 1)`, as an unsigned 64-bit integer."""
+    return (seed_hash(positions) ^ (seed_hash(values) << 1)) & _MASK64
+
+
+class _SeedParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    dtype: str
+    shape: list[int]
+    pos_start: int
+    pos_end: int
+    pos_width: int
+    val_start: int
+    val_end: int
+
+
+def is_seed(meta: Mapping[str, str]) -> bool:
+    return "format" not in meta and meta.get("encoding") in SEED_ENCODINGS
+
+
+def decode_seed_flush(tensors, meta: Mapping[str, str], *, file: str,
+                      expected: Expected | None = None) -> tuple[FlushHeader, list[ParamDelta]]:
+    encoding = meta.get("encoding", "")
+    if encoding not in SEED_ENCODINGS:
+        raise UnknownEncodingError(f"unknown seed encoding {encoding!r}", file=file)
+    header = FlushHeader(encoding, meta_int(meta, "current_version", file=file), None)
+    pos_t, val_t = tensors.get("__positions__"), tensors.get("__values__")
+    if pos_t is None or val_t is None or pos_t.dtype.st_code != "U8" or len(pos_t.shape) != 1 or len(val_t.shape) != 1:
+        raise FormatError("seed flush needs 1-D `__positions__` (uint8) and `__values__`", file=file)
+    checksum = meta_int(meta, "checksum", file=file) & _MASK64
+    if seed_checksum(pos_t.data, val_t.data) != checksum:
+        raise IntegrityError("seed checksum does not match", file=file)
+    try:
+        params = [_SeedParam.model_validate(p) for p in meta_json(meta, "params", file=file)]
+    except (ValidationError, TypeError) as e:
+        raise FormatError(f"bad seed params: {e}", file=file) from None
+    vd = val_t.dtype
+    all_values = np.frombuffer(val_t.data, dtype=vd.uint)
+    out = []
+    for p in params:
+        d = by_name(p.dtype, file=file, param=p.name)
+        shape = tuple(p.shape)
+        if any(s < 0 for s in shape):
+            raise FormatError("negative dimension", file=file, param=p.name)
+        check_expected(p.name, shape, d.torch, expected, file=file)
+        numel = int(np.prod(shape, dtype=object))
+        codecs.check_numel(numel, param=p.name)
+        count = p.val_end - p.val_start
+        if not (0 <= p.pos_start <= p.pos_end <= len(pos_t.data) and 0 <= p.val_start <= p.val_end <= all_values.size):
+            raise FormatError("param spans lie outside the blobs", file=file, param=p.name)
+        if count > numel:
+            raise FormatError(f"{count} changes in {numel} elements", file=file, param=p.name)
+        blob = pos_t.data[p.pos_start:p.pos_end]
+        if encoding == "indices":
+            pos = codecs.decode_indices(blob, count, p.pos_width, numel, file=file, param=p.name)
+        else:
+            gaps = codecs.gaps_from_bytes(blob, count, p.pos_width, file=file, param=p.name)
+            pos = codecs.decode_gaps(gaps, numel, file=file, param=p.name)
+        values = _narrow(all_values[p.val_start:p.val_end], vd, d, file=file, param=p.name)
+        if count:  # the seed may list a param with nothing changed
+            out.append(ParamDelta(p.name, shape, d.torch, torch.from_numpy(pos), values, False))
+    return header, out
+
+
+def _narrow(bits: np.ndarray, vd: DType, d: DType, *, file: str, param: str) -> torch.Tensor:
+    """Values in the param's dtype. The seed promoted bf16 to fp32; undo that only where exact."""
+    if vd == d:
+        return from_bits(bits.copy(), d)
+    if (vd.name, d.name) == ("float32", "bfloat16"):  # bitwise, so NaN payloads survive
+        if np.any(bits & np.uint32(0xFFFF)):
+            raise FormatError("float32 values are not exact in bfloat16", file=file, param=param)
+        return from_bits((bits >> np.uint32(16)).astype(np.uint16), d)
+    wide = from_bits(bits.copy(), vd)
+    narrow = wide.to(d.torch)
+    if not np.array_equal(to_bits(narrow.to(vd.torch)), bits):
+        raise FormatError(f"{vd.name} values are not exact in {d.name}", file=file, param=param)
+    return narrow

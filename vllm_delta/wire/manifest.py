@@ -1,0 +1,140 @@
+"""The manifest: written last and atomically, it is what makes a version directory a delta.
+
+It lists every flush file with its size and hash, and every changed param with its dtype, shape,
+change count, the files that hold its changes (in order) and, where the sender knows it, the hash
+of the whole tensor after apply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .container import Limits
+from .digest import HASH_ALGO
+from .errors import FormatError, IncompleteDeltaError, LimitError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "vllm-delta/1"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+NonNeg = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Strict):
+    name: str
+    bytes: NonNeg
+    hash: str
+    # Total bytes that decompression of this file may produce; the reader's zstd cap.
+    decoded_bytes: NonNeg = 0
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not _SAFE_NAME.match(v) or v == MANIFEST_NAME:
+            raise ValueError(f"unsafe file name {v!r}")
+        return v
+
+
+class ParamEntry(_Strict):
+    name: str
+    dtype: str
+    shape: list[NonNeg]
+    changed: Annotated[int, Field(ge=1)]
+    files: list[str] = Field(min_length=1)
+    post_hash: str | None = None
+
+
+class Manifest(_Strict):
+    format: Literal["vllm-delta/1"] = FORMAT
+    version: int
+    base_version: int | None = None
+    encoding: str
+    hash_algo: Literal["xxh3_128"] = HASH_ALGO
+    # Elements in the whole model (changed or not), so density can be reported.
+    model_elements: NonNeg | None = None
+    files: list[FileEntry] = []
+    params: list[ParamEntry] = []
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate file names")
+        known = set(names)
+        seen: set[str] = set()
+        for p in self.params:
+            if p.name in seen:
+                raise ValueError(f"param {p.name!r} listed twice")
+            seen.add(p.name)
+            if missing := [f for f in p.files if f not in known]:
+                raise ValueError(f"param {p.name!r} names unlisted files {missing}")
+        return self
+
+    @property
+    def changed(self) -> int:
+        return sum(p.changed for p in self.params)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+
+def merge_manifests(parts: list[Manifest]) -> Manifest:
+    """One manifest from several writers' partial ones (e.g. one per rank) of the same delta."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.version, p.base_version, p.encoding) != (first.version, first.base_version, first.encoding):
+            raise ValueError("manifests disagree on version, base_version or encoding")
+    return Manifest(version=first.version, base_version=first.base_version, encoding=first.encoding,
+                    model_elements=first.model_elements,
+                    files=[f for p in parts for f in p.files], params=[e for p in parts for e in p.params])
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to `.tmp`, fsync, rename, fsync the directory: readers see all of it or nothing."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
+    path = Path(directory) / MANIFEST_NAME
+    write_atomic(path, manifest.model_dump_json(indent=1).encode())
+    return path
+
+
+def load_manifest(directory: str | os.PathLike, *, limits: Limits = Limits()) -> Manifest:
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise IncompleteDeltaError("no manifest: the delta is unfinished", file=MANIFEST_NAME) from None
+    if size > limits.max_manifest_bytes:
+        raise LimitError(f"manifest of {size} B exceeds {limits.max_manifest_bytes} B", file=MANIFEST_NAME)
+    return parse_manifest(path.read_bytes())
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    """Validate manifest JSON (e.g. one received over HTTP for a collective transfer)."""
+    try:
+        return Manifest.model_validate(json.loads(data))
+    except (ValueError, ValidationError) as e:
+        raise FormatError(f"invalid manifest: {e}", file=MANIFEST_NAME) from None

@@ -1,0 +1,193 @@
+"""Reading a delta: open and check its manifest, then decode it one flush at a time.
+
+`DeltaDecoder` holds the checks that span files (every file and param the manifest names, chunk
+order, change counts, base version); the disk path (`iter_delta`) and a collective transport
+(which receives flush bytes plus the manifest) both feed flush bytes to it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .container import Limits
+from .digest import bytes_digest
+from .dtypes import by_name
+from .encodings import Encoding, get_encoding
+from .errors import (BoundsError, FormatError, IncompleteDeltaError, IntegrityError, VersionError)
+from .flush import Expected, ParamDelta, check_expected, decode_flush, open_flush
+from .legacy import decode_seed_flush, is_seed
+from .manifest import FORMAT, MANIFEST_NAME, FileEntry, Manifest, ParamEntry, load_manifest
+
+FLUSH_GLOB = "rank*_flush*.safetensors"
+
+
+@dataclass(frozen=True)
+class DeltaInfo:
+    """An opened delta: its directory, its manifest, and whether it is in the seed's format.
+
+    For a seed delta (no manifest) the manifest is synthesized from the flush files.
+    """
+
+    path: Path
+    manifest: Manifest
+    legacy: bool
+
+    @property
+    def encoding(self) -> Encoding:
+        return get_encoding(self.manifest.encoding)
+
+
+class DeltaDecoder:
+    """Validates and decodes the flushes of one delta, in any transport.
+
+    Feed every file the manifest lists (in manifest order), then call `finish()`; only then is the
+    delta known to be whole. Nothing should be applied before `finish()` returns.
+    """
+
+    def __init__(self, manifest: Manifest, *, expected: Expected | None = None,
+                 current_version: int | None = None, legacy: bool = False, limits: Limits = Limits()):
+        self.manifest, self.expected, self.legacy, self.limits = manifest, expected, legacy, limits
+        self.encoding = get_encoding(manifest.encoding)
+        if self.encoding.needs_base and current_version != manifest.base_version:
+            raise VersionError(f"encoding {self.encoding.name!r} applies only on version "
+                               f"{manifest.base_version}, not {current_version}")
+        self._files = {f.name: f for f in manifest.files}
+        self._params = {p.name: p for p in manifest.params}
+        for p in manifest.params:
+            d = by_name(p.dtype, param=p.name)
+            check_expected(p.name, tuple(p.shape), d.torch, expected, file=MANIFEST_NAME)
+        self._seen: dict[str, int] = {}
+        self._last: dict[str, int] = {}
+        self._done: set[str] = set()
+
+    def feed(self, name: str, data: bytes | memoryview) -> list[ParamDelta]:
+        """Decode one flush's bytes; all of its checks pass before anything is returned."""
+        entry = self._files.get(name)
+        if entry is None:
+            raise FormatError("file is not in the manifest", file=name)
+        if name in self._done:
+            raise FormatError("file fed twice", file=name)
+        if len(data) != entry.bytes:
+            raise IntegrityError(f"{len(data)} B, manifest says {entry.bytes} B (truncated?)", file=name)
+        tensors, meta, budget = open_flush(data, file=name, limits=self.limits,
+                                           max_decoded=None if self.legacy else entry.decoded_bytes,
+                                           expected_hash=entry.hash)
+        if self.legacy:
+            header, deltas = decode_seed_flush(tensors, meta, file=name, expected=self.expected)
+        elif meta.get("format") != FORMAT:
+            raise FormatError(f"format {meta.get('format')!r} is not {FORMAT!r}", file=name)
+        else:
+            header, deltas = decode_flush(tensors, meta, budget, file=name, expected=self.expected)
+        m = self.manifest
+        if (header.encoding, header.version) != (m.encoding, m.version) or (
+                not self.legacy and header.base_version != m.base_version):
+            raise FormatError("flush header disagrees with the manifest's encoding or versions", file=name)
+        for pd in deltas:
+            self._admit(name, pd)
+        self._done.add(name)
+        return deltas
+
+    def _admit(self, file: str, pd: ParamDelta) -> None:
+        p = self._params.get(pd.name)
+        if p is None or file not in p.files:
+            raise FormatError("param is not listed for this file in the manifest", file=file, param=pd.name)
+        if (tuple(p.shape), by_name(p.dtype).torch) != (pd.shape, pd.dtype):
+            raise FormatError("shape or dtype differs from the manifest", file=file, param=pd.name)
+        if pd.name in self._last and int(pd.positions[0]) <= self._last[pd.name]:
+            raise BoundsError("chunks overlap or are out of order", file=file, param=pd.name)
+        self._last[pd.name] = int(pd.positions[-1])
+        self._seen[pd.name] = self._seen.get(pd.name, 0) + pd.count
+        if self._seen[pd.name] > p.changed:
+            raise BoundsError(f"more than the {p.changed} changes the manifest lists", file=file, param=pd.name)
+
+    def finish(self) -> None:
+        """Every fed param is complete; with all files fed, the whole delta is."""
+        for p in self.manifest.params:
+            if all(f in self._done for f in p.files) and self._seen.get(p.name, 0) != p.changed:
+                raise BoundsError(f"{self._seen.get(p.name, 0)} changes, manifest says {p.changed}",
+                                  param=p.name)
+
+
+def _read_file(path: Path, size: int | None) -> bytes:
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        raise IncompleteDeltaError("file named by the delta is missing", file=path.name) from None
+    if size is not None and actual != size:
+        raise IntegrityError(f"{actual} B on disk, manifest says {size} B (truncated?)", file=path.name)
+    return path.read_bytes()
+
+
+def _synthesize_seed_manifest(path: Path, names: Sequence[str], limits: Limits) -> Manifest:
+    """Describe a manifest-less seed delta by decoding its files once."""
+    files, params, versions, encodings = [], {}, set(), set()
+    for name in names:
+        data = _read_file(path / name, None)
+        tensors, meta, _ = open_flush(data, file=name, limits=limits)
+        if not is_seed(meta):
+            raise IncompleteDeltaError("no manifest: the delta is unfinished", file=MANIFEST_NAME)
+        header, deltas = decode_seed_flush(tensors, meta, file=name)
+        versions.add(header.version)
+        encodings.add(header.encoding)
+        files.append(FileEntry(name=name, bytes=len(data), hash=bytes_digest(data)))
+        for pd in deltas:
+            e = params.setdefault(pd.name, {"name": pd.name, "dtype": str(pd.dtype).removeprefix("torch."),
+                                            "shape": list(pd.shape), "changed": 0, "files": []})
+            e["changed"] += pd.count
+            if name not in e["files"]:
+                e["files"].append(name)
+    if len(versions) != 1 or len(encodings) != 1:
+        raise FormatError("seed flush files disagree on version or encoding")
+    return Manifest(version=versions.pop(), encoding=encodings.pop(), files=files,
+                    params=[ParamEntry(**e) for e in params.values() if e["changed"]])
+
+
+def open_delta(path: str | os.PathLike, *, files: Sequence[str] | None = None,
+               limits: Limits = Limits()) -> DeltaInfo:
+    """Open a version directory: with a manifest, or a seed delta (flush files, no manifest).
+
+    `files` names the seed delta's files explicitly (the seed pushed a file list); with a
+    manifest it is ignored here and restricts reading in `iter_delta`.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise IncompleteDeltaError(f"{path} is not a directory")
+    if (path / MANIFEST_NAME).exists():
+        m = load_manifest(path, limits=limits)
+        get_encoding(m.encoding)
+        for f in m.files:
+            if not (path / f.name).is_file():
+                raise IncompleteDeltaError("file named by the manifest is missing", file=f.name)
+        return DeltaInfo(path, m, legacy=False)
+    names = list(files) if files is not None else sorted(p.name for p in path.glob(FLUSH_GLOB))
+    if not names:
+        raise IncompleteDeltaError("no manifest and no flush files: the delta is unfinished",
+                                   file=MANIFEST_NAME)
+    return DeltaInfo(path, _synthesize_seed_manifest(path, names, limits), legacy=True)
+
+
+def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | None = None,
+               current_version: int | None = None, files: Sequence[str] | None = None,
+               limits: Limits = Limits()) -> Iterator[ParamDelta]:
+    """Decoded changes, one flush file at a time (memory stays bounded by a flush).
+
+    A param may come in several chunks, in position order. Errors in a file are raised before
+    any of its changes are yielded; count checks across files run after the last one, so apply
+    nothing until the iterator is exhausted (or use `read_delta`).
+    """
+    info = delta if isinstance(delta, DeltaInfo) else open_delta(delta, files=files, limits=limits)
+    dec = DeltaDecoder(info.manifest, expected=expected, current_version=current_version,
+                       legacy=info.legacy, limits=limits)
+    wanted = None if files is None or info.legacy else set(files)
+    for entry in info.manifest.files:
+        if wanted is None or entry.name in wanted:
+            yield from dec.feed(entry.name, _read_file(info.path / entry.name, entry.bytes))
+    dec.finish()
+
+
+def read_delta(delta: str | os.PathLike | DeltaInfo, **kwargs) -> list[ParamDelta]:
+    """All decoded changes of a delta, fully validated (see `iter_delta` for the arguments)."""
+    return list(iter_delta(delta, **kwargs))

@@ -1,0 +1,125 @@
+"""Writing a delta to a version directory: flush files first, the manifest last."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .digest import bytes_digest
+from .dtypes import by_torch
+from .encodings import DEFAULT_ENCODING, get_encoding
+from .flush import EncodedFlush, ParamChange, encode_flush
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, write_atomic, write_manifest
+
+
+def flush_name(rank: int, index: int) -> str:
+    return f"rank{rank:04d}_flush{index:06d}.safetensors"
+
+
+def file_entry(name: str, flush: EncodedFlush) -> FileEntry:
+    """The manifest's record of one encoded flush (also for flushes sent over a collective)."""
+    return FileEntry(name=name, bytes=len(flush.data), hash=bytes_digest(flush.data),
+                     decoded_bytes=flush.decoded_bytes)
+
+
+class DeltaWriter:
+    """Encodes changes into flush files of about `flush_bytes` raw bytes each; `close` seals it.
+
+    Each flush file is written atomically (`.tmp`, fsync, rename). Until `close()` writes the
+    manifest, readers treat the directory as unfinished. A param larger than a flush is split
+    into chunks in position order. Several writers (ranks) may share a directory: give each its
+    `rank`, call `close(seal=False)` and write `merge_manifests(...)` once with `write_manifest`.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, *, version: int, base_version: int | None = None,
+                 encoding: str = DEFAULT_ENCODING, flush_bytes: int = 256 << 20, rank: int = 0,
+                 model_elements: int | None = None):
+        self.encoding = get_encoding(encoding)
+        if self.encoding.needs_base and base_version is None:
+            raise ValueError(f"encoding {encoding!r} is base-relative: give base_version")
+        if flush_bytes <= 0:
+            raise ValueError("flush_bytes must be positive")
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if (self.dir / MANIFEST_NAME).exists():
+            raise FileExistsError(f"{self.dir} already holds a finished delta")
+        self.version, self.base_version, self.rank = version, base_version, rank
+        self.flush_bytes, self.model_elements = flush_bytes, model_elements
+        self._pending: list[ParamChange] = []
+        self._pending_bytes = 0
+        self._files: list[FileEntry] = []
+        self._params: dict[str, dict] = {}
+        self._closed = False
+
+    def add(self, name: str, positions: torch.Tensor, new_values: torch.Tensor,
+            old_values: torch.Tensor | None = None, *, shape: tuple[int, ...] | torch.Size,
+            post_hash: str | None = None) -> None:
+        """Queue one param's changes: sorted unique int64 flat `positions` and the values there.
+
+        `old_values` (the snapshot's values at `positions`) is required by base-relative
+        encodings. A param with no changes writes nothing.
+        """
+        if self._closed:
+            raise RuntimeError("writer is closed")
+        if name in self._params:
+            raise ValueError(f"param {name!r} added twice")
+        n = positions.numel()
+        if positions.dtype != torch.int64 or positions.dim() != 1 or new_values.shape != (n,):
+            raise ValueError(f"{name}: positions must be 1-D int64 and new_values 1-D of the same length")
+        if old_values is not None and (old_values.shape != (n,) or old_values.dtype != new_values.dtype):
+            raise ValueError(f"{name}: old_values must match new_values in length and dtype")
+        if self.encoding.needs_base and old_values is None:
+            raise ValueError(f"{name}: encoding {self.encoding.name!r} needs old_values")
+        if n == 0:
+            return
+        d = by_torch(new_values.dtype)
+        numel = int(torch.Size(shape).numel())
+        if int(positions[0]) < 0 or int(positions[-1]) >= numel or not bool((positions[1:] > positions[:-1]).all()):
+            raise ValueError(f"{name}: positions must be strictly increasing and inside {list(shape)}")
+        self._params[name] = {"name": name, "dtype": d.name, "shape": list(shape), "changed": n,
+                              "files": [], "post_hash": post_hash}
+        per_elem = 8 + 2 * d.itemsize
+        chunk = max(1, self.flush_bytes // per_elem)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            self._pending.append(ParamChange(name, tuple(shape), positions[a:b], new_values[a:b],
+                                             None if old_values is None else old_values[a:b]))
+            self._pending_bytes += (b - a) * per_elem
+            if self._pending_bytes >= self.flush_bytes:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        name = flush_name(self.rank, len(self._files))
+        enc = encode_flush(self._pending, encoding=self.encoding, version=self.version,
+                           base_version=self.base_version)
+        write_atomic(self.dir / name, enc.data)
+        self._files.append(file_entry(name, enc))
+        for ch in self._pending:
+            files = self._params[ch.name]["files"]
+            if name not in files:
+                files.append(name)
+        self._pending, self._pending_bytes = [], 0
+
+    def close(self, *, seal: bool = True) -> Manifest:
+        """Write what is pending, then the manifest (last, atomically). Returns the manifest."""
+        if not self._closed:
+            self._flush()
+            self._closed = True
+        manifest = Manifest(version=self.version, base_version=self.base_version,
+                            encoding=self.encoding.name, model_elements=self.model_elements,
+                            files=self._files, params=[ParamEntry(**p) for p in self._params.values()])
+        if seal:
+            write_manifest(self.dir, manifest)
+        return manifest
+
+    def __enter__(self) -> DeltaWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:  # on error leave no manifest: readers see an unfinished delta
+            self.close()
+
