@@ -36,6 +36,7 @@ class FileEntry(_Strict):
     hash: str
     # Total bytes that decompression of this file may produce; the reader's zstd cap.
     decoded_bytes: NonNeg = 0
+    changed: NonNeg = 0  # changed elements in this file, for reporting
 
     @field_validator("name")
     @classmethod

@@ -132,7 +132,8 @@ def _synthesize_seed_manifest(path: Path, names: Sequence[str], limits: Limits) 
         header, deltas = decode_seed_flush(tensors, meta, file=name)
         versions.add(header.version)
         encodings.add(header.encoding)
-        files.append(FileEntry(name=name, bytes=len(data), hash=bytes_digest(data)))
+        files.append(FileEntry(name=name, bytes=len(data), hash=bytes_digest(data),
+                               changed=sum(pd.count for pd in deltas)))
         for pd in deltas:
             e = params.setdefault(pd.name, {"name": pd.name, "dtype": str(pd.dtype).removeprefix("torch."),
                                             "shape": list(pd.shape), "changed": 0, "files": []})

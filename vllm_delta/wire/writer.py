@@ -21,7 +21,7 @@ def flush_name(rank: int, index: int) -> str:
 def file_entry(name: str, flush: EncodedFlush) -> FileEntry:
     """The manifest's record of one encoded flush (also for flushes sent over a collective)."""
     return FileEntry(name=name, bytes=len(flush.data), hash=bytes_digest(flush.data),
-                     decoded_bytes=flush.decoded_bytes)
+                     decoded_bytes=flush.decoded_bytes, changed=sum(n for _, n in flush.counts))
 
 
 class DeltaWriter:

@@ -1,0 +1,190 @@
+"""`vllm-delta`: offline tools for deltas (diff, apply, inspect, verify, encodings)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_delta.diff import diff_param
+from vllm_delta.wire import (DEFAULT_ENCODING, ENCODINGS, DeltaError, DeltaInfo, DeltaWriter, IntegrityError,
+                             ParamDelta, open_delta, read_delta, tensor_digest)
+from vllm_delta.wire.checkpoint import Checkpoint, staged_dir
+
+
+class CliError(Exception):
+    """A user-facing failure: printed, exit status 1."""
+
+
+def cmd_diff(a: argparse.Namespace) -> None:
+    old, new = Checkpoint.open(a.old), Checkpoint.open(a.new)
+    if set(old.meta) != set(new.meta):
+        raise CliError(f"tensor names differ: {sorted(set(old.meta) ^ set(new.meta))[:5]}")
+    if bad := [k for k in new.meta if new.meta[k] != old.meta[k]]:
+        raise CliError(f"shape or dtype differs for {bad[:5]}")
+    base = a.version - 1 if a.base_version is None else a.base_version
+    with staged_dir(a.out) as tmp:
+        with DeltaWriter(tmp, version=a.version, base_version=base, encoding=a.encoding,
+                         flush_bytes=a.flush_bytes, model_elements=new.elements) as w:
+            for name, t in new.iter_tensors():
+                d = diff_param(t, old.read(name))
+                w.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))
+    summary = summarize(open_delta(a.out))
+    print(f"wrote {a.out}: {summary['changed']} changed elements, {summary['bytes']} B "
+          f"({summary['bytes_per_changed']:.3f} B per change, {a.encoding})")
+
+
+def _load_deltas(info: DeltaInfo, base: Checkpoint) -> dict[str, list[ParamDelta]]:
+    # The user vouches that BASE is the delta's base; post-apply hashes check that claim.
+    grouped = defaultdict(list)
+    for pd in read_delta(info, expected=base.meta, current_version=info.manifest.base_version):
+        grouped[pd.name].append(pd)
+    return grouped
+
+
+def _apply(base: Checkpoint, info: DeltaInfo, out: Path | None) -> int:
+    """Apply to every shard (one in memory at a time), check post-apply hashes, maybe save."""
+    deltas = _load_deltas(info, base)
+    hashes = {p.name: p.post_hash for p in info.manifest.params}
+    for shard in base.shards:
+        tensors = load_file(base.path / shard)
+        for name, t in tensors.items():
+            for pd in deltas.get(name, ()):
+                pd.apply_(t)
+            if hashes.get(name) and tensor_digest(t) != hashes[name]:
+                raise IntegrityError("tensor after apply does not match post_hash", param=name)
+        if out is not None:
+            save_file(tensors, str(out / shard), metadata=base.shard_metadata(shard))
+    return len(deltas)
+
+
+def cmd_apply(a: argparse.Namespace) -> None:
+    base, info = Checkpoint.open(a.base), open_delta(a.delta)
+    with staged_dir(a.out) as tmp:
+        base.copy_other_files(tmp)
+        n = _apply(base, info, tmp)
+    print(f"wrote {a.out}: {n} params changed by version {info.manifest.version}")
+
+
+def summarize(info: DeltaInfo) -> dict:
+    m = info.manifest
+    scope = "model" if m.model_elements is not None else "changed_params"
+    elements = m.model_elements if m.model_elements is not None else sum(
+        torch.Size(p.shape).numel() for p in m.params)
+    per = lambda b, c: b / c if c else None  # noqa: E731
+    return {
+        "path": str(info.path), "format": "seed" if info.legacy else m.format, "version": m.version,
+        "base_version": m.base_version, "encoding": m.encoding,
+        "idempotent": info.encoding.idempotent, "needs_base": info.encoding.needs_base,
+        "params": len(m.params), "changed": m.changed, "elements": elements, "elements_scope": scope,
+        "density": m.changed / elements if elements else 0.0, "bytes": m.total_bytes,
+        "bytes_per_changed": per(m.total_bytes, m.changed),
+        "files": [{"name": f.name, "bytes": f.bytes, "changed": f.changed,
+                   "bytes_per_changed": per(f.bytes, f.changed), "hash": f.hash} for f in m.files],
+    }
+
+
+def cmd_inspect(a: argparse.Namespace) -> None:
+    s = summarize(open_delta(a.delta))
+    if a.json:
+        print(json.dumps(s, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    head = Table.grid(padding=(0, 2))
+    for k in ("path", "format", "version", "base_version", "encoding", "idempotent", "needs_base", "params"):
+        head.add_row(k, str(s[k]))
+    head.add_row("changed / elements", f"{s['changed']:,} / {s['elements']:,} ({s['elements_scope']})")
+    head.add_row("density", f"{s['density']:.4%}")
+    files = Table(title="files")
+    for col in ("file", "bytes", "changed", "B / changed"):
+        files.add_column(col, justify="left" if col == "file" else "right")
+    for f in s["files"]:
+        files.add_row(f["name"], f"{f['bytes']:,}", f"{f['changed']:,}", fmt(f["bytes_per_changed"]))
+    files.add_row("total", f"{s['bytes']:,}", f"{s['changed']:,}", fmt(s["bytes_per_changed"]), style="bold")
+    console = Console()
+    console.print(head)
+    console.print(files)
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    try:
+        info = open_delta(a.delta)
+        if a.base:
+            _apply(Checkpoint.open(a.base), info, None)
+        else:
+            read_delta(info, current_version=info.manifest.base_version)
+    except (DeltaError, OSError, ValueError) as e:
+        print(f"invalid: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    checked = " and post-apply hashes against the base" if a.base else ""
+    print(f"ok: version {info.manifest.version}, {info.manifest.changed} changes{checked}")
+    return 0
+
+
+def cmd_encodings(a: argparse.Namespace) -> None:
+    rows = [e.describe() for e in ENCODINGS.values()]
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table()
+    for col in ("name", "idempotent", "needs_base", "compression", "description"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(*(str(r[c]) for c in ("name", "idempotent", "needs_base", "compression", "description")))
+    Console().print(t)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-delta", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("diff", help="write the delta between two HF checkpoint directories")
+    d.add_argument("old", type=Path)
+    d.add_argument("new", type=Path)
+    d.add_argument("out", type=Path)
+    d.add_argument("--encoding", default=DEFAULT_ENCODING, choices=sorted(ENCODINGS))
+    d.add_argument("--version", type=int, default=1)
+    d.add_argument("--base-version", type=int, default=None, help="default: version - 1")
+    d.add_argument("--flush-bytes", type=int, default=256 << 20)
+    d.set_defaults(func=cmd_diff)
+    ap = sub.add_parser("apply", help="write BASE + DELTA as a full HF checkpoint directory")
+    ap.add_argument("base", type=Path)
+    ap.add_argument("delta", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.set_defaults(func=cmd_apply)
+    i = sub.add_parser("inspect", help="describe a delta")
+    i.add_argument("delta", type=Path)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+    v = sub.add_parser("verify", help="exit 0 if a delta is valid (and applies to --base), else 1")
+    v.add_argument("delta", type=Path)
+    v.add_argument("--base", type=Path)
+    v.set_defaults(func=cmd_verify)
+    e = sub.add_parser("encodings", help="list encodings")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_encodings)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (CliError, DeltaError, OSError, ValueError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
