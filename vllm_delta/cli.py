@@ -136,13 +136,14 @@ def cmd_encodings(a: argparse.Namespace) -> None:
         print(json.dumps(rows, indent=1))
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table()
     for col in ("name", "idempotent", "needs_base", "compression", "description"):
         t.add_column(col)
     for r in rows:
-        t.add_row(*(str(r[c]) for c in ("name", "idempotent", "needs_base", "compression", "description")))
+        t.add_row(*(escape(str(r[c])) for c in ("name", "idempotent", "needs_base", "compression", "description")))
     Console().print(t)
 
 
