@@ -182,3 +182,17 @@ def test_best_encoding_is_smallest_on_adam_like_changes(tmp_path):
     nbytes = {e: open_delta(p).manifest.total_bytes for e, p in sizes.items()}
     assert min(nbytes, key=nbytes.get) == "ulp_zstd"
     assert nbytes["planes_zstd"] < nbytes["deltas_zstd"] < nbytes["deltas"]
+
+
+def test_order_key_is_a_monotone_bijection_on_bf16():
+    from vllm_delta.wire.codecs import from_order_key, order_key
+    from vllm_delta.wire.dtypes import by_name
+    d = by_name("bfloat16")
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    key = order_key(bits, d)
+    assert np.array_equal(from_order_key(key, d), bits)
+    assert np.unique(key).size == bits.size
+    vals = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
+    finite = ~np.isnan(vals)
+    by_key = vals[finite][np.argsort(key[finite])]
+    assert np.all(np.diff(by_key) >= 0)  # sorting by key sorts by value (-0 just below +0)

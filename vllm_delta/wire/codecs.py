@@ -116,6 +116,10 @@ def values_from_bytes(buf: memoryview, count: int, d: DType, *, file, param) -> 
 
 # ---- ULP steps: the new value as a signed step from the old one, in a monotone integer key ------
 
+def _int(d: DType) -> np.dtype:
+    return np.dtype(f"<i{d.itemsize}")
+
+
 def _sign_bit(d: DType):
     return d.uint.type(1 << (8 * d.itemsize - 1))
 
@@ -127,8 +131,8 @@ def order_key(bits: np.ndarray, d: DType) -> np.ndarray:
     Signed ints: flip the sign bit. Unsigned: identity. All bijections on bit patterns.
     """
     sb = _sign_bit(d)
-    if d.is_float:
-        return np.where(bits & sb, ~bits, bits | sb)
+    if d.is_float:  # xor with all ones for negatives, with the sign bit for positives
+        return bits ^ ((bits.view(_int(d)) >> (8 * d.itemsize - 1)).view(d.uint) | sb)
     if d.name == "uint8":
         return bits.copy()
     return bits ^ sb
@@ -137,7 +141,7 @@ def order_key(bits: np.ndarray, d: DType) -> np.ndarray:
 def from_order_key(key: np.ndarray, d: DType) -> np.ndarray:
     sb = _sign_bit(d)
     if d.is_float:
-        return np.where(key & sb, key & ~sb, ~key)
+        return key ^ (~(key.view(_int(d)) >> (8 * d.itemsize - 1)).view(d.uint) | sb)
     if d.name == "uint8":
         return key.copy()
     return key ^ sb
