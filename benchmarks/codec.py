@@ -179,6 +179,12 @@ def write_report(path: Path, rows, names, total: int, wall: float) -> None:
         "- **floor**: entropy floor for positions alone at that density, H(p)/p bits.",
         "",
     ]
+    label, density, changed, res = min(rows, key=lambda r: abs(r[1] - 0.02))
+    best = min(res, key=lambda e: res[e].bytes)
+    lines += [f"**Result at {density:.1%} density ({label}):** `{best}` needs "
+              f"{res[best].bytes / changed:.3f} B per changed element (target: at most 1.3), against "
+              f"{res[SEED].bytes / changed:.3f} B for the seed's `deltas_zstd` and "
+              f"{res[PULSE].bytes / changed:.3f} B for the PULSE-style codec.", ""]
     for label, density, changed, res in rows:
         seed, pulse = res[SEED].bytes, res[PULSE].bytes
         lines += [f"## {label}: density {density:.2%} ({changed:,} changed; position floor "
@@ -198,6 +204,7 @@ def write_report(path: Path, rows, names, total: int, wall: float) -> None:
 
 def plot(path: Path, rows, names) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -212,6 +219,11 @@ def plot(path: Path, rows, names) -> None:
     ax.plot(dens, [position_floor(d / 100) for d in dens], color="gray", linestyle=":",
             label="position entropy floor")
     ax.set_xscale("log")
+    ax.set_xticks([1, 2, 3, 5, 10, 20])
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlim(min(xs) * 0.85, max(xs) * 1.15)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("change density (% of elements per sync)")
     ax.set_ylabel("wire bytes per changed element")
     ax.set_title("Adam steps on bf16 weights")
