@@ -1,0 +1,1 @@
+"""Test-only helpers: tiny model fixtures, real vLLM engines, megatron-core on CPU."""

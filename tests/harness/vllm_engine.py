@@ -1,0 +1,162 @@
+"""Real vLLM engines for tests: in-process `LLM` and `vllm serve` as a subprocess.
+
+Why: every apply path is checked on a real engine. These helpers hold the settings a 2-core,
+24 GiB CPU machine needs (small KV cache, eager mode, OpenMP binding per TP rank) in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import requests
+
+KV_CACHE_BYTES = 64 << 20
+MAX_MODEL_LEN = 256
+VENV_BIN = Path(sys.executable).parent
+
+
+def engine_env(tp: int = 1, dev_mode: bool = True) -> dict[str, str]:
+    """Environment for an engine at this TP size on this machine."""
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    # One core per TP rank; at TP=1 vLLM's auto binding keeps a core for the front end.
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp)) if tp > 1 else "auto"
+    return env
+
+
+@contextlib.contextmanager
+def patched_environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block (engine subprocesses inherit them)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+@contextlib.contextmanager
+def start_llm(model_dir: Path | str, tp: int = 1, **engine_kwargs) -> Iterator["object"]:
+    """Start an in-process `vllm.LLM` on the CPU and shut it down afterwards."""
+    with patched_environ(engine_env(tp)):
+        from vllm import LLM
+
+        llm = LLM(
+            model=str(model_dir),
+            dtype="bfloat16",
+            tensor_parallel_size=tp,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=8,
+            enforce_eager=True,
+            seed=0,
+            **engine_kwargs,
+        )
+        try:
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VllmServer:
+    """`vllm serve MODEL` as a real subprocess: free port, health wait, log capture, clean stop."""
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        log_path: Path,
+        tp: int = 1,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [
+            str(VENV_BIN / "vllm"), "serve", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
+            "--tensor-parallel-size", str(tp),
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+            *(extra_args or []),
+        ]  # fmt: skip
+        full_env = {**os.environ, **engine_env(tp), **(env or {})}
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+        try:
+            self._wait_healthy(startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm serve not healthy after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the server's whole process group (API server, engine core, workers)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> "VllmServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def complete(self, prompt: str, max_tokens: int = 8, **extra) -> dict:
+        """Greedy completion through the OpenAI route, with logprobs."""
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1, **extra}
+        resp = requests.post(f"{self.url}/v1/completions", json=body, timeout=120)
+        resp.raise_for_status()
+        return resp.json()["choices"][0]
