@@ -1,0 +1,259 @@
+"""Test-only CPU/gloo shim for megatron-core 0.16 (never import from product code).
+
+megatron-core hard-codes CUDA in many places. `install()` redirects exactly the
+usages a tiny GPTModel + DDP + megatron optimizer step hits on a CPU-only torch
+build; each patch below says why it is needed. Call it (via `init_distributed`)
+inside each worker process, never in the pytest process itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda(dev) -> bool:
+    return (isinstance(dev, torch.device) and dev.type == "cuda") or (
+        isinstance(dev, str) and dev.startswith("cuda"))
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """One torch-function mode instead of patching each megatron call site:
+
+    - `device="cuda"` kwargs on tensor factories -> CPU (e.g. `_scale_one` in
+      Float16OptimizerWithFloat16Params, the norm buffers in optimizer/clip_grads.py, the
+      default causal mask in transformer/utils.py);
+    - `tensor.type()` (no args) reports "torch.cuda.<X>Tensor": the bf16 optimizer and the
+      distributed optimizer reject any param whose type() is not 'torch.cuda.{BFloat16,Half,
+      Float}Tensor', and clip_grads asserts grad.type() == 'torch.cuda.FloatTensor'.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": _CPU}
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """Stand-in for a CUDA stream/event: every method is a no-op returning another _NoStream
+    (so `stream.record_event().synchronize()` works); also usable as a context manager."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *a, **k: _NoStream()
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Apply all patches in this process (idempotent). Each is needed by at least one of the
+    smoke configurations (TP=1/2, DP=2 + distributed optimizer + overlap_param_gather, EP=2
+    MoE); removing any one of them breaks that configuration."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    # Dozens of sites do `device=torch.cuda.current_device()` (tensor_parallel layers/mappings,
+    # DDP param/grad buffers, rotary embedding, ...), which raises on a CPU build.
+    torch.cuda.current_device = lambda: _CPU
+    # The MoE alltoall token dispatcher creates a side stream in MoELayer.__init__ and uses
+    # torch.cuda.current_stream()/stream()/record_event().synchronize() for its D2H copies.
+    torch.cuda.Stream = lambda *a, **k: _NoStream()
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.stream = lambda *a, **k: _NoStream()
+    # RNG tracker: model_parallel_cuda_manual_seed/CudaRNGStatesTracker.add read and seed the
+    # CUDA generator, and fork() (entered by every attention forward for dropout, even at
+    # p=0) gets/sets it. Back them with the CPU generator; seeding it keeps each tracker
+    # state distinct (e.g. per-TP-rank dropout), as on GPU.
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.manual_seed = torch.manual_seed
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # MoE router: without Transformer Engine, moe_utils never defines `te_general_gemm`, yet
+    # RouterGatingLinearFunction tests `te_general_gemm is not None` -> NameError (0.16 bug).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # The MoE alltoall dispatcher passes split sizes as tensors; gloo's all_to_all_single
+    # binding accepts only int sequences -> convert with .tolist().
+    a2a = torch.distributed.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        def as_list(s):
+            return s.tolist() if hasattr(s, "tolist") else s
+
+        return a2a(output, input, as_list(output_split_sizes), as_list(input_split_sizes), **kw)
+
+    torch.distributed.all_to_all_single = all_to_all_single
+    # device="cuda" literals and tensor.type() checks: see _CudaToCpu. Entered for the rest of
+    # the process (the mode stack is per thread; CPU autograd runs on the calling thread).
+    _CudaToCpu().__enter__()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def init_distributed(rank: int, world_size: int, port: int, tp: int = 1, ep: int = 1, pp: int = 1,
+                     seed: int = 1234) -> None:
+    """gloo process group + megatron parallel_state + RNG tracker, with the shim installed."""
+    install()
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
+    torch.manual_seed(seed)  # identical on all ranks
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_gpt_model(hidden: int = 64, layers: int = 2, heads: int = 4, query_groups: int = 2,
+                    vocab: int = 256, seq_len: int = 32, num_experts: int | None = None,
+                    lr: float = 1e-3, use_distributed_optimizer: bool = False,
+                    overlap_param_gather: bool = False):
+    """Tiny bf16 GPTModel (local spec: RMSNorm, GQA, SwiGLU, RoPE, untied output layer),
+    wrapped as Megatron-LM does (Float16Module, then DDP), plus its megatron Adam optimizer.
+    Returns (ddp_model, optimizer, gpt_model); gpt_model.named_parameters() gives the
+    un-prefixed megatron names (the DDP model prefixes them with "module.module.").
+    `overlap_param_gather` also turns on overlap_grad_reduce (megatron requires both); then
+    only this DP rank's shard is current after `optimizer.step()` until
+    `ddp_model.start_param_sync(force_sync=True)` or the next forward. No pipeline stages."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core import parallel_state
+
+    assert parallel_state.get_pipeline_model_parallel_world_size() == 1, "pp > 1 unsupported"
+    moe = {}
+    if num_experts:
+        moe = dict(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=hidden * 2,
+                   moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0)
+    config = TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=query_groups, ffn_hidden_size=hidden * 2, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+        add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        sequence_parallel=False, bf16=True, params_dtype=torch.bfloat16,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, **moe,
+    )
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=num_experts,
+                                                        normalization="RMSNorm"),
+        vocab_size=vocab, max_sequence_length=seq_len, position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=overlap_param_gather, overlap_param_gather=overlap_param_gather,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config,
+                                    module=Float16Module(config, gpt))
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", bf16=True, lr=lr, weight_decay=0.0, clip_grad=1.0,
+                        use_distributed_optimizer=use_distributed_optimizer),
+        [model],
+    )
+    return model, opt, gpt
+
+
+def train_step(model, opt, tokens: torch.Tensor) -> float:
+    """One forward/backward/optimizer step on `tokens` [b, s+1]; returns the local loss."""
+    from megatron.core.distributed import finalize_model_grads
+
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    inp, labels = tokens[:, :-1], tokens[:, 1:]
+    pos = torch.arange(inp.shape[1]).unsqueeze(0).expand_as(inp)
+    loss = model(inp, pos, None, labels=labels).float().mean()
+    loss.backward()
+    finalize_model_grads([model])
+    ok, _grad_norm, _ = opt.step()
+    assert ok, "megatron optimizer skipped the step"
+    return loss.item()
+
+
+# --------------------------------------------------------------------------- spawn
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, errq, args):
+    try:
+        fn(rank, world_size, port, *args)
+    except BaseException:
+        errq.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 300) -> None:
+    """Run fn(rank, world_size, port, *args) in `world_size` fresh processes (fn must be
+    importable, i.e. module-level). Any worker failure raises here with its traceback."""
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, errq, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    failure = None
+    try:
+        while any(p.is_alive() for p in procs) and failure is None:
+            if time.monotonic() > deadline:
+                failure = f"timed out after {timeout}s"
+            elif not errq.empty():
+                failure = "rank %d failed:\n%s" % errq.get()
+            elif any(p.exitcode not in (None, 0) for p in procs):
+                failure = "exit codes %s" % [p.exitcode for p in procs]
+            else:
+                time.sleep(0.05)
+    finally:
+        for p in procs:  # a failed rank leaves its peers blocked in a collective
+            if failure is not None and p.is_alive():
+                p.terminate()
+            p.join(10)
+    if failure is None and not errq.empty():
+        failure = "rank %d failed:\n%s" % errq.get()
+    if failure is None and any(p.exitcode != 0 for p in procs):
+        failure = "exit codes %s" % [p.exitcode for p in procs]
+    if failure is not None:
+        raise RuntimeError(f"megatron worker failure: {failure}")
