@@ -1,0 +1,196 @@
+"""`vllm.endpoint_plugins` entry point: `POST /update_weights_delta` and `GET /delta_updates/status`.
+
+Why this shape: the workers do the work in two phases (`delta_prepare` reads, verifies and decodes
+while generation runs; `delta_commit` scatters), so the route pauses generation only around the
+commit, and not at all for an empty delta. Updates run one at a time. The routes exist only when
+`vllm serve` got `--enable-delta-updates`, and they obey `--api-key` themselves, because vLLM's
+authentication middleware guards only the `/v1`-style prefixes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+import uuid
+from argparse import Namespace
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.datastructures import State
+
+from vllm_delta.engine.cli_args import PLUGIN_NAME, check_args
+from vllm_delta.engine.http_errors import UpdateError, bad_request
+from vllm_delta.engine.metrics import delta_metrics
+from vllm_delta.engine.request import (DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
+                                       resolve_version_dir)
+
+# Under vLLM's logger, so these lines land in the server log with vLLM's own.
+logger = logging.getLogger("vllm.delta_updates")
+router = APIRouter()
+
+
+class DeltaUpdatesEndpoint:
+    """The route plugin; inert unless `--enable-delta-updates` was given."""
+
+    name = PLUGIN_NAME
+    required_tasks = None
+
+    def attach_router(self, app: FastAPI) -> None:
+        args = getattr(app.state, "args", None)
+        if getattr(args, "enable_delta_updates", False):
+            check_args(args)
+            app.include_router(router)
+
+    async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
+        if not getattr(args, "enable_delta_updates", False):
+            return
+        if engine_client is None:
+            raise RuntimeError("--enable-delta-updates needs an engine; this server has none")
+        state.delta_updater = DeltaUpdater(engine_client, args.delta_updates_root,
+                                           args.delta_updates_chunk_bytes, api_tokens(args))
+
+
+def api_tokens(args: Namespace) -> list[str]:
+    """The keys vLLM's own middleware accepts: `--api-key`, else `VLLM_API_KEY`."""
+    from vllm import envs
+
+    return [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
+
+
+class DeltaUpdater:
+    """Runs updates against the engine, one at a time."""
+
+    def __init__(self, engine: Any, root: Path, chunk_bytes: int, tokens: list[str]) -> None:
+        self.engine = engine
+        self.root = root
+        self.chunk_bytes = chunk_bytes
+        self._token_hashes = [hashlib.sha256(t.encode()).digest() for t in tokens]
+        self._lock = asyncio.Lock()
+
+    def authorize(self, request: Request) -> None:
+        """Refuse (401) a request without a valid `Authorization: Bearer` key, if keys are set."""
+        if not self._token_hashes:
+            return
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        digest = hashlib.sha256(key.encode()).digest()
+        matched = False
+        for expected in self._token_hashes:
+            matched |= secrets.compare_digest(digest, expected)
+        if scheme.lower() != "bearer" or not matched:
+            raise UpdateError(401, "Unauthorized", "missing or wrong API key")
+
+    async def update(self, body: DeltaUpdateRequest) -> dict[str, Any]:
+        try:
+            path = resolve_version_dir(body.path, self.root)
+        except OutsideRootError as exc:
+            raise UpdateError(403, "PathOutsideRoot", str(exc)) from None
+        except NotADeltaDirError as exc:
+            raise UpdateError(400, "NotADeltaDirectory", str(exc)) from None
+        req = {"id": uuid.uuid4().hex, "path": str(path), "files": body.files, "version": body.version,
+               "base_version": body.base_version, "chunk_bytes": self.chunk_bytes}
+        async with self._lock:
+            prepared = await self._rpc("delta_prepare", req)
+            if failed := next((r for r in prepared if not r.get("ok")), None):
+                await self._abort(req["id"])
+                raise UpdateError.from_worker(failed)
+            committed, pause_s = await self._commit(req["id"], pause=prepared[0]["total_changed"] > 0)
+        if failed := next((r for r in committed if not r.get("ok")), None):
+            raise UpdateError.from_worker(failed)
+        return summarize(prepared, committed, pause_s)
+
+    async def _commit(self, req_id: str, pause: bool) -> tuple[list[dict], float]:
+        """Commit, pausing generation (and dropping the now stale prefix cache) around it."""
+        if not pause:
+            return await self._rpc("delta_commit", req_id), 0.0
+        started = perf_counter()
+        try:
+            await self.engine.pause_generation(mode="keep", clear_cache=True)
+        except Exception as exc:
+            await self._abort(req_id)
+            raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
+        try:
+            committed = await self._rpc("delta_commit", req_id)
+        finally:
+            await self.engine.resume_generation()
+        return committed, perf_counter() - started
+
+    async def status(self) -> dict[str, Any]:
+        ranks = await self._rpc("delta_status")
+        versions = {r["version"] for r in ranks}
+        dirty = [r["dirty_reason"] or "dirty" for r in ranks if r["dirty"]]
+        return {"version": ranks[0]["version"] if len(versions) == 1 else None,
+                "healthy": not dirty and len(versions) == 1, "dirty_reasons": dirty,
+                "last": ranks[0]["last"], "ranks": ranks}
+
+    async def _abort(self, req_id: str) -> None:
+        """Drop a prepared update on every rank; a failure here must not hide the first error."""
+        try:
+            await self._rpc("delta_abort", req_id)
+        except UpdateError:
+            pass  # _rpc logged it
+
+    async def _rpc(self, method: str, *args: Any) -> list[dict]:
+        """Call every worker; an exception there (not a reported failure) is a 500."""
+        try:
+            return await self.engine.collective_rpc(method, args=args)
+        except Exception as exc:
+            logger.exception("delta updates: %s failed on a worker", method)
+            raise UpdateError(500, "EngineError", f"{method} failed on a worker: {exc}") from exc
+
+
+def summarize(prepared: list[dict], committed: list[dict], pause_s: float) -> dict[str, Any]:
+    """One answer for all ranks: the slowest rank's times, the largest read, the union of fallbacks."""
+    versions = {r["version"] for r in committed}
+    if len(versions) != 1:
+        raise UpdateError(500, "EngineError", f"ranks committed different versions: {sorted(versions)}")
+    ranks = [{k: v for k, v in {**p, **c}.items() if k != "ok"} for p, c in zip(prepared, committed)]
+    return {
+        "version": versions.pop(),
+        "changed": prepared[0]["total_changed"],
+        "bytes_read": max(r["bytes_read"] for r in prepared),
+        "decode_s": max(r["decode_s"] for r in prepared),
+        "apply_s": max(r["apply_s"] for r in committed),
+        "pause_s": pause_s,
+        "replay": all(r["replay"] for r in prepared),
+        "fallback": sorted({name for r in prepared for name in r["fallback"]}),
+        "ranks": ranks,
+    }
+
+
+def _updater(request: Request) -> DeltaUpdater:
+    updater: DeltaUpdater = request.app.state.delta_updater
+    updater.authorize(request)
+    return updater
+
+
+@router.post("/update_weights_delta")
+async def update_weights_delta(request: Request) -> JSONResponse:
+    try:
+        updater = _updater(request)
+        try:
+            body = DeltaUpdateRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise bad_request(exc) from None
+        result = await updater.update(body)
+    except UpdateError as err:
+        logger.warning("delta update refused (%d): %s", err.status, err.error["message"])
+        delta_metrics().failed(err.status)
+        return err.response()
+    delta_metrics().observe(result)
+    logger.info("delta update to version %d: %d changed, decode %.3fs, apply %.3fs, paused %.3fs",
+                result["version"], result["changed"], result["decode_s"], result["apply_s"], result["pause_s"])
+    return JSONResponse(result)
+
+
+@router.get("/delta_updates/status")
+async def delta_updates_status(request: Request) -> JSONResponse:
+    try:
+        return JSONResponse(await _updater(request).status())
+    except UpdateError as err:
+        return err.response()
