@@ -19,6 +19,8 @@ from pathlib import Path
 import requests
 
 KV_CACHE_BYTES = 64 << 20
+DELTA_ENV = "VLLM_DELTA_UPDATES"
+DELTA_WORKER_EXTENSION = "vllm_delta.engine.worker.DeltaWorkerExtension"
 MAX_MODEL_LEN = 256
 VENV_BIN = Path(sys.executable).parent
 
@@ -55,9 +57,17 @@ def patched_environ(values: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def start_llm(model_dir: Path | str, tp: int = 1, **engine_kwargs) -> Iterator["object"]:
-    """Start an in-process `vllm.LLM` on the CPU and shut it down afterwards."""
-    with patched_environ(engine_env(tp)):
+def start_llm(model_dir: Path | str, tp: int = 1, delta: bool = False, **engine_kwargs) -> Iterator["object"]:
+    """Start an in-process `vllm.LLM` on the CPU and shut it down afterwards.
+
+    `delta=True` turns delta updates on the way `--enable-delta-updates` does: the worker
+    extension, and the environment flag that keeps CPU-repacked weights updatable.
+    """
+    env = engine_env(tp)
+    if delta:
+        env[DELTA_ENV] = "1"
+        engine_kwargs.setdefault("worker_extension_cls", DELTA_WORKER_EXTENSION)
+    with patched_environ(env):
         from vllm import LLM
 
         llm = LLM(

@@ -1,0 +1,212 @@
+"""Two-phase in-place apply of a delta on one rank: prepare (read, verify, decode, locate), then
+commit (scatter into the live parameters).
+
+Why two phases: everything that can fail on bad input (I/O, hashes, bounds, names, shapes,
+dtypes, lineage) fails in `prepare`, before any weight changes and while the engine still
+serves. `commit` only scatters precomputed (offset, value) pairs, so the engine is held for the
+scatter alone and a failure there is an engine fault, reported as dirty, never a silent one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm_delta.engine import cpu_weights
+from vllm_delta.engine.placement import TensorPlacement, build_placement
+from vllm_delta.wire import ParamDelta, VersionError, get_encoding, iter_delta, open_delta, tensor_digest
+from vllm_delta.wire.errors import DtypeMismatchError
+
+logger = logging.getLogger(__name__)
+
+Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class ApplyFault(Exception):
+    """The scatter or the post-apply check failed: the weights may be partly written."""
+
+
+@dataclass
+class StagedUpdate:
+    """Everything `commit` needs, computed in `prepare` without touching a weight."""
+
+    version: int
+    writes: dict[str, tuple[torch.Tensor, torch.Tensor]]  # target -> (storage offsets, values)
+    fallback: list[ParamDelta]
+    post_hashes: dict[str, str]
+    total_changed: int
+    changed: int  # entries this rank writes
+    bytes_read: int
+    decode_s: float
+    replay: bool
+    fallback_names: list[str] = field(default_factory=list)
+
+
+def flat_storage(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over the whole storage of `t`, so storage offsets index it directly."""
+    storage = t.untyped_storage()
+    n = storage.nbytes() // t.element_size()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,))
+
+
+class DeltaApplier:
+    """Applies deltas to one model on one rank, through placements learned once per model."""
+
+    def __init__(self, model: nn.Module, checkpoint: Checkpoint,
+                 load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None) -> None:
+        self.model = model
+        self.checkpoint = dict(checkpoint)
+        self._load_weights = load_weights or model.load_weights
+        self.targets = {name: canon for name, (_, canon) in cpu_weights.canonical_tensors(model).items()}
+        self._placements: dict[str, TensorPlacement] | None = None
+
+    @property
+    def placements(self) -> dict[str, TensorPlacement]:
+        if self._placements is None:
+            start = time.perf_counter()
+            storages = {live.untyped_storage().data_ptr(): name
+                        for name, (live, _) in cpu_weights.canonical_tensors(self.model).items() if live.numel() > 0}
+            self._placements = build_placement(self._load_weights, storages, self.checkpoint)
+            logger.info("delta updates: placement of %d tensors learned in %.2fs",
+                        len(self._placements), time.perf_counter() - start)
+        return self._placements
+
+    @property
+    def probed(self) -> bool:
+        return self._placements is not None
+
+    @property
+    def fallback_tensors(self) -> dict[str, str]:
+        return {n: p.fallback_reason for n, p in self.placements.items() if p.fallback_reason}
+
+    # ---- phase 1 -------------------------------------------------------------------------
+    def prepare(self, path: str | Path, *, version: int, base_version: int | None,
+                current_version: int, files: list[str] | None = None) -> StagedUpdate:
+        """Read, verify and decode the delta, and locate each entry this rank owns."""
+        start = time.perf_counter()
+        info = open_delta(path, files=files)
+        manifest = info.manifest
+        encoding = get_encoding(manifest.encoding)
+        if manifest.version != version:
+            raise VersionError(f"request says version {version}, the delta is version {manifest.version}")
+        if base_version is not None and base_version != current_version:
+            raise VersionError(f"base_version {base_version} != engine version {current_version}")
+        replay = version == current_version
+        if version < current_version or (replay and not encoding.idempotent):
+            raise VersionError(f"version {version} cannot be applied at engine version {current_version}"
+                               + (" (a base-relative delta applies exactly once)" if replay else ""))
+        per_target: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        fallback: list[ParamDelta] = []
+        total = 0
+        for delta in iter_delta(info, expected=self.checkpoint, files=files,
+                                current_version=current_version if encoding.needs_base else None):
+            total += delta.count
+            placement = self.placements[delta.name]
+            if placement.fallback_reason:
+                if delta.needs_base:
+                    raise DtypeMismatchError("a base-relative delta cannot go through vLLM's loader "
+                                             f"({placement.fallback_reason})", param=delta.name)
+                fallback.append(delta)
+                continue
+            for target, offsets, values in self._locate(placement, delta):
+                offs, vals = per_target.setdefault(target, ([], []))
+                offs.append(offsets)
+                vals.append(values)
+        writes = {t: (torch.cat(o), torch.cat(v)) for t, (o, v) in per_target.items()}
+        post_hashes = {p.name: p.post_hash for p in manifest.params if p.post_hash}
+        return StagedUpdate(
+            version=version, writes=writes, fallback=fallback, post_hashes=post_hashes,
+            total_changed=total, changed=sum(o.numel() for o, _ in writes.values()),
+            bytes_read=sum(f.bytes for f in manifest.files), decode_s=time.perf_counter() - start,
+            replay=replay, fallback_names=sorted({d.name for d in fallback}),
+        )
+
+    def _locate(self, placement: TensorPlacement,
+                delta: ParamDelta) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        located = [(seg.target, *seg.locate(delta.positions)) for seg in placement.segments]
+        values = delta.values
+        if delta.needs_base:
+            values = self._resolve(delta, located)
+        out = []
+        for target, idx, offsets in located:
+            if idx.numel():
+                out.append((target, offsets, values[idx].to(self.targets[target].dtype)))
+        return out
+
+    def _resolve(self, delta: ParamDelta,
+                 located: list[tuple[str, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """New values from ULP steps and this rank's current bits (owned entries only)."""
+        old = torch.zeros(delta.count, dtype=delta.dtype)
+        owned = torch.zeros(delta.count, dtype=torch.bool)
+        for target, idx, offsets in located:
+            canon = self.targets[target]
+            if torch.finfo(canon.dtype).bits < torch.finfo(delta.dtype).bits:
+                raise DtypeMismatchError(f"{target} holds {canon.dtype}, narrower than {delta.dtype}: "
+                                         "the current bits cannot be recovered", param=delta.name)
+            old[idx] = flat_storage(canon)[offsets].to(delta.dtype)
+            owned[idx] = True
+        new = torch.zeros_like(old)
+        if owned.any():
+            subset = ParamDelta(delta.name, delta.shape, delta.dtype, delta.positions[owned],
+                                delta.values[owned], True)
+            new[owned] = subset.resolve(old[owned])
+        return new
+
+    # ---- phase 2 -------------------------------------------------------------------------
+    def commit(self, staged: StagedUpdate, chunk_bytes: int) -> float:
+        """Scatter the staged entries into the live weights; returns the seconds it took."""
+        start = time.perf_counter()
+        try:
+            for target, (offsets, values) in staged.writes.items():
+                flat = flat_storage(self.targets[target])
+                step = max(1, chunk_bytes // (offsets.element_size() + values.element_size()))
+                for lo in range(0, offsets.numel(), step):
+                    flat.index_put_((offsets[lo:lo + step],), values[lo:lo + step])
+            if staged.fallback:
+                self._apply_fallback(staged.fallback, chunk_bytes)
+            self._refresh_cpu_kernels(staged)
+        except Exception as exc:
+            raise ApplyFault(f"scatter failed: {type(exc).__name__}: {exc}") from exc
+        self._verify_post_hashes(staged)
+        return time.perf_counter() - start
+
+    def _apply_fallback(self, deltas: list[ParamDelta], chunk_bytes: int) -> None:
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            CheckpointWeightPatch, load_checkpoint_weight_patches)
+
+        patches = [CheckpointWeightPatch(d.name, d.shape, d.dtype, d.values, d.positions) for d in deltas]
+        load_checkpoint_weight_patches(self.model, patches, max_chunk_bytes=chunk_bytes)
+
+    def _refresh_cpu_kernels(self, staged: StagedUpdate) -> None:
+        touched = {t.rsplit(".", 1)[0] for t in staged.writes}
+        modules = [m for name, m in self.model.named_modules() if name in touched and cpu_weights.needs_refresh(m)]
+        if modules:
+            cpu_weights.refresh(modules)
+
+    def rebuild(self, name: str) -> torch.Tensor | None:
+        """The full checkpoint tensor as this rank holds it, or None if it holds only part."""
+        placement = self.placements[name]
+        if placement.fallback_reason or not placement.covers_whole_tensor:
+            return None
+        numel = torch.Size(placement.shape).numel()
+        ids = torch.arange(numel, dtype=torch.int64)
+        out = torch.empty(numel, dtype=placement.dtype)
+        seen = torch.zeros(numel, dtype=torch.bool)
+        for seg in placement.segments:
+            idx, offsets = seg.locate(ids)
+            out[idx] = flat_storage(self.targets[seg.target])[offsets].to(placement.dtype)
+            seen[idx] = True
+        return out.reshape(placement.shape) if bool(seen.all()) else None
+
+    def _verify_post_hashes(self, staged: StagedUpdate) -> None:
+        for name, expected in staged.post_hashes.items():
+            tensor = self.rebuild(name)
+            if tensor is not None and tensor_digest(tensor) != expected:
+                raise ApplyFault(f"post-apply hash mismatch for {name}")
+
