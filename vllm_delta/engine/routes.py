@@ -95,10 +95,13 @@ class DeltaUpdater:
         req = {"id": uuid.uuid4().hex, "path": str(path), "files": body.files, "version": body.version,
                "base_version": body.base_version, "chunk_bytes": self.chunk_bytes}
         async with self._lock:
-            prepared = await self._rpc("delta_prepare", req)
-            if failed := next((r for r in prepared if not r.get("ok")), None):
-                await self._abort(req["id"])
-                raise UpdateError.from_worker(failed)
+            try:
+                prepared = await self._rpc("delta_prepare", req)
+                if failed := next((r for r in prepared if not r.get("ok")), None):
+                    raise UpdateError.from_worker(failed)
+            except UpdateError:
+                await self._abort(req["id"])  # ranks that did prepare drop their staged state
+                raise
             committed, pause_s = await self._commit(req["id"], pause=prepared[0]["total_changed"] > 0)
         if failed := next((r for r in committed if not r.get("ok")), None):
             raise UpdateError.from_worker(failed)
