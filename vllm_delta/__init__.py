@@ -5,3 +5,14 @@ Engine-side code lives in `vllm_delta.engine` and imports vLLM lazily.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["DeltaSender"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import vllm_delta` stays light (no aiohttp) for code that only needs the codec.
+    if name == "DeltaSender":
+        from vllm_delta.sender import DeltaSender
+
+        return DeltaSender
+    raise AttributeError(f"module 'vllm_delta' has no attribute {name!r}")

@@ -20,7 +20,8 @@ from torch import nn
 
 from vllm_delta.engine import cpu_weights
 from vllm_delta.engine.placement import TensorPlacement, build_placement
-from vllm_delta.wire import ParamDelta, VersionError, get_encoding, iter_delta, open_delta, tensor_digest
+from vllm_delta.wire import (DeltaDecoder, IncompleteDeltaError, Manifest, ParamDelta, VersionError, get_encoding,
+                             iter_delta, open_delta, tensor_digest)
 from vllm_delta.wire.errors import DtypeMismatchError
 
 logger = logging.getLogger(__name__)
@@ -88,10 +89,34 @@ class DeltaApplier:
     # ---- phase 1 -------------------------------------------------------------------------
     def prepare(self, path: str | Path, *, version: int, base_version: int | None,
                 current_version: int, files: list[str] | None = None) -> StagedUpdate:
-        """Read, verify and decode the delta, and locate each entry this rank owns."""
+        """Read, verify and decode the delta in a version directory; locate each entry this rank owns."""
         start = time.perf_counter()
         info = open_delta(path, files=files)
-        manifest = info.manifest
+        encoding = self._check_lineage(info.manifest, version, base_version, current_version)
+        deltas = iter_delta(info, expected=self.checkpoint, files=files,
+                            current_version=current_version if encoding.needs_base else None)
+        return self.stage(info.manifest, deltas, version=version, replay=version == current_version, start=start)
+
+    def prepare_flushes(self, manifest: Manifest, flushes: Iterable[tuple[str, bytes]], *, version: int,
+                        base_version: int | None, current_version: int) -> StagedUpdate:
+        """The same as `prepare`, for flush bytes that arrived another way (a collective broadcast)."""
+        start = time.perf_counter()
+        encoding = self._check_lineage(manifest, version, base_version, current_version)
+        flushes = list(flushes)
+        if [n for n, _ in flushes] != [f.name for f in manifest.files]:
+            raise IncompleteDeltaError(f"received {len(flushes)} flushes, the manifest lists {len(manifest.files)}")
+        decoder = DeltaDecoder(manifest, expected=self.checkpoint,
+                               current_version=current_version if encoding.needs_base else None)
+
+        def deltas():
+            for name, data in flushes:
+                yield from decoder.feed(name, data)
+            decoder.finish()
+
+        return self.stage(manifest, deltas(), version=version, replay=version == current_version, start=start)
+
+    @staticmethod
+    def _check_lineage(manifest: Manifest, version: int, base_version: int | None, current_version: int):
         encoding = get_encoding(manifest.encoding)
         if manifest.version != version:
             raise VersionError(f"request says version {version}, the delta is version {manifest.version}")
@@ -101,11 +126,15 @@ class DeltaApplier:
         if version < current_version or (replay and not encoding.idempotent):
             raise VersionError(f"version {version} cannot be applied at engine version {current_version}"
                                + (" (a base-relative delta applies exactly once)" if replay else ""))
+        return encoding
+
+    def stage(self, manifest: Manifest, deltas: Iterable[ParamDelta], *, version: int, replay: bool,
+              start: float) -> StagedUpdate:
+        """Locate decoded (validated) changes: one path after the bytes arrive, whatever carried them."""
         per_target: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         fallback: list[ParamDelta] = []
         total = 0
-        for delta in iter_delta(info, expected=self.checkpoint, files=files,
-                                current_version=current_version if encoding.needs_base else None):
+        for delta in deltas:
             total += delta.count
             placement = self.placements[delta.name]
             if placement.fallback_reason:

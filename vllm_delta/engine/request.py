@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from typing import Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
 
 class DeltaUpdateRequest(BaseModel):
@@ -17,10 +20,22 @@ class DeltaUpdateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: StrictStr = Field(min_length=1)
+    path: StrictStr | None = Field(default=None, min_length=1)
     version: StrictInt = Field(ge=0)
     base_version: StrictInt | None = Field(default=None, ge=0)
     files: list[StrictStr] | None = None
+    # "collective": the flushes arrive by broadcast on the group set up by the collective init
+    # route; the manifest comes in the request instead of a version directory.
+    transport: Literal["disk", "collective"] = "disk"
+    manifest: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _source(self) -> "DeltaUpdateRequest":
+        if self.transport == "disk" and (self.path is None or self.manifest is not None):
+            raise ValueError("a disk update needs `path` and no `manifest`")
+        if self.transport == "collective" and (self.manifest is None or self.path is not None or self.files):
+            raise ValueError("a collective update needs `manifest` and no `path` or `files`")
+        return self
 
     @field_validator("files")
     @classmethod
@@ -29,6 +44,19 @@ class DeltaUpdateRequest(BaseModel):
             if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
                 raise ValueError(f"file {name!r} is not a plain file name inside the version directory")
         return files
+
+
+class CollectiveInitRequest(BaseModel):
+    """`POST /delta_updates/collective/init`: join the trainer's group (the trainer is rank 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_addr: StrictStr = Field(min_length=1)
+    master_port: StrictInt = Field(gt=0, lt=65536)
+    world_size: StrictInt = Field(ge=2)
+    rank_offset: StrictInt = Field(default=1, ge=1)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: StrictInt | StrictFloat = Field(default=120, gt=0)
 
 
 class OutsideRootError(Exception):

@@ -27,7 +27,7 @@ from starlette.datastructures import State
 from vllm_delta.engine.cli_args import PLUGIN_NAME, check_args
 from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.metrics import delta_metrics
-from vllm_delta.engine.request import (DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
+from vllm_delta.engine.request import (CollectiveInitRequest, DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
                                        resolve_version_dir)
 
 # Under vLLM's logger, so these lines land in the server log with vLLM's own.
@@ -86,14 +86,18 @@ class DeltaUpdater:
             raise UpdateError(401, "Unauthorized", "missing or wrong API key")
 
     async def update(self, body: DeltaUpdateRequest) -> dict[str, Any]:
-        try:
-            path = resolve_version_dir(body.path, self.root)
-        except OutsideRootError as exc:
-            raise UpdateError(403, "PathOutsideRoot", str(exc)) from None
-        except NotADeltaDirError as exc:
-            raise UpdateError(400, "NotADeltaDirectory", str(exc)) from None
-        req = {"id": uuid.uuid4().hex, "path": str(path), "files": body.files, "version": body.version,
-               "base_version": body.base_version, "chunk_bytes": self.chunk_bytes}
+        req = {"id": uuid.uuid4().hex, "version": body.version, "base_version": body.base_version,
+               "chunk_bytes": self.chunk_bytes}
+        if body.transport == "collective":
+            req.update(transport="collective", manifest=body.manifest)
+        else:
+            try:
+                path = resolve_version_dir(body.path, self.root)
+            except OutsideRootError as exc:
+                raise UpdateError(403, "PathOutsideRoot", str(exc)) from None
+            except NotADeltaDirError as exc:
+                raise UpdateError(400, "NotADeltaDirectory", str(exc)) from None
+            req.update(path=str(path), files=body.files)
         async with self._lock:
             try:
                 prepared = await self._rpc("delta_prepare", req)
@@ -122,6 +126,18 @@ class DeltaUpdater:
         finally:
             await self.engine.resume_generation()
         return committed, perf_counter() - started
+
+    async def collective_init(self, body: CollectiveInitRequest) -> dict[str, Any]:
+        """Every worker joins the trainer's group (each worker is rank `rank_offset + its rank`)."""
+        ranks = await self._rpc("delta_status")
+        if body.world_size != body.rank_offset + len(ranks):
+            raise UpdateError(400, "InvalidRequest", f"world_size {body.world_size} != rank_offset "
+                              f"{body.rank_offset} + {len(ranks)} engine ranks")
+        async with self._lock:
+            joined = await self._rpc("delta_collective_init", body.model_dump())
+        if failed := next((r for r in joined if not r.get("ok")), None):
+            raise UpdateError.from_worker(failed)
+        return {"ranks": [r["group_rank"] for r in joined], "world_size": body.world_size}
 
     async def status(self) -> dict[str, Any]:
         ranks = await self._rpc("delta_status")
@@ -189,6 +205,20 @@ async def update_weights_delta(request: Request) -> JSONResponse:
     logger.info("delta update to version %d: %d changed, decode %.3fs, apply %.3fs, paused %.3fs",
                 result["version"], result["changed"], result["decode_s"], result["apply_s"], result["pause_s"])
     return JSONResponse(result)
+
+
+@router.post("/delta_updates/collective/init")
+async def delta_collective_init(request: Request) -> JSONResponse:
+    try:
+        updater = _updater(request)
+        try:
+            body = CollectiveInitRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise bad_request(exc) from None
+        return JSONResponse(await updater.collective_init(body))
+    except UpdateError as err:
+        logger.warning("collective init refused (%d): %s", err.status, err.error["message"])
+        return err.response()
 
 
 @router.get("/delta_updates/status")

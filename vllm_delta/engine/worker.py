@@ -7,6 +7,7 @@ plain dicts (never raise) so one rank's bad input reaches the route as a status 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import traceback
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
-from vllm_delta.wire import DeltaError
+from vllm_delta.wire import DeltaError, parse_manifest
 from vllm_delta.wire.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -56,12 +57,25 @@ class DeltaWorkerExtension:
     def delta_prepare(self, request: dict[str, Any]) -> dict[str, Any]:
         """Phase 1: read, verify, decode and locate; no weight changes."""
         state = self._delta()
+        flushes = None
+        if request.get("transport") == "collective":
+            # Receive every flush before any check, so the trainer's broadcast never blocks on a refusal.
+            try:
+                flushes = self._delta_receive()
+            except Exception as exc:
+                return _error(500, exc)
         if state.dirty_reason:
             return _error(500, RuntimeError(f"engine is dirty: {state.dirty_reason}"))
         try:
-            staged = state.applier.prepare(
-                request["path"], version=int(request["version"]), base_version=request.get("base_version"),
-                current_version=state.version, files=request.get("files"))
+            if flushes is not None:
+                manifest = parse_manifest(json.dumps(request["manifest"]).encode())
+                staged = state.applier.prepare_flushes(
+                    manifest, zip([f.name for f in manifest.files], flushes), version=int(request["version"]),
+                    base_version=request.get("base_version"), current_version=state.version)
+            else:
+                staged = state.applier.prepare(
+                    request["path"], version=int(request["version"]), base_version=request.get("base_version"),
+                    current_version=state.version, files=request.get("files"))
         except DeltaError as exc:
             return _error(exc.http_status, exc)
         except (OSError, ValueError) as exc:
@@ -88,6 +102,33 @@ class DeltaWorkerExtension:
                       "decode_s": staged.decode_s, "apply_s": apply_s, "replay": staged.replay,
                       "time": time.time()}
         return {"ok": True, "rank": self._delta_rank(), "apply_s": apply_s, "version": state.version}
+
+    def delta_collective_init(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Join the trainer's process group (rank 0 is the trainer) for collective deltas."""
+        from vllm_delta.transports.collective import make_group
+
+        try:
+            self._delta_group = make_group(
+                backend=config["backend"], master_addr=config["master_addr"],
+                master_port=int(config["master_port"]), rank=int(config["rank_offset"]) + self._delta_rank(),
+                world_size=int(config["world_size"]), timeout_s=float(config.get("timeout_s") or 120.0))
+        except Exception as exc:
+            self._delta_group = None
+            return _error(500, exc)
+        return {"ok": True, "rank": self._delta_rank(), "group_rank": self._delta_group.rank}
+
+    def _delta_receive(self) -> list[bytes]:
+        from vllm_delta.transports.collective import recv_flushes
+        from vllm_delta.wire import Limits
+
+        group = getattr(self, "_delta_group", None)
+        if group is None:
+            raise RuntimeError("no collective group: POST /delta_updates/collective/init first")
+        try:
+            return recv_flushes(group, Limits().max_decoded_bytes)
+        except Exception:
+            self._delta_group = None  # a failed collective leaves the group unusable
+            raise
 
     def delta_abort(self, request_id: str) -> None:
         self._delta().staged.pop(request_id, None)

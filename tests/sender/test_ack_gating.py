@@ -1,0 +1,151 @@
+"""The sender's ack-gated state machine against real HTTP fake engines that decode real deltas.
+
+Fast (no vLLM): every engine must end bit-identical to the trainer after each sync it acked, a
+failed engine converges at the next sync, a restarted one is anchored, one pushed ahead is
+overtaken, and the healthy engine never regresses.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import adam_like_step
+from vllm_delta import DeltaSender
+from vllm_delta.wire import MANIFEST_NAME
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+
+
+def make(tmp_path, engines, **kw) -> DeltaSender:
+    return DeltaSender([e.url for e in engines], "disk", tmp_path, flush_bytes=1024, retries=0, **kw)
+
+
+@pytest.mark.parametrize("encoding", ["ulp_zstd", "deltas_zstd"])
+@pytest.mark.parametrize("as_iter", [False, True])
+def test_steady_state_bit_exact(tmp_path, fake_engines, fake_weights, encoding, as_iter):
+    sender = make(tmp_path, fake_engines, encoding=encoding)
+    sender.seed(fake_weights)
+    gen = torch.Generator().manual_seed(1)
+    for v in range(1, 5):
+        adam_like_step(fake_weights, gen)
+        m = sender.sync(iter(fake_weights.items()) if as_iter else fake_weights)
+        assert m["sender/all_acked"] == 1.0 and m["sender/catchup"] == 0.0
+        assert sender.snapshot_version == v
+        for e in fake_engines:
+            assert e.version == v and same(e.weights, fake_weights)
+            assert e.requests[-1]["base_version"] == (v - 1 if encoding == "ulp_zstd" else None)
+        assert 0.03 < m["perf/update_weights_density"] < 0.07
+        assert m["perf/update_weights_flushes_per_rank"] > 1
+    assert not list(tmp_path.iterdir()), "version directories are deleted after every ack"
+
+
+def test_failed_engine_converges_and_healthy_never_regresses(tmp_path, fake_engines, fake_weights):
+    a, b = fake_engines
+    sender = make(tmp_path, fake_engines)
+    sender.seed(fake_weights)
+    gen = torch.Generator().manual_seed(2)
+    adam_like_step(fake_weights, gen)
+    sender.sync(fake_weights)
+    b.fail_versions = {2}
+    before = {k: v.clone() for k, v in fake_weights.items()}
+    adam_like_step(fake_weights, gen, density=0.3)  # dense enough that some positions revert below
+    m = sender.sync(fake_weights)
+    assert m["sender/all_acked"] == 0.0 and m["sender/engines_failed"] == 1.0
+    assert a.version == 2 and same(a.weights, fake_weights)
+    assert b.version == 1 and same(b.weights, before)
+    assert sender.snapshot_version == 1, "the snapshot must not advance past a failed engine"
+    # Revert part of the failed step: these positions equal the snapshot again but not engine a.
+    for k in fake_weights:
+        fake_weights[k].view(-1)[:500] = before[k].view(-1)[:500]
+        fake_weights[k].view(-1)[:200] = sender._snapshot[k].view(-1)[:200]
+    adam_like_step(fake_weights, gen)
+    m = sender.sync(fake_weights)
+    assert m["sender/catchup"] == 1.0 and m["sender/all_acked"] == 1.0
+    for e in fake_engines:
+        assert e.version == 3 and same(e.weights, fake_weights)
+    assert a.requests[-1]["base_version"] is None  # overwrite catch-up
+    adam_like_step(fake_weights, gen)
+    m = sender.sync(fake_weights)
+    assert m["sender/catchup"] == 0.0 and all(same(e.weights, fake_weights) for e in fake_engines)
+    assert [r["version"] for r in a.requests] == [1, 2, 3, 4]
+
+
+def test_restarted_engine_is_anchored(tmp_path, fake_engines, fake_weights):
+    a, b = fake_engines
+    seed = {k: v.clone() for k, v in fake_weights.items()}
+    sender = make(tmp_path, fake_engines)
+    sender.seed(fake_weights)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        adam_like_step(fake_weights, gen)
+        sender.sync(fake_weights)
+    b.restart(seed)  # back at version 0 with the checkpoint's weights
+    adam_like_step(fake_weights, gen)
+    m = sender.sync(fake_weights)  # b refuses the base-relative delta (409)
+    assert m["sender/all_acked"] == 0.0 and b.version == 0
+    assert sender.engines[b.url].last_status == 409
+    adam_like_step(fake_weights, gen)
+    m = sender.sync(fake_weights)
+    assert m["sender/anchors"] == 1.0 and m["sender/all_acked"] == 1.0
+    assert all(e.version == 4 and same(e.weights, fake_weights) for e in fake_engines)
+
+
+def test_engine_pushed_ahead_is_overtaken(tmp_path, fake_engines, fake_weights):
+    a, b = fake_engines
+    sender = make(tmp_path, fake_engines)
+    sender.seed(fake_weights)
+    gen = torch.Generator().manual_seed(4)
+    adam_like_step(fake_weights, gen)
+    sender.sync(fake_weights)
+    b.version = 10  # someone else pushed version 10
+    adam_like_step(fake_weights, gen)
+    m = sender.sync(fake_weights)
+    assert m["sender/all_acked"] == 0.0 and sender.engines[b.url].last_status == 409
+    adam_like_step(fake_weights, gen)
+    m = sender.sync(fake_weights)
+    assert m["sender/version"] == 11.0 and m["sender/all_acked"] == 1.0
+    assert all(e.version == 11 and same(e.weights, fake_weights) for e in fake_engines)
+
+
+def test_anchor_every_and_duplicate_push(tmp_path, fake_engines, fake_weights):
+    sender = make(tmp_path, fake_engines, anchor_every=2, keep=True)
+    sender.seed(fake_weights)
+    gen = torch.Generator().manual_seed(5)
+    for v in (1, 2):
+        adam_like_step(fake_weights, gen)
+        m = sender.sync(fake_weights)
+    assert m["sender/anchors"] == 2.0 and (tmp_path / "v000002-anchor" / MANIFEST_NAME).exists()
+    assert all(same(e.weights, fake_weights) for e in fake_engines)
+    # A duplicate push of an overwrite anchor is idempotent.
+    a = fake_engines[0]
+    import requests
+
+    r = requests.post(f"{a.url}/update_weights_delta", json={"path": "v000002-anchor", "version": 2}, timeout=30)
+    assert r.status_code == 200 and same(a.weights, fake_weights)
+    r = requests.post(f"{a.url}/update_weights_delta", json={"path": "v000001", "version": 1, "base_version": 0},
+                      timeout=30)
+    assert r.status_code == 409  # out of order
+
+
+def test_metrics_match_bytes_on_disk(tmp_path, fake_engines, fake_weights):
+    sender = make(tmp_path, fake_engines, keep=True)
+    sender.seed(fake_weights)
+    adam_like_step(fake_weights, torch.Generator().manual_seed(6))
+    m = sender.sync(fake_weights)
+    d = tmp_path / "v000001"
+    manifest = json.loads((d / MANIFEST_NAME).read_text())
+    files = sorted(d.glob("rank*_flush*.safetensors"))
+    assert len(files) == m["perf/update_weights_flushes_per_rank"] == len(manifest["files"])
+    on_disk = sum(f.stat().st_size for f in files)
+    assert m["perf/update_weights_wire_bytes"] == on_disk == m["perf/update_weights_disk_bytes_post_compress"]
+    assert m["perf/update_weights_disk_bytes_pre_compress"] == sum(f["decoded_bytes"] for f in manifest["files"])
+    assert m["perf/update_weights_compression_ratio"] == pytest.approx(
+        m["perf/update_weights_disk_bytes_pre_compress"] / on_disk)
+    total = sum(t.numel() for t in fake_weights.values())
+    assert m["perf/update_weights_density"] == pytest.approx(sum(p["changed"] for p in manifest["params"]) / total)
+    assert not list(d.glob("*.tmp"))

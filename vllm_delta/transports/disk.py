@@ -1,0 +1,110 @@
+"""Disk transport: flush files in a version directory, written by a background thread, manifest last.
+
+Why this order: each flush is written atomically (`.tmp`, fsync, rename) while the sender encodes
+the next one; the manifest is written only after every flush is on disk, so a sender that dies
+mid-write leaves a directory without a manifest, which every engine refuses (IncompleteDeltaError).
+Multi-rank senders write their own flush files and rank 0 writes the merged manifest.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from vllm_delta.wire import MANIFEST_NAME, EncodedFlush, Manifest, write_manifest
+from vllm_delta.wire.manifest import write_atomic
+
+
+class Throttle:
+    """Caps the write rate (bytes per second), to model a slower link in benchmarks."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.rate, self.start, self.sent = float(bytes_per_s), None, 0
+
+    def wait(self, nbytes: int) -> None:
+        if self.start is None:
+            self.start = time.perf_counter()
+        self.sent += nbytes
+        ahead = self.sent / self.rate - (time.perf_counter() - self.start)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def throttled_write(path: Path, data: bytes, throttle: Throttle | None, chunk: int = 4 << 20) -> None:
+    """`write_atomic`, with the bytes paced through `throttle` if one is given."""
+    if throttle is None:
+        write_atomic(path, data)
+        return
+    import os
+
+    tmp = path.with_name(path.name + ".tmp")
+    view = memoryview(data)
+    with open(tmp, "wb") as f:
+        for a in range(0, len(view), chunk):
+            throttle.wait(min(chunk, len(view) - a))
+            f.write(view[a:a + chunk])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class FlushFileWriter:
+    """Writes flushes to `directory` on a background thread; `emit` blocks only if `depth` are queued."""
+
+    def __init__(self, directory: Path, *, depth: int = 2, throttle: Throttle | None = None) -> None:
+        self.dir = Path(directory)
+        self.throttle = throttle
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self.write_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="vllm-delta-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue
+            name, data = item
+            try:
+                t = time.perf_counter()
+                throttled_write(self.dir / name, data, self.throttle)
+                self.write_s += time.perf_counter() - t
+            except BaseException as exc:  # reported by close()
+                self._error = exc
+
+    def emit(self, name: str, flush: EncodedFlush) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"flush writer failed: {self._error}") from self._error
+        self._q.put((name, flush.data))
+
+    def close(self) -> None:
+        """Wait for every queued flush to be on disk; raise the writer's error if it had one."""
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"flush writer failed: {self._error}") from self._error
+
+
+def prepare_version_dir(path: Path) -> Path:
+    """An empty version directory; a leftover one (e.g. from a sender that died) is replaced."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def seal(path: Path, manifest: Manifest) -> int:
+    """Write the manifest last; returns its size in bytes."""
+    return write_manifest(path, manifest).stat().st_size
+
+
+def remove_version_dir(path: Path) -> None:
+    """Delete a delivered version directory, manifest first so no reader sees it as finished."""
+    (path / MANIFEST_NAME).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
