@@ -39,7 +39,7 @@ def site_packages() -> Path:
 
 
 def _patch(args: list[str], patch_file: Path, root: Path) -> bool:
-    cmd = ["patch", "-p1", "--batch", "--silent", "-d", str(root), *args, "-i", str(patch_file)]
+    cmd = ["patch", "-p1", "--batch", "--silent", "--fuzz=0", "-d", str(root), *args, "-i", str(patch_file)]
     return subprocess.run(cmd, capture_output=True).returncode == 0
 
 
