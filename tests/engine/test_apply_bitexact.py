@@ -94,6 +94,7 @@ def test_delta_chain_matches_full_load(family, tp, ep, tiny_model_factory, tmp_p
 
     with start_llm(base, tp=tp, delta=True, **engine_kwargs) as llm:
         before = llm.collective_rpc("compute_weight_checksums")
+        base_out = greedy(llm)
         for version, path in enumerate(deltas, start=1):
             prepared = apply_delta(llm, path, version)
             if tp > 1:  # each rank writes only what it owns
@@ -114,3 +115,4 @@ def test_delta_chain_matches_full_load(family, tp, ep, tiny_model_factory, tmp_p
         unchanged = sorted(name for name in want if got[name] == old[name])
         assert not unchanged, f"rank {rank}: the deltas never reached {unchanged}"
     assert applied_out == loaded_out
+    assert applied_out != base_out, "the served output must follow the new weights"

@@ -21,8 +21,8 @@ from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
-# Probe ids are float64: exact for tensors of up to 2**53 elements.
-_MAX_PROBE_ELEMENTS = 1 << 53
+# Probe ids are float64, and the second probe adds numel: exact up to 2**52 elements.
+_MAX_PROBE_ELEMENTS = 1 << 52
 
 
 class UnmappableLoader(Exception):
@@ -137,7 +137,8 @@ class _RecordParamWrites(TorchFunctionMode):
             return None
         name = getattr(func, "__name__", str(func))
         if name.endswith("_") and not name.startswith("__"):
-            self.foreign.append(f"{name} on {target}")
+            self.foreign.append(f"{name} on {target}")  # recorded, never performed
+            return args[0]
         return func(*args, **kwargs)
 
 
@@ -169,10 +170,7 @@ def _affine_fit(ids: torch.Tensor) -> tuple[int, tuple[int, ...]]:
 
 def _segment(write: _Write, numel: int) -> Segment:
     dst = write.dst
-    ids = write.ids
-    if ids.dtype != torch.float64:
-        raise UnmappableLoader(f"loader converted the probe to {ids.dtype}")
-    ids = ids.broadcast_to(dst.shape)
+    ids = write.ids.broadcast_to(dst.shape)
     src_offset, src_strides = _affine_fit(ids)
     dims = [d for d in range(dst.dim()) if dst.shape[d] > 1]
     if any(src_strides[d] <= 0 for d in dims):
@@ -193,6 +191,20 @@ def _segment(write: _Write, numel: int) -> Segment:
     return seg
 
 
+def _record(load_weights, storages: Mapping[int, str], name: str, shape: tuple[int, ...],
+            numel: int, shift: int) -> list[_Write]:
+    probe = torch.arange(shift, shift + numel, dtype=torch.float64).reshape(shape)
+    mode = _RecordParamWrites(storages)
+    with torch.no_grad(), mode:
+        load_weights([(name, probe)])
+    if mode.foreign:
+        raise UnmappableLoader("loader writes parameters in place: " + ", ".join(mode.foreign[:3]))
+    for w in mode.writes:
+        if w.ids.dtype != torch.float64:
+            raise UnmappableLoader(f"loader converted the probe to {w.ids.dtype}")
+    return mode.writes
+
+
 def probe_tensor(
     load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
     storages: Mapping[int, str],
@@ -208,14 +220,18 @@ def probe_tensor(
     if numel > _MAX_PROBE_ELEMENTS:
         placement.fallback_reason = "tensor too large to probe exactly"
         return placement
-    probe = torch.arange(numel, dtype=torch.float64).reshape(shape)
-    mode = _RecordParamWrites(storages)
     try:
-        with torch.no_grad(), mode:
-            load_weights([(name, probe)])
-        if mode.foreign:
-            raise UnmappableLoader("loader writes parameters in place: " + ", ".join(mode.foreign[:3]))
-        placement.segments = [_segment(w, numel) for w in mode.writes]
+        writes = _record(load_weights, storages, name, shape, numel, shift=0)
+        # A second probe with every id shifted by numel tells a copy (which shifts too) from
+        # arithmetic that happens to look affine, such as `w.narrow(...) * 2`.
+        shifted = _record(load_weights, storages, name, shape, numel, shift=numel)
+        if len(writes) != len(shifted) or any(
+            a.target != b.target or a.dst.storage_offset() != b.dst.storage_offset()
+            or not torch.equal(b.ids.broadcast_to(b.dst.shape) - numel, a.ids.broadcast_to(a.dst.shape))
+            for a, b in zip(writes, shifted)
+        ):
+            raise UnmappableLoader("loader transforms values instead of copying them")
+        placement.segments = [_segment(w, numel) for w in writes]
     except UnmappableLoader as exc:
         placement.segments = []
         placement.fallback_reason = str(exc)
