@@ -219,19 +219,24 @@ class DeltaApplier:
             cpu_weights.refresh(modules)
 
     def rebuild(self, name: str) -> torch.Tensor | None:
-        """The full checkpoint tensor as this rank holds it, or None if it holds only part."""
+        """The full checkpoint tensor as this rank holds it, or None if it holds only part.
+
+        Each segment is a strided block on both sides, so this is one strided copy per segment.
+        """
         placement = self.placements[name]
         if placement.fallback_reason or not placement.covers_whole_tensor:
             return None
-        numel = torch.Size(placement.shape).numel()
-        ids = torch.arange(numel, dtype=torch.int64)
-        out = torch.empty(numel, dtype=placement.dtype)
-        seen = torch.zeros(numel, dtype=torch.bool)
+        by_target: dict[str, list] = {}
         for seg in placement.segments:
-            idx, offsets = seg.locate(ids)
-            out[idx] = flat_storage(self.targets[seg.target])[offsets].to(placement.dtype)
-            seen[idx] = True
-        return out.reshape(placement.shape) if bool(seen.all()) else None
+            by_target.setdefault(seg.target, []).append(seg)
+        numel = torch.Size(placement.shape).numel()
+        target, segments = next((t, segs) for t, segs in by_target.items() if sum(s.numel for s in segs) == numel)
+        out = torch.empty(numel, dtype=placement.dtype)
+        flat = flat_storage(self.targets[target])
+        for seg in segments:
+            src = torch.as_strided(flat, seg.sizes, seg.dst_strides, seg.dst_offset)
+            torch.as_strided(out, seg.sizes, seg.src_strides, seg.src_offset).copy_(src)
+        return out.reshape(placement.shape)
 
     def _verify_post_hashes(self, staged: StagedUpdate) -> None:
         for name, expected in staged.post_hashes.items():
