@@ -37,7 +37,7 @@ class Group:
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         dev = t.to(self.device)
-        self.pg.broadcast([dev], 0).wait()
+        self.pg.broadcast(dev, 0).wait()
         return dev.cpu() if dev.device.type != "cpu" else dev
 
 
