@@ -1,83 +1,11 @@
-"""Fixtures for the sender tests: a fake engine (real aiohttp server, real wire decoding) for the
-fast ack-gating tests, and helpers shared with the real-engine tests."""
+"""Fixtures for the sender tests (helpers live in sender_helpers.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from pathlib import Path
-
 import pytest
 import torch
-from aiohttp import web
 
-from vllm_delta.wire import DeltaError, VersionError, get_encoding, open_delta, read_delta
-
-
-class FakeEngine:
-    """The engine route's version rules on a dict of tensors, served over real HTTP.
-
-    `fail_versions`: versions it answers with a 500 before applying (a real engine error's shape).
-    """
-
-    def __init__(self, root: Path, weights: dict[str, torch.Tensor]) -> None:
-        self.root, self.weights = root, {k: v.clone() for k, v in weights.items()}
-        self.version, self.fail_versions, self.requests = 0, set(), []
-        self.loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_post("/update_weights_delta", self.update)
-        app.router.add_get("/delta_updates/status", self.status)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def restart(self, weights: dict[str, torch.Tensor]) -> None:
-        self.weights, self.version = {k: v.clone() for k, v in weights.items()}, 0
-
-    async def status(self, request):
-        return web.json_response({"version": self.version, "healthy": True, "dirty_reasons": [], "ranks": [{}]})
-
-    async def update(self, request):
-        body = await request.json()
-        self.requests.append(body)
-        if body["version"] in self.fail_versions:
-            self.fail_versions.discard(body["version"])
-            return web.json_response({"error": {"type": "EngineError", "message": "injected"}}, status=500)
-        try:
-            info = open_delta(self.root / body["path"])
-            enc = get_encoding(info.manifest.encoding)
-            v, cur = body["version"], self.version
-            if body.get("base_version") is not None and body["base_version"] != cur:
-                raise VersionError("base")
-            if v < cur or (v == cur and not enc.idempotent):
-                raise VersionError("order")
-            deltas = read_delta(info, current_version=cur if enc.needs_base else None)
-        except DeltaError as exc:
-            return web.json_response({"error": {"type": type(exc).__name__, "message": str(exc)}},
-                                     status=exc.http_status)
-        for d in deltas:
-            d.apply_(self.weights[d.name])
-        self.version = v
-        return web.json_response({"version": v, "changed": sum(d.count for d in deltas), "bytes_read": 0,
-                                  "decode_s": 0.0, "apply_s": 0.0, "pause_s": 0.0, "replay": False,
-                                  "fallback": [], "ranks": []})
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
-
-def adam_like_step(weights: dict[str, torch.Tensor], gen: torch.Generator, density: float = 0.05) -> None:
-    """Move a random `density` of elements by ±1 ULP, in place (reverts happen, as in training)."""
-    for t in weights.values():
-        bits = t.view(-1).view(torch.int16)
-        mask = torch.rand(bits.shape, generator=gen) < density
-        step = torch.where(torch.rand(bits.shape, generator=gen) < 0.5, 1, -1).to(torch.int16)
-        bits[mask] += step[mask]
+from sender_helpers import FakeEngine
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import adam_like_step
+from sender_helpers import adam_like_step
 from vllm_delta import DeltaSender
 from vllm_delta.wire import MANIFEST_NAME
 

@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from conftest import FakeEngine
+from sender_helpers import FakeEngine
 from harness.vllm_engine import VllmServer
 from vllm_delta import DeltaSender
 
