@@ -1,73 +1,80 @@
 #!/usr/bin/env python3
-"""CPU quick start: a real `vllm serve --enable-delta-updates` takes three training steps as deltas.
+"""CPU quick start: a plain PyTorch trainer syncs a real `vllm serve --enable-delta-updates` engine.
 
-It builds a tiny random Llama, starts the engine exactly as a user would, then for each step:
-perturbs the weights like an Adam step, writes the delta with `vllm-delta diff`, and pushes it
-to `POST /update_weights_delta`. The engine checks every tensor it holds whole against the
-sender's post-apply hash, so a 200 means bit-exact. The last line printed is one JSON summary.
+It builds a tiny random Llama, starts the engine exactly as a user would, then trains the same
+weights with AdamW (lr 1e-5) and calls `DeltaSender.sync` after every step over the disk
+transport. Each update carries per-tensor post-apply hashes that the engine verifies, so an
+acknowledged sync is bit-exact. The last line printed is one JSON summary.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import requests
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # the tiny-model builder and server harness live with the tests
 
-from harness.perturb import perturb_checkpoint  # noqa: E402
 from harness.tiny_models import make_tiny_model  # noqa: E402
 from harness.vllm_engine import VllmServer  # noqa: E402
+from vllm_delta import DeltaSender  # noqa: E402
 
 STEPS = 3
-VLLM_DELTA = str(Path(sys.executable).parent / "vllm-delta")
+
+
+def train_step(model, optimizer, gen: torch.Generator) -> float:
+    ids = torch.randint(3, 512, (2, 24), generator=gen)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss)
 
 
 def main() -> int:
+    from transformers import LlamaForCausalLM
+
     started = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="vllm-delta-demo-"))
-    base = make_tiny_model("llama", work / "model_v0")
+    model_dir = make_tiny_model("llama", work / "model")
     root = work / "deltas"
     root.mkdir()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator().manual_seed(0)
     steps = []
-    with VllmServer(base, work / "serve.log",
+    with VllmServer(model_dir, work / "serve.log",
                     extra_args=["--enable-delta-updates", "--delta-updates-root", str(root)]) as server:
-        current = base
-        for version in range(1, STEPS + 1):
-            new = perturb_checkpoint(current, work / f"model_v{version}", density=0.02, seed=version)
-            out = root / f"weight_v{version:06d}"
-            subprocess.run([VLLM_DELTA, "diff", str(current), str(new), str(out), "--encoding", "ulp_zstd",
-                            "--version", str(version), "--base-version", str(version - 1)],
-                           check=True, capture_output=True)
-            resp = requests.post(f"{server.url}/update_weights_delta",
-                                 json={"path": out.name, "version": version, "base_version": version - 1},
-                                 timeout=300)
-            resp.raise_for_status()
-            body = resp.json()
-            disk = sum(p.stat().st_size for p in out.iterdir())
-            steps.append({"version": version, "changed": body["changed"], "delta_bytes": disk,
-                          "bytes_per_changed": round(disk / max(body["changed"], 1), 3),
-                          "apply_s": round(body["apply_s"], 4), "pause_s": round(body["pause_s"], 4)})
-            print(f"step {version}: {steps[-1]}", flush=True)
-            current = new
+        sender = DeltaSender([server.url], transport="disk", delta_dir=root, encoding="ulp_zstd")
+        sender.seed_from_checkpoint(model_dir)
+        for step in range(1, STEPS + 1):
+            loss = train_step(model, optimizer, gen)
+            m = sender.sync((n, p.detach()) for n, p in model.state_dict().items())
+            steps.append({"step": step, "loss": round(loss, 4),
+                          "density": round(m["perf/update_weights_density"], 5),
+                          "wire_bytes": int(m["perf/update_weights_wire_bytes"]),
+                          "sync_s": round(m["perf/update_weights_time"], 3),
+                          "all_acked": m["sender/all_acked"] == 1.0})
+            print(f"step {step}: {steps[-1]}", flush=True)
         status = requests.get(f"{server.url}/delta_updates/status", timeout=30).json()
         completion = server.complete("The quick brown fox", max_tokens=8)
-    full_bytes = sum(p.stat().st_size for p in current.glob("*.safetensors"))
+    full_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     summary = {
-        "demo": "cpu_quickstart", "model": "tiny-llama (random bf16)", "engine_version": status["version"],
-        "healthy": status["healthy"], "syncs": len(steps),
-        "delta_bytes_total": sum(s["delta_bytes"] for s in steps), "full_checkpoint_bytes": full_bytes,
-        "max_pause_s": max(s["pause_s"] for s in steps), "served_text": completion["text"],
-        "steps": steps, "wall_s": round(time.perf_counter() - started, 1),
+        "demo": "cpu_quickstart", "model": "tiny-llama (random bf16)", "trainer": "AdamW lr 1e-5",
+        "engine_version": status["version"], "healthy": status["healthy"], "syncs": len(steps),
+        "all_acked": all(s["all_acked"] for s in steps),
+        "wire_bytes_total": sum(s["wire_bytes"] for s in steps), "full_checkpoint_bytes": full_bytes,
+        "served_text": completion["text"], "steps": steps, "wall_s": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(summary))
-    return 0 if status["healthy"] and status["version"] == STEPS else 1
+    return 0 if summary["healthy"] and summary["all_acked"] and status["version"] == STEPS else 1
 
 
 if __name__ == "__main__":
