@@ -132,3 +132,23 @@ def test_encodings_json_via_console_script():
     assert {"indices", "deltas", "deltas_zstd", "planes_zstd", "ulp_zstd"} <= set(by)
     assert by["ulp_zstd"]["needs_base"] and not by["ulp_zstd"]["idempotent"]
     assert all(by[n]["idempotent"] and not by[n]["needs_base"] for n in ("indices", "deltas", "deltas_zstd"))
+
+
+@pytest.mark.parametrize("family", ["llama", "glm4_moe"])
+def test_cli_round_trip_on_tiny_model_checkpoints(tmp_path, tiny_model_factory, family, capsys):
+    """The whole CLI on the suite's tiny HF models (GLM4-MoE has an fp32 `e_score_correction_bias`)."""
+    from harness.perturb import perturb_checkpoint
+
+    base = tiny_model_factory(family)
+    new = perturb_checkpoint(base, tmp_path / "new", density=0.02, seed=7)
+    delta, out = tmp_path / "delta", tmp_path / "out"
+    assert main(["diff", str(base), str(new), str(delta), "--encoding", "ulp_zstd", "--version", "1"]) == 0
+    assert main(["verify", str(delta), "--base", str(base)]) == 0
+    assert main(["apply", str(base), str(delta), str(out)]) == 0
+    assert_bit_identical(load_dir(out), load_dir(new))
+    assert (out / "config.json").read_text() == (base / "config.json").read_text()
+    capsys.readouterr()
+    assert main(["inspect", str(delta), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["version"] == 1 and 0 < report["changed"] < report["elements"], report
+    assert report["bytes_per_changed"] == pytest.approx(report["bytes"] / report["changed"])
