@@ -1,0 +1,219 @@
+"""Worker-side half of `benchmarks/apply.py`: functions run inside the vLLM worker process.
+
+Each function is sent with `llm.collective_rpc(fn, args=...)`; vLLM calls it with the worker as
+its first argument (this module must be importable in the worker, which `apply.py` arranges via
+PYTHONPATH). Every measurement returns wall seconds and the peak extra resident memory of the
+worker process: the kernel's high-water mark (VmHWM) is reset through /proc/self/clear_refs
+right before the measured call, so the peak is exact (no sampling gaps), and the baseline is
+the RSS at that moment (after gc and malloc_trim, with everything prepared "in advance" already
+resident).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def _settle() -> None:
+    gc.collect()
+    _LIBC.malloc_trim(0)
+
+
+class PeakRss:
+    """Peak extra RSS of this process over the block, in bytes (exact, via VmHWM)."""
+
+    def __enter__(self) -> PeakRss:
+        _settle()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        self.base = _status_kib("VmRSS") << 10
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+        self.peak = _status_kib("VmHWM") << 10
+        self.extra = self.peak - self.base
+
+
+def _applier(worker):
+    return worker._delta().applier
+
+
+def _payload_bytes(changed: int) -> int:
+    # Decoded positions (int64) + values (bf16) per changed element.
+    return changed * (8 + 2)
+
+
+def info(worker) -> dict[str, Any]:
+    """Model facts: params, threads, what vLLM's CPU post-load step transformed."""
+    from vllm_delta.engine import cpu_weights
+
+    model = worker.model_runner.get_model()
+    stashed, restored = [], []
+    for name, module in model.named_modules():
+        stashed += [f"{name}.{n}" for n in getattr(module, cpu_weights.STASH_ATTR, {})]
+        restored += [f"{name}.{n}" for n in getattr(module, cpu_weights.RESTORED_ATTR, set())]
+    return {"torch_threads": torch.get_num_threads(), "rss": _status_kib("VmRSS") << 10,
+            "live_params": sum(p.numel() for p in model.parameters()),
+            "stashed": stashed, "restored": len(restored), "restored_example": restored[:3]}
+
+
+def learn_placement(worker) -> dict[str, Any]:
+    """The one-time cost: probing every checkpoint tensor's loader (done lazily on first apply)."""
+    applier = _applier(worker)
+    with PeakRss() as m:
+        placements = applier.placements
+    return {"seconds": m.seconds, "extra": m.extra, "tensors": len(placements),
+            "fallback": applier.fallback_tensors}
+
+
+def _timed_methods(applier, names: list[str]) -> tuple[dict[str, float], Callable[[], None]]:
+    """Wrap applier methods on the instance to time them; returns (times, undo)."""
+    times = {n: 0.0 for n in names}
+
+    def wrap(name):
+        orig = getattr(applier, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                times[name] += time.perf_counter() - t
+        setattr(applier, name, timed)
+
+    for n in names:
+        wrap(n)
+    return times, lambda: [applier.__dict__.pop(n, None) for n in names]
+
+
+def ours(worker, path: str, version: int, chunk_bytes: int, profile: bool = False) -> dict[str, Any]:
+    """Our apply through the worker extension's own RPC methods: delta_prepare + delta_commit.
+
+    The worker's version counter is set to `version - 1` first so the same delta directories can
+    be replayed across the run (lineage checks are not what is measured). Phase times come from
+    wrapping the applier's methods; `scatter` is the commit minus CPU repack and post-hash check.
+    """
+    state = worker._delta()
+    state.version = version - 1
+    applier = state.applier
+    times, undo = _timed_methods(applier, ["_locate", "_refresh_cpu_kernels", "_verify_post_hashes"])
+    request = {"id": f"bench-{version}", "path": path, "version": version, "base_version": None,
+               "chunk_bytes": chunk_bytes}
+    prof = None
+    if profile:
+        import cProfile
+        prof = cProfile.Profile()
+    try:
+        with PeakRss() as prep:
+            if prof:
+                prof.enable()
+            prepared = worker.delta_prepare(request)
+        if not prepared.get("ok"):
+            raise RuntimeError(f"delta_prepare failed: {prepared}")
+        with PeakRss() as com:  # the staged update (the payload) is resident at its start
+            committed = worker.delta_commit(request["id"])
+            if prof:
+                prof.disable()
+        if not committed.get("ok"):
+            raise RuntimeError(f"delta_commit failed: {committed}")
+    finally:
+        undo()
+    repack, verify = times["_refresh_cpu_kernels"], times["_verify_post_hashes"]
+    out = {
+        "changed": prepared["changed"], "payload": _payload_bytes(prepared["changed"]),
+        "bytes_read": prepared["bytes_read"], "fallback": prepared["fallback"],
+        "prepare_s": prep.seconds, "decode_s": prepared["decode_s"], "locate_s": times["_locate"],
+        "commit_s": com.seconds, "repack_s": repack, "verify_s": verify,
+        "scatter_s": com.seconds - repack - verify, "total_s": prep.seconds + com.seconds,
+        # Peaks relative to the RSS before prepare.
+        "prepare_extra": prep.extra, "commit_extra": com.peak - prep.base,
+        "staged": com.base - prep.base,
+    }
+    out["extra"] = max(out["prepare_extra"], out["commit_extra"])
+    if prof:
+        import io
+        import pstats
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+        out["profile"] = s.getvalue()
+    return out
+
+
+def _decoded_patches(path: str):
+    """The delta's entries as vLLM CheckpointWeightPatch objects (one per tensor)."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch
+
+    from vllm_delta.wire import read_delta
+
+    grouped: dict[str, list] = defaultdict(list)
+    for d in read_delta(path):
+        if d.needs_base:
+            raise ValueError("vLLM's loader needs overwrite values, not a base-relative encoding")
+        grouped[d.name].append(d)
+    patches = []
+    for name, parts in grouped.items():
+        values = torch.cat([p.values for p in parts])
+        indices = torch.cat([p.positions for p in parts])
+        patches.append(CheckpointWeightPatch(name, parts[0].shape, parts[0].dtype, values, indices))
+    return patches
+
+
+def vllm_patch(worker, path: str, chunk_bytes: int) -> dict[str, Any]:
+    """vLLM's `load_checkpoint_weight_patches` on the delta's entries, decoded beforehand."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import load_checkpoint_weight_patches
+
+    model = worker.model_runner.get_model()
+    patches = _decoded_patches(path)
+    changed = sum(p.values.numel() for p in patches)
+    with PeakRss() as m:
+        load_checkpoint_weight_patches(model, patches, max_chunk_bytes=chunk_bytes)
+    del patches
+    return {"changed": changed, "payload": _payload_bytes(changed), "total_s": m.seconds, "extra": m.extra}
+
+
+def full_load(worker, model_dir: str) -> dict[str, Any]:
+    """A full `model.load_weights` of every tensor of a checkpoint, read into memory beforehand."""
+    from vllm_delta.wire.checkpoint import Checkpoint
+
+    model = worker.model_runner.get_model()
+    ckpt = Checkpoint.open(model_dir)
+    # clone: safetensors maps the file, so the pages would otherwise be read during the load.
+    tensors = [(name, t.clone()) for name, t in ckpt.iter_tensors()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    with torch.no_grad(), PeakRss() as m:
+        model.load_weights(iter(tensors))
+    del tensors
+    return {"total_s": m.seconds, "extra": m.extra, "checkpoint_bytes": nbytes}
+
+
+def matches_checkpoint(worker, model_dir: str) -> dict[str, Any]:
+    """Whether every checkpoint tensor, rebuilt from the weights deltas write, equals `model_dir`'s."""
+    from vllm_delta.diff import int_view
+    from vllm_delta.wire.checkpoint import Checkpoint
+
+    applier = _applier(worker)
+    bad, unchecked = [], []
+    for name, t in Checkpoint.open(model_dir).iter_tensors():
+        got = applier.rebuild(name)
+        if got is None:
+            unchecked.append(name)
+        elif not torch.equal(int_view(got), int_view(t)):
+            bad.append(name)
+    return {"mismatched": bad, "unchecked": unchecked}
