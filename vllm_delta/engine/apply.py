@@ -38,7 +38,9 @@ class StagedUpdate:
     """Everything `commit` needs, computed in `prepare` without touching a weight."""
 
     version: int
-    writes: dict[str, tuple[torch.Tensor, torch.Tensor]]  # target -> (storage offsets, values)
+    # target -> chunks of (storage offsets, values); kept as located, never concatenated, so the
+    # working set stays the decoded payload plus its offsets
+    writes: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
     fallback: list[ParamDelta]
     post_hashes: dict[str, str]
     total_changed: int
@@ -131,7 +133,7 @@ class DeltaApplier:
     def stage(self, manifest: Manifest, deltas: Iterable[ParamDelta], *, version: int, replay: bool,
               start: float) -> StagedUpdate:
         """Locate decoded (validated) changes: one path after the bytes arrive, whatever carried them."""
-        per_target: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        writes: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         fallback: list[ParamDelta] = []
         total = 0
         for delta in deltas:
@@ -144,14 +146,11 @@ class DeltaApplier:
                 fallback.append(delta)
                 continue
             for target, offsets, values in self._locate(placement, delta):
-                offs, vals = per_target.setdefault(target, ([], []))
-                offs.append(offsets)
-                vals.append(values)
-        writes = {t: (torch.cat(o), torch.cat(v)) for t, (o, v) in per_target.items()}
+                writes.setdefault(target, []).append((offsets, values))
         post_hashes = {p.name: p.post_hash for p in manifest.params if p.post_hash}
         return StagedUpdate(
             version=version, writes=writes, fallback=fallback, post_hashes=post_hashes,
-            total_changed=total, changed=sum(o.numel() for o, _ in writes.values()),
+            total_changed=total, changed=sum(o.numel() for chunks in writes.values() for o, _ in chunks),
             bytes_read=sum(f.bytes for f in manifest.files), decode_s=time.perf_counter() - start,
             replay=replay, fallback_names=sorted({d.name for d in fallback}),
         )
@@ -192,11 +191,12 @@ class DeltaApplier:
         """Scatter the staged entries into the live weights; returns the seconds it took."""
         start = time.perf_counter()
         try:
-            for target, (offsets, values) in staged.writes.items():
+            for target, chunks in staged.writes.items():
                 flat = flat_storage(self.targets[target])
-                step = max(1, chunk_bytes // (offsets.element_size() + values.element_size()))
-                for lo in range(0, offsets.numel(), step):
-                    flat.index_put_((offsets[lo:lo + step],), values[lo:lo + step])
+                for offsets, values in chunks:
+                    step = max(1, chunk_bytes // (offsets.element_size() + values.element_size()))
+                    for lo in range(0, offsets.numel(), step):
+                        flat.index_copy_(0, offsets[lo:lo + step], values[lo:lo + step])
             if staged.fallback:
                 self._apply_fallback(staged.fallback, chunk_bytes)
             self._refresh_cpu_kernels(staged)
@@ -231,8 +231,13 @@ class DeltaApplier:
             by_target.setdefault(seg.target, []).append(seg)
         numel = torch.Size(placement.shape).numel()
         target, segments = next((t, segs) for t, segs in by_target.items() if sum(s.numel for s in segs) == numel)
-        out = torch.empty(numel, dtype=placement.dtype)
         flat = flat_storage(self.targets[target])
+        if len(segments) == 1 and segments[0].src_offset == 0 and segments[0].dst_strides == segments[0].src_strides \
+                and flat.dtype == placement.dtype:
+            # Stored exactly as in the checkpoint (a whole param, or a row block of a packed one).
+            start = segments[0].dst_offset
+            return flat[start:start + numel].view(placement.shape)
+        out = torch.empty(numel, dtype=placement.dtype)
         for seg in segments:
             src = torch.as_strided(flat, seg.sizes, seg.dst_strides, seg.dst_offset)
             torch.as_strided(out, seg.sizes, seg.src_strides, seg.src_offset).copy_(src)
