@@ -6,7 +6,7 @@ P4: 20 end-to-end syncs of a ~0.5 B-param Llama at 2% density to a real CPU `vll
     over the same link: the full bf16 checkpoint through the same throttled writer plus vLLM's own
     in-place reload of the weights from disk (`reload_weights` via the dev `/collective_rpc`).
 
-Run: .venv/bin/python benchmarks/sender.py [--syncs 20] [--layers 24]
+Run: .venv/bin/python benchmarks/sender.py [--syncs 20] [--layers 26]
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ def p3(weights: dict[str, torch.Tensor]) -> dict[str, float]:
     step(weights, torch.Generator().manual_seed(1))
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     dst = {n: torch.empty_like(t) for n, t in weights.items()}
+    for n, t in weights.items():  # touch the destination first: time the copy, not page faults
+        dst[n].copy_(t)
     t0 = time.perf_counter()
     for n, t in weights.items():
         dst[n].copy_(t)
@@ -133,7 +135,8 @@ def p4(model: Path, weights: dict[str, torch.Tensor], work: Path, syncs: int) ->
             assert m["sender/all_acked"] == 1.0, sender.engines
             rows.append(m)
             print(f"sync {k + 1}: {m['perf/update_weights_time']:.2f}s "
-                  f"{m['perf/update_weights_wire_bytes'] / 1e6:.1f} MB pause {m['perf/update_weights_engine_pause_time']:.3f}s",
+                  f"{m['perf/update_weights_wire_bytes'] / 1e6:.1f} MB pause {m['perf/update_weights_engine_pause_time']:.3f}s "
+                  f"encode {m['perf/delta_encode_time']:.2f}s apply {m['perf/update_weights_engine_apply_time']:.2f}s",
                   flush=True)
         # Full sync over the same link: the whole checkpoint through the throttled writer, then
         # vLLM's own in-place reload from disk.
@@ -147,9 +150,18 @@ def p4(model: Path, weights: dict[str, torch.Tensor], work: Path, syncs: int) ->
         throttled_write(full_dir / "model.safetensors", data, Throttle(LINK))
         write_s = time.perf_counter() - t0
         del data
-        reload_s = rpc(server.url, "reload_weights", weights_path=str(full_dir))
+        try:
+            reload_s = rpc(server.url, "reload_weights", weights_path=str(full_dir))
+        except requests.HTTPError as exc:  # reported: the ratio then uses the link time alone
+            print(f"vLLM reload_weights failed: {exc}", flush=True)
+            reload_s = None
     return {"engine_start_s": start_s, "rows": rows, "full_bytes": (model / "model.safetensors").stat().st_size,
             "full_write_s": write_s, "full_reload_s": reload_s}
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    tail = rows[1:] or rows
+    return sum(r[key] for r in tail) / len(tail)
 
 
 def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path) -> None:
@@ -162,7 +174,9 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path) -> 
     times = [r["perf/update_weights_time"] for r in rows]
     wire = [r["perf/update_weights_wire_bytes"] for r in rows]
     pause = [r["perf/update_weights_engine_pause_time"] for r in rows]
-    full_s = res4["full_write_s"] + res4["full_reload_s"]
+    reload_s = res4["full_reload_s"]
+    full_s = res4["full_write_s"] + (reload_s or 0.0)
+    reload_txt = f"{reload_s:.2f}" if reload_s is not None else "failed: link time only, a lower bound"
     steady = times[1:] if len(times) > 1 else times
     mean_t = sum(steady) / len(steady)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -206,18 +220,32 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path) -> 
         "+ post-apply hash check, the ack, and the snapshot advance. Full sync = the full bf16 checkpoint written "
         "through the same throttled writer, plus vLLM's own in-place `reload_weights` from that directory (timed "
         "over the dev `/collective_rpc` route; it does not pause generation explicitly, so its real cost is "
-        "higher). The first delta sync also probes the engine's weight placement once.",
+        "higher). If vLLM's `reload_weights` fails on this CPU build, the full sync is the link time alone, "
+        "which no full sync can beat. The first delta sync also probes the engine's weight placement once.",
         "",
         "| | delta sync (mean of syncs 2..N) | first sync | full sync |",
         "|---|---|---|---|",
         f"| time | {mean_t:.2f} s | {times[0]:.2f} s | {full_s:.2f} s (write {res4['full_write_s']:.2f} + reload "
-        f"{res4['full_reload_s']:.2f}) |",
+        f"{reload_txt}) |",
         f"| bytes on the link | {sum(wire[1:]) / max(1, len(wire) - 1) / 1e6:.1f} MB | {wire[0] / 1e6:.1f} MB | "
         f"{res4['full_bytes'] / 1e6:.0f} MB |",
         f"| engine pause | {sum(pause[1:]) / max(1, len(pause) - 1):.3f} s | {pause[0]:.3f} s | — |",
         "",
         f"Speed-up: **{full_s / mean_t:.1f}×** (target ≥ 25×). Pause / sync: "
         f"**{sum(pause[1:]) / max(1e-9, sum(times[1:])):.1%}** (target ≤ 10%).",
+        "",
+        "### Where a delta sync's time goes (mean of syncs 2..N)",
+        "",
+        f"- sender diff + encode + post-apply hashes (`perf/delta_encode_time`): {_mean(rows, 'perf/delta_encode_time'):.2f} s",
+        f"- delta bytes on the 300 MB/s link: {sum(wire[1:]) / max(1, len(wire) - 1) / LINK:.3f} s",
+        f"- engine read + verify + decode + locate (not paused): {_mean(rows, 'perf/update_weights_engine_decode_time'):.2f} s",
+        f"- engine scatter + CPU repack + post-hash check (paused): {_mean(rows, 'perf/update_weights_engine_apply_time'):.2f} s",
+        "",
+        "On this shared 2-core CPU the link is not the bottleneck: the full checkpoint crosses it in a few "
+        "seconds, while diffing, encoding and hashing 0.5 B params on one core costs more than that. The delta "
+        "moves ~1% of the bytes, but the targets (≥ 25× faster than a full sync) are not met here; they need a "
+        "link that dominates (larger models, slower links) or a sender that scans on an accelerator, neither of "
+        "which this run had.",
         "",
         "![time and bytes per sync](sender_syncs.png)",
         "",
@@ -236,9 +264,14 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path) -> 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--syncs", type=int, default=20)
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=26)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from sender.json")
     a = ap.parse_args()
+    if a.report_only:
+        saved = json.loads((a.out / "sender.json").read_text())
+        report(saved["p3"], saved["p4"], saved["params"], a.out / "sender.md", a.out / "sender_syncs.png")
+        return
     work = Path(tempfile.mkdtemp(prefix="sender-bench-"))
     try:
         model = make_model(work / "model", a.layers)
@@ -252,7 +285,7 @@ def main() -> None:
         res4 = p4(model, weights, work, a.syncs)
         a.out.mkdir(parents=True, exist_ok=True)
         report(res3, res4, params, a.out / "sender.md", a.out / "sender_syncs.png")
-        (a.out / "sender.json").write_text(json.dumps({"p3": res3, "p4": res4}, indent=1))
+        (a.out / "sender.json").write_text(json.dumps({"p3": res3, "p4": res4, "params": params}, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
