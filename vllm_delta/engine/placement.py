@@ -56,6 +56,18 @@ class Segment:
     def src_last(self) -> int:
         return self.src_offset + sum((n - 1) * s for n, s in zip(self.sizes, self.src_strides))
 
+    @property
+    def src_dense(self) -> bool:
+        """Whether the segment holds every id from src_offset to src_last (row-major, no gaps)."""
+        expected = 1
+        for n, s in reversed(list(zip(self.sizes, self.src_strides))):
+            if n == 1:
+                continue
+            if s != expected:
+                return False
+            expected *= n
+        return True
+
     def locate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For sorted int64 checkpoint positions: (indices into `positions` this segment owns,
         their destination storage offsets)."""
@@ -65,6 +77,20 @@ class Segment:
             empty = positions.new_empty(0)
             return empty, empty
         window = positions[lo:hi]
+        if self.src_dense:
+            # Every id from src_offset to src_last is in the segment: no ownership mask needed.
+            idx = torch.arange(lo, hi, dtype=positions.dtype, device=positions.device)
+            if self.dst_strides == self.src_strides:
+                return idx, window + (self.dst_offset - self.src_offset)
+            rest = window - self.src_offset
+            dst = torch.full_like(window, self.dst_offset)
+            for n, s_src, s_dst in zip(self.sizes, self.src_strides, self.dst_strides):
+                if n == 1:
+                    continue
+                i = torch.div(rest, s_src, rounding_mode="floor")
+                rest -= i * s_src
+                dst += i * s_dst
+            return idx, dst
         rest = window - self.src_offset
         dst = torch.full_like(window, self.dst_offset)
         owned = torch.ones_like(window, dtype=torch.bool)
