@@ -30,7 +30,7 @@ from harness.tiny_models import make_tiny_model  # noqa: E402
 from harness.vllm_engine import VllmServer  # noqa: E402
 from vllm_delta import DeltaSender  # noqa: E402
 from vllm_delta.diff import changed_positions  # noqa: E402
-from vllm_delta.transports.base import FlushBuilder  # noqa: E402
+from vllm_delta.wire import FlushBuilder  # noqa: E402
 from vllm_delta.transports.disk import Throttle, throttled_write  # noqa: E402
 
 LINK = 300e6  # bytes per second

@@ -25,8 +25,8 @@ import torch
 
 from vllm_delta.client import EngineClient, Reply
 from vllm_delta.diff import changed_positions
-from vllm_delta.transports.base import FlushBuilder, SentDelta
-from vllm_delta.wire import get_encoding, tensor_digest
+from vllm_delta.transports.base import SentDelta
+from vllm_delta.wire import FlushBuilder, get_encoding, tensor_digest
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from .flush import EncodedFlush, ParamChange, ParamDelta, encode_flush
 from .manifest import (MANIFEST_NAME, FileEntry, Manifest, ParamEntry, load_manifest, merge_manifests,
                        parse_manifest, write_manifest)
 from .reader import DeltaDecoder, DeltaInfo, iter_delta, open_delta, read_delta
-from .writer import DeltaWriter, file_entry, flush_name
+from .writer import DeltaWriter, FlushBuilder, file_entry, flush_name
 
 __all__ = [
     "BoundsError", "CorruptDeltaError", "DEFAULT_ENCODING", "DeltaDecoder", "DeltaError", "DeltaInfo",
-    "DeltaWriter", "DtypeMismatchError", "ENCODINGS", "EncodedFlush", "Encoding", "FileEntry",
+    "DeltaWriter", "DtypeMismatchError", "FlushBuilder", "ENCODINGS", "EncodedFlush", "Encoding", "FileEntry",
     "FormatError", "HASH_ALGO", "IncompatibleDeltaError", "IncompleteDeltaError", "IntegrityError",
     "Limits", "LimitError", "MANIFEST_NAME", "Manifest", "ParamChange", "ParamDelta", "ParamEntry",
     "ShapeMismatchError", "UnknownDtypeError", "UnknownEncodingError", "UnknownParamError",

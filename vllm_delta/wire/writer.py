@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,34 +25,32 @@ def file_entry(name: str, flush: EncodedFlush) -> FileEntry:
                      decoded_bytes=flush.decoded_bytes, changed=sum(n for _, n in flush.counts))
 
 
-class DeltaWriter:
-    """Encodes changes into flush files of about `flush_bytes` raw bytes each; `close` seals it.
+class FlushBuilder:
+    """Queue changes with `add`; each bucket of about `flush_bytes` raw bytes is encoded and handed
+    to `emit(name, flush)`; `manifest()` describes everything emitted.
 
-    Each flush file is written atomically (`.tmp`, fsync, rename). Until `close()` writes the
-    manifest, readers treat the directory as unfinished. A param larger than a flush is split
-    into chunks in position order. Several writers (ranks) may share a directory: give each its
-    `rank`, call `close(seal=False)` and write `merge_manifests(...)` once with `write_manifest`.
+    Why a callback: the same bytes go to a version directory (`DeltaWriter`), to a background
+    file writer, or to a buffer for a broadcast. A param larger than a flush is split into
+    chunks in position order.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, *, version: int, base_version: int | None = None,
-                 encoding: str = DEFAULT_ENCODING, flush_bytes: int = 256 << 20, rank: int = 0,
-                 model_elements: int | None = None):
+    def __init__(self, emit: Callable[[str, EncodedFlush], None], *, version: int,
+                 base_version: int | None = None, encoding: str = DEFAULT_ENCODING,
+                 flush_bytes: int = 256 << 20, rank: int = 0, model_elements: int | None = None):
         self.encoding = get_encoding(encoding)
         if self.encoding.needs_base and base_version is None:
             raise ValueError(f"encoding {encoding!r} is base-relative: give base_version")
         if flush_bytes <= 0:
             raise ValueError("flush_bytes must be positive")
-        self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if (self.dir / MANIFEST_NAME).exists():
-            raise FileExistsError(f"{self.dir} already holds a finished delta")
+        self.emit = emit
         self.version, self.base_version, self.rank = version, base_version, rank
         self.flush_bytes, self.model_elements = flush_bytes, model_elements
         self._pending: list[ParamChange] = []
         self._pending_bytes = 0
-        self._files: list[FileEntry] = []
+        self.files: list[FileEntry] = []
         self._params: dict[str, dict] = {}
-        self._closed = False
+        self.wire_bytes = 0  # encoded bytes emitted (after compression)
+        self.pre_compress_bytes = 0  # the same flushes before compression
 
     def add(self, name: str, positions: torch.Tensor, new_values: torch.Tensor,
             old_values: torch.Tensor | None = None, *, shape: tuple[int, ...] | torch.Size,
@@ -61,8 +60,6 @@ class DeltaWriter:
         `old_values` (the snapshot's values at `positions`) is required by base-relative
         encodings. A param with no changes writes nothing.
         """
-        if self._closed:
-            raise RuntimeError("writer is closed")
         if name in self._params:
             raise ValueError(f"param {name!r} added twice")
         n = positions.numel()
@@ -88,30 +85,65 @@ class DeltaWriter:
                                              None if old_values is None else old_values[a:b]))
             self._pending_bytes += (b - a) * per_elem
             if self._pending_bytes >= self.flush_bytes:
-                self._flush()
+                self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Encode and emit what is queued (a no-op when nothing is)."""
         if not self._pending:
             return
-        name = flush_name(self.rank, len(self._files))
+        name = flush_name(self.rank, len(self.files))
         enc = encode_flush(self._pending, encoding=self.encoding, version=self.version,
                            base_version=self.base_version)
-        write_atomic(self.dir / name, enc.data)
-        self._files.append(file_entry(name, enc))
+        entry = file_entry(name, enc)
+        self.emit(name, enc)
+        self.files.append(entry)
+        self.wire_bytes += entry.bytes
+        # Before compression: the decoded streams (per-stream zstd), the container (whole-file
+        # zstd), or the bytes themselves (no compression).
+        self.pre_compress_bytes += enc.decoded_bytes if self.encoding.compression != "none" else entry.bytes
         for ch in self._pending:
             files = self._params[ch.name]["files"]
             if name not in files:
                 files.append(name)
         self._pending, self._pending_bytes = [], 0
 
+    def manifest(self) -> Manifest:
+        """Emit what is pending, then describe every flush and param."""
+        self.flush()
+        return Manifest(version=self.version, base_version=self.base_version, encoding=self.encoding.name,
+                        model_elements=self.model_elements, files=self.files,
+                        params=[ParamEntry(**p) for p in self._params.values()])
+
+
+class DeltaWriter(FlushBuilder):
+    """Writes flush files into a version directory; `close` seals it with the manifest.
+
+    Each flush file is written atomically (`.tmp`, fsync, rename). Until `close()` writes the
+    manifest, readers treat the directory as unfinished. Several writers (ranks) may share a
+    directory: give each its `rank`, call `close(seal=False)` and write `merge_manifests(...)`
+    once with `write_manifest`.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, **kwargs) -> None:
+        super().__init__(self._write, **kwargs)
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if (self.dir / MANIFEST_NAME).exists():
+            raise FileExistsError(f"{self.dir} already holds a finished delta")
+        self._closed = False
+
+    def _write(self, name: str, flush: EncodedFlush) -> None:
+        write_atomic(self.dir / name, flush.data)
+
+    def add(self, *args, **kwargs) -> None:
+        if self._closed:
+            raise RuntimeError("writer is closed")
+        super().add(*args, **kwargs)
+
     def close(self, *, seal: bool = True) -> Manifest:
         """Write what is pending, then the manifest (last, atomically). Returns the manifest."""
-        if not self._closed:
-            self._flush()
-            self._closed = True
-        manifest = Manifest(version=self.version, base_version=self.base_version,
-                            encoding=self.encoding.name, model_elements=self.model_elements,
-                            files=self._files, params=[ParamEntry(**p) for p in self._params.values()])
+        manifest = self.manifest()
+        self._closed = True
         if seal:
             write_manifest(self.dir, manifest)
         return manifest
@@ -122,4 +154,3 @@ class DeltaWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:  # on error leave no manifest: readers see an unfinished delta
             self.close()
-
