@@ -18,9 +18,10 @@ from pathlib import Path
 
 import requests
 
+from vllm_delta.engine.cli_args import ENV_FLAG as DELTA_ENV
+from vllm_delta.engine.cli_args import WORKER_EXTENSION as DELTA_WORKER_EXTENSION
+
 KV_CACHE_BYTES = 64 << 20
-DELTA_ENV = "VLLM_DELTA_UPDATES"
-DELTA_WORKER_EXTENSION = "vllm_delta.engine.worker.DeltaWorkerExtension"
 MAX_MODEL_LEN = 256
 VENV_BIN = Path(sys.executable).parent
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,7 +48,10 @@ class StagedUpdate:
     bytes_read: int
     decode_s: float
     replay: bool
-    fallback_names: list[str] = field(default_factory=list)
+
+    @property
+    def fallback_names(self) -> list[str]:
+        return sorted({d.name for d in self.fallback})
 
 
 def flat_storage(t: torch.Tensor) -> torch.Tensor:
@@ -152,7 +155,7 @@ class DeltaApplier:
             version=version, writes=writes, fallback=fallback, post_hashes=post_hashes,
             total_changed=total, changed=sum(o.numel() for chunks in writes.values() for o, _ in chunks),
             bytes_read=sum(f.bytes for f in manifest.files), decode_s=time.perf_counter() - start,
-            replay=replay, fallback_names=sorted({d.name for d in fallback}),
+            replay=replay,
         )
 
     def _locate(self, placement: TensorPlacement,
@@ -224,13 +227,11 @@ class DeltaApplier:
         Each segment is a strided block on both sides, so this is one strided copy per segment.
         """
         placement = self.placements[name]
-        if placement.fallback_reason or not placement.covers_whole_tensor:
+        whole = None if placement.fallback_reason else placement.whole_target()
+        if whole is None:
             return None
-        by_target: dict[str, list] = {}
-        for seg in placement.segments:
-            by_target.setdefault(seg.target, []).append(seg)
+        target, segments = whole
         numel = torch.Size(placement.shape).numel()
-        target, segments = next((t, segs) for t, segs in by_target.items() if sum(s.numel for s in segs) == numel)
         flat = flat_storage(self.targets[target])
         if len(segments) == 1 and segments[0].src_offset == 0 and segments[0].dst_strides == segments[0].src_strides \
                 and flat.dtype == placement.dtype:

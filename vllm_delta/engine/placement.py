@@ -116,16 +116,17 @@ class TensorPlacement:
     segments: list[Segment] = field(default_factory=list)
     fallback_reason: str | None = None
 
+    def whole_target(self) -> tuple[str, list[Segment]] | None:
+        """A destination holding every element, with its segments (so the tensor can be rebuilt here)."""
+        numel = torch.Size(self.shape).numel()
+        by_target: dict[str, list[Segment]] = {}
+        for seg in self.segments:
+            by_target.setdefault(seg.target, []).append(seg)
+        return next(((t, segs) for t, segs in by_target.items() if sum(s.numel for s in segs) == numel), None)
+
     @property
     def covers_whole_tensor(self) -> bool:
-        """Whether some destination holds every element (so the full tensor can be rebuilt here)."""
-        numel = 1
-        for s in self.shape:
-            numel *= s
-        by_target: dict[str, int] = {}
-        for seg in self.segments:
-            by_target[seg.target] = by_target.get(seg.target, 0) + seg.numel
-        return any(n == numel for n in by_target.values())
+        return self.whole_target() is not None
 
 
 @dataclass(frozen=True)

@@ -2,19 +2,14 @@
 
 import os
 
+from vllm_delta.engine.cli_args import ENV_FLAG
 from vllm_delta.engine.cpu_amx import request_amx_permission
-
-ENABLED_ENV = "VLLM_DELTA_UPDATES"
-
-
-def delta_updates_enabled() -> bool:
-    return os.environ.get(ENABLED_ENV) == "1"
 
 
 def register() -> None:
     """Prepare this vLLM process; CPU weight bookkeeping only when delta updates are on."""
     request_amx_permission()
-    if not delta_updates_enabled():
+    if os.environ.get(ENV_FLAG) != "1":  # set by --enable-delta-updates before workers start
         return
     from vllm.platforms import current_platform
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.datastructures import State
 
 from vllm_delta.engine.cli_args import PLUGIN_NAME, check_args
@@ -188,15 +188,19 @@ def _updater(request: Request) -> DeltaUpdater:
     return updater
 
 
+async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The request body as `model`; a malformed one is a 400."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise bad_request(exc) from None
+
+
 @router.post("/update_weights_delta")
 async def update_weights_delta(request: Request) -> JSONResponse:
     try:
         updater = _updater(request)
-        try:
-            body = DeltaUpdateRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            raise bad_request(exc) from None
-        result = await updater.update(body)
+        result = await updater.update(await _body(request, DeltaUpdateRequest))
     except UpdateError as err:
         logger.warning("delta update refused (%d): %s", err.status, err.error["message"])
         delta_metrics().failed(err.status)
@@ -211,11 +215,7 @@ async def update_weights_delta(request: Request) -> JSONResponse:
 async def delta_collective_init(request: Request) -> JSONResponse:
     try:
         updater = _updater(request)
-        try:
-            body = CollectiveInitRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            raise bad_request(exc) from None
-        return JSONResponse(await updater.collective_init(body))
+        return JSONResponse(await updater.collective_init(await _body(request, CollectiveInitRequest)))
     except UpdateError as err:
         logger.warning("collective init refused (%d): %s", err.status, err.error["message"])
         return err.response()

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
+from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.wire import DeltaError, parse_manifest
 from vllm_delta.wire.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
-DEFAULT_CHUNK_BYTES = 256 << 20
 
 
 @dataclass
