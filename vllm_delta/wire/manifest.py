@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .additive import DIGEST_ALGO, combine
 from .container import Limits
 from .digest import HASH_ALGO
 from .errors import FormatError, IncompleteDeltaError, LimitError
@@ -52,7 +53,21 @@ class ParamEntry(_Strict):
     shape: list[NonNeg]
     changed: Annotated[int, Field(ge=1)]
     files: list[str] = Field(min_length=1)
-    post_hash: str | None = None
+    # Set when several writers (e.g. ranks holding shards) contributed: a partition of `files`,
+    # each part in position order on its own. The reader checks that parts never overlap.
+    parts: list[list[str]] | None = None
+    post_hash: str | None = None  # xxh3 of the whole tensor after apply (one writer only)
+    # Additive digests (wire/additive.py), 32 hex digits: of the whole tensor after apply, and of
+    # the listed positions before (base-relative deltas only) and after apply. Shards add up.
+    digest: str | None = None
+    pre_digest: str | None = None
+    post_digest: str | None = None
+
+    @model_validator(mode="after")
+    def _parts_partition_files(self) -> ParamEntry:
+        if self.parts is not None and sorted(f for part in self.parts for f in part) != sorted(self.files):
+            raise ValueError(f"param {self.name!r}: parts do not partition its files")
+        return self
 
 
 class Manifest(_Strict):
@@ -61,6 +76,7 @@ class Manifest(_Strict):
     base_version: int | None = None
     encoding: str
     hash_algo: Literal["xxh3_128"] = HASH_ALGO
+    digest_algo: Literal["add2x64-splitmix"] = DIGEST_ALGO
     # Elements in the whole model (changed or not), so density can be reported.
     model_elements: NonNeg | None = None
     files: list[FileEntry] = []
@@ -91,14 +107,46 @@ class Manifest(_Strict):
 
 
 def merge_manifests(parts: list[Manifest]) -> Manifest:
-    """One manifest from several writers' partial ones (e.g. one per rank) of the same delta."""
+    """One manifest from several writers' partial ones (e.g. one per rank) of the same delta.
+
+    A param that several writers hold shards of becomes one entry: counts and additive digests
+    add up, each writer's files form one part. Whole-tensor xxh3 hashes cannot be combined, so a
+    param with several writers must not carry one.
+    """
     first = parts[0]
     for p in parts[1:]:
         if (p.version, p.base_version, p.encoding) != (first.version, first.base_version, first.encoding):
             raise ValueError("manifests disagree on version, base_version or encoding")
+    by_name: dict[str, list[ParamEntry]] = {}
+    for p in parts:
+        for e in p.params:
+            by_name.setdefault(e.name, []).append(e)
     return Manifest(version=first.version, base_version=first.base_version, encoding=first.encoding,
-                    model_elements=first.model_elements,
-                    files=[f for p in parts for f in p.files], params=[e for p in parts for e in p.params])
+                    model_elements=first.model_elements, files=[f for p in parts for f in p.files],
+                    params=[_merge_entries(es) for es in by_name.values()])
+
+
+def _merge_entries(entries: list[ParamEntry]) -> ParamEntry:
+    if len(entries) == 1:
+        return entries[0]
+    first = entries[0]
+    if any((e.dtype, e.shape) != (first.dtype, first.shape) for e in entries):
+        raise ValueError(f"writers disagree on the dtype or shape of {first.name!r}")
+    if any(e.post_hash for e in entries):
+        raise ValueError(f"{first.name!r} has several writers; a whole-tensor post_hash cannot be merged")
+
+    def added(field: str) -> str | None:
+        values = [getattr(e, field) for e in entries]
+        if all(v is None for v in values):
+            return None
+        if any(v is None for v in values):
+            raise ValueError(f"some writers of {first.name!r} give {field}, others do not")
+        return combine(*values)
+
+    return ParamEntry(name=first.name, dtype=first.dtype, shape=first.shape,
+                      changed=sum(e.changed for e in entries), files=[f for e in entries for f in e.files],
+                      parts=[f for e in entries for f in (e.parts or [e.files])],
+                      digest=added("digest"), pre_digest=added("pre_digest"), post_digest=added("post_digest"))
 
 
 def write_atomic(path: Path, data: bytes) -> None:

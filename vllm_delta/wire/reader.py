@@ -12,6 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .container import Limits
 from .digest import bytes_digest
 from .dtypes import by_name
@@ -59,8 +61,13 @@ class DeltaDecoder:
         for p in manifest.params:
             d = by_name(p.dtype, param=p.name)
             check_expected(p.name, tuple(p.shape), d.torch, expected, file=MANIFEST_NAME)
+        # A param written by several writers has parts: each in position order on its own; their
+        # positions are kept until finish() checks that no two parts overlap.
+        self._part = {(p.name, f): i for p in manifest.params for i, part in enumerate(p.parts or [p.files])
+                      for f in part}
+        self._shared: dict[str, list[torch.Tensor]] = {p.name: [] for p in manifest.params if p.parts}
         self._seen: dict[str, int] = {}
-        self._last: dict[str, int] = {}
+        self._last: dict[tuple[str, int], int] = {}
         self._done: set[str] = set()
 
     def feed(self, name: str, data: bytes | memoryview) -> list[ParamDelta]:
@@ -96,9 +103,12 @@ class DeltaDecoder:
             raise FormatError("param is not listed for this file in the manifest", file=file, param=pd.name)
         if (tuple(p.shape), by_name(p.dtype).torch) != (pd.shape, pd.dtype):
             raise FormatError("shape or dtype differs from the manifest", file=file, param=pd.name)
-        if pd.name in self._last and int(pd.positions[0]) <= self._last[pd.name]:
+        part = (pd.name, self._part[(pd.name, file)])
+        if part in self._last and int(pd.positions[0]) <= self._last[part]:
             raise BoundsError("chunks overlap or are out of order", file=file, param=pd.name)
-        self._last[pd.name] = int(pd.positions[-1])
+        self._last[part] = int(pd.positions[-1])
+        if pd.name in self._shared:
+            self._shared[pd.name].append(pd.positions)
         self._seen[pd.name] = self._seen.get(pd.name, 0) + pd.count
         if self._seen[pd.name] > p.changed:
             raise BoundsError(f"more than the {p.changed} changes the manifest lists", file=file, param=pd.name)
@@ -109,6 +119,10 @@ class DeltaDecoder:
             if all(f in self._done for f in p.files) and self._seen.get(p.name, 0) != p.changed:
                 raise BoundsError(f"{self._seen.get(p.name, 0)} changes, manifest says {p.changed}",
                                   param=p.name)
+        for name, chunks in self._shared.items():
+            merged = torch.cat(chunks).sort().values if chunks else None
+            if merged is not None and bool((merged[1:] == merged[:-1]).any()):
+                raise BoundsError("parts from different writers overlap", param=name)
 
 
 def _read_file(path: Path, size: int | None) -> bytes:
