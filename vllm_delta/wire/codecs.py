@@ -1,4 +1,4 @@
-"""Vectorized position and value codecs on numpy arrays.
+"""Vectorized position and value codecs on numpy arrays (and the receiver's ULP resolve in torch).
 
 Positions are sorted, unique int64 flat indices. Values are bit patterns as unsigned integers of
 the param's own width. Every decoder validates what it returns, so a hostile byte string yields a
@@ -8,8 +8,9 @@ the param's own width. Every decoder validates what it returns, so a hostile byt
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from .dtypes import DType
+from .dtypes import DType, by_torch
 from .errors import BoundsError, FormatError
 
 GAP_WIDTHS = (1, 2, 4, 8)
@@ -154,6 +155,37 @@ def ulp_steps(new_bits: np.ndarray, old_bits: np.ndarray, d: DType) -> np.ndarra
 
 def ulp_resolve(old_bits: np.ndarray, steps: np.ndarray, d: DType) -> np.ndarray:
     return from_order_key(order_key(old_bits, d) + steps, d)
+
+
+def ulp_resolve_tensor(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """`ulp_resolve` in torch integer ops where `old` lives: new values of `old`'s dtype.
+
+    Why torch: the receiver resolves against weights on the GPU; a numpy round trip would copy
+    them to the host. Same bijection as `order_key`, on same-width signed views, whose wrapping
+    add equals the unsigned one; `>>` on signed torch ints is arithmetic, as numpy's is there.
+    `steps` are same-width signed integers on `old`'s device.
+    """
+    d = by_torch(old.dtype)
+    if steps.device != old.device or steps.numel() != old.numel() or steps.element_size() != d.itemsize:
+        raise ValueError(f"{steps.numel()} {steps.dtype} steps on {steps.device} for "
+                         f"{old.numel()} {old.dtype} values on {old.device}")
+    bits = old.reshape(-1).view(d.int_view)
+    top = 8 * d.itemsize - 1
+    sign = -(1 << top)  # the sign bit as a signed integer of this width
+    if d.is_float:
+        key = bits ^ ((bits >> top) | sign)
+    elif d.name == "uint8":
+        key = bits
+    else:
+        key = bits ^ sign
+    key = key + steps.reshape(-1).view(d.int_view)
+    if d.is_float:
+        new = key ^ (~(key >> top) | sign)
+    elif d.name == "uint8":
+        new = key
+    else:
+        new = key ^ sign
+    return new.view(d.torch)
 
 
 def encode_steps(steps: np.ndarray, d: DType) -> tuple[bytes, bytes, np.ndarray]:

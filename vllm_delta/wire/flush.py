@@ -61,15 +61,15 @@ class ParamDelta:
         return self.positions.numel()
 
     def resolve(self, old: torch.Tensor | None = None) -> torch.Tensor:
-        """New values at `positions`: exact integer ops on bit patterns, on the CPU."""
+        """New values at `positions`: exact integer ops on bit patterns, where `old` lives.
+
+        Only the steps (the delta's own payload) move to `old`'s device; the weights never leave it.
+        """
         if not self.needs_base:
             return self.values
         if old is None or old.dtype != self.dtype or old.numel() != self.count:
             raise ValueError(f"{self.name}: resolve needs the {self.count} current {self.dtype} values")
-        d = by_torch(self.dtype)
-        steps = self.values.numpy().view(d.uint)
-        new = codecs.ulp_resolve(to_bits(old.detach().cpu().contiguous()), steps, d)
-        return from_bits(new, d).to(old.device)
+        return codecs.ulp_resolve_tensor(old.detach(), self.values.to(old.device))
 
     def apply_(self, tensor: torch.Tensor) -> None:
         """Write the changes into a full tensor of `shape` in place."""
