@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from vllm_delta.wire import IntegrityError, open_delta, read_delta
-from vllm_delta.wire.legacy import seed_checksum, seed_hash
 from wire_helpers import seed_flush_bytes
 
 INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -57,10 +56,3 @@ def test_seed_checksum_mismatch(tmp_path):
     (tmp_path / "rank0000_flush000000.safetensors").write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="seed checksum"):
         open_delta(tmp_path)
-
-
-def test_seed_hash_is_an_xor_of_zero_padded_le_words():
-    assert seed_hash(b"") == 0
-    assert seed_hash((1).to_bytes(8, "little") * 2) == 0
-    assert seed_hash(b"\x01\x02\x03") == 0x030201
-    assert seed_checksum(b"\x01", b"\x01") == 1 ^ 2

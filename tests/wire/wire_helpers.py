@@ -12,7 +12,6 @@ from safetensors.torch import save, save_file
 from vllm_delta.diff import diff_param
 from vllm_delta.wire import DeltaWriter, tensor_digest
 from vllm_delta.wire.codecs import encode_gaps
-from vllm_delta.wire.legacy import seed_checksum
 
 
 def write_delta(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *,
@@ -31,7 +30,7 @@ def seed_flush_bytes(changes: list[tuple[str, torch.Tensor, torch.Tensor]], *, e
     """A flush in the seed's documented layout (docs/wire-format.md, "Seed format").
 
     `changes` is (name, old, new). `promote` concatenates values as float32, like the seed did
-    for mixed dtypes. The checksum is `hash_tensor(positions) ^ (hash_tensor(values) << 1)`.
+    for mixed dtypes. The checksum is `torch.hash_tensor(positions) ^ (torch.hash_tensor(values) << 1)`.
     """
     blobs, vals, params, pos_off, val_off = [], [], [], 0, 0
     for name, old, new in changes:
@@ -54,7 +53,9 @@ def seed_flush_bytes(changes: list[tuple[str, torch.Tensor, torch.Tensor]], *, e
         val_off += v.numel()
     positions = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if pos_off else torch.zeros(0, dtype=torch.uint8)
     values = torch.cat(vals)
-    checksum = seed_checksum(positions.numpy().tobytes(), values.view(torch.uint8).numpy().tobytes())
+    # Computed by torch.hash_tensor itself, as the seed did: never by the reader's own function.
+    # torch 2.13 has no uint64 `<<` on the CPU: shift the integer, wrapping at 2^64 as uint64 does.
+    checksum = torch.hash_tensor(positions).item() ^ ((torch.hash_tensor(values).item() << 1) & ((1 << 64) - 1))
     data = save({"__positions__": positions, "__values__": values},
                 metadata={"encoding": encoding, "params": json.dumps(params),
                           "current_version": str(version), "checksum": str(checksum)})

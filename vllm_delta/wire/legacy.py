@@ -22,23 +22,30 @@ from .flush import Expected, FlushHeader, ParamDelta, check_expected, meta_int, 
 
 SEED_ENCODINGS = ("indices", "deltas", "deltas_zstd")
 _MASK64 = (1 << 64) - 1
+_HASH_CHUNK = 1 << 22  # elements widened at a time, so hashing a large flush stays bounded in memory
 
 
-def seed_hash(data: bytes | memoryview) -> int:
-    """The seed's weak `hash_tensor`: XOR of the bytes as little-endian 64-bit words, zero-padded."""
-    buf = np.frombuffer(data, dtype=np.uint8)
-    head = buf[: buf.size - buf.size % 8].view("<u8")
-    acc = int(np.bitwise_xor.reduce(head)) if head.size else 0
-    if buf.size % 8:
-        tail = np.zeros(8, dtype=np.uint8)
-        tail[: buf.size % 8] = buf[buf.size - buf.size % 8:]
-        acc ^= int(tail.view("<u8")[0])
+def seed_hash(data: bytes | memoryview, d: DType) -> int:
+    """`torch.hash_tensor(t)` (mode 0) of the 1-D tensor of dtype `d` whose bytes are `data`.
+
+    `torch.hash_tensor` widens every element to its 64-bit float (floats) or integer (ints; sign-
+    or zero-extended) equivalent, bit-casts that to uint64 and XORs the results. This is the same
+    computation with torch's own conversions, so it does not depend on the installed torch having
+    `torch.hash_tensor`; tests/wire/test_seed_hash.py holds it equal to `torch.hash_tensor`.
+    """
+    bits = np.frombuffer(data, dtype=d.uint)
+    wide = torch.float64 if d.is_float else torch.int64
+    acc = 0
+    for start in range(0, bits.size, _HASH_CHUNK):
+        chunk = from_bits(bits[start:start + _HASH_CHUNK].copy(), d).to(wide)
+        acc ^= int(np.bitwise_xor.reduce(chunk.view(torch.int64).numpy().view(np.uint64)))
     return acc
 
 
-def seed_checksum(positions: bytes | memoryview, values: bytes | memoryview) -> int:
-    """`hash_tensor(positions) ^ (hash_tensor(values) << 1)`, as an unsigned 64-bit integer."""
-    return (seed_hash(positions) ^ (seed_hash(values) << 1)) & _MASK64
+def seed_checksum(positions: bytes | memoryview, values: bytes | memoryview, values_dtype: DType) -> int:
+    """The seed's `hash_tensor(positions) ^ (hash_tensor(values) << 1)` as an unsigned 64-bit integer;
+    `positions` is the uint8 blob."""
+    return (seed_hash(positions, by_name("uint8")) ^ (seed_hash(values, values_dtype) << 1)) & _MASK64
 
 
 class _SeedParam(BaseModel):
@@ -67,7 +74,7 @@ def decode_seed_flush(tensors, meta: Mapping[str, str], *, file: str,
     if pos_t is None or val_t is None or pos_t.dtype.st_code != "U8" or len(pos_t.shape) != 1 or len(val_t.shape) != 1:
         raise FormatError("seed flush needs 1-D `__positions__` (uint8) and `__values__`", file=file)
     checksum = meta_int(meta, "checksum", file=file) & _MASK64
-    if seed_checksum(pos_t.data, val_t.data) != checksum:
+    if seed_checksum(pos_t.data, val_t.data, val_t.dtype) != checksum:
         raise IntegrityError("seed checksum does not match", file=file)
     try:
         params = [_SeedParam.model_validate(p) for p in meta_json(meta, "params", file=file)]
