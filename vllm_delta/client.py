@@ -1,5 +1,9 @@
 """HTTP client for the engine's delta routes (aiohttp): one concurrent request per engine.
 
+Async callers (Ray async actors, async rollout loops) await `update_async` / `status_async` /
+`collective_init_async`. The sync methods wrap them; inside a running event loop they run the
+request on a private loop in a worker thread, because `asyncio.run` refuses to start there.
+
 Why retries only on some errors: a connection error or a 502/503/504 means the request did not
 reach the engine's update logic, so sending it again is safe. Any other answer (4xx, or a 500 from
 the engine, which may mean a half-applied, dirty engine) is final and goes back to the sender,
@@ -10,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +50,7 @@ class Reply:
 
 
 class EngineClient:
-    """Talks to a set of engines; every call is synchronous for the caller and concurrent inside."""
+    """Talks to a set of engines, concurrently; each route has an async method and a sync wrapper."""
 
     def __init__(self, api_key: str | None = None, *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  retries: int = 3, backoff_s: float = 0.5) -> None:
@@ -89,15 +95,38 @@ class EngineClient:
             replies = await asyncio.gather(*(self._request(session, method, u, route, bodies[u]) for u in urls))
         return dict(zip(urls, replies))
 
-    def _run(self, coro):
-        return asyncio.run(coro)
+    @staticmethod
+    def _run(coro: Coroutine[Any, Any, dict[str, Reply]]) -> dict[str, Reply]:
+        """Run `coro` to completion from sync code, whether or not this thread runs an event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coro)
+        # A loop runs here (we were called from a coroutine): it cannot be re-entered, so the
+        # request gets its own loop in a worker thread while this caller waits.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-client") as pool:
+            return pool.submit(asyncio.run, coro).result()
+
+    async def update_async(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
+        """`POST /update_weights_delta` to each engine (url -> body), concurrently."""
+        return await self._many("POST", UPDATE_ROUTE, bodies)
+
+    async def status_async(self, urls: Sequence[str]) -> dict[str, Reply]:
+        """`GET /delta_updates/status` of each engine, concurrently."""
+        return await self._many("GET", STATUS_ROUTE, {u: None for u in urls})
+
+    async def collective_init_async(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
+        """`POST /delta_updates/collective/init` to each engine (url -> body), concurrently."""
+        return await self._many("POST", COLLECTIVE_INIT_ROUTE, bodies)
 
     def update(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
-        """`POST /update_weights_delta` to each engine (url -> body), concurrently."""
-        return self._run(self._many("POST", UPDATE_ROUTE, bodies))
+        """Sync `update_async`."""
+        return self._run(self.update_async(bodies))
 
     def status(self, urls: Sequence[str]) -> dict[str, Reply]:
-        return self._run(self._many("GET", STATUS_ROUTE, {u: None for u in urls}))
+        """Sync `status_async`."""
+        return self._run(self.status_async(urls))
 
     def collective_init(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
-        return self._run(self._many("POST", COLLECTIVE_INIT_ROUTE, bodies))
+        """Sync `collective_init_async`."""
+        return self._run(self.collective_init_async(bodies))
