@@ -122,8 +122,10 @@ class DeltaFactory:
         """A delta that states `shape` and `values` as given, whatever the model has."""
         out = self.fresh_dir(label)
         pos = torch.tensor(positions, dtype=torch.int64)
+        old = values.clone()
+        old.view(torch.uint8)[::values.element_size()] ^= 1  # every old value differs (low bit, LE)
         with DeltaWriter(out, version=version, base_version=base_version, encoding=encoding) as writer:
-            writer.add(name, pos, values, values.clone(), shape=shape)
+            writer.add(name, pos, values, old, shape=shape)
         return out
 
 

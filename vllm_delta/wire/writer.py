@@ -15,6 +15,20 @@ from .flush import EncodedFlush, ParamChange, encode_flush
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, write_atomic, write_manifest
 
 
+class UnchangedValueError(ValueError):
+    """A base-relative encoding was given a position whose new value equals the old one.
+
+    Why refuse: `ulp_zstd` codes a step of 0 like +1 ULP (only `|step| > 1` is flagged), so the
+    receiver would move a value that did not change.
+    """
+
+    def __init__(self, param: str, positions: list[int], encoding: str) -> None:
+        self.param, self.positions, self.encoding = param, positions, encoding
+        super().__init__(f"{param}: {encoding!r} cannot carry unchanged positions "
+                         f"(new bits equal old bits at positions {positions[:8]}"
+                         f"{' ...' if len(positions) > 8 else ''})")
+
+
 def flush_name(rank: int, index: int) -> str:
     return f"rank{rank:04d}_flush{index:06d}.safetensors"
 
@@ -72,6 +86,10 @@ class FlushBuilder:
         if n == 0:
             return
         d = by_torch(new_values.dtype)
+        if self.encoding.needs_base:  # bitwise, on the values' own device
+            same = new_values.detach().view(d.int_view) == old_values.detach().view(d.int_view)
+            if bool(same.any()):
+                raise UnchangedValueError(name, positions[same.to(positions.device)].tolist(), self.encoding.name)
         numel = int(torch.Size(shape).numel())
         if int(positions[0]) < 0 or int(positions[-1]) >= numel or not bool((positions[1:] > positions[:-1]).all()):
             raise ValueError(f"{name}: positions must be strictly increasing and inside {list(shape)}")
