@@ -1,27 +1,39 @@
-"""Two-phase in-place apply of a delta on one rank: prepare (read, verify, decode, locate), then
-commit (scatter into the live parameters).
+"""Two-phase in-place apply of a delta on one rank: prepare (read, verify, decode, locate, digest),
+then commit (scatter into the live parameters).
 
 Why two phases: everything that can fail on bad input (I/O, hashes, bounds, names, shapes,
-dtypes, lineage) fails in `prepare`, before any weight changes and while the engine still
-serves. `commit` only scatters precomputed (offset, value) pairs, so the engine is held for the
-scatter alone and a failure there is an engine fault, reported as dirty, never a silent one.
+dtypes, lineage, the additive digests of the changed positions) fails in `prepare`, before any
+weight changes and while the engine still serves. `commit` only scatters precomputed (offset,
+value) chunks, so the engine is held for the scatter alone and a failure there is an engine
+fault, reported with the tensors it may have left half-written, never a silent one.
+
+Device: staged chunks live on the host (pinned when the destination is on CUDA), at most
+`chunk_bytes` each, and cross to the destination's device one at a time with non-blocking
+copies, so the chunk size bounds the device memory an update needs. Reading current values,
+resolving ULP steps and summing digests all run on that device in torch integer ops. Nothing
+here needs vLLM except the fallback loader.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from vllm_delta.engine import cpu_weights
+from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
+from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
 from vllm_delta.engine.placement import TensorPlacement, build_placement
 from vllm_delta.wire import (DeltaDecoder, IncompleteDeltaError, Manifest, ParamDelta, VersionError, get_encoding,
                              iter_delta, open_delta, tensor_digest)
+from vllm_delta.wire.additive import partial_sum, to_hex
+from vllm_delta.wire.codecs import ulp_resolve_tensor
 from vllm_delta.wire.errors import DtypeMismatchError
 
 logger = logging.getLogger(__name__)
@@ -30,7 +42,26 @@ Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 class ApplyFault(Exception):
-    """The scatter or the post-apply check failed: the weights may be partly written."""
+    """The scatter failed part-way: the weights of `suspect` (live tensor names) may be partly written."""
+
+    def __init__(self, message: str, *, failed_at: str | None, suspect: list[str]) -> None:
+        super().__init__(message)
+        self.failed_at = failed_at
+        self.suspect = suspect
+
+
+@dataclass
+class Chunk:
+    """At most `chunk_bytes` of one destination's writes, on the host until the commit moves it.
+
+    `offsets` index the destination's flat storage (int32 where it has < 2^31 elements). `values`
+    are new values in the destination's dtype, or, when `base` is set, signed ULP steps to apply
+    in dtype `base` to the current values, resolved on the device at commit.
+    """
+
+    offsets: torch.Tensor
+    values: torch.Tensor
+    base: torch.dtype | None = None
 
 
 @dataclass
@@ -38,16 +69,21 @@ class StagedUpdate:
     """Everything `commit` needs, computed in `prepare` without touching a weight."""
 
     version: int
-    # target -> chunks of (storage offsets, values); kept as located, never concatenated, so the
-    # working set stays the decoded payload plus its offsets
-    writes: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
+    writes: dict[str, deque[Chunk]]  # destination -> chunks, consumed (and freed) by the commit
     fallback: list[ParamDelta]
-    post_hashes: dict[str, str]
     total_changed: int
     changed: int  # entries this rank writes
     bytes_read: int
     decode_s: float
     replay: bool
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # This rank's counted-once partial sums [pre, post] of the changed positions, and the
+    # manifest's expectations, for every param whose manifest entry carries pre/post digests.
+    digests: dict[str, list[str | None]] = field(default_factory=dict)
+    expected: dict[str, list[str | None]] = field(default_factory=dict)
+    # What a later full verify checks: whole-tensor additive digest / xxh3 after this update.
+    after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    anchor: bool = False  # overwrites every element of every checkpoint tensor
 
     @property
     def fallback_names(self) -> list[str]:
@@ -61,16 +97,36 @@ def flat_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,))
 
 
+def same_device(*tensors: torch.Tensor) -> None:
+    """Refuse mixed devices explicitly: some kernels (indexing on meta, CPU indices on CUDA) accept them."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise RuntimeError(f"tensors on different devices: {sorted(str(d) for d in devices)}")
+
+
+def gather(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    same_device(flat, offsets)
+    return flat.index_select(0, offsets)
+
+
+def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """Own storage (so a scattered chunk frees its memory), pinned for async copies to CUDA."""
+    return t.pin_memory() if pin else t.clone()
+
+
 class DeltaApplier:
     """Applies deltas to one model on one rank, through placements learned once per model."""
 
     def __init__(self, model: nn.Module, checkpoint: Checkpoint,
-                 load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None) -> None:
+                 load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None, *,
+                 placements: dict[str, TensorPlacement] | None = None, rank: int = 0) -> None:
         self.model = model
         self.checkpoint = dict(checkpoint)
         self._load_weights = load_weights or model.load_weights
         self.targets = {name: canon for name, (_, canon) in cpu_weights.canonical_tensors(model).items()}
-        self._placements: dict[str, TensorPlacement] | None = None
+        self._placements = placements
+        self.rank = rank
+        self.ownership = Ownership()  # until the route hands over the other ranks' coverage
 
     @property
     def placements(self) -> dict[str, TensorPlacement]:
@@ -93,17 +149,20 @@ class DeltaApplier:
 
     # ---- phase 1 -------------------------------------------------------------------------
     def prepare(self, path: str | Path, *, version: int, base_version: int | None,
-                current_version: int, files: list[str] | None = None) -> StagedUpdate:
+                current_version: int, files: list[str] | None = None,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> StagedUpdate:
         """Read, verify and decode the delta in a version directory; locate each entry this rank owns."""
         start = time.perf_counter()
         info = open_delta(path, files=files)
         encoding = self._check_lineage(info.manifest, version, base_version, current_version)
         deltas = iter_delta(info, expected=self.checkpoint, files=files,
                             current_version=current_version if encoding.needs_base else None)
-        return self.stage(info.manifest, deltas, version=version, replay=version == current_version, start=start)
+        return self.stage(info.manifest, deltas, version=version, replay=version == current_version, start=start,
+                          chunk_bytes=chunk_bytes)
 
     def prepare_flushes(self, manifest: Manifest, flushes: Iterable[tuple[str, bytes]], *, version: int,
-                        base_version: int | None, current_version: int) -> StagedUpdate:
+                        base_version: int | None, current_version: int,
+                        chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> StagedUpdate:
         """The same as `prepare`, for flush bytes that arrived another way (a collective broadcast)."""
         start = time.perf_counter()
         encoding = self._check_lineage(manifest, version, base_version, current_version)
@@ -118,7 +177,8 @@ class DeltaApplier:
                 yield from decoder.feed(name, data)
             decoder.finish()
 
-        return self.stage(manifest, deltas(), version=version, replay=version == current_version, start=start)
+        return self.stage(manifest, deltas(), version=version, replay=version == current_version, start=start,
+                          chunk_bytes=chunk_bytes)
 
     @staticmethod
     def _check_lineage(manifest: Manifest, version: int, base_version: int | None, current_version: int):
@@ -134,78 +194,118 @@ class DeltaApplier:
         return encoding
 
     def stage(self, manifest: Manifest, deltas: Iterable[ParamDelta], *, version: int, replay: bool,
-              start: float) -> StagedUpdate:
-        """Locate decoded (validated) changes: one path after the bytes arrive, whatever carried them."""
-        writes: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+              start: float, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> StagedUpdate:
+        """Locate decoded (validated) changes and sum their digests: one path, whatever carried the bytes."""
+        entries = {p.name: p for p in manifest.params}
+        writes: dict[str, deque[Chunk]] = {}
         fallback: list[ParamDelta] = []
-        total = 0
+        sums: dict[str, list[torch.Tensor | None]] = {}
+        total = changed = 0
         for delta in deltas:
             total += delta.count
+            entry = entries[delta.name]
+            want = (entry.pre_digest is not None, entry.post_digest is not None)
+            acc = sums.setdefault(delta.name, [None, None]) if any(want) else None
             placement = self.placements[delta.name]
             if placement.fallback_reason:
                 if delta.needs_base:
                     raise DtypeMismatchError("a base-relative delta cannot go through vLLM's loader "
                                              f"({placement.fallback_reason})", param=delta.name)
+                if acc is not None and want[1] and self.rank == 0:  # every rank loads it all; rank 0 counts
+                    _add(acc, 1, partial_sum(delta.positions, delta.values))
                 fallback.append(delta)
                 continue
-            for target, offsets, values in self._locate(placement, delta):
-                writes.setdefault(target, []).append((offsets, values))
-        post_hashes = {p.name: p.post_hash for p in manifest.params if p.post_hash}
+            located = [(seg.target, *seg.locate(delta.positions)) for seg in placement.segments]
+            if delta.needs_base:
+                self._check_base_dtype(delta, located)
+            if acc is not None:
+                self._digest(delta, located, acc, *want)
+            for target, idx, offsets in located:
+                if idx.numel():
+                    changed += idx.numel()
+                    writes.setdefault(target, deque()).extend(self._chunks(target, delta, idx, offsets, chunk_bytes))
         return StagedUpdate(
-            version=version, writes=writes, fallback=fallback, post_hashes=post_hashes,
-            total_changed=total, changed=sum(o.numel() for chunks in writes.values() for o, _ in chunks),
+            version=version, writes=writes, fallback=fallback, total_changed=total, changed=changed,
             bytes_read=sum(f.bytes for f in manifest.files), decode_s=time.perf_counter() - start,
-            replay=replay,
+            replay=replay, chunk_bytes=chunk_bytes,
+            digests={n: [None if t is None else to_hex(t) for t in acc] for n, acc in sums.items()},
+            expected={p.name: [p.pre_digest, p.post_digest] for p in manifest.params
+                      if p.pre_digest is not None or p.post_digest is not None},
+            after={p.name: (p.digest, p.post_hash) for p in manifest.params},
+            anchor=self._is_anchor(manifest),
         )
 
-    def _locate(self, placement: TensorPlacement,
-                delta: ParamDelta) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        located = [(seg.target, *seg.locate(delta.positions)) for seg in placement.segments]
-        values = delta.values
-        if delta.needs_base:
-            values = self._resolve(delta, located)
-        out = []
-        for target, idx, offsets in located:
-            if idx.numel():
-                out.append((target, offsets, values[idx].to(self.targets[target].dtype)))
-        return out
+    def _is_anchor(self, manifest: Manifest) -> bool:
+        """An overwrite of every element of every checkpoint tensor: repairs whatever a fault left."""
+        if not get_encoding(manifest.encoding).idempotent:
+            return False
+        listed = {p.name: p.changed for p in manifest.params}
+        return all(listed.get(name) == torch.Size(shape).numel() for name, (shape, _) in self.checkpoint.items())
 
-    def _resolve(self, delta: ParamDelta,
-                 located: list[tuple[str, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """New values from ULP steps and this rank's current bits (owned entries only)."""
-        old = torch.zeros(delta.count, dtype=delta.dtype)
-        owned = torch.zeros(delta.count, dtype=torch.bool)
-        for target, idx, offsets in located:
+    def _check_base_dtype(self, delta: ParamDelta, located: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        for target, idx, _ in located:
             canon = self.targets[target]
-            if torch.finfo(canon.dtype).bits < torch.finfo(delta.dtype).bits:
+            if idx.numel() and torch.finfo(canon.dtype).bits < torch.finfo(delta.dtype).bits:
                 raise DtypeMismatchError(f"{target} holds {canon.dtype}, narrower than {delta.dtype}: "
                                          "the current bits cannot be recovered", param=delta.name)
-            old[idx] = flat_storage(canon)[offsets].to(delta.dtype)
-            owned[idx] = True
-        new = torch.zeros_like(old)
-        if owned.any():
-            subset = ParamDelta(delta.name, delta.shape, delta.dtype, delta.positions[owned],
-                                delta.values[owned], True)
-            new[owned] = subset.resolve(old[owned])
-        return new
+
+    def _digest(self, delta: ParamDelta, located: list[tuple[str, torch.Tensor, torch.Tensor]],
+                acc: list[torch.Tensor | None], pre: bool, post: bool) -> None:
+        """Add this rank's counted-once terms of the changed positions, before and after, on the device."""
+        seen = torch.zeros(delta.count, dtype=torch.bool)
+        for target, idx, offsets in located:
+            if not idx.numel():
+                continue
+            pos = delta.positions[idx]
+            keep = ~seen[idx] & self.ownership.counted(delta.name, pos)
+            seen[idx] = True
+            if not bool(keep.any()):
+                continue
+            flat = flat_storage(self.targets[target])
+            pos = pos[keep].to(flat.device)
+            old = None
+            if pre or delta.needs_base:
+                old = gather(flat, offsets[keep].to(flat.device)).to(delta.dtype)
+            if pre:
+                _add(acc, 0, partial_sum(pos, old))
+            if post:
+                values = delta.values[idx[keep]].to(flat.device)
+                _add(acc, 1, partial_sum(pos, ulp_resolve_tensor(old, values) if delta.needs_base else values))
+
+    def _chunks(self, target: str, delta: ParamDelta, idx: torch.Tensor, offsets: torch.Tensor,
+                chunk_bytes: int) -> Iterator[Chunk]:
+        canon = self.targets[target]
+        if flat_storage(canon).numel() < 1 << 31:
+            offsets = offsets.to(torch.int32)
+        values = delta.values[idx]
+        if not delta.needs_base:
+            values = values.to(canon.dtype)
+        pin = canon.device.type == "cuda"
+        base = delta.dtype if delta.needs_base else None
+        step = max(1, chunk_bytes // (offsets.element_size() + values.element_size()))
+        for lo in range(0, offsets.numel(), step):
+            yield Chunk(_host(offsets[lo:lo + step], pin), _host(values[lo:lo + step], pin), base)
 
     # ---- phase 2 -------------------------------------------------------------------------
-    def commit(self, staged: StagedUpdate, chunk_bytes: int) -> float:
+    def commit(self, staged: StagedUpdate, chunk_bytes: int | None = None) -> float:
         """Scatter the staged entries into the live weights; returns the seconds it took."""
         start = time.perf_counter()
+        written: list[str] = []
+        target = None
         try:
             for target, chunks in staged.writes.items():
+                written.append(target)
                 flat = flat_storage(self.targets[target])
-                for offsets, values in chunks:
-                    step = max(1, chunk_bytes // (offsets.element_size() + values.element_size()))
-                    for lo in range(0, offsets.numel(), step):
-                        flat.index_copy_(0, offsets[lo:lo + step], values[lo:lo + step])
+                while chunks:
+                    scatter(flat, chunks.popleft())
+            target = None
             if staged.fallback:
-                self._apply_fallback(staged.fallback, chunk_bytes)
+                written += sorted({d.name for d in staged.fallback})
+                self._apply_fallback(staged.fallback, chunk_bytes or staged.chunk_bytes)
             self._refresh_cpu_kernels(staged)
         except Exception as exc:
-            raise ApplyFault(f"scatter failed: {type(exc).__name__}: {exc}") from exc
-        self._verify_post_hashes(staged)
+            raise ApplyFault(f"scatter failed{f' at {target}' if target else ''}: {type(exc).__name__}: {exc}",
+                             failed_at=target, suspect=written) from exc
         return time.perf_counter() - start
 
     def _apply_fallback(self, deltas: list[ParamDelta], chunk_bytes: int) -> None:
@@ -221,6 +321,7 @@ class DeltaApplier:
         if modules:
             cpu_weights.refresh(modules)
 
+    # ---- full verify, on demand ----------------------------------------------------------
     def rebuild(self, name: str) -> torch.Tensor | None:
         """The full checkpoint tensor as this rank holds it, or None if it holds only part.
 
@@ -238,15 +339,51 @@ class DeltaApplier:
             # Stored exactly as in the checkpoint (a whole param, or a row block of a packed one).
             start = segments[0].dst_offset
             return flat[start:start + numel].view(placement.shape)
-        out = torch.empty(numel, dtype=placement.dtype)
+        out = torch.empty(numel, dtype=placement.dtype, device=flat.device)
         for seg in segments:
             src = torch.as_strided(flat, seg.sizes, seg.dst_strides, seg.dst_offset)
             torch.as_strided(out, seg.sizes, seg.src_strides, seg.src_offset).copy_(src)
         return out.reshape(placement.shape)
 
-    def _verify_post_hashes(self, staged: StagedUpdate) -> None:
-        for name, expected in staged.post_hashes.items():
-            tensor = self.rebuild(name)
-            if tensor is not None and tensor_digest(tensor) != expected:
-                raise ApplyFault(f"post-apply hash mismatch for {name}")
+    def whole_partial(self, name: str) -> str | None:
+        """This rank's counted-once additive digest of tensor `name` as held now (None: fallback)."""
+        placement = self.placements[name]
+        if placement.fallback_reason:
+            return None
+        total = torch.zeros(2, dtype=torch.int64)
+        earlier = []
+        for seg in placement.segments:
+            flat = flat_storage(self.targets[seg.target])
+            total = total.to(flat.device)
+            for pos, values in segment_chunks(seg, flat):
+                keep = self.ownership.counted(name, pos)
+                for lat in earlier:  # an element this rank holds twice counts once
+                    keep &= ~contains(lat, pos)
+                total += partial_sum(pos[keep], values[keep].to(placement.dtype))
+            earlier.append(lattice(seg))
+        return to_hex(total)
 
+    def post_hash_mismatches(self, post_hashes: Mapping[str, str]) -> tuple[int, list[str]]:
+        """xxh3 of every tensor this rank holds whole, against `post_hashes`: (checked, mismatched)."""
+        checked, bad = 0, []
+        for name, expected in post_hashes.items():
+            tensor = self.rebuild(name)
+            if tensor is None:
+                continue
+            checked += 1
+            if tensor_digest(tensor) != expected:
+                bad.append(name)
+        return checked, bad
+
+
+def scatter(flat: torch.Tensor, chunk: Chunk) -> None:
+    """Write one staged chunk into a flat storage view: copy it over, resolve, index_copy_."""
+    offsets = chunk.offsets.to(flat.device, non_blocking=True).to(torch.int64)
+    values = chunk.values.to(flat.device, non_blocking=True)
+    if chunk.base is not None:
+        values = ulp_resolve_tensor(gather(flat, offsets).to(chunk.base), values)
+    flat.index_copy_(0, offsets, values.to(flat.dtype))
+
+
+def _add(acc: list[torch.Tensor | None], i: int, part: torch.Tensor) -> None:
+    acc[i] = part if acc[i] is None else acc[i] + part.to(acc[i].device)

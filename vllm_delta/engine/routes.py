@@ -25,8 +25,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import State
 
 from vllm_delta.engine.cli_args import PLUGIN_NAME, check_args
+from vllm_delta.engine.digests import check_partials, mismatches
 from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.metrics import delta_metrics
+from vllm_delta.wire.errors import DeltaError
 from vllm_delta.engine.request import (CollectiveInitRequest, DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
                                        resolve_version_dir)
 
@@ -46,6 +48,7 @@ class DeltaUpdatesEndpoint:
         if getattr(args, "enable_delta_updates", False):
             check_args(args)
             app.include_router(router)
+            guard_health(app)
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         if not getattr(args, "enable_delta_updates", False):
@@ -72,6 +75,10 @@ class DeltaUpdater:
         self.chunk_bytes = chunk_bytes
         self._token_hashes = [hashlib.sha256(t.encode()).digest() for t in tokens]
         self._lock = asyncio.Lock()
+        self._peers_set = False
+        # Set when a commit failed part-way: generation stays paused and /health fails until an
+        # anchor commits on every rank (or the server restarts).
+        self.fault: dict[str, Any] | None = None
 
     def authorize(self, request: Request) -> None:
         """Refuse (401) a request without a valid `Authorization: Bearer` key, if keys are set."""
@@ -100,19 +107,47 @@ class DeltaUpdater:
             req.update(path=str(path), files=body.files)
         async with self._lock:
             try:
+                await self._ensure_peers()
                 prepared = await self._rpc("delta_prepare", req)
                 if failed := next((r for r in prepared if not r.get("ok")), None):
                     raise UpdateError.from_worker(failed)
+                try:  # the ranks' partial digests of the changed positions, before any write
+                    check_partials(prepared)
+                except DeltaError as exc:
+                    raise UpdateError(exc.http_status, type(exc).__name__, exc.reason, param=exc.param) from None
             except UpdateError:
                 await self._abort(req["id"])  # ranks that did prepare drop their staged state
                 raise
-            committed, pause_s = await self._commit(req["id"], pause=prepared[0]["total_changed"] > 0)
+            committed, pause_s = await self._commit(req["id"], pause=prepared[0]["total_changed"] > 0,
+                                                    anchor=all(r.get("anchor") for r in prepared))
         if failed := next((r for r in committed if not r.get("ok")), None):
             raise UpdateError.from_worker(failed)
         return summarize(prepared, committed, pause_s)
 
-    async def _commit(self, req_id: str, pause: bool) -> tuple[list[dict], float]:
-        """Commit, pausing generation (and dropping the now stale prefix cache) around it."""
+    async def _ensure_peers(self) -> None:
+        """Once: every rank learns which elements lower ranks hold, so digests count each once."""
+        if not self._peers_set:
+            coverages = await self._rpc("delta_coverage")
+            await self._rpc("delta_set_peers", coverages)
+            self._peers_set = True
+
+    async def verify(self) -> dict[str, Any]:
+        """Full verify of the served weights against the digests and hashes of the updates so far."""
+        async with self._lock:
+            await self._ensure_peers()
+            replies = await self._rpc("delta_verify")
+        checked, bad = mismatches(replies)
+        hash_bad = sorted({n for r in replies for n in r["hash_mismatched"]})
+        return {"ok": not bad and not hash_bad, "digests_checked": checked, "digest_mismatched": [b[0] for b in bad],
+                "hashes_checked": sum(r["hash_checked"] for r in replies), "hash_mismatched": hash_bad,
+                "verify_s": max(r["verify_s"] for r in replies)}
+
+    async def _commit(self, req_id: str, pause: bool, anchor: bool = False) -> tuple[list[dict], float]:
+        """Commit, pausing generation (and dropping the now stale prefix cache) around it.
+
+        If any rank fails, generation stays paused and `fault` is set: partly written weights
+        are never served. A later anchor that commits on every rank clears it and resumes.
+        """
         if not pause:
             return await self._rpc("delta_commit", req_id), 0.0
         started = perf_counter()
@@ -121,10 +156,19 @@ class DeltaUpdater:
         except Exception as exc:
             await self._abort(req_id)
             raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
+        committed: list[dict] = []
         try:
             committed = await self._rpc("delta_commit", req_id)
         finally:
-            await self.engine.resume_generation()
+            failed = [r for r in committed if not r.get("ok")] if committed else [{}]  # [{}]: the RPC raised
+            if failed:
+                self.fault = fault_of(failed)
+                logger.error("delta updates: commit failed; generation stays paused: %s", self.fault)
+            else:
+                if anchor:
+                    self.fault = None
+                if self.fault is None:
+                    await self.engine.resume_generation()
         return committed, perf_counter() - started
 
     async def collective_init(self, body: CollectiveInitRequest) -> dict[str, Any]:
@@ -144,7 +188,8 @@ class DeltaUpdater:
         versions = {r["version"] for r in ranks}
         dirty = [r["dirty_reason"] or "dirty" for r in ranks if r["dirty"]]
         return {"version": ranks[0]["version"] if len(versions) == 1 else None,
-                "healthy": not dirty and len(versions) == 1, "dirty_reasons": dirty,
+                "healthy": not dirty and len(versions) == 1 and self.fault is None, "dirty_reasons": dirty,
+                "fault": self.fault,
                 "last": ranks[0]["last"], "ranks": ranks}
 
     async def _abort(self, req_id: str) -> None:
@@ -161,6 +206,15 @@ class DeltaUpdater:
         except Exception as exc:
             logger.exception("delta updates: %s failed on a worker", method)
             raise UpdateError(500, "EngineError", f"{method} failed on a worker: {exc}") from exc
+
+
+def fault_of(failed: list[dict]) -> dict[str, Any]:
+    """One fault record from the failed ranks' commit replies: the version, where, what is suspect."""
+    faults = [(r.get("error") or {}).get("fault") or {} for r in failed]
+    return {"version": next((f["version"] for f in faults if "version" in f), None),
+            "failed_at": next((f["failed_at"] for f in faults if f.get("failed_at")), None),
+            "suspect": sorted({n for f in faults for n in f.get("suspect", [])}),
+            "ranks": [r.get("rank") for r in failed]}
 
 
 def summarize(prepared: list[dict], committed: list[dict], pause_s: float) -> dict[str, Any]:
@@ -219,6 +273,27 @@ async def delta_collective_init(request: Request) -> JSONResponse:
     except UpdateError as err:
         logger.warning("collective init refused (%d): %s", err.status, err.error["message"])
         return err.response()
+
+
+@router.post("/delta_updates/verify")
+async def delta_updates_verify(request: Request) -> JSONResponse:
+    try:
+        return JSONResponse(await _updater(request).verify())
+    except UpdateError as err:
+        return err.response()
+
+
+def guard_health(app: FastAPI) -> None:
+    """`/health` answers 503 while a failed commit left weights suspect, so load balancers drain us."""
+
+    @app.middleware("http")
+    async def delta_health(request: Request, call_next):
+        updater = getattr(request.app.state, "delta_updater", None)
+        if request.url.path == "/health" and updater is not None and updater.fault is not None:
+            return JSONResponse(status_code=503, content={"error": {
+                "type": "DeltaCommitFault", "message": "a delta commit failed; weights are suspect",
+                "fault": updater.fault}})
+        return await call_next(request)
 
 
 @router.get("/delta_updates/status")

@@ -16,21 +16,41 @@ from typing import Any
 
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
+from vllm_delta.engine.digests import Ownership, coverage
+from vllm_delta.native.model_path import local_checkpoint_dir
 from vllm_delta.wire import DeltaError, parse_manifest
+from vllm_delta.wire.container import DeltaDir
 from vllm_delta.wire.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
+class Fault:
+    """A commit that failed part-way: the engine must not serve until an anchor or a restart."""
+
+    version: int  # the version whose commit failed
+    reason: str
+    failed_at: str | None  # the tensor being written when it failed
+    suspect: list[str]  # tensors that may be partly written (live names)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "reason": self.reason, "failed_at": self.failed_at,
+                "suspect": self.suspect}
+
+
+@dataclass
 class DeltaState:
-    """Per-worker lineage and health. `dirty` means a scatter failed part-way."""
+    """Per-worker lineage and health."""
 
     applier: DeltaApplier
     version: int = 0
-    dirty_reason: str | None = None
+    fault: Fault | None = None
     last: dict[str, Any] | None = None
-    staged: dict[str, tuple[StagedUpdate, int]] = field(default_factory=dict)
+    staged: dict[str, StagedUpdate] = field(default_factory=dict)
+    # What a full verify checks, per checkpoint tensor: the whole-tensor additive digest and xxh3
+    # the latest update that changed it stated (either may be None).
+    after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
 
 
 def _error(status: int, exc: BaseException, **extra: Any) -> dict[str, Any]:
@@ -45,11 +65,13 @@ class DeltaWorkerExtension:
     def _delta(self) -> DeltaState:
         state = getattr(self, "_delta_state", None)
         if state is None:
-            model = self.model_runner.get_model()
-            checkpoint = Checkpoint.open(self.vllm_config.model_config.model).meta
-            state = DeltaState(DeltaApplier(model, checkpoint))
+            checkpoint = Checkpoint.open(local_checkpoint_dir(self.vllm_config)).meta
+            state = DeltaState(DeltaApplier(self._delta_model(), checkpoint, rank=self._delta_rank()))
             self._delta_state = state
         return state
+
+    def _delta_model(self) -> Any:
+        return self.model_runner.get_model()
 
     def _delta_rank(self) -> int:
         return int(getattr(self, "rank", 0))
@@ -64,44 +86,83 @@ class DeltaWorkerExtension:
                 flushes = self._delta_receive()
             except Exception as exc:
                 return _error(500, exc)
-        if state.dirty_reason:
-            return _error(500, RuntimeError(f"engine is dirty: {state.dirty_reason}"))
         try:
+            chunk_bytes = int(request.get("chunk_bytes") or DEFAULT_CHUNK_BYTES)
             if flushes is not None:
                 manifest = parse_manifest(json.dumps(request["manifest"]).encode())
                 staged = state.applier.prepare_flushes(
                     manifest, zip([f.name for f in manifest.files], flushes), version=int(request["version"]),
-                    base_version=request.get("base_version"), current_version=state.version)
+                    base_version=request.get("base_version"), current_version=state.version,
+                    chunk_bytes=chunk_bytes)
             else:
                 staged = state.applier.prepare(
-                    request["path"], version=int(request["version"]), base_version=request.get("base_version"),
-                    current_version=state.version, files=request.get("files"))
+                    # Opened again from the root's handle, through no symlink (the route checked the path).
+                    DeltaDir.open(request["path"], root=request.get("root")), version=int(request["version"]),
+                    base_version=request.get("base_version"),
+                    current_version=state.version, files=request.get("files"), chunk_bytes=chunk_bytes)
         except DeltaError as exc:
             return _error(exc.http_status, exc)
         except (OSError, ValueError) as exc:
             return _error(400, exc)
-        state.staged = {request["id"]: (staged, int(request.get("chunk_bytes") or DEFAULT_CHUNK_BYTES))}
-        return {"ok": True, "rank": self._delta_rank(), "changed": staged.changed,
-                "total_changed": staged.total_changed, "bytes_read": staged.bytes_read,
-                "decode_s": staged.decode_s, "fallback": staged.fallback_names, "replay": staged.replay}
+        if state.fault is not None and not staged.anchor:
+            return _error(500, RuntimeError(f"engine is dirty since a failed commit of version {state.fault.version} "
+                                            "(only a full anchor or a restart repairs it)"),
+                          fault=state.fault.as_dict())
+        state.staged = {request["id"]: staged}
+        reply = {"ok": True, "rank": self._delta_rank(), "changed": staged.changed,
+                 "total_changed": staged.total_changed, "bytes_read": staged.bytes_read,
+                 "decode_s": staged.decode_s, "fallback": staged.fallback_names, "replay": staged.replay,
+                 "anchor": staged.anchor, "digests": staged.digests}
+        if self._delta_rank() == 0:  # the expectations are the same on every rank; send them once
+            reply["expected"] = staged.expected
+        return reply
 
     def delta_commit(self, request_id: str) -> dict[str, Any]:
-        """Phase 2: scatter what `delta_prepare` staged. A failure here marks the engine dirty."""
+        """Phase 2: scatter what `delta_prepare` staged. A failure here leaves a `Fault` until an anchor."""
         state = self._delta()
         if request_id not in state.staged:
             return _error(409, KeyError(f"no prepared update {request_id!r}"))
-        staged, chunk_bytes = state.staged.pop(request_id)
+        staged = state.staged.pop(request_id)
         try:
-            apply_s = state.applier.commit(staged, chunk_bytes)
+            apply_s = state.applier.commit(staged)
         except ApplyFault as exc:
-            state.dirty_reason = f"version {staged.version}: {exc}"
-            logger.error("delta updates: %s\n%s", state.dirty_reason, traceback.format_exc())
-            return _error(500, exc)
+            state.fault = Fault(staged.version, str(exc), exc.failed_at, exc.suspect)
+            logger.error("delta updates: commit of version %d failed; suspect tensors %s\n%s",
+                         staged.version, exc.suspect, traceback.format_exc())
+            return {**_error(500, exc, fault=state.fault.as_dict()), "rank": self._delta_rank()}
+        if staged.anchor:
+            state.fault = None
+            state.after = {}
+        state.after.update(staged.after)
         state.version = staged.version
         state.last = {"version": staged.version, "changed": staged.changed, "bytes_read": staged.bytes_read,
                       "decode_s": staged.decode_s, "apply_s": apply_s, "replay": staged.replay,
                       "time": time.time()}
         return {"ok": True, "rank": self._delta_rank(), "apply_s": apply_s, "version": state.version}
+
+    def delta_coverage(self) -> dict[str, Any]:
+        """Which checkpoint elements this rank holds (source lattices per tensor), for its peers."""
+        return {"rank": self._delta_rank(), "coverage": coverage(self._delta().applier.placements)}
+
+    def delta_set_peers(self, coverages: list[dict[str, Any]]) -> dict[str, Any]:
+        """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`)."""
+        ordered = [c["coverage"] for c in sorted(coverages, key=lambda c: c["rank"])]
+        self._delta().applier.ownership = Ownership.from_coverages(ordered, self._delta_rank())
+        return {"ok": True, "rank": self._delta_rank()}
+
+    def delta_verify(self) -> dict[str, Any]:
+        """Full verify of the current weights: counted-once whole-tensor digests, xxh3 where held whole."""
+        state = self._delta()
+        applier = state.applier
+        start = time.perf_counter()
+        digests = {n: [None, applier.whole_partial(n)] for n, (d, _) in state.after.items() if d is not None}
+        hash_checked, hash_bad = applier.post_hash_mismatches(
+            {n: h for n, (_, h) in state.after.items() if h is not None})
+        reply = {"ok": True, "rank": self._delta_rank(), "digests": digests, "hash_checked": hash_checked,
+                 "hash_mismatched": hash_bad, "verify_s": time.perf_counter() - start}
+        if self._delta_rank() == 0:
+            reply["expected"] = {n: [None, d] for n, (d, _) in state.after.items() if d is not None}
+        return reply
 
     def delta_collective_init(self, config: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's process group (rank 0 is the trainer) for collective deltas."""
@@ -135,6 +196,7 @@ class DeltaWorkerExtension:
 
     def delta_status(self) -> dict[str, Any]:
         state = self._delta()
-        return {"rank": self._delta_rank(), "version": state.version, "dirty": state.dirty_reason is not None,
-                "dirty_reason": state.dirty_reason, "last": state.last,
+        return {"rank": self._delta_rank(), "version": state.version, "dirty": state.fault is not None,
+                "dirty_reason": state.fault and state.fault.reason,
+                "fault": state.fault and state.fault.as_dict(), "last": state.last,
                 "fallback": state.applier.fallback_tensors if state.applier.probed else None}
