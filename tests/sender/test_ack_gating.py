@@ -62,7 +62,7 @@ def test_failed_engine_converges_and_healthy_never_regresses(tmp_path, fake_engi
     # Revert part of the failed step: these positions equal the snapshot again but not engine a.
     for k in fake_weights:
         fake_weights[k].view(-1)[:500] = before[k].view(-1)[:500]
-        fake_weights[k].view(-1)[:200] = sender._snapshot[k].view(-1)[:200]
+        fake_weights[k].view(-1)[:200] = sender.producer.snapshot_of(k)[:200]
     adam_like_step(fake_weights, gen)
     m = sender.sync(fake_weights)
     assert m["sender/catchup"] == 1.0 and m["sender/all_acked"] == 1.0

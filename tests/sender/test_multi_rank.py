@@ -78,7 +78,7 @@ def _worker(rank: int, world_size: int, port: int, root: str, result: str) -> No
             adam_like_step(mine, gen, density=0.3)
             for k in mine:  # revert part of step 6 (pending covers it) and part back to S (diff misses it)
                 mine[k].view(-1)[:40] = before[k].view(-1)[:40]
-                mine[k].view(-1)[:15] = sender._snapshot[k].view(-1)[:15]
+                mine[k].view(-1)[:15] = sender.producer.snapshot_of(k)[:15]
         else:
             adam_like_step(mine, gen, density=0.3 if v == 6 else 0.05)
         if rank == 0 and v == 6:

@@ -14,12 +14,17 @@ trainer blocked in a broadcast.
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vllm_delta.client import Reply
+from vllm_delta.wire import FlushBuilder
+
+logger = logging.getLogger(__name__)
 BACKENDS = ("gloo", "nccl")
 
 
@@ -130,3 +135,70 @@ class CollectiveLink:
 
     def close(self) -> None:
         self.group = None
+
+
+class CollectiveTransport:
+    """The same flush bytes, broadcast to each engine's group; the manifest goes over HTTP."""
+
+    shared_files = False  # one rank holds every flush in memory
+
+    def __init__(self, backend: str, *, master_addr: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+        self.backend, self.master_addr, self.timeout_s = backend, master_addr, timeout_s
+        self._links: dict[str, CollectiveLink] = {}
+
+    def prepare(self, name: str) -> None:
+        """Nothing to create: flushes stay in memory until broadcast."""
+
+    def builder(self, name: str, **kwargs) -> FlushBuilder:
+        buffers: list[tuple[str, bytes]] = []
+        b = FlushBuilder(lambda file, enc: buffers.append((file, enc.data)), **kwargs)
+        b.buffers, b.location = buffers, None
+        return b
+
+    def finish(self, b: FlushBuilder) -> None:
+        """Every flush is already in `b.buffers`."""
+
+    def seal(self, sent: SentDelta) -> None:
+        """The manifest travels in the update request."""
+
+    def push(self, client, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
+        replies: dict[str, Reply] = {}
+        ready: dict[str, tuple[SentDelta, dict]] = {}
+        for u, target in targets.items():
+            link = self._links.get(u)
+            if link is None or link.group is None:
+                link = self._links[u] = CollectiveLink(u, client, backend=self.backend,
+                                                       master_addr=self.master_addr, timeout_s=self.timeout_s)
+                try:
+                    link.connect()
+                except Exception as exc:  # this engine misses this version; the next sync retries
+                    replies[u] = Reply(u, 0, {"error": {"type": "CollectiveInitError", "message": str(exc)}})
+                    continue
+            ready[u] = target
+        bodies = {u: {"transport": "collective", "manifest": s.manifest.model_dump(mode="json"), **body}
+                  for u, (s, body) in ready.items()}
+        out: dict[str, Reply] = {}
+        t = threading.Thread(target=lambda: out.update(client.update(bodies)))
+        t.start()
+        for u, (s, _) in ready.items():
+            try:
+                self._links[u].send([data for _, data in s.buffers])
+            except Exception as exc:
+                logger.warning("delta sender: broadcast to %s failed: %s", u, exc)
+        t.join()
+        replies.update(out)
+        for u, r in replies.items():
+            if not r.ok and u in self._links:
+                self._links[u].close()  # rebuild the group next time
+        return replies
+
+    def cleanup(self, sent: list[SentDelta]) -> None:
+        """Buffers are dropped with the SentDelta."""
+
+    def close(self, url: str | None = None) -> None:
+        for u in [url] if url is not None else list(self._links):
+            link = self._links.pop(u, None)
+            if link is not None:
+                link.close()

@@ -14,7 +14,9 @@ import threading
 import time
 from pathlib import Path
 
-from vllm_delta.wire import MANIFEST_NAME, EncodedFlush, Manifest, write_manifest
+from vllm_delta.client import EngineClient, Reply
+from vllm_delta.transports.base import SentDelta
+from vllm_delta.wire import MANIFEST_NAME, EncodedFlush, FlushBuilder, Manifest, write_manifest
 from vllm_delta.wire.manifest import write_atomic
 
 
@@ -108,3 +110,41 @@ def remove_version_dir(path: Path) -> None:
     """Delete a delivered version directory, manifest first so no reader sees it as finished."""
     (path / MANIFEST_NAME).unlink(missing_ok=True)
     shutil.rmtree(path, ignore_errors=True)
+
+
+class DiskTransport:
+    """Flush files under `delta_dir/<version dir>`, one HTTP push per engine naming that directory."""
+
+    shared_files = True  # every rank writes into the same directory; rank 0 seals it
+
+    def __init__(self, delta_dir: Path, *, throttle_bytes_per_s: float | None = None, keep: bool = False) -> None:
+        self.delta_dir, self.keep = Path(delta_dir), keep
+        self.throttle_bytes_per_s = throttle_bytes_per_s
+
+    def prepare(self, name: str) -> None:
+        """Rank 0, before any rank writes: an empty version directory."""
+        prepare_version_dir(self.delta_dir / name)
+
+    def builder(self, name: str, **kwargs) -> FlushBuilder:
+        throttle = Throttle(self.throttle_bytes_per_s) if self.throttle_bytes_per_s else None
+        writer = FlushFileWriter(self.delta_dir / name, throttle=throttle)
+        b = FlushBuilder(writer.emit, **kwargs)
+        b.writer, b.location = writer, str(self.delta_dir / name)
+        return b
+
+    def finish(self, b: FlushBuilder) -> None:
+        b.writer.close()  # every flush of this rank is on disk
+
+    def seal(self, sent: SentDelta) -> None:
+        seal(Path(sent.location), sent.manifest)
+
+    def push(self, client: EngineClient, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
+        return client.update({u: {"path": Path(s.location).name, **body} for u, (s, body) in targets.items()})
+
+    def cleanup(self, sent: list[SentDelta]) -> None:
+        if not self.keep:
+            for s in sent:
+                remove_version_dir(Path(s.location))
+
+    def close(self, url: str | None = None) -> None:
+        """Nothing is held per engine."""

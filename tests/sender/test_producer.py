@@ -1,0 +1,137 @@
+"""The producer without engines: shard placement against torch's own slicing, disjointness, the scan
+on the `meta` device (a CPU tensor meeting a device tensor raises there, as it would on CUDA), and
+capture/publish ordering against fake engines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx.experimental._config as fx_config
+
+from vllm_delta import DeltaSender
+from vllm_delta.sender import Shard
+from vllm_delta.sender.producer import Producer
+from vllm_delta.sender.shards import check_disjoint
+from vllm_delta.wire import additive
+
+FULL = torch.arange(12 * 10 * 3, dtype=torch.int64).reshape(12, 10, 3)
+
+
+def _check_against_slicing(shard: Shard, local: torch.Tensor) -> None:
+    """Every local element's global position holds the same value in the full tensor (torch slicing
+    made the local tensor; the placement must invert it)."""
+    pos = torch.arange(local.numel())
+    assert torch.equal(FULL.reshape(-1)[shard.to_global(pos)], local.reshape(-1))
+
+
+@pytest.mark.parametrize("dim,spans", [
+    (0, [(4, 3)]),                       # TP row slice
+    (1, [(2, 5)]),                       # TP column slice
+    (2, [(1, 2)]),                       # innermost dim
+    (0, [(0, 2), (6, 2), (3, 1)]),       # interleaved query groups, out of order
+    (1, [(8, 2), (0, 3)]),               # column pieces: every row interleaves them
+])
+def test_to_global_inverts_torch_slicing(dim: int, spans: list[tuple[int, int]]) -> None:
+    local = torch.cat([FULL.narrow(dim, a, n) for a, n in spans], dim=dim)
+    shard = Shard.pieces("w", local, FULL.shape, dim, spans)
+    _check_against_slicing(shard, local)
+    g = shard.global_index()
+    assert g.unique().numel() == local.numel()
+
+
+def test_whole_and_bad_shapes() -> None:
+    assert torch.equal(Shard.whole("w", FULL).global_index(), torch.arange(FULL.numel()))
+    with pytest.raises(ValueError, match="local shape"):
+        Shard.narrow("w", FULL[:3], FULL.shape, 1, 0)
+    with pytest.raises(ValueError, match="overlap or leave"):
+        Shard.pieces("w", torch.cat([FULL[0:2], FULL[1:3]]), FULL.shape, 0, [(0, 2), (1, 2)])
+
+
+def test_check_disjoint_reports_overlap_and_coverage() -> None:
+    a = Shard.narrow("w", FULL[:6], FULL.shape, 0, 0).describe()
+    b = Shard.narrow("w", FULL[6:], FULL.shape, 0, 6).describe()
+    c = Shard.narrow("w", FULL[5:7], FULL.shape, 0, 5).describe()
+    assert check_disjoint([a, b]) == {"w": 1.0}
+    assert check_disjoint([a]) == {"w": 0.5}
+    with pytest.raises(ValueError, match="both hold dim 0 indices 5..5"):
+        check_disjoint([a, c])
+    with pytest.raises(ValueError, match="different dims"):
+        check_disjoint([a, Shard.narrow("w", FULL[:, :5], FULL.shape, 1, 0).describe()])
+
+
+def test_partial_digests_of_shards_add_up_to_the_whole() -> None:
+    w = torch.randn(8, 6).to(torch.bfloat16)
+    left = Shard.narrow("w", w[:, :4].contiguous(), w.shape, 1, 0)
+    right = Shard.narrow("w", w[:, 4:].contiguous(), w.shape, 1, 4)
+    parts = [additive.to_hex(additive.partial_sum(s.global_index(), s.tensor.reshape(-1))) for s in (left, right)]
+    assert additive.combine(*parts) == additive.to_hex(additive.tensor_sum(w))
+
+
+@pytest.fixture
+def meta_nonzero():
+    """`nonzero` on meta has no true output size; assume every element (what tracing compilers do)."""
+    old = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True
+    yield
+    fx_config.meta_nonzero_assume_all_nonzero = old
+
+
+def test_scan_runs_on_meta_device(meta_nonzero) -> None:
+    """Every op of the scan (diff, gather, shard map, digests, sort, pending union, snapshot advance)
+    on meta tensors: any tensor made on the CPU (arange, index tables, `.cpu()`) raises here."""
+    w = torch.empty(8, 12, dtype=torch.bfloat16, device="meta")
+    shards = [Shard.whole("a", w), Shard.pieces("b", torch.empty(4, 12, dtype=torch.bfloat16, device="meta"),
+                                                (8, 12), 0, [(0, 2), (4, 2)])]
+    producer = Producer(snapshot="device", staging="meta")
+    producer.seed(shards)
+    for kind, anchor in (("delta", False), ("catchup", True), ("", True)):
+        cap = producer.scan(shards, kind=kind, anchor=anchor)
+        for e in cap.entries:
+            tensors = [e.positions, e.new_values, *e.digests.values()]
+            tensors += [e.anchor_positions, e.anchor_values] if anchor else []
+            assert all(t.device.type == "meta" for t in tensors), e.name
+            assert e.post_hash is None  # xxh3 would pull the tensor to the host
+        producer.defer(cap)
+    producer.advance(cap)
+    assert producer.snapshot_of("a").device.type == "meta"
+
+
+def test_capture_then_publish_overlaps_and_advances_only_after_ack(fake_engines, fake_weights, tmp_path) -> None:
+    sender = DeltaSender([e.url for e in fake_engines], "disk", tmp_path, retries=0)
+    sender.seed(fake_weights)
+    weights = {k: v.clone() for k, v in fake_weights.items()}
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, 4):
+        for t in weights.values():
+            t.view(-1)[torch.randint(0, t.numel(), (50,), generator=gen)] += 0.01
+        sender.capture(weights)
+        expected = {k: v.clone() for k, v in weights.items()}
+        future = sender.publish()
+        for t in weights.values():  # the next step mutates the weights while the publish runs
+            t.add_(1.0)
+        metrics = future.result()
+        for t in weights.values():
+            t.sub_(1.0)
+        assert metrics["sender/all_acked"] == 1.0 and metrics["sender/version"] == step
+        # The snapshot's bytes move at the next capture/wait, on the main thread, never under a scan.
+        assert not torch.equal(sender.producer.snapshot_of("layer0.weight"), expected["layer0.weight"].view(-1))
+        sender.wait()
+        assert sender.snapshot_version == step
+        assert torch.equal(sender.producer.snapshot_of("layer0.weight"), expected["layer0.weight"].view(-1))
+        for e in fake_engines:
+            assert all(torch.equal(e.weights[k], expected[k]) for k in expected), (step, e.url)
+    with pytest.raises(RuntimeError, match="capture"):
+        sender.publish()
+    sender.close()
+
+
+def test_tied_weight_is_sent_once_under_the_checkpoint_name(fake_engines, fake_weights, tmp_path) -> None:
+    sender = DeltaSender([e.url for e in fake_engines], "disk", tmp_path, retries=0)
+    sender.seed(fake_weights)
+    weights = {k: v.clone() for k, v in fake_weights.items()}
+    tied = dict(weights, **{"lm_head.weight": weights["layer0.weight"]})  # same storage, another name
+    weights["layer0.weight"].view(-1)[:10] += 1
+    m = sender.sync(tied)
+    assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] == 10
+    with pytest.raises(KeyError, match="lm_head"):
+        sender.sync(dict(weights, **{"lm_head.weight": weights["layer0.weight"].clone()}))

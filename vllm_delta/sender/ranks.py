@@ -1,0 +1,69 @@
+"""Multi-rank plumbing for senders whose ranks each hold part of the model (no-ops for one rank).
+
+Why a dedicated group: a publish runs its collectives (manifest gather, reply broadcast) on a
+background thread while the trainer's own collectives run on the main one. Two threads issuing
+collectives on one process group can interleave differently on different ranks, so the sender
+must be given a group of its own (`torch.distributed.new_group(backend="gloo")`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Ranks:
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    @property
+    def rank(self) -> int:
+        if self.group is None:
+            return 0
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        if self.group is None:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.group)
+
+    def bcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if self.group is None:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list:
+        """Every rank's `obj` on rank 0 (an empty list elsewhere)."""
+        if self.group is None:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out if self.rank == 0 else []
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def all_sum(self, n: int) -> int:
+        if self.group is None:
+            return n
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, group=self.group)
+        return int(t[0])
