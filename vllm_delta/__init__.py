@@ -6,7 +6,7 @@ Engine-side code lives in `vllm_delta.engine` and imports vLLM lazily.
 
 __version__ = "0.1.0"
 
-__all__ = ["DeltaSender"]
+__all__ = ["DeltaSender", "DeltaTrainerInitInfo"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from vllm_delta.sender import DeltaSender
 
         return DeltaSender
+    if name == "DeltaTrainerInitInfo":  # the `delta` backend of vLLM's weight-transfer API (needs vLLM)
+        from vllm_delta.native.trainer import DeltaTrainerInitInfo
+
+        return DeltaTrainerInitInfo
     raise AttributeError(f"module 'vllm_delta' has no attribute {name!r}")

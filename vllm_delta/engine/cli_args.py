@@ -32,8 +32,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Serve /update_weights_delta and /delta_updates/status; needs --delta-updates-root.",
     )  # fmt: skip
     group.add_argument(
-        "--delta-updates-root", type=existing_dir, default=None, metavar="DIR",
-        help="The only directory deltas may be read from.",
+        "--delta-updates-root", type=existing_dir, default=None, metavar="DIR", action=DeltaUpdatesRoot,
+        help="The only directory deltas may be read from (also by the `delta` weight-transfer backend).",
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-chunk-bytes", type=positive_int, default=DEFAULT_CHUNK_BYTES, metavar="N",
@@ -55,6 +55,19 @@ class EnableDeltaUpdates(argparse.Action):
         namespace.worker_extension_cls = WORKER_EXTENSION
         setattr(namespace, self.dest, True)
         os.environ[ENV_FLAG] = "1"
+        os.environ["VLLM_PLUGINS"] = ",".join(plugin_allowlist(os.environ.get("VLLM_PLUGINS")))
+
+
+class DeltaUpdatesRoot(argparse.Action):
+    """Store the root and export it to the engine processes, where the `delta` weight-transfer
+    backend (`--weight-transfer-config '{"backend": "delta"}'`) reads it; allowlist our endpoint
+    plugin, which answers vLLM's weight routes for that backend."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from vllm_delta.native import ROOT_ENV
+
+        setattr(namespace, self.dest, values)
+        os.environ[ROOT_ENV] = str(values)
         os.environ["VLLM_PLUGINS"] = ",".join(plugin_allowlist(os.environ.get("VLLM_PLUGINS")))
 
 

@@ -1,0 +1,83 @@
+"""Helpers for the `delta` weight-transfer backend tests: a plain PyTorch trainer, a local HF hub
+cache, vLLM's routes and `/metrics`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import requests
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+HUB_ID = "vllm-delta-tests/tiny-llama"
+SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class Trainer:
+    """transformers Llama from the served checkpoint, AdamW at lr 1e-5 (as tests/sender)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def step(self) -> None:
+        ids = torch.randint(3, 512, (2, 24), generator=self.gen)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+
+
+def hub_cache(model_dir: Path, hf_home: Path) -> Path:
+    """An HF cache holding `model_dir` as `HUB_ID` (what a past download leaves), for HF_HUB_OFFLINE=1."""
+    repo = hf_home / "hub" / f"models--{HUB_ID.replace('/', '--')}"
+    snapshot = repo / "snapshots" / SNAPSHOT
+    shutil.copytree(model_dir, snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(SNAPSHOT)
+    return snapshot
+
+
+def checksums(url: str) -> dict[str, str]:
+    """vLLM's own per-parameter digests (`/weight_checker`)."""
+    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=120)
+    r.raise_for_status()
+    return r.json()["checksums"]
+
+
+def merged_checksums(per_worker: list[dict[str, str]]) -> dict[str, str]:
+    """The `/weight_checker` answer from `compute_weight_checksums` results (offline `LLM`)."""
+    out: dict[str, str] = {}
+    for digests in per_worker:
+        out.update(digests)
+    return out
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
+    """Our `vllm_delta:` samples on vLLM's `/metrics`: (sample name, labels) -> value."""
+    text = requests.get(f"{url}/metrics", timeout=60).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) if fam.name.startswith("vllm_delta:")
+            for s in fam.samples}
+
+
+def sample(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def save_trained(model, tokenizer_dir: Path, out: Path) -> Path:
+    """The trainer's weights as transformers writes them, with the served tokenizer files."""
+    model.save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        if f.is_file() and not (out / f.name).exists() and "safetensors" not in f.name:
+            shutil.copy2(f, out / f.name)
+    return out

@@ -1,0 +1,208 @@
+"""`delta` as a vLLM weight-transfer backend, driven only through vLLM's own API.
+
+One module, three engines, one at a time (engine starts are the cost on 2 cores):
+1. `vllm serve <HF hub id> --weight-transfer-config '{"backend": "delta"}'`, configured from the
+   environment only (no patch-only flag), the hub id resolved from a local HF cache offline. A plain
+   PyTorch trainer syncs it for 3 steps through vLLM's `WeightTransferTrainerFactory`,
+   `HTTPVLLMWeightSyncClient` and `ModuleSource`; `/metrics` and `weight_version` move each step.
+   Then bad input through vLLM's routes: the route's status, type and field, weights untouched.
+2. The offline `LLM` with the same backend, fed the same trainer states.
+3. A fresh engine loaded from the trainer's final weights, saved by transformers: its
+   `/weight_checker` digests equal both synced engines'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from harness.vllm_engine import VllmServer, patched_environ, start_llm
+from native_helpers import (HUB_ID, Trainer, checksums, hub_cache, merged_checksums, metric_samples, sample,
+                            save_trained)
+from vllm_delta.diff import diff_param
+from vllm_delta.native import ROOT_ENV
+from vllm_delta.wire import DeltaWriter, tensor_digest
+
+pytestmark = [pytest.mark.engine, pytest.mark.heavy]
+NATIVE = ["--weight-transfer-config", json.dumps({"backend": "delta"})]
+SERIES = ("decode_seconds", "apply_seconds", "pause_seconds", "bytes_read", "changed_elements")
+PARAM = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return Path(os.path.realpath(tmp_path_factory.mktemp("native_root")))
+
+
+@pytest.fixture(scope="module")
+def native_env(root) -> dict[str, str]:
+    """What a plain `pip install` needs: the root, and our endpoint plugin allowlisted."""
+    return {ROOT_ENV: str(root), "VLLM_PLUGINS": "delta_updates"}
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, native_env, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("native_serve")
+    hub_cache(model_dir, tmp / "hf")
+    with VllmServer(HUB_ID, tmp / "serve.log", extra_args=NATIVE, env={**native_env, "HF_HOME": str(tmp / "hf")}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def trainer(model_dir) -> Trainer:
+    return Trainer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def run() -> dict:
+    """What the ordered tests hand on: trainer states per version, each engine's final digests."""
+    return {"states": [], "digests": {}}
+
+
+def status(url: str) -> dict:
+    r = requests.get(f"{url}/delta_updates/status", timeout=60)
+    r.raise_for_status()
+    return r.json()
+
+
+def test_trainer_syncs_serve_through_vllm_api(served, trainer, root, run):
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+
+    from vllm_delta import DeltaTrainerInitInfo
+
+    run["states"].append(trainer.state())
+    engine = WeightTransferTrainerFactory.trainer_init(
+        DeltaTrainerInitInfo(delta_dir=str(root), flush_bytes=64 << 10, rank=0),
+        client=HTTPVLLMWeightSyncClient(served.url), source=ModuleSource(trainer.model))
+    before = checksums(served.url)
+    for step in range(1, 4):
+        m0 = metric_samples(served.url)
+        trainer.step()
+        metrics = engine.send_weights()
+        run["states"].append(trainer.state())
+        assert metrics["sender/all_acked"] == 1.0 and metrics["sender/changed_elements"] > 0, engine.sender.engines
+        st = status(served.url)
+        assert st["version"] == step and st["weight_version"] == str(step) and st["healthy"], st
+        assert requests.get(f"{served.url}/weight_info", timeout=30).json()["weight_version"] == str(step)
+        m1 = metric_samples(served.url)
+        assert sample(m1, "vllm_delta:weights_version") == step
+        for name in SERIES:
+            assert sample(m1, f"vllm_delta:{name}_count") == sample(m0, f"vllm_delta:{name}_count") + 1, name
+        moved = sample(m1, "vllm_delta:changed_elements_sum") - sample(m0, "vllm_delta:changed_elements_sum")
+        assert moved == st["last"]["changed"] > 0
+        assert st["last"]["pause_s"] >= st["last"]["apply_s"] > 0  # held around the commit only
+        assert requests.get(f"{served.url}/is_paused", timeout=30).json()["is_paused"] is False
+        assert served.complete("The quick brown fox", max_tokens=4)["text"]
+    engine.shutdown()
+    run["digests"]["serve"] = checksums(served.url)
+    assert run["digests"]["serve"] != before
+    assert not list(root.glob("v*")), "delivered version directories are removed"
+
+
+def write_delta(root: Path, label: str, tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
+                version: int = 4, base_version: int = 3) -> Path:
+    """A finished, valid delta from `base` to `tensors` (shapes as given)."""
+    out = root / label
+    with DeltaWriter(out, version=version, base_version=base_version, encoding="ulp_zstd") as writer:
+        for name, t in tensors.items():
+            d = diff_param(t, base[name])
+            writer.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))
+    return out
+
+
+def test_bad_input_through_native_routes(served, root, run):
+    """Each case breaks one field of an otherwise valid delta; every refusal leaves the weights as they were."""
+    held = run["states"][-1]  # the engine holds these, at version 3
+    new = held[PARAM].clone()
+    new.view(-1).view(torch.int16)[::7] += 1
+    good = write_delta(root, "good", {PARAM: new}, held)
+    unknown = write_delta(root, "unknown", {"model.layers.0.mlp.nope.weight": new}, {"model.layers.0.mlp.nope.weight":
+                                                                                     held[PARAM]})
+    reshaped = write_delta(root, "reshaped", {PARAM: new.reshape(-1)[:64].reshape(8, 8)},
+                           {PARAM: held[PARAM].reshape(-1)[:64].reshape(8, 8)})
+    corrupt = root / "corrupt"
+    shutil.copytree(good, corrupt)
+    flush = next(corrupt.glob("*.safetensors"))
+    data = bytearray(flush.read_bytes())
+    data[-1] ^= 0xFF
+    flush.write_bytes(bytes(data))
+    cases = [  # update_info, status, error type, the field it names
+        ({"path": good.name, "version": 4, "base_version": 2}, 409, "VersionError", None),
+        ({"path": good.name, "version": 3, "base_version": 3}, 409, "VersionError", None),
+        ({"path": "../" + root.name + "-elsewhere", "version": 4, "base_version": 3}, 403, "PathOutsideRoot", None),
+        ({"path": good.name, "version": "four", "base_version": 3}, 400, "InvalidRequest", None),
+        ({"path": unknown.name, "version": 4, "base_version": 3}, 422, "UnknownParamError",
+         ("param", "model.layers.0.mlp.nope.weight")),
+        ({"path": reshaped.name, "version": 4, "base_version": 3}, 422, "ShapeMismatchError", ("param", PARAM)),
+        ({"path": corrupt.name, "version": 4, "base_version": 3}, 400, "IntegrityError", ("file", flush.name)),
+    ]
+    digests, m0 = checksums(served.url), metric_samples(served.url)
+    for update_info, code, kind, field in cases:
+        assert requests.post(f"{served.url}/start_weight_update", timeout=60).status_code == 200
+        r = requests.post(f"{served.url}/update_weights", json={"update_info": update_info}, timeout=120)
+        assert r.status_code == code, (update_info, r.text)
+        error = r.json()["error"]
+        assert error["type"] == kind, (update_info, error)
+        if field is not None:
+            assert error[field[0]] == field[1], (update_info, error)
+    r = requests.post(f"{served.url}/update_weights", data=b"{not json", timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "InvalidRequest", r.text
+    assert checksums(served.url) == digests, "a refused update changed the weights"
+    st = status(served.url)
+    assert st["version"] == 3 and st["weight_version"] == "3" and st["healthy"], st
+    m1 = metric_samples(served.url)
+    for code, count in ((400, 3), (403, 1), (409, 2), (422, 2)):
+        assert sample(m1, "vllm_delta:update_failures_total", status=str(code)) == \
+            sample(m0, "vllm_delta:update_failures_total", status=str(code)) + count, code
+    assert served.complete("The quick brown fox", max_tokens=4)["text"]
+    for d in (good, unknown, reshaped, corrupt):
+        shutil.rmtree(d)
+
+
+def test_offline_llm_api(served, trainer, model_dir, root, run):
+    """The same trainer states through the offline `LLM` methods; the snapshot seeded from the checkpoint."""
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from vllm_delta import DeltaTrainerInitInfo
+    from vllm_delta.native.links import OfflineLLMClient
+
+    served.stop()  # one engine at a time on this machine
+    states = run["states"]
+    trainer.model.load_state_dict(states[0])
+    with patched_environ({ROOT_ENV: str(root)}), \
+            start_llm(model_dir, weight_transfer_config={"backend": "delta"}) as llm:
+        engine = WeightTransferTrainerFactory.trainer_init(
+            DeltaTrainerInitInfo(delta_dir=str(root), checkpoint=str(model_dir), rank=0),
+            client=OfflineLLMClient(llm), source=ModuleSource(trainer.model))
+        for step, state in enumerate(states[1:], 1):
+            trainer.model.load_state_dict(state)
+            metrics = engine.send_weights()
+            assert metrics["sender/all_acked"] == 1.0, engine.sender.engines
+            assert llm.get_weight_version() == str(step)
+        engine.shutdown()
+        llm.start_weight_update()
+        with pytest.raises(Exception, match="PathOutsideRoot"):
+            llm.update_weights({"update_info": {"path": "../elsewhere", "version": 4, "base_version": 3}})
+        run["digests"]["offline"] = merged_checksums(llm.collective_rpc("compute_weight_checksums"))
+
+
+def test_synced_engines_equal_fresh_engine(trainer, model_dir, native_env, run, tmp_path_factory):
+    """Independent of our code: transformers writes the weights, vLLM loads them and digests them."""
+    trainer.model.load_state_dict(run["states"][-1])
+    out = save_trained(trainer.model, model_dir, tmp_path_factory.mktemp("trained"))
+    # The same backend: on the CPU it keeps linear layers' full weights where /weight_checker sees them.
+    with VllmServer(out, out / "fresh.log", extra_args=NATIVE, env=native_env) as fresh:
+        fresh_digests = checksums(fresh.url)
+    assert run["digests"]["serve"] == fresh_digests
+    assert run["digests"]["offline"] == fresh_digests

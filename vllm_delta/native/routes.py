@@ -1,0 +1,192 @@
+"""Front end of the `delta` backend: vLLM's own `/update_weights` and `/finish_weight_update`, answered
+the way `POST /update_weights_delta` answers.
+
+Why replace these two routes (same paths, same bodies, same engine calls, vLLM's own operation
+metrics): vLLM's versions turn every worker error into a 500 and cannot hold generation around a
+commit. Ours map the error each worker raised back to the route's status and body, pause
+generation (keeping requests, dropping the stale prefix cache) only around the commit of a
+non-empty delta, move the `vllm_delta:` series, and keep the version for `/delta_updates/status`
+beside vLLM's `weight_version`. They exist only when `--weight-transfer-config` selects `delta`,
+in dev mode (where vLLM mounts its routes), and when our endpoint plugin is allowlisted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from argparse import Namespace
+from time import perf_counter
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
+
+from vllm_delta.engine.http_errors import UpdateError, bad_request
+from vllm_delta.engine.metrics import delta_metrics
+from vllm_delta.engine.request import DeltaUpdateRequest
+from vllm_delta.native import BACKEND
+from vllm_delta.native.errors import delta_root, parse_error, version_dir
+
+logger = logging.getLogger("vllm.delta_updates")
+router = APIRouter()
+status_router = APIRouter()
+
+
+class UpdateBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    update_info: dict[str, Any]
+
+
+class FinishBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weight_version: StrictStr | None = None
+
+
+def enabled(args: Namespace | None) -> bool:
+    """`--weight-transfer-config` selects `delta` and vLLM mounts its weight routes (dev mode)."""
+    from vllm import envs
+
+    config = getattr(args, "weight_transfer_config", None)
+    backend = config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
+    return backend == BACKEND and envs.VLLM_SERVER_DEV_MODE
+
+
+def attach(app: FastAPI, with_status: bool) -> None:
+    app.include_router(router)
+    if with_status:  # else `--enable-delta-updates` serves it, with the same fields
+        app.include_router(status_router)
+
+
+class NativeUpdater:
+    """What the front end knows of native updates: the one being prepared, the committed version."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.version = 0
+        self.prepared: dict[str, Any] | None = None
+        self.dirty: str | None = None
+        self.last: dict[str, Any] | None = None
+
+    async def update(self, update_info: dict[str, Any]) -> None:
+        """Phase 1 on every worker (nothing written); a refusal is the route's status and body."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
+
+        self.prepared = None
+        started = perf_counter()
+        with weight_operation_metrics().record("update"):
+            await _engine_call(self.engine.update_weights(request=WeightTransferUpdateRequest(update_info=update_info)))
+        body = DeltaUpdateRequest.model_validate(update_info)  # the workers accepted it
+        changed, nbytes = _size(body)
+        self.prepared = {"version": body.version, "changed": changed, "bytes_read": nbytes,
+                         "decode_s": perf_counter() - started}
+
+    async def finish(self, weight_version: str | None) -> dict[str, Any] | None:
+        """Phase 2: commit, holding generation around it when the delta changes anything.
+
+        As on the route, a commit that fails part-way leaves generation paused (partly written
+        weights are never served) until a later commit succeeds, which only an anchor can then.
+        """
+        from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
+
+        prepared, self.prepared = self.prepared, None
+        pause = bool(prepared and prepared["changed"] > 0)
+        started = perf_counter()
+        if pause and self.dirty is None:
+            try:
+                await self.engine.pause_generation(mode="keep", clear_cache=True)
+            except Exception as exc:
+                raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
+        try:
+            with weight_operation_metrics().record("finish"):
+                committed = perf_counter()
+                await _engine_call(self.engine.finish_weight_update(weight_version))
+                apply_s = perf_counter() - committed
+        except UpdateError as err:
+            if pause and err.status >= 500:
+                self.dirty = f"version {prepared['version']}: {err.error['message']}"
+                logger.error("delta backend: commit failed; generation stays paused: %s", self.dirty)
+            elif pause and self.dirty is None:
+                await self.engine.resume_generation()
+            raise
+        if pause:
+            self.dirty = None
+            await self.engine.resume_generation()
+        if prepared is None:
+            return None
+        self.version = prepared["version"]
+        self.last = {**prepared, "apply_s": apply_s, "pause_s": perf_counter() - started if pause else 0.0}
+        return self.last
+
+    async def status(self) -> dict[str, Any]:
+        return {"version": self.version, "weight_version": await self.engine.get_weight_version(),
+                "healthy": self.dirty is None, "dirty_reasons": [self.dirty] if self.dirty else [],
+                "last": self.last}
+
+
+def _size(body: DeltaUpdateRequest) -> tuple[int, int]:
+    """Changed elements and delta bytes, from the manifest the workers just verified."""
+    from vllm_delta.wire import load_manifest, parse_manifest
+
+    if body.transport == "collective":
+        manifest = parse_manifest(json.dumps(body.manifest).encode())
+    else:
+        manifest = load_manifest(version_dir(body.path, delta_root()))
+    return manifest.changed, manifest.total_bytes
+
+
+async def _engine_call(call) -> None:
+    """Await an engine-client call; a worker's error comes back as the route's `UpdateError`."""
+    try:
+        await call
+    except UpdateError:
+        raise
+    except Exception as exc:
+        logger.warning("delta backend: %s", exc)
+        raise parse_error(str(exc)) or UpdateError(500, "EngineError", str(exc)) from exc
+
+
+async def _body(request: Request, model: type[BaseModel], empty_ok: bool = False) -> Any:
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw or (b"{}" if empty_ok else raw))
+    except ValidationError as exc:
+        raise bad_request(exc) from None
+
+
+def _refused(err: UpdateError, what: str) -> JSONResponse:
+    logger.warning("delta %s refused (%d): %s", what, err.status, err.error["message"])
+    delta_metrics().failed(err.status)
+    return err.response()
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request) -> JSONResponse:
+    try:
+        body = await _body(request, UpdateBody)
+        await request.app.state.delta_native.update(body.update_info)
+    except UpdateError as err:
+        return _refused(err, "update")
+    return JSONResponse({"message": "Weights updated"})
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(request: Request) -> JSONResponse:
+    try:
+        body = await _body(request, FinishBody, empty_ok=True)
+        result = await request.app.state.delta_native.finish(body.weight_version)
+    except UpdateError as err:
+        return _refused(err, "commit")
+    if result is not None:
+        delta_metrics().observe(result)
+        logger.info("delta update to version %d (weight_version %s): %d changed, apply %.3fs, paused %.3fs",
+                    result["version"], body.weight_version, result["changed"], result["apply_s"], result["pause_s"])
+    return JSONResponse({"message": "Weight update finished", "delta": result})
+
+
+@status_router.get("/delta_updates/status")
+async def delta_updates_status(request: Request) -> JSONResponse:
+    return JSONResponse(await request.app.state.delta_native.status())
