@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +17,7 @@ import requests
 import torch
 import zstandard
 
+from vllm_delta.wire.additive import combine, partial_sum, tensor_sum, to_hex
 from vllm_delta.wire import (CorruptDeltaError, DtypeMismatchError, Manifest, ParamChange, ParamEntry,
                              ShapeMismatchError, UnknownParamError, bytes_digest, encode_flush, file_entry,
                              flush_name, get_encoding, write_manifest)
@@ -141,6 +143,16 @@ MISFIT: dict[str, tuple[type, Callable]] = {
 }
 
 
+def test_placement_is_learned_at_startup(delta_server, baseline):
+    """Before any update the status reports the probe: ready, its cost, nothing falling back."""
+    deadline = time.monotonic() + 120
+    while not (placement := delta_server.status()["placement"])["ready"] and time.monotonic() < deadline:
+        time.sleep(1)
+    assert placement["ready"] and placement["probe_s"] > 0 and placement["fallback"] == [], placement
+    assert placement["probe_peak_bytes"] is not None and isinstance(placement["transformed"], list), placement
+    assert delta_server.status()["last"] is None  # no update has run
+
+
 def test_api_key_is_required(delta_server, deltas, baseline):
     body = {"path": good(deltas, "auth").name, "version": 1, "base_version": 0}
     for key, headers in ((None, None), ("wrong-key", None), (None, {"Authorization": "Basic delta-test-key"})):
@@ -218,10 +230,48 @@ def test_deltas_that_do_not_fit_the_model_are_422(delta_server, deltas, baseline
     delta_server.assert_unharmed(baseline, version=0)
 
 
+def test_collective_path_is_off_without_its_flag(delta_server, deltas, baseline):
+    """No `--delta-updates-collective-trainers`: the workers never join a group, nor wait for one."""
+    init = {"master_addr": "127.0.0.1", "master_port": 29555, "world_size": 2, "timeout_s": 1}
+    resp = requests.post(f"{delta_server.url}/delta_updates/collective/init", json=init,
+                         headers=delta_server.headers(), timeout=120)
+    assert resp.status_code == 403 and resp.json()["error"]["type"] == "CollectiveDisabled", resp.text
+    manifest = json.loads((good(deltas, "collective-off") / "manifest.json").read_text())
+    resp = delta_server.update({"transport": "collective", "manifest": manifest, "version": 1, "base_version": 0})
+    assert resp.status_code == 403 and resp.json()["error"]["type"] == "CollectiveDisabled", resp.text
+    delta_server.assert_unharmed(baseline, version=0)
+
+
 def test_refusals_are_counted(delta_server, baseline):
     text = requests.get(f"{delta_server.url}/metrics", timeout=30).text
     for status in (400, 401, 403, 409, 422):
         assert f'vllm_delta:update_failures_total{{status="{status}"}}' in text, status
+
+
+def with_digests(d, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], **wrong: str) -> None:
+    """Add the additive digests (from the full tensors) to a delta's manifest; `wrong` breaks one."""
+    m = json.loads((d / "manifest.json").read_text())
+    for p in m["params"]:
+        a, b = old[p["name"]].reshape(-1), new[p["name"]].reshape(-1)
+        pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
+        p.update(pre_digest=to_hex(partial_sum(pos, a[pos])), post_digest=to_hex(partial_sum(pos, b[pos])),
+                 digest=to_hex(tensor_sum(new[p["name"]])))
+        for field, name in wrong.items():
+            if name == p["name"]:
+                p[field] = combine(p[field], "0" * 31 + "1")
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("field", ["pre_digest", "post_digest"])
+def test_digest_mismatches_are_400_before_any_write(delta_server, deltas, baseline, field):
+    new = deltas.perturbed([Q, DOWN], seed=21)
+    d = deltas.write(f"bad-{field}", new, version=1, base_version=0)
+    with_digests(d, deltas.base, new, **{field: DOWN})
+    resp = delta_server.update({"path": d.name, "version": 1, "base_version": 0})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "IntegrityError" and error["param"] == DOWN and field[:-7] in error["message"], error
+    delta_server.assert_unharmed(baseline, version=0)
 
 
 # The good updates: these move the weights, so they run after every refusal above.
@@ -280,6 +330,23 @@ def test_empty_delta_bumps_the_version_without_pausing(delta_server, deltas):
     assert resp.status_code == 200, resp.text
     assert resp.json()["changed"] == 0 and resp.json()["pause_s"] == 0
     delta_server.assert_unharmed(before, version=3)
+
+
+def test_digests_are_checked_and_a_full_verify_agrees(delta_server, deltas):
+    """v1 and v2 above moved Q, DOWN (seed 11) and NORM (seed 13); v4 moves Q and DOWN again."""
+    current = {**deltas.perturbed([Q, DOWN], seed=11), **deltas.perturbed([NORM], seed=13)}
+    new = {n: t.clone() for n, t in current.items() if n != NORM}
+    for t in new.values():
+        t.view(-1).view(torch.int16)[::7] += 1
+    d = deltas.write("v4-digests", new, version=4, base_version=3, old=current)
+    with_digests(d, current, new)
+    resp = delta_server.update({"path": d.name, "version": 4, "base_version": 3})
+    assert resp.status_code == 200, resp.text
+    resp = requests.post(f"{delta_server.url}/delta_updates/verify", headers=delta_server.headers(), timeout=120)
+    assert resp.status_code == 200, resp.text
+    report = resp.json()
+    assert report["ok"] and report["digests_checked"] == 2 and report["hashes_checked"] == 3, report
+    assert delta_server.status()["fault"] is None
 
 
 def test_metrics_are_on_vllm_metrics(delta_server):

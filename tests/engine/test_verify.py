@@ -115,3 +115,19 @@ def test_full_verify_on_demand(tmp_path):
     models[1].model.layers[1].self_attn.o_proj.weight.data.view(torch.int16)[0, 0] += 1  # rank 1 only holds it
     report = asyncio.run(updater.verify())
     assert not report["ok"] and report["digest_mismatched"] == ["model.layers.1.self_attn.o_proj.weight"]
+
+
+def test_placement_status_is_reported_before_the_first_update(tmp_path):
+    _, _, _, updater = setup(tmp_path)
+
+    async def probe_at_startup() -> tuple[dict, dict]:
+        before = await updater.status()
+        updater.start_probe()
+        await updater._probe
+        return before, await updater.status()
+
+    before, after = asyncio.run(probe_at_startup())
+    assert not before["placement"]["ready"] and before["placement"]["fallback"] is None
+    placement = after["placement"]
+    assert placement["ready"] and placement["probe_s"] > 0 and placement["fallback"] == []
+    assert placement["transformed"] == [] and after["last"] is None

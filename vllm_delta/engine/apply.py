@@ -29,7 +29,7 @@ from torch import nn
 from vllm_delta.engine import cpu_weights
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
-from vllm_delta.engine.placement import TensorPlacement, build_placement
+from vllm_delta.engine.placement import PeakRss, TensorPlacement, build_placement
 from vllm_delta.wire import (DeltaDecoder, IncompleteDeltaError, Manifest, ParamDelta, VersionError, get_encoding,
                              iter_delta, open_delta, tensor_digest)
 from vllm_delta.wire.additive import partial_sum, to_hex
@@ -125,6 +125,8 @@ class DeltaApplier:
         self._load_weights = load_weights or model.load_weights
         self.targets = {name: canon for name, (_, canon) in cpu_weights.canonical_tensors(model).items()}
         self._placements = placements
+        self.probe_s: float | None = None
+        self.probe_peak_bytes: int | None = None
         self.rank = rank
         self.ownership = Ownership()  # until the route hands over the other ranks' coverage
 
@@ -134,9 +136,11 @@ class DeltaApplier:
             start = time.perf_counter()
             storages = {live.untyped_storage().data_ptr(): name
                         for name, (live, _) in cpu_weights.canonical_tensors(self.model).items() if live.numel() > 0}
-            self._placements = build_placement(self._load_weights, storages, self.checkpoint)
-            logger.info("delta updates: placement of %d tensors learned in %.2fs",
-                        len(self._placements), time.perf_counter() - start)
+            with PeakRss() as peak:
+                self._placements = build_placement(self._load_weights, storages, self.checkpoint)
+            self.probe_s, self.probe_peak_bytes = time.perf_counter() - start, peak.extra
+            logger.info("delta updates: placement of %d tensors learned in %.2fs (+%s B peak)",
+                        len(self._placements), self.probe_s, peak.extra)
         return self._placements
 
     @property
@@ -146,6 +150,13 @@ class DeltaApplier:
     @property
     def fallback_tensors(self) -> dict[str, str]:
         return {n: p.fallback_reason for n, p in self.placements.items() if p.fallback_reason}
+
+    def placement_status(self) -> dict[str, object]:
+        """What `/delta_updates/status` shows under `placement` (never triggers the probe)."""
+        ready = self.probed
+        return {"ready": ready, "probe_s": self.probe_s, "probe_peak_bytes": self.probe_peak_bytes,
+                "fallback": self.fallback_tensors if ready else None,
+                "transformed": cpu_weights.transformed(self.model)}
 
     # ---- phase 1 -------------------------------------------------------------------------
     def prepare(self, path: str | Path, *, version: int, base_version: int | None,

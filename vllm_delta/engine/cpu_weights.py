@@ -96,6 +96,11 @@ def _rerun_post_load(module: nn.Module) -> None:
         module.quant_method.process_weights_after_loading(module)
 
 
+def transformed(model: nn.Module) -> list[str]:
+    """Modules whose post-load step replaced or repacked a parameter (deltas go to a canonical copy)."""
+    return [name for name, m in model.named_modules() if getattr(m, STASH_ATTR, None) or getattr(m, RESTORED_ATTR, None)]
+
+
 def needs_refresh(module: nn.Module) -> bool:
     return hasattr(module, STASH_ATTR)
 

@@ -268,6 +268,34 @@ def probe_tensor(
     return placement
 
 
+class PeakRss:
+    """Extra resident memory at the peak of a block (Linux: the kernel's high-water mark, reset first).
+
+    Why RSS: the probe's temporaries are CPU tensors, which no torch allocator statistic covers.
+    `extra` stays None where /proc does not allow the reset.
+    """
+
+    extra: int | None = None
+
+    @staticmethod
+    def _kib(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+    def __enter__(self) -> PeakRss:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            self._base = self._kib("VmRSS")
+        except OSError:
+            self._base = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._base is not None:
+            self.extra = max(0, self._kib("VmHWM") - self._base) << 10
+
+
 def build_placement(
     load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
     storages: Mapping[int, str],

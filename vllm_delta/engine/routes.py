@@ -31,7 +31,6 @@ from vllm_delta.engine.metrics import delta_metrics
 from vllm_delta.wire.errors import DeltaError
 from vllm_delta.engine.request import (CollectiveInitRequest, DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
                                        resolve_version_dir)
-from vllm_delta.native import routes as native_routes
 
 # Under vLLM's logger, so these lines land in the server log with vLLM's own.
 logger = logging.getLogger("vllm.delta_updates")
@@ -49,19 +48,16 @@ class DeltaUpdatesEndpoint:
         if getattr(args, "enable_delta_updates", False):
             check_args(args)
             app.include_router(router)
-        if native_routes.enabled(args):  # vLLM's weight routes, for `--weight-transfer-config` backend delta
-            native_routes.attach(app, with_status=not getattr(args, "enable_delta_updates", False))
             guard_health(app)
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
-        if native_routes.enabled(args):
-            state.delta_native = native_routes.NativeUpdater(engine_client)
         if not getattr(args, "enable_delta_updates", False):
             return
         if engine_client is None:
             raise RuntimeError("--enable-delta-updates needs an engine; this server has none")
         state.delta_updater = DeltaUpdater(engine_client, args.delta_updates_root,
                                            args.delta_updates_chunk_bytes, api_tokens(args))
+        state.delta_updater.start_probe()
 
 
 def api_tokens(args: Namespace) -> list[str]:
@@ -188,14 +184,24 @@ class DeltaUpdater:
             raise UpdateError.from_worker(failed)
         return {"ranks": [r["group_rank"] for r in joined], "world_size": body.world_size}
 
+    def start_probe(self) -> None:
+        """Learn the placement on every rank now, in the background, before any update needs it."""
+
+        async def probe() -> None:
+            try:
+                await self._rpc("delta_probe")
+            except UpdateError:
+                pass  # _rpc logged it; the first update probes again and reports the error
+
+        self._probe = asyncio.get_running_loop().create_task(probe())
+
     async def status(self) -> dict[str, Any]:
         ranks = await self._rpc("delta_status")
         versions = {r["version"] for r in ranks}
         dirty = [r["dirty_reason"] or "dirty" for r in ranks if r["dirty"]]
         return {"version": ranks[0]["version"] if len(versions) == 1 else None,
-                "weight_version": await self.engine.get_weight_version(),
                 "healthy": not dirty and len(versions) == 1 and self.fault is None, "dirty_reasons": dirty,
-                "fault": self.fault,
+                "fault": self.fault, "placement": placement_summary([r["placement"] for r in ranks]),
                 "last": ranks[0]["last"], "ranks": ranks}
 
     async def _abort(self, req_id: str) -> None:
@@ -212,6 +218,15 @@ class DeltaUpdater:
         except Exception as exc:
             logger.exception("delta updates: %s failed on a worker", method)
             raise UpdateError(500, "EngineError", f"{method} failed on a worker: {exc}") from exc
+
+
+def placement_summary(ranks: list[dict]) -> dict[str, Any]:
+    """The ranks' placement status as one: ready when all are, the slowest probe, the largest peak."""
+    ready = all(r["ready"] for r in ranks)
+    return {"ready": ready, "probe_s": max((r["probe_s"] or 0.0 for r in ranks), default=None) if ready else None,
+            "probe_peak_bytes": max((r["probe_peak_bytes"] or 0 for r in ranks), default=None) if ready else None,
+            "fallback": sorted({n for r in ranks for n in (r["fallback"] or {})}) if ready else None,
+            "transformed": sorted({n for r in ranks for n in r["transformed"]})}
 
 
 def fault_of(failed: list[dict]) -> dict[str, Any]:

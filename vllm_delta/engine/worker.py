@@ -191,6 +191,11 @@ class DeltaWorkerExtension:
             self._delta_group = None  # a failed collective leaves the group unusable
             raise
 
+    def delta_probe(self) -> dict[str, Any]:
+        """Learn the placement now (the route asks at startup, so the first update does not pay)."""
+        self._delta().applier.placements
+        return self._delta().applier.placement_status()
+
     def delta_abort(self, request_id: str) -> None:
         self._delta().staged.pop(request_id, None)
 
@@ -199,4 +204,5 @@ class DeltaWorkerExtension:
         return {"rank": self._delta_rank(), "version": state.version, "dirty": state.fault is not None,
                 "dirty_reason": state.fault and state.fault.reason,
                 "fault": state.fault and state.fault.as_dict(), "last": state.last,
+                "placement": state.applier.placement_status(),
                 "fallback": state.applier.fallback_tensors if state.applier.probed else None}
