@@ -111,7 +111,9 @@ def gather(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     """Own storage (so a scattered chunk frees its memory), pinned for async copies to CUDA."""
-    return t.pin_memory() if pin else t.clone()
+    if pin:
+        return t.pin_memory()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 class DeltaApplier:
@@ -239,7 +241,7 @@ class DeltaApplier:
             version=version, writes=writes, fallback=fallback, total_changed=total, changed=changed,
             bytes_read=sum(f.bytes for f in manifest.files), decode_s=time.perf_counter() - start,
             replay=replay, chunk_bytes=chunk_bytes,
-            digests={n: [None if t is None else to_hex(t) for t in acc] for n, acc in sums.items()},
+            digests=_hex_all(sums),
             expected={p.name: [p.pre_digest, p.post_digest] for p in manifest.params
                       if p.pre_digest is not None or p.post_digest is not None},
             after={p.name: (p.digest, p.post_hash) for p in manifest.params},
@@ -394,6 +396,20 @@ def scatter(flat: torch.Tensor, chunk: Chunk) -> None:
     if chunk.base is not None:
         values = ulp_resolve_tensor(gather(flat, offsets).to(chunk.base), values)
     flat.index_copy_(0, offsets, values.to(flat.dtype))
+
+
+def _hex_all(sums: dict[str, list[torch.Tensor | None]]) -> dict[str, list[str | None]]:
+    """Hex digests of every accumulated sum, with one device-to-host copy per device (not per tensor)."""
+    by_device: dict[torch.device, list[tuple[str, int, torch.Tensor]]] = {}
+    for name, acc in sums.items():
+        for i, t in enumerate(acc):
+            if t is not None:
+                by_device.setdefault(t.device, []).append((name, i, t))
+    out: dict[str, list[str | None]] = {name: [None, None] for name in sums}
+    for items in by_device.values():
+        for (name, i, _), lanes in zip(items, torch.stack([t for _, _, t in items]).cpu().tolist()):
+            out[name][i] = to_hex(tuple(lanes))
+    return out
 
 
 def _add(acc: list[torch.Tensor | None], i: int, part: torch.Tensor) -> None:
