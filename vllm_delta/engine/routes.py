@@ -31,6 +31,7 @@ from vllm_delta.engine.metrics import delta_metrics
 from vllm_delta.wire.errors import DeltaError
 from vllm_delta.engine.request import (CollectiveInitRequest, DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
                                        resolve_version_dir)
+from vllm_delta.native import routes as native_routes
 
 # Under vLLM's logger, so these lines land in the server log with vLLM's own.
 logger = logging.getLogger("vllm.delta_updates")
@@ -49,8 +50,12 @@ class DeltaUpdatesEndpoint:
             check_args(args)
             app.include_router(router)
             guard_health(app)
+        if native_routes.enabled(args):  # vLLM's weight routes, for `--weight-transfer-config` backend delta
+            native_routes.attach(app, with_status=not getattr(args, "enable_delta_updates", False))
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
+        if native_routes.enabled(args):
+            state.delta_native = native_routes.NativeUpdater(engine_client)
         if not getattr(args, "enable_delta_updates", False):
             return
         if engine_client is None:
@@ -200,6 +205,7 @@ class DeltaUpdater:
         versions = {r["version"] for r in ranks}
         dirty = [r["dirty_reason"] or "dirty" for r in ranks if r["dirty"]]
         return {"version": ranks[0]["version"] if len(versions) == 1 else None,
+                "weight_version": await self.engine.get_weight_version(),
                 "healthy": not dirty and len(versions) == 1 and self.fault is None, "dirty_reasons": dirty,
                 "fault": self.fault, "placement": placement_summary([r["placement"] for r in ranks]),
                 "last": ranks[0]["last"], "ranks": ranks}
