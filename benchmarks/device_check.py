@@ -34,10 +34,14 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
-from vllm_delta.engine.digests import Ownership, check_partials, coverage  # noqa: E402
-from vllm_delta.wire import DeltaWriter, iter_delta, load_manifest, open_delta, write_manifest  # noqa: E402
-from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex  # noqa: E402
+try:
+    from vllm_delta.engine.apply import DeltaApplier
+    from vllm_delta.engine.digests import Ownership, check_partials, coverage
+    from vllm_delta.wire import DeltaWriter, iter_delta, load_manifest, open_delta, write_manifest
+    from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
+except ModuleNotFoundError as exc:  # a torch-only image: say what to carry instead of a bare traceback
+    sys.exit(f"device_check: missing {exc.name!r}; the wire format needs numpy, safetensors, xxhash, zstandard "
+             "and pydantic (carry cp312 wheels of the missing ones)")
 
 DENSITIES = (0.005, 0.02, 0.05)
 
