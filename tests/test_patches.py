@@ -89,8 +89,11 @@ def clean_env(monkeypatch):
 
 
 def flags_parser() -> argparse.ArgumentParser:
+    """Our flags beside the vLLM flags `check_args` reads, with vLLM's defaults (no --host: every interface)."""
     parser = argparse.ArgumentParser(exit_on_error=False)
     parser.add_argument("--worker-extension-cls", default="")
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--api-key", nargs="+", default=None)
     cli_args.add_cli_args(parser)
     return parser
 
@@ -104,7 +107,7 @@ def test_flag_off_changes_nothing(clean_env):
 
 def test_flag_on_sets_extension_env_and_allowlist(clean_env, tmp_path):
     args = flags_parser().parse_args(["--enable-delta-updates", "--delta-updates-root", str(tmp_path),
-                                      "--delta-updates-chunk-bytes", "4096"])
+                                      "--delta-updates-chunk-bytes", "4096", "--host", "127.0.0.1"])
     assert args.worker_extension_cls == cli_args.WORKER_EXTENSION
     assert args.delta_updates_root == tmp_path.resolve() and args.delta_updates_chunk_bytes == 4096
     assert os.environ[cli_args.ENV_FLAG] == "1"
@@ -120,19 +123,20 @@ def test_allowlist_keeps_every_other_plugin():
     assert "delta_updates" in unset and len(unset) == len(set(unset))
 
 
-def test_conflicting_worker_extension_is_refused(clean_env, tmp_path):
+def test_conflicting_worker_extension_is_refused(clean_env, tmp_path, capsys):
     parser = flags_parser()
-    with pytest.raises(SystemExit):  # given before the flag: argparse error at parse time
+    with pytest.raises(SystemExit):  # given before the flag: argparse error as the flag is parsed
         parser.parse_args(["--worker-extension-cls", "x.Y", "--enable-delta-updates"])
-    late = parser.parse_args(["--enable-delta-updates", "--delta-updates-root", str(tmp_path),
-                              "--worker-extension-cls", "x.Y"])
-    with pytest.raises(ValueError, match="x.Y"):  # given after it: refused when the app is built
-        cli_args.check_args(late)
+    with pytest.raises(SystemExit):  # given after it: refused once the whole line is parsed
+        parser.parse_args(["--enable-delta-updates", "--delta-updates-root", str(tmp_path), "--host", "127.0.0.1",
+                           "--worker-extension-cls", "x.Y"])
+    assert "--worker-extension-cls x.Y" in capsys.readouterr().err
 
 
-def test_root_is_required_and_must_exist(clean_env, tmp_path):
-    with pytest.raises(ValueError, match="--delta-updates-root"):
-        cli_args.check_args(flags_parser().parse_args(["--enable-delta-updates"]))
+def test_root_is_required_and_must_exist(clean_env, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        flags_parser().parse_args(["--enable-delta-updates", "--host", "127.0.0.1"])
+    assert "--enable-delta-updates requires --delta-updates-root DIR" in capsys.readouterr().err
     with pytest.raises(argparse.ArgumentError, match="not an existing directory"):
         flags_parser().parse_args(["--delta-updates-root", str(tmp_path / "nope")])
     with pytest.raises(argparse.ArgumentError, match="positive"):
@@ -147,5 +151,6 @@ def test_vllm_serve_parser_has_the_flags(clean_env, tmp_path):
     parser = make_arg_parser(FlexibleArgumentParser())
     stock = parser.parse_args(["model"])
     assert stock.enable_delta_updates is False and stock.worker_extension_cls == ""
-    args = parser.parse_args(["model", "--enable-delta-updates", "--delta-updates-root", str(tmp_path)])
+    args = parser.parse_args(["model", "--enable-delta-updates", "--delta-updates-root", str(tmp_path),
+                              "--host", "127.0.0.1"])
     assert args.worker_extension_cls == cli_args.WORKER_EXTENSION

@@ -6,9 +6,10 @@ of a module runs against the same server and checks afterwards that it was left 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,20 @@ class DeltaFactory:
         return out
 
 
+@contextlib.contextmanager
+def serve_deltas(model_dir: Path, root: Path, log: Path, extra_args: Sequence[str] = ()) -> Iterator[DeltaServer]:
+    """`vllm serve` with delta updates under `root`, the API key, and any further flags."""
+    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY, *extra_args]
+    with VllmServer(model_dir, log, extra_args=args) as server:
+        yield DeltaServer(server, root)
+
+
+@pytest.fixture(name="serve_deltas", scope="session")
+def serve_deltas_fixture():
+    """`serve_deltas(model_dir, root, log, extra_args)`: a module's own server, when it needs other flags."""
+    return serve_deltas
+
+
 @pytest.fixture(name="child_environ", scope="session")
 def child_environ_fixture():
     """`child_environ(server)`: the environment of the engine processes a `VllmServer` started."""
@@ -144,9 +159,8 @@ def delta_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def delta_server(tiny_model_factory, delta_root: Path, tmp_path_factory) -> Iterator[DeltaServer]:
     """`vllm serve` of the tiny Llama exactly as a user starts it with delta updates and an API key."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    args = ["--enable-delta-updates", "--delta-updates-root", str(delta_root), "--api-key", API_KEY]
-    with VllmServer(tiny_model_factory("llama"), log, extra_args=args) as server:
-        yield DeltaServer(server, delta_root)
+    with serve_deltas(tiny_model_factory("llama"), delta_root, log) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,8 @@ def model_dir(tiny_model_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir, root, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
+    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY,
+            "--delta-updates-collective-trainers", "127.0.0.1"]  # the gloo trainer runs here
     with VllmServer(model_dir, log, extra_args=args) as s:
         yield s
 

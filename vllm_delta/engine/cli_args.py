@@ -4,13 +4,16 @@ Why an argparse Action: the flag has to take effect while the command line is pa
 server turns the parsed args into engine args and starts the engine processes before any route
 plugin runs, so the worker extension and the environment the workers read are set here.
 Argparse has no post-parse hook, so what can only be judged on the whole command line (the root
-is given, no later `--worker-extension-cls` replaced ours) is checked by `check_args`, which the
-route plugin calls when the app is built.
+is given, no later `--worker-extension-cls` replaced ours, the server is not open to anyone who
+reaches its port, one API server and one engine) is checked by `check_args`. It runs as soon as the
+command line is parsed (see `check_after_parsing`), so a bad one stops `vllm serve` before any
+engine starts; the route plugin checks again when the app is built.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -20,6 +23,10 @@ ENV_FLAG = "VLLM_DELTA_UPDATES"
 PLUGIN_NAME = "delta_updates"
 ENDPOINT_GROUP = "vllm.endpoint_plugins"
 DEFAULT_CHUNK_BYTES = 256 << 20
+# A request body is a small JSON document; a collective update carries its manifest (about 200 B
+# per changed tensor), so this leaves room for models with hundreds of thousands of tensors.
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+LOOPBACK_NAMES = frozenset({"localhost"})
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +46,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--delta-updates-chunk-bytes", type=positive_int, default=DEFAULT_CHUNK_BYTES, metavar="N",
         help="The receiver's working-set cap per apply chunk, in bytes.",
     )  # fmt: skip
+    group.add_argument(
+        "--delta-updates-max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+        help="The largest request body the delta routes read; larger ones get 413.",
+    )  # fmt: skip
+    group.add_argument(
+        "--delta-updates-collective-trainers", type=trainer_address, nargs="+", default=None, metavar="ADDR",
+        help="Turn on POST /delta_updates/collective/init, for trainers whose master_addr is one of these "
+             "IP addresses, networks (CIDR) or host names. Off when not given: the workers never join a group.",
+    )  # fmt: skip
+    check_after_parsing(parser)
 
 
 class EnableDeltaUpdates(argparse.Action):
@@ -86,8 +103,28 @@ def plugin_allowlist(current: str | None) -> list[str]:
     return names if PLUGIN_NAME in names else [*names, PLUGIN_NAME]
 
 
+def check_after_parsing(parser: argparse.ArgumentParser) -> None:
+    """Run `check_args` on every namespace `parser` produces, turning a refusal into a usage error.
+
+    Why wrap this parser's own `parse_known_args`: argparse has no post-parse hook, and `vllm serve`
+    parses its subcommand through exactly this method (argparse's subparser action calls it), before
+    it starts anything.
+    """
+    parse = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        namespace, rest = parse(args, namespace)
+        try:
+            check_args(namespace)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return namespace, rest
+
+    parser.parse_known_args = parse_known_args
+
+
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse a command line that enabled delta updates but cannot serve them."""
+    """Refuse a command line that enabled delta updates but cannot serve them safely."""
     if not getattr(args, "enable_delta_updates", False):
         return
     if args.delta_updates_root is None:
@@ -95,6 +132,57 @@ def check_args(args: argparse.Namespace) -> None:
     if args.worker_extension_cls != WORKER_EXTENSION:
         raise ValueError(f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
                          f"it cannot be combined with --worker-extension-cls {args.worker_extension_cls}")
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        raise ValueError(f"--enable-delta-updates cannot run with --api-server-count {args.api_server_count}: "
+                         "each API server process would hold its own update lock, and one server's resume "
+                         "could un-pause another's commit. Use one API server per engine.")
+    if (getattr(args, "data_parallel_size", None) or 1) > 1:
+        raise ValueError(f"--enable-delta-updates cannot run with --data-parallel-size {args.data_parallel_size}: "
+                         "an update's result would come back from the first engine only, hiding the other "
+                         "replicas' failures. Run one server per replica.")
+    if not api_keys(args) and not dev_mode() and not loopback_only(args):
+        raise ValueError("--enable-delta-updates lets whoever reaches this server rewrite its weights: give "
+                         "--api-key (or VLLM_API_KEY), listen on loopback only (--host 127.0.0.1, localhost "
+                         "or ::1), or set VLLM_SERVER_DEV_MODE=1")
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys vLLM's own middleware accepts: `--api-key`, else `VLLM_API_KEY`."""
+    from vllm import envs
+
+    return [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
+
+
+def dev_mode() -> bool:
+    """vLLM's development mode, under which it serves its own weight routes unauthenticated too."""
+    from vllm import envs
+
+    return bool(envs.VLLM_SERVER_DEV_MODE)
+
+
+def loopback_only(args: argparse.Namespace) -> bool:
+    """Whether the server listens on a Unix socket or a loopback address only (no `--host`: all interfaces)."""
+    if getattr(args, "uds", None):
+        return True
+    host = getattr(args, "host", None)
+    if not host:
+        return False
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve to anything
+
+
+def trainer_address(value: str) -> str:
+    """An IP address, a network (CIDR) or a host name a trainer's `master_addr` may have."""
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        if not value or any(c.isspace() or c in "/,@:" for c in value):
+            raise argparse.ArgumentTypeError(f"{value!r} is not an IP address, network or host name") from None
+    return value
 
 
 def existing_dir(value: str) -> Path:

@@ -1,15 +1,24 @@
-"""The body of `POST /update_weights_delta` and the containment of its paths under the root.
+"""The bodies of the delta routes, their size cap, the collective allowlist, and the containment of
+paths under the root.
 
 Why here and not in the workers: a path outside `--delta-updates-root` must be refused before any
-engine process opens a file, and symlinks are resolved so a link cannot lead out of the root.
+engine process opens a file, and symlinks are resolved so a link cannot lead out of the root. The
+workers then open the files again from a handle of the root without following links
+(`vllm_delta.wire.container.DeltaDir`), so nothing swapped in after this check is read.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from typing import Any, Literal
+
+from starlette.requests import Request
+
+from vllm_delta.engine.http_errors import UpdateError
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator,
                       model_validator)
@@ -46,6 +55,11 @@ class DeltaUpdateRequest(BaseModel):
         return files
 
 
+# The longest a worker may wait for the trainer's group (rendezvous, then each broadcast): a stalled
+# or hostile trainer holds the workers no longer than this.
+MAX_COLLECTIVE_TIMEOUT_S = 600
+
+
 class CollectiveInitRequest(BaseModel):
     """`POST /delta_updates/collective/init`: join the trainer's group (the trainer is rank 0)."""
 
@@ -56,7 +70,50 @@ class CollectiveInitRequest(BaseModel):
     world_size: StrictInt = Field(ge=2)
     rank_offset: StrictInt = Field(default=1, ge=1)
     backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: StrictInt | StrictFloat = Field(default=120, gt=0)
+    timeout_s: StrictInt | StrictFloat = Field(default=120, gt=0, le=MAX_COLLECTIVE_TIMEOUT_S)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refused (413) past `max_bytes`, before it is all held in memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise UpdateError(413, "RequestTooLarge", f"a body of {declared} B exceeds the {max_bytes} B limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise UpdateError(413, "RequestTooLarge", f"the body exceeds the {max_bytes} B limit")
+    return bytes(body)
+
+
+def check_collective(master_addr: str | None, allowed: Sequence[str] | None) -> None:
+    """Refuse (403) collective transfers unless turned on, and trainers outside the allowlist.
+
+    Entries are IP addresses or networks (an address matches by value, so `::ffff:` forms of an
+    IPv4 address do not slip past) or host names (matched as written, never resolved here).
+    `master_addr=None` asks only whether the collective path is on.
+    """
+    if not allowed:
+        raise UpdateError(403, "CollectiveDisabled", "collective updates are off: start the server with "
+                          "--delta-updates-collective-trainers ADDR to allow a trainer")
+    if master_addr is None or any(_matches(master_addr, entry) for entry in allowed):
+        return
+    raise UpdateError(403, "TrainerNotAllowed", f"master_addr {master_addr!r} is not in "
+                      "--delta-updates-collective-trainers")
+
+
+def _matches(addr: str, entry: str) -> bool:
+    try:
+        network = ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        return addr.lower() == entry.lower()
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.version == network.version and ip in network
 
 
 class OutsideRootError(Exception):

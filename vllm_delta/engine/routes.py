@@ -24,13 +24,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import State
 
-from vllm_delta.engine.cli_args import PLUGIN_NAME, check_args
+from vllm_delta.engine.cli_args import DEFAULT_MAX_BODY_BYTES, PLUGIN_NAME, api_keys, check_args
 from vllm_delta.engine.digests import check_partials, mismatches
 from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.metrics import delta_metrics
 from vllm_delta.wire.errors import DeltaError
 from vllm_delta.engine.request import (CollectiveInitRequest, DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
-                                       resolve_version_dir)
+                                       check_collective, read_body, resolve_version_dir)
 from vllm_delta.native import routes as native_routes
 
 # Under vLLM's logger, so these lines land in the server log with vLLM's own.
@@ -61,24 +61,22 @@ class DeltaUpdatesEndpoint:
         if engine_client is None:
             raise RuntimeError("--enable-delta-updates needs an engine; this server has none")
         state.delta_updater = DeltaUpdater(engine_client, args.delta_updates_root,
-                                           args.delta_updates_chunk_bytes, api_tokens(args))
+                                           args.delta_updates_chunk_bytes, api_keys(args),
+                                           collective_trainers=args.delta_updates_collective_trainers,
+                                           max_body_bytes=args.delta_updates_max_body_bytes)
         state.delta_updater.start_probe()
-
-
-def api_tokens(args: Namespace) -> list[str]:
-    """The keys vLLM's own middleware accepts: `--api-key`, else `VLLM_API_KEY`."""
-    from vllm import envs
-
-    return [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
 
 
 class DeltaUpdater:
     """Runs updates against the engine, one at a time."""
 
-    def __init__(self, engine: Any, root: Path, chunk_bytes: int, tokens: list[str]) -> None:
+    def __init__(self, engine: Any, root: Path, chunk_bytes: int, tokens: list[str], *,
+                 collective_trainers: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
         self.root = root
         self.chunk_bytes = chunk_bytes
+        self.collective_trainers = collective_trainers
+        self.max_body_bytes = max_body_bytes
         self._token_hashes = [hashlib.sha256(t.encode()).digest() for t in tokens]
         self._lock = asyncio.Lock()
         self._peers_set = False
@@ -102,6 +100,7 @@ class DeltaUpdater:
         req = {"id": uuid.uuid4().hex, "version": body.version, "base_version": body.base_version,
                "chunk_bytes": self.chunk_bytes}
         if body.transport == "collective":
+            check_collective(None, self.collective_trainers)
             req.update(transport="collective", manifest=body.manifest)
         else:
             try:
@@ -110,7 +109,7 @@ class DeltaUpdater:
                 raise UpdateError(403, "PathOutsideRoot", str(exc)) from None
             except NotADeltaDirError as exc:
                 raise UpdateError(400, "NotADeltaDirectory", str(exc)) from None
-            req.update(path=str(path), files=body.files)
+            req.update(path=str(path), root=str(self.root), files=body.files)
         async with self._lock:
             try:
                 await self._ensure_peers()
@@ -179,6 +178,7 @@ class DeltaUpdater:
 
     async def collective_init(self, body: CollectiveInitRequest) -> dict[str, Any]:
         """Every worker joins the trainer's group (each worker is rank `rank_offset + its rank`)."""
+        check_collective(body.master_addr, self.collective_trainers)
         ranks = await self._rpc("delta_status")
         if body.world_size != body.rank_offset + len(ranks):
             raise UpdateError(400, "InvalidRequest", f"world_size {body.world_size} != rank_offset "
@@ -270,9 +270,9 @@ def _updater(request: Request) -> DeltaUpdater:
 
 
 async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The request body as `model`; a malformed one is a 400."""
+    """The request body as `model`; a malformed one is a 400, one past the size cap a 413."""
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(await read_body(request, request.app.state.delta_updater.max_body_bytes))
     except ValidationError as exc:
         raise bad_request(exc) from None
 

@@ -1,23 +1,29 @@
-"""Bounded reading and writing of the two byte-level layers: safetensors and zstd.
+"""Bounded reading and writing of the byte-level layers: files in a version directory, safetensors, zstd.
 
 Written with the `safetensors` library; read with a strict parser of the safetensors layout, so
 that a header size, every offset and every decompressed size is checked against a limit before
-any allocation happens.
+any allocation happens. Files are opened through `DeltaDir`, relative to a directory handle and
+never through a symlink, so what was checked is what is read.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
+import stat
 import struct
+import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import safetensors.numpy
 import zstandard
 
 from .dtypes import DType, by_st_code
-from .errors import FormatError, LimitError
+from .errors import FormatError, IncompleteDeltaError, IntegrityError, LimitError
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -37,6 +43,105 @@ class RawTensor:
     dtype: DType
     shape: tuple[int, ...]
     data: memoryview
+
+
+class DeltaDir:
+    """An open version directory. Its files are opened relative to its handle, never through a
+    symlink, and only when they are regular files whose size is known before a byte is read.
+
+    Why: the API server checks a path, but the workers open files later. Holding the directory
+    open (from a handle of the root, component by component, with `O_NOFOLLOW`) means a symlink
+    swapped in after the check is refused, and a FIFO or device cannot block or flood a read.
+    """
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd, self.path = fd, path
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, root: str | os.PathLike | None = None) -> DeltaDir:
+        """Open `path`; with `root`, `path` (relative, or absolute under `root`) is walked from
+        the root's handle and no component of it may be a symlink."""
+        path = Path(path)
+        if root is None:
+            return cls(_open_dir(os.fspath(path), None, follow=True, shown=path), path)
+        root = Path(root)
+        rel = Path(os.path.relpath(path, root)) if path.is_absolute() else path
+        if any(part in ("..", ".") for part in rel.parts) or rel.is_absolute():
+            raise FormatError(f"{os.fspath(path)!r} is not a plain path inside the root")
+        fd = _open_dir(os.fspath(root), None, follow=True, shown=root)
+        try:
+            for part in rel.parts:
+                child = _open_dir(part, fd, follow=False, shown=rel)
+                os.close(fd)
+                fd = child
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, root / rel)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> DeltaDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def names(self) -> list[str]:
+        return os.listdir(self.fd)
+
+    def has(self, name: str) -> bool:
+        """Whether an entry called `name` exists (of any type: reading it checks the type)."""
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def read(self, name: str, *, size: int | None = None, cap: int) -> bytes:
+        """The bytes of regular file `name`: exactly `size` of them when given, at most `cap`."""
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise FormatError("is not a plain file name inside the version directory", file=name)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise IncompleteDeltaError("file named by the delta is missing", file=name) from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise FormatError("is a symlink; delta files are never read through links", file=name) from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError("is not a regular file", file=name)
+            if size is not None and st.st_size != size:
+                raise IntegrityError(f"{st.st_size} B on disk, manifest says {size} B (truncated?)", file=name)
+            if st.st_size > cap:
+                raise LimitError(f"{st.st_size} B exceeds the {cap} B limit", file=name)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(st.st_size + 1)
+        finally:
+            os.close(fd)
+        if len(data) != st.st_size:
+            raise IntegrityError("file changed size while it was read", file=name)
+        return data
+
+
+def _open_dir(name: str, dir_fd: int | None, *, follow: bool, shown: Path) -> int:
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise IncompleteDeltaError(f"{shown} is not a directory") from None
+    except NotADirectoryError:  # also what O_NOFOLLOW | O_DIRECTORY says of a symlink
+        if not follow and stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            raise FormatError(f"{shown}: {name!r} is a symlink; the path is never followed through links") from None
+        raise IncompleteDeltaError(f"{shown} is not a directory") from None
 
 
 def pack(blobs: dict[str, bytes], metadata: dict[str, str]) -> bytes:

@@ -10,18 +10,19 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
 
-from .container import Limits
+from .container import DeltaDir, Limits
 from .digest import bytes_digest
 from .dtypes import by_name
 from .encodings import Encoding, get_encoding
 from .errors import (BoundsError, FormatError, IncompleteDeltaError, IntegrityError, VersionError)
 from .flush import Expected, ParamDelta, check_expected, decode_flush, open_flush
 from .legacy import decode_seed_flush, is_seed
-from .manifest import FORMAT, MANIFEST_NAME, FileEntry, Manifest, ParamEntry, load_manifest
+from .manifest import FORMAT, MANIFEST_NAME, FileEntry, Manifest, ParamEntry, parse_manifest
 
 FLUSH_GLOB = "rank*_flush*.safetensors"
 
@@ -30,12 +31,14 @@ FLUSH_GLOB = "rank*_flush*.safetensors"
 class DeltaInfo:
     """An opened delta: its directory, its manifest, and whether it is in the seed's format.
 
-    For a seed delta (no manifest) the manifest is synthesized from the flush files.
+    For a seed delta (no manifest) the manifest is synthesized from the flush files. `dir` is the
+    open directory its files are read from.
     """
 
     path: Path
     manifest: Manifest
     legacy: bool
+    dir: DeltaDir
 
     @property
     def encoding(self) -> Encoding:
@@ -125,21 +128,11 @@ class DeltaDecoder:
                 raise BoundsError("parts from different writers overlap", param=name)
 
 
-def _read_file(path: Path, size: int | None) -> bytes:
-    try:
-        actual = path.stat().st_size
-    except FileNotFoundError:
-        raise IncompleteDeltaError("file named by the delta is missing", file=path.name) from None
-    if size is not None and actual != size:
-        raise IntegrityError(f"{actual} B on disk, manifest says {size} B (truncated?)", file=path.name)
-    return path.read_bytes()
-
-
-def _synthesize_seed_manifest(path: Path, names: Sequence[str], limits: Limits) -> Manifest:
+def _synthesize_seed_manifest(d: DeltaDir, names: Sequence[str], limits: Limits) -> Manifest:
     """Describe a manifest-less seed delta by decoding its files once."""
     files, params, versions, encodings = [], {}, set(), set()
     for name in names:
-        data = _read_file(path / name, None)
+        data = d.read(name, cap=limits.max_decoded_bytes)
         tensors, meta, _ = open_flush(data, file=name, limits=limits)
         if not is_seed(meta):
             raise IncompleteDeltaError("no manifest: the delta is unfinished", file=MANIFEST_NAME)
@@ -160,28 +153,27 @@ def _synthesize_seed_manifest(path: Path, names: Sequence[str], limits: Limits) 
                     params=[ParamEntry(**e) for e in params.values() if e["changed"]])
 
 
-def open_delta(path: str | os.PathLike, *, files: Sequence[str] | None = None,
+def open_delta(path: str | os.PathLike | DeltaDir, *, files: Sequence[str] | None = None,
                limits: Limits = Limits()) -> DeltaInfo:
     """Open a version directory: with a manifest, or a seed delta (flush files, no manifest).
 
-    `files` names the seed delta's files explicitly (the seed pushed a file list); with a
-    manifest it is ignored here and restricts reading in `iter_delta`.
+    `path` may be a `DeltaDir` already opened under a root (the engine's workers do that). `files`
+    names the seed delta's files explicitly (the seed pushed a file list); with a manifest it is
+    ignored here and restricts reading in `iter_delta`.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise IncompleteDeltaError(f"{path} is not a directory")
-    if (path / MANIFEST_NAME).exists():
-        m = load_manifest(path, limits=limits)
+    d = path if isinstance(path, DeltaDir) else DeltaDir.open(path)
+    if d.has(MANIFEST_NAME):
+        m = parse_manifest(d.read(MANIFEST_NAME, cap=limits.max_manifest_bytes))
         get_encoding(m.encoding)
         for f in m.files:
-            if not (path / f.name).is_file():
+            if not d.has(f.name):
                 raise IncompleteDeltaError("file named by the manifest is missing", file=f.name)
-        return DeltaInfo(path, m, legacy=False)
-    names = list(files) if files is not None else sorted(p.name for p in path.glob(FLUSH_GLOB))
+        return DeltaInfo(d.path, m, legacy=False, dir=d)
+    names = list(files) if files is not None else sorted(n for n in d.names() if fnmatch(n, FLUSH_GLOB))
     if not names:
         raise IncompleteDeltaError("no manifest and no flush files: the delta is unfinished",
                                    file=MANIFEST_NAME)
-    return DeltaInfo(path, _synthesize_seed_manifest(path, names, limits), legacy=True)
+    return DeltaInfo(d.path, _synthesize_seed_manifest(d, names, limits), legacy=True, dir=d)
 
 
 def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | None = None,
@@ -199,7 +191,7 @@ def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | Non
     wanted = None if files is None or info.legacy else set(files)
     for entry in info.manifest.files:
         if wanted is None or entry.name in wanted:
-            yield from dec.feed(entry.name, _read_file(info.path / entry.name, entry.bytes))
+            yield from dec.feed(entry.name, info.dir.read(entry.name, size=entry.bytes, cap=entry.bytes))
     dec.finish()
 
 
