@@ -7,6 +7,9 @@ whose parameters are all on `meta` fails wherever a staged tensor stayed on the 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -84,3 +87,15 @@ def test_chunks_are_bounded_int32_and_freed_as_scattered(tmp_path):
 def test_flat_storage_keeps_the_device():
     t = torch.zeros(4, 4, device="meta")[1:]
     assert flat_storage(t).device.type == "meta" and flat_storage(t).numel() == 16
+
+
+def test_the_apply_path_imports_without_vllm():
+    """benchmarks/device_check.py runs it where vLLM is not installed."""
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'vllm': raise ImportError(name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import vllm_delta.engine.apply, vllm_delta.engine.digests, vllm_delta.engine.placement\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
