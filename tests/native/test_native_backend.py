@@ -6,7 +6,8 @@ One module, three engines, one at a time (engine starts are the cost on 2 cores)
    PyTorch trainer syncs it for 3 steps through vLLM's `WeightTransferTrainerFactory`,
    `HTTPVLLMWeightSyncClient` and `ModuleSource`; `/metrics` and `weight_version` move each step.
    Then bad input through vLLM's routes: the route's status, type and field, weights untouched.
-2. The offline `LLM` with the same backend, fed the same trainer states.
+   Then 2 more steps over gloo, the engine joining the trainer's group through vLLM's init route.
+2. The offline `LLM` with the same backend, fed the same trainer states (over disk).
 3. A fresh engine loaded from the trainer's final weights, saved by transformers: its
    `/weight_checker` digests equal both synced engines'.
 """
@@ -168,6 +169,27 @@ def test_bad_input_through_native_routes(served, root, run):
     assert served.complete("The quick brown fox", max_tokens=4)["text"]
     for d in (good, unknown, reshaped, corrupt):
         shutil.rmtree(d)
+
+
+def test_trainer_syncs_over_gloo_through_vllm_api(served, trainer, run):
+    """`transport="gloo"`: the engine joins the trainer's group through vLLM's init route; 2 more steps."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+
+    from vllm_delta import DeltaTrainerInitInfo
+
+    version = len(run["states"]) - 1
+    engine = WeightTransferTrainerFactory.trainer_init(
+        DeltaTrainerInitInfo(transport="gloo", version=version, flush_bytes=64 << 10, collective_timeout_s=60, rank=0),
+        client=HTTPVLLMWeightSyncClient(served.url), source=ModuleSource(trainer.model))
+    for step in range(version + 1, version + 3):
+        trainer.step()
+        metrics = engine.send_weights()
+        run["states"].append(trainer.state())
+        assert metrics["sender/all_acked"] == 1.0, engine.sender.engines
+        st = status(served.url)
+        assert st["version"] == step and st["weight_version"] == str(step) and st["healthy"], st
+    engine.shutdown()
+    run["digests"]["serve"] = checksums(served.url)
 
 
 def test_offline_llm_api(served, trainer, model_dir, root, run):

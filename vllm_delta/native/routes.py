@@ -8,6 +8,10 @@ generation (keeping requests, dropping the stale prefix cache) only around the c
 non-empty delta, move the `vllm_delta:` series, and keep the version for `/delta_updates/status`
 beside vLLM's `weight_version`. They exist only when `--weight-transfer-config` selects `delta`,
 in dev mode (where vLLM mounts its routes), and when our endpoint plugin is allowlisted.
+
+vLLM's weight methods return nothing, so the decode and apply times are measured here around the
+two RPCs (the slowest rank plus the RPC's own cost), and changed elements and bytes come from the
+manifest the workers just verified; health is what this front end saw fail.
 """
 
 from __future__ import annotations
