@@ -49,7 +49,8 @@ class Publisher:
         sent = [self._finish(kind, b, cap, {e.name: _add(b, e, kind) for e in cap.entries}) for kind, b in sinks]
         encode_s = time.perf_counter() - start
         replies = self._push(plan, sent)
-        all_acked = self.planner.settle(plan, replies)
+        # Rank 0 knows the engines; every rank's snapshot moves on its word.
+        all_acked = self.ranks.bcast(self.planner.settle(plan, replies))
         return Published(plan, sent, replies, all_acked, encode_s, time.perf_counter() - start)
 
     def _builder(self, kind: str, version: int, base: int | None, encoding: str, model_elements: int) -> FlushBuilder:
