@@ -10,9 +10,7 @@ authentication middleware guards only the `/v1`-style prefixes.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import secrets
 import uuid
 from argparse import Namespace
 from pathlib import Path
@@ -23,6 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import State
+from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
 from vllm_delta.engine.cli_args import DEFAULT_MAX_BODY_BYTES, PLUGIN_NAME, api_keys, check_args
 from vllm_delta.engine.digests import check_partials, mismatches
@@ -77,7 +76,9 @@ class DeltaUpdater:
         self.chunk_bytes = chunk_bytes
         self.collective_trainers = collective_trainers
         self.max_body_bytes = max_body_bytes
-        self._token_hashes = [hashlib.sha256(t.encode()).digest() for t in tokens]
+        # vLLM's own bearer-key check (sha256 digests, constant-time compare); its middleware itself
+        # guards only the `/v1` prefix, so these routes call it.
+        self._auth = AuthenticationMiddleware(None, tokens) if tokens else None
         self._lock = asyncio.Lock()
         self._peers_set = False
         # Set when a commit failed part-way: generation stays paused and /health fails until an
@@ -86,14 +87,7 @@ class DeltaUpdater:
 
     def authorize(self, request: Request) -> None:
         """Refuse (401) a request without a valid `Authorization: Bearer` key, if keys are set."""
-        if not self._token_hashes:
-            return
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        digest = hashlib.sha256(key.encode()).digest()
-        matched = False
-        for expected in self._token_hashes:
-            matched |= secrets.compare_digest(digest, expected)
-        if scheme.lower() != "bearer" or not matched:
+        if self._auth is not None and not self._auth.verify_token(request.headers):
             raise UpdateError(401, "Unauthorized", "missing or wrong API key")
 
     async def update(self, body: DeltaUpdateRequest) -> dict[str, Any]:
