@@ -9,6 +9,7 @@ Each call that could block runs in a thread with a deadline, so a regression fai
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -96,12 +97,18 @@ def test_fifo_is_refused_without_blocking(root, name):
     assert exc.value.file == name
 
 
-def test_directory_in_place_of_a_flush_file_is_refused(root):
+def test_directory_or_socket_in_place_of_a_flush_file_is_refused(root, monkeypatch):
     d = root / "runs" / "v1"
     (d / F).unlink()
     (d / F).mkdir()
     with pytest.raises(FormatError, match="regular file"):
         read(root)
+    (d / F).rmdir()
+    monkeypatch.chdir(d)  # a relative name: socket paths are limited to 108 bytes
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(F)
+        with pytest.raises(FormatError, match="regular file"):
+            read(root)
 
 
 def test_size_is_checked_against_the_manifest_before_reading(root):

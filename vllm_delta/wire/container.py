@@ -114,6 +114,8 @@ class DeltaDir:
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise FormatError("is a symlink; delta files are never read through links", file=name) from None
+            if e.errno == errno.ENXIO:  # a Unix socket (or a FIFO's other end): nothing to read
+                raise FormatError("is not a regular file", file=name) from None
             raise
         try:
             st = os.fstat(fd)
