@@ -1,7 +1,8 @@
 """Bit-exactness on the engine itself: BASE + a chain of deltas == a full load of the final weights.
 
 Engine A loads BASE and applies five deltas in a row, one per encoding (made with `vllm-delta
-diff`). Engine B loads the final checkpoint. Their per-parameter digests, from the worker method
+diff`, with additive digests added from the checkpoints: every prepare's counted-once partials
+must add up, and a full verify must agree at the end). Engine B loads the final checkpoint. Their per-parameter digests, from the worker method
 behind vLLM's `/weight_checker`, and their greedy completions with logprobs must be identical.
 """
 
@@ -12,10 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from harness.perturb import perturb_checkpoint
 from harness.tiny_models import PROMPTS
 from harness.vllm_engine import start_llm
+from vllm_delta.engine.digests import check_partials, mismatches
+from vllm_delta.wire import load_manifest, write_manifest
+from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 
@@ -41,9 +47,32 @@ def make_chain(base: Path, root: Path) -> tuple[list[Path], Path]:
         out = root / f"delta_v{version}"
         subprocess.run([VLLM_DELTA, "diff", str(current), str(new), str(out), "--encoding", encoding,
                         "--version", str(version), "--base-version", str(version - 1)], check=True)
+        add_digests(out, current, new)
         deltas.append(out)
         current = new
     return deltas, current
+
+
+def add_digests(delta: Path, old_dir: Path, new_dir: Path) -> None:
+    """The additive digests a sender states, from the two full checkpoints (not from the engine)."""
+    old, new = load_checkpoint(old_dir), load_checkpoint(new_dir)
+    manifest = load_manifest(delta)
+    params = []
+    for p in manifest.params:
+        a, b = old[p.name].reshape(-1), new[p.name].reshape(-1)
+        pos = torch.nonzero(a.view(torch.uint8).reshape(a.numel(), -1).ne(b.view(torch.uint8).reshape(b.numel(), -1))
+                            .any(1)).squeeze(1)
+        params.append(p.model_copy(update={"pre_digest": to_hex(partial_sum(pos, a[pos])),
+                                           "post_digest": to_hex(partial_sum(pos, b[pos])),
+                                           "digest": to_hex(tensor_sum(b))}))
+    write_manifest(delta, manifest.model_copy(update={"params": params}))
+
+
+def load_checkpoint(model_dir: Path) -> dict:
+    out = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
 
 
 def greedy(llm) -> list[tuple[list[int], list[float]]]:
@@ -63,6 +92,8 @@ def apply_delta(llm, path: Path, version: int) -> list[dict]:
     prepared = llm.collective_rpc("delta_prepare", args=(request,))
     assert all(r["ok"] for r in prepared), prepared
     assert all(r["fallback"] == [] for r in prepared), prepared
+    # What the route checks before committing: the ranks' counted-once digests add up.
+    assert check_partials(prepared) == 2 * len(load_manifest(path).params)
     committed = llm.collective_rpc("delta_commit", args=(request["id"],))
     assert all(r["ok"] for r in committed), committed
     return prepared
@@ -95,11 +126,14 @@ def test_delta_chain_matches_full_load(family, tp, ep, tiny_model_factory, tmp_p
     with start_llm(base, tp=tp, delta=True, **engine_kwargs) as llm:
         before = llm.collective_rpc("compute_weight_checksums")
         base_out = greedy(llm)
+        llm.collective_rpc("delta_set_peers", args=(llm.collective_rpc("delta_coverage"),))
         for version, path in enumerate(deltas, start=1):
             prepared = apply_delta(llm, path, version)
             if tp > 1:  # each rank writes only what it owns
                 assert all(0 < r["changed"] < r["total_changed"] for r in prepared), prepared
         status = llm.collective_rpc("delta_status")
+        checked, bad = mismatches(llm.collective_rpc("delta_verify"))
+        assert checked > 0 and bad == [], bad
         applied = llm.collective_rpc("compute_weight_checksums")
         applied_out = greedy(llm)
     assert all(s["version"] == len(deltas) and not s["dirty"] for s in status), status

@@ -332,8 +332,19 @@ def test_empty_delta_bumps_the_version_without_pausing(delta_server, deltas):
     delta_server.assert_unharmed(before, version=3)
 
 
+def test_metrics_are_on_vllm_metrics(delta_server):
+    text = requests.get(f"{delta_server.url}/metrics", timeout=30).text
+    for series in ("vllm_delta:apply_seconds_count", "vllm_delta:decode_seconds_count",
+                   "vllm_delta:pause_seconds_count", "vllm_delta:bytes_read_count",
+                   "vllm_delta:changed_elements_count"):
+        assert f"{series} 4.0" in text, series
+    assert "vllm_delta:weights_version 3.0" in text
+    assert "vllm:" in text, "vLLM's own series are still there"
+
+
 def test_digests_are_checked_and_a_full_verify_agrees(delta_server, deltas):
-    """v1 and v2 above moved Q, DOWN (seed 11) and NORM (seed 13); v4 moves Q and DOWN again."""
+    """Last, after the metrics count: v1 and v2 above moved Q, DOWN (seed 11) and NORM (seed 13);
+    v4 moves Q and DOWN again."""
     current = {**deltas.perturbed([Q, DOWN], seed=11), **deltas.perturbed([NORM], seed=13)}
     new = {n: t.clone() for n, t in current.items() if n != NORM}
     for t in new.values():
@@ -347,13 +358,3 @@ def test_digests_are_checked_and_a_full_verify_agrees(delta_server, deltas):
     report = resp.json()
     assert report["ok"] and report["digests_checked"] == 2 and report["hashes_checked"] == 3, report
     assert delta_server.status()["fault"] is None
-
-
-def test_metrics_are_on_vllm_metrics(delta_server):
-    text = requests.get(f"{delta_server.url}/metrics", timeout=30).text
-    for series in ("vllm_delta:apply_seconds_count", "vllm_delta:decode_seconds_count",
-                   "vllm_delta:pause_seconds_count", "vllm_delta:bytes_read_count",
-                   "vllm_delta:changed_elements_count"):
-        assert f"{series} 4.0" in text, series
-    assert "vllm_delta:weights_version 3.0" in text
-    assert "vllm:" in text, "vLLM's own series are still there"
