@@ -16,6 +16,7 @@ import torch
 
 from harness.synthetic import device_check, loaded, same_bits, tp_ranks
 from vllm_delta.engine.apply import DeltaApplier, flat_storage, gather
+from vllm_delta.engine.digests import Ownership, check_partials, coverage
 from vllm_delta.wire import codecs
 from vllm_delta.wire.dtypes import _ALL
 
@@ -70,9 +71,13 @@ def test_chunks_are_bounded_int32_and_freed_as_scattered(tmp_path):
     new = DC.step(base, 0.3, seed=2)
     DC.write_delta(tmp_path / "d", base, new, version=1)
     models, _ = tp_ranks(tmp_path / "model", base, tp=2)
-    for rank, model in enumerate(models):
-        applier = DeltaApplier(model, META, rank=rank)
+    appliers = [DeltaApplier(model, META, rank=rank) for rank, model in enumerate(models)]
+    for rank, applier in enumerate(appliers):
+        applier.ownership = Ownership.from_coverages([coverage(a.placements) for a in appliers], rank)
+    replies = []
+    for rank, (model, applier) in enumerate(zip(models, appliers)):
         staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0, chunk_bytes=60)
+        replies.append({"digests": staged.digests, "expected": staged.expected})  # summed 60 B at a time
         chunks = [c for cs in staged.writes.values() for c in cs]
         assert len(chunks) > len(staged.writes)  # split by the byte bound
         for c in chunks:
@@ -82,6 +87,7 @@ def test_chunks_are_bounded_int32_and_freed_as_scattered(tmp_path):
         applier.commit(staged)
         assert not any(staged.writes.values())
         assert same_bits(model, loaded(new, rank, 2)) == []
+    assert check_partials(replies) == 2 * len(replies[0]["expected"])
 
 
 def test_flat_storage_keeps_the_device():

@@ -232,7 +232,7 @@ class DeltaApplier:
             if delta.needs_base:
                 self._check_base_dtype(delta, located)
             if acc is not None:
-                self._digest(delta, located, acc, *want)
+                self._digest(delta, located, acc, *want, chunk_bytes)
             for target, idx, offsets in located:
                 if idx.numel():
                     changed += idx.numel()
@@ -263,27 +263,32 @@ class DeltaApplier:
                                          "the current bits cannot be recovered", param=delta.name)
 
     def _digest(self, delta: ParamDelta, located: list[tuple[str, torch.Tensor, torch.Tensor]],
-                acc: list[torch.Tensor | None], pre: bool, post: bool) -> None:
-        """Add this rank's counted-once terms of the changed positions, before and after, on the device."""
+                acc: list[torch.Tensor | None], pre: bool, post: bool, chunk_bytes: int) -> None:
+        """Add this rank's counted-once terms of the changed positions, before and after, on the device.
+
+        In slices of about `chunk_bytes` of device memory (offsets, values and the int64 mixing
+        temporaries come to about 64 B per entry).
+        """
         seen = torch.zeros(delta.count, dtype=torch.bool)
+        step = max(1, chunk_bytes // 64)
         for target, idx, offsets in located:
             if not idx.numel():
                 continue
-            pos = delta.positions[idx]
-            keep = ~seen[idx] & self.ownership.counted(delta.name, pos)
+            keep = ~seen[idx] & self.ownership.counted(delta.name, delta.positions[idx])
             seen[idx] = True
-            if not bool(keep.any()):
-                continue
+            idx, offsets = idx[keep], offsets[keep]
             flat = flat_storage(self.targets[target])
-            pos = pos[keep].to(flat.device)
-            old = None
-            if pre or delta.needs_base:
-                old = gather(flat, offsets[keep].to(flat.device)).to(delta.dtype)
-            if pre:
-                _add(acc, 0, partial_sum(pos, old))
-            if post:
-                values = delta.values[idx[keep]].to(flat.device)
-                _add(acc, 1, partial_sum(pos, ulp_resolve_tensor(old, values) if delta.needs_base else values))
+            for lo in range(0, idx.numel(), step):
+                part = idx[lo:lo + step]
+                pos = delta.positions[part].to(flat.device)
+                old = None
+                if pre or delta.needs_base:
+                    old = gather(flat, offsets[lo:lo + step].to(flat.device)).to(delta.dtype)
+                if pre:
+                    _add(acc, 0, partial_sum(pos, old))
+                if post:
+                    values = delta.values[part].to(flat.device)
+                    _add(acc, 1, partial_sum(pos, ulp_resolve_tensor(old, values) if delta.needs_base else values))
 
     def _chunks(self, target: str, delta: ParamDelta, idx: torch.Tensor, offsets: torch.Tensor,
                 chunk_bytes: int) -> Iterator[Chunk]:
