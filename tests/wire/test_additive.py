@@ -20,15 +20,20 @@ def _ref_mix(x: int, shifts, mults) -> int:
 
 
 def _reference(t: torch.Tensor) -> str:
-    """The spec in unsigned Python integers, written independently of the torch code."""
+    """The spec in unsigned Python integers, written independently of the torch code: key =
+    i * 2^width + bits (up to 32-bit dtypes) or mix0(i * g0 + g0) ^ bits; lane 0 = mix0(key),
+    lane 1 = mix1(key ^ g1)."""
     width = t.element_size() * 8
     raw = t.reshape(-1).view({8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[width]).tolist()
     sums = [0, 0]
     for i, b in enumerate(raw):
         bits = b & ((1 << width) - 1)
-        for lane, (golden, shifts, mults) in enumerate(LANES):
-            key = _ref_mix((i * golden + golden) & M64, shifts, mults)
-            sums[lane] = (sums[lane] + _ref_mix(key ^ bits, shifts, mults)) & M64
+        if width <= 32:
+            key = (i << width) | bits
+        else:
+            key = _ref_mix((i * LANES[0][0] + LANES[0][0]) & M64, LANES[0][1], LANES[0][2]) ^ bits
+        sums[0] = (sums[0] + _ref_mix(key, LANES[0][1], LANES[0][2])) & M64
+        sums[1] = (sums[1] + _ref_mix(key ^ LANES[1][0], LANES[1][1], LANES[1][2])) & M64
     return f"{sums[0]:016x}{sums[1]:016x}"
 
 

@@ -25,6 +25,7 @@ from vllm_delta.sender.planner import EngineState, Plan, Planner
 from vllm_delta.sender.producer import Capture, Producer
 from vllm_delta.sender.publisher import Published, Publisher
 from vllm_delta.sender.ranks import Ranks
+from vllm_delta.sender.segments import Segments
 from vllm_delta.sender.shards import Shard, check_disjoint
 
 logger = logging.getLogger(__name__)
@@ -234,8 +235,8 @@ class DeltaSender:
             1, self.model_elements)
         return metrics
 
-    def _as_shard(self, x: tuple[str, torch.Tensor] | Shard) -> Shard:
-        return x if isinstance(x, Shard) else Shard.whole(x[0], x[1].detach())
+    def _as_shard(self, x: tuple[str, torch.Tensor] | Shard | Segments) -> Shard | Segments:
+        return x if isinstance(x, (Shard, Segments)) else Shard.whole(x[0], x[1].detach())
 
     def _given(self, named: NamedTensors) -> list[Shard]:
         """The shards to scan; a tensor tied to a seeded one under another name (lm_head and
@@ -269,6 +270,10 @@ class DeltaSender:
             "perf/update_weights_compression_ratio": pre / max(1, post),
             "perf/update_weights_time": done.publish_s,
             "perf/delta_encode_time": done.encode_s,
+            "sender/encode_s": done.encode_s,
+            "sender/write_s": done.write_s,
+            "sender/push_s": done.push_s,
+            "sender/publish_s": done.publish_s,
             "perf/update_weights_flushes_per_rank": float(max((s.flushes for s in sent), default=0)),
             "perf/update_weights_engine_pause_time": max((b.get("pause_s", 0.0) for b in ok), default=0.0),
             "perf/update_weights_engine_apply_time": max((b.get("apply_s", 0.0) for b in ok), default=0.0),

@@ -168,20 +168,21 @@ class Producer:
     def _scan_one(self, s: Shard, st: _State, kind: str, anchor: bool, cap: Capture) -> Entry:
         cur = s.tensor.detach().reshape(-1)
         pos, old = self._diff(cur, st.snapshot)
-        new = cur[pos]
+        new = cur.index_select(0, pos)
         gpos = s.to_global(pos)
-        digest = st.digest - additive.partial_sum(gpos, old) + additive.partial_sum(gpos, new)
+        pre, post = additive.partial_sum(gpos, old), additive.partial_sum(gpos, new)
+        digest = st.digest - pre + post
         cap.advance[s.name] = _Advance(pos, new, digest)
         cap.changed += pos.numel()
         digests = {"digest": digest}
-        send, send_new, send_old = pos, new, old
+        send, gsend, send_new, send_old = pos, gpos, new, old
         if kind == "catchup" and st.pending is not None:
             send = _union(st.pending, pos)
-            send_new, send_old = cur[send], None
+            gsend, send_new, send_old = s.to_global(send), cur.index_select(0, send), None
+            post = additive.partial_sum(gsend, send_new)
         if kind == "delta":
-            digests["pre_digest"] = additive.partial_sum(gpos, old)
-        gsend = s.to_global(send)
-        digests["post_digest"] = additive.partial_sum(gsend, send_new)
+            digests["pre_digest"] = pre
+        digests["post_digest"] = post
         if not s.is_whole:  # global order differs from local order where spans interleave
             order = torch.argsort(gsend)
             gsend, send_new = gsend[order], send_new[order]
@@ -207,13 +208,13 @@ class Producer:
         """(changed local positions, snapshot values there), both on the parameter's device."""
         if snap.device == cur.device:
             pos = changed_positions(cur, snap)
-            return pos, snap[pos]
+            return pos, snap.index_select(0, pos)
         pos_parts, old_parts = [], []
         for a in range(0, cur.numel(), STREAM_ELEMENTS):  # host snapshot: stream it in chunks
             chunk = snap[a:a + STREAM_ELEMENTS].to(cur.device, non_blocking=True)
             p = changed_positions(cur[a:a + chunk.numel()], chunk)
             pos_parts.append(p + a)
-            old_parts.append(chunk[p])
+            old_parts.append(chunk.index_select(0, p))
         if not pos_parts:
             return cur.new_zeros(0, dtype=torch.int64), cur.new_zeros(0)
         return torch.cat(pos_parts), torch.cat(old_parts)

@@ -25,6 +25,8 @@ class Published:
     replies: dict[str, Reply]
     all_acked: bool
     encode_s: float
+    write_s: float  # time the disk writer spent writing (overlaps encoding)
+    push_s: float  # from the push to the last engine's answer (engine prepare + apply)
     publish_s: float
 
 
@@ -48,10 +50,13 @@ class Publisher:
                                                   model_elements)))
         sent = [self._finish(kind, b, cap, {e.name: _add(b, e, kind) for e in cap.entries}) for kind, b in sinks]
         encode_s = time.perf_counter() - start
+        pushed = time.perf_counter()
         replies = self._push(plan, sent)
+        push_s = time.perf_counter() - pushed
         # Rank 0 knows the engines; every rank's snapshot moves on its word.
         all_acked = self.ranks.bcast(self.planner.settle(plan, replies))
-        return Published(plan, sent, replies, all_acked, encode_s, time.perf_counter() - start)
+        write_s = sum(getattr(getattr(b, "writer", None), "write_s", 0.0) for _, b in sinks)
+        return Published(plan, sent, replies, all_acked, encode_s, write_s, push_s, time.perf_counter() - start)
 
     def _builder(self, kind: str, version: int, base: int | None, encoding: str, model_elements: int) -> FlushBuilder:
         name = dir_name(kind, version)

@@ -29,47 +29,68 @@ def _i64(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
-# splitmix64's finaliser constants (lane 0) and Murmur3's fmix64 (lane 1).
+# splitmix64's finaliser constants (lane 0) and Murmur3's fmix64 (lane 1, whose key is XORed with
+# its first constant first, so the two lanes see different inputs).
 _LANES = (
     (_i64(0x9E3779B97F4A7C15), (30, 27, 31), (_i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB))),
     (_i64(0xC2B2AE3D27D4EB4F), (33, 33, 33), (_i64(0xFF51AFD7ED558CCD), _i64(0xC4CEB9FE1A85EC53))),
 )
 
 
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bit patterns (torch's `>>` is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix(x: torch.Tensor, shifts: tuple[int, int, int], mults: tuple[int, int]) -> torch.Tensor:
-    x = (x ^ _shr(x, shifts[0])) * mults[0]
-    x = (x ^ _shr(x, shifts[1])) * mults[1]
-    return x ^ _shr(x, shifts[2])
+def _mix_(x: torch.Tensor, shifts: tuple[int, int, int], mults: tuple[int, int]) -> torch.Tensor:
+    """A 64-bit finaliser (a bijection), in place. `>>` on int64 is arithmetic, so mask to make it logical."""
+    for i, k in enumerate(shifts):
+        t = x >> k
+        t &= (1 << (64 - k)) - 1
+        x ^= t
+        if i < 2:
+            x *= mults[i]
+    return x
 
 
 def element_bits(values: torch.Tensor) -> torch.Tensor:
     """Each element's bit pattern, zero-extended to int64 (dtype-agnostic, no float arithmetic)."""
     d = by_torch(values.dtype)
     bits = values.detach().reshape(-1).view(d.int_view).to(torch.int64)
-    return bits if d.itemsize == 8 else bits & ((1 << (8 * d.itemsize)) - 1)
+    if d.itemsize < 8:
+        bits &= (1 << (8 * d.itemsize)) - 1
+    return bits
+
+
+def _keys(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One int64 key per element, injective in (position, bits) for dtypes up to 32 bits:
+    position * 2^width + bits. 64-bit dtypes key on a mix of the position XOR the bits."""
+    width = 8 * values.element_size()
+    pos = positions.reshape(-1).to(torch.int64)
+    bits = element_bits(values)
+    if width <= 32:
+        return (pos << width).bitwise_or_(bits)
+    golden, shifts, mults = _LANES[0]
+    key = _mix_(pos * golden + golden, shifts, mults)
+    return key.bitwise_xor_(bits)
 
 
 def partial_sum(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """int64[2] lane sums of the terms of `values` at flat `positions`, on their device."""
     if positions.numel() != values.numel():
         raise ValueError(f"{positions.numel()} positions for {values.numel()} values")
-    pos = positions.reshape(-1).to(torch.int64)
-    bits = element_bits(values)
-    lanes = []
-    for golden, shifts, mults in _LANES:
-        key = _mix(pos * golden + golden, shifts, mults)
-        lanes.append(_mix(key ^ bits, shifts, mults).sum())
-    return torch.stack(lanes)
+    keys = _keys(positions, values)
+    lane1 = _mix_(keys ^ _LANES[1][0], _LANES[1][1], _LANES[1][2]).sum()
+    lane0 = _mix_(keys, _LANES[0][1], _LANES[0][2]).sum()
+    return torch.stack([lane0, lane1])
 
 
-def tensor_sum(t: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+def check_positions(numel: int, dtype: torch.dtype) -> None:
+    """Keys are injective only below 2^(64 - width) positions; refuse tensors beyond that."""
+    width = 8 * by_torch(dtype).itemsize
+    if width <= 32 and numel > 1 << (64 - width):
+        raise ValueError(f"the additive digest covers at most 2^{64 - width} {dtype} elements, not {numel}")
+
+
+def tensor_sum(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
     """H(t) over every element, in chunks so the temporaries stay a few chunk-sizes of int64."""
     flat = t.detach().reshape(-1)
+    check_positions(flat.numel(), flat.dtype)
     total = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), chunk):
         part = flat[start:start + chunk]
