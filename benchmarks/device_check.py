@@ -12,7 +12,9 @@ a direct `load_weights` of the new checkpoint into a fresh model of the same ran
     python benchmarks/device_check.py --device cpu --size tiny --out /tmp/dc   # what CI runs
 
 Sections (`--sections a,b`): `apply` (bit-exactness at each density, and decode / prepare /
-commit / verify times). Each section is one function taking (args, ctx) and returning a dict.
+commit / verify times) and `sender` (the sender's scan with the snapshot on the device and in
+pinned host memory, checked against the positions each step moved; benchmarks/device_sender.py).
+Each section is one function taking (args, ctx) and returning a dict.
 """
 
 from __future__ import annotations
@@ -319,7 +321,15 @@ def section_apply(args: argparse.Namespace, ctx: dict) -> dict:
             "ok": all(r.get("bit_exact", True) for r in rows) and any("bit_exact" in r for r in rows) and not fallback}
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace, dict], dict]] = {"apply": section_apply}
+def section_sender(args: argparse.Namespace, ctx: dict) -> dict:
+    """The sender's scan on the same synthetic checkpoint (benchmarks/device_sender.py)."""
+    from device_sender import section_sender as run
+
+    cfg = SIZES[args.size]
+    return run(args, ctx, shapes=checkpoint_shapes(cfg), make_weights=lambda: random_checkpoint(cfg, args.device, 0))
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, dict], dict]] = {"apply": section_apply, "sender": section_sender}
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -346,6 +356,10 @@ def markdown(report: dict) -> str:
                   "staging and the O(changed) pre/post digests on the device (slowest rank); commit: the "
                   "chunked host-to-device copies, ULP resolve and scatter (slowest rank); full verify: "
                   "counted-once whole-tensor digests of every tensor (slowest rank)."]
+    if "sender" in report["sections"]:
+        from device_sender import sender_markdown
+
+        lines += ["", *sender_markdown(report["sections"]["sender"])]
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,11 @@ def test_device_check_runs_on_cpu(tmp_path):
     assert apply["ok"] and apply["fallback"] == [] and [r["density"] for r in apply["rows"]] == [0.02, 0.2]
     assert all(r["bit_exact"] and r["digests_checked"] > 0 for r in apply["rows"])
     assert "| 20.0% |" in (tmp_path / "device_check.md").read_text()
+    sender = report["sections"]["sender"]
+    assert sender["ok"] and [(r["snapshot"], r["density"]) for r in sender["rows"]] == [
+        ("device", 0.02), ("device", 0.2), ("host", 0.02), ("host", 0.2)]
+    assert all(r["exact"] and r["changed"] > 0 for r in sender["rows"])
+    assert "## sender" in (tmp_path / "device_check.md").read_text()
 
 
 def test_device_check_refuses_an_unknown_section(tmp_path):
