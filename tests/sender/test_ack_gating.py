@@ -46,7 +46,7 @@ def test_steady_state_bit_exact(tmp_path, fake_engines, fake_weights, encoding, 
 
 def test_failed_engine_converges_and_healthy_never_regresses(tmp_path, fake_engines, fake_weights):
     a, b = fake_engines
-    sender = make(tmp_path, fake_engines)
+    sender = make(tmp_path, fake_engines, max_pending_density=1.0)  # the catch-up, not a drop
     sender.seed(fake_weights)
     gen = torch.Generator().manual_seed(2)
     adam_like_step(fake_weights, gen)
@@ -149,3 +149,43 @@ def test_metrics_match_bytes_on_disk(tmp_path, fake_engines, fake_weights):
     total = sum(t.numel() for t in fake_weights.values())
     assert m["perf/update_weights_density"] == pytest.approx(sum(p["changed"] for p in manifest["params"]) / total)
     assert not list(d.glob("*.tmp"))
+
+
+def test_engine_down_for_k_syncs_drops_to_anchor_and_healthy_keep_deltas(tmp_path, fake_engines, fake_weights):
+    """Bounded lag: after `max_lag_syncs` misses the snapshot moves on without the engine, the healthy
+    one is back on base-relative deltas, and the returning engine is anchored and converges."""
+    a, b = fake_engines
+    sender = make(tmp_path, fake_engines, max_lag_syncs=2, max_pending_density=1.0)
+    sender.seed(fake_weights)
+    gen = torch.Generator().manual_seed(5)
+    b.fail_versions = {1, 2}
+    kinds = []
+    for v in range(1, 5):
+        adam_like_step(fake_weights, gen)
+        m = sender.sync(fake_weights)
+        kinds.append((m["sender/catchup"], m["sender/anchors"], sender.snapshot_version))
+        assert a.version == v and same(a.weights, fake_weights)
+    # v1: b fails (miss 1, snapshot held at 0); v2: catch-up, b fails again (miss 2: dropped, snapshot
+    # moves to 2); v3: a gets a base-relative delta, b (answering again) an anchor; v4: steady state.
+    assert kinds == [(0.0, 0.0, 0), (1.0, 0.0, 2), (0.0, 1.0, 3), (0.0, 0.0, 4)]
+    assert a.requests[2]["base_version"] == 2 and b.requests[2]["path"].endswith("-anchor")
+    assert b.version == 4 and same(b.weights, fake_weights)
+    assert m["sender/pending_density"] == 0.0
+
+
+def test_dense_pending_catchup_drops_the_laggard(tmp_path, fake_engines, fake_weights):
+    a, b = fake_engines
+    sender = make(tmp_path, fake_engines, max_lag_syncs=100, max_pending_density=0.08)
+    sender.seed(fake_weights)
+    gen = torch.Generator().manual_seed(6)
+    b.fail_versions = {1, 2}
+    seen = []
+    for _ in range(3):
+        adam_like_step(fake_weights, gen)
+        m = sender.sync(fake_weights)
+        seen.append((m["sender/pending_density"], m["sender/dropped_to_anchor"], sender.snapshot_version))
+    # ~5% per step: the pending set passes 8% at the second sync; b is dropped, the snapshot moves.
+    assert seen[0][0] > 0.03 and seen[0][1:] == (0.0, 0)
+    assert seen[1] == (0.0, 1.0, 2)
+    assert seen[2] == (0.0, 0.0, 3) and m["sender/catchup"] == 0.0 and m["sender/anchors"] == 1.0
+    assert a.version == b.version == 3 and same(a.weights, fake_weights) and same(b.weights, fake_weights)

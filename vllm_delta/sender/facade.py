@@ -51,7 +51,9 @@ class DeltaSender:
     `group` (a torch.distributed gloo group of its own, see `ranks.py`) makes this a multi-rank
     sender (disk only): each rank passes the tensors or `Shard`s it holds; shards of one tensor
     on several ranks must be disjoint (checked at seed); rank 0 merges and talks to the engines.
-    `snapshot` is "device", "host" or "auto" (see `producer.py`).
+    `snapshot` is "device", "host" or "auto" (see `producer.py`). Lag is bounded: an engine that
+    misses `max_lag_syncs` syncs in a row, or every lagging engine once the pending catch-up passes
+    `max_pending_density`, is owed a full anchor and stops holding the snapshot back (`planner.py`).
     """
 
     def __init__(self, engines: list[str], transport: str = "disk", delta_dir: str | Path | None = None, *,
@@ -60,7 +62,7 @@ class DeltaSender:
                  post_hash: bool | None = None, timeout_s: float = 600.0, retries: int = 3,
                  master_addr: str = "127.0.0.1", collective_timeout_s: float = 120.0,
                  group: Any = None, throttle_bytes_per_s: float | None = None, version: int = 0,
-                 snapshot: str = "auto") -> None:
+                 snapshot: str = "auto", max_lag_syncs: int = 3, max_pending_density: float = 0.1) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         if transport == "disk" and delta_dir is None:
@@ -69,7 +71,8 @@ class DeltaSender:
             raise ValueError("multi-rank senders use the disk transport")
         self.client = EngineClient(api_key, timeout_s=timeout_s, retries=retries)
         self.planner = Planner(engines, self.client, encoding=encoding, overwrite_encoding=overwrite_encoding,
-                               anchor_every=anchor_every, version=version)
+                               anchor_every=anchor_every, version=version, max_lag_syncs=max_lag_syncs)
+        self.max_pending_density = max_pending_density
         self.producer = Producer(snapshot=snapshot, post_hash=post_hash)
         self.ranks = Ranks(group)
         self.transport_name = transport
@@ -231,8 +234,14 @@ class DeltaSender:
             self.producer.advance(cap)
         else:
             self.producer.defer(cap)
-        metrics["sender/pending_density"] = self.ranks.all_sum(self.producer.pending_elements()) / max(
-            1, self.model_elements)
+        density = self.ranks.all_sum(self.producer.pending_elements()) / max(1, self.model_elements)
+        dropped: list[str] = []
+        if density > self.max_pending_density:  # a catch-up this dense costs more than anchoring the laggards
+            dropped = self.planner.drop_lagging(plan.version, f"pending catch-up at {density:.1%} density")
+            self.producer.advance(cap)  # diff(N, S) covers every change since S: the snapshot is at N
+            density = 0.0
+        metrics["sender/pending_density"] = density
+        metrics["sender/dropped_to_anchor"] = float(len(dropped))
         return metrics
 
     def _as_shard(self, x: tuple[str, torch.Tensor] | Shard | Segments) -> Shard | Segments:

@@ -10,6 +10,11 @@ N was changed since S, so it is in one of the two sets), and an overwrite delta 
 Engines outside the lineage (restarted at version 0, pushed ahead by someone else, newly added)
 get a full anchor. In the steady state (every engine at S) the configured, base-relative encoding
 (`ulp_zstd`) is used. docs/sender.md has the state machine.
+
+Lag is bounded: an engine that misses `max_lag_syncs` syncs in a row (or every lagging engine, when
+the pending catch-up passes the sender's density cap) drops to "needs anchor". It no longer holds
+the snapshot back, so the others return to base-relative deltas, and it gets a full anchor as soon
+as it answers again: its weights never depend on the snapshot's lineage after that.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class EngineState:
     last_error: dict[str, Any] | None = None
     last_status: int | None = None
     skipped: bool = False  # unreachable or dirty at plan time: not sent to this sync
+    missed: int = 0  # consecutive syncs it did not acknowledge
 
 
 @dataclass
@@ -50,13 +56,16 @@ class Planner:
     """Engine bookkeeping: versions sent and acknowledged, anchors owed."""
 
     def __init__(self, engines: list[str], client: EngineClient, *, encoding: str, overwrite_encoding: str,
-                 anchor_every: int | None, version: int) -> None:
+                 anchor_every: int | None, version: int, max_lag_syncs: int = 3) -> None:
         if get_encoding(overwrite_encoding).needs_base:
             raise ValueError(f"overwrite_encoding {overwrite_encoding!r} must not be base-relative")
         get_encoding(encoding)
         self.engines = {u: EngineState(u, acked=version) for u in engines}
         self.client = client
         self.encoding, self.overwrite_encoding, self.anchor_every = encoding, overwrite_encoding, anchor_every
+        if max_lag_syncs < 1:
+            raise ValueError("max_lag_syncs must be at least 1")
+        self.max_lag_syncs = max_lag_syncs
         self.version = version  # last version sent
         self.snapshot_version = version  # S: every engine acknowledged it
         self.anchor_next = False
@@ -104,16 +113,38 @@ class Planner:
                 continue
             e.last_status = r.status
             if r.ok and r.body.get("version") == plan.version:
-                e.acked, e.needs_anchor, e.last_error = plan.version, False, None
+                e.acked, e.needs_anchor, e.last_error, e.missed = plan.version, False, None, 0
             else:
                 e.acked, e.last_error = None, r.error  # unknown: ask its status before the next sync
                 logger.warning("delta sender: %s did not apply version %d (%s): %s", url, plan.version, r.status,
                                r.error)
+        for e in self.engines.values():
+            if e.acked != plan.version:
+                e.missed += 1
+                if e.missed >= self.max_lag_syncs and not e.needs_anchor:
+                    self.drop(e, f"missed {e.missed} syncs")
         self.version = plan.version
         if plan.anchor_urls and all(u in plan.anchor_urls for u in self.engines):
             self.anchor_next = False
-        all_acked = all(e.acked == plan.version for e in self.engines.values())
+        all_acked = self.holders_acked(plan.version)
         if all_acked:
             self.snapshot_version = plan.version
             self.anchor_next = False
         return all_acked
+
+    def holders_acked(self, version: int) -> bool:
+        """Every engine that depends on the snapshot's lineage (all but those owed an anchor) is at `version`."""
+        return all(e.acked == version for e in self.engines.values() if not e.needs_anchor)
+
+    def drop(self, e: EngineState, why: str) -> None:
+        """Stop holding the snapshot back for `e`; it gets a full anchor when it answers again."""
+        logger.warning("delta sender: %s needs an anchor (%s); the snapshot moves on without it", e.url, why)
+        e.needs_anchor, e.acked = True, None
+
+    def drop_lagging(self, version: int, why: str) -> list[str]:
+        """Drop every engine not at `version`; the snapshot may then advance to it."""
+        lagging = [e for e in self.engines.values() if e.acked != version and not e.needs_anchor]
+        for e in lagging:
+            self.drop(e, why)
+        self.snapshot_version = version
+        return [e.url for e in lagging]
