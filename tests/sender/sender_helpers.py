@@ -76,3 +76,22 @@ def adam_like_step(weights: dict[str, torch.Tensor], gen: torch.Generator, densi
         mask = torch.rand(bits.shape, generator=gen) < density
         step = torch.where(torch.rand(bits.shape, generator=gen) < 0.5, 1, -1).to(torch.int16)
         bits[mask] += step[mask]
+
+
+def engine_status(url: str, api_key: str) -> dict:
+    """`GET /delta_updates/status` of a real engine."""
+    import requests
+
+    r = requests.get(f"{url}/delta_updates/status", headers={"Authorization": f"Bearer {api_key}"}, timeout=60)
+    r.raise_for_status()
+    return r.json()
+
+
+def engine_checksums(url: str, api_key: str) -> dict[str, str]:
+    """vLLM's own per-parameter digests (`/weight_checker`, dev mode) of a real engine."""
+    import requests
+
+    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"},
+                      headers={"Authorization": f"Bearer {api_key}"}, timeout=120)
+    r.raise_for_status()
+    return r.json()["checksums"]

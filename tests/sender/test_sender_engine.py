@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from sender_helpers import FakeEngine
+from sender_helpers import FakeEngine, engine_checksums, engine_status
 from harness.vllm_engine import VllmServer
 from vllm_delta import DeltaSender
 
@@ -80,15 +80,11 @@ def hdr() -> dict[str, str]:
 
 
 def status(server) -> dict:
-    r = requests.get(f"{server.url}/delta_updates/status", headers=hdr(), timeout=60)
-    r.raise_for_status()
-    return r.json()
+    return engine_status(server.url, API_KEY)
 
 
 def checksums(server) -> dict[str, str]:
-    r = requests.post(f"{server.url}/weight_checker", json={"action": "checksum"}, headers=hdr(), timeout=120)
-    r.raise_for_status()
-    return r.json()["checksums"]
+    return engine_checksums(server.url, API_KEY)
 
 
 def push(server, body) -> requests.Response:

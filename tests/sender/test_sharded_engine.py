@@ -16,11 +16,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 from safetensors.torch import load_file, save_file
 
 from harness import megatron_cpu
+from sender_helpers import engine_checksums, engine_status
 from harness.vllm_engine import VllmServer
 from vllm_delta import DeltaSender
 
@@ -94,20 +94,12 @@ def _write_model(like: Path, weights: dict[str, torch.Tensor], dest: Path) -> No
     save_file({n: t.contiguous() for n, t in weights.items()}, dest / "model.safetensors")
 
 
-def hdr() -> dict[str, str]:
-    return {"Authorization": f"Bearer {API_KEY}"}
-
-
 def status(server) -> dict:
-    r = requests.get(f"{server.url}/delta_updates/status", headers=hdr(), timeout=60)
-    r.raise_for_status()
-    return r.json()
+    return engine_status(server.url, API_KEY)
 
 
 def checksums(server) -> dict[str, str]:
-    r = requests.post(f"{server.url}/weight_checker", json={"action": "checksum"}, headers=hdr(), timeout=120)
-    r.raise_for_status()
-    return r.json()["checksums"]
+    return engine_checksums(server.url, API_KEY)
 
 
 @pytest.fixture(scope="module")
