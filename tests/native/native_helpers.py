@@ -81,3 +81,19 @@ def save_trained(model, tokenizer_dir: Path, out: Path) -> Path:
         if f.is_file() and not (out / f.name).exists() and "safetensors" not in f.name:
             shutil.copy2(f, out / f.name)
     return out
+
+
+def ulp_step(state: dict[str, torch.Tensor], seed: int, density: float = 0.05) -> None:
+    """A deterministic optimizer-like step, in place: a seeded `density` of bf16 elements moves by ±1 ULP."""
+    gen = torch.Generator().manual_seed(seed)
+    for name in sorted(state):
+        bits = state[name].view(-1).view(torch.int16)
+        mask = torch.rand(bits.shape, generator=gen) < density
+        step = torch.where(torch.rand(bits.shape, generator=gen) < 0.5, 1, -1).to(torch.int16)
+        bits[mask] += step[mask]
+
+
+def stage_names(names: list[str], rank: int) -> set[str]:
+    """A two-stage pipeline split of the tiny Llama: stage 1 holds layer 1, the final norm and lm_head."""
+    last = {n for n in names if ".layers.1." in n or n.startswith(("model.norm.", "lm_head."))}
+    return last if rank == 1 else set(names) - last

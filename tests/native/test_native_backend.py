@@ -6,7 +6,8 @@ One module, three engines, one at a time (engine starts are the cost on 2 cores)
    PyTorch trainer syncs it for 3 steps through vLLM's `WeightTransferTrainerFactory`,
    `HTTPVLLMWeightSyncClient` and `ModuleSource`; `/metrics` and `weight_version` move each step.
    Then bad input through vLLM's routes: the route's status, type and field, weights untouched.
-   Then 2 more steps over gloo, the engine joining the trainer's group through vLLM's init route.
+   Then 2 more steps over gloo, the engine joining the trainer's group through vLLM's init route,
+   and one from a two-stage pipeline (two gloo trainer ranks, each sending the layers it holds).
 2. The offline `LLM` with the same backend, fed the same trainer states (over disk).
 3. A fresh engine loaded from the trainer's final weights, saved by transformers: its
    `/weight_checker` digests equal both synced engines'.
@@ -23,9 +24,12 @@ import pytest
 import requests
 import torch
 
+from vllm.distributed.weight_transfer import ParamMeta, WeightSource
+
+from harness import megatron_cpu
 from harness.vllm_engine import VllmServer, patched_environ, start_llm
 from native_helpers import (HUB_ID, Trainer, checksums, hub_cache, merged_checksums, metric_samples, sample,
-                            save_trained)
+                            save_trained, stage_names, ulp_step)
 from vllm_delta.diff import diff_param
 from vllm_delta.native import ROOT_ENV
 from vllm_delta.wire import DeltaWriter, tensor_digest
@@ -189,6 +193,57 @@ def test_trainer_syncs_over_gloo_through_vllm_api(served, trainer, run):
         st = status(served.url)
         assert st["version"] == step and st["weight_version"] == str(step) and st["healthy"], st
     engine.shutdown()
+    run["digests"]["serve"] = checksums(served.url)
+
+
+class StageSource(WeightSource):
+    """A pipeline stage's `WeightSource`: metadata for the whole model, tensors for its own layers only."""
+
+    def __init__(self, full: dict[str, torch.Tensor], held: set[str]) -> None:
+        self.full, self.held = full, held
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.full.items()]
+
+    def __iter__(self):
+        for name, t in self.full.items():
+            yield name, (t if name in self.held else None)
+
+    def held_names(self) -> set[str]:
+        return self.held
+
+
+def _stage(rank: int, world_size: int, port: int, url: str, root: str, state_file: str, version: int) -> None:
+    """One trainer rank of a two-stage pipeline: it sends only what it holds; rank 0 talks to the engine."""
+    import torch.distributed as dist
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+    from vllm_delta import DeltaTrainerInitInfo
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    full = torch.load(state_file)
+    source = StageSource(full, stage_names(list(full), rank))
+    engine = WeightTransferTrainerFactory.trainer_init(
+        DeltaTrainerInitInfo(delta_dir=root, version=version, group=dist.group.WORLD, rank=rank),
+        client=HTTPVLLMWeightSyncClient(url), source=source)
+    ulp_step(full, seed=version)
+    metrics = engine.send_weights()
+    assert metrics["sender/all_acked"] == 1.0, metrics
+    engine.shutdown()
+    dist.destroy_process_group()
+
+
+def test_pipeline_stages_send_what_they_hold(served, root, run, tmp_path):
+    """`held_names`: two trainer ranks (gloo), each holding half the layers, make one version."""
+    version = len(run["states"]) - 1
+    state = {n: t.clone() for n, t in run["states"][-1].items()}
+    torch.save(state, tmp_path / "state.pt")
+    megatron_cpu.spawn(_stage, 2, served.url, str(root), str(tmp_path / "state.pt"), version, timeout=240)
+    ulp_step(state, seed=version)
+    run["states"].append(state)
+    st = status(served.url)
+    assert st["version"] == version + 1 and st["weight_version"] == str(version + 1) and st["healthy"], st
     run["digests"]["serve"] = checksums(served.url)
 
 
