@@ -75,6 +75,10 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
 
         if source is None:
             raise ValueError("the delta backend diffs the trainer's weights each round: pass source=")
+        held = held_names(source)
+        if init_info.group is None and held is not None and held != {m.name for m in source.metadata()}:
+            raise ValueError("this rank holds part of the model (held_names): pass group=, the trainer ranks' "
+                             "gloo group, so every rank sends what it holds")
         clients = engine_clients(client)
         if not init_info.is_sender and init_info.group is None:  # rank 0 sends everything
             if init_info.checkpoint is None:
@@ -91,7 +95,7 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
                              version=init_info.version)
         attach(sender, SyncClientLinks(clients))
         if init_info.checkpoint is not None:
-            sender.seed_from_checkpoint(init_info.checkpoint, names=held_names(source))
+            sender.seed_from_checkpoint(init_info.checkpoint, names=held)
         else:
             sender.seed(held_tensors(source))
         return cls(client=client, source=source, is_sender=init_info.is_sender, sender=sender,
