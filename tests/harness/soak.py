@@ -1,0 +1,122 @@
+"""Syncs under load: completion streams run against a real engine while a trainer syncs it.
+
+Why: a weight update decides what a production model says, and it happens while the model
+serves. This drives N concurrent completion streams, measures their latency with and without
+syncing, counts failed requests, and after every sync checks the digest chain: the engine's own
+full verify against the update's digests, and those digests against a fresh whole-tensor digest
+of the trainer's weights (computed here, not by the sender).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+import torch
+from safetensors.torch import load_file
+
+from harness.perturb import perturb_tensor
+from vllm_delta import DeltaSender
+from vllm_delta.wire import MANIFEST_NAME
+from vllm_delta.wire.additive import tensor_sum, to_hex
+
+
+@dataclass
+class Load:
+    """`streams` threads issuing greedy completions back to back; latencies tagged by phase."""
+
+    url: str
+    streams: int
+    phase: str = "baseline"
+    latencies: dict[str, list[float]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        for i in range(self.streams):
+            t = threading.Thread(target=self._run, args=(i,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _run(self, i: int) -> None:
+        session = requests.Session()
+        k = 0
+        while not self._stop.is_set():
+            body = {"prompt": f"stream {i} request {k}: the", "max_tokens": 8, "temperature": 0}
+            phase, t0 = self.phase, time.perf_counter()
+            try:
+                r = session.post(f"{self.url}/v1/completions", json=body, timeout=120)
+                ok = r.status_code == 200 and len(r.json()["choices"]) == 1
+                if not ok:
+                    self.failures.append(f"{r.status_code}: {r.text[:200]}")
+            except requests.RequestException as exc:
+                self.failures.append(repr(exc))
+                ok = False
+            if ok:
+                self.latencies.setdefault(phase, []).append(time.perf_counter() - t0)
+            k += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=180)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def run_soak(url: str, api_key: str, model_dir: Path, root: Path, *, syncs: int, streams: int = 8,
+             baseline_s: float = 10.0, density: float = 0.02, seed: int = 0) -> dict:
+    """Baseline load, then `syncs` syncs under the same load; returns the figures."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    version = requests.get(f"{url}/delta_updates/status", headers=headers, timeout=60).json()["version"]
+    weights = dict(load_file(model_dir / "model.safetensors"))
+    sender = DeltaSender([url], "disk", root, api_key=api_key, flush_bytes=64 << 10, version=version, keep=True)
+    sender.seed(weights)
+    load = Load(url, streams)
+    load.start()
+    time.sleep(baseline_s)
+    load.phase = "syncing"
+    gen = torch.Generator().manual_seed(seed)
+    pauses, sync_s, verified, chain_errors = [], [], 0, []
+    try:
+        for _ in range(syncs):
+            weights = {n: perturb_tensor(t, density, gen) for n, t in weights.items()}
+            m = sender.sync(weights)
+            if m["sender/all_acked"] != 1.0:
+                chain_errors.append(f"v{int(m['sender/version'])}: not acked: {sender.engines}")
+                continue
+            pauses.append(m["perf/update_weights_engine_pause_time"])
+            sync_s.append(m["perf/update_weights_time"])
+            vdir = root / f"v{int(m['sender/version']):06d}"
+            manifest = json.loads((vdir / MANIFEST_NAME).read_text())
+            trainer = {p["name"]: to_hex(tensor_sum(weights[p["name"]])) for p in manifest["params"]}
+            sent = {p["name"]: p["digest"] for p in manifest["params"]}
+            engine = requests.post(f"{url}/delta_updates/verify", headers=headers, timeout=300).json()
+            if sent != trainer or not engine.get("ok"):
+                chain_errors.append(f"v{manifest['version']}: sent==trainer {sent == trainer}, engine {engine}")
+            else:
+                verified += 1
+            shutil.rmtree(vdir)
+    finally:
+        load.stop()
+        sender.close()
+    base, busy = load.latencies.get("baseline", []), load.latencies.get("syncing", [])
+    return {
+        "syncs": syncs, "syncs_verified": verified, "chain_errors": chain_errors, "streams": streams,
+        "requests": len(base) + len(busy) + len(load.failures), "requests_failed": len(load.failures),
+        "failures": load.failures[:5],
+        "latency_baseline": {"n": len(base), "p50": _pct(base, 0.5), "p99": _pct(base, 0.99)},
+        "latency_syncing": {"n": len(busy), "p50": _pct(busy, 0.5), "p99": _pct(busy, 0.99)},
+        "pause_s": {"median": statistics.median(pauses) if pauses else float("nan"), "max": max(pauses, default=0.0)},
+        "sync_s": {"median": statistics.median(sync_s) if sync_s else float("nan")},
+    }

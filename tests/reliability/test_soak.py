@@ -1,0 +1,48 @@
+"""Syncs under load against a real `vllm serve` (CPU): 8 completion streams, no failed request, and
+the digest chain checked after every sync. 10 syncs in `make test`; 100 with `-m soak`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness.soak import run_soak
+from harness.vllm_engine import VllmServer
+
+pytestmark = [pytest.mark.engine, pytest.mark.heavy]
+API_KEY = "soak-test-key"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return Path(os.path.realpath(tmp_path_factory.mktemp("soak_root")))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory, root, tmp_path_factory):
+    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
+    with VllmServer(tiny_model_factory("llama"), tmp_path_factory.mktemp("soak") / "serve.log",
+                    extra_args=args) as s:
+        yield s
+
+
+def _check(figures: dict, syncs: int) -> None:
+    assert figures["requests_failed"] == 0, figures["failures"]
+    assert figures["chain_errors"] == [] and figures["syncs_verified"] == syncs
+    assert figures["latency_baseline"]["n"] > 0 and figures["latency_syncing"]["n"] > 0
+
+
+def test_ten_syncs_under_eight_streams(server, root, tiny_model_factory):
+    figures = run_soak(server.url, API_KEY, tiny_model_factory("llama"), root, syncs=10, streams=8, baseline_s=5)
+    print(figures)
+    _check(figures, 10)
+
+
+@pytest.mark.soak
+def test_hundred_syncs_under_eight_streams(server, root, tiny_model_factory):
+    figures = run_soak(server.url, API_KEY, tiny_model_factory("llama"), root, syncs=100, streams=8,
+                       baseline_s=20, seed=1)
+    print(figures)
+    _check(figures, 100)
