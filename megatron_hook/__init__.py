@@ -1,1 +1,8 @@
-"""Megatron-core integration: a post-optimizer-step hook that diffs shard-local weights in HF coordinates."""
+"""Megatron-core integration: a post-optimizer-step hook that diffs shard-local weights in HF coordinates.
+
+    handle = megatron_hook.register(optimizer, model_chunks, sender, bridge=bridge, checkpoint=hf_dir)
+"""
+
+from megatron_hook.hook import HookHandle, SeedReport, register
+
+__all__ = ["HookHandle", "SeedReport", "register"]

@@ -257,3 +257,64 @@ def spawn(fn, world_size: int, *args, timeout: float = 300) -> None:
         failure = "exit codes %s" % [p.exitcode for p in procs]
     if failure is not None:
         raise RuntimeError(f"megatron worker failure: {failure}")
+
+
+# --------------------------------------------------------------------------- mbridge on CPU
+
+
+def build_from_hf(hf_dir, *, lr: float = 1e-3, use_distributed_optimizer: bool = False,
+                  overlap_param_gather: bool = False, make_vocab_size_divisible_by: int | None = None,
+                  loss_scale: float | None = None):
+    """mbridge's own model for an HF checkpoint, with the HF weights loaded, wrapped in megatron
+    DDP, plus a megatron Adam optimizer. Returns (ddp_model, optimizer, gpt, bridge). Call after
+    `init_distributed` (which also needs `import_mbridge()` before it: see there).
+
+    CPU glue mbridge needs without Transformer Engine (field notes): the local decoder spec,
+    no grouped GEMM / persistent norm / sequence parallel, `rope_theta` from transformers 5's
+    `rope_parameters`, and `Module.cuda()` as a no-op."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from mbridge import AutoBridge
+    from transformers import AutoConfig
+
+    from megatron_hook.names import TENamed
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    if not hasattr(cfg, "rope_theta"):
+        cfg.rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    bridge = AutoBridge.from_config(cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    bridge.set_extra_args(moe_grouped_gemm=False, persist_layer_norm=False, sequence_parallel=False,
+                          use_cpu_initialization=True, gradient_accumulation_fusion=False,
+                          masked_softmax_fusion=False, bias_activation_fusion=False,
+                          bias_dropout_fusion=False, moe_aux_loss_coeff=0.0)
+    bridge._get_transformer_layer_spec = lambda vp_stage=None: get_gpt_decoder_block_spec(
+        bridge.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+    (f16,) = bridge.get_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    gpt = f16.module
+    bridge.load_weights([TENamed(gpt)], hf_dir)  # mbridge sees the TE names its tables use
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=overlap_param_gather, overlap_param_gather=overlap_param_gather)
+    model = DistributedDataParallel(config=bridge.config, ddp_config=ddp_config, module=f16)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", bf16=True, lr=lr, weight_decay=0.0, clip_grad=1.0,
+                        use_distributed_optimizer=use_distributed_optimizer,
+                        loss_scale=loss_scale),
+        [model])
+    return model, opt, gpt, bridge
+
+
+def import_mbridge() -> None:
+    """Import mbridge (and transformers' model code) before the shim: the shim's
+    `torch.cuda.Stream` stand-in breaks an annotation transformers evaluates at import."""
+    import mbridge  # noqa: F401
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
+
+
+def export_hf(bridge, gpt) -> dict[str, torch.Tensor]:
+    """mbridge's own full HF export (every rank must call it; every rank gets every tensor)."""
+    from megatron_hook.names import TENamed
+
+    return {n: t.detach().clone() for n, t in bridge.export_weights([TENamed(gpt)])}

@@ -103,7 +103,8 @@ def check_disjoint(placements: Iterable[tuple[str, tuple[int, ...], int, tuple[t
     """Raise if two placements of one tensor overlap; return each tensor's covered fraction.
 
     Placements are compared span by span (no element tables): two spans on the same dim overlap
-    iff their ranges do; spans on different dims of one tensor always share elements.
+    iff their ranges do; spans on different dims of one tensor always share elements. Dim `None`
+    means flat runs (`Segments`); a tensor with any such part is compared flat.
     """
     by_name: dict[str, list[tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]]] = {}
     for name, shape, dim, spans in placements:
@@ -114,6 +115,10 @@ def check_disjoint(placements: Iterable[tuple[str, tuple[int, ...], int, tuple[t
         if len(shapes) != 1:
             raise ValueError(f"{name}: ranks disagree on the full shape: {sorted(shapes)}")
         (shape,) = shapes
+        if any(p[1] is None for p in parts):  # flat runs (segments.py): compare everything flat
+            flat = (math.prod(shape),)
+            parts = [(flat, 0, p[2] if p[1] is None else _flat_runs(shape, p[1], p[2])) for p in parts]
+            shape = flat
         if len(parts) > 1 and len({p[1] for p in parts}) != 1:
             raise ValueError(f"{name}: ranks cut it along different dims; they would overlap")
         dim = parts[0][1]
@@ -123,3 +128,10 @@ def check_disjoint(placements: Iterable[tuple[str, tuple[int, ...], int, tuple[t
                 raise ValueError(f"{name}: two ranks both hold dim {dim} indices {a2}..{min(a1 + n1, a2 + n2) - 1}")
         coverage[name] = sum(n for _, n in spans) / shape[dim] if shape else 1.0
     return coverage
+
+
+def _flat_runs(shape: tuple[int, ...], dim: int, spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """A `Shard` placement as flat (start, length) runs, to compare with `Segments`."""
+    inner = math.prod(shape[dim + 1:])
+    outer = math.prod(shape[:dim])
+    return tuple((o * shape[dim] * inner + a * inner, n * inner) for o in range(outer) for a, n in spans)

@@ -1,0 +1,168 @@
+"""`register(optimizer, model_chunks, sender, bridge=...)`: sync the engines after each real optimizer step.
+
+Why a wrapper: megatron-core has no post-step hook, and the inner torch optimizer's
+`register_step_post_hook` fires before the fp32 -> bf16 copy (nothing has changed yet). So the
+top-level `MegatronOptimizer.step` is wrapped on this instance. It returns
+`(update_successful, grad_norm, num_zeros)`; a step the loss scaler skipped (inf/NaN grads)
+changed no weight and fires nothing. With the distributed optimizer and `overlap_param_gather`,
+only this DP rank's shard is current after `step()`; the hook finishes the all-gather first
+(`start_param_sync(force_sync=True)`, what Megatron-LM's `force_param_sync` does). It then
+captures (the diff, on the weights' device) and publishes in the background, so the push
+overlaps the next training step; the next capture waits only if that push is still running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_hook.hf_map import chunk_segments
+from vllm_delta.sender.segments import Segments
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SeedReport:
+    """Elements where the trainer's weights differ from the served checkpoint at registration."""
+
+    mismatches: dict[str, torch.Tensor] = field(default_factory=dict)  # HF name -> HF flat positions (this rank)
+    total: int = 0  # over every sender rank
+
+    @property
+    def ok(self) -> bool:
+        return self.total == 0
+
+
+class HookHandle:
+    """The registered hook; `remove()` puts the optimizer's own `step` back."""
+
+    def __init__(self, optimizer, chunks: Sequence[torch.nn.Module], sender, segments: list[Segments],
+                 every: int, on_sync: Callable[[dict[str, float]], None] | None) -> None:
+        self.optimizer, self.chunks, self.sender, self.segments = optimizer, list(chunks), sender, segments
+        self.every, self.on_sync = every, on_sync
+        self.steps = 0  # steps that updated the weights
+        self.skipped = 0  # steps the optimizer skipped (no weight changed)
+        self.syncs = 0
+        self.seed_report = SeedReport()
+        self._inflight = None  # the last publish's future
+        self.last_capture = None  # what the last sync shipped (staged entries), for checks
+        self._had_own = "step" in vars(optimizer)
+        self._own = vars(optimizer).get("step")
+        self._step = optimizer.step
+        optimizer.step = self._wrapped
+
+    def _wrapped(self, *args, **kwargs):
+        out = self._step(*args, **kwargs)
+        ok = bool(out[0]) if isinstance(out, tuple) else bool(out)
+        if not ok:
+            self.skipped += 1
+            return out
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.fire()
+        return out
+
+    def fire(self) -> None:
+        """Capture now (the weights may change once this returns) and publish in the background."""
+        for chunk in self.chunks:
+            cfg = getattr(chunk, "ddp_config", None)
+            if cfg is not None and cfg.use_distributed_optimizer and cfg.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)
+        self.last_capture = self.sender.capture(self.segments)  # waits for the previous publish, if running
+        if self._inflight is not None and self._inflight.done():
+            self._report(self._inflight.result())
+        self._inflight = self.sender.publish()
+        self.syncs += 1
+
+    def flush(self) -> dict[str, float]:
+        """Wait for the publish in flight; its metrics (empty if none)."""
+        metrics = self.sender.wait()
+        if self._inflight is not None:
+            self._inflight = None
+            self._report(metrics)
+        return metrics
+
+    def _report(self, metrics: dict[str, float]) -> None:
+        if self.on_sync is not None:
+            self.on_sync(metrics)
+
+    def remove(self) -> None:
+        """Stop syncing: wait for the last publish and restore the optimizer's `step`."""
+        self.flush()
+        if self._had_own:
+            self.optimizer.step = self._own
+        else:
+            del self.optimizer.step
+
+
+def register(optimizer, model_chunks: Sequence[torch.nn.Module], sender, *, bridge,
+             checkpoint: str | Path | None = None, every: int = 1,
+             on_sync: Callable[[dict[str, float]], None] | None = None) -> HookHandle:
+    """Sync `sender`'s engines after every `every`-th optimizer step that updated the weights.
+
+    `model_chunks` are the DDP-wrapped chunks given to the optimizer (one per virtual stage);
+    `bridge` is the mbridge bridge of the model (its conversion code gives the HF map).
+    `checkpoint` is the HF directory the engines loaded: the snapshot is seeded from its bytes
+    and every element where the trainer's weights differ is reported (`handle.seed_report`,
+    logged as an error), so a conversion mismatch shows at step 0. Without it, the snapshot is
+    the trainer's current weights. Every rank of the sender's group must call this.
+    """
+    if every < 1:
+        raise ValueError("every must be >= 1")
+    segments = [s for chunk in model_chunks for s in chunk_segments(bridge, _unwrap(chunk))]
+    handle = HookHandle(optimizer, model_chunks, sender, segments, every, on_sync)
+    if checkpoint is None:
+        sender.seed([s.with_tensor(s.tensor.detach().reshape(-1).clone()) for s in segments])
+    else:
+        seeded, handle.seed_report = _seed_values(segments, Path(checkpoint))
+        handle.seed_report.total = sender.ranks.all_sum(sum(p.numel() for p in handle.seed_report.mismatches.values()))
+        if not handle.seed_report.ok:
+            logger.error("megatron_hook: %d elements differ from the served checkpoint (this rank: %s)",
+                         handle.seed_report.total,
+                         {n: p[:5].tolist() for n, p in list(handle.seed_report.mismatches.items())[:5]})
+        sender.seed(seeded)
+    return handle
+
+
+def _seed_values(segments: list[Segments], checkpoint: Path) -> tuple[list[Segments], SeedReport]:
+    """Each segment over the checkpoint's bytes at its placement, and where the trainer differs."""
+    from vllm_delta.wire.checkpoint import Checkpoint
+
+    ckpt = Checkpoint.open(checkpoint)
+    report = SeedReport()
+    seeded = []
+    by_name: dict[str, list[Segments]] = {}
+    for s in segments:
+        by_name.setdefault(s.name, []).append(s)
+    for name, parts in by_name.items():
+        full = ckpt.read(name).reshape(-1)
+        for s in parts:
+            gidx = s.global_index()
+            served = full[gidx.cpu()].to(s.tensor.device)
+            mine = s.tensor.detach().reshape(-1)
+            if served.dtype != mine.dtype:
+                raise TypeError(f"{name}: the checkpoint holds {served.dtype}, the trainer {mine.dtype}")
+            differ = _bits(served) != _bits(mine)
+            if bool(differ.any()):
+                prev = report.mismatches.get(name)
+                pos = gidx[differ].cpu()
+                report.mismatches[name] = pos if prev is None else torch.cat([prev, pos])
+            seeded.append(s.with_tensor(served))
+    return seeded, report
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()])
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel under DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk

@@ -1,0 +1,190 @@
+"""Worker bodies for the megatron hook tests (module-level, so `spawn` can import them)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from harness import megatron_cpu
+
+LR = 1e-2
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {2: torch.int16, 4: torch.int32}
+    return t.detach().contiguous().view(ints[t.element_size()])
+
+
+def tokens(step: int) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    gen = torch.Generator().manual_seed(1000 * step + ps.get_data_parallel_rank())
+    return torch.randint(0, 512, (2, 17), generator=gen)
+
+
+def local_loss_step(model, opt) -> None:
+    """A real optimizer step from a loss each pipeline stage computes on its own weights (no
+    pipeline schedule: p2p under gloo is out of scope here); DP/TP reductions are megatron's."""
+    from megatron.core.distributed import finalize_model_grads
+
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    loss = sum((p.float() * torch.linspace(-1, 1, p.numel()).view(p.shape)).sum() for p in model.parameters())
+    loss.backward()
+    finalize_model_grads([model])
+    ok, _, _ = opt.step()
+    assert ok
+
+
+def apply_entries(prev: dict[str, torch.Tensor], entries: list) -> dict[str, torch.Tensor]:
+    """The previous export with every rank's shipped (positions, values) written in."""
+    out = {n: t.clone() for n, t in prev.items()}
+    seen: dict[str, torch.Tensor] = {}
+    for name, pos, vals in entries:
+        flat = out[name].view(-1)
+        flat[pos] = vals.to(flat.dtype)
+        mark = seen.setdefault(name, torch.zeros(flat.numel(), dtype=torch.int32))
+        mark[pos] += 1
+    for name, mark in seen.items():
+        assert int(mark.max()) <= 1, f"{name}: an element was shipped by two ranks"
+    return out
+
+
+def topology_worker(rank, world, port, hf, tp, ep, pp, distopt, steps, family):
+    from megatron_hook import register
+    from vllm_delta import DeltaSender
+
+    megatron_cpu.import_mbridge()
+    megatron_cpu.init_distributed(rank, world, port, tp=tp, ep=ep, pp=pp)
+    model, opt, gpt, bridge = megatron_cpu.build_from_hf(
+        hf, lr=LR, use_distributed_optimizer=distopt, overlap_param_gather=distopt)
+    if ep > 1 and tp > 1:
+        model.eval()  # MoE with TP>1 trains only with sequence parallel, which the local spec refuses
+    group = dist.new_group(backend="gloo")
+    with tempfile.TemporaryDirectory() as root:
+        sender = DeltaSender([], "disk", root, group=group)  # no engine: the entries are checked here
+        handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf)
+        assert handle.seed_report.ok, handle.seed_report
+        prev = megatron_cpu.export_hf(bridge, gpt)
+        total_changed = 0
+        for step in range(steps):
+            if pp > 1:
+                local_loss_step(model, opt)
+            else:
+                megatron_cpu.train_step(model, opt, tokens(step))
+            handle.flush()
+            assert handle.syncs == step + 1
+            mine = [(e.name, e.positions, e.new_values) for e in handle.last_capture.entries]
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+            new = megatron_cpu.export_hf(bridge, gpt)  # mbridge's export, independent of our map
+            assert set(new) == set(prev)
+            applied = apply_entries(prev, [e for part in every for e in part])
+            bad = [n for n in new if not torch.equal(bits(applied[n]), bits(new[n]))]
+            assert not bad, f"step {step}: shipped entries do not reproduce the export for {bad[:5]}"
+            changed = sum(int((bits(prev[n]) != bits(new[n])).sum()) for n in new)
+            total_changed += changed
+            assert changed > 0
+            prev = new
+        handle.remove()
+        sender.close()
+    assert total_changed > 0
+
+
+def behaviour_worker(rank, world, port, hf, expect_path):
+    """Registration on a model one element off the checkpoint, a skipped step, and remove()."""
+    import json
+
+    from megatron_hook import register
+    from vllm_delta import DeltaSender
+
+    megatron_cpu.import_mbridge()
+    megatron_cpu.init_distributed(rank, world, port)
+    model, opt, gpt, bridge = megatron_cpu.build_from_hf(hf, lr=LR, loss_scale=1.0)
+    # One bf16 element of the trainer's weights one ULP off the served checkpoint.
+    qkv = gpt.decoder.layers[1].self_attention.linear_qkv.weight
+    with torch.no_grad():
+        qkv.view(-1).view(torch.int16)[77] += 1
+    # Where that element is in HF coordinates, by mbridge's export (not by the hook's map).
+    from safetensors.torch import load_file
+
+    served = load_file(f"{hf}/model.safetensors")
+    exported = megatron_cpu.export_hf(bridge, gpt)
+    expect = {n: torch.nonzero(bits(exported[n]).view(-1) != bits(served[n]).view(-1)).view(-1).tolist()
+              for n in served}
+    expect = {n: p for n, p in expect.items() if p}
+    assert sum(len(p) for p in expect.values()) == 1, expect
+
+    with tempfile.TemporaryDirectory() as root:
+        sender = DeltaSender([], "disk", root)
+        syncs: list[dict] = []
+        handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf, on_sync=syncs.append)
+        got = {n: p.tolist() for n, p in handle.seed_report.mismatches.items()}
+        assert handle.seed_report.total == 1 and got == expect, (got, expect)
+
+        # A step whose gradients are not finite: megatron's loss scaler skips it; no sync.
+        before = {n: bits(p).clone() for n, p in gpt.named_parameters()}
+        version = sender.version
+        ok = _step(model, opt, tokens(0), scale=float("inf"))
+        assert not ok and handle.skipped == 1 and handle.syncs == 0 and sender.version == version
+        assert all(torch.equal(before[n], bits(p)) for n, p in gpt.named_parameters())
+
+        assert _step(model, opt, tokens(1)) and handle.syncs == 1
+        handle.remove()
+        assert len(syncs) == 1 and syncs[0]["sender/changed_elements"] > 0, syncs
+        assert "step" not in vars(opt) and opt.step.__func__ is type(opt).step
+        assert _step(model, opt, tokens(2)) and handle.syncs == 1  # removed: no sync
+        sender.close()
+    with open(expect_path, "w") as f:
+        json.dump(expect, f)
+
+
+def _step(model, opt, toks: torch.Tensor, scale: float = 1.0) -> bool:
+    from megatron.core.distributed import finalize_model_grads
+
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    inp, labels = toks[:, :-1], toks[:, 1:]
+    pos = torch.arange(inp.shape[1]).unsqueeze(0).expand_as(inp)
+    loss = model(inp, pos, None, labels=labels).float().mean() * scale
+    loss.backward()
+    finalize_model_grads([model])
+    ok, _, _ = opt.step()
+    return bool(ok)
+
+
+def engine_worker(rank, world, port, hf, url, root, api_key, version, steps, out):
+    """TP=2 x EP=2: the hook pushes disk deltas to a real engine; rank 0 writes mbridge's export."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from megatron_hook import register
+    from vllm_delta import DeltaSender
+
+    megatron_cpu.import_mbridge()
+    megatron_cpu.init_distributed(rank, world, port, tp=2, ep=2)
+    model, opt, gpt, bridge = megatron_cpu.build_from_hf(hf, lr=LR)
+    model.eval()  # MoE with TP>1 trains only with sequence parallel, which the local spec refuses
+    group = dist.new_group(backend="gloo")
+    sender = DeltaSender([url], "disk", root, api_key=api_key, group=group, version=version,
+                         flush_bytes=64 << 10)
+    synced: list[dict] = []
+    handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf, on_sync=synced.append)
+    assert handle.seed_report.ok, handle.seed_report
+    for step in range(steps):
+        megatron_cpu.train_step(model, opt, tokens(step))
+    handle.remove()
+    assert len(synced) == steps and all(m["sender/all_acked"] == 1.0 for m in synced), synced
+    sender.close()
+    final = megatron_cpu.export_hf(bridge, gpt)
+    if rank == 0:
+        dest = Path(out)
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in Path(hf).iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and "index" not in f.name:
+                shutil.copy2(f, dest / f.name)
+        save_file({n: t.contiguous() for n, t in final.items()}, dest / "model.safetensors")
