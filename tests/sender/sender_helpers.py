@@ -9,18 +9,23 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from vllm_delta.wire import DeltaError, VersionError, get_encoding, open_delta, read_delta
+from vllm_delta.wire import DeltaError, VersionError, check_lineage, get_encoding, open_delta, read_delta
 
 
 class FakeEngine:
-    """The engine route's version rules on a dict of tensors, served over real HTTP.
+    """The engine route's version and lineage rules on a dict of tensors, served over real HTTP.
+
+    The lineage rule is the engine workers' own function (`wire.check_lineage`), not a copy.
 
     `fail_versions`: versions it answers with a 500 before applying (a real engine error's shape).
+    `lose_reply_versions`: versions it applies and then answers 503, as a proxy that lost the reply would.
     """
 
     def __init__(self, root: Path, weights: dict[str, torch.Tensor]) -> None:
         self.root, self.weights = root, {k: v.clone() for k, v in weights.items()}
         self.version, self.fail_versions, self.requests = 0, set(), []
+        self.run_id: str | None = None
+        self.lose_reply_versions: set[int] = set()
         self.loop = asyncio.new_event_loop()
         app = web.Application()
         app.router.add_post("/update_weights_delta", self.update)
@@ -34,10 +39,11 @@ class FakeEngine:
         self.thread.start()
 
     def restart(self, weights: dict[str, torch.Tensor]) -> None:
-        self.weights, self.version = {k: v.clone() for k, v in weights.items()}, 0
+        self.weights, self.version, self.run_id = {k: v.clone() for k, v in weights.items()}, 0, None
 
     async def status(self, request):
-        return web.json_response({"version": self.version, "healthy": True, "dirty_reasons": [], "ranks": [{}]})
+        return web.json_response({"version": self.version, "run_id": self.run_id, "healthy": True,
+                                  "dirty_reasons": [], "ranks": [{}]})
 
     async def update(self, request):
         body = await request.json()
@@ -53,13 +59,20 @@ class FakeEngine:
                 raise VersionError("base")
             if v < cur or (v == cur and not enc.idempotent):
                 raise VersionError("order")
+            listed = {p.name: p.changed for p in info.manifest.params}
+            anchor = enc.idempotent and all(listed.get(k) == t.numel() for k, t in self.weights.items())
+            run_id = check_lineage(info.manifest.lineage, version=v, engine_version=cur, engine_run_id=self.run_id,
+                                   anchor=anchor)
             deltas = read_delta(info, current_version=cur if enc.needs_base else None)
         except DeltaError as exc:
             return web.json_response({"error": {"type": type(exc).__name__, "message": str(exc)}},
                                      status=exc.http_status)
         for d in deltas:
             d.apply_(self.weights[d.name])
-        self.version = v
+        self.version, self.run_id = v, run_id
+        if v in self.lose_reply_versions:
+            self.lose_reply_versions.discard(v)
+            return web.json_response({"error": {"type": "BadGateway", "message": "reply lost"}}, status=503)
         return web.json_response({"version": v, "changed": sum(d.count for d in deltas), "bytes_read": 0,
                                   "decode_s": 0.0, "apply_s": 0.0, "pause_s": 0.0, "replay": False,
                                   "fallback": [], "ranks": []})

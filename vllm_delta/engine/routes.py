@@ -197,10 +197,12 @@ class DeltaUpdater:
     async def status(self) -> dict[str, Any]:
         ranks = await self._rpc("delta_status")
         versions = {r["version"] for r in ranks}
+        runs = {r["run_id"] for r in ranks}  # whose lineage the weights are on (None: the checkpoint's)
         dirty = [r["dirty_reason"] or "dirty" for r in ranks if r["dirty"]]
-        return {"version": ranks[0]["version"] if len(versions) == 1 else None,
+        agree = len(versions) == 1 and len(runs) == 1
+        return {"version": ranks[0]["version"] if agree else None, "run_id": ranks[0]["run_id"] if agree else None,
                 "weight_version": await self.engine.get_weight_version(),
-                "healthy": not dirty and len(versions) == 1 and self.fault is None, "dirty_reasons": dirty,
+                "healthy": not dirty and agree and self.fault is None, "dirty_reasons": dirty,
                 "fault": self.fault, "placement": placement_summary([r["placement"] for r in ranks]),
                 "last": ranks[0]["last"], "ranks": ranks}
 

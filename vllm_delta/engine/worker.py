@@ -18,7 +18,7 @@ from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, coverage
 from vllm_delta.native.model_path import local_checkpoint_dir
-from vllm_delta.wire import DeltaError, parse_manifest
+from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta, parse_manifest
 from vllm_delta.wire.container import DeltaDir
 from vllm_delta.wire.checkpoint import Checkpoint
 
@@ -45,6 +45,10 @@ class DeltaState:
 
     applier: DeltaApplier
     version: int = 0
+    # The sender run whose lineage the weights are on (None: the base checkpoint, or weights no run
+    # vouches for); see wire.manifest.check_lineage. Set by a commit, from its prepare.
+    run_id: str | None = None
+    staged_run: dict[str, str | None] = field(default_factory=dict)
     fault: Fault | None = None
     last: dict[str, Any] | None = None
     staged: dict[str, StagedUpdate] = field(default_factory=dict)
@@ -90,16 +94,21 @@ class DeltaWorkerExtension:
             chunk_bytes = int(request.get("chunk_bytes") or DEFAULT_CHUNK_BYTES)
             if flushes is not None:
                 manifest = parse_manifest(json.dumps(request["manifest"]).encode())
+                self._delta_check_lineage(manifest, request)
                 staged = state.applier.prepare_flushes(
                     manifest, zip([f.name for f in manifest.files], flushes), version=int(request["version"]),
                     base_version=request.get("base_version"), current_version=state.version,
                     chunk_bytes=chunk_bytes)
             else:
+                # Opened again from the root's handle, through no symlink (the route checked the path).
+                delta_dir = DeltaDir.open(request["path"], root=request.get("root"))
+                manifest = open_delta(delta_dir, files=request.get("files")).manifest
+                self._delta_check_lineage(manifest, request)  # before any flush is read
                 staged = state.applier.prepare(
-                    # Opened again from the root's handle, through no symlink (the route checked the path).
-                    DeltaDir.open(request["path"], root=request.get("root")), version=int(request["version"]),
+                    delta_dir, version=int(request["version"]),
                     base_version=request.get("base_version"),
                     current_version=state.version, files=request.get("files"), chunk_bytes=chunk_bytes)
+            run_id = self._delta_check_lineage(manifest, request, anchor=staged.anchor)
         except DeltaError as exc:
             return _error(exc.http_status, exc)
         except (OSError, ValueError) as exc:
@@ -109,6 +118,7 @@ class DeltaWorkerExtension:
                                             "(only a full anchor or a restart repairs it)"),
                           fault=state.fault.as_dict())
         state.staged = {request["id"]: staged}
+        state.staged_run = {request["id"]: run_id}
         reply = {"ok": True, "rank": self._delta_rank(), "changed": staged.changed,
                  "total_changed": staged.total_changed, "bytes_read": staged.bytes_read,
                  "decode_s": staged.decode_s, "fallback": staged.fallback_names, "replay": staged.replay,
@@ -123,6 +133,7 @@ class DeltaWorkerExtension:
         if request_id not in state.staged:
             return _error(409, KeyError(f"no prepared update {request_id!r}"))
         staged = state.staged.pop(request_id)
+        run_id = state.staged_run.pop(request_id, None)
         try:
             apply_s = state.applier.commit(staged)
         except ApplyFault as exc:
@@ -134,11 +145,21 @@ class DeltaWorkerExtension:
             state.fault = None
             state.after = {}
         state.after.update(staged.after)
-        state.version = staged.version
+        state.version, state.run_id = staged.version, run_id
         state.last = {"version": staged.version, "changed": staged.changed, "bytes_read": staged.bytes_read,
                       "decode_s": staged.decode_s, "apply_s": apply_s, "replay": staged.replay,
                       "time": time.time()}
         return {"ok": True, "rank": self._delta_rank(), "apply_s": apply_s, "version": state.version}
+
+    def _delta_check_lineage(self, manifest: Manifest, request: dict[str, Any], anchor: bool = True) -> str | None:
+        """Refuse (409 `LineageError`) a delta for other weights than ours; the run id after it applies.
+
+        Called before anything is read with `anchor=True` (only the range and run can be judged),
+        then once prepare knows whether the delta overwrites every tensor.
+        """
+        state = self._delta()
+        return check_lineage(manifest.lineage, version=int(request["version"]), engine_version=state.version,
+                             engine_run_id=state.run_id, anchor=anchor)
 
     def delta_coverage(self) -> dict[str, Any]:
         """Which checkpoint elements this rank holds (source lattices per tensor), for its peers."""
@@ -198,10 +219,12 @@ class DeltaWorkerExtension:
 
     def delta_abort(self, request_id: str) -> None:
         self._delta().staged.pop(request_id, None)
+        self._delta().staged_run.pop(request_id, None)
 
     def delta_status(self) -> dict[str, Any]:
         state = self._delta()
-        return {"rank": self._delta_rank(), "version": state.version, "dirty": state.fault is not None,
+        return {"rank": self._delta_rank(), "version": state.version, "run_id": state.run_id,
+                "dirty": state.fault is not None,
                 "dirty_reason": state.fault and state.fault.reason,
                 "fault": state.fault and state.fault.as_dict(), "last": state.last,
                 "placement": state.applier.placement_status(),

@@ -15,16 +15,26 @@ Lag is bounded: an engine that misses `max_lag_syncs` syncs in a row (or every l
 the pending catch-up passes the sender's density cap) drops to "needs anchor". It no longer holds
 the snapshot back, so the others return to base-relative deltas, and it gets a full anchor as soon
 as it answers again: its weights never depend on the snapshot's lineage after that.
+
+Every update names its lineage (`wire.manifest.Lineage`): this sender's run id and the engine
+versions it applies on ([S, S] for a delta, [S, N-1] for a catch-up, any for an anchor). An
+engine on other weights (restarted on the checkpoint after acking v > S, fed by another sender)
+refuses it with a 409 `LineageError` and changes nothing; the next plan asks its status, sees
+another run id (or version 0 of none, while S > 0), and anchors it. A sender started at
+`version` > 0 claims the engines hold its seed at that version: its first plan asks their status
+and resumes the run they report, if those at that version report one run (else it keeps its own
+id, and anchors them).
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_delta.client import EngineClient, Reply
-from vllm_delta.wire import get_encoding
+from vllm_delta.wire import Lineage, get_encoding
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +60,23 @@ class Plan:
     base_version: int | None
     delta_urls: list[str] = field(default_factory=list)
     anchor_urls: list[str] = field(default_factory=list)
+    run_id: str = ""
+    snapshot_version: int = 0  # S when planned
+
+    def lineage(self, kind: str) -> Lineage:
+        """Which engine weights the `kind` update of this plan applies to."""
+        if kind == "anchor":
+            return Lineage(run_id=self.run_id)
+        if kind == "catchup":  # every version this run sent since S (versions are never reused)
+            return Lineage(run_id=self.run_id, min_version=self.snapshot_version, max_version=self.version - 1)
+        return Lineage(run_id=self.run_id, min_version=self.snapshot_version, max_version=self.snapshot_version)
 
 
 class Planner:
     """Engine bookkeeping: versions sent and acknowledged, anchors owed."""
 
     def __init__(self, engines: list[str], client: EngineClient, *, encoding: str, overwrite_encoding: str,
-                 anchor_every: int | None, version: int, max_lag_syncs: int = 3) -> None:
+                 anchor_every: int | None, version: int, max_lag_syncs: int = 3, run_id: str | None = None) -> None:
         if get_encoding(overwrite_encoding).needs_base:
             raise ValueError(f"overwrite_encoding {overwrite_encoding!r} must not be base-relative")
         get_encoding(encoding)
@@ -69,6 +89,10 @@ class Planner:
         self.version = version  # last version sent
         self.snapshot_version = version  # S: every engine acknowledged it
         self.anchor_next = False
+        # This sender's lineage: engines acked on it hold its versions' weights. Random per sender, so
+        # a new sender anchors engines it cannot vouch for, unless it resumes their run (see above).
+        self.run_id = run_id or uuid.uuid4().hex
+        self.resume = run_id is None and version > 0
 
     def add_engine(self, url: str) -> None:
         self.engines[url] = EngineState(url, acked=None, needs_anchor=True)
@@ -77,11 +101,17 @@ class Planner:
         """Ask lagging engines where they are; decide who gets a delta, a catch-up or an anchor."""
         version = self.version + 1
         S = self.snapshot_version
+        if self.resume:
+            for e in self.engines.values():
+                e.acked = None
         unknown = [e for e in self.engines.values() if e.acked is None]
         for e in self.engines.values():
             e.skipped = False
         if unknown:
-            for url, r in self.client.status([e.url for e in unknown]).items():
+            replies = self.client.status([e.url for e in unknown])
+            if self.resume:
+                self._resume(replies)
+            for url, r in replies.items():
                 e = self.engines[url]
                 if not r.ok:
                     e.skipped, e.last_status, e.last_error = True, r.status, r.error
@@ -89,7 +119,7 @@ class Planner:
                 v = r.body.get("version")
                 if not r.body.get("healthy") or v is None:
                     e.skipped, e.last_error = True, {"type": "Unhealthy", "message": str(r.body.get("dirty_reasons"))}
-                elif not e.needs_anchor and S <= v <= self.version:
+                elif not e.needs_anchor and S <= v <= self.version and self.on_lineage(r.body, v):
                     e.acked = v
                 else:
                     e.needs_anchor = True
@@ -103,7 +133,25 @@ class Planner:
         else:
             kind, enc = "catchup", self.overwrite_encoding
         base = S if get_encoding(enc).needs_base else None
-        return Plan(version, kind if deltas else "", enc, base, deltas, anchors)
+        return Plan(version, kind if deltas else "", enc, base, deltas, anchors, self.run_id, S)
+
+    def _resume(self, replies: dict[str, Reply]) -> None:
+        """Take the run id the engines report at this sender's starting version, if they agree on one."""
+        self.resume = False
+        runs = {r.body.get("run_id") for r in replies.values()
+                if r.ok and r.body.get("healthy") and r.body.get("version") == self.version} - {None}
+        if len(runs) == 1:
+            self.run_id = runs.pop()
+        elif runs:
+            logger.warning("delta sender: engines at version %d are on runs %s; anchoring them", self.version, runs)
+
+    def on_lineage(self, status: dict[str, Any], version: int) -> bool:
+        """Whether an engine's status says its weights are this run's `version` (an engine that reports
+        no run id at all predates lineage: its version alone decides)."""
+        if "run_id" not in status:
+            return True
+        run_id = status["run_id"]
+        return run_id == self.run_id or (run_id is None and version == 0)  # the checkpoint: every run's 0
 
     def settle(self, plan: Plan, replies: dict[str, Reply]) -> bool:
         """Record acks; True if every engine now holds `plan.version` (the snapshot may advance)."""

@@ -48,7 +48,8 @@ class Publisher:
         if plan.anchor_urls:
             sinks.append(("anchor", self._builder("anchor", plan.version, None, self.planner.overwrite_encoding,
                                                   model_elements)))
-        sent = [self._finish(kind, b, cap, {e.name: _add(b, e, kind) for e in cap.entries}) for kind, b in sinks]
+        sent = [self._finish(kind, b, cap, {e.name: _add(b, e, kind) for e in cap.entries}, plan)
+                for kind, b in sinks]
         encode_s = time.perf_counter() - start
         pushed = time.perf_counter()
         replies = self._push(plan, sent)
@@ -67,8 +68,10 @@ class Publisher:
                                       flush_bytes=self.flush_bytes, rank=self.ranks.rank,
                                       model_elements=model_elements)
 
-    def _finish(self, kind: str, b: FlushBuilder, cap: Capture, digests: dict[str, dict[str, str]]) -> SentDelta:
-        """This rank's flushes are out; rank 0 gets the merged manifest with whole-tensor digests."""
+    def _finish(self, kind: str, b: FlushBuilder, cap: Capture, digests: dict[str, dict[str, str]],
+                plan: Plan) -> SentDelta:
+        """This rank's flushes are out; rank 0 gets the merged manifest with whole-tensor digests and
+        the lineage the engines check before applying it."""
         manifest = _with_digests(b.manifest(), digests)
         self.transport.finish(b)
         full = {e.name: additive.to_hex(e.digests["digest"]) for e in cap.entries}
@@ -83,6 +86,7 @@ class Publisher:
             for name, h in p[4].items():
                 shards.setdefault(name, []).append(h)
         merged = _with_digests(merged, {n: {"digest": additive.combine(*hs)} for n, hs in shards.items()})
+        merged = merged.model_copy(update={"lineage": plan.lineage(kind)})
         out = SentDelta(kind, merged, len(b.files), sum(p[2] for p in parts), sum(p[3] for p in parts),
                         location=b.location, buffers=mine.buffers)
         self.transport.seal(out)

@@ -12,8 +12,8 @@ from .errors import (BoundsError, CorruptDeltaError, DeltaError, DtypeMismatchEr
                      ShapeMismatchError, UnknownDtypeError, UnknownEncodingError, UnknownParamError,
                      VersionError)
 from .flush import EncodedFlush, ParamChange, ParamDelta, encode_flush
-from .manifest import (MANIFEST_NAME, FileEntry, Manifest, ParamEntry, load_manifest, merge_manifests,
-                       parse_manifest, write_manifest)
+from .manifest import (MANIFEST_NAME, FileEntry, Lineage, LineageError, Manifest, ParamEntry, check_lineage,
+                       load_manifest, merge_manifests, parse_manifest, write_manifest)
 from .reader import DeltaDecoder, DeltaInfo, iter_delta, open_delta, read_delta
 from .writer import DeltaWriter, FlushBuilder, file_entry, flush_name
 
@@ -21,9 +21,9 @@ __all__ = [
     "BoundsError", "CorruptDeltaError", "DEFAULT_ENCODING", "DeltaDecoder", "DeltaError", "DeltaInfo",
     "DeltaWriter", "DtypeMismatchError", "FlushBuilder", "ENCODINGS", "EncodedFlush", "Encoding", "FileEntry",
     "FormatError", "HASH_ALGO", "IncompatibleDeltaError", "IncompleteDeltaError", "IntegrityError",
-    "Limits", "LimitError", "MANIFEST_NAME", "Manifest", "ParamChange", "ParamDelta", "ParamEntry",
-    "ShapeMismatchError", "UnknownDtypeError", "UnknownEncodingError", "UnknownParamError",
-    "VersionError", "bytes_digest", "encode_flush", "file_entry", "flush_name", "get_encoding",
-    "iter_delta", "load_manifest", "merge_manifests", "open_delta", "parse_manifest", "read_delta",
+    "Limits", "Lineage", "LineageError", "LimitError", "MANIFEST_NAME", "Manifest", "ParamChange", "ParamDelta",
+    "ParamEntry", "ShapeMismatchError", "UnknownDtypeError", "UnknownEncodingError", "UnknownParamError",
+    "VersionError", "bytes_digest", "check_lineage", "encode_flush", "file_entry", "flush_name",
+    "get_encoding", "iter_delta", "load_manifest", "merge_manifests", "open_delta", "parse_manifest", "read_delta",
     "tensor_digest", "write_manifest",
 ]

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .additive import DIGEST_ALGO, combine
 from .container import Limits
 from .digest import HASH_ALGO
-from .errors import FormatError, IncompleteDeltaError, LimitError
+from .errors import FormatError, IncompleteDeltaError, LimitError, VersionError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "vllm-delta/1"
@@ -70,6 +70,69 @@ class ParamEntry(_Strict):
         return self
 
 
+class LineageError(VersionError):
+    """An update for another run's weights, or for engine versions other than this engine's (409)."""
+
+
+class Lineage(_Strict):
+    """Which weights an update may be applied to: version `min_version`..`max_version` of run `run_id`.
+
+    Why: version numbers alone do not say whose weights an engine holds. An engine restarted on the
+    base checkpoint (version 0) would accept an overwrite catch-up meant for versions [S, N-1] and end
+    with wrong weights; one fed by another sender is at "the same" version with other weights. Both
+    bounds None: a full anchor, valid on any weights (it overwrites every element); it puts the
+    engine on `run_id`'s lineage.
+    """
+
+    run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    min_version: NonNeg | None = None
+    max_version: NonNeg | None = None
+
+    @model_validator(mode="after")
+    def _range(self) -> Lineage:
+        if (self.min_version is None) != (self.max_version is None):
+            raise ValueError("lineage: give both min_version and max_version, or neither (an anchor)")
+        if self.min_version is not None and self.min_version > self.max_version:
+            raise ValueError(f"lineage: min_version {self.min_version} > max_version {self.max_version}")
+        return self
+
+    @property
+    def any_version(self) -> bool:
+        return self.min_version is None
+
+
+def check_lineage(lineage: Lineage | None, *, version: int, engine_version: int, engine_run_id: str | None,
+                  anchor: bool) -> str | None:
+    """Refuse (`LineageError`) an update whose lineage does not hold this engine's weights; the run id
+    the engine is on once it applies the update.
+
+    The one rule, shared by the engine's workers and the sender tests' fake engine:
+    - no lineage (older manifests, hand-made deltas): the version checks alone decide, and the engine
+      leaves any run's lineage (`None`): a later ranged update must anchor it first;
+    - an anchor (no range) must overwrite every tensor (`anchor`); it is valid on any weights;
+    - otherwise the engine must be on `run_id` at a version in the range, or at the update's own
+      `version` (a replay; whether the encoding allows one is the version checks' call). An engine on
+      no run at version 0 holds the base checkpoint, version 0 of every run seeded from it.
+    """
+    if lineage is None:
+        return None
+    if lineage.any_version:
+        if not anchor:
+            raise LineageError(f"run {lineage.run_id!r}: an update valid on any weights must be a full anchor")
+        return lineage.run_id
+    if engine_run_id is None:
+        if engine_version != 0 or not lineage.min_version <= 0 <= lineage.max_version:
+            raise LineageError(f"engine is on no run's lineage at version {engine_version}; the update needs run "
+                               f"{lineage.run_id!r} at versions {lineage.min_version}..{lineage.max_version}")
+        return lineage.run_id
+    if engine_run_id != lineage.run_id:
+        raise LineageError(f"engine holds run {engine_run_id!r}'s weights; the update is for run {lineage.run_id!r}")
+    if not (lineage.min_version <= engine_version <= lineage.max_version or engine_version == version):
+        raise LineageError(f"engine is at version {engine_version}; the update applies at versions "
+                           f"{lineage.min_version}..{lineage.max_version} of run {lineage.run_id!r}")
+    return lineage.run_id
+
+
 class Manifest(_Strict):
     format: Literal["vllm-delta/1"] = FORMAT
     version: int
@@ -81,6 +144,8 @@ class Manifest(_Strict):
     model_elements: NonNeg | None = None
     files: list[FileEntry] = []
     params: list[ParamEntry] = []
+    # Which weights it applies to (absent in older manifests and hand-made deltas): check_lineage.
+    lineage: Lineage | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -115,15 +180,17 @@ def merge_manifests(parts: list[Manifest]) -> Manifest:
     """
     first = parts[0]
     for p in parts[1:]:
-        if (p.version, p.base_version, p.encoding) != (first.version, first.base_version, first.encoding):
-            raise ValueError("manifests disagree on version, base_version or encoding")
+        if (p.version, p.base_version, p.encoding, p.lineage) != (first.version, first.base_version, first.encoding,
+                                                                   first.lineage):
+            raise ValueError("manifests disagree on version, base_version, encoding or lineage")
     by_name: dict[str, list[ParamEntry]] = {}
     for p in parts:
         for e in p.params:
             by_name.setdefault(e.name, []).append(e)
     return Manifest(version=first.version, base_version=first.base_version, encoding=first.encoding,
                     model_elements=first.model_elements, files=[f for p in parts for f in p.files],
-                    params=[_merge_entries(es) for es in by_name.values()])
+                    params=[_merge_entries(es) for es in by_name.values()],
+                    lineage=first.lineage)
 
 
 def _merge_entries(entries: list[ParamEntry]) -> ParamEntry:
