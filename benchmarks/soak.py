@@ -40,13 +40,17 @@ def report(f: dict, load_note: str) -> str:
         "| | figure |",
         "|---|---|",
         f"| syncs | {f['syncs']} |",
-        f"| syncs verified (engine full verify == update digests == fresh trainer digests) | {f['syncs_verified']} |",
+        f"| syncs verified (engine full verify == update digests == fresh trainer digests) | "
+        f"{f['syncs_verified']} |",
         f"| digest-chain errors | {len(f['chain_errors'])} |",
         f"| requests | {f['requests']} |",
         f"| requests failed | {f['requests_failed']} |",
-        f"| latency without syncing, p50 / p99 | {base['p50'] * 1e3:.0f} / {base['p99'] * 1e3:.0f} ms ({base['n']} requests) |",
-        f"| latency while syncing, p50 / p99 | {busy['p50'] * 1e3:.0f} / {busy['p99'] * 1e3:.0f} ms ({busy['n']} requests) |",
-        f"| engine pause per sync, median / max | {f['pause_s']['median'] * 1e3:.0f} / {f['pause_s']['max'] * 1e3:.0f} ms |",
+        f"| latency without syncing, p50 / p99 | {base['p50'] * 1e3:.0f} / {base['p99'] * 1e3:.0f} ms "
+        f"({base['n']} requests) |",
+        f"| latency while syncing, p50 / p99 | {busy['p50'] * 1e3:.0f} / {busy['p99'] * 1e3:.0f} ms "
+        f"({busy['n']} requests) |",
+        f"| engine pause per sync, median / max | {f['pause_s']['median'] * 1e3:.0f} / "
+        f"{f['pause_s']['max'] * 1e3:.0f} ms |",
         f"| sync wall time, median | {f['sync_s']['median']:.2f} s |",
         "",
         "Faults are tested in `tests/reliability/` and `tests/sender/` (see docs/sender.md, Faults).",
