@@ -34,8 +34,9 @@ def report(f: dict, load_note: str) -> str:
         "",
         f"Machine: {os.cpu_count()} CPU cores, no GPU; {load_note}. Engine: tiny Llama (the test suite's), "
         f"`vllm serve --enable-delta-updates --api-key`, TP=1. Trainer: the checkpoint's tensors, {f['syncs']} "
-        f"syncs of small ULP steps (mostly ±1-2, some larger) at 2% density over disk, while {f['streams']} threads issue greedy completions "
-        "back to back. Reproduce: `.venv/bin/python benchmarks/soak.py`.",
+        "syncs of small ULP steps (mostly ±1-2, some larger) at 2% density over disk, while "
+        f"{f['streams']} threads issue greedy completions back to back. "
+        "Reproduce: `.venv/bin/python benchmarks/soak.py`.",
         "",
         "| | figure |",
         "|---|---|",
