@@ -32,6 +32,7 @@ class Load:
     """`streams` threads issuing greedy completions back to back; latencies tagged by phase."""
 
     url: str
+    api_key: str
     streams: int
     phase: str = "baseline"
     latencies: dict[str, list[float]] = field(default_factory=dict)
@@ -47,6 +48,7 @@ class Load:
 
     def _run(self, i: int) -> None:
         session = requests.Session()
+        session.headers["Authorization"] = f"Bearer {self.api_key}"
         k = 0
         while not self._stop.is_set():
             body = {"prompt": f"stream {i} request {k}: the", "max_tokens": 8, "temperature": 0}
@@ -82,7 +84,7 @@ def run_soak(url: str, api_key: str, model_dir: Path, root: Path, *, syncs: int,
     weights = dict(load_file(model_dir / "model.safetensors"))
     sender = DeltaSender([url], "disk", root, api_key=api_key, flush_bytes=64 << 10, version=version, keep=True)
     sender.seed(weights)
-    load = Load(url, streams)
+    load = Load(url, api_key, streams)
     load.start()
     time.sleep(baseline_s)
     load.phase = "syncing"
