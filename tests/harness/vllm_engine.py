@@ -57,6 +57,10 @@ def patched_environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
+# Test-only: a torch fused-MoE forward that honours the expert map, for EP engines (see its docstring).
+TORCH_MOE = str(Path(__file__).resolve().parent / "torch_moe")
+
+
 @contextlib.contextmanager
 def start_llm(model_dir: Path | str, tp: int = 1, delta: bool = False, **engine_kwargs) -> Iterator["object"]:
     """Start an in-process `vllm.LLM` on the CPU and shut it down afterwards.
@@ -68,6 +72,8 @@ def start_llm(model_dir: Path | str, tp: int = 1, delta: bool = False, **engine_
     if delta:
         env[DELTA_ENV] = "1"
         engine_kwargs.setdefault("worker_extension_cls", DELTA_WORKER_EXTENSION)
+    if engine_kwargs.get("enable_expert_parallel"):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (TORCH_MOE, os.environ.get("PYTHONPATH")) if p)
     with patched_environ(env):
         from vllm import LLM
 
