@@ -50,7 +50,7 @@ class DeltaUpdatesEndpoint:
             app.include_router(router)
             guard_health(app)
         if native_routes.enabled(args):  # vLLM's weight routes, for `--weight-transfer-config` backend delta
-            native_routes.attach(app, with_status=not getattr(args, "enable_delta_updates", False))
+            native_routes.attach(app)
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         if native_routes.enabled(args):

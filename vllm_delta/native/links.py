@@ -50,10 +50,15 @@ class SyncClientLinks:
 
     @staticmethod
     def _status(client: Any, _: Mapping[str, Any]) -> dict[str, Any]:
-        """The engine's `weight_version` as our version; any other value means "unknown: anchor it"."""
+        """The engine's `weight_version` as our version; any other value means "unknown: anchor it".
+
+        vLLM's protocol carries no run id, so the run is reported as unknown (None): a new sender
+        takes an engine at version 0 as the checkpoint and anchors one past it, as it cannot vouch
+        for whose weights those are.
+        """
         raw = weight_version(client)
         version = int(raw) if raw.isdigit() else -1
-        return {"version": version, "healthy": True, "ranks": list(range(world_size(client)))}
+        return {"version": version, "run_id": None, "healthy": True, "ranks": list(range(world_size(client)))}
 
     @staticmethod
     def _collective_init(client: Any, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,6 @@ from vllm_delta.native.errors import delta_root, parse_error, version_dir
 
 logger = logging.getLogger("vllm.delta_updates")
 router = APIRouter()
-status_router = APIRouter()
 
 
 class UpdateBody(BaseModel):
@@ -58,10 +57,8 @@ def enabled(args: Namespace | None) -> bool:
     return backend == BACKEND and envs.VLLM_SERVER_DEV_MODE
 
 
-def attach(app: FastAPI, with_status: bool) -> None:
+def attach(app: FastAPI) -> None:
     app.include_router(router)
-    if with_status:  # else `--enable-delta-updates` serves it, with the same fields
-        app.include_router(status_router)
 
 
 class NativeUpdater:
@@ -191,6 +188,6 @@ async def finish_weight_update(request: Request) -> JSONResponse:
     return JSONResponse({"message": "Weight update finished", "delta": result})
 
 
-@status_router.get("/delta_updates/status")
+@router.get("/delta_updates/status")
 async def delta_updates_status(request: Request) -> JSONResponse:
     return JSONResponse(await request.app.state.delta_native.status())
