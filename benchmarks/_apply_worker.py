@@ -75,12 +75,13 @@ def info(worker) -> dict[str, Any]:
 
 
 def learn_placement(worker) -> dict[str, Any]:
-    """The one-time cost: probing every checkpoint tensor's loader (done lazily on first apply)."""
+    """The placement probe (the route runs it at engine start): its own time and peak, and ours around it."""
     applier = _applier(worker)
     with PeakRss() as m:
-        placements = applier.placements
-    return {"seconds": m.seconds, "extra": m.extra, "tensors": len(placements),
-            "fallback": applier.fallback_tensors}
+        status = worker.delta_probe()
+    return {"seconds": m.seconds, "extra": m.extra, "probe_s": status["probe_s"],
+            "probe_peak_bytes": status["probe_peak_bytes"], "tensors": len(applier.placements),
+            "fallback": status["fallback"], "transformed": status["transformed"]}
 
 
 def _timed_methods(applier, names: list[str]) -> tuple[dict[str, float], Callable[[], None]]:
@@ -103,56 +104,70 @@ def _timed_methods(applier, names: list[str]) -> tuple[dict[str, float], Callabl
     return times, lambda: [applier.__dict__.pop(n, None) for n in names]
 
 
-def ours(worker, path: str, version: int, chunk_bytes: int, profile: bool = False) -> dict[str, Any]:
-    """Our apply through the worker extension's own RPC methods: delta_prepare + delta_commit.
+def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
+    """Our apply as the route runs it: `delta_prepare`, the digest check, `delta_commit`.
 
     The worker's version counter is set to `version - 1` first so the same delta directories can
     be replayed across the run (lineage checks are not what is measured). Phase times come from
-    wrapping the applier's methods; `scatter` is the commit minus CPU repack and post-hash check.
+    wrapping the applier's methods: `stage` (decode, locate, digests, staging; the decode is a
+    generator consumed there), `_digest` (the additive digests of the changed positions) and
+    `_refresh_cpu_kernels` (the CPU repack in the commit); `scatter` is the commit minus repack.
     """
+    from vllm_delta.engine.digests import check_partials
+
     state = worker._delta()
     state.version = version - 1
     applier = state.applier
-    times, undo = _timed_methods(applier, ["_locate", "_refresh_cpu_kernels", "_verify_post_hashes"])
+    times, undo = _timed_methods(applier, ["stage", "_digest", "_refresh_cpu_kernels"])
     request = {"id": f"bench-{version}", "path": path, "version": version, "base_version": None,
                "chunk_bytes": chunk_bytes}
-    prof = None
-    if profile:
-        import cProfile
-        prof = cProfile.Profile()
     try:
         with PeakRss() as prep:
-            if prof:
-                prof.enable()
             prepared = worker.delta_prepare(request)
-        if not prepared.get("ok"):
-            raise RuntimeError(f"delta_prepare failed: {prepared}")
+            if not prepared.get("ok"):
+                raise RuntimeError(f"delta_prepare failed: {prepared}")
+            checked = check_partials([prepared])  # the route's check, before any write
         with PeakRss() as com:  # the staged update (the payload) is resident at its start
             committed = worker.delta_commit(request["id"])
-            if prof:
-                prof.disable()
         if not committed.get("ok"):
             raise RuntimeError(f"delta_commit failed: {committed}")
     finally:
         undo()
-    repack, verify = times["_refresh_cpu_kernels"], times["_verify_post_hashes"]
+    repack = times["_refresh_cpu_kernels"]
     out = {
         "changed": prepared["changed"], "payload": _payload_bytes(prepared["changed"]),
-        "bytes_read": prepared["bytes_read"], "fallback": prepared["fallback"],
-        "prepare_s": prep.seconds, "decode_s": prepared["decode_s"], "locate_s": times["_locate"],
-        "commit_s": com.seconds, "repack_s": repack, "verify_s": verify,
-        "scatter_s": com.seconds - repack - verify, "total_s": prep.seconds + com.seconds,
+        "bytes_read": prepared["bytes_read"], "fallback": prepared["fallback"], "digests_checked": checked,
+        "prepare_s": prep.seconds, "stage_s": times["stage"], "digest_s": times["_digest"],
+        "commit_s": com.seconds, "repack_s": repack, "scatter_s": com.seconds - repack,
+        "total_s": prep.seconds + com.seconds,
         # Peaks relative to the RSS before prepare.
-        "prepare_extra": prep.extra, "commit_extra": com.peak - prep.base,
-        "staged": com.base - prep.base,
+        "prepare_extra": prep.extra, "commit_extra": com.peak - prep.base, "staged": com.base - prep.base,
     }
     out["extra"] = max(out["prepare_extra"], out["commit_extra"])
-    if prof:
-        import io
-        import pstats
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
-        out["profile"] = s.getvalue()
+    return out
+
+
+def gemm_paths(worker, batch: int, repeats: int = 20) -> dict[str, Any]:
+    """One MLP layer's matmul through vLLM's packed CPU kernel vs plain `F.linear` on the checkpoint
+    layout (what serving updated layers unpacked would cost per call), median seconds."""
+    import statistics
+
+    model = worker.model_runner.get_model()
+    layer = model.model.layers[0].mlp.gate_up_proj
+    x = torch.randn(batch, layer.weight.shape[1], dtype=layer.weight.dtype)
+    out = {"layer": "model.layers.0.mlp.gate_up_proj", "shape": list(layer.weight.shape), "batch": batch}
+    for label, fn in (("packed_s", lambda: layer.quant_method.apply(layer, x)),
+                      ("unpacked_s", lambda: torch.nn.functional.linear(x, layer.weight))):
+        with torch.no_grad():
+            fn()
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+        out[label] = statistics.median(times)
+    with torch.no_grad():
+        out["equal"] = bool(torch.equal(layer.quant_method.apply(layer, x), torch.nn.functional.linear(x, layer.weight)))
     return out
 
 
