@@ -135,3 +135,23 @@ def test_tied_weight_is_sent_once_under_the_checkpoint_name(fake_engines, fake_w
     assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] == 10
     with pytest.raises(KeyError, match="lm_head"):
         sender.sync(dict(weights, **{"lm_head.weight": weights["layer0.weight"].clone()}))
+
+
+@pytest.mark.parametrize("kind", ["shard", "segments"])
+def test_seed_from_checkpoint_takes_this_ranks_elements(kind, tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from vllm_delta.sender.segments import Segments
+
+    full = torch.randn(6, 4).to(torch.bfloat16)
+    save_file({"w": full}, tmp_path / "model.safetensors")
+    if kind == "shard":
+        local = full[:, 1:3].contiguous()
+        like = Shard.narrow("w", torch.zeros_like(local), full.shape, 1, 1)
+    else:  # rows 4..5 then rows 0..1 (an out-of-order pair of runs)
+        local = torch.cat([full[4:], full[:2]])
+        like = Segments("w", torch.zeros_like(local), tuple(full.shape), ((16, 8), (0, 8)))
+    sender = DeltaSender(["http://127.0.0.1:9"], "disk", tmp_path / "d")
+    sender.seed_from_checkpoint(tmp_path, like=[like])
+    assert torch.equal(sender.producer.snapshot_of("w").view(torch.int16), local.reshape(-1).view(torch.int16))
+    sender.close()

@@ -143,7 +143,7 @@ class DeltaSender:
             if s is None:
                 continue
             local = full.reshape(-1)[s.global_index().cpu()].reshape(s.tensor.shape).to(s.tensor.device)
-            seeded.append(Shard(name, local, s.full_shape, s.dim, s.spans))
+            seeded.append(s.with_tensor(local))
         if shards:
             raise KeyError(f"not in the checkpoint: {sorted(shards)[:5]}")
         self.seed(seeded)

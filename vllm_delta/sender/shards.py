@@ -93,6 +93,10 @@ class Shard:
         """Every local element's HF flat position (O(shard) memory: for seeding and checks only)."""
         return self.to_global(torch.arange(self.tensor.numel(), device=self.tensor.device))
 
+    def with_tensor(self, tensor: torch.Tensor) -> Shard:
+        """The same placement over other values (e.g. the checkpoint's, to seed a snapshot)."""
+        return Shard(self.name, tensor, self.full_shape, self.dim, self.spans)
+
     def describe(self) -> tuple[str, tuple[int, ...], int, tuple[tuple[int, int], ...]]:
         """The placement as plain data (what ranks exchange to check disjointness)."""
         return self.name, self.full_shape, self.dim, self.spans
