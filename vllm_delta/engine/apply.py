@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vllm_delta.engine import cpu_weights
+from vllm_delta.engine import cpu_weights, transforms
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
 from vllm_delta.engine.placement import PeakRss, TensorPlacement, build_placement
@@ -126,6 +126,8 @@ class DeltaApplier:
         self.checkpoint = dict(checkpoint)
         self._load_weights = load_weights or model.load_weights
         self.targets = {name: canon for name, (_, canon) in cpu_weights.canonical_tensors(model).items()}
+        # Parameters a post-load step permuted: deltas located in the loaded layout go through these.
+        self.offset_maps = transforms.offset_maps(model)
         self._placements = placements
         self.probe_s: float | None = None
         self.probe_peak_bytes: int | None = None
@@ -158,7 +160,7 @@ class DeltaApplier:
         ready = self.probed
         return {"ready": ready, "probe_s": self.probe_s, "probe_peak_bytes": self.probe_peak_bytes,
                 "fallback": self.fallback_tensors if ready else None,
-                "transformed": cpu_weights.transformed(self.model)}
+                "transformed": sorted(set(cpu_weights.transformed(self.model)) | set(transforms.transformed(self.model)))}
 
     # ---- phase 1 -------------------------------------------------------------------------
     def prepare(self, path: str | Path, *, version: int, base_version: int | None,
@@ -228,7 +230,8 @@ class DeltaApplier:
                     _add(acc, 1, partial_sum(delta.positions, delta.values))
                 fallback.append(delta)
                 continue
-            located = [(seg.target, *seg.locate(delta.positions)) for seg in placement.segments]
+            located = [(seg.target, idx, self._permuted(seg.target, offsets))
+                       for seg in placement.segments for idx, offsets in [seg.locate(delta.positions)]]
             if delta.needs_base:
                 self._check_base_dtype(delta, located)
             if acc is not None:
@@ -254,6 +257,23 @@ class DeltaApplier:
             return False
         listed = {p.name: p.changed for p in manifest.params}
         return all(listed.get(name) == torch.Size(shape).numel() for name, (shape, _) in self.checkpoint.items())
+
+    def _permuted(self, target: str, offsets: torch.Tensor) -> torch.Tensor:
+        """Loaded-layout storage offsets -> where a permuting post-load step moved those elements."""
+        if target not in self.offset_maps or not offsets.numel():
+            return offsets
+        start, inverse = self.offset_maps[target]
+        return inverse[offsets - start].to(offsets.dtype) + start
+
+    def _loaded_flat(self, target: str) -> torch.Tensor:
+        """The target's flat storage in the loaded layout (undoing a permuting post-load step)."""
+        flat = flat_storage(self.targets[target])
+        if target not in self.offset_maps:
+            return flat
+        start, inverse = self.offset_maps[target]
+        out = flat.clone()
+        out[start:start + inverse.numel()] = flat[inverse.to(torch.int64) + start]
+        return out
 
     def _check_base_dtype(self, delta: ParamDelta, located: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         for target, idx, _ in located:
@@ -334,8 +354,10 @@ class DeltaApplier:
         load_checkpoint_weight_patches(self.model, patches, max_chunk_bytes=chunk_bytes)
 
     def _refresh_cpu_kernels(self, staged: StagedUpdate) -> None:
-        touched = {t.rsplit(".", 1)[0] for t in staged.writes}
-        modules = [m for name, m in self.model.named_modules() if name in touched and cpu_weights.needs_refresh(m)]
+        # A module is touched when a write lands anywhere under it: a derived tensor (MLA's W_UV
+        # on the attention module) comes from a child's weight (kv_b_proj).
+        modules = [m for name, m in self.model.named_modules() if cpu_weights.needs_refresh(m)
+                   and any(t.startswith(f"{name}.") for t in staged.writes)]
         if modules:
             cpu_weights.refresh(modules)
 
@@ -351,7 +373,7 @@ class DeltaApplier:
             return None
         target, segments = whole
         numel = torch.Size(placement.shape).numel()
-        flat = flat_storage(self.targets[target])
+        flat = self._loaded_flat(target)
         if len(segments) == 1 and segments[0].src_offset == 0 and segments[0].dst_strides == segments[0].src_strides \
                 and flat.dtype == placement.dtype:
             # Stored exactly as in the checkpoint (a whole param, or a row block of a packed one).
@@ -371,7 +393,7 @@ class DeltaApplier:
         total = torch.zeros(2, dtype=torch.int64)
         earlier = []
         for seg in placement.segments:
-            flat = flat_storage(self.targets[seg.target])
+            flat = self._loaded_flat(seg.target)
             total = total.to(flat.device)
             for pos, values in segment_chunks(seg, flat):
                 keep = self.ownership.counted(name, pos)

@@ -1,0 +1,128 @@
+"""Post-load transforms (issue 10 item 2): every branch on the synthetic vLLM-shaped model.
+
+Why these modules: a swap-halves step is what FlashInfer-CUTLASS MoE does to w13 (a
+permutation: deltas must go through it), a derived tensor is what MLA's `W_UV` is (the step must
+re-run after a delta touches its source), and a step whose second run differs is what neither
+can serve (the engine must refuse to start, naming the module). Each case applies a real delta
+and compares with a fresh rank that loaded the new checkpoint and ran the same steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.synthetic import device_check, same_bits
+from vllm_delta.engine.apply import DeltaApplier
+from vllm_delta.engine.digests import check_partials
+from vllm_delta.engine.transforms import UnsupportedTransform, run_post_load, transformed
+
+DC = device_check()
+CFG = DC.SIZES["tiny"]
+META = {n: (s, torch.bfloat16) for n, s in DC.checkpoint_shapes(CFG).items()}
+MOE = f"model.layers.{CFG.layers - 1}.mlp.experts"
+ATTN = "model.layers.0.self_attn"
+
+
+class SwapW13Halves:
+    """FlashInfer-CUTLASS-like: w13 = [w1; w3] becomes [w3; w1] per expert."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        w = layer.w13_weight.data
+        n = w.shape[1] // 2
+        layer.w13_weight.data = torch.cat([w[:, n:], w[:, :n]], dim=1).contiguous()
+
+
+class DeriveWUV:
+    """MLA-like: a float32 tensor derived from a child's weight, kept on the attention module."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.W_UV = layer.qkv_proj.weight.detach().float().t().contiguous() * 2
+
+
+class NotReproducible:
+    """A step whose re-run differs from its first run (it counts its calls)."""
+
+    calls = 0
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        NotReproducible.calls += 1
+        layer.scale = torch.tensor(float(NotReproducible.calls))
+
+
+def model_with_steps(checkpoint: dict[str, torch.Tensor], steps: dict[str, object]) -> torch.nn.Module:
+    """A rank loaded with `checkpoint`, the given post-load steps attached and run under observation."""
+    m = DC.SyntheticLM(CFG)
+    m.load_weights(checkpoint.items())
+    for name, method in steps.items():
+        m.get_submodule(name).quant_method = method
+    return m
+
+
+def apply(model: torch.nn.Module, tmp_path, base, new) -> DeltaApplier:
+    DC.write_delta(tmp_path / "d", base, new, version=1)
+    applier = DeltaApplier(model, META)
+    staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
+    check_partials([{"rank": 0, "digests": staged.digests, "expected": staged.expected}])
+    applier.commit(staged)
+    return applier
+
+
+def test_swap_halves_is_a_permutation_and_deltas_go_through_it(tmp_path):
+    base = DC.random_checkpoint(CFG, "cpu", seed=0)
+    new = DC.step(base, 0.3, seed=1)
+    model = model_with_steps(base, {MOE: SwapW13Halves()})
+    found = run_post_load(model)
+    assert {n: t.kind for n, t in found.items()} == {MOE: "permutation"}
+    applier = apply(model, tmp_path, base, new)
+    want = model_with_steps(new, {MOE: SwapW13Halves()})
+    run_post_load(want)
+    assert same_bits(want, model) == []
+    assert applier.placement_status()["transformed"] == [MOE]
+    # The full verify reads the loaded layout back through the same map.
+    name = f"{MOE.removesuffix('.experts')}.experts.0.gate_proj.weight"
+    assert torch.equal(applier.rebuild(name).view(torch.int16), new[name].view(torch.int16))
+
+
+def test_derived_tensor_is_rerun_after_its_source_changes(tmp_path):
+    base = DC.random_checkpoint(CFG, "cpu", seed=0)
+    new = DC.step(base, 0.3, seed=1)
+    model = model_with_steps(base, {ATTN: DeriveWUV()})
+    found = run_post_load(model)
+    assert found[ATTN].kind == "rerun" and found[ATTN].derived == ["W_UV"]
+    stale = model.get_submodule(ATTN).W_UV.clone()
+    apply(model, tmp_path, base, new)
+    want = model_with_steps(new, {ATTN: DeriveWUV()})
+    run_post_load(want)
+    assert same_bits(want, model) == []
+    got = model.get_submodule(ATTN).W_UV
+    assert not torch.equal(got, stale) and torch.equal(got, want.get_submodule(ATTN).W_UV)
+    assert transformed(model) == {ATTN: "rerun"}
+
+
+def test_swap_and_derived_together(tmp_path):
+    base = DC.random_checkpoint(CFG, "cpu", seed=0)
+    new = DC.step(base, 0.3, seed=1)
+    steps = lambda: {MOE: SwapW13Halves(), ATTN: DeriveWUV()}  # noqa: E731
+    model = model_with_steps(base, steps())
+    run_post_load(model)
+    apply(model, tmp_path, base, new)
+    want = model_with_steps(new, steps())
+    run_post_load(want)
+    assert same_bits(want, model) == []
+    assert torch.equal(model.get_submodule(ATTN).W_UV, want.get_submodule(ATTN).W_UV)
+
+
+def test_a_step_that_cannot_be_served_refuses_and_names_the_module():
+    model = model_with_steps(DC.random_checkpoint(CFG, "cpu", seed=0), {ATTN: NotReproducible()})
+    with pytest.raises(UnsupportedTransform, match=ATTN):
+        run_post_load(model)
+
+
+def test_a_step_that_changes_nothing_is_not_a_transform():
+    class Identity:
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            layer.w13_weight.data = layer.w13_weight.data.clone()
+
+    model = model_with_steps(DC.random_checkpoint(CFG, "cpu", seed=0), {MOE: Identity()})
+    assert run_post_load(model) == {}
