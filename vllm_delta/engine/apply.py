@@ -356,8 +356,8 @@ class DeltaApplier:
     def _refresh_cpu_kernels(self, staged: StagedUpdate) -> None:
         # A module is touched when a write lands anywhere under it: a derived tensor (MLA's W_UV
         # on the attention module) comes from a child's weight (kv_b_proj).
-        modules = [m for name, m in self.model.named_modules() if cpu_weights.needs_refresh(m)
-                   and any(t.startswith(f"{name}.") for t in staged.writes)]
+        touched = {t.rsplit(".", i)[0] for t in staged.writes for i in range(1, t.count(".") + 1)}
+        modules = [m for name, m in self.model.named_modules() if name in touched and cpu_weights.needs_refresh(m)]
         if modules:
             cpu_weights.refresh(modules)
 
