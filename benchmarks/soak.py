@@ -25,6 +25,23 @@ from harness.tiny_models import make_tiny_model  # noqa: E402
 from harness.vllm_engine import VllmServer  # noqa: E402
 
 API_KEY = "soak-benchmark-key"
+# The fault cases, each a test with real processes (tests/reliability/test_faults.py); the soak
+# figures above come from this script, the fault outcomes from those tests in `make test`.
+FAULTS = [
+    ("an engine restarted silently on the same port after acking v > S, while another lags",
+     "refuses the overwrite catch-up (409 LineageError), is anchored, converges",
+     "test_engine_restarted_silently_refuses_the_catchup_and_is_anchored"),
+    ("an engine SIGKILLed with an update in flight, then restarted", "anchored at the next sync, converges",
+     "test_engine_killed_with_an_update_in_flight_is_anchored"),
+    ("a sender SIGKILLed at 3 random points while writing",
+     "nothing applicable (400 IncompleteDeltaError, digests unchanged) or a whole anchor",
+     "test_sender_killed_at_random_points_never_leaves_an_engine_on_partial_weights"),
+    ("the delta root (a 16 MiB tmpfs) fills up mid-write", "the sync raises ENOSPC, no engine changes, "
+     "the next sync converges", "test_disk_full_mid_write_applies_nothing_and_recovers"),
+    ("one of two engines unreachable for 3 syncs (max_lag_syncs=2), then back",
+     "dropped to needs-anchor, the other keeps base-relative deltas, then anchored",
+     "test_engine_unreachable_for_k_syncs_is_dropped_then_anchored"),
+]
 
 
 def report(f: dict, load_note: str) -> str:
@@ -54,7 +71,15 @@ def report(f: dict, load_note: str) -> str:
         f"{f['pause_s']['max'] * 1e3:.0f} ms |",
         f"| sync wall time, median | {f['sync_s']['median']:.2f} s |",
         "",
-        "Faults are tested in `tests/reliability/` and `tests/sender/` (see docs/sender.md, Faults).",
+        "## Faults (real processes; each ends with equal `/weight_checker` digests on both engines and a "
+        "passing full verify)",
+        "",
+        "| fault | outcome | test (`tests/reliability/test_faults.py`) |",
+        "|---|---|---|",
+        *[f"| {fault} | {outcome} | `{test}` |" for fault, outcome, test in FAULTS],
+        "",
+        "In none of these cases does an engine serve weights other than a version of the trainer's while "
+        "healthy: a failed commit keeps it paused with `/health` 503 until an anchor (docs/receiver.md).",
         "",
     ])
 
