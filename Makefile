@@ -9,7 +9,7 @@ PIP_TORCH_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo clean patch-vllm
+.PHONY: install test test-fast demo demo-megatron clean patch-vllm
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ test-fast: install
 
 demo: install
 	$(PY) examples/delta_weight_sync/cpu_quickstart.py
+
+# megatron-core TP=2 x EP=2 (4 gloo processes) -> vllm serve (TP=2) through megatron_hook; last line is JSON.
+demo-megatron: install
+	$(PY) examples/delta_weight_sync/megatron_demo.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

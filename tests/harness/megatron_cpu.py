@@ -264,7 +264,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 300) -> None:
 
 def build_from_hf(hf_dir, *, lr: float = 1e-3, use_distributed_optimizer: bool = False,
                   overlap_param_gather: bool = False, make_vocab_size_divisible_by: int | None = None,
-                  loss_scale: float | None = None):
+                  loss_scale: float | None = None, extra_args: dict | None = None):
     """mbridge's own model for an HF checkpoint, with the HF weights loaded, wrapped in megatron
     DDP, plus a megatron Adam optimizer. Returns (ddp_model, optimizer, gpt, bridge). Call after
     `init_distributed` (which also needs `import_mbridge()` before it: see there).
@@ -287,7 +287,7 @@ def build_from_hf(hf_dir, *, lr: float = 1e-3, use_distributed_optimizer: bool =
     bridge.set_extra_args(moe_grouped_gemm=False, persist_layer_norm=False, sequence_parallel=False,
                           use_cpu_initialization=True, gradient_accumulation_fusion=False,
                           masked_softmax_fusion=False, bias_activation_fusion=False,
-                          bias_dropout_fusion=False, moe_aux_loss_coeff=0.0)
+                          bias_dropout_fusion=False, moe_aux_loss_coeff=0.0, **(extra_args or {}))
     bridge._get_transformer_layer_spec = lambda vp_stage=None: get_gpt_decoder_block_spec(
         bridge.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
     torch.nn.Module.cuda = lambda self, *a, **k: self
