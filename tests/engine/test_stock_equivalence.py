@@ -1,0 +1,59 @@
+"""A delta-mode engine serves what stock vLLM serves on the same checkpoint (issue 11 item 10).
+
+Why: every other engine test compares delta-mode engines with each other (or with digests), so a
+difference that delta mode itself makes (it keeps CPU linear layers unpacked so they stay
+updatable) would go unseen. Here a delta-mode engine starts on the base checkpoint and is synced
+to a perturbed one; a stock `vllm serve` (no delta flags) then serves the perturbed checkpoint
+directly. Their greedy tokens and logprobs must be identical (they are, bit for bit, on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import requests
+
+from harness.perturb import perturb_checkpoint
+from harness.vllm_engine import VllmServer
+from vllm_delta import DeltaSender
+from vllm_delta.wire.checkpoint import Checkpoint
+
+pytestmark = [pytest.mark.engine, pytest.mark.heavy]
+API_KEY = "stock-equivalence-key"
+PROMPTS = ["The quick brown fox", "Once upon a time", "1, 2, 3, 4,"]
+
+
+def outputs(url: str, key: str | None) -> list[tuple[list[str], list[float]]]:
+    """Greedy tokens and their logprobs for each prompt."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    out = []
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1, "seed": 0}
+        r = requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        out.append((lp["tokens"], lp["token_logprobs"]))
+    return out
+
+
+def test_synced_delta_engine_generates_like_stock_vllm_on_that_checkpoint(tiny_model_factory, tmp_path):
+    base = tiny_model_factory("llama")
+    new = perturb_checkpoint(base, tmp_path / "new", density=0.2, seed=5)
+    root = Path(os.path.realpath(tmp_path / "root"))
+    root.mkdir()
+    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
+    with VllmServer(base, tmp_path / "delta.log", extra_args=args) as server:
+        before = outputs(server.url, API_KEY)
+        sender = DeltaSender([server.url], "disk", root, api_key=API_KEY)
+        sender.seed_from_checkpoint(base)
+        m = sender.sync(Checkpoint.open(new).iter_tensors())
+        assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] > 0
+        synced = outputs(server.url, API_KEY)
+    with VllmServer(new, tmp_path / "stock.log") as stock:
+        want = outputs(stock.url, None)
+    assert synced != before, "the perturbed checkpoint must change what the model says"
+    for (tokens, lps), (want_tokens, want_lps) in zip(synced, want, strict=True):
+        assert tokens == want_tokens
+        assert lps == want_lps, max(abs(a - b) for a, b in zip(lps, want_lps))
