@@ -66,23 +66,6 @@ class SyncClientLinks:
         return {}
 
 
-def attach(sender: Any, links: SyncClientLinks) -> None:
-    """Make `sender` talk to its engines through `links` instead of its HTTP client.
-
-    `DeltaSender` builds its client itself and hands it to its parts; every reference to that
-    client, on the sender or on one of its parts, is replaced, and one must have been found.
-    """
-    old = sender.client
-    found = 0
-    for holder in (sender, *vars(sender).values()):
-        for key, value in list(getattr(holder, "__dict__", {}).items()):
-            if value is old:
-                setattr(holder, key, links)
-                found += 1
-    if not found:
-        raise RuntimeError("DeltaSender holds no engine client to replace")
-
-
 def _replied(name: str, call, client: Any, body: Mapping[str, Any]) -> Reply:
     """A `Reply` as the sender's HTTP client gives one: the engine's status and error body."""
     try:

@@ -18,7 +18,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
 from vllm_delta.native import BACKEND
-from vllm_delta.native.links import SyncClientLinks, attach
+from vllm_delta.native.links import SyncClientLinks
 
 
 @dataclass
@@ -92,8 +92,7 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
                              flush_bytes=init_info.flush_bytes, anchor_every=init_info.anchor_every,
                              keep=init_info.keep, post_hash=init_info.post_hash, master_addr=init_info.master_addr,
                              collective_timeout_s=init_info.collective_timeout_s, group=init_info.group,
-                             version=init_info.version)
-        attach(sender, SyncClientLinks(clients))
+                             version=init_info.version, client=SyncClientLinks(clients))
         if init_info.checkpoint is not None:
             sender.seed_from_checkpoint(init_info.checkpoint, names=held)
         else:

@@ -62,14 +62,17 @@ class DeltaSender:
                  post_hash: bool | None = None, timeout_s: float = 600.0, retries: int = 3,
                  master_addr: str = "127.0.0.1", collective_timeout_s: float = 120.0,
                  group: Any = None, throttle_bytes_per_s: float | None = None, version: int = 0,
-                 snapshot: str = "auto", max_lag_syncs: int = 3, max_pending_density: float = 0.1) -> None:
+                 snapshot: str = "auto", max_lag_syncs: int = 3, max_pending_density: float = 0.1,
+                 client: Any = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         if transport == "disk" and delta_dir is None:
             raise ValueError("the disk transport needs delta_dir")
         if group is not None and transport != "disk":
             raise ValueError("multi-rank senders use the disk transport")
-        self.client = EngineClient(api_key, timeout_s=timeout_s, retries=retries)
+        # Anything with EngineClient's `status`/`update`/`collective_init` (e.g. vLLM's weight-sync
+        # clients behind the native backend, vllm_delta/native/links.py) may stand in for HTTP.
+        self.client = client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)
         self.planner = Planner(engines, self.client, encoding=encoding, overwrite_encoding=overwrite_encoding,
                                anchor_every=anchor_every, version=version, max_lag_syncs=max_lag_syncs)
         self.max_pending_density = max_pending_density
