@@ -1,9 +1,10 @@
 """DeltaSender against a real `vllm serve` (CPU): a plain PyTorch trainer syncs after every step over
 disk and over gloo, and the faults of issue 5 are produced for real.
 
-One server serves the module (engine starts are the cost); the last test stops it and starts a
-fresh engine from a checkpoint the trainer saves, whose `/weight_checker` digests must equal the
-synced engine's. Every update carries per-tensor post-apply hashes, so each sync is also verified
+One server serves the module (engine starts are the cost); the last test syncs one more step
+(so it is not tautological when run alone), stops the server and starts a fresh engine from a
+checkpoint the trainer saves, whose `/weight_checker` digests must equal the synced engine's and
+differ from the base checkpoint's. Every update carries per-tensor post-apply hashes, so each sync is also verified
 bit-exact by the engine itself (a mismatch is a 500).
 """
 
@@ -67,6 +68,7 @@ def server(model_dir, root, tmp_path_factory):
     args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY,
             "--delta-updates-collective-trainers", "127.0.0.1"]  # the gloo trainer runs here
     with VllmServer(model_dir, log, extra_args=args) as s:
+        s.base_digests = engine_checksums(s.url, API_KEY)  # the checkpoint's, before any test moves it
         yield s
 
 
@@ -104,7 +106,6 @@ def test_trainer_syncs_every_step_over_disk(server, trainer, model_dir, root):
         assert m["perf/update_weights_wire_bytes"] > 0 and m["perf/update_weights_engine_apply_time"] > 0
     assert checksums(server) != before
     assert not [p for p in root.iterdir() if p.name.startswith("v")], "delivered directories are removed"
-    pytest.sender_state = (sender.version,)
 
 
 def test_trainer_syncs_over_gloo(server, trainer):
@@ -178,8 +179,8 @@ KILLED_SENDER = """
 import sys, torch
 from vllm_delta import DeltaSender
 from vllm_delta.wire.checkpoint import Checkpoint
-url, root, model = sys.argv[1:4]
-s = DeltaSender([url], "disk", root, flush_bytes=16 << 10, throttle_bytes_per_s=64 << 10, version=1000)
+url, root, model, key = sys.argv[1:5]
+s = DeltaSender([url], "disk", root, api_key=key, flush_bytes=16 << 10, throttle_bytes_per_s=64 << 10, version=1000)
 s.seed_from_checkpoint(model)
 s.request_anchor()
 s.sync(Checkpoint.open(model).iter_tensors())
@@ -188,7 +189,8 @@ s.sync(Checkpoint.open(model).iter_tensors())
 
 def test_sender_killed_mid_write_leaves_nothing_applicable(server, root, model_dir):
     digests, version = checksums(server), status(server)["version"]
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SENDER, server.url, str(root), str(model_dir)])
+    # With the key: a sender started at a version asks the engines' status (lineage) before it writes.
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SENDER, server.url, str(root), str(model_dir), API_KEY])
     d = root / "v001001-anchor"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(d.glob("rank*_flush*.safetensors"))) < 2:
@@ -202,8 +204,19 @@ def test_sender_killed_mid_write_leaves_nothing_applicable(server, root, model_d
     shutil.rmtree(d)
 
 
-def test_synced_engine_equals_fresh_engine_from_trainer_weights(server, trainer, model_dir, tmp_path_factory):
+def test_synced_engine_equals_fresh_engine_from_trainer_weights(server, trainer, model_dir, root, tmp_path_factory):
+    # The engine resumes at its version; a sender started there resumes the run it is on (lineage), or
+    # anchors it. Either way the engine must end on the trainer's weights after one more step.
+    sender = DeltaSender([server.url], "disk", root, api_key=API_KEY, flush_bytes=64 << 10,
+                         version=status(server)["version"])
+    sender.seed(trainer.weights())
+    trainer.step()
+    m = sender.sync(trainer.weights())
+    if m["sender/all_acked"] != 1.0:  # refused by lineage (a restarted or foreign engine): anchored next
+        m = sender.sync(trainer.weights())
+    assert m["sender/all_acked"] == 1.0, sender.engines
     synced = checksums(server)
+    assert synced != server.base_digests, "the trainer moved away from the checkpoint"
     server.stop()  # one engine at a time on this machine
     out = tmp_path_factory.mktemp("trained")
     for f in model_dir.iterdir():
