@@ -62,7 +62,8 @@ def _worker(rank: int, world_size: int, port: int, root: str, result: str) -> No
     dist.broadcast_object_list(box, src=0)
     urls = box[0]
 
-    sender = DeltaSender(urls, "disk", root, flush_bytes=1024, retries=0, keep=True, group=group)
+    sender = DeltaSender(urls, "disk", root, flush_bytes=1024, retries=0, keep=True, group=group,
+                         max_pending_density=1.0)  # the scripted catch-ups, not a drop to anchor
     sender.seed(mine)
     assert sender.model_elements == sum(t.numel() for t in full.values()), "model_elements is summed over ranks"
     gen = torch.Generator().manual_seed(100 + rank)

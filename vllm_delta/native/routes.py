@@ -67,6 +67,7 @@ class NativeUpdater:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.version = 0
+        self.run_id: str | None = None  # the workers' lineage run (wire.check_lineage's result)
         self.prepared: dict[str, Any] | None = None
         self.dirty: str | None = None
         self.last: dict[str, Any] | None = None
@@ -81,8 +82,9 @@ class NativeUpdater:
         with weight_operation_metrics().record("update"):
             await _engine_call(self.engine.update_weights(request=WeightTransferUpdateRequest(update_info=update_info)))
         body = DeltaUpdateRequest.model_validate(update_info)  # the workers accepted it
-        changed, nbytes = _size(body)
+        changed, nbytes, lineage = _size(body)
         self.prepared = {"version": body.version, "changed": changed, "bytes_read": nbytes,
+                         "run_id": lineage.run_id if lineage else None,
                          "decode_s": perf_counter() - started}
 
     async def finish(self, weight_version: str | None) -> dict[str, Any] | None:
@@ -118,17 +120,18 @@ class NativeUpdater:
             await self.engine.resume_generation()
         if prepared is None:
             return None
-        self.version = prepared["version"]
+        self.version, self.run_id = prepared["version"], prepared.pop("run_id")
         self.last = {**prepared, "apply_s": apply_s, "pause_s": perf_counter() - started if pause else 0.0}
         return self.last
 
     async def status(self) -> dict[str, Any]:
-        return {"version": self.version, "weight_version": await self.engine.get_weight_version(),
+        return {"version": self.version, "run_id": self.run_id,
+                "weight_version": await self.engine.get_weight_version(),
                 "healthy": self.dirty is None, "dirty_reasons": [self.dirty] if self.dirty else [],
                 "last": self.last}
 
 
-def _size(body: DeltaUpdateRequest) -> tuple[int, int]:
+def _size(body: DeltaUpdateRequest) -> tuple[int, int, Any]:
     """Changed elements and delta bytes, from the manifest the workers just verified."""
     from vllm_delta.wire import load_manifest, parse_manifest
 
@@ -136,7 +139,7 @@ def _size(body: DeltaUpdateRequest) -> tuple[int, int]:
         manifest = parse_manifest(json.dumps(body.manifest).encode())
     else:
         manifest = load_manifest(version_dir(body.path, delta_root()))
-    return manifest.changed, manifest.total_bytes
+    return manifest.changed, manifest.total_bytes, manifest.lineage
 
 
 async def _engine_call(call) -> None:
