@@ -19,6 +19,7 @@ import requests
 
 from harness.vllm_engine import VllmServer
 from vllm_delta.engine import cli_args
+from vllm_delta.native import ROOT_ENV
 from vllm_delta.wire import flush_name
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
@@ -37,8 +38,11 @@ def serve_parser(monkeypatch, tmp_path):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    for name in ("VLLM_SERVER_DEV_MODE", "VLLM_API_KEY", cli_args.ENV_FLAG, "VLLM_PLUGINS"):
-        monkeypatch.delenv(name, raising=False)
+    # The parser sets the delta flags in os.environ (for the engine it starts): setenv first, so
+    # monkeypatch restores each name to its state before the test, unset included.
+    for name in ("VLLM_SERVER_DEV_MODE", "VLLM_API_KEY", cli_args.ENV_FLAG, ROOT_ENV, "VLLM_PLUGINS"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
     def parse(*flags: str):
         return make_arg_parser(FlexibleArgumentParser()).parse_args(
