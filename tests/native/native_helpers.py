@@ -15,28 +15,6 @@ HUB_ID = "vllm-delta-tests/tiny-llama"
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 
 
-class Trainer:
-    """transformers Llama from the served checkpoint, AdamW at lr 1e-5 (as tests/sender)."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import LlamaForCausalLM
-
-        torch.manual_seed(0)
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
-        self.gen = torch.Generator().manual_seed(0)
-
-    def step(self) -> None:
-        ids = torch.randint(3, 512, (2, 24), generator=self.gen)
-        loss = self.model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {n: t.detach().clone() for n, t in self.model.state_dict().items()}
-
-
 def hub_cache(model_dir: Path, hf_home: Path) -> Path:
     """An HF cache holding `model_dir` as `HUB_ID` (what a past download leaves), for HF_HUB_OFFLINE=1."""
     repo = hf_home / "hub" / f"models--{HUB_ID.replace('/', '--')}"

@@ -28,7 +28,8 @@ from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
 from harness import megatron_cpu
 from harness.vllm_engine import VllmServer, patched_environ, start_llm
-from native_helpers import (HUB_ID, Trainer, checksums, hub_cache, merged_checksums, metric_samples, sample,
+from harness.trainer import Trainer
+from native_helpers import (HUB_ID, checksums, hub_cache, merged_checksums, metric_samples, sample,
                             save_trained, stage_names, ulp_step)
 from vllm_delta.diff import diff_param
 from vllm_delta.native import ROOT_ENV

@@ -23,33 +23,12 @@ import requests
 import torch
 
 from sender_helpers import FakeEngine, engine_checksums, engine_status
+from harness.trainer import Trainer
 from harness.vllm_engine import VllmServer
 from vllm_delta import DeltaSender
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 API_KEY = "sender-test-key"
-
-
-class Trainer:
-    """transformers Llama from the served checkpoint, AdamW at lr 1e-5."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import LlamaForCausalLM
-
-        torch.manual_seed(0)
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
-        self.gen = torch.Generator().manual_seed(0)
-
-    def step(self) -> None:
-        ids = torch.randint(3, 512, (2, 24), generator=self.gen)
-        loss = self.model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-
-    def weights(self):
-        return ((n, p.detach()) for n, p in self.model.state_dict().items())
 
 
 @pytest.fixture(scope="module")
