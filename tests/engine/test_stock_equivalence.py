@@ -5,6 +5,10 @@ difference that delta mode itself makes (it keeps CPU linear layers unpacked so 
 updatable) would go unseen. Here a delta-mode engine starts on the base checkpoint and is synced
 to a perturbed one; a stock `vllm serve` (no delta flags) then serves the perturbed checkpoint
 directly. Their greedy tokens and logprobs must be identical (they are, bit for bit, on CPU).
+
+The stock server is also the flag-off check: without `--enable-delta-updates` it is stock vLLM.
+It allowlists our endpoint plugin (`VLLM_PLUGINS`), so the plugin is loaded and must itself
+decline to attach anything: no routes, no worker methods, no metrics, no flag in its engines.
 """
 
 from __future__ import annotations
@@ -38,7 +42,21 @@ def outputs(url: str, key: str | None) -> list[tuple[list[str], list[float]]]:
     return out
 
 
-def test_synced_delta_engine_generates_like_stock_vllm_on_that_checkpoint(tiny_model_factory, tmp_path):
+def assert_flag_off_is_stock(server: VllmServer, child_environ) -> None:
+    """What a flag-off server must not have: our routes, worker methods, metrics or env flag."""
+    body = {"path": str(server.log_path.parent), "version": 1}
+    assert requests.post(f"{server.url}/update_weights_delta", json=body, timeout=30).status_code == 404
+    assert requests.get(f"{server.url}/delta_updates/status", timeout=30).status_code == 404
+    rpc = requests.post(f"{server.url}/collective_rpc", json={"method": "delta_status"}, timeout=60)
+    assert rpc.status_code >= 400, "workers must not have the delta methods"
+    assert "vllm_delta:" not in requests.get(f"{server.url}/metrics", timeout=30).text
+    engine_envs = child_environ(server)
+    assert engine_envs and not any("VLLM_DELTA_UPDATES" in env for env in engine_envs)
+    assert "Loaded endpoint plugin delta_updates" in server.log_tail(10_000)
+
+
+def test_synced_delta_engine_generates_like_stock_vllm_on_that_checkpoint(tiny_model_factory, tmp_path,
+                                                                          child_environ):
     base = tiny_model_factory("llama")
     new = perturb_checkpoint(base, tmp_path / "new", density=0.2, seed=5)
     root = Path(os.path.realpath(tmp_path / "root"))
@@ -51,8 +69,9 @@ def test_synced_delta_engine_generates_like_stock_vllm_on_that_checkpoint(tiny_m
         m = sender.sync(Checkpoint.open(new).iter_tensors())
         assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] > 0
         synced = outputs(server.url, API_KEY)
-    with VllmServer(new, tmp_path / "stock.log") as stock:
+    with VllmServer(new, tmp_path / "stock.log", env={"VLLM_PLUGINS": "delta_updates"}) as stock:
         want = outputs(stock.url, None)
+        assert_flag_off_is_stock(stock, child_environ)
     assert synced != before, "the perturbed checkpoint must change what the model says"
     for (tokens, lps), (want_tokens, want_lps) in zip(synced, want, strict=True):
         assert tokens == want_tokens
