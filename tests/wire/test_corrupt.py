@@ -21,19 +21,20 @@ from wire_helpers import seed_flush_bytes, write_delta
 F = "rank0000_flush000000.safetensors"
 
 
-def good_delta(tmp_path, encoding="ulp_zstd"):
+def good_delta(tmp_path, encoding="ulp_zstd", blocked=True):
     old = torch.randn(64, 16).bfloat16()
     new = old.clone()
     new.view(-1)[::5] = 0.25
-    return write_delta(tmp_path / "d", {"w": old}, {"w": new}, encoding=encoding), old
+    return write_delta(tmp_path / "d", {"w": old}, {"w": new}, encoding=encoding, blocked=blocked), old
 
 
-def crafted(tmp_path, positions, *, encoding="indices", shape=(10,), dtype="bfloat16", flush=None):
+def crafted(tmp_path, positions, *, encoding="indices", shape=(10,), dtype="bfloat16", flush=None, blocked=True):
     """A delta whose flush is encoded without the writer's checks, with a matching manifest."""
     pos = torch.tensor(positions, dtype=torch.int64)
     vals = torch.ones(len(positions), dtype=torch.bfloat16)
     enc = get_encoding(encoding)
-    flush = flush or encode_flush([ParamChange("w", shape, pos, vals, vals)], encoding=enc, version=1, base_version=0)
+    flush = flush or encode_flush([ParamChange("w", shape, pos, vals, vals)], encoding=enc, version=1,
+                                  base_version=0, blocked=blocked)
     d = tmp_path / "c"
     d.mkdir()
     (d / F).write_bytes(flush.data)
@@ -123,7 +124,7 @@ def test_zstd_bomb_whole_file(tmp_path, declared_size):
 
 
 def test_zstd_bomb_in_a_stream(tmp_path):
-    d, _ = good_delta(tmp_path, encoding="ulp_zstd")
+    d, _ = good_delta(tmp_path, encoding="ulp_zstd", blocked=False)
     tensors, meta = unpack((d / F).read_bytes(), file=F, limits=Limits())
     blobs = {k: bytes(t.data) for k, t in tensors.items()}
     blobs["__flag__"] = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * (32 << 20))
@@ -132,9 +133,27 @@ def test_zstd_bomb_in_a_stream(tmp_path):
         read(d)
 
 
+def test_zstd_bomb_in_a_block(tmp_path):
+    # A block's frame that hides its size and expands past what the index says it decodes to.
+    d, _ = good_delta(tmp_path, encoding="ulp_zstd")
+    tensors, meta = unpack((d / F).read_bytes(), file=F, limits=Limits())
+    blobs = {k: bytes(t.data) for k, t in tensors.items()}
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * (32 << 20))
+    params = json.loads(meta["params"])
+    (block,) = params[0]["blocks"]
+    j = params[0]["streams"].index("flag")
+    block[3][2 * j] = len(bomb)
+    blobs["__flag__"] = bomb
+    replace_file(d, pack(blobs, dict(meta, params=json.dumps(params))))
+    with pytest.raises(LimitError, match="flag|block") as e:
+        read(d)
+    assert e.value.param == "w"
+
+
+@pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("encoding", ["indices", "deltas", "planes_zstd", "ulp_zstd"])
-def test_out_of_range_positions(tmp_path, encoding):
-    d = crafted(tmp_path, [2, 10], encoding=encoding)
+def test_out_of_range_positions(tmp_path, encoding, blocked):
+    d = crafted(tmp_path, [2, 10], encoding=encoding, blocked=blocked)
     with pytest.raises(BoundsError, match="range|exceeds") as e:
         read(d)
     assert e.value.param == "w" and e.value.file == F
@@ -147,10 +166,12 @@ def test_gap_sum_overflow_is_caught(tmp_path):
         decode_gaps(gaps, 10, file=F, param="w")
 
 
-def test_duplicate_positions(tmp_path):
-    d = crafted(tmp_path, [3, 3, 4])
-    with pytest.raises(BoundsError, match="strictly increasing"):
+@pytest.mark.parametrize("blocked", [False, True])
+def test_duplicate_positions(tmp_path, blocked):
+    d = crafted(tmp_path, [3, 3, 4], blocked=blocked)
+    with pytest.raises(BoundsError, match="strictly increasing") as e:
         read(d)
+    assert e.value.param == "w"
 
 
 def test_unknown_dtype(tmp_path):
@@ -218,7 +239,7 @@ def test_model_mismatches_are_422(tmp_path):
 
 
 def test_metadata_spans_outside_streams(tmp_path):
-    d, _ = good_delta(tmp_path, encoding="deltas")
+    d, _ = good_delta(tmp_path, encoding="deltas", blocked=False)
     tensors, meta = unpack((d / F).read_bytes(), file=F, limits=Limits())
     params = json.loads(meta["params"])
     params[0]["spans"]["positions"] = [0, 1 << 30]

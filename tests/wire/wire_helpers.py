@@ -16,9 +16,9 @@ from vllm_delta.wire.codecs import encode_gaps
 
 def write_delta(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *,
                 encoding: str = "ulp_zstd", version: int = 1, base_version: int | None = 0,
-                flush_bytes: int = 1 << 20) -> Path:
+                flush_bytes: int = 1 << 20, blocked: bool = True) -> Path:
     with DeltaWriter(path, version=version, base_version=base_version, encoding=encoding,
-                     flush_bytes=flush_bytes) as w:
+                     flush_bytes=flush_bytes, blocked=blocked) as w:
         for name, t in new.items():
             d = diff_param(t, old[name])
             w.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))

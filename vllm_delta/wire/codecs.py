@@ -54,36 +54,45 @@ def encode_indices(pos: np.ndarray, width: int) -> bytes:
     return pos.astype(f"<i{width}").tobytes()
 
 
-def decode_indices(buf: memoryview, count: int, width: int, numel: int, *, file, param) -> np.ndarray:
+def decode_indices(buf: memoryview, count: int, width: int, numel: int, *, prev: int = -1, file, param) -> np.ndarray:
     if width not in (4, 8):
         raise FormatError(f"index width {width} is not 4 or 8", file=file, param=param)
     pos = _frombuffer(buf, np.dtype(f"<i{width}"), count, "positions", file=file, param=param)
     pos = pos.astype(np.int64)
     check_positions(pos, numel, file=file, param=param)
+    if pos.size and pos[0] <= prev:
+        raise BoundsError("positions are not strictly increasing", file=file, param=param)
     return pos
 
 
 # ---- gaps: d[k] = idx[k] - idx[k-1] - 1, idx[-1] = -1 ------------------------------------------
 
-def encode_gaps(pos: np.ndarray) -> tuple[int, np.ndarray]:
-    """Gaps in the narrowest unsigned width that holds the largest one."""
-    gaps = np.diff(pos, prepend=np.int64(-1)) - 1
-    top = int(gaps.max()) if gaps.size else 0
-    width = next(w for w in GAP_WIDTHS if top < 1 << (8 * w))
+def encode_gaps(pos: np.ndarray, *, prev: int = -1, width: int | None = None) -> tuple[int, np.ndarray]:
+    """Gaps in the narrowest unsigned width that holds the largest one (or in `width`).
+
+    `prev` is the position before `pos[0]` (-1 at a param's start): a block of a param continues
+    its gaps, so consecutive blocks decode as one run.
+    """
+    gaps = np.diff(pos, prepend=np.int64(prev)) - 1
+    if width is None:
+        top = int(gaps.max()) if gaps.size else 0
+        width = next(w for w in GAP_WIDTHS if top < 1 << (8 * w))
     return width, gaps.astype(_uint(width))
 
 
-def decode_gaps(gaps: np.ndarray, numel: int, *, file, param) -> np.ndarray:
+def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) -> np.ndarray:
     """Prefix-sum gaps back to positions without any chance of a wrapped sum going unnoticed.
 
     Every gap is checked below numel (< 2^62) first, so each term fits int64 and a wrap in the
-    prefix sum would show as a decrease, which `check_positions` rejects.
+    prefix sum would show as a decrease, which `check_positions` rejects. `prev` (-1 <= prev <
+    numel) is the position before the first one.
     """
     if gaps.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if int(gaps.max()) >= numel:
+    if int(gaps.max()) >= numel or not -1 <= prev < numel:
         raise BoundsError(f"gap exceeds the tensor's {numel} elements", file=file, param=param)
-    pos = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    pos = np.cumsum(gaps.astype(np.int64) + 1)
+    pos += prev
     check_positions(pos, numel, file=file, param=param)
     return pos
 

@@ -195,24 +195,42 @@ def compress(data: bytes, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level).compress(data)
 
 
-def decompress(data: bytes | memoryview, cap: int, *, exact: int | None = None,
-               file: str | None = None, what: str = "payload") -> bytearray:
-    """Decompress one zstd frame, never producing more than `cap` bytes (zstd-bomb safe)."""
+def frame_size(data: bytes | memoryview, *, file: str | None = None, what: str = "payload",
+               param: str | None = None) -> int:
+    """The decoded size a zstd frame declares in its header, or -1 when it does not say."""
     try:
         declared = zstandard.get_frame_parameters(bytes(data[:18])).content_size
     except zstandard.ZstdError as e:
-        raise FormatError(f"{what}: not a zstd frame: {e}", file=file) from None
-    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > cap:
-        raise LimitError(f"{what}: zstd frame declares {declared} B, limit {cap} B", file=file)
+        raise FormatError(f"{what}: not a zstd frame: {e}", file=file, param=param) from None
+    return -1 if declared == zstandard.CONTENTSIZE_UNKNOWN else declared
+
+
+def decompress(data: bytes | memoryview, cap: int, *, exact: int | None = None,
+               file: str | None = None, what: str = "payload", param: str | None = None) -> bytes | bytearray:
+    """Decompress one zstd frame, never producing more than `cap` bytes (zstd-bomb safe).
+
+    Why one-shot when the frame states its size: the output is allocated once at exactly that
+    size (checked against `cap` and `exact` first), rather than grown chunk by chunk.
+    """
+    declared = frame_size(data, file=file, what=what, param=param)
+    if declared > cap:
+        raise LimitError(f"{what}: zstd frame declares {declared} B, limit {cap} B", file=file, param=param)
+    if exact is not None and declared not in (-1, exact):
+        raise FormatError(f"{what}: zstd frame declares {declared} B, expected {exact} B", file=file, param=param)
+    if declared >= 0:
+        try:
+            return zstandard.ZstdDecompressor().decompress(data, max_output_size=declared, allow_extra_data=False)
+        except zstandard.ZstdError as e:
+            raise FormatError(f"{what}: corrupt zstd data: {e}", file=file, param=param) from None
     out = bytearray()
     try:
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
             while chunk := reader.read(min(1 << 22, cap + 1 - len(out))):
                 out += chunk
                 if len(out) > cap:
-                    raise LimitError(f"{what}: decompresses past the {cap} B limit", file=file)
+                    raise LimitError(f"{what}: decompresses past the {cap} B limit", file=file, param=param)
     except zstandard.ZstdError as e:
-        raise FormatError(f"{what}: corrupt zstd data: {e}", file=file) from None
+        raise FormatError(f"{what}: corrupt zstd data: {e}", file=file, param=param) from None
     if exact is not None and len(out) != exact:
-        raise FormatError(f"{what}: decompressed to {len(out)} B, expected {exact} B", file=file)
+        raise FormatError(f"{what}: decompressed to {len(out)} B, expected {exact} B", file=file, param=param)
     return out

@@ -32,8 +32,14 @@ def _planes(spans: Spans, prefix: str, width: int, *, file, param) -> list[memor
 
 
 class PositionCodec(Protocol):
-    def encode(self, pos: np.ndarray, numel: int) -> tuple[int, Streams]: ...
-    def decode(self, spans: Spans, count: int, width: int, numel: int, *, file, param) -> np.ndarray: ...
+    """`prev` is the position before the first one (-1 at a param's start; a block's predecessor
+    otherwise), `width` a param-wide width, so the blocks of a param concatenate into one stream."""
+
+    def width(self, pos: np.ndarray, numel: int) -> int: ...
+    def encode(self, pos: np.ndarray, numel: int, *, prev: int = -1, width: int | None = None
+               ) -> tuple[int, Streams]: ...
+    def decode(self, spans: Spans, count: int, width: int, numel: int, *, prev: int = -1,
+               file, param) -> np.ndarray: ...
 
 
 class ValueCodec(Protocol):
@@ -45,41 +51,50 @@ class ValueCodec(Protocol):
 class Indices:
     """Absolute flat positions, int32 or int64 when the tensor has more than 2^31 elements."""
 
-    def encode(self, pos, numel):
+    def width(self, pos, numel):
+        return codecs.index_width(numel)
+
+    def encode(self, pos, numel, *, prev=-1, width=None):
         w = codecs.index_width(numel)
         return w, {"positions": codecs.encode_indices(pos, w)}
 
-    def decode(self, spans, count, width, numel, *, file, param):
+    def decode(self, spans, count, width, numel, *, prev=-1, file, param):
         buf = _need(spans, "positions", file=file, param=param)
-        return codecs.decode_indices(buf, count, width, numel, file=file, param=param)
+        return codecs.decode_indices(buf, count, width, numel, prev=prev, file=file, param=param)
 
 
 class Gaps:
     """Gaps in one contiguous narrow-int stream (the seed's `deltas`)."""
 
-    def encode(self, pos, numel):
-        w, gaps = codecs.encode_gaps(pos)
+    def width(self, pos, numel):
+        return codecs.encode_gaps(pos)[0]
+
+    def encode(self, pos, numel, *, prev=-1, width=None):
+        w, gaps = codecs.encode_gaps(pos, prev=prev, width=width)
         return w, {"positions": gaps.tobytes()}
 
-    def decode(self, spans, count, width, numel, *, file, param):
+    def decode(self, spans, count, width, numel, *, prev=-1, file, param):
         buf = _need(spans, "positions", file=file, param=param)
         gaps = codecs.gaps_from_bytes(buf, count, width, file=file, param=param)
-        return codecs.decode_gaps(gaps, numel, file=file, param=param)
+        return codecs.decode_gaps(gaps, numel, prev=prev, file=file, param=param)
 
 
 class GapPlanes:
     """Gaps split into byte planes `pos0..pos7`: the low plane carries the information."""
 
-    def encode(self, pos, numel):
-        w, gaps = codecs.encode_gaps(pos)
+    def width(self, pos, numel):
+        return codecs.encode_gaps(pos)[0]
+
+    def encode(self, pos, numel, *, prev=-1, width=None):
+        w, gaps = codecs.encode_gaps(pos, prev=prev, width=width)
         return w, {f"pos{j}": p for j, p in enumerate(codecs.to_planes(gaps))}
 
-    def decode(self, spans, count, width, numel, *, file, param):
+    def decode(self, spans, count, width, numel, *, prev=-1, file, param):
         if width not in codecs.GAP_WIDTHS:
             raise FormatError(f"gap width {width} is not one of {codecs.GAP_WIDTHS}", file=file, param=param)
         planes = _planes(spans, "pos", width, file=file, param=param)
         gaps = codecs.from_planes(planes, count, width, "gaps", file=file, param=param)
-        return codecs.decode_gaps(gaps, numel, file=file, param=param)
+        return codecs.decode_gaps(gaps, numel, prev=prev, file=file, param=param)
 
 
 class RawValues:
@@ -112,6 +127,8 @@ class UlpSteps:
     """Signed ULP steps from the old value: packed `sign`, packed `flag` (|step|>1), planes `esc0..`.
 
     Decodes to steps (unsigned, wrapping), which the receiver resolves against its own bits.
+    Bits are packed 8 to a byte, so blocks of a param hold multiples of 8 entries (but the last)
+    to concatenate.
     """
 
     relative = True
@@ -157,17 +174,18 @@ class Encoding:
         return not self.values.relative
 
     def encode_param(self, pos: np.ndarray, numel: int, new: np.ndarray, old: np.ndarray | None,
-                     d: DType) -> tuple[int, Streams]:
-        width, streams = self.positions.encode(pos, numel)
+                     d: DType, *, prev: int = -1, width: int | None = None) -> tuple[int, Streams]:
+        """Streams of one param, or of one block of it (`prev`, `width`: see PositionCodec)."""
+        width, streams = self.positions.encode(pos, numel, prev=prev, width=width)
         if self.needs_base and old is None:
             raise ValueError(f"encoding {self.name!r} needs the old values")
         streams.update(self.values.encode(new, old, d))
         return width, streams
 
-    def decode_param(self, spans: Spans, count: int, width: int, numel: int, d: DType, *,
+    def decode_param(self, spans: Spans, count: int, width: int, numel: int, d: DType, *, prev: int = -1,
                      file: str | None, param: str | None) -> tuple[np.ndarray, np.ndarray]:
         """Positions (int64, validated) and the value payload (new bits, or steps if needs_base)."""
-        pos = self.positions.decode(spans, count, width, numel, file=file, param=param)
+        pos = self.positions.decode(spans, count, width, numel, prev=prev, file=file, param=param)
         return pos, self.values.decode(spans, count, d, file=file, param=param)
 
     def describe(self) -> dict:

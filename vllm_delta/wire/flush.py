@@ -2,14 +2,18 @@
 
 The same bytes are a file on disk or a buffer broadcast over a collective. Layout: one 1-D uint8
 tensor `__<stream>__` per stream, and metadata `format`, `encoding`, `current_version`,
-`base_version`, `streams` (JSON: codec and decoded size per stream) and `params` (JSON: name,
-dtype, shape, count, width and byte spans per stream, in decoded streams).
+`base_version`, `streams` (JSON: codec and decoded size per stream) and `params`.
+
+Two flush formats are read. `vllm-delta/1`: per param its byte spans in each decoded stream
+(streams compressed whole, or the whole file). `vllm-delta/2` (written by default): per param a
+seekable block index (wire/blocks.py), each block one zstd frame per stream, so a receiver can
+decode only the blocks whose positions it owns.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -17,16 +21,21 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import codecs, container
+from . import blocks, codecs, container
+from .blocks import BlockIndex, Ranges
 from .container import Limits
 from .digest import bytes_digest
 from .dtypes import by_name, by_torch, from_bits, to_bits
 from .encodings import Encoding, get_encoding
-from .errors import (DtypeMismatchError, FormatError, IntegrityError, LimitError,
+from .errors import (BoundsError, DtypeMismatchError, FormatError, IntegrityError, LimitError,
                      ShapeMismatchError, UnknownParamError)
 from .manifest import FORMAT
 
+FORMAT_BLOCKS = "vllm-delta/2"  # flush header format of block-indexed flushes
+FLUSH_FORMATS = (FORMAT, FORMAT_BLOCKS)
+
 Expected = Mapping[str, tuple[Sequence[int], torch.dtype]]
+Owned = Mapping[str, Ranges | None]  # per param: the position ranges to decode (None: all)
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,10 +64,28 @@ class ParamDelta:
     positions: torch.Tensor
     values: torch.Tensor
     needs_base: bool
+    # Entries of this chunk in blocks left undecoded (outside the receiver's owned ranges), the
+    # chunk's first and last position counting those, and (decoded, indexed) blocks.
+    skipped: int = 0
+    bounds: tuple[int, int] | None = None
+    blocks: tuple[int, int] = (0, 0)
 
     @property
     def count(self) -> int:
         return self.positions.numel()
+
+    @property
+    def total(self) -> int:
+        """Entries of the chunk on the wire, decoded or skipped."""
+        return self.count + self.skipped
+
+    @property
+    def first(self) -> int:
+        return self.bounds[0] if self.bounds is not None else int(self.positions[0])
+
+    @property
+    def last(self) -> int:
+        return self.bounds[1] if self.bounds is not None else int(self.positions[-1])
 
     def resolve(self, old: torch.Tensor | None = None) -> torch.Tensor:
         """New values at `positions`: exact integer ops on bit patterns, where `old` lives.
@@ -88,16 +115,64 @@ class EncodedFlush:
 
 
 def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version: int,
-                 base_version: int | None) -> EncodedFlush:
+                 base_version: int | None, blocked: bool = True) -> EncodedFlush:
+    """Encode a bucket of changes; `blocked=False` writes the older `vllm-delta/1` layout."""
+    if not blocked:
+        return _encode_v1(changes, encoding=encoding, version=version, base_version=base_version)
     streams: dict[str, list[bytes]] = {}
     sizes: dict[str, int] = {}
     params = []
+    compressed = encoding.compression != "none"
+    for ch, d, numel, pos, new, old in _arrays(changes):
+        width = encoding.positions.width(pos, numel)
+        names: list[str] | None = None
+        rows = []
+        starts = blocks.cuts(pos)
+        for a, b in zip(starts, [*starts[1:], len(pos)]):
+            _, parts = encoding.encode_param(pos[a:b], numel, new[a:b], None if old is None else old[a:b], d,
+                                             prev=int(pos[a - 1]) if a else -1, width=width)
+            names = names or list(parts)
+            lengths = []
+            for s in names:
+                raw = parts[s]
+                blob = container.compress(raw, encoding.zstd_level) if compressed and raw else raw
+                streams.setdefault(s, []).append(blob)
+                sizes[s] = sizes.get(s, 0) + len(raw)
+                lengths += [len(blob), len(raw)]
+            rows.append([int(pos[a]), int(pos[b - 1]), b - a, lengths])
+        params.append({"name": ch.name, "dtype": d.name, "shape": list(ch.shape), "count": len(pos),
+                       "width": width, "streams": names, "blocks": rows})
+    meta = _header(encoding, version, base_version, FORMAT_BLOCKS, params,
+                   {s: {"codec": "zstd" if compressed else "raw", "size": n} for s, n in sizes.items()})
+    data = container.pack({f"__{s}__": b"".join(parts) for s, parts in streams.items()}, meta)
+    return EncodedFlush(data, sum(sizes.values()) if compressed else 0, [(p["name"], p["count"]) for p in params])
+
+
+def _arrays(changes: Sequence[ParamChange]):
     for ch in changes:
         d = by_torch(ch.new_values.dtype)
         numel = int(np.prod(ch.shape, dtype=np.int64))
         pos = ch.positions.detach().cpu().numpy().astype(np.int64, copy=False)
         new = to_bits(ch.new_values.detach().cpu().contiguous())
         old = None if ch.old_values is None else to_bits(ch.old_values.detach().cpu().contiguous())
+        yield ch, d, numel, pos, new, old
+
+
+def _header(encoding: Encoding, version: int, base_version: int | None, fmt: str, params: list,
+            streams: dict) -> dict[str, str]:
+    return {
+        "format": fmt, "encoding": encoding.name, "current_version": str(version),
+        "base_version": "" if base_version is None else str(base_version),
+        "streams": json.dumps(streams), "params": json.dumps(params, separators=(",", ":")),
+    }
+
+
+def _encode_v1(changes: Sequence[ParamChange], *, encoding: Encoding, version: int,
+               base_version: int | None) -> EncodedFlush:
+    streams: dict[str, list[bytes]] = {}
+    sizes: dict[str, int] = {}
+    params = []
+    for ch, d, numel, pos, new, old in _arrays(changes):
         width, parts = encoding.encode_param(pos, numel, new, old, d)
         spans = {}
         for s, blob in parts.items():
@@ -110,13 +185,8 @@ def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version:
     raw = {s: b"".join(parts) for s, parts in streams.items()}
     per_stream = encoding.compression == "streams"
     blobs = {f"__{s}__": container.compress(b, encoding.zstd_level) if per_stream else b for s, b in raw.items()}
-    meta = {
-        "format": FORMAT, "encoding": encoding.name, "current_version": str(version),
-        "base_version": "" if base_version is None else str(base_version),
-        "streams": json.dumps({s: {"codec": "zstd" if per_stream else "raw", "size": len(b)}
-                               for s, b in raw.items()}),
-        "params": json.dumps(params, separators=(",", ":")),
-    }
+    meta = _header(encoding, version, base_version, FORMAT, params,
+                   {s: {"codec": "zstd" if per_stream else "raw", "size": len(b)} for s, b in raw.items()})
     data = container.pack(blobs, meta)
     decoded = sum(sizes.values()) if per_stream else 0
     if encoding.compression == "file":
@@ -143,6 +213,17 @@ class _ParamMeta(BaseModel):
     count: Annotated[int, Field(ge=1)]
     width: NonNeg
     spans: dict[str, tuple[NonNeg, NonNeg]]
+
+
+class _BlockedParamMeta(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    dtype: str
+    shape: list[NonNeg]
+    count: Annotated[int, Field(ge=1)]
+    width: NonNeg
+    streams: list[str]
+    blocks: list  # checked by blocks.parse_index (pydantic per element is slow on big indexes)
 
 
 @dataclass(frozen=True)
@@ -197,45 +278,152 @@ def meta_int(meta: Mapping[str, str], key: str, *, file: str, optional: bool = F
 
 
 def decode_flush(tensors, meta: Mapping[str, str], budget: int, *, file: str,
-                 expected: Expected | None = None) -> tuple[FlushHeader, list[ParamDelta]]:
+                 expected: Expected | None = None, owned: Owned | None = None
+                 ) -> tuple[FlushHeader, list[ParamDelta]]:
     """Decode an opened flush of this package's format; everything is validated before returning."""
+    header, deltas = iter_flush(tensors, meta, budget, file=file, expected=expected, owned=owned)
+    return header, list(deltas)
+
+
+def iter_flush(tensors, meta: Mapping[str, str], budget: int, *, file: str, expected: Expected | None = None,
+               owned: Owned | None = None) -> tuple[FlushHeader, Iterator[ParamDelta]]:
+    """Check a flush's metadata (and block index) now; decode its params one at a time as iterated.
+
+    Why lazy: a receiver then holds one param's decoded changes at a time, not a flush's. Errors
+    in a param's data are raised when that param is reached. With `owned`, a block-indexed
+    flush decodes only the blocks of each param that meet its owned ranges.
+    """
     enc = get_encoding(meta.get("encoding", ""), file=file)
     header = FlushHeader(enc.name, meta_int(meta, "current_version", file=file),
                          meta_int(meta, "base_version", file=file, optional=True))
+    blocked = meta.get("format") == FORMAT_BLOCKS
     try:
         smeta = {k: _StreamMeta.model_validate(v) for k, v in meta_json(meta, "streams", file=file).items()}
-        pmeta = [_ParamMeta.model_validate(p) for p in meta_json(meta, "params", file=file)]
+        model = _BlockedParamMeta if blocked else _ParamMeta
+        pmeta = [model.model_validate(p) for p in meta_json(meta, "params", file=file)]
     except (ValidationError, AttributeError, TypeError) as e:
         raise FormatError(f"bad flush metadata: {e}", file=file) from None
     if sum(s.size for s in smeta.values() if s.codec == "zstd") > budget:
         raise LimitError("streams would decompress past the declared size", file=file)
-    streams: dict[str, memoryview] = {}
+    data: dict[str, memoryview] = {}
     for name, s in smeta.items():
         t = tensors.get(f"__{name}__")
         if t is None or t.dtype.st_code != "U8" or len(t.shape) != 1:
             raise FormatError(f"stream {name!r} missing or not a 1-D uint8 tensor", file=file)
+        data[name] = t.data
+    if blocked:
+        return header, _iter_blocked(enc, smeta, data, pmeta, file=file, expected=expected, owned=owned)
+    return header, _iter_v1(enc, smeta, data, pmeta, file=file, expected=expected)
+
+
+def _param_shape(p, expected: Expected | None, *, file: str):
+    d = by_name(p.dtype, file=file, param=p.name)
+    shape = tuple(p.shape)
+    check_expected(p.name, shape, d.torch, expected, file=file)
+    numel = int(np.prod(shape, dtype=object))
+    codecs.check_numel(numel, param=p.name)
+    if p.count > numel:
+        raise FormatError(f"{p.count} changes in {numel} elements", file=file, param=p.name)
+    return d, shape, numel
+
+
+def _delta(enc: Encoding, name: str, shape, d, pos: np.ndarray, payload: np.ndarray, **extra) -> ParamDelta:
+    values = (torch.from_numpy(np.ascontiguousarray(payload).view(f"<i{d.itemsize}")) if enc.needs_base
+              else from_bits(payload, d))
+    return ParamDelta(name, shape, d.torch, torch.from_numpy(pos), values, enc.needs_base, **extra)
+
+
+def _iter_v1(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected | None) -> Iterator[ParamDelta]:
+    streams: dict[str, memoryview] = {}
+    for name, s in smeta.items():
         if s.codec == "zstd":
-            streams[name] = memoryview(container.decompress(t.data, s.size, exact=s.size, file=file, what=name))
-        elif len(t.data) != s.size:
-            raise FormatError(f"stream {name!r}: {len(t.data)} B, declared {s.size} B", file=file)
+            streams[name] = memoryview(container.decompress(data[name], s.size, exact=s.size, file=file, what=name))
+        elif len(data[name]) != s.size:
+            raise FormatError(f"stream {name!r}: {len(data[name])} B, declared {s.size} B", file=file)
         else:
-            streams[name] = t.data
-    out = []
+            streams[name] = data[name]
+    shapes = [_param_shape(p, expected, file=file) for p in pmeta]
     for p in pmeta:
-        d = by_name(p.dtype, file=file, param=p.name)
-        shape = tuple(p.shape)
-        check_expected(p.name, shape, d.torch, expected, file=file)
-        numel = int(np.prod(shape, dtype=object))
-        codecs.check_numel(numel, param=p.name)
-        spans = {}
         for s, (a, b) in p.spans.items():
             if s not in streams or not a <= b <= len(streams[s]):
                 raise FormatError(f"span of stream {s!r} out of bounds", file=file, param=p.name)
-            spans[s] = streams[s][a:b]
-        if p.count > numel:
-            raise FormatError(f"{p.count} changes in {numel} elements", file=file, param=p.name)
+    for p, (d, shape, numel) in zip(pmeta, shapes):
+        spans = {s: streams[s][a:b] for s, (a, b) in p.spans.items()}
         pos, payload = enc.decode_param(spans, p.count, p.width, numel, d, file=file, param=p.name)
-        values = (torch.from_numpy(np.ascontiguousarray(payload).view(f"<i{d.itemsize}")) if enc.needs_base
-                  else from_bits(payload, d))
-        out.append(ParamDelta(p.name, shape, d.torch, torch.from_numpy(pos), values, enc.needs_base))
-    return header, out
+        yield _delta(enc, p.name, shape, d, pos, payload)
+
+
+def _iter_blocked(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected | None,
+                  owned: Owned | None) -> Iterator[ParamDelta]:
+    """Validate every param's block index against the streams, then decode lazily (see iter_flush)."""
+    cursor = {s: 0 for s in smeta}  # each stream holds the params' blocks back to back
+    decoded = {s: 0 for s in smeta}
+    plans = []
+    for p in pmeta:
+        d, shape, numel = _param_shape(p, expected, file=file)
+        if len(set(p.streams)) != len(p.streams) or any(s not in smeta for s in p.streams):
+            raise FormatError(f"unknown or repeated streams {p.streams}", file=file, param=p.name)
+        raw = [smeta[s].codec == "raw" for s in p.streams]
+        index = blocks.parse_index(p.blocks, streams=len(p.streams), count=p.count, numel=numel,
+                                   file=file, param=p.name)
+        if any(raw) and not np.array_equal(index.stored[:, raw], index.decoded[:, raw]):
+            raise FormatError("raw block lengths differ from their decoded lengths", file=file, param=p.name)
+        starts = {}
+        for j, s in enumerate(p.streams):
+            starts[s] = cursor[s]
+            cursor[s] += int(index.stored[:, j].sum())
+            decoded[s] += int(index.decoded[:, j].sum())
+        plans.append((p, d, shape, numel, index, starts))
+    for s, m in smeta.items():
+        if cursor[s] != len(data[s]) or decoded[s] != m.size:
+            raise FormatError(f"stream {s!r}: blocks span {cursor[s]} of {len(data[s])} B, decode to "
+                              f"{decoded[s]} of the declared {m.size} B", file=file)
+    return _decode_blocked(enc, smeta, data, plans, file=file, owned=owned)
+
+
+def _decode_blocked(enc: Encoding, smeta, data, plans, *, file: str, owned: Owned | None) -> Iterator[ParamDelta]:
+    for p, d, shape, numel, index, starts in plans:
+        mask = blocks.wanted(index, None if owned is None else owned.get(p.name))
+        pos_parts, val_parts = [], []
+        for k, m in blocks.runs(mask):
+            spans = {s: _run_bytes(data[s], smeta[s].codec, starts[s], index, j, k, m, file=file, param=p.name)
+                     for j, s in enumerate(p.streams)}
+            counts = index.count[k:m]
+            pos, payload = enc.decode_param(spans, int(counts.sum()), p.width, numel, d,
+                                            prev=int(index.last[k - 1]) if k else -1, file=file, param=p.name)
+            heads = np.cumsum(counts) - counts
+            if not (np.array_equal(pos[heads], index.first[k:m]) and np.array_equal(pos[heads + counts - 1],
+                                                                                    index.last[k:m])):
+                raise BoundsError("positions disagree with the block index", file=file, param=p.name)
+            pos_parts.append(pos)
+            val_parts.append(payload)
+        pos = np.concatenate(pos_parts) if pos_parts else np.zeros(0, dtype=np.int64)
+        payload = np.concatenate(val_parts) if val_parts else np.zeros(0, dtype=d.uint)
+        yield _delta(enc, p.name, shape, d, pos, payload, skipped=p.count - pos.size,
+                     bounds=(int(index.first[0]), int(index.last[-1])), blocks=(int(mask.sum()), index.size))
+
+
+def _run_bytes(stream: memoryview, codec: str, start: int, index: BlockIndex, j: int, k: int, m: int, *,
+               file: str, param: str) -> memoryview:
+    """Decoded bytes of stream column `j` for blocks k..m-1, in one buffer of exactly their size."""
+    stored = index.stored[:, j]
+    offsets = start + np.concatenate(([0], np.cumsum(stored)))
+    a, b = int(offsets[k]), int(offsets[m])
+    if codec == "raw":
+        return stream[a:b]
+    sizes = index.decoded[k:m, j]
+    if m - k == 1 and sizes[0]:
+        return memoryview(container.decompress(stream[a:b], int(sizes[0]), exact=int(sizes[0]), file=file,
+                                               what=f"block {k} of stream {j}", param=param))
+    out = bytearray(int(sizes.sum()))
+    at = 0
+    for i, n in zip(range(k, m), sizes.tolist()):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        if hi == lo:
+            if n:
+                raise FormatError(f"block {i} of stream {j} is empty but decodes to {n} B", file=file, param=param)
+            continue
+        out[at:at + n] = container.decompress(stream[lo:hi], n, exact=n, file=file, what=f"block {i} of stream {j}",
+                                              param=param)
+        at += n
+    return memoryview(out)

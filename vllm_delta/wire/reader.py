@@ -20,9 +20,9 @@ from .digest import bytes_digest
 from .dtypes import by_name
 from .encodings import Encoding, get_encoding
 from .errors import (BoundsError, FormatError, IncompleteDeltaError, IntegrityError, VersionError)
-from .flush import Expected, ParamDelta, check_expected, decode_flush, open_flush
+from .flush import FLUSH_FORMATS, Expected, Owned, ParamDelta, check_expected, iter_flush, open_flush
 from .legacy import decode_seed_flush, is_seed
-from .manifest import FORMAT, MANIFEST_NAME, FileEntry, Manifest, ParamEntry, parse_manifest
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, parse_manifest
 
 FLUSH_GLOB = "rank*_flush*.safetensors"
 
@@ -73,8 +73,18 @@ class DeltaDecoder:
         self._last: dict[tuple[str, int], int] = {}
         self._done: set[str] = set()
 
-    def feed(self, name: str, data: bytes | memoryview) -> list[ParamDelta]:
+    def feed(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None) -> list[ParamDelta]:
         """Decode one flush's bytes; all of its checks pass before anything is returned."""
+        return list(self.feed_iter(name, data, owned=owned))
+
+    def feed_iter(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None
+                  ) -> Iterator[ParamDelta]:
+        """Decode one flush's bytes a param at a time (see `flush.iter_flush`).
+
+        The file's hash, header and block index are checked before the first param; a param's
+        data when it is reached. `owned`: per param, the position ranges to decode; blocks of a
+        block-indexed flush outside them are skipped (their entries still count).
+        """
         entry = self._files.get(name)
         if entry is None:
             raise FormatError("file is not in the manifest", file=name)
@@ -87,18 +97,18 @@ class DeltaDecoder:
                                            expected_hash=entry.hash)
         if self.legacy:
             header, deltas = decode_seed_flush(tensors, meta, file=name, expected=self.expected)
-        elif meta.get("format") != FORMAT:
-            raise FormatError(f"format {meta.get('format')!r} is not {FORMAT!r}", file=name)
+        elif meta.get("format") not in FLUSH_FORMATS:
+            raise FormatError(f"format {meta.get('format')!r} is not one of {FLUSH_FORMATS}", file=name)
         else:
-            header, deltas = decode_flush(tensors, meta, budget, file=name, expected=self.expected)
+            header, deltas = iter_flush(tensors, meta, budget, file=name, expected=self.expected, owned=owned)
         m = self.manifest
         if (header.encoding, header.version) != (m.encoding, m.version) or (
                 not self.legacy and header.base_version != m.base_version):
             raise FormatError("flush header disagrees with the manifest's encoding or versions", file=name)
+        self._done.add(name)
         for pd in deltas:
             self._admit(name, pd)
-        self._done.add(name)
-        return deltas
+            yield pd
 
     def _admit(self, file: str, pd: ParamDelta) -> None:
         p = self._params.get(pd.name)
@@ -107,12 +117,12 @@ class DeltaDecoder:
         if (tuple(p.shape), by_name(p.dtype).torch) != (pd.shape, pd.dtype):
             raise FormatError("shape or dtype differs from the manifest", file=file, param=pd.name)
         part = (pd.name, self._part[(pd.name, file)])
-        if part in self._last and int(pd.positions[0]) <= self._last[part]:
+        if part in self._last and pd.first <= self._last[part]:
             raise BoundsError("chunks overlap or are out of order", file=file, param=pd.name)
-        self._last[part] = int(pd.positions[-1])
-        if pd.name in self._shared:
+        self._last[part] = pd.last
+        if pd.name in self._shared:  # skipped blocks are checked by the ranks that decode them
             self._shared[pd.name].append(pd.positions)
-        self._seen[pd.name] = self._seen.get(pd.name, 0) + pd.count
+        self._seen[pd.name] = self._seen.get(pd.name, 0) + pd.total
         if self._seen[pd.name] > p.changed:
             raise BoundsError(f"more than the {p.changed} changes the manifest lists", file=file, param=pd.name)
 
@@ -178,12 +188,14 @@ def open_delta(path: str | os.PathLike | DeltaDir, *, files: Sequence[str] | Non
 
 def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | None = None,
                current_version: int | None = None, files: Sequence[str] | None = None,
-               limits: Limits = Limits()) -> Iterator[ParamDelta]:
+               limits: Limits = Limits(), owned: Owned | None = None, lazy: bool = False) -> Iterator[ParamDelta]:
     """Decoded changes, one flush file at a time (memory stays bounded by a flush).
 
     A param may come in several chunks, in position order. Errors in a file are raised before
-    any of its changes are yielded; count checks across files run after the last one, so apply
-    nothing until the iterator is exhausted (or use `read_delta`).
+    any of its changes are yielded (with `lazy`, a param's data errors when that param is
+    reached, so memory is bounded by a param); count checks across files run after the last
+    one, so apply nothing until the iterator is exhausted (or use `read_delta`). `owned`: see
+    `DeltaDecoder.feed_iter`.
     """
     info = delta if isinstance(delta, DeltaInfo) else open_delta(delta, files=files, limits=limits)
     dec = DeltaDecoder(info.manifest, expected=expected, current_version=current_version,
@@ -191,7 +203,10 @@ def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | Non
     wanted = None if files is None or info.legacy else set(files)
     for entry in info.manifest.files:
         if wanted is None or entry.name in wanted:
-            yield from dec.feed(entry.name, info.dir.read(entry.name, size=entry.bytes, cap=entry.bytes))
+            data = info.dir.read(entry.name, size=entry.bytes, cap=entry.bytes)
+            feed = dec.feed_iter if lazy else dec.feed
+            yield from feed(entry.name, data, owned=owned)
+            del data
     dec.finish()
 
 

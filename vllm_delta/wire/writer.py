@@ -50,7 +50,8 @@ class FlushBuilder:
 
     def __init__(self, emit: Callable[[str, EncodedFlush], None], *, version: int,
                  base_version: int | None = None, encoding: str = DEFAULT_ENCODING,
-                 flush_bytes: int = 256 << 20, rank: int = 0, model_elements: int | None = None):
+                 flush_bytes: int = 256 << 20, rank: int = 0, model_elements: int | None = None,
+                 blocked: bool = True):
         self.encoding = get_encoding(encoding)
         if self.encoding.needs_base and base_version is None:
             raise ValueError(f"encoding {encoding!r} is base-relative: give base_version")
@@ -59,6 +60,7 @@ class FlushBuilder:
         self.emit = emit
         self.version, self.base_version, self.rank = version, base_version, rank
         self.flush_bytes, self.model_elements = flush_bytes, model_elements
+        self.blocked = blocked  # block-indexed `vllm-delta/2` flushes; False writes `vllm-delta/1`
         self._pending: list[ParamChange] = []
         self._pending_bytes = 0
         self.files: list[FileEntry] = []
@@ -111,7 +113,7 @@ class FlushBuilder:
             return
         name = flush_name(self.rank, len(self.files))
         enc = encode_flush(self._pending, encoding=self.encoding, version=self.version,
-                           base_version=self.base_version)
+                           base_version=self.base_version, blocked=self.blocked)
         entry = file_entry(name, enc)
         self.emit(name, enc)
         self.files.append(entry)
