@@ -2,12 +2,22 @@
 
 Why: writing a changed element straight into the parameter slot that holds it is O(changed);
 replaying `load_weights` over a full-shape staged tensor is O(model). Rather than hand-written
-per-model tables, we run `model.load_weights` once per checkpoint tensor with a probe tensor
-whose values are the element ids (float64, exact up to 2**53) under a thread-local
-TorchFunctionMode that records, instead of performing, every write into a parameter. Each
-record is a strided destination view plus the ids that would land there. When the ids form an
-affine lattice (what TP slicing, qkv / gate_up packing and fused-MoE expert slots produce), the
-record becomes a compact `Segment`. Anything else makes the tensor fall back to vLLM's loader.
+per-model tables, we run `model.load_weights` once per checkpoint tensor under a thread-local
+TorchDispatchMode (`_ProbeMode`) that records, and never performs, every write into a parameter.
+Writes are found from the op schema's alias info (in-place ops, `out=` arguments), not op names.
+
+Two passes per tensor, one tensor at a time:
+- fast: the probe is a `meta` tensor (no memory). When the loader only views it (narrow, select,
+  transpose, reshape) and `copy_`s the view into a parameter, the view's storage offset and
+  strides *are* the map from checkpoint ids to the destination.
+- careful, only where the fast pass cannot prove the map: real element ids (int32 when they fit)
+  are loaded, and a second pass with the ids XOR-relabelled tells a copy (which commutes with any
+  relabelling) from arithmetic that happens to look affine, such as `w * 2` or `w + 1`.
+
+Each map becomes a compact `Segment` when it is an affine lattice (TP slicing, qkv / gate_up
+packing, fused-MoE expert slots). Anything else - a write into a parameter that is not a plain
+copy, an advanced-index write, a write into live state outside the parameters - makes the
+tensor fall back to vLLM's loader, with the reason.
 """
 
 from __future__ import annotations
@@ -15,18 +25,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 logger = logging.getLogger(__name__)
 
-# Probe ids are float64, and the second probe adds numel: exact up to 2**52 elements.
-_MAX_PROBE_ELEMENTS = 1 << 52
+# The careful pass's ids: int32 while every relabelled id fits, else int64.
+_INT32_IDS = 1 << 30
+_RELABEL = {torch.int32: 0x2AAAAAAA, torch.int64: 0x2AAAAAAAAAAAAAAA}
+# Rows compared at a time by the careful pass (bounds its int64 temporaries).
+_FIT_BLOCK = 1 << 20
 
 
 class UnmappableLoader(Exception):
     """The loader's writes for a tensor are not an exact affine copy of the checkpoint."""
+
+
+class _NotDirect(Exception):
+    """The fast pass cannot prove the map from views alone (the careful pass decides)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +134,9 @@ class TensorPlacement:
     dtype: torch.dtype
     segments: list[Segment] = field(default_factory=list)
     fallback_reason: str | None = None
+    # Whether the loader read the tensor at all on this rank (False: it skips it here, e.g. an
+    # expert another EP rank holds, or a tensor vLLM ignores such as rotary `inv_freq`).
+    read: bool = True
 
     def whole_target(self) -> tuple[str, list[Segment]] | None:
         """A destination holding every element, with its segments (so the tensor can be rebuilt here)."""
@@ -131,74 +153,81 @@ class TensorPlacement:
 
 @dataclass(frozen=True)
 class _Write:
-    target: str
-    dst: torch.Tensor
-    ids: torch.Tensor
+    target: str  # the parameter written
+    dst: torch.Tensor  # the destination view of its storage
+    src: torch.Tensor  # what the loader copied there
 
 
-class _RecordParamWrites(TorchFunctionMode):
-    """Record (and skip) copies into parameter storage; flag any other in-place write to it."""
+def _written(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """Tensors the op writes, from its schema's alias info (in-place `self`, `out=` and the like)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return out
 
-    def __init__(self, storages: Mapping[int, str]) -> None:
+
+def _fresh_outputs(func: Any, result: Any) -> list[torch.Tensor]:
+    """Outputs the op allocated (no alias info on the return): scratch the loader may write."""
+    returns = func._schema.returns
+    results = result if isinstance(result, (tuple, list)) and len(returns) > 1 else (result,)
+    fresh = []
+    for ret, value in zip(returns, results):
+        if ret.alias_info is None or func is torch.ops.aten.lift_fresh.default:
+            fresh.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return fresh
+
+
+class _ProbeMode(TorchDispatchMode):
+    """Run the loader, performing no write into any storage that existed before it started
+    except the probe's own; record `copy_`s into parameters, refuse every other such write."""
+
+    def __init__(self, storages: Mapping[int, str], probe: torch.Tensor) -> None:
         super().__init__()
         self.storages = storages
+        self.probe = probe.untyped_storage()._cdata
+        self.scratch: set[int] = set()  # storages the loader allocated while probing
         self.writes: list[_Write] = []
-        self.foreign: list[str] = []
+        self.refused: list[str] = []
+        self.read = False  # the loader touched the probe
+        self.probe_written = False  # ... and wrote into it (its views no longer hold the ids)
 
-    def _target(self, t: object) -> str | None:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
-            return None
-        return self.storages.get(t.untyped_storage().data_ptr())
+    def is_probe(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage()._cdata == self.probe
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        target = self._target(args[0]) if args else None
-        if target is None:
-            return func(*args, **kwargs)
-        if func is torch.Tensor.copy_:
-            self.writes.append(_Write(target, args[0], torch.as_tensor(args[1]).detach()))
-            return args[0]
-        if func is torch.Tensor.__setitem__:
-            view = args[0][args[1]]  # the mode is inactive inside its own handler
-            self.writes.append(_Write(target, view, torch.as_tensor(args[2]).detach()))
-            return None
-        name = getattr(func, "__name__", str(func))
-        if name.endswith("_") and not name.startswith("__"):
-            self.foreign.append(f"{name} on {target}")  # recorded, never performed
-            return args[0]
-        return func(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.read = self.read or any(self.is_probe(t) for t in tensors)
+        blocked = False
+        for w in _written(func, args, kwargs):
+            if self.is_probe(w):
+                self.probe_written = True
+                continue
+            storage = w.untyped_storage()
+            if storage.nbytes() == 0 or storage._cdata in self.scratch:
+                continue
+            blocked = True
+            target = self.storages.get(storage.data_ptr()) if w.device.type != "meta" else None
+            if target is None:
+                self.refused.append(f"{func} writes a tensor that is neither a parameter nor the loader's own")
+            elif func is torch.ops.aten.copy_.default:
+                self.writes.append(_Write(target, w, args[1]))
+            else:
+                self.refused.append(f"{func} writes parameter {target}")
+        if blocked:  # not performed; hand back what the op would have returned
+            written = _written(func, args, kwargs)
+            return written[0] if len(func._schema.returns) <= 1 else tuple(written)
+        result = func(*args, **kwargs)
+        self.scratch.update(t.untyped_storage()._cdata for t in _fresh_outputs(func, result))
+        return result
 
 
-def _affine_fit(ids: torch.Tensor) -> tuple[int, tuple[int, ...]]:
-    """Offset and per-dim strides such that ids == offset + sum(i[d] * stride[d]), or raise."""
-    if ids.numel() == 0:
-        raise UnmappableLoader("empty write")
-    first = ids.reshape(-1)[0]
-    offset = float(first)
-    strides = []
-    expected = torch.full(ids.shape, offset, dtype=torch.float64)
-    for d, n in enumerate(ids.shape):
-        if n == 1:
-            strides.append(0)
-            continue
-        index = [0] * ids.dim()
-        index[d] = 1
-        stride = float(ids[tuple(index)]) - offset
-        strides.append(stride)
-        shape = [1] * ids.dim()
-        shape[d] = n
-        expected = expected + (torch.arange(n, dtype=torch.float64) * stride).reshape(shape)
-    if not torch.equal(expected, ids.to(torch.float64)):
-        raise UnmappableLoader("written values are not an affine view of the checkpoint tensor")
-    if offset != int(offset) or any(s != int(s) for s in strides):
-        raise UnmappableLoader("written values are not integral element ids")
-    return int(offset), tuple(int(s) for s in strides)
-
-
-def _segment(write: _Write, numel: int) -> Segment:
-    dst = write.dst
-    ids = write.ids.broadcast_to(dst.shape)
-    src_offset, src_strides = _affine_fit(ids)
+def _segment(target: str, dst: torch.Tensor, src_offset: int, src_strides: tuple[int, ...],
+             numel: int) -> Segment:
+    """The segment for `dst` receiving ids src_offset + sum(i[d] * src_strides[d]), or raise."""
     dims = [d for d in range(dst.dim()) if dst.shape[d] > 1]
     if any(src_strides[d] <= 0 for d in dims):
         raise UnmappableLoader("loader repeats or reverses checkpoint elements")
@@ -212,24 +241,109 @@ def _segment(write: _Write, numel: int) -> Segment:
         if s <= span:
             raise UnmappableLoader("overlapping source strides")
         span += (n - 1) * s
-    seg = Segment(write.target, sizes, src_offset, s_src, dst.storage_offset(), s_dst)
+    seg = Segment(target, sizes, src_offset, s_src, dst.storage_offset(), s_dst)
     if src_offset < 0 or seg.src_last >= numel:
         raise UnmappableLoader("loader wrote ids outside the checkpoint tensor")
     return seg
 
 
-def _record(load_weights, storages: Mapping[int, str], name: str, shape: tuple[int, ...],
-            numel: int, shift: int) -> list[_Write]:
-    probe = torch.arange(shift, shift + numel, dtype=torch.float64).reshape(shape)
-    mode = _RecordParamWrites(storages)
+def _run(load_weights, storages: Mapping[int, str], name: str, probe: torch.Tensor) -> _ProbeMode:
+    mode = _ProbeMode(storages, probe)
     with torch.no_grad(), mode:
         load_weights([(name, probe)])
-    if mode.foreign:
-        raise UnmappableLoader("loader writes parameters in place: " + ", ".join(mode.foreign[:3]))
+    if mode.refused:
+        raise UnmappableLoader("loader writes outside a plain copy: " + "; ".join(sorted(set(mode.refused))[:3]))
+    return mode
+
+
+def _fast(load_weights, storages: Mapping[int, str], name: str, shape: tuple[int, ...],
+          dtype: torch.dtype, numel: int) -> tuple[list[Segment], bool]:
+    """Segments from the views the loader copied, on a meta probe; _NotDirect where unproven."""
+    probe = torch.empty(shape, dtype=dtype, device="meta")
+    try:
+        mode = _run(load_weights, storages, name, probe)
+    except UnmappableLoader:
+        raise
+    except Exception as exc:  # e.g. the loader reads values (`.item()`), which meta has none of
+        raise _NotDirect(f"{type(exc).__name__}: {exc}") from exc
+    if mode.probe_written:
+        raise _NotDirect("loader writes into the checkpoint tensor")
+    segments = []
     for w in mode.writes:
-        if w.ids.dtype != torch.float64:
-            raise UnmappableLoader(f"loader converted the probe to {w.ids.dtype}")
-    return mode.writes
+        src = w.src
+        if not (isinstance(src, torch.Tensor) and mode.is_probe(src) and src.dtype == dtype
+                and not src.is_neg() and not src.is_conj()):
+            raise _NotDirect("a write is not a view of the checkpoint tensor")
+        src = src.expand(w.dst.shape)
+        segments.append(_segment(w.target, w.dst, src.storage_offset(), tuple(src.stride()), numel))
+    return segments, mode.read
+
+
+def _ids_of(src: Any, dst: torch.Tensor, id_dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(src, torch.Tensor):
+        raise UnmappableLoader("loader writes a constant")
+    if src.dtype != id_dtype:
+        raise UnmappableLoader(f"loader converted the probe to {src.dtype}")
+    return src.broadcast_to(dst.shape)
+
+
+def _affine_fit(ids: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    """Offset and per-dim strides such that ids == offset + sum(i[d] * stride[d]), or raise.
+
+    Compared a block of leading rows at a time, so temporaries stay bounded.
+    """
+    if ids.numel() == 0:
+        raise UnmappableLoader("empty write")
+    if ids.dim() == 0:
+        return int(ids), ()
+    offset = int(ids.reshape(-1)[0])
+    strides = []
+    for d, n in enumerate(ids.shape):
+        index = [0] * ids.dim()
+        index[d] = 1
+        strides.append(int(ids[tuple(index)]) - offset if n > 1 else 0)
+    inner = ids[0].numel()
+    rows = max(1, _FIT_BLOCK // max(inner, 1))
+    lattice = None
+    if ids.dim() > 1:
+        lattice = torch.zeros((), dtype=torch.int64)
+        for d in range(1, ids.dim()):
+            lattice = lattice.unsqueeze(-1) + torch.arange(ids.shape[d]) * strides[d]
+    for r0 in range(0, ids.shape[0], rows):
+        r = torch.arange(r0, min(r0 + rows, ids.shape[0])) * strides[0] + offset
+        expected = r if lattice is None else r.reshape(-1, *([1] * (ids.dim() - 1))) + lattice
+        if not torch.equal(expected, ids[r0:r0 + rows].to(torch.int64)):
+            raise UnmappableLoader("written values are not an affine view of the checkpoint tensor")
+    return offset, tuple(strides)
+
+
+def _careful(load_weights, storages: Mapping[int, str], name: str, shape: tuple[int, ...],
+             numel: int) -> tuple[list[Segment], bool]:
+    """Segments from element ids the loader copied, checked against a relabelled second pass."""
+    id_dtype = torch.int32 if numel <= _INT32_IDS else torch.int64
+    ids = torch.arange(numel, dtype=id_dtype).reshape(shape)
+    mode = _run(load_weights, storages, name, ids)
+    segments = [_segment(w.target, w.dst, *_affine_fit(_ids_of(w.src, w.dst, id_dtype)), numel)
+                for w in mode.writes]
+    read = mode.read
+    del mode
+    # A copy commutes with relabelling the ids; `w * 2`, `w + 1` or a sort does not.
+    ids.bitwise_xor_(_RELABEL[id_dtype])
+    relabelled = _run(load_weights, storages, name, ids)
+    if len(relabelled.writes) != len(segments):
+        raise UnmappableLoader("loader transforms values instead of copying them")
+    for seg, w in zip(segments, relabelled.writes):
+        got = _ids_of(w.src, w.dst, id_dtype)
+        if w.target != seg.target or w.dst.storage_offset() != seg.dst_offset or not torch.equal(
+                got, torch.as_strided(ids.reshape(-1), got.shape, _src_strides_of(seg, w.dst), seg.src_offset)):
+            raise UnmappableLoader("loader transforms values instead of copying them")
+    return segments, read
+
+
+def _src_strides_of(seg: Segment, dst: torch.Tensor) -> tuple[int, ...]:
+    """The segment's source strides in `dst`'s own dim order (0 where a dim has one element)."""
+    by_dst = {s_dst: s_src for s_dst, s_src in zip(seg.dst_strides, seg.src_strides)}
+    return tuple(by_dst.get(st, 0) if n > 1 else 0 for n, st in zip(dst.shape, dst.stride()))
 
 
 def probe_tensor(
@@ -239,26 +353,15 @@ def probe_tensor(
     shape: tuple[int, ...],
     dtype: torch.dtype,
 ) -> TensorPlacement:
-    """Learn the placement of one checkpoint tensor by replaying its loader on element ids."""
+    """Learn the placement of one checkpoint tensor by replaying its loader on a probe."""
     placement = TensorPlacement(name, tuple(shape), dtype)
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel > _MAX_PROBE_ELEMENTS:
-        placement.fallback_reason = "tensor too large to probe exactly"
-        return placement
+    numel = torch.Size(shape).numel()
     try:
-        writes = _record(load_weights, storages, name, shape, numel, shift=0)
-        # A second probe with every id shifted by numel tells a copy (which shifts too) from
-        # arithmetic that happens to look affine, such as `w.narrow(...) * 2`.
-        shifted = _record(load_weights, storages, name, shape, numel, shift=numel)
-        if len(writes) != len(shifted) or any(
-            a.target != b.target or a.dst.storage_offset() != b.dst.storage_offset()
-            or not torch.equal(b.ids.broadcast_to(b.dst.shape) - numel, a.ids.broadcast_to(a.dst.shape))
-            for a, b in zip(writes, shifted)
-        ):
-            raise UnmappableLoader("loader transforms values instead of copying them")
-        placement.segments = [_segment(w, numel) for w in writes]
+        try:
+            placement.segments, placement.read = _fast(load_weights, storages, name, tuple(shape), dtype, numel)
+        except _NotDirect as why:
+            logger.debug("delta updates: %s needs the careful probe (%s)", name, why)
+            placement.segments, placement.read = _careful(load_weights, storages, name, tuple(shape), numel)
     except UnmappableLoader as exc:
         placement.segments = []
         placement.fallback_reason = str(exc)
@@ -310,3 +413,4 @@ def build_placement(
     if fallbacks:
         logger.warning("delta updates: %d tensors fall back to vLLM's loader: %s", len(fallbacks), fallbacks)
     return placements
+
