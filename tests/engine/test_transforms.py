@@ -4,7 +4,10 @@ Why these modules: a swap-halves step is what FlashInfer-CUTLASS MoE does to w13
 permutation: deltas must go through it), a derived tensor is what MLA's `W_UV` is (the step must
 re-run after a delta touches its source), and a step whose second run differs is what neither
 can serve (the engine must refuse to start, naming the module). Each case applies a real delta
-and compares with a fresh rank that loaded the new checkpoint and ran the same steps.
+and compares with a fresh rank that loaded the new checkpoint and ran the same steps. Every
+case runs both through `run_post_load` and through `observing`, the wrapper engine start puts
+around vLLM's own post-load loop (emulated here by `vllm_loop`, which calls each quant method's
+step the way `model_loader.utils.process_weights_after_loading` does).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from harness.synthetic import device_check, same_bits
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import check_partials
-from vllm_delta.engine.transforms import UnsupportedTransform, run_post_load, transformed
+from vllm_delta.engine.transforms import UnsupportedTransform, observing, run_post_load, transformed
 
 DC = device_check()
 CFG = DC.SIZES["tiny"]
@@ -50,6 +53,32 @@ class NotReproducible:
         layer.scale = torch.tensor(float(NotReproducible.calls))
 
 
+class PackedCopy:
+    """CPU-kernel-like: the step hides a packed copy of the weight in a closure (no tensor changes)."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        packed = layer.qkv_proj.weight.detach().clone()
+        layer.packed_weight = lambda: packed
+
+
+def vllm_loop(model: torch.nn.Module) -> dict[str, str]:
+    """Engine start: vLLM's loop calls each quant method's step, observed by `observing`."""
+    with observing(model):
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+    return {name: getattr(m, "_delta_transform").kind for name, m in model.named_modules()
+            if hasattr(m, "_delta_transform")}
+
+
+def by_run_post_load(model: torch.nn.Module) -> dict[str, str]:
+    return {n: t.kind for n, t in run_post_load(model).items()}
+
+
+POST_LOAD = pytest.mark.parametrize("post_load", [by_run_post_load, vllm_loop], ids=["run_post_load", "observing"])
+
+
 def model_with_steps(checkpoint: dict[str, torch.Tensor], steps: dict[str, object]) -> torch.nn.Module:
     """A rank loaded with `checkpoint`, the given post-load steps attached and run under observation."""
     m = DC.SyntheticLM(CFG)
@@ -68,12 +97,12 @@ def apply(model: torch.nn.Module, tmp_path, base, new) -> DeltaApplier:
     return applier
 
 
-def test_swap_halves_is_a_permutation_and_deltas_go_through_it(tmp_path):
+@POST_LOAD
+def test_swap_halves_is_a_permutation_and_deltas_go_through_it(tmp_path, post_load):
     base = DC.random_checkpoint(CFG, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=1)
     model = model_with_steps(base, {MOE: SwapW13Halves()})
-    found = run_post_load(model)
-    assert {n: t.kind for n, t in found.items()} == {MOE: "permutation"}
+    assert post_load(model) == {MOE: "permutation"}
     applier = apply(model, tmp_path, base, new)
     want = model_with_steps(new, {MOE: SwapW13Halves()})
     run_post_load(want)
@@ -84,12 +113,13 @@ def test_swap_halves_is_a_permutation_and_deltas_go_through_it(tmp_path):
     assert torch.equal(applier.rebuild(name).view(torch.int16), new[name].view(torch.int16))
 
 
-def test_derived_tensor_is_rerun_after_its_source_changes(tmp_path):
+@POST_LOAD
+def test_derived_tensor_is_rerun_after_its_source_changes(tmp_path, post_load):
     base = DC.random_checkpoint(CFG, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=1)
     model = model_with_steps(base, {ATTN: DeriveWUV()})
-    found = run_post_load(model)
-    assert found[ATTN].kind == "rerun" and found[ATTN].derived == ["W_UV"]
+    assert post_load(model) == {ATTN: "rerun"}
+    assert model.get_submodule(ATTN)._delta_transform.derived == ["W_UV"]
     stale = model.get_submodule(ATTN).W_UV.clone()
     apply(model, tmp_path, base, new)
     want = model_with_steps(new, {ATTN: DeriveWUV()})
@@ -100,12 +130,13 @@ def test_derived_tensor_is_rerun_after_its_source_changes(tmp_path):
     assert transformed(model) == {ATTN: "rerun"}
 
 
-def test_swap_and_derived_together(tmp_path):
+@POST_LOAD
+def test_swap_and_derived_together(tmp_path, post_load):
     base = DC.random_checkpoint(CFG, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=1)
     steps = lambda: {MOE: SwapW13Halves(), ATTN: DeriveWUV()}  # noqa: E731
     model = model_with_steps(base, steps())
-    run_post_load(model)
+    assert post_load(model) == {MOE: "permutation", ATTN: "rerun"}
     apply(model, tmp_path, base, new)
     want = model_with_steps(new, steps())
     run_post_load(want)
@@ -113,16 +144,32 @@ def test_swap_and_derived_together(tmp_path):
     assert torch.equal(model.get_submodule(ATTN).W_UV, want.get_submodule(ATTN).W_UV)
 
 
-def test_a_step_that_cannot_be_served_refuses_and_names_the_module():
+@POST_LOAD
+def test_a_step_that_cannot_be_served_refuses_and_names_the_module(post_load):
     model = model_with_steps(DC.random_checkpoint(CFG, "cpu", seed=0), {ATTN: NotReproducible()})
     with pytest.raises(UnsupportedTransform, match=ATTN):
-        run_post_load(model)
+        post_load(model)
 
 
-def test_a_step_that_changes_nothing_is_not_a_transform():
+@POST_LOAD
+def test_hidden_kernel_state_is_rerun_but_not_reported(tmp_path, post_load):
+    """A step that keeps a packed copy where no tensor comparison sees it (oneDNN / sgl on CPU)."""
+    base = DC.random_checkpoint(CFG, "cpu", seed=0)
+    new = DC.step(base, 0.3, seed=1)
+    model = model_with_steps(base, {ATTN: PackedCopy()})
+    assert post_load(model) == {ATTN: "rerun"}
+    applier = apply(model, tmp_path, base, new)
+    attn = model.get_submodule(ATTN)
+    assert torch.equal(attn.packed_weight(), attn.qkv_proj.weight)  # re-run from the delta'd weight
+    assert not torch.equal(attn.packed_weight(), model_with_steps(base, {}).get_submodule(ATTN).qkv_proj.weight)
+    assert applier.placement_status()["transformed"] == []
+
+
+@POST_LOAD
+def test_a_step_that_changes_nothing_is_not_a_transform(post_load):
     class Identity:
         def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
             layer.w13_weight.data = layer.w13_weight.data.clone()
 
     model = model_with_steps(DC.random_checkpoint(CFG, "cpu", seed=0), {MOE: Identity()})
-    assert run_post_load(model) == {}
+    assert post_load(model) == {}

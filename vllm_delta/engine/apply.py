@@ -160,7 +160,7 @@ class DeltaApplier:
         ready = self.probed
         return {"ready": ready, "probe_s": self.probe_s, "probe_peak_bytes": self.probe_peak_bytes,
                 "fallback": self.fallback_tensors if ready else None,
-                "transformed": sorted(set(cpu_weights.transformed(self.model)) | set(transforms.transformed(self.model)))}
+                "transformed": sorted(transforms.transformed(self.model))}
 
     # ---- phase 1 -------------------------------------------------------------------------
     def prepare(self, path: str | Path, *, version: int, base_version: int | None,

@@ -1,73 +1,64 @@
-"""CPU backend: keep the checkpoint-layout weights that vLLM repacks after loading.
+"""Canonical (checkpoint-layout) weights of modules whose post-load step re-lays or derives them.
 
-Why: on the CPU, `process_weights_after_loading` hands linear layers to oneDNN / sgl kernels
-that keep their own packed copy and replace `layer.weight` with an empty tensor, and fused MoE
-replaces `w13_weight` / `w2_weight` with a VNNI-prepacked layout. An in-place delta written to
-the original layout would never reach those kernels. With delta updates on (and only then, and
-only on the CPU platform) we keep a canonical checkpoint-layout tensor for every parameter the
-post-load step transforms, write deltas there, and re-run the layer's own post-load step for
-the layers a delta touched. Parameters that were emptied get their canonical tensor back as the
-live parameter, so vLLM's `/weight_checker` digests see real weights.
+Why: a post-load step may repack a weight (on the CPU, oneDNN / sgl kernels keep their own
+packed copy and replace `layer.weight` with an empty tensor; fused MoE prepacks `w13_weight` /
+`w2_weight`) or derive other tensors from it. An in-place delta written to the live tensor would
+never reach such a kernel. For every module that `transforms` classifies as "rerun" we keep the
+checkpoint-layout tensor of each parameter the step changed, write deltas there, and re-run the
+module's own post-load step after a commit touched it (`refresh`). Parameters the step emptied
+get their canonical tensor back as the live parameter, so vLLM's `/weight_checker` digests see
+real weights.
+
+vLLM's in-place reload (`reload_weights`, `model_loader/reload/layerwise.py`) re-runs each
+layer's step on a freshly loaded copy and copies the result into the live tensors; for these
+modules that copy would hit the emptied/canonical mismatch and leave the stash stale. So
+`install_reload_hooks` makes the reload load into the canonical tensors and re-run the step
+through `refresh`, the same path a delta takes.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-logger = logging.getLogger(__name__)
-
-STASH_ATTR = "_delta_canonical"  # {param name: checkpoint-layout tensor} on transformed modules
+STASH_ATTR = "_delta_canonical"  # {param name: checkpoint-layout tensor} on "rerun" modules
 RESTORED_ATTR = "_delta_restored"  # param names whose canonical tensor is the live parameter
 
 
-def install() -> None:
-    """Wrap vLLM's post-load processing so transformed weights keep a canonical copy."""
-    from vllm.model_executor.model_loader import base_loader
+def post_load_step(module: nn.Module) -> Callable[[], None] | None:
+    """The module's post-load step, as it can be run again after the first load.
 
-    original = base_loader.process_weights_after_loading
-    if getattr(original, "_delta_wrapped", False):
-        return
-
-    @functools.wraps(original)
-    def process_keeping_canonical(model: nn.Module, model_config, target_device) -> None:
-        before = {
-            name: {n: (p, p.detach().clone()) for n, p in module.named_parameters(recurse=False)}
-            for name, module in model.named_modules()
-            if getattr(module, "quant_method", None) is not None
-        }
-        original(model, model_config, target_device)
-        kept = sum(_keep_canonical(model.get_submodule(name), clones) for name, clones in before.items())
-        logger.info("delta updates (CPU): kept canonical weights of %d repacked layers", kept)
-
-    process_keeping_canonical._delta_wrapped = True  # type: ignore[attr-defined]
-    base_loader.process_weights_after_loading = process_keeping_canonical
+    Fused MoE treats a second `process_weights_after_loading` as a weight update and skips its
+    experts' CPU prepack (it copies the raw weights over the packed ones), so for MoE the
+    experts' own step runs, which prepacks from the parameters just restored.
+    """
+    method = getattr(module, "quant_method", None)
+    kernel = getattr(method, "moe_kernel", None)
+    if kernel is not None:
+        return lambda: kernel.fused_experts.process_weights_after_loading(module)
+    step = getattr(method, "process_weights_after_loading", None)
+    return None if step is None else (lambda: step(module))
 
 
-def _keep_canonical(module: nn.Module, clones: dict[str, tuple[nn.Parameter, torch.Tensor]]) -> bool:
-    """Record which params the post-load step transformed; return whether any were."""
+def keep_canonical(module: nn.Module, canonical: dict[str, torch.Tensor],
+                   originals: dict[str, nn.Parameter]) -> None:
+    """Record a "rerun" module: checkpoint-layout copies of the params its step changed."""
     stash: dict[str, torch.Tensor] = {}
     restored: set[str] = set()
-    for n, (original, clone) in clones.items():
+    for n, canon in canonical.items():
         live = module._parameters.get(n)
-        if live is not None and live.shape == clone.shape and live.dtype == clone.dtype and torch.equal(live, clone):
-            continue
         if live is None or live.numel() == 0:
             # The original Parameter keeps its class and weight_loader; give it back its bytes.
-            original.data = clone
-            module._parameters[n] = original
+            originals[n].data = canon
+            module._parameters[n] = originals[n]
             restored.add(n)
         else:
-            stash[n] = clone
-    # Every layer with a post-load step is refreshed after a delta touches it, even when its
-    # parameters look untouched: the step may keep a packed copy elsewhere (lm_head on CPU).
+            stash[n] = canon
     setattr(module, STASH_ATTR, stash)
     setattr(module, RESTORED_ATTR, restored)
-    return bool(stash or restored)
 
 
 def canonical_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -82,31 +73,12 @@ def canonical_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.T
     return out
 
 
-def _rerun_post_load(module: nn.Module) -> None:
-    """The layer's post-load step, as on first load.
-
-    Fused MoE treats a second `process_weights_after_loading` as a weight update and skips its
-    experts' CPU prepack (it copies the raw weights over the packed ones), so for MoE we run the
-    experts' own step, which prepacks from the parameters we just restored.
-    """
-    kernel = getattr(module.quant_method, "moe_kernel", None)
-    if kernel is not None:
-        kernel.fused_experts.process_weights_after_loading(module)
-    else:
-        module.quant_method.process_weights_after_loading(module)
-
-
-def transformed(model: nn.Module) -> list[str]:
-    """Modules whose post-load step replaced or repacked a parameter (deltas go to a canonical copy)."""
-    return [name for name, m in model.named_modules() if getattr(m, STASH_ATTR, None) or getattr(m, RESTORED_ATTR, None)]
-
-
 def needs_refresh(module: nn.Module) -> bool:
     return hasattr(module, STASH_ATTR)
 
 
 def refresh(modules: Iterable[nn.Module]) -> int:
-    """Re-run the post-load step of touched layers from their canonical tensors."""
+    """Re-run the post-load step of touched modules from their canonical tensors."""
     count = 0
     for module in modules:
         stash: dict[str, torch.Tensor] = getattr(module, STASH_ATTR)
@@ -114,9 +86,49 @@ def refresh(modules: Iterable[nn.Module]) -> int:
         canon_live = {n: module._parameters[n] for n in restored}
         for n, canon in stash.items():
             module._parameters[n].data = canon.clone()
-        _rerun_post_load(module)
+        post_load_step(module)()
         for n, param in canon_live.items():
             if module._parameters.get(n) is not param:
                 module._parameters[n] = param
         count += 1
     return count
+
+
+def install_reload_hooks() -> None:
+    """Make vLLM's layerwise in-place reload keep "rerun" modules' canonical tensors current."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    if getattr(layerwise._layerwise_process, "_delta_wrapped", False):
+        return
+    process, copy_back = layerwise._layerwise_process, layerwise._copy_and_restore_kernel_tensors
+
+    @functools.wraps(process)
+    def process_from_canonical(layer: nn.Module, info) -> None:
+        if info.kernel_tensors is None or not needs_refresh(layer):
+            return process(layer, info)
+        # vLLM's own step on the reloaded copy is skipped: the loaded values go to the canonical
+        # tensors (below) and the step re-runs from there, exactly as after a delta.
+        method = layer.quant_method
+        method.process_weights_after_loading = _skip_step
+        try:
+            process(layer, info)
+        finally:
+            del method.process_weights_after_loading
+        refresh([layer])
+
+    @functools.wraps(copy_back)
+    def copy_into_canonical(layer: nn.Module, info) -> None:
+        if needs_refresh(layer):
+            params, _ = info.kernel_tensors
+            for n, canon in getattr(layer, STASH_ATTR).items():
+                canon.copy_(getattr(layer, n))
+                layer._parameters[n] = params[n]  # the live (processed) tensor is rebuilt by refresh
+        copy_back(layer, info)
+
+    process_from_canonical._delta_wrapped = True  # type: ignore[attr-defined]
+    layerwise._layerwise_process = process_from_canonical
+    layerwise._copy_and_restore_kernel_tensors = copy_into_canonical
+
+
+def _skip_step(layer: nn.Module) -> None:
+    """Stands in for a "rerun" module's step while vLLM reloads it (see `install_reload_hooks`)."""

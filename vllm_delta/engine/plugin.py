@@ -7,7 +7,7 @@ from vllm_delta.engine.cpu_amx import request_amx_permission
 
 
 def register() -> None:
-    """Prepare this vLLM process; CPU weight bookkeeping only when delta updates are on."""
+    """Prepare this vLLM process; post-load transform bookkeeping only when delta updates are on."""
     request_amx_permission()
     from vllm_delta.native.registry import keep_cpu_weights_when_configured, register_backends
 
@@ -15,9 +15,6 @@ def register() -> None:
     if os.environ.get(ENV_FLAG) != "1":  # set by --enable-delta-updates before workers start
         keep_cpu_weights_when_configured()  # only for engines whose weight-transfer backend is `delta`
         return
-    from vllm.platforms import current_platform
+    from vllm_delta.engine import transforms
 
-    if current_platform.is_cpu():
-        from vllm_delta.engine import cpu_weights
-
-        cpu_weights.install()
+    transforms.install()  # observe every module's post-load step (any platform)

@@ -1,33 +1,37 @@
-"""Post-load transforms: modules whose `process_weights_after_loading` re-lays or derives weights.
+"""Post-load transforms: modules whose post-load step re-lays or derives weights.
 
 Why: the placement probe sees `load_weights`, not the post-load step that runs after it. A step
 that swaps the halves of a fused w13 (FlashInfer-CUTLASS MoE) or derives `W_UV` from
 `kv_b_proj` (MLA) makes an in-place delta land in the wrong slot, or leaves the derived tensor
-stale: silently wrong weights. So, with delta updates on, each module's post-load step is run
-under observation (`run_post_load`) and classified:
+stale: silently wrong weights. So, with delta updates on (any platform), every module's
+post-load step runs under observation as vLLM runs it (`install`: each quant method's step is
+observed inside vLLM's own loop, one module at a time) and is classified:
 
 - unchanged: nothing to do;
-- `permutation`: every changed parameter keeps its shape and dtype and its new contents are a
-  permutation of the old (proven by re-running the step on a copy of the module holding element
-  ids, then checked on the real bits): deltas are written through the inverse map;
-- `rerun`: anything else (a derived tensor, a repack): the step re-run from the checkpoint-layout
-  tensors reproduces the first result bit for bit, so deltas go to a canonical copy (the same
-  stash `cpu_weights` keeps) and the step is re-run on touched modules after each commit;
+- `permutation`: only parameters changed, each keeps its shape and dtype and its new contents
+  are a permutation of the old (proven by re-running the step with the parameter holding
+  element ids, then checked on the real bits): deltas are written through the inverse map;
+- `rerun`: anything else (a derived tensor, a repack, or new non-tensor state such as the CPU
+  kernels' `cpu_linear` closure that may hold a packed copy): re-running the step from the
+  checkpoint-layout tensors reproduces the first result bit for bit, so deltas go to a canonical
+  copy (`cpu_weights`) and the step is re-run on touched modules after each commit and reload;
 - neither: `UnsupportedTransform`, naming the module, so the engine refuses to start.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from vllm_delta.engine.cpu_weights import RESTORED_ATTR, STASH_ATTR
+from vllm_delta.engine import cpu_weights
 
 TRANSFORM_ATTR = "_delta_transform"  # the module's `Transform`
+StepOf = Callable[[nn.Module], Callable[[], None] | None]
 
 
 class UnsupportedTransform(RuntimeError):
@@ -42,15 +46,23 @@ class Transform:
     kind: str  # "permutation" | "rerun"
     changed: list[str] = field(default_factory=list)  # parameters whose bits changed
     derived: list[str] = field(default_factory=list)  # other tensors the step added or changed
+    state: list[str] = field(default_factory=list)  # non-tensor attributes the step set (opaque)
     # permutation: param name -> inverse map (loaded position -> position after the step)
     inverse: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    @property
+    def relayout(self) -> bool:
+        """Whether tensors changed (reported in the status), not only opaque kernel state."""
+        return bool(self.changed or self.derived)
 
-def post_load_step(module: nn.Module) -> Callable[[], None] | None:
-    """The module's post-load step as vLLM runs it for quantized (incl. unquantized) layers."""
-    method = getattr(module, "quant_method", None)
-    step = getattr(method, "process_weights_after_loading", None)
-    return None if step is None else (lambda: step(module))
+
+@dataclass
+class Snapshot:
+    """A module before its step: tensor clones, the Parameter objects, identities of other attributes."""
+
+    tensors: dict[str, torch.Tensor]
+    params: dict[str, nn.Parameter]
+    state: dict[str, int]
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -61,6 +73,16 @@ def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _state(module: nn.Module) -> dict[str, int]:
+    """Public non-tensor attributes by identity: a step that sets one may hide a weight copy in it."""
+    return {n: id(v) for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, torch.Tensor)}
+
+
+def snapshot(module: nn.Module) -> Snapshot:
+    return Snapshot({k: t.detach().clone() for k, t in _tensors(module).items()},
+                    dict(module.named_parameters(recurse=False)), _state(module))
+
+
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
@@ -68,27 +90,31 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def _clone_all(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: t.detach().clone() for k, t in tensors.items()}
+def _rerun(module: nn.Module, step_of: StepOf, before: Snapshot, changed: list[str]) -> None:
+    """The step again, from the checkpoint-layout values of `changed` in their original Parameters."""
+    for n in changed:
+        param = before.params[n]
+        param.data = before.tensors[f"param:{n}"].clone()
+        module._parameters[n] = param
+    step_of(module)()
 
 
-def _inverse_permutation(module: nn.Module, step_of: Callable[[nn.Module], Callable[[], None] | None],
-                         name: str, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor | None:
+def _inverse_permutation(module: nn.Module, step_of: StepOf, name: str, before: torch.Tensor,
+                         after: torch.Tensor) -> torch.Tensor | None:
     """Inverse map of a step that permutes parameter `name`, or None if it does not.
 
-    The step runs on a copy of the module whose `name` holds its element ids (float64, exact to
-    2**53): a pure permutation moves the ids and nothing else.
+    The step runs on the module itself with `name` holding its element ids (float64, exact to
+    2**53): a pure permutation moves the ids and nothing else. The caller restores the module.
     """
     if before.shape != after.shape or before.dtype != after.dtype or not after.is_contiguous():
         return None
     n = before.numel()
-    probe = copy.deepcopy(module)
-    probe._parameters[name].data = torch.arange(n, dtype=torch.float64, device=before.device).view(before.shape)
+    module._parameters[name].data = torch.arange(n, dtype=torch.float64, device=before.device).view(before.shape)
     try:
-        step_of(probe)()
+        step_of(module)()
     except Exception:
         return None
-    ids = probe._parameters.get(name)
+    ids = module._parameters.get(name)
     if ids is None or ids.dtype != torch.float64 or ids.shape != before.shape:
         return None
     perm = ids.detach().reshape(-1)
@@ -102,58 +128,112 @@ def _inverse_permutation(module: nn.Module, step_of: Callable[[nn.Module], Calla
     return inverse.to(torch.int32) if n < 1 << 31 else inverse
 
 
-def _classify(name: str, module: nn.Module, step_of: Callable[[nn.Module], Callable[[], None] | None],
-              before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> Transform | None:
-    differs = sorted(k for k in before.keys() | after.keys() if not _same(before.get(k), after.get(k)))
-    if not differs:
+def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = cpu_weights.post_load_step
+             ) -> Transform | None:
+    """Classify what the step did to `module` (it has just run) and prepare deltas for it."""
+    after = {k: t.clone() for k, t in _tensors(module).items()}
+    differs = sorted(k for k in before.tensors.keys() | after.keys() if not _same(before.tensors.get(k), after.get(k)))
+    now = _state(module)
+    state = sorted(n for n in now if before.state.get(n) != now[n])
+    if not differs and not state:
         return None
-    changed = [k.split(":", 1)[1] for k in differs if k.startswith("param:") and k in before]
-    derived = [k.split(":", 1)[1] for k in differs if k not in before or not k.startswith("param:")]
-    if not derived:
-        inverse = {n: _inverse_permutation(module, step_of, n, before[f"param:{n}"], after[f"param:{n}"])
-                   for n in changed}
-        if all(v is not None for v in inverse.values()):
-            return Transform(name, "permutation", changed, [], inverse)
-    # Re-run from the checkpoint layout on a copy: it must reproduce the first result exactly.
-    probe = copy.deepcopy(module)
-    for n in changed:
-        probe._parameters[n].data = before[f"param:{n}"].clone()
-    try:
-        step_of(probe)()
-    except Exception as exc:
-        raise UnsupportedTransform(f"{name}: its post-load step changes {differs} and cannot be re-run "
-                                   f"({type(exc).__name__}: {exc})") from exc
-    again = _tensors(probe)
+    changed = [k.split(":", 1)[1] for k in differs if k.startswith("param:") and k in before.tensors]
+    derived = [k.split(":", 1)[1] for k in differs if k not in before.tensors or not k.startswith("param:")]
+    inverse: dict[str, torch.Tensor | None] = {}
+    if changed and not derived and not state:
+        for n in changed:
+            inverse[n] = _inverse_permutation(module, step_of, n, before.tensors[f"param:{n}"], after[f"param:{n}"])
+            _rerun(module, step_of, before, changed)
+            if inverse[n] is None:
+                break
+    else:
+        try:
+            _rerun(module, step_of, before, changed)
+        except Exception as exc:
+            raise UnsupportedTransform(f"{name}: its post-load step changes {differs + state} and cannot be re-run "
+                                       f"({type(exc).__name__}: {exc})") from exc
+    again = _tensors(module)
     if again.keys() != after.keys() or not all(_same(again[k], after[k]) for k in after):
-        raise UnsupportedTransform(f"{name}: its post-load step changes {differs}, is not a permutation, and "
-                                   "re-running it from the checkpoint layout does not reproduce its result")
-    return Transform(name, "rerun", changed, derived)
+        raise UnsupportedTransform(f"{name}: its post-load step changes {differs + state}, is not a permutation, "
+                                   "and re-running it from the checkpoint layout does not reproduce its result")
+    if inverse and all(v is not None for v in inverse.values()):
+        transform = Transform(name, "permutation", changed, [], [], inverse)  # type: ignore[arg-type]
+    else:
+        transform = Transform(name, "rerun", changed, derived, state)
+        cpu_weights.keep_canonical(module, {n: before.tensors[f"param:{n}"] for n in changed}, before.params)
+    setattr(module, TRANSFORM_ATTR, transform)
+    return transform
 
 
-def run_post_load(model: nn.Module,
-                  step_of: Callable[[nn.Module], Callable[[], None] | None] = post_load_step) -> dict[str, Transform]:
-    """Run every module's post-load step, classify what it did and prepare deltas for it.
+def run_post_load(model: nn.Module, step_of: StepOf = cpu_weights.post_load_step) -> dict[str, Transform]:
+    """Run every module's post-load step under observation (no vLLM loop: synthetic models, tools).
 
-    Rerun modules get the checkpoint-layout copy of each changed parameter in `cpu_weights`'
-    stash (deltas are written there; `cpu_weights.refresh` re-runs the step). Raises
-    `UnsupportedTransform` naming the first module that can be served neither way.
+    Raises `UnsupportedTransform` naming the first module that can be served neither way.
     """
     found: dict[str, Transform] = {}
     for name, module in model.named_modules():
         step = step_of(module)
         if step is None:
             continue
-        before = _clone_all(_tensors(module))
+        before = snapshot(module)
         step()
-        transform = _classify(name, module, step_of, before, _tensors(module))
-        if transform is None:
-            continue
-        setattr(module, TRANSFORM_ATTR, transform)
-        if transform.kind == "rerun":
-            setattr(module, STASH_ATTR, {n: before[f"param:{n}"] for n in transform.changed})
-            setattr(module, RESTORED_ATTR, set())
-        found[name] = transform
+        transform = classify(name, module, before, step_of)
+        if transform is not None:
+            found[name] = transform
     return found
+
+
+@contextlib.contextmanager
+def observing(model: nn.Module) -> Iterator[None]:
+    """Observe and classify each quant method's step when vLLM's own post-load loop runs it."""
+    names = {id(m): n for n, m in model.named_modules()}
+    shadowed = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        real = getattr(method, "process_weights_after_loading", None)
+        if real is None or "process_weights_after_loading" in vars(method):
+            continue  # no step, or a method shared by several modules and already observed
+
+        def observed(layer: nn.Module, method=method, real=real) -> None:
+            before = snapshot(layer)
+            real(layer)
+            with _unshadowed(method):  # re-runs while classifying use the real step
+                classify(names[id(layer)], layer, before)
+
+        method.process_weights_after_loading = observed
+        shadowed.append(method)
+    try:
+        yield
+    finally:
+        for method in shadowed:
+            vars(method).pop("process_weights_after_loading", None)
+
+
+@contextlib.contextmanager
+def _unshadowed(method: object) -> Iterator[None]:
+    shadow = vars(method).pop("process_weights_after_loading")
+    try:
+        yield
+    finally:
+        method.process_weights_after_loading = shadow  # type: ignore[attr-defined]
+
+
+def install() -> None:
+    """Wrap vLLM's post-load processing so every module's step is observed (flag on, any platform)."""
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.process_weights_after_loading
+    if getattr(original, "_delta_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def process_observed(model: nn.Module, model_config, target_device) -> None:
+        with observing(model):
+            original(model, model_config, target_device)
+
+    process_observed._delta_wrapped = True  # type: ignore[attr-defined]
+    base_loader.process_weights_after_loading = process_observed
+    cpu_weights.install_reload_hooks()
 
 
 def offset_maps(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
@@ -168,5 +248,6 @@ def offset_maps(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
 
 
 def transformed(model: nn.Module) -> dict[str, str]:
-    """{module: "permutation" | "rerun"} for the status."""
-    return {name: t.kind for name, m in model.named_modules() if (t := getattr(m, TRANSFORM_ATTR, None)) is not None}
+    """{module: "permutation" | "rerun"} for the status: modules whose step changed or derived tensors."""
+    return {name: t.kind for name, m in model.named_modules()
+            if (t := getattr(m, TRANSFORM_ATTR, None)) is not None and t.relayout}

@@ -35,20 +35,19 @@ def backend_configured() -> bool:
 
 
 def keep_cpu_weights_when_configured() -> None:
-    """On the CPU, keep checkpoint-layout weights (engine/cpu_weights) for engines using `delta`.
+    """Observe post-load transforms (engine/transforms) for engines using `delta`, on any platform.
 
     The plugin cannot see the config when it loads, so the choice is made when the model's
     post-load step runs (the worker loads the model under its config): stock vLLM otherwise.
     """
     from vllm.model_executor.model_loader import base_loader
-    from vllm.platforms import current_platform
 
-    from vllm_delta.engine import cpu_weights
+    from vllm_delta.engine import transforms
 
-    if not current_platform.is_cpu() or getattr(base_loader.process_weights_after_loading, "_delta_wrapped", False):
+    if getattr(base_loader.process_weights_after_loading, "_delta_wrapped", False):
         return
     stock = base_loader.process_weights_after_loading
-    cpu_weights.install()
+    transforms.install()
     keeping = base_loader.process_weights_after_loading
 
     @functools.wraps(stock)
