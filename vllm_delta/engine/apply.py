@@ -133,6 +133,7 @@ class DeltaApplier:
         self.probe_peak_bytes: int | None = None
         self.rank = rank
         self.ownership = Ownership()  # until the route hands over the other ranks' coverage
+        self.coverage: dict[str, object] | None = None  # digests.check_coverage across ranks, at startup
 
     @property
     def placements(self) -> dict[str, TensorPlacement]:
@@ -159,7 +160,7 @@ class DeltaApplier:
         """What `/delta_updates/status` shows under `placement` (never triggers the probe)."""
         ready = self.probed
         return {"ready": ready, "probe_s": self.probe_s, "probe_peak_bytes": self.probe_peak_bytes,
-                "fallback": self.fallback_tensors if ready else None,
+                "fallback": self.fallback_tensors if ready else None, "coverage": self.coverage,
                 "transformed": sorted(transforms.transformed(self.model))}
 
     # ---- phase 1 -------------------------------------------------------------------------

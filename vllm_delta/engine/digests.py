@@ -18,7 +18,7 @@ import torch
 
 from vllm_delta.engine.placement import Segment, TensorPlacement
 from vllm_delta.wire.additive import combine
-from vllm_delta.wire.errors import IntegrityError
+from vllm_delta.wire.errors import DeltaError, IntegrityError
 
 # (src_offset, sizes, src_strides): the checkpoint ids one segment holds.
 Lattice = tuple[int, tuple[int, ...], tuple[int, ...]]
@@ -52,6 +52,152 @@ def lattice_parts(lat: Lattice | Sequence[Any]) -> Lattice:
 def coverage(placements: Mapping[str, TensorPlacement]) -> dict[str, list[Lattice]]:
     """This rank's lattices per checkpoint tensor (plain data, for the route to hand to peers)."""
     return {name: [lattice(s) for s in p.segments] for name, p in placements.items() if p.segments}
+
+
+class CoverageError(DeltaError):
+    """The ranks together do not hold some checkpoint tensor exactly (found at startup)."""
+
+    http_status = 500
+
+
+def refuse_uncovered(report: Mapping[str, Any] | None) -> None:
+    """Raise CoverageError naming the first tensor the startup coverage check found wrong."""
+    if report is not None and not report["ok"]:
+        name, why = next(iter(report["errors"].items()))
+        raise CoverageError(f"placement coverage check failed at startup: {why}", param=name)
+
+
+def _dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    expected = 1
+    for n, s in reversed(list(zip(sizes, strides))):
+        if n > 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _intervals(lat: Lattice, max_intervals: int) -> torch.Tensor | None:
+    """The lattice's ids as sorted half-open [start, end) runs (k x 2), or None if too many."""
+    offset, sizes, strides = lat
+    if not sizes:
+        return torch.tensor([[offset, offset + 1]])
+    if _dense(sizes, strides):
+        numel = 1
+        for n in sizes:
+            numel *= n
+        return torch.tensor([[offset, offset + numel]])
+    run = sizes[-1] if strides[-1] == 1 else 1
+    outer_sizes = sizes[:-1] if run > 1 else sizes
+    count = 1
+    for n in outer_sizes:
+        count *= n
+    if count > max_intervals:
+        return None
+    starts = torch.tensor(offset, dtype=torch.int64)
+    for n, s in zip(outer_sizes, strides):
+        starts = starts.unsqueeze(-1) + torch.arange(n) * s
+    starts = starts.reshape(-1)
+    return torch.stack([starts, starts + run], dim=1)
+
+
+def _depth_runs(runs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For [start, end) runs: (breakpoints, depth on [breakpoints[i], breakpoints[i + 1]))."""
+    runs_cat = torch.cat(list(runs))
+    points = torch.cat([runs_cat[:, 0], runs_cat[:, 1]])
+    steps = torch.cat([torch.ones(len(runs_cat), dtype=torch.int64), -torch.ones(len(runs_cat), dtype=torch.int64)])
+    points, order = torch.sort(points, stable=True)
+    depth = torch.cumsum(steps[order], 0)
+    last = torch.ones_like(points, dtype=torch.bool)  # the final depth at each distinct point
+    last[:-1] = points[1:] != points[:-1]
+    return points[last], depth[last]
+
+
+def _union(runs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One rank's runs merged (a rank holding an element twice still holds it once)."""
+    points, depth = _depth_runs(runs)
+    covered = depth[:-1] > 0
+    return torch.stack([points[:-1][covered], points[1:][covered]], dim=1)
+
+
+def _rank_depth_by_runs(per_rank: Sequence[Sequence[Lattice]], max_intervals: int
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    unions = []
+    for lats in per_rank:
+        runs = [_intervals(lat, max_intervals) for lat in lats]
+        if any(r is None for r in runs):
+            return None
+        if runs:
+            unions.append(_union(runs))
+    return _depth_runs(unions)
+
+
+def _coverage_error(name: str, numel: int, per_rank: Sequence[Sequence[Lattice]],
+                    max_intervals: int = 1 << 22, block: int = 1 << 20) -> str | None:
+    """Why the ranks' lattices do not hold every element of a tensor the same number of times."""
+    by_runs = _rank_depth_by_runs(per_rank, max_intervals)
+    if by_runs is not None:
+        points, depth = by_runs
+        if int(points[0]) != 0:
+            return f"{name}: elements [0, {int(points[0])}) are held by no rank"
+        if int(points[-1]) != numel:
+            return f"{name}: elements [{int(points[-1])}, {numel}) are held by no rank"
+        pieces = depth[:-1]
+        if bool((pieces == 0).any()):
+            i = int(torch.nonzero(pieces == 0)[0])
+            return f"{name}: elements [{int(points[i])}, {int(points[i + 1])}) are held by no rank"
+        if int(pieces.min()) != int(pieces.max()):
+            i = int(torch.nonzero(pieces != pieces[0])[0])
+            return (f"{name}: elements [{int(points[i])}, {int(points[i + 1])}) are held by {int(pieces[i])} "
+                    f"ranks, elements from 0 by {int(pieces[0])}: ranks overlap")
+        return None
+    # Lattices too fragmented for runs: count holders per element, a block of ids at a time.
+    want = None
+    for a in range(0, numel, block):
+        pos = torch.arange(a, min(numel, a + block))
+        depth = torch.zeros(pos.shape, dtype=torch.int32)
+        for lats in per_rank:
+            held = torch.zeros(pos.shape, dtype=torch.bool)
+            for lat in lats:
+                held |= contains(lattice_parts(lat), pos)
+            depth += held
+        if bool((depth == 0).any()):
+            return f"{name}: element {int(pos[torch.nonzero(depth == 0)[0]])} is held by no rank"
+        want = int(depth[0]) if want is None else want
+        if bool((depth != want).any()):
+            i = int(torch.nonzero(depth != want)[0])
+            return f"{name}: element {int(pos[i])} is held by {int(depth[i])} ranks, element 0 by {want}: ranks overlap"
+    return None
+
+
+def check_coverage(replies: Sequence[Mapping[str, Any]], shapes: Mapping[str, Sequence[int]]
+                   ) -> dict[str, Any]:
+    """Whether every element of every checkpoint tensor is held by the ranks that should hold it.
+
+    Why: an empty placement on one rank means "another rank holds it" - or "the probe missed
+    it". Only all ranks together can tell. Each element must be held by at least one rank, and
+    every element of a tensor by the same number of ranks: all of them (replicated), one
+    (split), or an even share (kv heads replicated past the kv-head count). A tensor that no
+    rank's loader even read is one vLLM ignores (`ignored`); a fallback tensor goes through
+    vLLM's loader and is not checked here. `replies` are the ranks' `delta_coverage` replies.
+    Returns {"ok", "errors": {name: why}, "ignored": [names]}.
+    """
+    errors: dict[str, str] = {}
+    ignored = []
+    fallback = {n for r in replies for n in r.get("fallback") or ()}
+    for name, shape in shapes.items():
+        if name in fallback:
+            continue
+        numel = torch.Size(shape).numel()
+        per_rank = [[lattice_parts(lat) for lat in (r["coverage"].get(name) or ())] for r in replies]
+        if not any(per_rank):
+            if all(name in (r.get("unread") or ()) for r in replies):
+                ignored.append(name)
+            else:
+                errors[name] = f"{name}: no rank holds any element (the loader read it, the probe saw no copy)"
+            continue
+        if numel and (why := _coverage_error(name, numel, per_rank)):
+            errors[name] = why
+    return {"ok": not errors, "errors": errors, "ignored": sorted(ignored)}
 
 
 class Ownership:

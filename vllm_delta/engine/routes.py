@@ -127,7 +127,10 @@ class DeltaUpdater:
         """Once: every rank learns which elements lower ranks hold, so digests count each once."""
         if not self._peers_set:
             coverages = await self._rpc("delta_coverage")
-            await self._rpc("delta_set_peers", coverages)
+            checked = await self._rpc("delta_set_peers", coverages)
+            if not checked[0]["coverage"]["ok"]:
+                logger.error("delta updates: placement coverage check failed; updates are refused: %s",
+                             checked[0]["coverage"]["errors"])
             self._peers_set = True
 
     async def verify(self) -> dict[str, Any]:
@@ -189,6 +192,8 @@ class DeltaUpdater:
         async def probe() -> None:
             try:
                 await self._rpc("delta_probe")
+                async with self._lock:  # then check, across ranks, that every element is held
+                    await self._ensure_peers()
             except UpdateError:
                 pass  # _rpc logged it; the first update probes again and reports the error
 
@@ -228,7 +233,8 @@ def placement_summary(ranks: list[dict]) -> dict[str, Any]:
     return {"ready": ready, "probe_s": max((r["probe_s"] or 0.0 for r in ranks), default=None) if ready else None,
             "probe_peak_bytes": max((r["probe_peak_bytes"] or 0 for r in ranks), default=None) if ready else None,
             "fallback": sorted({n for r in ranks for n in (r["fallback"] or {})}) if ready else None,
-            "transformed": sorted({n for r in ranks for n in r["transformed"]})}
+            "transformed": sorted({n for r in ranks for n in r["transformed"]}),
+            "coverage": ranks[0].get("coverage")}  # the same check on every rank
 
 
 def fault_of(failed: list[dict]) -> dict[str, Any]:

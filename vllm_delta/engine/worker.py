@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
-from vllm_delta.engine.digests import Ownership, coverage
+from vllm_delta.engine.digests import Ownership, check_coverage, coverage, refuse_uncovered
 from vllm_delta.native.model_path import local_checkpoint_dir
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta, parse_manifest
 from vllm_delta.wire.container import DeltaDir
@@ -108,6 +108,7 @@ class DeltaWorkerExtension:
                     delta_dir, version=int(request["version"]),
                     base_version=request.get("base_version"),
                     current_version=state.version, files=request.get("files"), chunk_bytes=chunk_bytes)
+            refuse_uncovered(state.applier.coverage)  # after a collective receive, so a trainer never blocks
             run_id = self._delta_check_lineage(manifest, request, anchor=staged.anchor)
         except DeltaError as exc:
             return _error(exc.http_status, exc)
@@ -163,13 +164,19 @@ class DeltaWorkerExtension:
 
     def delta_coverage(self) -> dict[str, Any]:
         """Which checkpoint elements this rank holds (source lattices per tensor), for its peers."""
-        return {"rank": self._delta_rank(), "coverage": coverage(self._delta().applier.placements)}
+        placements = self._delta().applier.placements
+        return {"rank": self._delta_rank(), "coverage": coverage(placements),
+                "unread": [n for n, p in placements.items() if not p.read],
+                "fallback": [n for n, p in placements.items() if p.fallback_reason]}
 
     def delta_set_peers(self, coverages: list[dict[str, Any]]) -> dict[str, Any]:
         """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`)."""
         ordered = [c["coverage"] for c in sorted(coverages, key=lambda c: c["rank"])]
-        self._delta().applier.ownership = Ownership.from_coverages(ordered, self._delta_rank())
-        return {"ok": True, "rank": self._delta_rank()}
+        applier = self._delta().applier
+        applier.ownership = Ownership.from_coverages(ordered, self._delta_rank())
+        # Holes or overlaps across ranks refuse every update (prepare) and show in the status.
+        applier.coverage = check_coverage(coverages, {n: shape for n, (shape, _) in applier.checkpoint.items()})
+        return {"ok": True, "rank": self._delta_rank(), "coverage": applier.coverage}
 
     def delta_verify(self) -> dict[str, Any]:
         """Full verify of the current weights: counted-once whole-tensor digests, xxh3 where held whole."""

@@ -28,12 +28,23 @@ MAX_ENTRIES = 65536
 Ranges = Sequence[tuple[int, int]]  # inclusive [first, last] position ranges, sorted, disjoint
 
 
-def cuts(pos: np.ndarray, *, span_bits: int = SPAN_BITS, min_entries: int = MIN_ENTRIES,
-         max_entries: int = MAX_ENTRIES) -> list[int]:
+@dataclass(frozen=True)
+class Policy:
+    """Where blocks may start (see the module docstring); the writer's knob, not part of the format."""
+
+    span_bits: int = SPAN_BITS
+    min_entries: int = MIN_ENTRIES
+    max_entries: int = MAX_ENTRIES
+
+    def __post_init__(self) -> None:
+        if self.max_entries <= 0 or self.max_entries % 8 or self.span_bits < 0:
+            raise ValueError("max_entries must be a positive multiple of 8, span_bits >= 0")
+
+
+def cuts(pos: np.ndarray, policy: Policy = Policy()) -> list[int]:
     """Entry indices where blocks start (the first is 0) for sorted positions `pos`."""
     n = pos.size
-    if max_entries % 8 or max_entries <= 0:
-        raise ValueError("max_entries must be a positive multiple of 8")
+    span_bits, min_entries, max_entries = policy.span_bits, policy.min_entries, policy.max_entries
     window = pos >> span_bits
     candidates = (np.flatnonzero(window[1:] != window[:-1]) + 1) & ~7
     starts = [0]

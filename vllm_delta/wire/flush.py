@@ -115,7 +115,8 @@ class EncodedFlush:
 
 
 def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version: int,
-                 base_version: int | None, blocked: bool = True) -> EncodedFlush:
+                 base_version: int | None, blocked: bool = True,
+                 policy: blocks.Policy = blocks.Policy()) -> EncodedFlush:
     """Encode a bucket of changes; `blocked=False` writes the older `vllm-delta/1` layout."""
     if not blocked:
         return _encode_v1(changes, encoding=encoding, version=version, base_version=base_version)
@@ -127,7 +128,7 @@ def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version:
         width = encoding.positions.width(pos, numel)
         names: list[str] | None = None
         rows = []
-        starts = blocks.cuts(pos)
+        starts = blocks.cuts(pos, policy)
         for a, b in zip(starts, [*starts[1:], len(pos)]):
             _, parts = encoding.encode_param(pos[a:b], numel, new[a:b], None if old is None else old[a:b], d,
                                              prev=int(pos[a - 1]) if a else -1, width=width)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .blocks import Policy
 from .digest import bytes_digest
 from .dtypes import by_torch
 from .encodings import DEFAULT_ENCODING, get_encoding
@@ -51,7 +52,7 @@ class FlushBuilder:
     def __init__(self, emit: Callable[[str, EncodedFlush], None], *, version: int,
                  base_version: int | None = None, encoding: str = DEFAULT_ENCODING,
                  flush_bytes: int = 256 << 20, rank: int = 0, model_elements: int | None = None,
-                 blocked: bool = True):
+                 blocked: bool = True, block_policy: Policy = Policy()):
         self.encoding = get_encoding(encoding)
         if self.encoding.needs_base and base_version is None:
             raise ValueError(f"encoding {encoding!r} is base-relative: give base_version")
@@ -61,6 +62,7 @@ class FlushBuilder:
         self.version, self.base_version, self.rank = version, base_version, rank
         self.flush_bytes, self.model_elements = flush_bytes, model_elements
         self.blocked = blocked  # block-indexed `vllm-delta/2` flushes; False writes `vllm-delta/1`
+        self.block_policy = block_policy
         self._pending: list[ParamChange] = []
         self._pending_bytes = 0
         self.files: list[FileEntry] = []
@@ -113,7 +115,8 @@ class FlushBuilder:
             return
         name = flush_name(self.rank, len(self.files))
         enc = encode_flush(self._pending, encoding=self.encoding, version=self.version,
-                           base_version=self.base_version, blocked=self.blocked)
+                           base_version=self.base_version, blocked=self.blocked,
+                           policy=self.block_policy)
         entry = file_entry(name, enc)
         self.emit(name, enc)
         self.files.append(entry)
