@@ -207,8 +207,8 @@ class _ProbeMode(TorchDispatchMode):
                 self.probe_written = True
                 continue
             storage = w.untyped_storage()
-            if storage.nbytes() == 0 or storage._cdata in self.scratch:
-                continue
+            if w.numel() == 0 or storage._cdata in self.scratch:
+                continue  # writes nothing (e.g. vLLM's fill of an empty vocab pad), or the loader's own
             blocked = True
             target = self.storages.get(storage.data_ptr()) if w.device.type != "meta" else None
             if target is None:
@@ -306,11 +306,11 @@ def _affine_fit(ids: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     rows = max(1, _FIT_BLOCK // max(inner, 1))
     lattice = None
     if ids.dim() > 1:
-        lattice = torch.zeros((), dtype=torch.int64)
+        lattice = torch.zeros((), dtype=torch.int64, device=ids.device)
         for d in range(1, ids.dim()):
-            lattice = lattice.unsqueeze(-1) + torch.arange(ids.shape[d]) * strides[d]
+            lattice = lattice.unsqueeze(-1) + torch.arange(ids.shape[d], device=ids.device) * strides[d]
     for r0 in range(0, ids.shape[0], rows):
-        r = torch.arange(r0, min(r0 + rows, ids.shape[0])) * strides[0] + offset
+        r = torch.arange(r0, min(r0 + rows, ids.shape[0]), device=ids.device) * strides[0] + offset
         expected = r if lattice is None else r.reshape(-1, *([1] * (ids.dim() - 1))) + lattice
         if not torch.equal(expected, ids[r0:r0 + rows].to(torch.int64)):
             raise UnmappableLoader("written values are not an affine view of the checkpoint tensor")
@@ -334,8 +334,10 @@ def _careful(load_weights, storages: Mapping[int, str], name: str, shape: tuple[
         raise UnmappableLoader("loader transforms values instead of copying them")
     for seg, w in zip(segments, relabelled.writes):
         got = _ids_of(w.src, w.dst, id_dtype)
+        want = torch.as_strided(ids.reshape(-1), got.shape, _src_strides_of(seg, w.dst), seg.src_offset)
+        # The loader may have moved the ids to the parameter's device: compare there.
         if w.target != seg.target or w.dst.storage_offset() != seg.dst_offset or not torch.equal(
-                got, torch.as_strided(ids.reshape(-1), got.shape, _src_strides_of(seg, w.dst), seg.src_offset)):
+                got, want.to(got.device)):
             raise UnmappableLoader("loader transforms values instead of copying them")
     return segments, read
 
