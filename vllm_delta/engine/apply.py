@@ -29,6 +29,7 @@ from torch import nn
 from vllm_delta.engine import cpu_weights, transforms
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
+from vllm_delta.engine.owned import owned_by_tensor
 from vllm_delta.engine.placement import PeakRss, TensorPlacement, build_placement
 from vllm_delta.wire import (DeltaDecoder, IncompleteDeltaError, Manifest, ParamDelta, VersionError, get_encoding,
                              iter_delta, open_delta, tensor_digest)
@@ -84,6 +85,7 @@ class StagedUpdate:
     # What a later full verify checks: whole-tensor additive digest / xxh3 after this update.
     after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     anchor: bool = False  # overwrites every element of every checkpoint tensor
+    blocks: tuple[int, int] = (0, 0)  # position blocks (decoded, in the delta) of block-indexed flushes
 
     @property
     def fallback_names(self) -> list[str]:
@@ -171,8 +173,10 @@ class DeltaApplier:
         start = time.perf_counter()
         info = open_delta(path, files=files)
         encoding = self._check_lineage(info.manifest, version, base_version, current_version)
+        # Lazily, a param at a time, and only the blocks meeting this rank's shard.
         deltas = iter_delta(info, expected=self.checkpoint, files=files,
-                            current_version=current_version if encoding.needs_base else None)
+                            current_version=current_version if encoding.needs_base else None,
+                            owned=owned_by_tensor(self.placements), lazy=True)
         return self.stage(info.manifest, deltas, version=version, replay=version == current_version, start=start,
                           chunk_bytes=chunk_bytes)
 
@@ -187,10 +191,11 @@ class DeltaApplier:
             raise IncompleteDeltaError(f"received {len(flushes)} flushes, the manifest lists {len(manifest.files)}")
         decoder = DeltaDecoder(manifest, expected=self.checkpoint,
                                current_version=current_version if encoding.needs_base else None)
+        owned = owned_by_tensor(self.placements)
 
         def deltas():
             for name, data in flushes:
-                yield from decoder.feed(name, data)
+                yield from decoder.feed_iter(name, data, owned=owned)
             decoder.finish()
 
         return self.stage(manifest, deltas(), version=version, replay=version == current_version, start=start,
@@ -217,8 +222,11 @@ class DeltaApplier:
         fallback: list[ParamDelta] = []
         sums: dict[str, list[torch.Tensor | None]] = {}
         total = changed = 0
+        blocks = [0, 0]
         for delta in deltas:
-            total += delta.count
+            total += delta.total
+            blocks[0] += delta.blocks[0]
+            blocks[1] += delta.blocks[1]
             entry = entries[delta.name]
             want = (entry.pre_digest is not None, entry.post_digest is not None)
             acc = sums.setdefault(delta.name, [None, None]) if any(want) else None
@@ -249,6 +257,7 @@ class DeltaApplier:
             expected={p.name: [p.pre_digest, p.post_digest] for p in manifest.params
                       if p.pre_digest is not None or p.post_digest is not None},
             after={p.name: (p.digest, p.post_hash) for p in manifest.params},
+            blocks=(blocks[0], blocks[1]),
             anchor=self._is_anchor(manifest),
         )
 
