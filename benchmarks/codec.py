@@ -11,6 +11,7 @@ over gaps and raw values). Writes docs/results/codec.md and docs/results/codec_b
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import platform
 import time
@@ -25,6 +26,7 @@ from vllm_delta.diff import diff_param
 from vllm_delta.wire import (ENCODINGS, DeltaDecoder, Manifest, ParamChange, ParamEntry, encode_flush,
                              file_entry)
 from vllm_delta.wire.codecs import encode_gaps
+from vllm_delta.wire.container import Limits, unpack
 
 SEED = "deltas_zstd"
 PULSE = "pulse_style"
@@ -66,6 +68,8 @@ class Result:
     bytes: int
     encode_s: float
     decode_s: float
+    bytes_v1: int = 0  # the same changes in the unblocked `vllm-delta/1` layout
+    blocks: int = 0  # position blocks in the block-indexed layout
 
 
 def best_of(fn, repeat: int):
@@ -94,7 +98,10 @@ def run_encoding(name: str, changes: list[ParamChange], repeat: int) -> Result:
     dec_s, decoded = best_of(decode, repeat)
     for c, (pos, vals) in zip(changes, decoded):  # the benchmark also proves exactness
         assert torch.equal(pos, c.positions) and torch.equal(vals.view(torch.int16), c.new_values.view(torch.int16))
-    return Result(len(flush.data), enc_s, dec_s)
+    v1 = encode_flush(changes, encoding=enc, version=1, base_version=0, blocked=False)
+    meta = unpack(flush.data, file="f", limits=Limits())[1]
+    blocks = sum(len(p["blocks"]) for p in json.loads(meta["params"]))
+    return Result(len(flush.data), enc_s, dec_s, len(v1.data), blocks)
 
 
 def run_pulse(changes: list[ParamChange], repeat: int) -> Result:
@@ -177,6 +184,10 @@ def write_report(path: Path, rows, names, total: int, wall: float) -> None:
         "before scattering: hash check, decompress, validate, decode and (for `ulp_zstd`) resolve the "
         "steps against the current bits. **Mchg/s**: the same as changed elements per second.",
         "- **floor**: entropy floor for positions alone at that density, H(p)/p bits.",
+        "- **blocks**, **v1 B/chg**, **block cost**: the seekable position blocks of the default "
+        "`vllm-delta/2` layout (wire/blocks.py: a block may start where positions cross a multiple of "
+        "2^20 once it holds 8192 entries; at most 65536), the same changes in the unblocked "
+        "`vllm-delta/1` layout, and what the block index and per-block zstd frames cost per changed element.",
         "",
     ]
     label, density, changed, res = min(rows, key=lambda r: abs(r[1] - 0.02))
@@ -189,14 +200,17 @@ def write_report(path: Path, rows, names, total: int, wall: float) -> None:
         seed, pulse = res[SEED].bytes, res[PULSE].bytes
         lines += [f"## {label}: density {density:.2%} ({changed:,} changed; position floor "
                   f"{position_floor(density):.3f} B)", "",
-                  "| encoding | B/chg | vs seed | vs PULSE | vs full | enc MB/s | dec MB/s | enc Mchg/s | dec Mchg/s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| encoding | B/chg | vs seed | vs PULSE | vs full | enc MB/s | dec MB/s | enc Mchg/s | dec Mchg/s "
+                  "| blocks | v1 B/chg | block cost |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for e in names:
             r = res[e]
+            v1 = (f"{r.blocks} | {r.bytes_v1 / changed:.3f} | {(r.bytes - r.bytes_v1) / changed:+.3f} B"
+                  if r.bytes_v1 else "- | - | -")
             lines.append(f"| `{e}` | {r.bytes / changed:.3f} | {r.bytes / seed:.2f} | {r.bytes / pulse:.2f} | "
                          f"{2 * total / r.bytes:.0f}x | {r.bytes / r.encode_s / 1e6:.0f} | "
                          f"{r.bytes / r.decode_s / 1e6:.0f} | {changed / r.encode_s / 1e6:.1f} | "
-                         f"{changed / r.decode_s / 1e6:.1f} |")
+                         f"{changed / r.decode_s / 1e6:.1f} | {v1} |")
         lines.append("")
     lines += ["![bytes per changed element vs density](codec_bytes_vs_density.png)", ""]
     path.write_text("\n".join(lines))
