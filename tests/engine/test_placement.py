@@ -18,7 +18,7 @@ from vllm_delta.engine.apply import DeltaApplier, flat_storage
 from vllm_delta.engine.worker import DeltaWorkerExtension
 from vllm_delta.engine.placement import build_placement
 from vllm_delta.wire import DeltaWriter, VersionError, tensor_digest
-from vllm_delta.wire.errors import DtypeMismatchError, UnknownParamError
+from vllm_delta.wire.errors import IncompatibleDeltaError, UnknownParamError
 
 H = 8
 CHECKPOINT = {
@@ -176,11 +176,11 @@ def test_flat_storage_addresses_views():
     assert flat.numel() == 12 and flat[view.storage_offset()] == 4
 
 
-def test_unmappable_tensor_goes_through_vllms_loader(tmp_path):
+def test_unmappable_tensor_is_served_by_replaying_its_loader(tmp_path):
     old = random_checkpoint(0)
     new = perturbed(old, ["scaled.weight", "q.weight"], seed=4)
     m = loaded(old)
-    applier = DeltaApplier(m, CHECKPOINT)
+    applier = DeltaApplier(m, CHECKPOINT, read=old.__getitem__)  # the checkpoint, for the replay's shadow
     staged = applier.prepare(write_delta(tmp_path / "d", old, new, encoding="indices"), version=1,
                              base_version=0, current_version=0)
     assert staged.fallback_names == ["scaled.weight"]
@@ -190,11 +190,11 @@ def test_unmappable_tensor_goes_through_vllms_loader(tmp_path):
         assert torch.equal(p.view(torch.uint8), getattr(want, n).view(torch.uint8)), n
 
 
-def test_base_relative_delta_refuses_an_unmappable_tensor(tmp_path):
+def test_unmappable_tensor_without_a_checkpoint_to_replay_is_refused(tmp_path):
     old = random_checkpoint(0)
     new = perturbed(old, ["scaled.weight"], seed=5)
     applier = DeltaApplier(loaded(old), CHECKPOINT)
-    with pytest.raises(DtypeMismatchError, match="base-relative"):
+    with pytest.raises(IncompatibleDeltaError, match="no checkpoint to replay"):
         applier.prepare(write_delta(tmp_path / "d", old, new, encoding="ulp_zstd"), version=1,
                         base_version=0, current_version=0)
 

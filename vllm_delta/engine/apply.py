@@ -29,13 +29,14 @@ from torch import nn
 from vllm_delta.engine import cpu_weights, transforms
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
+from vllm_delta.engine.fallback import UnservableLoader, bits, check_servable, differs, replay, same_layout, shadow_target
 from vllm_delta.engine.owned import owned_by_tensor
 from vllm_delta.engine.placement import PeakRss, TensorPlacement, build_placement
 from vllm_delta.wire import (DeltaDecoder, IncompleteDeltaError, Manifest, ParamDelta, VersionError, get_encoding,
                              iter_delta, open_delta, tensor_digest)
 from vllm_delta.wire.additive import partial_sum, to_hex
 from vllm_delta.wire.codecs import ulp_resolve_tensor
-from vllm_delta.wire.errors import DtypeMismatchError
+from vllm_delta.wire.errors import DtypeMismatchError, IncompatibleDeltaError, IntegrityError
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class StagedUpdate:
 
     version: int
     writes: dict[str, deque[Chunk]]  # destination -> chunks, consumed (and freed) by the commit
-    fallback: list[ParamDelta]
+    fallback: list[str]  # tensors staged by replaying their loader (engine/fallback.py)
     total_changed: int
     changed: int  # entries this rank writes
     bytes_read: int
@@ -89,7 +90,7 @@ class StagedUpdate:
 
     @property
     def fallback_names(self) -> list[str]:
-        return sorted({d.name for d in self.fallback})
+        return sorted(set(self.fallback))
 
 
 def flat_storage(t: torch.Tensor) -> torch.Tensor:
@@ -123,7 +124,8 @@ class DeltaApplier:
 
     def __init__(self, model: nn.Module, checkpoint: Checkpoint,
                  load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None, *,
-                 placements: dict[str, TensorPlacement] | None = None, rank: int = 0) -> None:
+                 placements: dict[str, TensorPlacement] | None = None, rank: int = 0,
+                 read: Callable[[str], torch.Tensor] | None = None) -> None:
         self.model = model
         self.checkpoint = dict(checkpoint)
         self._load_weights = load_weights or model.load_weights
@@ -135,20 +137,50 @@ class DeltaApplier:
         self.probe_peak_bytes: int | None = None
         self.rank = rank
         self.ownership = Ownership()  # until the route hands over the other ranks' coverage
+        # Tensors the probe could not map: their checkpoint values (read with `read`), kept to
+        # replay their loader exactly (engine/fallback.py), or why that loader is refused.
+        self._read = read
+        self.shadows: dict[str, torch.Tensor] | None = None
+        self.refused: dict[str, str] = {}
         self.coverage: dict[str, object] | None = None  # digests.check_coverage across ranks, at startup
+
+    def _storages(self) -> dict[int, str]:
+        """Live parameter storages -> their names: what the probe and the fallback replay record into."""
+        return {live.untyped_storage().data_ptr(): name
+                for name, (live, _) in cpu_weights.canonical_tensors(self.model).items() if live.numel() > 0}
 
     @property
     def placements(self) -> dict[str, TensorPlacement]:
         if self._placements is None:
             start = time.perf_counter()
-            storages = {live.untyped_storage().data_ptr(): name
-                        for name, (live, _) in cpu_weights.canonical_tensors(self.model).items() if live.numel() > 0}
             with PeakRss() as peak:
-                self._placements = build_placement(self._load_weights, storages, self.checkpoint)
+                self._placements = build_placement(self._load_weights, self._storages(), self.checkpoint)
             self.probe_s, self.probe_peak_bytes = time.perf_counter() - start, peak.extra
             logger.info("delta updates: placement of %d tensors learned in %.2fs (+%s B peak)",
                         len(self._placements), self.probe_s, peak.extra)
+        if self.shadows is None:
+            self._plan_fallbacks()
         return self._placements
+
+    def _plan_fallbacks(self) -> None:
+        """At startup: keep a shadow of every unmapped tensor whose loader replays exactly; refuse the rest."""
+        self.shadows, storages = {}, self._storages()
+        for name, placement in self._placements.items():
+            if not placement.fallback_reason:
+                continue
+            if self._read is None:
+                self.refused[name] = "no checkpoint to replay its loader from"
+                continue
+            shadow = self._read(name).to(placement.dtype).contiguous()
+            try:
+                check_servable(self._load_weights, storages, name, shadow, self.targets)
+            except UnservableLoader as exc:
+                self.refused[name] = f"{placement.fallback_reason}; its loader cannot be replayed exactly: {exc}"
+                continue
+            self.shadows[name] = shadow
+            self.targets[shadow_target(name)] = shadow
+        if self.refused:
+            logger.error("delta updates: refused, loaders that cannot be served exactly: %s", self.refused)
 
     @property
     def probed(self) -> bool:
@@ -162,7 +194,7 @@ class DeltaApplier:
         """What `/delta_updates/status` shows under `placement` (never triggers the probe)."""
         ready = self.probed
         return {"ready": ready, "probe_s": self.probe_s, "probe_peak_bytes": self.probe_peak_bytes,
-                "fallback": self.fallback_tensors if ready else None, "coverage": self.coverage,
+                "fallback": self.fallback_tensors if ready else None, "refused": self.refused if ready else None, "coverage": self.coverage,
                 "transformed": sorted(transforms.transformed(self.model))}
 
     # ---- phase 1 -------------------------------------------------------------------------
@@ -219,10 +251,11 @@ class DeltaApplier:
         """Locate decoded (validated) changes and sum their digests: one path, whatever carried the bytes."""
         entries = {p.name: p for p in manifest.params}
         writes: dict[str, deque[Chunk]] = {}
-        fallback: list[ParamDelta] = []
+        fallback: list[str] = []
         sums: dict[str, list[torch.Tensor | None]] = {}
         total = changed = 0
         blocks = [0, 0]
+        anchor = self._is_anchor(manifest)
         for delta in deltas:
             total += delta.total
             blocks[0] += delta.blocks[0]
@@ -232,12 +265,8 @@ class DeltaApplier:
             acc = sums.setdefault(delta.name, [None, None]) if any(want) else None
             placement = self.placements[delta.name]
             if placement.fallback_reason:
-                if delta.needs_base:
-                    raise DtypeMismatchError("a base-relative delta cannot go through vLLM's loader "
-                                             f"({placement.fallback_reason})", param=delta.name)
-                if acc is not None and want[1] and self.rank == 0:  # every rank loads it all; rank 0 counts
-                    _add(acc, 1, partial_sum(delta.positions, delta.values))
-                fallback.append(delta)
+                fallback.append(delta.name)
+                changed += self._stage_replayed(delta, writes, acc, want, anchor, chunk_bytes)
                 continue
             located = [(seg.target, idx, self._permuted(seg.target, offsets))
                        for seg in placement.segments for idx, offsets in [seg.locate(delta.positions)]]
@@ -258,8 +287,61 @@ class DeltaApplier:
                       if p.pre_digest is not None or p.post_digest is not None},
             after={p.name: (p.digest, p.post_hash) for p in manifest.params},
             blocks=(blocks[0], blocks[1]),
-            anchor=self._is_anchor(manifest),
+            anchor=anchor,
         )
+
+    def _stage_replayed(self, delta: ParamDelta, writes: dict[str, deque[Chunk]], acc: list[torch.Tensor | None] | None,
+                        want: tuple[bool, bool], anchor: bool, chunk_bytes: int) -> int:
+        """Stage a tensor the probe could not map by replaying its loader on its shadow, old and new.
+
+        Every rank holds the whole shadow, so rank 0 alone counts its digests. The live weights
+        must equal the replay of the old shadow (unless an anchor overwrites them); the writes are
+        the elements the new replay changes. Returns how many live elements this rank writes.
+        """
+        name = delta.name
+        if name in self.refused:
+            raise IncompatibleDeltaError(f"engine refuses updates to this tensor: {self.refused[name]}", param=name)
+        shadow = self.shadows[name]
+        positions = delta.positions.to(shadow.device)
+        old = shadow.view(-1)[positions]
+        new = ulp_resolve_tensor(old, delta.values.to(shadow.device)) if delta.needs_base else delta.values.to(shadow)
+        if acc is not None and self.rank == 0:
+            if want[0]:
+                _add(acc, 0, partial_sum(positions, old))
+            if want[1]:
+                _add(acc, 1, partial_sum(positions, new))
+        updated = shadow.clone()
+        updated.view(-1)[positions] = new
+        storages = self._storages()
+        before = replay(self._load_weights, storages, name, shadow, self.targets)
+        after = replay(self._load_weights, storages, name, updated, self.targets)
+        del updated
+        if not same_layout(before, after):
+            raise IncompatibleDeltaError("its loader writes other elements for the new values", param=name)
+        if not anchor and (target := differs(self.targets, before)) is not None:
+            raise IntegrityError(f"pre-apply: live {target} differs from its loader's replay of the checkpoint",
+                                 param=name)
+        count = 0
+        for b, a in zip(before, after):
+            base = flat_storage(self.targets[a.target])[a.offsets] if anchor else b.values
+            moved = torch.nonzero(bits(a.values) != bits(base)).squeeze(1)
+            count += moved.numel()
+            writes.setdefault(a.target, deque()).extend(
+                self._plain_chunks(a.target, a.offsets[moved], a.values[moved], chunk_bytes))
+        writes.setdefault(shadow_target(name), deque()).extend(
+            self._plain_chunks(shadow_target(name), positions, new, chunk_bytes))
+        return count
+
+    def _plain_chunks(self, target: str, offsets: torch.Tensor, values: torch.Tensor,
+                      chunk_bytes: int) -> Iterator[Chunk]:
+        """Chunks of new values (the target's dtype) at flat storage offsets."""
+        canon = self.targets[target]
+        if flat_storage(canon).numel() < 1 << 31:
+            offsets = offsets.to(torch.int32)
+        pin = canon.device.type == "cuda"
+        step = max(1, chunk_bytes // (offsets.element_size() + values.element_size()))
+        for lo in range(0, offsets.numel(), step):
+            yield Chunk(_host(offsets[lo:lo + step].cpu(), pin), _host(values[lo:lo + step].cpu(), pin))
 
     def _is_anchor(self, manifest: Manifest) -> bool:
         """An overwrite of every element of every checkpoint tensor: repairs whatever a fault left."""
@@ -347,21 +429,11 @@ class DeltaApplier:
                 while chunks:
                     scatter(flat, chunks.popleft())
             target = None
-            if staged.fallback:
-                written += sorted({d.name for d in staged.fallback})
-                self._apply_fallback(staged.fallback, chunk_bytes or staged.chunk_bytes)
             self._refresh_cpu_kernels(staged)
         except Exception as exc:
             raise ApplyFault(f"scatter failed{f' at {target}' if target else ''}: {type(exc).__name__}: {exc}",
                              failed_at=target, suspect=written) from exc
         return time.perf_counter() - start
-
-    def _apply_fallback(self, deltas: list[ParamDelta], chunk_bytes: int) -> None:
-        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
-            CheckpointWeightPatch, load_checkpoint_weight_patches)
-
-        patches = [CheckpointWeightPatch(d.name, d.shape, d.dtype, d.values, d.positions) for d in deltas]
-        load_checkpoint_weight_patches(self.model, patches, max_chunk_bytes=chunk_bytes)
 
     def _refresh_cpu_kernels(self, staged: StagedUpdate) -> None:
         # A module is touched when a write lands anywhere under it: a derived tensor (MLA's W_UV

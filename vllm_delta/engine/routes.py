@@ -18,6 +18,7 @@ from time import perf_counter
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from prometheus_client import REGISTRY
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import State
@@ -35,6 +36,7 @@ from vllm_delta.native import routes as native_routes
 # Under vLLM's logger, so these lines land in the server log with vLLM's own.
 logger = logging.getLogger("vllm.delta_updates")
 router = APIRouter()
+PREPARE_POLL_S = 0.05  # between polls of a background prepare: short next to any real prepare
 
 
 class DeltaUpdatesEndpoint:
@@ -84,6 +86,9 @@ class DeltaUpdater:
         # Set when a commit failed part-way: generation stays paused and /health fails until an
         # anchor commits on every rank (or the server restarts).
         self.fault: dict[str, Any] | None = None
+        # Set by the startup probe: tensors whose loader cannot be served exactly. Updates are
+        # refused and /health fails, as a refusal to start would (the probe runs after startup).
+        self.refused: dict[str, str] = {}
 
     def authorize(self, request: Request) -> None:
         """Refuse (401) a request without a valid `Authorization: Bearer` key, if keys are set."""
@@ -104,24 +109,47 @@ class DeltaUpdater:
             except NotADeltaDirError as exc:
                 raise UpdateError(400, "NotADeltaDirectory", str(exc)) from None
             req.update(path=str(path), root=str(self.root), files=body.files)
+        if self.refused:
+            raise UpdateError(500, "UnservableLoader", f"delta updates refused at startup: {self.refused}")
         async with self._lock:
             try:
                 await self._ensure_peers()
-                prepared = await self._rpc("delta_prepare", req)
+                tokens_before, started = generation_tokens(), perf_counter()
+                prepared = await self._prepare(req)
+                prepare_s, tokens_after = perf_counter() - started, generation_tokens()
                 if failed := next((r for r in prepared if not r.get("ok")), None):
                     raise UpdateError.from_worker(failed)
                 try:  # the ranks' partial digests of the changed positions, before any write
                     check_partials(prepared)
                 except DeltaError as exc:
                     raise UpdateError(exc.http_status, type(exc).__name__, exc.reason, param=exc.param) from None
-            except UpdateError:
+            except BaseException:  # a refusal, or the client went away mid-prepare
                 await self._abort(req["id"])  # ranks that did prepare drop their staged state
                 raise
             committed, pause_s = await self._commit(req["id"], pause=prepared[0]["total_changed"] > 0,
                                                     anchor=all(r.get("anchor") for r in prepared))
         if failed := next((r for r in committed if not r.get("ok")), None):
             raise UpdateError.from_worker(failed)
-        return summarize(prepared, committed, pause_s)
+        tokens = None if tokens_before is None or tokens_after is None else tokens_after - tokens_before
+        return {**summarize(prepared, committed, pause_s), "prepare_s": prepare_s, "tokens_during_prepare": tokens}
+
+    async def _prepare(self, req: dict[str, Any]) -> list[dict]:
+        """Every rank prepares on a background thread while the engine keeps generating; their replies.
+
+        The polls are cheap RPCs between engine steps; the sleeps between them hand the engine
+        core back to the scheduler.
+        """
+        started = await self._rpc("delta_prepare_start", req)
+        if failed := next((r for r in started if not r.get("ok")), None):
+            return [failed]
+        replies: dict[int, dict] = {}
+        while True:
+            for i, reply in enumerate(await self._rpc("delta_prepare_poll", req["id"])):
+                if reply.get("done") or not reply.get("ok"):
+                    replies.setdefault(i, reply)
+            if len(replies) == len(started):
+                return [replies[i] for i in range(len(started))]
+            await asyncio.sleep(PREPARE_POLL_S)
 
     async def _ensure_peers(self) -> None:
         """Once: every rank learns which elements lower ranks hold, so digests count each once."""
@@ -191,7 +219,7 @@ class DeltaUpdater:
 
         async def probe() -> None:
             try:
-                await self._rpc("delta_probe")
+                self.refused = refused_of(await self._rpc("delta_probe"))
                 async with self._lock:  # then check, across ranks, that every element is held
                     await self._ensure_peers()
             except UpdateError:
@@ -207,7 +235,7 @@ class DeltaUpdater:
         agree = len(versions) == 1 and len(runs) == 1
         return {"version": ranks[0]["version"] if agree else None, "run_id": ranks[0]["run_id"] if agree else None,
                 "weight_version": await self.engine.get_weight_version(),
-                "healthy": not dirty and agree and self.fault is None, "dirty_reasons": dirty,
+                "healthy": not dirty and agree and self.fault is None and not self.refused, "dirty_reasons": dirty,
                 "fault": self.fault, "placement": placement_summary([r["placement"] for r in ranks]),
                 "last": ranks[0]["last"], "ranks": ranks}
 
@@ -227,12 +255,26 @@ class DeltaUpdater:
             raise UpdateError(500, "EngineError", f"{method} failed on a worker: {exc}") from exc
 
 
+def generation_tokens() -> float | None:
+    """vLLM's `vllm:generation_tokens` counter in this process (all engines), or None where it is absent."""
+    for metric in REGISTRY.collect():
+        if metric.name == "vllm:generation_tokens":
+            return sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    return None
+
+
+def refused_of(ranks: list[dict]) -> dict[str, str]:
+    """Tensors whose loader a rank cannot serve exactly (engine/fallback.py), with the reason."""
+    return {n: reason for r in ranks for n, reason in (r.get("refused") or {}).items()}
+
+
 def placement_summary(ranks: list[dict]) -> dict[str, Any]:
     """The ranks' placement status as one: ready when all are, the slowest probe, the largest peak."""
     ready = all(r["ready"] for r in ranks)
     return {"ready": ready, "probe_s": max((r["probe_s"] or 0.0 for r in ranks), default=None) if ready else None,
             "probe_peak_bytes": max((r["probe_peak_bytes"] or 0 for r in ranks), default=None) if ready else None,
             "fallback": sorted({n for r in ranks for n in (r["fallback"] or {})}) if ready else None,
+            "refused": refused_of(ranks) if ready else None,
             "transformed": sorted({n for r in ranks for n in r["transformed"]}),
             "coverage": ranks[0].get("coverage")}  # the same check on every rank
 
@@ -322,6 +364,10 @@ def guard_health(app: FastAPI) -> None:
             return JSONResponse(status_code=503, content={"error": {
                 "type": "DeltaCommitFault", "message": "a delta commit failed; weights are suspect",
                 "fault": updater.fault}})
+        if request.url.path == "/health" and updater is not None and updater.refused:
+            return JSONResponse(status_code=503, content={"error": {
+                "type": "UnservableLoader", "message": "delta updates cannot be served exactly for some tensors",
+                "refused": updater.refused}})
         return await call_next(request)
 
 

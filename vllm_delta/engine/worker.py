@@ -7,12 +7,18 @@ plain dicts (never raise) so one rank's bad input reaches the route as a status 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
@@ -23,6 +29,26 @@ from vllm_delta.wire.container import DeltaDir
 from vllm_delta.wire.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
+
+# Test-only fault injection, read at commit: "VERSION:TENSOR" makes the commit of that version fail
+# for real at that live tensor (its destination is swapped for an empty one, so the scatter raises
+# after the tensors before it were written). Unset in production; the real-engine fault test sets it.
+FAULT_ENV = "VLLM_DELTA_TEST_FAULT_AT"
+
+
+def prepare_threads() -> int:
+    """Intra-op threads for a background prepare: at most half of the engine's, so generation keeps a share."""
+    return max(1, min(4, torch.get_num_threads() // 2))
+
+
+@dataclass
+class _Preparing:
+    """A prepare running on a background thread; `reply` is set when it ends."""
+
+    request_id: str
+    thread: threading.Thread
+    started: float
+    reply: dict[str, Any] | None = None
 
 
 @dataclass
@@ -52,6 +78,7 @@ class DeltaState:
     fault: Fault | None = None
     last: dict[str, Any] | None = None
     staged: dict[str, StagedUpdate] = field(default_factory=dict)
+    preparing: _Preparing | None = None  # a background prepare (delta_prepare_start), until polled
     # What a full verify checks, per checkpoint tensor: the whole-tensor additive digest and xxh3
     # the latest update that changed it stated (either may be None).
     after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
@@ -69,8 +96,9 @@ class DeltaWorkerExtension:
     def _delta(self) -> DeltaState:
         state = getattr(self, "_delta_state", None)
         if state is None:
-            checkpoint = Checkpoint.open(local_checkpoint_dir(self.vllm_config)).meta
-            state = DeltaState(DeltaApplier(self._delta_model(), checkpoint, rank=self._delta_rank()))
+            checkpoint = Checkpoint.open(local_checkpoint_dir(self.vllm_config))
+            state = DeltaState(DeltaApplier(self._delta_model(), checkpoint.meta, rank=self._delta_rank(),
+                                            read=checkpoint.read))
             self._delta_state = state
         return state
 
@@ -79,6 +107,57 @@ class DeltaWorkerExtension:
 
     def _delta_rank(self) -> int:
         return int(getattr(self, "rank", 0))
+
+    def delta_prepare_start(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Start `delta_prepare` on a background thread and return at once.
+
+        Why: `collective_rpc` runs inside the engine core's busy loop, so a prepare run here would
+        stop generation for the whole read, decode and digest. On a thread it only shares the
+        cores; the route polls `delta_prepare_poll` and pauses generation for the commit alone.
+        Prepare reads live weights but never writes one, and commits are serialized behind it
+        (the route's update lock), so what it reads is consistent. The placement is learned here,
+        on the engine's own thread, if the startup probe has not finished it (the probe runs the
+        model's loaders, which must not race a forward).
+        """
+        state = self._delta()
+        self._delta_join_prepare()  # a prepare a cancelled request left behind
+        try:
+            state.applier.placements
+        except Exception as exc:
+            return _error(500, exc)
+        threads = prepare_threads()
+        preparing = _Preparing(request["id"], threading.Thread(target=lambda: None), time.perf_counter())
+
+        def run() -> None:
+            torch.set_num_threads(threads)  # this thread's OpenMP pool; the engine's own is untouched
+            try:
+                preparing.reply = self.delta_prepare(request)
+            except Exception as exc:  # delta_prepare reports input errors itself; anything else is ours
+                logger.exception("delta updates: prepare crashed")
+                preparing.reply = _error(500, exc)
+
+        preparing.thread = threading.Thread(target=run, name="delta-prepare", daemon=True)
+        state.preparing = preparing
+        preparing.thread.start()
+        return {"ok": True, "rank": self._delta_rank(), "threads": threads}
+
+    def delta_prepare_poll(self, request_id: str) -> dict[str, Any]:
+        """`{"done": False}` while the background prepare runs, then its reply (with `prepare_s`)."""
+        preparing = self._delta().preparing
+        if preparing is None or preparing.request_id != request_id:
+            return _error(409, KeyError(f"no prepare running for {request_id!r}"))
+        if preparing.thread.is_alive():
+            return {"ok": True, "done": False, "rank": self._delta_rank()}
+        self._delta().preparing = None
+        return {**preparing.reply, "done": True, "prepare_s": time.perf_counter() - preparing.started}
+
+    def _delta_join_prepare(self) -> None:
+        """Wait for a background prepare nobody polls any more and drop what it staged."""
+        preparing = self._delta().preparing
+        if preparing is not None:
+            preparing.thread.join()
+            self._delta().preparing = None
+            self.delta_abort(preparing.request_id)
 
     def delta_prepare(self, request: dict[str, Any]) -> dict[str, Any]:
         """Phase 1: read, verify, decode and locate; no weight changes."""
@@ -136,7 +215,8 @@ class DeltaWorkerExtension:
         staged = state.staged.pop(request_id)
         run_id = state.staged_run.pop(request_id, None)
         try:
-            apply_s = state.applier.commit(staged)
+            with _injected_fault(state.applier.targets, staged.version):
+                apply_s = state.applier.commit(staged)
         except ApplyFault as exc:
             state.fault = Fault(staged.version, str(exc), exc.failed_at, exc.suspect)
             logger.error("delta updates: commit of version %d failed; suspect tensors %s\n%s",
@@ -236,3 +316,23 @@ class DeltaWorkerExtension:
                 "fault": state.fault and state.fault.as_dict(), "last": state.last,
                 "placement": state.applier.placement_status(),
                 "fallback": state.applier.fallback_tensors if state.applier.probed else None}
+        preparing = self._delta().preparing
+        if preparing is not None and preparing.request_id == request_id:
+            self._delta_join_prepare()  # let it finish, then drop what it staged
+            return
+
+
+@contextlib.contextmanager
+def _injected_fault(targets: dict[str, torch.Tensor], version: int) -> Iterator[None]:
+    """Test-only (`FAULT_ENV`): make this commit fail for real at the named live tensor."""
+    spec = os.environ.get(FAULT_ENV, "")
+    at_version, _, name = spec.partition(":")
+    if not name or at_version != str(version) or name not in targets:
+        yield
+        return
+    original = targets[name]
+    targets[name] = original.new_empty(0)  # the scatter's offsets fall outside it: index_copy_ raises
+    try:
+        yield
+    finally:
+        targets[name] = original

@@ -70,10 +70,27 @@ def _keys(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return key.bitwise_xor_(bits)
 
 
+# On the CPU, terms are summed this many at a time: the ~30 elementwise passes then run on int64
+# temporaries of 256 KiB that stay in cache, about 3x faster than passes over the whole array
+# (sums mod 2^64 do not depend on the grouping). A GPU takes the whole array at once.
+_CPU_SLICE = 1 << 15
+
+
 def partial_sum(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """int64[2] lane sums of the terms of `values` at flat `positions`, on their device."""
-    if positions.numel() != values.numel():
-        raise ValueError(f"{positions.numel()} positions for {values.numel()} values")
+    n = positions.numel()
+    if n != values.numel():
+        raise ValueError(f"{n} positions for {values.numel()} values")
+    if positions.device.type != "cpu" or n <= _CPU_SLICE:
+        return _lane_sums(positions.reshape(-1), values.reshape(-1))
+    positions, values = positions.reshape(-1), values.reshape(-1)
+    total = _lane_sums(positions[:_CPU_SLICE], values[:_CPU_SLICE])
+    for lo in range(_CPU_SLICE, n, _CPU_SLICE):
+        total += _lane_sums(positions[lo:lo + _CPU_SLICE], values[lo:lo + _CPU_SLICE])
+    return total
+
+
+def _lane_sums(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     keys = _keys(positions, values)
     lane1 = _mix_(keys ^ _LANES[1][0], _LANES[1][1], _LANES[1][2]).sum()
     lane0 = _mix_(keys, _LANES[0][1], _LANES[0][2]).sum()
