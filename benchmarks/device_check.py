@@ -13,7 +13,9 @@ a direct `load_weights` of the new checkpoint into a fresh model of the same ran
 
 Sections (`--sections a,b`): `apply` (bit-exactness at each density, and decode / prepare /
 commit / verify times) and `sender` (the sender's scan with the snapshot on the device and in
-pinned host memory, checked against the positions each step moved; benchmarks/device_sender.py).
+pinned host memory, checked against the positions each step moved; benchmarks/device_sender.py)
+and `collective` (the NCCL transport's pinned host-to-device stream of a delta's flushes, one at a
+time, and back, bit-exact; benchmarks/device_collective.py says why it is one process).
 Each section is one function taking (args, ctx) and returning a dict.
 """
 
@@ -329,7 +331,17 @@ def section_sender(args: argparse.Namespace, ctx: dict) -> dict:
     return run(args, ctx, shapes=checkpoint_shapes(cfg), make_weights=lambda: random_checkpoint(cfg, args.device, 0))
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace, dict], dict]] = {"apply": section_apply, "sender": section_sender}
+def section_collective(args: argparse.Namespace, ctx: dict) -> dict:
+    """The collective transport's NCCL form, one flush at a time (benchmarks/device_collective.py)."""
+    from device_collective import section_collective as run
+
+    cfg = SIZES[args.size]
+    return run(args, ctx, make_weights=lambda: random_checkpoint(cfg, args.device, 0), step=step,
+               write_delta=write_delta)
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, dict], dict]] = {
+    "apply": section_apply, "sender": section_sender, "collective": section_collective}
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -360,6 +372,10 @@ def markdown(report: dict) -> str:
         from device_sender import sender_markdown
 
         lines += ["", *sender_markdown(report["sections"]["sender"])]
+    if "collective" in report["sections"]:
+        from device_collective import collective_markdown
+
+        lines += ["", *collective_markdown(report["sections"]["collective"])]
     return "\n".join(lines) + "\n"
 
 

@@ -25,6 +25,9 @@ def test_device_check_runs_on_cpu(tmp_path):
         ("device", 0.02), ("device", 0.2), ("host", 0.02), ("host", 0.2)]
     assert all(r["exact"] and r["changed"] > 0 for r in sender["rows"])
     assert "## sender" in (tmp_path / "device_check.md").read_text()
+    collective = report["sections"]["collective"]
+    assert collective["ok"] and collective["exact"] and collective["flushes"] > 0
+    assert collective["pinned_window_bytes"] == collective["largest_flush"] <= collective["wire_bytes"]
 
 
 def test_device_check_refuses_an_unknown_section(tmp_path):
