@@ -381,17 +381,22 @@ class DeltaApplier:
         In slices of about `chunk_bytes` of device memory (offsets, values and the int64 mixing
         temporaries come to about 64 B per entry).
         """
-        seen = torch.zeros(delta.count, dtype=torch.bool)
+        held = [(target, idx, offsets) for target, idx, offsets in located if idx.numel()]
+        # Masks only where an element can be counted twice: held twice here, or by a lower rank.
+        seen = torch.zeros(delta.count, dtype=torch.bool) if len(held) > 1 else None
+        lower = bool(self.ownership.lower.get(delta.name))
         step = max(1, chunk_bytes // 64)
-        for target, idx, offsets in located:
-            if not idx.numel():
-                continue
-            keep = ~seen[idx] & self.ownership.counted(delta.name, delta.positions[idx])
-            seen[idx] = True
-            idx, offsets = idx[keep], offsets[keep]
+        for target, idx, offsets in held:
+            if seen is not None or lower:
+                keep = (self.ownership.counted(delta.name, delta.positions[idx]) if lower
+                        else torch.ones(idx.numel(), dtype=torch.bool))
+                if seen is not None:
+                    keep &= ~seen[idx]
+                    seen[idx] = True
+                idx, offsets = idx[keep], offsets[keep]
             flat = flat_storage(self.targets[target])
             for lo in range(0, idx.numel(), step):
-                part = idx[lo:lo + step]
+                part = _run(idx[lo:lo + step])
                 pos = delta.positions[part].to(flat.device)
                 old = None
                 if pre or delta.needs_base:
@@ -407,7 +412,7 @@ class DeltaApplier:
         canon = self.targets[target]
         if flat_storage(canon).numel() < 1 << 31:
             offsets = offsets.to(torch.int32)
-        values = delta.values[idx]
+        values = delta.values[_run(idx)]
         if not delta.needs_base:
             values = values.to(canon.dtype)
         pin = canon.device.type == "cuda"
@@ -505,6 +510,13 @@ def scatter(flat: torch.Tensor, chunk: Chunk) -> None:
     if chunk.base is not None:
         values = ulp_resolve_tensor(gather(flat, offsets).to(chunk.base), values)
     flat.index_copy_(0, offsets, values.to(flat.dtype))
+
+
+def _run(idx: torch.Tensor) -> torch.Tensor | slice:
+    """Increasing indices as a slice when they are consecutive (a dense segment's): a view, not a gather."""
+    if idx.numel() and int(idx[-1]) - int(idx[0]) + 1 == idx.numel():
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
 
 
 def _hex_all(sums: dict[str, list[torch.Tensor | None]]) -> dict[str, list[str | None]]:
