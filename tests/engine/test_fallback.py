@@ -24,6 +24,7 @@ from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater, guard_health
+from vllm_delta.wire.additive import tensor_sum, to_hex
 from vllm_delta.wire.errors import IncompatibleDeltaError, IntegrityError
 
 H = 8
@@ -169,6 +170,19 @@ def test_every_check_runs_in_prepare_and_the_commit_never_calls_the_loader(tmp_p
     a._load_weights = no_loader
     a.commit(staged)
     assert same_bits(m, loaded(new, served_only=True)) == []
+
+
+def test_full_verify_covers_replayed_tensors(tmp_path):
+    """The whole-tensor digest of a replayed tensor is its shadow's, and live drift breaks it."""
+    base = checkpoint(0)
+    m = loaded(base, served_only=True)
+    a = applier(m, base)
+    new = step(base, seed=6)
+    a.commit(a.prepare(write_delta(tmp_path / "v1", base, new), version=1, base_version=0, current_version=0))
+    for name in ("scaled.weight", "cumsum.weight"):
+        assert a.whole_partial(name) == to_hex(tensor_sum(new[name]))
+    m.cumsum.data.view(torch.int16)[3, 1] += 1
+    assert a.whole_partial("cumsum.weight") != to_hex(tensor_sum(new["cumsum.weight"]))
 
 
 def test_a_delta_for_a_refused_tensor_is_refused_before_any_write(tmp_path):

@@ -34,7 +34,7 @@ from vllm_delta.engine.owned import owned_by_tensor
 from vllm_delta.engine.placement import PeakRss, TensorPlacement, build_placement
 from vllm_delta.wire import (DeltaDecoder, IncompleteDeltaError, Manifest, ParamDelta, VersionError, get_encoding,
                              iter_delta, open_delta, tensor_digest)
-from vllm_delta.wire.additive import partial_sum, to_hex
+from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 from vllm_delta.wire.codecs import ulp_resolve_tensor
 from vllm_delta.wire.errors import DtypeMismatchError, IncompatibleDeltaError, IntegrityError
 
@@ -473,10 +473,10 @@ class DeltaApplier:
         return out.reshape(placement.shape)
 
     def whole_partial(self, name: str) -> str | None:
-        """This rank's counted-once additive digest of tensor `name` as held now (None: fallback)."""
+        """This rank's counted-once additive digest of tensor `name` as held now (None: held nowhere here)."""
         placement = self.placements[name]
         if placement.fallback_reason:
-            return None
+            return self._replayed_partial(name)
         total = torch.zeros(2, dtype=torch.int64)
         earlier = []
         for seg in placement.segments:
@@ -489,6 +489,16 @@ class DeltaApplier:
                 total += partial_sum(pos[keep], values[keep].to(placement.dtype))
             earlier.append(lattice(seg))
         return to_hex(total)
+
+    def _replayed_partial(self, name: str) -> str | None:
+        """A replayed tensor's share: rank 0 counts its shadow; a rank whose live weights differ from
+        the shadow's replay counts the shadow once more, so the sum across ranks cannot match."""
+        shadow = (self.shadows or {}).get(name)
+        if shadow is None:
+            return None
+        drift = differs(self.targets, replay(self._load_weights, self._storages(), name, shadow, self.targets))
+        copies = int(self.rank == 0) + int(drift is not None)
+        return to_hex(tensor_sum(shadow) * copies) if copies else None
 
     def post_hash_mismatches(self, post_hashes: Mapping[str, str]) -> tuple[int, list[str]]:
         """xxh3 of every tensor this rank holds whole, against `post_hashes`: (checked, mismatched)."""
