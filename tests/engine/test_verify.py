@@ -9,6 +9,7 @@ kv-head count, TP slices, fused qkv / gate_up, experts) run the real worker exte
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,33 @@ def test_placement_status_is_reported_before_the_first_update(tmp_path):
     placement = after["placement"]
     assert placement["ready"] and placement["probe_s"] > 0 and placement["fallback"] == []
     assert placement["transformed"] == [] and after["last"] is None
+
+
+def test_prepare_runs_on_a_background_thread_and_the_route_waits_for_it(tmp_path):
+    """`delta_prepare_start` returns while the prepare still runs; the route polls until it ends."""
+    base, models, workers, updater = setup(tmp_path)
+    new = DC.step(base, 0.3, seed=6)
+    DC.write_delta(updater.root / "v1", base, new, version=1)
+    release = threading.Event()
+    for w in workers:
+        prepare = w._delta().applier.prepare
+
+        def blocked(*args, _prepare=prepare, **kwargs):
+            assert release.wait(30), "the test never released the prepare"
+            return _prepare(*args, **kwargs)
+
+        w._delta().applier.prepare = blocked
+
+    async def run() -> tuple[list[dict], dict]:
+        task = asyncio.create_task(updater.update(DeltaUpdateRequest(path="v1", version=1, base_version=0)))
+        while not all(w._delta().preparing for w in workers):
+            await asyncio.sleep(0.01)  # the route's RPC returned: the prepare runs on its own
+        polls = [w.delta_prepare_poll(w._delta().preparing.request_id) for w in workers]
+        release.set()
+        return polls, await task
+
+    polls, result = asyncio.run(run())
+    assert all(p["ok"] and not p["done"] for p in polls) and not updater.engine.paused
+    assert result["version"] == 1 and result["prepare_s"] > 0
+    for rank, m in enumerate(models):
+        assert same_bits(m, loaded(new, rank, 2)) == []
