@@ -38,10 +38,10 @@ def test_owned_ranges_of_synthetic_placements():
     assert owned_ranges(fallback) is None  # replayed whole: needs every position
 
 
-def write_delta(path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
-    """A block-indexed delta with the sender's pre/post digests of the changed positions."""
+def write_delta(path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], blocked: bool = True) -> None:
+    """A block-indexed delta (or a `vllm-delta/1` one) with the sender's pre/post digests of the changed positions."""
     digests = {}
-    with DeltaWriter(path, version=1, base_version=0, encoding="ulp_zstd", block_policy=SMALL) as w:
+    with DeltaWriter(path, version=1, base_version=0, encoding="ulp_zstd", block_policy=SMALL, blocked=blocked) as w:
         for name, t in new.items():
             a, b = old[name].reshape(-1), t.reshape(-1)
             pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
@@ -73,4 +73,22 @@ def test_each_tp_rank_decodes_fewer_blocks_and_applies_bit_exact(tmp_path):
         applier.commit(staged)
         assert same_bits(model, loaded(new, rank, 2)) == []
     # Skipped blocks hold only elements a rank does not hold, so the counted-once partials still add up.
+    assert check_partials(replies) == 2 * len(replies[0]["expected"])
+
+
+def test_unblocked_v1_deltas_still_apply_bit_exact(tmp_path):
+    base = DC.random_checkpoint(CFG, "cpu", seed=0)
+    new = DC.step(base, 0.3, seed=8)
+    write_delta(tmp_path / "d", base, new, blocked=False)
+    models, _ = tp_ranks(tmp_path / "model", base, tp=2)
+    appliers = [DeltaApplier(model, META, rank=rank) for rank, model in enumerate(models)]
+    covs = [coverage(a.placements) for a in appliers]
+    replies = []
+    for rank, (model, applier) in enumerate(zip(models, appliers)):
+        applier.ownership = Ownership.from_coverages(covs, rank)
+        staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
+        assert staged.blocks == (0, 0)  # no index: every rank decodes everything, as before
+        replies.append({"digests": staged.digests, "expected": staged.expected})
+        applier.commit(staged)
+        assert same_bits(model, loaded(new, rank, 2)) == []
     assert check_partials(replies) == 2 * len(replies[0]["expected"])
