@@ -179,3 +179,24 @@ def test_a_tensor_the_loader_skips_is_unread_not_a_fallback():
     skipped = placements["rotary.inv_freq"]
     assert not skipped.read and skipped.segments == [] and skipped.fallback_reason is None
     assert placements["p"].read and placements["p"].covers_whole_tensor
+
+
+def test_careful_pass_ids_are_the_smallest_integer_dtype():
+    """Meta first; then int32 ids (and their relabelling), not float64, where values are needed."""
+    seen: list[torch.dtype] = []
+
+    class ReadsValues(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = _zeros(N, N)
+
+        def load_weights(self, weights) -> None:
+            for _, w in weights:
+                seen.append(w.dtype)
+                if int(w.reshape(-1)[0].item()) >= 0:
+                    self.p.data.copy_(w)
+
+    m = ReadsValues()
+    placement = probe_tensor(m.load_weights, storages(m), "p", (N, N), torch.bfloat16)
+    assert placement.covers_whole_tensor and placement.fallback_reason is None
+    assert seen == [torch.bfloat16, torch.int32, torch.int32]
