@@ -1,0 +1,151 @@
+"""A real `vllm serve` with delta updates: generation goes on while an update is prepared, and a
+commit that fails for real part-way keeps the engine drained until an anchor repairs it.
+
+One server serves the module. It starts with the test-only fault hook armed for version
+`FAULT_VERSION` at `FAULT_AT`: that commit's scatter raises there, after the tensors before it
+were written. `served` tracks the weights the engine holds, so the tests run in any order.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from vllm_delta.engine.worker import FAULT_ENV
+from vllm_delta.wire import DeltaWriter
+
+pytestmark = [pytest.mark.engine, pytest.mark.heavy]
+
+FAULT_VERSION = 1000
+FAULT_AT = "model.layers.1.mlp.down_proj.weight"  # a live tensor written after layer 0's
+STREAM_TOKENS = 240
+
+
+@pytest.fixture(scope="module")
+def server(serve_deltas, tiny_model_factory, delta_root: Path, tmp_path_factory) -> Iterator[object]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAULT_ENV, f"{FAULT_VERSION}:{FAULT_AT}")  # the server's processes inherit it
+        with serve_deltas(tiny_model_factory("llama"), delta_root, log) as srv:
+            yield srv
+
+
+@pytest.fixture(scope="module")
+def served(server, deltas) -> dict:
+    """What the engine holds: its version and weights (checkpoint names), and the fresh load's digests."""
+    return {"version": 0, "weights": dict(deltas.base), "fresh": server.checksums()}
+
+
+def moved(weights: dict[str, torch.Tensor], seed: int, density: float) -> dict[str, torch.Tensor]:
+    """Every tensor with a random `density` of its elements moved by one ULP."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in weights.items():
+        t = t.clone()
+        bits = t.view(-1).view(torch.int16)
+        bits[torch.rand(bits.shape, generator=gen) < density] += 1
+        out[name] = t
+    return out
+
+
+def post(server, path: Path, version: int, base_version: int | None) -> requests.Response:
+    body = {"path": path.name, "version": version}
+    if base_version is not None:
+        body["base_version"] = base_version
+    return server.update(body)
+
+
+def is_paused(server) -> bool:
+    return requests.get(f"{server.url}/is_paused", headers=server.headers(), timeout=30).json()["is_paused"]
+
+
+def stream(server, received: list[float], done: threading.Event) -> None:
+    """A long greedy completion; the arrival time of every streamed token lands in `received`."""
+    body = {"prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with requests.post(f"{server.url}/v1/completions", json=body, headers=server.headers(), stream=True,
+                       timeout=300) as resp:
+        for line in resp.iter_lines():
+            if line.startswith(b"data: {"):
+                received.extend(time.monotonic() for _ in json.loads(line[6:])["choices"])
+    done.set()
+
+
+def test_generation_continues_while_an_update_is_prepared(server, deltas, served):
+    new = moved(served["weights"], seed=1, density=0.5)
+    path = deltas.write("serving", new, version=served["version"] + 1, base_version=served["version"],
+                        old=served["weights"])
+    received: list[float] = []
+    done = threading.Event()
+    threading.Thread(target=stream, args=(server, received, done), daemon=True).start()
+    deadline = time.monotonic() + 120
+    while len(received) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(received) >= 8, "the stream did not start"
+    resp = post(server, path, served["version"] + 1, served["version"])
+    assert resp.status_code == 200, resp.text
+    served.update(version=served["version"] + 1, weights=new)
+    result = resp.json()
+    print(f"prepare_s={result['prepare_s']:.3f} pause_s={result['pause_s']:.3f} "
+          f"tokens_during_prepare={result['tokens_during_prepare']} changed={result['changed']}")
+    assert result["tokens_during_prepare"] > 0, result  # vLLM's generation_tokens counter moved
+    assert result["pause_s"] > 0 and result["prepare_s"] > 0
+    assert done.wait(300) and len(received) == STREAM_TOKENS  # and the stream finished after the pause
+    assert server.status()["healthy"]
+
+
+def anchor(path: Path, weights: dict[str, torch.Tensor], version: int) -> Path:
+    """A full overwrite of every checkpoint tensor: valid on any weights, and repairs a fault."""
+    with DeltaWriter(path, version=version, base_version=None, encoding="indices") as w:
+        for name, t in weights.items():
+            w.add(name, torch.arange(t.numel()), t.reshape(-1), shape=tuple(t.shape))
+    return path
+
+
+def stripped(checksums: dict[str, str]) -> dict[str, str]:
+    return {name.rsplit(":", 1)[-1]: digest for name, digest in checksums.items()}
+
+
+def test_real_commit_fault_drains_the_engine_until_an_anchor(server, deltas, served):
+    before = stripped(server.checksums())
+    new = moved(served["weights"], seed=2, density=0.05)
+    path = deltas.write("fault", new, version=FAULT_VERSION, base_version=served["version"], old=served["weights"])
+    resp = post(server, path, FAULT_VERSION, served["version"])
+    assert resp.status_code == 500 and FAULT_AT in resp.json()["error"]["message"], resp.text
+
+    status = server.status()
+    fault = status["fault"]
+    assert not status["healthy"] and fault["version"] == FAULT_VERSION and fault["failed_at"] == FAULT_AT
+    assert FAULT_AT in fault["suspect"] and status["ranks"][0]["dirty"]
+    health = requests.get(f"{server.url}/health", timeout=30)
+    assert health.status_code == 503 and health.json()["error"]["fault"]["failed_at"] == FAULT_AT
+    assert is_paused(server), "a failed commit must not resume generation"
+    # The fault is real: tensors before it were written, and only suspect ones.
+    after = stripped(server.checksums())
+    changed = {n for n in after if after[n] != before[n]}
+    assert changed and changed <= set(fault["suspect"]) and FAULT_AT not in changed
+
+    # A plain delta cannot repair it; the engine stays drained.
+    refused = post(server, deltas.write("after-fault", moved(new, seed=3, density=0.05),
+                                        version=FAULT_VERSION + 1, base_version=FAULT_VERSION, old=new),
+                   FAULT_VERSION + 1, None)
+    assert refused.status_code in (400, 409, 500), refused.text
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 503 and is_paused(server)
+
+    # A full anchor back to the checkpoint repairs it: serving resumes, digests equal the fresh load's.
+    repaired = post(server, anchor(deltas.fresh_dir("anchor"), deltas.base, FAULT_VERSION + 2),
+                    FAULT_VERSION + 2, None)
+    assert repaired.status_code == 200, repaired.text
+    served.update(version=FAULT_VERSION + 2, weights=dict(deltas.base))
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200 and not is_paused(server)
+    status = server.status()
+    assert status["healthy"] and status["fault"] is None and status["version"] == FAULT_VERSION + 2
+    assert server.checksums() == served["fresh"]
+    assert server.complete()["text"]
