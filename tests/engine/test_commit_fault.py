@@ -2,7 +2,10 @@
 503 and the status names the version and the suspect tensors, until an anchor commits everywhere.
 
 The fault is real: between prepare and commit (while the route pauses generation) one rank's
-destination tensor is swapped for one too small, so its scatter raises at that tensor.
+destination tensor is swapped for one too small, so its scatter raises at that tensor. Here two
+in-process TP ranks show the rank bookkeeping; the same fault on a real `vllm serve` (health,
+`/is_paused`, `/weight_checker` digests) is in test_prepare_while_serving.py, which shares that
+module's server instead of starting another.
 """
 
 from __future__ import annotations
