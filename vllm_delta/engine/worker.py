@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,12 +43,25 @@ def prepare_threads() -> int:
 
 @dataclass
 class _Preparing:
-    """A prepare running on a background thread; `reply` is set when it ends."""
+    """A prepare running on a background thread with `threads` intra-op threads; `reply` is set when it ends."""
 
     request_id: str
-    thread: threading.Thread
-    started: float
+    threads: int
+    started: float = field(default_factory=time.perf_counter)
     reply: dict[str, Any] | None = None
+    thread: threading.Thread | None = None
+
+    def start(self, prepare: Callable[[], dict[str, Any]]) -> None:
+        def run() -> None:
+            torch.set_num_threads(self.threads)  # this thread's OpenMP pool; the engine's own is untouched
+            try:
+                self.reply = prepare()
+            except Exception as exc:  # prepare reports input errors itself; anything else is ours
+                logger.exception("delta updates: prepare crashed")
+                self.reply = _error(500, exc)
+
+        self.thread = threading.Thread(target=run, name="delta-prepare", daemon=True)
+        self.thread.start()
 
 
 @dataclass
@@ -125,21 +138,9 @@ class DeltaWorkerExtension:
             state.applier.placements
         except Exception as exc:
             return _error(500, exc)
-        threads = prepare_threads()
-        preparing = _Preparing(request["id"], threading.Thread(target=lambda: None), time.perf_counter())
-
-        def run() -> None:
-            torch.set_num_threads(threads)  # this thread's OpenMP pool; the engine's own is untouched
-            try:
-                preparing.reply = self.delta_prepare(request)
-            except Exception as exc:  # delta_prepare reports input errors itself; anything else is ours
-                logger.exception("delta updates: prepare crashed")
-                preparing.reply = _error(500, exc)
-
-        preparing.thread = threading.Thread(target=run, name="delta-prepare", daemon=True)
-        state.preparing = preparing
-        preparing.thread.start()
-        return {"ok": True, "rank": self._delta_rank(), "threads": threads}
+        state.preparing = _Preparing(request["id"], prepare_threads())
+        state.preparing.start(lambda: self.delta_prepare(request))
+        return {"ok": True, "rank": self._delta_rank(), "threads": state.preparing.threads}
 
     def delta_prepare_poll(self, request_id: str) -> dict[str, Any]:
         """`{"done": False}` while the background prepare runs, then its reply (with `prepare_s`)."""
