@@ -384,7 +384,8 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Exp
 
 def _decode_blocked(enc: Encoding, smeta, data, plans, *, file: str, owned: Owned | None) -> Iterator[ParamDelta]:
     for p, d, shape, numel, index, starts in plans:
-        mask = blocks.wanted(index, None if owned is None else owned.get(p.name))
+        ranges = None if owned is None else owned.get(p.name)
+        mask = blocks.wanted(index, None if ranges is None else blocks.merge(ranges))
         pos_parts, val_parts = [], []
         for k, m in blocks.runs(mask):
             spans = {s: _run_bytes(data[s], smeta[s].codec, starts[s], index, j, k, m, file=file, param=p.name)
