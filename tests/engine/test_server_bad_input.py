@@ -144,11 +144,15 @@ MISFIT: dict[str, tuple[type, Callable]] = {
 
 
 def test_placement_is_learned_at_startup(delta_server, baseline):
-    """Before any update the status reports the probe: ready, its cost, nothing falling back."""
+    """Before any update the status reports the probe (ready, its cost, nothing falling back) and the
+    coverage check across ranks."""
     deadline = time.monotonic() + 120
-    while not (placement := delta_server.status()["placement"])["ready"] and time.monotonic() < deadline:
+    while (not (placement := delta_server.status()["placement"])["ready"] or placement["coverage"] is None) \
+            and time.monotonic() < deadline:
         time.sleep(1)
     assert placement["ready"] and placement["probe_s"] > 0 and placement["fallback"] == [], placement
+    # The cross-rank coverage check ran at startup too: every checkpoint element is held.
+    assert placement["coverage"]["ok"] and placement["coverage"]["errors"] == {}, placement
     assert placement["probe_peak_bytes"] is not None and isinstance(placement["transformed"], list), placement
     assert delta_server.status()["last"] is None  # no update has run
 
