@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import save_file
+from test_placement import CHECKPOINT, MAPPABLE, H, LocalWorker, loaded, perturbed, random_checkpoint, write_delta
 from torch import nn
 
 from vllm_delta.engine import digests
@@ -131,3 +133,32 @@ def test_a_fallback_tensor_is_left_to_vllms_loader():
     reps = _all_drop("norm.weight")
     reps[0]["fallback"] = ["norm.weight"]
     assert check_coverage(reps, SHAPES)["ok"]
+
+
+def test_a_hole_found_at_startup_refuses_updates_and_shows_in_status(tmp_path):
+    """Through the worker extension: the report lands in the status; prepare refuses, naming the tensor."""
+    old = random_checkpoint(0)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    save_file(old, str(model_dir / "model.safetensors"))
+    root = tmp_path / "root"
+    delta = write_delta(root / "d", old, perturbed(old, MAPPABLE, seed=7))
+    worker = LocalWorker(loaded(old), model_dir)
+    before = {n: p.clone() for n, p in worker.model_runner.get_model().named_parameters()}
+    request = {"id": "r1", "path": str(delta), "root": str(root), "version": 1, "base_version": 0}
+
+    reply = worker.delta_coverage()
+    assert set(reply["coverage"]) == set(CHECKPOINT) - {"scaled.weight", "filled.weight"}  # the two fall back
+    # The other TP rank: it holds the rows of shard.weight this module leaves out.
+    peer = {"rank": 1, "coverage": {"shard.weight": [(0, (H, H), (H, 1))]}, "unread": [], "fallback": []}
+    reply["coverage"].pop("q.weight")  # as if the probe had missed every write of q
+    report = worker.delta_set_peers([reply, peer])["coverage"]
+    assert not report["ok"] and list(report["errors"]) == ["q.weight"]
+    assert worker.delta_status()["placement"]["coverage"] == report
+    refused = worker.delta_prepare(request)
+    assert not refused["ok"] and refused["status"] == 500
+    assert refused["error"]["type"] == "CoverageError" and refused["error"]["param"] == "q.weight", refused
+    assert all(torch.equal(p, before[n]) for n, p in worker.model_runner.get_model().named_parameters())
+
+    assert worker.delta_set_peers([worker.delta_coverage(), peer])["coverage"]["ok"]  # the same delta, fully held
+    assert worker.delta_prepare(request)["ok"]
