@@ -140,18 +140,17 @@ def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = c
     changed = [k.split(":", 1)[1] for k in differs if k.startswith("param:") and k in before.tensors]
     derived = [k.split(":", 1)[1] for k in differs if k not in before.tensors or not k.startswith("param:")]
     inverse: dict[str, torch.Tensor | None] = {}
-    if changed and not derived and not state:
-        for n in changed:
+    try:
+        for n in changed if not derived and not state else []:
             inverse[n] = _inverse_permutation(module, step_of, n, before.tensors[f"param:{n}"], after[f"param:{n}"])
-            _rerun(module, step_of, before, changed)
+            _rerun(module, step_of, before, changed)  # back from the id probe
             if inverse[n] is None:
                 break
-    else:
-        try:
+        if not inverse:
             _rerun(module, step_of, before, changed)
-        except Exception as exc:
-            raise UnsupportedTransform(f"{name}: its post-load step changes {differs + state} and cannot be re-run "
-                                       f"({type(exc).__name__}: {exc})") from exc
+    except Exception as exc:
+        raise UnsupportedTransform(f"{name}: its post-load step changes {differs + state} and cannot be re-run "
+                                   f"({type(exc).__name__}: {exc})") from exc
     again = _tensors(module)
     if again.keys() != after.keys() or not all(_same(again[k], after[k]) for k in after):
         raise UnsupportedTransform(f"{name}: its post-load step changes {differs + state}, is not a permutation, "
