@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -57,12 +59,35 @@ class DeltaServer:
         resp.raise_for_status()
         return resp.json()["choices"][0]
 
-    def assert_unharmed(self, checksums: dict[str, str], version: int) -> None:
-        """Weights digest-identical, status healthy at `version`, and a prompt still completes."""
-        assert self.checksums() == checksums, "a refused update changed the weights"
+    def greedy(self, prompt: str = PROMPT) -> tuple[list[int], list[float]]:
+        """Greedy token ids and their logprobs. A fresh cache salt per call: every call computes the
+        prompt afresh, so two calls on the same weights take the same path and agree bit for bit."""
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+                "return_token_ids": True, "cache_salt": uuid.uuid4().hex}
+        resp = requests.post(f"{self.url}/v1/completions", json=body, headers=self.headers(), timeout=120)
+        resp.raise_for_status()
+        choice = resp.json()["choices"][0]
+        return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+    def baseline(self) -> Baseline:
+        """What `assert_unharmed` compares against: take it before the case."""
+        return Baseline(self.checksums(), self.greedy())
+
+    def assert_unharmed(self, before: Baseline, version: int) -> None:
+        """Weights digest-identical to `before`, status healthy at `version`, and the same greedy tokens
+        with the same logprobs as `before`."""
+        assert self.checksums() == before.checksums, "a refused update changed the weights"
         status = self.status()
         assert status["healthy"] and status["version"] == version, status
-        assert self.complete()["text"]
+        assert self.greedy() == before.greedy, "a refused update changed the served output"
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The served weights' digests and greedy output, taken before a case."""
+
+    checksums: dict[str, str]
+    greedy: tuple[list[int], list[float]]
 
 
 

@@ -4,7 +4,8 @@ what the workers will open.
 Startup refusals run `vllm serve`'s own parser (and once the real command): no engine starts for
 them. The route cases share one server started with a small body cap and a collective allowlist;
 each bad input uses an otherwise valid delta directory, asserts the error type and the field it
-names, and checks the engine was left as it was (weights digest-identical, same greedy output).
+names, and checks the engine was left as it was (weights digest-identical, same greedy tokens and
+logprobs as before the cases).
 """
 
 from __future__ import annotations
@@ -120,18 +121,15 @@ def guarded(serve_deltas, tiny_model_factory, delta_root, tmp_path_factory) -> I
 
 
 @pytest.fixture(scope="module")
-def baseline(guarded) -> tuple[dict[str, str], dict]:
+def baseline(guarded):
+    """Digests and greedy tokens + logprobs before any case (no case here may commit an update)."""
     status = guarded.status()
     assert status["healthy"] and status["version"] == 0, status
-    return guarded.checksums(), guarded.complete()
+    return guarded.baseline()
 
 
 def assert_unchanged(server, baseline) -> None:
-    checksums, completion = baseline
-    assert server.checksums() == checksums, "a refused request changed the weights"
-    status = server.status()
-    assert status["healthy"] and status["version"] == 0, status
-    assert server.complete()["text"] == completion["text"]
+    server.assert_unharmed(baseline, version=0)
 
 
 def refused(resp: requests.Response, status: int, type_: str) -> dict:
@@ -177,7 +175,7 @@ def test_collective_init_refuses_trainers_outside_the_allowlist(guarded, baselin
 
 def test_collective_timeout_is_capped(guarded, baseline):
     error = refused(collective_init(guarded, timeout_s=3600), 400, "InvalidRequest")
-    assert "timeout_s" in error["message"]
+    assert error["message"].startswith("timeout_s: "), error
     assert_unchanged(guarded, baseline)
 
 

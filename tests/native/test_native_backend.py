@@ -5,7 +5,8 @@ One module, three engines, one at a time (engine starts are the cost on 2 cores)
    environment only (no patch-only flag), the hub id resolved from a local HF cache offline. A plain
    PyTorch trainer syncs it for 3 steps through vLLM's `WeightTransferTrainerFactory`,
    `HTTPVLLMWeightSyncClient` and `ModuleSource`; `/metrics` and `weight_version` move each step.
-   Then bad input through vLLM's routes: the route's status, type and field, weights untouched.
+   Then bad input through vLLM's routes: the route's status, type and field, weights and greedy
+   output untouched.
    Then 2 more steps over gloo, the engine joining the trainer's group through vLLM's init route,
    and one from a two-stage pipeline (two gloo trainer ranks, each sending the layers it holds).
 2. The offline `LLM` with the same backend, fed the same trainer states (over disk).
@@ -18,11 +19,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import requests
 import torch
+from safetensors.torch import load_file
 
 from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
@@ -117,7 +121,7 @@ def test_trainer_syncs_serve_through_vllm_api(served, trainer, root, run):
 
 
 def write_delta(root: Path, label: str, tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
-                version: int = 4, base_version: int = 3) -> Path:
+                version: int, base_version: int) -> Path:
     """A finished, valid delta from `base` to `tensors` (shapes as given)."""
     out = root / label
     with DeltaWriter(out, version=version, base_version=base_version, encoding="ulp_zstd") as writer:
@@ -127,52 +131,72 @@ def write_delta(root: Path, label: str, tensors: dict[str, torch.Tensor], base: 
     return out
 
 
-def test_bad_input_through_native_routes(served, root, run):
-    """Each case breaks one field of an otherwise valid delta; every refusal leaves the weights as they were."""
-    held = run["states"][-1]  # the engine holds these, at version 3
+def greedy(server) -> tuple[list[int], list[float]]:
+    """Greedy token ids and logprobs; a fresh cache salt, so each call computes the prompt afresh."""
+    out = server.complete("The quick brown fox", max_tokens=4, ignore_eos=True, return_token_ids=True,
+                          cache_salt=uuid.uuid4().hex)
+    return out["token_ids"], out["logprobs"]["token_logprobs"]
+
+
+def test_bad_input_through_native_routes(served, model_dir, root, run):
+    """Each case breaks one field of an otherwise valid delta (written against the weights the engine
+    holds, at the next version); every refusal names its type and field, is counted once under its
+    status, and leaves the weights and the greedy tokens and logprobs as they were."""
+    version = status(served.url)["version"]
+    # What the engine holds: the last state synced to it, or the checkpoint before any sync.
+    held = run["states"][-1] if run["states"] else load_file(model_dir / "model.safetensors")
+    assert len(run["states"]) - 1 == version if run["states"] else version == 0
+    v, base = version + 1, version
     new = held[PARAM].clone()
     new.view(-1).view(torch.int16)[::7] += 1
-    good = write_delta(root, "good", {PARAM: new}, held)
+    good = write_delta(root, "good", {PARAM: new}, held, v, base)
     unknown = write_delta(root, "unknown", {"model.layers.0.mlp.nope.weight": new}, {"model.layers.0.mlp.nope.weight":
-                                                                                     held[PARAM]})
+                                                                                     held[PARAM]}, v, base)
     reshaped = write_delta(root, "reshaped", {PARAM: new.reshape(-1)[:64].reshape(8, 8)},
-                           {PARAM: held[PARAM].reshape(-1)[:64].reshape(8, 8)})
+                           {PARAM: held[PARAM].reshape(-1)[:64].reshape(8, 8)}, v, base)
     corrupt = root / "corrupt"
     shutil.copytree(good, corrupt)
     flush = next(corrupt.glob("*.safetensors"))
     data = bytearray(flush.read_bytes())
     data[-1] ^= 0xFF
     flush.write_bytes(bytes(data))
-    cases = [  # update_info, status, error type, the field it names
-        ({"path": good.name, "version": 4, "base_version": 2}, 409, "VersionError", None),
-        ({"path": good.name, "version": 3, "base_version": 3}, 409, "VersionError", None),
-        ({"path": "../" + root.name + "-elsewhere", "version": 4, "base_version": 3}, 403, "PathOutsideRoot", None),
-        ({"path": good.name, "version": "four", "base_version": 3}, 400, "InvalidRequest", None),
-        ({"path": unknown.name, "version": 4, "base_version": 3}, 422, "UnknownParamError",
+    elsewhere = root.parent / f"{root.name}-elsewhere"  # the same valid delta, outside the root
+    shutil.copytree(good, elsewhere)
+    cases = [  # update_info, status, error type, (the field it names, its value)
+        ({"path": good.name, "version": v + 1, "base_version": base + 1}, 409, "VersionError", None),
+        ({"path": good.name, "version": base, "base_version": base}, 409, "VersionError", None),
+        ({"path": f"../{elsewhere.name}", "version": v, "base_version": base}, 403, "PathOutsideRoot", None),
+        ({"path": good.name, "version": "four", "base_version": base}, 400, "InvalidRequest",
+         ("message", "version: ")),
+        ({"path": unknown.name, "version": v, "base_version": base}, 422, "UnknownParamError",
          ("param", "model.layers.0.mlp.nope.weight")),
-        ({"path": reshaped.name, "version": 4, "base_version": 3}, 422, "ShapeMismatchError", ("param", PARAM)),
-        ({"path": corrupt.name, "version": 4, "base_version": 3}, 400, "IntegrityError", ("file", flush.name)),
+        ({"path": reshaped.name, "version": v, "base_version": base}, 422, "ShapeMismatchError", ("param", PARAM)),
+        ({"path": corrupt.name, "version": v, "base_version": base}, 400, "IntegrityError", ("file", flush.name)),
     ]
-    digests, m0 = checksums(served.url), metric_samples(served.url)
+    digests, output, m0 = checksums(served.url), greedy(served), metric_samples(served.url)
     for update_info, code, kind, field in cases:
         assert requests.post(f"{served.url}/start_weight_update", timeout=60).status_code == 200
         r = requests.post(f"{served.url}/update_weights", json={"update_info": update_info}, timeout=120)
         assert r.status_code == code, (update_info, r.text)
         error = r.json()["error"]
         assert error["type"] == kind, (update_info, error)
-        if field is not None:
+        if field is not None and field[0] == "message":
+            assert error["message"].startswith(field[1]), (update_info, error)
+        elif field is not None:
             assert error[field[0]] == field[1], (update_info, error)
     r = requests.post(f"{served.url}/update_weights", data=b"{not json", timeout=60)
     assert r.status_code == 400 and r.json()["error"]["type"] == "InvalidRequest", r.text
+    assert r.json()["error"]["message"].startswith("body: "), r.text
     assert checksums(served.url) == digests, "a refused update changed the weights"
     st = status(served.url)
-    assert st["version"] == 3 and st["weight_version"] == "3" and st["healthy"], st
+    assert st["version"] == version and st["weight_version"] == str(version) and st["healthy"], st
     m1 = metric_samples(served.url)
-    for code, count in ((400, 3), (403, 1), (409, 2), (422, 2)):
+    counts = Counter([code for _, code, _, _ in cases] + [400])  # + the body that is not JSON
+    for code, count in counts.items():
         assert sample(m1, "vllm_delta:update_failures_total", status=str(code)) == \
             sample(m0, "vllm_delta:update_failures_total", status=str(code)) + count, code
-    assert served.complete("The quick brown fox", max_tokens=4)["text"]
-    for d in (good, unknown, reshaped, corrupt):
+    assert greedy(served) == output, "a refused update changed the served output"
+    for d in (good, unknown, reshaped, corrupt, elsewhere):
         shutil.rmtree(d)
 
 
