@@ -218,16 +218,24 @@ class DeltaApplier:
         """The same as `prepare`, for flush bytes that arrived another way (a collective broadcast)."""
         start = time.perf_counter()
         encoding = self._check_lineage(manifest, version, base_version, current_version)
-        flushes = list(flushes)
-        if [n for n, _ in flushes] != [f.name for f in manifest.files]:
-            raise IncompleteDeltaError(f"received {len(flushes)} flushes, the manifest lists {len(manifest.files)}")
+        names = [f.name for f in manifest.files]
         decoder = DeltaDecoder(manifest, expected=self.checkpoint,
                                current_version=current_version if encoding.needs_base else None)
         owned = owned_by_tensor(self.placements)
 
         def deltas():
+            # One flush at a time (a collective receives each as it is asked for): checked by name
+            # as it comes, decoded, then dropped.
+            n = 0
             for name, data in flushes:
+                if n >= len(names) or name != names[n]:
+                    raise IncompleteDeltaError(f"flush {n} is {name!r}, the manifest lists "
+                                               f"{names[n] if n < len(names) else 'no more'}", file=name)
+                n += 1
                 yield from decoder.feed_iter(name, data, owned=owned)
+                del data
+            if n != len(names):
+                raise IncompleteDeltaError(f"received {n} flushes, the manifest lists {len(names)}")
             decoder.finish()
 
         return self.stage(manifest, deltas(), version=version, replay=version == current_version, start=start,

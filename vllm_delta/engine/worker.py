@@ -163,22 +163,10 @@ class DeltaWorkerExtension:
     def delta_prepare(self, request: dict[str, Any]) -> dict[str, Any]:
         """Phase 1: read, verify, decode and locate; no weight changes."""
         state = self._delta()
-        flushes = None
-        if request.get("transport") == "collective":
-            # Receive every flush before any check, so the trainer's broadcast never blocks on a refusal.
-            try:
-                flushes = self._delta_receive()
-            except Exception as exc:
-                return _error(500, exc)
         try:
             chunk_bytes = int(request.get("chunk_bytes") or DEFAULT_CHUNK_BYTES)
-            if flushes is not None:
-                manifest = parse_manifest(json.dumps(request["manifest"]).encode())
-                self._delta_check_lineage(manifest, request)
-                staged = state.applier.prepare_flushes(
-                    manifest, zip([f.name for f in manifest.files], flushes), version=int(request["version"]),
-                    base_version=request.get("base_version"), current_version=state.version,
-                    chunk_bytes=chunk_bytes)
+            if request.get("transport") == "collective":
+                manifest, staged = self._delta_receive(request, chunk_bytes)
             else:
                 # Opened again from the root's handle, through no symlink (the route checked the path).
                 delta_dir = DeltaDir.open(request["path"], root=request.get("root"))
@@ -274,31 +262,57 @@ class DeltaWorkerExtension:
         return reply
 
     def delta_collective_init(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Join the trainer's process group (rank 0 is the trainer) for collective deltas."""
-        from vllm_delta.transports.collective import make_group
+        """Join the trainer's group for collective deltas (rank 0 is the trainer); an older group is dropped."""
+        from vllm_delta.transports.groups import join_group
 
+        self._delta_drop_group()
         try:
-            self._delta_group = make_group(
+            self._delta_group = join_group(
                 backend=config["backend"], master_addr=config["master_addr"],
                 master_port=int(config["master_port"]), rank=int(config["rank_offset"]) + self._delta_rank(),
                 world_size=int(config["world_size"]), timeout_s=float(config.get("timeout_s") or 120.0))
         except Exception as exc:
-            self._delta_group = None
             return _error(500, exc)
         return {"ok": True, "rank": self._delta_rank(), "group_rank": self._delta_group.rank}
 
-    def _delta_receive(self) -> list[bytes]:
-        from vllm_delta.transports.collective import recv_flushes
-        from vllm_delta.wire import Limits
+    def _delta_receive(self, request: dict[str, Any], chunk_bytes: int) -> tuple[Manifest, StagedUpdate]:
+        """Answer the trainer's offer (accept, or refuse before any flush moves), then decode each flush
+        as it arrives and drop it: one flush in memory at a time (transports/handshake.py)."""
+        from vllm_delta.engine.request import collective_max_flush_bytes
+        from vllm_delta.transports.handshake import CollectiveError, answer
 
+        state = self._delta()
         group = getattr(self, "_delta_group", None)
         if group is None:
-            raise RuntimeError("no collective group: POST /delta_updates/collective/init first")
+            raise CollectiveError("no collective group: the trainer must POST /delta_updates/collective/init first")
+        version, base = int(request["version"]), request.get("base_version")
+
+        def check() -> Manifest:
+            manifest = parse_manifest(json.dumps(request["manifest"]).encode())
+            self._delta_check_lineage(manifest, request)
+            state.applier._check_lineage(manifest, version, base, state.version)
+            return manifest
+
         try:
-            return recv_flushes(group, Limits().max_decoded_bytes)
-        except Exception:
-            self._delta_group = None  # a failed collective leaves the group unusable
+            receiver, manifest = answer(group, request["manifest"], version, collective_max_flush_bytes(), check)
+            try:
+                staged = state.applier.prepare_flushes(manifest, receiver, version=version, base_version=base,
+                                                       current_version=state.version, chunk_bytes=chunk_bytes)
+            except DeltaError:
+                receiver.drain()  # the flushes after a refused one, so the trainer's stream ends
+                raise
+        except DeltaError:
+            self._delta_drop_group()  # the trainer drops its end after any refusal
             raise
+        except Exception as exc:
+            self._delta_drop_group()
+            raise CollectiveError(f"{type(exc).__name__}: {exc}") from exc
+        return manifest, staged
+
+    def _delta_drop_group(self) -> None:
+        group, self._delta_group = getattr(self, "_delta_group", None), None
+        if group is not None:
+            group.close()
 
     def delta_probe(self) -> dict[str, Any]:
         """Learn the placement now (the route asks at startup, so the first update does not pay)."""

@@ -68,8 +68,6 @@ class DeltaSender:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         if transport == "disk" and delta_dir is None:
             raise ValueError("the disk transport needs delta_dir")
-        if group is not None and transport != "disk":
-            raise ValueError("multi-rank senders use the disk transport")
         # Anything with EngineClient's `status`/`update`/`collective_init` (e.g. vLLM's weight-sync
         # clients behind the native backend, vllm_delta/native/links.py) may stand in for HTTP.
         self.client = client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)

@@ -2,7 +2,8 @@
 
 Runs on a background thread (one at a time) so it overlaps the trainer's next step. Multi-rank:
 every rank encodes its own entries into its own flush files; rank 0 merges the manifests (shards
-of one tensor become one entry whose counts and additive digests add up), seals, and pushes.
+of one tensor become one entry whose counts and additive digests add up), seals, and pushes. With
+a collective transport the other ranks' encoded flushes are first sent to rank 0, which broadcasts.
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ class Publisher:
         self.transport.finish(b)
         full = {e.name: additive.to_hex(e.digests["digest"]) for e in cap.entries}
         parts = self.ranks.gather((manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes, full))
+        if not self.transport.shared_files:
+            self._gather_flushes(b, parts)
         mine = SentDelta(kind, manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes,
-                         location=b.location, buffers=getattr(b, "buffers", []))
+                         location=b.location, spool=getattr(b, "spool", None))
         if self.ranks.rank != 0:
             return mine
         merged = merge_manifests([p[0] for p in parts]) if len(parts) > 1 else manifest
@@ -88,9 +91,26 @@ class Publisher:
         merged = _with_digests(merged, {n: {"digest": additive.combine(*hs)} for n, hs in shards.items()})
         merged = merged.model_copy(update={"lineage": plan.lineage(kind)})
         out = SentDelta(kind, merged, len(b.files), sum(p[2] for p in parts), sum(p[3] for p in parts),
-                        location=b.location, buffers=mine.buffers)
+                        location=b.location, spool=mine.spool)
         self.transport.seal(out)
         return out
+
+    def _gather_flushes(self, b: FlushBuilder, parts: list) -> None:
+        """Collective transports: every other rank's flushes go to rank 0, which broadcasts them.
+
+        Only encoded flushes move (changed entries, never whole weights), one flush in flight at a
+        time, over the sender's own group; rank 0 keeps them in its bounded spool.
+        """
+        if self.ranks.size == 1:
+            return
+        if self.ranks.rank == 0:
+            for src, part in enumerate(parts[1:], start=1):
+                for f in part[0].files:
+                    b.spool.add(f.name, self.ranks.recv_bytes(src))
+        else:
+            for _, data in b.spool:
+                self.ranks.send_bytes(data, 0)
+            b.spool.close()
 
     def _push(self, plan: Plan, sent: list[SentDelta]) -> dict[str, Reply]:
         replies: dict[str, Reply] = {}

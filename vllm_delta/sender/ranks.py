@@ -67,3 +67,22 @@ class Ranks:
         t = torch.tensor([n], dtype=torch.int64)
         dist.all_reduce(t, group=self.group)
         return int(t[0])
+
+    def send_bytes(self, data: bytes, dst: int) -> None:
+        """Point-to-point bytes to group rank `dst` (its size first), for `recv_bytes`."""
+        import torch.distributed as dist
+
+        peer = dist.get_global_rank(self.group, dst)
+        dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=self.group)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), peer, group=self.group)
+
+    def recv_bytes(self, src: int) -> bytes:
+        """What group rank `src` sent with `send_bytes`."""
+        import torch.distributed as dist
+
+        peer = dist.get_global_rank(self.group, src)
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, peer, group=self.group)
+        out = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.recv(out, peer, group=self.group)
+        return out.numpy().tobytes()

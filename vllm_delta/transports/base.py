@@ -1,13 +1,14 @@
 """What one delta put on the wire, for any transport.
 
 Flushes are built by `vllm_delta.wire.FlushBuilder`, whose encoded bytes go to a callback (a
-background file writer, or a buffer for a broadcast), so encoding the next flush overlaps moving
+background file writer, or a spool for a broadcast), so encoding the next flush overlaps moving
 the previous one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from vllm_delta.wire import Manifest
 
@@ -23,4 +24,4 @@ class SentDelta:
     pre_compress_bytes: int  # the same flushes before compression
     encode_s: float = 0.0
     location: str | None = None  # version directory (disk)
-    buffers: list[tuple[str, bytes]] = field(default_factory=list)  # (file, bytes) for a collective
+    spool: Any = None  # the encoded flushes, for a collective (transports.spool.FlushSpool)

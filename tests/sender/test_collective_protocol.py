@@ -1,0 +1,105 @@
+"""The collective protocol on real gloo groups, without an engine: the spool's bounded window, the
+offer/answer/go handshake, one-flush-at-a-time streaming, a refusal that moves no bulk byte, and a
+peer killed mid-stream that leaves the trainer with an exception (not a hang, not a dead process).
+
+The engine side runs in a spawned process (a real peer that can be killed); the trainer side here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+
+from vllm_delta.transports.groups import host_group, join_group, listen
+from vllm_delta.transports.handshake import answer, offer, stream
+from vllm_delta.transports.spool import FlushSpool
+from vllm_delta.wire.errors import LimitError
+
+FLUSHES = [("rank0000_flush000000.safetensors", b"a" * 3000), ("rank0000_flush000001.safetensors", b"b" * 5000),
+           ("rank0000_flush000002.safetensors", b"c" * 700)]
+MANIFEST = {"version": 7, "files": [{"name": n, "bytes": len(d), "hash": "x"} for n, d in FLUSHES]}
+
+
+def test_spool_keeps_a_bounded_window_in_memory_and_reads_back_every_flush(tmp_path):
+    spool = FlushSpool(window_bytes=4000, directory=str(tmp_path))
+    for name, data in FLUSHES:
+        spool.add(name, data)
+    assert spool.held_bytes == 3700 <= 4000 and spool.spilled_bytes == 5000  # the 5000 B one did not fit
+    assert list(spool) == FLUSHES and spool.names == [n for n, _ in FLUSHES]
+    assert [spool.size(n) for n, _ in FLUSHES] == [len(d) for _, d in FLUSHES]
+    assert not list(tmp_path.iterdir()), "the spill file is unlinked at once"
+    with pytest.raises(ValueError, match="already spooled"):
+        spool.add(FLUSHES[0][0], b"x")
+    spool.close()
+
+
+def _engine(port: int, caps: list[int], results, die_after: int | None, manifest: dict) -> None:
+    """An engine rank: answer one offer per per-flush cap in `caps`, receive what each go lets through."""
+    group = join_group(master_addr="127.0.0.1", master_port=port, rank=1, world_size=2, backend="gloo",
+                       timeout_s=30)
+    for cap in caps:
+        try:
+            receiver, checked = answer(group, manifest, 7, cap, lambda: "checked")
+        except Exception as exc:
+            results.put(("refused", type(exc).__name__, getattr(exc, "file", None)))
+            continue
+        got = []
+        for name, data in receiver:
+            got.append((name, data))
+            if die_after is not None and len(got) == die_after:
+                os.kill(os.getpid(), signal.SIGKILL)  # a real crash mid-stream
+        results.put(("received", checked, got))
+
+
+def _run(caps: list[int], die_after: int | None = None, manifest: dict = MANIFEST):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    sock = listen("127.0.0.1")
+    proc = ctx.Process(target=_engine, args=(sock.getsockname()[1], caps, results, die_after, manifest),
+                       daemon=True)
+    proc.start()
+    group = host_group(sock, world_size=2, backend="gloo", timeout_s=30)
+    return group, proc, results
+
+
+SIZES = [(n, len(d)) for n, d in FLUSHES]
+
+
+def test_refused_offer_moves_no_bulk_byte_and_the_next_offer_streams_one_flush_at_a_time():
+    group, proc, results = _run([4000, 1 << 20])  # the 5000 B flush is over the first per-flush cap
+    assert offer(group, 7, MANIFEST, SIZES, stop=lambda: False) is False
+    assert group.bytes_sent == 0
+    assert (group.refusal["type"], group.refusal["file"], group.refusal["status"]) == ("LimitError", FLUSHES[1][0], 400)
+    assert results.get(timeout=30) == ("refused", "LimitError", FLUSHES[1][0])
+    assert offer(group, 7, MANIFEST, SIZES, stop=lambda: False) is True
+    stream(group, (d for _, d in FLUSHES))
+    assert group.bytes_sent == sum(len(d) for _, d in FLUSHES)
+    assert results.get(timeout=30) == ("received", "checked", FLUSHES)
+    proc.join(30)
+    assert proc.exitcode == 0
+    group.close()
+
+
+def test_offer_for_another_manifest_is_refused_by_the_engine():
+    group, proc, results = _run([1 << 20])
+    assert offer(group, 7, {**MANIFEST, "version": 8}, SIZES, stop=lambda: False) is False
+    assert group.bytes_sent == 0 and group.refusal["type"] == "IncompleteDeltaError"
+    assert results.get(timeout=30) == ("refused", "IncompleteDeltaError", None)
+    proc.join(30)
+    group.close()
+
+
+def test_engine_killed_mid_stream_raises_in_the_trainer_instead_of_hanging():
+    # Flushes larger than the socket buffers, so a send can only finish if the peer reads it.
+    big = [(f"rank0000_flush{i:06d}.safetensors", bytes([i]) * (32 << 20)) for i in range(3)]
+    manifest = {"version": 7, "files": [{"name": n, "bytes": len(d), "hash": "x"} for n, d in big]}
+    group, proc, results = _run([1 << 30], die_after=1, manifest=manifest)
+    assert offer(group, 7, manifest, [(n, len(d)) for n, d in big], stop=lambda: False) is True
+    with pytest.raises(RuntimeError):
+        stream(group, (d for _, d in big))
+    proc.join(30)
+    assert proc.exitcode == -signal.SIGKILL
+    group.close()

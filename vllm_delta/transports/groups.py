@@ -1,0 +1,183 @@
+"""One engine's collective group: vLLM's `StatelessProcessGroup` for the rendezvous and the control
+plane, and a bulk channel for flush bytes (a gloo group on CPU, vLLM's `PyNcclCommunicator` on CUDA).
+
+Why these pieces (as vLLM's RLHF examples, verl and OpenRLHF use them): a stateless group never
+touches `torch.distributed`'s default group, so the trainer's own (Megatron, FSDP) stays as it is,
+and each engine gets a group of its own that can be dropped alone. `PyNcclCommunicator` calls NCCL
+directly, with no torch watchdog that would kill the trainer on a timeout; a stuck broadcast is
+waited on with a deadline and then aborted (`ncclCommAbort`). The control plane carries JSON through
+the group's store (never pickle: an engine must not unpickle what a trainer wrote).
+
+Nothing here needs CUDA unless the backend is "nccl".
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+BACKENDS = ("gloo", "nccl")
+_POLL_S = (0.002, 0.05)  # first and longest sleep while polling the store
+
+
+class GroupTimeout(TimeoutError):
+    """The peer did not answer within the group's timeout; the group is unusable."""
+
+
+@dataclass
+class Group:
+    """This process's end of one engine's group (rank 0 is the trainer)."""
+
+    spg: Any  # vllm.distributed.utils.StatelessProcessGroup
+    backend: str
+    timeout_s: float
+    bulk: Any = None  # ProcessGroupGloo or PyNcclCommunicator
+    seq: int = 0  # updates announced (trainer) or answered (engine) on this group
+    bytes_sent: int = 0  # bulk bytes of the last update (trainer)
+    refusal: dict[str, Any] | None = None  # the first refusing rank's answer to the last offer (trainer)
+    _stream: Any = field(default=None, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.spg.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.spg.world_size
+
+    # ---- control plane: JSON values under keys of the group's store --------------------------------
+    def put(self, key: str, value: Any) -> None:
+        self.spg.store.set(f"vllm-delta/{key}", json.dumps(value).encode())
+
+    def get(self, key: str) -> Any:
+        """Wait (at most the store's timeout) for `key`."""
+        return json.loads(bytes(self.spg.store.get(f"vllm-delta/{key}")))
+
+    def wait_all(self, keys: list[str], deadline: float, stop: Callable[[], bool] = lambda: False) -> list[Any] | None:
+        """Every key's value, or None if `stop()` turned true first; `GroupTimeout` past `deadline`."""
+        full = [f"vllm-delta/{k}" for k in keys]
+        pause = _POLL_S[0]
+        while not self.spg.store.check(full):
+            if stop():
+                return None
+            if time.monotonic() > deadline:
+                raise GroupTimeout(f"no answer to {keys} within {self.timeout_s:.0f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S[1])
+        return [self.get(k) for k in keys]
+
+    # ---- bulk: one flush at a time, from rank 0 to every other rank ------------------------------
+    def send_bytes(self, data: bytes) -> None:
+        if self.backend == "gloo":
+            with warnings.catch_warnings():  # the root only reads the buffer
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.frombuffer(data, dtype=torch.uint8)
+            self.bulk.broadcast(t, 0).wait(datetime.timedelta(seconds=self.timeout_s))
+        else:
+            host = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
+            host.numpy()[:] = memoryview(data)
+            with torch.cuda.stream(self._cuda_stream()):
+                dev = host.to(self.bulk.device, non_blocking=True)
+                self._nccl_broadcast(dev)
+        self.bytes_sent += len(data)
+
+    def recv_bytes(self, size: int) -> bytes:
+        if self.backend == "gloo":
+            t = torch.empty(size, dtype=torch.uint8)
+            self.bulk.broadcast(t, 0).wait(datetime.timedelta(seconds=self.timeout_s))
+            return t.numpy().tobytes()
+        with torch.cuda.stream(self._cuda_stream()):
+            dev = torch.empty(size, dtype=torch.uint8, device=self.bulk.device)
+            self._nccl_broadcast(dev)
+        return dev.cpu().numpy().tobytes()  # the decoder reads host bytes
+
+    def _cuda_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.bulk.device)
+        return self._stream
+
+    def _nccl_broadcast(self, t: torch.Tensor) -> None:
+        """NCCL broadcast on our stream, waited on with a deadline (no watchdog); abort on timeout."""
+        self.bulk.broadcast(t, src=0, stream=self._stream)
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        deadline = time.monotonic() + self.timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                self.close()
+                raise GroupTimeout(f"NCCL broadcast of {t.numel()} B did not finish within {self.timeout_s:.0f} s")
+            time.sleep(_POLL_S[0])
+
+    def close(self) -> None:
+        """Drop the group; an NCCL communicator is aborted so no kernel waits on a gone peer."""
+        bulk, self.bulk = self.bulk, None
+        if bulk is not None and self.backend == "nccl":
+            bulk.destroy()
+
+
+def listen(master_addr: str) -> socket.socket:
+    """Rank 0's listening socket on a free port (the port goes to the engine in the init request)."""
+    family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((master_addr, 0))
+    sock.listen()
+    return sock
+
+
+def host_group(sock: socket.socket, *, world_size: int, backend: str, timeout_s: float,
+               joined: Callable[[], bool] = lambda: True) -> Group:
+    """Rank 0: serve the store on `sock`, wait until every engine rank has joined (or `joined()` says
+    the engine refused: `ConnectionError`), then build the bulk channel with them."""
+    from vllm.distributed.utils import StatelessProcessGroup, create_tcp_store
+
+    _check_backend(backend)
+    host, port = sock.getsockname()[:2]
+    store = create_tcp_store(host, port, listen_socket=sock, world_size=world_size, is_master=True,
+                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False, use_libuv=False)
+    group = Group(StatelessProcessGroup(rank=0, world_size=world_size, store=store), backend, timeout_s)
+    ranks = [f"joined/{r}" for r in range(1, world_size)]
+    if group.wait_all(ranks, time.monotonic() + timeout_s, stop=lambda: not joined()) is None:
+        raise ConnectionError("the engine refused to join")
+    group.bulk = _bulk(group)
+    return group
+
+
+def join_group(*, master_addr: str, master_port: int, rank: int, world_size: int, backend: str,
+               timeout_s: float) -> Group:
+    """An engine rank: connect to the trainer's store, say so, then build the bulk channel."""
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    _check_backend(backend)
+    spg = StatelessProcessGroup.create(master_addr, master_port, rank, world_size,
+                                       store_timeout=max(1, int(timeout_s)))
+    group = Group(spg, backend, timeout_s)
+    group.put(f"joined/{rank}", True)
+    group.bulk = _bulk(group)
+    return group
+
+
+def _bulk(group: Group) -> Any:
+    if group.backend == "gloo":
+        import torch.distributed as dist
+
+        store = dist.PrefixStore("vllm-delta-gloo", group.spg.store)
+        return dist.ProcessGroupGloo(store, group.rank, group.world_size, datetime.timedelta(seconds=group.timeout_s))
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    comm = PyNcclCommunicator(group.spg, device=torch.device("cuda", torch.cuda.current_device()))
+    if comm.disabled:
+        raise RuntimeError("NCCL is not available to PyNcclCommunicator here")
+    return comm
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
