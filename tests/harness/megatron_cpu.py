@@ -67,7 +67,7 @@ _INSTALLED = False
 def install() -> None:
     """Apply all patches in this process (idempotent). Each is needed by at least one of the
     smoke configurations (TP=1/2, DP=2 + distributed optimizer + overlap_param_gather, EP=2
-    MoE); removing any one of them breaks that configuration."""
+    MoE, PP=2 through the pipeline schedule); removing any one of them breaks that configuration."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -83,6 +83,9 @@ def install() -> None:
     torch.cuda.Stream = lambda *a, **k: _NoStream()
     torch.cuda.current_stream = lambda *a, **k: _NoStream()
     torch.cuda.stream = lambda *a, **k: _NoStream()
+    # The pipeline p2p layer synchronizes the device after its shape and tensor exchanges; on CPU
+    # every gloo op has completed by then.
+    torch.cuda.synchronize = lambda *a, **k: None
     # RNG tracker: model_parallel_cuda_manual_seed/CudaRNGStatesTracker.add read and seed the
     # CUDA generator, and fork() (entered by every attention forward for dropout, even at
     # p=0) gets/sets it. Back them with the CPU generator; seeding it keeps each tracker
@@ -202,6 +205,41 @@ def train_step(model, opt, tokens: torch.Tensor) -> float:
     ok, _grad_norm, _ = opt.step()
     assert ok, "megatron optimizer skipped the step"
     return loss.item()
+
+
+def pipeline_step(model, opt, tokens: torch.Tensor, microbatches: int = 2) -> None:
+    """One optimizer step through megatron-core's own forward-backward schedule
+    (`get_forward_backward_func`: 1F1B with p2p activations/gradients between pipeline stages,
+    over gloo here). `tokens` [b, s+1] is split into `microbatches`; every stage gets the same
+    tokens (the first uses the inputs, the last the labels). Grads are finalized by megatron's
+    `finalize_model_grads` (DP reduce, PP embedding sync) from inside the schedule."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config = model.config
+    config.finalize_model_grads_func = finalize_model_grads
+    inp, labels = tokens[:, :-1], tokens[:, 1:]
+    mb = inp.shape[0] // microbatches
+    batches = iter([(inp[i * mb:(i + 1) * mb], labels[i * mb:(i + 1) * mb]) for i in range(microbatches)])
+
+    def forward_step(data_iterator, chunk):
+        x, y = next(data_iterator)
+        pos = torch.arange(x.shape[1]).unsqueeze(0).expand_as(x)
+        out = chunk(x, pos, None, labels=y)
+
+        def loss_func(per_token: torch.Tensor):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[model],
+                                num_microbatches=microbatches, seq_length=inp.shape[1], micro_batch_size=mb,
+                                forward_only=False)
+    ok, _grad_norm, _ = opt.step()
+    assert ok, "megatron optimizer skipped the step"
 
 
 # --------------------------------------------------------------------------- spawn

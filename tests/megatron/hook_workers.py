@@ -24,20 +24,6 @@ def tokens(step: int) -> torch.Tensor:
     return torch.randint(0, 512, (2, 17), generator=gen)
 
 
-def local_loss_step(model, opt) -> None:
-    """A real optimizer step from a loss each pipeline stage computes on its own weights (no
-    pipeline schedule: p2p under gloo is out of scope here); DP/TP reductions are megatron's."""
-    from megatron.core.distributed import finalize_model_grads
-
-    model.zero_grad_buffer()
-    opt.zero_grad()
-    loss = sum((p.float() * torch.linspace(-1, 1, p.numel()).view(p.shape)).sum() for p in model.parameters())
-    loss.backward()
-    finalize_model_grads([model])
-    ok, _, _ = opt.step()
-    assert ok
-
-
 def apply_entries(prev: dict[str, torch.Tensor], entries: list) -> dict[str, torch.Tensor]:
     """The previous export with every rank's shipped (positions, values) written in."""
     out = {n: t.clone() for n, t in prev.items()}
@@ -52,7 +38,10 @@ def apply_entries(prev: dict[str, torch.Tensor], entries: list) -> dict[str, tor
     return out
 
 
-def topology_worker(rank, world, port, hf, tp, ep, pp, distopt, steps, family):
+def topology_worker(rank, world, port, hf, tp, ep, pp, distopt, steps, family, vocab_multiple=None):
+    """`steps` real steps (through megatron's pipeline schedule at PP>1); after each, the union of
+    every rank's shipped entries applied to mbridge's previous export equals its new export, each
+    changed element is shipped exactly once, and each rank ships only what its stage/shard holds."""
     from megatron_hook import register
     from vllm_delta import DeltaSender
 
@@ -61,25 +50,33 @@ def topology_worker(rank, world, port, hf, tp, ep, pp, distopt, steps, family):
     # GLM4-MoE: the tiny checkpoint has no qkv bias; mbridge leaves the expert-bias update rate at 0.
     extra = dict(add_qkv_bias=False, moe_router_bias_update_rate=1e-2) if family == "glm4_moe" else None
     model, opt, gpt, bridge = megatron_cpu.build_from_hf(
-        hf, lr=LR, use_distributed_optimizer=distopt, overlap_param_gather=distopt, extra_args=extra)
+        hf, lr=LR, use_distributed_optimizer=distopt, overlap_param_gather=distopt, extra_args=extra,
+        make_vocab_size_divisible_by=vocab_multiple)
     if ep > 1 and tp > 1:
         model.eval()  # MoE with TP>1 trains only with sequence parallel, which the local spec refuses
+    pad = _padding_rows(gpt, bridge, tp) if vocab_multiple else None
     group = dist.new_group(backend="gloo")
     with tempfile.TemporaryDirectory() as root:
         sender = DeltaSender([], "disk", root, group=group)  # no engine: the entries are checked here
         handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf)
         assert handle.seed_report.ok, handle.seed_report
+        mayship = {s.name for s in handle.segments}
+        if pp > 1:
+            _assert_own_stage(gpt, mayship)
+        if pad is not None:
+            _assert_padding_unmapped(gpt, bridge, tp, handle.segments)
         prev = megatron_cpu.export_hf(bridge, gpt)
         total_changed = 0
         shipped: set[str] = set()
         for step in range(steps):
             if pp > 1:
-                local_loss_step(model, opt)
+                megatron_cpu.pipeline_step(model, opt, tokens(step))
             else:
                 megatron_cpu.train_step(model, opt, tokens(step))
             handle.flush()
             assert handle.syncs == step + 1
             mine = [(e.name, e.positions, e.new_values) for e in handle.last_capture.entries]
+            assert {e[0] for e in mine if e[1].numel()} <= mayship
             every = [None] * world
             dist.all_gather_object(every, mine)
             new = megatron_cpu.export_hf(bridge, gpt)  # mbridge's export, independent of our map
@@ -88,15 +85,69 @@ def topology_worker(rank, world, port, hf, tp, ep, pp, distopt, steps, family):
             shipped |= {e[0] for part in every for e in part if e[1].numel()}
             bad = [n for n in new if not torch.equal(bits(applied[n]), bits(new[n]))]
             assert not bad, f"step {step}: shipped entries do not reproduce the export for {bad[:5]}"
-            changed = sum(int((bits(prev[n]) != bits(new[n])).sum()) for n in new)
-            total_changed += changed
-            assert changed > 0
+            changed = {n: int((bits(prev[n]) != bits(new[n])).sum()) for n in new}
+            sent: dict[str, int] = {}
+            for part in every:
+                for name, pos, _ in part:
+                    sent[name] = sent.get(name, 0) + pos.numel()
+            assert {n: c for n, c in sent.items() if c} == {n: c for n, c in changed.items() if c}, step
+            total_changed += sum(changed.values())
             prev = new
         handle.remove()
         sender.close()
     assert total_changed > 0
+    if pp > 1:  # both stages trained and shipped (the schedule carried gradients back to stage 0)
+        stages = [None] * world
+        dist.all_gather_object(stages, sorted(shipped & mayship))
+        assert all(stages), stages
+    if pad is not None:  # the padded rows trained (output-layer logits), so dropping them was tested
+        rows, before = pad
+        moved = int((bits(before) != bits(gpt.output_layer.weight[rows])).sum()) if rows.numel() else 0
+        total = torch.tensor(moved)
+        dist.all_reduce(total)
+        assert int(total) > 0, "no padded row changed: the padding case tested nothing"
     if family == "glm4_moe":  # the fp32 router bias buffer moved and was shipped
         assert any(n.endswith("e_score_correction_bias") for n in shipped), sorted(shipped)
+
+
+def _padding_rows(gpt, bridge, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's local output-layer rows past the HF vocab, and their values now."""
+    from megatron.core import parallel_state as ps
+
+    assert bridge.padded_vocab_size > bridge.vocab_size, (bridge.padded_vocab_size, bridge.vocab_size)
+    per = bridge.padded_vocab_size // tp
+    first = ps.get_tensor_model_parallel_rank() * per
+    rows = torch.arange(min(max(bridge.vocab_size - first, 0), per), per)
+    return rows, bits(gpt.output_layer.weight[rows]).clone()
+
+
+def _assert_padding_unmapped(gpt, bridge, tp: int, segments) -> None:
+    """The vocab-parallel tensors' segments cover exactly this rank's real (HF) rows."""
+    from megatron.core import parallel_state as ps
+
+    per = bridge.padded_vocab_size // tp
+    real = min(max(bridge.vocab_size - ps.get_tensor_model_parallel_rank() * per, 0), per)
+    hidden = gpt.output_layer.weight.shape[1]
+    for hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        covered = sum(s.tensor.numel() for s in segments if s.name == hf_name)
+        assert covered == real * hidden, (hf_name, covered, real, hidden)
+
+
+def _assert_own_stage(gpt, names: set[str]) -> None:
+    """A pipeline stage may ship only its own layers, the embedding only on the first stage, and
+    the final norm and lm_head only on the last."""
+    import re
+
+    layers = {layer.layer_number - 1 for layer in gpt.decoder.layers}  # global, 1-based in megatron
+    for n in names:
+        m = re.match(r"model\.layers\.(\d+)\.", n)
+        if m:
+            assert int(m.group(1)) in layers, (n, layers)
+        elif n == "model.embed_tokens.weight":
+            assert gpt.pre_process, n
+        else:
+            assert gpt.post_process and n in ("model.norm.weight", "lm_head.weight"), n
+    assert {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))} == layers
 
 
 def behaviour_worker(rank, world, port, hf, expect_path):
