@@ -1,11 +1,13 @@
 """DeltaSender against a real `vllm serve` (CPU): a plain PyTorch trainer syncs after every step over
-disk (over gloo: test_collective_engine.py), and the faults of issue 5 are produced for real.
+disk and over gloo, and the faults of issue 5 are produced for real.
 
-One server serves the module (engine starts are the cost); the last test syncs one more step
-(so it is not tautological when run alone), stops the server and starts a fresh engine from a
-checkpoint the trainer saves, whose `/weight_checker` digests must equal the synced engine's and
-differ from the base checkpoint's. Every update carries per-tensor post-apply hashes, so each sync is also verified
-bit-exact by the engine itself (a mismatch is a 500).
+One server and one trainer serve the module (engine starts are the cost). Each test starts from
+what the engine holds now (its status version, the trainer's weights) and leaves the engine on the
+trainer's weights, so the tests pass alone and in any order. The equality test syncs one more step
+(so it is not tautological when run alone) and starts a fresh engine beside the module's (which
+stays up, idle) from a checkpoint the trainer saves, whose `/weight_checker` digests must equal the
+synced engine's and differ from the base checkpoint's. Every update carries per-tensor post-apply
+hashes, so each sync is also verified bit-exact by the engine itself (a mismatch is a 500).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def model_dir(tiny_model_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir, root, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
+    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY,
+            "--delta-updates-collective-trainers", "127.0.0.1"]  # the gloo trainer runs here
     with VllmServer(model_dir, log, extra_args=args) as s:
         s.base_digests = engine_checksums(s.url, API_KEY)  # the checkpoint's, before any test moves it
         yield s
@@ -71,19 +74,35 @@ def push(server, body) -> requests.Response:
     return requests.post(f"{server.url}/update_weights_delta", json=body, headers=hdr(), timeout=120)
 
 
-def test_trainer_syncs_every_step_over_disk(server, trainer, model_dir, root):
-    sender = DeltaSender([server.url], "disk", root, api_key=API_KEY, flush_bytes=64 << 10)
-    sender.seed_from_checkpoint(model_dir)
+def test_trainer_syncs_every_step_over_disk(server, trainer, root):
+    """(Seeding from the served checkpoint against a real engine: test_stock_equivalence.py.)"""
+    version = status(server)["version"]
+    sender = DeltaSender([server.url], "disk", root, api_key=API_KEY, flush_bytes=64 << 10, version=version)
+    sender.seed(trainer.weights())
     before = checksums(server)
     for step in range(1, 4):
         trainer.step()
         m = sender.sync(trainer.weights())
         assert m["sender/all_acked"] == 1.0, sender.engines
         assert m["sender/changed_elements"] > 0
-        assert status(server)["version"] == step and status(server)["healthy"]
+        assert status(server)["version"] == version + step and status(server)["healthy"]
         assert m["perf/update_weights_wire_bytes"] > 0 and m["perf/update_weights_engine_apply_time"] > 0
     assert checksums(server) != before
-    assert not [p for p in root.iterdir() if p.name.startswith("v")], "delivered directories are removed"
+    delivered = [root / f"v{version + step:06d}" for step in range(1, 4)]
+    assert not [p for p in delivered if p.exists()], "delivered directories are removed"
+
+
+def test_trainer_syncs_over_gloo(server, trainer):
+    version = status(server)["version"]
+    sender = DeltaSender([server.url], "gloo", api_key=API_KEY, flush_bytes=64 << 10, version=version,
+                         collective_timeout_s=60)
+    sender.seed(trainer.weights())  # the engine holds exactly these weights at `version`
+    for step in range(1, 3):
+        trainer.step()
+        m = sender.sync(trainer.weights())
+        assert m["sender/all_acked"] == 1.0, sender.engines
+        assert status(server)["version"] == version + step
+        assert m["perf/update_weights_wire_bytes"] > 0
 
 
 def test_one_of_two_engines_fails_then_converges(server, trainer, root):
@@ -130,8 +149,8 @@ def test_duplicate_push_idempotent_and_out_of_order_rejected(server, trainer, ro
     r = push(server, {"path": last, "version": version + 2})
     assert r.status_code == 200 and r.json()["replay"], r.text
     assert checksums(server) == digests
-    r = push(server, {"path": f"v{version + 1:06d}", "version": version + 1})
-    assert r.status_code == 409, r.text
+    r = push(server, {"path": f"v{version + 1:06d}", "version": version + 1})  # valid, but behind the engine
+    assert r.status_code == 409 and r.json()["error"]["type"] == "LineageError", r.text  # not on this version
     assert checksums(server) == digests and status(server)["version"] == version + 2
     trainer.step()
     m = sender.sync(trainer.weights())  # the sender is unaffected and carries on
@@ -165,6 +184,7 @@ def test_sender_killed_mid_write_leaves_nothing_applicable(server, root, model_d
     assert list(d.glob("rank*_flush*.safetensors")) and not (d / "manifest.json").exists()
     r = push(server, {"path": d.name, "version": 1001})
     assert r.status_code == 400 and r.json()["error"]["type"] == "IncompleteDeltaError", r.text
+    assert r.json()["error"]["file"] == "manifest.json", r.text
     assert checksums(server) == digests and status(server)["version"] == version
     shutil.rmtree(d)
 
@@ -182,7 +202,6 @@ def test_synced_engine_equals_fresh_engine_from_trainer_weights(server, trainer,
     assert m["sender/all_acked"] == 1.0, sender.engines
     synced = checksums(server)
     assert synced != server.base_digests, "the trainer moved away from the checkpoint"
-    server.stop()  # one engine at a time on this machine
     out = tmp_path_factory.mktemp("trained")
     for f in model_dir.iterdir():
         if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json" and f.is_file():
