@@ -53,16 +53,22 @@ def write_delta(path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
     write_manifest(path, m.model_copy(update={"params": [p.model_copy(update=digests[p.name]) for p in m.params]}))
 
 
+def tp2_appliers(tmp_path, base: dict[str, torch.Tensor]) -> list[tuple[torch.nn.Module, DeltaApplier]]:
+    """Two TP ranks of the synthetic model on `base`, each applier knowing what its peer holds."""
+    models, _ = tp_ranks(tmp_path / "model", base, tp=2)
+    appliers = [DeltaApplier(model, META, rank=rank) for rank, model in enumerate(models)]
+    covs = [coverage(a.placements) for a in appliers]
+    for rank, applier in enumerate(appliers):
+        applier.ownership = Ownership.from_coverages(covs, rank)
+    return list(zip(models, appliers))
+
+
 def test_each_tp_rank_decodes_fewer_blocks_and_applies_bit_exact(tmp_path):
     base = DC.random_checkpoint(CFG, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=7)
     write_delta(tmp_path / "d", base, new)
-    models, _ = tp_ranks(tmp_path / "model", base, tp=2)
-    appliers = [DeltaApplier(model, META, rank=rank) for rank, model in enumerate(models)]
-    covs = [coverage(a.placements) for a in appliers]
     replies = []
-    for rank, (model, applier) in enumerate(zip(models, appliers)):
-        applier.ownership = Ownership.from_coverages(covs, rank)
+    for rank, (model, applier) in enumerate(tp2_appliers(tmp_path, base)):
         owned = owned_by_tensor(applier.placements)
         embed = next(pd for pd in iter_delta(tmp_path / "d", current_version=0, owned=owned) if pd.name == EMBED)
         assert 0 < embed.blocks[0] < embed.blocks[1] and embed.skipped > 0  # a row split: half the blocks
@@ -80,12 +86,8 @@ def test_unblocked_v1_deltas_still_apply_bit_exact(tmp_path):
     base = DC.random_checkpoint(CFG, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=8)
     write_delta(tmp_path / "d", base, new, blocked=False)
-    models, _ = tp_ranks(tmp_path / "model", base, tp=2)
-    appliers = [DeltaApplier(model, META, rank=rank) for rank, model in enumerate(models)]
-    covs = [coverage(a.placements) for a in appliers]
     replies = []
-    for rank, (model, applier) in enumerate(zip(models, appliers)):
-        applier.ownership = Ownership.from_coverages(covs, rank)
+    for rank, (model, applier) in enumerate(tp2_appliers(tmp_path, base)):
         staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
         assert staged.blocks == (0, 0)  # no index: every rank decodes everything, as before
         replies.append({"digests": staged.digests, "expected": staged.expected})
