@@ -120,6 +120,43 @@ def test_two_engines_sync_concurrently(engines, trainer):
     sender.close()
 
 
+def test_refusal_leaves_that_engine_unchanged_and_updates_the_other(engines, trainer):
+    """Engine b moves on behind the sender's back (another sender of the same run writes other weights
+    into it at the next version, over disk, so the sender's group to b stays up): the sender's next
+    delta is outside b's lineage, b refuses it in the handshake, no bulk byte goes to b, a is updated
+    on its own group, and an anchor then puts b back on the trainer's weights."""
+    a, b = engines
+    sender = sender_for(engines)
+    sender.seed(trainer.weights())
+    trainer.step()
+    m = sender.sync(trainer.weights())
+    assert every_engine_acked(sender, m), sender.engines
+    other = DeltaSender([b.url], "disk", b.root, api_key=API_KEY, flush_bytes=FLUSH, version=int(m["sender/version"]))
+    other.seed(trainer.weights())
+    foreign = dict(trainer.state())
+    adam_like_step(foreign, torch.Generator().manual_seed(7))
+    assert every_engine_acked(other, other.sync(foreign.items())), other.engines
+    other.close()
+    b_before, b_version = checksums(b), status(b)["version"]
+
+    trainer.step()
+    m = sender.sync(trainer.weights())
+    assert sender.engines[a.url].last_status == 200 and sender.engines[b.url].last_status == 409
+    assert sender.engines[a.url].acked == m["sender/version"] and sender.engines[b.url].acked is None
+    refusal = sender.transport.link(b.url, None).refusal
+    assert (refusal["status"], refusal["type"]) == (409, "VersionError"), refusal  # the base-version check
+    assert "base_version" in refusal["message"], refusal
+    assert sender.transport.link(b.url, None).bytes_sent == 0 and sender.transport.link(b.url, None).group is None
+    assert sender.transport.link(a.url, None).group is not None  # a's group was not torn down
+    assert checksums(b) == b_before and status(b)["version"] == b_version and status(b)["healthy"]
+    a_synced = checksums(a)
+
+    sender.request_anchor()  # b's version is one this run also used: only an anchor proves its weights
+    until_acked(sender, trainer)
+    assert checksums(b) == checksums(a) == a_synced
+    sender.close()
+
+
 def test_flush_over_the_engine_cap_is_refused_before_any_byte_moves(engines, trainer):
     a, _ = engines
     sender = sender_for([a], anchor_every=1)  # every sync a whole-model anchor, in flushes over CAP
