@@ -60,6 +60,8 @@ REFUSED = {
     "api-server-count": (["--api-key", "k", "--api-server-count", "2"], {}, "--api-server-count 2"),
     "data-parallel": (["--api-key", "k", "--data-parallel-size", "2"], {}, "--data-parallel-size 2"),
     "bad-trainer": (["--api-key", "k", "--delta-updates-collective-trainers", "a b"], {}, "host name"),
+    "two-doors": (["--api-key", "k", "--weight-transfer-config", '{"backend": "delta"}'], {},
+                  "cannot serve the same engine"),
 }
 
 

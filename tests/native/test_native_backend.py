@@ -1,6 +1,8 @@
 """`delta` as a vLLM weight-transfer backend, driven only through vLLM's own API.
 
-One module, three engines, one at a time (engine starts are the cost on 2 cores):
+One module, three engines (engine starts are the cost on 2 cores). The trainer's story is one
+test, in phases that hand trainer states on (so it passes alone and in any order); the bad-input
+and one-door tests stand alone:
 1. `vllm serve <HF hub id> --weight-transfer-config '{"backend": "delta"}'`, configured from the
    environment only (no patch-only flag), the hub id resolved from a local HF cache offline. A plain
    PyTorch trainer syncs it for 3 steps through vLLM's `WeightTransferTrainerFactory`,
@@ -86,17 +88,31 @@ def status(url: str) -> dict:
     return r.json()
 
 
-def test_trainer_syncs_serve_through_vllm_api(served, trainer, root, run):
+def test_trainer_syncs_through_vllm_api_and_equals_a_fresh_engine(served, trainer, model_dir, native_env, root,
+                                                                   run, tmp_path, tmp_path_factory):
+    """Disk, gloo, a two-stage pipeline, then the offline `LLM` on the same states; a fresh engine decides."""
+    run["states"].clear()
+    run["states"].append(trainer.state())
+    sync_over_disk(served, trainer, root, run)
+    sync_over_gloo(served, trainer, run)
+    sync_from_pipeline_stages(served, root, run, tmp_path)
+    replay_offline(trainer, model_dir, root, run)
+    synced_equal_fresh_engine(trainer, model_dir, native_env, run, tmp_path_factory)
+
+
+def sync_over_disk(served, trainer, root: Path, run: dict) -> None:
+    """3 steps over disk through vLLM's trainer factory and HTTP client; metrics move each step."""
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
 
     from vllm_delta import DeltaTrainerInitInfo
 
-    run["states"].append(trainer.state())
+    version = len(run["states"]) - 1
+    assert status(served.url)["version"] == version
     engine = WeightTransferTrainerFactory.trainer_init(
         DeltaTrainerInitInfo(delta_dir=str(root), flush_bytes=64 << 10, rank=0),
         client=HTTPVLLMWeightSyncClient(served.url), source=ModuleSource(trainer.model))
     before = checksums(served.url)
-    for step in range(1, 4):
+    for step in range(version + 1, version + 4):
         m0 = metric_samples(served.url)
         trainer.step()
         metrics = engine.send_weights()
@@ -201,7 +217,7 @@ def test_bad_input_through_native_routes(served, model_dir, root, run):
         shutil.rmtree(d)
 
 
-def test_trainer_syncs_over_gloo_through_vllm_api(served, trainer, run):
+def sync_over_gloo(served, trainer, run: dict) -> None:
     """`transport="gloo"`: the engine joins the trainer's group through vLLM's init route; 2 more steps."""
     from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
 
@@ -260,7 +276,7 @@ def _stage(rank: int, world_size: int, port: int, url: str, root: str, state_fil
     dist.destroy_process_group()
 
 
-def test_pipeline_stages_send_what_they_hold(served, root, run, tmp_path):
+def sync_from_pipeline_stages(served, root: Path, run: dict, tmp_path: Path) -> None:
     """`held_names`: two trainer ranks (gloo), each holding half the layers, make one version."""
     version = len(run["states"]) - 1
     state = {n: t.clone() for n, t in run["states"][-1].items()}
@@ -273,14 +289,13 @@ def test_pipeline_stages_send_what_they_hold(served, root, run, tmp_path):
     run["digests"]["serve"] = checksums(served.url)
 
 
-def test_offline_llm_api(served, trainer, model_dir, root, run):
+def replay_offline(trainer, model_dir: Path, root: Path, run: dict) -> None:
     """The same trainer states through the offline `LLM` methods; the snapshot seeded from the checkpoint."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from vllm_delta import DeltaTrainerInitInfo
     from vllm_delta.native.links import OfflineLLMClient
 
-    served.stop()  # one engine at a time on this machine
     states = run["states"]
     trainer.model.load_state_dict(states[0])
     with patched_environ({ROOT_ENV: str(root)}), \
@@ -300,7 +315,7 @@ def test_offline_llm_api(served, trainer, model_dir, root, run):
         run["digests"]["offline"] = merged_checksums(llm.collective_rpc("compute_weight_checksums"))
 
 
-def test_synced_engines_equal_fresh_engine(trainer, model_dir, native_env, run, tmp_path_factory):
+def synced_equal_fresh_engine(trainer, model_dir: Path, native_env: dict, run: dict, tmp_path_factory) -> None:
     """Independent of our code: transformers writes the weights, vLLM loads them and digests them."""
     trainer.model.load_state_dict(run["states"][-1])
     out = save_trained(trainer.model, model_dir, tmp_path_factory.mktemp("trained"))
@@ -317,3 +332,16 @@ def test_one_door_per_engine(model_dir, root, tmp_path):
         VllmServer(model_dir, tmp_path / "serve.log",
                    extra_args=[*NATIVE, "--enable-delta-updates", "--delta-updates-root", str(root)])
     assert "cannot serve the same engine: choose one" in (tmp_path / "serve.log").read_text()
+
+
+def test_the_backend_refuses_a_worker_that_also_has_our_extension():
+    """The offline `LLM(worker_extension_cls=..., weight_transfer_config={"backend": "delta"})` path, which
+    no command-line parser sees: the worker refuses before it holds any state."""
+    from types import SimpleNamespace
+
+    from vllm_delta.engine.cli_args import WORKER_EXTENSION
+    from vllm_delta.native.worker_engine import DeltaWeightTransferEngine
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=WORKER_EXTENSION))
+    with pytest.raises(ValueError, match="cannot serve the same engine: choose one"):
+        DeltaWeightTransferEngine(None, config, torch.device("cpu"), torch.nn.Module())

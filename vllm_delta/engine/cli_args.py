@@ -132,6 +132,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.worker_extension_cls != WORKER_EXTENSION:
         raise ValueError(f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
                          f"it cannot be combined with --worker-extension-cls {args.worker_extension_cls}")
+    if _weight_transfer_backend(args) == "delta":
+        raise ValueError("the `delta` weight-transfer backend and --enable-delta-updates cannot serve the same "
+                         "engine: choose one (each door would keep its own version of the same weights)")
     if (getattr(args, "api_server_count", None) or 1) > 1:
         raise ValueError(f"--enable-delta-updates cannot run with --api-server-count {args.api_server_count}: "
                          "each API server process would hold its own update lock, and one server's resume "
@@ -144,6 +147,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--enable-delta-updates lets whoever reaches this server rewrite its weights: give "
                          "--api-key (or VLLM_API_KEY), listen on loopback only (--host 127.0.0.1, localhost "
                          "or ::1), or set VLLM_SERVER_DEV_MODE=1")
+
+
+def _weight_transfer_backend(args: argparse.Namespace) -> str | None:
+    """`--weight-transfer-config`'s backend, as parsed (a dict or vLLM's config object) or None."""
+    config = getattr(args, "weight_transfer_config", None)
+    return config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
