@@ -320,6 +320,10 @@ class DeltaWorkerExtension:
         return self._delta().applier.placement_status()
 
     def delta_abort(self, request_id: str) -> None:
+        preparing = self._delta().preparing
+        if preparing is not None and preparing.request_id == request_id:
+            self._delta_join_prepare()  # let it finish, then drop what it staged
+            return
         self._delta().staged.pop(request_id, None)
         self._delta().staged_run.pop(request_id, None)
 
@@ -331,10 +335,6 @@ class DeltaWorkerExtension:
                 "fault": state.fault and state.fault.as_dict(), "last": state.last,
                 "placement": state.applier.placement_status(),
                 "fallback": state.applier.fallback_tensors if state.applier.probed else None}
-        preparing = self._delta().preparing
-        if preparing is not None and preparing.request_id == request_id:
-            self._delta_join_prepare()  # let it finish, then drop what it staged
-            return
 
 
 @contextlib.contextmanager

@@ -206,23 +206,22 @@ class _StreamMeta(BaseModel):
     size: NonNeg
 
 
-class _ParamMeta(BaseModel):
+class _ParamHead(BaseModel):
+    """What both flush layouts say of a param."""
+
     model_config = ConfigDict(extra="forbid")
     name: str
     dtype: str
     shape: list[NonNeg]
     count: Annotated[int, Field(ge=1)]
     width: NonNeg
+
+
+class _ParamMeta(_ParamHead):
     spans: dict[str, tuple[NonNeg, NonNeg]]
 
 
-class _BlockedParamMeta(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    dtype: str
-    shape: list[NonNeg]
-    count: Annotated[int, Field(ge=1)]
-    width: NonNeg
+class _BlockedParamMeta(_ParamHead):
     streams: list[str]
     blocks: list  # checked by blocks.parse_index (pydantic per element is slow on big indexes)
 
