@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy  # a subprocess that runs the whole check
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
 
 

@@ -1,11 +1,10 @@
 """Locked-down delta routes (docs/security.md): who may start a server, what a request may carry, and
 what the workers will open.
 
-Startup refusals run `vllm serve`'s own parser (and once the real command): no engine starts for
-them. The route cases share one server started with a small body cap and a collective allowlist;
-each bad input uses an otherwise valid delta directory, asserts the error type and the field it
-names, and checks the engine was left as it was (weights digest-identical, same greedy tokens and
-logprobs as before the cases).
+Startup refusals are in test_serve_parser.py (in-process, no engine). The route cases share one
+server started with a small body cap and a collective allowlist; each bad input uses an otherwise
+valid delta directory, asserts the error type and the field it names, and checks the engine was
+left as it was (weights digest-identical, same greedy tokens and logprobs as before the cases).
 """
 
 from __future__ import annotations
@@ -18,9 +17,6 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from harness.vllm_engine import VllmServer
-from vllm_delta.engine import cli_args
-from vllm_delta.native import ROOT_ENV
 from vllm_delta.wire import flush_name
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
@@ -29,87 +25,6 @@ F = flush_name(0, 0)
 Q = "model.layers.0.self_attn.q_proj.weight"
 MAX_BODY = 64 << 10
 TRAINERS = ["10.9.8.0/24", "trainer.example"]
-
-
-# ---- startup: refused while the command line is parsed ------------------------------------------
-
-@pytest.fixture
-def serve_parser(monkeypatch, tmp_path):
-    """`vllm serve`'s parser (vLLM's `make_arg_parser`), with no dev mode and no key in the environment."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    # The parser sets the delta flags in os.environ (for the engine it starts): setenv first, so
-    # monkeypatch restores each name to its state before the test, unset included.
-    for name in ("VLLM_SERVER_DEV_MODE", "VLLM_API_KEY", cli_args.ENV_FLAG, ROOT_ENV, "VLLM_PLUGINS"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-    def parse(*flags: str):
-        return make_arg_parser(FlexibleArgumentParser()).parse_args(
-            ["model", "--enable-delta-updates", "--delta-updates-root", str(tmp_path), *flags])
-
-    return parse
-
-
-REFUSED = {
-    "no-key-all-interfaces": ([], {}, "lets whoever reaches this server"),
-    "no-key-0.0.0.0": (["--host", "0.0.0.0"], {}, "lets whoever reaches this server"),
-    "no-key-host-name": (["--host", "engine-0.internal"], {}, "lets whoever reaches this server"),
-    "dev-mode-0": (["--host", "::"], {"VLLM_SERVER_DEV_MODE": "0"}, "lets whoever reaches this server"),
-    "api-server-count": (["--api-key", "k", "--api-server-count", "2"], {}, "--api-server-count 2"),
-    "data-parallel": (["--api-key", "k", "--data-parallel-size", "2"], {}, "--data-parallel-size 2"),
-    "bad-trainer": (["--api-key", "k", "--delta-updates-collective-trainers", "a b"], {}, "host name"),
-    "two-doors": (["--api-key", "k", "--weight-transfer-config", '{"backend": "delta"}'], {},
-                  "cannot serve the same engine"),
-}
-
-
-@pytest.mark.parametrize("case", REFUSED)
-def test_unsafe_command_lines_are_refused_at_parse_time(serve_parser, monkeypatch, capsys, case):
-    flags, env, message = REFUSED[case]
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(SystemExit) as exc:
-        serve_parser(*flags)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-ALLOWED = {
-    "api-key": (["--api-key", "k"], {}),
-    "api-key-env": (["--host", "0.0.0.0"], {"VLLM_API_KEY": "k"}),
-    "dev-mode": (["--host", "0.0.0.0"], {"VLLM_SERVER_DEV_MODE": "1"}),
-    "loopback-v4": (["--host", "127.0.0.1"], {}),
-    "loopback-v4-net": (["--host", "127.3.2.1"], {}),
-    "loopback-v6": (["--host", "::1"], {}),
-    "localhost": (["--host", "localhost"], {}),
-    "unix-socket": (["--uds", "/tmp/vllm-delta-test.sock"], {}),
-}
-
-
-@pytest.mark.parametrize("case", ALLOWED)
-def test_safe_command_lines_parse(serve_parser, monkeypatch, case):
-    flags, env = ALLOWED[case]
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    args = serve_parser(*flags, "--delta-updates-collective-trainers", "10.0.0.0/8", "::1", "trainer-0")
-    assert args.enable_delta_updates and args.delta_updates_max_body_bytes == cli_args.DEFAULT_MAX_BODY_BYTES
-    assert args.delta_updates_collective_trainers == ["10.0.0.0/8", "::1", "trainer-0"]
-
-
-def test_open_server_without_a_key_stops_before_any_engine_starts(tiny_model_factory, tmp_path):
-    """The real command: `vllm serve` exits with argparse's usage error (2) instead of serving."""
-    args = ["--enable-delta-updates", "--delta-updates-root", str(tmp_path), "--host", "0.0.0.0"]
-    try:
-        server = VllmServer(tiny_model_factory("llama"), tmp_path / "serve.log", extra_args=args,
-                            env={"VLLM_SERVER_DEV_MODE": "0"}, startup_timeout_s=300)
-    except RuntimeError as exc:
-        refusal = str(exc)
-    else:
-        server.stop()
-        pytest.fail("vllm serve started an open delta-updates server without an API key")
-    assert "exited with 2" in refusal and "--api-key" in refusal and "VLLM_SERVER_DEV_MODE=1" in refusal
 
 
 # ---- one server: body cap, collective allowlist, safe file opening ------------------------------

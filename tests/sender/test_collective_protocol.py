@@ -68,6 +68,7 @@ def _run(caps: list[int], die_after: int | None = None, manifest: dict = MANIFES
 SIZES = [(n, len(d)) for n, d in FLUSHES]
 
 
+@pytest.mark.heavy  # spawns the engine-side peer
 def test_refused_offer_moves_no_bulk_byte_and_the_next_offer_streams_one_flush_at_a_time():
     group, proc, results = _run([4000, 1 << 20])  # the 5000 B flush is over the first per-flush cap
     assert offer(group, 7, MANIFEST, SIZES, stop=lambda: False) is False
@@ -83,6 +84,7 @@ def test_refused_offer_moves_no_bulk_byte_and_the_next_offer_streams_one_flush_a
     group.close()
 
 
+@pytest.mark.heavy  # spawns the engine-side peer
 def test_offer_for_another_manifest_is_refused_by_the_engine():
     group, proc, results = _run([1 << 20])
     assert offer(group, 7, {**MANIFEST, "version": 8}, SIZES, stop=lambda: False) is False
@@ -92,6 +94,7 @@ def test_offer_for_another_manifest_is_refused_by_the_engine():
     group.close()
 
 
+@pytest.mark.heavy  # spawns the engine-side peer
 def test_engine_killed_mid_stream_raises_in_the_trainer_instead_of_hanging():
     # Flushes larger than the socket buffers, so a send can only finish if the peer reads it.
     big = [(f"rank0000_flush{i:06d}.safetensors", bytes([i]) * (32 << 20)) for i in range(3)]

@@ -1,0 +1,95 @@
+"""`vllm serve` command lines that enable delta updates: refused or accepted while they are parsed.
+
+Why in-process: the refusals happen in `vllm serve`'s own parser (vLLM's `make_arg_parser`, with our
+`vllm.cli_args_plugins` hook wrapping its `parse_known_args`) before anything starts, so running that
+parser here checks exactly what the real command checks, without starting an engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_delta.engine import cli_args
+from vllm_delta.native import ROOT_ENV
+
+
+@pytest.fixture
+def serve_parser(monkeypatch):
+    """`parse(*argv)`: `vllm serve`'s parser on `model *argv`, with no dev mode and no key in the environment."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # The parser sets the delta flags in os.environ (for the engine it starts): setenv first, so
+    # monkeypatch restores each name to its state before the test, unset included.
+    for name in ("VLLM_SERVER_DEV_MODE", "VLLM_API_KEY", cli_args.ENV_FLAG, ROOT_ENV, "VLLM_PLUGINS"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+    def parse(*argv: str):
+        return make_arg_parser(FlexibleArgumentParser()).parse_args(["model", *argv])
+
+    return parse
+
+
+@pytest.fixture
+def delta_flags(tmp_path) -> list[str]:
+    return ["--enable-delta-updates", "--delta-updates-root", str(tmp_path)]
+
+
+REFUSED = {
+    "no-key-all-interfaces": ([], {}, "give --api-key (or VLLM_API_KEY), listen on loopback only"),
+    "no-key-0.0.0.0": (["--host", "0.0.0.0"], {}, "lets whoever reaches this server"),
+    "no-key-host-name": (["--host", "engine-0.internal"], {}, "lets whoever reaches this server"),
+    "dev-mode-0": (["--host", "::"], {"VLLM_SERVER_DEV_MODE": "0"}, "or set VLLM_SERVER_DEV_MODE=1"),
+    "api-server-count": (["--api-key", "k", "--api-server-count", "2"], {}, "--api-server-count 2"),
+    "data-parallel": (["--api-key", "k", "--data-parallel-size", "2"], {}, "--data-parallel-size 2"),
+    "bad-trainer": (["--api-key", "k", "--delta-updates-collective-trainers", "a b"], {}, "host name"),
+    "two-doors": (["--api-key", "k", "--weight-transfer-config", '{"backend": "delta"}'], {},
+                  "cannot serve the same engine: choose one"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_unsafe_command_lines_are_refused_at_parse_time(serve_parser, delta_flags, monkeypatch, capsys, case):
+    flags, env, message = REFUSED[case]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exc:
+        serve_parser(*delta_flags, *flags)
+    assert exc.value.code == 2  # argparse's usage error: what `vllm serve` exits with
+    assert message in capsys.readouterr().err
+
+
+def test_the_flag_without_a_root_is_refused(serve_parser, capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve_parser("--enable-delta-updates", "--api-key", "k")
+    assert exc.value.code == 2
+    assert "--enable-delta-updates requires --delta-updates-root DIR" in capsys.readouterr().err
+
+
+ALLOWED = {
+    "api-key": (["--api-key", "k"], {}),
+    "api-key-env": (["--host", "0.0.0.0"], {"VLLM_API_KEY": "k"}),
+    "dev-mode": (["--host", "0.0.0.0"], {"VLLM_SERVER_DEV_MODE": "1"}),
+    "loopback-v4": (["--host", "127.0.0.1"], {}),
+    "loopback-v4-net": (["--host", "127.3.2.1"], {}),
+    "loopback-v6": (["--host", "::1"], {}),
+    "localhost": (["--host", "localhost"], {}),
+    "unix-socket": (["--uds", "/tmp/vllm-delta-test.sock"], {}),
+}
+
+
+@pytest.mark.parametrize("case", ALLOWED)
+def test_safe_command_lines_parse(serve_parser, delta_flags, monkeypatch, case):
+    flags, env = ALLOWED[case]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    args = serve_parser(*delta_flags, *flags, "--delta-updates-collective-trainers", "10.0.0.0/8", "::1",
+                        "trainer-0")
+    assert args.enable_delta_updates and args.delta_updates_max_body_bytes == cli_args.DEFAULT_MAX_BODY_BYTES
+    assert args.delta_updates_collective_trainers == ["10.0.0.0/8", "::1", "trainer-0"]
+
+
+def test_flag_off_parses_as_stock_vllm(serve_parser):
+    args = serve_parser("--host", "0.0.0.0")
+    assert not args.enable_delta_updates and args.worker_extension_cls != cli_args.WORKER_EXTENSION
