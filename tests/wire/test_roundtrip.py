@@ -159,18 +159,22 @@ def test_base_relative_encoding_enforces_base_version(tmp_path):
 
 
 def test_overwrite_encodings_are_idempotent(tmp_path):
-    old = torch.randn(100).bfloat16()
-    new = old.clone()
-    new[::7] = 0.125
+    """Applied twice, an overwrite delta leaves the new weights and a base-relative one moves them
+    twice. The reference is plain torch on the inputs, not the encodings' own flags (both of which
+    derive from one field): every changed value moves one bit pattern up, so twice is two up."""
+    base_relative = {"ulp_zstd"}  # docs/wire-format.md: values are steps from the receiver's bits
+    old = (torch.rand(100) + 0.5).bfloat16()  # positive and finite: a bit pattern up is a value up
+    new, twice = old.clone(), old.clone()
+    new.view(torch.int16)[::7] += 1
+    twice.view(torch.int16)[::7] += 2
     for encoding, enc in ENCODINGS.items():
         write_delta(tmp_path / encoding, {"w": old}, {"w": new}, encoding=encoding)
-        if enc.idempotent:
-            out = old.clone()
-            for _ in range(2):
-                for pd in read_delta(tmp_path / encoding, current_version=0):
-                    pd.apply_(out)
-            assert same_bits(out, new)
-        assert enc.needs_base == (not enc.idempotent)
+        out = old.clone()
+        for _ in range(2):
+            for pd in read_delta(tmp_path / encoding, current_version=0):
+                pd.apply_(out)
+        assert same_bits(out, twice if encoding in base_relative else new), encoding
+        assert (enc.idempotent, enc.needs_base) == (encoding not in base_relative, encoding in base_relative)
 
 
 def test_best_encoding_is_smallest_on_adam_like_changes(tmp_path):
