@@ -6,7 +6,9 @@ weights with AdamW (lr 1e-5) and calls `DeltaSender.sync` after every step over 
 transport. Each update carries digests that the engine checks before writing. `bitexact` comes
 from an independent comparison: transformers' own `save_pretrained` of the trained model, loaded
 into a fresh engine, must give the same per-parameter `/weight_checker` digests and the same
-greedy completion as the synced engine. The last line printed is one JSON summary.
+greedy completion as the synced engine. The last line printed is one JSON summary; its
+`full_sync_bytes` is what full syncs of the same count would move (every synced tensor at its dtype),
+counted from the trainer's state dict, not by the delta code.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ def checksums(url: str) -> dict[str, str]:
     return r.json()["checksums"]
 
 
+def full_sync_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes of one full sync: every tensor the trainer hands the sender, at its dtype."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
 def train_step(model, optimizer, gen: torch.Generator) -> float:
     ids = torch.randint(3, 512, (2, 24), generator=gen)
     loss = model(input_ids=ids, labels=ids).loss
@@ -65,10 +72,12 @@ def main() -> int:
         sender.seed_from_checkpoint(model_dir)
         for step in range(1, STEPS + 1):
             loss = train_step(model, optimizer, gen)
-            m = sender.sync((n, p.detach()) for n, p in model.state_dict().items())
+            state = model.state_dict()
+            m = sender.sync((n, p.detach()) for n, p in state.items())
             steps.append({"step": step, "loss": round(loss, 4),
                           "density": round(m["perf/update_weights_density"], 5),
                           "wire_bytes": int(m["perf/update_weights_wire_bytes"]),
+                          "full_sync_bytes": full_sync_bytes(state),
                           "sync_s": round(m["perf/update_weights_time"], 3),
                           "all_acked": m["sender/all_acked"] == 1.0})
             print(f"step {step}: {steps[-1]}", flush=True)
@@ -91,7 +100,8 @@ def main() -> int:
         "bitexact": bitexact, "engine_version": status["version"], "healthy": status["healthy"],
         "syncs": len(steps),
         "all_acked": all(s["all_acked"] for s in steps),
-        "wire_bytes_total": sum(s["wire_bytes"] for s in steps), "full_checkpoint_bytes": full_bytes,
+        "wire_bytes_total": sum(s["wire_bytes"] for s in steps),
+        "full_sync_bytes": sum(s["full_sync_bytes"] for s in steps), "full_checkpoint_bytes": full_bytes,
         "served_text": completion["text"], "steps": steps, "wall_s": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(summary))
