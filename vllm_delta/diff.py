@@ -55,7 +55,7 @@ def changed_positions(current: torch.Tensor, snapshot: torch.Tensor) -> torch.Te
         raise ValueError(f"current is on {current.device}, the snapshot on {snapshot.device}")
     a, b = int_view(current), int_view(snapshot)
     if a.device.type != "cpu":  # on an accelerator (or meta) the mask and positions stay there
-        return torch.nonzero(a != b).reshape(-1)
+        return device_positions(a, b)
     an, bn = a.numpy(), b.numpy()
 
     def chunk(i: int) -> np.ndarray:
@@ -66,6 +66,12 @@ def changed_positions(current: torch.Tensor, snapshot: torch.Tensor) -> torch.Te
         chunk(i) for i in starts]
     return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)) if parts else \
         torch.zeros(0, dtype=torch.int64)
+
+
+def device_positions(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The accelerator diff of two int views: torch ops only, so nothing leaves their device.
+    A function of its own so that tests can run it on the CPU and check it element for element."""
+    return torch.nonzero(a != b).reshape(-1)
 
 
 def diff_param(current: torch.Tensor, snapshot: torch.Tensor) -> ParamDiff:

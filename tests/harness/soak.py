@@ -2,9 +2,11 @@
 
 Why: a weight update decides what a production model says, and it happens while the model
 serves. This drives N concurrent completion streams, measures their latency with and without
-syncing, counts failed requests, and after every sync checks the digest chain: the engine's own
-full verify against the update's digests, and those digests against a fresh whole-tensor digest
-of the trainer's weights (computed here, not by the sender).
+syncing, counts failed requests, and after every sync checks the chain from the trainer to the
+served weights: the xxh3-128 of each trainer tensor's bytes, computed here with plain `xxhash`
+(not with vllm_delta's digest code), equals the `post_hash` the update states for it, and the
+engine's full verify finds every served tensor (one engine, TP=1: each held whole) hashing to
+what the updates stated and its additive digests matching.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from pathlib import Path
 
 import requests
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 from harness.perturb import perturb_tensor
 from vllm_delta import DeltaSender
 from vllm_delta.wire import MANIFEST_NAME
-from vllm_delta.wire.additive import tensor_sum, to_hex
 
 
 @dataclass
@@ -71,6 +73,11 @@ class Load:
             t.join(timeout=180)
 
 
+def _xxh3(t: torch.Tensor) -> str:
+    """xxh3-128 of a tensor's bytes in row-major order (what the wire format's post_hash means)."""
+    return xxhash.xxh3_128_hexdigest(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -101,11 +108,13 @@ def run_soak(url: str, api_key: str, model_dir: Path, root: Path, *, syncs: int,
             sync_s.append(m["perf/update_weights_time"])
             vdir = root / f"v{int(m['sender/version']):06d}"
             manifest = json.loads((vdir / MANIFEST_NAME).read_text())
-            trainer = {p["name"]: to_hex(tensor_sum(weights[p["name"]])) for p in manifest["params"]}
-            sent = {p["name"]: p["digest"] for p in manifest["params"]}
+            trainer = {n: _xxh3(t) for n, t in weights.items()}
+            stated = {p["name"]: p.get("post_hash") for p in manifest["params"]}
             engine = requests.post(f"{url}/delta_updates/verify", headers=headers, timeout=300).json()
-            if sent != trainer or not engine.get("ok"):
-                chain_errors.append(f"v{manifest['version']}: sent==trainer {sent == trainer}, engine {engine}")
+            if stated != trainer or not engine.get("ok") or engine.get("hashes_checked") != len(trainer):
+                wrong = sorted(n for n in trainer.keys() | stated.keys() if stated.get(n) != trainer.get(n))
+                chain_errors.append(f"v{manifest['version']}: stated hashes differ from the trainer's for {wrong[:5]}, "
+                                    f"engine {engine}")
             else:
                 verified += 1
             shutil.rmtree(vdir)

@@ -1,6 +1,7 @@
 """The producer without engines: shard placement against torch's own slicing, disjointness, the scan
-on the `meta` device (a CPU tensor meeting a device tensor raises there, as it would on CUDA), and
-capture/publish ordering against fake engines."""
+on the `meta` device (a CPU tensor meeting a device tensor raises there, as it would on CUDA), the
+device diff on CPU tensors against plain torch and the host diff, and capture/publish ordering
+against fake engines."""
 
 from __future__ import annotations
 
@@ -94,6 +95,41 @@ def test_scan_runs_on_meta_device(meta_nonzero) -> None:
         producer.defer(cap)
     producer.advance(cap)
     assert producer.snapshot_of("a").device.type == "meta"
+
+
+_INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+_QUIET_NAN = {torch.bfloat16: 0x7FC0, torch.float32: 0x7FC00000}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_device_diff_matches_the_host_diff_element_for_element(monkeypatch, dtype) -> None:
+    """The diff every accelerator (and meta) runs, `device_positions`, on CPU tensors: the same
+    positions as plain torch's bit compare and as the host path (numpy, chunked, the chunk shrunk so
+    that the tensor spans many), including changes that compare equal as floats (+0.0 to -0.0, one
+    NaN payload to another) and equal bits that are not changes (the same NaN on both sides)."""
+    import vllm_delta.diff as diff
+
+    monkeypatch.setattr(diff, "CHUNK_ELEMENTS", 1000)
+    ints = _INT[dtype]
+    gen = torch.Generator().manual_seed(5)
+    snap = torch.randn(20_011, generator=gen).to(dtype)
+    cur = snap.clone()
+    cur_bits, snap_bits = cur.view(ints), snap.view(ints)
+    moved = torch.randint(0, snap.numel(), (400,), generator=gen)
+    cur_bits[moved] += 1
+    cur_bits[[0, 999, 1000, 19_999, 20_010]] ^= 1  # chunk edges
+    snap[7], cur[7] = 0.0, -0.0
+    nan = _QUIET_NAN[dtype]
+    snap_bits[8], cur_bits[8] = nan, nan | 1  # two quiet NaNs, different payloads
+    snap_bits[9] = cur_bits[9] = nan | 2  # the same NaN: no change
+    want = torch.nonzero(cur_bits != snap_bits).reshape(-1)
+    assert 8 in want and 9 not in want and 7 in want
+    got_device = diff.device_positions(diff.int_view(cur), diff.int_view(snap))
+    got_host = diff.changed_positions(cur, snap)
+    assert torch.equal(got_device, want)
+    assert torch.equal(got_host, want)
+    assert got_device.dtype == got_host.dtype == torch.int64
+    assert diff.device_positions(diff.int_view(snap), diff.int_view(snap)).numel() == 0
 
 
 def test_capture_then_publish_overlaps_and_advances_only_after_ack(fake_engines, fake_weights, tmp_path) -> None:
