@@ -2,7 +2,8 @@
 
 Why the `meta` device: CI has no GPU, and PyTorch refuses to mix a CPU tensor with a meta one in
 the kernels the commit uses, just as it refuses CPU with CUDA. So prepare + commit on a model
-whose parameters are all on `meta` fails wherever a staged tensor stayed on the CPU.
+whose parameters are all on `meta` fails wherever a staged tensor stayed on the CPU. A meta
+commit computes no values, so what it did is read from the ops it dispatched (`dispatch_log`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from dispatch_log import OpLog
 from harness.synthetic import device_check, loaded, same_bits, tp_ranks
 from vllm_delta.engine.apply import DeltaApplier, flat_storage, gather
 from vllm_delta.engine.digests import Ownership, check_partials, coverage
@@ -45,25 +47,74 @@ def test_a_cpu_chunk_meeting_a_meta_parameter_raises():
         gather(flat, torch.tensor([1]))
 
 
-@pytest.mark.parametrize("encoding", ["ulp_zstd", "indices"])
-def test_prepare_and_commit_on_meta_parameters(tmp_path, encoding):
-    base = DC.random_checkpoint(CFG, "cpu", seed=0)
-    new = DC.step(base, 0.2, seed=1)
-    path = tmp_path / "d"
+def write_plain_delta(path, base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], encoding: str) -> None:
+    """No digests: those are read back to the host, which meta cannot do."""
     with DC.DeltaWriter(path, version=1, base_version=0, encoding=encoding) as w:
         for name, t in new.items():
             a, b = base[name].reshape(-1), t.reshape(-1)
             pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
-            if pos.numel():  # no digests: those are read back to the host, which meta cannot do
+            if pos.numel():
                 w.add(name, pos, b[pos], a[pos], shape=tuple(t.shape))
-    for rank in range(2):
-        cpu_model = DC.SyntheticLM(CFG, rank=rank, tp=2)
-        placements = DeltaApplier(cpu_model, META).placements  # probed where storages have addresses
-        meta_model = DC.SyntheticLM(CFG, rank=rank, tp=2, device="meta")
-        applier = DeltaApplier(meta_model, META, placements=placements, rank=rank)
-        staged = applier.prepare(path, version=1, base_version=0, current_version=0, chunk_bytes=64)
-        assert staged.changed and all(c.offsets.device.type == "cpu" for cs in staged.writes.values() for c in cs)
+
+
+def changed_slots(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], rank: int) -> dict[str, int]:
+    """Per parameter of `rank`, the elements that differ between direct loads of `base` and `new`."""
+    old = dict(loaded(base, rank, 2).named_parameters())
+    counts = {n: int((p.view(torch.int16) != old[n].view(torch.int16)).sum())
+              for n, p in loaded(new, rank, 2).named_parameters()}
+    return {n: c for n, c in counts.items() if c}
+
+
+def scattered(log: OpLog, model: torch.nn.Module) -> list[tuple[str, int]]:
+    """(parameter, elements) of each `index_copy_` the commit ran, in order."""
+    names = {p.untyped_storage()._cdata: n for n, p in model.named_parameters()}
+    return [(names[op.inputs[0].untyped_storage()._cdata], op.inputs[1].numel()) for op in log.named("index_copy_")]
+
+
+def commit_logged(applier: DeltaApplier, path) -> tuple[OpLog, int]:
+    """Prepare and commit, logging the commit's ops; returns the log and the number of staged chunks."""
+    staged = applier.prepare(path, version=1, base_version=0, current_version=0, chunk_bytes=64)
+    chunks = sum(len(cs) for cs in staged.writes.values())
+    assert staged.changed and all(c.offsets.device.type == "cpu" for cs in staged.writes.values() for c in cs)
+    with OpLog() as log:
         applier.commit(staged)
+    return log, chunks
+
+
+@pytest.mark.parametrize("encoding", ["ulp_zstd", "indices"])
+def test_prepare_and_commit_on_meta_parameters(tmp_path, encoding):
+    """On meta: every changed slot is scattered, on the parameter's device, with no host round trip.
+
+    The same delta on CPU ranks runs the same scatters and equals a direct load of the new
+    checkpoint, so what the meta run did is what gives exact weights.
+    """
+    base = DC.random_checkpoint(CFG, "cpu", seed=0)
+    new = DC.step(base, 0.2, seed=1)
+    write_plain_delta(tmp_path / "d", base, new, encoding)
+    for rank in range(2):
+        want = changed_slots(base, new, rank)
+        # Probed where storages have addresses.
+        placements = DeltaApplier(DC.SyntheticLM(CFG, rank=rank, tp=2), META).placements
+        meta_model = DC.SyntheticLM(CFG, rank=rank, tp=2, device="meta")
+        log, chunks = commit_logged(DeltaApplier(meta_model, META, placements=placements, rank=rank), tmp_path / "d")
+        writes = scattered(log, meta_model)
+        assert len(writes) == chunks
+        totals: dict[str, int] = {}
+        for name, n in writes:
+            totals[name] = totals.get(name, 0) + n
+        assert totals == want
+        # Host to device: each chunk's offsets and values, once, non-blocking. Nothing comes back.
+        uploads = log.copies("cpu", "meta")
+        assert len(uploads) == 2 * chunks and all(op.name == "_to_copy" and op.kwargs["non_blocking"] for op in uploads)
+        assert log.copies("meta", "cpu") == [] and log.host_reads() == []
+        assert all(op.devices() == {"meta"} for op in log.ops if op not in uploads and op.inputs)
+        if encoding == "ulp_zstd":  # current values gathered on the device, once per chunk
+            assert len(log.named("index_select")) == chunks
+
+        cpu_model = loaded(base, rank, 2)
+        cpu_log, _ = commit_logged(DeltaApplier(cpu_model, META, rank=rank), tmp_path / "d")
+        assert scattered(cpu_log, cpu_model) == writes
+        assert same_bits(cpu_model, loaded(new, rank, 2)) == []
 
 
 def test_chunks_are_bounded_int32_and_freed_as_scattered(tmp_path):
@@ -95,6 +146,7 @@ def test_flat_storage_keeps_the_device():
     assert flat_storage(t).device.type == "meta" and flat_storage(t).numel() == 16
 
 
+@pytest.mark.heavy  # a subprocess
 def test_the_apply_path_imports_without_vllm():
     """benchmarks/device_check.py runs it where vLLM is not installed."""
     code = ("import sys\n"

@@ -4,7 +4,9 @@ Why these modules: a swap-halves step is what FlashInfer-CUTLASS MoE does to w13
 permutation: deltas must go through it), a derived tensor is what MLA's `W_UV` is (the step must
 re-run after a delta touches its source), and a step whose second run differs is what neither
 can serve (the engine must refuse to start, naming the module). Each case applies a real delta
-and compares with a fresh rank that loaded the new checkpoint and ran the same steps. Every
+and compares with an independent reference: a fresh rank that loaded the new checkpoint, with
+each step then called once directly (`direct`), as after any load, so neither `run_post_load`
+nor `observing` builds what they are checked against. Every
 case runs both through `run_post_load` and through `observing`, the wrapper engine start puts
 around vLLM's own post-load loop (emulated here by `vllm_loop`, which calls each quant method's
 step the way `model_loader.utils.process_weights_after_loading` does).
@@ -88,6 +90,15 @@ def model_with_steps(checkpoint: dict[str, torch.Tensor], steps: dict[str, objec
     return m
 
 
+def direct(checkpoint: dict[str, torch.Tensor], steps: dict[str, object]) -> torch.nn.Module:
+    """The reference: a direct load of `checkpoint`, then each step called once on its module (no observation)."""
+    m = DC.SyntheticLM(CFG)
+    m.load_weights(checkpoint.items())
+    for name, method in steps.items():
+        method.process_weights_after_loading(m.get_submodule(name))
+    return m
+
+
 def apply(model: torch.nn.Module, tmp_path, base, new) -> DeltaApplier:
     DC.write_delta(tmp_path / "d", base, new, version=1)
     applier = DeltaApplier(model, META)
@@ -104,8 +115,7 @@ def test_swap_halves_is_a_permutation_and_deltas_go_through_it(tmp_path, post_lo
     model = model_with_steps(base, {MOE: SwapW13Halves()})
     assert post_load(model) == {MOE: "permutation"}
     applier = apply(model, tmp_path, base, new)
-    want = model_with_steps(new, {MOE: SwapW13Halves()})
-    run_post_load(want)
+    want = direct(new, {MOE: SwapW13Halves()})
     assert same_bits(want, model) == []
     assert applier.placement_status()["transformed"] == [MOE]
     # The full verify reads the loaded layout back through the same map.
@@ -122,8 +132,7 @@ def test_derived_tensor_is_rerun_after_its_source_changes(tmp_path, post_load):
     assert model.get_submodule(ATTN)._delta_transform.derived == ["W_UV"]
     stale = model.get_submodule(ATTN).W_UV.clone()
     apply(model, tmp_path, base, new)
-    want = model_with_steps(new, {ATTN: DeriveWUV()})
-    run_post_load(want)
+    want = direct(new, {ATTN: DeriveWUV()})
     assert same_bits(want, model) == []
     got = model.get_submodule(ATTN).W_UV
     assert not torch.equal(got, stale) and torch.equal(got, want.get_submodule(ATTN).W_UV)
@@ -138,8 +147,7 @@ def test_swap_and_derived_together(tmp_path, post_load):
     model = model_with_steps(base, steps())
     assert post_load(model) == {MOE: "permutation", ATTN: "rerun"}
     apply(model, tmp_path, base, new)
-    want = model_with_steps(new, steps())
-    run_post_load(want)
+    want = direct(new, steps())
     assert same_bits(want, model) == []
     assert torch.equal(model.get_submodule(ATTN).W_UV, want.get_submodule(ATTN).W_UV)
 
@@ -159,9 +167,11 @@ def test_hidden_kernel_state_is_rerun_but_not_reported(tmp_path, post_load):
     model = model_with_steps(base, {ATTN: PackedCopy()})
     assert post_load(model) == {ATTN: "rerun"}
     applier = apply(model, tmp_path, base, new)
-    attn = model.get_submodule(ATTN)
-    assert torch.equal(attn.packed_weight(), attn.qkv_proj.weight)  # re-run from the delta'd weight
-    assert not torch.equal(attn.packed_weight(), model_with_steps(base, {}).get_submodule(ATTN).qkv_proj.weight)
+    want = direct(new, {})
+    assert same_bits(want, model) == []
+    packed = model.get_submodule(ATTN).packed_weight()  # re-run from the delta'd weight
+    assert torch.equal(packed.view(torch.int16), want.get_submodule(ATTN).qkv_proj.weight.view(torch.int16))
+    assert not torch.equal(packed, direct(base, {}).get_submodule(ATTN).qkv_proj.weight)
     assert applier.placement_status()["transformed"] == []
 
 
