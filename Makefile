@@ -27,8 +27,10 @@ $(STAMP): pyproject.toml Makefile patches/vllm-dist-alias/pyproject.toml $(wildc
 patch-vllm: install
 	$(PY) patches/apply.py --check
 
+# Two xdist workers: one engine starts or syncs while the other worker's tests run (tests/conftest.py
+# keeps each heavy module, and the modules sharing an engine, on one worker).
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not heavy" $(PYTEST_ARGS)

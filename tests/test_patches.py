@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_delta.engine import cli_args
+from vllm_delta.native import ROOT_ENV
 
 PATCHES = Path(__file__).resolve().parents[1] / "patches"
 PATCHED_FILE = Path("vllm/entrypoints/launchers/cli_args.py")
@@ -82,9 +83,12 @@ def test_installed_vllm_is_patched(apply_mod, monkeypatch):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """The flag writes the process environment; give it back afterwards."""
-    monkeypatch.delenv(cli_args.ENV_FLAG, raising=False)
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    """The flag writes the process environment; give it back afterwards. Each name is set before it is
+    removed, so that monkeypatch restores it even where it was unset (a bare `delenv(raising=False)` of
+    an unset name records nothing, and the flag's writes then leak into engines started later)."""
+    for name in (cli_args.ENV_FLAG, "VLLM_PLUGINS", ROOT_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 

@@ -1,14 +1,15 @@
 """Fixtures for the engine tests: a `vllm serve` with delta updates on, and deltas for its model.
 
-Why one server per module: a CPU engine takes tens of seconds to start, so every bad-input case
-of a module runs against the same server and checks afterwards that it was left unharmed.
+Why a shared server: a CPU engine takes tens of seconds to start, so every bad-input case of a
+module runs against the same server and checks afterwards that it was left unharmed, and modules
+that need the same engine take it from the session's pool (harness/engine_pool.py), reset to its
+checkpoint when they start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -19,11 +20,11 @@ import requests
 import torch
 from safetensors.torch import load_file
 
+from harness.engine_pool import API_KEY, reset_to_checkpoint
 from harness.vllm_engine import VllmServer
 from vllm_delta.diff import diff_param
 from vllm_delta.wire import DeltaWriter, tensor_digest
 
-API_KEY = "delta-test-key"
 PROMPT = "The quick brown fox"
 
 
@@ -115,11 +116,12 @@ class DeltaFactory:
         for shard in sorted(model_dir.glob("*.safetensors")):
             self.base.update(load_file(shard))
         self.root = root
+        self._prefix = uuid.uuid4().hex[:8]  # the root is shared by the session's modules
         self._count = 0
 
     def fresh_dir(self, label: str) -> Path:
         self._count += 1
-        return self.root / f"{self._count:03d}-{label}"
+        return self.root / f"{self._prefix}-{self._count:03d}-{label}"
 
     def perturbed(self, names: list[str], seed: int, density: float = 0.05) -> dict[str, torch.Tensor]:
         """New values for `names`: a random `density` of elements moved by one ULP."""
@@ -176,16 +178,18 @@ def child_environ_fixture():
 
 
 @pytest.fixture(scope="module")
-def delta_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(os.path.realpath(tmp_path_factory.mktemp("delta_root")))
+def delta_root(engine_pool) -> Path:
+    return engine_pool.delta_root()
 
 
 @pytest.fixture(scope="module")
-def delta_server(tiny_model_factory, delta_root: Path, tmp_path_factory) -> Iterator[DeltaServer]:
-    """`vllm serve` of the tiny Llama exactly as a user starts it with delta updates and an API key."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serve_deltas(tiny_model_factory("llama"), delta_root, log) as server:
-        yield server
+def delta_server(engine_pool, tiny_model_factory, delta_root: Path) -> DeltaServer:
+    """The session's shared `vllm serve` of the tiny Llama, started as a user starts it with delta updates
+    and an API key, back on its checkpoint (at whatever version the modules before this one reached)."""
+    model_dir = tiny_model_factory("llama")
+    server = engine_pool.shared_llama(model_dir)
+    reset_to_checkpoint(server, delta_root, model_dir)
+    return DeltaServer(server, delta_root)
 
 
 @pytest.fixture(scope="module")

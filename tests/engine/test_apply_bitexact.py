@@ -32,7 +32,7 @@ from vllm_delta.engine.digests import check_partials, mismatches
 from vllm_delta.wire import load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 
-pytestmark = [pytest.mark.engine, pytest.mark.heavy]
+pytestmark = [pytest.mark.engine, pytest.mark.heavy, pytest.mark.spread]  # one engine per config
 
 ENCODINGS = ["ulp_zstd", "indices", "deltas", "deltas_zstd", "planes_zstd"]
 CONFIGS = [  # family, tp, expert parallel

@@ -1,9 +1,10 @@
 """A real `vllm serve` with delta updates: generation goes on while an update is prepared, and a
 commit that fails for real part-way keeps the engine drained until an anchor repairs it.
 
-One server serves the module. It starts with the test-only fault hook armed for version
-`FAULT_VERSION` at `FAULT_AT`: that commit's scatter raises there, after the tensors before it
-were written. `served` tracks the weights the engine holds, so the tests run in any order.
+The session's shared Llama engine serves the module (harness/engine_pool): it started with the
+test-only fault hook armed for version `FAULT_VERSION` at `FAULT_AT`, a version only this module
+reaches; that commit's scatter raises there, after the tensors before it were written. `served`
+tracks the weights the engine holds, so the tests run in any order.
 """
 
 from __future__ import annotations
@@ -11,36 +12,30 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
 import torch
 
-from vllm_delta.engine.worker import FAULT_ENV
+from harness.engine_pool import FAULT_AT, FAULT_VERSION
 from vllm_delta.wire import DeltaWriter
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 
-FAULT_VERSION = 1000
-FAULT_AT = "model.layers.1.mlp.down_proj.weight"  # a live tensor written after layer 0's
 STREAM_TOKENS = 240
 
 
 @pytest.fixture(scope="module")
-def server(serve_deltas, tiny_model_factory, delta_root: Path, tmp_path_factory) -> Iterator[object]:
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FAULT_ENV, f"{FAULT_VERSION}:{FAULT_AT}")  # the server's processes inherit it
-        with serve_deltas(tiny_model_factory("llama"), delta_root, log) as srv:
-            yield srv
+def server(delta_server):
+    return delta_server
 
 
 @pytest.fixture(scope="module")
-def served(server, deltas) -> dict:
-    """What the engine holds: its version and weights (checkpoint names), and the fresh load's digests."""
-    return {"version": 0, "weights": dict(deltas.base), "fresh": server.checksums()}
+def served(server, deltas, fresh_loader, tiny_model_factory) -> dict:
+    """What the engine holds: its version and weights (checkpoint names), and a fresh load's digests."""
+    return {"version": server.status()["version"], "weights": dict(deltas.base),
+            "fresh": fresh_loader.checksums(tiny_model_factory("llama"))}
 
 
 def moved(weights: dict[str, torch.Tensor], seed: int, density: float) -> dict[str, torch.Tensor]:

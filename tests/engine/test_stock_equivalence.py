@@ -2,9 +2,10 @@
 
 Why: every other engine test compares delta-mode engines with each other (or with digests), so a
 difference that delta mode itself makes (it keeps CPU linear layers unpacked so they stay
-updatable) would go unseen. Here a delta-mode engine starts on the base checkpoint and is synced
-to a perturbed one; a stock `vllm serve` (no delta flags) then serves the perturbed checkpoint
-directly. Their greedy tokens and logprobs must be identical (they are, bit for bit, on CPU).
+updatable) would go unseen. Here a delta-mode engine on the base checkpoint (the session's shared
+Llama engine, put back on it) is synced to a perturbed one; a stock `vllm serve` (no delta flags)
+then serves the perturbed checkpoint directly. Their greedy tokens and logprobs must be identical
+(they are, bit for bit, on CPU).
 
 The stock server is also the flag-off check: without `--enable-delta-updates` it is stock vLLM.
 It allowlists our endpoint plugin (`VLLM_PLUGINS`), so the plugin is loaded and must itself
@@ -13,19 +14,16 @@ decline to attach anything: no routes, no worker methods, no metrics, no flag in
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import requests
 
+from harness.engine_pool import API_KEY
 from harness.perturb import perturb_checkpoint
 from harness.vllm_engine import VllmServer
 from vllm_delta import DeltaSender
 from vllm_delta.wire.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
-API_KEY = "stock-equivalence-key"
 PROMPTS = ["The quick brown fox", "Once upon a time", "1, 2, 3, 4,"]
 
 
@@ -56,19 +54,16 @@ def assert_flag_off_is_stock(server: VllmServer, child_environ) -> None:
 
 
 def test_synced_delta_engine_generates_like_stock_vllm_on_that_checkpoint(tiny_model_factory, tmp_path,
-                                                                          child_environ):
+                                                                          child_environ, delta_server):
     base = tiny_model_factory("llama")
     new = perturb_checkpoint(base, tmp_path / "new", density=0.2, seed=5)
-    root = Path(os.path.realpath(tmp_path / "root"))
-    root.mkdir()
-    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
-    with VllmServer(base, tmp_path / "delta.log", extra_args=args) as server:
-        before = outputs(server.url, API_KEY)
-        sender = DeltaSender([server.url], "disk", root, api_key=API_KEY)
-        sender.seed_from_checkpoint(base)
-        m = sender.sync(Checkpoint.open(new).iter_tensors())
-        assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] > 0
-        synced = outputs(server.url, API_KEY)
+    server = delta_server  # the shared Llama engine, on `base`
+    before = outputs(server.url, API_KEY)
+    sender = DeltaSender([server.url], "disk", server.root, api_key=API_KEY, version=server.status()["version"])
+    sender.seed_from_checkpoint(base)
+    m = sender.sync(Checkpoint.open(new).iter_tensors())
+    assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] > 0
+    synced = outputs(server.url, API_KEY)
     with VllmServer(new, tmp_path / "stock.log", env={"VLLM_PLUGINS": "delta_updates"}) as stock:
         want = outputs(stock.url, None)
         assert_flag_off_is_stock(stock, child_environ)

@@ -10,8 +10,9 @@ the things that go wrong between them, each produced for real.
 - one engine unreachable (its TCP proxy closed) for more syncs than `max_lag_syncs`, then back.
 
 After each: no engine reports healthy on wrong weights, and the fleet converges to the trainer's
-weights: both engines' vLLM `/weight_checker` digests are equal (one got there by anchors, the
-other by deltas) and each engine's full verify against the trainer's whole-tensor digests passes.
+weights: both engines' vLLM `/weight_checker` digests equal those of the trainer's weights loaded
+afresh by vLLM's own loader (harness/fresh_load: code other than our apply path), and each engine's
+full verify against the trainer's whole-tensor digests passes.
 
 The engines are shared by the module; every test starts by anchoring both on the trainer's current
 weights (`fleet.fresh_sender`), so each passes alone and in any order.
@@ -38,6 +39,7 @@ import requests
 import torch
 
 from harness import vllm_engine
+from harness.fresh_load import save_checkpoint
 from harness.perturb import perturb_tensor
 from harness.vllm_engine import VllmServer
 from vllm_delta import DeltaSender
@@ -130,8 +132,8 @@ def verify(url: str) -> dict:
 class Fleet:
     """Two engines (b behind a `Gate`), the trainer's weights, and a sender factory."""
 
-    def __init__(self, model_dir: Path, root: Path, logs: Path) -> None:
-        self.model_dir, self.root, self.logs = model_dir, root, logs
+    def __init__(self, model_dir: Path, root: Path, logs: Path, fresh_loader) -> None:
+        self.model_dir, self.root, self.logs, self.fresh_loader = model_dir, root, logs, fresh_loader
         self.args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
         self.a = VllmServer(model_dir, logs / "a0.log", extra_args=self.args)
         self.b = VllmServer(model_dir, logs / "b.log", extra_args=self.args)
@@ -140,7 +142,8 @@ class Fleet:
         self.checkpoint = dict(Checkpoint.open(model_dir).iter_tensors())
         self.weights = {n: t.clone() for n, t in self.checkpoint.items()}  # the trainer's
         self.gen = torch.Generator().manual_seed(0)
-        self.base_digests = checksums(self.a.url)
+        self.base_digests = fresh_loader.checksums(model_dir)  # the checkpoint's, loaded by vLLM alone
+        self.saved = 0
 
     def step(self, density: float = 0.02) -> None:
         for n, t in self.weights.items():
@@ -174,7 +177,10 @@ class Fleet:
         sa, sb = status(self.a.url), status(self.gate.url)
         assert sa["healthy"] and sb["healthy"] and sa["version"] == sb["version"], (sa, sb)
         assert sa["run_id"] == sb["run_id"] is not None
-        assert checksums(self.a.url) == checksums(self.b.url)
+        self.saved += 1
+        trained = save_checkpoint(self.weights, self.model_dir, self.logs / f"trained{self.saved}")
+        want = self.fresh_loader.checksums(trained)
+        assert checksums(self.a.url) == want and checksums(self.b.url) == want
         for url in (self.a.url, self.gate.url):
             v = verify(url)
             assert v["ok"] and v["digests_checked"] == len(self.checkpoint), v
@@ -197,8 +203,8 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_factory, root, tmp_path_factory):
-    f = Fleet(tiny_model_factory("llama"), root, tmp_path_factory.mktemp("faults_logs"))
+def fleet(tiny_model_factory, root, tmp_path_factory, fresh_loader):
+    f = Fleet(tiny_model_factory("llama"), root, tmp_path_factory.mktemp("faults_logs"), fresh_loader)
     try:
         yield f
     finally:

@@ -1,18 +1,18 @@
 """DeltaSender against a real `vllm serve` (CPU): a plain PyTorch trainer syncs after every step over
 disk (over gloo: test_collective_engine.py), and the faults of issue 5 are produced for real.
 
-One server and one trainer serve the module (engine starts are the cost). Each test starts from
-what the engine holds now (its status version, the trainer's weights) and leaves the engine on the
-trainer's weights, so the tests pass alone and in any order. The equality test syncs one more step
-(so it is not tautological when run alone) and starts a fresh engine beside the module's (which
-stays up, idle) from a checkpoint the trainer saves, whose `/weight_checker` digests must equal the
-synced engine's and differ from the base checkpoint's. Every update carries per-tensor post-apply
-hashes, so each sync is also verified bit-exact by the engine itself (a mismatch is a 500).
+One server (the session's shared Llama engine, put back on its checkpoint when the module starts)
+and one trainer serve the module (engine starts are the cost). Each test starts from what the
+engine holds now (its status version, the trainer's weights) and leaves the engine on the trainer's
+weights, so the tests pass alone and in any order. The equality test syncs one more step (so it is
+not tautological when run alone) and loads the checkpoint the trainer saves afresh with vLLM's own
+loader (harness/fresh_load), whose digests must equal the synced engine's `/weight_checker` digests
+and differ from the base checkpoint's. Every update carries per-tensor post-apply hashes, so each
+sync is also verified bit-exact by the engine itself (a mismatch is a 500).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -25,17 +25,17 @@ import requests
 import torch
 
 from sender_helpers import FakeEngine, engine_checksums, engine_status
+from harness.fresh_load import save_checkpoint
 from harness.trainer import Trainer
-from harness.vllm_engine import VllmServer
+from harness.engine_pool import API_KEY, reset_to_checkpoint
 from vllm_delta import DeltaSender
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
-API_KEY = "sender-test-key"
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return Path(os.path.realpath(tmp_path_factory.mktemp("sender_root")))
+def root(engine_pool) -> Path:
+    return engine_pool.delta_root()
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,17 @@ def model_dir(tiny_model_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, root, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
-    with VllmServer(model_dir, log, extra_args=args) as s:
-        s.base_digests = engine_checksums(s.url, API_KEY)  # the checkpoint's, before any test moves it
-        yield s
+def server(engine_pool, model_dir, root):
+    """The session's shared Llama delta engine, back on its checkpoint (where the trainer starts)."""
+    s = engine_pool.shared_llama(model_dir)
+    reset_to_checkpoint(s, root, model_dir)
+    return s
+
+
+@pytest.fixture(scope="module")
+def base_digests(fresh_loader, model_dir) -> dict[str, str]:
+    """The checkpoint's digests, loaded afresh by vLLM alone."""
+    return fresh_loader.checksums(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +154,9 @@ KILLED_SENDER = """
 import sys, torch
 from vllm_delta import DeltaSender
 from vllm_delta.wire.checkpoint import Checkpoint
-url, root, model, key = sys.argv[1:5]
-s = DeltaSender([url], "disk", root, api_key=key, flush_bytes=16 << 10, throttle_bytes_per_s=64 << 10, version=1000)
+url, root, model, key, version = sys.argv[1:6]
+s = DeltaSender([url], "disk", root, api_key=key, flush_bytes=16 << 10, throttle_bytes_per_s=64 << 10,
+                version=int(version))
 s.seed_from_checkpoint(model)
 s.request_anchor()
 s.sync(Checkpoint.open(model).iter_tensors())
@@ -160,22 +166,25 @@ s.sync(Checkpoint.open(model).iter_tensors())
 def test_sender_killed_mid_write_leaves_nothing_applicable(server, root, model_dir):
     digests, version = checksums(server), status(server)["version"]
     # With the key: a sender started at a version asks the engines' status (lineage) before it writes.
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SENDER, server.url, str(root), str(model_dir), API_KEY])
-    d = root / "v001001-anchor"
+    start = version + 1000  # a sender of another run, ahead of the engine
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SENDER, server.url, str(root), str(model_dir), API_KEY,
+                             str(start)])
+    d = root / f"v{start + 1:06d}-anchor"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(d.glob("rank*_flush*.safetensors"))) < 2:
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert list(d.glob("rank*_flush*.safetensors")) and not (d / "manifest.json").exists()
-    r = push(server, {"path": d.name, "version": 1001})
+    r = push(server, {"path": d.name, "version": start + 1})
     assert r.status_code == 400 and r.json()["error"]["type"] == "IncompleteDeltaError", r.text
     assert r.json()["error"]["file"] == "manifest.json", r.text
     assert checksums(server) == digests and status(server)["version"] == version
     shutil.rmtree(d)
 
 
-def test_synced_engine_equals_fresh_engine_from_trainer_weights(server, trainer, model_dir, root, tmp_path_factory):
+def test_synced_engine_equals_fresh_engine_from_trainer_weights(server, trainer, model_dir, root, tmp_path_factory,
+                                                                  fresh_loader, base_digests):
     # The engine resumes at its version; a sender started there resumes the run it is on (lineage), or
     # anchors it. Either way the engine must end on the trainer's weights after one more step.
     sender = DeltaSender([server.url], "disk", root, api_key=API_KEY, flush_bytes=64 << 10,
@@ -187,15 +196,7 @@ def test_synced_engine_equals_fresh_engine_from_trainer_weights(server, trainer,
         m = sender.sync(trainer.weights())
     assert m["sender/all_acked"] == 1.0, sender.engines
     synced = checksums(server)
-    assert synced != server.base_digests, "the trainer moved away from the checkpoint"
-    out = tmp_path_factory.mktemp("trained")
-    for f in model_dir.iterdir():
-        if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json" and f.is_file():
-            shutil.copy2(f, out / f.name)
-    from safetensors.torch import save_file
-
-    save_file({n: t.contiguous() for n, t in trainer.weights()}, out / "model.safetensors")
-    # The same flags: with delta updates on, CPU linear layers keep their full weights (see engine/cpu_weights).
-    args = ["--enable-delta-updates", "--delta-updates-root", str(out), "--api-key", API_KEY]
-    with VllmServer(out, out / "fresh.log", extra_args=args) as fresh:
-        assert checksums(fresh) == synced
+    assert synced != base_digests, "the trainer moved away from the checkpoint"
+    out = save_checkpoint(dict(trainer.weights()), model_dir, tmp_path_factory.mktemp("trained"))
+    # vLLM's own loader on the saved checkpoint, configured as a delta engine (harness/fresh_load).
+    assert fresh_loader.checksums(out) == synced

@@ -5,13 +5,14 @@ embeddings), column slices (o, down), interleaved row groups (k, v), norms on ra
 seeds its snapshot from the served checkpoint at its own placement, moves its slices like an
 optimizer would, and syncs; rank 0 merges and pushes. The test assembles the ranks' final slices
 with torch slicing (not with the sender's placement code) into the trainer's full weights. Then a
-transformers trainer syncs with capture/publish overlapping its next step. Finally a fresh engine
-loaded from the final weights must report the same `/weight_checker` digests as the synced one.
+transformers trainer syncs with capture/publish overlapping its next step. Finally vLLM's own
+loader, loading the final weights afresh (harness/fresh_load), must give the same digests as the
+synced engine's `/weight_checker`. The engine is the session's shared Llama engine, put back on its
+checkpoint when the module starts.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -21,11 +22,10 @@ from safetensors.torch import load_file, save_file
 
 from harness import megatron_cpu
 from sender_helpers import engine_checksums, engine_status
-from harness.vllm_engine import VllmServer
+from harness.engine_pool import API_KEY, reset_to_checkpoint
 from vllm_delta import DeltaSender
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
-API_KEY = "sharded-test-key"
 STEPS = 3
 
 
@@ -103,16 +103,16 @@ def checksums(server) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return Path(os.path.realpath(tmp_path_factory.mktemp("sharded_root")))
+def root(engine_pool) -> Path:
+    return engine_pool.delta_root()
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_factory, root, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
-    with VllmServer(tiny_model_factory("llama"), log, extra_args=args) as s:
-        yield s
+def server(engine_pool, tiny_model_factory, root):
+    """The session's shared Llama delta engine, back on its checkpoint (where the ranks' slices start)."""
+    s = engine_pool.shared_llama(tiny_model_factory("llama"))
+    reset_to_checkpoint(s, root, tiny_model_factory("llama"))
+    return s
 
 
 def _sharded_phase(world: int, server, root: Path, state: Path, tmp_path: Path) -> Path:
@@ -156,7 +156,7 @@ def _capture_publish_phase(server, root: Path, state: Path, tmp_path: Path) -> P
     return tmp_path / "state_cp"
 
 
-def test_sharded_and_overlapped_syncs_equal_a_fresh_engine(server, root, tiny_model_factory, tmp_path):
+def test_sharded_and_overlapped_syncs_equal_a_fresh_engine(server, root, tiny_model_factory, tmp_path, fresh_loader):
     state = tiny_model_factory("llama")
     initial = checksums(server)
     for world in (2, 4):
@@ -164,7 +164,4 @@ def test_sharded_and_overlapped_syncs_equal_a_fresh_engine(server, root, tiny_mo
     state = _capture_publish_phase(server, root, state, tmp_path)
     synced = checksums(server)
     assert synced != initial
-    server.stop()  # one engine at a time on this machine
-    args = ["--enable-delta-updates", "--delta-updates-root", str(state), "--api-key", API_KEY]
-    with VllmServer(state, tmp_path / "fresh.log", extra_args=args) as fresh:
-        assert checksums(fresh) == synced
+    assert fresh_loader.checksums(state) == synced  # vLLM's own loader on the final weights
