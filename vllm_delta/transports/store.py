@@ -1,0 +1,237 @@
+"""An S3-compatible object store: the few calls the sender and the engines need, with clear errors.
+
+Why a layer of our own over boto3: every caller needs the same things done the same way (large
+objects in parallel parts, botocore's standard retries for 503 SlowDown and dropped connections,
+store errors mapped to `DeltaError`s that name the object and never the credentials), and boto3
+must stay an optional import so `vllm_delta.wire` works without it. Endpoint, region and
+credentials come from the standard AWS environment and config files (botocore reads
+`AWS_ENDPOINT_URL`/`AWS_ENDPOINT_URL_S3` itself); nothing here reads or prints a secret.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from vllm_delta.wire.errors import DeltaError, LimitError
+
+SCHEME = "s3://"
+MIN_PART_BYTES = 5 << 20  # S3 refuses multipart parts below 5 MiB (all but the last)
+AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken",
+              "InvalidClientTokenId", "AuthorizationHeaderMalformed", "403", "401"}
+MISSING_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StoreURL:
+    """`s3://bucket/prefix`: where one sender's versions live."""
+
+    bucket: str
+    prefix: str  # no leading or trailing "/"; may be ""
+
+    @classmethod
+    def parse(cls, url: str) -> StoreURL:
+        if not is_store_url(url):
+            raise ValueError(f"not an s3:// URL: {url!r}")
+        bucket, _, prefix = url[len(SCHEME):].partition("/")
+        if not bucket or "\\" in url or "\0" in url:
+            raise ValueError(f"not an s3://BUCKET[/PREFIX] URL: {url!r}")
+        prefix = prefix.strip("/")
+        if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
+            raise ValueError(f"empty, '.' or '..' segment in the store prefix: {url!r}")
+        return cls(bucket, prefix)
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.prefix}" if self.prefix else f"{SCHEME}{self.bucket}"
+
+
+def is_store_url(value: str) -> bool:
+    return str(value).startswith(SCHEME)
+
+
+class StoreError(DeltaError):
+    """The object store failed or could not be reached; `file` is the object key."""
+
+    http_status = 502
+
+
+class StoreNotFound(StoreError):
+    """A missing object (or bucket): a delta that is not all there, like a missing file."""
+
+    http_status = 400
+
+
+class StoreAuthError(StoreError):
+    """The store refused our credentials (401/403)."""
+
+
+def _client(max_concurrency: int, max_attempts: int) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(retries={"mode": "standard", "max_attempts": max_attempts},
+                    max_pool_connections=max(10, 2 * max_concurrency))
+    return boto3.session.Session().client("s3", config=config)
+
+
+class ObjectStore:
+    """One bucket/prefix of an S3-compatible store; thread-safe, like the boto3 client under it."""
+
+    def __init__(self, url: StoreURL, *, client: Any = None, max_concurrency: int = 8, part_bytes: int = 8 << 20,
+                 max_attempts: int = 8, throttle_bytes_per_s: float | None = None) -> None:
+        if part_bytes < 1 or max_concurrency < 1:
+            raise ValueError("part_bytes and max_concurrency must be positive")
+        self.url, self.part_bytes, self.max_concurrency = url, part_bytes, max_concurrency
+        self.client = client if client is not None else _client(max_concurrency, max_attempts)
+        self.endpoint = getattr(getattr(self.client, "meta", None), "endpoint_url", None) or "the default endpoint"
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-delta-store")
+        self._lock = threading.Lock()
+        self._throttle = None
+        if throttle_bytes_per_s:
+            from vllm_delta.transports.disk import Throttle
+
+            self._throttle = Throttle(throttle_bytes_per_s)
+        self.uploaded_bytes = 0  # bytes PUT so far (every request that succeeded)
+
+    # ---- writes ------------------------------------------------------------------------------
+    def put(self, key: str, data: bytes) -> None:
+        """One object; above `part_bytes` (at least S3's 5 MiB minimum) a multipart upload of
+        parallel parts, aborted if any part fails so no partial object is left behind."""
+        part = max(self.part_bytes, MIN_PART_BYTES)
+        view = memoryview(data)
+        if len(view) <= part:
+            self._pace(len(view))
+            self._call(key, lambda: self.client.put_object(Bucket=self.url.bucket, Key=key, Body=bytes(view)))
+            self._count(len(view))
+            return
+        upload = self._call(key, lambda: self.client.create_multipart_upload(Bucket=self.url.bucket, Key=key))
+        upload_id = upload["UploadId"]
+
+        def one(n: int) -> dict[str, Any]:
+            chunk = view[n * part:(n + 1) * part]
+            self._pace(len(chunk))
+            r = self._call(key, lambda: self.client.upload_part(Bucket=self.url.bucket, Key=key, UploadId=upload_id,
+                                                                PartNumber=n + 1, Body=bytes(chunk)))
+            self._count(len(chunk))
+            return {"PartNumber": n + 1, "ETag": r["ETag"]}
+
+        try:
+            parts = list(self._pool.map(one, range(-(-len(view) // part))))
+            self._call(key, lambda: self.client.complete_multipart_upload(
+                Bucket=self.url.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}))
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.url.bucket, Key=key, UploadId=upload_id)
+            except Exception:  # the store is down: its own lifecycle rules reap the parts
+                pass
+            raise
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object whose key starts with `prefix` (end it with "/" for one directory)."""
+        keys = self.list(prefix)
+        for a in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": k} for k in keys[a:a + 1000]]
+            r = self._call(prefix, lambda: self.client.delete_objects(
+                Bucket=self.url.bucket, Delete={"Objects": batch, "Quiet": True}))
+            if errors := r.get("Errors"):
+                e = errors[0]
+                raise StoreError(f"delete failed: {e.get('Code')} ({len(errors)} objects)", file=e.get("Key"))
+        return len(keys)
+
+    # ---- reads -------------------------------------------------------------------------------
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """A whole object, in parallel ranged GETs of `part_bytes` pinned to one ETag (an object
+        replaced mid-read is an error, never a mix). Above `max_bytes`: LimitError, nothing read."""
+        head = self._call(key, lambda: self.client.head_object(Bucket=self.url.bucket, Key=key))
+        size, etag = int(head["ContentLength"]), head.get("ETag")
+        if max_bytes is not None and size > max_bytes:
+            raise LimitError(f"object of {size} bytes exceeds the cap of {max_bytes}", file=key)
+        if size <= self.part_bytes:
+            return self._get(key, 0, size, etag) if size else b""
+        out = bytearray(size)
+
+        def one(start: int) -> None:
+            end = min(size, start + self.part_bytes)
+            out[start:end] = self._get(key, start, end, etag)
+
+        list(self._pool.map(one, range(0, size, self.part_bytes)))
+        return bytes(out)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object."""
+        if not 0 <= start <= end:
+            raise ValueError(f"bad range [{start}, {end})")
+        return self._get(key, start, end, None) if end > start else b""
+
+    def size(self, key: str) -> int:
+        head = self._call(key, lambda: self.client.head_object(Bucket=self.url.bucket, Key=key))
+        return int(head["ContentLength"])
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key under `prefix` (a full key prefix, e.g. `url.key("v000005") + "/"`)."""
+        pages = self._call(prefix, lambda: list(self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.url.bucket, Prefix=prefix)))
+        return [o["Key"] for p in pages for o in p.get("Contents", [])]
+
+    def check_access(self) -> None:
+        """One cheap call that fails clearly on wrong credentials, a missing bucket or no store."""
+        self._call(str(self.url), lambda: self.client.list_objects_v2(
+            Bucket=self.url.bucket, Prefix=self.url.key(""), MaxKeys=1))
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _get(self, key: str, start: int, end: int, etag: str | None) -> bytes:
+        kw = {"IfMatch": etag} if etag else {}
+        r = self._call(key, lambda: self.client.get_object(Bucket=self.url.bucket, Key=key,
+                                                           Range=f"bytes={start}-{end - 1}", **kw))
+        data = self._call(key, r["Body"].read)
+        if len(data) != end - start:
+            raise StoreError(f"short read: {len(data)} of {end - start} bytes at {start}", file=key)
+        return data
+
+    def _pace(self, nbytes: int) -> None:
+        if self._throttle is not None:
+            with self._lock:  # one pace for all parts in flight: the link's rate, not a part's
+                self._throttle.wait(nbytes)
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.uploaded_bytes += nbytes
+
+    def _call(self, key: str, fn: Callable[[], T]) -> T:
+        from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, HTTPClientError, \
+            NoCredentialsError
+
+        try:
+            return fn()
+        except ClientError as exc:
+            raise self._client_error(exc, key) from None
+        except NoCredentialsError:
+            raise StoreAuthError("no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                                 "AWS_PROFILE)", file=key) from None
+        except (ConnectionError, HTTPClientError) as exc:
+            raise StoreError(f"store unreachable at {self.endpoint} ({type(exc).__name__}, after retries)",
+                             file=key) from None
+        except BotoCoreError as exc:
+            raise StoreError(f"store client error: {type(exc).__name__}", file=key) from None
+
+    def _client_error(self, exc: Any, key: str) -> StoreError:
+        err, meta = exc.response.get("Error", {}), exc.response.get("ResponseMetadata", {})
+        code, status = str(err.get("Code", "")), meta.get("HTTPStatusCode")
+        if code in AUTH_CODES or status in (401, 403):
+            return StoreAuthError(f"the store at {self.endpoint} refused our credentials ({code or status}): check "
+                                  f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE and the bucket's "
+                                  f"policy", file=key)
+        if code in MISSING_CODES or status == 404:
+            what = "no such bucket" if code == "NoSuchBucket" else "no such object in the store"
+            return StoreNotFound(f"{what} ({self.url.bucket})" if code == "NoSuchBucket" else what, file=key)
+        if code in ("PreconditionFailed", "412") or status == 412:
+            return StoreError("object replaced while it was being read", file=key)
+        return StoreError(f"store error {code or status} at {self.endpoint}", file=key)
