@@ -31,7 +31,8 @@ from vllm_delta.sender.shards import Shard, check_disjoint
 logger = logging.getLogger(__name__)
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor] | Shard]
-TRANSPORTS = ("disk", "gloo", "nccl")
+TRANSPORTS = ("disk", "s3", "gloo", "nccl")
+STORED = ("disk", "s3")  # transports whose bytes are written once, whatever the number of engines
 
 
 def _items(named: NamedTensors) -> Iterator[tuple[str, torch.Tensor] | Shard]:
@@ -47,9 +48,11 @@ class DeltaSender:
 
     `engines` are base URLs. With `transport="disk"`, each engine's `--delta-updates-root` must be
     `delta_dir` (as the engine mounts it): requests name version directories relative to it. With
+    `"s3"`, `delta_dir` is `s3://BUCKET/PREFIX`, each engine's root is the same URL, and endpoint and
+    credentials come from the standard AWS environment and config (`transports/s3.py`). With
     `"gloo"`/`"nccl"`, each engine joins a small process group with this process as rank 0.
     `group` (a torch.distributed gloo group of its own, see `ranks.py`) makes this a multi-rank
-    sender (disk only): each rank passes the tensors or `Shard`s it holds; shards of one tensor
+    sender (disk or s3): each rank passes the tensors or `Shard`s it holds; shards of one tensor
     on several ranks must be disjoint (checked at seed); rank 0 merges and talks to the engines.
     `snapshot` is "device", "host" or "auto" (see `producer.py`). Lag is bounded: an engine that
     misses `max_lag_syncs` syncs in a row, or every lagging engine once the pending catch-up passes
@@ -68,6 +71,8 @@ class DeltaSender:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         if transport == "disk" and delta_dir is None:
             raise ValueError("the disk transport needs delta_dir")
+        if transport == "s3" and not str(delta_dir or "").startswith("s3://"):
+            raise ValueError(f"the s3 transport needs delta_dir='s3://BUCKET/PREFIX', not {delta_dir!r}")
         # Anything with EngineClient's `status`/`update`/`collective_init` (e.g. vLLM's weight-sync
         # clients behind the native backend, vllm_delta/native/links.py) may stand in for HTTP.
         self.client = client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)
@@ -81,6 +86,12 @@ class DeltaSender:
             from vllm_delta.transports.disk import DiskTransport
 
             self.transport = DiskTransport(Path(delta_dir), throttle_bytes_per_s=throttle_bytes_per_s, keep=keep)
+        elif transport == "s3":
+            from vllm_delta.transports.s3 import S3Transport
+
+            self.transport = S3Transport(str(delta_dir), planner=self.planner, keep=keep, start_version=version,
+                                         throttle_bytes_per_s=throttle_bytes_per_s)
+            self.planner.catch_up = self.transport.catch_up
         else:
             from vllm_delta.transports.collective import CollectiveTransport
 
@@ -150,7 +161,8 @@ class DeltaSender:
         self.seed(seeded)
 
     def add_engine(self, url: str) -> None:
-        """A late-joining (or restarted) engine: it gets a full anchor at the next sync."""
+        """A late-joining (or restarted) engine: it gets a full anchor at the next sync (with s3, it
+        replays the store's kept chain instead where that reaches the last version)."""
         self.wait()
         self.planner.add_engine(url)
 
@@ -211,8 +223,12 @@ class DeltaSender:
 
     # ---- internals ----------------------------------------------------------------------------
     def _publish(self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]) -> dict[str, float]:
+        uploaded = getattr(self.transport, "uploaded_bytes", 0)
         done = self.publisher.run(plan, cap, self.model_elements)
         metrics = {**self._metrics(done, changed), **captured}
+        if self.transport_name == "s3":  # every object this sync PUT, from every rank: one delta's bytes
+            metrics["perf/update_weights_upload_bytes"] = float(
+                self.ranks.all_sum(self.transport.uploaded_bytes - uploaded))
         metrics["perf/update_weights_time"] = captured["sender/capture_s"] + done.publish_s
         metrics["perf/delta_encode_time"] = captured["sender/scan_s"] + done.encode_s
         return metrics
@@ -267,7 +283,7 @@ class DeltaSender:
         post = sum(s.wire_bytes for s in sent) if mine else 0
         pre = sum(s.pre_compress_bytes for s in sent) if mine else 0
         wire = post
-        if self.transport_name != "disk":  # a broadcast moves the bytes once per engine
+        if self.transport_name not in STORED:  # a broadcast moves the bytes once per engine
             per = {s.kind: s.wire_bytes for s in sent}
             wire = sum(per.get(plan.kind, 0) for _ in plan.delta_urls) + sum(per.get("anchor", 0)
                                                                              for _ in plan.anchor_urls)

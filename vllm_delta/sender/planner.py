@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from vllm_delta.client import EngineClient, Reply
@@ -62,6 +63,7 @@ class Plan:
     anchor_urls: list[str] = field(default_factory=list)
     run_id: str = ""
     snapshot_version: int = 0  # S when planned
+    replay: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # url: pushes before this plan's
 
     def lineage(self, kind: str) -> Lineage:
         """Which engine weights the `kind` update of this plan applies to."""
@@ -93,6 +95,9 @@ class Planner:
         # a new sender anchors engines it cannot vouch for, unless it resumes their run (see above).
         self.run_id = run_id or uuid.uuid4().hex
         self.resume = run_id is None and version > 0
+        # (engine status, version to reach) -> the pushes that replay a kept chain up to it, or None
+        # (transports.s3.S3Transport.catch_up): an engine that needs an anchor replays that instead.
+        self.catch_up: Callable[[dict[str, Any], int], list[dict[str, Any]] | None] | None = None
 
     def add_engine(self, url: str) -> None:
         self.engines[url] = EngineState(url, acked=None, needs_anchor=True)
@@ -105,6 +110,7 @@ class Planner:
             for e in self.engines.values():
                 e.acked = None
         unknown = [e for e in self.engines.values() if e.acked is None]
+        replay: dict[str, list[dict[str, Any]]] = {}
         for e in self.engines.values():
             e.skipped = False
         if unknown:
@@ -124,6 +130,8 @@ class Planner:
                 else:
                     e.needs_anchor = True
                     version = max(version, v + 1)  # an engine ahead of us accepts only later versions
+                    if self.catch_up is not None and (steps := self.catch_up(r.body, self.version)):
+                        replay[url], e.acked, e.needs_anchor = steps, self.version, False
         live = [e for e in self.engines.values() if not e.skipped]
         anchor_all = self.anchor_next or bool(self.anchor_every and version % self.anchor_every == 0)
         anchors = [e.url for e in live if anchor_all or e.needs_anchor]
@@ -133,7 +141,8 @@ class Planner:
         else:
             kind, enc = "catchup", self.overwrite_encoding
         base = S if get_encoding(enc).needs_base else None
-        return Plan(version, kind if deltas else "", enc, base, deltas, anchors, self.run_id, S)
+        replay = {u: steps for u, steps in replay.items() if u in deltas}
+        return Plan(version, kind if deltas else "", enc, base, deltas, anchors, self.run_id, S, replay)
 
     def _resume(self, replies: dict[str, Reply]) -> None:
         """Take the run id the engines report at this sender's starting version, if they agree on one."""

@@ -8,6 +8,7 @@ a collective transport the other ranks' encoded flushes are first sent to rank 0
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from vllm_delta.sender.producer import Capture, Entry
 from vllm_delta.sender.ranks import Ranks
 from vllm_delta.transports.base import SentDelta
 from vllm_delta.wire import FlushBuilder, Manifest, additive, merge_manifests
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -115,6 +118,7 @@ class Publisher:
     def _push(self, plan: Plan, sent: list[SentDelta]) -> dict[str, Reply]:
         replies: dict[str, Reply] = {}
         if self.ranks.rank == 0:
+            self._replay(plan.replay)
             by_kind = {s.kind: s for s in sent}
             targets = {u: by_kind[plan.kind] for u in plan.delta_urls if plan.kind}
             targets.update({u: by_kind["anchor"] for u in plan.anchor_urls})
@@ -124,6 +128,21 @@ class Publisher:
                     for u, s in targets.items()})
             self.transport.cleanup(sent)
         return self.ranks.bcast(replies)
+
+
+    def _replay(self, replay: dict[str, list[dict]]) -> None:
+        """Late joiners first replay the store's kept chain, version by version, up to the last version
+        sent; one that refuses a step stops there, and this plan's push tells where it stands."""
+        pending = {u: list(steps) for u, steps in replay.items() if steps}
+        while pending:
+            replies = self.client.update({u: steps[0] for u, steps in pending.items()})
+            for u, r in replies.items():
+                step = pending[u].pop(0)
+                if not (r.ok and r.body.get("version") == step["version"]):
+                    logger.warning("delta sender: %s refused catch-up version %d (%s): %s", u, step["version"],
+                                   r.status, r.error)
+                    pending[u] = []
+            pending = {u: s for u, s in pending.items() if s}
 
 
 def _add(b: FlushBuilder, e: Entry, kind: str) -> dict[str, str]:

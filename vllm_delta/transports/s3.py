@@ -1,0 +1,214 @@
+"""S3 transport: flush objects under `s3://BUCKET/PREFIX/<version dir>/`, uploaded as they are encoded,
+the manifest last, then one HTTP push per engine naming the version dir (as with disk).
+
+Why the store: between datacenters there is no shared filesystem and no collective, but there is an
+object store, and it does the fan-out: the trainer uploads one delta whatever the number of engines,
+and each engine pulls it. A version without its manifest is invisible (engines refuse it), so a
+sender that dies or loses the store mid-upload never shows a half version: each object is retried
+with backoff (botocore's own retries, then a bounded retry of the whole object), and the manifest
+is PUT only after every flush is in.
+
+Lifecycle: versions stay in the store until every engine has acknowledged them (or a later one), so
+a slow engine's pull is never cut short. The latest anchor and the versions after it (the "chain",
+at most `keep_chain` of them) are kept as well: an engine that joins late or restarts replays the
+chain from the store (`catch_up`, used by the planner) instead of costing the trainer a new anchor
+upload. Without an anchor yet, the chain starts at the checkpoint (version 0), which every engine
+loads at startup. A longer chain is dropped; the next engine that needs it gets a new anchor, which
+starts a new chain.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_delta.client import EngineClient, Reply
+from vllm_delta.transports.base import SentDelta
+from vllm_delta.transports.store import ObjectStore, StoreAuthError, StoreError, StoreNotFound, StoreURL
+from vllm_delta.wire import MANIFEST_NAME, EncodedFlush, FlushBuilder, Manifest
+
+logger = logging.getLogger(__name__)
+
+
+def put_retrying(store: ObjectStore, key: str, data: bytes, *, attempts: int, backoff_s: float) -> None:
+    """PUT one object, retrying the whole object with exponential backoff on store errors; wrong
+    credentials or a missing bucket are not retried (they would not heal by waiting)."""
+    for i in range(attempts):
+        try:
+            store.put(key, data)
+            return
+        except (StoreAuthError, StoreNotFound):
+            raise
+        except StoreError as exc:
+            if i == attempts - 1:
+                raise
+            logger.warning("delta sender: upload of %s failed (%s); retry %d of %d", key, exc, i + 1, attempts - 1)
+            time.sleep(backoff_s * 2 ** i)
+
+
+class FlushUploader:
+    """Uploads flushes on a background thread; `emit` blocks only if `depth` are queued."""
+
+    def __init__(self, store: ObjectStore, dir_key: str, *, attempts: int, backoff_s: float, depth: int = 2) -> None:
+        self.store, self.dir_key, self.attempts, self.backoff_s = store, dir_key, attempts, backoff_s
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self.write_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="vllm-delta-uploader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue
+            name, data = item
+            try:
+                t = time.perf_counter()
+                put_retrying(self.store, f"{self.dir_key}/{name}", data, attempts=self.attempts,
+                             backoff_s=self.backoff_s)
+                self.write_s += time.perf_counter() - t
+            except BaseException as exc:  # reported by emit() or close()
+                self._error = exc
+
+    def emit(self, name: str, flush: EncodedFlush) -> None:
+        if self._error is not None:
+            raise self._error
+        self._q.put((name, flush.data))
+
+    def close(self) -> None:
+        """Wait until every queued flush is in the store; raise the uploader's error if it had one."""
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+@dataclass
+class Stored:
+    """A sealed version in the store, as the lifecycle and the catch-up need it."""
+
+    name: str  # version dir
+    version: int
+    kind: str
+    base_version: int | None
+    min_version: int | None  # lineage range (None: an anchor, valid on any weights)
+    max_version: int | None
+
+    def applies_at(self, version: int) -> bool:
+        if self.base_version is not None and self.base_version != version:
+            return False
+        return self.min_version is None or self.min_version <= version <= self.max_version
+
+    def body(self) -> dict[str, Any]:
+        return {"path": self.name, "version": self.version, "base_version": self.base_version}
+
+
+class S3Transport:
+    """Flush objects under `url/<version dir>`, one HTTP push per engine naming that version dir."""
+
+    shared_files = True  # every rank uploads its own flushes into the same version dir; rank 0 seals it
+
+    def __init__(self, url: str, *, planner: Any = None, throttle_bytes_per_s: float | None = None,
+                 keep: bool = False, keep_chain: int = 16, start_version: int = 0, store: ObjectStore | None = None,
+                 attempts: int = 4, backoff_s: float = 1.0) -> None:
+        self.url = StoreURL.parse(url)
+        self.store = store if store is not None else ObjectStore(self.url, throttle_bytes_per_s=throttle_bytes_per_s)
+        self.planner, self.keep, self.keep_chain = planner, keep, keep_chain
+        self.attempts, self.backoff_s = attempts, backoff_s
+        self.stored: dict[str, Stored] = {}
+        self.checkpoint_chain = start_version == 0  # version 0 is the checkpoint every engine starts from
+
+    @property
+    def uploaded_bytes(self) -> int:
+        return self.store.uploaded_bytes
+
+    def prepare(self, name: str) -> None:
+        """Rank 0, before any rank uploads: no leftover objects (e.g. of a sender that died), manifest first."""
+        self.stored.pop(name, None)
+        self.store.delete_prefix(self.url.key(name, MANIFEST_NAME))
+        self.store.delete_prefix(self.url.key(name) + "/")
+
+    def builder(self, name: str, **kwargs) -> FlushBuilder:
+        uploader = FlushUploader(self.store, self.url.key(name), attempts=self.attempts, backoff_s=self.backoff_s)
+        b = FlushBuilder(uploader.emit, **kwargs)
+        b.writer, b.location = uploader, name
+        return b
+
+    def finish(self, b: FlushBuilder) -> None:
+        b.writer.close()  # every flush of this rank is in the store
+
+    def seal(self, sent: SentDelta) -> None:
+        """The manifest last: only now may an engine see the version."""
+        m: Manifest = sent.manifest
+        put_retrying(self.store, self.url.key(sent.location, MANIFEST_NAME), m.model_dump_json(indent=1).encode(),
+                     attempts=self.attempts, backoff_s=self.backoff_s)
+        lin = m.lineage
+        self.stored[sent.location] = Stored(sent.location, m.version, sent.kind, m.base_version,
+                                            lin.min_version if lin else None, lin.max_version if lin else None)
+
+    def push(self, client: EngineClient, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
+        return client.update({u: {"path": s.location, **body} for u, (s, body) in targets.items()})
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def chain(self) -> tuple[int, list[Stored]] | None:
+        """(start version, the versions after it) an engine can replay: the latest anchor, or the
+        checkpoint if no anchor was sent yet; None when no chain is kept."""
+        ordered = sorted(self.stored.values(), key=lambda s: s.version)
+        anchors = [s for s in ordered if s.kind == "anchor"]
+        if anchors:
+            start = anchors[-1]
+            after = [s for s in ordered if s.kind != "anchor" and s.version > start.version]
+            return (start.version, [start] + after) if len(after) <= self.keep_chain else None
+        if not self.checkpoint_chain:
+            return None
+        return (0, ordered) if len(ordered) <= self.keep_chain else None
+
+    def catch_up(self, status: dict[str, Any], target: int) -> list[dict[str, Any]] | None:
+        """The pushes that take an engine in `status` to `target` from the kept chain, in order; None
+        if the chain does not reach it (the planner then anchors the engine as before)."""
+        chain = self.chain()
+        if chain is None or target == 0:
+            return None
+        start, versions = chain
+        v = status.get("version")
+        if versions and versions[0].kind == "anchor":
+            if v is None or v > start:  # an engine accepts no version below its own
+                return None
+            reach, rest = {start: versions[:1]}, versions[1:]
+        elif start == 0 and v == 0 and status.get("run_id") is None:  # on the checkpoint, which starts the chain
+            reach, rest = {0: []}, versions
+        else:
+            return None
+        for s in rest:  # each version, by the replay of the latest reachable version it applies to
+            for u in sorted(reach, reverse=True):
+                if u < s.version and s.version not in reach and s.applies_at(u):
+                    reach[s.version] = reach[u] + [s]
+                    break
+        steps = reach.get(target)
+        return [s.body() for s in steps] if steps else None
+
+    def cleanup(self, sent: list[SentDelta]) -> None:
+        """Delete every version all engines have moved past, except the kept chain."""
+        if self.keep or self.planner is None:
+            return
+        engines = list(self.planner.engines.values())
+        chain = self.chain()
+        kept = {s.name for s in chain[1]} if chain else set()
+        for name, s in list(self.stored.items()):
+            done = all(e.needs_anchor or (e.acked is not None and e.acked >= s.version) for e in engines)
+            if done and name not in kept:
+                self.store.delete_prefix(self.url.key(name, MANIFEST_NAME))
+                self.store.delete_prefix(self.url.key(name) + "/")
+                del self.stored[name]
+        if chain is None:
+            self.checkpoint_chain = False  # versions of the checkpoint's chain are gone: it never comes back
+
+    def close(self, url: str | None = None) -> None:
+        """Nothing is held per engine."""
