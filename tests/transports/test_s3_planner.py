@@ -16,6 +16,7 @@ import torch
 
 from sender.sender_helpers import FakeEngine, adam_like_step
 from vllm_delta import DeltaSender
+from vllm_delta.wire import MANIFEST_NAME
 
 BUCKET = "s3-planner"
 
@@ -49,14 +50,18 @@ def endpoint():
     server.stop()
 
 
-@pytest.fixture
-def s3(monkeypatch, endpoint):
+def boto3_client():
     import boto3
 
+    return boto3.client("s3")
+
+
+@pytest.fixture
+def s3(monkeypatch, endpoint):
     for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(k, v)
-    client = boto3.client("s3")
+    client = boto3_client()
     client.create_bucket(Bucket=BUCKET)
     return client
 
@@ -191,3 +196,55 @@ def test_a_chain_too_long_falls_back_to_an_anchor(world, s3, fake_weights, from_
     assert m["sender/anchors"] == 1.0 and [r["path"] for r in late.requests] == [f"v{syncs + 1:06d}-anchor"]
     assert same(late.weights, fake_weights) and same(a.weights, fake_weights)
     sender.close()
+
+
+def test_a_failed_upload_leaves_no_version_and_its_objects_go_at_the_next_sync(s3, monkeypatch, tmp_path,
+                                                                                  fake_weights):
+    """The store really goes down just before the manifest PUT of sync 2 (flushes in, no manifest):
+    that sync raises, nothing is pushed; back up, sync 3 is exact and removes sync 2's objects."""
+    from moto.server import ThreadedMotoServer
+
+    from vllm_delta.transports.s3 import S3Transport
+    from vllm_delta.transports.store import ObjectStore, StoreError
+
+    own = ThreadedMotoServer("127.0.0.1", port=0, verbose=False)  # moto keeps its objects across restarts
+    own.start()
+    port = own.get_host_and_port()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    a = StoreEngine(tmp_path / "cache", fake_weights, boto3_client(), "failed")
+    sender = make("failed", [a])
+    sender.transport.store = ObjectStore(sender.transport.url, max_attempts=1)  # fail fast, not in minutes
+    sender.transport.attempts = 1
+    sender.seed(fake_weights)
+    gen = torch.Generator().manual_seed(5)
+    adam_like_step(fake_weights, gen)
+    sender.sync(fake_weights)
+    seal, down = S3Transport.seal, []
+
+    def seal_after_outage(self, sent):
+        if not down:
+            own.stop()
+            down.append(True)
+        return seal(self, sent)
+
+    try:
+        S3Transport.seal = seal_after_outage
+        adam_like_step(fake_weights, gen)
+        with pytest.raises(StoreError, match="unreachable"):
+            sender.sync(fake_weights)
+    finally:
+        S3Transport.seal = seal
+        back = ThreadedMotoServer("127.0.0.1", port=port, verbose=False)
+        back.start()
+    try:
+        assert [r["version"] for r in a.requests] == [1]
+        left = [o["Key"] for o in a.s3.list_objects_v2(Bucket=BUCKET, Prefix="failed/v000002/")["Contents"]]
+        assert left and f"failed/v000002/{MANIFEST_NAME}" not in left
+        adam_like_step(fake_weights, gen)
+        m = sender.sync(fake_weights)
+        assert m["sender/all_acked"] == 1.0 and a.version == 3 and same(a.weights, fake_weights)
+        assert sorted(stored(a.s3, "failed")) == ["v000001", "v000003"]  # the chain from the checkpoint
+        sender.close()
+    finally:
+        a.close()
+        back.stop()

@@ -123,6 +123,7 @@ class S3Transport:
         self.planner, self.keep, self.keep_chain = planner, keep, keep_chain
         self.attempts, self.backoff_s = attempts, backoff_s
         self.stored: dict[str, Stored] = {}
+        self.unsealed: set[str] = set()  # prepared, never sealed (a failed sync): deleted at the next cleanup
         self.checkpoint_chain = start_version == 0  # version 0 is the checkpoint every engine starts from
 
     @property
@@ -132,7 +133,8 @@ class S3Transport:
     def prepare(self, name: str) -> None:
         """Rank 0, before any rank uploads: no leftover objects (e.g. of a sender that died), manifest first."""
         self.stored.pop(name, None)
-        self.store.delete_prefix(self.url.key(name, MANIFEST_NAME))
+        self.unsealed.add(name)
+        self.store.delete_prefix(self.url.key(name, MANIFEST_NAME))  # raises: a leftover manifest must go
         self.store.delete_prefix(self.url.key(name) + "/")
 
     def builder(self, name: str, **kwargs) -> FlushBuilder:
@@ -149,6 +151,7 @@ class S3Transport:
         m: Manifest = sent.manifest
         put_retrying(self.store, self.url.key(sent.location, MANIFEST_NAME), m.model_dump_json(indent=1).encode(),
                      attempts=self.attempts, backoff_s=self.backoff_s)
+        self.unsealed.discard(sent.location)
         lin = m.lineage
         self.stored[sent.location] = Stored(sent.location, m.version, sent.kind, m.base_version,
                                             lin.min_version if lin else None, lin.max_version if lin else None)
@@ -198,17 +201,29 @@ class S3Transport:
         """Delete every version all engines have moved past, except the kept chain."""
         if self.keep or self.planner is None:
             return
+        for name in self.unsealed - {s.location for s in sent}:
+            if self._delete(name):
+                self.unsealed.discard(name)
         engines = list(self.planner.engines.values())
         chain = self.chain()
         kept = {s.name for s in chain[1]} if chain else set()
         for name, s in list(self.stored.items()):
             done = all(e.needs_anchor or (e.acked is not None and e.acked >= s.version) for e in engines)
-            if done and name not in kept:
-                self.store.delete_prefix(self.url.key(name, MANIFEST_NAME))
-                self.store.delete_prefix(self.url.key(name) + "/")
+            if done and name not in kept and self._delete(name):
                 del self.stored[name]
         if chain is None:
             self.checkpoint_chain = False  # versions of the checkpoint's chain are gone: it never comes back
+
+    def _delete(self, name: str) -> bool:
+        """One version dir, manifest first so no reader sees it as finished; False if the store failed
+        (the sync that pushed stays good: the next cleanup tries again)."""
+        try:
+            self.store.delete_prefix(self.url.key(name, MANIFEST_NAME))
+            self.store.delete_prefix(self.url.key(name) + "/")
+        except StoreError as exc:
+            logger.warning("delta sender: could not delete %s from the store (%s); retrying later", name, exc)
+            return False
+        return True
 
     def close(self, url: str | None = None) -> None:
         """Nothing is held per engine."""
