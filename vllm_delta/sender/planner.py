@@ -8,8 +8,10 @@ values at diff(current, S) ∪ pending. Any engine whose weights are some versio
 this lineage ends exactly at N after applying it (a position that differs between its version and
 N was changed since S, so it is in one of the two sets), and an overwrite delta is safe to replay.
 Engines outside the lineage (restarted at version 0, pushed ahead by someone else, newly added)
-get a full anchor. In the steady state (every engine at S) the configured, base-relative encoding
-(`ulp_zstd`) is used. docs/sender.md has the state machine.
+get a full anchor, or, where the transport keeps a chain (the S3 store: the latest anchor and the
+versions after it), replay that chain up to N-1 first (`Plan.replay`) and then take this plan's
+update like any engine at N-1. In the steady state (every engine at S) the configured,
+base-relative encoding (`ulp_zstd`) is used. docs/sender.md has the state machine.
 
 Lag is bounded: an engine that misses `max_lag_syncs` syncs in a row (or every lagging engine, when
 the pending catch-up passes the sender's density cap) drops to "needs anchor". It no longer holds
@@ -30,8 +32,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_delta.client import EngineClient, Reply
