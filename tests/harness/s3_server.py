@@ -44,13 +44,16 @@ class S3Server:
         self._thread_server = None
         self._proc: subprocess.Popen | None = None
         self.start()
+        # moto's auth switch is process-wide (another store here may already enforce it): lift it.
+        requests.post(f"{self.endpoint}/moto-api/reset-auth", data="inf", timeout=10).raise_for_status()
         # Before auth is enforced any key is accepted: make the bucket and the user, then enforce.
         setup = self.client(access_key="AKIASETUPSETUPSETUP0", secret_key="setup")
         setup.create_bucket(Bucket=bucket)
         iam = self.client("iam", access_key="AKIASETUPSETUPSETUP0", secret_key="setup")
-        iam.create_user(UserName="trainer")
-        iam.put_user_policy(UserName="trainer", PolicyName="s3", PolicyDocument=json.dumps(ALLOW_S3))
-        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        user = f"trainer-{self.port}"  # IAM users, like the auth switch, are shared by the process
+        iam.create_user(UserName=user)
+        iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=json.dumps(ALLOW_S3))
+        key = iam.create_access_key(UserName=user)["AccessKey"]
         self.access_key, self.secret_key = key["AccessKeyId"], key["SecretAccessKey"]
         requests.post(f"{self.endpoint}/moto-api/reset-auth", data="0", timeout=10).raise_for_status()
 
@@ -119,10 +122,13 @@ class S3Server:
                             aws_access_key_id=access_key or self.access_key,
                             aws_secret_access_key=secret_key or self.secret_key)
 
-    def keys(self, prefix: str) -> list[str]:
-        """Every key under `prefix`, listed by a plain boto3 client."""
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under `prefix` and its size, listed by a plain boto3 client."""
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+        return {o["Key"]: o["Size"] for page in pages for o in page.get("Contents", [])}
+
+    def keys(self, prefix: str) -> list[str]:
+        return sorted(self.sizes(prefix))
 
     def close(self) -> None:
         self.stop()

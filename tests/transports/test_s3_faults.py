@@ -11,16 +11,25 @@ credential is not retried), and every check reads the store with a plain boto3 c
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from harness.fault_proxy import FaultProxy
 from harness.s3_server import S3Server, prefix_of
+from harness.store_engine import StoreFakeEngine
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
 from harness.vllm_engine import patched_environ
+from sender_helpers import adam_like_step  # tests/sender, on the path since harness.store_engine
+from vllm_delta import DeltaSender
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater
@@ -205,3 +214,120 @@ def test_version_without_its_manifest_is_invisible(s3_env, store_engine):
     err = refused(updater)
     assert err["status"] == 400 and err["type"] == "IncompleteDeltaError" and err["file"] == MANIFEST_NAME, err
     assert same_bits(model, loaded(base, 0, 1)) == []
+
+
+# ---- the sender: the store down mid-upload, wrong keys, killed between upload and push -----------
+def weights_and_step(density: float, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    base = {f"layer{i}.weight": (torch.randn(256, 256, generator=gen) * 0.02).to(torch.bfloat16) for i in range(3)}
+    new = {k: v.clone() for k, v in base.items()}
+    adam_like_step(new, gen, density)
+    return base, new
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+
+
+def test_store_down_mid_upload_is_retried_and_no_engine_sees_a_half_version(s3_env, tmp_path):
+    """The real server stopped while the sender's uploader has put some flushes (no manifest yet), and
+    started again a second later: the sync completes exactly; the engine was pushed once, after the seal."""
+    url = s3_env.url("midupload")
+    base, new = weights_and_step(0.5)
+    engine = StoreFakeEngine(s3_env, url, base, tmp_path / "engine")
+    seen: dict[str, list[str]] = {}
+    sender = DeltaSender([engine.url], "s3", url, flush_bytes=16 << 10, throttle_bytes_per_s=256 << 10)
+    sender.seed(base.items())
+    vdir = f"{prefix_of(url)}/v000001/"
+
+    def outage() -> None:
+        while not any(k.endswith(".safetensors") for k in s3_env.keys(vdir)):
+            time.sleep(0.01)
+        seen["at_stop"] = s3_env.keys(vdir)
+        seen["pushes_at_stop"] = list(engine.requests)
+        s3_env.stop()
+        time.sleep(0.5)
+        s3_env.start()
+
+    t = threading.Thread(target=outage)
+    t.start()
+    try:
+        m = sender.sync(new.items())
+    finally:
+        t.join()
+        engine.close()
+    assert seen["at_stop"] and f"{vdir}{MANIFEST_NAME}" not in seen["at_stop"], seen
+    assert seen["pushes_at_stop"] == []
+    keys = s3_env.keys(vdir)
+    assert f"{vdir}{MANIFEST_NAME}" in keys and len(keys) > len(seen["at_stop"]), "flushes went on after the restart"
+    assert m["sender/all_acked"] == 1.0 and [r["version"] for r in engine.requests] == [1]
+    assert same(engine.weights, new)
+
+
+def test_wrong_credentials_fail_the_first_sync_clearly_and_nothing_is_pushed(s3_server, proxy, tmp_path):
+    url = s3_server.url("sender-auth")
+    base, new = weights_and_step(0.05)
+    engine = StoreFakeEngine(s3_server, url, base, tmp_path / "engine")
+    try:
+        with patched_environ(s3_server.env(endpoint=proxy.url, secret_key="wrong-secret-do-not-print")):
+            sender = DeltaSender([engine.url], "s3", url)
+        sender.seed(base.items())
+        with pytest.raises(StoreAuthError) as err:
+            sender.sync(new.items())
+    finally:
+        engine.close()
+    assert "credentials" in str(err.value) and "wrong-secret-do-not-print" not in str(err.value)
+    assert proxy.requests == 1, proxy.seen  # refused once, not retried: no hang
+    assert engine.requests == [] and s3_server.keys(prefix_of(url)) == []
+
+
+KILLED_AFTER_SEAL = """
+import os, signal, sys, time
+from safetensors.torch import load_file
+from vllm_delta import DeltaSender
+from vllm_delta.transports.s3 import S3Transport
+engine, url, weights, marker = sys.argv[1:5]
+def stall(self, client, targets):  # sealed, about to push: tell the test, then wait to be killed
+    open(marker, "w").close()
+    time.sleep(600)
+S3Transport.push = stall
+w = load_file(weights)
+s = DeltaSender([engine], "s3", url, flush_bytes=16 << 10)
+s.seed((k[5:], v) for k, v in w.items() if k.startswith("base."))
+s.sync((k[4:], v) for k, v in w.items() if k.startswith("new."))
+"""
+
+
+@pytest.mark.heavy
+def test_sender_killed_between_upload_and_push_then_next_sync_is_exact(s3_env, tmp_path):
+    """A sender process SIGKILLed with its version sealed in the store but never pushed: a new sender
+    from the engines' version re-uploads that version over the orphan, and the engine ends exact."""
+    url = s3_env.url("killed")
+    base, new = weights_and_step(0.2, seed=1)
+    other = {k: v.clone() for k, v in base.items()}  # the new sender's trainer: not the dead one's step
+    adam_like_step(other, torch.Generator().manual_seed(3), 0.2)
+    engine = StoreFakeEngine(s3_env, url, base, tmp_path / "engine")
+    save_file({**{f"base.{k}": v for k, v in base.items()}, **{f"new.{k}": v for k, v in new.items()}},
+              str(tmp_path / "w.safetensors"))
+    marker = tmp_path / "sealed"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_AFTER_SEAL, engine.url, url, str(tmp_path / "w.safetensors"),
+                             str(marker)], env={**os.environ, **s3_env.env()})
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), f"the sender never sealed (exit {proc.poll()})"
+        orphan = s3_env.keys(f"{prefix_of(url)}/v000001/")
+        assert f"{prefix_of(url)}/v000001/{MANIFEST_NAME}" in orphan  # sealed: a complete version, never pushed
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert engine.requests == []
+        sender = DeltaSender([engine.url], "s3", url, flush_bytes=16 << 10)
+        sender.seed(base.items())
+        m = sender.sync(other.items())
+        assert m["sender/all_acked"] == 1.0 and [r["version"] for r in engine.requests] == [1]
+        assert same(engine.weights, other) and not same(engine.weights, new)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        engine.close()
