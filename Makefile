@@ -9,7 +9,7 @@ PIP_TORCH_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo demo-megatron clean patch-vllm
+.PHONY: install test test-fast demo demo-megatron demo-s3 clean patch-vllm
 
 install: $(STAMP)
 
@@ -27,10 +27,11 @@ $(STAMP): pyproject.toml Makefile patches/vllm-dist-alias/pyproject.toml $(wildc
 patch-vllm: install
 	$(PY) patches/apply.py --check
 
-# Two xdist workers: one engine starts or syncs while the other worker's tests run (tests/conftest.py
-# keeps each heavy module, and the modules sharing an engine, on one worker).
+# Two xdist workers: one engine starts or syncs while the other worker's tests run. `loadscope` keeps a
+# module's (or a class's) tests on one worker, so a module-scoped engine starts once; modules are handed
+# out in collection order (the engine-heavy directories come before the light wire tests that fill in).
 test: install
-	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not heavy" $(PYTEST_ARGS)
@@ -41,6 +42,11 @@ demo: install
 # megatron-core TP=2 x EP=2 (4 gloo processes) -> vllm serve (TP=2) through megatron_hook; last line is JSON.
 demo-megatron: install
 	$(PY) examples/delta_weight_sync/megatron_demo.py
+
+# The S3 transport through a local store it starts itself (moto): a real engine pulling over a 300 MB/s
+# paced link, 1/2/4 engines; writes docs/results/s3.md and s3.json.
+demo-s3: install
+	$(PY) benchmarks/s3_sync.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

