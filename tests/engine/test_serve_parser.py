@@ -7,8 +7,11 @@ parser here checks exactly what the real command checks, without starting an eng
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from harness.s3_server import s3_env, s3_server  # noqa: F401  (fixtures: a real local store)
 from vllm_delta.engine import cli_args
 from vllm_delta.native import ROOT_ENV
 
@@ -93,3 +96,32 @@ def test_safe_command_lines_parse(serve_parser, delta_flags, monkeypatch, case):
 def test_flag_off_parses_as_stock_vllm(serve_parser):
     args = serve_parser("--host", "0.0.0.0")
     assert not args.enable_delta_updates and args.worker_extension_cls != cli_args.WORKER_EXTENSION
+
+
+def test_a_store_root_parses_after_one_access_check(serve_parser, s3_env):
+    url = s3_env.url("serve")
+    args = serve_parser("--enable-delta-updates", "--delta-updates-root", f"{url}/", "--api-key", "k")
+    assert str(args.delta_updates_root) == url  # normalized: no trailing "/"
+    assert os.environ[ROOT_ENV] == url  # what the workers read; no local path was made of it
+
+
+STORE_REFUSED = {
+    "no-bucket": ("s3://", {}, "not an s3://BUCKET[/PREFIX] URL"),
+    "no-bucket-prefix": ("s3:///prefix", {}, "not an s3://BUCKET[/PREFIX] URL"),
+    "dotdot-prefix": ("s3://bucket/a/../b", {}, "'..' segment"),
+    "wrong-secret": (None, {"AWS_SECRET_ACCESS_KEY": "not-the-secret-1234"}, "StoreAuthError: the store at"),
+    "missing-bucket": ("s3://no-such-bucket-here/p", {}, "StoreNotFound: no such bucket"),
+}
+
+
+@pytest.mark.parametrize("case", STORE_REFUSED)
+def test_a_bad_store_root_is_refused_at_parse_time(serve_parser, s3_env, monkeypatch, capsys, case):
+    url, env, message = STORE_REFUSED[case]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exc:
+        serve_parser("--enable-delta-updates", "--delta-updates-root", url or s3_env.url("serve"), "--api-key", "k")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert s3_env.secret_key not in err and "not-the-secret-1234" not in err  # secrets never printed

@@ -17,6 +17,10 @@ import ipaddress
 import os
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_delta.transports.store import StoreURL
 
 WORKER_EXTENSION = "vllm_delta.engine.worker.DeltaWorkerExtension"
 ENV_FLAG = "VLLM_DELTA_UPDATES"
@@ -27,6 +31,7 @@ DEFAULT_CHUNK_BYTES = 256 << 20
 # per changed tensor), so this leaves room for models with hundreds of thousands of tensors.
 DEFAULT_MAX_BODY_BYTES = 64 << 20
 LOOPBACK_NAMES = frozenset({"localhost"})
+STARTUP_CHECK_ATTEMPTS = 2  # the store access check at startup: one retry, then a clear refusal
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +44,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Serve /update_weights_delta and /delta_updates/status; needs --delta-updates-root.",
     )  # fmt: skip
     group.add_argument(
-        "--delta-updates-root", type=existing_dir, default=None, metavar="DIR", action=DeltaUpdatesRoot,
-        help="The only directory deltas may be read from (also by the `delta` weight-transfer backend).",
+        "--delta-updates-root", type=delta_root, default=None, metavar="DIR|s3://BUCKET/PREFIX",
+        action=DeltaUpdatesRoot,
+        help="The only directory deltas may be read from (also by the `delta` weight-transfer backend), or the "
+             "object-store prefix the engine pulls them from (credentials from the standard AWS environment).",
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-chunk-bytes", type=positive_int, default=DEFAULT_CHUNK_BYTES, metavar="N",
@@ -116,6 +123,7 @@ def check_after_parsing(parser: argparse.ArgumentParser) -> None:
         namespace, rest = parse(args, namespace)
         try:
             check_args(namespace)
+            check_store(namespace)
         except ValueError as exc:
             parser.error(str(exc))
         return namespace, rest
@@ -147,6 +155,24 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--enable-delta-updates lets whoever reaches this server rewrite its weights: give "
                          "--api-key (or VLLM_API_KEY), listen on loopback only (--host 127.0.0.1, localhost "
                          "or ::1), or set VLLM_SERVER_DEV_MODE=1")
+
+
+def check_store(args: argparse.Namespace) -> None:
+    """Refuse a store root this server cannot read (wrong credentials, no bucket, no store), once.
+
+    Why at parse time: before any engine loads the model, so a bad credential stops `vllm serve`
+    in seconds with the store's own reason, instead of a first sync failing much later. Few
+    attempts, so an unreachable store is refused promptly rather than retried for minutes.
+    """
+    from vllm_delta.transports.store import ObjectStore, StoreError, StoreURL
+
+    root = getattr(args, "delta_updates_root", None)
+    if not getattr(args, "enable_delta_updates", False) or not isinstance(root, StoreURL):
+        return
+    try:
+        ObjectStore(root, max_concurrency=1, max_attempts=STARTUP_CHECK_ATTEMPTS).check_access()
+    except StoreError as exc:
+        raise ValueError(f"--delta-updates-root {root}: {type(exc).__name__}: {exc.reason}") from None
 
 
 def _weight_transfer_backend(args: argparse.Namespace) -> str | None:
@@ -192,6 +218,18 @@ def trainer_address(value: str) -> str:
         if not value or any(c.isspace() or c in "/,@:" for c in value):
             raise argparse.ArgumentTypeError(f"{value!r} is not an IP address, network or host name") from None
     return value
+
+
+def delta_root(value: str) -> Path | StoreURL:
+    """An `s3://BUCKET[/PREFIX]` store root (nothing local to check), else an existing directory."""
+    from vllm_delta.transports.store import StoreURL, is_store_url
+
+    if not is_store_url(value):
+        return existing_dir(value)
+    try:
+        return StoreURL.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def existing_dir(value: str) -> Path:

@@ -1,5 +1,5 @@
 """The bodies of the delta routes, their size cap, the collective allowlist, and the containment of
-paths under the root.
+paths under the root (a directory, or an object-store prefix).
 
 Why here and not in the workers: a path outside `--delta-updates-root` must be refused before any
 engine process opens a file, and symlinks are resolved so a link cannot lead out of the root. The
@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.requests import Request
 
 from vllm_delta.engine.http_errors import UpdateError
+
+if TYPE_CHECKING:
+    from vllm_delta.transports.store import StoreURL
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator,
                       model_validator)
@@ -152,6 +156,33 @@ def resolve_version_dir(path: str, root: Path) -> Path:
         if not _inside(Path(os.path.realpath(entry)), root):
             raise OutsideRootError(f"{entry.name!r} in {path!r} links outside the delta-updates root")
     return resolved
+
+
+# A store-relative path's segments: what version directory names are made of (`v000005`,
+# `v000006-anchor`, `run-a/v000007`); anything else (a scheme's ":", "%", "?", "#", spaces) is refused.
+_STORE_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def store_version_key(path: str, root: StoreURL) -> str:
+    """The key prefix of a version under a store root, for a store-relative `path` only.
+
+    Why so strict: the engine fetches what this names with its own credentials, so a request must
+    not reach another bucket, another prefix or a URL of its choosing (no server-side request
+    forgery). Keys are strings, not paths, so nothing resolves `..` for us: it is refused, as are
+    absolute paths, empty segments, backslashes, NUL and any scheme.
+    """
+    if "\0" in path or "\\" in path:
+        raise OutsideRootError(f"{path!r} contains a NUL byte or a backslash")
+    if ":" in path:
+        raise OutsideRootError(f"{path!r} names a URL or scheme; the engine reads only under {root}")
+    if path.startswith("/"):
+        raise OutsideRootError(f"{path!r} is absolute; give a path relative to {root}")
+    for segment in path.split("/"):
+        if segment in ("", ".", ".."):
+            raise OutsideRootError(f"{path!r} has an empty, '.' or '..' segment")
+        if not _STORE_SEGMENT.fullmatch(segment):
+            raise OutsideRootError(f"{path!r}: segment {segment!r} is not made of letters, digits, '.', '_' or '-'")
+    return root.key(path)
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -30,8 +30,9 @@ from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.metrics import delta_metrics
 from vllm_delta.wire.errors import DeltaError
 from vllm_delta.engine.request import (CollectiveInitRequest, DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
-                                       check_collective, read_body, resolve_version_dir)
+                                       check_collective, read_body, resolve_version_dir, store_version_key)
 from vllm_delta.native import routes as native_routes
+from vllm_delta.transports.store import StoreURL
 
 # Under vLLM's logger, so these lines land in the server log with vLLM's own.
 logger = logging.getLogger("vllm.delta_updates")
@@ -71,7 +72,7 @@ class DeltaUpdatesEndpoint:
 class DeltaUpdater:
     """Runs updates against the engine, one at a time."""
 
-    def __init__(self, engine: Any, root: Path, chunk_bytes: int, tokens: list[str], *,
+    def __init__(self, engine: Any, root: Path | StoreURL, chunk_bytes: int, tokens: list[str], *,
                  collective_trainers: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = engine
         self.root = root
@@ -101,6 +102,16 @@ class DeltaUpdater:
         if body.transport == "collective":
             check_collective(None, self.collective_trainers)
             req.update(transport="collective", manifest=body.manifest)
+        elif isinstance(self.root, StoreURL):
+            # The workers fetch from their own configured root; only the checked relative path travels.
+            try:
+                store_version_key(body.path, self.root)
+            except OutsideRootError as exc:
+                raise UpdateError(403, "PathOutsideRoot", str(exc)) from None
+            if body.files is not None:
+                raise UpdateError(400, "InvalidRequest", "`files` selects flushes of a disk delta; a store "
+                                  "delta is read whole, as its manifest lists it")
+            req.update(store_path=body.path)
         else:
             try:
                 path = resolve_version_dir(body.path, self.root)

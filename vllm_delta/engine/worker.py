@@ -167,6 +167,8 @@ class DeltaWorkerExtension:
             chunk_bytes = int(request.get("chunk_bytes") or DEFAULT_CHUNK_BYTES)
             if request.get("transport") == "collective":
                 manifest, staged = self._delta_receive(request, chunk_bytes)
+            elif request.get("store_path") is not None:
+                manifest, staged = self._delta_pull(request, chunk_bytes)
             else:
                 # Opened again from the root's handle, through no symlink (the route checked the path).
                 delta_dir = DeltaDir.open(request["path"], root=request.get("root"))
@@ -307,6 +309,26 @@ class DeltaWorkerExtension:
         except Exception as exc:
             self._delta_drop_group()
             raise CollectiveError(f"{type(exc).__name__}: {exc}") from exc
+        return manifest, staged
+
+    def _delta_pull(self, request: dict[str, Any], chunk_bytes: int) -> tuple[Manifest, StagedUpdate]:
+        """Fetch the version from this engine's own store root (the route checked the relative path):
+        the manifest, the lineage check, then the flushes, one fetched ahead while the last decodes."""
+        from vllm_delta.engine.request import store_version_key
+        from vllm_delta.engine.store_fetch import StoreFlushes, configured_store, fetch_manifest
+
+        state = self._delta()
+        store = getattr(self, "_delta_store", None)
+        if store is None:  # one client (and its connection pool) for the worker's life
+            store = self._delta_store = configured_store()
+        prefix = store_version_key(request["store_path"], store.url)  # checked again, under this worker's root
+        manifest, manifest_bytes = fetch_manifest(store, prefix)
+        self._delta_check_lineage(manifest, request)  # before any flush is fetched
+        with StoreFlushes(store, prefix, manifest.files) as flushes:
+            staged = state.applier.prepare_flushes(
+                manifest, flushes, version=int(request["version"]), base_version=request.get("base_version"),
+                current_version=state.version, chunk_bytes=chunk_bytes)
+        staged.bytes_read = manifest_bytes + flushes.fetched_bytes  # what came over the network
         return manifest, staged
 
     def _delta_drop_group(self) -> None:
