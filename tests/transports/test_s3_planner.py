@@ -9,73 +9,27 @@ and falls back to an anchor where the chain does not reach.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from sender.sender_helpers import FakeEngine, adam_like_step
+from harness.s3_server import prefix_of
+from harness.store_engine import StoreFakeEngine
+from sender.sender_helpers import adam_like_step
 from vllm_delta import DeltaSender
 from vllm_delta.wire import MANIFEST_NAME
 
-BUCKET = "s3-planner"
-
-
-class StoreEngine(FakeEngine):
-    """A fake engine whose root is the store: each push's version dir is pulled into a local cache
-    first (only the objects that exist: a version without its manifest stays unfinished)."""
-
-    def __init__(self, cache: Path, weights: dict[str, torch.Tensor], client, prefix: str) -> None:
-        super().__init__(cache, weights)
-        self.s3, self.prefix = client, prefix
-
-    async def update(self, request):
-        body = await request.json()
-        local = self.root / body["path"]
-        local.mkdir(parents=True, exist_ok=True)
-        dir_key = f"{self.prefix}/{body['path']}/"
-        for o in self.s3.list_objects_v2(Bucket=BUCKET, Prefix=dir_key).get("Contents", []):
-            (local / o["Key"][len(dir_key):]).write_bytes(self.s3.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read())
-        return await super().update(request)
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer("127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-def boto3_client():
-    import boto3
-
-    return boto3.client("s3")
-
 
 @pytest.fixture
-def s3(monkeypatch, endpoint):
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    client = boto3_client()
-    client.create_bucket(Bucket=BUCKET)
-    return client
+def world(s3_env, tmp_path, fake_weights):
+    """(store URL of this test's own prefix, a factory of fake engines that pull from it)."""
+    url = s3_env.url("planner")
+    made: list[StoreFakeEngine] = []
 
-
-@pytest.fixture
-def world(s3, tmp_path, request, fake_weights):
-    prefix = f"run/{request.node.name}"
-    made: list[StoreEngine] = []
-
-    def engine(weights=fake_weights) -> StoreEngine:
-        made.append(StoreEngine(tmp_path / f"cache{len(made)}", weights, s3, prefix))
+    def engine(weights=fake_weights) -> StoreFakeEngine:
+        made.append(StoreFakeEngine(s3_env, url, weights, tmp_path / f"cache{len(made)}"))
         return made[-1]
 
-    yield prefix, engine
+    yield url, engine
     for e in made:
         e.close()
 
@@ -90,52 +44,53 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
 
 
-def stored(s3, prefix: str) -> dict[str, int]:
+def stored(server, url: str) -> dict[str, int]:
     """Version dir -> total bytes of its objects, listed straight from the store."""
     out: dict[str, int] = {}
-    for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", []):
-        d = o["Key"][len(prefix) + 1:].split("/")[0]
-        out[d] = out.get(d, 0) + o["Size"]
+    prefix = prefix_of(url)
+    for key, size in server.sizes(prefix + "/").items():
+        d = key[len(prefix) + 1:].split("/")[0]
+        out[d] = out.get(d, 0) + size
     return out
 
 
-def make(prefix: str, engines: list[StoreEngine], keep_chain: int = 16) -> DeltaSender:
-    sender = DeltaSender([e.url for e in engines], "s3", f"s3://{BUCKET}/{prefix}", flush_bytes=1024, retries=0)
+def make(url: str, engines: list[StoreFakeEngine], keep_chain: int = 16) -> DeltaSender:
+    sender = DeltaSender([e.url for e in engines], "s3", url, flush_bytes=1024, retries=0)
     sender.transport.keep_chain = keep_chain
     return sender
 
 
 @pytest.mark.parametrize("n_engines", [1, 2])
-def test_one_upload_and_a_late_joiner_replays_from_the_checkpoint(world, s3, fake_weights, n_engines):
-    prefix, engine = world
+def test_one_upload_and_a_late_joiner_replays_from_the_checkpoint(world, s3_env, fake_weights, n_engines):
+    url, engine = world
     engines = [engine() for _ in range(n_engines)]
     seed = {k: v.clone() for k, v in fake_weights.items()}
-    sender = make(prefix, engines)
+    sender = make(url, engines)
     sender.seed(fake_weights)
     gen = torch.Generator().manual_seed(1)
     for v in range(1, 4):
         adam_like_step(fake_weights, gen)
         m = sender.sync(fake_weights)
         assert m["sender/all_acked"] == 1.0
-        assert m["perf/update_weights_upload_bytes"] == stored(s3, prefix)[f"v{v:06d}"], "one upload, any engines"
+        assert m["perf/update_weights_upload_bytes"] == stored(s3_env, url)[f"v{v:06d}"], "one upload, any engines"
         assert all(e.version == v and same(e.weights, fake_weights) for e in engines)
     late = engine(seed)
     sender.add_engine(late.url)
     adam_like_step(fake_weights, gen)
     m = sender.sync(fake_weights)
-    assert m["sender/anchors"] == 0.0 and "v000004-anchor" not in stored(s3, prefix)
+    assert m["sender/anchors"] == 0.0 and "v000004-anchor" not in stored(s3_env, url)
     assert [r["path"] for r in late.requests] == ["v000001", "v000002", "v000003", "v000004"]
     assert late.version == 4 and same(late.weights, fake_weights)
     assert all(e.version == 4 and same(e.weights, fake_weights) for e in engines)
-    assert m["perf/update_weights_upload_bytes"] == stored(s3, prefix)["v000004"]
+    assert m["perf/update_weights_upload_bytes"] == stored(s3_env, url)["v000004"]
     sender.close()
 
 
-def test_restarted_engine_replays_the_latest_anchor_and_the_deltas_after_it(world, s3, fake_weights):
-    prefix, engine = world
+def test_restarted_engine_replays_the_latest_anchor_and_the_deltas_after_it(world, s3_env, fake_weights):
+    url, engine = world
     a, b = engine(), engine()
     seed = {k: v.clone() for k, v in fake_weights.items()}
-    sender = make(prefix, [a, b])
+    sender = make(url, [a, b])
     sender.seed(fake_weights)
     gen = torch.Generator().manual_seed(2)
     for v in range(1, 5):
@@ -144,7 +99,7 @@ def test_restarted_engine_replays_the_latest_anchor_and_the_deltas_after_it(worl
         adam_like_step(fake_weights, gen)
         assert sender.sync(fake_weights)["sender/all_acked"] == 1.0
     # the latest anchor and every version after it are kept; before it, only what nobody needs is gone
-    assert sorted(stored(s3, prefix)) == ["v000002-anchor", "v000003", "v000004"]
+    assert sorted(stored(s3_env, url)) == ["v000002-anchor", "v000003", "v000004"]
     b.restart(seed)
     sender.planner.engines[b.url].acked = None  # as after a failed push: ask its status
     adam_like_step(fake_weights, gen)
@@ -155,10 +110,10 @@ def test_restarted_engine_replays_the_latest_anchor_and_the_deltas_after_it(worl
     sender.close()
 
 
-def test_a_version_stays_until_every_engine_moved_past_it(world, s3, fake_weights):
-    prefix, engine = world
+def test_a_version_stays_until_every_engine_moved_past_it(world, s3_env, fake_weights):
+    url, engine = world
     a, b = engine(), engine()
-    sender = make(prefix, [a, b], keep_chain=0)  # no chain: only the acks decide
+    sender = make(url, [a, b], keep_chain=0)  # no chain: only the acks decide
     sender.seed(fake_weights)
     gen = torch.Generator().manual_seed(3)
     adam_like_step(fake_weights, gen)
@@ -168,7 +123,7 @@ def test_a_version_stays_until_every_engine_moved_past_it(world, s3, fake_weight
     for _ in range(3):
         adam_like_step(fake_weights, gen)
         sender.sync(fake_weights)
-        kept.append(sorted(stored(s3, prefix)))
+        kept.append(sorted(stored(s3_env, url)))
     # v2: b failed it, so it stays until b acks a later version (the catch-up v3 at sync 3, seen at sync 4)
     assert kept == [["v000002"], ["v000002", "v000003"], ["v000004"]]
     assert all(e.version == 4 and same(e.weights, fake_weights) for e in (a, b))
@@ -176,11 +131,11 @@ def test_a_version_stays_until_every_engine_moved_past_it(world, s3, fake_weight
 
 
 @pytest.mark.parametrize("from_anchor", [False, True])
-def test_a_chain_too_long_falls_back_to_an_anchor(world, s3, fake_weights, from_anchor):
-    prefix, engine = world
+def test_a_chain_too_long_falls_back_to_an_anchor(world, s3_env, fake_weights, from_anchor):
+    url, engine = world
     a = engine()
     seed = {k: v.clone() for k, v in fake_weights.items()}
-    sender = make(prefix, [a], keep_chain=2)
+    sender = make(url, [a], keep_chain=2)
     sender.seed(fake_weights)
     gen = torch.Generator().manual_seed(4)
     if from_anchor:  # a chain of the anchor at v1 and 3 deltas after it
@@ -198,21 +153,15 @@ def test_a_chain_too_long_falls_back_to_an_anchor(world, s3, fake_weights, from_
     sender.close()
 
 
-def test_a_failed_upload_leaves_no_version_and_its_objects_go_at_the_next_sync(s3, monkeypatch, tmp_path,
-                                                                                  fake_weights):
+def test_a_failed_upload_leaves_no_version_and_its_objects_go_at_the_next_sync(world, s3_env, fake_weights):
     """The store really goes down just before the manifest PUT of sync 2 (flushes in, no manifest):
     that sync raises, nothing is pushed; back up, sync 3 is exact and removes sync 2's objects."""
-    from moto.server import ThreadedMotoServer
-
     from vllm_delta.transports.s3 import S3Transport
     from vllm_delta.transports.store import ObjectStore, StoreError
 
-    own = ThreadedMotoServer("127.0.0.1", port=0, verbose=False)  # moto keeps its objects across restarts
-    own.start()
-    port = own.get_host_and_port()[1]
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
-    a = StoreEngine(tmp_path / "cache", fake_weights, boto3_client(), "failed")
-    sender = make("failed", [a])
+    url, engine = world
+    a = engine()
+    sender = make(url, [a])
     sender.transport.store = ObjectStore(sender.transport.url, max_attempts=1)  # fail fast, not in minutes
     sender.transport.attempts = 1
     sender.seed(fake_weights)
@@ -223,7 +172,7 @@ def test_a_failed_upload_leaves_no_version_and_its_objects_go_at_the_next_sync(s
 
     def seal_after_outage(self, sent):
         if not down:
-            own.stop()
+            s3_env.stop()  # the listening socket closed; moto keeps the objects for start()
             down.append(True)
         return seal(self, sent)
 
@@ -234,17 +183,12 @@ def test_a_failed_upload_leaves_no_version_and_its_objects_go_at_the_next_sync(s
             sender.sync(fake_weights)
     finally:
         S3Transport.seal = seal
-        back = ThreadedMotoServer("127.0.0.1", port=port, verbose=False)
-        back.start()
-    try:
-        assert [r["version"] for r in a.requests] == [1]
-        left = [o["Key"] for o in a.s3.list_objects_v2(Bucket=BUCKET, Prefix="failed/v000002/")["Contents"]]
-        assert left and f"failed/v000002/{MANIFEST_NAME}" not in left
-        adam_like_step(fake_weights, gen)
-        m = sender.sync(fake_weights)
-        assert m["sender/all_acked"] == 1.0 and a.version == 3 and same(a.weights, fake_weights)
-        assert sorted(stored(a.s3, "failed")) == ["v000001", "v000003"]  # the chain from the checkpoint
-        sender.close()
-    finally:
-        a.close()
-        back.stop()
+        s3_env.start()
+    assert [r["version"] for r in a.requests] == [1]
+    left = s3_env.keys(f"{prefix_of(url)}/v000002/")
+    assert left and f"{prefix_of(url)}/v000002/{MANIFEST_NAME}" not in left
+    adam_like_step(fake_weights, gen)
+    m = sender.sync(fake_weights)
+    assert m["sender/all_acked"] == 1.0 and a.version == 3 and same(a.weights, fake_weights)
+    assert sorted(stored(s3_env, url)) == ["v000001", "v000003"]  # the chain from the checkpoint
+    sender.close()

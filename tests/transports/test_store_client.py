@@ -18,33 +18,13 @@ from vllm_delta.transports.store import ObjectStore, StoreAuthError, StoreError,
 from vllm_delta.wire.errors import LimitError
 
 BUCKET = "store-client"
-SECRET = "not-a-real-secret-0123456789"
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer("127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
 
 
 @pytest.fixture
-def aws_env(monkeypatch, endpoint):
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": SECRET,
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    return endpoint
-
-
-@pytest.fixture
-def store(aws_env, request):
+def store(s3_env, request):
     s = ObjectStore(StoreURL.parse(f"s3://{BUCKET}/run/{request.node.name}"), part_bytes=1 << 20, max_concurrency=4)
-    s.client.create_bucket(Bucket=BUCKET)
+    if BUCKET not in {b["Name"] for b in s.client.list_buckets()["Buckets"]}:
+        s.client.create_bucket(Bucket=BUCKET)
     calls: Counter = Counter()
     s.client.meta.events.register("before-call.s3", lambda model, **kw: calls.update([model.name]))
     s.calls = calls
@@ -108,10 +88,10 @@ def test_missing_object_and_size_cap(store):
         ObjectStore(StoreURL.parse("s3://no-such-bucket-here")).check_access()
 
 
-def test_unreachable_store_is_a_clear_error(aws_env, monkeypatch):
+def test_unreachable_store_is_a_clear_error(s3_env, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
     s = ObjectStore(StoreURL.parse(f"s3://{BUCKET}/x"), max_attempts=2)
     with pytest.raises(StoreError) as e:
         s.check_access()
     assert not isinstance(e.value, (StoreAuthError, StoreNotFound)) and e.value.http_status == 502
-    assert "unreachable at http://127.0.0.1:9" in str(e.value) and SECRET not in str(e.value)
+    assert "unreachable at http://127.0.0.1:9" in str(e.value) and s3_env.secret_key not in str(e.value)
