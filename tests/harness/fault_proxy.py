@@ -3,8 +3,7 @@
 Why: S3 throttling (`503 SlowDown`) comes from a loaded AWS front end; moto never sends it. This proxy
 answers the next N requests with S3's own SlowDown error (status, XML body, request id) and forwards
 the rest byte for byte, so the client's real retry path runs against a real store behind it. It can
-also be stopped (the listening socket closed: connections refused) and pace the bytes it forwards
-towards the store to a fixed rate shared by every connection (a slow sender-to-store link).
+also be stopped (the listening socket closed: connections refused) and started again on its port.
 
 Each forwarded request gets a connection of its own (`Connection: close` both ways), so a client's
 pooled keep-alive connections can never bypass the next injection. Runs on an asyncio loop in a thread.
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from urllib.parse import urlparse
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -37,32 +35,14 @@ def _with_close(head: bytes) -> bytes:
     return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n"
 
 
-class Pacer:
-    """One rate (bytes per second) shared by every connection: the link, not each stream, is slow."""
-
-    def __init__(self, bytes_per_s: float) -> None:
-        self.rate, self.start, self.sent = float(bytes_per_s), None, 0
-
-    async def wait(self, nbytes: int) -> None:
-        now = time.perf_counter()
-        if self.start is None or self.sent / self.rate < now - self.start:  # idle: no credit for past silence
-            self.start, self.sent = now, 0
-        self.sent += nbytes
-        ahead = self.sent / self.rate - (now - self.start)
-        if ahead > 0:
-            await asyncio.sleep(ahead)
-
-
 class FaultProxy:
     """`http://127.0.0.1:port` -> `upstream`; `slow_down(n)` answers the next n requests with 503 SlowDown."""
 
-    def __init__(self, upstream: str, *, pace_bytes_per_s: float | None = None) -> None:
+    def __init__(self, upstream: str) -> None:
         u = urlparse(upstream)
         self.up_host, self.up_port = u.hostname, u.port
-        self.pacer = Pacer(pace_bytes_per_s) if pace_bytes_per_s else None
         self.seen: list[str] = []  # every request line the proxy saw ("PUT /bucket/key?uploadId=..")
         self.injected = 0  # answered 503 SlowDown
-        self.forwarded_bytes = 0  # request bytes (heads and bodies) sent on to the store
         self._slow_down = 0
         self._lock = threading.Lock()
         self._server: asyncio.AbstractServer | None = None
@@ -101,7 +81,12 @@ class FaultProxy:
             self._server = None
 
     def close(self) -> None:
+        async def cancel_handlers() -> None:  # a client's idle pooled connection still waits in one
+            for task in asyncio.all_tasks() - {asyncio.current_task()}:
+                task.cancel()
+
         self.stop()
+        asyncio.run_coroutine_threadsafe(cancel_handlers(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
 
@@ -160,9 +145,7 @@ class FaultProxy:
         while data := await reader.read(CHUNK):
             await self._send(up_writer, data)
 
-    async def _send(self, up_writer: asyncio.StreamWriter, data: bytes) -> None:
-        if self.pacer is not None:
-            await self.pacer.wait(len(data))
-        self.forwarded_bytes += len(data)
+    @staticmethod
+    async def _send(up_writer: asyncio.StreamWriter, data: bytes) -> None:
         up_writer.write(data)
         await up_writer.drain()

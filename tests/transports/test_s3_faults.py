@@ -169,7 +169,8 @@ def store_engine(s3_env, tmp_path):
                                    Body=f.read_bytes())
     models, workers = tp_ranks(tmp_path / "model", base, tp=1)
     with patched_environ({ROOT_ENV: url}):  # what --delta-updates-root exports to the workers
-        yield DeltaUpdater(InProcessEngine(workers), StoreURL.parse(url), 1 << 20, []), models[0], base, new, url, flushes
+        updater = DeltaUpdater(InProcessEngine(workers), StoreURL.parse(url), 1 << 20, [])
+        yield updater, models[0], base, new, url, flushes
 
 
 def push(updater: DeltaUpdater) -> dict:
