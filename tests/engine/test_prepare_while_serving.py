@@ -77,20 +77,24 @@ def stream(server, received: list[float], done: threading.Event) -> None:
 def test_generation_continues_while_an_update_is_prepared(server, deltas, served):
     """vLLM's own generation_tokens counter moves while a prepare runs. One prepare of this tiny model
     takes tens of milliseconds, which a loaded machine may fill without emitting a token; so up to
-    `UPDATES` updates are sent during one long stream, and at least one must see tokens generated
-    (a prepare that blocked the engine loop would see none in all of them)."""
-    received: list[float] = []
-    done = threading.Event()
-    threading.Thread(target=stream, args=(server, received, done), daemon=True).start()
-    deadline = time.monotonic() + 120
-    while len(received) < 8 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(received) >= 8, "the stream did not start"
+    `UPDATES` updates are sent, each during a long stream of its own, and at least one must see tokens
+    generated (a prepare that blocked the engine loop would see none in all of them)."""
+    chain, weights = [], served["weights"]
+    for seed in range(1, UPDATES + 1):  # written up front: a stream must not end while a delta is encoded
+        new = moved(weights, seed=seed, density=0.5)
+        version = served["version"] + seed
+        chain.append((deltas.write(f"serving{seed}", new, version=version, base_version=version - 1, old=weights),
+                      new))
+        weights = new
     seen = []
-    for seed in range(1, UPDATES + 1):
-        new = moved(served["weights"], seed=seed, density=0.5)
-        path = deltas.write(f"serving{seed}", new, version=served["version"] + 1, base_version=served["version"],
-                            old=served["weights"])
+    for path, new in chain:
+        received: list[float] = []
+        done = threading.Event()
+        threading.Thread(target=stream, args=(server, received, done), daemon=True).start()
+        deadline = time.monotonic() + 120
+        while len(received) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(received) >= 8, "the stream did not start"
         resp = post(server, path, served["version"] + 1, served["version"])
         assert resp.status_code == 200, resp.text
         served.update(version=served["version"] + 1, weights=new)
@@ -99,10 +103,10 @@ def test_generation_continues_while_an_update_is_prepared(server, deltas, served
         seen.append(result["tokens_during_prepare"])
         print(f"prepare_s={result['prepare_s']:.3f} pause_s={result['pause_s']:.3f} "
               f"tokens_during_prepare={result['tokens_during_prepare']} changed={result['changed']}")
-        if seen[-1] > 0 or done.is_set():
+        assert done.wait(300) and len(received) == STREAM_TOKENS  # and the stream finished after the pause
+        if seen[-1] > 0:
             break
     assert max(seen) > 0, seen  # vLLM's generation_tokens counter moved during a prepare
-    assert done.wait(300) and len(received) == STREAM_TOKENS  # and the stream finished after the pauses
     assert server.status()["healthy"]
 
 
