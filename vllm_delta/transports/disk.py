@@ -12,6 +12,7 @@ import queue
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from vllm_delta.client import EngineClient, Reply
@@ -53,16 +54,19 @@ def throttled_write(path: Path, data: bytes, throttle: Throttle | None, chunk: i
     os.replace(tmp, path)
 
 
-class FlushFileWriter:
-    """Writes flushes to `directory` on a background thread; `emit` blocks only if `depth` are queued."""
+class BackgroundFlushWriter:
+    """Hands each flush to `write(name, data)` on a background thread, so the sender encodes the next
+    one meanwhile; `emit` blocks only if `depth` are queued. The first error stops the writes and is
+    raised, as it was, by the next `emit` or by `close`. Both transports write through one of these:
+    to a file (`file_writer`) or to an object store (transports/s3.py)."""
 
-    def __init__(self, directory: Path, *, depth: int = 2, throttle: Throttle | None = None) -> None:
-        self.dir = Path(directory)
-        self.throttle = throttle
+    def __init__(self, write: Callable[[str, bytes], None], *, depth: int = 2, name: str = "vllm-delta-writer"
+                 ) -> None:
+        self._write = write
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self.write_s = 0.0
-        self._thread = threading.Thread(target=self._run, name="vllm-delta-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -75,22 +79,27 @@ class FlushFileWriter:
             name, data = item
             try:
                 t = time.perf_counter()
-                throttled_write(self.dir / name, data, self.throttle)
+                self._write(name, data)
                 self.write_s += time.perf_counter() - t
-            except BaseException as exc:  # reported by close()
+            except BaseException as exc:  # reported by emit() or close()
                 self._error = exc
 
     def emit(self, name: str, flush: EncodedFlush) -> None:
         if self._error is not None:
-            raise RuntimeError(f"flush writer failed: {self._error}") from self._error
+            raise self._error
         self._q.put((name, flush.data))
 
     def close(self) -> None:
-        """Wait for every queued flush to be on disk; raise the writer's error if it had one."""
+        """Wait until every queued flush is written; raise the writer's error if it had one."""
         self._q.put(None)
         self._thread.join()
         if self._error is not None:
-            raise RuntimeError(f"flush writer failed: {self._error}") from self._error
+            raise self._error
+
+
+def file_writer(directory: Path, throttle: Throttle | None = None) -> BackgroundFlushWriter:
+    """Flush files in `directory`, each written atomically (and paced through `throttle`)."""
+    return BackgroundFlushWriter(lambda name, data: throttled_write(Path(directory) / name, data, throttle))
 
 
 def prepare_version_dir(path: Path) -> Path:
@@ -127,7 +136,7 @@ class DiskTransport:
 
     def builder(self, name: str, **kwargs) -> FlushBuilder:
         throttle = Throttle(self.throttle_bytes_per_s) if self.throttle_bytes_per_s else None
-        writer = FlushFileWriter(self.delta_dir / name, throttle=throttle)
+        writer = file_writer(self.delta_dir / name, throttle)
         b = FlushBuilder(writer.emit, **kwargs)
         b.writer, b.location = writer, str(self.delta_dir / name)
         return b

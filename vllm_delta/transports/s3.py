@@ -20,16 +20,15 @@ starts a new chain.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_delta.client import EngineClient, Reply
 from vllm_delta.transports.base import SentDelta
+from vllm_delta.transports.disk import BackgroundFlushWriter
 from vllm_delta.transports.store import ObjectStore, StoreAuthError, StoreError, StoreNotFound, StoreURL
-from vllm_delta.wire import MANIFEST_NAME, EncodedFlush, FlushBuilder, Manifest
+from vllm_delta.wire import MANIFEST_NAME, FlushBuilder, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -48,46 +47,6 @@ def put_retrying(store: ObjectStore, key: str, data: bytes, *, attempts: int, ba
                 raise
             logger.warning("delta sender: upload of %s failed (%s); retry %d of %d", key, exc, i + 1, attempts - 1)
             time.sleep(backoff_s * 2 ** i)
-
-
-class FlushUploader:
-    """Uploads flushes on a background thread; `emit` blocks only if `depth` are queued."""
-
-    def __init__(self, store: ObjectStore, dir_key: str, *, attempts: int, backoff_s: float, depth: int = 2) -> None:
-        self.store, self.dir_key, self.attempts, self.backoff_s = store, dir_key, attempts, backoff_s
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._error: BaseException | None = None
-        self.write_s = 0.0
-        self._thread = threading.Thread(target=self._run, name="vllm-delta-uploader", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            if self._error is not None:
-                continue
-            name, data = item
-            try:
-                t = time.perf_counter()
-                put_retrying(self.store, f"{self.dir_key}/{name}", data, attempts=self.attempts,
-                             backoff_s=self.backoff_s)
-                self.write_s += time.perf_counter() - t
-            except BaseException as exc:  # reported by emit() or close()
-                self._error = exc
-
-    def emit(self, name: str, flush: EncodedFlush) -> None:
-        if self._error is not None:
-            raise self._error
-        self._q.put((name, flush.data))
-
-    def close(self) -> None:
-        """Wait until every queued flush is in the store; raise the uploader's error if it had one."""
-        self._q.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
 
 @dataclass
@@ -138,7 +97,10 @@ class S3Transport:
         self.store.delete_prefix(self.url.key(name) + "/")
 
     def builder(self, name: str, **kwargs) -> FlushBuilder:
-        uploader = FlushUploader(self.store, self.url.key(name), attempts=self.attempts, backoff_s=self.backoff_s)
+        dir_key = self.url.key(name)
+        uploader = BackgroundFlushWriter(
+            lambda flush, data: put_retrying(self.store, f"{dir_key}/{flush}", data, attempts=self.attempts,
+                                             backoff_s=self.backoff_s), name="vllm-delta-uploader")
         b = FlushBuilder(uploader.emit, **kwargs)
         b.writer, b.location = uploader, name
         return b
