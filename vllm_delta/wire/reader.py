@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .container import DeltaDir, Limits
+from .container import DeltaDir, Limits, SparseFile
 from .digest import bytes_digest
 from .dtypes import by_name
 from .encodings import Encoding, get_encoding
@@ -83,7 +83,9 @@ class DeltaDecoder:
 
         The file's hash, header and block index are checked before the first param; a param's
         data when it is reached. `owned`: per param, the position ranges to decode; blocks of a
-        block-indexed flush outside them are skipped (their entries still count).
+        block-indexed flush outside them are skipped (their entries still count). A `SparseFile`
+        (only the owned blocks' bytes fetched) skips the file hash; the caller's cross-rank check of
+        the post digests, which every param of the file must have, verifies what it decodes.
         """
         entry = self._files.get(name)
         if entry is None:
@@ -92,9 +94,12 @@ class DeltaDecoder:
             raise FormatError("file fed twice", file=name)
         if len(data) != entry.bytes:
             raise IntegrityError(f"{len(data)} B, manifest says {entry.bytes} B (truncated?)", file=name)
+        sparse = isinstance(data, SparseFile)  # only owned blocks fetched: no file hash to check
+        if sparse and not all(p.post_digest for p in self.manifest.params if name in p.files):
+            raise IntegrityError("a sparse fetch is only verifiable with every param's post_digest", file=name)
         tensors, meta, budget = open_flush(data, file=name, limits=self.limits,
                                            max_decoded=None if self.legacy else entry.decoded_bytes,
-                                           expected_hash=entry.hash)
+                                           expected_hash=None if sparse else entry.hash)
         if self.legacy:
             header, deltas = decode_seed_flush(tensors, meta, file=name, expected=self.expected)
         elif meta.get("format") not in FLUSH_FORMATS:
