@@ -24,7 +24,7 @@ from vllm_delta.wire import DeltaWriter
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 
 STREAM_TOKENS = 240
-UPDATES = 5
+UPDATES = 10
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +62,17 @@ def is_paused(server) -> bool:
     return requests.get(f"{server.url}/is_paused", headers=server.headers(), timeout=30).json()["is_paused"]
 
 
-def stream(server, received: list[float], done: threading.Event) -> None:
-    """A long greedy completion; the arrival time of every streamed token lands in `received`."""
+def stream(server, received: list[int], done: threading.Event) -> None:
+    """A long greedy completion, streamed; `received` gets the token ids of each chunk as it arrives
+    (a chunk may carry several tokens when the client reads behind the engine)."""
     body = {"prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "return_token_ids": True}
     with requests.post(f"{server.url}/v1/completions", json=body, headers=server.headers(), stream=True,
                        timeout=300) as resp:
         for line in resp.iter_lines():
             if line.startswith(b"data: {"):
-                received.extend(time.monotonic() for _ in json.loads(line[6:])["choices"])
+                for choice in json.loads(line[6:])["choices"]:
+                    received.extend(choice.get("token_ids") or [])
     done.set()
 
 
@@ -88,7 +90,7 @@ def test_generation_continues_while_an_update_is_prepared(server, deltas, served
         weights = new
     seen = []
     for path, new in chain:
-        received: list[float] = []
+        received: list[int] = []
         done = threading.Event()
         threading.Thread(target=stream, args=(server, received, done), daemon=True).start()
         deadline = time.monotonic() + 120
