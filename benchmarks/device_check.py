@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -227,10 +228,12 @@ def step(old: dict[str, torch.Tensor], density: float, seed: int) -> dict[str, t
 
 
 def write_delta(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, version: int,
-                encoding: str = "ulp_zstd") -> int:
-    """A delta old -> new with additive digests computed on the full tensors; returns its bytes."""
+                encoding: str = "ulp_zstd", **writer_options: Any) -> int:
+    """A delta old -> new with additive digests computed on the full tensors; returns its bytes.
+    `writer_options` go to `DeltaWriter` (flush size, block policy, layout)."""
     digests = {}
-    with DeltaWriter(path, version=version, base_version=version - 1, encoding=encoding) as writer:
+    with DeltaWriter(path, version=version, base_version=version - 1, encoding=encoding,
+                     **writer_options) as writer:
         for name, t in new.items():
             a, b = old[name].reshape(-1), t.reshape(-1)
             pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)

@@ -15,8 +15,7 @@ from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import Ownership, check_partials, coverage
 from vllm_delta.engine.owned import owned_by_tensor, owned_ranges
 from vllm_delta.engine.placement import Segment, TensorPlacement
-from vllm_delta.wire import DeltaWriter, iter_delta, load_manifest, write_manifest
-from vllm_delta.wire.additive import partial_sum, to_hex
+from vllm_delta.wire import iter_delta, load_manifest
 from vllm_delta.wire.blocks import Policy
 
 DC = device_check()
@@ -39,18 +38,8 @@ def test_owned_ranges_of_synthetic_placements():
 
 
 def write_delta(path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], blocked: bool = True) -> None:
-    """A block-indexed delta (or a `vllm-delta/1` one) with the sender's pre/post digests of the changed positions."""
-    digests = {}
-    with DeltaWriter(path, version=1, base_version=0, encoding="ulp_zstd", block_policy=SMALL, blocked=blocked) as w:
-        for name, t in new.items():
-            a, b = old[name].reshape(-1), t.reshape(-1)
-            pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
-            if pos.numel():
-                w.add(name, pos, b[pos], a[pos], shape=tuple(t.shape))
-                digests[name] = dict(pre_digest=to_hex(partial_sum(pos, a[pos])),
-                                     post_digest=to_hex(partial_sum(pos, b[pos])))
-    m = load_manifest(path)
-    write_manifest(path, m.model_copy(update={"params": [p.model_copy(update=digests[p.name]) for p in m.params]}))
+    """A block-indexed delta (or a `vllm-delta/1` one) with the sender's digests of the changed positions."""
+    DC.write_delta(path, old, new, version=1, block_policy=SMALL, blocked=blocked)
 
 
 def tp2_appliers(tmp_path, base: dict[str, torch.Tensor]) -> list[tuple[torch.nn.Module, DeltaApplier]]:

@@ -35,8 +35,7 @@ from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater
 from vllm_delta.native import ROOT_ENV
 from vllm_delta.transports.store import ObjectStore, StoreAuthError, StoreError, StoreURL
-from vllm_delta.wire import MANIFEST_NAME, DeltaWriter, load_manifest, write_manifest
-from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
+from vllm_delta.wire import MANIFEST_NAME, load_manifest
 
 MIB = 1 << 20
 DC = device_check()
@@ -141,18 +140,8 @@ def test_store_restarted_within_the_retries_completes_the_upload(s3_server):
 # ---- the engine side: a corrupted or missing object is refused, naming it, and nothing changes ----
 def write_flushes(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> list[str]:
     """A delta old -> new in small flushes (several objects) with the sender's digests; its flush names."""
-    digests = {}
-    with DeltaWriter(path, version=1, base_version=0, encoding="ulp_zstd", flush_bytes=4 << 10) as w:
-        for name, t in new.items():
-            a, b = old[name].reshape(-1), t.reshape(-1)
-            pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
-            if pos.numel():
-                w.add(name, pos, b[pos], a[pos], shape=tuple(t.shape))
-                digests[name] = dict(pre_digest=to_hex(partial_sum(pos, a[pos])),
-                                     post_digest=to_hex(partial_sum(pos, b[pos])), digest=to_hex(tensor_sum(t)))
-    m = load_manifest(path)
-    write_manifest(path, m.model_copy(update={"params": [p.model_copy(update=digests[p.name]) for p in m.params]}))
-    return [f.name for f in m.files]
+    DC.write_delta(path, old, new, version=1, flush_bytes=4 << 10)
+    return [f.name for f in load_manifest(path).files]
 
 
 @pytest.fixture
