@@ -212,7 +212,7 @@ def test_the_decoder_refuses_a_sparse_file_without_post_digests(tmp_path):
     new = {**base, **{n: -base[n] for n in CHANGED}}
     name = write_delta(tmp_path, base, new, digests=False)
     data = (tmp_path / name).read_bytes()
-    sparse = SparseFile(len(data), [(0, len(data))])
+    sparse = SparseFile(len(data))
     sparse[:] = data
     decoder = DeltaDecoder(load_manifest(tmp_path))
     with pytest.raises(IntegrityError) as err:

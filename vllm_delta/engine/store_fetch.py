@@ -19,7 +19,6 @@ import json
 import math
 import os
 import struct
-import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -73,7 +72,6 @@ class StoreFlushes:
         params all have post digests may be fetched sparse (see the module docstring)."""
         self.fetched_bytes = 0
         self._owned = owned
-        self._lock = threading.Lock()
         self._params = {} if manifest is None else {
             f.name: [(p.name, math.prod(p.shape)) for p in manifest.params if f.name in p.files]
             for f in manifest.files}
@@ -131,41 +129,29 @@ class StoreFlushes:
                    for name, numel in self._params[entry.name])
 
     def _fetch_sparse(self, store: ObjectStore, key: str, entry: FileEntry) -> bytes | SparseFile:
-        """The header, then the owned blocks' ranges; whole bytes where sparse would not pay."""
-        size = store.size(key)
+        """The header, then the owned blocks' ranges; whole bytes where sparse would not pay. Every GET
+        is pinned to the ETag of the first, so a file replaced mid-fetch is refused, never mixed."""
+        size, etag = store.head(key)
         if size != entry.bytes:
             raise IntegrityError(f"{key} is {size} bytes, the manifest says {entry.bytes}", file=entry.name)
-        head = self._get(store, key, 0, min(size, HEAD_BYTES))
+        head = store.get_range(key, 0, min(size, HEAD_BYTES), etag=etag)
         ranges = None
         if len(head) >= 8 and head[:4] != ZSTD_MAGIC:
             (n,) = struct.unpack("<Q", head[:8])
             if n <= Limits().max_header_bytes and 8 + n <= size:
                 if len(head) < 8 + n:
-                    head += self._get(store, key, len(head), 8 + n)
+                    head += store.get_range(key, len(head), 8 + n, etag=etag)
                 ranges = block_ranges(head[:8 + n], self._owned)
         h = len(head)
         if ranges is not None and h + sum(b - a for a, b in ranges if b > h) > SPARSE_MAX_SHARE * size:
             ranges = None
         wanted = [(h, size)] if ranges is None else [(max(a, h), b) for a, b in ranges if b > h]
-        parts = [(a + i, min(b, a + i + store.part_bytes))  # parallel GETs of at most part_bytes
-                 for a, b in wanted for i in range(0, b - a, store.part_bytes)]
-        out = bytearray(size) if ranges is None else SparseFile(size, [(0, h), *parts])
+        out = bytearray(size) if ranges is None else SparseFile(size)
         out[:h] = head
-
-        def one(part: tuple[int, int]) -> None:
-            out[part[0]:part[1]] = self._get(store, key, *part)
-
-        with ThreadPoolExecutor(max_workers=store.max_concurrency, thread_name_prefix="vllm-delta-fetch") as pool:
-            list(pool.map(one, parts))
+        self.fetched_bytes += h + store.read_into(key, out, wanted, etag=etag)
         if ranges is None:
             return bytes(out)  # whole: the decoder checks its hash
         return out
-
-    def _get(self, store: ObjectStore, key: str, start: int, end: int) -> bytes:
-        data = store.get_range(key, start, end)
-        with self._lock:
-            self.fetched_bytes += len(data)
-        return data
 
 
 def block_ranges(header: bytes, owned: Owned) -> list[tuple[int, int]] | None:

@@ -150,30 +150,39 @@ class ObjectStore:
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """A whole object, in parallel ranged GETs of `part_bytes` pinned to one ETag (an object
         replaced mid-read is an error, never a mix). Above `max_bytes`: LimitError, nothing read."""
-        head = self._call(key, lambda: self.client.head_object(Bucket=self.url.bucket, Key=key))
-        size, etag = int(head["ContentLength"]), head.get("ETag")
+        size, etag = self.head(key)
         if max_bytes is not None and size > max_bytes:
             raise LimitError(f"object of {size} bytes exceeds the cap of {max_bytes}", file=key)
         if size <= self.part_bytes:
             return self._get(key, 0, size, etag) if size else b""
         out = bytearray(size)
-
-        def one(start: int) -> None:
-            end = min(size, start + self.part_bytes)
-            out[start:end] = self._get(key, start, end, etag)
-
-        list(self._pool.map(one, range(0, size, self.part_bytes)))
+        self.read_into(key, out, [(0, size)], etag=etag)
         return bytes(out)
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of an object."""
+    def read_into(self, key: str, out: bytearray, ranges: list[tuple[int, int]], *, etag: str | None = None) -> int:
+        """Bytes [start, end) of each range into the same offsets of `out`, in parallel GETs of at most
+        `part_bytes` (pinned to `etag` if given); returns the bytes read."""
+        parts = [(a + i, min(b, a + i + self.part_bytes)) for a, b in ranges for i in range(0, b - a, self.part_bytes)]
+
+        def one(part: tuple[int, int]) -> None:
+            out[part[0]:part[1]] = self._get(key, *part, etag)
+
+        list(self._pool.map(one, parts))
+        return sum(b - a for a, b in parts)
+
+    def get_range(self, key: str, start: int, end: int, *, etag: str | None = None) -> bytes:
+        """Bytes [start, end) of an object (of the version `etag` names, if given)."""
         if not 0 <= start <= end:
             raise ValueError(f"bad range [{start}, {end})")
-        return self._get(key, start, end, None) if end > start else b""
+        return self._get(key, start, end, etag) if end > start else b""
+
+    def head(self, key: str) -> tuple[int, str | None]:
+        """An object's size and ETag (StoreNotFound if absent)."""
+        head = self._call(key, lambda: self.client.head_object(Bucket=self.url.bucket, Key=key))
+        return int(head["ContentLength"]), head.get("ETag")
 
     def size(self, key: str) -> int:
-        head = self._call(key, lambda: self.client.head_object(Bucket=self.url.bucket, Key=key))
-        return int(head["ContentLength"])
+        return self.head(key)[0]
 
     def list(self, prefix: str) -> list[str]:
         """Every key under `prefix` (a full key prefix, e.g. `url.key("v000005") + "/"`)."""

@@ -135,16 +135,12 @@ class DeltaDir:
 
 
 class SparseFile(bytearray):
-    """A file's bytes of which only `ranges` were fetched; every other byte is zero.
+    """A file's bytes of which only some ranges were fetched; every other byte is zero.
 
     Why a type of its own: the decoder cannot check such a file's hash, so it must know it was
     given one (see `DeltaDecoder.feed_iter`); it reads only the ranges a decode of its owned
     blocks touches, which is how they were chosen.
     """
-
-    def __init__(self, size: int, ranges: list[tuple[int, int]]) -> None:
-        super().__init__(size)
-        self.ranges = ranges  # [start, end) byte ranges that hold the file's bytes
 
 
 def _open_dir(name: str, dir_fd: int | None, *, follow: bool, shown: Path) -> int:
