@@ -93,8 +93,7 @@ class S3Transport:
         """Rank 0, before any rank uploads: no leftover objects (e.g. of a sender that died), manifest first."""
         self.stored.pop(name, None)
         self.unsealed.add(name)
-        self.store.delete_prefix(self.url.key(name, MANIFEST_NAME))  # raises: a leftover manifest must go
-        self.store.delete_prefix(self.url.key(name) + "/")
+        self._remove(name)  # raises: a leftover manifest must go
 
     def builder(self, name: str, **kwargs) -> FlushBuilder:
         dir_key = self.url.key(name)
@@ -176,12 +175,16 @@ class S3Transport:
         if chain is None:
             self.checkpoint_chain = False  # versions of the checkpoint's chain are gone: it never comes back
 
+    def _remove(self, name: str) -> None:
+        """One version dir, manifest first so no reader sees it as finished."""
+        self.store.delete_prefix(self.url.key(name, MANIFEST_NAME))
+        self.store.delete_prefix(self.url.key(name) + "/")
+
     def _delete(self, name: str) -> bool:
-        """One version dir, manifest first so no reader sees it as finished; False if the store failed
-        (the sync that pushed stays good: the next cleanup tries again)."""
+        """`_remove`, or False if the store failed (the sync that pushed stays good: the next cleanup
+        tries again)."""
         try:
-            self.store.delete_prefix(self.url.key(name, MANIFEST_NAME))
-            self.store.delete_prefix(self.url.key(name) + "/")
+            self._remove(name)
         except StoreError as exc:
             logger.warning("delta sender: could not delete %s from the store (%s); retrying later", name, exc)
             return False
