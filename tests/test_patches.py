@@ -83,12 +83,10 @@ def test_installed_vllm_is_patched(apply_mod, monkeypatch):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """The flag writes the process environment; give it back afterwards. Each name is set before it is
-    removed, so that monkeypatch restores it even where it was unset (a bare `delenv(raising=False)` of
-    an unset name records nothing, and the flag's writes then leak into engines started later)."""
+    """The flag writes the process environment: start with its names unset (tests/conftest.py's
+    autouse fixture gives them back after the test)."""
     for name in (cli_args.ENV_FLAG, "VLLM_PLUGINS", ROOT_ENV):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
+        monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
 
