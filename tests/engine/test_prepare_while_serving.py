@@ -18,8 +18,7 @@ import pytest
 import requests
 import torch
 
-from harness.engine_pool import FAULT_AT, FAULT_VERSION
-from vllm_delta.wire import DeltaWriter
+from harness.engine_pool import FAULT_AT, FAULT_VERSION, write_anchor
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 
@@ -112,14 +111,6 @@ def test_generation_continues_while_an_update_is_prepared(server, deltas, served
     assert server.status()["healthy"]
 
 
-def anchor(path: Path, weights: dict[str, torch.Tensor], version: int) -> Path:
-    """A full overwrite of every checkpoint tensor: valid on any weights, and repairs a fault."""
-    with DeltaWriter(path, version=version, base_version=None, encoding="indices") as w:
-        for name, t in weights.items():
-            w.add(name, torch.arange(t.numel()), t.reshape(-1), shape=tuple(t.shape))
-    return path
-
-
 def stripped(checksums: dict[str, str]) -> dict[str, str]:
     return {name.rsplit(":", 1)[-1]: digest for name, digest in checksums.items()}
 
@@ -151,7 +142,7 @@ def test_real_commit_fault_drains_the_engine_until_an_anchor(server, deltas, ser
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 503 and is_paused(server)
 
     # A full anchor back to the checkpoint repairs it: serving resumes, digests equal the fresh load's.
-    repaired = post(server, anchor(deltas.fresh_dir("anchor"), deltas.base, FAULT_VERSION + 2),
+    repaired = post(server, write_anchor(deltas.fresh_dir("anchor"), deltas.base.items(), FAULT_VERSION + 2),
                     FAULT_VERSION + 2, None)
     assert repaired.status_code == 200, repaired.text
     served.update(version=FAULT_VERSION + 2, weights=dict(deltas.base))

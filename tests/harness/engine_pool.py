@@ -11,13 +11,17 @@ against this reset).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import requests
+import torch
 
 from harness.vllm_engine import VllmServer
 from vllm_delta.engine.worker import FAULT_ENV
+from vllm_delta.wire import DeltaWriter
+from vllm_delta.wire.checkpoint import Checkpoint
 
 API_KEY = "pool-test-key"  # every pooled delta engine's key
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -65,26 +69,24 @@ class EnginePool:
             server.stop()
 
 
+def write_anchor(path: Path, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
+    """A full overwrite of every tensor (stating no digests): valid on any weights, and repairs a fault."""
+    with DeltaWriter(path, version=version, base_version=None, encoding="indices") as writer:
+        for name, t in weights:
+            writer.add(name, torch.arange(t.numel()), t.reshape(-1), shape=tuple(t.shape))
+    return path
+
+
 def reset_to_checkpoint(server: VllmServer, root: Path, model_dir: Path) -> int:
     """Put `server` back on `model_dir`'s weights, as a fresh engine on that checkpoint would be apart
-    from its version: a full anchor (every element, stating no digests, so a later full verify checks
-    only what the module's own updates state) at its next version. An engine that has committed
-    nothing and is healthy is left alone. Returns the version it is at."""
-    import uuid
-
-    import torch
-
-    from vllm_delta.wire import DeltaWriter
-    from vllm_delta.wire.checkpoint import Checkpoint
-
+    from its version: a full anchor (stating no digests, so a later full verify checks only what the
+    module's own updates state) at its next version. An engine that has committed nothing and is
+    healthy is left alone. Returns the version it is at."""
     st = status(server.url)
     if st["version"] == 0 and st["healthy"]:
         return 0
     version = st["version"] + 1
-    path = root / f"reset-{uuid.uuid4().hex[:8]}"
-    with DeltaWriter(path, version=version, base_version=None, encoding="indices") as writer:
-        for name, t in Checkpoint.open(model_dir).iter_tensors():
-            writer.add(name, torch.arange(t.numel()), t.reshape(-1), shape=tuple(t.shape))
+    path = write_anchor(root / f"reset-{uuid.uuid4().hex[:8]}", Checkpoint.open(model_dir).iter_tensors(), version)
     r = requests.post(f"{server.url}/update_weights_delta", json={"path": path.name, "version": version},
                       headers=HEADERS, timeout=300)
     assert r.status_code == 200, r.text
