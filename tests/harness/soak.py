@@ -61,7 +61,7 @@ class Load:
                 if not ok:
                     self.failures.append(f"{r.status_code}: {r.text[:200]}")
             except requests.RequestException as exc:
-                self.failures.append(repr(exc))
+                self.failures.append(f"{phase}, {time.monotonic():.1f}: {exc!r}")
                 ok = False
             if ok:
                 self.latencies.setdefault(phase, []).append(time.perf_counter() - t0)
@@ -127,7 +127,8 @@ def run_soak(url: str, api_key: str, model_dir: Path, root: Path, *, syncs: int,
         "requests": len(base) + len(busy) + len(load.failures), "requests_failed": len(load.failures),
         "failures": load.failures[:5],
         "latency_baseline": {"n": len(base), "p50": _pct(base, 0.5), "p99": _pct(base, 0.99)},
-        "latency_syncing": {"n": len(busy), "p50": _pct(busy, 0.5), "p99": _pct(busy, 0.99)},
+        "latency_syncing": {"n": len(busy), "p50": _pct(busy, 0.5), "p99": _pct(busy, 0.99),
+                            "max": max(busy, default=float("nan"))},
         "pause_s": {"median": statistics.median(pauses) if pauses else float("nan"), "max": max(pauses, default=0.0)},
         "sync_s": {"median": statistics.median(sync_s) if sync_s else float("nan")},
     }
