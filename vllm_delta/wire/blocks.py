@@ -10,6 +10,11 @@ so row shards of power-of-two tensors align with block edges), once the current 
 least `MIN_ENTRIES`; no block holds more than `MAX_ENTRIES`. Every block but a param's last holds
 a multiple of 8 entries, so packed bit streams concatenate; gaps continue across blocks, so a run
 of consecutive blocks decodes as one. The cost is measured in docs/results/codec.md.
+
+Implicit positions (a param's `width` 0, what anchors write): every block is a dense range, its
+positions exactly `first..last`, so it stores no position bytes. Dense runs are cut where positions
+cross a multiple of `max_entries` (so blocks align as above); such a block is decoded on its own,
+so its count need not be a multiple of 8.
 """
 
 from __future__ import annotations
@@ -57,6 +62,20 @@ def cuts(pos: np.ndarray, policy: Policy = Policy()) -> list[int]:
     return out
 
 
+def dense_cuts(ranges: Sequence[tuple[int, int]], policy: Policy = Policy()) -> list[tuple[int, int, int]]:
+    """Blocks of dense `(start, length)` runs: `(first position, offset into the run's values, count)`."""
+    m = policy.max_entries
+    out, offset = [], 0
+    for start, length in ranges:
+        a, end = start, start + length
+        while a < end:
+            b = min(end, (a // m + 1) * m)
+            out.append((a, offset + a - start, b - a))
+            a = b
+        offset += length
+    return out
+
+
 @dataclass(frozen=True)
 class BlockIndex:
     """A param's blocks, validated: positions, counts and per-stream byte lengths as arrays."""
@@ -73,8 +92,11 @@ class BlockIndex:
 
 
 def parse_index(rows: object, *, streams: int, count: int, numel: int,
-                file: str | None, param: str) -> BlockIndex:
-    """Check a param's `blocks` metadata: [[first, last, count, [stored, decoded] * streams], ...]."""
+                file: str | None, param: str, implicit: bool = False) -> BlockIndex:
+    """Check a param's `blocks` metadata: [[first, last, count, [stored, decoded] * streams], ...].
+
+    `implicit` (width 0): every block must be dense (count = last - first + 1); blocks are decoded
+    one by one, so counts need not be multiples of 8."""
     if (not isinstance(rows, list) or not rows
             or not all(isinstance(r, list) and len(r) == 4 and isinstance(r[3], list) for r in rows)
             or not all(type(x) is int for r in rows for x in (r[0], r[1], r[2], *r[3]))):
@@ -94,7 +116,9 @@ def parse_index(rows: object, *, streams: int, count: int, numel: int,
     if not (bool((first <= last).all()) and bool((last[:-1] < first[1:]).all())
             and bool((cnt <= last - first + 1).all())):
         raise BoundsError("block index: positions are not strictly increasing", file=file, param=param)
-    if not (bool((cnt >= 1).all()) and int(cnt.sum()) == count and bool((cnt[:-1] % 8 == 0).all())
+    if implicit and not bool((cnt == last - first + 1).all()):
+        raise BoundsError("block index: a block of implicit positions is not dense", file=file, param=param)
+    if not (bool((cnt >= 1).all()) and int(cnt.sum()) == count and (implicit or bool((cnt[:-1] % 8 == 0).all()))
             and bool((lens >= 0).all())):
         raise FormatError(f"block index: counts do not partition the param's {count} changes "
                           "in multiples of 8, or a length is negative", file=file, param=param)

@@ -40,13 +40,19 @@ Owned = Mapping[str, Ranges | None]  # per param: the position ranges to decode 
 
 @dataclass(frozen=True, eq=False)
 class ParamChange:
-    """Sender side: the changes of one param (or one chunk of it)."""
+    """Sender side: the changes of one param (or one chunk of it).
+
+    With `ranges` (sorted, disjoint `(start, length)` runs) and `positions` None, the changes are
+    every position of the runs, in order: written with implicit positions (width 0), no position
+    bytes. Why: an anchor re-sends whole shards, and an int64 per element would be 4x its bf16 values.
+    """
 
     name: str
     shape: tuple[int, ...]
-    positions: torch.Tensor  # int64, sorted, unique
+    positions: torch.Tensor | None  # int64, sorted, unique; None with `ranges`
     new_values: torch.Tensor  # the param's own dtype
     old_values: torch.Tensor | None = None  # needed by base-relative encodings
+    ranges: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,13 +131,9 @@ def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version:
     params = []
     compressed = encoding.compression != "none"
     for ch, d, numel, pos, new, old in _arrays(changes):
-        width = encoding.positions.width(pos, numel)
         names: list[str] | None = None
         rows = []
-        starts = blocks.cuts(pos, policy)
-        for a, b in zip(starts, [*starts[1:], len(pos)]):
-            _, parts = encoding.encode_param(pos[a:b], numel, new[a:b], None if old is None else old[a:b], d,
-                                             prev=int(pos[a - 1]) if a else -1, width=width)
+        for first, a, b, parts in _blocks(ch, encoding, d, numel, pos, new, old, policy):
             names = names or list(parts)
             lengths = []
             for s in names:
@@ -140,20 +142,42 @@ def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version:
                 streams.setdefault(s, []).append(blob)
                 sizes[s] = sizes.get(s, 0) + len(raw)
                 lengths += [len(blob), len(raw)]
-            rows.append([int(pos[a]), int(pos[b - 1]), b - a, lengths])
-        params.append({"name": ch.name, "dtype": d.name, "shape": list(ch.shape), "count": len(pos),
-                       "width": width, "streams": names, "blocks": rows})
+            rows.append([first, first + b - a - 1 if pos is None else int(pos[b - 1]), b - a, lengths])
+        params.append({"name": ch.name, "dtype": d.name, "shape": list(ch.shape), "count": len(new),
+                       "width": 0 if pos is None else encoding.positions.width(pos, numel),
+                       "streams": names, "blocks": rows})
     meta = _header(encoding, version, base_version, FORMAT_BLOCKS, params,
                    {s: {"codec": "zstd" if compressed else "raw", "size": n} for s, n in sizes.items()})
     data = container.pack({f"__{s}__": b"".join(parts) for s, parts in streams.items()}, meta)
     return EncodedFlush(data, sum(sizes.values()) if compressed else 0, [(p["name"], p["count"]) for p in params])
 
 
-def _arrays(changes: Sequence[ParamChange]):
+def _blocks(ch: ParamChange, encoding: Encoding, d, numel: int, pos: np.ndarray | None, new: np.ndarray,
+            old: np.ndarray | None, policy: blocks.Policy):
+    """(first position, entry offset, end offset, streams) of each block of one param."""
+    if pos is None:  # implicit positions: dense blocks, value streams only
+        for first, a, n in blocks.dense_cuts(ch.ranges, policy):
+            yield first, a, a + n, encoding.encode_dense(new[a:a + n], None if old is None else old[a:a + n], d)
+        return
+    width = encoding.positions.width(pos, numel)
+    starts = blocks.cuts(pos, policy)
+    for a, b in zip(starts, [*starts[1:], len(pos)]):
+        _, parts = encoding.encode_param(pos[a:b], numel, new[a:b], None if old is None else old[a:b], d,
+                                         prev=int(pos[a - 1]) if a else -1, width=width)
+        yield int(pos[a]), a, b, parts
+
+
+def _arrays(changes: Sequence[ParamChange], *, explicit: bool = False):
+    """Host arrays of each change; `pos` is None for implicit positions unless `explicit`."""
     for ch in changes:
         d = by_torch(ch.new_values.dtype)
         numel = int(np.prod(ch.shape, dtype=np.int64))
-        pos = ch.positions.detach().cpu().numpy().astype(np.int64, copy=False)
+        if ch.positions is not None:
+            pos = ch.positions.detach().cpu().numpy().astype(np.int64, copy=False)
+        elif explicit:  # `vllm-delta/1` has no implicit form
+            pos = np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in ch.ranges])
+        else:
+            pos = None
         new = to_bits(ch.new_values.detach().cpu().contiguous())
         old = None if ch.old_values is None else to_bits(ch.old_values.detach().cpu().contiguous())
         yield ch, d, numel, pos, new, old
@@ -173,7 +197,7 @@ def _encode_v1(changes: Sequence[ParamChange], *, encoding: Encoding, version: i
     streams: dict[str, list[bytes]] = {}
     sizes: dict[str, int] = {}
     params = []
-    for ch, d, numel, pos, new, old in _arrays(changes):
+    for ch, d, numel, pos, new, old in _arrays(changes, explicit=True):
         width, parts = encoding.encode_param(pos, numel, new, old, d)
         spans = {}
         for s, blob in parts.items():
@@ -365,7 +389,7 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Exp
             raise FormatError(f"unknown or repeated streams {p.streams}", file=file, param=p.name)
         raw = [smeta[s].codec == "raw" for s in p.streams]
         index = blocks.parse_index(p.blocks, streams=len(p.streams), count=p.count, numel=numel,
-                                   file=file, param=p.name)
+                                   file=file, param=p.name, implicit=p.width == 0)
         if any(raw) and not np.array_equal(index.stored[:, raw], index.decoded[:, raw]):
             raise FormatError("raw block lengths differ from their decoded lengths", file=file, param=p.name)
         starts = {}
@@ -385,30 +409,40 @@ def _decode_blocked(enc: Encoding, smeta, data, plans, *, file: str, owned: Owne
     for p, d, shape, numel, index, starts in plans:
         ranges = None if owned is None else owned.get(p.name)
         mask = blocks.wanted(index, None if ranges is None else blocks.merge(ranges))
-        pos_parts, val_parts = [], []
-        for k, m in blocks.runs(mask):
-            spans = {s: _run_bytes(data[s], smeta[s].codec, starts[s], index, j, k, m, file=file, param=p.name)
-                     for j, s in enumerate(p.streams)}
-            counts = index.count[k:m]
-            pos, payload = enc.decode_param(spans, int(counts.sum()), p.width, numel, d,
-                                            prev=int(index.last[k - 1]) if k else -1, file=file, param=p.name)
-            heads = np.cumsum(counts) - counts
-            if not (np.array_equal(pos[heads], index.first[k:m]) and np.array_equal(pos[heads + counts - 1],
-                                                                                    index.last[k:m])):
-                raise BoundsError("positions disagree with the block index", file=file, param=p.name)
-            pos_parts.append(pos)
-            val_parts.append(payload)
-        pos = np.concatenate(pos_parts) if pos_parts else np.zeros(0, dtype=np.int64)
-        payload = np.concatenate(val_parts) if val_parts else np.zeros(0, dtype=d.uint)
+        offsets = [starts[s] + np.concatenate(([0], np.cumsum(index.stored[:, j]))) for j, s in enumerate(p.streams)]
+
+        def spans(k: int, m: int) -> dict[str, memoryview]:
+            return {s: _run_bytes(data[s], smeta[s].codec, offsets[j], index, j, k, m, file=file, param=p.name)
+                    for j, s in enumerate(p.streams)}
+
+        if p.width == 0:  # implicit positions: each dense block on its own (counts need not be x8)
+            parts = [enc.decode_dense(spans(k, k + 1), int(index.first[k]), int(index.last[k]), d, file=file,
+                                      param=p.name) for k in np.flatnonzero(mask).tolist()]
+        else:
+            parts = [_decode_run(enc, p, d, numel, index, k, m, spans(k, m), file=file) for k, m in blocks.runs(mask)]
+        pos = np.concatenate([x for x, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
+        payload = np.concatenate([v for _, v in parts]) if parts else np.zeros(0, dtype=d.uint)
         yield _delta(enc, p.name, shape, d, pos, payload, skipped=p.count - pos.size,
                      bounds=(int(index.first[0]), int(index.last[-1])), blocks=(int(mask.sum()), index.size))
 
 
-def _run_bytes(stream: memoryview, codec: str, start: int, index: BlockIndex, j: int, k: int, m: int, *,
+def _decode_run(enc: Encoding, p, d, numel: int, index: BlockIndex, k: int, m: int, spans, *, file: str
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks k..m-1 of explicit positions, decoded as one: gaps continue across blocks."""
+    counts = index.count[k:m]
+    pos, payload = enc.decode_param(spans, int(counts.sum()), p.width, numel, d,
+                                    prev=int(index.last[k - 1]) if k else -1, file=file, param=p.name)
+    heads = np.cumsum(counts) - counts
+    if not (np.array_equal(pos[heads], index.first[k:m]) and np.array_equal(pos[heads + counts - 1],
+                                                                            index.last[k:m])):
+        raise BoundsError("positions disagree with the block index", file=file, param=p.name)
+    return pos, payload
+
+
+def _run_bytes(stream: memoryview, codec: str, offsets: np.ndarray, index: BlockIndex, j: int, k: int, m: int, *,
                file: str, param: str) -> memoryview:
-    """Decoded bytes of stream column `j` for blocks k..m-1, in one buffer of exactly their size."""
-    stored = index.stored[:, j]
-    offsets = start + np.concatenate(([0], np.cumsum(stored)))
+    """Decoded bytes of stream column `j` for blocks k..m-1 (`offsets`: the blocks' byte offsets in the
+    stream, and its end), in one buffer of exactly their size."""
     a, b = int(offsets[k]), int(offsets[m])
     if codec == "raw":
         return stream[a:b]

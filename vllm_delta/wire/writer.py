@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -108,6 +108,63 @@ class FlushBuilder:
             self._pending_bytes += (b - a) * per_elem
             if self._pending_bytes >= self.flush_bytes:
                 self.flush()
+
+    def add_dense(self, name: str, pieces: Iterable[tuple[int, torch.Tensor]], *,
+                  shape: tuple[int, ...] | torch.Size, post_hash: str | None = None) -> None:
+        """Queue every element of dense ranges of one param, streamed from `pieces`: `(first flat
+        position, 1-D new values)` in increasing, disjoint position order (an anchor's shard, read a
+        piece at a time).
+
+        Why: these go out with implicit positions (no position bytes), and flushes are emitted as
+        they fill while `pieces` is read, so the builder holds about a flush of values whatever the
+        param's size. New values only: a base-relative encoding is refused.
+        """
+        if name in self._params:
+            raise ValueError(f"param {name!r} added twice")
+        if self.encoding.needs_base:
+            raise ValueError(f"{name}: dense ranges carry new values, {self.encoding.name!r} is base-relative")
+        numel = int(torch.Size(shape).numel())
+        runs: list[list[int]] = []  # this flush's [start, length] runs of the param, and their values
+        parts: list[torch.Tensor] = []
+
+        def queue() -> None:
+            if parts:
+                values = parts[0] if len(parts) == 1 else torch.cat(parts)
+                self._pending.append(ParamChange(name, tuple(shape), None, values,
+                                                 ranges=tuple((a, n) for a, n in runs)))
+                runs.clear()
+                parts.clear()
+
+        end, d = 0, None
+        for start, values in pieces:
+            n = values.numel()
+            if values.dim() != 1 or (d is not None and values.dtype != d.torch):
+                raise ValueError(f"{name}: pieces must be 1-D and of one dtype")
+            if start < end or start + n > numel:
+                raise ValueError(f"{name}: piece [{start}, {start + n}) overlaps the previous one or leaves "
+                                 f"{list(shape)}")
+            if n == 0:
+                continue
+            if d is None:
+                d = by_torch(values.dtype)
+                self._params[name] = {"name": name, "dtype": d.name, "shape": list(shape), "changed": 0,
+                                      "files": [], "post_hash": post_hash}
+            self._params[name]["changed"] += n
+            a = 0
+            while a < n:
+                b = min(n, a + max(1, (self.flush_bytes - self._pending_bytes) // d.itemsize))
+                if runs and sum(runs[-1]) == start + a:
+                    runs[-1][1] += b - a
+                else:
+                    runs.append([start + a, b - a])
+                parts.append(values[a:b])
+                self._pending_bytes += (b - a) * d.itemsize
+                a = b
+                if self._pending_bytes >= self.flush_bytes:
+                    queue()
+                    self.flush()
+            end = start + n
+        queue()
 
     def flush(self) -> None:
         """Encode and emit what is queued (a no-op when nothing is)."""
