@@ -23,7 +23,7 @@ tensor fall back to vLLM's loader, with the reason.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,15 +158,29 @@ class _Write:
     src: torch.Tensor  # what the loader copied there
 
 
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
 def _written(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
     """Tensors the op writes, from its schema's alias info (in-place `self`, `out=` and the like)."""
+    writes = _WRITES.get(func)
+    if writes is None:  # the schema's written arguments, looked up once per op
+        writes = _WRITES[func] = tuple((i, arg.name) for i, arg in enumerate(func._schema.arguments)
+                                       if arg.alias_info is not None and arg.alias_info.is_write)
     out = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
+    for i, name in writes:
+        value = args[i] if i < len(args) else kwargs.get(name)
         out.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
     return out
+
+
+def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments (aten arguments nest at most one list deep)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (t for t in value if isinstance(t, torch.Tensor))
 
 
 def _fresh_outputs(func: Any, result: Any) -> list[torch.Tensor]:
@@ -210,7 +224,7 @@ class _ProbeMode(TorchDispatchMode):
             if w.numel() == 0 or storage._cdata in self.scratch:
                 continue  # writes nothing (e.g. vLLM's fill of an empty vocab pad), or the loader's own
             blocked = True
-            target = self.storages.get(storage.data_ptr()) if w.device.type != "meta" else None
+            target = self.storages.get(storage_key(w))
             if target is None:
                 self.refused.append(f"{func} writes a tensor that is neither a parameter nor the loader's own")
             elif func is torch.ops.aten.copy_.default:
@@ -223,6 +237,25 @@ class _ProbeMode(TorchDispatchMode):
         result = func(*args, **kwargs)
         self.scratch.update(t.untyped_storage()._cdata for t in _fresh_outputs(func, result))
         return result
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The key of a parameter's storage in the probe's `storages` map.
+
+    Why two kinds: meta tensors (the full-shape harness) have no data pointer, so they are keyed by
+    their storage object, negated so it never meets a real address.
+    """
+    storage = t.untyped_storage()
+    return -storage._cdata if t.device.type == "meta" else storage.data_ptr()
+
+
+def storages_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
+    """`storages` for the probe from (name, parameter) pairs (the first name of a shared storage wins)."""
+    out: dict[int, str] = {}
+    for name, t in named:
+        if t.numel() > 0:
+            out.setdefault(storage_key(t), name)
+    return out
 
 
 def _segment(target: str, dst: torch.Tensor, src_offset: int, src_strides: tuple[int, ...],
@@ -401,18 +434,128 @@ class PeakRss:
             self.extra = max(0, self._kib("VmHWM") - self._base) << 10
 
 
+class _BatchMode(TorchDispatchMode):
+    """`_ProbeMode` for many meta probes fed to one `load_weights` call: a write is attributed to
+    the checkpoint tensor whose probe it copies (by storage identity, not by loader order).
+
+    Anything `_fast` would not prove - a write into a probe, a write that is not a `copy_` of a
+    probe's view, a write outside the parameters - marks the batch `rejected` at `current` (the
+    index of the tensor last handed to the loader), and the caller re-probes those tensors.
+    """
+
+    def __init__(self, storages: Mapping[int, str], probes: Mapping[int, int],
+                 dtypes: list[torch.dtype]) -> None:
+        super().__init__()
+        self.storages, self.probes, self.dtypes = storages, probes, dtypes
+        self.scratch: set[int] = set()
+        self.writes: dict[int, list[_Write]] = {}
+        self.read: set[int] = set()
+        self.current = 0
+        self.rejected: int | None = None
+
+    def _reject(self) -> None:
+        if self.rejected is None:
+            self.rejected = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _tensors(args, kwargs):
+            if (i := self.probes.get(t.untyped_storage()._cdata)) is not None:
+                self.read.add(i)
+        blocked = False
+        for w in _written(func, args, kwargs):
+            cdata = w.untyped_storage()._cdata
+            if cdata in self.probes:
+                self._reject()
+                continue
+            if w.numel() == 0 or cdata in self.scratch:
+                continue
+            blocked = True
+            target = self.storages.get(storage_key(w))
+            src = args[1] if func is torch.ops.aten.copy_.default else None
+            owner = self.probes.get(src.untyped_storage()._cdata) if isinstance(src, torch.Tensor) else None
+            if (target is None or owner is None or src.dtype != self.dtypes[owner]
+                    or src.is_neg() or src.is_conj()):
+                self._reject()
+            else:
+                self.writes.setdefault(owner, []).append(_Write(target, w, src))
+        if blocked:
+            written = _written(func, args, kwargs)
+            return written[0] if len(func._schema.returns) <= 1 else tuple(written)
+        result = func(*args, **kwargs)
+        self.scratch.update(t.untyped_storage()._cdata for t in _fresh_outputs(func, result))
+        return result
+
+
+def _probe_batch(load_weights, storages: Mapping[int, str],
+                 items: list[tuple[str, tuple[tuple[int, ...], torch.dtype]]]
+                 ) -> tuple[dict[str, TensorPlacement] | None, int]:
+    """Placements of `items` from one `load_weights` call on meta probes, or (None, index of the
+    tensor the loader was at when the batch stopped being provable)."""
+    probes = [torch.empty(shape, dtype=dtype, device="meta") for _, (shape, dtype) in items]
+    mode = _BatchMode(storages, {p.untyped_storage()._cdata: i for i, p in enumerate(probes)},
+                      [dtype for _, (_, dtype) in items])
+
+    def feed():
+        for i, ((name, _), probe) in enumerate(zip(items, probes)):
+            mode.current = i
+            yield name, probe
+
+    try:
+        with torch.no_grad(), mode:
+            load_weights(feed())
+    except Exception:  # e.g. a loader that reads values; per tensor, the careful pass decides
+        mode._reject()
+    if mode.rejected is not None:
+        return None, mode.rejected
+    out = {}
+    for i, (name, (shape, dtype)) in enumerate(items):
+        numel = torch.Size(shape).numel()
+        placement = TensorPlacement(name, tuple(shape), dtype, read=i in mode.read)
+        try:
+            for w in mode.writes.get(i, ()):
+                src = w.src.expand(w.dst.shape)
+                placement.segments.append(_segment(w.target, w.dst, src.storage_offset(), tuple(src.stride()), numel))
+        except UnmappableLoader:
+            return None, i
+        out[name] = placement
+    return out, 0
+
+
 def build_placement(
     load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
     storages: Mapping[int, str],
     checkpoint: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    batch: int = 1024,
 ) -> dict[str, TensorPlacement]:
-    """Probe every checkpoint tensor once; log the ones that fall back to vLLM's loader."""
-    placements = {
-        name: probe_tensor(load_weights, storages, name, shape, dtype)
-        for name, (shape, dtype) in checkpoint.items()
-    }
+    """Probe every checkpoint tensor once; log the ones that fall back to vLLM's loader.
+
+    Why batches: one `load_weights` call per tensor pays the loader's per-call setup (vLLM builds
+    `dict(named_parameters())` and walks its expert mapping) 46k times at 355B. A batch of meta
+    probes goes through one call; a batch that `_BatchMode` cannot prove is split around the
+    tensor it stopped at, down to `probe_tensor` alone, which decides exactly as it always did.
+    """
+    items = list(checkpoint.items())
+    found: dict[str, TensorPlacement] = {}
+    pending = [(0, len(items))] if batch > 1 else [(i, i + 1) for i in range(len(items))]
+    while pending:
+        lo, hi = pending.pop()
+        if hi - lo == 1:
+            name, (shape, dtype) = items[lo]
+            found[name] = probe_tensor(load_weights, storages, name, shape, dtype)
+            continue
+        if hi - lo > batch:
+            mid = lo + batch
+            pending += [(mid, hi), (lo, mid)]
+            continue
+        result, bad = _probe_batch(load_weights, storages, items[lo:hi])
+        if result is not None:
+            found.update(result)
+            continue
+        k = lo + bad  # the rest of the batch is probed again, the tensor at fault alone
+        pending += [r for r in [(k + 1, hi), (k, k + 1), (lo, k)] if r[1] > r[0]]
+    placements = {name: found[name] for name, _ in items}
     fallbacks = {n: p.fallback_reason for n, p in placements.items() if p.fallback_reason}
     if fallbacks:
         logger.warning("delta updates: %d tensors fall back to vLLM's loader: %s", len(fallbacks), fallbacks)
     return placements
-
