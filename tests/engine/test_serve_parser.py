@@ -46,6 +46,7 @@ REFUSED = {
     "dev-mode-0": (["--host", "::"], {"VLLM_SERVER_DEV_MODE": "0"}, "or set VLLM_SERVER_DEV_MODE=1"),
     "api-server-count": (["--api-key", "k", "--api-server-count", "2"], {}, "--api-server-count 2"),
     "data-parallel": (["--api-key", "k", "--data-parallel-size", "2"], {}, "--data-parallel-size 2"),
+    "eplb": (["--api-key", "k", "--enable-eplb"], {}, "--enable-eplb"),
     "bad-trainer": (["--api-key", "k", "--delta-updates-collective-trainers", "a b"], {}, "host name"),
     "two-doors": (["--api-key", "k", "--weight-transfer-config", '{"backend": "delta"}'], {},
                   "cannot serve the same engine: choose one"),

@@ -337,3 +337,15 @@ def test_the_backend_refuses_a_worker_that_also_has_our_extension():
     config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=WORKER_EXTENSION))
     with pytest.raises(ValueError, match="cannot serve the same engine: choose one"):
         DeltaWeightTransferEngine(None, config, torch.device("cpu"), torch.nn.Module())
+
+
+def test_the_backend_refuses_eplb():
+    """EPLB moves experts between slots at run time, so the placement learned at startup would go stale:
+    the worker refuses before it holds any state (the CLI door refuses --enable-eplb at parse time)."""
+    from types import SimpleNamespace
+
+    from vllm_delta.native.worker_engine import DeltaWeightTransferEngine
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=None, enable_eplb=True))
+    with pytest.raises(ValueError, match="cannot run with --enable-eplb"):
+        DeltaWeightTransferEngine(None, config, torch.device("cpu"), torch.nn.Module())

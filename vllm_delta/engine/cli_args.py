@@ -131,6 +131,12 @@ def check_after_parsing(parser: argparse.ArgumentParser) -> None:
     parser.parse_known_args = parse_known_args
 
 
+# Shared by both doors (this CLI check and the `delta` backend's worker engine).
+EPLB_REFUSAL = ("delta updates cannot run with --enable-eplb: EPLB moves experts between physical slots "
+                "while the engine serves, and the placement learned at startup would then write an expert's "
+                "changes into another expert's slot. Run without EPLB.")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse a command line that enabled delta updates but cannot serve them safely."""
     if not getattr(args, "enable_delta_updates", False):
@@ -151,6 +157,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--enable-delta-updates cannot run with --data-parallel-size {args.data_parallel_size}: "
                          "an update's result would come back from the first engine only, hiding the other "
                          "replicas' failures. Run one server per replica.")
+    if getattr(args, "enable_eplb", False):
+        raise ValueError(EPLB_REFUSAL)
     if not api_keys(args) and not dev_mode() and not loopback_only(args):
         raise ValueError("--enable-delta-updates lets whoever reaches this server rewrite its weights: give "
                          "--api-key (or VLLM_API_KEY), listen on loopback only (--host 127.0.0.1, localhost "

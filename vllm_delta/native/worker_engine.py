@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES, WORKER_EXTENSION
+from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES, EPLB_REFUSAL, WORKER_EXTENSION
 from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.request import CollectiveInitRequest, DeltaUpdateRequest
 from vllm_delta.engine.digests import check_partials
@@ -46,6 +46,8 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
             # Each door would keep its own version of the same weights, and refuse the other's lineage.
             raise ValueError("the `delta` weight-transfer backend and --enable-delta-updates (our worker extension) "
                              "cannot serve the same engine: choose one")
+        if vllm_config.parallel_config.enable_eplb:
+            raise ValueError(EPLB_REFUSAL)
         super().__init__(config, vllm_config, device, model)
         self._delta_state: DeltaState | None = None
         self._delta_group = None
