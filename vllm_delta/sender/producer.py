@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_delta.diff import changed_positions
+from vllm_delta.sender.anchor import Anchor
+from vllm_delta.sender import bucket_scan
 from vllm_delta.sender.shards import Shard
 from vllm_delta.wire import additive, tensor_digest
 
@@ -43,8 +45,7 @@ class Entry:
     old_values: torch.Tensor | None  # snapshot values there (base-relative deltas only)
     digests: dict[str, torch.Tensor]  # additive digests: "digest" (whole, after), "pre_digest", "post_digest"
     post_hash: str | None = None  # xxh3 of the whole tensor (one writer, host tensors only)
-    anchor_positions: torch.Tensor | None = None
-    anchor_values: torch.Tensor | None = None
+    anchor: Anchor | None = None  # the captured values, read from the snapshot as the anchor is encoded
 
 
 @dataclass(eq=False)
@@ -57,11 +58,31 @@ class _Advance:
 
 
 @dataclass(eq=False)
+class _Bucket:
+    """The snapshot of one bucket (`bucket_scan.Layout`): one flat tensor over its span (each member's
+    `_State.snapshot` is a view of it), the members' digests, and the offsets sent since S."""
+
+    layout: bucket_scan.Layout
+    snapshot: torch.Tensor
+    digests: torch.Tensor  # [n, 2]; row i is member i's `_State.digest`
+    pending: torch.Tensor | None = None  # bucket offsets sent since S while an engine lags
+
+
+@dataclass(eq=False)
+class _BucketAdvance:
+    bucket: _Bucket
+    pos: torch.Tensor  # changed bucket offsets
+    values: torch.Tensor
+    digests: torch.Tensor  # [n, 2] after the change
+
+
+@dataclass(eq=False)
 class Capture:
     """Everything a publish needs, detached from the live weights."""
 
     entries: list[Entry] = field(default_factory=list)
     advance: dict[str, _Advance] = field(default_factory=dict)
+    buckets: list[_BucketAdvance] = field(default_factory=list)
     changed: int = 0
     scan_s: float = 0.0
     stage_s: float = 0.0
@@ -85,6 +106,7 @@ class Producer:
         self.snapshot_place, self.post_hash = snapshot, post_hash
         self.staging = torch.device(staging)
         self._states: dict[str, _State] = {}
+        self._buckets: dict[tuple, _Bucket] = {}  # by layout key
         self._copy_streams: dict[torch.device, object] = {}
 
     # ---- seeding -----------------------------------------------------------------------------
@@ -94,7 +116,7 @@ class Producer:
         if len(set(names)) != len(names):
             raise ValueError("a param was given twice")
         place = self._choose_place(shards)
-        self._states = {}
+        self._states, self._buckets = {}, {}
         for s in shards:
             flat = s.tensor.detach().reshape(-1)
             if place == "host" and flat.device.type != "cpu":
@@ -129,14 +151,22 @@ class Producer:
 
     def snapshot_of(self, name: str) -> torch.Tensor:
         """The snapshot's flat local values (read-only use: tests and seed checks)."""
-        return self._states[name].snapshot
+        return self._states[name].snapshot.reshape(-1)
 
     def pending_names(self) -> list[str]:
-        return [n for n, st in self._states.items() if st.pending is not None]
+        names = [n for n, st in self._states.items() if st.pending is not None]
+        for b in self._buckets.values():
+            if b.pending is not None:  # one bincount per bucket with a catch-up
+                seg, _, _ = bucket_scan._locate(b.layout, b.pending)
+                counts = torch.zeros(len(b.layout.names), dtype=torch.int64, device=seg.device).index_add_(
+                    0, seg, torch.ones_like(seg)).tolist()
+                names += [n for n, c in zip(b.layout.names, counts) if c]
+        return names
 
     def pending_elements(self) -> int:
         """Positions waiting in a catch-up (sent since S while some engine lags)."""
-        return sum(st.pending.numel() for st in self._states.values() if st.pending is not None)
+        return sum(st.pending.numel() for st in self._states.values() if st.pending is not None) + sum(
+            b.pending.numel() for b in self._buckets.values() if b.pending is not None)
 
     # ---- one scan ------------------------------------------------------------------------------
     def scan(self, shards: Iterable[Shard], *, kind: str, anchor: bool) -> Capture:
@@ -145,6 +175,7 @@ class Producer:
         cap = Capture()
         start = time.perf_counter()
         seen: set[str] = set()
+        shards = list(shards)
         for s in shards:
             st = self._states.get(s.name)
             if st is None:
@@ -154,7 +185,13 @@ class Producer:
             if s.describe() != st.placement:
                 raise ValueError(f"{s.name!r}: the shard's placement differs from the seeded one")
             seen.add(s.name)
-            cap.entries.append(self._scan_one(s, st, kind, anchor, cap))
+        if anchor:  # anchors are rare (a restart, add_engine): the per-segment scan stages them
+            for b in self._buckets.values():
+                self._unbucket_pending(b)
+            for s in shards:
+                cap.entries.append(self._scan_one(s, self._states[s.name], kind, anchor, cap))
+        else:
+            cap.entries = self._scan_buckets(shards, kind, cap)
         if kind == "catchup" and (missing := [n for n in self.pending_names() if n not in seen]):
             raise ValueError(f"params with unsent changes were not given: {missing[:5]}")
         if anchor and len(seen) != len(self._states):
@@ -165,13 +202,110 @@ class Producer:
         cap.stage_s = time.perf_counter() - t
         return cap
 
+    def _scan_buckets(self, shards: list[Shard], kind: str, cap: Capture) -> list[Entry]:
+        """The one-pass scan: a bounded number of ops per bucket, then one host transfer of every
+        bucket's digests and counts; entries come back in the order the shards were given."""
+        layouts, rest = bucket_scan.plan(shards)
+        by_name = {s.name: s for s in shards}
+        entries = {s.name: self._scan_one(s, self._states[s.name], kind, False, cap) for s in rest}
+        scans = []
+        for layout in layouts:
+            b = self._bucket(layout)
+            res = bucket_scan.scan(layout, b.snapshot, b.digests, b.pending, kind)
+            cap.buckets.append(_BucketAdvance(b, res.pos, res.new, res.summary[:2 * len(layout.names)].view(-1, 2)))
+            cap.changed += res.pos.numel()
+            staged = (self._stage(res.hf), self._stage(res.send_new),
+                      self._stage(res.send_old) if kind == "delta" else None)
+            scans.append((layout, res, staged))
+        if scans:  # every bucket's digests and counts, in one transfer
+            summary = torch.cat([res.summary for _, res, _ in scans]).to(self.staging)
+            at = 0
+            for layout, res, staged in scans:
+                n = len(layout.names)
+                part, at = summary[at:at + 8 * n], at + 8 * n
+                entries.update(self._bucket_entries(layout, by_name, part, staged, kind))
+        return [entries[s.name] for s in shards]
+
+    def _bucket_entries(self, layout: bucket_scan.Layout, by_name: dict[str, Shard], summary: torch.Tensor,
+                        staged: tuple, kind: str) -> dict[str, Entry]:
+        n = len(layout.names)
+        digest, pre, post = (summary[k * 2 * n:(k + 1) * 2 * n].view(n, 2).unbind(0) for k in range(3))
+        changed, sent = _host_counts(summary[6 * n:], n, staged[0].numel())
+        hf, new, old = (t.split(sent) if t is not None else [None] * n for t in staged)
+        out = {}
+        for i, name in enumerate(layout.names):
+            s = by_name[name]
+            digests = {"digest": digest[i], "post_digest": post[i]}
+            if kind == "delta":
+                digests["pre_digest"] = pre[i]
+            e = Entry(name, s.full_shape, s.tensor.dtype, changed[i], hf[i], new[i], old[i], digests)
+            if sent[i] and kind and self._wants_post_hash(s, s.tensor):
+                e.post_hash = tensor_digest(s.tensor)
+            out[name] = e
+        return out
+
+    def _bucket(self, layout: bucket_scan.Layout) -> _Bucket:
+        """The bucket's snapshot, built the first time this layout is scanned: one flat copy of its
+        span, into which the members' snapshots move (their `_State` then hold views). Elements no
+        member covers start equal to the live ones; changes there are dropped by the scan."""
+        b = self._buckets.get(layout.key)
+        if b is not None:
+            return b
+        for old in [o for o in self._buckets.values() if set(o.layout.names) & set(layout.names)]:
+            self._unbucket_pending(old)  # a member moved (new storage, other members): its old bucket goes
+            del self._buckets[old.layout.key]
+        states = [self._states[n] for n in layout.names]
+        place = states[0].snapshot.device
+        snap = torch.empty(layout.base.shape, dtype=layout.base.dtype, device=place,
+                           pin_memory=place.type == "cpu" and layout.base.device.type == "cuda")
+        snap.copy_(layout.base)
+        digests = torch.stack([st.digest for st in states]).to(place)
+        for i, (st, runs) in enumerate(zip(states, layout.local_runs)):
+            view = snap[runs[0][0]:runs[0][0] + runs[0][1]] if len(runs) == 1 else snap.as_strided(
+                (len(runs), runs[0][1]), (runs[1][0] - runs[0][0], 1), snap.storage_offset() + runs[0][0])
+            view.copy_(st.snapshot.reshape(view.shape))
+            st.snapshot, st.digest = view, digests[i]
+        b = self._buckets[layout.key] = _Bucket(layout, snap, digests)
+        for st, name in zip(states, layout.names):
+            if st.pending is not None:
+                self._rebucket_pending(b, name, st)
+        return b
+
+    def _rebucket_pending(self, b: _Bucket, name: str, st: _State) -> None:
+        """A member's per-segment catch-up positions, as bucket offsets."""
+        runs = b.layout.local_runs[b.layout.names.index(name)]
+        starts = torch.tensor([0] + [n for _, n in runs], device=st.pending.device).cumsum(0)
+        shift = torch.tensor([a for a, _ in runs], device=st.pending.device) - starts[:-1]
+        r = torch.searchsorted(starts[1:-1], st.pending, right=True)
+        p = (st.pending + shift[r]).to(b.snapshot.device)
+        b.pending = p if b.pending is None else _union(b.pending, p)
+        st.pending = None
+
+    def _unbucket_pending(self, b: _Bucket) -> None:
+        """The bucket's catch-up positions back on its members, as local positions (before a
+        per-segment scan, or when the bucket goes)."""
+        if b.pending is None:
+            return
+        seg, _, _ = bucket_scan._locate(b.layout, b.pending)
+        for i, (name, runs) in enumerate(zip(b.layout.names, b.layout.local_runs)):
+            mine = b.pending[seg == i]
+            if not mine.numel():
+                continue
+            starts = torch.tensor([a for a, _ in runs], device=mine.device)
+            before = torch.tensor([0] + [n for _, n in runs[:-1]], device=mine.device).cumsum(0)
+            r = torch.searchsorted(starts, mine, right=True) - 1
+            local = mine - starts[r] + before[r]
+            st = self._states[name]
+            st.pending = local if st.pending is None else _union(st.pending, local)
+        b.pending = None
+
     def _scan_one(self, s: Shard, st: _State, kind: str, anchor: bool, cap: Capture) -> Entry:
         cur = s.tensor.detach().reshape(-1)
         pos, old = self._diff(cur, st.snapshot)
         new = cur.index_select(0, pos)
         gpos = s.to_global(pos)
         pre, post = additive.partial_sum(gpos, old), additive.partial_sum(gpos, new)
-        digest = st.digest - pre + post
+        digest = st.digest.to(pre.device) - pre + post
         cap.advance[s.name] = _Advance(pos, new, digest)
         cap.changed += pos.numel()
         digests = {"digest": digest}
@@ -191,11 +325,11 @@ class Producer:
                       self._stage(send_old) if kind == "delta" else None, digests)
         if self._wants_post_hash(s, cur) and (anchor or (kind and send.numel())):
             entry.post_hash = tensor_digest(cur)
-        if anchor:
-            gall = s.global_index()
-            order = torch.argsort(gall) if not s.is_whole else None
-            entry.anchor_positions = self._stage(gall if order is None else gall[order])
-            entry.anchor_values = self._stage(cur.clone() if order is None else cur[order])
+        if anchor:  # nothing per element: the snapshot (untouched until settled) + the staged changes
+            ready = torch.cuda.Event() if st.snapshot.device.type == "cuda" else None
+            if ready is not None:
+                ready.record(torch.cuda.current_stream(st.snapshot.device))
+            entry.anchor = Anchor(st.placement, st.snapshot, entry.positions, entry.new_values, self.staging, ready)
         return entry
 
     def _wants_post_hash(self, s: Shard, cur: torch.Tensor) -> bool:
@@ -206,6 +340,7 @@ class Producer:
 
     def _diff(self, cur: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(changed local positions, snapshot values there), both on the parameter's device."""
+        snap = snap.reshape(-1)  # a bucket member's snapshot may be a strided view (then a copy here)
         if snap.device == cur.device:
             pos = changed_positions(cur, snap)
             return pos, snap.index_select(0, pos)
@@ -247,8 +382,14 @@ class Producer:
         for name, a in cap.advance.items():
             st = self._states[name]
             local = a.local if st.snapshot.device == a.local.device else a.local.to(st.snapshot.device)
-            st.snapshot[local] = a.values.to(st.snapshot.device)
-            st.digest, st.pending = a.digest, None
+            _put(st.snapshot, local, a.values.to(st.snapshot.device))
+            st.digest.copy_(a.digest)  # in place: a bucket member's digest is a row of the bucket's
+            st.pending = None
+        for ba in cap.buckets:
+            b = ba.bucket
+            b.snapshot[ba.pos] = ba.values
+            b.digests.copy_(ba.digests)
+            b.pending = None
 
     def defer(self, cap: Capture) -> None:
         """Some engine missed the captured version: remember what was sent since S."""
@@ -256,12 +397,28 @@ class Producer:
             if a.local.numel():
                 st = self._states[name]
                 st.pending = a.local if st.pending is None else _union(st.pending, a.local)
+        for ba in cap.buckets:
+            if ba.pos.numel():
+                b = ba.bucket
+                b.pending = ba.pos if b.pending is None else _union(b.pending, ba.pos)
 
 
+_union = bucket_scan.union
 
-def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Sorted union of two sets of positions, with ops every device has (no `unique` on meta)."""
-    merged = torch.cat([a, b]).sort().values
-    keep = torch.ones_like(merged, dtype=torch.bool)
-    keep[1:] = merged[1:] != merged[:-1]
-    return merged[keep]
+
+def _host_counts(counts: torch.Tensor, n: int, total: int) -> tuple[list[int], list[int]]:
+    """(changed, sent) per member, from the host copy of the summary. On `meta` there are no values
+    to read: every change is given to the first member (meta checks devices, not counts)."""
+    if counts.device.type == "meta":
+        return [total] + [0] * (n - 1), [total] + [0] * (n - 1)
+    both = counts.tolist()
+    return both[:n], both[n:]
+
+
+def _put(snapshot: torch.Tensor, local: torch.Tensor, values: torch.Tensor) -> None:
+    """`snapshot.reshape(-1)[local] = values`, writing through a 2-d strided view (a bucket member's)."""
+    if snapshot.dim() == 1:
+        snapshot[local] = values
+    else:
+        cols = snapshot.shape[1]
+        snapshot[torch.div(local, cols, rounding_mode="floor"), local % cols] = values

@@ -1,0 +1,253 @@
+"""One pass over a contiguous bucket of weights: the diff, the gather, the HF map and the digests of
+every shard in it, in a bounded number of torch ops per bucket, whatever its number of shards.
+
+Why: with Megatron's distributed optimizer every bf16 param is a view into one contiguous buffer
+(`ParamAndGradBuffer.param_data`), and a rank holds about 1000 HF segments. Diffing them one by one
+launches ~85 small kernels and 1-3 host syncs per segment. Here the shards that share a storage
+(and dtype and device) form a bucket; the bucket's span of that storage is diffed against one flat
+snapshot in large chunks, and the changed offsets are mapped to (segment, HF position) afterwards
+through a table of runs (`searchsorted` over run starts). Additive digests of all segments come out
+of one `index_add_` into an `[n_segments, 2]` table. A plain tensor (its own storage) is a bucket of
+one: the same code, so both senders share one tested path.
+
+The per-segment scan in `producer.py` is the reference this is tested bit-exact against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from vllm_delta.diff import changed_positions
+from vllm_delta.sender.segments import Segments
+from vllm_delta.sender.shards import Shard
+from vllm_delta.wire.additive import _CPU_SLICE, _LANES, _keys, _mix_
+
+# Elements compared per op on an accelerator: a 256 M-element bool mask (256 MiB) at most, so a
+# multi-GB bucket is a few dozen chunks. The CPU diff chunks (and threads) internally.
+DEVICE_CHUNK = 1 << 28
+# A shard whose local order breaks into more runs than this is scanned on its own (per-segment path).
+MAX_RUNS = 1 << 16
+
+
+@dataclass(eq=False)
+class Layout:
+    """Where each member's elements sit in the bucket (offsets relative to `lo` of the storage) and
+    the run table that maps a bucket offset to (member, HF flat position)."""
+
+    key: tuple
+    names: tuple[str, ...]  # members, in order of their first element in the bucket
+    base: torch.Tensor  # flat view of the live storage over the bucket's span
+    lo: int  # storage offset of the span
+    local_runs: tuple[tuple[tuple[int, int], ...], ...]  # per member: (bucket offset, length) in local order,
+    # one run or equal runs at a constant stride (so the member's snapshot is a view of the bucket's)
+    run_start: torch.Tensor  # int64[R] bucket offsets, sorted
+    run_end: torch.Tensor
+    run_hf: torch.Tensor  # HF flat position of each run's first element
+    run_seg: torch.Tensor  # member index of each run
+    gaps: bool  # the span holds elements no member covers (padding, unregistered params)
+
+
+def storage_runs(t: torch.Tensor) -> list[tuple[int, int]] | None:
+    """`(storage offset, length)` runs of `t`'s elements in row-major order, or None if its innermost
+    stride is not 1 or it breaks into more than MAX_RUNS pieces."""
+    dims = [(n, s) for n, s in zip(t.shape, t.stride()) if n != 1]
+    merged: list[list[int]] = []
+    for n, s in reversed(dims):  # coalesce from the inside out
+        if merged and merged[-1][1] * merged[-1][0] == s:
+            merged[-1][0] *= n
+        else:
+            merged.append([n, s])
+    if not merged:
+        return [(t.storage_offset(), t.numel())] if t.numel() else []
+    inner_n, inner_s = merged[0]
+    if inner_s != 1 and inner_n > 1:
+        return None
+    outer = merged[1:]
+    count = math.prod(n for n, _ in outer)
+    if count > MAX_RUNS:
+        return None
+    starts = [t.storage_offset()]
+    for n, s in reversed(outer):  # row-major: the outermost dim varies slowest
+        starts = [a + i * s for a in starts for i in range(n)]
+    return [(a, inner_n) for a in starts]
+
+
+def hf_runs(s: Shard | Segments) -> tuple[tuple[int, int], ...] | None:
+    """`(HF flat start, length)` runs covering the local elements in order."""
+    if isinstance(s, Segments):
+        return s.runs
+    full, dim = s.full_shape, s.dim
+    if not full:
+        return ((0, 1),)
+    inner, outer = math.prod(full[dim + 1:]), math.prod(full[:dim])
+    if outer * len(s.spans) > MAX_RUNS:
+        return None
+    return tuple((o * full[dim] * inner + a * inner, n * inner) for o in range(outer) for a, n in s.spans if n)
+
+
+def _merge(buf: list[tuple[int, int]], hf: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:
+    """Intersect two partitions of the local order into `(buffer start, HF start, length)` runs."""
+    out, i, j, bi, hj = [], 0, 0, 0, 0  # bi/hj: elements of the current runs already used
+    while i < len(buf) and j < len(hf):
+        n = min(buf[i][1] - bi, hf[j][1] - hj)
+        out.append((buf[i][0] + bi, hf[j][0] + hj, n))
+        bi, hj = bi + n, hj + n
+        if bi == buf[i][1]:
+            i, bi = i + 1, 0
+        if hj == hf[j][1]:
+            j, hj = j + 1, 0
+    return out
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    """Tensors that share a storage, dtype and device can be scanned as one span. The StorageImpl's
+    address identifies the storage on every device (on meta, every `data_ptr()` is 0)."""
+    return t.device, t.dtype, t.untyped_storage()._cdata
+
+
+def plan(shards: list[Shard | Segments]) -> tuple[list[Layout], list[Shard | Segments]]:
+    """Group shards into buckets; return the layouts and the shards the per-segment scan must take
+    (too many runs, a non-unit inner stride, or elements shared with another shard)."""
+    groups: dict[tuple, list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]] = {}
+    rest = []
+    for s in shards:
+        t = s.tensor.detach()
+        buf, hf = storage_runs(t), hf_runs(s)
+        if buf is None or hf is None or t.numel() == 0 or not strided(buf):
+            rest.append(s)
+            continue
+        groups.setdefault(storage_key(t), []).append((s, buf, _merge(buf, hf)))
+    layouts = []
+    for key, members in groups.items():
+        flat = sorted((b, b + n) for _, buf, _ in members for b, n in buf)
+        if any(e1 > b2 for (_, e1), (b2, _) in zip(flat, flat[1:])):  # overlapping shards (tied views)
+            rest.extend(s for s, _, _ in members)
+            continue
+        layouts.append(_layout(key, members))
+    return layouts, rest
+
+
+def strided(runs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> bool:
+    """One run, or equal runs at a constant positive stride: what one strided view covers."""
+    return len(runs) == 1 or (len({n for _, n in runs}) == 1 and
+                              len({b[0] - a[0] for a, b in zip(runs, runs[1:])}) == 1 and runs[1][0] > runs[0][0])
+
+
+def _layout(key: tuple, members: list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]
+            ) -> Layout:
+    members = sorted(members, key=lambda m: m[1][0][0])
+    lo = min(b for _, buf, _ in members for b, _ in buf)
+    hi = max(b + n for _, buf, _ in members for b, n in buf)
+    rows = sorted((b - lo, h, n, k) for k, (_, _, runs) in enumerate(members) for b, h, n in runs)
+    t0 = members[0][0].tensor.detach()
+    base = t0.as_strided((hi - lo,), (1,), lo)
+    dev = t0.device
+    col = list(zip(*rows))
+    start = torch.tensor(col[0], dtype=torch.int64, device=dev)
+    length = torch.tensor(col[2], dtype=torch.int64, device=dev)
+    covered = sum(col[2])
+    full_key = key + tuple((s.name, tuple(runs)) for s, _, runs in members)
+    return Layout(full_key, tuple(s.name for s, _, _ in members), base, lo,
+                  tuple(tuple((b - lo, n) for b, n in buf) for _, buf, _ in members),
+                  start, start + length, torch.tensor(col[1], dtype=torch.int64, device=dev),
+                  torch.tensor(col[3], dtype=torch.int64, device=dev), covered != hi - lo)
+
+
+@dataclass(eq=False)
+class BucketScan:
+    """One bucket's changes, still where the snapshot lives. Sent arrays are ordered by (member, HF)."""
+
+    pos: torch.Tensor  # changed bucket offsets, sorted (what advances the snapshot)
+    new: torch.Tensor  # their current values
+    hf: torch.Tensor  # HF positions sent, member by member, each member's sorted
+    send_new: torch.Tensor
+    send_old: torch.Tensor | None
+    summary: torch.Tensor  # int64: digest, pre, post ([n, 2] each, flattened), changed[n], sent[n]
+
+
+def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: torch.Tensor | None,
+         kind: str) -> BucketScan:
+    """Diff the bucket's live span against `snap` (same span, flat) and digest every member.
+    `digests` is `[n, 2]`: each member's additive digest of `snap`. Runs where `snap` lives; with a
+    host snapshot of device weights the live span comes to the host chunk by chunk."""
+    n = len(layout.names)
+    pos, old, new = _diff(layout.base, snap)
+    seg, hf, keep = _locate(layout, pos)
+    if layout.gaps:  # drop changes no member covers
+        idx = torch.nonzero(keep).reshape(-1)
+        pos, old, new, seg, hf = pos[idx], old[idx], new[idx], seg[idx], hf[idx]
+    pre, post = segment_sums(seg, n, hf, old), segment_sums(seg, n, hf, new)
+    digest = digests - pre + post
+    sent, send_seg, send_hf, send_new, send_old = pos, seg, hf, new, old
+    if kind == "catchup" and pending is not None:
+        sent = union(pending, pos)
+        send_seg, send_hf, _ = _locate(layout, sent)
+        send_new, send_old = take(layout.base, sent), None
+        post = segment_sums(send_seg, n, send_hf, send_new)
+    order = torch.argsort(send_hf, stable=True)  # by HF position, then (stably) by member
+    order = order[torch.argsort(send_seg[order], stable=True)]
+    send_hf, send_new = send_hf[order], send_new[order]
+    send_old = send_old[order] if send_old is not None else None
+    counts = torch.zeros(2, n, dtype=torch.int64, device=pos.device)  # no bincount on meta
+    counts[0].index_add_(0, seg, torch.ones_like(seg))
+    counts[1].index_add_(0, send_seg, torch.ones_like(send_seg))
+    summary = torch.cat([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts.reshape(-1)])
+    return BucketScan(pos, new, send_hf, send_new, send_old, summary)
+
+
+def _diff(base: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(changed offsets, snapshot values there, live values there), all where `snap` lives."""
+    if base.device == snap.device and base.device.type == "cpu":
+        pos = changed_positions(base, snap)  # numpy, chunked, on every core
+        return pos, snap[pos], base[pos]
+    chunk = DEVICE_CHUNK
+    parts = []
+    for a in range(0, snap.numel(), chunk):
+        cur, s = base[a:a + chunk], snap[a:a + chunk]
+        if cur.device != s.device:  # host snapshot: the live chunk comes over, nothing goes to the device
+            cur = cur.to(s.device)
+        p = changed_positions(cur, s)
+        parts.append((p + a, s[p], cur[p]))
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(x) for x in zip(*parts))  # type: ignore[return-value]
+
+
+def _locate(layout: Layout, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(member, HF position, covered?) of bucket offsets: one `searchsorted` over the run starts."""
+    start = layout.run_start.to(pos.device)
+    r = (torch.searchsorted(start, pos, right=True) - 1).clamp_(min=0)
+    keep = pos < layout.run_end.to(pos.device)[r]
+    hf = pos - start[r] + layout.run_hf.to(pos.device)[r]
+    return layout.run_seg.to(pos.device)[r], hf, keep
+
+
+def take(base: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`base[idx]` returned where `idx` lives (the live weights may be on another device)."""
+    if base.device == idx.device:
+        return base[idx]
+    return base[idx.to(base.device)].to(idx.device)
+
+
+def segment_sums(seg: torch.Tensor, n: int, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`[n, 2]` additive digests (`wire.additive.partial_sum`) of the elements of each member:
+    the same terms, summed with one `index_add_` per slice instead of one sum per member."""
+    out = torch.zeros(n, 2, dtype=torch.int64, device=positions.device)
+    step = _CPU_SLICE if positions.device.type == "cpu" else max(1, positions.numel())
+    for a in range(0, positions.numel(), step):
+        keys = _keys(positions[a:a + step], values[a:a + step])
+        lane1 = _mix_(keys ^ _LANES[1][0], _LANES[1][1], _LANES[1][2])
+        lane0 = _mix_(keys, _LANES[0][1], _LANES[0][2])
+        out.index_add_(0, seg[a:a + step], torch.stack([lane0, lane1], dim=1))
+    return out
+
+
+def union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sorted union of two sets of positions, with ops every device has (no `unique` on meta)."""
+    merged = torch.cat([a, b.to(a.device)]).sort().values
+    keep = torch.ones_like(merged, dtype=torch.bool)
+    keep[1:] = merged[1:] != merged[:-1]
+    return merged[keep]
