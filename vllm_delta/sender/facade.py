@@ -7,6 +7,11 @@ background thread and returns a future, so it overlaps the next training step. T
 `capture()` waits only if that publish is still running (a queue of one), then moves the
 snapshot (every engine acked) or remembers what is pending (some did not). `sync()` is capture,
 publish and wait. docs/sender.md has the state machine and the planning rules (`planner.py`).
+
+A sync never stops training: a failed publish is recorded (metrics `sender/publish_failed`, the
+`status()` dict, the log), every rank agrees on it and keeps its snapshot, and the engines it was
+meant for are asked their status (in the background, `prober.py`) before anything else is sent to
+them. Only `sync()`, the blocking call, raises it afterwards.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class DeltaSender:
     `snapshot` is "device", "host" or "auto" (see `producer.py`). Lag is bounded: an engine that
     misses `max_lag_syncs` syncs in a row, or every lagging engine once the pending catch-up passes
     `max_pending_density`, is owed a full anchor and stops holding the snapshot back (`planner.py`).
+    `status_wait_s`: how long `capture()` waits for the background status answer of an engine in an
+    unknown state before skipping it for that sync (`sync()` waits for the answer).
     """
 
     def __init__(self, engines: list[str], transport: str = "disk", delta_dir: str | Path | None = None, *,
@@ -66,7 +73,7 @@ class DeltaSender:
                  master_addr: str = "127.0.0.1", collective_timeout_s: float = 120.0,
                  group: Any = None, throttle_bytes_per_s: float | None = None, version: int = 0,
                  snapshot: str = "auto", max_lag_syncs: int = 3, max_pending_density: float = 0.1,
-                 client: Any = None) -> None:
+                 client: Any = None, status_wait_s: float = 0.0) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         if transport == "disk" and delta_dir is None:
@@ -98,6 +105,10 @@ class DeltaSender:
             self.transport = CollectiveTransport(transport, master_addr=master_addr, timeout_s=collective_timeout_s)
         self.publisher = Publisher(self.transport, self.client, self.planner, self.ranks, flush_bytes=flush_bytes)
         self.model_elements = 0
+        self.status_wait_s = status_wait_s
+        self.publish_failures = 0
+        self.last_error: BaseException | None = None  # the last failed publish's error
+        self._publish_error: BaseException | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-publish")
         self._inflight: tuple[Capture, Plan, Future] | None = None
         self._staged: tuple[Capture, Plan] | None = None
@@ -175,9 +186,20 @@ class DeltaSender:
         """Send every engine a full anchor at the next sync."""
         self.planner.anchor_next = True
 
+    def status(self) -> dict[str, Any]:
+        """What went wrong lately, for a trainer's logs: failed publishes and each engine's state."""
+        return {"publish_failures": self.publish_failures,
+                "last_error": None if self.last_error is None else f"{type(self.last_error).__name__}: "
+                                                                   f"{self.last_error}",
+                "engines": {u: {"acked": e.acked, "needs_anchor": e.needs_anchor, "skipped": e.skipped,
+                                "last_error": e.last_error} for u, e in self.planner.engines.items()}}
+
     # ---- one sync ---------------------------------------------------------------------------
     def capture(self, named: NamedTensors) -> Capture:
         """Diff and stage the changes; the weights may change again when this returns."""
+        return self._capture(named, self.status_wait_s)
+
+    def _capture(self, named: NamedTensors, status_wait_s: float | None) -> Capture:
         if not self.producer.names and self.ranks.size == 1:
             raise RuntimeError("seed() or seed_from_checkpoint() first")
         if self._staged is not None:
@@ -186,7 +208,7 @@ class DeltaSender:
         self._collect()
         self.last_wait_s = time.perf_counter() - t
         start = time.perf_counter()
-        plan = self.ranks.bcast(self.planner.plan() if self.ranks.rank == 0 else None)
+        plan = self.ranks.bcast(self.planner.plan(status_wait_s) if self.ranks.rank == 0 else None)
         cap = self.producer.scan(self._given(named), kind=plan.kind if plan.delta_urls else "",
                                  anchor=bool(plan.anchor_urls))
         self._staged = (cap, plan)
@@ -207,13 +229,18 @@ class DeltaSender:
         return future
 
     def sync(self, named: NamedTensors) -> dict[str, float]:
-        """Capture, publish and wait: send the changes since the snapshot to every engine."""
-        self.capture(named)
+        """Capture, publish and wait: send the changes since the snapshot to every engine. Waits
+        for engines' status answers, and raises a failed publish's error (after recording it)."""
+        self._capture(named, None)
         self.publish()
-        return self.wait()
+        metrics = self.wait()
+        if metrics.get("sender/publish_failed"):
+            raise self.last_error
+        return metrics
 
     def wait(self) -> dict[str, float]:
-        """Wait for the publish in flight (if any) and apply its outcome; its metrics."""
+        """Wait for the publish in flight (if any) and apply its outcome; its metrics. Never raises
+        for a failed publish: `sender/publish_failed` is 1 and `last_error` says why."""
         return self._collect()
 
     def close(self) -> None:
@@ -223,6 +250,16 @@ class DeltaSender:
 
     # ---- internals ----------------------------------------------------------------------------
     def _publish(self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]) -> dict[str, float]:
+        """The publish thread: its metrics, or the error it ended with (never raised, so a trainer's
+        `future.result()` cannot throw it into the training loop)."""
+        try:
+            return self._publish_once(plan, cap, changed, captured)
+        except Exception as exc:  # one publish runs at a time: `_collect` takes it from here
+            self._publish_error = exc
+            return {**captured, "sender/publish_failed": 1.0, "sender/all_acked": 0.0,
+                    "sender/version": float(plan.version)}
+
+    def _publish_once(self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]) -> dict[str, float]:
         uploaded = getattr(self.transport, "uploaded_bytes", 0)
         done = self.publisher.run(plan, cap, self.model_elements)
         metrics = {**self._metrics(done, changed), **captured}
@@ -231,6 +268,7 @@ class DeltaSender:
                 self.ranks.all_sum(self.transport.uploaded_bytes - uploaded))
         metrics["perf/update_weights_time"] = captured["sender/capture_s"] + done.publish_s
         metrics["perf/delta_encode_time"] = captured["sender/scan_s"] + done.encode_s
+        metrics["sender/publish_failed"] = 0.0
         return metrics
 
     def _collect(self) -> dict[str, float]:
@@ -238,15 +276,14 @@ class DeltaSender:
             return {}
         cap, plan, future = self._inflight
         self._inflight = None
-        try:
-            metrics = future.result()
-        except BaseException:
-            for url in plan.delta_urls + plan.anchor_urls:  # unknown: ask their status next time
-                if url in self.planner.engines:
-                    self.planner.engines[url].acked = None
-            self.planner.version = max(self.planner.version, plan.version)
-            self.producer.defer(cap)
-            raise
+        metrics = dict(future.result())
+        error, self._publish_error = self._publish_error, None
+        try:  # every rank calls this collective, whatever its publish did: the outcome is agreed on
+            failed = self.ranks.any(error is not None)
+        except Exception as exc:  # the sender's group itself broke
+            failed, error = True, error or exc
+        if failed:
+            return self._failed(cap, plan, metrics, error)
         if metrics["sender/all_acked"]:
             self.producer.advance(cap)
         else:
@@ -260,6 +297,25 @@ class DeltaSender:
         metrics["sender/pending_density"] = density
         metrics["sender/dropped_to_anchor"] = float(len(dropped))
         return metrics
+
+    def _failed(self, cap: Capture, plan: Plan, metrics: dict[str, float],
+                error: BaseException | None) -> dict[str, float]:
+        """A publish that failed on some rank: no snapshot moves, the changes stay pending, and the
+        plan's engines are in an unknown state until their status (asked in the background) says."""
+        error = error or RuntimeError("the publish failed on another sender rank")
+        self.publish_failures += 1
+        self.last_error = error
+        logger.error("delta sender: publishing version %d failed (training goes on): %s: %s", plan.version,
+                     type(error).__name__, error)
+        for url in plan.delta_urls + plan.anchor_urls:
+            e = self.planner.engines.get(url)
+            if e is not None:
+                e.acked, e.last_error = None, {"type": "PublishFailed", "message": f"{type(error).__name__}: {error}"}
+        self.planner.version = max(self.planner.version, plan.version)
+        self.planner.probe_unknown()
+        self.producer.defer(cap)
+        return {**metrics, "sender/publish_failed": 1.0, "sender/all_acked": 0.0,
+                "sender/publish_failures": float(self.publish_failures), "sender/version": float(plan.version)}
 
     def _as_shard(self, x: tuple[str, torch.Tensor] | Shard | Segments) -> Shard | Segments:
         return x if isinstance(x, (Shard, Segments)) else Shard.whole(x[0], x[1].detach())

@@ -18,6 +18,10 @@ the pending catch-up passes the sender's density cap) drops to "needs anchor". I
 the snapshot back, so the others return to base-relative deltas, and it gets a full anchor as soon
 as it answers again: its weights never depend on the snapshot's lineage after that.
 
+Status is asked off the training thread (`prober.py`): an engine becomes unknown when an update to
+it fails, and its probe starts then, on a thread of its own; the plan takes the answers that are in
+(waiting at most `wait_s`) and skips, for this sync, an engine still being asked.
+
 Every update names its lineage (`wire.manifest.Lineage`): this sender's run id and the engine
 versions it applies on ([S, S] for a delta, [S, N-1] for a catch-up, any for an anchor). An
 engine on other weights (restarted on the checkpoint after acking v > S, fed by another sender)
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_delta.client import EngineClient, Reply
+from vllm_delta.sender.prober import Prober
 from vllm_delta.wire import Lineage, get_encoding
 
 logger = logging.getLogger(__name__)
@@ -86,6 +91,7 @@ class Planner:
         get_encoding(encoding)
         self.engines = {u: EngineState(u, acked=version) for u in engines}
         self.client = client
+        self.prober = Prober(client)
         self.encoding, self.overwrite_encoding, self.anchor_every = encoding, overwrite_encoding, anchor_every
         if max_lag_syncs < 1:
             raise ValueError("max_lag_syncs must be at least 1")
@@ -103,20 +109,26 @@ class Planner:
 
     def add_engine(self, url: str) -> None:
         self.engines[url] = EngineState(url, acked=None, needs_anchor=True)
+        self.prober.start([url])
 
-    def plan(self) -> Plan:
-        """Ask lagging engines where they are; decide who gets a delta, a catch-up or an anchor."""
+    def plan(self, wait_s: float | None = None) -> Plan:
+        """Take the status answers of engines in an unknown state (waiting at most `wait_s` for them,
+        None: until they answer); decide who gets a delta, a catch-up or an anchor."""
         version = self.version + 1
         S = self.snapshot_version
-        if self.resume:
+        if self.resume:  # the first plan of a resumed run: every engine's answer decides the run id
             for e in self.engines.values():
                 e.acked = None
+            wait_s = None
         unknown = [e for e in self.engines.values() if e.acked is None]
         replay: dict[str, list[dict[str, Any]]] = {}
         for e in self.engines.values():
             e.skipped = False
         if unknown:
-            replies = self.client.status([e.url for e in unknown])
+            replies = self.prober.take([e.url for e in unknown], wait_s)
+            for e in unknown:
+                if e.url not in replies:  # still being asked: not sent to this sync
+                    e.skipped, e.last_error = True, {"type": "StatusPending", "message": "status probe in flight"}
             if self.resume:
                 self._resume(replies)
             for url, r in replies.items():
@@ -189,7 +201,12 @@ class Planner:
         if all_acked:
             self.snapshot_version = plan.version
             self.anchor_next = False
+        self.probe_unknown()
         return all_acked
+
+    def probe_unknown(self) -> None:
+        """Start asking every engine in an unknown state, so its answer is in by the next plan."""
+        self.prober.start([e.url for e in self.engines.values() if e.acked is None])
 
     def holders_acked(self, version: int) -> bool:
         """Every engine that depends on the snapshot's lineage (all but those owed an anchor) is at `version`."""

@@ -44,40 +44,93 @@ class Publisher:
         self.flush_bytes = flush_bytes
 
     def run(self, plan: Plan, cap: Capture, model_elements: int) -> Published:
+        """Every rank runs the same collectives whatever fails on it: a local failure is agreed on
+        (`Ranks.any`) and raised on every rank at the same point, and rank 0's
+        failures (seal, push) travel in the outcome it broadcasts, so no rank is left waiting."""
         start = time.perf_counter()
-        sinks: list[tuple[str, FlushBuilder]] = []
+        kinds = []
         if plan.delta_urls and plan.kind:
-            sinks.append((plan.kind, self._builder(plan.kind, plan.version, plan.base_version, plan.encoding,
-                                                   model_elements)))
+            kinds.append((plan.kind, plan.base_version, plan.encoding))
         if plan.anchor_urls:
-            sinks.append(("anchor", self._builder("anchor", plan.version, None, self.planner.overwrite_encoding,
-                                                  model_elements)))
-        sent = [self._finish(kind, b, cap, {e.name: _add(b, e, kind) for e in cap.entries}, plan)
-                for kind, b in sinks]
-        encode_s = time.perf_counter() - start
-        pushed = time.perf_counter()
-        replies = self._push(plan, sent)
-        push_s = time.perf_counter() - pushed
-        # Rank 0 knows the engines; every rank's snapshot moves on its word.
-        all_acked = self.ranks.bcast(self.planner.settle(plan, replies))
-        write_s = sum(getattr(getattr(b, "writer", None), "write_s", 0.0) for _, b in sinks)
+            kinds.append(("anchor", None, self.planner.overwrite_encoding))
+        self._agreed(lambda: [self.transport.prepare(dir_name(k, plan.version)) for k, _, _ in kinds]
+                     if self.ranks.rank == 0 else None, "prepare")
+        sent: list[SentDelta] = []
+        sinks: list[FlushBuilder] = []
+        failure: BaseException | None = None
+        cleaned = False
+        try:
+            for kind, base, encoding in kinds:
+                b = self.transport.builder(dir_name(kind, plan.version), version=plan.version, base_version=base,
+                                           encoding=encoding, flush_bytes=self.flush_bytes, rank=self.ranks.rank,
+                                           model_elements=model_elements)
+                sinks.append(b)
+                manifest = self._agreed(lambda: self._encode(b, kind, cap), "encode")
+                out, err = self._finish(kind, b, manifest, cap, plan)
+                sent.append(out)
+                failure = failure or err
+            encode_s = time.perf_counter() - start
+            pushed = time.perf_counter()
+            replies, all_acked = {}, False
+            if self.ranks.rank == 0 and failure is None:
+                try:
+                    try:
+                        replies = self._push(plan, sent)
+                    finally:
+                        cleaned = self._cleanup(sinks, sent)
+                    all_acked = self.planner.settle(plan, replies)
+                except Exception as exc:
+                    failure = exc
+            push_s = time.perf_counter() - pushed
+        finally:
+            if not cleaned:
+                self._cleanup(sinks, sent)
+        # Rank 0 knows the engines; every rank's snapshot moves on its word, or none does.
+        replies, all_acked, error = self.ranks.bcast((replies, all_acked, _describe(failure)))
+        if failure is not None:  # rank 0's own error, as it was
+            raise failure
+        if error is not None:
+            raise PublishError(f"rank 0: {error}")
+        write_s = sum(getattr(getattr(b, "writer", None), "write_s", 0.0) for b in sinks)
         return Published(plan, sent, replies, all_acked, encode_s, write_s, push_s, time.perf_counter() - start)
 
-    def _builder(self, kind: str, version: int, base: int | None, encoding: str, model_elements: int) -> FlushBuilder:
-        name = dir_name(kind, version)
+    def _cleanup(self, sinks: list[FlushBuilder], sent: list[SentDelta]) -> bool:
+        """Rank 0 drops what this publish put on the wire; a builder that never became a
+        `SentDelta` (its encode failed) only has its spool closed."""
         if self.ranks.rank == 0:
-            self.transport.prepare(name)
-        self.ranks.barrier()
-        return self.transport.builder(name, version=version, base_version=base, encoding=encoding,
-                                      flush_bytes=self.flush_bytes, rank=self.ranks.rank,
-                                      model_elements=model_elements)
+            self.transport.cleanup(sent)
+        for b in sinks[len(sent):]:
+            if getattr(b, "spool", None) is not None:
+                b.spool.close()
+        return True
 
-    def _finish(self, kind: str, b: FlushBuilder, cap: Capture, digests: dict[str, dict[str, str]],
-                plan: Plan) -> SentDelta:
+    def _agreed(self, step, what: str):
+        """`step()` on this rank, then agree: if it failed on any rank, every rank raises at this point."""
+        result, failure = None, None
+        try:
+            result = step()
+        except Exception as exc:
+            failure = exc
+            logger.warning("delta sender: %s failed on rank %d: %s", what, self.ranks.rank, exc)
+        if self.ranks.any(failure is not None):
+            if failure is not None:  # this rank's own error, as it was; the others raise PublishError
+                raise failure
+            raise PublishError(f"{what} failed on another sender rank")
+        return result
+
+    def _encode(self, b: FlushBuilder, kind: str, cap: Capture) -> Manifest:
+        """This rank's entries into `b`'s flushes; its manifest, with this rank's partial digests."""
+        try:
+            digests = {e.name: _add(b, e, kind) for e in cap.entries}
+            manifest = _with_digests(b.manifest(), digests)
+        finally:
+            self.transport.finish(b)  # a writer thread always ends; its error (if any) is raised here
+        return manifest
+
+    def _finish(self, kind: str, b: FlushBuilder, manifest: Manifest, cap: Capture,
+                plan: Plan) -> tuple[SentDelta, BaseException | None]:
         """This rank's flushes are out; rank 0 gets the merged manifest with whole-tensor digests and
-        the lineage the engines check before applying it."""
-        manifest = _with_digests(b.manifest(), digests)
-        self.transport.finish(b)
+        the lineage the engines check before applying it, and seals it (its failure is returned)."""
         full = {e.name: additive.to_hex(e.digests["digest"]) for e in cap.entries}
         parts = self.ranks.gather((manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes, full))
         if not self.transport.shared_files:
@@ -85,7 +138,7 @@ class Publisher:
         mine = SentDelta(kind, manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes,
                          location=b.location, spool=getattr(b, "spool", None))
         if self.ranks.rank != 0:
-            return mine
+            return mine, None
         merged = merge_manifests([p[0] for p in parts]) if len(parts) > 1 else manifest
         shards: dict[str, list[str]] = {}
         for p in parts:
@@ -95,8 +148,11 @@ class Publisher:
         merged = merged.model_copy(update={"lineage": plan.lineage(kind)})
         out = SentDelta(kind, merged, len(b.files), sum(p[2] for p in parts), sum(p[3] for p in parts),
                         location=b.location, spool=mine.spool)
-        self.transport.seal(out)
-        return out
+        try:
+            self.transport.seal(out)
+        except Exception as exc:
+            return out, exc
+        return out, None
 
     def _gather_flushes(self, b: FlushBuilder, parts: list) -> None:
         """Collective transports: every other rank's flushes go to rank 0, which broadcasts them.
@@ -116,19 +172,15 @@ class Publisher:
             b.spool.close()
 
     def _push(self, plan: Plan, sent: list[SentDelta]) -> dict[str, Reply]:
-        replies: dict[str, Reply] = {}
-        if self.ranks.rank == 0:
-            self._replay(plan.replay)
-            by_kind = {s.kind: s for s in sent}
-            targets = {u: by_kind[plan.kind] for u in plan.delta_urls if plan.kind}
-            targets.update({u: by_kind["anchor"] for u in plan.anchor_urls})
-            if targets:
-                replies = self.transport.push(self.client, {
-                    u: (s, {"version": plan.version, "base_version": s.manifest.base_version})
-                    for u, s in targets.items()})
-            self.transport.cleanup(sent)
-        return self.ranks.bcast(replies)
-
+        """Rank 0: the kept chain's replays, then this plan's update to every target engine."""
+        self._replay(plan.replay)
+        by_kind = {s.kind: s for s in sent}
+        targets = {u: by_kind[plan.kind] for u in plan.delta_urls if plan.kind}
+        targets.update({u: by_kind["anchor"] for u in plan.anchor_urls})
+        if not targets:
+            return {}
+        return self.transport.push(self.client, {
+            u: (s, {"version": plan.version, "base_version": s.manifest.base_version}) for u, s in targets.items()})
 
     def _replay(self, replay: dict[str, list[dict]]) -> None:
         """Late joiners first replay the store's kept chain, version by version, up to the last version
@@ -145,10 +197,18 @@ class Publisher:
             pending = {u: s for u, s in pending.items() if s}
 
 
+class PublishError(RuntimeError):
+    """A publish failed on some sender rank; every rank raised it at the same point."""
+
+
+def _describe(exc: BaseException | None) -> str | None:
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
+
+
 def _add(b: FlushBuilder, e: Entry, kind: str) -> dict[str, str]:
     """Queue one entry; returns this rank's partial digests of what it listed."""
     if kind == "anchor":
-        b.add(e.name, e.anchor_positions, e.anchor_values, None, shape=e.full_shape, post_hash=e.post_hash)
+        b.add_dense(e.name, e.anchor.pieces(b.flush_bytes), shape=e.full_shape, post_hash=e.post_hash)
         return {"post_digest": additive.to_hex(e.digests["digest"])}
     if not e.positions.numel():
         return {}

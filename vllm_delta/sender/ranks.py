@@ -59,6 +59,12 @@ class Ranks:
 
             dist.barrier(group=self.group)
 
+    def any(self, flag: bool) -> bool:
+        """Whether any rank's `flag` is set: every rank calls it at the same point, whatever happened
+        on it, so a step that failed on one rank ends on all of them instead of leaving the others
+        waiting in the next collective."""
+        return self.all_sum(int(bool(flag))) > 0
+
     def all_sum(self, n: int) -> int:
         if self.group is None:
             return n
