@@ -3,6 +3,7 @@
     handle = megatron_hook.register(optimizer, model_chunks, sender, bridge=bridge, checkpoint=hf_dir)
 """
 
-from megatron_hook.hook import HookHandle, SeedReport, register
+from megatron_hook.bindings import RebindError
+from megatron_hook.hook import HookHandle, SeedMismatchError, SeedReport, register
 
-__all__ = ["HookHandle", "SeedReport", "register"]
+__all__ = ["HookHandle", "RebindError", "SeedMismatchError", "SeedReport", "register"]

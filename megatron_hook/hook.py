@@ -17,9 +17,11 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from megatron_hook.bindings import Bindings, RebindError
 from megatron_hook.hf_map import chunk_segments
 from vllm_delta.sender.segments import Segments
 
@@ -38,12 +40,18 @@ class SeedReport:
         return self.total == 0
 
 
+class SeedMismatchError(RuntimeError):
+    """The trainer's weights differ from the checkpoint the engines serve (a wrong HF map, or the
+    wrong checkpoint): every later sync would ship wrong positions or values."""
+
+
 class HookHandle:
     """The registered hook; `remove()` puts the optimizer's own `step` back."""
 
     def __init__(self, optimizer, chunks: Sequence[torch.nn.Module], sender, segments: list[Segments],
                  every: int, on_sync: Callable[[dict[str, float]], None] | None) -> None:
         self.optimizer, self.chunks, self.sender, self.segments = optimizer, list(chunks), sender, segments
+        self.bindings = Bindings([_unwrap(c) for c in self.chunks], segments)
         self.every, self.on_sync = every, on_sync
         self.steps = 0  # steps that updated the weights
         self.skipped = 0  # steps the optimizer skipped (no weight changed)
@@ -73,11 +81,23 @@ class HookHandle:
             cfg = getattr(chunk, "ddp_config", None)
             if cfg is not None and cfg.use_distributed_optimizer and cfg.overlap_param_gather:
                 chunk.start_param_sync(force_sync=True)
+        self._follow_rebinds()
         self.last_capture = self.sender.capture(self.segments)  # waits for the previous publish, if running
         if self._inflight is not None and self._inflight.done():
             self._report(self._inflight.result())
         self._inflight = self.sender.publish()
         self.syncs += 1
+
+    def _follow_rebinds(self) -> None:
+        """Re-point the segments of weights the trainer rebound; every rank raises if one rank can't."""
+        error = None
+        try:
+            if moved := self.bindings.refresh(self.segments):
+                logger.warning("megatron_hook: re-derived the views of rebound weights %s", moved[:5])
+        except RebindError as e:
+            error = e
+        if self.sender.ranks.all_sum(int(error is not None)):
+            raise error or RebindError("a weight was rebound on another rank of the sender's group")
 
     def flush(self) -> dict[str, float]:
         """Wait for the publish in flight; its metrics (empty if none)."""
@@ -101,31 +121,46 @@ class HookHandle:
 
 
 def register(optimizer, model_chunks: Sequence[torch.nn.Module], sender, *, bridge,
-             checkpoint: str | Path | None = None, every: int = 1,
+             checkpoint: str | Path | None = None, seed_from_trainer: bool = False,
+             seed_mismatch: Literal["raise", "warn"] = "raise", every: int = 1,
              on_sync: Callable[[dict[str, float]], None] | None = None) -> HookHandle:
     """Sync `sender`'s engines after every `every`-th optimizer step that updated the weights.
 
     `model_chunks` are the DDP-wrapped chunks given to the optimizer (one per virtual stage);
     `bridge` is the mbridge bridge of the model (its conversion code gives the HF map).
     `checkpoint` is the HF directory the engines loaded: the snapshot is seeded from its bytes
-    and every element where the trainer's weights differ is reported (`handle.seed_report`,
-    logged as an error), so a conversion mismatch shows at step 0. Without it, the snapshot is
-    the trainer's current weights. Every rank of the sender's group must call this.
+    and every element where the trainer's weights differ is found (`handle.seed_report`), so a
+    wrong map or checkpoint shows at step 0 instead of shipping wrong positions from step 1. A
+    mismatch raises `SeedMismatchError` on every rank, naming the first elements;
+    `seed_mismatch="warn"` logs it instead (e.g. the engines serve an older checkpoint on purpose).
+    Without a checkpoint nothing can be checked, so that takes an explicit `seed_from_trainer=True`
+    (the snapshot is then the trainer's current weights). Every rank of the sender's group must call this.
     """
     if every < 1:
         raise ValueError("every must be >= 1")
+    if seed_mismatch not in ("raise", "warn"):
+        raise ValueError(f"seed_mismatch must be 'raise' or 'warn', not {seed_mismatch!r}")
+    if (checkpoint is None) != seed_from_trainer:
+        raise ValueError("register() needs checkpoint= (the HF directory the engines loaded: the trainer's "
+                         "weights are checked against it at step 0) or, to seed from the trainer's weights "
+                         "with nothing checked, seed_from_trainer=True; not both")
     segments = [s for chunk in model_chunks for s in chunk_segments(bridge, _unwrap(chunk))]
-    handle = HookHandle(optimizer, model_chunks, sender, segments, every, on_sync)
+    report = SeedReport()
     if checkpoint is None:
-        sender.seed([s.with_tensor(s.tensor.detach().reshape(-1).clone()) for s in segments])
+        seeded = [s.with_tensor(s.tensor.detach().reshape(-1).clone()) for s in segments]
     else:
-        seeded, handle.seed_report = _seed_values(segments, Path(checkpoint))
-        handle.seed_report.total = sender.ranks.all_sum(sum(p.numel() for p in handle.seed_report.mismatches.values()))
-        if not handle.seed_report.ok:
-            logger.error("megatron_hook: %d elements differ from the served checkpoint (this rank: %s)",
-                         handle.seed_report.total,
-                         {n: p[:5].tolist() for n, p in list(handle.seed_report.mismatches.items())[:5]})
-        sender.seed(seeded)
+        seeded, report = _seed_values(segments, Path(checkpoint))
+        report.total = sender.ranks.all_sum(sum(p.numel() for p in report.mismatches.values()))
+        if not report.ok:
+            mine = {n: p[:5].tolist() for n, p in list(report.mismatches.items())[:5]} or "none"
+            msg = (f"{report.total} elements of the trainer's weights differ from the served checkpoint "
+                   f"{checkpoint} (HF name: first flat positions, this rank: {mine})")
+            if seed_mismatch == "raise":
+                raise SeedMismatchError(msg + "; pass seed_mismatch='warn' to sync anyway")
+            logger.error("megatron_hook: %s", msg)
+    sender.seed(seeded)
+    handle = HookHandle(optimizer, model_chunks, sender, segments, every, on_sync)
+    handle.seed_report = report
     return handle
 
 
@@ -136,23 +171,18 @@ def _seed_values(segments: list[Segments], checkpoint: Path) -> tuple[list[Segme
     ckpt = Checkpoint.open(checkpoint)
     report = SeedReport()
     seeded = []
-    by_name: dict[str, list[Segments]] = {}
     for s in segments:
-        by_name.setdefault(s.name, []).append(s)
-    for name, parts in by_name.items():
-        full = ckpt.read(name).reshape(-1)
-        for s in parts:
-            gidx = s.global_index()
-            served = full[gidx.cpu()].to(s.tensor.device)
-            mine = s.tensor.detach().reshape(-1)
-            if served.dtype != mine.dtype:
-                raise TypeError(f"{name}: the checkpoint holds {served.dtype}, the trainer {mine.dtype}")
-            differ = _bits(served) != _bits(mine)
-            if bool(differ.any()):
-                prev = report.mismatches.get(name)
-                pos = gidx[differ].cpu()
-                report.mismatches[name] = pos if prev is None else torch.cat([prev, pos])
-            seeded.append(s.with_tensor(served))
+        gidx = s.global_index()
+        served = ckpt.read_at(s.name, gidx.cpu()).to(s.tensor.device)  # only this rank's slice is read
+        mine = s.tensor.detach().reshape(-1)
+        if served.dtype != mine.dtype:
+            raise TypeError(f"{s.name}: the checkpoint holds {served.dtype}, the trainer {mine.dtype}")
+        differ = _bits(served) != _bits(mine)
+        if bool(differ.any()):
+            prev = report.mismatches.get(s.name)
+            pos = gidx[differ].cpu()
+            report.mismatches[s.name] = pos if prev is None else torch.cat([prev, pos])
+        seeded.append(s.with_tensor(served))
     return seeded, report
 
 

@@ -177,7 +177,18 @@ def behaviour_worker(rank, world, port, hf, expect_path):
     with tempfile.TemporaryDirectory() as root:
         sender = DeltaSender([], "disk", root)
         syncs: list[dict] = []
-        handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf, on_sync=syncs.append)
+        # By default a mismatch stops registration on every rank, naming the element.
+        import pytest
+
+        from megatron_hook import SeedMismatchError
+
+        with pytest.raises(SeedMismatchError, match=r"1 elements .*'model\.layers\.1\.self_attn\.q_proj\.weight': \[77\]"):
+            register(opt, [model], sender, bridge=bridge, checkpoint=hf)
+        assert "step" not in vars(opt), "a refused register() must leave the optimizer alone"
+        with pytest.raises(ValueError, match="seed_from_trainer=True"):
+            register(opt, [model], sender, bridge=bridge)  # no checkpoint, no explicit opt-out
+        handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf, seed_mismatch="warn",
+                          on_sync=syncs.append)
         got = {n: p.tolist() for n, p in handle.seed_report.mismatches.items()}
         assert handle.seed_report.total == 1 and got == expect, (got, expect)
 
@@ -245,3 +256,40 @@ def engine_worker(rank, world, port, hf, url, root, api_key, version, steps, out
             if f.is_file() and not f.name.endswith(".safetensors") and "index" not in f.name:
                 shutil.copy2(f, dest / f.name)
         save_file({n: t.contiguous() for n, t in final.items()}, dest / "model.safetensors")
+
+
+def rebind_worker(rank, world, port, hf):
+    """An offload/onload cycle after register() (every `param.data` rebound to new memory): the next
+    sync still ships exactly the elements mbridge's export shows changed; a weight rebound with
+    another layout stops the sync, naming the weight."""
+    import pytest
+
+    from megatron_hook import RebindError, register
+    from vllm_delta import DeltaSender
+
+    megatron_cpu.import_mbridge()
+    megatron_cpu.init_distributed(rank, world, port)
+    model, opt, gpt, bridge = megatron_cpu.build_from_hf(hf, lr=LR)
+    with tempfile.TemporaryDirectory() as root:
+        sender = DeltaSender([], "disk", root)  # no engine: the entries are checked here
+        handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf)
+        for step in range(2):
+            prev = megatron_cpu.export_hf(bridge, gpt)
+            with torch.no_grad():  # offload, then onload into fresh memory
+                for p in gpt.parameters():
+                    p.data = p.data.clone()
+            megatron_cpu.train_step(model, opt, tokens(step))
+            handle.flush()
+            new = megatron_cpu.export_hf(bridge, gpt)  # mbridge's export, independent of our map
+            shipped = [(e.name, e.positions, e.new_values) for e in handle.last_capture.entries]
+            applied = apply_entries(prev, shipped)
+            changed = sum(int((bits(prev[n]) != bits(new[n])).sum()) for n in new)
+            assert changed > 0 and sum(e[1].numel() for e in shipped) == changed, (step, changed)
+            bad = [n for n in new if not torch.equal(bits(applied[n]), bits(new[n]))]
+            assert not bad, f"step {step}: shipped entries miss the rebound weights' changes: {bad[:5]}"
+        w = gpt.decoder.layers[0].mlp.linear_fc1.weight
+        with torch.no_grad():  # same values, column-major: the segment views cannot follow
+            w.data = w.data.t().contiguous().t()
+        with pytest.raises(RebindError, match=r"decoder\.layers\.0\.mlp\.linear_fc1\.weight was rebound"):
+            megatron_cpu.train_step(model, opt, tokens(9))
+        sender.close()
