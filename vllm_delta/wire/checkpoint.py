@@ -6,11 +6,11 @@ Used by the offline tools: `vllm-delta diff` reads two of them, `apply` writes o
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,31 +22,78 @@ from .dtypes import by_st_code
 INDEX_NAME = "model.safetensors.index.json"
 
 
-@dataclass(frozen=True)
 class Checkpoint:
-    path: Path
-    shards: dict[str, list[str]]  # shard file -> tensor names, in file order
-    meta: dict[str, tuple[tuple[int, ...], torch.dtype]]  # tensor -> (shape, dtype)
+    """An HF checkpoint directory. Each shard is opened, and its header parsed, at most once and only
+    when one of its tensors is first needed; a tensor's shard is a dict lookup.
+
+    Why: the offline tools and seeding touch every tensor (37k in a 94-layer, 128-expert MoE), and a
+    trainer rank needs only its own tensors' shards. Reopening a shard per tensor made a diff
+    quadratic in the tensor count.
+    """
+
+    def __init__(self, path: Path, where: dict[str, str] | None, files: list[str]) -> None:
+        self.path = path
+        self._handles: dict[str, object] = {}  # shard file -> open safe_open handle
+        self._meta: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}  # shard -> its header
+        self.shards: dict[str, list[str]] = {}  # shard file -> tensor names
+        if where is None:  # no index: the headers say what each file holds
+            self.shards = {f: list(self._header(f)) for f in files}
+            where = {k: f for f, names in self.shards.items() for k in names}
+        else:
+            self.shards = {f: [] for f in files}
+            for k, f in where.items():
+                self.shards[f].append(k)
+        self._where = where  # tensor -> shard file
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Checkpoint:
         path = Path(path)
         index = path / INDEX_NAME
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in path.glob("*.safetensors"))
+        where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+        files = sorted(set(where.values())) if where is not None else sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{path}: no safetensors checkpoint found")
-        shards, meta = {}, {}
-        for f in files:
-            with safe_open(path / f, framework="pt") as h:
-                shards[f] = list(h.keys())
-                for k in shards[f]:
-                    s = h.get_slice(k)
-                    meta[k] = (tuple(s.get_shape()), by_st_code(s.get_dtype()).torch)
-        return cls(path, shards, meta)
+        return cls(path, where, files)
+
+    def _handle(self, shard: str):
+        h = self._handles.get(shard)
+        if h is None:
+            h = self._handles[shard] = safe_open(self.path / shard, framework="pt")
+        return h
+
+    def _header(self, shard: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """`shard`'s tensors -> (shape, dtype), parsed once; refused if the index names others."""
+        meta = self._meta.get(shard)
+        if meta is None:
+            h = self._handle(shard)
+            meta = {}
+            for k in h.keys():
+                s = h.get_slice(k)
+                meta[k] = (tuple(s.get_shape()), by_st_code(s.get_dtype(), file=shard).torch)
+            listed = self.shards.get(shard)
+            if listed is not None and sorted(listed) != sorted(meta):
+                raise ValueError(f"{self.path / shard}: holds other tensors than {INDEX_NAME} says "
+                                 f"({sorted(set(meta) ^ set(listed))[:5]})")
+            self._meta[shard] = meta
+        return meta
+
+    @property
+    def meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor -> (shape, dtype) (reads every shard's header)."""
+        return {k: v for f in self.shards for k, v in self._header(f).items()}
+
+    def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """`name`'s (shape, dtype), from its own shard's header only."""
+        return self._header(self._shard_of(name))[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def _shard_of(self, name: str) -> str:
+        f = self._where.get(name)
+        if f is None:
+            raise KeyError(f"{name}: not in the checkpoint {self.path}")
+        return f
 
     @property
     def elements(self) -> int:
@@ -58,13 +105,27 @@ class Checkpoint:
             yield from load_file(self.path / f).items()
 
     def read(self, name: str) -> torch.Tensor:
-        f = next(f for f, names in self.shards.items() if name in names)
-        with safe_open(self.path / f, framework="pt") as h:
-            return h.get_tensor(name)
+        return self._handle(self._shard_of(name)).get_tensor(name)
+
+    def read_at(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        """`read(name).reshape(-1)[flat]` (int64 CPU positions), reading only the block of rows,
+        and for a matrix of columns, that `flat` spans: a TP shard reads its own slice."""
+        shape, dtype = self.info(name)
+        if flat.numel() == 0:
+            return torch.empty(0, dtype=dtype)
+        if not shape:
+            return self.read(name).reshape(-1)[flat]
+        row = math.prod(shape[1:])
+        part = self._handle(self._shard_of(name)).get_slice(name)
+        r0, r1 = int(flat.min()) // row, int(flat.max()) // row + 1
+        if len(shape) != 2:
+            return part[r0:r1].reshape(-1)[flat - r0 * row]
+        col = flat % row
+        c0, c1 = int(col.min()), int(col.max()) + 1
+        return part[r0:r1, c0:c1].reshape(-1)[(flat // row - r0) * (c1 - c0) + col - c0]
 
     def shard_metadata(self, shard: str) -> dict[str, str] | None:
-        with safe_open(self.path / shard, framework="pt") as h:
-            return h.metadata()
+        return self._handle(shard).metadata()
 
     def copy_other_files(self, dest: Path) -> None:
         """Everything but the tensor shards: config, tokenizer, the index."""
