@@ -150,26 +150,24 @@ class DeltaSender:
         """Seed from the engines' own HF checkpoint bytes (exact even if the trainer's round trip isn't).
 
         With `like` (the tensors or shards this rank will pass to `capture`), each snapshot takes
-        this rank's elements of the checkpoint tensor, on that tensor's device.
+        this rank's elements of the checkpoint tensor, on that tensor's device. What is read scales
+        with this rank's tensors, not with the checkpoint.
         """
         from vllm_delta.wire.checkpoint import Checkpoint
 
         ckpt = Checkpoint.open(hf_dir)
         if like is None:
-            keep = None if names is None else set(names)
-            self.seed((n, t) for n, t in ckpt.iter_tensors() if keep is None or n in keep)
+            if names is None:
+                self.seed(ckpt.iter_tensors())
+            else:  # only the named tensors' shards are opened
+                self.seed((n, ckpt.read(n)) for n in dict.fromkeys(names) if n in ckpt)
             return
-        shards = {s.name: s for s in (self._as_shard(x) for x in _items(like))}
-        seeded = []
-        for name, full in ckpt.iter_tensors():
-            s = shards.pop(name, None)
-            if s is None:
-                continue
-            local = full.reshape(-1)[s.global_index().cpu()].reshape(s.tensor.shape).to(s.tensor.device)
-            seeded.append(s.with_tensor(local))
-        if shards:
-            raise KeyError(f"not in the checkpoint: {sorted(shards)[:5]}")
-        self.seed(seeded)
+        shards = [self._as_shard(x) for x in _items(like)]
+        if missing := sorted({s.name for s in shards if s.name not in ckpt}):
+            raise KeyError(f"not in the checkpoint: {missing[:5]}")
+        # Only the shards holding this rank's tensors are opened, and only its slices read.
+        self.seed([s.with_tensor(ckpt.read_at(s.name, s.global_index().cpu()).reshape(s.tensor.shape)
+                                 .to(s.tensor.device)) for s in shards])
 
     def add_engine(self, url: str) -> None:
         """A late-joining (or restarted) engine: it gets a full anchor at the next sync (with s3, it
