@@ -3,12 +3,12 @@
 Why: a trainer rank must diff its own shard and name the changed elements in HF coordinates
 without gathering weights. Hand-written per-family layout tables drift from the converter that
 exported the served checkpoint; instead each local tensor is probed through mbridge's conversion
-itself. For a param split across R tensor-parallel ranks, R int64 id tensors (rank k's ids are
-k * numel + arange) go through `_weight_merge_across_tp` and `_weight_to_hf_format`, exactly as
-`export_weights` moves real values; the ids of this rank that come out in HF tensor `h` at flat
-position j say that local element i is `h[j]`. Ids that vanish (padded vocab rows) have no HF
-position and are never shipped. The map is compressed at once into `Segments` runs; the id
-tensors are transient and about one tensor's worth at a time.
+itself. For a param split across R tensor-parallel ranks, R id tensors (rank k's ids are k * numel +
+arange) go through `_weight_merge_across_tp` and `_weight_to_hf_format`, exactly as `export_weights`
+moves real values; the ids of this rank that come out in HF tensor `h` at flat position j say that
+local element i is `h[j]`. Ids that vanish (padded vocab rows) have no HF position and are never
+shipped. The ids are `BlockIds` (one int64 per row, or per coarser block mbridge's rules keep whole),
+so registration costs O(rows), not O(elements), and the map is compressed at once into `Segments`.
 
 Exactly one replica ships each element: a rank holds a tensor only if it is this rank's part of
 a partitioned param, or TP rank 0 of a replicated one, and only DP rank 0 (expert-DP rank 0 for
@@ -19,12 +19,14 @@ The private mbridge methods used are pinned with `mbridge==0.15.1` (pyproject.to
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from megatron_hook.blocks import BlockIds
 from megatron_hook.names import TENamed
-from vllm_delta.sender.segments import Segments, runs_of
+from vllm_delta.sender.segments import Segments
 
 _EXPERT_KEY = ".mlp.experts.linear_fc"
 
@@ -61,10 +63,14 @@ def local_tensors(gpt: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def chunk_segments(bridge, gpt: torch.nn.Module, par: Parallel | None = None) -> list[Segments]:
     """This rank's shippable elements of one model chunk, as `Segments` over views of its live tensors."""
+    return [s for args in shipped(bridge, gpt, par) for s in probe(bridge, *args)]
+
+
+def shipped(bridge, gpt: torch.nn.Module, par: Parallel | None = None) -> Iterator[tuple[str, torch.Tensor, int, int]]:
+    """`(global TE name, tensor, TP rank, TP size)` of each tensor this rank ships (size 1: not split)."""
     par = par or Parallel.current()
     view = TENamed(gpt)
     to_global = bridge._weight_name_mapping_mcore_local_to_global(view)  # TE local -> TE global name
-    out: list[Segments] = []
     for name, t in local_tensors(gpt).items():
         te = view.te[name]
         expert = _EXPERT_KEY in te
@@ -74,36 +80,49 @@ def chunk_segments(bridge, gpt: torch.nn.Module, par: Parallel | None = None) ->
         split = size > 1 and (expert or getattr(t, "tensor_model_parallel", False))
         if not split and (par.etp_rank if expert else par.tp_rank) != 0:
             continue  # replicated across TP: TP rank 0 ships it
-        out.extend(probe(bridge, to_global[te], t, rank if split else 0, size if split else 1))
-    return out
+        yield to_global[te], t, rank if split else 0, size if split else 1
 
 
 def probe(bridge, global_name: str, t: torch.Tensor, rank: int, size: int) -> list[Segments]:
-    """Run id tensors through mbridge's TP merge and HF conversion; one `Segments` per HF tensor."""
+    """Run block ids through mbridge's TP merge and HF conversion; one `Segments` per HF tensor.
+
+    O(rows) memory and time: a 2-D or larger tensor starts as one block per row."""
     n = t.numel()
-    ids = [torch.arange(k * n, (k + 1) * n, dtype=torch.int64).view(t.shape) for k in range(size)]
-    merged = bridge._weight_merge_across_tp(global_name, ids, t) if size > 1 else ids[0]
-    names, hf = bridge._weight_to_hf_format(global_name, merged)
+    width = t.shape[-1] if t.dim() > 1 else 1
+    ids = [BlockIds.arange(k * n, t.shape, width) for k in range(size)]
+    try:
+        merged = bridge._weight_merge_across_tp(global_name, ids, t) if size > 1 else ids[0]
+        names, hf = bridge._weight_to_hf_format(global_name, merged)
+    except (NotImplementedError, AttributeError, TypeError) as e:
+        raise NotImplementedError(f"{global_name}: mbridge's conversion does something the block probe does not "
+                                  f"model ({e}); refusing rather than guessing its HF positions") from e
     flat = t.detach().reshape(-1)
     out = []
     for hf_name, hf_ids in zip(names, hf):
-        hf_flat = hf_ids.reshape(-1)
-        mine = (hf_flat >= rank * n) & (hf_flat < (rank + 1) * n)
-        positions = torch.nonzero(mine).reshape(-1)
-        local = hf_flat[positions] - rank * n
+        starts, w = hf_ids.starts.reshape(-1), hf_ids.width
+        blocks = torch.nonzero((starts >= rank * n) & (starts < (rank + 1) * n)).reshape(-1)
+        if not blocks.numel():
+            continue
+        local = starts[blocks] - rank * n
         order = torch.argsort(local)
-        local, positions = local[order], positions[order]
-        if local.numel():
-            out.append(Segments.from_positions(hf_name, _view(flat, local, global_name), tuple(hf_ids.shape),
-                                               positions))
+        local, hf_pos = local[order], blocks[order] * w
+        out.append(Segments(hf_name, _view(flat, _runs(local, w), global_name), tuple(hf_ids.shape),
+                            _runs(hf_pos, w)))
     return out
 
 
-def _view(flat: torch.Tensor, local: torch.Tensor, name: str) -> torch.Tensor:
-    """A view of `flat` at the sorted local positions `local`: one range, or equal runs at a
-    constant stride (a rank's q, k or v rows across its query groups). Anything else would need
-    a copy that does not follow the live weights, so it is refused."""
-    runs = runs_of(local)
+def _runs(starts: torch.Tensor, width: int) -> tuple[tuple[int, int], ...]:
+    """Blocks of `width` at `starts` (in order) merged into `(start, length)` runs of consecutive elements."""
+    breaks = torch.nonzero(starts[1:] - starts[:-1] != width).reshape(-1) + 1
+    first = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+    lengths = torch.diff(torch.cat([first, torch.tensor([starts.numel()])])) * width
+    return tuple(zip(starts[first].tolist(), lengths.tolist()))
+
+
+def _view(flat: torch.Tensor, runs: tuple[tuple[int, int], ...], name: str) -> torch.Tensor:
+    """A view of `flat` over the sorted local runs: one range, or equal runs at a constant stride (a
+    rank's q, k or v rows across its query groups). Anything else would need a copy that does not
+    follow the live weights, so it is refused."""
     if len(runs) == 1:
         a, length = runs[0]
         return flat[a:a + length]
