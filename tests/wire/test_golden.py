@@ -38,8 +38,10 @@ POLICY = Policy(span_bits=16, min_entries=8, max_entries=8)  # small blocks, so 
 
 OURS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "ulp_zstd")
 SEED = ("indices", "deltas", "deltas_zstd")
-CASES = [(layout, e) for layout in ("v1", "v2") for e in OURS] + [("seed", e) for e in SEED]
-FORMATS = {"v1": "vllm-delta/1", "v2": "vllm-delta/2"}
+DENSE_ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd")  # overwrite: what anchors use
+CASES = ([(layout, e) for layout in ("v1", "v2") for e in OURS] + [("seed", e) for e in SEED]
+         + [("v2dense", e) for e in DENSE_ENCODINGS])
+FORMATS = {"v1": "vllm-delta/1", "v2": "vllm-delta/2", "v2dense": "vllm-delta/2"}
 
 # name: dtype, shape, flat positions, old bits, new bits (unsigned bit patterns of the dtype).
 # `a`: gaps of 0, exactly 2^16 - 1 and above 2^16 (u32 gaps); `b`: u16 gaps; `c`: u8 gaps;
@@ -71,6 +73,31 @@ WIDTHS = {"indices": {"a": 4, "b": 4, "c": 4, "huge": 8},
 BLOCKS = {"a": [[0, 7, 8], [300, 250_000, 8], [250_001, 299_999, 4]], "b": [[1, 511, 5]],
           "c": [[0, 15, 3]], "huge": [[0, (1 << 33) - 1, 5]]}
 
+# Implicit positions (width 0), written by `add_dense` from pieces `(start, length)`: `w` whole, in two
+# pieces that merge into one run, cut where positions cross a multiple of 8 (POLICY.max_entries);
+# `s` a column slice (runs of 3: block counts need not be multiples of 8); `huge` (2^33 elements,
+# never allocated) a run across 2^31 and one ending at the last element.
+DENSE = {
+    "w": (torch.bfloat16, (3, 7), [(0, 10), (10, 11)]),
+    "s": (torch.float32, (4, 6), [(1, 3), (7, 3), (13, 3), (19, 3)]),
+    "huge": (torch.bfloat16, (1 << 17, 1 << 16), [((1 << 31) - 5, 11), ((1 << 33) - 2, 2)]),
+}
+DENSE_BLOCKS = {"w": [[0, 7, 8], [8, 15, 8], [16, 20, 5]],
+                "s": [[1, 3, 3], [7, 7, 1], [8, 9, 2], [13, 15, 3], [19, 21, 3]],
+                "huge": [[(1 << 31) - 5, (1 << 31) - 1, 5], [1 << 31, (1 << 31) + 5, 6],
+                         [(1 << 33) - 2, (1 << 33) - 1, 2]]}
+
+
+def dense_positions(name: str) -> list[int]:
+    return [p for a, n in DENSE[name][2] for p in range(a, a + n)]
+
+
+def dense_bits(name: str) -> list[int]:
+    """Distinct high and low bytes per element, so a plane order shows."""
+    w = 8 * DENSE[name][0].itemsize
+    return [(0x12345679 * (i + 1) >> 3) & ((1 << w) - 1) for i in range(len(dense_positions(name)))]
+
+
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -92,6 +119,12 @@ def case_dir(layout: str, encoding: str) -> str:
 
 def write_ours(out: Path, layout: str, encoding: str) -> None:
     """The fixed inputs through the public writer: one flush, `vllm-delta/1` or `/2`."""
+    if layout == "v2dense":
+        with DeltaWriter(out, version=VERSION, base_version=BASE, encoding=encoding, block_policy=POLICY) as w:
+            for name, (dtype, shape, pieces) in DENSE.items():
+                values, at = bits_tensor(dense_bits(name), dtype), 0
+                w.add_dense(name, [(a, values[at:(at := at + n)]) for a, n in pieces], shape=shape)
+        return
     with DeltaWriter(out, version=VERSION, base_version=BASE, encoding=encoding, blocked=layout == "v2",
                      block_policy=POLICY) as w:
         for name, (dtype, shape, pos, old, new) in PARAMS.items():
@@ -130,7 +163,7 @@ def test_every_encoding_has_golden_files():
 def test_encoder_reproduces_the_golden_file(tmp_path, layout, encoding):
     golden = GOLDEN / case_dir(layout, encoding)
     want = (golden / FLUSH).read_bytes()
-    assert (want[:4] == b"\x28\xb5\x2f\xfd") == (encoding == "deltas_zstd" and layout != "v2")
+    assert (want[:4] == b"\x28\xb5\x2f\xfd") == (encoding == "deltas_zstd" and layout in ("v1", "seed"))
     if layout == "seed":
         assert container_parts(seed_bytes(encoding)) == container_parts(want)
         return
@@ -140,7 +173,7 @@ def test_encoder_reproduces_the_golden_file(tmp_path, layout, encoding):
     assert (tmp_path / "d" / FLUSH).read_bytes() == want
 
 
-@pytest.mark.parametrize("layout,encoding", [c for c in CASES if c[0] != "seed"])
+@pytest.mark.parametrize("layout,encoding", [c for c in CASES if c[0] in ("v1", "v2")])
 def test_golden_header_states_the_widths_and_blocks(layout, encoding):
     _, header, _ = container_parts((GOLDEN / case_dir(layout, encoding) / FLUSH).read_bytes())
     meta = header["__metadata__"]
@@ -154,7 +187,7 @@ def test_golden_header_states_the_widths_and_blocks(layout, encoding):
         assert {p["name"]: [r[:3] for r in p["blocks"]] for p in params} == BLOCKS
 
 
-@pytest.mark.parametrize("layout,encoding", CASES)
+@pytest.mark.parametrize("layout,encoding", [c for c in CASES if c[0] != "v2dense"])
 def test_decoder_reads_the_golden_file_to_the_known_values(layout, encoding):
     names = SEED_PARAMS if layout == "seed" else tuple(PARAMS)
     expected = {n: (PARAMS[n][1], PARAMS[n][0]) for n in names}
@@ -192,3 +225,38 @@ def test_golden_block_index_lets_a_reader_decode_one_block(encoding):
         assert a.values.tolist() == STEPS["a"][8:16]
     else:
         assert unsigned(a.values) == PARAMS["a"][4][8:16]
+
+
+@pytest.mark.parametrize("encoding", DENSE_ENCODINGS)
+def test_dense_golden_header_has_implicit_positions(encoding):
+    _, header, _ = container_parts((GOLDEN / case_dir("v2dense", encoding) / FLUSH).read_bytes())
+    meta = header["__metadata__"]
+    assert (meta["format"], meta["encoding"]) == ("vllm-delta/2", encoding)
+    params = json.loads(meta["params"])
+    assert [p["name"] for p in params] == list(DENSE)
+    assert {p["name"]: p["width"] for p in params} == {n: 0 for n in DENSE}
+    assert {p["name"]: [r[:3] for r in p["blocks"]] for p in params} == DENSE_BLOCKS
+    values = {"indices": ["values"], "deltas": ["values"], "deltas_zstd": ["values"], "planes_zstd": None}[encoding]
+    for p in params:  # no position stream: only the values'
+        assert p["streams"] == (values or [f"val{j}" for j in range(DENSE[p["name"]][0].itemsize)])
+
+
+@pytest.mark.parametrize("encoding", DENSE_ENCODINGS)
+def test_dense_golden_decodes_to_the_known_positions_and_values(encoding):
+    expected = {n: (shape, dtype) for n, (dtype, shape, _) in DENSE.items()}
+    deltas = read_delta(GOLDEN / case_dir("v2dense", encoding), expected=expected)
+    assert [pd.name for pd in deltas] == list(DENSE)
+    for pd in deltas:
+        assert pd.positions.dtype == torch.int64 and pd.positions.tolist() == dense_positions(pd.name)
+        assert not pd.needs_base and unsigned(pd.values) == dense_bits(pd.name)
+
+
+@pytest.mark.parametrize("encoding", DENSE_ENCODINGS)
+def test_dense_golden_block_index_lets_a_reader_decode_one_block(encoding):
+    owned = {"w": [(9, 9)], "s": [(13, 13), (21, 21)], "huge": [(1 << 31, 1 << 31)]}
+    deltas = {pd.name: pd for pd in read_delta(GOLDEN / case_dir("v2dense", encoding), owned=owned)}
+    w, s, huge = (deltas[n] for n in DENSE)
+    assert (w.blocks, s.blocks, huge.blocks) == ((1, 3), (2, 5), (1, 3))
+    assert w.positions.tolist() == list(range(8, 16)) and unsigned(w.values) == dense_bits("w")[8:16]
+    assert s.positions.tolist() == [13, 14, 15, 19, 20, 21] and unsigned(s.values) == dense_bits("s")[6:]
+    assert huge.positions.tolist() == list(range(1 << 31, (1 << 31) + 6)) and huge.skipped == 7
