@@ -139,9 +139,12 @@ def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = c
         return None
     changed = [k.split(":", 1)[1] for k in differs if k.startswith("param:") and k in before.tensors]
     derived = [k.split(":", 1)[1] for k in differs if k not in before.tensors or not k.startswith("param:")]
+    # A step may consume parameters (fp8 KV-cache scales are deleted once folded into `_k_scale`...):
+    # never a permutation, and re-run from the restored originals like any derived state.
+    consumed = [n for n in changed if f"param:{n}" not in after]
     inverse: dict[str, torch.Tensor | None] = {}
     try:
-        for n in changed if not derived and not state else []:
+        for n in changed if not derived and not state and not consumed else []:
             inverse[n] = _inverse_permutation(module, step_of, n, before.tensors[f"param:{n}"], after[f"param:{n}"])
             _rerun(module, step_of, before, changed)  # back from the id probe
             if inverse[n] is None:
