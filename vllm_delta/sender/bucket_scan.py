@@ -43,10 +43,8 @@ class Layout:
     lo: int  # storage offset of the span
     local_runs: tuple[tuple[tuple[int, int], ...], ...]  # per member: (bucket offset, length) in local order,
     # one run or equal runs at a constant stride (so the member's snapshot is a view of the bucket's)
-    run_start: torch.Tensor  # int64[R] bucket offsets, sorted
-    run_end: torch.Tensor
-    run_hf: torch.Tensor  # HF flat position of each run's first element
-    run_seg: torch.Tensor  # member index of each run
+    rows: tuple[tuple[int, int, int, int], ...]  # runs (bucket offset, HF start, length, member), sorted
+    tables: tuple[torch.Tensor, ...]  # `run_tables(rows)` on the weights' device
     gaps: bool  # the span holds elements no member covers (padding, unregistered params)
 
 
@@ -108,13 +106,15 @@ def storage_key(t: torch.Tensor) -> tuple:
     return t.device, t.dtype, t.untyped_storage()._cdata
 
 
-def plan(shards: list[Shard | Segments]) -> tuple[list[Layout], list[Shard | Segments]]:
-    """Group shards into buckets; return the layouts and the shards the per-segment scan must take
-    (too many runs, a non-unit inner stride, or elements shared with another shard)."""
+def plan(shards: list[Shard | Segments], known: dict[tuple, Layout] | None = None
+         ) -> tuple[list[Layout], list[Shard | Segments]]:
+    """Group shards into buckets; return the layouts (those in `known` reused: no torch op) and the
+    shards the per-segment scan must take (too many runs, a non-unit inner stride, or elements shared
+    with another shard). Python work only, O(runs)."""
     groups: dict[tuple, list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]] = {}
     rest = []
     for s in shards:
-        t = s.tensor.detach()
+        t = s.tensor  # metadata only: no torch op per shard
         buf, hf = storage_runs(t), hf_runs(s)
         if buf is None or hf is None or t.numel() == 0 or not strided(buf):
             rest.append(s)
@@ -126,7 +126,10 @@ def plan(shards: list[Shard | Segments]) -> tuple[list[Layout], list[Shard | Seg
         if any(e1 > b2 for (_, e1), (b2, _) in zip(flat, flat[1:])):  # overlapping shards (tied views)
             rest.extend(s for s, _, _ in members)
             continue
-        layouts.append(_layout(key, members))
+        members.sort(key=lambda m: m[1][0][0])
+        full_key = key + tuple((s.name, tuple(runs)) for s, _, runs in members)
+        layout = (known or {}).get(full_key)
+        layouts.append(layout if layout is not None else _layout(full_key, members))
     return layouts, rest
 
 
@@ -138,22 +141,21 @@ def strided(runs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> bool:
 
 def _layout(key: tuple, members: list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]
             ) -> Layout:
-    members = sorted(members, key=lambda m: m[1][0][0])
     lo = min(b for _, buf, _ in members for b, _ in buf)
     hi = max(b + n for _, buf, _ in members for b, n in buf)
     rows = sorted((b - lo, h, n, k) for k, (_, _, runs) in enumerate(members) for b, h, n in runs)
     t0 = members[0][0].tensor.detach()
     base = t0.as_strided((hi - lo,), (1,), lo)
-    dev = t0.device
-    col = list(zip(*rows))
-    start = torch.tensor(col[0], dtype=torch.int64, device=dev)
-    length = torch.tensor(col[2], dtype=torch.int64, device=dev)
-    covered = sum(col[2])
-    full_key = key + tuple((s.name, tuple(runs)) for s, _, runs in members)
-    return Layout(full_key, tuple(s.name for s, _, _ in members), base, lo,
+    rows_t = tuple(rows)
+    return Layout(key, tuple(s.name for s, _, _ in members), base, lo,
                   tuple(tuple((b - lo, n) for b, n in buf) for _, buf, _ in members),
-                  start, start + length, torch.tensor(col[1], dtype=torch.int64, device=dev),
-                  torch.tensor(col[3], dtype=torch.int64, device=dev), covered != hi - lo)
+                  rows_t, run_tables(rows_t, t0.device), sum(r[2] for r in rows) != hi - lo)
+
+
+def run_tables(rows: tuple[tuple[int, int, int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """int64 (start, end, HF start, member) of each run, on `device`: made once per layout."""
+    t = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).t().contiguous()
+    return tuple(x.to(device) for x in (t[0], t[0] + t[2], t[1], t[3]))
 
 
 @dataclass(eq=False)
@@ -175,7 +177,8 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     host snapshot of device weights the live span comes to the host chunk by chunk."""
     n = len(layout.names)
     pos, old, new = _diff(layout.base, snap)
-    seg, hf, keep = _locate(layout, pos)
+    tables = tuple(t.to(pos.device) for t in layout.tables)
+    seg, hf, keep = locate(tables, pos)
     if layout.gaps:  # drop changes no member covers
         idx = torch.nonzero(keep).reshape(-1)
         pos, old, new, seg, hf = pos[idx], old[idx], new[idx], seg[idx], hf[idx]
@@ -184,7 +187,7 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     sent, send_seg, send_hf, send_new, send_old = pos, seg, hf, new, old
     if kind == "catchup" and pending is not None:
         sent = union(pending, pos)
-        send_seg, send_hf, _ = _locate(layout, sent)
+        send_seg, send_hf, _ = locate(tables, sent)
         send_new, send_old = take(layout.base, sent), None
         post = segment_sums(send_seg, n, send_hf, send_new)
     order = torch.argsort(send_hf, stable=True)  # by HF position, then (stably) by member
@@ -203,7 +206,12 @@ def _diff(base: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if base.device == snap.device and base.device.type == "cpu":
         pos = changed_positions(base, snap)  # numpy, chunked, on every core
         return pos, snap[pos], base[pos]
-    chunk = DEVICE_CHUNK
+    return chunked_diff(base, snap, DEVICE_CHUNK)
+
+
+def chunked_diff(base: torch.Tensor, snap: torch.Tensor, chunk: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_diff` a chunk at a time: bounded temporaries, a fixed number of ops per chunk."""
     parts = []
     for a in range(0, snap.numel(), chunk):
         cur, s = base[a:a + chunk], snap[a:a + chunk]
@@ -216,13 +224,11 @@ def _diff(base: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return tuple(torch.cat(x) for x in zip(*parts))  # type: ignore[return-value]
 
 
-def _locate(layout: Layout, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def locate(tables: tuple[torch.Tensor, ...], pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(member, HF position, covered?) of bucket offsets: one `searchsorted` over the run starts."""
-    start = layout.run_start.to(pos.device)
+    start, end, hf_start, seg = tables
     r = (torch.searchsorted(start, pos, right=True) - 1).clamp_(min=0)
-    keep = pos < layout.run_end.to(pos.device)[r]
-    hf = pos - start[r] + layout.run_hf.to(pos.device)[r]
-    return layout.run_seg.to(pos.device)[r], hf, keep
+    return seg[r], pos - start[r] + hf_start[r], pos < end[r]
 
 
 def take(base: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

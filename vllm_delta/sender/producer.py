@@ -156,11 +156,8 @@ class Producer:
     def pending_names(self) -> list[str]:
         names = [n for n, st in self._states.items() if st.pending is not None]
         for b in self._buckets.values():
-            if b.pending is not None:  # one bincount per bucket with a catch-up
-                seg, _, _ = bucket_scan._locate(b.layout, b.pending)
-                counts = torch.zeros(len(b.layout.names), dtype=torch.int64, device=seg.device).index_add_(
-                    0, seg, torch.ones_like(seg)).tolist()
-                names += [n for n, c in zip(b.layout.names, counts) if c]
+            if b.pending is not None:  # one count per bucket with a catch-up
+                names += [n for n, c in zip(b.layout.names, _pending_counts(b)) if c]
         return names
 
     def pending_elements(self) -> int:
@@ -205,7 +202,7 @@ class Producer:
     def _scan_buckets(self, shards: list[Shard], kind: str, cap: Capture) -> list[Entry]:
         """The one-pass scan: a bounded number of ops per bucket, then one host transfer of every
         bucket's digests and counts; entries come back in the order the shards were given."""
-        layouts, rest = bucket_scan.plan(shards)
+        layouts, rest = bucket_scan.plan(shards, {k: b.layout for k, b in self._buckets.items()})
         by_name = {s.name: s for s in shards}
         entries = {s.name: self._scan_one(s, self._states[s.name], kind, False, cap) for s in rest}
         scans = []
@@ -286,7 +283,7 @@ class Producer:
         per-segment scan, or when the bucket goes)."""
         if b.pending is None:
             return
-        seg, _, _ = bucket_scan._locate(b.layout, b.pending)
+        seg, _, _ = bucket_scan.locate(tuple(t.to(b.pending.device) for t in b.layout.tables), b.pending)
         for i, (name, runs) in enumerate(zip(b.layout.names, b.layout.local_runs)):
             mine = b.pending[seg == i]
             if not mine.numel():
@@ -422,3 +419,12 @@ def _put(snapshot: torch.Tensor, local: torch.Tensor, values: torch.Tensor) -> N
     else:
         cols = snapshot.shape[1]
         snapshot[torch.div(local, cols, rounding_mode="floor"), local % cols] = values
+
+
+def _pending_counts(b: _Bucket) -> list[int]:
+    """Catch-up positions per member of a bucket (on `meta`, which has no values: every member)."""
+    if b.pending.device.type == "meta":
+        return [1] * len(b.layout.names)
+    seg, _, _ = bucket_scan.locate(tuple(t.to(b.pending.device) for t in b.layout.tables), b.pending)
+    return torch.zeros(len(b.layout.names), dtype=torch.int64, device=seg.device).index_add_(
+        0, seg, torch.ones_like(seg)).tolist()

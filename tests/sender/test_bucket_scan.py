@@ -1,0 +1,213 @@
+"""The one-pass bucket scan (`sender/bucket_scan.py`): bit-exact against the per-segment scan on a
+Megatron-like flat buffer (fused qkv rows as strided views, a split fc1, padding between params,
+chunk edges), its torch op count constant in the number of segments of a bucket (counted with a
+TorchDispatchMode), every op on `meta`, and the offset map past 2^31 elements."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.fx.experimental._config as fx_config
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import vllm_delta.diff as diff
+from vllm_delta.sender import Shard, bucket_scan
+from vllm_delta.sender.producer import Producer
+from vllm_delta.sender.segments import Segments
+from vllm_delta.wire import additive
+
+PAD = 7  # elements of padding after every param, as Megatron's buffer aligns params
+
+
+def _buffer_segments(n_params: int, rows: int = 12, cols: int = 16, device: str = "cpu",
+                     gen: torch.Generator | None = None) -> tuple[torch.Tensor, list[Segments]]:
+    """A flat bf16 buffer of `n_params` params, each [rows, cols] with PAD after it, cut into HF
+    tensors three ways: a strided view of every other row pair (qkv-like), the other rows as one
+    HF tensor whose runs are out of HF order, and a whole param split in two (fc1-like)."""
+    numel = rows * cols
+    size = n_params * (numel + PAD)
+    if device == "meta":
+        buf = torch.empty(size, dtype=torch.bfloat16, device="meta")
+    else:
+        buf = (torch.randn(size, generator=gen) * 0.02).to(torch.bfloat16)
+    segs = []
+    for k in range(n_params):
+        flat = buf[k * (numel + PAD):k * (numel + PAD) + numel]
+        p = flat.view(rows, cols)
+        if k % 2 == 0:  # rows 0,1 / 4,5 / 8,9 -> "q" (strided view), rows 2,3 / 6,7 / 10,11 -> "kv"
+            q = flat.as_strided((rows // 4, 2 * cols), (4 * cols, 1), flat.storage_offset())
+            kv = flat.as_strided((rows // 4, 2 * cols), (4 * cols, 1), flat.storage_offset() + 2 * cols)
+            half = numel // 2
+            segs.append(Segments(f"p{k}.q", q, (rows // 2, cols), tuple((i * 2 * cols, 2 * cols)
+                                                                       for i in range(rows // 4))))
+            # kv's local runs land in reverse HF order: the sort by HF position is exercised
+            segs.append(Segments(f"p{k}.kv", kv, (rows // 2, cols), tuple((half - (i + 1) * 2 * cols, 2 * cols)
+                                                                         for i in range(rows // 4))))
+        else:
+            segs.append(Segments(f"p{k}.gate", p[:rows // 2], (rows // 2, cols), ((0, numel // 2),)))
+            segs.append(Segments(f"p{k}.up", p[rows // 2:], (rows // 2, cols), ((0, numel // 2),)))
+    return buf, segs
+
+
+def _perturb(buf: torch.Tensor, gen: torch.Generator, count: int, edges: list[int]) -> None:
+    bits = buf.view(torch.int16)
+    idx = torch.cat([torch.randint(0, buf.numel(), (count,), generator=gen), torch.tensor(edges)])
+    bits[idx] += 1
+
+
+def _reference(monkeypatch) -> None:
+    """The per-segment scan: every shard goes the `rest` way."""
+    monkeypatch.setattr(bucket_scan, "plan", lambda shards, known=None: ([], list(shards)))
+
+
+def _entries(cap) -> dict[str, tuple]:
+    return {e.name: (e.changed, e.positions.tolist(), e.new_values.view(torch.int16).tolist(),
+                     None if e.old_values is None else e.old_values.view(torch.int16).tolist(),
+                     {k: additive.to_hex(v) for k, v in e.digests.items()}) for e in cap.entries}
+
+
+SYNCS = (("delta", False, False), ("catchup", False, True), ("delta", False, False),
+         ("catchup", True, True), ("delta", False, True))
+
+
+def _run(segs, buf, gen_seed: int) -> list[dict]:
+    """Syncs (kind, anchor, acknowledged): deltas that lag (deferred), catch-ups, and an anchor
+    (the per-segment scan, taking the bucket's catch-up positions and writing its snapshot)."""
+    producer = Producer(snapshot="device", post_hash=False)
+    producer.seed([s.with_tensor(s.tensor.clone()) for s in segs])
+    gen = torch.Generator().manual_seed(gen_seed)
+    edges = [0, 999, 1000, 1001, buf.numel() - 1]  # diff chunk edges (CHUNK_ELEMENTS is 1000 here)
+    out = []
+    for kind, anchor, ack in SYNCS:
+        _perturb(buf, gen, 300, edges)
+        cap = producer.scan(segs, kind=kind, anchor=anchor)
+        out.append(_entries(cap))
+        (producer.advance if ack else producer.defer)(cap)
+    out.append({s.name: producer.snapshot_of(s.name).view(torch.int16).tolist() for s in segs})
+    return out
+
+
+def test_bucket_scan_is_bit_exact_with_the_per_segment_scan(monkeypatch) -> None:
+    monkeypatch.setattr(diff, "CHUNK_ELEMENTS", 1000)
+    buf, segs = _buffer_segments(6, gen=torch.Generator().manual_seed(1))
+    start = buf.clone()
+    got = _run(segs, buf, 2)
+    buf.copy_(start)
+    _reference(monkeypatch)
+    want = _run(segs, buf, 2)
+    assert got == want
+    assert sum(e[0] for e in got[0].values()) > 250  # the changes hit members, not just padding
+
+
+def test_plain_tensors_and_row_shards_are_buckets_of_one() -> None:
+    """DeltaSender.capture of a dict of tensors: each tensor is its own bucket, same answers as a
+    plain torch diff."""
+    gen = torch.Generator().manual_seed(3)
+    ws = {f"w{i}": (torch.randn(40, 30, generator=gen)).to(torch.bfloat16) for i in range(3)}
+    full = torch.randn(10, 30, generator=gen).to(torch.bfloat16)
+    shards = [Shard.whole(k, v) for k, v in ws.items()] + [Shard.narrow("r", full[4:8].clone(), (10, 30), 0, 4)]
+    layouts, rest = bucket_scan.plan(shards)
+    assert len(layouts) == 4 and not rest
+    producer = Producer(snapshot="device", post_hash=False)
+    producer.seed([s.with_tensor(s.tensor.clone()) for s in shards])
+    before = {s.name: s.tensor.clone() for s in shards}
+    for s in shards:
+        s.tensor.view(-1)[::37] += 1
+    cap = producer.scan(shards, kind="delta", anchor=False)
+    for e, s in zip(cap.entries, shards):
+        local = torch.nonzero(s.tensor.view(torch.int16).reshape(-1) != before[s.name].view(torch.int16).reshape(-1))
+        assert torch.equal(e.positions, s.to_global(local.reshape(-1)))
+        assert torch.equal(e.new_values, s.tensor.reshape(-1)[local.reshape(-1)])
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_sync(n_params: int, kind: str) -> int:
+    buf, segs = _buffer_segments(n_params, gen=torch.Generator().manual_seed(4))
+    producer = Producer(snapshot="device", post_hash=False)
+    producer.seed([s.with_tensor(s.tensor.clone()) for s in segs])
+    producer.defer(producer.scan(segs, kind="delta", anchor=False))  # builds the bucket; leaves a catch-up
+    buf.view(torch.int16)[::50] += 1
+    with _CountOps() as mode:
+        cap = producer.scan(segs, kind=kind, anchor=False)
+        producer.advance(cap)
+    return sum(mode.ops.values())
+
+
+@pytest.mark.parametrize("kind", ["delta", "catchup"])
+def test_ops_per_sync_do_not_grow_with_the_segments_of_a_bucket(kind: str) -> None:
+    counts = {n: _ops_per_sync(n, kind) for n in (2, 8, 32)}  # 4 to 64 segments in one buffer
+    assert len(set(counts.values())) == 1, counts
+    assert counts[2] < 150, counts  # the per-segment scan took ~85 per segment
+
+
+@pytest.fixture
+def meta_nonzero():
+    old = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True
+    yield
+    fx_config.meta_nonzero_assume_all_nonzero = old
+
+
+def test_bucket_scan_runs_on_meta(meta_nonzero) -> None:
+    """Every op of the bucket scan on meta: a table or temporary made on the CPU raises here."""
+    _, segs = _buffer_segments(4, device="meta")
+    layouts, rest = bucket_scan.plan(segs)
+    assert len(layouts) == 1 and not rest
+    producer = Producer(snapshot="device", staging="meta", post_hash=False)
+    producer.seed([s.with_tensor(torch.empty_like(s.tensor)) for s in segs])
+    for kind in ("delta", "catchup", ""):
+        cap = producer.scan(segs, kind=kind, anchor=False)
+        assert len(cap.buckets) == 1
+        for e in cap.entries:
+            assert all(t.device.type == "meta" for t in (e.positions, e.new_values, *e.digests.values())), e.name
+        producer.defer(cap)
+    producer.advance(cap)
+
+
+def test_offsets_past_two_to_the_31(meta_nonzero) -> None:
+    """A bucket of 2^31 + 2^20 elements on meta, a member straddling 2^31: the layout and the scan
+    build there, and the run table maps offsets on both sides of 2^31 as the member's own
+    `to_global` does (computed on the CPU from the same runs)."""
+    big = (1 << 31) + (1 << 20)
+    buf = torch.empty(big, dtype=torch.bfloat16, device="meta")
+    a0 = (1 << 31) - 1000
+    seg = Segments("x", buf[a0:a0 + 4000], (8000,), ((5000, 1000), (0, 3000)))
+    head = Segments("h", buf[:1000], (1000,), ((0, 1000),))
+    (layout,), rest = bucket_scan.plan([head, seg])
+    assert not rest and layout.names == ("h", "x")
+    tables = bucket_scan.run_tables(layout.rows, torch.device("cpu"))
+    pos = torch.tensor([0, 999, a0, a0 + 999, a0 + 1000, (1 << 31), a0 + 3999])
+    member, hf, keep = bucket_scan.locate(tables, pos)
+    local = pos[2:] - a0
+    cpu_seg = Segments("x", torch.empty(4000), (8000,), seg.runs)
+    assert member.tolist() == [0, 0, 1, 1, 1, 1, 1] and keep.all()
+    assert torch.equal(hf[2:], cpu_seg.to_global(local)) and hf[:2].tolist() == [0, 999]
+    assert not bucket_scan.locate(tables, torch.tensor([1000, a0 - 1]))[2].any()  # the gap
+    producer = Producer(snapshot="device", staging="meta", post_hash=False)
+    producer.seed([head.with_tensor(torch.empty_like(head.tensor)), seg.with_tensor(torch.empty_like(seg.tensor))])
+    cap = producer.scan([head, seg], kind="delta", anchor=False)
+    assert cap.buckets[0].bucket.snapshot.numel() == a0 + 4000
+
+
+def test_chunked_diff_over_chunk_edges() -> None:
+    """The accelerator's chunked diff on CPU tensors, chunk edges included, against plain torch."""
+    gen = torch.Generator().manual_seed(6)
+    snap = torch.randn(10_007, generator=gen).to(torch.bfloat16)
+    cur = snap.clone()
+    idx = torch.tensor([0, 999, 1000, 1001, 4999, 5000, 10_006])
+    cur.view(torch.int16)[idx] ^= 1
+    pos, old, new = bucket_scan.chunked_diff(cur, snap, 1000)
+    assert torch.equal(pos, idx)
+    assert torch.equal(old.view(torch.int16), snap.view(torch.int16)[idx])
+    assert torch.equal(new.view(torch.int16), cur.view(torch.int16)[idx])
