@@ -17,7 +17,7 @@ import torch
 
 from dispatch_log import OpLog
 from harness.synthetic import device_check, loaded, same_bits, tp_ranks
-from vllm_delta.engine.apply import DeltaApplier, flat_storage, gather
+from vllm_delta.engine.apply import DeltaApplier, StagingBoundError, flat_storage, gather
 from vllm_delta.engine.digests import Ownership, check_partials, coverage
 from vllm_delta.wire import codecs
 from vllm_delta.wire.dtypes import _ALL
@@ -71,14 +71,16 @@ def scattered(log: OpLog, model: torch.nn.Module) -> list[tuple[str, int]]:
     return [(names[op.inputs[0].untyped_storage()._cdata], op.inputs[1].numel()) for op in log.named("index_copy_")]
 
 
-def commit_logged(applier: DeltaApplier, path) -> tuple[OpLog, int]:
-    """Prepare and commit, logging the commit's ops; returns the log and the number of staged chunks."""
-    staged = applier.prepare(path, version=1, base_version=0, current_version=0, chunk_bytes=64)
+def commit_logged(applier: DeltaApplier, path) -> tuple[OpLog, OpLog, int]:
+    """Prepare and commit, logging both; returns the logs and the number of staged chunks."""
+    with OpLog() as prepared:
+        staged = applier.prepare(path, version=1, base_version=0, current_version=0)
     chunks = sum(len(cs) for cs in staged.writes.values())
-    assert staged.changed and all(c.offsets.device.type == "cpu" for cs in staged.writes.values() for c in cs)
+    device = next(iter(applier.targets.values())).device
+    assert staged.changed and all(c.offsets.device == device for cs in staged.writes.values() for c in cs)
     with OpLog() as log:
         applier.commit(staged)
-    return log, chunks
+    return prepared, log, chunks
 
 
 @pytest.mark.parametrize("encoding", ["ulp_zstd", "indices"])
@@ -96,28 +98,33 @@ def test_prepare_and_commit_on_meta_parameters(tmp_path, encoding):
         # Probed where storages have addresses.
         placements = DeltaApplier(DC.SyntheticLM(CFG, rank=rank, tp=2), META).placements
         meta_model = DC.SyntheticLM(CFG, rank=rank, tp=2, device="meta")
-        log, chunks = commit_logged(DeltaApplier(meta_model, META, placements=placements, rank=rank), tmp_path / "d")
+        prepared, log, chunks = commit_logged(DeltaApplier(meta_model, META, placements=placements, rank=rank),
+                                              tmp_path / "d")
         writes = scattered(log, meta_model)
         assert len(writes) == chunks
         totals: dict[str, int] = {}
         for name, n in writes:
             totals[name] = totals.get(name, 0) + n
         assert totals == want
-        # Host to device: each chunk's offsets and values, once, non-blocking. Nothing comes back.
-        uploads = log.copies("cpu", "meta")
+        # Host to device in prepare: each chunk's offsets and values, once, non-blocking. Nothing comes back.
+        uploads = prepared.copies("cpu", "meta")
         assert len(uploads) == 2 * chunks and all(op.name == "_to_copy" and op.kwargs["non_blocking"] for op in uploads)
-        assert log.copies("meta", "cpu") == [] and log.host_reads() == []
-        assert all(op.devices() == {"meta"} for op in log.ops if op not in uploads and op.inputs)
-        if encoding == "ulp_zstd":  # current values gathered on the device, once per chunk
-            assert len(log.named("index_select")) == chunks
+        assert prepared.copies("meta", "cpu") == [] and prepared.host_reads() == []
+        # The commit runs on the device alone: no copy either way, no host read.
+        assert log.copies("cpu", "meta") == [] and log.copies("meta", "cpu") == [] and log.host_reads() == []
+        assert all(op.devices() == {"meta"} for op in log.ops if op.inputs)
+        # Current values gathered once per chunk where ULP steps resolve, and once per chunk to read back.
+        assert len(log.named("index_select")) == (2 if encoding == "ulp_zstd" else 1) * chunks
 
         cpu_model = loaded(base, rank, 2)
-        cpu_log, _ = commit_logged(DeltaApplier(cpu_model, META, rank=rank), tmp_path / "d")
+        _, cpu_log, _ = commit_logged(DeltaApplier(cpu_model, META, rank=rank), tmp_path / "d")
         assert scattered(cpu_log, cpu_model) == writes
         assert same_bits(cpu_model, loaded(new, rank, 2)) == []
 
 
-def test_chunks_are_bounded_int32_and_freed_as_scattered(tmp_path):
+def test_staged_update_is_int32_and_bounded_in_total(tmp_path):
+    """Offsets stage as int32 and values at their width; `chunk_bytes` bounds the whole staged update:
+    one byte under what it needs and prepare refuses (413, naming the bound) with the weights untouched."""
     base = DC.random_checkpoint(CFG, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=2)
     DC.write_delta(tmp_path / "d", base, new, version=1)
@@ -127,14 +134,20 @@ def test_chunks_are_bounded_int32_and_freed_as_scattered(tmp_path):
         applier.ownership = Ownership.from_coverages([coverage(a.placements) for a in appliers], rank)
     replies = []
     for rank, (model, applier) in enumerate(zip(models, appliers)):
-        staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0, chunk_bytes=60)
-        replies.append({"digests": staged.digests, "expected": staged.expected})  # summed 60 B at a time
+        staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
+        replies.append({"digests": staged.digests, "expected": staged.expected})
         chunks = [c for cs in staged.writes.values() for c in cs]
-        assert len(chunks) > len(staged.writes)  # split by the byte bound
         for c in chunks:
             assert c.offsets.dtype == torch.int32 and c.values.dtype == torch.int16 and c.base == torch.bfloat16
-            assert c.offsets.numel() * 6 <= 60
-            assert c.offsets.untyped_storage().nbytes() == c.offsets.nbytes  # owns its memory: freed when popped
+        assert staged.staged_bytes == sum(c.offsets.nbytes + c.values.nbytes for c in chunks) == 6 * staged.changed
+        before = {n: p.clone() for n, p in model.named_parameters()}
+        with pytest.raises(StagingBoundError, match=f"chunk-bytes={staged.staged_bytes - 1} bytes") as refused:
+            applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0,
+                            chunk_bytes=staged.staged_bytes - 1)
+        assert refused.value.http_status == 413
+        assert all(torch.equal(p.view(torch.int16), before[n].view(torch.int16)) for n, p in model.named_parameters())
+        applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0,
+                        chunk_bytes=staged.staged_bytes)  # exactly at the bound: accepted
         applier.commit(staged)
         assert not any(staged.writes.values())
         assert same_bits(model, loaded(new, rank, 2)) == []

@@ -145,7 +145,7 @@ def test_apply_past_2_to_the_33_equals_the_values_at_those_positions(tmp_path, e
     write_delta(tmp_path / "d", encoding)
     model = loaded(base)
     applier = DeltaApplier(model, CHECKPOINT)
-    staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0, chunk_bytes=4096)
+    staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
     assert check_partials([{"digests": staged.digests, "expected": staged.expected}]) == 2
     applier.commit(staged)
     want = reference(new)
@@ -200,12 +200,17 @@ def staged_offsets(tmp_path, model: nn.Module, checkpoint, placements, positions
             w.add(name, pos, values(pos, 1), values(pos, 1).view(torch.int16).add(1).view(BF16),
                   shape=checkpoint[name][0])
     applier = DeltaApplier(model, checkpoint, _never, placements=placements)
-    staged = applier.prepare(tmp_path / encoding, version=1, base_version=0, current_version=0, chunk_bytes=40)
+    with OpLog() as prepared:
+        staged = applier.prepare(tmp_path / encoding, version=1, base_version=0, current_version=0)
+    # Staged on the parameter's device (meta, no values): read the offsets as they crossed to it.
+    crossed = [op.inputs[0] for op in prepared.copies("cpu", "meta") if op.inputs[0].dtype in (torch.int32, torch.int64)]
     out = {}
     for target, chunks in staged.writes.items():
-        assert len(chunks) > 1  # several chunks: offsets are checked across chunk edges
-        assert all(c.offsets.device.type == "cpu" for c in chunks)
-        out[target] = torch.cat([c.offsets for c in chunks])
+        assert all(c.offsets.device.type == "meta" for c in chunks)
+        host = [crossed.pop(0) for _ in chunks]
+        assert [(h.shape, h.dtype) for h in host] == [(c.offsets.shape, c.offsets.dtype) for c in chunks]
+        out[target] = torch.cat(host)
+    assert crossed == []
     with OpLog() as log:
         applier.commit(staged)
     assert not any(staged.writes.values())

@@ -164,7 +164,7 @@ def test_strided_apply_equals_a_direct_load(tmp_path, encoding):
     appliers = [DeltaApplier(m, INTERLEAVED, rank=r) for r, m in enumerate(models)]
     for r, applier in enumerate(appliers):
         applier.ownership = Ownership.from_coverages([coverage(a.placements) for a in appliers], r)
-    staged = [a.prepare(tmp_path / "d", version=1, base_version=0, current_version=0, chunk_bytes=48)
+    staged = [a.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
               for a in appliers]
     # Each changed element is written once per rank holding it: gate and up on every rank, the rest on one.
     replicated = sum(int((base[n].view(torch.int16) != new[n].view(torch.int16)).sum()) for n in REPLICATED)
@@ -192,7 +192,7 @@ def test_window_apply_equals_a_direct_load(tmp_path, encoding):
     write_delta(tmp_path / "d", base, new, encoding=encoding, digests=False)
     model = direct(base, 0)
     applier = DeltaApplier(model, WINDOW_CHECKPOINT, read=lambda name: base[name])
-    staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0, chunk_bytes=48)
+    staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
     assert staged.fallback_names == ["overlap.weight", "overlap_strided.weight"]
     applier.commit(staged)
     assert_same_bits(model, direct(new, 0))

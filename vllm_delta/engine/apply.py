@@ -7,11 +7,13 @@ weight changes and while the engine still serves. `commit` only scatters precomp
 value) chunks, so the engine is held for the scatter alone and a failure there is an engine
 fault, reported with the tensors it may have left half-written, never a silent one.
 
-Device: staged chunks live on the host (pinned when the destination is on CUDA), at most
-`chunk_bytes` each, and cross to the destination's device one at a time with non-blocking
-copies, so the chunk size bounds the device memory an update needs. Reading current values,
-resolving ULP steps and summing digests all run on that device in torch integer ops. Nothing
-here needs vLLM except the fallback loader.
+Device: decoded entries are located on the host (where the decoder puts them), a batch of
+tensors at a time with a constant number of ops per destination (engine/batched.py); they then
+cross once to the destination's device, where current values are read, ULP steps resolved and
+digests summed in torch integer ops, and are staged there, so the commit is a handful of
+`index_copy_` per destination and no copy. `chunk_bytes` bounds everything an update stages:
+past it, prepare refuses (413) before any weight changes. Nothing here needs vLLM except the
+fallback loader.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from vllm_delta.engine import cpu_weights, transforms
+from vllm_delta.engine.batched import Piece, locate, slot_sums
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
 from vllm_delta.engine.fallback import UnservableLoader, bits, check_servable, differs, replay, same_layout, shadow_target
@@ -41,6 +44,8 @@ from vllm_delta.wire.errors import DtypeMismatchError, IncompatibleDeltaError, I
 logger = logging.getLogger(__name__)
 
 Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+# Decoded tensors are located and staged together once they hold this many bytes (engine/batched.py).
+BATCH_BYTES = 64 << 20
 
 
 class ApplyFault(Exception):
@@ -54,7 +59,7 @@ class ApplyFault(Exception):
 
 @dataclass
 class Chunk:
-    """At most `chunk_bytes` of one destination's writes, on the host until the commit moves it.
+    """Writes to one destination, staged on its device: one per batch of tensors feeding it.
 
     `offsets` index the destination's flat storage (int32 where it has < 2^31 elements). `values`
     are new values in the destination's dtype, or, when `base` is set, signed ULP steps to apply
@@ -78,7 +83,8 @@ class StagedUpdate:
     bytes_read: int
     decode_s: float
     replay: bool
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the bound on everything staged
+    staged_bytes: int = 0
     # This rank's counted-once partial sums [pre, post] of the changed positions, and the
     # manifest's expectations, for every param whose manifest entry carries pre/post digests.
     digests: dict[str, list[str | None]] = field(default_factory=dict)
@@ -112,13 +118,6 @@ def gather(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, offsets)
 
 
-def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """Own storage (so a scattered chunk frees its memory), pinned for async copies to CUDA."""
-    if pin:
-        return t.pin_memory()
-    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
-
-
 class DeltaApplier:
     """Applies deltas to one model on one rank, through placements learned once per model."""
 
@@ -143,6 +142,7 @@ class DeltaApplier:
         self.shadows: dict[str, torch.Tensor] | None = None
         self.refused: dict[str, str] = {}
         self.coverage: dict[str, object] | None = None  # digests.check_coverage across ranks, at startup
+        self._disjoint: dict[str, bool] = {}  # tensor -> its segments here hold disjoint ids
 
     def _storages(self) -> dict[int, str]:
         """Live parameter storages -> their names: what the probe and the fallback replay record into."""
@@ -256,41 +256,50 @@ class DeltaApplier:
 
     def stage(self, manifest: Manifest, deltas: Iterable[ParamDelta], *, version: int, replay: bool,
               start: float, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> StagedUpdate:
-        """Locate decoded (validated) changes and sum their digests: one path, whatever carried the bytes."""
+        """Locate decoded (validated) changes and sum their digests: one path, whatever carried the bytes.
+
+        Decoded tensors are gathered into batches of about `BATCH_BYTES`; each batch is located,
+        digested and staged with a constant number of ops per destination (engine/batched.py).
+        Tensors whose elements this rank may count twice (held twice here, or also by a lower
+        rank) keep their own counted-once masks, a tensor at a time.
+        """
         entries = {p.name: p for p in manifest.params}
-        writes: dict[str, deque[Chunk]] = {}
+        staging = _Staging(chunk_bytes)
+        sums = _Sums()
         fallback: list[str] = []
-        sums: dict[str, list[torch.Tensor | None]] = {}
-        total = changed = 0
+        total = 0
         blocks = [0, 0]
         anchor = self._is_anchor(manifest)
+        batch: list[ParamDelta] = []
+        held = 0
         for delta in deltas:
             total += delta.total
             blocks[0] += delta.blocks[0]
             blocks[1] += delta.blocks[1]
             entry = entries[delta.name]
             want = (entry.pre_digest is not None, entry.post_digest is not None)
-            acc = sums.setdefault(delta.name, [None, None]) if any(want) else None
+            if any(want):
+                sums.want(delta.name, want)
             placement = self.placements[delta.name]
             if placement.fallback_reason:
                 fallback.append(delta.name)
-                changed += self._stage_replayed(delta, writes, acc, want, anchor, chunk_bytes)
-                continue
-            located = [(seg.target, idx, self._permuted(seg.target, offsets))
-                       for seg in placement.segments for idx, offsets in [seg.locate(delta.positions)]]
-            if delta.needs_base:
-                self._check_base_dtype(delta, located)
-            if acc is not None:
-                self._digest(delta, located, acc, *want, chunk_bytes)
-            for target, idx, offsets in located:
-                if idx.numel():
-                    changed += idx.numel()
-                    writes.setdefault(target, deque()).extend(self._chunks(target, delta, idx, offsets, chunk_bytes))
+                acc = [None, None] if any(want) else None
+                self._stage_replayed(delta, staging, acc, want, anchor)
+                sums.add_tensor(delta.name, acc)
+            elif self._batchable(delta.name):
+                batch.append(delta)
+                held += delta.positions.nbytes + delta.values.nbytes
+                if held >= BATCH_BYTES:
+                    self._stage_batch(batch, entries, staging, sums)
+                    batch, held = [], 0
+            else:
+                self._stage_masked(delta, want, staging, sums)
+        self._stage_batch(batch, entries, staging, sums)
         return StagedUpdate(
-            version=version, writes=writes, fallback=fallback, total_changed=total, changed=changed,
+            version=version, writes=staging.writes, fallback=fallback, total_changed=total, changed=staging.changed,
             bytes_read=sum(f.bytes for f in manifest.files), decode_s=time.perf_counter() - start,
-            replay=replay, chunk_bytes=chunk_bytes,
-            digests=_hex_all(sums),
+            replay=replay, chunk_bytes=chunk_bytes, staged_bytes=staging.nbytes,
+            digests=sums.hex(),
             expected={p.name: [p.pre_digest, p.post_digest] for p in manifest.params
                       if p.pre_digest is not None or p.post_digest is not None},
             after={p.name: (p.digest, p.post_hash) for p in manifest.params},
@@ -298,13 +307,83 @@ class DeltaApplier:
             anchor=anchor,
         )
 
-    def _stage_replayed(self, delta: ParamDelta, writes: dict[str, deque[Chunk]], acc: list[torch.Tensor | None] | None,
-                        want: tuple[bool, bool], anchor: bool, chunk_bytes: int) -> int:
+    def _batchable(self, name: str) -> bool:
+        """Every element of `name` this rank holds is held once here and by no lower rank, so its
+        counted-once share is simply every entry it locates (no per-element mask)."""
+        known = self._disjoint.get(name)
+        if known is None:
+            spans = sorted((s.src_offset, s.src_last) for s in self.placements[name].segments)
+            known = self._disjoint[name] = all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
+        return known and not self.ownership.lower.get(name)
+
+    def _stage_batch(self, batch: list[ParamDelta], entries: Mapping[str, object], staging: _Staging,
+                     sums: _Sums) -> None:
+        """Locate, digest and stage a batch of tensors: a constant number of ops per destination."""
+        if not batch:
+            return
+        groups: dict[tuple[str, torch.dtype, bool], list[Piece]] = {}
+        for slot, delta in enumerate(batch):
+            numel = torch.Size(delta.shape).numel()
+            for seg in self.placements[delta.name].segments:
+                if delta.needs_base and torch.finfo(self.targets[seg.target].dtype).bits < torch.finfo(delta.dtype).bits:
+                    raise DtypeMismatchError(f"{seg.target} holds {self.targets[seg.target].dtype}, narrower than "
+                                             f"{delta.dtype}: the current bits cannot be recovered", param=delta.name)
+                groups.setdefault((seg.target, delta.dtype, delta.needs_base), []).append(
+                    Piece(slot, delta.positions, delta.values, seg, numel))
+        names = [d.name for d in batch]
+        pre = [entries[n].pre_digest is not None for n in names]
+        post = [entries[n].post_digest is not None for n in names]
+        for (target, dtype, needs_base), pieces in groups.items():
+            located = locate(pieces)
+            if not located.offsets.numel():
+                continue
+            located.offsets = self._permuted(target, located.offsets)
+            canon = self.targets[target]
+            flat = flat_storage(canon)
+            device = flat.device
+            offsets = located.offsets.to(torch.int32 if flat.numel() < 1 << 31 else torch.int64)
+            offsets = offsets.to(device, non_blocking=True)
+            values = located.values.to(device, non_blocking=True)
+            if any(pre) or any(post):
+                positions = located.positions.to(device, non_blocking=True)
+                slots = located.slots.to(device, non_blocking=True)
+                old = gather(flat, offsets).to(dtype) if any(pre) or needs_base else None
+                if any(pre):
+                    sums.add_rows(names, 0, pre, slot_sums(positions, old, slots, len(batch)))
+                if any(post):
+                    new = ulp_resolve_tensor(old, values) if needs_base else values
+                    sums.add_rows(names, 1, post, slot_sums(positions, new, slots, len(batch)))
+            staging.add(target, Chunk(offsets, values if needs_base else values.to(canon.dtype),
+                                      dtype if needs_base else None))
+
+    def _stage_masked(self, delta: ParamDelta, want: tuple[bool, bool], staging: _Staging, sums: _Sums) -> None:
+        """A tensor whose elements may be counted twice: located per segment, its digests masked."""
+        placement = self.placements[delta.name]
+        located = [(seg.target, idx, self._permuted(seg.target, offsets))
+                   for seg in placement.segments for idx, offsets in [seg.locate(delta.positions)]]
+        if delta.needs_base:
+            self._check_base_dtype(delta, located)
+        if any(want):
+            acc: list[torch.Tensor | None] = [None, None]
+            self._digest(delta, located, acc, *want, staging.bound)
+            sums.add_tensor(delta.name, acc)
+        for target, idx, offsets in located:
+            if idx.numel():
+                canon = self.targets[target]
+                flat = flat_storage(canon)
+                values = delta.values[_run(idx)]
+                staging.add(target, Chunk(
+                    offsets.to(torch.int32 if flat.numel() < 1 << 31 else torch.int64).to(flat.device),
+                    (values if delta.needs_base else values.to(canon.dtype)).to(flat.device),
+                    delta.dtype if delta.needs_base else None))
+
+    def _stage_replayed(self, delta: ParamDelta, staging: _Staging, acc: list[torch.Tensor | None] | None,
+                        want: tuple[bool, bool], anchor: bool) -> None:
         """Stage a tensor the probe could not map by replaying its loader on its shadow, old and new.
 
         Every rank holds the whole shadow, so rank 0 alone counts its digests. The live weights
         must equal the replay of the old shadow (unless an anchor overwrites them); the writes are
-        the elements the new replay changes. Returns how many live elements this rank writes.
+        the elements the new replay changes.
         """
         name = delta.name
         if name in self.refused:
@@ -329,27 +408,17 @@ class DeltaApplier:
         if not anchor and (target := differs(self.targets, before)) is not None:
             raise IntegrityError(f"pre-apply: live {target} differs from its loader's replay of the checkpoint",
                                  param=name)
-        count = 0
         for b, a in zip(before, after):
             base = flat_storage(self.targets[a.target])[a.offsets] if anchor else b.values
             moved = torch.nonzero(bits(a.values) != bits(base)).squeeze(1)
-            count += moved.numel()
-            writes.setdefault(a.target, deque()).extend(
-                self._plain_chunks(a.target, a.offsets[moved], a.values[moved], chunk_bytes))
-        writes.setdefault(shadow_target(name), deque()).extend(
-            self._plain_chunks(shadow_target(name), positions, new, chunk_bytes))
-        return count
+            staging.add(a.target, self._plain_chunk(a.target, a.offsets[moved], a.values[moved]))
+        staging.add(shadow_target(name), self._plain_chunk(shadow_target(name), positions, new), counted=False)
 
-    def _plain_chunks(self, target: str, offsets: torch.Tensor, values: torch.Tensor,
-                      chunk_bytes: int) -> Iterator[Chunk]:
-        """Chunks of new values (the target's dtype) at flat storage offsets."""
-        canon = self.targets[target]
-        if flat_storage(canon).numel() < 1 << 31:
-            offsets = offsets.to(torch.int32)
-        pin = canon.device.type == "cuda"
-        step = max(1, chunk_bytes // (offsets.element_size() + values.element_size()))
-        for lo in range(0, offsets.numel(), step):
-            yield Chunk(_host(offsets[lo:lo + step].cpu(), pin), _host(values[lo:lo + step].cpu(), pin))
+    def _plain_chunk(self, target: str, offsets: torch.Tensor, values: torch.Tensor) -> Chunk:
+        """New values (the target's dtype) at flat storage offsets, on the target's device."""
+        flat = flat_storage(self.targets[target])
+        offsets = offsets.to(torch.int32 if flat.numel() < 1 << 31 else torch.int64)
+        return Chunk(offsets.to(flat.device), values.to(flat.device, flat.dtype))
 
     def _is_anchor(self, manifest: Manifest) -> bool:
         """An overwrite of every element of every checkpoint tensor: repairs whatever a fault left."""
@@ -415,37 +484,43 @@ class DeltaApplier:
                     values = delta.values[part].to(flat.device)
                     _add(acc, 1, partial_sum(pos, ulp_resolve_tensor(old, values) if delta.needs_base else values))
 
-    def _chunks(self, target: str, delta: ParamDelta, idx: torch.Tensor, offsets: torch.Tensor,
-                chunk_bytes: int) -> Iterator[Chunk]:
-        canon = self.targets[target]
-        if flat_storage(canon).numel() < 1 << 31:
-            offsets = offsets.to(torch.int32)
-        values = delta.values[_run(idx)]
-        if not delta.needs_base:
-            values = values.to(canon.dtype)
-        pin = canon.device.type == "cuda"
-        base = delta.dtype if delta.needs_base else None
-        step = max(1, chunk_bytes // (offsets.element_size() + values.element_size()))
-        for lo in range(0, offsets.numel(), step):
-            yield Chunk(_host(offsets[lo:lo + step], pin), _host(values[lo:lo + step], pin), base)
-
     # ---- phase 2 -------------------------------------------------------------------------
     def commit(self, staged: StagedUpdate, chunk_bytes: int | None = None) -> float:
-        """Scatter the staged entries into the live weights; returns the seconds it took."""
+        """Scatter the staged entries into the live weights, read them back, and return the seconds it took.
+
+        Each destination's staged chunks (a handful: one per batch) are scattered on the current
+        stream. Then every written offset is gathered from the live weights and compared bit for
+        bit with what was staged, whose post-digests the route checked against the manifest: a
+        write that did not land is a fault, not a silent difference. The time includes a device
+        synchronize, so it is the pause on an accelerator too.
+        """
         start = time.perf_counter()
         written: list[str] = []
+        checks: list[tuple[str, torch.Tensor]] = []
         target = None
         try:
             for target, chunks in staged.writes.items():
                 written.append(target)
                 flat = flat_storage(self.targets[target])
+                missed = None
                 while chunks:
-                    scatter(flat, chunks.popleft())
+                    chunk = chunks.popleft()
+                    new = scatter(flat, chunk)
+                    differ = (bits(gather(flat, chunk.offsets.to(flat.device))) != bits(new)).any()
+                    missed = differ if missed is None else missed | differ
+                if missed is not None:
+                    checks.append((target, missed))
             target = None
             self._refresh_cpu_kernels(staged)
+            synchronize({self.targets[t].device for t in written})
         except Exception as exc:
             raise ApplyFault(f"scatter failed{f' at {target}' if target else ''}: {type(exc).__name__}: {exc}",
                              failed_at=target, suspect=written) from exc
+        wrong = _read_back(checks)
+        if wrong:
+            raise ApplyFault(f"post-commit read-back: {len(wrong)} live tensor(s) do not hold the values written "
+                             f"({', '.join(wrong[:5])}{', ...' if len(wrong) > 5 else ''})",
+                             failed_at=wrong[0], suspect=wrong)
         return time.perf_counter() - start
 
     def _refresh_cpu_kernels(self, staged: StagedUpdate) -> None:
@@ -521,13 +596,36 @@ class DeltaApplier:
         return checked, bad
 
 
-def scatter(flat: torch.Tensor, chunk: Chunk) -> None:
-    """Write one staged chunk into a flat storage view: copy it over, resolve, index_copy_."""
+def scatter(flat: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    """Write one staged chunk into a flat storage view (resolving ULP steps there); returns the values written."""
     offsets = chunk.offsets.to(flat.device, non_blocking=True).to(torch.int64)
     values = chunk.values.to(flat.device, non_blocking=True)
     if chunk.base is not None:
         values = ulp_resolve_tensor(gather(flat, offsets).to(chunk.base), values)
-    flat.index_copy_(0, offsets, values.to(flat.dtype))
+    values = values.to(flat.dtype)
+    flat.index_copy_(0, offsets, values)
+    return values
+
+
+def synchronize(devices: Iterable[torch.device]) -> None:
+    """Wait for the queued scatters, so a measured pause is the real one (host and meta need none)."""
+    for device in devices:
+        if device.type not in ("cpu", "meta"):
+            torch.accelerator.synchronize(device)
+
+
+def _read_back(checks: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Targets whose read-back differed: one device-to-host copy per device (meta holds no values to read)."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for target, flag in checks:
+        if flag.device.type != "meta":
+            by_device.setdefault(flag.device, []).append((target, flag))
+    wrong = []
+    for items in by_device.values():
+        for (target, _), bad in zip(items, torch.stack([f for _, f in items]).cpu().tolist()):
+            if bad:
+                wrong.append(target)
+    return wrong
 
 
 def _run(idx: torch.Tensor) -> torch.Tensor | slice:
@@ -537,18 +635,66 @@ def _run(idx: torch.Tensor) -> torch.Tensor | slice:
     return idx
 
 
-def _hex_all(sums: dict[str, list[torch.Tensor | None]]) -> dict[str, list[str | None]]:
-    """Hex digests of every accumulated sum, with one device-to-host copy per device (not per tensor)."""
-    by_device: dict[torch.device, list[tuple[str, int, torch.Tensor]]] = {}
-    for name, acc in sums.items():
-        for i, t in enumerate(acc):
+class StagingBoundError(IncompatibleDeltaError):
+    """The staged update would exceed the receiver's bound (--delta-updates-chunk-bytes)."""
+
+    http_status = 413
+
+
+class _Staging:
+    """Staged chunks per destination, refused past `bound` bytes in total (so an update never OOMs)."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.writes: dict[str, deque[Chunk]] = {}
+        self.nbytes = 0
+        self.changed = 0
+
+    def add(self, target: str, chunk: Chunk, counted: bool = True) -> None:
+        self.nbytes += chunk.offsets.nbytes + chunk.values.nbytes
+        if self.nbytes > self.bound:
+            raise StagingBoundError(
+                f"the staged update needs more than --delta-updates-chunk-bytes={self.bound} bytes (the bound on "
+                f"everything an update stages); send smaller updates or raise the bound", param=target)
+        if counted:
+            self.changed += chunk.offsets.numel()
+        self.writes.setdefault(target, deque()).append(chunk)
+
+
+class _Sums:
+    """This rank's digest lane sums per tensor, kept on the device as batched rows until one copy at the end."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, tuple[bool, bool]] = {}
+        self.rows: list[tuple[list[str | None], int, torch.Tensor]] = []  # (name per row, lane, int64[n, 2])
+
+    def want(self, name: str, want: tuple[bool, bool]) -> None:
+        self.names[name] = want
+
+    def add_rows(self, names: list[str], lane: int, wanted: list[bool], sums: torch.Tensor) -> None:
+        self.rows.append(([n if w else None for n, w in zip(names, wanted)], lane, sums))
+
+    def add_tensor(self, name: str, acc: list[torch.Tensor | None] | None) -> None:
+        for lane, t in enumerate(acc or ()):
             if t is not None:
-                by_device.setdefault(t.device, []).append((name, i, t))
-    out: dict[str, list[str | None]] = {name: [None, None] for name in sums}
-    for items in by_device.values():
-        for (name, i, _), lanes in zip(items, torch.stack([t for _, _, t in items]).cpu().tolist()):
-            out[name][i] = to_hex(tuple(lanes))
-    return out
+                self.rows.append(([name], lane, t.reshape(1, 2)))
+
+    def hex(self) -> dict[str, list[str | None]]:
+        """Hex digests, with one device-to-host copy per device (not per tensor)."""
+        total: dict[str, list[list[int] | None]] = {name: [None, None] for name in self.names}
+        by_device: dict[torch.device, list[tuple[list[str | None], int, torch.Tensor]]] = {}
+        for row in self.rows:
+            by_device.setdefault(row[2].device, []).append(row)
+        for rows in by_device.values():
+            values = torch.cat([t for _, _, t in rows]).cpu().tolist()
+            at = 0
+            for names, lane, _ in rows:
+                for name, (a, b) in zip(names, values[at:at + len(names)]):
+                    if name is not None:
+                        acc = total[name][lane] or [0, 0]
+                        total[name][lane] = [acc[0] + a, acc[1] + b]
+                at += len(names)
+        return {name: [None if v is None else to_hex((v[0], v[1])) for v in lanes] for name, lanes in total.items()}
 
 
 def _add(acc: list[torch.Tensor | None], i: int, part: torch.Tensor) -> None:

@@ -193,7 +193,7 @@ class DeltaWorkerExtension:
         reply = {"ok": True, "rank": self._delta_rank(), "changed": staged.changed,
                  "total_changed": staged.total_changed, "bytes_read": staged.bytes_read,
                  "decode_s": staged.decode_s, "fallback": staged.fallback_names, "replay": staged.replay,
-                 "anchor": staged.anchor, "digests": staged.digests}
+                 "anchor": staged.anchor, "digests": staged.digests, "staged_bytes": staged.staged_bytes}
         if self._delta_rank() == 0:  # the expectations are the same on every rank; send them once
             reply["expected"] = staged.expected
         return reply
@@ -220,7 +220,7 @@ class DeltaWorkerExtension:
         state.version, state.run_id = staged.version, run_id
         state.last = {"version": staged.version, "changed": staged.changed, "bytes_read": staged.bytes_read,
                       "decode_s": staged.decode_s, "apply_s": apply_s, "replay": staged.replay,
-                      "time": time.time()}
+                      "staged_bytes": staged.staged_bytes, "chunk_bytes": staged.chunk_bytes, "time": time.time()}
         return {"ok": True, "rank": self._delta_rank(), "apply_s": apply_s, "version": state.version}
 
     def _delta_check_lineage(self, manifest: Manifest, request: dict[str, Any], anchor: bool = True) -> str | None:

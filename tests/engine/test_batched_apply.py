@@ -1,0 +1,165 @@
+"""The batched apply: per sync, a constant number of ops per destination param, whatever the number
+of checkpoint tensors behind it; the batched locate and digests equal the per-segment ones; and a
+write that does not land is caught by the read-back after the scatter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dispatch_log import OpLog
+from harness.synthetic import device_check
+from vllm_delta.engine import apply
+from vllm_delta.engine.apply import ApplyFault, DeltaApplier
+from vllm_delta.engine.batched import Piece, locate, slot_sums
+from vllm_delta.engine.digests import check_partials
+from vllm_delta.engine.placement import Segment
+from vllm_delta.wire import iter_delta, open_delta
+from vllm_delta.wire.additive import partial_sum
+
+DC = device_check()
+BF16 = torch.bfloat16
+
+
+def moe(layers: int, experts: int):
+    """A model whose every layer is MoE: 3 x `experts` checkpoint tensors per layer feed two fused params."""
+    return DC.Config(vocab=64, hidden=16, layers=layers, heads=4, kv_heads=1, head_dim=4, inter=24,
+                     moe_layers=layers, experts=experts, moe_inter=8)
+
+
+def synced(tmp_path, cfg, encoding: str = "ulp_zstd"):
+    """Prepare (from decoded deltas) and commit one 50% step under an op log; checks it is exact.
+
+    Returns (ops logged, checkpoint tensors in the delta, destination params written)."""
+    base = DC.random_checkpoint(cfg, "cpu", seed=0)
+    new = DC.step(base, 0.5, seed=1)  # dense enough that every param, even a 16-element norm, changes
+    DC.write_delta(tmp_path / "d", base, new, version=1, encoding=encoding)
+    meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
+    model = DC.SyntheticLM(cfg)
+    model.load_weights(base.items())
+    applier = DeltaApplier(model, meta)
+    applier.placements  # the probe runs the loaders: not part of a sync
+    info = open_delta(tmp_path / "d")
+    deltas = list(iter_delta(info, expected=meta, current_version=0))
+    with OpLog() as log:
+        staged = applier.stage(info.manifest, deltas, version=1, replay=False, start=0.0)
+        destinations = len(staged.writes)
+        applier.commit(staged)
+    assert check_partials([{"digests": staged.digests, "expected": staged.expected}]) == 2 * len(deltas)
+    want = DC.SyntheticLM(cfg)  # independent reference: the loaders themselves, on the new checkpoint
+    want.load_weights(new.items())
+    got = dict(model.named_parameters())
+    assert all(torch.equal(p.view(torch.int16), got[n].view(torch.int16)) for n, p in want.named_parameters())
+    return len(log.ops), len(deltas), destinations
+
+
+@pytest.mark.parametrize("encoding", ["ulp_zstd", "deltas_zstd"])
+def test_ops_per_sync_grow_with_destination_params_not_checkpoint_tensors(tmp_path, encoding):
+    few = synced(tmp_path / "few", moe(1, 4), encoding)
+    many = synced(tmp_path / "many", moe(1, 64), encoding)
+    deeper = synced(tmp_path / "deeper", moe(2, 64), encoding)
+    # (ops, checkpoint tensors, destination params): 16x the expert tensors, the same params, the same ops.
+    assert few[1] == 3 + 6 + 3 * 4 and many[1] == 3 + 6 + 3 * 64 and few[2] == many[2] == 3 + 6
+    assert many[0] == few[0], (few, many)
+    # Twice the layers: the destination params and the ops grow, by the same ops per layer.
+    assert deeper[2] == many[2] + 6 and deeper[1] == many[1] + 6 + 3 * 64
+    per_param = (deeper[0] - many[0]) / 6
+    assert 0 < per_param <= 160 and deeper[0] == many[0] + 6 * per_param, (many, deeper)
+
+
+def test_prepare_and_commit_of_many_experts_run_on_meta(tmp_path):
+    """The batched path on meta parameters: every op on the parameter's device after the upload."""
+    cfg = moe(1, 32)
+    base = DC.random_checkpoint(cfg, "cpu", seed=0)
+    new = DC.step(base, 0.3, seed=1)
+    with DC.DeltaWriter(tmp_path / "d", version=1, base_version=0, encoding="ulp_zstd") as w:  # no digests on meta
+        for name, t in new.items():
+            a, b = base[name].reshape(-1), t.reshape(-1)
+            pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
+            w.add(name, pos, b[pos], a[pos], shape=tuple(t.shape))
+    meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
+    placements = DeltaApplier(DC.SyntheticLM(cfg), meta).placements
+    model = DC.SyntheticLM(cfg, device="meta")
+    applier = DeltaApplier(model, meta, placements=placements)
+    with OpLog() as prepared:
+        staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
+    assert len(staged.writes["model.layers.0.mlp.experts.w13_weight"]) == 1  # 64 expert tensors: one chunk
+    assert all(c.offsets.device.type == "meta" for cs in staged.writes.values() for c in cs)
+    with OpLog() as log:
+        applier.commit(staged)
+    assert len(log.named("index_copy_")) == len(staged.writes) == 3 + 6  # one scatter per destination
+    assert all(op.devices() == {"meta"} for op in log.ops if op.inputs)
+    for ops in (prepared, log):
+        assert ops.copies("meta", "cpu") == [] and ops.host_reads() == []
+
+
+SEGMENTS = [
+    Segment("w", (6, 8), 0, (8, 1), 16, (8, 1)),  # the whole tensor, shifted
+    Segment("w", (3, 8), 24, (8, 1), 100, (8, 1)),  # a row block (another rank holds the other rows)
+    Segment("w", (6, 4), 1, (8, 2), 200, (4, 1)),  # every other column
+    Segment("w", (6, 8), 0, (8, 1), 300, (1, 6)),  # stored transposed
+    Segment("w", (2, 3), 19, (8, 1), 400, (3, 1)),  # a window
+]
+
+
+@pytest.mark.parametrize("chosen", [[0], [1], [0, 1], [2], [3, 4], [0, 1, 2, 3, 4]])
+def test_batched_locate_equals_each_segments_own(chosen):
+    """Independent reference: Segment.locate, one piece at a time."""
+    g = torch.Generator().manual_seed(len(chosen))
+    pieces, want_pos, want_off, want_slot = [], [], [], []
+    for slot, k in enumerate(chosen):
+        positions = torch.nonzero(torch.rand(48, generator=g) < 0.6).squeeze(1)
+        values = torch.randn(positions.numel(), generator=g).to(BF16)
+        seg = SEGMENTS[k]
+        pieces.append(Piece(slot, positions, values, seg, 48))
+        idx, offsets = seg.locate(positions)
+        want_pos.append(positions[idx])
+        want_off.append(offsets)
+        want_slot.append(torch.full_like(idx, slot))
+    got = locate(pieces)
+    assert torch.equal(got.positions, torch.cat(want_pos))
+    assert torch.equal(got.offsets, torch.cat(want_off))
+    assert torch.equal(got.slots, torch.cat(want_slot))
+
+
+def test_slot_sums_equal_each_slots_partial_sum_across_cpu_slices():
+    n = 3 * (1 << 15) + 17  # past the CPU slice, with an uneven tail
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 1 << 40, (n,), generator=g)
+    values = torch.randn(n, generator=g).to(BF16)
+    slots = torch.randint(0, 5, (n,), generator=g)
+    got = slot_sums(positions, values, slots, 6)
+    for s in range(6):
+        keep = slots == s
+        assert torch.equal(got[s], partial_sum(positions[keep], values[keep])), s
+
+
+def test_a_write_that_does_not_land_is_a_commit_fault_naming_the_tensor(tmp_path, monkeypatch):
+    """A scatter that skips one entry of the fused experts (a fake: a real one cannot be made to)."""
+    cfg = moe(1, 8)
+    base = DC.random_checkpoint(cfg, "cpu", seed=0)
+    new = DC.step(base, 0.2, seed=1)
+    DC.write_delta(tmp_path / "d", base, new, version=1)
+    meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
+    model = DC.SyntheticLM(cfg)
+    model.load_weights(base.items())
+    applier = DeltaApplier(model, meta)
+    victim = "model.layers.0.mlp.experts.w2_weight"
+    flat_victim = apply.flat_storage(applier.targets[victim])
+    real = apply.scatter
+
+    def misses_last(flat, chunk):
+        if flat.untyped_storage().data_ptr() != flat_victim.untyped_storage().data_ptr():
+            return real(flat, chunk)
+        last = chunk.offsets[-1:].to(torch.int64)
+        kept = flat.index_select(0, last)
+        written = real(flat, chunk)
+        flat.index_copy_(0, last, kept)  # the last write did not land
+        return written
+
+    monkeypatch.setattr(apply, "scatter", misses_last)
+    staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
+    with pytest.raises(ApplyFault, match="read-back") as fault:
+        applier.commit(staged)
+    assert fault.value.failed_at == victim and fault.value.suspect == [victim]
