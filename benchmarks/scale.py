@@ -114,6 +114,7 @@ def meta_model(config, tp: int, rank: int, ep: bool) -> torch.nn.Module:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
+    config.compilation_config.static_forward_context.clear()  # each rank's model registers its layers anew
     default = torch.get_default_dtype()
     with fake_parallel(tp, rank, ep), set_current_vllm_config(config), torch.device("meta"):
         torch.set_default_dtype(torch.bfloat16)

@@ -187,7 +187,8 @@ def check_coverage(replies: Sequence[Mapping[str, Any]], shapes: Mapping[str, Se
     every element of a tensor by the same number of ranks: all of them (replicated), one
     (split), or an even share (kv heads replicated past the kv-head count). A tensor that no
     rank's loader even read is one vLLM ignores (`ignored`); a fallback tensor goes through
-    vLLM's loader and is not checked here. `replies` are the ranks' `delta_coverage` replies.
+    vLLM's loader and is not checked here. `replies` are the ranks' `delta_coverage` replies;
+    their `map_errors` (a rank's map against its loader) are errors too, named by destination.
     The verdict is a pure function of a tensor's size and the ranks' lattices, so it is worked
     out once per structural class (every expert of a layer shape, every layer) and looked up for
     the rest: startup pays O(tensors) lookups plus O(classes x runs) torch, not O(tensors x rows).
@@ -198,6 +199,9 @@ def check_coverage(replies: Sequence[Mapping[str, Any]], shapes: Mapping[str, Se
     fallback = {n for r in replies for n in r.get("fallback") or ()}
     unread = [set(r.get("unread") or ()) for r in replies]
     verdicts: dict[tuple, str | None] = {}
+    for r in replies:  # a rank whose map disagrees with vLLM's loader (engine/map_check.py)
+        for target, why in (r.get("map_errors") or {}).items():
+            errors.setdefault(target, f"rank {r.get('rank')}: {why}")
     for name, shape in shapes.items():
         if name in fallback:
             continue

@@ -23,6 +23,7 @@ import torch
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage, refuse_uncovered
+from vllm_delta.engine.map_check import check_map, live_params
 from vllm_delta.native.model_path import local_checkpoint_dir
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta, parse_manifest
 from vllm_delta.wire.container import DeltaDir
@@ -235,10 +236,13 @@ class DeltaWorkerExtension:
 
     def delta_coverage(self) -> dict[str, Any]:
         """Which checkpoint elements this rank holds (source lattices per tensor), for its peers."""
-        placements = self._delta().applier.placements
+        applier = self._delta().applier
+        placements = applier.placements
         return {"rank": self._delta_rank(), "coverage": coverage(placements),
                 "unread": [n for n, p in placements.items() if not p.read],
-                "fallback": [n for n, p in placements.items() if p.fallback_reason]}
+                "fallback": [n for n, p in placements.items() if p.fallback_reason],
+                "map_errors": check_map(applier._load_weights, live_params(applier.model), placements,
+                                        applier.checkpoint)}
 
     def delta_set_peers(self, coverages: list[dict[str, Any]]) -> dict[str, Any]:
         """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`)."""

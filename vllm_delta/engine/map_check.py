@@ -1,0 +1,144 @@
+"""The placement map checked at startup against vLLM's own loader, independently of the map.
+
+Why: the probe learns the map from the views a loader copies; everything after it (locate, the
+digests, the commit, a full verify) goes through that map, so a map that is wrong the same way
+everywhere passes every later check. Here, per structural class of destination parameter (one
+layer's fused `w13_weight`, one layer's `qkv_proj`, ...), the first destination of the class gets
+two scratch copies of its storage, filled with the same seeded random bytes. Every checkpoint
+tensor that lands in it is given seeded random values; vLLM's loader runs on them for real, its
+writes into parameters redirected into the first copy; the map's segments scatter the same
+values into the second. Any difference - a wrong offset, a missed or extra write, a transformed
+value - is a wrong map, and the engine refuses updates naming the destination.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from vllm_delta.engine.placement import TensorPlacement, _written, storage_key, storages_of
+
+Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def structural_class(target: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+    """Destinations that differ only in their layer (or other) index and share a shape."""
+    return re.sub(r"\.\d+(?=\.|$)", ".#", target), tuple(shape)
+
+
+def _random(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Seeded random bits of `dtype` (bit patterns, so NaNs compare as bytes)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=gen).view(dtype)
+
+
+def _flat_like(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes() // t.element_size()
+
+
+class _Redirect(TorchDispatchMode):
+    """Run the loader for real, its writes into the checked parameter done on a scratch copy instead;
+    writes into any other parameter are not performed."""
+
+    def __init__(self, storages: Mapping[int, str], scratch: Callable[[str, torch.Tensor], torch.Tensor | None]) -> None:
+        super().__init__()
+        self.storages, self.scratch = storages, scratch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        swap = {}
+        written = _written(func, args, kwargs)
+        for w in written:
+            name = self.storages.get(storage_key(w))
+            if name is not None:
+                swap[id(w)] = self.scratch(name, w)
+        if any(v is None for v in swap.values()):  # touches a parameter that is not being checked
+            return written[0] if len(func._schema.returns) <= 1 else tuple(written)
+        if swap:
+            args, kwargs = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def live_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The live parameters by the names the probe's segments target (engine/cpu_weights.py)."""
+    from vllm_delta.engine import cpu_weights
+
+    return {name: live for name, (live, _) in cpu_weights.canonical_tensors(model).items()}
+
+
+def check_map(load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
+              params: Mapping[str, torch.Tensor], placements: Mapping[str, TensorPlacement],
+              checkpoint: Checkpoint, seed: int = 0) -> dict[str, str]:
+    """{destination: why} for each class whose map disagrees with the loader (empty: all agree).
+
+    `params` are the live parameters by the names the segments target (never written here).
+    """
+    feeding = {s.target for p in placements.values() if not p.fallback_reason for s in p.segments}
+    chosen: dict[tuple, str] = {}
+    for target in sorted(feeding):
+        if target in params:
+            chosen.setdefault(structural_class(target, tuple(params[target].shape)), target)
+    storages = storages_of(params.items())
+    errors = {}
+    for target in chosen.values():
+        # Every tensor of the destination's layer goes through the loader, so one the map forgot is seen.
+        prefix = _layer_prefix(target)
+        names = [n for n, p in placements.items() if not p.fallback_reason and n.startswith(prefix)]
+        if (why := _check_one(load_weights, storages, params, placements, checkpoint, target, names, seed)) is not None:
+            errors[target] = why
+    return errors
+
+
+def _layer_prefix(target: str) -> str:
+    """`model.layers.5.` for a destination under layer 5; "" for one outside any numbered layer."""
+    match = re.match(r"(.*?\.\d+\.)", target)
+    return match.group(1) if match else ""
+
+
+def _check_one(load_weights, storages: Mapping[int, str], params: Mapping[str, torch.Tensor],
+               placements: Mapping[str, TensorPlacement], checkpoint: Checkpoint, target: str,
+               names: list[str], seed: int) -> str | None:
+    live = params[target]
+    gen = torch.Generator().manual_seed(seed)
+    start = _random(_flat_like(live), live.dtype, gen)
+    by_loader = start.clone().to(live.device)
+    by_map = start.clone().to(live.device)
+
+    def scratch(name: str, w: torch.Tensor) -> torch.Tensor | None:
+        if name != target:
+            return None  # another parameter's write: not performed
+        if w.dtype != by_loader.dtype:
+            raise TypeError(f"loader writes {name} as {w.dtype}, the parameter is {by_loader.dtype}")
+        return torch.as_strided(by_loader, w.shape, w.stride(), w.storage_offset())
+
+    values = {}
+    for name in names:
+        shape, dtype = checkpoint[name]
+        values[name] = _random(torch.Size(shape).numel(), dtype, gen).reshape(shape)
+    try:
+        with torch.no_grad(), _Redirect(storages, scratch):
+            load_weights((name, values[name].to(live.device)) for name in names)
+    except Exception as exc:
+        return f"{target}: vLLM's loader failed on random values: {type(exc).__name__}: {exc}"
+    for name in names:
+        flat_src = values[name].reshape(-1).to(live.device)
+        for seg in placements[name].segments:
+            if seg.target != target:
+                continue
+            try:
+                torch.as_strided(by_map, seg.sizes, seg.dst_strides, seg.dst_offset).copy_(
+                    torch.as_strided(flat_src, seg.sizes, seg.src_strides, seg.src_offset))
+            except RuntimeError as exc:  # the map reaches outside the checkpoint tensor or the storage
+                return f"{target}: the placement map of {name} is out of bounds: {exc}"
+    bad = torch.ne(by_loader.view(torch.uint8).view(-1, live.element_size()),
+                   by_map.view(torch.uint8).view(-1, live.element_size())).any(1)
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0])
+        return (f"{target}: the placement map disagrees with vLLM's loader at {int(bad.sum())} of "
+                f"{bad.numel()} storage elements (first at offset {first}), loading {len(names)} tensors")
+    return None
+
