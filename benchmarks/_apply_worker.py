@@ -104,21 +104,39 @@ def _timed_methods(applier, names: list[str]) -> tuple[dict[str, float], Callabl
     return times, lambda: [applier.__dict__.pop(n, None) for n in names]
 
 
+def _timed_function(module, name: str, times: dict[str, float]) -> Callable[[], None]:
+    """Wrap a module-level function to add its time to `times[name]`; returns the undo."""
+    orig = getattr(module, name)
+    times[name] = 0.0
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return orig(*a, **k)
+        finally:
+            times[name] += time.perf_counter() - t
+    setattr(module, name, timed)
+    return lambda: setattr(module, name, orig)
+
+
 def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
     """Our apply as the route runs it: `delta_prepare`, the digest check, `delta_commit`.
 
     The worker's version counter is set to `version - 1` first so the same delta directories can
     be replayed across the run (lineage checks are not what is measured). Phase times come from
     wrapping the applier's methods: `stage` (decode, locate, digests, staging; the decode is a
-    generator consumed there), `_digest` (the additive digests of the changed positions) and
+    generator consumed there), `_digest` and `slot_sums` (the additive digests of the changed
+    positions: per tensor where masks are needed, batched otherwise) and
     `_refresh_cpu_kernels` (the CPU repack in the commit); `scatter` is the commit minus repack.
     """
+    from vllm_delta.engine import apply as apply_module
     from vllm_delta.engine.digests import check_partials
 
     state = worker._delta()
     state.version = version - 1
     applier = state.applier
     times, undo = _timed_methods(applier, ["stage", "_digest", "_refresh_cpu_kernels"])
+    undo_sums = _timed_function(apply_module, "slot_sums", times)  # the batched digests
     request = {"id": f"bench-{version}", "path": path, "version": version, "base_version": None,
                "chunk_bytes": chunk_bytes}
     try:
@@ -133,11 +151,12 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
             raise RuntimeError(f"delta_commit failed: {committed}")
     finally:
         undo()
+        undo_sums()
     repack = times["_refresh_cpu_kernels"]
     out = {
         "changed": prepared["changed"], "payload": _payload_bytes(prepared["changed"]),
         "bytes_read": prepared["bytes_read"], "fallback": prepared["fallback"], "digests_checked": checked,
-        "prepare_s": prep.seconds, "stage_s": times["stage"], "digest_s": times["_digest"],
+        "prepare_s": prep.seconds, "stage_s": times["stage"], "digest_s": times["_digest"] + times["slot_sums"],
         "commit_s": com.seconds, "repack_s": repack, "scatter_s": com.seconds - repack,
         "total_s": prep.seconds + com.seconds,
         # Peaks relative to the RSS before prepare.

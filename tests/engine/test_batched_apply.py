@@ -57,13 +57,13 @@ def synced(tmp_path, cfg, encoding: str = "ulp_zstd"):
 @pytest.mark.parametrize("encoding", ["ulp_zstd", "deltas_zstd"])
 def test_ops_per_sync_grow_with_destination_params_not_checkpoint_tensors(tmp_path, encoding):
     few = synced(tmp_path / "few", moe(1, 4), encoding)
-    many = synced(tmp_path / "many", moe(1, 64), encoding)
-    deeper = synced(tmp_path / "deeper", moe(2, 64), encoding)
-    # (ops, checkpoint tensors, destination params): 16x the expert tensors, the same params, the same ops.
-    assert few[1] == 3 + 6 + 3 * 4 and many[1] == 3 + 6 + 3 * 64 and few[2] == many[2] == 3 + 6
+    many = synced(tmp_path / "many", moe(1, 32), encoding)
+    deeper = synced(tmp_path / "deeper", moe(2, 32), encoding)
+    # (ops, checkpoint tensors, destination params): 8x the expert tensors, the same params, the same ops.
+    assert few[1] == 3 + 6 + 3 * 4 and many[1] == 3 + 6 + 3 * 32 and few[2] == many[2] == 3 + 6
     assert many[0] == few[0], (few, many)
     # Twice the layers: the destination params and the ops grow, by the same ops per layer.
-    assert deeper[2] == many[2] + 6 and deeper[1] == many[1] + 6 + 3 * 64
+    assert deeper[2] == many[2] + 6 and deeper[1] == many[1] + 6 + 3 * 32
     per_param = (deeper[0] - many[0]) / 6
     assert 0 < per_param <= 160 and deeper[0] == many[0] + 6 * per_param, (many, deeper)
 
@@ -124,11 +124,11 @@ def test_batched_locate_equals_each_segments_own(chosen):
 
 
 def test_slot_sums_equal_each_slots_partial_sum_across_cpu_slices():
-    n = 3 * (1 << 15) + 17  # past the CPU slice, with an uneven tail
+    n = 7 * (1 << 15) + 17  # past the CPU slice, slices within one tensor and across two, an uneven tail
     g = torch.Generator().manual_seed(0)
     positions = torch.randint(0, 1 << 40, (n,), generator=g)
     values = torch.randn(n, generator=g).to(BF16)
-    slots = torch.randint(0, 5, (n,), generator=g)
+    slots = torch.randint(0, 5, (n,), generator=g).sort().values  # tensor order, as locate gives
     got = slot_sums(positions, values, slots, 6)
     for s in range(6):
         keep = slots == s
