@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from benchmarks.scale_configs import MODELS  # noqa: E402
+from benchmarks.scale_configs import MODELS, shrunk  # noqa: E402
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage  # noqa: E402
 from vllm_delta.engine.placement import PeakRss, build_placement, storages_of  # noqa: E402
 
@@ -40,12 +40,12 @@ Checkpoint = dict[str, tuple[tuple[int, ...], torch.dtype]]
 LAYOUTS = {"tp8": (8, False), "tp8_ep8": (8, True)}
 
 
-def checkpoint_shapes(model: str, layers: int | None = None) -> Checkpoint:
+def checkpoint_shapes(model: str, layers: int | None = None, shrink: bool = False) -> Checkpoint:
     """The checkpoint's tensor names, shapes and dtypes, as transformers saves the model."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
-    cfg = _config(model, layers)
+    cfg = _config(model, layers, shrink)
     cfg.pop("architectures")
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
@@ -54,8 +54,9 @@ def checkpoint_shapes(model: str, layers: int | None = None) -> Checkpoint:
     return {n: (tuple(t.shape), t.dtype) for n, t in saved.items()}
 
 
-def _config(model: str, layers: int | None) -> dict[str, Any]:
-    cfg = dict(MODELS[model])
+def _config(model: str, layers: int | None, shrink: bool = False) -> dict[str, Any]:
+    """The published config (`shrink`: the same counts at tiny widths), optionally cut to `layers`."""
+    cfg = shrunk(MODELS[model], vocab=512) if shrink else dict(MODELS[model])
     cfg.pop("quantization_config", None)  # bf16 weights: the fp8 receiver is another issue's
     cfg.setdefault("max_position_embeddings", 4096)
     if layers is not None:
@@ -97,26 +98,26 @@ def fake_parallel(tp: int, rank: int, ep: bool) -> Iterator[None]:
             setattr(ps, n, g)
 
 
-def engine_config(model: str, tp: int, ep: bool, layers: int | None = None):
+def engine_config(model: str, tp: int, ep: bool, layers: int | None = None, shrink: bool = False):
     """vLLM's config for the model as `vllm serve` would make it (no weights, no tokenizer)."""
     from vllm.engine.arg_utils import EngineArgs
 
     d = Path(tempfile.mkdtemp(prefix="scale_"))
-    (d / "config.json").write_text(json.dumps(_config(model, layers)))
+    (d / "config.json").write_text(json.dumps(_config(model, layers, shrink)))
     config = EngineArgs(model=str(d), dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
                         max_model_len=4096, enable_expert_parallel=ep, load_format="dummy").create_engine_config()
     config.parallel_config.tensor_parallel_size = tp
     return config
 
 
-def meta_model(config, tp: int, rank: int, ep: bool) -> torch.nn.Module:
-    """vLLM's model class at full shape on `meta`, as rank `rank` builds it."""
+def meta_model(config, tp: int, rank: int, ep: bool, device: str = "meta") -> torch.nn.Module:
+    """vLLM's model class on `device` (full shape: `meta`), as rank `rank` builds it."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
     config.compilation_config.static_forward_context.clear()  # each rank's model registers its layers anew
     default = torch.get_default_dtype()
-    with fake_parallel(tp, rank, ep), set_current_vllm_config(config), torch.device("meta"):
+    with fake_parallel(tp, rank, ep), set_current_vllm_config(config), torch.device(device):
         torch.set_default_dtype(torch.bfloat16)
         try:
             return initialize_model(vllm_config=config)
