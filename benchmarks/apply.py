@@ -48,7 +48,7 @@ from vllm_delta.wire import DeltaWriter, get_encoding, tensor_digest  # noqa: E4
 from vllm_delta.wire.additive import partial_sum, to_hex  # noqa: E402
 from vllm_delta.wire.manifest import write_manifest  # noqa: E402
 
-CHUNK_BYTES = 256 << 20  # both sparse paths: our default --delta-updates-chunk-bytes
+CHUNK_BYTES = 256 << 20  # our default --delta-updates-chunk-bytes (the staging bound), and vLLM's chunk cap
 MB = 1e6
 
 
@@ -309,7 +309,8 @@ def write_report(out: Path, res: dict, a, facts: dict, keys: dict[str, float]) -
         "- **Payload** = decoded positions (int64) + values (bf16) = 10 B per changed element.",
         "- **Memory** = peak extra RSS of the worker process during the call (VmHWM reset via "
         "`/proc/self/clear_refs` just before; baseline = RSS then, after `gc.collect()` + `malloc_trim`).",
-        f"- **Chunk cap:** {CHUNK_BYTES >> 20} MiB for both sparse paths.",
+        f"- **Bounds:** {CHUNK_BYTES >> 20} MiB: ours bounds the whole staged update with it "
+        "(`--delta-updates-chunk-bytes`), vLLM's loader its chunks.",
         "",
         "## What is timed",
         "",
@@ -318,7 +319,8 @@ def write_report(out: Path, res: dict, a, facts: dict, keys: dict[str, float]) -
         "staging), the route's digest check (`check_partials`), then `delta_commit` (scatter into the live "
         "weights and, on CPU only, re-run vLLM's oneDNN repack for every touched linear layer). *stage* = "
         "decode + locate + digests + staging; *digest* is its digest part; *repack* is the CPU-only part of "
-        "the commit; *scatter* = commit - repack.",
+        "the commit; *scatter* = commit - repack (the scatters, the read-back of every written offset from the "
+        "live weights, and a device synchronize).",
         "- **vLLM**: `load_checkpoint_weight_patches(model, patches, max_chunk_bytes)`, one "
         "`CheckpointWeightPatch` per tensor, decoded before the clock starts. It stages each patched tensor "
         "at full shape filled with NaN and replays `model.load_weights`. It does not refresh the CPU-packed "

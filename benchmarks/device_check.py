@@ -12,7 +12,8 @@ a direct `load_weights` of the new checkpoint into a fresh model of the same ran
     python benchmarks/device_check.py --device cpu --size tiny --out /tmp/dc   # what CI runs
 
 Sections (`--sections a,b`): `apply` (bit-exactness at each density, and decode / prepare /
-commit / verify times) and `sender` (the sender's scan with the snapshot on the device and in
+commit / verify times), `apply_moe` (the batched apply where thousands of expert tensors feed
+fused params: times, ops per sync, bit-exactness) and `sender` (the sender's scan with the snapshot on the device and in
 pinned host memory, checked against the positions each step moved; benchmarks/device_sender.py)
 and `collective` (the NCCL transport's pinned host-to-device stream of a delta's flushes, one at a
 time, and back, bit-exact; benchmarks/device_collective.py says why it is one process).
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -326,6 +328,81 @@ def section_apply(args: argparse.Namespace, ctx: dict) -> dict:
             "ok": all(r.get("bit_exact", True) for r in rows) and any("bit_exact" in r for r in rows) and not fallback}
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched: the proxy for kernel launches on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def moe_config(args: argparse.Namespace) -> Config:
+    """A production tensor count with tiny hidden sizes: every layer MoE, `--moe-experts` experts each."""
+    cpu = args.device == "cpu"
+    layers = args.moe_layers or (2 if cpu else 16)
+    experts = args.moe_experts or (32 if cpu else 128)
+    return Config(vocab=256, hidden=64, layers=layers, heads=4, kv_heads=2, head_dim=16, inter=128,
+                  moe_layers=layers, experts=experts, moe_inter=32)
+
+
+def section_apply_moe(args: argparse.Namespace, ctx: dict) -> dict:
+    """The batched apply where thousands of expert tensors feed fused w13/w2 params (TP=1).
+
+    Per density: prepare from the files, the same from decoded deltas (`stage`, what the batching
+    changed) and the commit, each synchronized; the ops both dispatch (counted once, after the
+    timed run); bit-exactness against a direct load of the new checkpoint into a fresh model.
+    """
+    cfg, device = moe_config(args), args.device
+    shapes = checkpoint_shapes(cfg)
+    meta = {n: (s, torch.bfloat16) for n, s in shapes.items()}
+    base = random_checkpoint(cfg, device, seed=0)
+    model = SyntheticLM(cfg, device=device)
+    model.load_weights(base.items())
+    applier = DeltaApplier(model, meta)
+    _, probe_s = _timed(device, lambda: applier.placements)
+    destinations = sum(1 for _ in model.parameters())
+    rows, tmp = [], Path(tempfile.mkdtemp(prefix="device_check_moe_"))
+    for version, density in enumerate(args.moe_densities, start=1):
+        new = step(base, density, seed=version)
+        path = tmp / f"v{version}"
+        write_delta(path, base, new, version=version)
+        prepare = lambda: applier.prepare(path, version=version, base_version=version - 1,  # noqa: E731
+                                          current_version=version - 1, chunk_bytes=args.chunk_bytes)
+        staged, prepare_s = _timed(device, prepare)
+        replies = [{"digests": staged.digests, "expected": staged.expected}]
+        checked = check_partials(replies)
+        commit_s = _timed(device, lambda: applier.commit(staged))[1]
+        exact = all(torch.equal(p.view(torch.int16), dict(model.named_parameters())[n].view(torch.int16))
+                    for n, p in _direct(cfg, device, new).named_parameters())
+        model.load_weights(base.items())
+        info = open_delta(path)
+        deltas = list(iter_delta(info, expected=meta, current_version=version - 1))
+        stage = lambda: applier.stage(info.manifest, deltas, version=version, replay=False, start=0.0)  # noqa: E731
+        staged, stage_s = _timed(device, stage)
+        commit_s2 = _timed(device, lambda: applier.commit(staged))[1]
+        model.load_weights(base.items())
+        with _OpCount() as count:
+            applier.commit(applier.stage(info.manifest, deltas, version=version, replay=False, start=0.0))
+        model.load_weights(base.items())
+        rows.append({"density": density, "changed": staged.changed, "tensors": len(deltas),
+                     "prepare_s": prepare_s, "stage_s": stage_s, "commit_s": min(commit_s, commit_s2),
+                     "ops_per_sync": count.ops, "digests_checked": checked, "bit_exact": exact})
+    return {"tensors": len(shapes), "expert_tensors": 3 * cfg.experts * cfg.moe_layers,
+            "destination_params": destinations, "probe_s": probe_s, "rows": rows,
+            "ok": all(r["bit_exact"] for r in rows) and bool(rows)}
+
+
+def _direct(cfg: Config, device: str, weights: dict[str, torch.Tensor]) -> SyntheticLM:
+    """The independent reference: the loaders themselves, into a fresh model."""
+    model = SyntheticLM(cfg, device=device)
+    model.load_weights(weights.items())
+    return model
+
+
 def section_sender(args: argparse.Namespace, ctx: dict) -> dict:
     """The sender's scan on the same synthetic checkpoint (benchmarks/device_sender.py)."""
     from device_sender import section_sender as run
@@ -344,7 +421,7 @@ def section_collective(args: argparse.Namespace, ctx: dict) -> dict:
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace, dict], dict]] = {
-    "apply": section_apply, "sender": section_sender, "collective": section_collective}
+    "apply": section_apply, "apply_moe": section_apply_moe, "sender": section_sender, "collective": section_collective}
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -371,6 +448,17 @@ def markdown(report: dict) -> str:
                   "staging and the O(changed) pre/post digests on the device (slowest rank); commit: the "
                   "chunked host-to-device copies, ULP resolve and scatter (slowest rank); full verify: "
                   "counted-once whole-tensor digests of every tensor (slowest rank)."]
+    if "apply_moe" in report["sections"]:
+        m = report["sections"]["apply_moe"]
+        lines += ["", f"## apply_moe: {m['tensors']:,} checkpoint tensors ({m['expert_tensors']:,} experts) into "
+                  f"{m['destination_params']} params, probe {m['probe_s']:.2f} s", "",
+                  "| density | changed | prepare s | of decoded s | commit s | ops per sync | bit-exact |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['density']:.1%} | {r['changed']:,} | {r['prepare_s']:.3f} | {r['stage_s']:.3f} | "
+                  f"{r['commit_s']:.4f} | {r['ops_per_sync']:,} | {r['bit_exact']} |" for r in m["rows"]]
+        lines += ["", "prepare: read, hash, decode, then the batched locate, digests and staging on the "
+                  "device; of decoded: the same from already decoded deltas (`stage`); commit: the scatters, "
+                  "read-back and a device synchronize; ops: aten ops of one stage + commit."]
     if "sender" in report["sections"]:
         from device_sender import sender_markdown
 
@@ -390,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", action="store_true", help="experts split across ranks instead of TP-sliced")
     ap.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
     ap.add_argument("--chunk-bytes", type=int, default=256 << 20)
+    ap.add_argument("--moe-layers", type=int, default=0, help="apply_moe: MoE layers (0: 16 on a GPU, 2 on cpu)")
+    ap.add_argument("--moe-experts", type=int, default=0, help="apply_moe: experts per layer (0: 128 / 32)")
+    ap.add_argument("--moe-densities", type=float, nargs="+", default=[0.005, 0.02])
     ap.add_argument("--max-s", type=float, default=420.0, help="start no new density after this many seconds")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")

@@ -51,7 +51,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-chunk-bytes", type=positive_int, default=DEFAULT_CHUNK_BYTES, metavar="N",
-        help="The receiver's working-set cap per apply chunk, in bytes.",
+        help="The bound on everything one update stages on the receiver (offsets and values), in bytes; "
+             "a larger update is refused (413) before any weight changes.",
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
