@@ -31,8 +31,10 @@ def hf_config(fields: dict[str, Any]):
 
 @contextmanager
 def meta_rank(fields: dict[str, Any], *, world: int, rank: int, tp: int = 1, pp: int = 1, ep: int = 1,
-              etp: int = 1, make_vocab_size_divisible_by: int | None = None) -> Iterator[tuple[Any, Any]]:
-    """(gpt, bridge) of rank `rank` in a `world`-rank job, weights on `meta`; torn down on exit."""
+              etp: int = 1, make_vocab_size_divisible_by: int | None = None,
+              extra_args: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
+    """(gpt, bridge) of rank `rank` in a `world`-rank job, weights on `meta`; torn down on exit.
+    `extra_args` go to mbridge's `set_extra_args` (e.g. uneven pipeline stages)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -54,7 +56,8 @@ def meta_rank(fields: dict[str, Any], *, world: int, rank: int, tp: int = 1, pp:
         bridge = AutoBridge.from_config(cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         bridge.set_extra_args(moe_grouped_gemm=False, persist_layer_norm=False, sequence_parallel=False,
                               use_cpu_initialization=True, gradient_accumulation_fusion=False,
-                              masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False)
+                              masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+                              **(extra_args or {}))
         bridge._get_transformer_layer_spec = lambda vp_stage=None: get_gpt_decoder_block_spec(
             bridge.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
         with torch.device("meta"):
