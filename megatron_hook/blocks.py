@@ -145,11 +145,8 @@ def cat(parts: Sequence[BlockIds], dim: int = 0) -> BlockIds:
     """`torch.cat` of id tensors, in blocks of the widths' common divisor."""
     if not all(isinstance(p, BlockIds) for p in parts):
         raise NotImplementedError("BlockIds: cat of block ids with plain tensors")
-    width = math.gcd(*(p.width for p in parts))
-    dim = _dim(dim, parts[0].dim())
-    if dim == parts[0].dim() - 1:
-        width = math.gcd(width, *(p.shape[-1] for p in parts))
-    return BlockIds(torch.cat([p.refine(width).starts for p in parts], dim), width)
+    width = math.gcd(*(p.width for p in parts))  # divides every part's last dim, so their sum too
+    return BlockIds(torch.cat([p.refine(width).starts for p in parts], _dim(dim, parts[0].dim())), width)
 
 
 def _dim(dim: int, ndim: int) -> int:
