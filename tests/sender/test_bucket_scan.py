@@ -188,7 +188,7 @@ def test_offsets_past_two_to_the_31(meta_nonzero) -> None:
     assert not rest and layout.names == ("h", "x")
     tables = bucket_scan.run_tables(layout.rows, torch.device("cpu"))
     pos = torch.tensor([0, 999, a0, a0 + 999, a0 + 1000, (1 << 31), a0 + 3999])
-    member, hf, keep = bucket_scan.locate(tables, pos)
+    member, hf, keep, _ = bucket_scan.locate(tables, pos)
     local = pos[2:] - a0
     cpu_seg = Segments("x", torch.empty(4000), (8000,), seg.runs)
     assert member.tolist() == [0, 0, 1, 1, 1, 1, 1] and keep.all()
@@ -211,3 +211,15 @@ def test_chunked_diff_over_chunk_edges() -> None:
     assert torch.equal(pos, idx)
     assert torch.equal(old.view(torch.int16), snap.view(torch.int16)[idx])
     assert torch.equal(new.view(torch.int16), cur.view(torch.int16)[idx])
+
+
+def test_auto_placement_counts_optimizer_state_and_a_margin() -> None:
+    """At registration Adam's moments do not exist yet: a snapshot that fits in today's free memory
+    but not beside them (and the margin) goes to the host, and the reason says why."""
+    from vllm_delta.sender.producer import place_snapshot
+
+    gib = 1 << 30
+    params = 5 * gib  # bf16: a 10 GiB snapshot
+    assert place_snapshot(2 * params, params, 60 * gib, 140 * gib)[0] == "host"  # 10 + 40 + 21 > 60
+    place, why = place_snapshot(2 * params, params, 80 * gib, 140 * gib)
+    assert place == "device" and "optimizer state 40.0 GiB" in why and "margin 21.0 GiB" in why

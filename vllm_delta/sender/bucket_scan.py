@@ -23,7 +23,7 @@ import torch
 from vllm_delta.diff import changed_positions
 from vllm_delta.sender.segments import Segments
 from vllm_delta.sender.shards import Shard
-from vllm_delta.wire.additive import _CPU_SLICE, _LANES, _keys, _mix_
+from vllm_delta.wire.additive import _CPU_SLICE, _LANES, _keys, _mix_, partial_sum
 
 # Elements compared per op on an accelerator: a 256 M-element bool mask (256 MiB) at most, so a
 # multi-GB bucket is a few dozen chunks. The CPU diff chunks (and threads) internally.
@@ -45,6 +45,7 @@ class Layout:
     # one run or equal runs at a constant stride (so the member's snapshot is a view of the bucket's)
     rows: tuple[tuple[int, int, int, int], ...]  # runs (bucket offset, HF start, length, member), sorted
     tables: tuple[torch.Tensor, ...]  # `run_tables(rows)` on the weights' device
+    in_order: bool  # bucket order is already (member, HF) order: no sort of the changes
     gaps: bool  # the span holds elements no member covers (padding, unregistered params)
 
 
@@ -147,15 +148,21 @@ def _layout(key: tuple, members: list[tuple[Shard | Segments, list[tuple[int, in
     t0 = members[0][0].tensor.detach()
     base = t0.as_strided((hi - lo,), (1,), lo)
     rows_t = tuple(rows)
+    keys = [(k, h) for _, h, _, k in rows_t]
     return Layout(key, tuple(s.name for s, _, _ in members), base, lo,
                   tuple(tuple((b - lo, n) for b, n in buf) for _, buf, _ in members),
-                  rows_t, run_tables(rows_t, t0.device), sum(r[2] for r in rows) != hi - lo)
+                  rows_t, run_tables(rows_t, t0.device), in_order=keys == sorted(keys),
+                  gaps=sum(r[2] for r in rows) != hi - lo)
 
 
 def run_tables(rows: tuple[tuple[int, int, int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """int64 (start, end, HF start, member) of each run, on `device`: made once per layout."""
+    """int64 per run, on `device` (made once per layout): start, end, HF shift (HF position minus
+    bucket offset), member, and rank in (member, HF) order."""
     t = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).t().contiguous()
-    return tuple(x.to(device) for x in (t[0], t[0] + t[2], t[1], t[3]))
+    rank = torch.empty_like(t[0])
+    rank[torch.tensor(sorted(range(len(rows)), key=lambda i: (rows[i][3], rows[i][1])), dtype=torch.int64)] = \
+        torch.arange(len(rows))
+    return tuple(x.to(device) for x in (t[0], t[0] + t[2], t[1] - t[0], t[3], rank))
 
 
 @dataclass(eq=False)
@@ -178,25 +185,23 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     n = len(layout.names)
     pos, old, new = _diff(layout.base, snap)
     tables = tuple(t.to(pos.device) for t in layout.tables)
-    seg, hf, keep = locate(tables, pos)
+    seg, hf, keep, run = _map(layout, tables, pos)
     if layout.gaps:  # drop changes no member covers
         idx = torch.nonzero(keep).reshape(-1)
-        pos, old, new, seg, hf = pos[idx], old[idx], new[idx], seg[idx], hf[idx]
+        pos, old, new, seg, hf, run = pos[idx], old[idx], new[idx], seg[idx], hf[idx], run[idx]
     pre, post = segment_sums(seg, n, hf, old), segment_sums(seg, n, hf, new)
     digest = digests - pre + post
-    sent, send_seg, send_hf, send_new, send_old = pos, seg, hf, new, old
+    sent, send_seg, send_hf, send_new, send_old, send_run = pos, seg, hf, new, old, run
     if kind == "catchup" and pending is not None:
         sent = union(pending, pos)
-        send_seg, send_hf, _ = locate(tables, sent)
+        send_seg, send_hf, _, send_run = _map(layout, tables, sent)
         send_new, send_old = take(layout.base, sent), None
         post = segment_sums(send_seg, n, send_hf, send_new)
-    order = torch.argsort(send_hf, stable=True)  # by HF position, then (stably) by member
-    order = order[torch.argsort(send_seg[order], stable=True)]
-    send_hf, send_new = send_hf[order], send_new[order]
-    send_old = send_old[order] if send_old is not None else None
-    counts = torch.zeros(2, n, dtype=torch.int64, device=pos.device)  # no bincount on meta
-    counts[0].index_add_(0, seg, torch.ones_like(seg))
-    counts[1].index_add_(0, send_seg, torch.ones_like(send_seg))
+    if not layout.in_order:  # runs interleave (a fused qkv): stable by run rank is (member, HF) order
+        order = torch.argsort(tables[4][send_run], stable=True)
+        send_hf, send_new = send_hf[order], send_new[order]
+        send_old = send_old[order] if send_old is not None else None
+    counts = torch.cat([_count(seg, n, pos), _count(send_seg, n, sent)])
     summary = torch.cat([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts.reshape(-1)])
     return BucketScan(pos, new, send_hf, send_new, send_old, summary)
 
@@ -205,7 +210,7 @@ def _diff(base: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.T
     """(changed offsets, snapshot values there, live values there), all where `snap` lives."""
     if base.device == snap.device and base.device.type == "cpu":
         pos = changed_positions(base, snap)  # numpy, chunked, on every core
-        return pos, snap[pos], base[pos]
+        return pos, snap.index_select(0, pos), base.index_select(0, pos)
     return chunked_diff(base, snap, DEVICE_CHUNK)
 
 
@@ -218,17 +223,35 @@ def chunked_diff(base: torch.Tensor, snap: torch.Tensor, chunk: int
         if cur.device != s.device:  # host snapshot: the live chunk comes over, nothing goes to the device
             cur = cur.to(s.device)
         p = changed_positions(cur, s)
-        parts.append((p + a, s[p], cur[p]))
+        parts.append((p + a, s.index_select(0, p), cur.index_select(0, p)))
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(x) for x in zip(*parts))  # type: ignore[return-value]
 
 
-def locate(tables: tuple[torch.Tensor, ...], pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(member, HF position, covered?) of bucket offsets: one `searchsorted` over the run starts."""
-    start, end, hf_start, seg = tables
+def locate(tables: tuple[torch.Tensor, ...], pos: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(member, HF position, covered?, run) of bucket offsets: one `searchsorted` over the run starts."""
+    start, end, shift, seg, _ = tables
     r = (torch.searchsorted(start, pos, right=True) - 1).clamp_(min=0)
-    return seg[r], pos - start[r] + hf_start[r], pos < end[r]
+    return seg[r], pos + shift[r], pos < end[r], r
+
+
+def _map(layout: Layout, tables: tuple[torch.Tensor, ...], pos: torch.Tensor
+         ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`locate`, or for a bucket of one run (a plain tensor, a whole param) just an offset: no
+    member index is needed then (`seg` None)."""
+    if len(layout.rows) == 1:
+        start, hf, _, _ = layout.rows[0]
+        return None, pos + (hf - start) if hf != start else pos, None, None
+    return locate(tables, pos)
+
+
+def _count(seg: torch.Tensor | None, n: int, pos: torch.Tensor) -> torch.Tensor:
+    """Positions per member (`index_add_`: there is no bincount on meta)."""
+    if seg is None:
+        return pos.new_full((1,), pos.numel())
+    return torch.zeros(n, dtype=torch.int64, device=pos.device).index_add_(0, seg, torch.ones_like(seg))
 
 
 def take(base: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -238,9 +261,11 @@ def take(base: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return base[idx.to(base.device)].to(idx.device)
 
 
-def segment_sums(seg: torch.Tensor, n: int, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def segment_sums(seg: torch.Tensor | None, n: int, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """`[n, 2]` additive digests (`wire.additive.partial_sum`) of the elements of each member:
     the same terms, summed with one `index_add_` per slice instead of one sum per member."""
+    if seg is None:  # one member
+        return partial_sum(positions, values).view(1, 2)
     out = torch.zeros(n, 2, dtype=torch.int64, device=positions.device)
     step = _CPU_SLICE if positions.device.type == "cpu" else max(1, positions.numel())
     for a in range(0, positions.numel(), step):

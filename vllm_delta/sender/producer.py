@@ -9,12 +9,16 @@ of one tensor's changes overlaps the scan of the next.
 
 The snapshot holds the values every engine acknowledged (version S), per shard:
 - `snapshot="device"`: a copy beside the parameter (fastest; one parameter's worth of memory);
-- `snapshot="host"`: a pinned host copy, streamed to the device in chunks for the compare;
-- `"auto"`: the device when the parameters fit twice in its free memory, else the host.
+- `snapshot="host"`: a pinned host copy; the live weights come to the host chunk by chunk and are
+  compared there (nothing is copied to the device; only O(changed) positions go back);
+- `"auto"`: the device only when the snapshot, the optimizer state still to be allocated and a
+  safety margin fit in its free memory (`place_snapshot`), else the host. The choice and its
+  reason are logged at seeding and kept in `Producer.place_reason`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,8 +32,15 @@ from vllm_delta.sender.shards import Shard
 from vllm_delta.wire import additive, tensor_digest
 
 SNAPSHOT_PLACES = ("auto", "device", "host")
-# Host-snapshot compares stream this many elements at a time to the device.
+# Host-snapshot compares bring this many live elements at a time to the host.
 STREAM_ELEMENTS = 1 << 24
+# "auto": what the trainer may still allocate on the device after registration. Registration comes
+# before the first step, so Adam's two fp32 moments (8 B per param; not DP-sharded: the worst case)
+# do not exist yet; activations and allocator fragmentation get a margin of the device's memory.
+OPTIMIZER_BYTES_PER_PARAM = 8
+MARGIN_FRACTION = 0.15
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -115,7 +126,8 @@ class Producer:
         names = [s.name for s in shards]
         if len(set(names)) != len(names):
             raise ValueError("a param was given twice")
-        place = self._choose_place(shards)
+        place, self.place_reason = self._choose_place(shards)
+        logger.info("vllm-delta snapshot on the %s: %s", place, self.place_reason)
         self._states, self._buckets = {}, {}
         for s in shards:
             flat = s.tensor.detach().reshape(-1)
@@ -128,15 +140,16 @@ class Producer:
             self._states[s.name] = _State(s.describe(), snap, digest)
         self.place = place
 
-    def _choose_place(self, shards: list[Shard]) -> str:
+    def _choose_place(self, shards: list[Shard]) -> tuple[str, str]:
         if self.snapshot_place != "auto":
-            return self.snapshot_place
+            return self.snapshot_place, "chosen explicitly"
         devices = {s.tensor.device for s in shards}
         if not any(d.type == "cuda" for d in devices):
-            return "device"  # on the host (or meta) the two places are the same memory
+            return "device", "the weights are not on a GPU (the two places are the same memory)"
         need = sum(s.tensor.numel() * s.tensor.element_size() for s in shards)
-        free = min(torch.cuda.mem_get_info(d)[0] for d in devices if d.type == "cuda")
-        return "device" if 2 * need <= free else "host"
+        params = sum(s.tensor.numel() for s in shards)
+        free, total = (min(x) for x in zip(*(torch.cuda.mem_get_info(d) for d in devices if d.type == "cuda")))
+        return place_snapshot(need, params, free, total)
 
     @property
     def names(self) -> list[str]:
@@ -283,7 +296,7 @@ class Producer:
         per-segment scan, or when the bucket goes)."""
         if b.pending is None:
             return
-        seg, _, _ = bucket_scan.locate(tuple(t.to(b.pending.device) for t in b.layout.tables), b.pending)
+        seg, *_ = bucket_scan.locate(tuple(t.to(b.pending.device) for t in b.layout.tables), b.pending)
         for i, (name, runs) in enumerate(zip(b.layout.names, b.layout.local_runs)):
             mine = b.pending[seg == i]
             if not mine.numel():
@@ -341,15 +354,11 @@ class Producer:
         if snap.device == cur.device:
             pos = changed_positions(cur, snap)
             return pos, snap.index_select(0, pos)
-        pos_parts, old_parts = [], []
-        for a in range(0, cur.numel(), STREAM_ELEMENTS):  # host snapshot: stream it in chunks
-            chunk = snap[a:a + STREAM_ELEMENTS].to(cur.device, non_blocking=True)
-            p = changed_positions(cur[a:a + chunk.numel()], chunk)
-            pos_parts.append(p + a)
-            old_parts.append(chunk.index_select(0, p))
-        if not pos_parts:
+        if not cur.numel():
             return cur.new_zeros(0, dtype=torch.int64), cur.new_zeros(0)
-        return torch.cat(pos_parts), torch.cat(old_parts)
+        # host snapshot: the live chunks come to the host and are compared there
+        pos, old, _ = bucket_scan.chunked_diff(cur, snap, STREAM_ELEMENTS)
+        return pos.to(cur.device), old.to(cur.device)
 
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy (pinned, on a side stream, not yet waited for) of O(changed) device data."""
@@ -425,6 +434,18 @@ def _pending_counts(b: _Bucket) -> list[int]:
     """Catch-up positions per member of a bucket (on `meta`, which has no values: every member)."""
     if b.pending.device.type == "meta":
         return [1] * len(b.layout.names)
-    seg, _, _ = bucket_scan.locate(tuple(t.to(b.pending.device) for t in b.layout.tables), b.pending)
+    seg, *_ = bucket_scan.locate(tuple(t.to(b.pending.device) for t in b.layout.tables), b.pending)
     return torch.zeros(len(b.layout.names), dtype=torch.int64, device=seg.device).index_add_(
         0, seg, torch.ones_like(seg)).tolist()
+
+
+def place_snapshot(snapshot_bytes: int, params: int, free: int, total: int) -> tuple[str, str]:
+    """The "auto" rule: the device only if the snapshot, the optimizer state not yet allocated
+    (OPTIMIZER_BYTES_PER_PARAM) and a margin (MARGIN_FRACTION of the device) fit in its free memory."""
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * params
+    margin = int(MARGIN_FRACTION * total)
+    fits = snapshot_bytes + optimizer + margin <= free
+    gib = 1 << 30
+    why = (f"snapshot {snapshot_bytes / gib:.1f} GiB + optimizer state {optimizer / gib:.1f} GiB + margin "
+           f"{margin / gib:.1f} GiB {'<=' if fits else '>'} free {free / gib:.1f} GiB")
+    return ("device" if fits else "host"), why
