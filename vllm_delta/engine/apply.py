@@ -321,19 +321,21 @@ class DeltaApplier:
         """Locate, digest and stage a batch of tensors: a constant number of ops per destination."""
         if not batch:
             return
-        groups: dict[tuple[str, torch.dtype, bool], list[Piece]] = {}
-        for slot, delta in enumerate(batch):
+        # Per destination (and dtype): its pieces, and the tensors behind them (a piece's slot indexes these).
+        groups: dict[tuple[str, torch.dtype, bool], tuple[list[Piece], list[str]]] = {}
+        for delta in batch:
             numel = torch.Size(delta.shape).numel()
             for seg in self.placements[delta.name].segments:
                 if delta.needs_base and torch.finfo(self.targets[seg.target].dtype).bits < torch.finfo(delta.dtype).bits:
                     raise DtypeMismatchError(f"{seg.target} holds {self.targets[seg.target].dtype}, narrower than "
                                              f"{delta.dtype}: the current bits cannot be recovered", param=delta.name)
-                groups.setdefault((seg.target, delta.dtype, delta.needs_base), []).append(
-                    Piece(slot, delta.positions, delta.values, seg, numel))
-        names = [d.name for d in batch]
-        pre = [entries[n].pre_digest is not None for n in names]
-        post = [entries[n].post_digest is not None for n in names]
-        for (target, dtype, needs_base), pieces in groups.items():
+                pieces, names = groups.setdefault((seg.target, delta.dtype, delta.needs_base), ([], []))
+                if not names or names[-1] != delta.name:
+                    names.append(delta.name)
+                pieces.append(Piece(len(names) - 1, delta.positions, delta.values, seg, numel))
+        for (target, dtype, needs_base), (pieces, names) in groups.items():
+            pre = [entries[n].pre_digest is not None for n in names]
+            post = [entries[n].post_digest is not None for n in names]
             located = locate(pieces)
             if not located.offsets.numel():
                 continue
@@ -349,10 +351,10 @@ class DeltaApplier:
                 slots = located.slots.to(device, non_blocking=True)
                 old = gather(flat, offsets).to(dtype) if any(pre) or needs_base else None
                 if any(pre):
-                    sums.add_rows(names, 0, pre, slot_sums(positions, old, slots, len(batch)))
+                    sums.add_rows(names, 0, pre, slot_sums(positions, old, slots, len(names)))
                 if any(post):
                     new = ulp_resolve_tensor(old, values) if needs_base else values
-                    sums.add_rows(names, 1, post, slot_sums(positions, new, slots, len(batch)))
+                    sums.add_rows(names, 1, post, slot_sums(positions, new, slots, len(names)))
             staging.add(target, Chunk(offsets, values if needs_base else values.to(canon.dtype),
                                       dtype if needs_base else None))
 
