@@ -420,8 +420,16 @@ def section_collective(args: argparse.Namespace, ctx: dict) -> dict:
                write_delta=write_delta)
 
 
+def section_bucket_scan(args: argparse.Namespace, ctx: dict) -> dict:
+    """The one-pass scan over one contiguous bucket (benchmarks/device_sender.py)."""
+    from device_sender import section_bucket_scan as run
+
+    return run(args, ctx)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace, dict], dict]] = {
-    "apply": section_apply, "apply_moe": section_apply_moe, "sender": section_sender, "collective": section_collective}
+    "apply": section_apply, "apply_moe": section_apply_moe, "sender": section_sender, "collective": section_collective,
+    "bucket_scan": section_bucket_scan}
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -463,6 +471,10 @@ def markdown(report: dict) -> str:
         from device_sender import sender_markdown
 
         lines += ["", *sender_markdown(report["sections"]["sender"])]
+    if "bucket_scan" in report["sections"]:
+        from device_sender import bucket_scan_markdown
+
+        lines += ["", *bucket_scan_markdown(report["sections"]["bucket_scan"])]
     if "collective" in report["sections"]:
         from device_collective import collective_markdown
 
@@ -481,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-layers", type=int, default=0, help="apply_moe: MoE layers (0: 16 on a GPU, 2 on cpu)")
     ap.add_argument("--moe-experts", type=int, default=0, help="apply_moe: experts per layer (0: 128 / 32)")
     ap.add_argument("--moe-densities", type=float, nargs="+", default=[0.005, 0.02])
+    ap.add_argument("--scan-gb", type=float, default=2.0, help="bucket_scan: bytes of the bucket on a GPU (CPU: 8 MB)")
     ap.add_argument("--max-s", type=float, default=420.0, help="start no new density after this many seconds")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")

@@ -101,3 +101,65 @@ def sender_markdown(s: dict) -> list[str]:
               "and the pinned host copies of the changes (waited for). exact: staged positions, values and "
               "whole-tensor digest equal the positions the step moved, read back independently."]
     return lines
+
+
+def section_bucket_scan(args: argparse.Namespace, ctx: dict) -> dict:
+    """The one-pass scan (`sender/bucket_scan.py`) over one contiguous bf16 bucket shaped like a
+    ParamAndGradBuffer (params as views, padding between them): GB/s against a device memcpy of the
+    bucket, torch ops per sync (on the CPU they also grow with the changes: digests are summed in
+    cache-sized slices), and every staged change checked against the positions moved."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    device = args.device
+    numel = int(args.scan_gb * 1e9 / 2) if device.startswith("cuda") else 1 << 22
+    n_params, pad = 64, 64
+    size = (numel // n_params) & ~127
+    buf = torch.zeros(n_params * (size + pad), dtype=torch.bfloat16, device=device)
+    buf.normal_(0, 0.02)
+    weights = {f"p{k}": buf[k * (size + pad):k * (size + pad) + size].view(size // 128, 128) for k in range(n_params)}
+    shards = [Shard.whole(n, t) for n, t in weights.items()]
+    dst = torch.empty_like(buf)
+    memcpy_s = min(_timed(device, lambda: dst.copy_(buf))[1] for _ in range(3))
+    del dst
+    rows = []
+    for place in ("device", "host"):
+        producer = Producer(snapshot=place, post_hash=False)
+        producer.seed([s.with_tensor(s.tensor.clone()) for s in shards])
+        for version, density in enumerate(args.densities, start=1):
+            before = buf.clone()
+            moved = _move(weights, density, seed=version)
+            cap, scan_s = _timed(device, lambda: producer.scan(shards, kind="delta", anchor=False))
+            wrong = [e.name for e in cap.entries if not (
+                torch.equal(e.positions, moved[e.name].cpu())
+                and torch.equal(e.new_values.view(torch.int16), weights[e.name].view(-1)[moved[e.name]].cpu().view(
+                    torch.int16))
+                and to_hex(e.digests["digest"]) == to_hex(tensor_sum(weights[e.name])))]
+
+            class Count(TorchDispatchMode):
+                n = 0
+
+                def __torch_dispatch__(self, func, types, a=(), kw=None):
+                    Count.n += 1
+                    return func(*a, **(kw or {}))
+
+            with Count():
+                producer.scan(shards, kind="delta", anchor=False)
+            rows.append({"snapshot": place, "density": density, "changed": cap.changed, "scan_s": scan_s,
+                         "scan_gbps": buf.numel() * 2 / scan_s / 1e9, "x_memcpy": scan_s / memcpy_s,
+                         "ops_per_sync": Count.n, "buckets": len(cap.buckets), "exact": not wrong,
+                         "wrong": wrong[:10]})
+            buf.copy_(before)  # nothing advanced: the next density starts from the snapshot again
+        del producer
+    return {"bucket_bytes": buf.numel() * 2, "params": n_params, "memcpy_s": memcpy_s, "rows": rows,
+            "ok": all(r["exact"] and r["buckets"] == 1 for r in rows)}
+
+
+def bucket_scan_markdown(s: dict) -> list[str]:
+    lines = [f"## bucket_scan: one pass over one {s['bucket_bytes'] / 1e9:.2f} GB bf16 bucket of {s['params']} "
+             f"params (device memcpy of the bucket: {s['memcpy_s']:.4f} s, "
+             f"{s['bucket_bytes'] / s['memcpy_s'] / 1e9:.0f} GB/s)", "",
+             "| snapshot | density | changed | scan s | GB/s scanned | × memcpy | ops per sync | exact |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['snapshot']} | {r['density']:.1%} | {r['changed']:,} | {r['scan_s']:.4f} | {r['scan_gbps']:.1f} "
+              f"| {r['x_memcpy']:.1f} | {r['ops_per_sync']} | {r['exact']} |" for r in s["rows"]]
+    return lines
