@@ -176,13 +176,14 @@ def test_bucket_scan_runs_on_meta(meta_nonzero) -> None:
 
 
 def test_offsets_past_two_to_the_31(meta_nonzero) -> None:
-    """A bucket of 2^31 + 2^20 elements on meta, a member straddling 2^31: the layout and the scan
-    build there, and the run table maps offsets on both sides of 2^31 as the member's own
-    `to_global` does (computed on the CPU from the same runs)."""
+    """A bucket of 2^31 + 2^20 elements on meta, a member straddling 2^31 in the bucket and in its
+    HF tensor: the layout and the scan build there, and the run table maps offsets on both sides of
+    2^31 as the member's own `to_global` does (computed on the CPU from the same runs)."""
     big = (1 << 31) + (1 << 20)
     buf = torch.empty(big, dtype=torch.bfloat16, device="meta")
     a0 = (1 << 31) - 1000
-    seg = Segments("x", buf[a0:a0 + 4000], (8000,), ((5000, 1000), (0, 3000)))
+    hf0 = (1 << 31) - 500  # HF positions straddle 2^31 too
+    seg = Segments("x", buf[a0:a0 + 4000], (1 << 32,), ((hf0, 1000), (0, 3000)))
     head = Segments("h", buf[:1000], (1000,), ((0, 1000),))
     (layout,), rest = bucket_scan.plan([head, seg])
     assert not rest and layout.names == ("h", "x")
@@ -190,7 +191,7 @@ def test_offsets_past_two_to_the_31(meta_nonzero) -> None:
     pos = torch.tensor([0, 999, a0, a0 + 999, a0 + 1000, (1 << 31), a0 + 3999])
     member, hf, keep, _ = bucket_scan.locate(tables, pos)
     local = pos[2:] - a0
-    cpu_seg = Segments("x", torch.empty(4000), (8000,), seg.runs)
+    cpu_seg = Segments("x", torch.empty(4000), (1 << 32,), seg.runs)
     assert member.tolist() == [0, 0, 1, 1, 1, 1, 1] and keep.all()
     assert torch.equal(hf[2:], cpu_seg.to_global(local)) and hf[:2].tolist() == [0, 999]
     assert not bucket_scan.locate(tables, torch.tensor([1000, a0 - 1]))[2].any()  # the gap
