@@ -105,7 +105,9 @@ class Checkpoint:
             yield from load_file(self.path / f).items()
 
     def read(self, name: str) -> torch.Tensor:
-        return self._handle(self._shard_of(name)).get_tensor(name)
+        shard = self._shard_of(name)
+        self._header(shard)  # checks the index against the shard, once
+        return self._handle(shard).get_tensor(name)
 
     def read_at(self, name: str, flat: torch.Tensor) -> torch.Tensor:
         """`read(name).reshape(-1)[flat]` (int64 CPU positions), reading only the block of rows,
