@@ -111,6 +111,11 @@ class HookHandle:
         if self.on_sync is not None:
             self.on_sync(metrics)
 
+    @property
+    def status(self) -> dict:
+        """The sender's failed publishes and engine states (a publish error never leaves `step()`)."""
+        return self.sender.status()
+
     def remove(self) -> None:
         """Stop syncing: wait for the last publish and restore the optimizer's `step`."""
         self.flush()

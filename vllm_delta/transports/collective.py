@@ -16,7 +16,7 @@ and the manifest states the total).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Any
 
 from vllm_delta.client import Reply
@@ -65,8 +65,13 @@ class CollectiveLink:
             if reply is not None and not reply.ok:
                 raise ConnectionError(f"{self.url}: collective init {reply.status}: {reply.error}") from None
             raise ConnectionError(f"{self.url}: collective init: {exc}") from exc
-        reply = init.result()[self.url]
-        pool.shutdown()
+        try:  # every rank has joined; an engine that then stops answering HTTP is given up on in time
+            reply = init.result(timeout=self.timeout_s)[self.url]
+        except FutureTimeout:
+            group.close()
+            raise ConnectionError(f"{self.url}: collective init: no answer within {self.timeout_s:.0f} s") from None
+        finally:
+            pool.shutdown(wait=False)
         if not reply.ok:
             group.close()
             raise ConnectionError(f"{self.url}: collective init {reply.status}: {reply.error}")

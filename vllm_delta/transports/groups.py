@@ -8,6 +8,16 @@ directly, with no torch watchdog that would kill the trainer on a timeout; a stu
 waited on with a deadline and then aborted (`ncclCommAbort`). The control plane carries JSON through
 the group's store (never pickle: an engine must not unpickle what a trainer wrote).
 
+Setting up the bulk channel has a deadline too: an engine rank that joined the store and then died
+or stopped would otherwise hold the trainer in `ncclCommInitRank` (which has none) or in gloo's
+connect. It is built on a daemon thread and waited on for the group's timeout; past it the caller
+gets `GroupTimeout`, and a communicator that completes later is aborted then (a blocking NCCL init
+in progress cannot be aborted from outside; only that thread waits on it).
+
+NCCL bytes move through staging buffers of `NCCL_CHUNK_BYTES` (pinned host and device), at most
+`NCCL_STAGING_SLOTS` pairs at once in this process whatever the number of engines, allocated per
+flush on the caller's stream and dropped after it, so the training's allocator gets them back.
+
 Nothing here needs CUDA unless the backend is "nccl".
 """
 
@@ -16,7 +26,9 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import threading
 import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -25,6 +37,9 @@ import torch
 
 BACKENDS = ("gloo", "nccl")
 _POLL_S = (0.002, 0.05)  # first and longest sleep while polling the store
+NCCL_CHUNK_BYTES = 32 << 20  # one NCCL broadcast; both ends split a flush the same way
+NCCL_STAGING_SLOTS = 2  # staging buffer pairs held at once by this process, over every engine's group
+_staging = threading.BoundedSemaphore(NCCL_STAGING_SLOTS)
 
 
 class GroupTimeout(TimeoutError):
@@ -81,11 +96,15 @@ class Group:
                 t = torch.frombuffer(data, dtype=torch.uint8)
             self.bulk.broadcast(t, 0).wait(datetime.timedelta(seconds=self.timeout_s))
         else:
-            host = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
-            host.numpy()[:] = memoryview(data)
-            with torch.cuda.stream(self._cuda_stream()):
-                dev = host.to(self.bulk.device, non_blocking=True)
-                self._nccl_broadcast(dev)
+            view = memoryview(data)
+            with _staging:
+                host, dev = self._staging_pair(len(data), pin=True)
+                for a, n in chunks(len(data)):
+                    host[:n].numpy()[:] = view[a:a + n]
+                    with torch.cuda.stream(self._cuda_stream()):
+                        dev[:n].copy_(host[:n], non_blocking=True)
+                        self._nccl_broadcast(dev[:n])  # returns once done: both buffers are free again
+                del host, dev
         self.bytes_sent += len(data)
 
     def recv_bytes(self, size: int) -> bytes:
@@ -93,10 +112,21 @@ class Group:
             t = torch.empty(size, dtype=torch.uint8)
             self.bulk.broadcast(t, 0).wait(datetime.timedelta(seconds=self.timeout_s))
             return t.numpy().tobytes()
-        with torch.cuda.stream(self._cuda_stream()):
-            dev = torch.empty(size, dtype=torch.uint8, device=self.bulk.device)
-            self._nccl_broadcast(dev)
-        return dev.cpu().numpy().tobytes()  # the decoder reads host bytes
+        out = bytearray(size)  # the decoder reads host bytes
+        with _staging:
+            _, dev = self._staging_pair(size, pin=False)
+            for a, n in chunks(size):
+                with torch.cuda.stream(self._cuda_stream()):
+                    self._nccl_broadcast(dev[:n])
+                out[a:a + n] = dev[:n].cpu().numpy().tobytes()
+            del dev
+        return bytes(out)
+
+    def _staging_pair(self, size: int, *, pin: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A host (pinned, if `pin`) and a device buffer of at most one chunk, on the caller's stream."""
+        n = min(size, NCCL_CHUNK_BYTES)
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True) if pin else None
+        return host, torch.empty(n, dtype=torch.uint8, device=self.bulk.device)
 
     def _cuda_stream(self):
         if self._stream is None:
@@ -120,6 +150,11 @@ class Group:
         bulk, self.bulk = self.bulk, None
         if bulk is not None and self.backend == "nccl":
             bulk.destroy()
+
+
+def chunks(size: int, chunk: int = NCCL_CHUNK_BYTES) -> list[tuple[int, int]]:
+    """(offset, length) of each NCCL broadcast of a `size`-byte flush; the same on both ends."""
+    return [(a, min(chunk, size - a)) for a in range(0, size, chunk)]
 
 
 def listen(master_addr: str) -> socket.socket:
@@ -165,6 +200,31 @@ def join_group(*, master_addr: str, master_port: int, rank: int, world_size: int
 
 
 def _bulk(group: Group) -> Any:
+    """The bulk channel, or `GroupTimeout` if it is not set up within the group's timeout."""
+    built: Future = Future()
+
+    def build() -> None:
+        try:
+            built.set_result(_build_bulk(group))
+        except BaseException as exc:
+            built.set_exception(exc)
+
+    threading.Thread(target=build, name="vllm-delta-bulk-init", daemon=True).start()
+    try:
+        return built.result(timeout=group.timeout_s)
+    except FutureTimeout:
+        built.add_done_callback(lambda f: _abort_late(f, group.backend))
+        raise GroupTimeout(f"the {group.backend} channel was not set up within {group.timeout_s:.0f} s "
+                           "(a peer joined the store, then went away or stopped)") from None
+
+
+def _abort_late(built: Future, backend: str) -> None:
+    """A channel whose setup finished after its caller gave up: nobody will use it."""
+    if built.exception() is None and backend == "nccl":
+        built.result().destroy()
+
+
+def _build_bulk(group: Group) -> Any:
     if group.backend == "gloo":
         import torch.distributed as dist
 
