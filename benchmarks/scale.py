@@ -210,11 +210,7 @@ def count_true_engine(model: str, work: Path, layers: int | None = None) -> dict
     against vLLM's own fresh load of the final checkpoint."""
     import subprocess
 
-    import requests
-
-    from harness.fresh_load import FreshLoader
     from harness.perturb import perturb_checkpoint
-    from harness.vllm_engine import VllmServer
 
     key = "scale-bench-key"
     headers = {"Authorization": f"Bearer {key}"}
@@ -228,6 +224,31 @@ def count_true_engine(model: str, work: Path, layers: int | None = None) -> dict
                         str(root / f"v{v}"), "--encoding", "ulp_zstd", "--version", str(v)], check=True)
         versions.append((v, density))
         current = new
+    with _engine_lock():
+        return _serve_and_sync(model, layers, base, current, root, versions, work, key, headers)
+
+
+@contextlib.contextmanager
+def _engine_lock(path: str = "/tmp/engine.lock") -> Iterator[None]:
+    """The machine's one-engine-at-a-time lock, held for the engine run only (not the checkpoint build)."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _serve_and_sync(model: str, layers: int | None, base: Path, current: Path, root: Path,
+                    versions: list[tuple[int, float]], work: Path, key: str, headers: dict[str, str]
+                    ) -> dict[str, Any]:
+    import requests
+
+    from harness.fresh_load import FreshLoader
+    from harness.vllm_engine import VllmServer
+
     start = time.perf_counter()
     with VllmServer(base, work / "serve.log", extra_args=["--enable-delta-updates", "--delta-updates-root",
                                                           str(root), "--api-key", key],
@@ -265,14 +286,16 @@ def count_true_engine(model: str, work: Path, layers: int | None = None) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["glm-4.7-355b-a32b", "qwen3-235b-a22b"])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     ap.add_argument("--rank", type=int, default=-1, help="the rank reported (default: the last)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--engine", action="store_true", help="also the tensor-count-true GLM-4.7 engine")
     ap.add_argument("--engine-layers", type=int, default=None, help="cut the engine's model to N layers")
     ap.add_argument("--skip-full-shape", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (pin with taskset too)")
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     results, engine_run = {}, None
     if a.engine:
         with tempfile.TemporaryDirectory(prefix="scale_engine_") as work:
