@@ -89,7 +89,7 @@ def test_scan_runs_on_meta_device(meta_nonzero) -> None:
         cap = producer.scan(shards, kind=kind, anchor=anchor)
         for e in cap.entries:
             tensors = [e.positions, e.new_values, *e.digests.values()]
-            tensors += [e.anchor_positions, e.anchor_values] if anchor else []
+            tensors += [e.anchor.snapshot, e.anchor.positions, e.anchor.values] if anchor else []
             assert all(t.device.type == "meta" for t in tensors), e.name
             assert e.post_hash is None  # xxh3 would pull the tensor to the host
         producer.defer(cap)
