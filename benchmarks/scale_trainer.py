@@ -11,8 +11,10 @@ host memory registration added (peak RSS sampled every millisecond, minus RSS be
 
     python benchmarks/scale_trainer.py [--model glm-4.7-355b-a32b] [--json PATH] [--old-probe-layers N]
 
-`--old-probe-layers N` also times the element-wise probe (the one this replaced) on the worst
-rank's first N decoder layers at full shape, for the before/after figures (it is O(elements)).
+`--old-probe-layers N` also times the element-wise probe (the one this replaced) on the first
+model's worst rank's first N decoder layers at full shape, for the before/after figures (it is
+O(elements)). Seconds are wall time and the main thread's CPU time (the sampler thread excluded),
+medians of `--repeats`; extra RSS is the largest over the repeats.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import gc
 import json
 import os
 import re
+import statistics
 import sys
 import threading
 import time
@@ -79,8 +82,8 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def register_rank(fields: dict, layout: dict, rank: int, probe=None) -> dict:
-    """Build `rank` on meta and map it as `register()` does; what it cost and what it produced."""
+def register_rank(fields: dict, layout: dict, rank: int, probe=None, repeats: int = 1) -> dict:
+    """Build `rank` on meta and map it as `register()` does, `repeats` times; what it cost and produced."""
     from harness.megatron_meta import meta_rank
     from megatron.core import parallel_state as ps
 
@@ -88,16 +91,23 @@ def register_rank(fields: dict, layout: dict, rank: int, probe=None) -> dict:
 
     with meta_rank(fields, rank=rank, **layout) as (gpt, bridge):
         par = Parallel.current()
-        with PeakRSS() as mem:
-            t0 = time.perf_counter()
-            segs = chunk_segments(bridge, gpt, par) if probe is None else probe(bridge, gpt, par)
-            seconds = time.perf_counter() - t0
+        seconds, cpu, extra = [], [], []
+        for _ in range(repeats):
+            segs = None
+            with PeakRSS() as mem:
+                t0, c0 = time.perf_counter(), time.thread_time()
+                segs = chunk_segments(bridge, gpt, par) if probe is None else probe(bridge, gpt, par)
+                seconds.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
+            extra.append(mem.extra)
         return {"rank": rank, "pp_stage": ps.get_pipeline_model_parallel_rank(),
                 "tp_rank": par.tp_rank, "ep_rank": ps.get_expert_model_parallel_rank(),
                 "local_elements": sum(p.numel() for p in gpt.parameters()),
                 "shipped_elements": sum(s.tensor.numel() for s in segs), "segments": len(segs),
                 "runs": sum(len(s.runs) for s in segs), "hf_tensors": len({s.name for s in segs}),
-                "seconds": seconds, "extra_rss_bytes": mem.extra}
+                "seconds": statistics.median(seconds), "seconds_all": seconds,
+                "cpu_seconds": statistics.median(cpu), "cpu_seconds_all": cpu,
+                "extra_rss_bytes": max(extra), "extra_rss_all": extra}
 
 
 def stage_ranks(layout: dict[str, int]) -> list[int]:
@@ -106,18 +116,18 @@ def stage_ranks(layout: dict[str, int]) -> list[int]:
     return [s * per_stage for s in range(layout["pp"])]
 
 
-def old_probe_layers(fields: dict, layout: dict[str, int], rank: int, layers: int) -> dict:
+def old_probe_layers(fields: dict, layout: dict, rank: int, layers: int, repeats: int) -> dict:
     """The element-wise probe on the first `layers` decoder layers of `rank`, at full shape."""
     from reference_probe import full_probe
 
-    return register_rank(fields, layout, rank, _on_first_layers(full_probe, layers))
+    return register_rank(fields, layout, rank, _on_first_layers(full_probe, layers), repeats)
 
 
-def register_rank_layers(fields: dict, layout: dict[str, int], rank: int, layers: int) -> dict:
+def register_rank_layers(fields: dict, layout: dict, rank: int, layers: int, repeats: int) -> dict:
     """The block probe on the same subset `old_probe_layers` maps (like for like)."""
     from megatron_hook.hf_map import probe
 
-    return register_rank(fields, layout, rank, _on_first_layers(probe, layers))
+    return register_rank(fields, layout, rank, _on_first_layers(probe, layers), repeats)
 
 
 def _on_first_layers(probe_fn, layers: int):
@@ -134,19 +144,20 @@ def _on_first_layers(probe_fn, layers: int):
     return chunk
 
 
-def run(model: str, layout: dict[str, int] | None = None, old_layers: int = 0) -> dict:
+def run(model: str, layout: dict | None = None, old_layers: int = 0, repeats: int = 3) -> dict:
+    """Every stage's first rank once; the worst of them `repeats` times; optionally old vs new on a subset."""
     layout = dict(layout or launcher_layout())
     if model in _STAGES:
         layout["extra_args"] = _STAGES[model]
     fields = MODELS[model]
     stages = [register_rank(fields, layout, r) for r in stage_ranks(layout)]
-    worst = max(stages, key=lambda s: s["shipped_elements"])
+    worst = register_rank(fields, layout, max(stages, key=lambda s: s["shipped_elements"])["rank"], repeats=repeats)
     out = {"model": model, "layout": layout, "stages": stages, "worst": worst}
     if old_layers:
-        new = register_rank_layers(fields, layout, worst["rank"], old_layers)
-        old = old_probe_layers(fields, layout, worst["rank"], old_layers)
+        new = register_rank_layers(fields, layout, worst["rank"], old_layers, repeats)
+        old = old_probe_layers(fields, layout, worst["rank"], old_layers, repeats)
         scale = worst["shipped_elements"] / old["shipped_elements"]
-        out["old_probe"] = {"layers": old_layers, "new": new, "old": old,
+        out["old_probe"] = {"layers": old_layers, "new": new, "old": old, "elements_scale": scale,
                             "projected_worst_seconds": old["seconds"] * scale}
     return out
 
@@ -156,28 +167,39 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", choices=sorted(MODELS), action="append")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--old-probe-layers", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
     results = []
-    for model in args.model or ["glm-4.7-355b-a32b", "qwen3-235b-a22b"]:
+    models = args.model or ["glm-4.7-355b-a32b", "qwen3-235b-a22b", "deepseek-v3"]
+    for model in models:
         try:
-            r = run(model, old_layers=args.old_probe_layers)
+            r = run(model, old_layers=args.old_probe_layers if model == models[0] else 0, repeats=args.repeats)
         except Exception as e:  # a family the map cannot register yet: say so, measure the rest
             r = {"model": model, "error": f"{type(e).__name__}: {str(e)[:400]}"}
         results.append(r)
         w = r.get("worst")
         print(json.dumps({"model": model, "error": r["error"]} if w is None else
                          {"model": model, "worst_rank": w["rank"], "seconds": round(w["seconds"], 2),
+                          "cpu_seconds": round(w["cpu_seconds"], 2),
                           "extra_rss_MiB": round(w["extra_rss_bytes"] / 2**20, 1), "segments": w["segments"],
                           "runs": w["runs"], "shipped_G": round(w["shipped_elements"] / 1e9, 3)}), flush=True)
+        if "old_probe" in r:
+            o = r["old_probe"]
+            print(json.dumps({"model": model, "subset_layers": o["layers"],
+                              "subset_G": round(o["old"]["shipped_elements"] / 1e9, 3),
+                              "old_seconds": round(o["old"]["seconds"], 2), "new_seconds": round(o["new"]["seconds"], 3),
+                              "old_cpu_seconds": round(o["old"]["cpu_seconds"], 2),
+                              "new_cpu_seconds": round(o["new"]["cpu_seconds"], 3),
+                              "old_extra_rss_MiB": round(o["old"]["extra_rss_bytes"] / 2**20),
+                              "new_extra_rss_MiB": round(o["new"]["extra_rss_bytes"] / 2**20, 1),
+                              "old_projected_worst_seconds": round(o["projected_worst_seconds"])}), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"host": {"cpus": os.cpu_count(), "threads": _threads()},
-                                         "results": results}, indent=1))
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
+        args.json.write_text(json.dumps({"host": {"cpus": os.cpu_count(), "threads": args.threads,
+                                                  "load_avg": os.getloadavg()}, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -150,26 +150,33 @@ class _LargestAlloc(TorchDispatchMode):
 
 
 def test_glm_355b_worst_rank_registers_in_rows_not_elements():
-    """Full shape, launcher layout (TP4 PP4 EP16 on 64 ranks), last PP stage: 23 MoE layers + lm_head."""
-    from harness.megatron_meta import meta_rank
-
-    from megatron_hook.hf_map import Parallel, chunk_segments, local_tensors
+    """Full shape, launcher layout (TP4 PP4 EP16 on 64 ranks), last PP stage (23 MoE layers + lm_head),
+    through the benchmark's own `register_rank` (its small form)."""
+    from megatron_hook.hf_map import chunk_segments, local_tensors
 
     cfg = _module("benchmarks/scale_configs.py").GLM_4_7_355B
-    layout = _module("benchmarks/scale_trainer.py").launcher_layout()
+    bench = _module("benchmarks/scale_trainer.py")
+    layout = bench.launcher_layout()
     tp, pp, ep = layout["tp"], layout["pp"], layout["ep"]
     assert (layout["world"], tp, pp, ep) == (64, 4, 4, 16)
+    seen = {}
+
+    def counted(bridge, gpt, par):
+        seen["rows"] = max(t.numel() // t.shape[-1] for t in local_tensors(gpt).values() if t.dim() > 1)
+        seen["elements"] = sum(t.numel() for t in local_tensors(gpt).values())
+        with _LargestAlloc(tp * seen["rows"]) as mode:
+            segs = chunk_segments(bridge, gpt, par)
+        seen["largest"] = mode.largest
+        return segs
+
+    got = bench.register_rank(cfg, layout, bench.stage_ranks(layout)[-1], probe=counted)
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"] // pp
-    shared_cols = cfg["moe_intermediate_size"] * cfg["n_shared_experts"] // tp
-    per_layer_segments = 1 + 3 + 3 + 2 + 1 + 1 + 1 + 1 + 3 * cfg["n_routed_experts"] // ep + 2 + 1
+    # per MoE layer: input norm, q/k/v weights and biases, q/k norms, o_proj, post-attention norm,
+    # router and its expert bias, 3 per local expert, shared gate/up and down.
+    per_layer = 1 + 3 + 3 + 2 + 1 + 1 + 1 + 1 + 3 * cfg["n_routed_experts"] // ep + 2 + 1
     # o_proj and shared down_proj are row-parallel: one run per HF row (h rows each); the rest whole.
-    per_layer_runs = per_layer_segments - 2 + 2 * h
-    with meta_rank(cfg, rank=3 * layout["world"] // pp, **layout) as (gpt, bridge):
-        rows = max(p.numel() // p.shape[-1] for p in gpt.parameters())
-        with _LargestAlloc(tp * rows) as mode:
-            segs = chunk_segments(bridge, gpt, Parallel.current())
-    assert shared_cols == 384
-    assert len(segs) == layers * per_layer_segments + 2  # + final norm + lm_head
-    assert sum(len(s.runs) for s in segs) == layers * per_layer_runs + 2
-    assert sum(s.tensor.numel() for s in segs) == sum(t.numel() for t in local_tensors(gpt).values())  # TP rank 0
-    assert rows == cfg["vocab_size"] // tp and mode.largest == tp * rows  # lm_head's rows, merged
+    per_layer_runs = per_layer - 2 + 2 * h
+    assert got["segments"] == layers * per_layer + 2  # + final norm + lm_head
+    assert got["runs"] == layers * per_layer_runs + 2
+    assert got["shipped_elements"] == seen["elements"]  # TP rank 0 of the stage ships all it holds
+    assert seen["rows"] == cfg["vocab_size"] // tp and seen["largest"] == tp * seen["rows"]  # lm_head, merged
