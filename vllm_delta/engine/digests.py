@@ -46,6 +46,8 @@ def contains(lat: Lattice, positions: torch.Tensor) -> torch.Tensor:
 
 def lattice_parts(lat: Lattice | Sequence[Any]) -> Lattice:
     offset, sizes, strides = lat
+    if type(sizes) is tuple and type(strides) is tuple and type(offset) is int:
+        return lat if type(lat) is tuple else (offset, sizes, strides)  # already plain (startup: 46k x ranks)
     return int(offset), tuple(int(n) for n in sizes), tuple(int(s) for s in strides)
 
 
