@@ -35,6 +35,7 @@ class Checkpoint:
         self.path = path
         self._handles: dict[str, object] = {}  # shard file -> open safe_open handle
         self._meta: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}  # shard -> its header
+        self._all: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # `meta`, once built
         self.shards: dict[str, list[str]] = {}  # shard file -> tensor names
         if where is None:  # no index: the headers say what each file holds
             self.shards = {f: list(self._header(f)) for f in files}
@@ -79,8 +80,10 @@ class Checkpoint:
 
     @property
     def meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Every tensor -> (shape, dtype) (reads every shard's header)."""
-        return {k: v for f in self.shards for k, v in self._header(f).items()}
+        """Every tensor -> (shape, dtype) (reads every shard's header, once)."""
+        if self._all is None:
+            self._all = {k: v for f in self.shards for k, v in self._header(f).items()}
+        return self._all
 
     def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """`name`'s (shape, dtype), from its own shard's header only."""
