@@ -110,6 +110,7 @@ def test_a_read_opens_only_its_own_shard_once(pair):
             ckpt.read(name)
             ckpt.info(name)
     assert dict(o) == {third: 1}, o
+    assert ckpt.meta is ckpt.meta  # built once: cmd_diff reads it per tensor
 
 
 def test_seed_from_checkpoint_like_opens_only_this_ranks_shards(pair, tmp_path):
