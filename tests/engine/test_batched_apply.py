@@ -100,10 +100,13 @@ SEGMENTS = [
     Segment("w", (6, 4), 1, (8, 2), 200, (4, 1)),  # every other column
     Segment("w", (6, 8), 0, (8, 1), 300, (1, 6)),  # stored transposed
     Segment("w", (2, 3), 19, (8, 1), 400, (3, 1)),  # a window
+    # Size-1 dims, whose strides can be any number (here smaller than the next dim's range):
+    Segment("w", (1, 6, 1, 8), 0, (48, 8, 1, 1), 500, (7, 8, 3, 1)),  # the same layout otherwise: a shift
+    Segment("w", (1, 6, 1, 8), 0, (48, 8, 1, 1), 600, (7, 1, 3, 6)),  # stored transposed
 ]
 
 
-@pytest.mark.parametrize("chosen", [[0], [1], [0, 1], [2], [3, 4], [0, 1, 2, 3, 4]])
+@pytest.mark.parametrize("chosen", [[0], [1], [0, 1], [2], [3, 4], [5], [6], [0, 5], [0, 1, 2, 3, 4, 5, 6]])
 def test_batched_locate_equals_each_segments_own(chosen):
     """Independent reference: Segment.locate, one piece at a time."""
     g = torch.Generator().manual_seed(len(chosen))

@@ -48,6 +48,11 @@ def _whole(p: Piece) -> bool:
     return p.seg.src_offset == 0 and p.seg.numel == p.numel and p.seg.src_dense
 
 
+def _same_strides(seg: Segment) -> bool:
+    """Source and destination strides agree on every dim that has more than one index."""
+    return all(n == 1 or a == b for n, a, b in zip(seg.sizes, seg.src_strides, seg.dst_strides))
+
+
 def locate(pieces: list[Piece]) -> Located:
     """Destination offsets of all pieces' entries, in a constant number of ops on the positions' device."""
     counts = [p.positions.numel() for p in pieces]
@@ -63,7 +68,7 @@ def locate(pieces: list[Piece]) -> Located:
 
     slots = column([p.slot for p in pieces])
     owned = None
-    if all(p.seg.src_dense and p.seg.dst_strides == p.seg.src_strides for p in pieces):
+    if all(p.seg.src_dense and _same_strides(p.seg) for p in pieces):
         # Contiguous blocks (whole tensors, row blocks of a fused param): a shift per piece.
         offsets = positions + column([p.seg.dst_offset - p.seg.src_offset for p in pieces])
         if not all(_whole(p) for p in pieces):
@@ -82,8 +87,8 @@ def _affine(pieces: list[Piece], positions: torch.Tensor, column) -> tuple[torch
     ndim = max(len(p.seg.sizes) for p in pieces)
 
     def dim(p: Piece, d: int) -> tuple[int, int, int]:
-        if d >= len(p.seg.sizes) or p.seg.src_strides[d] == 0:
-            return 1, _NO_DIM, 0
+        if d >= len(p.seg.sizes) or p.seg.sizes[d] == 1 or p.seg.src_strides[d] == 0:
+            return 1, _NO_DIM, 0  # index 0 whatever its stride (a size-1 dim's may be any number)
         return p.seg.sizes[d], p.seg.src_strides[d], p.seg.dst_strides[d]
 
     rest = positions - column([p.seg.src_offset for p in pieces])
