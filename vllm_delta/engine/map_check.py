@@ -10,9 +10,10 @@ writes into parameters redirected into the first copy; the map's segments scatte
 values into the second. Any difference - a wrong offset, a missed or extra write, a transformed
 value - is a wrong map, and the engine refuses updates naming the destination.
 
-Cost: the tensors of one layer per class through the loader (one in memory at a time), and two
-scratch copies of the class's destination on its device (at GLM-4.7 TP=8, the fused w13 of one
-layer: 2 x 630 MB, freed after its class).
+Cost: per class, the tensors of one layer through the loader (values made on the destination's
+device, one tensor at a time), and two scratch copies of the class's destination there (at GLM-4.7
+TP=8, the fused w13 of one layer: 2 x 630 MB, freed after its class). It runs in `delta_coverage`,
+inside vLLM's `collective_rpc`, so it holds the engine loop for that long (not measured at full size).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ def structural_class(target: str, shape: tuple[int, ...]) -> tuple[str, tuple[in
 
 
 def _random(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Seeded random bits of `dtype` (bit patterns, so NaNs compare as bytes)."""
+    """Seeded random bits of `dtype` on the generator's device (bit patterns: NaNs compare as bytes)."""
     size = torch.empty(0, dtype=dtype).element_size()
-    return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=gen).view(dtype)
+    return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=gen, device=gen.device).view(dtype)
 
 
 def _flat_like(t: torch.Tensor) -> int:
@@ -107,10 +108,9 @@ def _check_one(load_weights, storages: Mapping[int, str], params: Mapping[str, t
                placements: Mapping[str, TensorPlacement], checkpoint: Checkpoint, target: str,
                names: list[str], seed: int) -> str | None:
     live = params[target]
-    gen = torch.Generator().manual_seed(seed)
-    start = _random(_flat_like(live), live.dtype, gen)
-    by_loader = start.clone().to(live.device)
-    by_map = start.clone().to(live.device)
+    # Made on the destination's device: at 355B a layer's values are gigabytes, generated in milliseconds there.
+    start = _random(_flat_like(live), live.dtype, torch.Generator(live.device).manual_seed(seed))
+    by_loader, by_map = start, start.clone()
 
     def scratch(name: str, w: torch.Tensor) -> torch.Tensor | None:
         if name != target:
@@ -122,8 +122,8 @@ def _check_one(load_weights, storages: Mapping[int, str], params: Mapping[str, t
     def values(i: int, name: str) -> torch.Tensor:
         """Tensor `i`'s seeded random values, made again for each pass (one tensor in memory at a time)."""
         shape, dtype = checkpoint[name]
-        g = torch.Generator().manual_seed(seed * 1_000_003 + i + 1)
-        return _random(torch.Size(shape).numel(), dtype, g).reshape(shape).to(live.device)
+        g = torch.Generator(live.device).manual_seed(seed * 1_000_003 + i + 1)
+        return _random(torch.Size(shape).numel(), dtype, g).reshape(shape)
 
     try:
         with torch.no_grad(), _Redirect(storages, scratch):
