@@ -472,6 +472,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     ap.add_argument("--json", type=Path, default=None, help="write p3_ratio, p4_ratio, pause_fraction, hidden_fraction")
     ap.add_argument("--load-note", default="nothing else", help="what else ran on the machine")
+    ap.add_argument("--p3-only", action="store_true", help="P3 alone (no engine): writes OUT/sender_p3.json")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sender-bench-"))
     load = {"note": a.load_note, "before": os.getloadavg()[0]}
@@ -483,6 +484,10 @@ def main() -> None:
         params = sum(t.numel() for t in weights.values())
         print(f"model: {params / 1e6:.0f} M params", flush=True)
         res3 = p3(weights)
+        if a.p3_only:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "sender_p3.json").write_text(json.dumps({"p3": res3, "params": params, "load": load}, indent=1))
+            return
         res4 = p4(model, weights, work, a.syncs, a.train_s)
         load["after"] = os.getloadavg()[0]
         a.out.mkdir(parents=True, exist_ok=True)

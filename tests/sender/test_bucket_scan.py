@@ -84,6 +84,14 @@ def _run(segs, buf, gen_seed: int) -> list[dict]:
         _perturb(buf, gen, 300, edges)
         cap = producer.scan(segs, kind=kind, anchor=anchor)
         out.append(_entries(cap))
+        if anchor:  # the anchor, read from the snapshot views, is the live weights in HF order
+            for e, s in zip(cap.entries, segs):
+                got = torch.zeros(s.numel, dtype=torch.int16)
+                for hf, piece in e.anchor.pieces(64):
+                    got[hf:hf + piece.numel()] = piece.view(torch.int16)
+                want = torch.zeros(s.numel, dtype=torch.int16)
+                want[s.global_index()] = s.tensor.reshape(-1).view(torch.int16)
+                assert torch.equal(got, want), s.name
         (producer.advance if ack else producer.defer)(cap)
     out.append({s.name: producer.snapshot_of(s.name).view(torch.int16).tolist() for s in segs})
     return out

@@ -34,13 +34,12 @@ MAX_RUNS = 1 << 16
 
 @dataclass(eq=False)
 class Layout:
-    """Where each member's elements sit in the bucket (offsets relative to `lo` of the storage) and
+    """Where each member's elements sit in the bucket (offsets from the span's first element) and
     the run table that maps a bucket offset to (member, HF flat position)."""
 
     key: tuple
     names: tuple[str, ...]  # members, in order of their first element in the bucket
     base: torch.Tensor  # flat view of the live storage over the bucket's span
-    lo: int  # storage offset of the span
     local_runs: tuple[tuple[tuple[int, int], ...], ...]  # per member: (bucket offset, length) in local order,
     # one run or equal runs at a constant stride (so the member's snapshot is a view of the bucket's)
     rows: tuple[tuple[int, int, int, int], ...]  # runs (bucket offset, HF start, length, member), sorted
@@ -149,7 +148,7 @@ def _layout(key: tuple, members: list[tuple[Shard | Segments, list[tuple[int, in
     base = t0.as_strided((hi - lo,), (1,), lo)
     rows_t = tuple(rows)
     keys = [(k, h) for _, h, _, k in rows_t]
-    return Layout(key, tuple(s.name for s, _, _ in members), base, lo,
+    return Layout(key, tuple(s.name for s, _, _ in members), base,
                   tuple(tuple((b - lo, n) for b, n in buf) for _, buf, _ in members),
                   rows_t, run_tables(rows_t, t0.device), in_order=keys == sorted(keys),
                   gaps=sum(r[2] for r in rows) != hi - lo)

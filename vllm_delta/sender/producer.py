@@ -105,6 +105,9 @@ class _State:
     snapshot: torch.Tensor  # flat
     digest: torch.Tensor  # additive digest of the snapshot's elements, int64[2] on the device
     pending: torch.Tensor | None = None  # local positions sent since S while an engine lags
+    # A bucket member at a constant stride (a fused qkv's q rows): its 2-d view of the bucket's
+    # snapshot, which is what is kept current; `snapshot` is then a flat copy made for each anchor.
+    view: torch.Tensor | None = None
 
 
 class Producer:
@@ -164,7 +167,8 @@ class Producer:
 
     def snapshot_of(self, name: str) -> torch.Tensor:
         """The snapshot's flat local values (read-only use: tests and seed checks)."""
-        return self._states[name].snapshot.reshape(-1)
+        st = self._states[name]
+        return (st.view if st.view is not None else st.snapshot).reshape(-1)
 
     def pending_names(self) -> list[str]:
         names = [n for n, st in self._states.items() if st.pending is not None]
@@ -198,6 +202,9 @@ class Producer:
         if anchor:  # anchors are rare (a restart, add_engine): the per-segment scan stages them
             for b in self._buckets.values():
                 self._unbucket_pending(b)
+            for st in self._states.values():
+                if st.view is not None:
+                    st.snapshot = st.view.reshape(-1)  # a flat copy, as the per-segment scan reads it
             for s in shards:
                 cap.entries.append(self._scan_one(s, self._states[s.name], kind, anchor, cap))
         else:
@@ -273,8 +280,8 @@ class Producer:
         for i, (st, runs) in enumerate(zip(states, layout.local_runs)):
             view = snap[runs[0][0]:runs[0][0] + runs[0][1]] if len(runs) == 1 else snap.as_strided(
                 (len(runs), runs[0][1]), (runs[1][0] - runs[0][0], 1), snap.storage_offset() + runs[0][0])
-            view.copy_(st.snapshot.reshape(view.shape))
-            st.snapshot, st.digest = view, digests[i]
+            view.copy_((st.view if st.view is not None else st.snapshot).reshape(view.shape))
+            st.snapshot, st.digest, st.view = view, digests[i], view if view.dim() == 2 else None
         b = self._buckets[layout.key] = _Bucket(layout, snap, digests)
         for st, name in zip(states, layout.names):
             if st.pending is not None:
@@ -389,6 +396,8 @@ class Producer:
             st = self._states[name]
             local = a.local if st.snapshot.device == a.local.device else a.local.to(st.snapshot.device)
             _put(st.snapshot, local, a.values.to(st.snapshot.device))
+            if st.view is not None and st.view is not st.snapshot:
+                _put(st.view, local, a.values.to(st.view.device))
             st.digest.copy_(a.digest)  # in place: a bucket member's digest is a row of the bucket's
             st.pending = None
         for ba in cap.buckets:
