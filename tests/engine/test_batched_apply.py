@@ -123,7 +123,8 @@ def test_batched_locate_equals_each_segments_own(chosen):
     got = locate(pieces)
     assert torch.equal(got.positions, torch.cat(want_pos))
     assert torch.equal(got.offsets, torch.cat(want_off))
-    assert torch.equal(got.slots, torch.cat(want_slot))
+    slots = got.slots if isinstance(got.slots, torch.Tensor) else torch.full_like(got.positions, got.slots)
+    assert torch.equal(slots, torch.cat(want_slot))
 
 
 def test_slot_sums_equal_each_slots_partial_sum_across_cpu_slices():
@@ -136,6 +137,8 @@ def test_slot_sums_equal_each_slots_partial_sum_across_cpu_slices():
     for s in range(6):
         keep = slots == s
         assert torch.equal(got[s], partial_sum(positions[keep], values[keep])), s
+    one = slot_sums(positions, values, 4, 6)  # every entry in one slot, given as an int
+    assert torch.equal(one[4], partial_sum(positions, values)) and not one[:4].any() and not one[5].any()
 
 
 def test_a_write_that_does_not_land_is_a_commit_fault_naming_the_tensor(tmp_path, monkeypatch):

@@ -348,7 +348,7 @@ class DeltaApplier:
             values = located.values.to(device, non_blocking=True)
             if any(pre) or any(post):
                 positions = located.positions.to(device, non_blocking=True)
-                slots = located.slots.to(device, non_blocking=True)
+                slots = located.slots if isinstance(located.slots, int) else located.slots.to(device, non_blocking=True)
                 old = gather(flat, offsets).to(dtype) if any(pre) or needs_base else None
                 if any(pre):
                     sums.add_rows(names, 0, pre, slot_sums(positions, old, slots, len(names)))

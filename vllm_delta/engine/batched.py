@@ -40,7 +40,7 @@ class Located:
     positions: torch.Tensor  # checkpoint flat ids: the digests' keys
     offsets: torch.Tensor  # destination storage offsets
     values: torch.Tensor
-    slots: torch.Tensor  # each entry's tensor row
+    slots: torch.Tensor | int  # each entry's tensor row (an int: all the same)
 
 
 def _whole(p: Piece) -> bool:
@@ -54,17 +54,25 @@ def _same_strides(seg: Segment) -> bool:
 
 
 def locate(pieces: list[Piece]) -> Located:
-    """Destination offsets of all pieces' entries, in a constant number of ops on the positions' device."""
+    """Destination offsets of all pieces' entries, in a constant number of ops on the positions' device.
+
+    A per-piece number that is the same for every piece (a destination fed by one tensor, or
+    equal strides) stays a Python int and broadcasts, so a dense model pays no per-entry table.
+    """
     counts = [p.positions.numel() for p in pieces]
     total = sum(counts)
-    positions = torch.cat([p.positions for p in pieces]).to(torch.int64)
-    values = torch.cat([p.values for p in pieces])
+    positions = _cat([p.positions for p in pieces]).to(torch.int64)
+    values = _cat([p.values for p in pieces])
     device = positions.device
-    piece = torch.repeat_interleave(torch.arange(len(pieces), device=device),
-                                    torch.tensor(counts, device=device), output_size=total)
+    piece: list[torch.Tensor] = []  # the entries' piece ids, made on first need
 
-    def column(per_piece: list[int]) -> torch.Tensor:
-        return torch.tensor(per_piece, dtype=torch.int64, device=device).index_select(0, piece)
+    def column(per_piece: list[int]) -> torch.Tensor | int:
+        if all(v == per_piece[0] for v in per_piece):
+            return per_piece[0]
+        if not piece:
+            piece.append(torch.repeat_interleave(torch.arange(len(pieces), device=device),
+                                                 torch.tensor(counts, device=device), output_size=total))
+        return torch.tensor(per_piece, dtype=torch.int64, device=device).index_select(0, piece[0])
 
     slots = column([p.slot for p in pieces])
     owned = None
@@ -78,8 +86,14 @@ def locate(pieces: list[Piece]) -> Located:
         offsets, owned = _affine(pieces, positions, column)
     if owned is not None:
         keep = torch.nonzero(owned).squeeze(1)
-        positions, offsets, values, slots = (t.index_select(0, keep) for t in (positions, offsets, values, slots))
+        positions, offsets, values = (t.index_select(0, keep) for t in (positions, offsets, values))
+        if isinstance(slots, torch.Tensor):
+            slots = slots.index_select(0, keep)
     return Located(positions, offsets, values, slots)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _affine(pieces: list[Piece], positions: torch.Tensor, column) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +106,7 @@ def _affine(pieces: list[Piece], positions: torch.Tensor, column) -> tuple[torch
         return p.seg.sizes[d], p.seg.src_strides[d], p.seg.dst_strides[d]
 
     rest = positions - column([p.seg.src_offset for p in pieces])
-    offsets = column([p.seg.dst_offset for p in pieces])
+    offsets = torch.zeros_like(rest) + column([p.seg.dst_offset for p in pieces])
     owned = rest >= 0
     for d in range(ndim):
         sizes, src, dst = zip(*(dim(p, d) for p in pieces))
@@ -105,12 +119,13 @@ def _affine(pieces: list[Piece], positions: torch.Tensor, column) -> tuple[torch
     return offsets, owned
 
 
-def slot_sums(positions: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
+def slot_sums(positions: torch.Tensor, values: torch.Tensor, slots: torch.Tensor | int, n: int) -> torch.Tensor:
     """int64[n, 2]: the additive digest's lane sums of the entries of each slot (wire/additive.py's terms).
 
-    `slots` is non-decreasing (pieces come in tensor order). On the CPU the terms are computed a
-    slice at a time so the temporaries stay in cache, and a slice within one tensor is summed
-    directly (reading two slot ids of a host tensor, no device sync); elsewhere one pass.
+    `slots` is non-decreasing (pieces come in tensor order), or one int for all. On the CPU the
+    terms are computed a slice at a time so the temporaries stay in cache, and a slice within
+    one tensor is summed directly (reading two slot ids of a host tensor, no device sync);
+    elsewhere one pass.
     """
     out = torch.zeros(n, 2, dtype=torch.int64, device=values.device)
     cpu = values.device.type == "cpu"
@@ -119,9 +134,9 @@ def slot_sums(positions: torch.Tensor, values: torch.Tensor, slots: torch.Tensor
         keys = _keys(positions[lo:lo + step], values[lo:lo + step])
         lane1 = _mix_(keys ^ _LANES[1][0], _LANES[1][1], _LANES[1][2])
         lane0 = _mix_(keys, _LANES[0][1], _LANES[0][2])
-        part = slots[lo:lo + step]
-        if cpu and int(part[0]) == int(part[-1]):
-            out[int(part[0])] += torch.stack([lane0.sum(), lane1.sum()])
+        part = slots if isinstance(slots, int) else slots[lo:lo + step]
+        if isinstance(part, int) or (cpu and int(part[0]) == int(part[-1])):
+            out[part if isinstance(part, int) else int(part[0])] += torch.stack([lane0.sum(), lane1.sum()])
         else:
             out.index_add_(0, part, torch.stack([lane0, lane1], 1))
     return out
