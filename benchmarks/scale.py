@@ -204,27 +204,41 @@ def count_true_checkpoint(model: str, out: Path, layers: int | None = None, seed
     return out
 
 
-def count_true_engine(model: str, work: Path, layers: int | None = None) -> dict[str, Any]:
+def count_true_engine(model: str, work: Path, layers: int | None = None, lock: bool = False) -> dict[str, Any]:
     """`vllm serve --enable-delta-updates` on the count-true checkpoint: startup to ready, then a 0.5 %
     and a 2 % delta (perturbed like the suite's, diffed by `vllm-delta diff`), bit-exact at the end
-    against vLLM's own fresh load of the final checkpoint."""
-    import subprocess
+    against vLLM's own fresh load of the final checkpoint. `lock`: take /tmp/engine.lock for the engine
+    part only (not when the caller already runs under `flock /tmp/engine.lock`: that would wait forever)."""
+    from safetensors.torch import load_file
 
-    from harness.perturb import perturb_checkpoint
+    from harness.fresh_load import save_checkpoint
+    from harness.perturb import perturb_tensor
+    from vllm_delta.wire import DeltaWriter, tensor_digest
 
     key = "scale-bench-key"
     headers = {"Authorization": f"Bearer {key}"}
     base = count_true_checkpoint(model, work / "base", layers)
     root = work / "root"
     root.mkdir(parents=True, exist_ok=True)
-    versions, current = [], base
+    weights = {}
+    for shard in sorted(base.glob("*.safetensors")):
+        weights.update(load_file(shard))
+    versions = []
+    gen = torch.Generator().manual_seed(1)
     for v, density in enumerate((0.005, 0.02), start=1):
-        new = perturb_checkpoint(current, work / f"ckpt_v{v}", density=density, seed=v)
-        subprocess.run([str(Path(sys.executable).parent / "vllm-delta"), "diff", str(current), str(new),
-                        str(root / f"v{v}"), "--encoding", "ulp_zstd", "--version", str(v)], check=True)
+        # The sender's wire writer, fed the bitwise changes (`vllm-delta diff` pays ~20 ms a tensor here).
+        with DeltaWriter(root / f"v{v}", version=v, base_version=v - 1, encoding="ulp_zstd") as writer:
+            for name, old in weights.items():
+                new = perturb_tensor(old, density, gen)
+                a, b = old.reshape(-1), new.reshape(-1)
+                size = a.element_size()
+                pos = torch.nonzero(a.view(torch.uint8).view(-1, size).ne(b.view(torch.uint8).view(-1, size))
+                                    .any(1)).squeeze(1)
+                writer.add(name, pos, b[pos], a[pos], shape=tuple(old.shape), post_hash=tensor_digest(new))
+                weights[name] = new
         versions.append((v, density))
-        current = new
-    with _engine_lock():
+    current = save_checkpoint(weights, like=base, out=work / "final")
+    with _engine_lock() if lock else contextlib.nullcontext():
         return _serve_and_sync(model, layers, base, current, root, versions, work, key, headers)
 
 
@@ -292,6 +306,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--engine", action="store_true", help="also the tensor-count-true GLM-4.7 engine")
     ap.add_argument("--engine-layers", type=int, default=None, help="cut the engine's model to N layers")
+    ap.add_argument("--lock", action="store_true", help="take /tmp/engine.lock for the engine run only")
     ap.add_argument("--skip-full-shape", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (pin with taskset too)")
     a = ap.parse_args()
@@ -299,7 +314,7 @@ def main() -> None:
     results, engine_run = {}, None
     if a.engine:
         with tempfile.TemporaryDirectory(prefix="scale_engine_") as work:
-            engine_run = count_true_engine("glm-4.7-355b-a32b", Path(work), a.engine_layers)
+            engine_run = count_true_engine("glm-4.7-355b-a32b", Path(work), a.engine_layers, a.lock)
         print(json.dumps(engine_run), flush=True)
     for model in [] if a.skip_full_shape else a.models:
         for layout in a.layouts:
