@@ -62,10 +62,9 @@ def test_ops_per_sync_grow_with_destination_params_not_checkpoint_tensors(tmp_pa
     # (ops, checkpoint tensors, destination params): 8x the expert tensors, the same params, the same ops.
     assert few[1] == 3 + 6 + 3 * 4 and many[1] == 3 + 6 + 3 * 32 and few[2] == many[2] == 3 + 6
     assert many[0] == few[0], (few, many)
-    # Twice the layers: the destination params and the ops grow, by the same ops per layer.
+    # Twice the layers: the destination params grow, and the ops with them.
     assert deeper[2] == many[2] + 6 and deeper[1] == many[1] + 6 + 3 * 32
-    per_param = (deeper[0] - many[0]) / 6
-    assert 0 < per_param <= 160 and deeper[0] == many[0] + 6 * per_param, (many, deeper)
+    assert 0 < deeper[0] - many[0] <= 6 * 160, (many, deeper)  # about 140 ops per added param
 
 
 def test_prepare_and_commit_of_many_experts_run_on_meta(tmp_path):
