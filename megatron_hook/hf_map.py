@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_hook.blocks import BlockIds
+from megatron_hook.families import refuse_unsupported, tied_copy, with_model_vocab
 from megatron_hook.names import TENamed
 from vllm_delta.sender.segments import Segments
 
@@ -63,6 +64,9 @@ def local_tensors(gpt: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def chunk_segments(bridge, gpt: torch.nn.Module, par: Parallel | None = None) -> list[Segments]:
     """This rank's shippable elements of one model chunk, as `Segments` over views of its live tensors."""
+    par = par or Parallel.current()
+    refuse_unsupported(list(local_tensors(gpt)), par.tp_size, par.etp_size)  # families.py
+    bridge = with_model_vocab(bridge, gpt, par.tp_size)
     return [s for args in shipped(bridge, gpt, par) for s in probe(bridge, *args)]
 
 
@@ -72,6 +76,8 @@ def shipped(bridge, gpt: torch.nn.Module, par: Parallel | None = None) -> Iterat
     view = TENamed(gpt)
     to_global = bridge._weight_name_mapping_mcore_local_to_global(view)  # TE local -> TE global name
     for name, t in local_tensors(gpt).items():
+        if tied_copy(gpt, name):
+            continue  # another stage ships these elements (families.py)
         te = view.te[name]
         expert = _EXPERT_KEY in te
         if (par.edp_rank if expert else par.dp_rank) != 0:

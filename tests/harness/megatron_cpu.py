@@ -12,6 +12,8 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.multiprocessing as mp
@@ -109,6 +111,12 @@ def install() -> None:
         return a2a(output, input, as_list(output_split_sizes), as_list(input_split_sizes), **kw)
 
     torch.distributed.all_to_all_single = all_to_all_single
+    # Without Transformer Engine, megatron-core's TE extension hands out MagicMock stand-ins, so
+    # multi_latent_attention's import succeeds with HAVE_TE = True and its
+    # `isinstance(self.linear_proj, TELinear)` raises TypeError when building MLA.
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    mla.HAVE_TE = False
     # device="cuda" literals and tensor.type() checks: see _CudaToCpu. Entered for the rest of
     # the process (the mode stack is per thread; CPU autograd runs on the calling thread).
     _CudaToCpu().__enter__()
@@ -311,9 +319,9 @@ def build_from_hf(hf_dir, *, lr: float = 1e-3, use_distributed_optimizer: bool =
     no grouped GEMM / persistent norm / sequence parallel, `rope_theta` from transformers 5's
     `rope_parameters`, and `Module.cuda()` as a no-op."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from mbridge import AutoBridge
+    from mbridge.core.safetensor_io import SafeTensorIO
     from transformers import AutoConfig
 
     from megatron_hook.names import TENamed
@@ -326,8 +334,9 @@ def build_from_hf(hf_dir, *, lr: float = 1e-3, use_distributed_optimizer: bool =
                           use_cpu_initialization=True, gradient_accumulation_fusion=False,
                           masked_softmax_fusion=False, bias_activation_fusion=False,
                           bias_dropout_fusion=False, moe_aux_loss_coeff=0.0, **(extra_args or {}))
-    bridge._get_transformer_layer_spec = lambda vp_stage=None: get_gpt_decoder_block_spec(
-        bridge.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage)
+    cpu_specs(bridge)
+    # DeepSeek-V3's fp8-dequantizing reader opens files on "cuda"; the tiny checkpoints are bf16.
+    bridge._get_safetensor_io = lambda path: SafeTensorIO(bridge._get_actual_hf_path(path))
     torch.nn.Module.cuda = lambda self, *a, **k: self
     (f16,) = bridge.get_model(wrap_with_ddp=False, use_cpu_initialization=True)
     gpt = f16.module
@@ -344,11 +353,70 @@ def build_from_hf(hf_dir, *, lr: float = 1e-3, use_distributed_optimizer: bool =
     return model, opt, gpt, bridge
 
 
+class MLACoreAttention(torch.nn.Module):
+    """Causal softmax attention for MLA's local spec (no parameters: the weights, names and shards
+    stay megatron-core's `MLASelfAttention`). megatron-core 0.16's local `DotProductAttention`
+    does not accept the `k_channels`/`v_channels` MLA passes (its query/key head dim differs from
+    the value's), so without Transformer Engine MLA cannot be built at all."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None,
+                 k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None,
+                 attention_dropout=None) -> None:
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, h] -> [b, n, s, h]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+def cpu_specs(bridge) -> None:
+    """Point `bridge` at megatron-core's local (non-TE) specs: the decoder block, with
+    `MLACoreAttention` in MLA layers, and (DeepSeek-V3) the MTP block, which mbridge asks of TE."""
+    import mbridge.models.deepseek_v3 as ds
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+
+    bridge._get_transformer_layer_spec = lambda vp_stage=None: _with_cpu_mla_attention(get_gpt_decoder_block_spec(
+        bridge.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage))
+    ds.get_gpt_mtp_block_spec = lambda config, spec, use_transformer_engine, vp_stage=None: get_gpt_mtp_block_spec(
+        config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+
+
+def _with_cpu_mla_attention(block_spec):
+    """The decoder block spec with `MLACoreAttention` in every MLA layer (others unchanged)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    for layer in block_spec.layer_specs:
+        attn = layer.submodules.self_attention
+        if attn.module is MLASelfAttention:
+            attn.submodules.core_attention = MLACoreAttention
+    return block_spec
+
+
 def import_mbridge() -> None:
     """Import mbridge (and transformers' model code) before the shim: the shim's
     `torch.cuda.Stream` stand-in breaks an annotation transformers evaluates at import."""
     import mbridge  # noqa: F401
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
+
+    mbridge_mla_compat()
+
+
+def mbridge_mla_compat() -> None:
+    """mbridge 0.15.1's DeepSeek-V3 bridge passes `max_position_embeddings` to megatron-core 0.16's
+    `MLATransformerConfig`, which renamed it `original_max_position_embeddings` (a TypeError in
+    the bridge's constructor); pass it under the new name (idempotent)."""
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+    from megatron.core.transformer import MLATransformerConfig
+
+    def config(**kw):
+        if "max_position_embeddings" in kw:
+            kw["original_max_position_embeddings"] = kw.pop("max_position_embeddings")
+        return MLATransformerConfig(**kw)
+
+    DeepseekV3Bridge.TransformerConfigClass = staticmethod(config)
 
 
 def export_hf(bridge, gpt) -> dict[str, torch.Tensor]:
@@ -356,3 +424,126 @@ def export_hf(bridge, gpt) -> dict[str, torch.Tensor]:
     from megatron_hook.names import TENamed
 
     return {n: t.detach().clone() for n, t in bridge.export_weights([TENamed(gpt)])}
+
+
+# --------------------------------------------------------------------------- tiny DeepSeek-V3
+
+
+def tiny_deepseek_v3_config(layers: int = 2, mtp_layers: int = 0, dense_layers: int = 1):
+    """DeepSeek-V3's structure at toy sizes: MLA (q and kv LoRA), `dense_layers` leading dense
+    layers, then MoE (4 routed experts of 32, one shared, sigmoid router with a correction bias)."""
+    from transformers import DeepseekV3Config
+
+    from harness.tiny_models import VOCAB_SIZE
+
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=dense_layers, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, max_position_embeddings=512, num_nextn_predict_layers=mtp_layers,
+        tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if not hasattr(cfg, "rope_theta"):
+        cfg.rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return cfg
+
+
+def make_tiny_deepseek_v3(out_dir, layers: int = 2, mtp_layers: int = 0, dense_layers: int = 1, seed: int = 0):
+    """A tiny DeepSeek-V3 HF checkpoint (bf16, random): MLA with q and kv LoRA (and their norms),
+    one leading dense layer, then MoE layers with 4 routed experts, one shared expert and the
+    router's `e_score_correction_bias`; with `mtp_layers`, the MTP layers' tensors follow the
+    decoder's as `model.layers.{layers + k}.*`, as in DeepSeek's checkpoint (transformers' model
+    has no MTP module, so those are written from the decoder layer's shapes). An index file is
+    written because mbridge's DeepSeek-V3 reader requires one."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from harness.tiny_models import train_tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_deepseek_v3_config(layers, mtp_layers, dense_layers)
+    torch.manual_seed(seed)
+    if mtp_layers:  # build the decoder with its MTP layers as ordinary layers, then rename the tail
+        cfg.num_hidden_layers = layers + mtp_layers
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    cfg.num_hidden_layers = layers
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn_like(p) * 0.01)
+            elif p.dim() >= 2:
+                p.copy_(torch.randn_like(p) * 0.05)
+    model.config.num_hidden_layers = layers
+    model.save_pretrained(out)
+    from safetensors.torch import load_file
+
+    tensors = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed + 1)
+    for k in range(layers, layers + mtp_layers):
+        pre = f"model.layers.{k}."
+        h = cfg.hidden_size
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[pre + norm + ".weight"] = torch.ones(h, dtype=torch.bfloat16)
+        tensors[pre + "eh_proj.weight"] = (torch.randn(h, 2 * h, generator=gen) * 0.05).to(torch.bfloat16)
+        tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({n: t.contiguous() for n, t in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: "model.safetensors" for n in tensors}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    train_tokenizer(out)
+    return out
+
+
+_NVTE = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@contextmanager
+def meta_chunk(cfg, *, world: int = 1, rank: int = 0, tp: int = 1, pp: int = 1, ep: int = 1,
+               extra_args: dict | None = None) -> Iterator[tuple[torch.nn.Module, object]]:
+    """(gpt, bridge): rank `rank`'s chunk of a `world`-rank job of HF config `cfg`, built by mbridge
+    and megatron-core's local specs with every weight on `meta`, in this process (torch's `fake`
+    process group: no collective runs). For reading megatron-core's own names, shapes and TP
+    attributes at test time; everything patched is put back on exit."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    import mbridge.models.deepseek_v3 as ds
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from mbridge import AutoBridge
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    mbridge_mla_compat()
+    saved = (torch.cuda.current_device, torch.cuda.Stream, torch.nn.Module.cuda, torch.Tensor.cuda, mla.HAVE_TE,
+             ds.get_gpt_mtp_block_spec)
+    torch.cuda.current_device = lambda: torch.device("meta")
+    torch.cuda.Stream = lambda *a, **k: None
+    torch.nn.Module.cuda = lambda self, *a, **k: self
+    torch.Tensor.cuda = lambda self, *a, **k: self  # an MTP stage's embedding copy (language_module.py)
+    mla.HAVE_TE = False  # see install()
+    env = {k: os.environ.get(k) for k in _NVTE}  # megatron sets these from the attention backend
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep, create_gloo_process_groups=False)
+        bridge = AutoBridge.from_config(cfg)
+        bridge.set_extra_args(**{**dict(moe_grouped_gemm=False, persist_layer_norm=False, sequence_parallel=False,
+                                        use_cpu_initialization=True, gradient_accumulation_fusion=False,
+                                        masked_softmax_fusion=False, bias_activation_fusion=False,
+                                        bias_dropout_fusion=False), **(extra_args or {})})
+        cpu_specs(bridge)
+        with torch.device("meta"):
+            (f16,) = bridge.get_model(wrap_with_ddp=False, use_cpu_initialization=True)
+        yield f16.module, bridge
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+        (torch.cuda.current_device, torch.cuda.Stream, torch.nn.Module.cuda, torch.Tensor.cuda, mla.HAVE_TE,
+         ds.get_gpt_mtp_block_spec) = saved
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
