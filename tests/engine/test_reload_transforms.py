@@ -164,3 +164,34 @@ def test_stock_reload_of_a_given_back_weight_is_the_reported_crash(monkeypatch):
     model = started(checkpoint(1))
     with pytest.raises(RuntimeError, match="must match the size of tensor b \\(0\\)"):
         reload(model, checkpoint(0))
+
+
+def pointers(model: nn.Module) -> dict[str, int]:
+    """data_ptr of every tensor each module holds itself (params, buffers, tensor attributes)."""
+    out = {}
+    for name, m in model.named_modules():
+        held = {**m._parameters, **m._buffers, **{k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}}
+        out.update({f"{name}.{k}": t.data_ptr() for k, t in held.items() if t is not None})
+    return out
+
+
+def test_a_refresh_keeps_every_tensor_where_it_was(hooks):
+    """CUDA-graph safety: re-deriving after a delta writes into the storage the engine reads (no
+    rebinding, no new Parameter, no reallocated derived tensor), for every kind of step."""
+    model = started(checkpoint(0))
+    before, objects = pointers(model), {n: p for n, p in model.named_parameters()}
+    final = checkpoint(1)
+    targets = {n: canon for n, (_, canon) in cpu_weights.canonical_tensors(model).items()}
+    maps = offset_maps(model)
+    for name, values in final.items():
+        flat = flat_storage(targets[name])
+        start, inverse = maps.get(name, (targets[name].storage_offset(), None))
+        at = torch.arange(values.numel()) if inverse is None else inverse.long()
+        flat[start + at] = values.view(-1)
+    cpu_weights.refresh([m for m in model.modules() if cpu_weights.needs_refresh(m)])
+    assert same(served(model), served(started(final))) == []
+    assert pointers(model) == before
+    assert all(p is objects[n] for n, p in model.named_parameters())
+    reload(model, checkpoint(2))  # vLLM's layerwise reload goes through the same refresh
+    assert same(served(model), served(started(checkpoint(2)))) == []
+    assert pointers(model) == before

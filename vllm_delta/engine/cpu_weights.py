@@ -5,9 +5,10 @@ packed copy and replace `layer.weight` with an empty tensor; fused MoE prepacks 
 `w2_weight`) or derive other tensors from it. An in-place delta written to the live tensor would
 never reach such a kernel. For every module that `transforms` classifies as "rerun" we keep the
 checkpoint-layout tensor of each parameter the step changed, write deltas there, and re-run the
-module's own post-load step after a commit touched it (`refresh`). Parameters the step emptied
-get their canonical tensor back as the live parameter, so vLLM's `/weight_checker` digests see
-real weights.
+module's own post-load step after a commit touched it (`refresh`, which copies the results into
+the existing storage). Parameters the step emptied get their canonical tensor back as the live
+parameter, so vLLM's `/weight_checker` digests see real weights; that happens once, inside the
+post-load loop, before any CUDA graph is captured.
 
 vLLM's in-place reload (`reload_weights`, `model_loader/reload/layerwise.py`) re-runs each
 layer's step on a freshly loaded copy and copies the result into the live tensors; for these
@@ -78,20 +79,63 @@ def needs_refresh(module: nn.Module) -> bool:
 
 
 def refresh(modules: Iterable[nn.Module]) -> int:
-    """Re-run the post-load step of touched modules from their canonical tensors."""
+    """Re-run the post-load step of touched modules from their canonical tensors, in place.
+
+    The step builds its results in new tensors; they are copied into the storage the engine
+    already reads and every object is put back, so after a refresh each parameter, buffer and
+    tensor attribute has the `data_ptr()` it had before: a captured CUDA graph keeps reading live
+    weights (what vLLM RFC #48312 asks of weight reloads). Only opaque kernel state (a closure
+    over a packed copy) is rebuilt, as the step rebuilds it.
+    """
     count = 0
     for module in modules:
         stash: dict[str, torch.Tensor] = getattr(module, STASH_ATTR)
-        restored: set[str] = getattr(module, RESTORED_ATTR)
-        canon_live = {n: module._parameters[n] for n in restored}
+        held = _held(module)
+        stashed_data = {n: module._parameters[n].data for n in stash}
         for n, canon in stash.items():
-            module._parameters[n].data = canon.clone()
+            module._parameters[n].data = canon.clone()  # the step runs from the checkpoint layout
         post_load_step(module)()
-        for n, param in canon_live.items():
-            if module._parameters.get(n) is not param:
-                module._parameters[n] = param
+        results = _held(module)
+        restored: set[str] = getattr(module, RESTORED_ATTR)
+        for key, (kind, name, old) in held.items():
+            if kind == "param" and name in restored:
+                continue  # its canonical tensor is the live one; the step's emptied stand-in is dropped
+            new = results.get(key, (kind, name, old))[2]
+            if kind == "param":
+                new, old = new.data, stashed_data.get(name, old.data)
+            if new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr() or not _same_view(new, old):
+                if new.shape != old.shape or new.dtype != old.dtype:
+                    raise RuntimeError(f"re-running the post-load step changed {key} from {tuple(old.shape)} "
+                                       f"{old.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be refreshed "
+                                       "in place")
+                old.copy_(new)
+        for key, (kind, name, obj) in held.items():
+            _put_back(module, kind, name, obj)
+        for n, data in stashed_data.items():
+            module._parameters[n].data = data
         count += 1
     return count
+
+
+def _held(module: nn.Module) -> dict[str, tuple[str, str, torch.Tensor]]:
+    """Every tensor object the module holds itself: parameters, buffers and plain tensor attributes."""
+    out = {f"param:{n}": ("param", n, p) for n, p in module._parameters.items() if p is not None}
+    out.update({f"buffer:{n}": ("buffer", n, b) for n, b in module._buffers.items() if b is not None})
+    out.update({f"attr:{n}": ("attr", n, v) for n, v in vars(module).items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.storage_offset(), a.shape, a.stride(), a.dtype) == (b.storage_offset(), b.shape, b.stride(), b.dtype)
+
+
+def _put_back(module: nn.Module, kind: str, name: str, obj: torch.Tensor) -> None:
+    if kind == "param":
+        module._parameters[name] = obj
+    elif kind == "buffer":
+        module._buffers[name] = obj
+    else:
+        object.__setattr__(module, name, obj)
 
 
 def install_reload_hooks() -> None:
