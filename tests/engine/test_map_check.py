@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from torch import nn
+
 import pytest
 import torch
 from test_placement import CHECKPOINT, PackedModule, loaded, random_checkpoint, storages
@@ -62,3 +64,27 @@ def test_a_missing_segment_is_caught():
     placements["v.weight"].read = True
     errors = check_map(m.load_weights, params(m), placements, CHECKPOINT)
     assert list(errors) == ["qkv"], errors
+
+
+class Shared(nn.Module):
+    """One parameter registered under two names, as vLLM registers a MoE gate's correction bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.experts = nn.Module()
+        self.experts.bias = self.gate
+
+    def load_weights(self, weights) -> None:
+        for _, w in weights:
+            self.gate.data.copy_(w)
+
+
+def test_a_parameter_under_two_names_is_checked_by_its_storage():
+    m = Shared()
+    named = dict(m.named_parameters(remove_duplicate=False))
+    last_wins = {p.untyped_storage().data_ptr(): n for n, p in named.items()}  # as the engine's probe keys it
+    ckpt = {"bias": ((4,), torch.float32)}
+    placements = build_placement(m.load_weights, last_wins, ckpt)
+    assert placements["bias"].segments[0].target == "experts.bias"
+    assert check_map(m.load_weights, named, placements, ckpt) == {}

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from vllm_delta.engine.placement import TensorPlacement, _written, storage_key, storages_of
+from vllm_delta.engine.placement import TensorPlacement, _written, storage_key
 
 Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -46,23 +46,23 @@ def _flat_like(t: torch.Tensor) -> int:
 
 
 class _Redirect(TorchDispatchMode):
-    """Run the loader for real, its writes into the checked parameter done on a scratch copy instead;
-    writes into any other parameter are not performed."""
+    """Run the loader for real, its writes into the checked storage done on a scratch copy instead;
+    writes into any other parameter's storage are not performed."""
 
-    def __init__(self, storages: Mapping[int, str], scratch: Callable[[str, torch.Tensor], torch.Tensor | None]) -> None:
+    def __init__(self, params: set[int], target: int, scratch: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
-        self.storages, self.scratch = storages, scratch
+        self.params, self.target, self.scratch = params, target, scratch
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         swap = {}
         written = _written(func, args, kwargs)
         for w in written:
-            name = self.storages.get(storage_key(w))
-            if name is not None:
-                swap[id(w)] = self.scratch(name, w)
-        if any(v is None for v in swap.values()):  # touches a parameter that is not being checked
-            return written[0] if len(func._schema.returns) <= 1 else tuple(written)
+            key = storage_key(w)
+            if key == self.target:
+                swap[id(w)] = self.scratch(w)
+            elif key in self.params:  # another parameter (a name sharing a storage is the same one)
+                return written[0] if len(func._schema.returns) <= 1 else tuple(written)
         if swap:
             args, kwargs = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
         return func(*args, **kwargs)
@@ -87,7 +87,7 @@ def check_map(load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], objec
     for target in sorted(feeding):
         if target in params:
             chosen.setdefault(structural_class(target, tuple(params[target].shape)), target)
-    storages = storages_of(params.items())
+    storages = {storage_key(t) for t in params.values() if t.numel() > 0}
     errors = {}
     for target in chosen.values():
         # Every tensor of the destination's layer goes through the loader, so one the map forgot is seen.
@@ -104,7 +104,7 @@ def _layer_prefix(target: str) -> str:
     return match.group(1) if match else ""
 
 
-def _check_one(load_weights, storages: Mapping[int, str], params: Mapping[str, torch.Tensor],
+def _check_one(load_weights, storages: set[int], params: Mapping[str, torch.Tensor],
                placements: Mapping[str, TensorPlacement], checkpoint: Checkpoint, target: str,
                names: list[str], seed: int) -> str | None:
     live = params[target]
@@ -112,11 +112,9 @@ def _check_one(load_weights, storages: Mapping[int, str], params: Mapping[str, t
     start = _random(_flat_like(live), live.dtype, torch.Generator(live.device).manual_seed(seed))
     by_loader, by_map = start, start.clone()
 
-    def scratch(name: str, w: torch.Tensor) -> torch.Tensor | None:
-        if name != target:
-            return None  # another parameter's write: not performed
+    def scratch(w: torch.Tensor) -> torch.Tensor:
         if w.dtype != by_loader.dtype:
-            raise TypeError(f"loader writes {name} as {w.dtype}, the parameter is {by_loader.dtype}")
+            raise TypeError(f"loader writes {target} as {w.dtype}, the parameter is {by_loader.dtype}")
         return torch.as_strided(by_loader, w.shape, w.stride(), w.storage_offset())
 
     def values(i: int, name: str) -> torch.Tensor:
@@ -126,7 +124,7 @@ def _check_one(load_weights, storages: Mapping[int, str], params: Mapping[str, t
         return _random(torch.Size(shape).numel(), dtype, g).reshape(shape)
 
     try:
-        with torch.no_grad(), _Redirect(storages, scratch):
+        with torch.no_grad(), _Redirect(storages, storage_key(live), scratch):
             load_weights((name, values(i, name)) for i, name in enumerate(names))
     except Exception as exc:
         return f"{target}: vLLM's loader failed on random values: {type(exc).__name__}: {exc}"
