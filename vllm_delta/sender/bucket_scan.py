@@ -185,7 +185,8 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     pos, old, new = _diff(layout.base, snap)
     tables = tuple(t.to(pos.device) for t in layout.tables)
     seg, hf, keep, run = _map(layout, tables, pos)
-    if layout.gaps:  # drop changes no member covers
+    # drop changes no member covers (one check first: gathering six arrays costs more; meta can't say)
+    if layout.gaps and (pos.device.type == "meta" or not bool(keep.all())):
         idx = torch.nonzero(keep).reshape(-1)
         pos, old, new, seg, hf, run = pos[idx], old[idx], new[idx], seg[idx], hf[idx], run[idx]
     pre, post = segment_sums(seg, n, hf, old), segment_sums(seg, n, hf, new)
@@ -200,7 +201,7 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
         order = torch.argsort(tables[4][send_run], stable=True)
         send_hf, send_new = send_hf[order], send_new[order]
         send_old = send_old[order] if send_old is not None else None
-    counts = torch.cat([_count(seg, n, pos), _count(send_seg, n, sent)])
+    counts = torch.cat([_count(tables, seg, n, pos), _count(tables, send_seg, n, sent)])
     summary = torch.cat([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts.reshape(-1)])
     return BucketScan(pos, new, send_hf, send_new, send_old, summary)
 
@@ -246,11 +247,14 @@ def _map(layout: Layout, tables: tuple[torch.Tensor, ...], pos: torch.Tensor
     return locate(tables, pos)
 
 
-def _count(seg: torch.Tensor | None, n: int, pos: torch.Tensor) -> torch.Tensor:
-    """Positions per member (`index_add_`: there is no bincount on meta)."""
+def _count(tables: tuple[torch.Tensor, ...], seg: torch.Tensor | None, n: int, pos: torch.Tensor) -> torch.Tensor:
+    """Positions per member. `pos` is sorted and inside the runs, so each run's count is the
+    difference of two `searchsorted`s over the (few) run bounds, summed per member."""
     if seg is None:
         return pos.new_full((1,), pos.numel())
-    return torch.zeros(n, dtype=torch.int64, device=pos.device).index_add_(0, seg, torch.ones_like(seg))
+    start, end, _, run_seg, _ = tables
+    per_run = torch.searchsorted(pos, end) - torch.searchsorted(pos, start)
+    return torch.zeros(n, dtype=torch.int64, device=pos.device).index_add_(0, run_seg, per_run)
 
 
 def take(base: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
