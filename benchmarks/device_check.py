@@ -453,8 +453,8 @@ def markdown(report: dict) -> str:
                          f"{r['commit_s']:.3f} | {r['full_verify_s']:.3f} | "
                          f"{r['digests_checked']} + {r['whole_digests_checked']} | {r['bit_exact']} |")
         lines += ["", "decode: read + hash + decode of every flush (CPU); prepare: the same plus locate, "
-                  "staging and the O(changed) pre/post digests on the device (slowest rank); commit: the "
-                  "chunked host-to-device copies, ULP resolve and scatter (slowest rank); full verify: "
+                  "the one copy of offsets and values to the device and the O(changed) pre/post digests there (slowest "
+                  "rank); commit: ULP resolve, the scatters, the read-back and a synchronize (slowest rank); full verify: "
                   "counted-once whole-tensor digests of every tensor (slowest rank)."]
     if "apply_moe" in report["sections"]:
         m = report["sections"]["apply_moe"]
