@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -682,21 +683,25 @@ class _Sums:
                 self.rows.append(([name], lane, t.reshape(1, 2)))
 
     def hex(self) -> dict[str, list[str | None]]:
-        """Hex digests, with one device-to-host copy per device (not per tensor)."""
-        total: dict[str, list[list[int] | None]] = {name: [None, None] for name in self.names}
+        """Hex digests, with one device-to-host copy per device and no Python object per row (so a
+        6k-tensor update does not set off the garbage collector: 0.25 s with a list per row)."""
+        ids = {name: i for i, name in enumerate(self.names)}
+        total = np.zeros((len(ids), 2, 2), dtype=np.uint64)  # tensor, pre/post, the digest's two lanes
+        held = np.zeros((len(ids), 2), dtype=bool)
         by_device: dict[torch.device, list[tuple[list[str | None], int, torch.Tensor]]] = {}
         for row in self.rows:
             by_device.setdefault(row[2].device, []).append(row)
         for rows in by_device.values():
-            values = torch.cat([t for _, _, t in rows]).cpu().tolist()
-            at = 0
-            for names, lane, _ in rows:
-                for name, (a, b) in zip(names, values[at:at + len(names)]):
-                    if name is not None:
-                        acc = total[name][lane] or [0, 0]
-                        total[name][lane] = [acc[0] + a, acc[1] + b]
-                at += len(names)
-        return {name: [None if v is None else to_hex((v[0], v[1])) for v in lanes] for name, lanes in total.items()}
+            values = torch.cat([t for _, _, t in rows]).cpu().numpy().view(np.uint64)
+            tensor = np.fromiter((-1 if n is None else ids[n] for names, _, _ in rows for n in names),
+                                 dtype=np.int64, count=len(values))
+            lane = np.repeat(np.array([lane for _, lane, _ in rows]), [len(names) for names, _, _ in rows])
+            keep = tensor >= 0
+            np.add.at(total, (tensor[keep], lane[keep]), values[keep])  # wraps mod 2^64, as the digest does
+            held[tensor[keep], lane[keep]] = True
+        text = total.astype(">u8").tobytes().hex()  # to_hex's form: lane 0 then lane 1, 16 digits each
+        return {name: [text[(4 * i + 2 * k) * 16:(4 * i + 2 * k + 2) * 16] if held[i, k] else None for k in (0, 1)]
+                for name, i in ids.items()}
 
 
 def _add(acc: list[torch.Tensor | None], i: int, part: torch.Tensor) -> None:
