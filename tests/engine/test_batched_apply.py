@@ -5,15 +5,22 @@ write that does not land is caught by the read-back after the scatter.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 from dispatch_log import OpLog
-from harness.synthetic import device_check
+from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
 from vllm_delta.engine import apply
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier
 from vllm_delta.engine.batched import Piece, locate, slot_sums
 from vllm_delta.engine.digests import check_partials
+from vllm_delta.engine.http_errors import UpdateError
+from vllm_delta.engine.request import DeltaUpdateRequest
+from vllm_delta.engine.routes import DeltaUpdater, guard_health
 from vllm_delta.engine.placement import Segment
 from vllm_delta.wire import iter_delta, open_delta
 from vllm_delta.wire.additive import partial_sum
@@ -168,3 +175,46 @@ def test_a_write_that_does_not_land_is_a_commit_fault_naming_the_tensor(tmp_path
     with pytest.raises(ApplyFault, match="read-back") as fault:
         applier.commit(staged)
     assert fault.value.failed_at == victim and fault.value.suspect == [victim]
+
+
+def test_a_write_that_does_not_land_keeps_the_engine_paused_and_unhealthy(tmp_path, monkeypatch):
+    """Through the route, on two in-process TP ranks: the read-back fault of rank 1 is a commit fault."""
+    cfg = DC.SIZES["tiny"]
+    victim = "model.layers.1.mlp.experts.w13_weight"
+    base = DC.random_checkpoint(cfg, "cpu", seed=0)
+    models, workers = tp_ranks(tmp_path / "model", base, tp=2)
+    root = tmp_path / "root"
+    root.mkdir()
+    engine = InProcessEngine(workers)
+    updater = DeltaUpdater(engine, root, 1 << 20, [])
+    app = FastAPI()
+    app.get("/health")(lambda: {})
+    guard_health(app)
+    app.state.delta_updater = updater
+    health = TestClient(app)
+    storage = dict(models[1].named_parameters())[victim].untyped_storage().data_ptr()
+    real = apply.scatter
+
+    def misses_last(flat, chunk):
+        written = real(flat, chunk)
+        if flat.untyped_storage().data_ptr() == storage:
+            last = chunk.offsets[-1:].to(torch.int64)
+            flat.index_copy_(0, last, flat.index_select(0, last).view(torch.int16).add(1).view(flat.dtype))
+        return written
+
+    monkeypatch.setattr(apply, "scatter", misses_last)
+    DC.write_delta(root / "v1", base, DC.step(base, 0.3, seed=1), version=1)
+    with pytest.raises(UpdateError) as refused:
+        asyncio.run(updater.update(DeltaUpdateRequest(path="v1", version=1, base_version=0)))
+    assert refused.value.status == 500 and "read-back" in refused.value.error["message"]
+    assert engine.paused and updater.fault["failed_at"] == victim and updater.fault["ranks"] == [1]
+    assert health.get("/health").status_code == 503
+    assert asyncio.run(updater.status())["ranks"][1]["fault"]["suspect"] == [victim]
+    monkeypatch.setattr(apply, "scatter", real)  # a full anchor repairs it
+    final = DC.step(base, 0.3, seed=2)
+    with DC.DeltaWriter(root / "v2", version=2, base_version=None, encoding="indices") as w:
+        for name, t in final.items():
+            w.add(name, torch.arange(t.numel()), t.reshape(-1), shape=tuple(t.shape))
+    asyncio.run(updater.update(DeltaUpdateRequest(path="v2", version=2)))
+    assert not engine.paused and health.get("/health").status_code == 200
+    assert all(same_bits(m, loaded(final, rank, 2)) == [] for rank, m in enumerate(models))
