@@ -158,3 +158,20 @@ def test_an_index_that_misnames_a_shards_tensors_is_refused(pair):
     with pytest.raises(ValueError, match="other tensors than"):
         Checkpoint.open(old).read(name)
 
+
+
+@pytest.mark.parametrize("shape, runs", [
+    ((10, 6), [(18, 24)]),  # rows 3..6: a dim-0 TP shard
+    ((10, 6), [(r * 6 + 2, 2) for r in range(10)]),  # columns 2..3 of every row: a dim-1 TP shard
+    ((10, 6), [(40, 8), (4, 9)]),  # out of order, crossing rows
+    ((12,), [(5, 4), (0, 2)]),
+    ((3, 4, 5), [(20, 25)]),
+    ((), [(0, 1)]),
+])
+def test_read_runs_is_the_runs_of_the_whole_tensor(tmp_path, shape, runs):
+    full = torch.randn(shape).bfloat16()
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    got = Checkpoint.open(tmp_path).read_runs("w", runs)
+    flat = load_file(tmp_path / "model.safetensors")["w"].reshape(-1)
+    want = torch.cat([flat[a:a + n] for a, n in runs])
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

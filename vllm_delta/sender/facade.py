@@ -165,9 +165,14 @@ class DeltaSender:
         shards = [self._as_shard(x) for x in _items(like)]
         if missing := sorted({s.name for s in shards if s.name not in ckpt}):
             raise KeyError(f"not in the checkpoint: {missing[:5]}")
+
+        def part(s: Shard | Segments) -> torch.Tensor:  # segments by their runs: no per-element index
+            got = (ckpt.read_runs(s.name, s.runs) if isinstance(s, Segments)
+                   else ckpt.read_at(s.name, s.global_index().cpu()))
+            return got.reshape(s.tensor.shape).to(s.tensor.device)
+
         # Only the shards holding this rank's tensors are opened, and only its slices read.
-        self.seed([s.with_tensor(ckpt.read_at(s.name, s.global_index().cpu()).reshape(s.tensor.shape)
-                                 .to(s.tensor.device)) for s in shards])
+        self.seed([s.with_tensor(part(s)) for s in shards])
 
     def add_engine(self, url: str) -> None:
         """A late-joining (or restarted) engine: it gets a full anchor at the next sync (with s3, it

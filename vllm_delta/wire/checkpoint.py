@@ -9,7 +9,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -128,6 +128,26 @@ class Checkpoint:
         col = flat % row
         c0, c1 = int(col.min()), int(col.max()) + 1
         return part[r0:r1, c0:c1].reshape(-1)[(flat // row - r0) * (c1 - c0) + col - c0]
+
+    def read_runs(self, name: str, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The flat runs `(start, length)` of `read(name).reshape(-1)`, concatenated in order. Reads
+        the block `read_at` would, and holds no per-element index (a rank's shard can be billions)."""
+        shape, dtype = self.info(name)
+        if not runs:
+            return torch.empty(0, dtype=dtype)
+        if not shape:
+            return self.read(name).reshape(-1)
+        row = math.prod(shape[1:])
+        part = self._handle(self._shard_of(name)).get_slice(name)
+        r0 = min(a for a, _ in runs) // row
+        r1 = max(a + n - 1 for a, n in runs) // row + 1
+        if len(shape) == 2 and all(a // row == (a + n - 1) // row for a, n in runs):
+            c0, c1 = min(a % row for a, _ in runs), max(a % row + n for a, n in runs)
+            flat, width = part[r0:r1, c0:c1].reshape(-1), c1 - c0
+        else:
+            flat, width, c0 = part[r0:r1].reshape(-1), row, 0
+        at = [((a // row - r0) * width + a % row - c0, n) for a, n in runs]
+        return flat[at[0][0]:at[0][0] + at[0][1]] if len(at) == 1 else torch.cat([flat[o:o + n] for o, n in at])
 
     def shard_metadata(self, shard: str) -> dict[str, str] | None:
         return self._handle(shard).metadata()
