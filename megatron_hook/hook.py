@@ -96,7 +96,7 @@ class HookHandle:
                 logger.warning("megatron_hook: re-derived the views of rebound weights %s", moved[:5])
         except RebindError as e:
             error = e
-        if self.sender.ranks.all_sum(int(error is not None)):
+        if self.sender.ranks.any(error is not None):
             raise error or RebindError("a weight was rebound on another rank of the sender's group")
 
     def flush(self) -> dict[str, float]:
@@ -177,15 +177,14 @@ def _seed_values(segments: list[Segments], checkpoint: Path) -> tuple[list[Segme
     report = SeedReport()
     seeded = []
     for s in segments:
-        gidx = s.global_index()
-        served = ckpt.read_at(s.name, gidx.cpu()).to(s.tensor.device)  # only this rank's slice is read
+        served = ckpt.read_runs(s.name, s.runs).to(s.tensor.device)  # only this rank's slice is read
         mine = s.tensor.detach().reshape(-1)
         if served.dtype != mine.dtype:
             raise TypeError(f"{s.name}: the checkpoint holds {served.dtype}, the trainer {mine.dtype}")
         differ = _bits(served) != _bits(mine)
-        if bool(differ.any()):
+        if bool(differ.any()):  # positions only where something differs: no int64 per element otherwise
             prev = report.mismatches.get(s.name)
-            pos = gidx[differ].cpu()
+            pos = s.global_index()[differ].cpu()
             report.mismatches[s.name] = pos if prev is None else torch.cat([prev, pos])
         seeded.append(s.with_tensor(served))
     return seeded, report
