@@ -33,6 +33,7 @@ class _CudaToCpu(TorchFunctionMode):
     - `device="cuda"` kwargs on tensor factories -> CPU (e.g. `_scale_one` in
       Float16OptimizerWithFloat16Params, the norm buffers in optimizer/clip_grads.py, the
       default causal mask in transformer/utils.py);
+    - `tensor.cuda()` -> the tensor itself;
     - `tensor.type()` (no args) reports "torch.cuda.<X>Tensor": the bf16 optimizer and the
       distributed optimizer reject any param whose type() is not 'torch.cuda.{BFloat16,Half,
       Float}Tensor', and clip_grads asserts grad.type() == 'torch.cuda.FloatTensor'.
@@ -42,6 +43,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:  # an MTP stage's embedding copy (language_module.py)
+            return args[0]
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": _CPU}
         return func(*args, **kwargs)
