@@ -127,3 +127,15 @@ def test_vocab_padding_is_read_from_the_tensors(rank):
     bridge.make_vocab_size_divisible_by, bridge.vocab_size, bridge.padded_vocab_size = 512, 512, 1024
     with pytest.raises(ValueError, match="pads the vocab to 1024 rows but the model's tensors hold 768"):
         chunk_segments(bridge, chunk, Parallel(rank, 2, rank, 2, 0, 0))
+
+
+@pytest.mark.parametrize("first_stage", [True, False])
+def test_an_mtp_stages_embedding_copy_is_not_shipped(first_stage):
+    """A last stage holding MTP has its own copy of the word embeddings (megatron ties it to the
+    first stage's); only the first stage ships it. test_families.py runs this at PP=2 for real."""
+    from megatron_hook.hf_map import Parallel, chunk_segments
+
+    chunk = stub_chunk({n: ((512, 128), 0) for n in ("embedding.word_embeddings.weight", "output_layer.weight")})
+    chunk.pre_process = first_stage
+    names = {s.name for s in chunk_segments(make_bridge("llama"), chunk, Parallel(0, 1, 0, 1, 0, 0))}
+    assert names == ({"model.embed_tokens.weight", "lm_head.weight"} if first_stage else {"lm_head.weight"})
