@@ -38,6 +38,7 @@ DEEPSEEK_V3: dict[str, Any] = {
     "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
     "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
     "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid",
     "vocab_size": 129280, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
