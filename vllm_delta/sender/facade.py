@@ -315,7 +315,8 @@ class DeltaSender:
             if e is not None:
                 e.acked, e.last_error = None, {"type": "PublishFailed", "message": f"{type(error).__name__}: {error}"}
         self.planner.version = max(self.planner.version, plan.version)
-        self.planner.probe_unknown()
+        if self.ranks.rank == 0:
+            self.planner.probe_unknown()
         self.producer.defer(cap)
         return {**metrics, "sender/publish_failed": 1.0, "sender/all_acked": 0.0,
                 "sender/publish_failures": float(self.publish_failures), "sender/version": float(plan.version)}

@@ -125,7 +125,8 @@ class Planner:
         for e in self.engines.values():
             e.skipped = False
         if unknown:
-            replies = self.prober.take([e.url for e in unknown], wait_s)
+            # A blocking plan (wait_s None, `sync()`) asks afresh, as of now; else the latest answers.
+            replies = self.prober.take([e.url for e in unknown], wait_s, fresh=wait_s is None)
             for e in unknown:
                 if e.url not in replies:  # still being asked: not sent to this sync
                     e.skipped, e.last_error = True, {"type": "StatusPending", "message": "status probe in flight"}
@@ -201,7 +202,6 @@ class Planner:
         if all_acked:
             self.snapshot_version = plan.version
             self.anchor_next = False
-        self.probe_unknown()
         return all_acked
 
     def probe_unknown(self) -> None:

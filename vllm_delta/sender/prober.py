@@ -45,10 +45,16 @@ class Prober:
         except BaseException as exc:  # a client error is an answer too: unreachable
             future.set_result(Reply(url, 0, {"error": {"type": type(exc).__name__, "message": str(exc)}}))
 
-    def take(self, urls: Iterable[str], wait_s: float | None) -> dict[str, Reply]:
+    def take(self, urls: Iterable[str], wait_s: float | None, *, fresh: bool = False) -> dict[str, Reply]:
         """The answers of `urls` that are in after waiting at most `wait_s` (None: until all are);
-        a probe is started for any not yet asked. Taken answers are forgotten."""
+        a probe is started for any not yet asked (`fresh`: also for those already answered, whose
+        answer may be older than the caller's question). Taken answers are forgotten."""
         urls = list(urls)
+        if fresh:
+            with self._lock:
+                for u in urls:
+                    if u in self._probes and self._probes[u].done():
+                        del self._probes[u]
         self.start(urls)
         with self._lock:
             futures = {u: self._probes[u] for u in urls}

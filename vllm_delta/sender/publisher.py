@@ -79,6 +79,7 @@ class Publisher:
                     finally:
                         cleaned = self._cleanup(sinks, sent)
                     all_acked = self.planner.settle(plan, replies)
+                    self.planner.probe_unknown()
                 except Exception as exc:
                     failure = exc
             push_s = time.perf_counter() - pushed
@@ -91,6 +92,8 @@ class Publisher:
             raise failure
         if error is not None:
             raise PublishError(f"rank 0: {error}")
+        if self.ranks.rank != 0:  # every rank's planner keeps the versions (rank 0's word decides)
+            self.planner.settle(plan, replies)
         write_s = sum(getattr(getattr(b, "writer", None), "write_s", 0.0) for b in sinks)
         return Published(plan, sent, replies, all_acked, encode_s, write_s, push_s, time.perf_counter() - start)
 
