@@ -485,6 +485,8 @@ def make_tiny_deepseek_v3(out_dir, layers: int = 2, mtp_layers: int = 0, dense_l
     from safetensors.torch import load_file
 
     tensors = load_file(out / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = tensors[name].float()  # fp32 in DeepSeek's checkpoint, as megatron's expert_bias
     gen = torch.Generator().manual_seed(seed + 1)
     for k in range(layers, layers + mtp_layers):
         pre = f"model.layers.{k}."
