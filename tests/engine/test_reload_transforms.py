@@ -127,6 +127,17 @@ def stock(monkeypatch) -> None:
         monkeypatch.setattr(layerwise, name, getattr(fn, "__wrapped__", fn))
 
 
+def commit(model: Model, weights: dict[str, torch.Tensor]) -> None:
+    """Write `weights` as a commit writes a delta: to the canonical targets, through a permutation's map."""
+    targets = {n: canon for n, (_, canon) in cpu_weights.canonical_tensors(model).items()}
+    maps = offset_maps(model)
+    for name, values in weights.items():
+        flat = flat_storage(targets[name])
+        start, inverse = maps.get(name, (targets[name].storage_offset(), None))
+        at = torch.arange(values.numel()) if inverse is None else inverse.long()
+        flat[start + at] = values.view(-1)
+
+
 def test_reload_then_delta_is_bitexact_with_a_fresh_load(hooks):
     base, final = checkpoint(0), checkpoint(1)
     model = started(final)
@@ -146,13 +157,7 @@ def test_reload_then_delta_is_bitexact_with_a_fresh_load(hooks):
 
     # A delta after the reload, written as a commit writes it: to the canonical targets, through
     # the permutation's map, then the touched "rerun" modules re-run their step.
-    targets = {n: canon for n, (_, canon) in cpu_weights.canonical_tensors(model).items()}
-    maps = offset_maps(model)
-    for name, values in final.items():
-        flat = flat_storage(targets[name])
-        start, inverse = maps.get(name, (targets[name].storage_offset(), None))
-        at = torch.arange(values.numel()) if inverse is None else inverse.long()
-        flat[start + at] = values.view(-1)
+    commit(model, final)
     cpu_weights.refresh([m for m in model.modules() if cpu_weights.needs_refresh(m)])
     assert same(served(model), served(started(final))) == []
     assert torch.equal(model.layers["repack"].weight, final["layers.repack.weight"])  # digests see real weights
@@ -181,13 +186,7 @@ def test_a_refresh_keeps_every_tensor_where_it_was(hooks):
     model = started(checkpoint(0))
     before, objects = pointers(model), {n: p for n, p in model.named_parameters()}
     final = checkpoint(1)
-    targets = {n: canon for n, (_, canon) in cpu_weights.canonical_tensors(model).items()}
-    maps = offset_maps(model)
-    for name, values in final.items():
-        flat = flat_storage(targets[name])
-        start, inverse = maps.get(name, (targets[name].storage_offset(), None))
-        at = torch.arange(values.numel()) if inverse is None else inverse.long()
-        flat[start + at] = values.view(-1)
+    commit(model, final)
     cpu_weights.refresh([m for m in model.modules() if cpu_weights.needs_refresh(m)])
     assert same(served(model), served(started(final))) == []
     assert pointers(model) == before
