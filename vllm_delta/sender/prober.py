@@ -47,14 +47,15 @@ class Prober:
 
     def take(self, urls: Iterable[str], wait_s: float | None, *, fresh: bool = False) -> dict[str, Reply]:
         """The answers of `urls` that are in after waiting at most `wait_s` (None: until all are);
-        a probe is started for any not yet asked (`fresh`: also for those already answered, whose
-        answer may be older than the caller's question). Taken answers are forgotten."""
+        a probe is started for any not yet asked. `fresh`: a new probe for every one of them, since
+        an answer, or a probe still in flight, may predate the caller's question (a probe that began
+        while the engine was down answers "unreachable" after it came back). Taken answers are
+        forgotten."""
         urls = list(urls)
         if fresh:
             with self._lock:
                 for u in urls:
-                    if u in self._probes and self._probes[u].done():
-                        del self._probes[u]
+                    self._probes.pop(u, None)  # an older probe still running sets a future no one reads
         self.start(urls)
         with self._lock:
             futures = {u: self._probes[u] for u in urls}
