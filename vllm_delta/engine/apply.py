@@ -178,6 +178,9 @@ class DeltaApplier:
             except UnservableLoader as exc:
                 self.refused[name] = f"{placement.fallback_reason}; its loader cannot be replayed exactly: {exc}"
                 continue
+            except Exception as exc:  # e.g. a quant method's replace_parameter left a loader that now fails
+                self.refused[name] = f"{placement.fallback_reason}; its loader fails on replay: {type(exc).__name__}: {exc}"
+                continue
             self.shadows[name] = shadow
             self.targets[shadow_target(name)] = shadow
         if self.refused:
