@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.fx.experimental._config as fx_config
 
 from sender_helpers import FakeEngine
 
@@ -20,3 +21,12 @@ def fake_engines(tmp_path, fake_weights):
     yield engines
     for e in engines:
         e.close()
+
+
+@pytest.fixture
+def meta_nonzero():
+    """`nonzero` on meta has no true output size; assume every element (what tracing compilers do)."""
+    old = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True
+    yield
+    fx_config.meta_nonzero_assume_all_nonzero = old

@@ -9,7 +9,6 @@ import collections
 
 import pytest
 import torch
-import torch.fx.experimental._config as fx_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vllm_delta.diff as diff
@@ -157,14 +156,6 @@ def test_ops_per_sync_do_not_grow_with_the_segments_of_a_bucket(kind: str) -> No
     counts = {n: _ops_per_sync(n, kind) for n in (2, 8, 32)}  # 4 to 64 segments in one buffer
     assert len(set(counts.values())) == 1, counts
     assert counts[2] < 150, counts  # the per-segment scan took ~85 per segment
-
-
-@pytest.fixture
-def meta_nonzero():
-    old = fx_config.meta_nonzero_assume_all_nonzero
-    fx_config.meta_nonzero_assume_all_nonzero = True
-    yield
-    fx_config.meta_nonzero_assume_all_nonzero = old
 
 
 def test_bucket_scan_runs_on_meta(meta_nonzero) -> None:

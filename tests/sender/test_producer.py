@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.fx.experimental._config as fx_config
 
 from vllm_delta import DeltaSender
 from vllm_delta.sender import Shard
@@ -66,15 +65,6 @@ def test_partial_digests_of_shards_add_up_to_the_whole() -> None:
     right = Shard.narrow("w", w[:, 4:].contiguous(), w.shape, 1, 4)
     parts = [additive.to_hex(additive.partial_sum(s.global_index(), s.tensor.reshape(-1))) for s in (left, right)]
     assert additive.combine(*parts) == additive.to_hex(additive.tensor_sum(w))
-
-
-@pytest.fixture
-def meta_nonzero():
-    """`nonzero` on meta has no true output size; assume every element (what tracing compilers do)."""
-    old = fx_config.meta_nonzero_assume_all_nonzero
-    fx_config.meta_nonzero_assume_all_nonzero = True
-    yield
-    fx_config.meta_nonzero_assume_all_nonzero = old
 
 
 def test_scan_runs_on_meta_device(meta_nonzero) -> None:
