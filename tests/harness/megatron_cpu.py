@@ -507,7 +507,8 @@ _NVTE = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
 @contextmanager
-def meta_chunk(cfg, *, world: int = 1, rank: int = 0, tp: int = 1, pp: int = 1, ep: int = 1,
+def meta_chunk(cfg, *, world: int = 1, rank: int = 0, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
+               make_vocab_size_divisible_by: int | None = None,
                extra_args: dict | None = None) -> Iterator[tuple[torch.nn.Module, object]]:
     """(gpt, bridge): rank `rank`'s chunk of a `world`-rank job of HF config `cfg`, built by mbridge
     and megatron-core's local specs with every weight on `meta`, in this process (torch's `fake`
@@ -532,8 +533,9 @@ def meta_chunk(cfg, *, world: int = 1, rank: int = 0, tp: int = 1, pp: int = 1, 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep, create_gloo_process_groups=False)
-        bridge = AutoBridge.from_config(cfg)
+                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                     create_gloo_process_groups=False)
+        bridge = AutoBridge.from_config(cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         bridge.set_extra_args(**{**dict(moe_grouped_gemm=False, persist_layer_norm=False, sequence_parallel=False,
                                         use_cpu_initialization=True, gradient_accumulation_fusion=False,
                                         masked_softmax_fusion=False, bias_activation_fusion=False,
