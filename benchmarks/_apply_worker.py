@@ -84,29 +84,11 @@ def learn_placement(worker) -> dict[str, Any]:
             "fallback": status["fallback"], "transformed": status["transformed"]}
 
 
-def _timed_methods(applier, names: list[str]) -> tuple[dict[str, float], Callable[[], None]]:
-    """Wrap applier methods on the instance to time them; returns (times, undo)."""
-    times = {n: 0.0 for n in names}
-
-    def wrap(name):
-        orig = getattr(applier, name)
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return orig(*a, **k)
-            finally:
-                times[name] += time.perf_counter() - t
-        setattr(applier, name, timed)
-
-    for n in names:
-        wrap(n)
-    return times, lambda: [applier.__dict__.pop(n, None) for n in names]
-
-
-def _timed_function(module, name: str, times: dict[str, float]) -> Callable[[], None]:
-    """Wrap a module-level function to add its time to `times[name]`; returns the undo."""
-    orig = getattr(module, name)
+def _timed(owner, name: str, times: dict[str, float]) -> Callable[[], None]:
+    """Wrap `owner.name` (an instance's method or a module's function) to add its time to
+    `times[name]`; returns the undo."""
+    orig = getattr(owner, name)
+    own = name in vars(owner)  # a module's function; an instance's method comes from its class
     times[name] = 0.0
 
     def timed(*a, **k):
@@ -115,8 +97,8 @@ def _timed_function(module, name: str, times: dict[str, float]) -> Callable[[], 
             return orig(*a, **k)
         finally:
             times[name] += time.perf_counter() - t
-    setattr(module, name, timed)
-    return lambda: setattr(module, name, orig)
+    setattr(owner, name, timed)
+    return (lambda: setattr(owner, name, orig)) if own else (lambda: delattr(owner, name))
 
 
 def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
@@ -135,8 +117,9 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
     state = worker._delta()
     state.version = version - 1
     applier = state.applier
-    times, undo = _timed_methods(applier, ["stage", "_digest", "_refresh_cpu_kernels"])
-    undo_sums = _timed_function(apply_module, "slot_sums", times)  # the batched digests
+    times: dict[str, float] = {}
+    undos = [_timed(applier, n, times) for n in ("stage", "_digest", "_refresh_cpu_kernels")]
+    undos.append(_timed(apply_module, "slot_sums", times))  # the batched digests
     request = {"id": f"bench-{version}", "path": path, "version": version, "base_version": None,
                "chunk_bytes": chunk_bytes}
     try:
@@ -150,8 +133,8 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
         if not committed.get("ok"):
             raise RuntimeError(f"delta_commit failed: {committed}")
     finally:
-        undo()
-        undo_sums()
+        for undo in undos:
+            undo()
     repack = times["_refresh_cpu_kernels"]
     out = {
         "changed": prepared["changed"], "payload": _payload_bytes(prepared["changed"]),
