@@ -12,9 +12,10 @@ tensors, so the same script measures any revision (`PYTHONPATH=<checkout> python
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,9 @@ from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.publisher import _add
 from vllm_delta.wire import FlushBuilder
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from harness.capture_bytes import staged_bytes  # noqa: E402
+
 
 def rss(key: str) -> int:
     with open("/proc/self/status") as f:
@@ -30,29 +34,6 @@ def rss(key: str) -> int:
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
-
-
-def staged_bytes(cap, producer: Producer, live: list[torch.Tensor]) -> int:
-    """Every storage the capture holds, except the snapshots' and the live weights'."""
-    skip = {t.untyped_storage().data_ptr() for t in [*(producer.snapshot_of(n) for n in producer.names), *live]}
-    seen: dict[int, int] = {}
-
-    def visit(x) -> None:
-        if isinstance(x, torch.Tensor):
-            if x.untyped_storage().data_ptr() not in skip:
-                seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            for f in dataclasses.fields(x):
-                visit(getattr(x, f.name))
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v)
-
-    visit(cap)
-    return sum(seen.values())
 
 
 def main() -> None:

@@ -4,42 +4,18 @@ for bit, even after the live weights moved on."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
+from harness.capture_bytes import staged_bytes
 from vllm_delta.sender import Shard
-from vllm_delta.sender.producer import Capture, Producer
+from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.segments import Segments
 from vllm_delta.wire import DeltaDecoder, FlushBuilder
 
 _BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
-
-
-def staged_bytes(cap: Capture, producer: Producer, live: list[torch.Tensor]) -> int:
-    """Bytes of every storage the capture holds, anywhere in it, except the snapshots' and the live
-    weights' (what an anchor may read without staging)."""
-    skip = {t.untyped_storage().data_ptr() for t in [*(producer.snapshot_of(n) for n in producer.names), *live]}
-    seen: dict[int, int] = {}
-
-    def visit(x) -> None:
-        if isinstance(x, torch.Tensor):
-            if x.untyped_storage().data_ptr() not in skip:
-                seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-            for f in dataclasses.fields(x):
-                visit(getattr(x, f.name))
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v)
-
-    visit(cap)
-    return sum(seen.values())
 
 
 def placements(dtype: torch.dtype):
