@@ -90,12 +90,12 @@ def refresh(modules: Iterable[nn.Module]) -> int:
     count = 0
     for module in modules:
         stash: dict[str, torch.Tensor] = getattr(module, STASH_ATTR)
-        held = _held(module)
+        held = held_tensors(module)
         stashed_data = {n: module._parameters[n].data for n in stash}
         for n, canon in stash.items():
             module._parameters[n].data = canon.clone()  # the step runs from the checkpoint layout
         post_load_step(module)()
-        results = _held(module)
+        results = held_tensors(module)
         restored: set[str] = getattr(module, RESTORED_ATTR)
         for key, (kind, name, old) in held.items():
             if kind == "param" and name in restored:
@@ -117,10 +117,11 @@ def refresh(modules: Iterable[nn.Module]) -> int:
     return count
 
 
-def _held(module: nn.Module) -> dict[str, tuple[str, str, torch.Tensor]]:
-    """Every tensor object the module holds itself: parameters, buffers and plain tensor attributes."""
-    out = {f"param:{n}": ("param", n, p) for n, p in module._parameters.items() if p is not None}
-    out.update({f"buffer:{n}": ("buffer", n, b) for n, b in module._buffers.items() if b is not None})
+def held_tensors(module: nn.Module) -> dict[str, tuple[str, str, torch.Tensor]]:
+    """Every tensor object the module holds itself: parameters, buffers and plain tensor attributes,
+    keyed "param:name", "buffer:name", "attr:name", with (kind, name, object)."""
+    out = {f"param:{n}": ("param", n, p) for n, p in module.named_parameters(recurse=False)}
+    out.update({f"buffer:{n}": ("buffer", n, b) for n, b in module.named_buffers(recurse=False)})
     out.update({f"attr:{n}": ("attr", n, v) for n, v in vars(module).items() if isinstance(v, torch.Tensor)})
     return out
 

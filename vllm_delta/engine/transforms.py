@@ -66,11 +66,8 @@ class Snapshot:
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor the module holds itself: parameters, buffers and plain tensor attributes."""
-    out = {f"param:{n}": p.detach() for n, p in module.named_parameters(recurse=False)}
-    out.update({f"buffer:{n}": b for n, b in module.named_buffers(recurse=False)})
-    out.update({f"attr:{n}": v for n, v in vars(module).items() if isinstance(v, torch.Tensor)})
-    return out
+    """Every tensor the module holds itself (`cpu_weights.held_tensors`), parameters detached."""
+    return {k: t.detach() if kind == "param" else t for k, (kind, _, t) in cpu_weights.held_tensors(module).items()}
 
 
 def _state(module: nn.Module) -> dict[str, int]:
