@@ -12,7 +12,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from dispatch_log import OpLog
+from harness.dispatch_log import OpLog
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
 from vllm_delta.engine import apply
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness.dispatch_log import OpCount
 from test_coverage import SHAPES, replies
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_delta.engine import digests
 from vllm_delta.engine.digests import Ownership, check_coverage, lattice_parts
@@ -36,16 +36,6 @@ def expected_share(covs, rank: int, name: str) -> str:
     lower = held([lat for c in covs[:rank] for lat in c.get(name, ())])
     both = mine & lower
     return "all" if not both else "none" if both == mine else "some"
-
-
-class Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -72,7 +62,7 @@ def test_a_decided_share_costs_one_op_whatever_the_lower_ranks_hold():
     own = Ownership.from_coverages(covs, 3)
     pos = torch.arange(1 << 12)
     for name in ("rows.weight", "norm.weight"):
-        with Ops() as ops:
+        with OpCount() as ops:
             own.counted(name, pos)
         assert ops.count == 1, name
 

@@ -3,7 +3,7 @@
 Why the `meta` device: CI has no GPU, and PyTorch refuses to mix a CPU tensor with a meta one in
 the kernels the commit uses, just as it refuses CPU with CUDA. So prepare + commit on a model
 whose parameters are all on `meta` fails wherever a staged tensor stayed on the CPU. A meta
-commit computes no values, so what it did is read from the ops it dispatched (`dispatch_log`).
+commit computes no values, so what it did is read from the ops it dispatched (`harness/dispatch_log`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dispatch_log import OpLog
+from harness.dispatch_log import OpLog
 from harness.synthetic import device_check, loaded, same_bits, tp_ranks
 from vllm_delta.engine.apply import DeltaApplier, StagingBoundError, flat_storage, gather
 from vllm_delta.engine.digests import Ownership, check_partials, coverage

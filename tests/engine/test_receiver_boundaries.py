@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from dispatch_log import OpLog
+from harness.dispatch_log import OpLog
 from torch import nn
 
 from vllm_delta.engine.apply import DeltaApplier

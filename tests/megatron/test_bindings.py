@@ -11,20 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.dispatch_log import OpCount
 from megatron_hook.bindings import Bindings, RebindError
 from vllm_delta.sender.segments import Segments
-
-
-class Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def model_and_segments() -> tuple[torch.nn.Module, list[Segments]]:
@@ -57,10 +47,10 @@ def test_a_rebound_weight_is_followed_at_the_same_offsets():
 def test_nothing_moved_costs_no_torch_op():
     m, segs = model_and_segments()
     b = Bindings([m], segs)
-    with Ops() as ops:
+    with OpCount() as ops:
         for _ in range(3):
             assert b.refresh(segs) == []
-    assert ops.n == 0
+    assert ops.count == 0
 
 
 @pytest.mark.parametrize("rebind", [

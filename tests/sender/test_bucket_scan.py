@@ -5,12 +5,10 @@ TorchDispatchMode), every op on `meta`, and the offset map past 2^31 elements.""
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.dispatch_log import OpCount
 import vllm_delta.diff as diff
 from vllm_delta.sender import Shard, bucket_scan
 from vllm_delta.sender.producer import Producer
@@ -129,26 +127,16 @@ def test_plain_tensors_and_row_shards_are_buckets_of_one() -> None:
         assert torch.equal(e.new_values, s.tensor.reshape(-1)[local.reshape(-1)])
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _ops_per_sync(n_params: int, kind: str) -> int:
     buf, segs = _buffer_segments(n_params, gen=torch.Generator().manual_seed(4))
     producer = Producer(snapshot="device", post_hash=False)
     producer.seed([s.with_tensor(s.tensor.clone()) for s in segs])
     producer.defer(producer.scan(segs, kind="delta", anchor=False))  # builds the bucket; leaves a catch-up
     buf.view(torch.int16)[::50] += 1
-    with _CountOps() as mode:
+    with OpCount() as ops:
         cap = producer.scan(segs, kind=kind, anchor=False)
         producer.advance(cap)
-    return sum(mode.ops.values())
+    return ops.count
 
 
 @pytest.mark.parametrize("kind", ["delta", "catchup"])

@@ -1,4 +1,4 @@
-"""A log of the aten ops a block dispatches, for tests that check what the commit really ran.
+"""The aten ops a block dispatches, counted (`OpCount`) or logged (`OpLog`), for tests that check what ran.
 
 Why: on `meta` a commit produces no values to compare, so what it did is read from its ops:
 each one's devices, the scatters' destinations and sizes, and any host<->device copy.
@@ -26,6 +26,18 @@ class Op:
 
     def devices(self) -> set[str]:
         return {t.device.type for t in self.inputs + self.outputs}
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops a block dispatches, recording nothing: the proxy for kernel launches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 class OpLog(TorchDispatchMode):
