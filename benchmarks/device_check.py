@@ -238,7 +238,8 @@ def write_delta(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.T
                      **writer_options) as writer:
         for name, t in new.items():
             a, b = old[name].reshape(-1), t.reshape(-1)
-            pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
+            bits = {2: torch.int16, 4: torch.int32}[a.element_size()]  # any float dtype's bitwise changes
+            pos = torch.nonzero(a.view(bits) != b.view(bits)).squeeze(1)
             if pos.numel():
                 writer.add(name, pos.cpu(), b[pos].cpu(), a[pos].cpu(), shape=tuple(t.shape))
                 digests[name] = dict(pre_digest=to_hex(partial_sum(pos, a[pos])),

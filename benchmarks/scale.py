@@ -40,12 +40,13 @@ Checkpoint = dict[str, tuple[tuple[int, ...], torch.dtype]]
 LAYOUTS = {"tp8": (8, False), "tp8_ep8": (8, True)}
 
 
-def checkpoint_shapes(model: str, layers: int | None = None, shrink: bool = False) -> Checkpoint:
+def checkpoint_shapes(model: str, layers: int | None = None, shrink: bool = False,
+                      experts: int | None = None) -> Checkpoint:
     """The checkpoint's tensor names, shapes and dtypes, as transformers saves the model."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
-    cfg = _config(model, layers, shrink)
+    cfg = _config(model, layers, shrink, experts)
     cfg.pop("architectures")
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
@@ -54,13 +55,17 @@ def checkpoint_shapes(model: str, layers: int | None = None, shrink: bool = Fals
     return {n: (tuple(t.shape), t.dtype) for n, t in saved.items()}
 
 
-def _config(model: str, layers: int | None, shrink: bool = False) -> dict[str, Any]:
-    """The published config (`shrink`: the same counts at tiny widths), optionally cut to `layers`."""
+def _config(model: str, layers: int | None, shrink: bool = False, experts: int | None = None) -> dict[str, Any]:
+    """The published config (`shrink`: the same counts at tiny widths), optionally cut to `layers`
+    (and to `experts` routed experts a layer: the cost model varies the tensor count alone)."""
     cfg = shrunk(MODELS[model], vocab=512) if shrink else dict(MODELS[model])
     cfg.pop("quantization_config", None)  # bf16 weights: the fp8 receiver is another issue's
     cfg.setdefault("max_position_embeddings", 4096)
     if layers is not None:
         cfg["num_hidden_layers"] = layers
+    if experts is not None:
+        cfg["n_routed_experts"] = experts
+        cfg["num_experts_per_tok"] = min(cfg["num_experts_per_tok"], experts)
     return cfg
 
 
@@ -98,12 +103,13 @@ def fake_parallel(tp: int, rank: int, ep: bool) -> Iterator[None]:
             setattr(ps, n, g)
 
 
-def engine_config(model: str, tp: int, ep: bool, layers: int | None = None, shrink: bool = False):
+def engine_config(model: str, tp: int, ep: bool, layers: int | None = None, shrink: bool = False,
+                  experts: int | None = None):
     """vLLM's config for the model as `vllm serve` would make it (no weights, no tokenizer)."""
     from vllm.engine.arg_utils import EngineArgs
 
     d = Path(tempfile.mkdtemp(prefix="scale_"))
-    (d / "config.json").write_text(json.dumps(_config(model, layers, shrink)))
+    (d / "config.json").write_text(json.dumps(_config(model, layers, shrink, experts)))
     config = EngineArgs(model=str(d), dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
                         max_model_len=4096, enable_expert_parallel=ep, load_format="dummy").create_engine_config()
     config.parallel_config.tensor_parallel_size = tp
@@ -314,6 +320,8 @@ def main() -> None:
     ap.add_argument("--engine-layers", type=int, default=None, help="cut the engine's model to N layers")
     ap.add_argument("--lock", action="store_true", help="take /tmp/engine.lock for the engine run only")
     ap.add_argument("--skip-full-shape", action="store_true")
+    ap.add_argument("--cost-model", action="store_true",
+                    help="also the fitted per-unit costs and the node projection (benchmarks/cost_model.py)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (pin with taskset too)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -322,23 +330,30 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="scale_engine_") as work:
             engine_run = count_true_engine("glm-4.7-355b-a32b", Path(work), a.engine_layers, a.lock)
         print(json.dumps(engine_run), flush=True)
+    model_fit = None
+    if a.cost_model:
+        from benchmarks.cost_model import cost_model
+
+        model_fit = cost_model([6, 14], [40, 160], (0.005, 0.02), repeats=3, count_true=True)
+        print(json.dumps({k: v for k, v in model_fit.items() if k != "rows"}), flush=True)
     for model in [] if a.skip_full_shape else a.models:
         for layout in a.layouts:
             r = full_shape_startup(model, layout, a.rank)
             results[f"{model}/{layout}"] = r
             print(json.dumps(r), flush=True)
     if a.json:
-        # Not measured by this harness yet (no TorchDispatchMode op count, no fitted cost model): null, not guessed.
+        # What this run did not measure stays null, not guessed.
         engine = {k: None for k in ("engine_ready_s", "prepare_s_0p5pct", "prepare_s_2pct", "commit_s_2pct",
                                     "ops_per_sync_2pct", "per_tensor_us", "per_change_ns",
                                     "projected_node_sync_s_2pct")}
         engine.update({k: v for k, v in (engine_run or {}).items() if k in engine})
+        engine.update({k: v for k, v in (model_fit or {}).items() if k in engine})
         a.json.write_text(json.dumps({
             "startup_s_full_shape": {k: r["startup_s_full_shape"] for k, r in results.items()},
             "startup_peak_bytes_full_shape": {k: r["startup_peak_bytes_full_shape"] for k, r in results.items()},
             "startup_probe_per_tensor_us": {k: r["probe_s"] / r["checkpoint_tensors"] * 1e6
                                             for k, r in results.items()},
-            **engine, "engine": engine_run,
+            **engine, "engine": engine_run, "cost_model": model_fit,
             "full_shape": results}, indent=1))
 
 
