@@ -218,3 +218,31 @@ def test_the_decoder_refuses_a_sparse_file_without_post_digests(tmp_path):
     with pytest.raises(IntegrityError) as err:
         decoder.feed(name, sparse)
     assert err.value.file == name
+
+
+def test_an_anchor_flush_of_implicit_positions_is_fetched_by_its_blocks(tmp_path):
+    """An anchor's dense ranges carry no positions (width 0); their blocks are still ranged: the
+    bytes fetched for one half of the rows decode to exactly that half's new values."""
+    name, values = CHANGED[0], torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with DeltaWriter(tmp_path, version=1, base_version=0, encoding="planes_zstd", block_policy=POLICY) as w:
+        # Two runs of odd lengths: implicit blocks need not hold a multiple of 8 entries, explicit ones must.
+        w.add_dense(name, [(0, values[:501]), (601, values[601:])], shape=(1024,))
+        manifest = w.close(seal=False)
+    manifest = manifest.model_copy(update={"params": [p.model_copy(update={"post_digest": "0" * 32})
+                                                      for p in manifest.params]})
+    write_manifest(tmp_path, manifest)
+    (flush,) = [f.name for f in manifest.files]
+    data = (tmp_path / flush).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    owned = {name: [(0, 511)]}
+    ranges = store_fetch.block_ranges(data[:8 + n], owned)
+    assert ranges is not None  # not "fetch the whole file"
+    sparse = SparseFile(len(data))
+    sparse[:8 + n] = data[:8 + n]
+    for a, b in ranges:
+        sparse[a:b] = data[a:b]
+    assert sum(b - a for a, b in ranges) < len(data) - 8 - n
+    (delta,) = DeltaDecoder(load_manifest(tmp_path)).feed(flush, sparse, owned=owned)
+    keep = delta.positions <= 511
+    assert torch.equal(delta.positions[keep], torch.arange(501))
+    assert torch.equal(delta.values[keep].view(torch.int16), values[:501].view(torch.int16))

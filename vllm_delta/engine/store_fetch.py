@@ -170,7 +170,7 @@ def block_ranges(header: bytes, owned: Owned) -> list[tuple[int, int]] | None:
         for p in json.loads(meta["params"]):
             numel = int(np.prod(p["shape"], dtype=object))
             index = blocks.parse_index(p["blocks"], streams=len(p["streams"]), count=p["count"], numel=numel,
-                                       file=None, param=p["name"])
+                                       file=None, param=p["name"], implicit=p.get("width") == 0)
             ranges = owned.get(p["name"])
             mask = blocks.wanted(index, None if ranges is None else blocks.merge(ranges))
             for j, s in enumerate(p["streams"]):
