@@ -16,11 +16,13 @@ The per-segment scan in `producer.py` is the reference this is tested bit-exact 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 
-from vllm_delta.diff import changed_positions
+from vllm_delta.diff import _cpu_pool, changed_positions
+from vllm_delta.sender import scan_kernel
 from vllm_delta.sender.segments import Segments
 from vllm_delta.sender.shards import Shard
 from vllm_delta.wire.additive import _CPU_SLICE, _LANES, _keys, _mix_, partial_sum
@@ -182,16 +184,15 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     `digests` is `[n, 2]`: each member's additive digest of `snap`. Runs where `snap` lives; with a
     host snapshot of device weights the live span comes to the host chunk by chunk."""
     n = len(layout.names)
-    pos, old, new = _diff(layout.base, snap)
-    tables = tuple(t.to(pos.device) for t in layout.tables)
-    seg, hf, keep, run = _map(layout, tables, pos)
-    # drop changes no member covers (one check first: gathering six arrays costs more; meta can't say)
-    if layout.gaps and (pos.device.type == "meta" or not bool(keep.all())):
-        idx = torch.nonzero(keep).reshape(-1)
-        pos, old, new, seg, hf, run = pos[idx], old[idx], new[idx], seg[idx], hf[idx], run[idx]
-    pre, post = segment_sums(seg, n, hf, old), segment_sums(seg, n, hf, new)
+    tables = tuple(t.to(snap.device) for t in layout.tables)
+    if scan_kernel.applies(layout.base, snap):  # CPU: one fused pass (numba), tested equal to the torch path
+        workers = torch.get_num_threads() if os.cpu_count() != 1 else 1
+        pos, old, new, hf, run, pre, post = scan_kernel.diff_digest(
+            layout.base, snap, tables, n, not layout.in_order, workers, _cpu_pool() if workers > 1 else None)
+    else:
+        pos, old, new, hf, run, pre, post = torch_diff_digest(layout, tables, snap, n)
     digest = digests - pre + post
-    sent, send_seg, send_hf, send_new, send_old, send_run = pos, seg, hf, new, old, run
+    sent, send_hf, send_new, send_old, send_run = pos, hf, new, old, run
     if kind == "catchup" and pending is not None:
         sent = union(pending, pos)
         send_seg, send_hf, _, send_run = _map(layout, tables, sent)
@@ -201,9 +202,22 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
         order = torch.argsort(tables[4][send_run], stable=True)
         send_hf, send_new = send_hf[order], send_new[order]
         send_old = send_old[order] if send_old is not None else None
-    counts = torch.cat([_count(tables, seg, n, pos), _count(tables, send_seg, n, sent)])
+    counts = torch.cat([_count(tables, n, pos), _count(tables, n, sent)])
     summary = torch.cat([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts.reshape(-1)])
     return BucketScan(pos, new, send_hf, send_new, send_old, summary)
+
+
+def torch_diff_digest(layout: Layout, tables: tuple[torch.Tensor, ...], snap: torch.Tensor, n: int
+                      ) -> tuple[torch.Tensor, ...]:
+    """(offsets, old, new, HF positions, runs, pre [n, 2], post [n, 2]) of the changes inside the
+    runs, in torch ops on any device: the reference for `scan_kernel.diff_digest`."""
+    pos, old, new = _diff(layout.base, snap)
+    seg, hf, keep, run = _map(layout, tables, pos)
+    # drop changes no member covers (one check first: gathering six arrays costs more; meta can't say)
+    if layout.gaps and (pos.device.type == "meta" or not bool(keep.all())):
+        idx = torch.nonzero(keep).reshape(-1)
+        pos, old, new, seg, hf, run = pos[idx], old[idx], new[idx], seg[idx], hf[idx], run[idx]
+    return pos, old, new, hf, run, segment_sums(seg, n, hf, old), segment_sums(seg, n, hf, new)
 
 
 def _diff(base: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -247,10 +261,10 @@ def _map(layout: Layout, tables: tuple[torch.Tensor, ...], pos: torch.Tensor
     return locate(tables, pos)
 
 
-def _count(tables: tuple[torch.Tensor, ...], seg: torch.Tensor | None, n: int, pos: torch.Tensor) -> torch.Tensor:
+def _count(tables: tuple[torch.Tensor, ...], n: int, pos: torch.Tensor) -> torch.Tensor:
     """Positions per member. `pos` is sorted and inside the runs, so each run's count is the
     difference of two `searchsorted`s over the (few) run bounds, summed per member."""
-    if seg is None:
+    if tables[0].numel() == 1:  # one run: a plain tensor or a whole param
         return pos.new_full((1,), pos.numel())
     start, end, _, run_seg, _ = tables
     per_run = torch.searchsorted(pos, end) - torch.searchsorted(pos, start)
