@@ -4,7 +4,9 @@ cache, vLLM's routes and `/metrics`.
 
 from __future__ import annotations
 
+import json
 import shutil
+import threading
 from pathlib import Path
 
 import requests
@@ -75,3 +77,50 @@ def stage_names(names: list[str], rank: int) -> set[str]:
     """A two-stage pipeline split of the tiny Llama: stage 1 holds layer 1, the final norm and lm_head."""
     last = {n for n in names if ".layers.1." in n or n.startswith(("model.norm.", "lm_head."))}
     return last if rank == 1 else set(names) - last
+
+
+def stream_tokens(url: str, max_tokens: int) -> int:
+    """One greedy streamed completion of `max_tokens` (EOS ignored); how many token ids arrived."""
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    received = 0
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=300) as resp:
+        for line in resp.iter_lines():
+            if line.startswith(b"data: {"):
+                received += sum(len(c.get("token_ids") or []) for c in json.loads(line[6:])["choices"])
+    return received
+
+
+class Streams:
+    """Streamed completions back to back on a thread until stopped, so generation is going on whenever
+    an update is sent; `counts` gets each finished stream's token count."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        self.url, self.max_tokens = url, max_tokens
+        self.counts: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.counts.append(stream_tokens(self.url, self.max_tokens))
+
+    def __enter__(self) -> "Streams":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(300)
+
+
+def native_update(url: str, update_info: dict, weight_version: str) -> tuple[requests.Response, dict | None]:
+    """vLLM's session over its HTTP routes: start, update and (if accepted) finish; the update's
+    response and the finish's `delta` report (None if refused)."""
+    assert requests.post(f"{url}/start_weight_update", timeout=60).status_code == 200
+    r = requests.post(f"{url}/update_weights", json={"update_info": update_info}, timeout=300)
+    if r.status_code != 200:
+        return r, None
+    f = requests.post(f"{url}/finish_weight_update", json={"weight_version": weight_version}, timeout=300)
+    assert f.status_code == 200, f.text
+    return r, f.json()["delta"]

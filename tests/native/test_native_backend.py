@@ -7,8 +7,10 @@ test stands alone (the one-door refusal is a parse-time case in tests/engine/tes
    environment only (no patch-only flag), the hub id resolved from a local HF cache offline. A plain
    PyTorch trainer syncs it for 3 steps through vLLM's `WeightTransferTrainerFactory`,
    `HTTPVLLMWeightSyncClient` and `ModuleSource`; `/metrics` and `weight_version` move each step.
-   Then bad input through vLLM's routes: the route's status, type and field, weights and greedy
-   output untouched.
+   Then, while streams generate, a corrupt delta is refused and the next good ones apply, each
+   prepared off the engine loop: tokens are generated during a prepare.
+   Then bad input through vLLM's routes (its own test): the route's status, type and field, weights
+   and greedy output untouched.
    Then 2 more steps over gloo, the engine joining the trainer's group through vLLM's init route,
    and one from a two-stage pipeline (two gloo trainer ranks, each sending the layers it holds).
 2. The offline `LLM` with the same backend, fed the same trainer states (over disk).
@@ -35,8 +37,8 @@ from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 from harness import megatron_cpu
 from harness.vllm_engine import VllmServer, patched_environ, start_llm
 from harness.trainer import Trainer
-from native_helpers import (HUB_ID, checksums, hub_cache, merged_checksums, metric_samples, sample,
-                            save_trained, stage_names, ulp_step)
+from native_helpers import (HUB_ID, Streams, checksums, hub_cache, merged_checksums, metric_samples, native_update,
+                            sample, save_trained, stage_names, ulp_step)
 from vllm_delta.diff import diff_param
 from vllm_delta.native import ROOT_ENV
 from vllm_delta.wire import DeltaWriter, tensor_digest
@@ -45,6 +47,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 NATIVE = ["--weight-transfer-config", json.dumps({"backend": "delta"})]
 SERIES = ("decode_seconds", "apply_seconds", "pause_seconds", "bytes_read", "changed_elements")
 PARAM = "model.layers.0.mlp.down_proj.weight"
+STREAM_TOKENS = 240
+UPDATES = 10
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +98,7 @@ def test_trainer_syncs_through_vllm_api_and_equals_a_fresh_engine(served, traine
     run["states"].clear()
     run["states"].append(trainer.state())
     sync_over_disk(served, trainer, root, run)
+    prepare_while_serving(served, trainer, root, run)
     sync_over_gloo(served, trainer, run)
     sync_from_pipeline_stages(served, root, run, tmp_path)
     replay_offline(trainer, model_dir, root, run)
@@ -134,6 +139,56 @@ def sync_over_disk(served, trainer, root: Path, run: dict) -> None:
     run["digests"]["serve"] = checksums(served.url)
     assert run["digests"]["serve"] != before
     assert not list(root.glob("v*")), "delivered version directories are removed"
+
+
+def prepare_while_serving(served, trainer, root: Path, run: dict) -> None:
+    """The native door prepares off the engine loop. While greedy streams run back to back: a corrupt
+    delta is refused (400, naming its file) with the weights untouched and vLLM's session ended, then
+    up to `UPDATES` deltas moving 50% of every tensor apply through vLLM's routes, and vLLM's
+    `generation_tokens` counter moves during at least one prepare (a prepare on the engine loop sees
+    0 in all: one takes tens of ms here, which a loaded machine may fill without a token)."""
+    version = len(run["states"]) - 1
+    chain, weights = [], run["states"][-1]
+    for step in range(1, UPDATES + 1):  # written up front: the updates follow each other closely
+        new, gen = {n: t.clone() for n, t in weights.items()}, torch.Generator().manual_seed(step)
+        for t in new.values():
+            bits = t.view(-1).view(torch.int16)
+            bits[torch.rand(bits.shape, generator=gen) < 0.5] += 1
+        chain.append((write_delta(root, f"serving{step}", new, weights, version + step, version + step - 1), new))
+        weights = new
+    corrupt = root / "serving-corrupt"
+    shutil.copytree(chain[0][0], corrupt)
+    flush = next(corrupt.glob("*.safetensors"))
+    data = bytearray(flush.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flush.write_bytes(bytes(data))
+    digests, seen = checksums(served.url), []
+    with Streams(served.url, STREAM_TOKENS) as streams:
+        r, _ = native_update(served.url, {"path": corrupt.name, "version": version + 1, "base_version": version},
+                             str(version + 1))
+        assert r.status_code == 400 and r.json()["error"]["type"] == "IntegrityError", r.text
+        assert r.json()["error"]["file"] == flush.name, r.text
+        assert checksums(served.url) == digests, "a refused update changed the weights"
+        for step, (path, new) in enumerate(chain, 1):
+            r, done = native_update(served.url, {"path": path.name, "version": version + step,
+                                                 "base_version": version + step - 1}, str(version + step))
+            assert r.status_code == 200 and done is not None, r.text
+            run["states"].append(new)
+            assert r.json()["tokens_during_prepare"] == done["tokens_during_prepare"], (r.json(), done)
+            seen.append(done["tokens_during_prepare"])
+            print(f"native prepare_s={done['prepare_s']:.3f} pause_s={done['pause_s']:.3f} "
+                  f"tokens_during_prepare={seen[-1]} changed={done['changed']}")
+            if seen[-1] > 0:
+                break
+    assert max(seen) > 0, seen  # vLLM's generation_tokens counter moved during a native prepare
+    assert streams.counts and all(c == STREAM_TOKENS for c in streams.counts), streams.counts
+    st = status(served.url)
+    assert st["version"] == len(run["states"]) - 1 and st["healthy"], st
+    assert requests.get(f"{served.url}/is_paused", timeout=30).json()["is_paused"] is False
+    trainer.model.load_state_dict(run["states"][-1])  # the next phase's trainer starts from what is served
+    for path, _ in chain:
+        shutil.rmtree(path)
+    shutil.rmtree(corrupt)
 
 
 def write_delta(root: Path, label: str, tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor],

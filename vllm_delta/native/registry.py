@@ -9,6 +9,7 @@ path, so nothing of ours is imported until the backend is used.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from vllm_delta.native import BACKEND
 
@@ -23,6 +24,32 @@ def register_backends() -> None:
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, "vllm_delta.native.trainer",
                                                      "DeltaTrainerWeightTransferEngine")
+
+
+# The one method the `delta` backend adds to vLLM's worker class, for the front end's `collective_rpc`.
+WORKER_RPC = "delta_native"
+
+
+def install_worker_rpc() -> None:
+    """Give vLLM's worker class `delta_native(name, *args)`, which calls our engine's `native_<name>`.
+
+    Why: `collective_rpc` resolves a method name on the worker, not on its weight-transfer engine,
+    and vLLM's weight methods cannot poll (`Worker.update_weights` drops the return value and ends
+    the session on any exception). Called by `DeltaWeightTransferEngine.__init__`, so only processes
+    whose engine uses `delta` get it; idempotent; nothing of vLLM's is replaced.
+    """
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if not hasattr(WorkerBase, WORKER_RPC):
+        setattr(WorkerBase, WORKER_RPC, _delta_native)
+
+
+def _delta_native(worker: Any, name: str, *args: Any) -> Any:
+    engine = getattr(worker, "weight_transfer_engine", None)
+    method = getattr(engine, f"native_{name}", None)
+    if method is None:
+        raise RuntimeError(f"{WORKER_RPC}: this worker's weight-transfer engine is not `delta` ({engine!r})")
+    return method(*args)
 
 
 def backend_configured() -> bool:

@@ -9,15 +9,25 @@ non-empty delta, move the `vllm_delta:` series, and keep the version for `/delta
 beside vLLM's `weight_version`. They exist only when `--weight-transfer-config` selects `delta`,
 in dev mode (where vLLM mounts its routes), and when our endpoint plugin is allowlisted.
 
+`/update_weights` prepares off the engine loop, as the route does: every worker prepares on a
+background thread (`native_prepare_start`), this front end polls them with cheap RPCs and sleeps
+between polls, so the engine keeps generating; then vLLM's own `update_weights` names the finished
+prepare (worker_engine.STAGED_KEY) and only makes the ranks agree. That call always follows, so
+vLLM's session ends on a refusal as it would for a synchronous prepare. It reports `prepare_s` and
+`tokens_during_prepare` (vLLM's `vllm:generation_tokens` counter across the prepare). One update or
+commit runs at a time, so no commit writes weights a background prepare is reading.
+
 vLLM's weight methods return nothing, so the decode and apply times are measured here around the
-two RPCs (the slowest rank plus the RPC's own cost), and changed elements and bytes come from the
+RPCs (the slowest rank plus the RPC's own cost), and changed elements and bytes come from the
 manifest the workers just verified; health is what this front end saw fail.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import uuid
 from argparse import Namespace
 from time import perf_counter
 from typing import Any
@@ -29,8 +39,9 @@ from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.metrics import delta_metrics
 from vllm_delta.engine.request import DeltaUpdateRequest
-from vllm_delta.native import BACKEND
+from vllm_delta.native import BACKEND, STAGED_KEY
 from vllm_delta.native.errors import delta_root, parse_error, version_dir
+from vllm_delta.native.registry import WORKER_RPC
 
 logger = logging.getLogger("vllm.delta_updates")
 router = APIRouter()
@@ -71,21 +82,66 @@ class NativeUpdater:
         self.prepared: dict[str, Any] | None = None
         self.dirty: str | None = None
         self.last: dict[str, Any] | None = None
+        self._lock = asyncio.Lock()
 
-    async def update(self, update_info: dict[str, Any]) -> None:
-        """Phase 1 on every worker (nothing written); a refusal is the route's status and body."""
+    async def update(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """Phase 1 on every worker (nothing written); a refusal is the route's status and body.
+
+        Shielded: a client that goes away mid-prepare does not leave vLLM's session open.
+        """
+        return await asyncio.shield(self._update(update_info))
+
+    async def _update(self, update_info: dict[str, Any]) -> dict[str, Any]:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
         from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
 
-        self.prepared = None
-        started = perf_counter()
-        with weight_operation_metrics().record("update"):
-            await _engine_call(self.engine.update_weights(request=WeightTransferUpdateRequest(update_info=update_info)))
-        body = DeltaUpdateRequest.model_validate(update_info)  # the workers accepted it
-        changed, nbytes, lineage = _size(body)
-        self.prepared = {"version": body.version, "changed": changed, "bytes_read": nbytes,
-                         "run_id": lineage.run_id if lineage else None,
-                         "decode_s": perf_counter() - started}
+        from vllm_delta.engine.routes import generation_tokens
+
+        async with self._lock:
+            self.prepared = None
+            request_id = uuid.uuid4().hex
+            started = perf_counter()
+            with weight_operation_metrics().record("update"):
+                tokens_before = generation_tokens()
+                try:
+                    await self._prepare(request_id, update_info)
+                    refused = None
+                except UpdateError as err:  # an RPC itself failed: still end vLLM's session below
+                    refused = err
+                prepare_s, tokens_after = perf_counter() - started, generation_tokens()
+                agreed = self.engine.update_weights(request=WeightTransferUpdateRequest(
+                    update_info={**update_info, STAGED_KEY: request_id}))
+                try:
+                    await _engine_call(agreed)
+                except UpdateError:
+                    if refused is None:
+                        raise
+                if refused is not None:
+                    raise refused
+            body = DeltaUpdateRequest.model_validate(update_info)  # the workers accepted it
+            changed, nbytes, lineage = _size(body)
+            tokens = None if tokens_before is None or tokens_after is None else tokens_after - tokens_before
+            self.prepared = {"version": body.version, "changed": changed, "bytes_read": nbytes,
+                             "run_id": lineage.run_id if lineage else None,
+                             "decode_s": perf_counter() - started, "prepare_s": prepare_s,
+                             "tokens_during_prepare": tokens}
+            return {k: self.prepared[k] for k in ("prepare_s", "tokens_during_prepare")}
+
+    async def _prepare(self, request_id: str, update_info: dict[str, Any]) -> None:
+        """Start every worker's background prepare and poll until each has ended (well or not)."""
+        from vllm_delta.engine.routes import PREPARE_POLL_S
+
+        replies = await self._rpc("prepare_start", request_id, update_info)
+        while not all(r["done"] for r in replies):
+            await asyncio.sleep(PREPARE_POLL_S)  # hands the engine core back to the scheduler
+            replies = await self._rpc("prepare_poll", request_id)
+
+    async def _rpc(self, name: str, *args: Any) -> list[dict[str, Any]]:
+        try:
+            return await self.engine.collective_rpc(WORKER_RPC, args=(name, *args))
+        except Exception as exc:
+            logger.exception("delta backend: %s failed on a worker", name)
+            raise UpdateError(500, "EngineError", f"{name} failed on a worker: {exc}") from exc
 
     async def finish(self, weight_version: str | None) -> dict[str, Any] | None:
         """Phase 2: commit, holding generation around it when the delta changes anything.
@@ -93,6 +149,10 @@ class NativeUpdater:
         As on the route, a commit that fails part-way leaves generation paused (partly written
         weights are never served) until a later commit succeeds, which only an anchor can then.
         """
+        async with self._lock:
+            return await self._finish(weight_version)
+
+    async def _finish(self, weight_version: str | None) -> dict[str, Any] | None:
         from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
 
         prepared, self.prepared = self.prepared, None
@@ -171,10 +231,10 @@ def _refused(err: UpdateError, what: str) -> JSONResponse:
 async def update_weights(request: Request) -> JSONResponse:
     try:
         body = await _body(request, UpdateBody)
-        await request.app.state.delta_native.update(body.update_info)
+        prepared = await request.app.state.delta_native.update(body.update_info)
     except UpdateError as err:
         return _refused(err, "update")
-    return JSONResponse({"message": "Weights updated"})
+    return JSONResponse({"message": "Weights updated", **prepared})
 
 
 @router.post("/finish_weight_update")

@@ -5,6 +5,15 @@ every rank, no weight touched), and `finish_weight_update` commits (scatters), s
 before anything changes and the scatter is the only work done while generation is held. The
 methods are `DeltaWorkerExtension`'s own (`delta_prepare`, `delta_commit`, ...): the same code
 serves `POST /update_weights_delta`. Ranks agree before any commits: one refusal aborts all.
+
+Why prepare off the engine loop: vLLM runs `update_weights` inside the engine core's busy loop, so
+a prepare there stops generation for the whole read and decode. Our front end (native/routes)
+starts it on a background thread instead (`native_prepare_start`, reached through the one RPC
+method `registry.install_worker_rpc` gives vLLM's worker), polls `native_prepare_poll` between
+engine steps, then calls vLLM's `update_weights` with `STAGED_KEY` naming the finished prepare, so
+that call only makes the ranks agree. Every outcome, a refusal too, is raised by that call, as vLLM
+ends the update session on an exception there. Without `STAGED_KEY` (the offline `LLM`, whose
+caller cannot generate meanwhile) `update_weights` prepares in place, as before.
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ from vllm_delta.engine.request import CollectiveInitRequest, DeltaUpdateRequest
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.worker import DeltaState, DeltaWorkerExtension
 from vllm_delta.wire import DeltaError
+from vllm_delta.native import STAGED_KEY
 from vllm_delta.native.errors import DeltaTransferError, delta_root, version_dir
+from vllm_delta.native.registry import install_worker_rpc
 
 
 class DeltaInitInfo(BaseModel):
@@ -53,6 +64,9 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
         self._delta_group = None
         self._staged_id: str | None = None
         self._peers_set = False
+        # The background prepare the front end started: (request id, update_info, its reply once done).
+        self._native: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
+        install_worker_rpc()
 
     # ---- what DeltaWorkerExtension reads from a worker ------------------------------------------
     def _delta_model(self) -> torch.nn.Module:
@@ -85,21 +99,83 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
 
     def start_weight_update(self) -> None:
         self._abort_staged()  # an earlier session that never finished
+        self._drop_native()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class would also synchronize an accelerator; prepare leaves nothing in flight.
-        self.receive_weights(self.parse_update_info(update_info))
+        if isinstance(update_info, dict) and STAGED_KEY in update_info:
+            self._agree(update_info[STAGED_KEY], self._native_result(update_info))
+        else:
+            self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: DeltaUpdateRequest) -> None:
-        """Prepare on every rank, then check the ranks' partial digests together, as the route does;
-        if anything is refused, every rank drops the update and raises the same error."""
+        """Prepare here, on the engine loop (the offline `LLM`), then agree across ranks."""
         self._abort_staged()
+        self._drop_native()
         self._ensure_peers()
         request_id = uuid.uuid4().hex
         try:
             result = self.delta_prepare(self._request(request_id, update_info))
         except UpdateError as err:
             result = {"ok": False, "status": err.status, "error": err.error}
+        self._agree(request_id, result)
+
+    # ---- the front end's background prepare (RPCs through registry.install_worker_rpc) ----------
+    def native_prepare_start(self, request_id: str, update_info: dict[str, Any]) -> dict[str, Any]:
+        """Validate and start `delta_prepare` on a background thread; returns at once (never raises).
+
+        The one-time cross-rank coverage exchange runs here, on the worker's main thread: the
+        background thread must never use the groups the forward pass uses.
+        """
+        self._abort_staged()
+        self._drop_native()
+        self._native = (request_id, update_info, None)
+        try:
+            body = self.parse_update_info(update_info)
+            self._ensure_peers()
+            started = self.delta_prepare_start(self._request(request_id, body))
+        except UpdateError as err:
+            started = {"ok": False, "status": err.status, "error": err.error}
+        if not started.get("ok"):
+            self._native = (request_id, update_info, started)
+        return _brief(started, done=not started.get("ok"))
+
+    def native_prepare_poll(self, request_id: str) -> dict[str, Any]:
+        """`done` once this rank's prepare ended (the reply stays here for `update_weights`); cheap."""
+        if self._native is None or self._native[0] != request_id:
+            return _brief({"ok": False, "status": 409, "error": {
+                "type": "KeyError", "message": f"no background prepare {request_id!r} on this rank",
+                "file": None, "param": None}}, done=True)
+        _, update_info, reply = self._native
+        if reply is None:
+            reply = self.delta_prepare_poll(request_id)
+            if not reply.get("done", True) and reply.get("ok"):
+                return _brief(reply, done=False)
+            self._native = (request_id, update_info, reply)
+        return _brief(reply, done=True)
+
+    def _native_result(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """The finished prepare `update_info[STAGED_KEY]` names, taken; or why there is none."""
+        request_id = update_info[STAGED_KEY]
+        native, self._native = self._native, None
+        asked = {k: v for k, v in update_info.items() if k != STAGED_KEY}
+        if native is not None and native[0] == request_id and native[2] is not None and native[1] == asked:
+            return native[2]
+        self._native = native
+        self._drop_native()  # a prepare still running, or another one: joined and dropped
+        return {"ok": False, "status": 409, "error": {
+            "type": "KeyError", "message": f"no finished background prepare {request_id!r} for this update_info "
+            "on this rank", "file": None, "param": None}}
+
+    def _drop_native(self) -> None:
+        """Join a background prepare nobody will use and drop what it staged."""
+        native, self._native = self._native, None
+        if native is not None and self._delta_state is not None:
+            self.delta_abort(native[0])
+
+    def _agree(self, request_id: str, result: dict[str, Any]) -> None:
+        """Check the ranks' prepare results and partial digests together, as the route does; if
+        anything is refused, every rank drops the update and raises the same error."""
         results = _all_ranks(result)
         failed = next((r for r in results if not r.get("ok")), None)
         if failed is None:
@@ -109,7 +185,8 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
                 failed = {"ok": False, "status": exc.http_status,
                           "error": {"type": type(exc).__name__, "message": exc.reason, "param": exc.param}}
         if failed is not None:
-            self.delta_abort(request_id)
+            if self._delta_state is not None:  # None: refused before this rank held any state
+                self.delta_abort(request_id)
             _raise_failed(failed)
         self._staged_id = request_id
 
@@ -122,6 +199,7 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
 
     def shutdown(self) -> None:
         self._abort_staged()
+        self._drop_native()
         self._delta_group = None
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -154,6 +232,12 @@ def _validated(model: type[BaseModel], data: Any) -> Any:
     except ValidationError as exc:
         err = bad_request(exc)
         raise DeltaTransferError(err.status, err.error["type"], err.error["message"]) from None
+
+
+def _brief(reply: dict[str, Any], done: bool) -> dict[str, Any]:
+    """What the front end needs of a rank's prepare reply (its digests stay on the worker)."""
+    keys = ("ok", "status", "error", "rank", "prepare_s", "decode_s")
+    return {**{k: reply[k] for k in keys if k in reply}, "done": done}
 
 
 def _raise_failed(result: dict[str, Any]) -> None:
