@@ -9,12 +9,16 @@ never through a symlink, so what was checked is what is read.
 from __future__ import annotations
 
 import errno
+import gc
 import io
 import json
 import os
 import stat
 import struct
+import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +30,36 @@ from .dtypes import DType, by_st_code
 from .errors import FormatError, IncompleteDeltaError, IntegrityError, LimitError
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_local = threading.local()
+
+
+def decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompression context, made once and reused for every frame.
+
+    Why: making a context costs about 15 us, and a flush of a production tensor count holds
+    hundreds of thousands of tiny frames; a context is not thread-safe, hence one per thread.
+    """
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside: for parsing a flush's or a manifest's metadata.
+
+    Why: that JSON holds a few small lists per tensor; at 44k tensors their allocation starts
+    hundreds of collections, each walking every object the process holds (a 6k-tensor flush's
+    metadata parsed in 20 ms with collection paused, 150 ms without). They form no cycles.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -226,7 +260,7 @@ def frame_size(data: bytes | memoryview, *, file: str | None = None, what: str =
                param: str | None = None) -> int:
     """The decoded size a zstd frame declares in its header, or -1 when it does not say."""
     try:
-        declared = zstandard.get_frame_parameters(bytes(data[:18])).content_size
+        declared = zstandard.get_frame_parameters(data[:18]).content_size
     except zstandard.ZstdError as e:
         raise FormatError(f"{what}: not a zstd frame: {e}", file=file, param=param) from None
     return -1 if declared == zstandard.CONTENTSIZE_UNKNOWN else declared
@@ -246,12 +280,12 @@ def decompress(data: bytes | memoryview, cap: int, *, exact: int | None = None,
         raise FormatError(f"{what}: zstd frame declares {declared} B, expected {exact} B", file=file, param=param)
     if declared >= 0:
         try:
-            return zstandard.ZstdDecompressor().decompress(data, max_output_size=declared, allow_extra_data=False)
+            return decompressor().decompress(data, max_output_size=declared, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise FormatError(f"{what}: corrupt zstd data: {e}", file=file, param=param) from None
     out = bytearray()
     try:
-        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
+        with decompressor().stream_reader(io.BytesIO(data)) as reader:
             while chunk := reader.read(min(1 << 22, cap + 1 - len(out))):
                 out += chunk
                 if len(out) > cap:

@@ -13,15 +13,16 @@ decode only the blocks whose positions it owns.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from . import blocks, codecs, container
+from . import batch, blocks, codecs, container
 from .blocks import BlockIndex, Ranges
 from .container import Limits
 from .digest import bytes_digest
@@ -250,6 +251,11 @@ class _BlockedParamMeta(_ParamHead):
     blocks: list  # checked by blocks.parse_index (pydantic per element is slow on big indexes)
 
 
+# One validation call per flush, not one per param.
+_V1_LIST = TypeAdapter(list[_ParamMeta])
+_BLOCKED_LIST = TypeAdapter(list[_BlockedParamMeta])
+
+
 @dataclass(frozen=True)
 class FlushHeader:
     encoding: str
@@ -321,10 +327,15 @@ def iter_flush(tensors, meta: Mapping[str, str], budget: int, *, file: str, expe
     header = FlushHeader(enc.name, meta_int(meta, "current_version", file=file),
                          meta_int(meta, "base_version", file=file, optional=True))
     blocked = meta.get("format") == FORMAT_BLOCKS
+    with container.paused_gc():
+        return _iter_flush(enc, header, blocked, tensors, meta, budget, file=file, expected=expected, owned=owned)
+
+
+def _iter_flush(enc: Encoding, header: FlushHeader, blocked: bool, tensors, meta: Mapping[str, str], budget: int, *,
+                file: str, expected: Expected | None, owned: Owned | None) -> tuple[FlushHeader, Iterator[ParamDelta]]:
     try:
         smeta = {k: _StreamMeta.model_validate(v) for k, v in meta_json(meta, "streams", file=file).items()}
-        model = _BlockedParamMeta if blocked else _ParamMeta
-        pmeta = [model.model_validate(p) for p in meta_json(meta, "params", file=file)]
+        pmeta = (_BLOCKED_LIST if blocked else _V1_LIST).validate_python(meta_json(meta, "params", file=file))
     except (ValidationError, AttributeError, TypeError) as e:
         raise FormatError(f"bad flush metadata: {e}", file=file) from None
     if sum(s.size for s in smeta.values() if s.codec == "zstd") > budget:
@@ -344,7 +355,7 @@ def _param_shape(p, expected: Expected | None, *, file: str):
     d = by_name(p.dtype, file=file, param=p.name)
     shape = tuple(p.shape)
     check_expected(p.name, shape, d.torch, expected, file=file)
-    numel = int(np.prod(shape, dtype=object))
+    numel = math.prod(shape)
     codecs.check_numel(numel, param=p.name)
     if p.count > numel:
         raise FormatError(f"{p.count} changes in {numel} elements", file=file, param=p.name)
@@ -379,7 +390,33 @@ def _iter_v1(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected
 
 def _iter_blocked(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected | None,
                   owned: Owned | None) -> Iterator[ParamDelta]:
-    """Validate every param's block index against the streams, then decode lazily (see iter_flush)."""
+    """Validate every param's block index against the streams, then decode lazily (see iter_flush).
+
+    The batched path (wire/batch.py) first; whatever it does not take goes to the per-param path,
+    from the param it stopped at, which raises the precise error if there is one.
+    """
+    try:
+        index = batch.parse(enc, smeta, data, pmeta, file=file,
+                            param_shape=lambda p: _param_shape(p, expected, file=file))
+    except batch.Fallback:
+        return _decode_blocked(enc, smeta, data, _plan_blocked(smeta, data, pmeta, file=file, expected=expected),
+                               file=file, owned=owned)
+
+    def make(i: int, pos: torch.Tensor, values: torch.Tensor, skipped: int, bounds, nblocks) -> ParamDelta:
+        d = index.dtypes[i]
+        values = values if enc.needs_base else values.view(d.torch)  # steps stay signed integers
+        return ParamDelta(index.names[i], index.shapes[i], d.torch, pos, values, enc.needs_base, skipped=skipped,
+                          bounds=bounds, blocks=nblocks)
+
+    def fallback(i: int) -> Iterator[ParamDelta]:
+        plans = _plan_blocked(smeta, data, pmeta, file=file, expected=expected)
+        return _decode_blocked(enc, smeta, data, plans[i:], file=file, owned=owned)
+
+    return batch.decode(enc, index, data, owned, make, fallback)
+
+
+def _plan_blocked(smeta, data, pmeta, *, file: str, expected: Expected | None) -> list:
+    """The per-param path's checks of every param's head and block index, and its decode plans."""
     cursor = {s: 0 for s in smeta}  # each stream holds the params' blocks back to back
     decoded = {s: 0 for s in smeta}
     plans = []
@@ -402,7 +439,7 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Exp
         if cursor[s] != len(data[s]) or decoded[s] != m.size:
             raise FormatError(f"stream {s!r}: blocks span {cursor[s]} of {len(data[s])} B, decode to "
                               f"{decoded[s]} of the declared {m.size} B", file=file)
-    return _decode_blocked(enc, smeta, data, plans, file=file, owned=owned)
+    return plans
 
 
 def _decode_blocked(enc: Encoding, smeta, data, plans, *, file: str, owned: Owned | None) -> Iterator[ParamDelta]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .container import DeltaDir, Limits, SparseFile
+from .container import DeltaDir, Limits, SparseFile, paused_gc
 from .digest import bytes_digest
 from .dtypes import by_name
 from .encodings import Encoding, get_encoding
@@ -61,9 +61,11 @@ class DeltaDecoder:
                                f"{manifest.base_version}, not {current_version}")
         self._files = {f.name: f for f in manifest.files}
         self._params = {p.name: p for p in manifest.params}
+        self._heads: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # what _admit compares, made once
         for p in manifest.params:
             d = by_name(p.dtype, param=p.name)
             check_expected(p.name, tuple(p.shape), d.torch, expected, file=MANIFEST_NAME)
+            self._heads[p.name] = (tuple(p.shape), d.torch)
         # A param written by several writers has parts: each in position order on its own; their
         # positions are kept until finish() checks that no two parts overlap.
         self._part = {(p.name, f): i for p in manifest.params for i, part in enumerate(p.parts or [p.files])
@@ -119,7 +121,7 @@ class DeltaDecoder:
         p = self._params.get(pd.name)
         if p is None or file not in p.files:
             raise FormatError("param is not listed for this file in the manifest", file=file, param=pd.name)
-        if (tuple(p.shape), by_name(p.dtype).torch) != (pd.shape, pd.dtype):
+        if self._heads[pd.name] != (pd.shape, pd.dtype):
             raise FormatError("shape or dtype differs from the manifest", file=file, param=pd.name)
         part = (pd.name, self._part[(pd.name, file)])
         if part in self._last and pd.first <= self._last[part]:
@@ -178,7 +180,9 @@ def open_delta(path: str | os.PathLike | DeltaDir, *, files: Sequence[str] | Non
     """
     d = path if isinstance(path, DeltaDir) else DeltaDir.open(path)
     if d.has(MANIFEST_NAME):
-        m = parse_manifest(d.read(MANIFEST_NAME, cap=limits.max_manifest_bytes))
+        text = d.read(MANIFEST_NAME, cap=limits.max_manifest_bytes)
+        with paused_gc():  # a few objects per tensor (container.paused_gc says why)
+            m = parse_manifest(text)
         get_encoding(m.encoding)
         for f in m.files:
             if not d.has(f.name):
