@@ -347,7 +347,7 @@ def _iter_flush(enc: Encoding, header: FlushHeader, blocked: bool, tensors, meta
             raise FormatError(f"stream {name!r} missing or not a 1-D uint8 tensor", file=file)
         data[name] = t.data
     if blocked:
-        return header, _iter_blocked(enc, smeta, data, pmeta, file=file, expected=expected, owned=owned)
+        return header, _iter_blocked(enc, smeta, data, pmeta, meta, file=file, expected=expected, owned=owned)
     return header, _iter_v1(enc, smeta, data, pmeta, file=file, expected=expected)
 
 
@@ -388,12 +388,14 @@ def _iter_v1(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected
         yield _delta(enc, p.name, shape, d, pos, payload)
 
 
-def _iter_blocked(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected | None,
-                  owned: Owned | None) -> Iterator[ParamDelta]:
+def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *, file: str,
+                  expected: Expected | None, owned: Owned | None) -> Iterator[ParamDelta]:
     """Validate every param's block index against the streams, then decode lazily (see iter_flush).
 
     The batched path (wire/batch.py) first; whatever it does not take goes to the per-param path,
-    from the param it stopped at, which raises the precise error if there is one.
+    from the param it stopped at, which raises the precise error if there is one. Once the batched
+    path has its arrays, the parsed metadata (a few objects per param) is dropped, so it never
+    lives long enough to make the garbage collector walk the whole heap; a fallback parses it again.
     """
     try:
         index = batch.parse(enc, smeta, data, pmeta, file=file,
@@ -408,8 +410,12 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Exp
         return ParamDelta(index.names[i], index.shapes[i], d.torch, pos, values, enc.needs_base, skipped=skipped,
                           bounds=bounds, blocks=nblocks)
 
+    del pmeta
+
     def fallback(i: int) -> Iterator[ParamDelta]:
-        plans = _plan_blocked(smeta, data, pmeta, file=file, expected=expected)
+        with container.paused_gc():
+            pmeta = _BLOCKED_LIST.validate_python(meta_json(meta, "params", file=file))
+            plans = _plan_blocked(smeta, data, pmeta, file=file, expected=expected)
         return _decode_blocked(enc, smeta, data, plans[i:], file=file, owned=owned)
 
     return batch.decode(enc, index, data, owned, make, fallback)
