@@ -25,6 +25,7 @@ manifest the workers just verified; health is what this front end saw fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -174,6 +175,7 @@ class NativeUpdater:
                 logger.error("delta backend: commit failed; generation stays paused: %s", self.dirty)
             elif pause and self.dirty is None:
                 await self.engine.resume_generation()
+            await self._close_session()
             raise
         if pause:
             self.dirty = None
@@ -183,6 +185,16 @@ class NativeUpdater:
         self.version, self.run_id = prepared["version"], prepared.pop("run_id")
         self.last = {**prepared, "apply_s": apply_s, "pause_s": perf_counter() - started if pause else 0.0}
         return self.last
+
+    async def _close_session(self) -> None:
+        """Close vLLM's update session after a failed commit, so the repairing anchor can start one.
+
+        vLLM 0.32 quirk: `Worker.finish_weight_update` leaves `_weight_update_active` set when the
+        engine's finish raises, and `start_weight_update` then refuses. A second finish closes it on
+        the failed ranks (ours commits nothing now); ranks whose finish succeeded refuse it, as expected.
+        """
+        with contextlib.suppress(Exception):
+            await self.engine.collective_rpc("finish_weight_update")
 
     async def status(self) -> dict[str, Any]:
         return {"version": self.version, "run_id": self.run_id,
