@@ -108,8 +108,35 @@ def memcpy_s(weights: dict[str, torch.Tensor], threads: int) -> float:
     return min(times)
 
 
-def p3(weights: dict[str, torch.Tensor]) -> dict:
-    """Scan + encode vs memcpy at 1 thread and at every core; phases timed one by one."""
+def _ab_medians(fa, fb, repeats: int = REPEATS) -> tuple[float, float]:
+    """Medians of `fa` and `fb` timed alternately (a, b, a, b, ...): both see the same load."""
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, times in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def _kernel(flag: str, fn):
+    """`fn` with the fused CPU scan on ("1") or the torch path forced ("0")."""
+    def run():
+        os.environ["VLLM_DELTA_SCAN_KERNEL"] = flag
+        try:
+            return fn()
+        finally:
+            os.environ.pop("VLLM_DELTA_SCAN_KERNEL", None)
+    return run
+
+
+def _digests(cap) -> list:
+    return [(e.name, e.changed, {k: additive.to_hex(v) for k, v in e.digests.items()}) for e in cap.entries]
+
+
+def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None) -> dict:
+    """Scan + encode vs memcpy at 1 thread and at every core; phases timed one by one. The scan is
+    timed with the fused CPU kernel and with the torch path forced, alternately, in the same run."""
     snapshot = {n: t.clone() for n, t in weights.items()}
     shards = [Shard.whole(n, t) for n, t in weights.items()]
     producer = Producer(snapshot="device")
@@ -120,7 +147,7 @@ def p3(weights: dict[str, torch.Tensor]) -> dict:
     flat = FlatBuffer(weights, snapshot)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     out: dict = {"model_bytes": nbytes, "seed_s": seed_s, "threads": {}}
-    for threads in sorted({1, os.cpu_count() or 1}):
+    for threads in thread_counts or sorted({1, os.cpu_count() or 1}):
         torch.set_num_threads(threads)
         from vllm_delta import diff as diff_mod
 
@@ -135,10 +162,17 @@ def p3(weights: dict[str, torch.Tensor]) -> dict:
              for n, t in weights.items()}))
         digest_s = _median_s(lambda: [(additive.partial_sum(pos[n], new), additive.partial_sum(pos[n], old))
                                       for n, (new, old) in gathered.items()])
-        caps = []
-        scan_s = _median_s(lambda: caps.append(producer.scan(shards, kind="delta", anchor=False)))
-        cap = caps[-1]
-        flat_s, flat_ops = flat.scan_s(), flat.ops()
+        caps = {}
+
+        def scan(flag: str):
+            return _kernel(flag, lambda: caps.__setitem__(flag, producer.scan(shards, kind="delta", anchor=False)))
+
+        scan("1")(), scan("0")()  # warm: the kernel's first call loads its compiled code
+        scan_torch_s, scan_s = _ab_medians(scan("0"), scan("1"))
+        assert _digests(caps["0"]) == _digests(caps["1"]), "the kernel and the torch path disagree"
+        cap = caps["1"]
+        flat_torch_s, flat_s = _ab_medians(_kernel("0", flat.scan), _kernel("1", flat.scan))
+        flat_ops = flat.ops()
         wire = []
 
         def encode() -> None:
@@ -155,10 +189,13 @@ def p3(weights: dict[str, torch.Tensor]) -> dict:
             "memcpy_s": base, "memcpy_gbps": nbytes / base / 1e9, "diff_s": diff_s, "gather_s": gather_s,
             "digest_s": digest_s, "scan_s": scan_s, "encode_s": encode_s, "changed": cap.changed,
             "wire_bytes": wire[-1], "p3_ratio": (scan_s + encode_s) / base, "scan_flat_s": flat_s,
-            "flat_ops_per_sync": flat_ops, "p3_ratio_flat": (flat_s + encode_s) / base}
+            "flat_ops_per_sync": flat_ops, "p3_ratio_flat": (flat_s + encode_s) / base,
+            "scan_torch_s": scan_torch_s, "p3_ratio_torch": (scan_torch_s + encode_s) / base,
+            "scan_flat_torch_s": flat_torch_s, "p3_ratio_flat_torch": (flat_torch_s + encode_s) / base}
         print(f"P3 {threads} thread(s): memcpy {base:.3f}s ({nbytes / base / 1e9:.1f} GB/s) scan {scan_s:.3f}s "
-              f"(diff {diff_s:.3f} gather {gather_s:.3f} digest {digest_s:.3f}) encode {encode_s:.3f}s "
-              f"-> {(scan_s + encode_s) / base:.1f}x; one flat buffer: scan {flat_s:.3f}s ({flat_ops} ops) "
+              f"(torch path {scan_torch_s:.3f}s: diff {diff_s:.3f} gather {gather_s:.3f} digest {digest_s:.3f}) "
+              f"encode {encode_s:.3f}s -> {(scan_s + encode_s) / base:.1f}x (torch {(scan_torch_s + encode_s) / base:.1f}x)"
+              f"; one flat buffer: scan {flat_s:.3f}s (torch {flat_torch_s:.3f}s, {flat_ops} ops) "
               f"-> {(flat_s + encode_s) / base:.1f}x", flush=True)
     for n in weights:  # undo, so P4 starts from the checkpoint
         weights[n].copy_(snapshot[n])
@@ -182,8 +219,8 @@ class FlatBuffer:
         self.producer = Producer(snapshot="device", post_hash=False)
         self.producer.seed(seeds)
 
-    def scan_s(self) -> float:
-        return _median_s(lambda: self.producer.scan(self.shards, kind="delta", anchor=False))
+    def scan(self) -> None:
+        self.producer.scan(self.shards, kind="delta", anchor=False)
 
     def ops(self) -> int:
         """Torch ops of one scan (TorchDispatchMode), whatever the number of params in the buffer."""
@@ -378,17 +415,22 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path, loa
         "(`sender/bucket_scan.py`; each plain tensor is a bucket of one). 'One flat buffer' lays the same "
         "weights out as Megatron's distributed optimizer does (views into one padded contiguous buffer) and "
         "scans them as one bucket; its torch op count per sync is counted with a TorchDispatchMode. "
-        "Encoding is `ulp_zstd`.",
+        "Encoding is `ulp_zstd`. The scan runs twice, alternately in the same run: the fused CPU kernel "
+        "(`sender/scan_kernel.py`, numba) and the torch path (`VLLM_DELTA_SCAN_KERNEL=0`, its tested reference); "
+        "diff, gather and digest time the torch path's three parts on their own.",
         "",
-        "| threads | memcpy | GB/s | diff | gather | digest | scan (all) | encode | scan + encode | × memcpy "
-        "| scan, one flat buffer | × memcpy | ops per sync (flat) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| threads | memcpy | GB/s | torch path: diff | gather | digest | scan | + encode × memcpy "
+        "| CPU kernel: scan | encode | scan + encode | × memcpy | one flat buffer, scan: torch / kernel "
+        "| × memcpy (kernel) | ops per sync (flat, kernel) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for th, r in sorted(res3["threads"].items()):
         lines.append(f"| {th} | {r['memcpy_s']:.3f} s | {r['memcpy_gbps']:.1f} | {r['diff_s']:.3f} | "
-                     f"{r['gather_s']:.3f} | {r['digest_s']:.3f} | {r['scan_s']:.3f} | {r['encode_s']:.3f} | "
-                     f"{r['scan_s'] + r['encode_s']:.3f} | **{r['p3_ratio']:.1f}×** | {r['scan_flat_s']:.3f} | "
-                     f"{r['p3_ratio_flat']:.1f}× | {r['flat_ops_per_sync']} |")
+                     f"{r['gather_s']:.3f} | {r['digest_s']:.3f} | {r['scan_torch_s']:.3f} | "
+                     f"{r['p3_ratio_torch']:.1f}× | {r['scan_s']:.3f} | {r['encode_s']:.3f} | "
+                     f"{r['scan_s'] + r['encode_s']:.3f} | **{r['p3_ratio']:.1f}×** | "
+                     f"{r['scan_flat_torch_s']:.3f} / {r['scan_flat_s']:.3f} | {r['p3_ratio_flat']:.1f}× | "
+                     f"{r['flat_ops_per_sync']} |")
     lines += [
         "",
         f"The memcpy baseline ran at {one['memcpy_gbps']:.1f} GB/s on one thread here, where this machine's known "
@@ -473,6 +515,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write p3_ratio, p4_ratio, pause_fraction, hidden_fraction")
     ap.add_argument("--load-note", default="nothing else", help="what else ran on the machine")
     ap.add_argument("--p3-only", action="store_true", help="P3 alone (no engine): writes OUT/sender_p3.json")
+    ap.add_argument("--p3-threads", default="", help="P3's thread counts, e.g. '1' (default: 1 and every core)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sender-bench-"))
     load = {"note": a.load_note, "before": os.getloadavg()[0]}
@@ -483,7 +526,7 @@ def main() -> None:
         weights = load_file(model / "model.safetensors")
         params = sum(t.numel() for t in weights.values())
         print(f"model: {params / 1e6:.0f} M params", flush=True)
-        res3 = p3(weights)
+        res3 = p3(weights, [int(x) for x in a.p3_threads.split(",") if x] or None)
         if a.p3_only:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "sender_p3.json").write_text(json.dumps({"p3": res3, "params": params, "load": load}, indent=1))

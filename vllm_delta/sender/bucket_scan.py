@@ -10,7 +10,10 @@ through a table of runs (`searchsorted` over run starts). Additive digests of al
 of one `index_add_` into an `[n_segments, 2]` table. A plain tensor (its own storage) is a bucket of
 one: the same code, so both senders share one tested path.
 
-The per-segment scan in `producer.py` is the reference this is tested bit-exact against.
+The per-segment scan in `producer.py` is the reference this is tested bit-exact against. On CPU
+weights the diff, gathers, HF map and digests run fused in one pass (`scan_kernel`, numba): the
+torch ops here (`torch_diff_digest`) cost ~10x a memcpy there; they stay the path on every other
+device, and the kernel's tested reference.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from vllm_delta.wire.additive import _CPU_SLICE, _LANES, _keys, _mix_, partial_s
 DEVICE_CHUNK = 1 << 28
 # A shard whose local order breaks into more runs than this is scanned on its own (per-segment path).
 MAX_RUNS = 1 << 16
+_CPUS = os.cpu_count()  # as the diff's pool decides (a call per bucket costs ~30 us here)
 
 
 @dataclass(eq=False)
@@ -186,7 +190,7 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     n = len(layout.names)
     tables = tuple(t.to(snap.device) for t in layout.tables)
     if scan_kernel.applies(layout.base, snap):  # CPU: one fused pass (numba), tested equal to the torch path
-        workers = torch.get_num_threads() if os.cpu_count() != 1 else 1
+        workers = torch.get_num_threads() if _CPUS != 1 else 1
         pos, old, new, hf, run, pre, post = scan_kernel.diff_digest(
             layout.base, snap, tables, n, not layout.in_order, workers, _cpu_pool() if workers > 1 else None)
     else:
