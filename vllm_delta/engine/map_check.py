@@ -8,7 +8,9 @@ two scratch copies of its storage, filled with the same seeded random bytes. Eve
 tensor that lands in it is given seeded random values; vLLM's loader runs on them for real, its
 writes into parameters redirected into the first copy; the map's segments scatter the same
 values into the second. Any difference - a wrong offset, a missed or extra write, a transformed
-value - is a wrong map, and the engine refuses updates naming the destination.
+value - is a wrong map, and the engine refuses updates naming the destination. The map's constant
+fills (vLLM's vocab padding, `placement.Fill`) are applied to the second copy too, so a padding fill
+that is not the constant the probe saw is a difference like any other.
 
 Cost: one loader pass per layer that holds a checked destination (values made on the destinations'
 device, one tensor at a time), and two scratch copies of that layer's checked destinations there (at
@@ -144,6 +146,11 @@ def _check_layer(load_weights, storages: set[int], params: Mapping[str, torch.Te
                     torch.as_strided(flat_src, seg.sizes, seg.src_strides, seg.src_offset))
             except RuntimeError as exc:  # the map reaches outside the checkpoint tensor or the storage
                 errors.setdefault(seg.target, f"{seg.target}: the placement map of {name} is out of bounds: {exc}")
+        # The constants the probe saw filled into padding (no checkpoint element reaches them): a
+        # loader whose fill follows the checkpoint's values differs from them on these random values.
+        for fill in placements[name].fills:
+            if fill.target in by_map:
+                torch.as_strided(by_map[fill.target], fill.sizes, fill.dst_strides, fill.dst_offset).fill_(fill.value)
     for target in targets:
         size = params[target].element_size()
         bad = torch.ne(by_loader[target].view(torch.uint8).view(-1, size),

@@ -18,6 +18,12 @@ Each map becomes a compact `Segment` when it is an affine lattice (TP slicing, q
 packing, fused-MoE expert slots). Anything else - a write into a parameter that is not a plain
 copy, an advanced-index write, a write into live state outside the parameters - makes the
 tensor fall back to vLLM's loader, with the reason.
+
+One exception, a `Fill`: vLLM pads the vocab to a multiple of 64 and its embedding loader fills
+the padding rows with a constant. A fill with a scalar (the same in the careful pass's two runs,
+so not derived from the checkpoint) is allowed where no segment of any checkpoint tensor reaches
+the filled elements (`_refuse_overlapping_fills`, once every tensor is probed): those elements
+are no checkpoint element, a delta never changes them, and they keep what vLLM's load put there.
 """
 
 from __future__ import annotations
@@ -125,6 +131,19 @@ class Segment:
         return idx, dst[owned]
 
 
+@dataclass(frozen=True)
+class Fill:
+    """A loader's fill of a destination region with a constant: storage offset dst_offset +
+    sum(i[d] * dst_strides[d]) of `target`, for 0 <= i[d] < sizes[d], all set to `value`."""
+
+    target: str
+    sizes: tuple[int, ...]
+    dst_offset: int
+    dst_strides: tuple[int, ...]
+    value: bool | int | float
+    op: str  # the aten op, for the reason where the fill is refused
+
+
 @dataclass
 class TensorPlacement:
     """All destinations of one checkpoint tensor on this rank (empty: this rank holds none of it)."""
@@ -137,6 +156,8 @@ class TensorPlacement:
     # Whether the loader read the tensor at all on this rank (False: it skips it here, e.g. an
     # expert another EP rank holds, or a tensor vLLM ignores such as rotary `inv_freq`).
     read: bool = True
+    # Constant fills of elements no checkpoint element reaches (vLLM's vocab padding rows).
+    fills: list[Fill] = field(default_factory=list)
 
     def whole_target(self) -> tuple[str, list[Segment]] | None:
         """A destination holding every element, with its segments (so the tensor can be rebuilt here)."""
@@ -204,6 +225,7 @@ class _ProbeMode(TorchDispatchMode):
         self.probe = probe.untyped_storage()._cdata
         self.scratch: set[int] = set()  # storages the loader allocated while probing
         self.writes: list[_Write] = []
+        self.fills: list[Fill] = []
         self.refused: list[str] = []
         self.read = False  # the loader touched the probe
         self.probe_written = False  # ... and wrote into it (its views no longer hold the ids)
@@ -229,6 +251,8 @@ class _ProbeMode(TorchDispatchMode):
                 self.refused.append(f"{func} writes a tensor that is neither a parameter nor the loader's own")
             elif func is torch.ops.aten.copy_.default:
                 self.writes.append(_Write(target, w, args[1]))
+            elif (value := _fill_value(func, args)) is not None:
+                self.fills.append(Fill(target, tuple(w.shape), w.storage_offset(), tuple(w.stride()), value, str(func)))
             else:
                 self.refused.append(f"{func} writes parameter {target}")
         if blocked:  # not performed; hand back what the op would have returned
@@ -237,6 +261,16 @@ class _ProbeMode(TorchDispatchMode):
         result = func(*args, **kwargs)
         self.scratch.update(t.untyped_storage()._cdata for t in _fresh_outputs(func, result))
         return result
+
+
+def _fill_value(func: Any, args: tuple) -> bool | int | float | None:
+    """The scalar an op fills its destination with, or None when it is not a fill with a scalar
+    (a fill with a tensor may carry checkpoint values: refused like any other write)."""
+    if func is torch.ops.aten.zero_.default:
+        return 0
+    if func is torch.ops.aten.fill_.Scalar and type(args[1]) in (bool, int, float):
+        return args[1]
+    return None
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -290,8 +324,9 @@ def _run(load_weights, storages: Mapping[int, str], name: str, probe: torch.Tens
 
 
 def _fast(load_weights, storages: Mapping[int, str], name: str, shape: tuple[int, ...],
-          dtype: torch.dtype, numel: int) -> tuple[list[Segment], bool]:
-    """Segments from the views the loader copied, on a meta probe; _NotDirect where unproven."""
+          dtype: torch.dtype, numel: int, fills: list[Fill] | None = None) -> tuple[list[Segment], bool]:
+    """Segments from the views the loader copied, on a meta probe; _NotDirect where unproven.
+    The loader's constant fills are added to `fills`."""
     probe = torch.empty(shape, dtype=dtype, device="meta")
     try:
         mode = _run(load_weights, storages, name, probe)
@@ -309,6 +344,8 @@ def _fast(load_weights, storages: Mapping[int, str], name: str, shape: tuple[int
             raise _NotDirect("a write is not a view of the checkpoint tensor")
         src = src.expand(w.dst.shape)
         segments.append(_segment(w.target, w.dst, src.storage_offset(), tuple(src.stride()), numel))
+    if fills is not None:
+        fills.extend(mode.fills)
     return segments, mode.read
 
 
@@ -351,20 +388,23 @@ def _affine_fit(ids: torch.Tensor) -> tuple[int, tuple[int, ...]]:
 
 
 def _careful(load_weights, storages: Mapping[int, str], name: str, shape: tuple[int, ...],
-             numel: int) -> tuple[list[Segment], bool]:
-    """Segments from element ids the loader copied, checked against a relabelled second pass."""
+             numel: int, fills: list[Fill] | None = None) -> tuple[list[Segment], bool]:
+    """Segments from element ids the loader copied, checked against a relabelled second pass.
+    The loader's constant fills (the same in both passes) are added to `fills`."""
     id_dtype = torch.int32 if numel <= _INT32_IDS else torch.int64
     ids = torch.arange(numel, dtype=id_dtype).reshape(shape)
     mode = _run(load_weights, storages, name, ids)
     segments = [_segment(w.target, w.dst, *_affine_fit(_ids_of(w.src, w.dst, id_dtype)), numel)
                 for w in mode.writes]
-    read = mode.read
+    read, filled = mode.read, mode.fills
     del mode
     # A copy commutes with relabelling the ids; `w * 2`, `w + 1` or a sort does not.
     ids.bitwise_xor_(_RELABEL[id_dtype])
     relabelled = _run(load_weights, storages, name, ids)
     if len(relabelled.writes) != len(segments):
         raise UnmappableLoader("loader transforms values instead of copying them")
+    if relabelled.fills != filled:
+        raise UnmappableLoader("loader fills a parameter with values that follow the checkpoint tensor")
     for seg, w in zip(segments, relabelled.writes):
         got = _ids_of(w.src, w.dst, id_dtype)
         want = torch.as_strided(ids.reshape(-1), got.shape, _src_strides_of(seg, w.dst), seg.src_offset)
@@ -372,6 +412,8 @@ def _careful(load_weights, storages: Mapping[int, str], name: str, shape: tuple[
         if w.target != seg.target or w.dst.storage_offset() != seg.dst_offset or not torch.equal(
                 got, want.to(got.device)):
             raise UnmappableLoader("loader transforms values instead of copying them")
+    if fills is not None:
+        fills.extend(filled)
     return segments, read
 
 
@@ -393,17 +435,79 @@ def probe_tensor(
     numel = torch.Size(shape).numel()
     try:
         try:
-            placement.segments, placement.read = _fast(load_weights, storages, name, tuple(shape), dtype, numel)
+            placement.segments, placement.read = _fast(load_weights, storages, name, tuple(shape), dtype, numel,
+                                                       placement.fills)
         except _NotDirect as why:
             logger.debug("delta updates: %s needs the careful probe (%s)", name, why)
-            placement.segments, placement.read = _careful(load_weights, storages, name, tuple(shape), numel)
+            placement.segments, placement.read = _careful(load_weights, storages, name, tuple(shape), numel,
+                                                          placement.fills)
     except UnmappableLoader as exc:
-        placement.segments = []
+        placement.segments, placement.fills = [], []
         placement.fallback_reason = str(exc)
     except Exception as exc:  # a loader that rejects the probe cannot be mapped exactly
-        placement.segments = []
+        placement.segments, placement.fills = [], []
         placement.fallback_reason = f"loader failed on the probe: {type(exc).__name__}: {exc}"
     return placement
+
+
+def _runs(offset: int, sizes: Iterable[int], strides: Iterable[int], limit: int = 1 << 22) -> torch.Tensor | None:
+    """The storage offsets of a strided region as sorted [start, end) runs (k x 2), or None past `limit` runs."""
+    dims = sorted(((n, s) for n, s in zip(sizes, strides) if n > 1), key=lambda d: -d[1])
+    run = 1
+    while dims and dims[-1][1] == run:  # trailing dims contiguous in storage make one run
+        run *= dims.pop()[0]
+    count = 1
+    for n, _ in dims:
+        count *= n
+    if count > limit:
+        return None
+    starts = torch.tensor(offset, dtype=torch.int64)
+    for n, s in dims:
+        starts = starts.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
+    starts = torch.sort(starts.reshape(-1)).values
+    return torch.stack([starts, starts + run], dim=1)
+
+
+def _reached(runs: list[torch.Tensor], region: torch.Tensor) -> bool:
+    """Whether any [start, end) run of `region` meets any of `runs`."""
+    if not runs:
+        return False
+    held = torch.cat(runs)
+    held = held[torch.argsort(held[:, 0])]
+    ends = torch.cummax(held[:, 1], 0).values  # the furthest end among the runs starting so far
+    last = torch.searchsorted(held[:, 0].contiguous(), region[:, 1].contiguous()) - 1  # last run starting before each end
+    return bool(((last >= 0) & (ends[last.clamp(min=0)] > region[:, 0])).any())
+
+
+def _refuse_overlapping_fills(placements: Mapping[str, TensorPlacement]) -> None:
+    """Turn into a fallback (refused, as any in-place write is) each tensor whose loader fills
+    elements that a segment of any checkpoint tensor reaches: only padding may be filled.
+
+    Why after every tensor is probed: a fill can meet another tensor's rows (a packed qkv's), and
+    only the whole map says which elements checkpoint elements reach. Startup only, and only for
+    the destinations filled (an embedding, an lm_head).
+    """
+    filled = {f.target for p in placements.values() for f in p.fills}
+    if not filled:
+        return
+    held: dict[str, list[torch.Tensor | None]] = {t: [] for t in filled}
+    for p in placements.values():
+        for seg in p.segments:
+            if seg.target in held:
+                held[seg.target].append(_runs(seg.dst_offset, seg.sizes, seg.dst_strides))
+    for p in placements.values():
+        for fill in p.fills:
+            region = _runs(fill.dst_offset, fill.sizes, fill.dst_strides)
+            runs = held[fill.target]
+            if region is None or any(r is None for r in runs):
+                why = "too fragmented to check against the checkpoint's elements"
+            elif _reached(runs, region):
+                why = "elements that checkpoint elements reach"
+            else:
+                continue
+            p.segments, p.fills = [], []
+            p.fallback_reason = f"loader writes outside a plain copy: {fill.op} writes parameter {fill.target} ({why})"
+            break
 
 
 class PeakRss:
@@ -555,6 +659,7 @@ def build_placement(
         k = lo + bad  # the rest of the batch is probed again, the tensor at fault alone
         pending += [r for r in [(k + 1, hi), (k, k + 1), (lo, k)] if r[1] > r[0]]
     placements = {name: found[name] for name, _ in items}
+    _refuse_overlapping_fills(placements)
     fallbacks = {n: p.fallback_reason for n, p in placements.items() if p.fallback_reason}
     if fallbacks:
         logger.warning("delta updates: %d tensors fall back to vLLM's loader: %s", len(fallbacks), fallbacks)
