@@ -85,6 +85,16 @@ def encode_gaps(pos: np.ndarray, *, prev: int = -1, width: int | None = None) ->
     return width, gaps.astype(_uint(width))
 
 
+def gap_width(pos: np.ndarray, *, prev: int = -1) -> int:
+    """The width `encode_gaps` picks, from the largest gap alone (one pass, nothing kept)."""
+    if not pos.size:
+        return GAP_WIDTHS[0]
+    top = int(pos[0]) - prev - 1
+    if pos.size > 1:
+        top = max(top, int(np.subtract(pos[1:], pos[:-1], dtype=np.int64).max()) - 1)
+    return next(w for w in GAP_WIDTHS if top < 1 << (8 * w))
+
+
 def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) -> np.ndarray:
     """Prefix-sum gaps back to positions without any chance of a wrapped sum going unnoticed.
 

@@ -67,7 +67,7 @@ class Gaps:
     """Gaps in one contiguous narrow-int stream (the seed's `deltas`)."""
 
     def width(self, pos, numel):
-        return codecs.encode_gaps(pos)[0]
+        return codecs.gap_width(pos)
 
     def encode(self, pos, numel, *, prev=-1, width=None):
         w, gaps = codecs.encode_gaps(pos, prev=prev, width=width)
@@ -83,7 +83,7 @@ class GapPlanes:
     """Gaps split into byte planes `pos0..pos7`: the low plane carries the information."""
 
     def width(self, pos, numel):
-        return codecs.encode_gaps(pos)[0]
+        return codecs.gap_width(pos)
 
     def encode(self, pos, numel, *, prev=-1, width=None):
         w, gaps = codecs.encode_gaps(pos, prev=prev, width=width)
