@@ -110,7 +110,12 @@ def _get(client: Any, route: str) -> dict[str, Any]:
 
 
 class OfflineLLMClient:
-    """vLLM's offline `LLM` as a `VLLMWeightSyncClient` (vLLM ships HTTP and Ray clients only)."""
+    """vLLM's offline `LLM` as a `VLLMWeightSyncClient` (vLLM ships HTTP and Ray clients only).
+
+    Its `update_weights` prepares inside vLLM's RPC, on the engine loop (the HTTP door prepares on
+    a background thread instead): the caller of an offline `LLM` drives the engine, so nothing
+    generates while it waits for an update anyway.
+    """
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
