@@ -79,7 +79,7 @@ def start_llm(model_dir: Path | str, tp: int = 1, delta: bool = False, **engine_
 
         llm = LLM(
             model=str(model_dir),
-            dtype="bfloat16",
+            dtype=engine_kwargs.pop("dtype", "bfloat16"),
             tensor_parallel_size=tp,
             kv_cache_memory_bytes=KV_CACHE_BYTES,
             max_model_len=MAX_MODEL_LEN,

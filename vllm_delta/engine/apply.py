@@ -330,9 +330,8 @@ class DeltaApplier:
         for delta in batch:
             numel = torch.Size(delta.shape).numel()
             for seg in self.placements[delta.name].segments:
-                if delta.needs_base and torch.finfo(self.targets[seg.target].dtype).bits < torch.finfo(delta.dtype).bits:
-                    raise DtypeMismatchError(f"{seg.target} holds {self.targets[seg.target].dtype}, narrower than "
-                                             f"{delta.dtype}: the current bits cannot be recovered", param=delta.name)
+                if delta.needs_base:
+                    _check_resolvable(seg.target, self.targets[seg.target].dtype, delta)
                 pieces, names = groups.setdefault((seg.target, delta.dtype, delta.needs_base), ([], []))
                 if not names or names[-1] != delta.name:
                     names.append(delta.name)
@@ -453,9 +452,8 @@ class DeltaApplier:
     def _check_base_dtype(self, delta: ParamDelta, located: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         for target, idx, _ in located:
             canon = self.targets[target]
-            if idx.numel() and torch.finfo(canon.dtype).bits < torch.finfo(delta.dtype).bits:
-                raise DtypeMismatchError(f"{target} holds {canon.dtype}, narrower than {delta.dtype}: "
-                                         "the current bits cannot be recovered", param=delta.name)
+            if idx.numel():
+                _check_resolvable(target, canon.dtype, delta)
 
     def _digest(self, delta: ParamDelta, located: list[tuple[str, torch.Tensor, torch.Tensor]],
                 acc: list[torch.Tensor | None], pre: bool, post: bool, chunk_bytes: int) -> None:
@@ -639,6 +637,26 @@ def _run(idx: torch.Tensor) -> torch.Tensor | slice:
     if idx.numel() and int(idx[-1]) - int(idx[0]) + 1 == idx.numel():
         return slice(int(idx[0]), int(idx[-1]) + 1)
     return idx
+
+
+def _check_resolvable(target: str, served: torch.dtype, delta: ParamDelta) -> None:
+    """Refuse (422, before any write) a base-relative step on values that do not convert back exactly.
+
+    Why: the step is resolved on the served value cast to the delta's dtype. That recovers the
+    checkpoint's bits only where the served dtype holds every value of the checkpoint's exactly:
+    the same dtype, or a float at least as precise with at least its range (bf16 or fp16 served
+    as float32). Not for bf16 <-> fp16, a narrower float, or any integer of another dtype.
+    """
+    sent = delta.dtype
+    if served == sent:
+        return
+    if served.is_floating_point and sent.is_floating_point:
+        a, b = torch.finfo(served), torch.finfo(sent)
+        if a.eps <= b.eps and a.max >= b.max and a.tiny * a.eps <= b.tiny * b.eps:
+            return
+    raise DtypeMismatchError(f"{target} is served as {served}, the delta's values are {sent}: a base-relative "
+                             "step cannot be resolved exactly on the served values (send an overwrite encoding)",
+                             param=delta.name)
 
 
 class StagingBoundError(IncompatibleDeltaError):
