@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm_delta.engine import cpu_weights, transforms
+from vllm_delta.engine import cpu_weights, derived, transforms
 from vllm_delta.engine.batched import Piece, locate, slot_sums
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
@@ -534,6 +534,7 @@ class DeltaApplier:
         modules = [m for name, m in self.model.named_modules() if name in touched and cpu_weights.needs_refresh(m)]
         if modules:
             cpu_weights.refresh(modules)
+        derived.rederive_touched(self.model, staged.writes)  # then what attention / model steps derive
 
     # ---- full verify, on demand ----------------------------------------------------------
     def rebuild(self, name: str) -> torch.Tensor | None:

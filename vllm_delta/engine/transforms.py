@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vllm_delta.engine import cpu_weights
+from vllm_delta.engine import cpu_weights, derived
 
 TRANSFORM_ATTR = "_delta_transform"  # the module's `Transform`
 StepOf = Callable[[nn.Module], Callable[[], None] | None]
@@ -125,6 +125,17 @@ def _inverse_permutation(module: nn.Module, step_of: StepOf, name: str, before: 
     return inverse.to(torch.int32) if n < 1 << 31 else inverse
 
 
+def _prefix_layout(canon: torch.Tensor, live: torch.Tensor) -> bool:
+    """Whether every element of the checkpoint-layout `canon` sits at the same storage offset in `live`.
+
+    The probe learns offsets from the loader writing into the live parameter, and deltas are then
+    written at those offsets into `canon` (the stash): right when the layouts agree, or when the
+    step only appended (padded rows at the end, the CPU fused MoE); anything else is refused.
+    """
+    return (canon.dim() == live.dim() and canon.stride() == live.stride() and live.storage_offset() == 0
+            and all(c <= n for c, n in zip(canon.shape, live.shape)))
+
+
 def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = cpu_weights.post_load_step
              ) -> Transform | None:
     """Classify what the step did to `module` (it has just run) and prepare deltas for it."""
@@ -158,6 +169,13 @@ def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = c
     if inverse and all(v is not None for v in inverse.values()):
         transform = Transform(name, "permutation", changed, [], [], inverse)  # type: ignore[arg-type]
     else:
+        for n in changed:
+            live, canon = module._parameters.get(n), before.tensors[f"param:{n}"]
+            if live is not None and live.numel() and not _prefix_layout(canon, live):
+                raise UnsupportedTransform(
+                    f"{name}: its post-load step re-lays {n} from {tuple(canon.shape)} {canon.stride()} to "
+                    f"{tuple(live.shape)} {live.stride()}: offsets learned on the live tensor would not address "
+                    "the checkpoint-layout copy that deltas are written into")
         transform = Transform(name, "rerun", changed, derived, state)
         cpu_weights.keep_canonical(module, {n: before.tensors[f"param:{n}"] for n in changed}, before.params)
     setattr(module, TRANSFORM_ATTR, transform)
@@ -218,7 +236,8 @@ def _unshadowed(method: object) -> Iterator[None]:
 
 
 def install() -> None:
-    """Wrap vLLM's post-load processing so every module's step is observed (flag on, any platform)."""
+    """Wrap vLLM's post-load processing so every module's step is observed (flag on, any platform):
+    quant methods' steps here, attention layers' and the model's own in `derived`."""
     from vllm.model_executor.model_loader import base_loader
 
     original = base_loader.process_weights_after_loading
@@ -227,7 +246,7 @@ def install() -> None:
 
     @functools.wraps(original)
     def process_observed(model: nn.Module, model_config, target_device) -> None:
-        with observing(model):
+        with observing(model), derived.observing(model):
             original(model, model_config, target_device)
 
     process_observed._delta_wrapped = True  # type: ignore[attr-defined]
@@ -247,6 +266,9 @@ def offset_maps(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
 
 
 def transformed(model: nn.Module) -> dict[str, str]:
-    """{module: "permutation" | "rerun"} for the status: modules whose step changed or derived tensors."""
-    return {name: t.kind for name, m in model.named_modules()
-            if (t := getattr(m, TRANSFORM_ATTR, None)) is not None and t.relayout}
+    """{module: "permutation" | "rerun" | "rederive"} for the status: modules whose step changed or
+    derived tensors ("rederive": an attention layer's or the model's own step, `derived`)."""
+    out = {name: t.kind for name, m in model.named_modules()
+           if (t := getattr(m, TRANSFORM_ATTR, None)) is not None and t.relayout}
+    out.update({u.name: "rederive" for u in derived.discovery(model).units})
+    return out

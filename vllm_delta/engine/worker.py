@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vllm_delta.engine import derived
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage, refuse_uncovered
@@ -113,6 +114,8 @@ class DeltaWorkerExtension:
             checkpoint = Checkpoint.open(local_checkpoint_dir(self.vllm_config))
             state = DeltaState(DeltaApplier(self._delta_model(), checkpoint.meta, rank=self._delta_rank(),
                                             read=checkpoint.read))
+            # Derived tensors no commit can keep exact refuse every update, as unservable loaders do.
+            state.applier.refused.update(derived.refused(self._delta_model()))
             self._delta_state = state
         return state
 

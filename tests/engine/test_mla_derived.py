@@ -1,0 +1,241 @@
+"""MLA's derived tensors on real CPU engines: views, copies re-derived in place, and a refused model-level step.
+
+Why: vLLM's MLA attention derives `W_UV` / `W_UK_T` from `kv_b_proj` in its own post-load step.
+On the CPU MLA backend with a bf16 `kv_b_proj` they are views, but AMX, a quantized `kv_b_proj`
+and DCP make them copies; a receiver that does not re-derive them serves prefill from the new
+`kv_b_proj` and decode from the old copies while every checkpoint digest matches.
+
+A tiny DeepSeek-V3 (q and kv LoRA, kv_lora_rank 512 + qk_rope_head_dim 64 as the CPU decode
+kernel needs; a dense first layer, then MoE with a shared expert and `e_score_correction_bias`)
+runs on the CPU_MLA backend with a test-only step (harness/post_load_steps_mla_worker) that makes
+layer 0's `W_UV` / `W_UK_T` copies, as AMX does; layer 1 keeps vLLM's views. Three updates, one
+of each kind (base-relative `ulp_zstd`, a full anchor, overwrite `deltas`), each rewriting every
+`kv_b_proj`, must leave greedy tokens, logprobs and vLLM's per-parameter digests equal to a fresh
+engine on the final checkpoint, with every parameter's and derived tensor's `data_ptr()`
+unchanged. A model-level step whose derived tensor no re-run reproduces is refused at startup.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness.engine_pool import write_anchor
+from harness.perturb import perturb_tensor
+from harness.post_load_steps_mla_worker import COPIED, EXTENSION, MODEL_STEP_ENV, MODEL_TENSOR
+from harness.tiny_models import PROMPTS, VOCAB_SIZE
+from harness.vllm_engine import patched_environ, start_llm
+from vllm_delta.wire.checkpoint import Checkpoint
+
+pytestmark = [pytest.mark.engine, pytest.mark.heavy]
+
+BACKEND = {"attention_config": {"backend": "CPU_MLA"}}  # vLLM's reference CPU MLA (AMX would be picked here)
+VLLM_DELTA = str(Path(sys.executable).parent / "vllm-delta")
+LAYER0, LAYER1 = "model.layers.0.self_attn.mla_attn.mla_attn", "model.layers.1.self_attn.mla_attn.mla_attn"
+
+
+def make_tiny_mla(out: Path) -> Path:
+    from transformers import DeepseekV3Config
+
+    from harness.megatron_cpu import make_tiny_deepseek_v3
+    import harness.megatron_cpu as megatron_cpu
+
+    def config(layers: int, mtp_layers: int, dense_layers: int) -> DeepseekV3Config:
+        cfg = DeepseekV3Config(
+            vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+            n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=dense_layers, n_group=1, topk_group=1,
+            routed_scaling_factor=1.0, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+            v_head_dim=32, max_position_embeddings=512, num_nextn_predict_layers=mtp_layers,
+            tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        cfg.rope_theta = 10000.0
+        cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"  # vLLM loads e_score_correction_bias only then
+        return cfg
+
+    stock, megatron_cpu.tiny_deepseek_v3_config = megatron_cpu.tiny_deepseek_v3_config, config
+    try:
+        return make_tiny_deepseek_v3(out, layers=2, dense_layers=1)
+    finally:
+        megatron_cpu.tiny_deepseek_v3_config = stock
+
+
+def train_step(prev: Path, out: Path, seed: int) -> Path:
+    """`prev` with 2% of every tensor moved by a few ULPs and every `kv_b_proj` rewritten (100%)."""
+    gen = torch.Generator().manual_seed(seed)
+    out.mkdir(parents=True)
+    for path in prev.iterdir():
+        if path.suffix == ".safetensors":
+            save_file({n: perturb_tensor(t, 1.0 if "kv_b_proj" in n else 0.02, gen) for n, t in load_file(path).items()},
+                      out / path.name, metadata={"format": "pt"})
+        elif path.is_file():
+            (out / path.name).write_bytes(path.read_bytes())
+    return out
+
+
+def diff(old: Path, new: Path, out: Path, encoding: str, version: int) -> Path:
+    subprocess.run([VLLM_DELTA, "diff", str(old), str(new), str(out), "--encoding", encoding,
+                    "--version", str(version)], check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> tuple[Path, list[tuple[str, Path, int | None]], Path]:
+    """(base, [(kind, delta, base_version)], final): base-relative, anchor, overwrite."""
+    root = tmp_path_factory.mktemp("mla")
+    base = make_tiny_mla(root / "base")
+    v1 = train_step(base, root / "v1", 1)
+    v2 = train_step(v1, root / "v2", 2)
+    v3 = train_step(v2, root / "v3", 3)
+    updates = [("ulp_zstd", diff(base, v1, root / "d1", "ulp_zstd", 1), 0),
+               ("anchor", write_anchor(root / "d2", Checkpoint.open(v2).iter_tensors(), 2), None),
+               ("deltas", diff(v2, v3, root / "d3", "deltas", 3), 2)]
+    return base, updates, v3
+
+
+def greedy(llm) -> list[tuple[list[int], list[float]]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for c in (r.outputs[0] for r in llm.generate(PROMPTS, params, use_tqdm=False))]
+
+
+@pytest.fixture(scope="module")
+def fresh(chain) -> dict:
+    """A fresh engine on the final checkpoint: the reference. Delta updates on, as on the updated engine,
+    so the CPU kernels' repacked weights are kept in the same (checkpoint) layout and digests compare."""
+    _, _, final = chain
+    with start_llm(final, delta=True, **BACKEND) as llm:
+        return {"out": greedy(llm), "digests": llm.collective_rpc("compute_weight_checksums")[0]}
+
+
+@pytest.fixture(scope="module")
+def updated(chain) -> dict:
+    """The delta engine, started on BASE, after the three updates; what it found and served."""
+    base, updates, _ = chain
+    with start_llm(base, delta=True, worker_extension_cls=EXTENSION, **BACKEND) as llm:
+        found = llm.collective_rpc("mla_discovery")[0]
+        probe = llm.collective_rpc("delta_probe")[0]
+        base_out = greedy(llm)
+        pointers = [llm.collective_rpc("mla_pointers")[0]]
+        for version, (kind, path, base_version) in enumerate(updates, start=1):
+            request = {"id": f"v{version}", "path": str(path), "version": version, "base_version": base_version,
+                       "files": None, "chunk_bytes": 1 << 28}
+            prepared = llm.collective_rpc("delta_prepare", args=(request,))[0]
+            assert prepared["ok"], (kind, prepared)
+            committed = llm.collective_rpc("delta_commit", args=(request["id"],))[0]
+            assert committed["ok"], (kind, committed)
+            pointers.append(llm.collective_rpc("mla_pointers")[0])
+        return {"found": found, "probe": probe, "base_out": base_out, "pointers": pointers, "out": greedy(llm),
+                "digests": llm.collective_rpc("compute_weight_checksums")[0],
+                "status": llm.collective_rpc("delta_status")[0]}
+
+
+def test_discovery_classifies_views_and_copies(updated):
+    found = updated["found"]
+    kinds = {(unit, key): (kind, sources) for unit, key, kind, sources in found["tensors"]}
+    for name in ("param:W_UV", "param:W_UK_T"):
+        assert kinds[(LAYER0, name)] == ("rederive", ["model.layers.0.self_attn.kv_b_proj.weight"]), kinds
+        assert kinds[(LAYER1, name)] == ("view", ["model.layers.1.self_attn.kv_b_proj.weight"]), kinds
+    assert LAYER0.startswith(COPIED)
+    # vLLM's default KV-cache scales (1.0) are derived by the same step, from no parameter.
+    assert any(unit == LAYER1 and key.endswith("_k_scale") and kind == "constant" and not sources
+               for unit, key, kind, sources in found["tensors"]), found["tensors"]
+    assert found["units"] == {LAYER0: ["model.layers.0.self_attn.kv_b_proj.weight"]}, found["units"]
+    assert found["refused"] == {} and updated["probe"]["refused"] == {}, (found, updated["probe"])
+    assert LAYER0 in updated["probe"]["transformed"]
+
+
+def test_updates_match_fresh_engine(updated, fresh):
+    """Greedy tokens, logprobs and every parameter's digest (W_UV / W_UK_T included) equal a fresh engine."""
+    assert updated["status"]["version"] == 3 and not updated["status"]["dirty"], updated["status"]
+    assert updated["base_out"] != fresh["out"], "the served output must follow the weights"
+    assert updated["digests"].keys() == fresh["digests"].keys()
+    differ = sorted(n.rsplit(":", 1)[1] for n in fresh["digests"] if updated["digests"][n] != fresh["digests"][n])
+    assert differ == [], differ
+    assert updated["out"] == fresh["out"]
+
+
+def test_pointers_stable_across_updates(updated):
+    """data_ptr() of every parameter and derived tensor is the same after each kind of update."""
+    first, *after = updated["pointers"]
+    assert any(k.startswith(f"derived:{LAYER0}.") for k in first) and any(k.startswith("param:") for k in first)
+    for kind, ptrs in zip(["ulp_zstd", "anchor", "deltas"], after):
+        assert ptrs == first, (kind, sorted(k for k in first if ptrs.get(k) != first[k]))
+
+
+def test_model_level_derived_tensor_refused(chain):
+    """A model-level step whose derived tensor a re-run does not reproduce: updates refused at startup, named."""
+    base, _, _ = chain
+    with patched_environ({MODEL_STEP_ENV: "1"}), \
+            start_llm(base, delta=True, worker_extension_cls=EXTENSION, **BACKEND) as llm:
+        found = llm.collective_rpc("mla_discovery")[0]
+        probe = llm.collective_rpc("delta_probe")[0]
+    assert list(found["refused"]) == [f"attr:{MODEL_TENSOR}"], found["refused"]
+    assert "the model" in found["refused"][f"attr:{MODEL_TENSOR}"]
+    assert probe["refused"] == found["refused"], probe  # what /health and the status report
+
+
+class _Impl:
+    """Stands in for an attention impl: plain tensor attributes its owner's step sets."""
+
+    def __init__(self) -> None:
+        self.packed: torch.Tensor | None = None
+
+
+class _AmxLikeAttention(torch.nn.Module):
+    """Shaped like vLLM's AMX MLA step: packed copies on the impl from `kv_b_proj`, whose weight it empties."""
+
+    def __init__(self, fold_into_weight: bool = False) -> None:
+        super().__init__()
+        self.kv_b_proj = torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16)
+        self.impl, self.fold = _Impl(), fold_into_weight
+
+    def process_weights_after_loading(self) -> None:
+        w = self.kv_b_proj.weight
+        if self.fold:  # changes a checkpoint parameter in place: no delta could stay exact
+            w.data.mul_(2)
+            return
+        self.impl.packed = w.t().float().contiguous()
+        self.kv_b_proj.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def _observed(module: torch.nn.Module):
+    from vllm_delta.engine import derived
+
+    model = torch.nn.Sequential(module)
+    with torch.no_grad():
+        module.kv_b_proj.weight.copy_(torch.randn(32, 64))
+    found = derived._Discoverer(model, {n for n, _ in model.named_parameters()})
+    weight = module.kv_b_proj.weight
+    found.observe("0", module, module.process_weights_after_loading)
+    setattr(model, derived.DISCOVERY_ATTR, found.found)
+    return model, found.found, weight
+
+
+def test_amx_shaped_step_rederived_in_place():
+    """The emptied weight gets its loaded bytes back; after a write, the packed copy is re-derived into
+    the storage it had (checked against the weight itself, not against a re-run)."""
+    from vllm_delta.engine import derived
+
+    model, found, weight = _observed(_AmxLikeAttention())
+    attn = model[0]
+    assert attn.kv_b_proj.weight is weight and weight.numel() == 32 * 64
+    assert [(t.key, t.kind, t.sources) for t in found.tensors] == [("impl.attr:packed", "rederive", ["0.kv_b_proj.weight"])]
+    packed_ptr = attn.impl.packed.data_ptr()
+    with torch.no_grad():
+        weight.add_(1)
+    assert derived.rederive_touched(model, ["0.kv_b_proj.weight"]) == 1
+    assert derived.rederive_touched(model, ["0.other.weight"]) == 0
+    assert attn.impl.packed.data_ptr() == packed_ptr and attn.kv_b_proj.weight is weight
+    assert torch.equal(attn.impl.packed, weight.detach().t().float())
+
+
+def test_step_that_changes_a_checkpoint_parameter_is_refused():
+    _, found, _ = _observed(_AmxLikeAttention(fold_into_weight=True))
+    assert list(found.refused) == ["0"] and "0.kv_b_proj.weight" in found.refused["0"], found.refused

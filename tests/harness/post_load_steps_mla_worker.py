@@ -1,0 +1,83 @@
+"""Test-only: MLA engines whose post-load steps make derived tensors copies, or derive one no re-run reproduces.
+
+Why: on vLLM's CPU MLA backend with a bf16 `kv_b_proj`, `W_UV` / `W_UK_T` are views of
+`kv_b_proj.weight`, so in-place deltas reach them whether or not the receiver re-derives them.
+AMX, a quantized `kv_b_proj` and DCP make them real copies. Importing this module (in the engines'
+workers only: `worker_extension_cls=` one of the extensions below) patches vLLM's classes:
+
+- `MLAAttention.process_weights_after_loading` on the layers under `COPIED`: after vLLM's own step,
+  `W_UV` and `W_UK_T` become new Parameters holding copies (as AMX / a dequantized `kv_b_proj`
+  make them), so decode reads only the copies; the other layers keep vLLM's views;
+- with `MODEL_STEP_ENV` set, the model gets a model-level step (as a model plugin may) that
+  derives `MODEL_TENSOR` by accumulating into it: a re-run does not reproduce it, so the engine
+  must refuse updates at startup, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm_delta.engine import derived
+from vllm_delta.engine.worker import DeltaWorkerExtension
+
+EXTENSION = "harness.post_load_steps_mla_worker.MlaStepsWorkerExtension"
+COPIED = "model.layers.0."  # the dense layer's MLA keeps copies; layer 1's (MoE) keeps vLLM's views
+MODEL_STEP_ENV = "DELTA_TEST_MODEL_STEP"
+MODEL_TENSOR = "lm_head_sum"
+
+
+def _patch() -> None:
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from vllm.model_executor.utils import replace_parameter
+
+    stock = MLAAttention.process_weights_after_loading
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        stock(self, act_dtype)
+        if self.layer_name.startswith(COPIED):
+            for name in ("W_UV", "W_UK_T"):
+                replace_parameter(self, name, getattr(self, name).detach().clone())  # a new Parameter, a copy
+
+    MLAAttention.process_weights_after_loading = process_weights_after_loading
+
+    if os.environ.get(MODEL_STEP_ENV):
+        def model_step(self) -> None:
+            w = self.lm_head.weight.detach().float()
+            prev = getattr(self, MODEL_TENSOR, None)
+            setattr(self, MODEL_TENSOR, w if prev is None else prev + w)  # depends on its own last value
+
+        DeepseekV2ForCausalLM.process_weights_after_loading = model_step
+
+
+_patch()
+
+
+class MlaStepsWorkerExtension(DeltaWorkerExtension):
+    """The delta worker extension, in a worker whose MLA layers under `COPIED` keep copies."""
+
+    def mla_discovery(self) -> dict:
+        """What `derived` found at startup: tensors (unit, key, kind, sources), units, refusals."""
+        found = derived.discovery(self.model_runner.get_model())
+        return {"tensors": [(t.unit, t.key, t.kind, t.sources) for t in found.tensors],
+                "units": {u.name: sorted(u.sources) for u in found.units}, "refused": found.refused}
+
+    def mla_pointers(self) -> dict[str, int]:
+        """data_ptr() of every parameter and every derived tensor (CUDA-graph safety)."""
+        model = self.model_runner.get_model()
+        out = {f"param:{n}": p.data_ptr() for n, p in model.named_parameters()}
+        for t in derived.discovery(model).tensors:
+            out[f"derived:{t.unit}.{t.key}"] = derived.reach(model.get_submodule(t.unit))[t.key][3].data_ptr()
+        return out
+
+    def mla_served(self) -> dict[str, str]:
+        """Hashes of the tensors decode and prefill read in each MLA layer (W_UV, W_UK_T, kv_b_proj)."""
+        from vllm_delta.wire import tensor_digest
+
+        model = self.model_runner.get_model()
+        out = {}
+        for t in derived.discovery(model).tensors:
+            out[f"{t.unit}.{t.key}"] = tensor_digest(derived.reach(model.get_submodule(t.unit))[t.key][3])
+        return out

@@ -1,0 +1,352 @@
+"""Derived tensors: what attention layers' and the model's own post-load steps make from weights.
+
+Why: besides the quant methods' steps (`transforms`), vLLM runs each attention layer's
+`process_weights_after_loading(act_dtype)` and the model's own `process_weights_after_loading()`.
+MLA derives `W_UV` / `W_UK_T` from `kv_b_proj` there; the AMX backend keeps VNNI-packed copies
+on its impl and empties `kv_b_proj.weight`; a quantized `kv_b_proj` is dequantized into new
+tensors; DCP all-gathers `W_UK_T`. Where such a tensor is a copy, a delta to its source leaves
+it stale: prefill reads the new `kv_b_proj`, decode the old copy, and every digest passes.
+
+So with delta updates on, each of these steps (a "unit") runs under observation (`observing`):
+a dispatch mode records the storages it reads and writes, and identities show what it binds.
+Every tensor it binds or writes that is not a checkpoint parameter is derived, and is:
+
+- "view": it shares storage with a checkpoint parameter, so in-place deltas reach it;
+- "rederive" / "constant": re-running the step (`rederive`: the step runs, then every result is
+  `copy_`-ed into the storage the engine already reads and every object is put back)
+  reproduces it bit for bit, and then again after each checkpoint parameter the step read is
+  filled with other values and restored; the parameters whose change changed it are its sources
+  (none: a constant, such as default scales). After a commit writes a source, the unit is
+  re-derived in place (`rederive_touched`), so `data_ptr()`s never move (CUDA graphs, RFC #48312);
+- refused: anything else (not reproducible, a new shape, a checkpoint parameter the step
+  changed other than by emptying it), named with its module in `refused`: every update is
+  refused from startup. A checkpoint parameter the step empties (AMX: `kv_b_proj.weight`) gets
+  its loaded tensor back, so deltas land in it and re-derivation reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from vllm_delta.engine.cpu_weights import held_tensors
+
+DISCOVERY_ATTR = "_delta_derived"  # on the model: its `Discovery`
+Step = Callable[[], None]
+
+
+@dataclass
+class DerivedTensor:
+    unit: str  # the module whose step derives it ("" the model)
+    key: str  # relative to the unit: "param:W_UV", "impl.attr:_w_uk_packed", "kv_b_proj.param:weight"
+    kind: str  # "view" | "rederive" | "constant"
+    sources: list[str] = field(default_factory=list)  # checkpoint parameters it is derived from
+
+
+@dataclass
+class Unit:
+    """A post-load step that derives tensors, and how to run it again."""
+
+    name: str
+    module: nn.Module
+    step: Step
+    sources: set[str]  # re-derive when a commit writes any of these
+
+
+@dataclass
+class Discovery:
+    tensors: list[DerivedTensor] = field(default_factory=list)
+    units: list[Unit] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)  # "unit.key" or unit -> why
+
+
+class _Access(TorchDispatchMode):
+    """Storages every op reads, and those it writes (its schema's mutable arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: set[int] = set()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.numel():
+                self.read.add(_storage(t))
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in tree_flatten(value)[0]:
+                    if isinstance(t, torch.Tensor) and t.numel():
+                        self.written.add(_storage(t))
+        return func(*args, **kwargs)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    """Where a tensor's bytes are: a rebound `.data` or a new object moves it."""
+    return (_storage(t) if t.numel() else 0, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _plain(obj: object) -> bool:
+    """An object whose tensor attributes a module's step may set: its attention impl, quant method."""
+    return (hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, torch.Tensor, type))
+            and not callable(obj))
+
+
+Held = dict[str, tuple[object, str, str, torch.Tensor]]  # key -> (owner, kind, attribute, tensor)
+
+
+def reach(unit: nn.Module) -> Held:
+    """Every tensor the unit, its submodules and their plain attribute objects hold, by relative key."""
+    out: Held = {}
+    for sub, m in unit.named_modules():
+        pre = f"{sub}." if sub else ""
+        out.update({pre + key: (m, kind, n, t) for key, (kind, n, t) in held_tensors(m).items()})
+        for attr, obj in vars(m).items():
+            if _plain(obj):
+                out.update({f"{pre}{attr}.attr:{a}": (obj, "attr", a, t)
+                            for a, t in vars(obj).items() if isinstance(t, torch.Tensor)})
+    return out
+
+
+def _tensors(held: Held) -> dict[str, torch.Tensor]:
+    return {k: t for k, (_, _, _, t) in held.items()}
+
+
+def _put_back(owner: object, kind: str, name: str, obj: torch.Tensor) -> None:
+    if kind == "param":
+        owner._parameters[name] = obj  # type: ignore[attr-defined]
+    elif kind == "buffer":
+        owner._buffers[name] = obj  # type: ignore[attr-defined]
+    else:
+        object.__setattr__(owner, name, obj)
+
+
+def rederive(unit: nn.Module, step: Step, keep: Held | None = None) -> None:
+    """Run the step again and put its results into the storage the engine reads, in place.
+
+    Every tensor object the unit holds before is held after, with the same storage: a result
+    the step bound anew is `copy_`-ed into the old tensor (same shape and dtype, or this
+    raises), and objects it replaced (AMX's emptied `kv_b_proj.weight`) are put back.
+    """
+    held = keep if keep is not None else reach(unit)
+    data = {k: _data(t) for k, (_, _, _, t) in held.items()}
+    with torch.no_grad():
+        step()
+        after = _tensors(reach(unit))
+        for key, (owner, kind, name, old) in held.items():
+            new = _data(after.get(key, old))
+            target = data[key]
+            if _signature(new) != _signature(target):
+                if not (kind == "param" and new.numel() == 0 and target.numel()):  # not an emptied param we keep
+                    if new.shape != target.shape or new.dtype != target.dtype:
+                        raise RuntimeError(f"re-running the step changed {key} from {tuple(target.shape)} "
+                                           f"{target.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be "
+                                           "re-derived in place")
+                    target.copy_(new)
+            if after.get(key) is not old:
+                _put_back(owner, kind, name, old)
+            if isinstance(old, nn.Parameter) and old.data.data_ptr() != target.data_ptr():
+                old.data = target  # the step rebound .data of a held Parameter: back to its own storage
+        added = after.keys() - held.keys()
+        if added:
+            raise RuntimeError(f"re-running the step added {sorted(added)}")
+
+
+def _data(t: torch.Tensor) -> torch.Tensor:
+    return t.data if isinstance(t, nn.Parameter) else t
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+def _other_values(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Values unlike `t`'s in every element (a probe fill)."""
+    if t.dtype.is_floating_point:
+        fill = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype)
+        return torch.where(fill == t, fill + 1, fill)
+    if t.dtype == torch.bool:
+        return ~t
+    return t + 1
+
+
+class _Discoverer:
+    """Observes units' steps as vLLM runs them and classifies what they derive."""
+
+    def __init__(self, model: nn.Module, checkpoint_names: set[str]) -> None:
+        self.model, self.checkpoint_names = model, checkpoint_names
+        self.found = Discovery()
+        self._params: dict[str, nn.Parameter] | None = None  # checkpoint parameters, after the quant steps
+
+    def params(self) -> dict[str, nn.Parameter]:
+        """Checkpoint parameters by name, as the quant methods' steps (which run first) left them."""
+        if self._params is None:
+            self._params = {n: p for n, p in self.model.named_parameters() if n in self.checkpoint_names}
+        return self._params
+
+    def checkpoint(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.params().items()}
+
+    def observe(self, name: str, unit: nn.Module, step: Step) -> None:
+        ckpt = self.checkpoint()
+        before = reach(unit)
+        signatures = {k: (id(t), _signature(_data(t))) for k, (_, _, _, t) in before.items()}
+        access = _Access()
+        with access:
+            step()
+        after = _tensors(reach(unit))
+        outputs = [k for k, t in after.items() if signatures.get(k) != (id(t), _signature(_data(t)))
+                   or (t.numel() and _storage(t) in access.written)]
+        try:
+            derived = self._keep_checkpoint_params(before, after, outputs, signatures)
+            if derived:
+                self._classify(name, unit, step, derived, access.read)
+        except _Refused:
+            pass
+        except Exception as exc:
+            self.found.refused[name or "<model>"] = (
+                f"its post-load step derives tensors that cannot be re-derived in place ({type(exc).__name__}: {exc})")
+
+    def _keep_checkpoint_params(self, before: Held, after: dict[str, torch.Tensor], outputs: list[str],
+                                signatures: dict[str, tuple]) -> list[str]:
+        """Outputs that are not checkpoint parameters. A checkpoint parameter the step emptied gets its
+        loaded bytes back (deltas land there and re-derivation reads them); any other change refuses."""
+        ckpt, derived = self.checkpoint(), []
+        for key in outputs:
+            owner, kind, name, old = before.get(key, (None, "", "", None))
+            if old is None or id(old) not in ckpt:
+                derived.append(key)
+                continue
+            if after[key].numel() == 0 and old.numel() and _signature(_data(old)) == signatures[key][1]:
+                _put_back(owner, kind, name, old)  # AMX: its packed copies are derived, the weight emptied
+                continue
+            raise RuntimeError(f"it changes checkpoint parameter {ckpt[id(old)]} ({key})")
+        return derived
+
+    def _classify(self, name: str, unit: nn.Module, step: Step, derived: list[str], read: set[int]) -> None:
+        ckpt, params = self.checkpoint(), self.params()
+        keep = reach(unit)
+        now = _tensors(keep)
+        storages = {_storage(p): n for n, p in params.items() if p.numel()}
+        copies = []
+        for key in derived:
+            t = now[key]
+            if t.numel() and _storage(t) in storages:
+                self.found.tensors.append(DerivedTensor(name, key, "view", [storages[_storage(t)]]))
+            else:
+                copies.append(key)
+        if not copies:
+            return
+        # Candidate sources: checkpoint parameters the step read, and those a layer unit holds (the
+        # model's own step holds every parameter: probing each would cost a re-run per parameter).
+        candidates = {n for s, n in storages.items() if s in read}
+        if name:
+            candidates |= {ckpt[id(t)] for t in now.values() if id(t) in ckpt}
+        reference = {k: now[k].detach().clone() for k in copies}
+        rederive(unit, step, keep)
+        self._expect(name, unit, reference, "re-running it does not reproduce")
+        sources: dict[str, list[str]] = {k: [] for k in copies}
+        gen = torch.Generator().manual_seed(0)
+        for n in sorted(candidates):
+            p = params[n]
+            saved = p.detach().clone()
+            try:
+                with torch.no_grad():
+                    p.data.copy_(_other_values(saved, gen))
+                rederive(unit, step, keep)
+                probed = _tensors(reach(unit))
+                for k in copies:
+                    if not _same(probed[k], reference[k]):
+                        sources[k].append(n)
+            finally:
+                with torch.no_grad():
+                    p.data.copy_(saved)
+            rederive(unit, step, keep)
+        self._expect(name, unit, reference, "re-running it after a probe does not restore")
+        for k in copies:
+            self.found.tensors.append(DerivedTensor(name, k, "rederive" if sources[k] else "constant", sources[k]))
+        used = {n for k in copies for n in sources[k]}
+        if used:
+            self.found.units.append(Unit(name, unit, step, used))
+
+    def _expect(self, name: str, unit: nn.Module, reference: dict[str, torch.Tensor], what: str) -> None:
+        now = _tensors(reach(unit))
+        wrong = [k for k, want in reference.items() if not _same(now[k], want)]
+        for k in wrong:
+            self.found.refused[f"{name}.{k}" if name else k] = (
+                f"derived by the post-load step of {name or 'the model'}; {what} it bit for bit")
+        if wrong:
+            raise _Refused()
+
+
+class _Refused(Exception):
+    """Raised after recording refusals, to stop classifying the unit."""
+
+
+def _units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    for name, module in model.named_modules():
+        if is_deferred_attention_layer(module):
+            yield name, module
+
+
+@contextlib.contextmanager
+def observing(model: nn.Module) -> Iterator[Discovery]:
+    """Observe each attention layer's and the model's own post-load step while vLLM runs them."""
+    found = _Discoverer(model, {n for n, _ in model.named_parameters()})
+    shadowed: list[nn.Module] = []
+
+    def shadow(name: str, module: nn.Module) -> None:
+        real = module.process_weights_after_loading
+
+        @functools.wraps(real)
+        def observed(*args, **kwargs) -> None:
+            found.observe(name, module, functools.partial(real, *args, **kwargs))
+
+        module.process_weights_after_loading = observed  # type: ignore[method-assign]
+        shadowed.append(module)
+
+    for name, module in _units(model):
+        shadow(name, module)
+    if hasattr(model, "process_weights_after_loading"):
+        shadow("", model)
+    try:
+        yield found.found
+    finally:
+        for module in shadowed:
+            vars(module).pop("process_weights_after_loading", None)
+        setattr(model, DISCOVERY_ATTR, found.found)
+
+
+def discovery(model: nn.Module) -> Discovery:
+    return getattr(model, DISCOVERY_ATTR, None) or Discovery()
+
+
+def refused(model: nn.Module) -> dict[str, str]:
+    """{module.tensor (or module): why} for derived tensors that cannot be kept exact: updates are refused."""
+    return dict(discovery(model).refused)
+
+
+def rederive_touched(model: nn.Module, written: Iterable[str]) -> int:
+    """Re-derive, in place, every unit a commit wrote a source of; returns how many."""
+    names = set(written)
+    count = 0
+    for unit in discovery(model).units:
+        if unit.sources & names:
+            rederive(unit.module, unit.step)
+            count += 1
+    return count
