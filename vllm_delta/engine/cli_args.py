@@ -5,7 +5,7 @@ server turns the parsed args into engine args and starts the engine processes be
 plugin runs, so the worker extension and the environment the workers read are set here.
 Argparse has no post-parse hook, so what can only be judged on the whole command line (the root
 is given, no later `--worker-extension-cls` replaced ours, the server is not open to anyone who
-reaches its port, one API server and one engine) is checked by `check_args`. It runs as soon as the
+reaches its port, one API server, every DP engine behind it) is checked by `check_args`. It runs as soon as the
 command line is parsed (see `check_after_parsing`), so a bad one stops `vllm serve` before any
 engine starts; the route plugin checks again when the app is built.
 """
@@ -124,6 +124,7 @@ def check_after_parsing(parser: argparse.ArgumentParser) -> None:
         namespace, rest = parse(args, namespace)
         try:
             check_args(namespace)
+            check_api_server_default(namespace)
             check_store(namespace)
         except ValueError as exc:
             parser.error(str(exc))
@@ -136,6 +137,44 @@ def check_after_parsing(parser: argparse.ArgumentParser) -> None:
 EPLB_REFUSAL = ("delta updates cannot run with --enable-eplb: EPLB moves experts between physical slots "
                 "while the engine serves, and the placement learned at startup would then write an expert's "
                 "changes into another expert's slot. Run without EPLB.")
+
+
+# Why one API server: the kernel hands each connection to any of them (one shared listening socket),
+# and each holds its own update lock, version, fault and startup-refusal state (engine/routes.py
+# DeltaUpdater), so two updates could interleave on the workers (each prepare replaces the staged one),
+# and one server's resume could un-pause another's failed commit on every engine.
+API_SERVERS_REFUSAL = ("--enable-delta-updates cannot run with --api-server-count {}: each API server process "
+                       "holds its own update lock, version and fault state while connections reach any of them, "
+                       "so two updates could interleave on the workers and one server's resume could un-pause "
+                       "another's failed commit. Use --api-server-count 1.")
+# The load-balancing modes in which a server reaches only some DP engines (vllm/entrypoints/cli/serve.py).
+DP_LB_FLAGS = {"data_parallel_external_lb": "--data-parallel-external-lb",
+               "data_parallel_hybrid_lb": "--data-parallel-hybrid-lb",
+               "data_parallel_multi_port_external_lb": "--data-parallel-multi-port-external-lb",
+               "data_parallel_rank": "--data-parallel-rank", "data_parallel_start_rank": "--data-parallel-start-rank"}
+
+
+def check_data_parallel(args: argparse.Namespace) -> None:
+    """`--data-parallel-size N` only with vLLM's internal load balancer, where our one API server reaches
+    every DP engine (engine/replicas.py); in the other modes each server manages a subset of them."""
+    if (getattr(args, "data_parallel_size", None) or 1) <= 1:
+        return
+    given = [flag for dest, flag in DP_LB_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
+    if given:
+        raise ValueError(f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size} needs vLLM's "
+                         f"internal load balancer, not {given[0]}: there each API server reaches only its own DP "
+                         "engines, so an update would leave the other replicas on old weights (untested)")
+
+
+def check_api_server_default(args: argparse.Namespace) -> None:
+    """At parse time: with --data-parallel-size N and no --api-server-count, vLLM starts N API servers
+    (vllm/entrypoints/cli/serve.py defaults api_server_count to data_parallel_size); ask for one."""
+    if not getattr(args, "enable_delta_updates", False) or getattr(args, "headless", False):
+        return
+    if (getattr(args, "data_parallel_size", None) or 1) > 1 and getattr(args, "api_server_count", None) is None:
+        raise ValueError(f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size}: pass "
+                         f"--api-server-count 1 (vLLM would start {args.data_parallel_size} API servers; "
+                         + API_SERVERS_REFUSAL.format(args.data_parallel_size).split(": ", 1)[1] + ")")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -151,13 +190,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("the `delta` weight-transfer backend and --enable-delta-updates cannot serve the same "
                          "engine: choose one (each door would keep its own version of the same weights)")
     if (getattr(args, "api_server_count", None) or 1) > 1:
-        raise ValueError(f"--enable-delta-updates cannot run with --api-server-count {args.api_server_count}: "
-                         "each API server process would hold its own update lock, and one server's resume "
-                         "could un-pause another's commit. Use one API server per engine.")
-    if (getattr(args, "data_parallel_size", None) or 1) > 1:
-        raise ValueError(f"--enable-delta-updates cannot run with --data-parallel-size {args.data_parallel_size}: "
-                         "an update's result would come back from the first engine only, hiding the other "
-                         "replicas' failures. Run one server per replica.")
+        raise ValueError(API_SERVERS_REFUSAL.format(args.api_server_count))
+    check_data_parallel(args)
     if getattr(args, "enable_eplb", False):
         raise ValueError(EPLB_REFUSAL)
     if not api_keys(args) and not dev_mode() and not loopback_only(args):

@@ -28,6 +28,7 @@ from vllm_delta.engine.cli_args import DEFAULT_MAX_BODY_BYTES, PLUGIN_NAME, api_
 from vllm_delta.engine.digests import check_partials, mismatches
 from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.metrics import delta_metrics
+from vllm_delta.engine.replicas import by_replica, rank_id, rpc_all
 from vllm_delta.wire.errors import DeltaError
 from vllm_delta.engine.request import (CollectiveInitRequest, DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
                                        check_collective, read_body, resolve_version_dir, store_version_key)
@@ -129,18 +130,15 @@ class DeltaUpdater:
                 prepared = await self._prepare(req)
                 prepare_s, tokens_after = perf_counter() - started, generation_tokens()
                 if failed := next((r for r in prepared if not r.get("ok")), None):
-                    raise UpdateError.from_worker(failed)
-                try:  # the ranks' partial digests of the changed positions, before any write
-                    check_partials(prepared)
-                except DeltaError as exc:
-                    raise UpdateError(exc.http_status, type(exc).__name__, exc.reason, param=exc.param) from None
+                    raise with_ranks(UpdateError.from_worker(failed), prepared)
+                check_replicas(prepared)  # each replica's partial digests of the changed positions, before any write
             except BaseException:  # a refusal, or the client went away mid-prepare
                 await self._abort(req["id"])  # ranks that did prepare drop their staged state
                 raise
             committed, pause_s = await self._commit(req["id"], pause=prepared[0]["total_changed"] > 0,
                                                     anchor=all(r.get("anchor") for r in prepared))
         if failed := next((r for r in committed if not r.get("ok")), None):
-            raise UpdateError.from_worker(failed)
+            raise with_ranks(UpdateError.from_worker(failed), committed)
         tokens = None if tokens_before is None or tokens_after is None else tokens_after - tokens_before
         return {**summarize(prepared, committed, pause_s), "prepare_s": prepare_s, "tokens_during_prepare": tokens}
 
@@ -163,13 +161,17 @@ class DeltaUpdater:
             await asyncio.sleep(PREPARE_POLL_S)
 
     async def _ensure_peers(self) -> None:
-        """Once: every rank learns which elements lower ranks hold, so digests count each once."""
+        """Once: every rank learns which elements lower ranks of its replica hold, so digests count each
+        once per replica (each DP replica holds the whole model and is checked on its own)."""
         if not self._peers_set:
-            coverages = await self._rpc("delta_coverage")
-            checked = await self._rpc("delta_set_peers", coverages)
-            if not checked[0]["coverage"]["ok"]:
-                logger.error("delta updates: placement coverage check failed; updates are refused: %s",
-                             checked[0]["coverage"]["errors"])
+            replicas = by_replica(await self._rpc("delta_coverage"))
+            if len(replicas) == 1:
+                checked = await self._rpc("delta_set_peers", next(iter(replicas.values())))
+            else:
+                checked = await self._rpc("delta_set_peers", [], [[dp, group] for dp, group in replicas.items()])
+            for bad in (c for c in checked if not c["coverage"]["ok"]):
+                logger.error("delta updates: placement coverage check failed on %s; updates are refused: %s",
+                             rank_id(bad), bad["coverage"]["errors"])
             self._peers_set = True
 
     async def verify(self) -> dict[str, Any]:
@@ -177,11 +179,16 @@ class DeltaUpdater:
         async with self._lock:
             await self._ensure_peers()
             replies = await self._rpc("delta_verify")
-        checked, bad = mismatches(replies)
-        hash_bad = sorted({n for r in replies for n in r["hash_mismatched"]})
-        return {"ok": not bad and not hash_bad, "digests_checked": checked, "digest_mismatched": [b[0] for b in bad],
-                "hashes_checked": sum(r["hash_checked"] for r in replies), "hash_mismatched": hash_bad,
-                "verify_s": max(r["verify_s"] for r in replies)}
+        replicas = []
+        for dp, group in by_replica(replies).items():  # each replica against the digests on its own
+            checked, bad = mismatches(group)
+            replicas.append({"dp": dp, "digests_checked": checked, "digest_mismatched": [b[0] for b in bad],
+                             "hash_mismatched": sorted({n for r in group for n in r["hash_mismatched"]})})
+        digest_bad = sorted({n for r in replicas for n in r["digest_mismatched"]})
+        hash_bad = sorted({n for r in replicas for n in r["hash_mismatched"]})
+        return {"ok": not digest_bad and not hash_bad, "digests_checked": sum(r["digests_checked"] for r in replicas),
+                "digest_mismatched": digest_bad, "hashes_checked": sum(r["hash_checked"] for r in replies),
+                "hash_mismatched": hash_bad, "verify_s": max(r["verify_s"] for r in replies), "replicas": replicas}
 
     async def _commit(self, req_id: str, pause: bool, anchor: bool = False) -> tuple[list[dict], float]:
         """Commit, pausing generation (and dropping the now stale prefix cache) around it.
@@ -216,6 +223,9 @@ class DeltaUpdater:
         """Every worker joins the trainer's group (each worker is rank `rank_offset + its rank`)."""
         check_collective(body.master_addr, self.collective_trainers)
         ranks = await self._rpc("delta_status")
+        if len(by_replica(ranks)) > 1:  # each worker would join as rank_offset + its rank in its own replica
+            raise UpdateError(400, "InvalidRequest", "the collective transport cannot serve data-parallel "
+                              "replicas: their workers would take the same group ranks; use a disk or store root")
         if body.world_size != body.rank_offset + len(ranks):
             raise UpdateError(400, "InvalidRequest", f"world_size {body.world_size} != rank_offset "
                               f"{body.rank_offset} + {len(ranks)} engine ranks")
@@ -248,7 +258,7 @@ class DeltaUpdater:
                 "weight_version": await self.engine.get_weight_version(),
                 "healthy": not dirty and agree and self.fault is None and not self.refused, "dirty_reasons": dirty,
                 "fault": self.fault, "placement": placement_summary([r["placement"] for r in ranks]),
-                "last": ranks[0]["last"], "ranks": ranks}
+                "last": ranks[0]["last"], "ranks": ranks, "replicas": replica_status(ranks)}
 
     async def _abort(self, req_id: str) -> None:
         """Drop a prepared update on every rank; a failure here must not hide the first error."""
@@ -258,9 +268,10 @@ class DeltaUpdater:
             pass  # _rpc logged it
 
     async def _rpc(self, method: str, *args: Any) -> list[dict]:
-        """Call every worker; an exception there (not a reported failure) is a 500."""
+        """Call every worker of every DP replica (replies tagged `dp`); an exception there (not a
+        reported failure) is a 500."""
         try:
-            return await self.engine.collective_rpc(method, args=args)
+            return await rpc_all(self.engine, method, args)
         except Exception as exc:
             logger.exception("delta updates: %s failed on a worker", method)
             raise UpdateError(500, "EngineError", f"{method} failed on a worker: {exc}") from exc
@@ -296,7 +307,36 @@ def fault_of(failed: list[dict]) -> dict[str, Any]:
     return {"version": next((f["version"] for f in faults if "version" in f), None),
             "failed_at": next((f["failed_at"] for f in faults if f.get("failed_at")), None),
             "suspect": sorted({n for f in faults for n in f.get("suspect", [])}),
-            "ranks": [r.get("rank") for r in failed]}
+            "ranks": [rank_id(r) for r in failed]}
+
+
+def check_replicas(prepared: list[dict]) -> None:
+    """Each DP replica's partial digests add up to the manifest on their own (a 4xx naming the replica if not)."""
+    replicas = by_replica(prepared)
+    for dp, group in replicas.items():
+        try:
+            check_partials(group)
+        except DeltaError as exc:
+            where = f"dp{dp}: " if len(replicas) > 1 else ""
+            raise with_ranks(UpdateError(exc.http_status, type(exc).__name__, where + exc.reason, param=exc.param),
+                             prepared) from None
+
+
+def with_ranks(err: UpdateError, replies: list[dict]) -> UpdateError:
+    """`err` with every rank's outcome (`dp<i>:rank<r>` -> ok, status), so a client sees which replica refused."""
+    err.error["ranks"] = {rank_id(r): {"ok": bool(r.get("ok")), "status": r.get("status", 200 if r.get("ok") else 500)}
+                          for r in replies}
+    return err
+
+
+def replica_status(ranks: list[dict]) -> list[dict[str, Any]]:
+    """Per DP replica: its version (None if its ranks disagree) and whether it is clean."""
+    out = []
+    for dp, group in by_replica(ranks).items():
+        versions = {r["version"] for r in group}
+        out.append({"dp": dp, "version": versions.pop() if len(versions) == 1 else None,
+                    "dirty": any(r["dirty"] for r in group), "ranks": len(group)})
+    return out
 
 
 def summarize(prepared: list[dict], committed: list[dict], pause_s: float) -> dict[str, Any]:
@@ -315,6 +355,8 @@ def summarize(prepared: list[dict], committed: list[dict], pause_s: float) -> di
         "replay": all(r["replay"] for r in prepared),
         "fallback": sorted({name for r in prepared for name in r["fallback"]}),
         "ranks": ranks,
+        "replicas": [{"dp": dp, "version": group[0]["version"], "ranks": len(group)}
+                     for dp, group in by_replica(committed).items()],
     }
 
 

@@ -36,6 +36,12 @@ logger = logging.getLogger(__name__)
 # for real at that live tensor (its destination is swapped for an empty one, so the scatter raises
 # after the tensors before it were written). Unset in production; the real-engine fault test sets it.
 FAULT_ENV = "VLLM_DELTA_TEST_FAULT_AT"
+# vLLM keeps data_parallel_size > 1 inside an engine only for MoE models (DPEngineCoreProc; dense DP
+# ranks run as DP=1, v1/engine/core.py run_engine_core), whose experts are split across the DP ranks.
+DP_MOE_REFUSAL = ("a MoE model under --data-parallel-size > 1: vLLM splits its experts across the DP engines "
+                  "(EP, or TP across DP), so no replica holds the whole model and its digests cannot be checked "
+                  "on their own; untested, as vLLM 0.32's CPU build cannot run it (all_gatherv raises "
+                  "NotImplementedError in distributed/device_communicators/base_device_communicator.py)")
 
 
 def prepare_threads() -> int:
@@ -124,6 +130,10 @@ class DeltaWorkerExtension:
 
     def _delta_rank(self) -> int:
         return int(getattr(self, "rank", 0))
+
+    def _delta_dp(self) -> int:
+        """vLLM's `data_parallel_index`: this engine's DP rank (unlike `data_parallel_rank`, kept for dense models)."""
+        return int(getattr(getattr(self.vllm_config, "parallel_config", None), "data_parallel_index", 0))
 
     def delta_prepare_start(self, request: dict[str, Any]) -> dict[str, Any]:
         """Start `delta_prepare` on a background thread and return at once.
@@ -247,8 +257,13 @@ class DeltaWorkerExtension:
                 "map_errors": check_map(applier._load_weights, live_params(applier.model), placements,
                                         applier.checkpoint)}
 
-    def delta_set_peers(self, coverages: list[dict[str, Any]]) -> dict[str, Any]:
-        """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`)."""
+    def delta_set_peers(self, coverages: list[dict[str, Any]], replicas: list | None = None) -> dict[str, Any]:
+        """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`).
+
+        `replicas`: under data parallelism, [dp index, its ranks' replies] pairs; this rank takes its
+        own replica's (each holds the whole model, so each is counted and checked on its own)."""
+        if replicas:
+            coverages = dict((int(dp), group) for dp, group in replicas)[self._delta_dp()]
         ordered = [c["coverage"] for c in sorted(coverages, key=lambda c: c["rank"])]
         applier = self._delta().applier
         applier.ownership = Ownership.from_coverages(ordered, self._delta_rank())
@@ -349,7 +364,10 @@ class DeltaWorkerExtension:
     def delta_probe(self) -> dict[str, Any]:
         """Learn the placement now (the route asks at startup, so the first update does not pay)."""
         self._delta().applier.placements
-        return self._delta().applier.placement_status()
+        status = self._delta().applier.placement_status()
+        if getattr(getattr(self.vllm_config, "parallel_config", None), "data_parallel_size", 1) > 1:
+            status["refused"] = {**(status["refused"] or {}), "(data parallel)": DP_MOE_REFUSAL}
+        return status
 
     def delta_abort(self, request_id: str) -> None:
         preparing = self._delta().preparing
