@@ -108,15 +108,16 @@ def memcpy_s(weights: dict[str, torch.Tensor], threads: int) -> float:
     return min(times)
 
 
-def _ab_medians(fa, fb, repeats: int = REPEATS) -> tuple[float, float]:
-    """Medians of `fa` and `fb` timed alternately (a, b, a, b, ...): both see the same load."""
-    ta, tb = [], []
+def _interleaved_medians(*fns, repeats: int = REPEATS) -> list[float]:
+    """Medians of each of `fns` timed in turn (a, b, c, a, b, c, ...), so all see the same load. A
+    function that returns a float has timed itself (memcpy: its best of 5)."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, times in ((fa, ta), (fb, tb)):
+        for fn, ts in zip(fns, times):
             t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
+            r = fn()
+            ts.append(r if isinstance(r, float) else time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 def _kernel(flag: str, fn):
@@ -135,8 +136,8 @@ def _digests(cap) -> list:
 
 
 def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None) -> dict:
-    """Scan + encode vs memcpy at 1 thread and at every core; phases timed one by one. The scan is
-    timed with the fused CPU kernel and with the torch path forced, alternately, in the same run."""
+    """Scan + encode vs memcpy at 1 thread and at every core. The memcpy, the scan with the fused
+    CPU kernel and with the torch path forced, and the encode are timed in turn, repeat by repeat."""
     snapshot = {n: t.clone() for n, t in weights.items()}
     shards = [Shard.whole(n, t) for n, t in weights.items()]
     producer = Producer(snapshot="device")
@@ -152,8 +153,6 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
         from vllm_delta import diff as diff_mod
 
         diff_mod._pool = None  # the diff's thread pool follows torch's thread count
-        base = memcpy_s(weights, threads)
-        torch.set_num_threads(threads)
         pos = {}
         diff_s = _median_s(lambda: pos.update({n: changed_positions(t, snapshot[n]) for n, t in weights.items()}))
         gathered = {}
@@ -168,11 +167,8 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
             return _kernel(flag, lambda: caps.__setitem__(flag, producer.scan(shards, kind="delta", anchor=False)))
 
         scan("1")(), scan("0")()  # warm: the kernel's first call loads its compiled code
-        scan_torch_s, scan_s = _ab_medians(scan("0"), scan("1"))
         assert _digests(caps["0"]) == _digests(caps["1"]), "the kernel and the torch path disagree"
         cap = caps["1"]
-        flat_torch_s, flat_s = _ab_medians(_kernel("0", flat.scan), _kernel("1", flat.scan))
-        flat_ops = flat.ops()
         wire = []
 
         def encode() -> None:
@@ -184,7 +180,12 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
             b.manifest()
             wire.append(b.wire_bytes)
 
-        encode_s = _median_s(encode)
+        # memcpy, both scans of both layouts and the encode in turn: one load for every ratio
+        base, scan_torch_s, scan_s, flat_torch_s, flat_s, encode_s = _interleaved_medians(
+            lambda: memcpy_s(weights, threads), scan("0"), scan("1"), _kernel("0", flat.scan),
+            _kernel("1", flat.scan), encode)
+        torch.set_num_threads(threads)
+        flat_ops = flat.ops()
         out["threads"][threads] = {
             "memcpy_s": base, "memcpy_gbps": nbytes / base / 1e9, "diff_s": diff_s, "gather_s": gather_s,
             "digest_s": digest_s, "scan_s": scan_s, "encode_s": encode_s, "changed": cap.changed,
