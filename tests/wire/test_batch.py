@@ -107,6 +107,27 @@ def test_batched_equals_per_param_path_and_the_new_weights(tmp_path, monkeypatch
         assert {d.name: d.count for d in fast}["e0"] == 0 and any(d.skipped for d in fast)
 
 
+def test_batches_and_a_param_past_a_batch(tmp_path, monkeypatch):
+    # Batches of at most 40 entries: several batches, and params past one go to the per-param path.
+    old = model(12)
+    new = step(old, 0.1, seed=4)
+    path = write(tmp_path / "d", old, new, "ulp_zstd")
+    slow_params, plans = [], []
+    real_decode, real_plan = flush._decode_blocked, flush._plan_blocked
+    with monkeypatch.context() as m:
+        m.setattr(batch, "BATCH_ENTRIES", 40)
+        m.setattr(flush, "_decode_blocked", lambda enc, s, d, p, **k: slow_params.extend(x[0].name for x in p)
+                  or real_decode(enc, s, d, p, **k))
+        m.setattr(flush, "_plan_blocked", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
+        fast = decode(path)
+    per_param_path(monkeypatch)
+    slow = decode(path)
+    for a, b in zip(fast, slow, strict=True):
+        same(a, b)
+    past = sorted(d.name for d in slow if d.count > 40)
+    assert past and sorted(slow_params) == past and len(plans) == 1  # planned once, for those alone
+
+
 class _Counting:
     """A zstd decompressor that counts what is asked of it. A wrapper, not a subclass: freeing an
     instance of a Python subclass of python-zstandard's C type corrupts the heap."""
@@ -202,8 +223,10 @@ DAMAGE = {  # n: the decoded size the index gives the frame
 }
 
 
+@pytest.mark.parametrize("batch_entries", [batch.BATCH_ENTRIES, 100])
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_hostile_frames_fail_alike_on_both_paths(tmp_path, monkeypatch, damage):
+def test_hostile_frames_fail_alike_on_both_paths(tmp_path, monkeypatch, damage, batch_entries):
+    monkeypatch.setattr(batch, "BATCH_ENTRIES", batch_entries)  # small: e3 sits in a later batch
     old = model(6)
     path = write(tmp_path / "d", old, step(old, 0.3, seed=3), "ulp_zstd")
     _retouched(path, "e3", "sign", DAMAGE[damage])

@@ -28,7 +28,7 @@ from .dtypes import DType
 from .encodings import Encoding, GapPlanes, Gaps, RawValues, UlpSteps, ValuePlanes
 from .errors import DeltaError
 
-BATCH_ENTRIES = 1 << 20  # decoded entries per batch: bounds the batch's temporaries (~50 MB)
+BATCH_ENTRIES = 1 << 19  # decoded entries per batch: bounds its temporaries (about 100 B an entry)
 
 
 class Fallback(Exception):
@@ -380,8 +380,9 @@ class _Batch:
 
 
 def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned: Mapping | None,
-           make: Callable, fallback: Callable[[int], Iterator]) -> Iterator:
-    """Decode the params a batch at a time; on `Fallback` hand param `p` onward to `fallback(p)`.
+           make: Callable, fallback: Callable[[int, int], Iterator]) -> Iterator:
+    """Decode the params a batch at a time; a batch this path does not take, and a param larger than
+    a batch, go to `fallback(p, q)` (the per-param path for params p..q-1), then on to the next batch.
 
     `make(p, positions, values, skipped, bounds, blocks)` builds param p's delta from torch views.
     """
@@ -393,7 +394,11 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
     nparams = len(ix.names)
     p = 0
     while p < nparams:
-        q = p + max(1, int(np.searchsorted(np.cumsum(per_param[p:]), BATCH_ENTRIES, side="right")))
+        q = p + int(np.searchsorted(np.cumsum(per_param[p:]), BATCH_ENTRIES, side="right"))
+        if q == p:  # one param past a batch: its own decode holds no more than the per-param path's
+            yield from fallback(p, p + 1)
+            p += 1
+            continue
         a, b = int(ix.row0[p]), int(ix.row0[q])
         rows = a + np.flatnonzero(mask[a:b])
         try:
@@ -401,8 +406,9 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
             pos = batch.positions(enc)
             vals = batch.values(enc)
         except Fallback:
-            yield from fallback(p)
-            return
+            yield from fallback(p, q)
+            p = q
+            continue
         sizes = per_param[p:q].tolist()
         edges = np.concatenate(([0], np.cumsum(per_param[p:q]))).tolist()
         pos_t = torch.from_numpy(pos)

@@ -411,12 +411,14 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *,
                           bounds=bounds, blocks=nblocks)
 
     del pmeta
+    plans: list = []
 
-    def fallback(i: int) -> Iterator[ParamDelta]:
-        with container.paused_gc():
-            pmeta = _BLOCKED_LIST.validate_python(meta_json(meta, "params", file=file))
-            plans = _plan_blocked(smeta, data, pmeta, file=file, expected=expected)
-        return _decode_blocked(enc, smeta, data, plans[i:], file=file, owned=owned)
+    def fallback(i: int, j: int) -> Iterator[ParamDelta]:
+        if not plans:
+            with container.paused_gc():
+                again = _BLOCKED_LIST.validate_python(meta_json(meta, "params", file=file))
+                plans.extend(_plan_blocked(smeta, data, again, file=file, expected=expected))
+        return _decode_blocked(enc, smeta, data, plans[i:j], file=file, owned=owned)
 
     return batch.decode(enc, index, data, owned, make, fallback)
 
