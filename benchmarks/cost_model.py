@@ -109,13 +109,14 @@ def _point(layers: int, experts: int, densities: tuple[float, ...], repeats: int
 
 
 def fit(rows: list[dict[str, Any]], part: str, columns: tuple[str, ...]) -> dict[str, float]:
-    """Least squares of `part` seconds on `columns`, with coefficients held >= 0 (a negative one is
+    """Least squares of `part` seconds on `columns` in relative terms (each row weighted by 1/seconds,
+    so the small points count as much as the large), with coefficients held >= 0 (a negative one is
     noise: it is dropped and the rest refitted)."""
     active = list(columns)
     y = np.array([r[part] for r in rows])
     while True:
         x = np.array([[r[c] for c in active] for r in rows], dtype=float)
-        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        coef = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)[0]
         if (coef >= 0).all() or len(active) == 1:
             break
         active.pop(int(np.argmin(coef)))
@@ -181,7 +182,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="+", default=[6, 14])
     ap.add_argument("--experts", type=int, nargs="+", default=[40, 160])
-    ap.add_argument("--densities", type=float, nargs="+", default=[0.005, 0.02])
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.005, 0.02, 0.1])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--count-true", action="store_true", help="also GLM-4.7's 92 x 160 (44,189 tensors) at 2%%")

@@ -334,7 +334,7 @@ def main() -> None:
     if a.cost_model:
         from benchmarks.cost_model import cost_model
 
-        model_fit = cost_model([6, 14], [40, 160], (0.005, 0.02), repeats=3, count_true=True)
+        model_fit = cost_model([6, 14], [40, 160], (0.005, 0.02, 0.1), repeats=3, count_true=True)
         print(json.dumps({k: v for k, v in model_fit.items() if k != "rows"}), flush=True)
     for model in [] if a.skip_full_shape else a.models:
         for layout in a.layouts:
