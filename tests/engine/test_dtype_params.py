@@ -131,6 +131,45 @@ def test_an_overwrite_converts_as_the_loader_does(tmp_path, dtypes):
     assert same_bits(m, loaded(new, *dtypes)) == []
 
 
+def with_digests(path: Path, old, new) -> Path:
+    """The manifest with additive pre/post digests of the changed positions, from the checkpoints."""
+    from vllm_delta.wire import load_manifest, write_manifest
+    from vllm_delta.wire.additive import partial_sum, to_hex
+
+    manifest = load_manifest(path)
+    params = []
+    for p in manifest.params:
+        a, b = old[p.name].reshape(-1), new[p.name].reshape(-1)
+        pos = torch.nonzero(a.view(torch.uint8).view(a.numel(), -1).ne(b.view(torch.uint8).view(b.numel(), -1))
+                            .any(1)).squeeze(1)
+        params.append(p.model_copy(update={"pre_digest": to_hex(partial_sum(pos, a[pos])),
+                                           "post_digest": to_hex(partial_sum(pos, b[pos]))}))
+    write_manifest(path, manifest.model_copy(update={"params": params}))
+    return path
+
+
+@pytest.mark.parametrize("w_dtype,ok", [(torch.float32, True), (torch.float16, False)], ids=["fp32", "fp16"])
+def test_a_pre_digest_is_checked_only_where_the_served_values_convert_back(tmp_path, w_dtype, ok):
+    """fp16 rounds bf16's small values: a pre_digest summed on them would call the engine off its base."""
+    from vllm_delta.engine.digests import check_partials
+
+    old = checkpoint(0)
+    old["w"].view(-1)[::7] = torch.tensor(3e-6).to(torch.bfloat16)  # below fp16's normal range: rounded there
+    new = stepped(old)
+    m = loaded(old, torch.int32, w_dtype)
+    delta = with_digests(write(tmp_path / "d", old, new, ["ids", "w"], "indices"), old, new)
+    applier = DeltaApplier(m, CHECKPOINT)
+    if not ok:
+        with pytest.raises(DtypeMismatchError, match="pre_digest cannot be checked") as err:
+            applier.prepare(delta, version=1, base_version=0, current_version=0)
+        assert err.value.http_status == 422 and err.value.param == "w"
+        return
+    staged = applier.prepare(delta, version=1, base_version=0, current_version=0)
+    assert check_partials([{"digests": staged.digests, "expected": staged.expected}]) == 4
+    applier.commit(staged)
+    assert same_bits(m, loaded(new, torch.int32, w_dtype)) == []
+
+
 # ---- heavy: a real engine served as float16 ------------------------------------------------------
 
 
@@ -169,7 +208,7 @@ def test_engine_served_as_float16_matches_a_fresh_load(tiny_model_factory, tmp_p
     assert not refused["ok"] and refused["status"] == 422, refused
     assert refused["error"]["type"] == "DtypeMismatchError" and refused["error"]["param"], refused
     assert "float16" in refused["error"]["message"], refused
-    assert unchanged == base_sums
+    assert unchanged == base_sums and base_sums != reference
     assert prepared["ok"] and prepared["fallback"] == [] and committed["ok"], (prepared, committed)
     assert [n for n in reference[0] if applied[0][n] != reference[0][n]] == []
     assert applied_out == reference_out

@@ -285,6 +285,9 @@ class DeltaApplier:
             if any(want):
                 sums.want(delta.name, want)
             placement = self.placements[delta.name]
+            if want[0] and not placement.fallback_reason:  # the pre_digest is summed on served values cast back
+                for seg in placement.segments:
+                    _check_resolvable(seg.target, self.targets[seg.target].dtype, delta, "its pre_digest", "checked")
             if placement.fallback_reason:
                 fallback.append(delta.name)
                 acc = [None, None] if any(want) else None
@@ -640,13 +643,16 @@ def _run(idx: torch.Tensor) -> torch.Tensor | slice:
     return idx
 
 
-def _check_resolvable(target: str, served: torch.dtype, delta: ParamDelta) -> None:
-    """Refuse (422, before any write) a base-relative step on values that do not convert back exactly.
+def _check_resolvable(target: str, served: torch.dtype, delta: ParamDelta, what: str = "a base-relative step",
+                      done: str = "resolved") -> None:
+    """Refuse (422, before any write) a base-relative step, or a pre_digest, on served values that do
+    not convert back to the checkpoint's exactly.
 
-    Why: the step is resolved on the served value cast to the delta's dtype. That recovers the
-    checkpoint's bits only where the served dtype holds every value of the checkpoint's exactly:
-    the same dtype, or a float at least as precise with at least its range (bf16 or fp16 served
-    as float32). Not for bf16 <-> fp16, a narrower float, or any integer of another dtype.
+    Why: the step is resolved (the pre_digest summed) on the served value cast to the delta's
+    dtype. That recovers the checkpoint's bits only where the served dtype holds every value of the
+    checkpoint's exactly: the same dtype, or a float at least as precise with at least its range
+    (bf16 or fp16 served as float32). Not for bf16 <-> fp16 (fp16 rounds bf16's small values), a
+    narrower float, or any integer of another dtype.
     """
     sent = delta.dtype
     if served == sent:
@@ -655,9 +661,9 @@ def _check_resolvable(target: str, served: torch.dtype, delta: ParamDelta) -> No
         a, b = torch.finfo(served), torch.finfo(sent)
         if a.eps <= b.eps and a.max >= b.max and a.tiny * a.eps <= b.tiny * b.eps:
             return
-    raise DtypeMismatchError(f"{target} is served as {served}, the delta's values are {sent}: a base-relative "
-                             "step cannot be resolved exactly on the served values (send an overwrite encoding)",
-                             param=delta.name)
+    hint = "send an overwrite encoding" if done == "resolved" else "send it without pre digests"
+    raise DtypeMismatchError(f"{target} is served as {served}, the delta's values are {sent}: {what} cannot be "
+                             f"{done} exactly on the served values ({hint})", param=delta.name)
 
 
 class StagingBoundError(IncompatibleDeltaError):
