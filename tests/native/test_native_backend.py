@@ -205,8 +205,9 @@ def prepare_while_serving(served, trainer, root: Path, run: dict) -> None:
 
 def commit_fault_then_anchor(served, model_dir: Path, root: Path, run: dict) -> None:
     """A commit that fails for real part-way (the armed test fault): 500 naming the tensor, generation
-    stays paused and the engine unhealthy; vLLM's update session is closed all the same (its finish
-    leaves it open when ours raises), so a full anchor of the checkpoint can start one and repair it."""
+    stays paused and the engine unhealthy; vLLM's update session is closed all the same (vLLM 0.32's
+    finish would leave it open had ours raised), so a full anchor of the checkpoint can start one
+    and repair it."""
     version = status(served.url)["version"]
     new = {n: t.clone() for n, t in run["states"][-1].items()}
     ulp_step(new, seed=version)

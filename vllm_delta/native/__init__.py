@@ -12,6 +12,3 @@ BACKEND = "delta"
 # The only directory the `delta` backend reads deltas from, as the engine processes see it.
 # `--delta-updates-root` exports it; without the CLI patch, set it in the environment.
 ROOT_ENV = "VLLM_DELTA_UPDATES_ROOT"
-# The `update_info` key by which our front end names a finished background prepare to vLLM's
-# `update_weights` (native/worker_engine: that call then only makes the ranks agree).
-STAGED_KEY = "delta_prepared"

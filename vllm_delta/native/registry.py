@@ -31,7 +31,7 @@ WORKER_RPC = "delta_native"
 
 
 def install_worker_rpc() -> None:
-    """Give vLLM's worker class `delta_native(name, *args)`, which calls our engine's `native_<name>`.
+    """Give vLLM's worker class `delta_native(name, *args)` (native/worker_engine.worker_rpc).
 
     Why: `collective_rpc` resolves a method name on the worker, not on its weight-transfer engine,
     and vLLM's weight methods cannot poll (`Worker.update_weights` drops the return value and ends
@@ -45,11 +45,9 @@ def install_worker_rpc() -> None:
 
 
 def _delta_native(worker: Any, name: str, *args: Any) -> Any:
-    engine = getattr(worker, "weight_transfer_engine", None)
-    method = getattr(engine, f"native_{name}", None)
-    if method is None:
-        raise RuntimeError(f"{WORKER_RPC}: this worker's weight-transfer engine is not `delta` ({engine!r})")
-    return method(*args)
+    from vllm_delta.native.worker_engine import worker_rpc
+
+    return worker_rpc(worker, name, *args)
 
 
 def backend_configured() -> bool:

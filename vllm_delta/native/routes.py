@@ -10,12 +10,14 @@ beside vLLM's `weight_version`. They exist only when `--weight-transfer-config` 
 in dev mode (where vLLM mounts its routes), and when our endpoint plugin is allowlisted.
 
 `/update_weights` prepares off the engine loop, as the route does: every worker prepares on a
-background thread (`native_prepare_start`), this front end polls them with cheap RPCs and sleeps
-between polls, so the engine keeps generating; then vLLM's own `update_weights` names the finished
-prepare (worker_engine.STAGED_KEY) and only makes the ranks agree. That call always follows, so
-vLLM's session ends on a refusal as it would for a synchronous prepare. It reports `prepare_s` and
-`tokens_during_prepare` (vLLM's `vllm:generation_tokens` counter across the prepare). One update or
-commit runs at a time, so no commit writes weights a background prepare is reading.
+background thread, this front end polls them with cheap RPCs and sleeps between polls, so the
+engine keeps generating; then the ranks agree, and `/finish_weight_update` commits, all through
+our worker RPC `delta_native` (native/worker_engine.worker_rpc: dicts, never exceptions, which
+vLLM 0.32's multiprocess executor would leave unread on every rank but the first). vLLM's own
+`finish_weight_update` then closes the session and sets `weight_version`; a refusal or a failed
+commit closes it the way vLLM does when its `update_weights` raises (`end_session`). It reports
+`prepare_s` and `tokens_during_prepare` (vLLM's `vllm:generation_tokens` counter across the
+prepare). One update or commit runs at a time, so no commit writes weights a prepare is reading.
 
 vLLM's weight methods return nothing, so the decode and apply times are measured here around the
 RPCs (the slowest rank plus the RPC's own cost), and changed elements and bytes come from the
@@ -40,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.metrics import delta_metrics
 from vllm_delta.engine.request import DeltaUpdateRequest
-from vllm_delta.native import BACKEND, STAGED_KEY
+from vllm_delta.native import BACKEND
 from vllm_delta.native.errors import delta_root, parse_error, version_dir
 from vllm_delta.native.registry import WORKER_RPC
 
@@ -93,7 +95,6 @@ class NativeUpdater:
         return await asyncio.shield(self._update(update_info))
 
     async def _update(self, update_info: dict[str, Any]) -> dict[str, Any]:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
         from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
 
         from vllm_delta.engine.routes import generation_tokens
@@ -106,19 +107,14 @@ class NativeUpdater:
                 tokens_before = generation_tokens()
                 try:
                     await self._prepare(request_id, update_info)
-                    refused = None
-                except UpdateError as err:  # an RPC itself failed: still end vLLM's session below
-                    refused = err
-                prepare_s, tokens_after = perf_counter() - started, generation_tokens()
-                agreed = self.engine.update_weights(request=WeightTransferUpdateRequest(
-                    update_info={**update_info, STAGED_KEY: request_id}))
-                try:
-                    await _engine_call(agreed)
-                except UpdateError:
-                    if refused is None:
-                        raise
-                if refused is not None:
-                    raise refused
+                    prepare_s, tokens_after = perf_counter() - started, generation_tokens()
+                    failed = _first_failed(await self._rpc("agree", request_id))
+                except UpdateError:  # an RPC itself failed
+                    await self._end_session()
+                    raise
+                if failed is not None:
+                    await self._end_session()
+                    raise UpdateError.from_worker(failed)
             body = DeltaUpdateRequest.model_validate(update_info)  # the workers accepted it
             changed, nbytes, lineage = _size(body)
             tokens = None if tokens_before is None or tokens_after is None else tokens_after - tokens_before
@@ -144,6 +140,12 @@ class NativeUpdater:
             logger.exception("delta backend: %s failed on a worker", name)
             raise UpdateError(500, "EngineError", f"{name} failed on a worker: {exc}") from exc
 
+    async def _end_session(self) -> None:
+        """Close vLLM's update session after a refusal or a failed commit (nothing stays staged),
+        so the client's next `start_weight_update`, e.g. the repairing anchor's, is accepted."""
+        with contextlib.suppress(UpdateError):
+            await self._rpc("end_session")
+
     async def finish(self, weight_version: str | None) -> dict[str, Any] | None:
         """Phase 2: commit, holding generation around it when the delta changes anything.
 
@@ -164,19 +166,24 @@ class NativeUpdater:
                 await self.engine.pause_generation(mode="keep", clear_cache=True)
             except Exception as exc:
                 raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
-        try:
-            with weight_operation_metrics().record("finish"):
-                committed = perf_counter()
+        with weight_operation_metrics().record("finish"):
+            committed = perf_counter()
+            try:
+                failed = _first_failed(await self._rpc("commit"))
+            except UpdateError as err:
+                failed = {"ok": False, "status": err.status, "error": err.error}
+            apply_s = perf_counter() - committed
+            if failed is None:  # vLLM's finish: our engine has nothing left to commit; the session ends
                 await _engine_call(self.engine.finish_weight_update(weight_version))
-                apply_s = perf_counter() - committed
-        except UpdateError as err:
+        if failed is not None:
+            err = UpdateError.from_worker(failed)
             if pause and err.status >= 500:
                 self.dirty = f"version {prepared['version']}: {err.error['message']}"
                 logger.error("delta backend: commit failed; generation stays paused: %s", self.dirty)
             elif pause and self.dirty is None:
                 await self.engine.resume_generation()
-            await self._close_session()
-            raise
+            await self._end_session()
+            raise err
         if pause:
             self.dirty = None
             await self.engine.resume_generation()
@@ -186,21 +193,15 @@ class NativeUpdater:
         self.last = {**prepared, "apply_s": apply_s, "pause_s": perf_counter() - started if pause else 0.0}
         return self.last
 
-    async def _close_session(self) -> None:
-        """Close vLLM's update session after a failed commit, so the repairing anchor can start one.
-
-        vLLM 0.32 quirk: `Worker.finish_weight_update` leaves `_weight_update_active` set when the
-        engine's finish raises, and `start_weight_update` then refuses. A second finish closes it on
-        the failed ranks (ours commits nothing now); ranks whose finish succeeded refuse it, as expected.
-        """
-        with contextlib.suppress(Exception):
-            await self.engine.collective_rpc("finish_weight_update")
-
     async def status(self) -> dict[str, Any]:
         return {"version": self.version, "run_id": self.run_id,
                 "weight_version": await self.engine.get_weight_version(),
                 "healthy": self.dirty is None, "dirty_reasons": [self.dirty] if self.dirty else [],
                 "last": self.last}
+
+
+def _first_failed(replies: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((r for r in replies if not r.get("ok")), None)
 
 
 def _size(body: DeltaUpdateRequest) -> tuple[int, int, Any]:

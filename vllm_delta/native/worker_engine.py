@@ -7,13 +7,16 @@ methods are `DeltaWorkerExtension`'s own (`delta_prepare`, `delta_commit`, ...):
 serves `POST /update_weights_delta`. Ranks agree before any commits: one refusal aborts all.
 
 Why prepare off the engine loop: vLLM runs `update_weights` inside the engine core's busy loop, so
-a prepare there stops generation for the whole read and decode. Our front end (native/routes)
-starts it on a background thread instead (`native_prepare_start`, reached through the one RPC
-method `registry.install_worker_rpc` gives vLLM's worker), polls `native_prepare_poll` between
-engine steps, then calls vLLM's `update_weights` with `STAGED_KEY` naming the finished prepare, so
-that call only makes the ranks agree. Every outcome, a refusal too, is raised by that call, as vLLM
-ends the update session on an exception there. Without `STAGED_KEY` (the offline `LLM`, whose
-caller cannot generate meanwhile) `update_weights` prepares in place, as before.
+a prepare there stops generation for the whole read and decode. Our HTTP front end (native/routes)
+does not call vLLM's `update_weights` at all: through the one RPC method `delta_native` that
+`registry.install_worker_rpc` gives vLLM's worker (`worker_rpc` below) it starts the prepare on a
+background thread (`native_prepare_start`), polls `native_prepare_poll` between engine steps, has
+the ranks agree (`native_agree`) and commits (`native_commit`); vLLM's `finish_weight_update`
+then only closes the session and sets `weight_version`. These RPCs return dicts and never raise:
+in vLLM 0.32 an RPC that raises on several ranks reads only the first rank's failure, so the
+other ranks' replies answer the next RPC (at TP >= 2 every later call is off by one). The offline
+`LLM` (`OfflineLLMClient`), whose caller cannot generate meanwhile, still prepares inside
+`update_weights` and commits in `finish_weight_update`, raising on a refusal, as before.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from vllm_delta.engine.request import CollectiveInitRequest, DeltaUpdateRequest
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.worker import DeltaState, DeltaWorkerExtension
 from vllm_delta.wire import DeltaError
-from vllm_delta.native import STAGED_KEY
 from vllm_delta.native.errors import DeltaTransferError, delta_root, version_dir
 from vllm_delta.native.registry import install_worker_rpc
 
@@ -64,8 +66,8 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
         self._delta_group = None
         self._staged_id: str | None = None
         self._peers_set = False
-        # The background prepare the front end started: (request id, update_info, its reply once done).
-        self._native: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
+        # The background prepare the front end started: (request id, its reply once done).
+        self._native: tuple[str, dict[str, Any] | None] | None = None
         install_worker_rpc()
 
     # ---- what DeltaWorkerExtension reads from a worker ------------------------------------------
@@ -103,10 +105,7 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class would also synchronize an accelerator; prepare leaves nothing in flight.
-        if isinstance(update_info, dict) and STAGED_KEY in update_info:
-            self._agree(update_info[STAGED_KEY], self._native_result(update_info))
-        else:
-            self.receive_weights(self.parse_update_info(update_info))
+        self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: DeltaUpdateRequest) -> None:
         """Prepare here, on the engine loop (the offline `LLM`), then agree across ranks."""
@@ -120,16 +119,16 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
             result = {"ok": False, "status": err.status, "error": err.error}
         self._agree(request_id, result)
 
-    # ---- the front end's background prepare (RPCs through registry.install_worker_rpc) ----------
+    # ---- the HTTP front end's RPCs (through `worker_rpc`); each returns a dict, never raises ----
     def native_prepare_start(self, request_id: str, update_info: dict[str, Any]) -> dict[str, Any]:
-        """Validate and start `delta_prepare` on a background thread; returns at once (never raises).
+        """Validate and start `delta_prepare` on a background thread; returns at once.
 
         The one-time cross-rank coverage exchange runs here, on the worker's main thread: the
         background thread must never use the groups the forward pass uses.
         """
         self._abort_staged()
         self._drop_native()
-        self._native = (request_id, update_info, None)
+        self._native = (request_id, None)
         try:
             body = self.parse_update_info(update_info)
             self._ensure_peers()
@@ -137,35 +136,43 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
         except UpdateError as err:
             started = {"ok": False, "status": err.status, "error": err.error}
         if not started.get("ok"):
-            self._native = (request_id, update_info, started)
+            self._native = (request_id, started)
         return _brief(started, done=not started.get("ok"))
 
     def native_prepare_poll(self, request_id: str) -> dict[str, Any]:
-        """`done` once this rank's prepare ended (the reply stays here for `update_weights`); cheap."""
+        """`done` once this rank's prepare ended (the reply stays here for `native_agree`); cheap."""
         if self._native is None or self._native[0] != request_id:
-            return _brief({"ok": False, "status": 409, "error": {
-                "type": "KeyError", "message": f"no background prepare {request_id!r} on this rank",
-                "file": None, "param": None}}, done=True)
-        _, update_info, reply = self._native
+            return _brief(_failure(409, "KeyError", f"no background prepare {request_id!r} on this rank"), done=True)
+        reply = self._native[1]
         if reply is None:
             reply = self.delta_prepare_poll(request_id)
-            if not reply.get("done", True) and reply.get("ok"):
+            if reply.get("ok") and not reply.get("done", True):
                 return _brief(reply, done=False)
-            self._native = (request_id, update_info, reply)
+            self._native = (request_id, reply)
         return _brief(reply, done=True)
 
-    def _native_result(self, update_info: dict[str, Any]) -> dict[str, Any]:
-        """The finished prepare `update_info[STAGED_KEY]` names, taken; or why there is none."""
-        request_id = update_info[STAGED_KEY]
+    def native_agree(self, request_id: str) -> dict[str, Any]:
+        """Every rank's prepare of `request_id`, checked together; staged for `native_commit` if all
+        agree, else dropped on every rank with the same refusal. Every rank must call it."""
         native, self._native = self._native, None
-        asked = {k: v for k, v in update_info.items() if k != STAGED_KEY}
-        if native is not None and native[0] == request_id and native[2] is not None and native[1] == asked:
-            return native[2]
-        self._native = native
-        self._drop_native()  # a prepare still running, or another one: joined and dropped
-        return {"ok": False, "status": 409, "error": {
-            "type": "KeyError", "message": f"no finished background prepare {request_id!r} for this update_info "
-            "on this rank", "file": None, "param": None}}
+        if native is not None and native[0] == request_id and native[1] is not None:
+            result = native[1]
+        else:
+            self._native = native
+            self._drop_native()  # a prepare still running, or another one: joined and dropped
+            result = _failure(409, "KeyError", f"no finished background prepare {request_id!r} on this rank")
+        try:
+            self._agree(request_id, result)
+        except UpdateError as err:
+            return {"ok": False, "status": err.status, "error": err.error}
+        return {"ok": True, "rank": self._delta_rank()}
+
+    def native_commit(self) -> dict[str, Any]:
+        """Scatter what `native_agree` staged (`ok` with nothing to do if nothing is staged)."""
+        if self._staged_id is None:
+            return {"ok": True, "rank": self._delta_rank(), "committed": False}
+        request_id, self._staged_id = self._staged_id, None
+        return {**self.delta_commit(request_id), "committed": True}
 
     def _drop_native(self) -> None:
         """Join a background prepare nobody will use and drop what it staged."""
@@ -232,6 +239,37 @@ def _validated(model: type[BaseModel], data: Any) -> Any:
     except ValidationError as exc:
         err = bad_request(exc)
         raise DeltaTransferError(err.status, err.error["type"], err.error["message"]) from None
+
+
+# Front-end RPCs that belong inside one of vLLM's update sessions (start_weight_update ... finish).
+SESSION_RPCS = ("prepare_start", "agree", "commit", "end_session")
+
+
+def worker_rpc(worker: Any, name: str, *args: Any) -> dict[str, Any]:
+    """`delta_native(name, *args)` on vLLM's worker: our engine's `native_<name>`, or `end_session`.
+
+    Why the session checks here: vLLM's own session methods raise when called out of order, which
+    an RPC must not (see the module docstring), so a call outside a session is refused as a 409
+    before vLLM could raise. `end_session` is what vLLM 0.32's `Worker.update_weights` does when the
+    engine raises (`_weight_update_active = False`, target reset), for a refusal that did not raise.
+    """
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(engine, DeltaWeightTransferEngine):
+        return _failure(500, "NotConfigured", f"this worker's weight-transfer engine is not `delta` ({engine!r})")
+    if name in SESSION_RPCS and not worker._weight_update_active:
+        return _brief(_failure(409, "NoUpdateSession", "no weight update in progress: call start_weight_update "
+                               "first"), done=True)
+    if name == "end_session":
+        engine._abort_staged()
+        engine._drop_native()
+        worker._weight_update_active = False
+        engine.reset_weight_update_target()
+        return {"ok": True}
+    return getattr(engine, f"native_{name}")(*args)
+
+
+def _failure(status: int, kind: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "status": status, "error": {"type": kind, "message": message, "file": None, "param": None}}
 
 
 def _brief(reply: dict[str, Any], done: bool) -> dict[str, Any]:
