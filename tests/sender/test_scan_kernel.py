@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,6 +115,27 @@ def test_thread_windows_cut_anywhere() -> None:
     got, want = _both(layout, snap, workers=3)
     _assert_equal(got, want)
     assert all(bool((got[0] == e).any()) or not any(r[0] <= e < r[0] + r[2] for r in layout.rows) for e in edges)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_both_ways_of_finding_changes(dtype) -> None:
+    """`find_compress` (AVX-512 compress stores) and `find_words` (CPUs without them; the kernel
+    takes one by the CPU it is compiled for) find exactly numpy's changed indices, at every length
+    of a chunk's tail and at densities up to every element."""
+    rng = np.random.default_rng(3)
+    at = np.empty(CHUNK, np.int32)
+    d = np.zeros(CHUNK, dtype)
+    for m in (0, 1, 3, 15, 16, 17, 31, 100, CHUNK - 5, CHUNK):
+        for density in (0.0, 0.02, 0.5, 1.0):
+            x = rng.integers(0, np.iinfo(dtype).max, m, dtype=dtype)
+            y = x.copy()
+            flip = rng.random(m) < density
+            y[flip] ^= dtype(1 << (8 * np.dtype(dtype).itemsize - 1))  # the top bit: a sign-extension bug shows
+            want = np.flatnonzero(x != y)
+            d[:] = 7  # a stale scratch from the chunk before
+            for name, got in (("compress", jit.find_compress(x, y, at)),
+                              ("words", jit.find_words(x, y, at, d, d.view(np.uint64)))):
+                assert np.array_equal(at[:got], want), (name, m, density)
 
 
 def _py_lanes(hf: list[int], bits: list[int], width: int) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """The numba kernels of `scan_kernel` (imported on first use: numba costs ~0.3 s to import).
 
 Per chunk of a run: the changed elements' indices, 16 lanes at a time with a compress store
-(branch-free: at 2% density a per-element or per-word branch mispredicts on every change),
+(branch-free: at 2% density a per-element or per-word branch mispredicts on every change; CPUs
+without AVX-512 skip zero 64-bit words instead),
 then per change its outputs and its four digest terms (`wire.additive`: key = HF position
 << width | bits; lane 0 splitmix64's finaliser, lane 1 Murmur3's fmix64 of key ^ its constant),
 summed mod 2^64 per run and added to the run's member.
@@ -9,13 +10,26 @@ summed mod 2^64 per run and added to the run's member.
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import config
 from numba.extending import intrinsic
 
 # Elements of a run taken at a time: their changed indices (int32, 8 KiB at most) stay in L1.
 CHUNK = 2048
+
+
+def _compress_store() -> bool:
+    """Whether the CPU numba compiles for has AVX-512's compress store (numba's cache is keyed by
+    that CPU, so a cached kernel always matches this choice)."""
+    if config.CPU_FEATURES is not None:  # NUMBA_CPU_FEATURES: a target other than this host
+        return "+avx512f" in config.CPU_FEATURES
+    return bool(llvm.get_host_cpu_features().get("avx512f"))
+
+
+COMPRESS = _compress_store()
 _M1_0, _M2_0 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64 (lane 0)
 _K_1 = np.uint64(0xC2B2AE3D27D4EB4F)  # lane 1's key is XORed with this first (wire.additive._LANES)
 _M1_1, _M2_1 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)  # Murmur3 fmix64 (lane 1)
@@ -81,11 +95,45 @@ def _changed16(typingctx, x, y, start, out, at):
 
 
 @njit(nogil=True, cache=True)
+def find_compress(x, y, at):
+    """Indices where x != y, into `at`; returns how many. 16 lanes at a time, branch-free."""
+    m = x.size
+    m16 = m - m % 16
+    found = 0
+    for i in range(0, m16, 16):
+        found += _changed16(x, y, i, at, found)
+    for i in range(m16, m):
+        at[found] = i
+        found += x[i] != y[i]
+    return found
+
+
+@njit(nogil=True, cache=True)
+def find_words(x, y, at, d, words):
+    """`find_compress` for CPUs without a compress store (LLVM scalarises it there: ~2x slower than
+    this): xor into the scratch `d` (vectorised), skip its zero 64-bit `words`, branch-free within one."""
+    m = x.size
+    per = 8 // x.itemsize
+    for i in range(m):
+        d[i] = x[i] ^ y[i]
+    nw = (m + per - 1) // per
+    for i in range(m, nw * per):  # the last word's tail past the chunk: no change
+        d[i] = 0
+    found = 0
+    for j in range(nw):
+        if words[j] != 0:
+            for i in range(j * per, j * per + per):
+                at[found] = i
+                found += d[i] != 0
+    return found
+
+
+@njit(nogil=True, cache=True)
 def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run):
     """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
-    Per chunk of a run: the changed elements' chunk-local indices, 16 lanes at a time
-    (`_changed16`, the chunk's tail one by one), then their outputs and digest terms."""
+    Per chunk of a run: the changed elements' chunk-local indices (`find_compress`, or
+    `find_words` without AVX-512), then their outputs and digest terms."""
     width = np.uint64(8 * cur.itemsize)
     # capacity: virtual memory; only the pages the changes are written to become resident
     cap = max(CHUNK, (hi - lo) >> 5)
@@ -96,6 +144,8 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run):
     run = np.empty(cap if want_run else 1, np.int64)
     sums = np.zeros((nseg, 4), np.uint64)
     at = np.empty(CHUNK, np.int32)  # a chunk's changed indices
+    d = np.zeros(CHUNK, cur.dtype)  # find_words' scratch
+    words = d.view(np.uint64)
     k = 0
     for r in range(starts.size):
         a, e = max(starts[r], lo), min(ends[r], hi)
@@ -104,13 +154,7 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run):
         for c in range(a, e, CHUNK):
             m = min(CHUNK, e - c)
             x, y = cur[c:c + m], snap[c:c + m]
-            found = 0
-            m16 = m - m % 16
-            for i in range(0, m16, 16):
-                found += _changed16(x, y, i, at, found)
-            for i in range(m16, m):
-                at[found] = i
-                found += x[i] != y[i]
+            found = find_compress(x, y, at) if COMPRESS else find_words(x, y, at, d, words)
             if k + found > pos.size:
                 pos, hfs, old, new = _grow(pos, k), _grow(hfs, k), _grow(old, k), _grow(new, k)
                 if want_run:
