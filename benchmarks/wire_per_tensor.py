@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import device_check as dc  # noqa: E402
 
+import vllm_delta  # noqa: E402
+
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
 from vllm_delta.engine.owned import owned_by_tensor  # noqa: E402
 from vllm_delta.wire import get_encoding, iter_delta, open_delta  # noqa: E402
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         info = open_delta(path)
         row = {"encoding": e, "density": d, "tensors": len(info.manifest.params),
                "files": len(info.manifest.files), "changes": sum(p.changed for p in info.manifest.params),
-               "wire_bytes": info.manifest.total_bytes, "package": str(Path(dc.__file__).parents[1])}
+               "wire_bytes": info.manifest.total_bytes, "package": str(Path(vllm_delta.__file__).parents[1])}
         reads, preps = [], []
         for _ in range(args.repeat):  # interleaved: reader, then prepare, each round
             t = time.perf_counter()
