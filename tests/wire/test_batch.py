@@ -185,9 +185,10 @@ def test_zstd_contexts_and_calls_are_per_flush_not_per_param(tmp_path, monkeypat
     assert 0 < batches <= streams  # one call per stream (whole-file hash, header and this flush's batch)
 
 
-def _retouched(path, param: str, stream: str, make_frame) -> None:
+def _retouched(path, param: str, stream: str, make_frame, decoded: int | None = None) -> None:
     """Replace param's first block frame of `stream` by `make_frame(decoded size the index gives)`,
-    fix the index's stored length and re-sign the manifest, as a sender who controls both could."""
+    fix the index's stored length (and give it `decoded` as the decoded length, with the stream's and
+    the file's declared sizes to match) and re-sign the manifest, as a sender who controls both could."""
     name = open_delta(path).manifest.files[0].name
     tensors, meta = unpack((path / name).read_bytes(), file=name, limits=Limits())
     blobs = {k: bytes(t.data) for k, t in tensors.items()}
@@ -203,12 +204,16 @@ def _retouched(path, param: str, stream: str, make_frame) -> None:
             blob = blobs[f"__{stream}__"]
             blobs[f"__{stream}__"] = blob[:at] + frame + blob[at + lengths[2 * j]:]
             lengths[2 * j] = len(frame)
+            grow = 0 if decoded is None else decoded - lengths[2 * j + 1]
+            lengths[2 * j + 1] += grow
             break
         at += sum(r[3][2 * j] for r in p["blocks"])
-    data = pack(blobs, dict(meta, params=json.dumps(params, separators=(",", ":"))))
+    streams = json.loads(meta["streams"])
+    streams[stream]["size"] += grow
+    data = pack(blobs, dict(meta, params=json.dumps(params, separators=(",", ":")), streams=json.dumps(streams)))
     (path / name).write_bytes(data)
     m = json.loads((path / "manifest.json").read_text())
-    m["files"][0].update(bytes=len(data), hash=bytes_digest(data))
+    m["files"][0].update(bytes=len(data), hash=bytes_digest(data), decoded_bytes=m["files"][0]["decoded_bytes"] + grow)
     (path / "manifest.json").write_text(json.dumps(m))
 
 
@@ -242,6 +247,27 @@ def test_hostile_frames_fail_alike_on_both_paths(tmp_path, monkeypatch, damage, 
             errors.append((type(e.value), e.value.param, "e3" in seen, "e2" in seen))
     assert errors[0] == errors[1]
     assert errors[0][1:] == ("e3", False, True)  # raised at e3, before it is returned
+
+
+def test_escapes_where_a_param_has_none_fail_alike(tmp_path, monkeypatch):
+    # Steps of one ULP only, so no param has escapes; an esc0 frame of one byte is not e3's data.
+    old = model(6)
+    new = {}
+    for name, t in old.items():
+        bits = t.reshape(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()]).clone()
+        bits[::3] += 1
+        new[name] = bits.view(t.dtype).reshape(t.shape)
+    path = write(tmp_path / "d", old, new, "ulp_zstd")
+    _retouched(path, "e3", "esc0", lambda n: _Z.compress(b"\7"), decoded=1)
+    errors = []
+    for fast in (True, False):
+        with monkeypatch.context() as m:
+            if not fast:
+                per_param_path(m)
+            with pytest.raises(CorruptDeltaError) as e:
+                decode(path)
+            errors.append((type(e.value), e.value.param))
+    assert errors[0] == errors[1] and errors[0][1] == "e3"
 
 
 def test_frames_of_every_block_kind_pass_and_trailing_bytes_do_not():

@@ -288,11 +288,13 @@ class _Batch:
         return np.frombuffer(_frames(self.data[name], ix.offset[r, j], ix.stored[r, j], ix.decoded[r, j]),
                              dtype=np.uint8)
 
-    def planes(self, prefix: str, width_e: np.ndarray, want: np.ndarray, count: int) -> np.ndarray:
-        """Byte planes `prefix0..` of `count` entries into uint64 (plane j: entries whose width > j)."""
+    def planes(self, prefix: str, width: np.ndarray, width_e: np.ndarray, want: np.ndarray, count: int) -> np.ndarray:
+        """Byte planes `prefix0..` of `count` entries into uint64 (plane j: entries whose width > j).
+
+        `width` per row: every plane a row lists is read and its size checked, even with no entries in it.
+        """
         out = np.zeros(count, dtype=np.uint64)
-        top = int(width_e.max()) if count else 0
-        for j in range(top):
+        for j in range(int(width.max()) if width.size else 0):
             raw = self.stream(f"{prefix}{j}", want)
             sel = width_e > j
             if raw.size != int(sel.sum()):
@@ -323,7 +325,7 @@ class _Batch:
         ix, rows = self.ix, self.rows
         width = ix.width[ix.pid[rows]]
         if isinstance(enc.positions, GapPlanes):
-            gaps = self.planes("pos", width[self.row_of], self.cnt, self.entries)
+            gaps = self.planes("pos", width, width[self.row_of], self.cnt, self.entries)
         else:
             gaps = self.gather("positions", width)
         numel_e = ix.numel[self.pid_e]
@@ -358,11 +360,11 @@ class _Batch:
             return self.gather("values", isz)
         isz_e = isz[self.row_of]
         if isinstance(enc.values, ValuePlanes):
-            return self.planes("val", isz_e, self.cnt, self.entries)
+            return self.planes("val", isz, isz_e, self.cnt, self.entries)
         neg = self.bits("sign")
         big = self.bits("flag")
         nbig = np.add.reduceat(big.astype(np.int64), self.estart) if self.entries else self.cnt
-        esc = self.planes("esc", isz_e[big], nbig, int(nbig.sum()))
+        esc = self.planes("esc", isz, isz_e[big], nbig, int(nbig.sum()))
         mag = np.ones(self.entries, dtype=np.uint64)
         mag[big] = esc + np.uint64(2)
         return np.where(neg, np.uint64(0) - mag, mag)
