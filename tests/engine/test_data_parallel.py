@@ -246,6 +246,9 @@ def test_real_dp2_engine_applies_on_both_replicas_and_refuses_a_bad_delta(dp_ser
         assert got[dp] == want, f"dp{dp}: {sorted(n for n in want if got[dp].get(n) != want[n])}"
     verify = requests.post(f"{server.url}/delta_updates/verify", headers=headers, timeout=120).json()
     assert verify["ok"] and [v["dp"] for v in verify["replicas"]] == [0, 1]
+    for prompt in ("The quick brown fox", "One two three"):  # generation resumed (the balancer spreads these)
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        assert requests.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60).ok
 
     # A bad delta (one tensor's post-apply digest wrong): refused before any write, on both replicas.
     newer = deltas.perturbed(sorted(deltas.base), seed=12, density=0.05)

@@ -3,7 +3,7 @@ replies tagged with their DP index, and the per-replica grouping the route check
 
 Why not `AsyncLLM.collective_rpc`: under `--data-parallel-size N` with vLLM's internal load balancer
 the client is `DPLBAsyncMPClient`, whose `call_utility_async` sends a utility call to every engine
-core but returns only the first engine's replies (vllm/v1/engine/core_client.py,
+core but returns only the first engine's replies (vllm/v1/engine/core_client.py:1699,
 `DPLBAsyncMPClient.call_utility_async`: `(await self.call_utility_all_async(...))[0]`), so another
 replica's refusal or failed commit would be lost. `call_utility_all_async` answers one list of
 worker replies per engine, in the order of `engine_ranks_managed` (each engine's DP rank).

@@ -41,7 +41,7 @@ FAULT_ENV = "VLLM_DELTA_TEST_FAULT_AT"
 DP_MOE_REFUSAL = ("a MoE model under --data-parallel-size > 1: vLLM splits its experts across the DP engines "
                   "(EP, or TP across DP), so no replica holds the whole model and its digests cannot be checked "
                   "on their own; untested, as vLLM 0.32's CPU build cannot run it (all_gatherv raises "
-                  "NotImplementedError in distributed/device_communicators/base_device_communicator.py)")
+                  "NotImplementedError, distributed/device_communicators/base_device_communicator.py:296)")
 
 
 def prepare_threads() -> int:
