@@ -40,7 +40,8 @@ def step(old: dict[str, torch.Tensor], density: float, seed: int) -> dict[str, t
         view = {2: torch.int16, 4: torch.int32}[t.element_size()]
         bits = t.reshape(-1).view(view).clone()
         hit = torch.rand(bits.shape, generator=g) < density
-        move = torch.randint(1, 4, bits.shape, generator=g, dtype=view) * (1 - 2 * torch.randint(0, 2, bits.shape, generator=g, dtype=view))
+        sign = 1 - 2 * torch.randint(0, 2, bits.shape, generator=g, dtype=view)
+        move = torch.randint(1, 4, bits.shape, generator=g, dtype=view) * sign
         bits[hit] += move[hit]
         new[name] = bits.view(t.dtype).reshape(t.shape)
     return new
