@@ -307,7 +307,7 @@ def fault_of(failed: list[dict]) -> dict[str, Any]:
     return {"version": next((f["version"] for f in faults if "version" in f), None),
             "failed_at": next((f["failed_at"] for f in faults if f.get("failed_at")), None),
             "suspect": sorted({n for f in faults for n in f.get("suspect", [])}),
-            "ranks": [rank_id(r) for r in failed]}
+            "ranks": [r.get("rank") for r in failed], "rank_ids": [rank_id(r) for r in failed]}
 
 
 def check_replicas(prepared: list[dict]) -> None:
