@@ -131,6 +131,30 @@ def test_a_replica_that_drifted_is_refused_by_its_own_digests(tmp_path, drifted)
     assert updater.engine.paused == [False, False] and updater.fault is None
 
 
+def test_a_commit_that_fails_on_one_replica_keeps_every_replica_paused(tmp_path):
+    """Replica 1's rank 1 scatter raises (its destination swapped for a too-small tensor while the route
+    pauses): the answer names that rank, every engine stays paused, and the status marks that replica."""
+    base, _, updater = dp_setup(tmp_path)
+    victim = "model.layers.1.mlp.experts.w13_weight"
+    engine = updater.engine
+    pause = engine.pause_generation
+
+    async def pause_and_break(mode: str, clear_cache: bool) -> None:
+        await pause(mode, clear_cache)
+        engine.replicas[1].workers[1]._delta().applier.targets[victim] = torch.zeros(4, dtype=torch.bfloat16)
+
+    engine.pause_generation = pause_and_break
+    DC.write_delta(updater.root / "v1", base, DC.step(base, 0.3, seed=4), version=1)
+    with pytest.raises(UpdateError) as err:
+        update(updater, "v1")
+    assert err.value.status == 500 and victim in err.value.error["message"]
+    assert {k: v["ok"] for k, v in err.value.error["ranks"].items()} == {
+        "dp0:rank0": True, "dp0:rank1": True, "dp1:rank0": True, "dp1:rank1": False}
+    assert engine.paused == [True, True] and updater.fault["rank_ids"] == ["dp1:rank1"]
+    status = asyncio.run(updater.status())
+    assert not status["healthy"] and [(r["dp"], r["dirty"]) for r in status["replicas"]] == [(0, False), (1, True)]
+
+
 def test_verify_checks_each_replica_on_its_own(tmp_path):
     base, replicas, updater = dp_setup(tmp_path)
     new = DC.step(base, 0.3, seed=3)
