@@ -13,6 +13,10 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_delta.diff import diff_param
+from vllm_delta.wire import DeltaWriter, tensor_digest
+
+NATIVE = ["--weight-transfer-config", json.dumps({"backend": "delta"})]  # `vllm serve` args of the backend
 HUB_ID = "vllm-delta-tests/tiny-llama"
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -124,3 +128,14 @@ def native_update(url: str, update_info: dict, weight_version: str) -> tuple[req
     f = requests.post(f"{url}/finish_weight_update", json={"weight_version": weight_version}, timeout=300)
     assert f.status_code == 200, f.text
     return r, f.json()["delta"]
+
+
+def write_delta(root: Path, label: str, tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
+                version: int, base_version: int) -> Path:
+    """A finished, valid delta from `base` to `tensors` (shapes as given)."""
+    out = root / label
+    with DeltaWriter(out, version=version, base_version=base_version, encoding="ulp_zstd") as writer:
+        for name, t in tensors.items():
+            d = diff_param(t, base[name])
+            writer.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))
+    return out

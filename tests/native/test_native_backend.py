@@ -22,7 +22,6 @@ test stands alone (the one-door refusal is a parse-time case in tests/engine/tes
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -40,15 +39,12 @@ from harness import megatron_cpu
 from harness.engine_pool import FAULT_AT, FAULT_VERSION, write_anchor
 from harness.vllm_engine import VllmServer, patched_environ, start_llm
 from harness.trainer import Trainer
-from native_helpers import (HUB_ID, Streams, checksums, hub_cache, merged_checksums, metric_samples, native_update,
-                            sample, save_trained, stage_names, ulp_step)
-from vllm_delta.diff import diff_param
+from native_helpers import (HUB_ID, NATIVE, Streams, checksums, hub_cache, merged_checksums, metric_samples,
+                            native_update, sample, save_trained, stage_names, ulp_step, write_delta)
 from vllm_delta.engine.worker import FAULT_ENV
 from vllm_delta.native import ROOT_ENV
-from vllm_delta.wire import DeltaWriter, tensor_digest
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
-NATIVE = ["--weight-transfer-config", json.dumps({"backend": "delta"})]
 SERIES = ("decode_seconds", "apply_seconds", "pause_seconds", "bytes_read", "changed_elements")
 PARAM = "model.layers.0.mlp.down_proj.weight"
 STREAM_TOKENS = 240
@@ -231,17 +227,6 @@ def commit_fault_then_anchor(served, model_dir: Path, root: Path, run: dict) -> 
     run["held"] = (FAULT_VERSION + 1, checkpoint)
     for d in (path, anchor):
         shutil.rmtree(d)
-
-
-def write_delta(root: Path, label: str, tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
-                version: int, base_version: int) -> Path:
-    """A finished, valid delta from `base` to `tensors` (shapes as given)."""
-    out = root / label
-    with DeltaWriter(out, version=version, base_version=base_version, encoding="ulp_zstd") as writer:
-        for name, t in tensors.items():
-            d = diff_param(t, base[name])
-            writer.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))
-    return out
 
 
 def greedy(server) -> tuple[list[int], list[float]]:
