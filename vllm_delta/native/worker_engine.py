@@ -21,6 +21,7 @@ other ranks' replies answer the next RPC (at TP >= 2 every later call is off by 
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any, Literal
 
@@ -36,6 +37,8 @@ from vllm_delta.engine.worker import DeltaState, DeltaWorkerExtension
 from vllm_delta.wire import DeltaError
 from vllm_delta.native.errors import DeltaTransferError, delta_root, version_dir
 from vllm_delta.native.registry import install_worker_rpc
+
+logger = logging.getLogger(__name__)
 
 
 class DeltaInitInfo(BaseModel):
@@ -259,13 +262,17 @@ def worker_rpc(worker: Any, name: str, *args: Any) -> dict[str, Any]:
     if name in SESSION_RPCS and not worker._weight_update_active:
         return _brief(_failure(409, "NoUpdateSession", "no weight update in progress: call start_weight_update "
                                "first"), done=True)
-    if name == "end_session":
-        engine._abort_staged()
-        engine._drop_native()
-        worker._weight_update_active = False
-        engine.reset_weight_update_target()
-        return {"ok": True}
-    return getattr(engine, f"native_{name}")(*args)
+    try:
+        if name == "end_session":
+            engine._abort_staged()
+            engine._drop_native()
+            worker._weight_update_active = False
+            engine.reset_weight_update_target()
+            return {"ok": True}
+        return getattr(engine, f"native_{name}")(*args)
+    except Exception as exc:  # input errors come back as dicts already; anything else is ours
+        logger.exception("delta backend: %s failed", name)
+        return _brief(_failure(500, type(exc).__name__, str(exc)), done=True)
 
 
 def _failure(status: int, kind: str, message: str) -> dict[str, Any]:
