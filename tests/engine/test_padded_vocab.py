@@ -29,9 +29,11 @@ from harness.fresh_load import save_checkpoint
 from harness.perturb import perturb_checkpoint
 from harness.tiny_models import _common, train_tokenizer
 from harness.vllm_engine import start_llm
-from vllm_delta.engine.digests import check_coverage, coverage, mismatches
+from vllm_delta.engine.digests import check_coverage, check_partials, coverage, mismatches
 from vllm_delta.engine.map_check import check_map
 from vllm_delta.engine.placement import Fill, build_placement, storages_of
+from vllm_delta.wire import load_manifest, write_manifest
+from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 
 VOCAB = 500  # served as 512: 12 padding rows (TP=2: rank 1 holds 244 rows and 12 of padding)
 HIDDEN = 128
@@ -177,8 +179,23 @@ def make_chain(root: Path, tied: bool) -> tuple[Path, list[Path], Path]:
         out = root / f"delta_v{version}"
         subprocess.run([VLLM_DELTA, "diff", str(old), str(new), str(out), "--encoding", encoding,
                         "--version", str(version), "--base-version", str(version - 1)], check=True)
+        add_digests(out, load_file(old / "model.safetensors"), load_file(new / "model.safetensors"))
         deltas.append(out)
     return base, deltas, final
+
+
+def add_digests(delta: Path, old: dict, new: dict) -> None:
+    """The additive digests a sender states (changed positions before / after, whole tensor after),
+    from the two checkpoints: what prepare and a full verify must reproduce from the padded weights."""
+    manifest = load_manifest(delta)
+    params = []
+    for p in manifest.params:
+        a, b = old[p.name].reshape(-1), new[p.name].reshape(-1)
+        pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
+        params.append(p.model_copy(update={"pre_digest": to_hex(partial_sum(pos, a[pos])),
+                                           "post_digest": to_hex(partial_sum(pos, b[pos])),
+                                           "digest": to_hex(tensor_sum(b))}))
+    write_manifest(delta, manifest.model_copy(update={"params": params}))
 
 
 def greedy(llm) -> list[tuple[list[int], list[float]]]:
@@ -212,12 +229,13 @@ def test_padded_vocab_engine_matches_a_fresh_load(tied, tp, tmp_path):
                        "files": None, "chunk_bytes": 1 << 20}
             prepared = llm.collective_rpc("delta_prepare", args=(request,))
             assert all(r["ok"] and r["fallback"] == [] for r in prepared), prepared
+            assert check_partials(prepared) == 2 * len(load_manifest(path).params)  # counted once across ranks
             committed = llm.collective_rpc("delta_commit", args=(request["id"],))
             assert all(r["ok"] for r in committed), committed
         checked, bad = mismatches(llm.collective_rpc("delta_verify"))
         applied = llm.collective_rpc("compute_weight_checksums")
         applied_out = greedy(llm)
-    assert bad == [], bad
+    assert checked == len(load_file(final / "model.safetensors")) and bad == [], bad  # every tensor, whole
     for rank, (got, want) in enumerate(zip(applied, reference)):
         assert got.keys() == want.keys()
         assert not sorted(n for n in want if got[n] != want[n]), f"rank {rank}"
