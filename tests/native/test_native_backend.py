@@ -51,7 +51,7 @@ STREAM_TOKENS = 240
 UPDATES = 10
 # The front end counts tokens as the engine's outputs reach it, so the step before a prepare can land
 # after the count was read: one stream shows up to this many tokens even for a prepare on the engine
-# loop (measured: 1). More than this means the engine kept generating during the prepare.
+# loop (measured: at most 2 in 30 updates). More than this means the engine kept generating during it.
 LAG_TOKENS = 2
 
 
