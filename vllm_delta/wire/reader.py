@@ -8,9 +8,12 @@ order, change counts, base version); the disk path (`iter_delta`) and a collecti
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -89,11 +92,19 @@ class DeltaDecoder:
         (only the owned blocks' bytes fetched) skips the file hash; the caller's cross-rank check of
         the post digests, which every param of the file must have, verifies what it decodes.
         """
+        if name in self._done:
+            raise FormatError("file fed twice", file=name)
+        return self.admit(name, self.decode(name, data, owned=owned))
+
+    def decode(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None) -> Iterator[ParamDelta]:
+        """`feed_iter`'s checks of this file alone, then its params, lazily, not yet admitted.
+
+        Why apart from `admit`: it reads no state that other files change, so flushes can be
+        decoded on several threads (`iter_delta(threads=)`) and admitted in manifest order.
+        """
         entry = self._files.get(name)
         if entry is None:
             raise FormatError("file is not in the manifest", file=name)
-        if name in self._done:
-            raise FormatError("file fed twice", file=name)
         if len(data) != entry.bytes:
             raise IntegrityError(f"{len(data)} B, manifest says {entry.bytes} B (truncated?)", file=name)
         sparse = isinstance(data, SparseFile)  # only owned blocks fetched: no file hash to check
@@ -112,6 +123,12 @@ class DeltaDecoder:
         if (header.encoding, header.version) != (m.encoding, m.version) or (
                 not self.legacy and header.base_version != m.base_version):
             raise FormatError("flush header disagrees with the manifest's encoding or versions", file=name)
+        return iter(deltas)
+
+    def admit(self, name: str, deltas: Iterable[ParamDelta]) -> Iterator[ParamDelta]:
+        """The checks across files (order, overlaps, counts) of one decoded flush, in manifest order."""
+        if name in self._done:
+            raise FormatError("file fed twice", file=name)
         self._done.add(name)
         for pd in deltas:
             self._admit(name, pd)
@@ -197,26 +214,57 @@ def open_delta(path: str | os.PathLike | DeltaDir, *, files: Sequence[str] | Non
 
 def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | None = None,
                current_version: int | None = None, files: Sequence[str] | None = None,
-               limits: Limits = Limits(), owned: Owned | None = None, lazy: bool = False) -> Iterator[ParamDelta]:
+               limits: Limits = Limits(), owned: Owned | None = None, lazy: bool = False,
+               threads: int = 1) -> Iterator[ParamDelta]:
     """Decoded changes, one flush file at a time (memory stays bounded by a flush).
 
     A param may come in several chunks, in position order. Errors in a file are raised before
     any of its changes are yielded (with `lazy`, a param's data errors when that param is
     reached, so memory is bounded by a param); count checks across files run after the last
     one, so apply nothing until the iterator is exhausted (or use `read_delta`). `owned`: see
-    `DeltaDecoder.feed_iter`.
+    `DeltaDecoder.feed_iter`. `threads` > 1: that many flushes are read, hash-checked and decoded
+    at once on their own threads, ahead of the one being consumed (memory: threads + 1 decoded
+    flushes), and admitted in manifest order, so errors surface in the same order.
     """
     info = delta if isinstance(delta, DeltaInfo) else open_delta(delta, files=files, limits=limits)
     dec = DeltaDecoder(info.manifest, expected=expected, current_version=current_version,
                        legacy=info.legacy, limits=limits)
     wanted = None if files is None or info.legacy else set(files)
-    for entry in info.manifest.files:
-        if wanted is None or entry.name in wanted:
+    entries = [e for e in info.manifest.files if wanted is None or e.name in wanted]
+    if threads > 1 and len(entries) > 1:
+        yield from _decoded_ahead(info, dec, entries, owned, threads)
+    else:
+        for entry in entries:
             data = info.dir.read(entry.name, size=entry.bytes, cap=entry.bytes)
             feed = dec.feed_iter if lazy else dec.feed
             yield from feed(entry.name, data, owned=owned)
             del data
     dec.finish()
+
+
+def _decoded_ahead(info: DeltaInfo, dec: DeltaDecoder, entries: list[FileEntry], owned: Owned | None,
+                   threads: int) -> Iterator[ParamDelta]:
+    """Flushes decoded `threads` at a time on a pool (zstd, numpy and the file hash release the GIL)."""
+
+    def decode(entry: FileEntry) -> list[ParamDelta]:
+        data = info.dir.read(entry.name, size=entry.bytes, cap=entry.bytes)
+        return list(dec.decode(entry.name, data, owned=owned))
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="delta-decode")
+    try:
+        ahead: deque[tuple[FileEntry, Future]] = deque()
+        todo = iter(entries)
+        for entry in islice(todo, threads):
+            ahead.append((entry, pool.submit(decode, entry)))
+        while ahead:
+            entry, future = ahead.popleft()
+            decoded = future.result()  # a file's error, raised in manifest order
+            if (following := next(todo, None)) is not None:
+                ahead.append((following, pool.submit(decode, following)))
+            yield from dec.admit(entry.name, decoded)
+            del decoded
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def read_delta(delta: str | os.PathLike | DeltaInfo, **kwargs) -> list[ParamDelta]:
