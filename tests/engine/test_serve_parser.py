@@ -53,6 +53,27 @@ REFUSED = {
 }
 
 
+NATIVE_REFUSED = {
+    "data-parallel": (["--data-parallel-size", "2", "--api-server-count", "1"], "DPLBAsyncMPClient.call_utility_async"),
+    "api-server-count": (["--api-server-count", "2"], "the `delta` weight-transfer backend cannot run with "
+                                                      "--api-server-count 2"),
+}
+
+
+@pytest.mark.parametrize("case", NATIVE_REFUSED)
+def test_the_native_backend_is_refused_where_its_front_end_misses_engines(serve_parser, capsys, case):
+    flags, message = NATIVE_REFUSED[case]
+    with pytest.raises(SystemExit) as exc:
+        serve_parser("--weight-transfer-config", '{"backend": "delta"}', *flags)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_native_backend_parses_on_one_engine(serve_parser):
+    args = serve_parser("--weight-transfer-config", '{"backend": "delta"}')
+    assert cli_args._weight_transfer_backend(args) == "delta"
+
+
 @pytest.mark.parametrize("case", REFUSED)
 def test_unsafe_command_lines_are_refused_at_parse_time(serve_parser, delta_flags, monkeypatch, capsys, case):
     flags, env, message = REFUSED[case]

@@ -177,8 +177,29 @@ def check_api_server_default(args: argparse.Namespace) -> None:
                          + API_SERVERS_REFUSAL.format(args.data_parallel_size).split(": ", 1)[1] + ")")
 
 
+# The `delta` weight-transfer backend's front end (vllm_delta/native/routes.py) calls vLLM's engine
+# client, whose DP client answers a utility call with the first engine's replies only.
+NATIVE_DP_REFUSAL = ("the `delta` weight-transfer backend cannot run with --data-parallel-size {}: vLLM 0.32's "
+                     "DP engine client answers its weight-update calls with the first engine's replies only "
+                     "(vllm/v1/engine/core_client.py, DPLBAsyncMPClient.call_utility_async), so another "
+                     "replica's refusal or failed commit would go unseen. Use --enable-delta-updates "
+                     "(POST /update_weights_delta), which calls every DP engine.")
+
+
+def check_native_args(args: argparse.Namespace) -> None:
+    """Refuse the `delta` weight-transfer backend where its front end would not reach every engine."""
+    if getattr(args, "enable_delta_updates", False) or _weight_transfer_backend(args) != "delta":
+        return
+    if (getattr(args, "data_parallel_size", None) or 1) > 1:
+        raise ValueError(NATIVE_DP_REFUSAL.format(args.data_parallel_size))
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        raise ValueError(API_SERVERS_REFUSAL.format(args.api_server_count).replace(
+            "--enable-delta-updates", "the `delta` weight-transfer backend", 1))
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Refuse a command line that enabled delta updates but cannot serve them safely."""
+    check_native_args(args)
     if not getattr(args, "enable_delta_updates", False):
         return
     if args.delta_updates_root is None:
