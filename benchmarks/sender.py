@@ -36,6 +36,7 @@ from vllm_delta import DeltaSender  # noqa: E402
 from vllm_delta.diff import changed_positions  # noqa: E402
 from vllm_delta.sender import Shard  # noqa: E402
 from vllm_delta.sender.producer import Producer  # noqa: E402
+from vllm_delta.sender.publisher import _add  # noqa: E402
 from vllm_delta.transports.disk import Throttle, throttled_write  # noqa: E402
 from vllm_delta.wire import FlushBuilder, additive  # noqa: E402
 
@@ -174,9 +175,8 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
         def encode() -> None:
             b = FlushBuilder(lambda name, f: None, version=1, base_version=0, encoding="ulp_zstd",
                              flush_bytes=64 << 20)
-            for e in cap.entries:
-                if e.positions.numel():
-                    b.add(e.name, e.positions, e.new_values, e.old_values, shape=e.full_shape)
+            for e in cap.entries:  # what the publisher queues (its `_add`)
+                _add(b, e, "delta")
             b.manifest()
             wire.append(b.wire_bytes)
 

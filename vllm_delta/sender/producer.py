@@ -57,6 +57,9 @@ class Entry:
     digests: dict[str, torch.Tensor]  # additive digests: "digest" (whole, after), "pre_digest", "post_digest"
     post_hash: str | None = None  # xxh3 of the whole tensor (one writer, host tensors only)
     anchor: Anchor | None = None  # the captured values, read from the snapshot as the anchor is encoded
+    # Made by `Producer.scan` from its own diff: positions sorted and unique, new bits != old bits
+    # where old values are staged. The writer then skips re-checking that, pass by pass.
+    scanned: bool = False
 
 
 @dataclass(eq=False)
@@ -255,7 +258,7 @@ class Producer:
             digests = {"digest": digest[i], "post_digest": post[i]}
             if kind == "delta":
                 digests["pre_digest"] = pre[i]
-            e = Entry(name, s.full_shape, s.tensor.dtype, changed[i], hf[i], new[i], old[i], digests)
+            e = Entry(name, s.full_shape, s.tensor.dtype, changed[i], hf[i], new[i], old[i], digests, scanned=True)
             if sent[i] and kind and self._wants_post_hash(s, s.tensor):
                 e.post_hash = tensor_digest(s.tensor)
             out[name] = e
@@ -339,7 +342,7 @@ class Producer:
             gsend, send_new = gsend[order], send_new[order]
             send_old = send_old[order] if send_old is not None else None
         entry = Entry(s.name, s.full_shape, cur.dtype, pos.numel(), self._stage(gsend), self._stage(send_new),
-                      self._stage(send_old) if kind == "delta" else None, digests)
+                      self._stage(send_old) if kind == "delta" else None, digests, scanned=True)
         if self._wants_post_hash(s, cur) and (anchor or (kind and send.numel())):
             entry.post_hash = tensor_digest(cur)
         if anchor:  # nothing per element: the snapshot (untouched until settled) + the staged changes

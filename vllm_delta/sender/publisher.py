@@ -216,7 +216,7 @@ def _add(b: FlushBuilder, e: Entry, kind: str) -> dict[str, str]:
     if not e.positions.numel():
         return {}
     b.add(e.name, e.positions, e.new_values, e.old_values if b.encoding.needs_base else None,
-          shape=e.full_shape, post_hash=e.post_hash)
+          shape=e.full_shape, post_hash=e.post_hash, _from_scan=e.scanned)
     # pre_digest pins the values the delta applies to; only a base-relative delta (pinned to its
     # base version anyway) may carry it, so an overwrite delta stays safe to replay.
     return {k: additive.to_hex(v) for k, v in e.digests.items()

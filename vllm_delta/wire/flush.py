@@ -134,7 +134,8 @@ def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version:
     for ch, d, numel, pos, new, old in _arrays(changes):
         names: list[str] | None = None
         rows = []
-        for first, a, b, parts in _blocks(ch, encoding, d, numel, pos, new, old, policy):
+        width = 0 if pos is None else encoding.positions.width(pos, numel)  # one pass per param
+        for first, a, b, parts in _blocks(ch, encoding, d, numel, pos, new, old, policy, width):
             names = names or list(parts)
             lengths = []
             for s in names:
@@ -145,8 +146,7 @@ def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version:
                 lengths += [len(blob), len(raw)]
             rows.append([first, first + b - a - 1 if pos is None else int(pos[b - 1]), b - a, lengths])
         params.append({"name": ch.name, "dtype": d.name, "shape": list(ch.shape), "count": len(new),
-                       "width": 0 if pos is None else encoding.positions.width(pos, numel),
-                       "streams": names, "blocks": rows})
+                       "width": width, "streams": names, "blocks": rows})
     meta = _header(encoding, version, base_version, FORMAT_BLOCKS, params,
                    {s: {"codec": "zstd" if compressed else "raw", "size": n} for s, n in sizes.items()})
     data = container.pack({f"__{s}__": b"".join(parts) for s, parts in streams.items()}, meta)
@@ -154,13 +154,13 @@ def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version:
 
 
 def _blocks(ch: ParamChange, encoding: Encoding, d, numel: int, pos: np.ndarray | None, new: np.ndarray,
-            old: np.ndarray | None, policy: blocks.Policy):
-    """(first position, entry offset, end offset, streams) of each block of one param."""
+            old: np.ndarray | None, policy: blocks.Policy, width: int):
+    """(first position, entry offset, end offset, streams) of each block of one param (`width`: the
+    param-wide position width)."""
     if pos is None:  # implicit positions: dense blocks, value streams only
         for first, a, n in blocks.dense_cuts(ch.ranges, policy):
             yield first, a, a + n, encoding.encode_dense(new[a:a + n], None if old is None else old[a:a + n], d)
         return
-    width = encoding.positions.width(pos, numel)
     starts = blocks.cuts(pos, policy)
     for a, b in zip(starts, [*starts[1:], len(pos)]):
         _, parts = encoding.encode_param(pos[a:b], numel, new[a:b], None if old is None else old[a:b], d,

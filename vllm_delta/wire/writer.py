@@ -72,11 +72,15 @@ class FlushBuilder:
 
     def add(self, name: str, positions: torch.Tensor, new_values: torch.Tensor,
             old_values: torch.Tensor | None = None, *, shape: tuple[int, ...] | torch.Size,
-            post_hash: str | None = None) -> None:
+            post_hash: str | None = None, _from_scan: bool = False) -> None:
         """Queue one param's changes: sorted unique int64 flat `positions` and the values there.
 
         `old_values` (the snapshot's values at `positions`) is required by base-relative
-        encodings. A param with no changes writes nothing.
+        encodings. A param with no changes writes nothing. `_from_scan` is internal: the publisher
+        sets it for `Producer.scan`'s own entries only (`Entry.scanned`), whose positions come out
+        of a bitwise diff, sorted and unique, so new bits differ from old ones by construction; the
+        two passes over every change that check this are skipped for them (tested in
+        tests/sender/test_scanned_entries.py). Never for positions a caller supplies.
         """
         if name in self._params:
             raise ValueError(f"param {name!r} added twice")
@@ -90,12 +94,13 @@ class FlushBuilder:
         if n == 0:
             return
         d = by_torch(new_values.dtype)
-        if self.encoding.needs_base:  # bitwise, on the values' own device
+        if self.encoding.needs_base and not _from_scan:  # bitwise, on the values' own device
             same = new_values.detach().view(d.int_view) == old_values.detach().view(d.int_view)
             if bool(same.any()):
                 raise UnchangedValueError(name, positions[same.to(positions.device)].tolist(), self.encoding.name)
         numel = int(torch.Size(shape).numel())
-        if int(positions[0]) < 0 or int(positions[-1]) >= numel or not bool((positions[1:] > positions[:-1]).all()):
+        if int(positions[0]) < 0 or int(positions[-1]) >= numel or not (
+                _from_scan or bool((positions[1:] > positions[:-1]).all())):
             raise ValueError(f"{name}: positions must be strictly increasing and inside {list(shape)}")
         self._params[name] = {"name": name, "dtype": d.name, "shape": list(shape), "changed": n,
                               "files": [], "post_hash": post_hash}
