@@ -8,11 +8,16 @@ and DCP make them copies; a receiver that does not re-derive them serves prefill
 A tiny DeepSeek-V3 (q and kv LoRA, kv_lora_rank 512 + qk_rope_head_dim 64 as the CPU decode
 kernel needs; a dense first layer, then MoE with a shared expert and `e_score_correction_bias`)
 runs on the CPU_MLA backend with a test-only step (harness/post_load_steps_mla_worker) that makes
-layer 0's `W_UV` / `W_UK_T` copies, as AMX does; layer 1 keeps vLLM's views. Three updates, one
-of each kind (base-relative `ulp_zstd`, a full anchor, overwrite `deltas`), each rewriting every
-`kv_b_proj`, must leave greedy tokens, logprobs and vLLM's per-parameter digests equal to a fresh
-engine on the final checkpoint, with every parameter's and derived tensor's `data_ptr()`
-unchanged. A model-level step whose derived tensor no re-run reproduces is refused at startup.
+layer 0's `W_UV` / `W_UK_T` copies, as AMX does; layer 1 keeps vLLM's views. Updates of each kind
+(base-relative `ulp_zstd`, a full anchor, overwrite `deltas`), each rewriting every `kv_b_proj`, run
+on two engines: one from BASE up to FINAL, one from FINAL down to BASE (an anchor) and back up. Each
+state reached must equal the other engine's fresh load of it, bit for bit, in vLLM's per-parameter
+digests and in every derived tensor; the engine brought back to FINAL must serve its own fresh
+load's greedy tokens and logprobs (two engine instances on one checkpoint can differ in logprobs on
+this machine, so outputs are compared within one); every parameter's and derived tensor's
+`data_ptr()` stays unchanged. On an AMX host, vLLM's own AMX MLA backend (packed copies on the impl,
+`kv_b_proj.weight` emptied) goes through the same.
+A model-level step whose derived tensor no re-run reproduces is refused at startup.
 """
 
 from __future__ import annotations
@@ -84,17 +89,22 @@ def diff(old: Path, new: Path, out: Path, encoding: str, version: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory) -> tuple[Path, list[tuple[str, Path, int | None]], Path]:
-    """(base, [(kind, delta, base_version)], final): base-relative, anchor, overwrite."""
+def chain(tmp_path_factory) -> dict:
+    """BASE, FINAL, and the updates [(kind, delta, base_version)] up from BASE and down from FINAL."""
     root = tmp_path_factory.mktemp("mla")
     base = make_tiny_mla(root / "base")
     v1 = train_step(base, root / "v1", 1)
     v2 = train_step(v1, root / "v2", 2)
     v3 = train_step(v2, root / "v3", 3)
-    updates = [("ulp_zstd", diff(base, v1, root / "d1", "ulp_zstd", 1), 0),
-               ("anchor", write_anchor(root / "d2", Checkpoint.open(v2).iter_tensors(), 2), None),
-               ("deltas", diff(v2, v3, root / "d3", "deltas", 3), 2)]
-    return base, updates, v3
+    up = [("ulp_zstd", diff(base, v1, root / "d1", "ulp_zstd", 1), 0),
+          ("anchor", write_anchor(root / "d2", Checkpoint.open(v2).iter_tensors(), 2), None),
+          ("deltas", diff(v2, v3, root / "d3", "deltas", 3), 2)]
+    # For an engine started on FINAL: an anchor back to BASE, then the same three kinds (versions + 1).
+    down = [("anchor", write_anchor(root / "e1", Checkpoint.open(base).iter_tensors(), 1), None),
+            ("ulp_zstd", diff(base, v1, root / "e2", "ulp_zstd", 2), 1),
+            ("anchor", write_anchor(root / "e3", Checkpoint.open(v2).iter_tensors(), 3), None),
+            ("deltas", diff(v2, v3, root / "e4", "deltas", 4), 3)]
+    return {"base": base, "final": v3, "up": up, "down": down}
 
 
 def greedy(llm) -> list[tuple[list[int], list[float]]]:
@@ -105,24 +115,17 @@ def greedy(llm) -> list[tuple[list[int], list[float]]]:
             for c in (r.outputs[0] for r in llm.generate(PROMPTS, params, use_tqdm=False))]
 
 
-@pytest.fixture(scope="module")
-def fresh(chain) -> dict:
-    """A fresh engine on the final checkpoint: the reference. Delta updates on, as on the updated engine,
-    so the CPU kernels' repacked weights are kept in the same (checkpoint) layout and digests compare."""
-    _, _, final = chain
-    with start_llm(final, delta=True, **BACKEND) as llm:
-        return {"out": greedy(llm), "digests": llm.collective_rpc("compute_weight_checksums")[0]}
+def state(llm) -> dict:
+    """What the engine serves from: vLLM's per-parameter digests, every derived tensor's bits, data_ptr()s."""
+    return {"params": llm.collective_rpc("compute_weight_checksums")[0],
+            "derived": llm.collective_rpc("mla_derived_digests")[0], "pointers": llm.collective_rpc("mla_pointers")[0]}
 
 
-@pytest.fixture(scope="module")
-def updated(chain) -> dict:
-    """The delta engine, started on BASE, after the three updates; what it found and served."""
-    base, updates, _ = chain
-    with start_llm(base, delta=True, worker_extension_cls=EXTENSION, **BACKEND) as llm:
-        found = llm.collective_rpc("mla_discovery")[0]
-        probe = llm.collective_rpc("delta_probe")[0]
-        base_out = greedy(llm)
-        pointers = [llm.collective_rpc("mla_pointers")[0]]
+def run(start: Path, updates: list[tuple[str, Path, int | None]], **backend) -> dict:
+    """An engine started on `start`: its fresh load's output and state, then the state after each update."""
+    with start_llm(start, delta=True, worker_extension_cls=EXTENSION, **backend) as llm:
+        out = {"found": llm.collective_rpc("mla_discovery")[0], "probe": llm.collective_rpc("delta_probe")[0],
+               "fresh_out": greedy(llm), "states": [state(llm)]}
         for version, (kind, path, base_version) in enumerate(updates, start=1):
             request = {"id": f"v{version}", "path": str(path), "version": version, "base_version": base_version,
                        "files": None, "chunk_bytes": 1 << 28}
@@ -130,14 +133,41 @@ def updated(chain) -> dict:
             assert prepared["ok"], (kind, prepared)
             committed = llm.collective_rpc("delta_commit", args=(request["id"],))[0]
             assert committed["ok"], (kind, committed)
-            pointers.append(llm.collective_rpc("mla_pointers")[0])
-        return {"found": found, "probe": probe, "base_out": base_out, "pointers": pointers, "out": greedy(llm),
-                "digests": llm.collective_rpc("compute_weight_checksums")[0],
-                "status": llm.collective_rpc("delta_status")[0]}
+            out["states"].append(state(llm))
+            if version == 1:
+                out["after_first"] = greedy(llm)
+        out["out"], out["status"] = greedy(llm), llm.collective_rpc("delta_status")[0]
+    return out
 
 
-def test_discovery_classifies_views_and_copies(updated):
-    found = updated["found"]
+def engines(chain, **backend) -> tuple[dict, dict]:
+    """(up, down): one engine from BASE through the three updates, one from FINAL to BASE and back."""
+    return run(chain["base"], chain["up"], **backend), run(chain["final"], chain["down"], **backend)
+
+
+@pytest.fixture(scope="module")
+def cpu_mla(chain) -> tuple[dict, dict]:
+    return engines(chain, **BACKEND)
+
+
+def check_exact(up: dict, down: dict) -> None:
+    """Exact on what the engines serve. Outputs are compared within one engine (its fresh load of FINAL
+    against the same engine brought back to FINAL by deltas): on this machine two engine instances on one
+    checkpoint can differ in logprobs. Bits are compared across engines: every parameter's digest and every
+    derived tensor's, at BASE (the FINAL engine after its anchor to BASE vs the BASE engine's fresh load)
+    and at FINAL (the BASE engine after its updates vs the FINAL engine's fresh load)."""
+    for r in (up, down):
+        assert not r["status"]["dirty"] and r["found"]["refused"] == {}, (r["status"], r["found"]["refused"])
+    assert down["after_first"] != down["fresh_out"], "the served output must follow the weights"
+    assert down["out"] == down["fresh_out"]
+    for got, want in ((down["states"][1], up["states"][0]), (up["states"][-1], down["states"][0])):
+        for kind in ("params", "derived"):
+            assert got[kind].keys() == want[kind].keys()
+            assert sorted(n for n in want[kind] if got[kind][n] != want[kind][n]) == [], kind
+
+
+def test_discovery_classifies_views_and_copies(cpu_mla):
+    found, probe = cpu_mla[0]["found"], cpu_mla[0]["probe"]
     kinds = {(unit, key): (kind, sources) for unit, key, kind, sources in found["tensors"]}
     for name in ("param:W_UV", "param:W_UK_T"):
         assert kinds[(LAYER0, name)] == ("rederive", ["model.layers.0.self_attn.kv_b_proj.weight"]), kinds
@@ -147,31 +177,42 @@ def test_discovery_classifies_views_and_copies(updated):
     assert any(unit == LAYER1 and key.endswith("_k_scale") and kind == "constant" and not sources
                for unit, key, kind, sources in found["tensors"]), found["tensors"]
     assert found["units"] == {LAYER0: ["model.layers.0.self_attn.kv_b_proj.weight"]}, found["units"]
-    assert found["refused"] == {} and updated["probe"]["refused"] == {}, (found, updated["probe"])
-    assert LAYER0 in updated["probe"]["transformed"]
+    assert found["refused"] == {} and probe["refused"] == {}, (found, probe)
+    assert LAYER0 in probe["transformed"]
 
 
-def test_updates_match_fresh_engine(updated, fresh):
-    """Greedy tokens, logprobs and every parameter's digest (W_UV / W_UK_T included) equal a fresh engine."""
-    assert updated["status"]["version"] == 3 and not updated["status"]["dirty"], updated["status"]
-    assert updated["base_out"] != fresh["out"], "the served output must follow the weights"
-    assert updated["digests"].keys() == fresh["digests"].keys()
-    differ = sorted(n.rsplit(":", 1)[1] for n in fresh["digests"] if updated["digests"][n] != fresh["digests"][n])
-    assert differ == [], differ
-    assert updated["out"] == fresh["out"]
+def test_updates_match_fresh_engine(cpu_mla):
+    """Greedy tokens, logprobs, every parameter's digest (W_UV / W_UK_T included) and every derived tensor's
+    bits equal a fresh load, after base-relative, anchor and overwrite updates that rewrite kv_b_proj."""
+    check_exact(*cpu_mla)
 
 
-def test_pointers_stable_across_updates(updated):
+def test_pointers_stable_across_updates(cpu_mla):
     """data_ptr() of every parameter and derived tensor is the same after each kind of update."""
-    first, *after = updated["pointers"]
-    assert any(k.startswith(f"derived:{LAYER0}.") for k in first) and any(k.startswith("param:") for k in first)
-    for kind, ptrs in zip(["ulp_zstd", "anchor", "deltas"], after):
-        assert ptrs == first, (kind, sorted(k for k in first if ptrs.get(k) != first[k]))
+    for r in cpu_mla:
+        first, *after = [s["pointers"] for s in r["states"]]
+        assert any(k.startswith(f"derived:{LAYER0}.") for k in first) and any(k.startswith("param:") for k in first)
+        for i, ptrs in enumerate(after):
+            assert ptrs == first, (i, sorted(k for k in first if ptrs.get(k) != first[k]))
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM picks its AMX MLA backend only on AMX hosts")
+def test_amx_backend_copies_rederived(chain):
+    """vLLM's own AMX MLA backend (its default here): VNNI-packed W_UK / W_UV copies on the impl, and
+    `kv_b_proj.weight` emptied; the same checks, and the same pointer stability."""
+    up, down = engines(chain)
+    kinds = {(unit, key): (kind, sources) for unit, key, kind, sources in up["found"]["tensors"]}
+    for layer, unit in enumerate((LAYER0, LAYER1)):
+        for name in ("impl.attr:_w_uk_packed", "impl.attr:_w_uv_packed"):
+            assert kinds[(unit, name)] == ("rederive", [f"model.layers.{layer}.self_attn.kv_b_proj.weight"]), kinds
+    check_exact(up, down)
+    for r in (up, down):
+        assert all(s["pointers"] == r["states"][0]["pointers"] for s in r["states"])
 
 
 def test_model_level_derived_tensor_refused(chain):
     """A model-level step whose derived tensor a re-run does not reproduce: updates refused at startup, named."""
-    base, _, _ = chain
+    base = chain["base"]
     with patched_environ({MODEL_STEP_ENV: "1"}), \
             start_llm(base, delta=True, worker_extension_cls=EXTENSION, **BACKEND) as llm:
         found = llm.collective_rpc("mla_discovery")[0]

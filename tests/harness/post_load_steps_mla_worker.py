@@ -37,7 +37,7 @@ def _patch() -> None:
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         stock(self, act_dtype)
-        if self.layer_name.startswith(COPIED):
+        if self.layer_name.startswith(COPIED) and hasattr(self, "W_UV"):  # (AMX keeps its own packed copies)
             for name in ("W_UV", "W_UK_T"):
                 replace_parameter(self, name, getattr(self, name).detach().clone())  # a new Parameter, a copy
 
@@ -72,12 +72,10 @@ class MlaStepsWorkerExtension(DeltaWorkerExtension):
             out[f"derived:{t.unit}.{t.key}"] = derived.reach(model.get_submodule(t.unit))[t.key][3].data_ptr()
         return out
 
-    def mla_served(self) -> dict[str, str]:
-        """Hashes of the tensors decode and prefill read in each MLA layer (W_UV, W_UK_T, kv_b_proj)."""
+    def mla_derived_digests(self) -> dict[str, str]:
+        """xxh3 of every derived tensor's bits (what prefill and decode read besides the parameters)."""
         from vllm_delta.wire import tensor_digest
 
         model = self.model_runner.get_model()
-        out = {}
-        for t in derived.discovery(model).tensors:
-            out[f"{t.unit}.{t.key}"] = tensor_digest(derived.reach(model.get_submodule(t.unit))[t.key][3])
-        return out
+        return {f"{t.unit}.{t.key}": tensor_digest(derived.reach(model.get_submodule(t.unit))[t.key][3])
+                for t in derived.discovery(model).tensors}
