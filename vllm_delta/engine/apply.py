@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from vllm_delta.engine import cpu_weights, derived, transforms
-from vllm_delta.engine.batched import Piece, locate, slot_sums
+from vllm_delta.engine.batched import Piece, locate, on_device, slot_sums
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
 from vllm_delta.engine.fallback import UnservableLoader, bits, check_servable, differs, replay, same_layout, shadow_target
@@ -205,13 +205,13 @@ class DeltaApplier:
     # ---- phase 1 -------------------------------------------------------------------------
     def prepare(self, path: str | Path, *, version: int, base_version: int | None,
                 current_version: int, files: list[str] | None = None,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> StagedUpdate:
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, decode_threads: int | None = None) -> StagedUpdate:
         """Read, verify and decode the delta in a version directory; locate each entry this rank owns.
 
-        Flushes are read and decoded on as many threads as this thread's torch intra-op pool has
-        (the engine's background prepare sets it: worker.prepare_threads), ahead of the staging;
-        the garbage collector is paused meanwhile (the decoded deltas form no cycles, and two full
-        collections over a 44k-tensor update's objects cost ~20 us a tensor).
+        Flushes are read and decoded on `decode_threads` threads (default: this thread's torch
+        intra-op count; the engine passes worker.decode_threads), ahead of the staging; the garbage
+        collector is paused meanwhile (the decoded deltas form no cycles, and two full collections
+        over a 44k-tensor update's objects cost ~20 us a tensor).
         """
         start = time.perf_counter()
         info = open_delta(path, files=files)
@@ -219,7 +219,8 @@ class DeltaApplier:
         # Lazily, a param at a time, and only the blocks meeting this rank's shard.
         deltas = iter_delta(info, expected=self.checkpoint, files=files,
                             current_version=current_version if encoding.needs_base else None,
-                            owned=owned_by_tensor(self.placements), lazy=True, threads=torch.get_num_threads())
+                            owned=owned_by_tensor(self.placements), lazy=True,
+                            threads=decode_threads or torch.get_num_threads())
         with paused_gc():
             return self.stage(info.manifest, deltas, version=version, replay=version == current_version,
                               start=start, chunk_bytes=chunk_bytes)
@@ -351,13 +352,14 @@ class DeltaApplier:
         for (target, dtype, needs_base), (pieces, names) in groups.items():
             pre = [entries[n].pre_digest is not None for n in names]
             post = [entries[n].post_digest is not None for n in names]
-            located = locate(pieces)
-            if not located.offsets.numel():
-                continue
-            located.offsets = self._permuted(target, located.offsets)
             canon = self.targets[target]
             flat = flat_storage(canon)
             device = flat.device
+            # Off the CPU, located on the device: only the owned positions and values cross (batched.py).
+            located = locate(pieces, device if on_device(device) else None)
+            if not located.offsets.numel():
+                continue
+            located.offsets = self._permuted(target, located.offsets)
             offsets = located.offsets.to(torch.int32 if flat.numel() < 1 << 31 else torch.int64)
             offsets = offsets.to(device, non_blocking=True)
             values = located.values.to(device, non_blocking=True)

@@ -49,6 +49,18 @@ def prepare_threads() -> int:
     return max(1, min(4, torch.get_num_threads() // 2))
 
 
+def decode_threads(model: torch.nn.Module) -> int:
+    """Flushes a prepare decodes at once. A CPU engine's cores run its forward passes, so it takes the
+    prepare's share (`prepare_threads`); an accelerator's host cores are mostly idle (vLLM runs its
+    workers at one torch thread, so the intra-op count says nothing), so each local rank takes its
+    share of the cores it may run on, up to 8."""
+    device = next(model.parameters()).device
+    if device.type in ("cpu", "meta"):
+        return prepare_threads()
+    local = max(1, torch.accelerator.device_count())
+    return max(1, min(8, len(os.sched_getaffinity(0)) // local))
+
+
 @dataclass
 class _Preparing:
     """A prepare running on a background thread with `threads` intra-op threads; `reply` is set when it ends."""
@@ -191,7 +203,8 @@ class DeltaWorkerExtension:
                 staged = state.applier.prepare(
                     delta_dir, version=int(request["version"]),
                     base_version=request.get("base_version"),
-                    current_version=state.version, files=request.get("files"), chunk_bytes=chunk_bytes)
+                    current_version=state.version, files=request.get("files"), chunk_bytes=chunk_bytes,
+                    decode_threads=decode_threads(state.applier.model))
             refuse_uncovered(state.applier.coverage)  # after a collective receive, so a trainer never blocks
             run_id = self._delta_check_lineage(manifest, request, anchor=staged.anchor)
         except DeltaError as exc:
