@@ -280,3 +280,21 @@ def test_amx_shaped_step_rederived_in_place():
 def test_step_that_changes_a_checkpoint_parameter_is_refused():
     _, found, _ = _observed(_AmxLikeAttention(fold_into_weight=True))
     assert list(found.refused) == ["0"] and "0.kv_b_proj.weight" in found.refused["0"], found.refused
+
+
+class _ReStride:
+    """A quant-method-like step that rescales a weight into a column-major tensor of the same shape, so
+    the module is "rerun" with a stash: offsets the probe learns on the live tensor would then address
+    other elements of the checkpoint-layout stash."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.weight.data = (layer.weight.data * 2).t().contiguous().t()
+
+
+def test_stash_whose_layout_the_live_param_does_not_extend_is_refused():
+    from vllm_delta.engine.transforms import UnsupportedTransform, run_post_load
+
+    layer = torch.nn.Linear(3, 4, bias=False)
+    layer.quant_method = _ReStride()
+    with pytest.raises(UnsupportedTransform, match=r"re-lays weight from \(4, 3\) \(3, 1\) to \(4, 3\) \(1, 4\)"):
+        run_post_load(torch.nn.Sequential(layer))
