@@ -50,4 +50,5 @@ def test_the_fit_and_the_projection_are_what_they_say(result):
     assert p["node_s"] == pytest.approx(p["decode_s"] + p["h2d_s"] + p["device_s"])
     assert p["T_r"] == 44189 and p["C_r"] == pytest.approx(p["params"] * 0.02 / 8)
     fit = result["fit"]["decode"]
-    assert p["decode_s"] == pytest.approx(fit["tensors"] * p["T_r"] + fit["changes"] * p["C_r"])
+    assert p["decode_s"] == pytest.approx((fit["tensors"] * p["T_r"] + fit["changes"] * p["C_r"])
+                                          / p["assumed"]["host_threads"])
