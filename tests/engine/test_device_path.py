@@ -106,9 +106,10 @@ def test_prepare_and_commit_on_meta_parameters(tmp_path, encoding):
         for name, n in writes:
             totals[name] = totals.get(name, 0) + n
         assert totals == want
-        # Host to device in prepare: each chunk's offsets and values, once, non-blocking. Nothing comes back.
+        # Host to device in prepare: each chunk's positions and values, once, and at most one table of
+        # its pieces' numbers (engine/batched.py locates on the device), non-blocking. Nothing comes back.
         uploads = prepared.copies("cpu", "meta")
-        assert len(uploads) == 2 * chunks and all(op.name == "_to_copy" and op.kwargs["non_blocking"] for op in uploads)
+        assert 2 * chunks <= len(uploads) <= 3 * chunks and all(op.name == "_to_copy" and op.kwargs["non_blocking"] for op in uploads)
         assert prepared.copies("meta", "cpu") == [] and prepared.host_reads() == []
         # The commit runs on the device alone: no copy either way, no host read.
         assert log.copies("cpu", "meta") == [] and log.copies("meta", "cpu") == [] and log.host_reads() == []

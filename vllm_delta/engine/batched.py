@@ -53,37 +53,128 @@ def _same_strides(seg: Segment) -> bool:
     return all(n == 1 or a == b for n, a, b in zip(seg.sizes, seg.src_strides, seg.dst_strides))
 
 
-def locate(pieces: list[Piece]) -> Located:
-    """Destination offsets of all pieces' entries, in a constant number of ops on the positions' device.
+# Tests set this to take the device path on the CPU (it is otherwise taken for any non-CPU destination).
+FORCE_DEVICE_PATH = False
+
+
+def on_device(device: torch.device) -> bool:
+    """Whether a destination on `device` is located there (`locate(pieces, device)`), not on the host."""
+    return device.type != "cpu" or FORCE_DEVICE_PATH
+
+
+def locate(pieces: list[Piece], device: torch.device | None = None) -> Located:
+    """Destination offsets of all pieces' entries, in a constant number of ops.
 
     A per-piece number that is the same for every piece (a destination fed by one tensor, or
     equal strides) stays a Python int and broadcasts, so a dense model pays no per-entry table.
+
+    With `device` None, everything runs on the positions' device (the host path). With a
+    `device`, the host keeps only what this rank owns (one mask and a host `nonzero`, when a
+    segment holds part of a tensor: no device sync, and a smaller copy); then the owned positions
+    (int32 where every tensor has < 2^31 elements), values and one table of the per-piece numbers
+    that differ cross once, non-blocking, and the offsets are computed there.
     """
     counts = [p.positions.numel() for p in pieces]
-    total = sum(counts)
     positions = _cat([p.positions for p in pieces]).to(torch.int64)
     values = _cat([p.values for p in pieces])
-    device = positions.device
-    piece: list[torch.Tensor] = []  # the entries' piece ids, made on first need
+    numbers = _numbers(pieces)
+    host = _Columns(numbers, counts, positions.device, upload=False)
+    if device is None:
+        return _located(pieces, positions, values, host, compact=True)
+    owned = _owned(pieces, positions, host)
+    if owned is not None:
+        keep = torch.nonzero(owned).squeeze(1)  # a host tensor: no device sync
+        positions, values = positions.index_select(0, keep), values.index_select(0, keep)
+        counts = ([keep.numel()] if len(pieces) == 1 else  # host tensors, so no device sync either
+                  torch.bincount(host.piece().index_select(0, keep), minlength=len(pieces)).tolist())
+    narrow = max(p.numel for p in pieces) < 1 << 31
+    positions = positions.to(torch.int32 if narrow else torch.int64).to(device, non_blocking=True)
+    values = values.to(device, non_blocking=True)
+    return _located(pieces, positions.to(torch.int64), values, _Columns(numbers, counts, device, upload=True),
+                    compact=False)
 
-    def column(per_piece: list[int]) -> torch.Tensor | int:
+
+class _Columns:
+    """Per-piece numbers as per-entry columns: an int where every piece agrees, else a per-piece
+    table gathered by the entries' piece ids. With `upload` (the device path), every number that
+    differs crosses in one non-blocking upload (a row each, with the pieces' entry counts)."""
+
+    def __init__(self, numbers: dict[str, list[int]], counts: list[int], device: torch.device, *,
+                 upload: bool) -> None:
+        self.numbers = numbers
+        self.counts, self.total, self.device = counts, sum(counts), device
+        self.rows: dict[str, int] = {}
+        self.table: torch.Tensor | None = None
+        self._piece: torch.Tensor | None = None
+        if upload:
+            varying = [k for k, v in self.numbers.items() if any(x != v[0] for x in v)]
+            if varying:
+                self.rows = {k: i for i, k in enumerate(varying)}
+                table = torch.tensor([self.numbers[k] for k in varying] + [counts], dtype=torch.int64)
+                self.table = table.to(device, non_blocking=True)
+
+    def piece(self) -> torch.Tensor:
+        """Each entry's piece id, made on first need."""
+        if self._piece is None:
+            n = len(self.counts)
+            counts = (self.table[-1] if self.table is not None
+                      else torch.tensor(self.counts, dtype=torch.int64, device=self.device))
+            self._piece = torch.repeat_interleave(torch.arange(n, device=self.device), counts,
+                                                  output_size=self.total)
+        return self._piece
+
+    def __call__(self, key: str) -> torch.Tensor | int:
+        per_piece = self.numbers[key]
         if all(v == per_piece[0] for v in per_piece):
             return per_piece[0]
-        if not piece:
-            piece.append(torch.repeat_interleave(torch.arange(len(pieces), device=device),
-                                                 torch.tensor(counts, device=device), output_size=total))
-        return torch.tensor(per_piece, dtype=torch.int64, device=device).index_select(0, piece[0])
+        if self.table is not None:
+            return self.table[self.rows[key]].index_select(0, self.piece())
+        return torch.tensor(per_piece, dtype=torch.int64, device=self.device).index_select(0, self.piece())
 
-    slots = column([p.slot for p in pieces])
+
+def _dim(p: Piece, d: int) -> tuple[int, int, int]:
+    if d >= len(p.seg.sizes) or p.seg.sizes[d] == 1 or p.seg.src_strides[d] == 0:
+        return 1, _NO_DIM, 0  # index 0 whatever its stride (a size-1 dim's may be any number)
+    return p.seg.sizes[d], p.seg.src_strides[d], p.seg.dst_strides[d]
+
+
+def _numbers(pieces: list[Piece]) -> dict[str, list[int]]:
+    """Every per-piece number the locate may need: the slot, the segment's bounds and its affine map."""
+    out = {"slot": [p.slot for p in pieces],
+           "shift": [p.seg.dst_offset - p.seg.src_offset for p in pieces],
+           "src_offset": [p.seg.src_offset for p in pieces],
+           "src_last": [p.seg.src_last for p in pieces],
+           "dst_offset": [p.seg.dst_offset for p in pieces]}
+    for d in range(max(len(p.seg.sizes) for p in pieces)):
+        out[f"size{d}"], out[f"src{d}"], out[f"dst{d}"] = (list(c) for c in zip(*(_dim(p, d) for p in pieces)))
+    return out
+
+
+def _shifted(pieces: list[Piece]) -> bool:
+    """Contiguous blocks (whole tensors, row blocks of a fused param): a shift per piece."""
+    return all(p.seg.src_dense and _same_strides(p.seg) for p in pieces)
+
+
+def _owned(pieces: list[Piece], positions: torch.Tensor, column: _Columns) -> torch.Tensor | None:
+    """Which entries land (None: all of them)."""
+    if all(_whole(p) for p in pieces):
+        return None
+    if all(p.seg.src_dense for p in pieces):  # every id from src_offset to src_last: a range
+        return (positions >= column("src_offset")) & (positions <= column("src_last"))
+    return _affine(pieces, positions, column, owned=True)[1]
+
+
+def _located(pieces: list[Piece], positions: torch.Tensor, values: torch.Tensor, column: _Columns, *,
+             compact: bool) -> Located:
+    """Offsets of every entry; with `compact`, only the owned entries are kept (else all are owned)."""
+    slots = column("slot")
     owned = None
-    if all(p.seg.src_dense and _same_strides(p.seg) for p in pieces):
-        # Contiguous blocks (whole tensors, row blocks of a fused param): a shift per piece.
-        offsets = positions + column([p.seg.dst_offset - p.seg.src_offset for p in pieces])
-        if not all(_whole(p) for p in pieces):
-            owned = (positions >= column([p.seg.src_offset for p in pieces])) \
-                & (positions <= column([p.seg.src_last for p in pieces]))
+    if _shifted(pieces):
+        offsets = positions + column("shift")
+        if compact and not all(_whole(p) for p in pieces):
+            owned = (positions >= column("src_offset")) & (positions <= column("src_last"))
     else:
-        offsets, owned = _affine(pieces, positions, column)
+        offsets, owned = _affine(pieces, positions, column, owned=compact)
     if owned is not None:
         keep = torch.nonzero(owned).squeeze(1)
         positions, offsets, values = (t.index_select(0, keep) for t in (positions, offsets, values))
@@ -96,27 +187,23 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-def _affine(pieces: list[Piece], positions: torch.Tensor, column) -> tuple[torch.Tensor, torch.Tensor]:
-    """The general strided map (Segment.locate's), with each dim's size and strides gathered per entry."""
-    ndim = max(len(p.seg.sizes) for p in pieces)
-
-    def dim(p: Piece, d: int) -> tuple[int, int, int]:
-        if d >= len(p.seg.sizes) or p.seg.sizes[d] == 1 or p.seg.src_strides[d] == 0:
-            return 1, _NO_DIM, 0  # index 0 whatever its stride (a size-1 dim's may be any number)
-        return p.seg.sizes[d], p.seg.src_strides[d], p.seg.dst_strides[d]
-
-    rest = positions - column([p.seg.src_offset for p in pieces])
-    offsets = torch.zeros_like(rest) + column([p.seg.dst_offset for p in pieces])
-    owned = rest >= 0
-    for d in range(ndim):
-        sizes, src, dst = zip(*(dim(p, d) for p in pieces))
-        s = column(list(src))
+def _affine(pieces: list[Piece], positions: torch.Tensor, column: _Columns, *,
+            owned: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The general strided map (Segment.locate's), with each dim's size and strides gathered per entry;
+    with `owned`, also the mask of the entries it holds."""
+    rest = positions - column("src_offset")
+    offsets = torch.zeros_like(rest) + column("dst_offset")
+    mask = rest >= 0 if owned else None
+    for d in range(max(len(p.seg.sizes) for p in pieces)):
+        s = column(f"src{d}")
         i = torch.div(rest, s, rounding_mode="floor")
-        owned &= i < column(list(sizes))
+        if mask is not None:
+            mask &= i < column(f"size{d}")
         rest -= i * s
-        offsets += i * column(list(dst))
-    owned &= rest == 0
-    return offsets, owned
+        offsets += i * column(f"dst{d}")
+    if mask is not None:
+        mask &= rest == 0
+    return offsets, mask
 
 
 def slot_sums(positions: torch.Tensor, values: torch.Tensor, slots: torch.Tensor | int, n: int) -> torch.Tensor:
