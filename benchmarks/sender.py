@@ -467,7 +467,8 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path, loa
         f"- write (paced to 300 MB/s, overlaps encoding): {med('sender/write_s'):.2f} s",
         f"- push → ack (engine read, verify, decode, locate, paused commit): {med('sender/push_s'):.2f} s, of which "
         f"engine prepare {med('perf/update_weights_engine_decode_time'):.2f} s and pause "
-        f"{med('perf/update_weights_engine_pause_time'):.3f} s",
+        f"{med('perf/update_weights_engine_pause_time'):.3f} s (its commit: scatter, read-back and the CPU "
+        f"kernels' repack, {med('perf/update_weights_engine_apply_time'):.3f} s)",
         "",
         "### Capture/publish overlapping training",
         "",

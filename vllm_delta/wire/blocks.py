@@ -50,8 +50,13 @@ def cuts(pos: np.ndarray, policy: Policy = Policy()) -> list[int]:
     """Entry indices where blocks start (the first is 0) for sorted positions `pos`."""
     n = pos.size
     span_bits, min_entries, max_entries = policy.span_bits, policy.min_entries, policy.max_entries
-    window = pos >> span_bits
-    candidates = (np.flatnonzero(window[1:] != window[:-1]) + 1) & ~7
+    lo, hi = (int(pos[0]) >> span_bits, int(pos[-1]) >> span_bits) if n else (0, 0)
+    if hi - lo < n:  # where positions cross each window edge: a search per edge, not a pass over pos
+        edges = np.arange(lo + 1, hi + 1, dtype=np.int64) << span_bits
+        candidates = np.unique(np.searchsorted(pos, edges)) & ~7
+    else:
+        window = pos >> span_bits
+        candidates = (np.flatnonzero(window[1:] != window[:-1]) + 1) & ~7
     starts = [0]
     for c in candidates.tolist():
         if c - starts[-1] >= min_entries and n - c > 0:
