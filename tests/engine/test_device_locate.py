@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from harness.dispatch_log import OpLog
+from harness.dispatch_log import OpCount, OpLog
 from harness.synthetic import device_check
 from vllm_delta.engine import batched
 from vllm_delta.engine.apply import DeltaApplier, _Staging, _Sums
@@ -23,6 +24,21 @@ DC = device_check()
 BF16 = torch.bfloat16
 # Every segment kind of test_batched_apply, and each alone or mixed (shift, row block, strided, transposed, window).
 from test_batched_apply import SEGMENTS, moe  # noqa: E402
+
+
+class DeviceLiterals(TorchFunctionMode):
+    """`torch.tensor(data, device=...)` off the host: a blocking copy (a sync on CUDA) that the
+    dispatch log cannot see (its copy runs below the dispatcher), so it is caught at the Python API."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and torch.device(kwargs.get("device") or "cpu").type != "cpu":
+            self.calls.append(f"{func.__name__}(device={kwargs['device']})")
+        return func(*args, **kwargs)
 
 
 def _pieces(chosen: list[int], seed: int) -> list[Piece]:
@@ -55,9 +71,9 @@ def test_device_locate_on_meta_uploads_once_and_never_reads_back(chosen):
     `nonzero` (nor any read-back) on the device; three uploads: positions (int32), values, one table."""
     pieces = _pieces(chosen, 0)
     owned = locate(pieces).positions.numel()
-    with OpLog() as log:
+    with OpLog() as log, DeviceLiterals() as literals:
         got = locate(pieces, torch.device("meta"))
-    assert got.offsets.device.type == "meta" and got.offsets.numel() == owned
+    assert got.offsets.device.type == "meta" and got.offsets.numel() == owned and literals.calls == []
     uploads = log.copies("cpu", "meta")
     assert [op.outputs[0].dtype for op in uploads] == [torch.int32, BF16, torch.int64]
     assert all(op.kwargs["non_blocking"] for op in uploads)
@@ -110,8 +126,9 @@ def test_per_destination_work_on_meta_has_no_sync_and_crosses_6_bytes_a_change(t
         deltas = list(iter_delta(info, expected=meta, current_version=0))
         entries = {p.name: p for p in info.manifest.params}
         staging, sums = _Staging(1 << 40), _Sums()
-        with OpLog() as log:
+        with OpLog() as log, DeviceLiterals() as literals:
             applier._stage_batch(deltas, entries, staging, sums)
+        assert literals.calls == []
         assert staging.changed and len(sums.rows) == 2 * len(staging.writes)  # pre and post summed per destination
         assert log.copies("meta", "cpu") == [] and log.host_reads() == []
         assert [op for op in log.named("nonzero") if op.devices() != {"cpu"}] == []
@@ -151,3 +168,23 @@ def test_device_locate_is_exact_past_2_to_the_33_and_narrows_positions_only_belo
             got = locate(small, torch.device("meta"))
         assert [op.outputs[0].dtype for op in log.copies("cpu", "meta")] == [width, BF16]
         assert torch.equal(locate(small, torch.device("cpu")).offsets, torch.tensor([5, numel + 4]))
+
+
+def test_device_path_ops_per_destination_do_not_grow_with_the_experts_behind_it(tmp_path):
+    """TP=2 rank 1 on meta (row and column splits of every expert): 8x the expert tensors, the same ops."""
+    def ops(experts: int) -> tuple[int, int]:
+        cfg = moe(1, experts)
+        meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
+        base = DC.random_checkpoint(cfg, "cpu", seed=0)
+        DC.write_delta(tmp_path / f"e{experts}", base, DC.step(base, 0.5, seed=1), version=1)
+        placements = DeltaApplier(DC.SyntheticLM(cfg, rank=1, tp=2), meta).placements
+        applier = DeltaApplier(DC.SyntheticLM(cfg, rank=1, tp=2, device="meta"), meta, placements=placements, rank=1)
+        info = open_delta(tmp_path / f"e{experts}")
+        deltas = list(iter_delta(info, expected=meta, current_version=0))
+        staging = _Staging(1 << 40)
+        with OpCount() as count:
+            applier._stage_batch(deltas, {p.name: p for p in info.manifest.params}, staging, _Sums())
+        return count.count, len(staging.writes)
+
+    few, many = ops(4), ops(32)
+    assert few == many, (few, many)

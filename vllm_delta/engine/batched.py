@@ -77,8 +77,7 @@ def locate(pieces: list[Piece], device: torch.device | None = None) -> Located:
     counts = [p.positions.numel() for p in pieces]
     positions = _cat([p.positions for p in pieces]).to(torch.int64)
     values = _cat([p.values for p in pieces])
-    numbers = _numbers(pieces)
-    host = _Columns(numbers, counts, positions.device, upload=False)
+    host = _Columns(pieces, counts, positions.device)
     if device is None:
         return _located(pieces, positions, values, host, compact=True)
     owned = _owned(pieces, positions, host)
@@ -90,28 +89,38 @@ def locate(pieces: list[Piece], device: torch.device | None = None) -> Located:
     narrow = max(p.numel for p in pieces) < 1 << 31
     positions = positions.to(torch.int32 if narrow else torch.int64).to(device, non_blocking=True)
     values = values.to(device, non_blocking=True)
-    return _located(pieces, positions.to(torch.int64), values, _Columns(numbers, counts, device, upload=True),
+    ndim = max(len(p.seg.sizes) for p in pieces)
+    keys = ["slot", "shift"] if _shifted(pieces) else \
+        ["slot", "src_offset", "dst_offset", *(f"{k}{d}" for d in range(ndim) for k in ("src", "dst"))]
+    return _located(pieces, positions.to(torch.int64), values, _Columns(pieces, counts, device, upload=keys),
                     compact=False)
 
 
 class _Columns:
     """Per-piece numbers as per-entry columns: an int where every piece agrees, else a per-piece
-    table gathered by the entries' piece ids. With `upload` (the device path), every number that
-    differs crosses in one non-blocking upload (a row each, with the pieces' entry counts)."""
+    table gathered by the entries' piece ids. With `upload` (the device path: the keys it will
+    ask for), every one of those numbers that differs crosses in one non-blocking upload (a row
+    each, with the pieces' entry counts); otherwise each is made where first asked for."""
 
-    def __init__(self, numbers: dict[str, list[int]], counts: list[int], device: torch.device, *,
-                 upload: bool) -> None:
-        self.numbers = numbers
-        self.counts, self.total, self.device = counts, sum(counts), device
+    def __init__(self, pieces: list[Piece], counts: list[int], device: torch.device, *,
+                 upload: list[str] | None = None) -> None:
+        self.pieces, self.counts, self.total, self.device, self.upload = pieces, counts, sum(counts), device, upload
+        self.numbers: dict[str, list[int]] = {}
         self.rows: dict[str, int] = {}
         self.table: torch.Tensor | None = None
         self._piece: torch.Tensor | None = None
         if upload:
-            varying = [k for k, v in self.numbers.items() if any(x != v[0] for x in v)]
+            varying = [k for k in upload if not _same(self._numbers(k))]
             if varying:
                 self.rows = {k: i for i, k in enumerate(varying)}
                 table = torch.tensor([self.numbers[k] for k in varying] + [counts], dtype=torch.int64)
                 self.table = table.to(device, non_blocking=True)
+
+    def _numbers(self, key: str) -> list[int]:
+        got = self.numbers.get(key)
+        if got is None:
+            got = self.numbers[key] = _number(self.pieces, key)
+        return got
 
     def piece(self) -> torch.Tensor:
         """Each entry's piece id, made on first need."""
@@ -124,12 +133,16 @@ class _Columns:
         return self._piece
 
     def __call__(self, key: str) -> torch.Tensor | int:
-        per_piece = self.numbers[key]
-        if all(v == per_piece[0] for v in per_piece):
+        per_piece = self._numbers(key)
+        if _same(per_piece):
             return per_piece[0]
-        if self.table is not None:
+        if self.upload:  # a key not uploaded is a KeyError: never a blocking copy of its own
             return self.table[self.rows[key]].index_select(0, self.piece())
         return torch.tensor(per_piece, dtype=torch.int64, device=self.device).index_select(0, self.piece())
+
+
+def _same(per_piece: list[int]) -> bool:
+    return all(v == per_piece[0] for v in per_piece)
 
 
 def _dim(p: Piece, d: int) -> tuple[int, int, int]:
@@ -138,16 +151,17 @@ def _dim(p: Piece, d: int) -> tuple[int, int, int]:
     return p.seg.sizes[d], p.seg.src_strides[d], p.seg.dst_strides[d]
 
 
-def _numbers(pieces: list[Piece]) -> dict[str, list[int]]:
-    """Every per-piece number the locate may need: the slot, the segment's bounds and its affine map."""
-    out = {"slot": [p.slot for p in pieces],
-           "shift": [p.seg.dst_offset - p.seg.src_offset for p in pieces],
-           "src_offset": [p.seg.src_offset for p in pieces],
-           "src_last": [p.seg.src_last for p in pieces],
-           "dst_offset": [p.seg.dst_offset for p in pieces]}
-    for d in range(max(len(p.seg.sizes) for p in pieces)):
-        out[f"size{d}"], out[f"src{d}"], out[f"dst{d}"] = (list(c) for c in zip(*(_dim(p, d) for p in pieces)))
-    return out
+def _number(pieces: list[Piece], key: str) -> list[int]:
+    """One per-piece number the locate may need: the slot, the segment's bounds or its affine map
+    (`size3`, `src3`, `dst3`: dim 3's size and strides)."""
+    if key == "slot":
+        return [p.slot for p in pieces]
+    if key == "shift":
+        return [p.seg.dst_offset - p.seg.src_offset for p in pieces]
+    if key in ("src_offset", "src_last", "dst_offset"):
+        return [getattr(p.seg, key) for p in pieces]
+    kind, d = key[:-1], int(key[-1])
+    return [_dim(p, d)[("size", "src", "dst").index(kind)] for p in pieces]
 
 
 def _shifted(pieces: list[Piece]) -> bool:
