@@ -7,10 +7,11 @@ weight changes and while the engine still serves. `commit` only scatters precomp
 value) chunks, so the engine is held for the scatter alone and a failure there is an engine
 fault, reported with the tensors it may have left half-written, never a silent one.
 
-Device: decoded entries are located on the host (where the decoder puts them), a batch of
-tensors at a time with a constant number of ops per destination (engine/batched.py); they then
-cross once to the destination's device, where current values are read, ULP steps resolved and
-digests summed in torch integer ops, and are staged there, so the commit is a handful of
+Device: decoded entries are located a batch of tensors at a time with a constant number of ops
+per destination (engine/batched.py): on the host for a CPU destination; otherwise only the owned
+positions and values cross, once, and the locate runs on the destination's device. There current
+values are read, ULP steps resolved and digests summed in torch integer ops, and the entries are
+staged there, so the commit is a handful of
 `index_copy_` per destination and no copy. `chunk_bytes` bounds everything an update stages:
 past it, prepare refuses (413) before any weight changes. Nothing here needs vLLM except the
 fallback loader.

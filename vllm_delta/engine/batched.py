@@ -6,7 +6,9 @@ tensors) and one scatter each at commit. Here the entries of all the tensors beh
 destination are concatenated and go through a constant number of tensor ops: a per-entry
 table of their segments' affine maps (gathered by piece id), one ownership mask, one
 compaction, and digests summed per tensor with one `index_add_`. The op count grows with the
-destinations and batches, never with the checkpoint tensors.
+destinations and batches, never with the checkpoint tensors. For a destination off the CPU the
+ownership filter stays on the host (where the positions are) and the rest runs on the device,
+so no device `nonzero` or read-back is needed and only owned entries cross.
 """
 
 from __future__ import annotations
