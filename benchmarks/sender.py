@@ -530,6 +530,7 @@ def main() -> None:
         print(f"model: {params / 1e6:.0f} M params", flush=True)
         res3 = p3(weights, [int(x) for x in a.p3_threads.split(",") if x] or None)
         if a.p3_only:
+            load["after"] = os.getloadavg()[0]
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "sender_p3.json").write_text(json.dumps({"p3": res3, "params": params, "load": load}, indent=1))
             return
