@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from harness.perturb import perturb_checkpoint
 from harness.post_load_steps import DERIVED, EXTENSION, PERMUTED
 from harness.tiny_models import PROMPTS
-from harness.vllm_engine import start_llm
+from harness.vllm_engine import greedy, start_llm
 from vllm_delta.engine.digests import check_partials, mismatches
 from vllm_delta.wire import load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
@@ -76,17 +76,6 @@ def load_checkpoint(model_dir: Path) -> dict:
     out = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
         out.update(load_file(shard))
-    return out
-
-
-def greedy(llm) -> list[tuple[list[int], list[float]]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
-    out = []
-    for result in llm.generate(PROMPTS, params, use_tqdm=False):
-        c = result.outputs[0]
-        out.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
     return out
 
 

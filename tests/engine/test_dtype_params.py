@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from harness.perturb import perturb_checkpoint
-from harness.tiny_models import PROMPTS
-from harness.vllm_engine import start_llm
+from harness.vllm_engine import greedy, start_llm
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.wire import DeltaWriter
 from vllm_delta.wire.errors import DtypeMismatchError
@@ -171,14 +170,6 @@ def test_a_pre_digest_is_checked_only_where_the_served_values_convert_back(tmp_p
 
 
 # ---- heavy: a real engine served as float16 ------------------------------------------------------
-
-
-def greedy(llm) -> list[tuple[list[int], list[float]]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
-    return [(list(r.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)])
-            for r in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
 @pytest.mark.heavy

@@ -28,7 +28,7 @@ from torch import nn
 from harness.fresh_load import save_checkpoint
 from harness.perturb import perturb_checkpoint
 from harness.tiny_models import _common, train_tokenizer
-from harness.vllm_engine import start_llm
+from harness.vllm_engine import greedy, start_llm
 from vllm_delta.engine.digests import check_coverage, check_partials, coverage, mismatches
 from vllm_delta.engine.map_check import check_map
 from vllm_delta.engine.placement import Fill, build_placement, storages_of
@@ -196,16 +196,6 @@ def add_digests(delta: Path, old: dict, new: dict) -> None:
                                            "post_digest": to_hex(partial_sum(pos, b[pos])),
                                            "digest": to_hex(tensor_sum(b))}))
     write_manifest(delta, manifest.model_copy(update={"params": params}))
-
-
-def greedy(llm) -> list[tuple[list[int], list[float]]]:
-    from vllm import SamplingParams
-
-    from harness.tiny_models import PROMPTS
-
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
-    return [(list(r.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(r.outputs[0].token_ids, r.outputs[0].logprobs)])
-            for r in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
 @pytest.mark.heavy

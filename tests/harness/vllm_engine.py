@@ -177,3 +177,15 @@ class VllmServer:
         resp = requests.post(f"{self.url}/v1/completions", json=body, timeout=120)
         resp.raise_for_status()
         return resp.json()["choices"][0]
+
+
+def greedy(llm, prompts: list[str] | None = None) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's 8 greedy tokens and their logprobs from an in-process `LLM` (the bit-exactness checks'
+    output half: equal weights must give equal tokens and logprobs)."""
+    from vllm import SamplingParams
+
+    from harness.tiny_models import PROMPTS
+
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for c in (r.outputs[0] for r in llm.generate(prompts or PROMPTS, params, use_tqdm=False))]
