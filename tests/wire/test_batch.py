@@ -129,6 +129,26 @@ def test_batches_and_a_param_past_a_batch(tmp_path, monkeypatch):
     assert past and sorted(slow_params) == past and len(plans) == 1  # planned once, for those alone
 
 
+def test_a_large_param_decodes_on_the_per_param_path_and_the_rest_in_batches(tmp_path, monkeypatch):
+    # The per-param path decodes a large param's changes several times cheaper than a batch's gathers.
+    old = model(12)
+    new = step(old, 0.1, seed=4)
+    path = write(tmp_path / "d", old, new, "deltas_zstd")
+    slow_params = []
+    real_decode = flush._decode_blocked
+    with monkeypatch.context() as m:
+        m.setattr(batch, "PER_PARAM_ENTRIES", 30)
+        m.setattr(flush, "_decode_blocked", lambda enc, s, d, p, **k: slow_params.extend(x[0].name for x in p)
+                  or real_decode(enc, s, d, p, **k))
+        fast = decode(path)
+    per_param_path(monkeypatch)
+    slow = decode(path)
+    for a, b in zip(fast, slow, strict=True):
+        same(a, b)
+    large = sorted(d.name for d in slow if d.count >= 30)
+    assert large and len(large) < len(slow) and sorted(slow_params) == large
+
+
 class _Counting:
     """A zstd decompressor that counts what is asked of it. A wrapper, not a subclass: freeing an
     instance of a Python subclass of python-zstandard's C type corrupts the heap."""
