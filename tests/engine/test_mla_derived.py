@@ -149,7 +149,11 @@ def cpu_mla(chain) -> tuple[dict, dict]:
     return engines(chain, **BACKEND)
 
 
-def check_exact(up: dict, down: dict) -> None:
+def tokens(out: list[tuple[list[int], list[float]]]) -> list[list[int]]:
+    return [t for t, _ in out]
+
+
+def check_exact(up: dict, down: dict, logprobs: bool = True) -> None:
     """Exact on what the engines serve. Outputs are compared within one engine (its fresh load of FINAL,
     after WARMUP calls, against the same engine brought back to FINAL by deltas). Bits are compared
     across engines: every parameter's digest and every derived tensor's, at BASE (the FINAL engine after
@@ -158,7 +162,10 @@ def check_exact(up: dict, down: dict) -> None:
     for r in (up, down):
         assert not r["status"]["dirty"] and r["found"]["refused"] == {}, (r["status"], r["found"]["refused"])
     assert down["after_first"] != down["fresh_out"], "the served output must follow the weights"
-    assert down["out"] == down["fresh_out"]
+    if logprobs:
+        assert down["out"] == down["fresh_out"]
+    else:
+        assert tokens(down["out"]) == tokens(down["fresh_out"])
     for got, want in ((down["states"][1], up["states"][0]), (up["states"][-1], down["states"][0])):
         for kind in ("params", "derived"):
             assert got[kind].keys() == want[kind].keys()
@@ -198,13 +205,15 @@ def test_pointers_stable_across_updates(cpu_mla):
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM picks its AMX MLA backend only on AMX hosts")
 def test_amx_backend_copies_rederived(chain):
     """vLLM's own AMX MLA backend (its default here): VNNI-packed W_UK / W_UV copies on the impl, and
-    `kv_b_proj.weight` emptied; the same checks, and the same pointer stability."""
+    `kv_b_proj.weight` emptied; the same checks and pointer stability, but greedy tokens without their
+    logprobs: vLLM's AMX kernels drift call to call here even after the warm-up (-4.700545 vs -4.708516 on
+    one engine with the same weights); the derived tensors' bits are compared exactly."""
     up, down = engines(chain)
     kinds = {(unit, key): (kind, sources) for unit, key, kind, sources in up["found"]["tensors"]}
     for layer, unit in enumerate((LAYER0, LAYER1)):
         for name in ("impl.attr:_w_uk_packed", "impl.attr:_w_uv_packed"):
             assert kinds[(unit, name)] == ("rederive", [f"model.layers.{layer}.self_attn.kv_b_proj.weight"]), kinds
-    check_exact(up, down)
+    check_exact(up, down, logprobs=False)
     for r in (up, down):
         assert all(s["pointers"] == r["states"][0]["pointers"] for s in r["states"])
 
