@@ -17,10 +17,15 @@ The node projection (GLM-4.7-355B, TP=8 on one 8xH200 node, 2%) uses the fitted 
 costs, which run on the node's CPUs as they do here, and for the device side the counted ops and
 bytes, with the GPU's rates as stated assumptions. It is a projection, not a GPU figure:
 
-    decode_s = (decode.per_tensor * T_r + decode.per_change * C_r) / host_threads   (flushes decode in parallel)
-    h2d_s    = (staged_bytes_per_change + 8) * C_r / pcie_bytes_per_s   (+ the digests' int64 positions)
-    device_s = ops_per_destination * D_r * launch_s + device_bytes_per_change * C_r / hbm_bytes_per_s
-    node_s   = decode_s + h2d_s + device_s          (no overlap assumed: an upper bound of the pipeline)
+    decode_s     = (decode_wide.per_tensor * T_r + decode_wide.per_change * C_r) / host_threads
+    host_stage_s = (stage.per_tensor + commit.per_tensor) * T_r
+    h2d_s        = staged_bytes_per_change * C_r / pcie_bytes_per_s
+    device_s     = ops_per_destination * D_r * launch_s + device_bytes_per_change * C_r / hbm_bytes_per_s
+    node_s       = decode_s + host_stage_s + h2d_s + device_s     (no overlap assumed: an upper bound)
+
+`decode_wide` is the reader alone on full-width tensors (thousands of changes each, the per-param
+path), which is what each rank's slice of GLM-4.7's tensors is at TP=8; the grid's tiny widths
+measure the batched path of small tensors instead.
 
     python benchmarks/cost_model.py [--layers 6 14] [--experts 40 160] [--json PATH]
 """
@@ -48,7 +53,7 @@ from harness.dispatch_log import OpCount  # noqa: E402
 from harness.perturb import perturb_tensor  # noqa: E402
 from vllm_delta.engine import batched  # noqa: E402
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
-from vllm_delta.wire import iter_delta, open_delta  # noqa: E402
+from vllm_delta.wire import DeltaWriter, iter_delta, open_delta  # noqa: E402
 from vllm_delta.wire.container import paused_gc  # noqa: E402
 
 MODEL = "glm-4.7-355b-a32b"
@@ -112,6 +117,31 @@ def _point(layers: int, experts: int, densities: tuple[float, ...], repeats: int
     return rows
 
 
+def _wide_decode(repeats: int, numel: int = 1 << 22) -> list[dict[str, Any]]:
+    """The reader alone on full-width tensors, where each tensor has >= wire.batch.PER_PARAM_ENTRIES changes
+    a rank and so decodes on the per-param path (as GLM-4.7's experts do at TP=8: ~20 k changes a rank at 2%):
+    the same changes in 24 or 96 tensors, and a quarter of them, so per tensor and per change separate."""
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="cost_model_wide_") as tmp:
+        for tensors, size, density in ((24, numel, 0.02), (96, numel // 4, 0.02), (24, numel, 0.005)):
+            path = Path(tmp) / f"{tensors}_{density}"
+            with DeltaWriter(path, version=1, base_version=0, encoding="ulp_zstd") as writer:
+                for i in range(tensors):
+                    pos = torch.randperm(size, generator=gen)[:int(size * density)].sort().values
+                    old = torch.randn(pos.numel(), generator=gen).to(torch.bfloat16)
+                    writer.add(f"t{i}", pos, (old.view(torch.int16) + 1).view(torch.bfloat16), old, shape=(size,))
+            times = []
+            for _ in range(repeats):
+                with paused_gc():
+                    start = time.perf_counter()
+                    changes = sum(d.count for d in iter_delta(open_delta(path), current_version=0, lazy=True))
+                    times.append(time.perf_counter() - start)
+            rows.append({"tensors": tensors, "destinations": 0, "changes": changes, "decode_s": statistics.median(times)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def fit(rows: list[dict[str, Any]], part: str, columns: tuple[str, ...]) -> dict[str, float]:
     """Least squares of `part` seconds on `columns` in relative terms (each row weighted by 1/seconds,
     so the small points count as much as the large), with coefficients held >= 0 (a negative one is
@@ -138,18 +168,21 @@ def node_projection(model_fit: dict[str, Any], ops_per_destination: float, stage
     params = sum(torch.Size(s).numel() for s, _ in full.values())
     tp = 8
     counts = {"T_r": len(full), "D_r": 1187, "C_r": params * 0.02 / tp}  # D_r: the full-shape harness's rank 7
-    dec = model_fit["decode"]
+    dec = model_fit["decode_wide"]  # at full width each rank's slice of a tensor decodes on the per-param path
     terms = {
         "decode_s": (dec["tensors"] * counts["T_r"] + dec["changes"] * counts["C_r"]) / assumed["host_threads"],
-        # what crosses per change: the staged offsets and values, plus the int64 positions the digests key on
-        "h2d_s": (staged_bytes_per_change + 8) * counts["C_r"] / assumed["pcie_bytes_per_s"],
+        # the staging's Python per checkpoint tensor (pieces, tables) stays on the host, one thread
+        "host_stage_s": (model_fit["stage"]["tensors"] + model_fit["commit"]["tensors"]) * counts["T_r"],
+        # what crosses per change (batched.locate on a device): int32 positions and the values, as many
+        # bytes as the staged offsets and values
+        "h2d_s": staged_bytes_per_change * counts["C_r"] / assumed["pcie_bytes_per_s"],
         "device_s": ops_per_destination * counts["D_r"] * assumed["launch_s"]
         + assumed["device_bytes_per_change"] * counts["C_r"] / assumed["hbm_bytes_per_s"],
     }
     return {"params": params, **counts, **terms, "node_s": sum(terms.values()), "assumed": dict(assumed),
-            "formula": "(decode.per_tensor*T_r + decode.per_change*C_r)/host_threads"
-                       " + (staged_bytes_per_change+8)*C_r/pcie + ops_per_destination*D_r*launch_s"
-                       " + device_bytes_per_change*C_r/hbm"}
+            "formula": "(decode_wide.per_tensor*T_r + decode_wide.per_change*C_r)/host_threads"
+                       " + (stage.per_tensor + commit.per_tensor)*T_r + staged_bytes_per_change*C_r/pcie"
+                       " + ops_per_destination*D_r*launch_s + device_bytes_per_change*C_r/hbm"}
 
 
 def predict(part: dict[str, float], row: dict[str, Any]) -> float:
@@ -157,7 +190,7 @@ def predict(part: dict[str, float], row: dict[str, Any]) -> float:
 
 
 def cost_model(layers: list[int], experts: list[int], densities: tuple[float, ...], repeats: int,
-               count_true: bool = False) -> dict[str, Any]:
+               count_true: bool = False, wide_numel: int = 1 << 22) -> dict[str, Any]:
     """The grid's fit and the node projection; `count_true`: also GLM-4.7's own counts (92 layers x 160
     experts, 2%), out of the fit, as its check and for the op counts at the real tensor count."""
     rows = [r for n in layers for e in experts for r in _point(n, e, densities, repeats)]
@@ -166,6 +199,8 @@ def cost_model(layers: list[int], experts: list[int], densities: tuple[float, ..
     for r in rows:
         r["prepare_s"] = r["decode_s"] + r["stage_s"]
     fits["prepare"] = fit(rows, "prepare_s", columns)
+    wide = _wide_decode(repeats, wide_numel)
+    fits["decode_wide"] = fit(wide, "decode_s", ("tensors", "changes"))
     ops_per_destination = max(r["device_ops"] / r["destinations"] for r in rows)
     staged_per_change = statistics.median(r["staged_bytes"] / r["changes"] for r in rows)
     projection = node_projection(fits, ops_per_destination, staged_per_change)
@@ -174,7 +209,7 @@ def cost_model(layers: list[int], experts: list[int], densities: tuple[float, ..
         (check,) = _point(92, 160, (0.02,), repeats)
         check["prepare_s"] = check["decode_s"] + check["stage_s"]
         check["predicted"] = {part: predict(fits[part], check) for part in ("decode", "stage", "commit", "prepare")}
-    return {"rows": rows, "fit": fits, "ops_per_destination": ops_per_destination, "count_true": check,
+    return {"rows": rows, "wide_rows": wide, "fit": fits, "ops_per_destination": ops_per_destination, "count_true": check,
             "ops_per_sync_2pct": check["device_ops"] if check else None,
             "staged_bytes_per_change": staged_per_change,
             "per_tensor_us": fits["prepare"]["tensors"] * 1e6,

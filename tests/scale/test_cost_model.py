@@ -24,7 +24,7 @@ pytestmark = pytest.mark.heavy
 
 @pytest.fixture(scope="module")
 def result():
-    return cost_model([4, 5], [8, 16], (0.005, 0.02), repeats=1)
+    return cost_model([4, 5], [8, 16], (0.005, 0.02), repeats=1, wide_numel=1 << 18)
 
 
 def _row(result, layers: int, experts: int, density: float) -> dict:
@@ -44,11 +44,11 @@ def test_ops_grow_with_the_destinations(result):
 
 
 def test_the_fit_and_the_projection_are_what_they_say(result):
-    for part in ("decode", "stage", "commit", "prepare"):
-        assert all(result["fit"][part][c] >= 0 for c in ("tensors", "destinations", "changes"))
+    for part in ("decode", "stage", "commit", "prepare", "decode_wide"):
+        assert all(v >= 0 for c, v in result["fit"][part].items() if c != "max_rel_residual")
     p = result["projection"]
-    assert p["node_s"] == pytest.approx(p["decode_s"] + p["h2d_s"] + p["device_s"])
+    assert p["node_s"] == pytest.approx(p["decode_s"] + p["host_stage_s"] + p["h2d_s"] + p["device_s"])
     assert p["T_r"] == 44189 and p["C_r"] == pytest.approx(p["params"] * 0.02 / 8)
-    fit = result["fit"]["decode"]
+    fit = result["fit"]["decode_wide"]
     assert p["decode_s"] == pytest.approx((fit["tensors"] * p["T_r"] + fit["changes"] * p["C_r"])
                                           / p["assumed"]["host_threads"])
