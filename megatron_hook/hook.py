@@ -14,6 +14,7 @@ overlaps the next training step; the next capture waits only if that push is sti
 from __future__ import annotations
 
 import logging
+from concurrent import futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +82,13 @@ class HookHandle:
             cfg = getattr(chunk, "ddp_config", None)
             if cfg is not None and cfg.use_distributed_optimizer and cfg.overlap_param_gather:
                 chunk.start_param_sync(force_sync=True)
+        if self._inflight is not None:
+            # The publish thread runs collectives on the sender's group, and so does the rebind check's
+            # agreement: on one group at once from two threads, ranks can pair them differently and hang.
+            # capture() would wait for this publish anyway.
+            futures.wait([self._inflight])
         self._follow_rebinds()
-        self.last_capture = self.sender.capture(self.segments)  # waits for the previous publish, if running
+        self.last_capture = self.sender.capture(self.segments)
         if self._inflight is not None and self._inflight.done():
             self._report(self._inflight.result())
         self._inflight = self.sender.publish()
