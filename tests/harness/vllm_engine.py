@@ -95,6 +95,9 @@ def start_llm(model_dir: Path | str, tp: int = 1, delta: bool = False, **engine_
             del llm
 
 
+PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -113,28 +116,33 @@ class VllmServer:
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 600.0,
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [
-            str(VENV_BIN / "vllm"), "serve", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
-            "--tensor-parallel-size", str(tp),
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
-            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-            *(extra_args or []),
-        ]  # fmt: skip
         full_env = {**os.environ, **engine_env(tp), **(env or {})}
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-        )
-        try:
-            self._wait_healthy(startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(PORT_ATTEMPTS):
+            # A free port can be taken before vLLM binds it (the kernel hands ephemeral ports to
+            # other processes' client sockets too): that start is retried on another port.
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            cmd = [
+                str(VENV_BIN / "vllm"), "serve", str(model_dir),
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
+                "--tensor-parallel-size", str(tp),
+                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+                "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+                *(extra_args or []),
+            ]  # fmt: skip
+            self._log = open(log_path, "wb")
+            self.proc = subprocess.Popen(
+                cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            )
+            try:
+                self._wait_healthy(startup_timeout_s)
+                return
+            except BaseException as exc:
+                self.stop()
+                if attempt + 1 == PORT_ATTEMPTS or "Address already in use" not in str(exc):
+                    raise
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
