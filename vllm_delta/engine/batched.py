@@ -187,8 +187,8 @@ def _located(pieces: list[Piece], positions: torch.Tensor, values: torch.Tensor,
     owned = None
     if _shifted(pieces):
         offsets = positions + column("shift")
-        if compact and not all(_whole(p) for p in pieces):
-            owned = (positions >= column("src_offset")) & (positions <= column("src_last"))
+        if compact:
+            owned = _owned(pieces, positions, column)  # shifted pieces are dense: a range, or all
     else:
         offsets, owned = _affine(pieces, positions, column, owned=compact)
     if owned is not None:

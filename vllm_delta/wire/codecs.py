@@ -80,9 +80,13 @@ def encode_gaps(pos: np.ndarray, *, prev: int = -1, width: int | None = None) ->
         np.subtract(pos[1:], pos[:-1], out=gaps[1:])
         gaps[1:] -= 1
     if width is None:
-        top = int(gaps.max()) if gaps.size else 0
-        width = next(w for w in GAP_WIDTHS if top < 1 << (8 * w))
+        width = _narrowest(int(gaps.max()) if gaps.size else 0)
     return width, gaps.astype(_uint(width))
+
+
+def _narrowest(top: int) -> int:
+    """The narrowest gap width that holds `top`."""
+    return next(w for w in GAP_WIDTHS if top < 1 << (8 * w))
 
 
 def gap_width(pos: np.ndarray, *, prev: int = -1) -> int:
@@ -92,7 +96,7 @@ def gap_width(pos: np.ndarray, *, prev: int = -1) -> int:
     top = int(pos[0]) - prev - 1
     if pos.size > 1:
         top = max(top, int(np.subtract(pos[1:], pos[:-1], dtype=np.int64).max()) - 1)
-    return next(w for w in GAP_WIDTHS if top < 1 << (8 * w))
+    return _narrowest(top)
 
 
 def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) -> np.ndarray:
