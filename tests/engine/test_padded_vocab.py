@@ -200,7 +200,8 @@ def add_digests(delta: Path, old: dict, new: dict) -> None:
 
 @pytest.mark.heavy
 @pytest.mark.engine
-@pytest.mark.parametrize("tied,tp", [(False, 1), (True, 1), (False, 2)], ids=["untied-tp1", "tied-tp1", "untied-tp2"])
+@pytest.mark.parametrize("tied,tp", [(False, 1), (True, 1), (False, 2), (True, 2)],
+                         ids=["untied-tp1", "tied-tp1", "untied-tp2", "tied-tp2"])
 def test_padded_vocab_engine_matches_a_fresh_load(tied, tp, tmp_path):
     base, deltas, final = make_chain(tmp_path, tied)
     with start_llm(final, tp=tp, delta=True) as llm:
