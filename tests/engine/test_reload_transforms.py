@@ -133,9 +133,8 @@ def commit(model: Model, weights: dict[str, torch.Tensor]) -> None:
     maps = offset_maps(model)
     for name, values in weights.items():
         flat = flat_storage(targets[name])
-        start, inverse = maps.get(name, (targets[name].storage_offset(), None))
-        at = torch.arange(values.numel()) if inverse is None else inverse.long()
-        flat[start + at] = values.view(-1)
+        at = torch.arange(values.numel()) + targets[name].storage_offset()
+        flat[maps[name].live(at) if name in maps else at] = values.view(-1)
 
 
 def test_reload_then_delta_is_bitexact_with_a_fresh_load(hooks):

@@ -32,16 +32,32 @@ RESTORED_ATTR = "_delta_restored"  # param names whose canonical tensor is the l
 def post_load_step(module: nn.Module) -> Callable[[], None] | None:
     """The module's post-load step, as it can be run again after the first load.
 
-    Fused MoE treats a second `process_weights_after_loading` as a weight update and skips its
-    experts' CPU prepack (it copies the raw weights over the packed ones), so for MoE the
-    experts' own step runs, which prepacks from the parameters just restored.
+    vLLM's unquantized fused MoE treats a second `process_weights_after_loading` as a weight
+    update: it converts the weights to its kernel's format (FlashInfer-CUTLASS's w13 half swap,
+    TRT-LLM's row reorder, ...) and copies them into the existing storage, but skips its experts'
+    own step (the CPU prepack). So for it the re-run is both, in the first call's order: then a
+    re-run from the checkpoint layout does what the first call did, and the permutation probe and
+    the "rerun" path see the conversion. Quantized MoE methods re-run every stage on each call.
     """
     method = getattr(module, "quant_method", None)
-    kernel = getattr(method, "moe_kernel", None)
-    if kernel is not None:
-        return lambda: kernel.fused_experts.process_weights_after_loading(module)
     step = getattr(method, "process_weights_after_loading", None)
-    return None if step is None else (lambda: step(module))
+    if step is None:
+        return None
+    if _skips_experts_on_update(method):
+        def first_call_again() -> None:
+            step(module)
+            method.moe_kernel.fused_experts.process_weights_after_loading(module)
+        return first_call_again
+    return lambda: step(module)
+
+
+def _skips_experts_on_update(method: object) -> bool:
+    """Whether `method` is vLLM's unquantized fused MoE with its kernel built (its step is then an update)."""
+    if getattr(method, "moe_kernel", None) is None:
+        return False
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    return isinstance(method, UnquantizedFusedMoEMethod)
 
 
 def keep_canonical(module: nn.Module, canonical: dict[str, torch.Tensor],

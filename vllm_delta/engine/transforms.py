@@ -10,7 +10,8 @@ observed inside vLLM's own loop, one module at a time) and is classified:
 - unchanged: nothing to do;
 - `permutation`: only parameters changed, each keeps its shape and dtype and its new contents
   are a permutation of the old (proven by re-running the step with the parameter holding
-  element ids, then checked on the real bits): deltas are written through the inverse map;
+  element ids, then checked on the real bits): deltas are written through the inverse map
+  (`OffsetMap`: one entry per row where the step moves whole rows, else one per element);
 - `rerun`: anything else (a derived tensor, a repack, or new non-tensor state such as the CPU
   kernels' `cpu_linear` closure that may hold a packed copy): re-running the step from the
   checkpoint-layout tensors reproduces the first result bit for bit, so deltas go to a canonical
@@ -21,6 +22,7 @@ observed inside vLLM's own loop, one module at a time) and is classified:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,13 +49,64 @@ class Transform:
     changed: list[str] = field(default_factory=list)  # parameters whose bits changed
     derived: list[str] = field(default_factory=list)  # other tensors the step added or changed
     state: list[str] = field(default_factory=list)  # non-tensor attributes the step set (opaque)
-    # permutation: param name -> inverse map (loaded position -> position after the step)
-    inverse: dict[str, torch.Tensor] = field(default_factory=dict)
+    # permutation: param name -> inverse map (loaded position -> position after the step), start 0
+    inverse: dict[str, OffsetMap] = field(default_factory=dict)
 
     @property
     def relayout(self) -> bool:
         """Whether tensors changed (reported in the status), not only opaque kernel state."""
         return bool(self.changed or self.derived)
+
+
+@dataclass(frozen=True)
+class OffsetMap:
+    """Where a permuting step moved a parameter's elements: loaded storage offset -> live one.
+
+    Why rows: a step that moves whole rows (runs of the last dim: FlashInfer-CUTLASS's w13 half
+    swap, TRT-LLM's row reorder) is kept as one entry per row, O(rows); an int32 per element
+    would be twice a bf16 weight (a 355B MoE's w13 would not fit beside itself on a GPU). Any
+    other permutation keeps one entry per element (`row_len` 1). The table stays on the
+    parameter's device and mapping is a few elementwise ops there: no host sync.
+    """
+
+    start: int  # the parameter's storage offset
+    table: torch.Tensor  # loaded row -> live row (int32 below 2**31 rows)
+    row_len: int = 1
+
+    @property
+    def numel(self) -> int:
+        return self.table.numel() * self.row_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.numel() * self.table.element_size()
+
+    def live(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Storage offsets in the loaded layout -> where the step moved those elements."""
+        local = offsets.to(self.table.device, non_blocking=True) - self.start
+        if self.row_len == 1:
+            return self.table[local].to(offsets.dtype) + self.start
+        rows = torch.div(local, self.row_len, rounding_mode="floor")
+        return self.table[rows].to(offsets.dtype) * self.row_len + (local - rows * self.row_len) + self.start
+
+    def loaded(self, flat: torch.Tensor) -> torch.Tensor:
+        """A copy of the flat storage `flat` with this parameter back in its loaded layout."""
+        out = flat.clone()
+        span = slice(self.start, self.start + self.numel)
+        out[span].view(-1, self.row_len).copy_(flat[span].view(-1, self.row_len).index_select(0, self.table))
+        return out
+
+
+def _compact(perm: torch.Tensor, row_len: int) -> OffsetMap:
+    """The inverse of `perm` (`perm[i]`: the loaded flat index the step put at i), per row where it moves whole rows."""
+    rows = perm.view(-1, row_len) if row_len > 1 else None
+    whole_rows = rows is not None and not bool((rows[:, 0] % row_len).any()) and torch.equal(
+        rows - rows[:, :1], torch.arange(row_len, device=perm.device).expand_as(rows))
+    if whole_rows:
+        perm = torch.div(rows[:, 0], row_len, rounding_mode="floor")
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), dtype=torch.int64, device=perm.device)
+    return OffsetMap(0, inverse.to(torch.int32) if perm.numel() < 1 << 31 else inverse, row_len if whole_rows else 1)
 
 
 @dataclass
@@ -97,7 +150,7 @@ def _rerun(module: nn.Module, step_of: StepOf, before: Snapshot, changed: list[s
 
 
 def _inverse_permutation(module: nn.Module, step_of: StepOf, name: str, before: torch.Tensor,
-                         after: torch.Tensor) -> torch.Tensor | None:
+                         after: torch.Tensor) -> OffsetMap | None:
     """Inverse map of a step that permutes parameter `name`, or None if it does not.
 
     The step runs on the module itself with `name` holding its element ids (float64, exact to
@@ -120,9 +173,7 @@ def _inverse_permutation(module: nn.Module, step_of: StepOf, name: str, before: 
     perm = perm.to(torch.int64)
     if not _same(after.reshape(-1), before.reshape(-1)[perm]):  # the real bits moved the same way
         return None
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(n, dtype=torch.int64, device=perm.device)
-    return inverse.to(torch.int32) if n < 1 << 31 else inverse
+    return _compact(perm, after.shape[-1] if after.dim() else 1)
 
 
 def _prefix_layout(canon: torch.Tensor, live: torch.Tensor) -> bool:
@@ -150,7 +201,7 @@ def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = c
     # A step may consume parameters (fp8 KV-cache scales are deleted once folded into `_k_scale`...):
     # never a permutation, and re-run from the restored originals like any derived state.
     consumed = [n for n in changed if f"param:{n}" not in after]
-    inverse: dict[str, torch.Tensor | None] = {}
+    inverse: dict[str, OffsetMap | None] = {}
     try:
         for n in changed if not derived and not state and not consumed else []:
             inverse[n] = _inverse_permutation(module, step_of, n, before.tensors[f"param:{n}"], after[f"param:{n}"])
@@ -254,14 +305,15 @@ def install() -> None:
     cpu_weights.install_reload_hooks()
 
 
-def offset_maps(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
-    """{param name: (its storage offset, inverse map)} for every permuted parameter."""
+def offset_maps(model: nn.Module) -> dict[str, OffsetMap]:
+    """{param name: its inverse map, at the parameter's storage offset} for every permuted parameter."""
     out = {}
     for name, module in model.named_modules():
         t: Transform | None = getattr(module, TRANSFORM_ATTR, None)
         if t is not None and t.kind == "permutation":
             for n, inverse in t.inverse.items():
-                out[f"{name}.{n}" if name else n] = (module._parameters[n].storage_offset(), inverse)
+                out[f"{name}.{n}" if name else n] = dataclasses.replace(
+                    inverse, start=module._parameters[n].storage_offset())
     return out
 
 
