@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm_delta.engine import cpu_weights, derived, transforms
-from vllm_delta.engine.batched import Piece, locate, on_device, slot_sums
+from vllm_delta.engine import cpu_weights, derived, loaders, transforms
+from vllm_delta.engine.batched import Piece, compact, locate, on_device, owned_counts, slot_sums
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
 from vllm_delta.engine.fallback import UnservableLoader, bits, check_servable, differs, replay, same_layout, shadow_target
@@ -39,6 +39,7 @@ from vllm_delta.engine.owned import owned_by_tensor
 from vllm_delta.engine.placement import PeakRss, TensorPlacement, build_placement
 from vllm_delta.wire import (DeltaDecoder, IncompleteDeltaError, Manifest, ParamDelta, VersionError, get_encoding,
                              iter_delta, open_delta, tensor_digest)
+from vllm_delta.wire.batch_device import Destinations
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 from vllm_delta.wire.container import paused_gc
 from vllm_delta.wire.codecs import ulp_resolve_tensor
@@ -130,7 +131,8 @@ class DeltaApplier:
                  read: Callable[[str], torch.Tensor] | None = None) -> None:
         self.model = model
         self.checkpoint = dict(checkpoint)
-        self._load_weights = load_weights or model.load_weights
+        # Parameters a post-load step replaced are loaded through their model format (engine/loaders.py).
+        self._load_weights = load_weights or loaders.model_format(model)
         self.targets = {name: canon for name, (_, canon) in cpu_weights.canonical_tensors(model).items()}
         # Parameters a post-load step permuted: deltas located in the loaded layout go through these.
         self.offset_maps = transforms.offset_maps(model)
@@ -218,13 +220,13 @@ class DeltaApplier:
         info = open_delta(path, files=files)
         encoding = self._check_lineage(info.manifest, version, base_version, current_version)
         # Lazily, a param at a time, and only the blocks meeting this rank's shard.
+        owned = self._owned()
         deltas = iter_delta(info, expected=self.checkpoint, files=files,
                             current_version=current_version if encoding.needs_base else None,
-                            owned=owned_by_tensor(self.placements), lazy=True,
-                            threads=decode_threads or torch.get_num_threads())
+                            owned=owned, lazy=True, threads=decode_threads or torch.get_num_threads())
         with paused_gc():
             return self.stage(info.manifest, deltas, version=version, replay=version == current_version,
-                              start=start, chunk_bytes=chunk_bytes)
+                              start=start, chunk_bytes=chunk_bytes, decoded=owned)
 
     def prepare_flushes(self, manifest: Manifest, flushes: Iterable[tuple[str, bytes]], *, version: int,
                         base_version: int | None, current_version: int,
@@ -235,7 +237,7 @@ class DeltaApplier:
         names = [f.name for f in manifest.files]
         decoder = DeltaDecoder(manifest, expected=self.checkpoint,
                                current_version=current_version if encoding.needs_base else None)
-        owned = owned_by_tensor(self.placements)
+        owned = self._owned()
 
         def deltas():
             # One flush at a time (a collective receives each as it is asked for): checked by name
@@ -254,7 +256,22 @@ class DeltaApplier:
 
         with paused_gc():
             return self.stage(manifest, deltas(), version=version, replay=version == current_version, start=start,
-                              chunk_bytes=chunk_bytes)
+                              chunk_bytes=chunk_bytes, decoded=owned)
+
+    def _owned(self) -> dict | Destinations:
+        """What the reader decodes of each tensor, and where: a batchable tensor whose destinations are all
+        on one accelerator (or `batched.FORCE_DEVICE_PATH`) is decoded there (wire/batch_device.py)."""
+        owned = owned_by_tensor(self.placements)
+        if not any(on_device(t.device) for t in self.targets.values()):
+            return owned
+        devices = {}
+        for name, placement in self.placements.items():
+            if placement.fallback_reason or not self._batchable(name):
+                continue
+            where = {self.targets[s.target].device for s in placement.segments}
+            if len(where) == 1 and on_device(device := next(iter(where))):
+                devices[name] = device
+        return Destinations(owned, devices)
 
     @staticmethod
     def _check_lineage(manifest: Manifest, version: int, base_version: int | None, current_version: int):
@@ -270,8 +287,11 @@ class DeltaApplier:
         return encoding
 
     def stage(self, manifest: Manifest, deltas: Iterable[ParamDelta], *, version: int, replay: bool,
-              start: float, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> StagedUpdate:
+              start: float, chunk_bytes: int = DEFAULT_CHUNK_BYTES, decoded: Mapping | None = None) -> StagedUpdate:
         """Locate decoded (validated) changes and sum their digests: one path, whatever carried the bytes.
+
+        `decoded`: the reader's `owned`; a `Destinations` has the checks of the entries decoded on a
+        device, verified (one copy per device) before anything staged is returned.
 
         Decoded tensors are gathered into batches of about `BATCH_BYTES`; each batch is located,
         digested and staged with a constant number of ops per destination (engine/batched.py).
@@ -313,6 +333,8 @@ class DeltaApplier:
             else:
                 self._stage_masked(delta, want, staging, sums)
         self._stage_batch(batch, entries, staging, sums)
+        if isinstance(decoded, Destinations):
+            decoded.verify()
         return StagedUpdate(
             version=version, writes=staging.writes, fallback=fallback, total_changed=total, changed=staging.changed,
             bytes_read=sum(f.bytes for f in manifest.files), decode_s=time.perf_counter() - start,
@@ -350,14 +372,21 @@ class DeltaApplier:
                 if not names or names[-1] != delta.name:
                     names.append(delta.name)
                 pieces.append(Piece(len(names) - 1, delta.positions, delta.values, seg, numel))
+        located_all = []
         for (target, dtype, needs_base), (pieces, names) in groups.items():
+            device = flat_storage(self.targets[target]).device
+            # Off the CPU, located on the device: only the owned positions and values cross (batched.py).
+            # Positions decoded there already leave their ownership mask for one count read below.
+            located_all.append(locate(pieces, device if on_device(device) else None, defer=True))
+        deferred = [i for i, loc in enumerate(located_all) if loc.keep is not None]
+        for i, n in zip(deferred, owned_counts([located_all[i] for i in deferred])):
+            located_all[i] = compact(located_all[i], n)
+        for ((target, dtype, needs_base), (pieces, names)), located in zip(groups.items(), located_all):
             pre = [entries[n].pre_digest is not None for n in names]
             post = [entries[n].post_digest is not None for n in names]
             canon = self.targets[target]
             flat = flat_storage(canon)
             device = flat.device
-            # Off the CPU, located on the device: only the owned positions and values cross (batched.py).
-            located = locate(pieces, device if on_device(device) else None)
             if not located.offsets.numel():
                 continue
             located.offsets = self._permuted(target, located.offsets)
@@ -451,18 +480,12 @@ class DeltaApplier:
         """Loaded-layout storage offsets -> where a permuting post-load step moved those elements."""
         if target not in self.offset_maps or not offsets.numel():
             return offsets
-        start, inverse = self.offset_maps[target]
-        return inverse[offsets - start].to(offsets.dtype) + start
+        return self.offset_maps[target].live(offsets)
 
     def _loaded_flat(self, target: str) -> torch.Tensor:
         """The target's flat storage in the loaded layout (undoing a permuting post-load step)."""
         flat = flat_storage(self.targets[target])
-        if target not in self.offset_maps:
-            return flat
-        start, inverse = self.offset_maps[target]
-        out = flat.clone()
-        out[start:start + inverse.numel()] = flat[inverse.to(torch.int64) + start]
-        return out
+        return self.offset_maps[target].loaded(flat) if target in self.offset_maps else flat
 
     def _check_base_dtype(self, delta: ParamDelta, located: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         for target, idx, _ in located:
