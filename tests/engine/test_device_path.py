@@ -19,7 +19,7 @@ from harness.dispatch_log import OpLog
 from harness.synthetic import device_check, loaded, same_bits, tp_ranks
 from vllm_delta.engine.apply import DeltaApplier, StagingBoundError, flat_storage, gather
 from vllm_delta.engine.digests import Ownership, check_partials, coverage
-from vllm_delta.wire import codecs
+from vllm_delta.wire import codecs, open_delta
 from vllm_delta.wire.dtypes import _ALL
 
 DC = device_check()
@@ -105,11 +105,16 @@ def test_prepare_and_commit_on_meta_parameters(tmp_path, encoding):
         totals: dict[str, int] = {}
         for name, n in writes:
             totals[name] = totals.get(name, 0) + n
-        assert totals == want
+        if encoding == "ulp_zstd":  # decoded on meta (wire/batch_device.py): no values to count the owned
+            assert totals.keys() == want.keys() and all(totals[n] >= want[n] for n in want)  # entries by, so a bound
+        else:
+            assert totals == want
         # Host to device in prepare: each chunk's positions and values, once, and at most one table of
         # its pieces' numbers (engine/batched.py locates on the device), non-blocking. Nothing comes back.
         uploads = prepared.copies("cpu", "meta")
-        assert 2 * chunks <= len(uploads) <= 3 * chunks and all(op.name == "_to_copy" and op.kwargs["non_blocking"] for op in uploads)
+        flushes = len(open_delta(tmp_path / "d").manifest.files)  # decoded on meta: two uploads per flush batch
+        lo, hi = (1, chunks + 2 * flushes) if encoding == "ulp_zstd" else (2 * chunks, 3 * chunks)
+        assert lo <= len(uploads) <= hi and all(op.name == "_to_copy" and op.kwargs["non_blocking"] for op in uploads)
         assert prepared.copies("meta", "cpu") == [] and prepared.host_reads() == []
         # The commit runs on the device alone: no copy either way, no host read.
         assert log.copies("cpu", "meta") == [] and log.copies("meta", "cpu") == [] and log.host_reads() == []
@@ -119,7 +124,9 @@ def test_prepare_and_commit_on_meta_parameters(tmp_path, encoding):
 
         cpu_model = loaded(base, rank, 2)
         _, cpu_log, _ = commit_logged(DeltaApplier(cpu_model, META, rank=rank), tmp_path / "d")
-        assert scattered(cpu_log, cpu_model) == writes
+        cpu_writes = scattered(cpu_log, cpu_model)
+        assert [n for n, _ in cpu_writes] == [n for n, _ in writes]
+        assert all(a <= b if encoding == "ulp_zstd" else a == b for (_, a), (_, b) in zip(cpu_writes, writes))
         assert same_bits(cpu_model, loaded(new, rank, 2)) == []
 
 

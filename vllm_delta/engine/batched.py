@@ -43,6 +43,7 @@ class Located:
     offsets: torch.Tensor  # destination storage offsets
     values: torch.Tensor
     slots: torch.Tensor | int  # each entry's tensor row (an int: all the same)
+    keep: torch.Tensor | None = None  # with `locate(defer=True)`: the entries this rank owns, for `compact`
 
 
 def _whole(p: Piece) -> bool:
@@ -64,7 +65,7 @@ def on_device(device: torch.device) -> bool:
     return device.type != "cpu" or FORCE_DEVICE_PATH
 
 
-def locate(pieces: list[Piece], device: torch.device | None = None) -> Located:
+def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bool = False) -> Located:
     """Destination offsets of all pieces' entries, in a constant number of ops.
 
     A per-piece number that is the same for every piece (a destination fed by one tensor, or
@@ -75,10 +76,20 @@ def locate(pieces: list[Piece], device: torch.device | None = None) -> Located:
     segment holds part of a tensor: no device sync, and a smaller copy); then the owned positions
     (int32 where every tensor has < 2^31 elements), values and one table of the per-piece numbers
     that differ cross once, non-blocking, and the offsets are computed there.
+
+    With positions already on `device` (decoded there: wire/batch_device.py), the ownership mask is
+    made there too; its compaction needs the owned count on the host, so with `defer` it is left
+    in `keep` for `compact` (the caller reads every destination's count in one copy: `owned_counts`),
+    and without, compacted here with a device `nonzero`.
     """
     counts = [p.positions.numel() for p in pieces]
     positions = _cat([p.positions for p in pieces]).to(torch.int64)
     values = _cat([p.values for p in pieces])
+    if device is not None and positions.device == device and values.device == device:
+        column = _Columns(pieces, counts, device, upload=_every_key(pieces))
+        located = _located(pieces, positions, values, column, compact=False)
+        located.keep = _owned(pieces, positions, column)
+        return located if defer or located.keep is None else compact(located, int(located.keep.sum()))
     host = _Columns(pieces, counts, positions.device)
     if device is None:
         return _located(pieces, positions, values, host, compact=True)
@@ -96,6 +107,38 @@ def locate(pieces: list[Piece], device: torch.device | None = None) -> Located:
         ["slot", "src_offset", "dst_offset", *(f"{k}{d}" for d in range(ndim) for k in ("src", "dst"))]
     return _located(pieces, positions.to(torch.int64), values, _Columns(pieces, counts, device, upload=keys),
                     compact=False)
+
+
+def _every_key(pieces: list[Piece]) -> list[str]:
+    """Every per-piece number the ownership mask and the offsets may ask for (those that differ cross)."""
+    ndim = max(len(p.seg.sizes) for p in pieces)
+    return ["slot", "shift", "src_offset", "src_last", "dst_offset",
+            *(f"{k}{d}" for d in range(ndim) for k in ("size", "src", "dst"))]
+
+
+def owned_counts(located: list[Located]) -> list[int]:
+    """How many entries each deferred `locate` keeps: one device-to-host copy per device, for all of them.
+
+    On `meta` (no values) every entry counts, so shapes stay an upper bound there.
+    """
+    out = [0] * len(located)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, loc in enumerate(located):
+        if loc.keep.device.type == "meta":
+            out[i] = loc.keep.numel()
+        else:
+            by_device.setdefault(loc.keep.device, []).append(i)
+    for ids in by_device.values():
+        for i, n in zip(ids, torch.stack([located[i].keep.sum() for i in ids]).cpu().tolist()):
+            out[i] = n
+    return out
+
+
+def compact(located: Located, count: int) -> Located:
+    """Only the owned entries (`count` of them, from `owned_counts`): no device sync."""
+    keep = torch.nonzero_static(located.keep, size=count).squeeze(1)
+    slots = located.slots if isinstance(located.slots, int) else located.slots.index_select(0, keep)
+    return Located(*(t.index_select(0, keep) for t in (located.positions, located.offsets, located.values)), slots)
 
 
 class _Columns:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 
 import numpy as np
 import torch
 import zstandard
 
-from . import blocks, container
+from . import batch_device, blocks, container
 from .codecs import GAP_WIDTHS
 from .dtypes import DType
 from .encodings import Encoding, GapPlanes, Gaps, RawValues, UlpSteps, ValuePlanes
@@ -275,9 +276,16 @@ class _Batch:
         self.cnt = ix.cnt[rows]
         self.entries = int(self.cnt.sum())
         self.estart = np.cumsum(self.cnt) - self.cnt  # each row's first entry in the batch
-        self.row_of = np.repeat(np.arange(rows.size), self.cnt)
-        self.pid_e = ix.pid[rows][self.row_of]
         self.run_start = run_start[rows]
+
+    @cached_property
+    def row_of(self) -> np.ndarray:
+        """Each entry's row (in the batch): the host path's, never made for a device decode."""
+        return np.repeat(np.arange(self.rows.size), self.cnt)
+
+    @cached_property
+    def pid_e(self) -> np.ndarray:
+        return self.ix.pid[self.rows][self.row_of]
 
     def stream(self, name: str, want: np.ndarray) -> np.ndarray:
         """Stream `name`'s decoded bytes for the rows that list it; each must decode to `want` bytes."""
@@ -391,6 +399,10 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
     PER_PARAM_ENTRIES wanted entries, go to `fallback(p, q)` (the per-param path for params p..q-1),
     then on to the next batch.
 
+    With `owned` a `batch_device.Destinations`, the params it places on a device are decoded
+    there (batch_device.py), in batches of their own whatever their size (the device has no
+    per-param path to prefer); their checks are left in `owned` for its `verify`.
+
     `make(p, positions, values, skipped, bounds, blocks)` builds param p's delta from torch views.
     """
     mask = wanted(ix, owned)
@@ -399,30 +411,48 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
     run_start[1:] &= ~(mask[:-1] & (pid[1:] == pid[:-1]))
     per_param = np.add.reduceat(np.where(mask, ix.cnt, 0), ix.row0[:-1])
     nparams = len(ix.names)
-    large = np.flatnonzero(per_param >= min(PER_PARAM_ENTRIES, BATCH_ENTRIES))
+    devices = getattr(owned, "devices", None) or {}
+    where = [devices.get(name) for name in ix.names] if devices else [None] * nparams
+    kinds = {d: i for i, d in enumerate(dict.fromkeys(where))}
+    kind = np.array([kinds[d] for d in where], dtype=np.int64)
+    changes = np.flatnonzero(kind[1:] != kind[:-1]) + 1  # a batch never spans two devices (or host and device)
+    host = kind == kinds.get(None, -1)
+    large = np.flatnonzero((per_param >= min(PER_PARAM_ENTRIES, BATCH_ENTRIES)) & host)
     p = 0
     while p < nparams:
+        device = where[p]
         q = p + int(np.searchsorted(np.cumsum(per_param[p:]), BATCH_ENTRIES, side="right"))
-        k = int(np.searchsorted(large, p))
-        q = min(q, int(large[k]) if k < large.size else nparams)  # a batch stops before a large param
-        if q == p:  # a large param: its own decode holds no more than the per-param path's
-            yield from fallback(p, p + 1)
-            p += 1
-            continue
+        c = int(np.searchsorted(changes, p, side="right"))
+        q = min(q, int(changes[c]) if c < changes.size else nparams)
+        if device is None:
+            k = int(np.searchsorted(large, p))
+            q = min(q, int(large[k]) if k < large.size else nparams)  # a batch stops before a large param
+            if q == p:  # a large param: its own decode holds no more than the per-param path's
+                yield from fallback(p, p + 1)
+                p += 1
+                continue
+        else:
+            q = max(q, p + 1)  # a param past BATCH_ENTRIES is a batch of its own
         a, b = int(ix.row0[p]), int(ix.row0[q])
         rows = a + np.flatnonzero(mask[a:b])
+        sizes_at = set(ix.itemsize[p:q].tolist())
         try:
             batch = _Batch(ix, data, rows, run_start)
-            pos = batch.positions(enc)
-            vals = batch.values(enc)
+            if device is None:
+                pos, vals = batch.positions(enc), batch.values(enc)
+            else:
+                pos_t, vals_t = batch_device.decode(batch, enc, device, owned)
         except Fallback:
             yield from fallback(p, q)
             p = q
             continue
+        if device is None:
+            pos_t = torch.from_numpy(pos)
+            by_size = {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in sizes_at}
+        else:
+            by_size = batch_device.narrow(vals_t, sizes_at)
         sizes = per_param[p:q].tolist()
         edges = np.concatenate(([0], np.cumsum(per_param[p:q]))).tolist()
-        pos_t = torch.from_numpy(pos)
-        by_size = {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in set(ix.itemsize[p:q].tolist())}
         nwanted = np.add.reduceat(mask[a:b].astype(np.int64), ix.row0[p:q] - a).tolist()
         row0, first, last = ix.row0[p:q + 1].tolist(), ix.first, ix.last
         count, itemsize = ix.count[p:q].tolist(), ix.itemsize[p:q].tolist()

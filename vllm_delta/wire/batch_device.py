@@ -1,0 +1,243 @@
+"""A batch of block-indexed params decoded on its destination's device: the host decompresses, the device decodes.
+
+Why: with the weights on an accelerator, the host's share of prepare per change was numpy work
+(byte planes into words, bits unpacked, the gap cumsum) and the int64 positions it made, which
+then crossed PCIe (4 B a change narrowed, plus the values). Here the host only checks the block
+index's sizes and decompresses (wire/batch.py), the streams cross as decompressed from the wire
+(a gap byte or two, a sign and a flag bit, the rare escapes: 1-3 B a change), with one table of
+per-row numbers, and positions and value payloads are rebuilt there in a constant number of
+torch ops per batch, however many params (checkpoint tensors) it holds.
+
+Checks that need the decoded values (gaps and positions in range, each block's first and last
+position, the flags' count against the escape planes) cannot raise where the values are without
+a device sync. Each batch folds them into one flag, kept in `Destinations`, which the caller
+checks once (`Destinations.verify`) before any entry is used; until then positions are clamped in
+range, so no kernel reads out of bounds. Strict increase within a run needs no check of its own:
+each gap is checked in [0, numel) and each position too, so a step adds gap + 1 >= 1 with no wrap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from .encodings import Encoding, GapPlanes, RawValues, UlpSteps, ValuePlanes
+from .errors import BoundsError
+
+_ALIGN = 8  # each stream starts 8-byte aligned in the uploaded buffer, so a whole one views as words
+
+
+class Destinations(dict):
+    """`iter_flush`'s `owned` (param -> the position ranges to decode), plus `devices`: the params
+    whose decoded entries are wanted on a device, decoded there; the others decode on the host.
+
+    The caller must call `verify` after the last delta and before using any device-decoded entry.
+    """
+
+    def __init__(self, owned: Mapping, devices: Mapping[str, torch.device]) -> None:
+        super().__init__(owned)
+        self.devices = dict(devices)
+        self.checks: list[tuple[str, torch.Tensor, int]] = []  # (first param, ok flag, bytes uploaded), per batch
+
+    @property
+    def uploaded(self) -> int:
+        """Bytes the decode copied host to device."""
+        return sum(n for _, _, n in self.checks)
+
+    def verify(self) -> None:
+        """Raise `BoundsError` naming a batch's first param if its device checks failed: one copy per device."""
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for name, flag, _ in self.checks:
+            if flag.device.type != "meta":  # meta holds no values to check
+                by_device.setdefault(flag.device, []).append((name, flag))
+        for items in by_device.values():
+            for (name, _), good in zip(items, torch.stack([f for _, f in items]).cpu().tolist()):
+                if not good:
+                    raise BoundsError("positions or ULP flags disagree with the block index (checked on the device, "
+                                      "for a batch of params from this one)", param=name)
+
+
+def _exclusive(a: np.ndarray) -> np.ndarray:
+    return np.cumsum(a) - a
+
+
+class _Upload:
+    """Host columns (one per row, or fewer) and stream bytes, gathered first, then sent in two copies."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.columns: list[np.ndarray] = []
+        self.parts: list[np.ndarray] = []
+        self.at = 0
+
+    def column(self, values: np.ndarray) -> int:
+        col = np.zeros(self.rows, dtype=np.int64)
+        col[:values.size] = values
+        self.columns.append(col)
+        return len(self.columns) - 1
+
+    def stream(self, raw: np.ndarray) -> tuple[int, int]:
+        """(offset, size) of `raw` in the uploaded buffer."""
+        pad = -self.at % _ALIGN
+        if pad:
+            self.parts.append(np.zeros(pad, dtype=np.uint8))
+        self.parts.append(raw)
+        self.at += pad
+        start, self.at = self.at, self.at + raw.size
+        return start, raw.size
+
+    def send(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        table = torch.from_numpy(np.stack(self.columns))
+        buf = torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.uint8))
+        return (table.to(device, non_blocking=True), buf.to(device, non_blocking=True),
+                table.nbytes + buf.nbytes)
+
+
+class _Planes:
+    """Where one multi-byte field's bytes lie: per byte j, its stream's span (None: no bytes) and each
+    row's base in it; `width` each row's byte count. `whole`: words stored whole (byte j of entry e
+    at base + local * width + j) rather than in planes (at base_j + local)."""
+
+    def __init__(self, up: _Upload, streams: list[np.ndarray | None], bases: list[np.ndarray], width: np.ndarray,
+                 whole: bool = False) -> None:
+        self.spans = [None if s is None or not s.size else up.stream(s) for s in streams]
+        self.bases = [up.column(b) for b in bases]
+        self.every = [bool((width > j).all()) for j in range(len(streams))]  # every row has byte j
+        self.width = up.column(width)
+        self.whole = whole
+
+
+class _Device:
+    """The uploaded table and bytes, and the per-entry row ids every field's gathers share."""
+
+    def __init__(self, table: torch.Tensor, buf: torch.Tensor, cnt_col: int, estart_col: int, entries: int) -> None:
+        self.table, self.buf, self.n = table, buf, entries
+        dev = table.device
+        self.row_of = torch.repeat_interleave(torch.arange(table.shape[1], device=dev), table[cnt_col],
+                                              output_size=entries)
+        self.estart = table[estart_col]
+        self.local = torch.arange(entries, device=dev) - self.per_entry(estart_col)
+
+    def per_entry(self, col: int) -> torch.Tensor:
+        return self.table[col].index_select(0, self.row_of)
+
+    def span(self, span: tuple[int, int]) -> torch.Tensor:
+        return self.buf[span[0]:span[0] + span[1]]
+
+    def field(self, planes: _Planes, local: torch.Tensor | None = None, mask: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """int64 words from `planes`; `local` each entry's index in its row's share (default: its
+        place in the row); `mask` (0/1) the entries that have a word at all (default: every one)."""
+        out = torch.zeros(self.n, dtype=torch.int64, device=self.buf.device)
+        natural = local is None
+        local = self.local if natural else local
+        width = None if all(planes.every) and not planes.whole else self.per_entry(planes.width)
+        for j, span in enumerate(planes.spans):
+            if span is None:
+                continue
+            src = self.span(span)
+            if planes.whole:
+                at = self.per_entry(planes.bases[0]) + local * width + j
+            elif planes.every[j] and natural and src.numel() == self.n:
+                at = None  # every entry has this byte, in entry order: no gather
+            else:
+                at = self.per_entry(planes.bases[j]) + local
+            byte = (src if at is None else src.index_select(0, at.clamp(0, src.numel() - 1))).to(torch.int64)
+            keep = mask if planes.every[j] else (width > j) if mask is None else mask * (width > j)
+            if keep is not None:
+                byte = byte * keep
+            out |= byte << (8 * j)
+        return out
+
+
+def _whole_words(up: _Upload, raw: np.ndarray, width: np.ndarray, cnt: np.ndarray) -> _Planes:
+    """A stream of whole little-endian words, `width[row]` bytes each."""
+    streams = [raw] + [raw] * (int(width.max()) - 1)  # byte j of every word lies in the same stream
+    planes = _Planes(up, streams[:1], [_exclusive(cnt * width)], width, whole=True)
+    planes.spans = planes.spans * len(streams)
+    planes.every = [bool((width > j).all()) for j in range(len(streams))]
+    return planes
+
+
+def _byte_planes(batch, up: _Upload, prefix: str, width: np.ndarray, sizes: np.ndarray) -> _Planes:
+    """Planes `prefix0..`: plane j holds the entries of the rows whose width > j (`sizes[row]` of them)."""
+    top = int(width.max())
+    streams = [batch.stream(f"{prefix}{j}", sizes) for j in range(top)]
+    return _Planes(up, streams, [_exclusive(np.where(width > j, sizes, 0)) for j in range(top)], width)
+
+
+def decode(batch, enc: Encoding, device: torch.device, dest: Destinations) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 positions and int64 value payloads (bit patterns, or wrapping ULP steps) of `batch`'s
+    entries, on `device`; `Fallback` (from the host's size checks) before anything is sent."""
+    ix, rows, cnt, n = batch.ix, batch.rows, batch.cnt, batch.entries
+    if not n:
+        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
+    pid = ix.pid[rows]
+    width, isz, numel = ix.width[pid], ix.itemsize[pid], ix.numel[pid]
+    heads = np.flatnonzero(batch.run_start)  # rows (in the batch) where a run of blocks starts
+    r = rows[heads]
+    prev = np.where(r == ix.row0[ix.pid[r]], -1, ix.last[np.maximum(r - 1, 0)])
+    up = _Upload(rows.size)
+    c_cnt, c_estart = up.column(cnt), up.column(batch.estart)
+    c_numel, c_first, c_last = up.column(numel), up.column(ix.first[rows]), up.column(ix.last[rows])
+    c_run, c_hstart, c_prev = up.column(np.cumsum(batch.run_start) - 1), up.column(batch.estart[heads]), up.column(prev)
+    if isinstance(enc.positions, GapPlanes):
+        gaps = _byte_planes(batch, up, "pos", width, cnt)
+    else:
+        gaps = _whole_words(up, batch.stream("positions", cnt * width), width, cnt)
+    ulp = isinstance(enc.values, UlpSteps)
+    if isinstance(enc.values, RawValues):
+        vals = _whole_words(up, batch.stream("values", cnt * isz), isz, cnt)
+    elif isinstance(enc.values, ValuePlanes):
+        vals = _byte_planes(batch, up, "val", isz, cnt)
+    else:
+        nbytes = (cnt + 7) // 8
+        sign, flag = up.stream(batch.stream("sign", nbytes)), up.stream(batch.stream("flag", nbytes))
+        c_bits = up.column(_exclusive(nbytes))
+        claimed = ix.decoded[rows, ix.columns["esc0"]]  # every row lists esc0 (batch.parse checked the lists)
+        c_claimed = up.column(claimed)
+        vals = _byte_planes(batch, up, "esc", isz, claimed)  # the flags' counts are checked on the device
+    table, buf, sent = up.send(device)
+    d = _Device(table, buf, c_cnt, c_estart, n)
+    row_of = d.row_of
+    last_e = d.estart + table[c_cnt] - 1
+    g = d.field(gaps)
+    numel_e = d.per_entry(c_numel)
+    checks = [((g >= 0) & (g < numel_e)).all()]
+    cs = torch.cumsum(g + 1, 0)
+    hstart = table[c_hstart][:heads.size]
+    before = torch.where(hstart > 0, cs.index_select(0, (hstart - 1).clamp(min=0)), 0)
+    pos = cs + (table[c_prev][:heads.size] - before).index_select(0, table[c_run]).index_select(0, row_of)
+    checks += [((pos >= 0) & (pos < numel_e)).all(), (pos.index_select(0, d.estart) == table[c_first]).all(),
+               (pos.index_select(0, last_e) == table[c_last]).all()]
+    pos = torch.minimum(pos.clamp(min=0), numel_e - 1)  # in range whatever the bytes said (checked above)
+    if not ulp:
+        values = d.field(vals)
+    else:
+        neg, big = (_bit(d, d.span(s), c_bits) for s in (sign, flag))
+        incl = torch.cumsum(big, 0)
+        excl = incl - big
+        at_start = excl.index_select(0, d.estart)
+        checks.append((incl.index_select(0, last_e) - at_start == table[c_claimed]).all())
+        esc = d.field(vals, excl - at_start.index_select(0, row_of), big)
+        mag = torch.where(big.bool(), esc + 2, 1)
+        values = torch.where(neg.bool(), -mag, mag)  # wraps as the host's uint64 0 - mag
+    dest.checks.append((ix.names[int(pid[0])], torch.stack(checks).all(), sent))
+    return pos, values
+
+
+def _bit(d: _Device, src: torch.Tensor, base_col: int) -> torch.Tensor:
+    """Each entry's bit of a packed stream (np.packbits order: a row's bytes hold its entries' bits)."""
+    at = d.per_entry(base_col) + (d.local >> 3)
+    byte = src.index_select(0, at.clamp(0, max(src.numel() - 1, 0))).to(torch.int64)
+    return (byte >> (7 - (d.local & 7))) & 1
+
+
+def narrow(values: torch.Tensor, itemsizes: Iterable[int]) -> dict[int, torch.Tensor]:
+    """int64 payloads as the signed integers of each width (their low bytes, as numpy's astype wraps)."""
+    out = {}
+    for i in itemsizes:
+        out[i] = values if i == 8 else values.view(getattr(torch, f"int{8 * i}")).reshape(-1, 8 // i)[:, 0].contiguous()
+    return out
