@@ -56,7 +56,7 @@ class ParamChange:
     ranges: tuple[tuple[int, int], ...] | None = None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class ParamDelta:
     """Receiver side: decoded, validated changes of one param (or one chunk of it).
 
@@ -76,6 +76,16 @@ class ParamDelta:
     skipped: int = 0
     bounds: tuple[int, int] | None = None
     blocks: tuple[int, int] = (0, 0)
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, positions: torch.Tensor,
+                 values: torch.Tensor, needs_base: bool, skipped: int = 0, bounds: tuple[int, int] | None = None,
+                 blocks: tuple[int, int] = (0, 0)) -> None:
+        # Why not the dataclass's own __init__: a frozen one sets each field with its own
+        # object.__setattr__ call, 2.3 us an object; one __dict__ for all is 0.8 us, and a flush of
+        # a production tensor count makes tens of thousands. Still frozen: assignment raises.
+        object.__setattr__(self, "__dict__", {
+            "name": name, "shape": shape, "dtype": dtype, "positions": positions, "values": values,
+            "needs_base": needs_base, "skipped": skipped, "bounds": bounds, "blocks": blocks})
 
     @property
     def count(self) -> int:
@@ -351,15 +361,34 @@ def _iter_flush(enc: Encoding, header: FlushHeader, blocked: bool, tensors, meta
     return header, _iter_v1(enc, smeta, data, pmeta, file=file, expected=expected)
 
 
-def _param_shape(p, expected: Expected | None, *, file: str):
-    d = by_name(p.dtype, file=file, param=p.name)
-    shape = tuple(p.shape)
-    check_expected(p.name, shape, d.torch, expected, file=file)
-    numel = math.prod(shape)
-    codecs.check_numel(numel, param=p.name)
-    if p.count > numel:
-        raise FormatError(f"{p.count} changes in {numel} elements", file=file, param=p.name)
-    return d, shape, numel
+class _Heads:
+    """A flush's param heads checked: `(dtype, shape, numel)` of each, made once per flush.
+
+    Why a cache: what depends only on a head's dtype and shape (the dtype's name, the element
+    count's bound) is the same for the thousands of expert tensors of one shape, so it is checked
+    once per distinct head; the param's own checks (against the model, its change count) run for
+    each, in the order `check_expected`, then the count, as they always have.
+    """
+
+    def __init__(self, expected: Expected | None, *, file: str) -> None:
+        self.expected, self.file = expected, file
+        self._known: dict[tuple[str, tuple[int, ...]], tuple] = {}
+
+    def __call__(self, p) -> tuple:
+        shape = tuple(p.shape)
+        known = self._known.get((p.dtype, shape))
+        d = by_name(p.dtype, file=self.file, param=p.name) if known is None else known[0]
+        if self.expected is not None:
+            want = self.expected.get(p.name)  # the common case in one comparison; else the precise check
+            if want is None or want[1] != d.torch or type(want[0]) not in (tuple, torch.Size) or want[0] != shape:
+                check_expected(p.name, shape, d.torch, self.expected, file=self.file)
+        if known is None:
+            numel = math.prod(shape)
+            codecs.check_numel(numel, param=p.name)
+            known = self._known[(p.dtype, shape)] = (d, shape, numel)
+        if p.count > known[2]:
+            raise FormatError(f"{p.count} changes in {known[2]} elements", file=self.file, param=p.name)
+        return known
 
 
 def _delta(enc: Encoding, name: str, shape, d, pos: np.ndarray, payload: np.ndarray, **extra) -> ParamDelta:
@@ -377,7 +406,8 @@ def _iter_v1(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected
             raise FormatError(f"stream {name!r}: {len(data[name])} B, declared {s.size} B", file=file)
         else:
             streams[name] = data[name]
-    shapes = [_param_shape(p, expected, file=file) for p in pmeta]
+    heads = _Heads(expected, file=file)
+    shapes = [heads(p) for p in pmeta]
     for p in pmeta:
         for s, (a, b) in p.spans.items():
             if s not in streams or not a <= b <= len(streams[s]):
@@ -398,17 +428,17 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *,
     lives long enough to make the garbage collector walk the whole heap; a fallback parses it again.
     """
     try:
-        index = batch.parse(enc, smeta, data, pmeta, file=file,
-                            param_shape=lambda p: _param_shape(p, expected, file=file))
+        index = batch.parse(enc, smeta, data, pmeta, file=file, param_shape=_Heads(expected, file=file))
     except batch.Fallback:
         return _decode_blocked(enc, smeta, data, _plan_blocked(smeta, data, pmeta, file=file, expected=expected),
                                file=file, owned=owned)
 
+    names, shapes, dtypes, needs_base = index.names, index.shapes, [d.torch for d in index.dtypes], enc.needs_base
+
     def make(i: int, pos: torch.Tensor, values: torch.Tensor, skipped: int, bounds, nblocks) -> ParamDelta:
-        d = index.dtypes[i]
-        values = values if enc.needs_base else values.view(d.torch)  # steps stay signed integers
-        return ParamDelta(index.names[i], index.shapes[i], d.torch, pos, values, enc.needs_base, skipped=skipped,
-                          bounds=bounds, blocks=nblocks)
+        d = dtypes[i]
+        values = values if needs_base else values.view(d)  # steps stay signed integers
+        return ParamDelta(names[i], shapes[i], d, pos, values, needs_base, skipped, bounds, nblocks)
 
     del pmeta
     plans: list = []
@@ -428,8 +458,9 @@ def _plan_blocked(smeta, data, pmeta, *, file: str, expected: Expected | None) -
     cursor = {s: 0 for s in smeta}  # each stream holds the params' blocks back to back
     decoded = {s: 0 for s in smeta}
     plans = []
+    heads = _Heads(expected, file=file)
     for p in pmeta:
-        d, shape, numel = _param_shape(p, expected, file=file)
+        d, shape, numel = heads(p)
         if len(set(p.streams)) != len(p.streams) or any(s not in smeta for s in p.streams):
             raise FormatError(f"unknown or repeated streams {p.streams}", file=file, param=p.name)
         raw = [smeta[s].codec == "raw" for s in p.streams]

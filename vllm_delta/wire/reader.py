@@ -64,15 +64,25 @@ class DeltaDecoder:
                                f"{manifest.base_version}, not {current_version}")
         self._files = {f.name: f for f in manifest.files}
         self._params = {p.name: p for p in manifest.params}
-        self._heads: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # what _admit compares, made once
+        # What _admit compares, made once: each param's (shape, dtype); for a param written by
+        # several writers (it has parts, each in position order on its own), each file's part.
+        self._heads: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._part: dict[tuple[str, str], int] = {}
+        dtypes: dict[str, torch.dtype] = {}  # a model has a few dtypes: each name is looked up once
         for p in manifest.params:
-            d = by_name(p.dtype, param=p.name)
-            check_expected(p.name, tuple(p.shape), d.torch, expected, file=MANIFEST_NAME)
-            self._heads[p.name] = (tuple(p.shape), d.torch)
-        # A param written by several writers has parts: each in position order on its own; their
-        # positions are kept until finish() checks that no two parts overlap.
-        self._part = {(p.name, f): i for p in manifest.params for i, part in enumerate(p.parts or [p.files])
-                      for f in part}
+            d = dtypes.get(p.dtype)
+            if d is None:
+                d = dtypes[p.dtype] = by_name(p.dtype, param=p.name).torch
+            shape = tuple(p.shape)
+            if expected is not None:
+                want = expected.get(p.name)  # the common case in one comparison; else the precise check
+                if want is None or want[1] != d or type(want[0]) not in (tuple, torch.Size) or want[0] != shape:
+                    check_expected(p.name, shape, d, expected, file=MANIFEST_NAME)
+            self._heads[p.name] = (shape, d)
+            for i, part in enumerate(p.parts or ()):
+                for f in part:
+                    self._part[(p.name, f)] = i
+        # Positions of parts are kept until finish() checks that no two parts overlap.
         self._shared: dict[str, list[torch.Tensor]] = {p.name: [] for p in manifest.params if p.parts}
         self._seen: dict[str, int] = {}
         self._last: dict[tuple[str, int], int] = {}
@@ -135,27 +145,30 @@ class DeltaDecoder:
             yield pd
 
     def _admit(self, file: str, pd: ParamDelta) -> None:
-        p = self._params.get(pd.name)
+        name = pd.name
+        p = self._params.get(name)
         if p is None or file not in p.files:
-            raise FormatError("param is not listed for this file in the manifest", file=file, param=pd.name)
-        if self._heads[pd.name] != (pd.shape, pd.dtype):
-            raise FormatError("shape or dtype differs from the manifest", file=file, param=pd.name)
-        part = (pd.name, self._part[(pd.name, file)])
-        if part in self._last and pd.first <= self._last[part]:
-            raise BoundsError("chunks overlap or are out of order", file=file, param=pd.name)
-        self._last[part] = pd.last
-        if pd.name in self._shared:  # skipped blocks are checked by the ranks that decode them
-            self._shared[pd.name].append(pd.positions)
-        self._seen[pd.name] = self._seen.get(pd.name, 0) + pd.total
-        if self._seen[pd.name] > p.changed:
-            raise BoundsError(f"more than the {p.changed} changes the manifest lists", file=file, param=pd.name)
+            raise FormatError("param is not listed for this file in the manifest", file=file, param=name)
+        if self._heads[name] != (pd.shape, pd.dtype):
+            raise FormatError("shape or dtype differs from the manifest", file=file, param=name)
+        part = (name, 0 if p.parts is None else self._part[(name, file)])
+        last = self._last.get(part)
+        bounds = pd.bounds
+        if last is not None and (bounds[0] if bounds is not None else pd.first) <= last:
+            raise BoundsError("chunks overlap or are out of order", file=file, param=name)
+        self._last[part] = bounds[1] if bounds is not None else pd.last
+        if name in self._shared:  # skipped blocks are checked by the ranks that decode them
+            self._shared[name].append(pd.positions)
+        seen = self._seen[name] = self._seen.get(name, 0) + pd.total
+        if seen > p.changed:
+            raise BoundsError(f"more than the {p.changed} changes the manifest lists", file=file, param=name)
 
     def finish(self) -> None:
         """Every fed param is complete; with all files fed, the whole delta is."""
         for p in self.manifest.params:
-            if all(f in self._done for f in p.files) and self._seen.get(p.name, 0) != p.changed:
-                raise BoundsError(f"{self._seen.get(p.name, 0)} changes, manifest says {p.changed}",
-                                  param=p.name)
+            seen = self._seen.get(p.name, 0)
+            if seen != p.changed and all(f in self._done for f in p.files):
+                raise BoundsError(f"{seen} changes, manifest says {p.changed}", param=p.name)
         for name, chunks in self._shared.items():
             merged = torch.cat(chunks).sort().values if chunks else None
             if merged is not None and bool((merged[1:] == merged[:-1]).any()):
