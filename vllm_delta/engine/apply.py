@@ -260,13 +260,16 @@ class DeltaApplier:
 
     def _owned(self) -> dict | Destinations:
         """What the reader decodes of each tensor, and where: a batchable tensor whose destinations are all
-        on one accelerator (or `batched.FORCE_DEVICE_PATH`) is decoded there (wire/batch_device.py)."""
+        on one accelerator (or `batched.FORCE_DEVICE_PATH`) is decoded there (wire/batch_device.py),
+        unless a segment holds strided ids (a column shard): its blocks span the whole tensor, so on the
+        device all their entries would cross to keep 1/TP; decoded on the host, only the owned cross."""
         owned = owned_by_tensor(self.placements)
         if not any(on_device(t.device) for t in self.targets.values()):
             return owned
         devices = {}
         for name, placement in self.placements.items():
-            if placement.fallback_reason or not self._batchable(name):
+            if placement.fallback_reason or not self._batchable(name) or not all(
+                    s.src_dense for s in placement.segments):
                 continue
             where = {self.targets[s.target].device for s in placement.segments}
             if len(where) == 1 and on_device(device := next(iter(where))):

@@ -413,51 +413,55 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
     nparams = len(ix.names)
     devices = getattr(owned, "devices", None) or {}
     where = [devices.get(name) for name in ix.names] if devices else [None] * nparams
-    kinds = {d: i for i, d in enumerate(dict.fromkeys(where))}
-    kind = np.array([kinds[d] for d in where], dtype=np.int64)
-    changes = np.flatnonzero(kind[1:] != kind[:-1]) + 1  # a batch never spans two devices (or host and device)
-    host = kind == kinds.get(None, -1)
-    large = np.flatnonzero((per_param >= min(PER_PARAM_ENTRIES, BATCH_ENTRIES)) & host)
+    on_dev = np.array([d is not None for d in where], dtype=bool)
+    kinds = {d: i for i, d in enumerate(dict.fromkeys(d for d in where if d is not None))}
+    kind = np.array([kinds.get(d, -1) for d in where], dtype=np.int64)
+    # A batch holds host params and params of one device (each part decoded on its own, yielded in order).
+    latest = np.maximum.accumulate(np.where(on_dev, np.arange(nparams), -1))  # the last device param so far
+    dev_kind = np.where(latest >= 0, kind[np.maximum(latest, 0)], -1)
+    changes = np.flatnonzero(dev_kind[1:] != dev_kind[:-1]) + 1 if len(kinds) > 1 else np.zeros(0, dtype=np.int64)
+    large = np.flatnonzero((per_param >= min(PER_PARAM_ENTRIES, BATCH_ENTRIES)) & ~on_dev)
     p = 0
     while p < nparams:
-        device = where[p]
         q = p + int(np.searchsorted(np.cumsum(per_param[p:]), BATCH_ENTRIES, side="right"))
         c = int(np.searchsorted(changes, p, side="right"))
         q = min(q, int(changes[c]) if c < changes.size else nparams)
-        if device is None:
-            k = int(np.searchsorted(large, p))
-            q = min(q, int(large[k]) if k < large.size else nparams)  # a batch stops before a large param
-            if q == p:  # a large param: its own decode holds no more than the per-param path's
-                yield from fallback(p, p + 1)
-                p += 1
-                continue
-        else:
-            q = max(q, p + 1)  # a param past BATCH_ENTRIES is a batch of its own
+        k = int(np.searchsorted(large, p))
+        q = min(q, int(large[k]) if k < large.size else nparams)  # a batch stops before a large host param
+        if q == p and not on_dev[p]:  # a large param: its own decode holds no more than the per-param path's
+            yield from fallback(p, p + 1)
+            p += 1
+            continue
+        q = max(q, p + 1)  # a device param past BATCH_ENTRIES is a batch of its own
         a, b = int(ix.row0[p]), int(ix.row0[q])
         rows = a + np.flatnonzero(mask[a:b])
-        sizes_at = set(ix.itemsize[p:q].tolist())
+        dev_row = on_dev[pid[rows]]
+        device = next((where[i] for i in range(p, q) if on_dev[i]), None)
         try:
-            batch = _Batch(ix, data, rows, run_start)
-            if device is None:
-                pos, vals = batch.positions(enc), batch.values(enc)
-            else:
-                pos_t, vals_t = batch_device.decode(batch, enc, device, owned)
+            parts = {}
+            for there in (False, True):
+                if (on_dev[p:q] == there).any():
+                    sub = _Batch(ix, data, rows[dev_row == there], run_start)
+                    parts[there] = (batch_device.decode(sub, enc, device, owned) if there
+                                    else (torch.from_numpy(sub.positions(enc)), sub.values(enc)))
         except Fallback:
             yield from fallback(p, q)
             p = q
             continue
-        if device is None:
-            pos_t = torch.from_numpy(pos)
-            by_size = {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in sizes_at}
-        else:
-            by_size = batch_device.narrow(vals_t, sizes_at)
+        sizes_at = set(ix.itemsize[p:q].tolist())
+        by_size = {there: batch_device.narrow(vals, sizes_at) if there else
+                   {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in sizes_at}
+                   for there, (_, vals) in parts.items()}
         sizes = per_param[p:q].tolist()
-        edges = np.concatenate(([0], np.cumsum(per_param[p:q]))).tolist()
+        kinds_k = on_dev[p:q].tolist()
+        edges = {there: np.concatenate(([0], np.cumsum(np.where(on_dev[p:q] == there, per_param[p:q], 0)))).tolist()
+                 for there in parts}
         nwanted = np.add.reduceat(mask[a:b].astype(np.int64), ix.row0[p:q] - a).tolist()
         row0, first, last = ix.row0[p:q + 1].tolist(), ix.first, ix.last
         count, itemsize = ix.count[p:q].tolist(), ix.itemsize[p:q].tolist()
         for k in range(q - p):  # views made as consumed, so few live at once
-            lo, hi, ea, eb = row0[k], row0[k + 1], edges[k], edges[k + 1]
-            yield make(p + k, pos_t[ea:eb], by_size[itemsize[k]][ea:eb], count[k] - sizes[k],
+            there = kinds_k[k]
+            lo, hi, ea, eb = row0[k], row0[k + 1], edges[there][k], edges[there][k + 1]
+            yield make(p + k, parts[there][0][ea:eb], by_size[there][itemsize[k]][ea:eb], count[k] - sizes[k],
                        (int(first[lo]), int(last[hi - 1])), (nwanted[k], hi - lo))
         p = q
