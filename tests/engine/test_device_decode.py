@@ -8,12 +8,16 @@ stages (the host path is the reference: numpy decode, host locate).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from harness.dispatch_log import OpLog
 from harness.synthetic import device_check
-from test_batched_apply import moe
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "wire"))
+from test_batched_apply import moe  # noqa: E402
 from test_device_path import write_plain_delta
 from vllm_delta.engine import batched
 from vllm_delta.engine.apply import DeltaApplier
@@ -118,3 +122,21 @@ def test_forced_device_decode_on_cpu_stages_what_the_host_path_stages(tmp_path, 
             assert a.base == b.base and a.offsets.dtype == b.offsets.dtype and torch.equal(a.offsets, b.offsets)
             assert a.values.dtype == b.values.dtype and torch.equal(a.values.view(torch.uint8),
                                                                     b.values.view(torch.uint8))
+
+
+def test_device_decoded_bytes_that_disagree_with_the_index_fail_prepare(tmp_path, monkeypatch):
+    """Gap bytes past the block index's last position, on the forced device decode: prepare raises
+    (the batch's device check, read once at its end) and nothing is staged."""
+    from test_batch import _retouched, _Z
+    from vllm_delta.wire import CorruptDeltaError
+
+    cfg = moe(1, 4)
+    base = DC.random_checkpoint(cfg, "cpu", seed=0)
+    path = delta(tmp_path, cfg, 0.3)
+    _retouched(path, "model.layers.0.mlp.experts.2.up_proj.weight", "pos0", lambda n: _Z.compress(b"\xff" * n))
+    meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
+    model = DC.SyntheticLM(cfg)
+    model.load_weights(base.items())
+    monkeypatch.setattr(batched, "FORCE_DEVICE_PATH", True)
+    with pytest.raises(CorruptDeltaError):
+        DeltaApplier(model, meta).prepare(path, version=1, base_version=0, current_version=0)

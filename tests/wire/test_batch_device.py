@@ -125,3 +125,40 @@ def test_bytes_that_disagree_with_the_block_index_fail_before_use(tmp_path, stre
         list(iter_delta(open_delta(path), current_version=0, owned=dest, lazy=True))
         dest.verify()
     assert host_error.value.param == "e3" and device_error.value.param in {"e0", "e3"}
+
+
+def test_gaps_that_wrap_past_2_to_the_64_back_onto_the_index_fail(tmp_path):
+    """Eight gaps of 2^61 - 1 in a 2^61-element tensor run the position round 2^64 back to 0, so the
+    block index's first and last still match: only each position's range check sees it."""
+    numel = 1 << 61
+    gaps = [0] + [numel - 1] * 8 + [99]  # positions 0, 2^61, ..., 7 * 2^61, 2^64 = 0, then 100
+    pos = torch.tensor([0, 1 << 58, *(range((1 << 58) + 1, (1 << 58) + 8)), 100 + (1 << 59)])  # width 8, 10 entries
+    old = torch.zeros(pos.numel(), dtype=torch.bfloat16)
+    with DeltaWriter(tmp_path / "d", version=1, base_version=0, encoding="ulp_zstd") as w:
+        w.add("w", pos, (old.view(torch.int16) + 1).view(torch.bfloat16), old, shape=(numel,))
+    planes = torch.tensor(gaps, dtype=torch.int64).numpy().view("u1").reshape(-1, 8)
+    for j in range(8):
+        _retouched(tmp_path / "d", "w", f"pos{j}", lambda n, j=j: _Z.compress(planes[:, j].tobytes()))
+    _reindexed(tmp_path / "d", first=0, last=100)
+    with pytest.raises(CorruptDeltaError):
+        host(tmp_path / "d")
+    with pytest.raises(CorruptDeltaError):
+        on_device(tmp_path / "d")
+
+
+def _reindexed(path, *, first: int, last: int) -> None:
+    """Give the flush's one param one block from `first` to `last` (and re-sign the manifest)."""
+    import json
+
+    from vllm_delta.wire import Limits, bytes_digest
+    from vllm_delta.wire.container import pack, unpack
+
+    name = open_delta(path).manifest.files[0].name
+    tensors, meta = unpack((path / name).read_bytes(), file=name, limits=Limits())
+    params = json.loads(meta["params"])
+    params[0]["blocks"][0][0], params[0]["blocks"][0][1] = first, last
+    data = pack({k: bytes(t.data) for k, t in tensors.items()}, dict(meta, params=json.dumps(params)))
+    (path / name).write_bytes(data)
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"][0].update(bytes=len(data), hash=bytes_digest(data))
+    (path / "manifest.json").write_text(json.dumps(m))
