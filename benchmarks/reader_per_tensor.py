@@ -1,0 +1,108 @@
+"""The wire reader's fixed cost per checkpoint tensor on GLM-4.7's tensor count (issue 16, session 7).
+
+Why: prepare on the tensor-count-true engine pays a fixed cost per checkpoint tensor, and the reader
+(manifest, flush metadata, decoder checks, result objects) was about half of it. This times what
+prepare asks of the reader, in process, on vLLM's own `Glm4MoeForCausalLM` at tiny widths with
+GLM-4.7's counts (92 layers x 160 experts: 44,189 tensors): `open_delta` (manifest) and a lazy
+`iter_delta` with this rank's owned ranges, one decode thread, the garbage collector paused as
+prepare pauses it. The delta is written once with the real writer into `--deltas` and reused, so
+an A/B of two code versions reads the same bytes (run this file from each checkout).
+
+    taskset -c 0 python benchmarks/reader_per_tensor.py --deltas /tmp/rpt [--prepare] [--profile reader|prepare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from benchmarks import scale  # noqa: E402
+from benchmarks.device_check import write_delta  # noqa: E402
+from harness.perturb import perturb_tensor  # noqa: E402
+
+import vllm_delta  # noqa: E402
+from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
+from vllm_delta.engine.owned import owned_by_tensor  # noqa: E402
+from vllm_delta.wire import iter_delta, open_delta  # noqa: E402
+from vllm_delta.wire.container import paused_gc  # noqa: E402
+
+MODEL = "glm-4.7-355b-a32b"
+
+
+def read_all(path: Path, checkpoint, owned) -> int:
+    """What prepare asks of the reader: open the delta, then iterate lazily with the owned ranges."""
+    with paused_gc():
+        info = open_delta(path)
+        return sum(d.count for d in iter_delta(info, expected=checkpoint, current_version=0, owned=owned,
+                                               lazy=True, threads=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=92)
+    ap.add_argument("--experts", type=int, default=160)
+    ap.add_argument("--density", type=float, default=0.02)
+    ap.add_argument("--deltas", type=Path, required=True, help="where the delta is written once and reused")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--prepare", action="store_true", help="also time DeltaApplier.prepare (one decode thread)")
+    ap.add_argument("--profile", choices=("reader", "prepare"), help="cProfile one run instead of timing")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    from vllm.config import set_current_vllm_config
+
+    checkpoint = scale.checkpoint_shapes(MODEL, args.layers, shrink=True, experts=args.experts)
+    config = scale.engine_config(MODEL, 1, False, args.layers, shrink=True, experts=args.experts)
+    model = scale.meta_model(config, 1, 0, False, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    base = {n: (torch.randn(s, generator=gen) * 0.05).to(dtype) for n, (s, dtype) in checkpoint.items()}
+    path = args.deltas / f"glm_{args.layers}x{args.experts}_{args.density}"
+    if not (path / "manifest.json").exists():
+        write_delta(path, base, {n: perturb_tensor(t, args.density, gen) for n, t in base.items()}, version=1)
+    with scale.fake_parallel(1, 0, False), set_current_vllm_config(config):
+        model.load_weights(base.items())
+        applier = DeltaApplier(model, checkpoint, model.load_weights)
+        owned = owned_by_tensor(applier.placements)  # the startup probe, outside every timing
+
+        def prepare():
+            return applier.prepare(path, version=1, base_version=0, current_version=0, decode_threads=1)
+
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.runcall(prepare if args.profile == "prepare" else lambda: read_all(path, checkpoint, owned))
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+            return 0
+        info = open_delta(path)
+        row = {"tensors": len(info.manifest.params), "files": len(info.manifest.files),
+               "changes": info.manifest.changed, "wire_bytes": info.manifest.total_bytes,
+               "package": str(Path(vllm_delta.__file__).parents[1])}
+        reads, preps = [], []
+        for _ in range(args.repeat):  # interleaved: reader, then prepare, each round
+            t = time.perf_counter()
+            read_all(path, checkpoint, owned)
+            reads.append(time.perf_counter() - t)
+            if args.prepare:
+                t = time.perf_counter()
+                prepare()
+                preps.append(time.perf_counter() - t)
+        row["reader_s"] = reads
+        row["reader_us_per_tensor"] = round(1e6 * statistics.median(reads) / row["tensors"], 2)
+        if preps:
+            row["prepare_s"] = preps
+            row["prepare_us_per_tensor"] = round(1e6 * statistics.median(preps) / row["tensors"], 2)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The reader's work per checkpoint tensor stays fixed and small; its fast paths keep every check.
+
+Why: at a production tensor count (44k tensors) every Python call the reader makes per tensor
+costs prepare a measurable share (docs/results/scale.md, "Reader per-tensor cost (session 7)").
+So the calls are COUNTED (never timed): schema validations per flush and head lookups do not grow
+with the tensor count, and the Python calls per tensor are bounded. The fast paths behind those
+counts (slotted schemas, cached heads, one-dict ParamDelta) are held to the checks and the error
+messages of the code they replaced.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import TypeAdapter, ValidationError
+
+from vllm_delta.wire import (DeltaWriter, FormatError, ParamDelta, ShapeMismatchError, iter_delta, open_delta,
+                             read_delta)
+from vllm_delta.wire import flush as flush_mod
+from vllm_delta.wire.container import pack, unpack
+
+MINE = {"reader.py", "flush.py", "manifest.py", "container.py"}  # the reader's own modules
+# Python calls a tensor (measured when this was written): in the modules above, the head check, the
+# ParamDelta (make, __init__, total, count), admit (and its generator) and iter_delta's generator;
+# in the whole wire package also wire/batch.py's per-param loop and index parse.
+MINE_PER_TENSOR = 8
+WIRE_PER_TENSOR = 16
+
+
+def _dtype(i: int) -> torch.dtype:
+    return torch.float32 if i % 7 == 0 else torch.bfloat16
+
+
+def _delta(path: Path, tensors: int) -> Path:
+    """`tensors` small params of one shape and two dtypes, a few changes each, in one flush."""
+    g = torch.Generator().manual_seed(tensors)
+    with DeltaWriter(path, version=1, base_version=0, encoding="ulp_zstd") as w:
+        for i in range(tensors):
+            old = torch.randn(5, generator=g).to(_dtype(i))
+            new = (old.view(torch.int16 if _dtype(i) == torch.bfloat16 else torch.int32) + 1).view(_dtype(i))
+            w.add(f"layer.{i}.w", torch.tensor([1, 5, 9, 20, 33]), new, old, shape=(8, 8))
+    return path
+
+
+def _counted(path: Path) -> tuple[int, collections.Counter]:
+    """Decode as prepare does (lazily, expected shapes, owned ranges), counting Python calls into the
+    package by (module, function) and the C-level schema validations (pydantic's SchemaValidator)."""
+    info = open_delta(path)
+    expected = {p.name: ((8, 8), _dtype(int(p.name.split(".")[1]))) for p in info.manifest.params}
+    owned = {name: [(0, 63)] for name in expected}
+    calls: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and "vllm_delta" in frame.f_code.co_filename:
+            calls[(Path(frame.f_code.co_filename).name, frame.f_code.co_name)] += 1
+        elif event == "c_call" and getattr(arg, "__name__", "") in ("validate_python", "validate_json", "validate_strings"):
+            calls[("pydantic", "validate")] += 1
+
+    sys.setprofile(profile)
+    try:
+        n = sum(1 for _ in iter_delta(info, expected=expected, current_version=0, owned=owned, lazy=True))
+    finally:
+        sys.setprofile(None)
+    return n, calls
+
+
+def test_reader_calls_per_tensor_are_bounded_and_validations_are_per_flush(tmp_path):
+    small, large = 40, 120
+    n_small, a = _counted(_delta(tmp_path / "a", small))
+    n_large, b = _counted(_delta(tmp_path / "b", large))
+    assert (n_small, n_large) == (small, large)
+    grew = {k: (b[k] - a[k]) / (large - small) for k in set(a) | set(b)}
+    # Once per flush (and per manifest), whatever the tensor count: no per-tensor model validation.
+    assert a[("pydantic", "validate")] == b[("pydantic", "validate")] > 0
+    # Heads are looked up once per distinct dtype / shape, and checked against the model in one comparison.
+    for fn in ("by_name", "check_expected", "check_numel", "parse_index"):
+        assert grew.get(next((k for k in grew if k[1] == fn), None), 0) == 0, fn
+    mine = sum(g for (module, _), g in grew.items() if module in MINE)
+    assert mine <= MINE_PER_TENSOR, sorted((k, g) for k, g in grew.items() if g and k[0] in MINE)
+    assert sum(grew.values()) <= WIRE_PER_TENSOR, sorted((k, g) for k, g in grew.items() if g)
+
+
+def test_param_delta_sets_every_field_and_stays_frozen():
+    x = torch.arange(3)
+    args = dict(name="w", shape=(3,), dtype=torch.bfloat16, positions=x, values=x, needs_base=True, skipped=2,
+                bounds=(0, 9), blocks=(1, 2))
+    assert [f.name for f in dataclasses.fields(ParamDelta)] == list(args)
+    for d in (ParamDelta(**args), ParamDelta(*args.values())):
+        assert {f: getattr(d, f) for f in args} == args
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            d.skipped = 0
+    default = ParamDelta("w", (3,), torch.bfloat16, x, x, False)
+    assert (default.skipped, default.bounds, default.blocks) == (0, None, (0, 0))
+    assert dataclasses.replace(default, skipped=1).skipped == 1
+
+
+@pytest.mark.parametrize("model, fast", [(flush_mod._BlockedParamMeta, flush_mod._FastBlockedParamMeta),
+                                         (flush_mod._ParamMeta, flush_mod._FastParamMeta)])
+def test_fast_flush_schemas_are_the_models_field_for_field(model, fast):
+    fields = fast.__pydantic_fields__
+    assert list(fields) == list(model.model_fields)
+    for name, info in model.model_fields.items():
+        assert (fields[name].annotation, fields[name].metadata, fields[name].is_required()) == (
+            info.annotation, info.metadata, info.is_required()), name
+    assert model.model_config["extra"] == fast.__pydantic_config__["extra"] == "forbid"
+
+
+def _with_params(path: Path, edit) -> list:
+    """Edit the `params` metadata of the delta's flush (re-signing the file's hash in the manifest); the
+    edited params."""
+    info = open_delta(path)
+    name = info.manifest.files[0].name
+    tensors, meta = unpack((path / name).read_bytes(), file=name, limits=flush_mod.Limits())
+    params = json.loads(meta["params"])
+    edit(params)
+    data = pack({k: bytes(t.data) for k, t in tensors.items()}, {**meta, "params": json.dumps(params)})
+    (path / name).write_bytes(data)
+    m = json.loads((path / "manifest.json").read_text())
+    m["files"][0].update(bytes=len(data), hash=flush_mod.bytes_digest(data))
+    (path / "manifest.json").write_text(json.dumps(m))
+    return params
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda ps: ps[1].update(extra=1), "Extra inputs are not permitted"),  # the fast schema says otherwise
+    (lambda ps: ps.__setitem__(1, "not an object"), "Input should be a valid dictionary or instance of"),
+    (lambda ps: ps[1].update(count=0), "greater than or equal to 1"),
+    (lambda ps: ps[1].pop("width"), "Field required"),
+])
+def test_bad_flush_metadata_says_what_the_models_say(tmp_path, edit, says):
+    params = _with_params(d := _delta(tmp_path / "d", 3), edit)
+    with pytest.raises(FormatError, match="bad flush metadata") as e:
+        read_delta(d, current_version=0)
+    with pytest.raises(ValidationError) as model:  # the pydantic model's own words for it
+        TypeAdapter(list[flush_mod._BlockedParamMeta]).validate_python(params)
+    assert says in str(e.value) and f"bad flush metadata: {model.value}" in str(e.value)
+
+
+def test_cached_heads_still_check_each_param_against_the_model(tmp_path):
+    """Params 1 and 2 share a head; the model disagrees only on param 2's shape."""
+    d = _delta(tmp_path / "d", 3)
+    expected = {f"layer.{i}.w": ((8, 8), _dtype(i)) for i in range(3)}
+    assert sum(x.count for x in read_delta(d, expected=expected, current_version=0)) == 15
+    # A list shape (not a tuple) takes the precise check, and passes.
+    assert len(read_delta(d, expected={**expected, "layer.2.w": ([8, 8], torch.bfloat16)}, current_version=0)) == 3
+    heads = flush_mod._Heads({**expected, "layer.2.w": ((4, 16), torch.bfloat16)}, file="f")
+    info = open_delta(d)
+    tensors, meta = unpack((d / info.manifest.files[0].name).read_bytes(), file="f", limits=flush_mod.Limits())
+    params = flush_mod._flush_params(flush_mod._BLOCKED_LIST, json.loads(meta["params"]))
+    heads(params[1])
+    with pytest.raises(ShapeMismatchError, match=r"shape \[8, 8\] != model's \[4, 16\]"):
+        heads(params[2])
+    params[1].count = 65
+    with pytest.raises(FormatError, match="65 changes in 64 elements"):
+        heads(params[1])
