@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 try:
+    from vllm_delta.engine import batched
     from vllm_delta.engine.apply import DeltaApplier
     from vllm_delta.engine.digests import Ownership, check_partials, coverage
     from vllm_delta.wire import DeltaWriter, iter_delta, load_manifest, open_delta, write_manifest
@@ -292,11 +293,12 @@ def section_apply(args: argparse.Namespace, ctx: dict) -> dict:
         path = tmp / f"v{version}"
         wire_bytes = write_delta(path, base, new, version=version)
         _, decode_s = _timed("cpu", lambda: sum(d.count for d in iter_delta(open_delta(path), current_version=version - 1)))
-        prepared, prepare_s = [], 0.0
+        prepared, prepare_s, decoded_on_device = [], 0.0, []
         for a in appliers:  # ranks run side by side in an engine; here one after another: take the slowest
-            staged, s = _timed(device, lambda a=a: a.prepare(path, version=version, base_version=version - 1,
-                                                             current_version=version - 1,
-                                                             chunk_bytes=args.chunk_bytes))
+            staged, s = _timed(device, lambda a=a: _prepare_on_device(a, decoded_on_device, path, version=version,
+                                                                      base_version=version - 1,
+                                                                      current_version=version - 1,
+                                                                      chunk_bytes=args.chunk_bytes))
             prepared.append(staged)
             prepare_s = max(prepare_s, s)
         replies = [{"digests": s.digests, "expected": s.expected} for s in prepared]
@@ -317,7 +319,10 @@ def section_apply(args: argparse.Namespace, ctx: dict) -> dict:
             mismatched += [f"rank{r}:{n}" for n, p in want.named_parameters()
                            if not torch.equal(p.view(torch.int16), got[n].view(torch.int16))]
         changed = prepared[0].total_changed
+        decode_h2d = sum(d.uploaded for d in decoded_on_device)
         rows.append({"density": density, "changed": changed, "wire_bytes": wire_bytes,
+                     "device_decode_batches": sum(len(d.checks) for d in decoded_on_device),
+                     "decode_h2d_bytes_per_change": decode_h2d / max(sum(s.changed for s in prepared), 1),
                      "bytes_per_changed": wire_bytes / max(changed, 1), "decode_s": decode_s,
                      "prepare_s": prepare_s, "commit_s": commit_s, "full_verify_s": verify_s,
                      "digests_checked": digests_checked, "whole_digests_checked": whole_checked,
@@ -327,6 +332,20 @@ def section_apply(args: argparse.Namespace, ctx: dict) -> dict:
     params = sum(math.prod(s) for s in shapes.values())
     return {"params": params, "tp": tp, "ep": args.ep, "probe_s": probe_s, "fallback": fallback, "rows": rows,
             "ok": all(r.get("bit_exact", True) for r in rows) and any("bit_exact" in r for r in rows) and not fallback}
+
+
+def _prepare_on_device(applier: DeltaApplier, seen: list, path: Path, **kwargs):
+    """`prepare` with the delta decoded on the parameters' device (wire/batch_device.py): on a GPU as
+    the engine does; on the CPU forced (`batched.FORCE_DEVICE_PATH`), so a CPU run exercises the same
+    torch cumsum and plane assembly. `seen` gets the reader's `Destinations` (its batches and bytes)."""
+    real = applier._owned
+    applier._owned = lambda: seen.append(real()) or seen[-1]
+    forced, batched.FORCE_DEVICE_PATH = batched.FORCE_DEVICE_PATH, True
+    try:
+        return applier.prepare(path, **kwargs)
+    finally:
+        batched.FORCE_DEVICE_PATH = forced
+        del applier._owned
 
 
 class _OpCount(TorchDispatchMode):
@@ -444,7 +463,8 @@ def markdown(report: dict) -> str:
         lines += [f"## apply: {a['params'] / 1e9:.3f} B params, TP={a['tp']}{' EP' if a['ep'] else ''}, "
                   f"probe {max(a['probe_s']):.2f} s per rank, fallback {a['fallback'] or 'none'}", "",
                   "| density | changed | wire MB | B/changed | decode s | prepare s | commit s | full verify s "
-                  "| digests checked | bit-exact |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| digests checked | bit-exact | device-decoded batches | decode H2D B/change |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in a["rows"]:
             if "skipped" in r:
                 lines.append(f"| {r['density']:.1%} | skipped: {r['skipped']} |")
@@ -452,8 +472,11 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['density']:.1%} | {r['changed']:,} | {r['wire_bytes'] / 1e6:.1f} | "
                          f"{r['bytes_per_changed']:.2f} | {r['decode_s']:.3f} | {r['prepare_s']:.3f} | "
                          f"{r['commit_s']:.3f} | {r['full_verify_s']:.3f} | "
-                         f"{r['digests_checked']} + {r['whole_digests_checked']} | {r['bit_exact']} |")
+                         f"{r['digests_checked']} + {r['whole_digests_checked']} | {r['bit_exact']} | "
+                         f"{r['device_decode_batches']} | {r['decode_h2d_bytes_per_change']:.2f} |")
         lines += ["", "decode: read + hash + decode of every flush (CPU); prepare: the same plus locate, "
+                  "the decode's gap cumsum and value planes on the device (wire/batch_device.py; forced on a CPU "
+                  "run, where the engine keeps the host decode; decode H2D: the bytes it sent per staged change), "
                   "the one copy of offsets and values to the device and the O(changed) pre/post digests there (slowest "
                   "rank); commit: ULP resolve, the scatters, the read-back and a synchronize (slowest rank); full verify: "
                   "counted-once whole-tensor digests of every tensor (slowest rank)."]

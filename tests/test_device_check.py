@@ -22,7 +22,7 @@ def test_device_check_runs_on_cpu(tmp_path):
     report = json.loads((tmp_path / "device_check.json").read_text())
     apply = report["sections"]["apply"]
     assert apply["ok"] and apply["fallback"] == [] and [r["density"] for r in apply["rows"]] == [0.02, 0.2]
-    assert all(r["bit_exact"] and r["digests_checked"] > 0 for r in apply["rows"])
+    assert all(r["bit_exact"] and r["digests_checked"] > 0 and r["device_decode_batches"] > 0 for r in apply["rows"])
     assert "| 20.0% |" in (tmp_path / "device_check.md").read_text()
     sender = report["sections"]["sender"]
     assert sender["ok"] and [(r["snapshot"], r["density"]) for r in sender["rows"]] == [
