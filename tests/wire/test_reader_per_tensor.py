@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 from vllm_delta.wire import (DeltaWriter, FormatError, ParamDelta, ShapeMismatchError, iter_delta, open_delta,
                              read_delta)
 from vllm_delta.wire import flush as flush_mod
-from vllm_delta.wire.container import pack, unpack
+from vllm_delta.wire.container import json_loads, pack, unpack
 
 MINE = {"reader.py", "flush.py", "manifest.py", "container.py"}  # the reader's own modules
 # Python calls a tensor (measured when this was written): in the modules above, the head check, the
@@ -159,3 +160,20 @@ def test_cached_heads_still_check_each_param_against_the_model(tmp_path):
     params[1].count = 65
     with pytest.raises(FormatError, match="65 changes in 64 elements"):
         heads(params[1])
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": [1, 2.5, -0, 1e400, "\\u00e9"], "a": null}', "123456789012345678901234567890", "NaN", "[-Infinity]",
+    '"\\ud800"', "[" * 300 + "]" * 300,  # accepted by json.loads, not by pydantic-core's parser
+    "[1,]", '{"a":1,}', "01", "[1] x", '"a\tb"', "", "nan", "\ufeff[1]",  # refused by both
+])
+def test_json_loads_is_json_loads(text):
+    """The same value or the same error as the standard library's, for each of str and bytes."""
+    for given in (text, text.encode("utf-8", "surrogatepass")):
+        try:
+            want = repr(json.loads(given))
+        except ValueError as e:
+            with pytest.raises(type(e), match=re.escape(str(e))):
+                json_loads(given)
+        else:
+            assert repr(json_loads(given)) == want

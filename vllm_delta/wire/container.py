@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pydantic_core
 import safetensors.numpy
 import zstandard
 
@@ -60,6 +61,21 @@ def paused_gc() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def json_loads(text: str | bytes) -> object:
+    """`json.loads`, the same values and the same errors, about 1.5x faster on the reader's metadata.
+
+    Why: a flush's and a manifest's JSON hold a few small objects per checkpoint tensor, a measured
+    share of the reader's per-tensor cost at 44k tensors. pydantic-core's parser builds the same
+    objects; what it refuses (all that `json.loads` refuses, and also lone surrogates and nesting
+    past its depth limit, which `json.loads` accepts) is parsed by `json.loads`, so nothing is
+    accepted or refused that was not before, and every error is `json.loads`'s own.
+    """
+    try:
+        return pydantic_core.from_json(text)
+    except ValueError:
+        return json.loads(text)
 
 
 @dataclass(frozen=True)
@@ -225,7 +241,7 @@ def unpack(data: bytes | memoryview, *, file: str | None, limits: Limits
     if n > len(view) - 8:
         raise FormatError(f"truncated: header of {n} B in a {len(view)} B file", file=file)
     try:
-        header = json.loads(bytes(view[8:8 + n]))
+        header = json_loads(bytes(view[8:8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"safetensors header is not JSON: {e}", file=file) from None
     if not isinstance(header, dict):

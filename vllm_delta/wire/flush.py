@@ -340,7 +340,7 @@ def open_flush(data: bytes | memoryview, *, file: str, limits: Limits, max_decod
 
 def meta_json(meta: Mapping[str, str], key: str, *, file: str):
     try:
-        return json.loads(meta[key])
+        return container.json_loads(meta[key])
     except (KeyError, json.JSONDecodeError):
         raise FormatError(f"metadata {key!r} is missing or not JSON", file=file) from None
 

@@ -7,7 +7,6 @@ of the whole tensor after apply.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .additive import DIGEST_ALGO, combine
-from .container import Limits
+from .container import Limits, json_loads
 from .digest import HASH_ALGO
 from .errors import FormatError, IncompleteDeltaError, LimitError, VersionError
 
@@ -251,6 +250,6 @@ def load_manifest(directory: str | os.PathLike, *, limits: Limits = Limits()) ->
 def parse_manifest(data: bytes) -> Manifest:
     """Validate manifest JSON (e.g. one received over HTTP for a collective transfer)."""
     try:
-        return Manifest.model_validate(json.loads(data))
+        return Manifest.model_validate(json_loads(data))
     except (ValueError, ValidationError) as e:
         raise FormatError(f"invalid manifest: {e}", file=MANIFEST_NAME) from None
