@@ -2,7 +2,9 @@
 
 Why: a CPU engine keeps the host decode unless the torch one is as fast there; on an accelerator the
 device decode's gain is in what crosses PCIe, counted here as bytes per change. Same changes as
-docs/results/apply.md's reader check: 2 M changes in 24 [4096, 1024] bf16 params (2%).
+docs/results/apply.md's reader check: 2 M changes in 24 [4096, 1024] bf16 params (2%). Decoded "on"
+`meta` the device work costs nothing, so that row is the host's share of a device decode
+(decompress, checks, the table): what an accelerator's host still pays per change.
 
     taskset -c 1 .venv/bin/python benchmarks/device_decode.py [--repeats 3] [--json PATH]
 """
@@ -34,13 +36,13 @@ def write(path: Path, encoding: str, tensors: int = 24, shape: tuple[int, int] =
             writer.add(f"t{i}", pos, (old.view(torch.int16) + 1).view(torch.bfloat16), old, shape=shape)
 
 
-def decode(path: Path, device: bool) -> tuple[float, int, int]:
-    """(seconds, changes, bytes sent to the device) of one decode of the whole delta."""
+def decode(path: Path, device: str | None) -> tuple[float, int, int]:
+    """(seconds, changes, bytes sent to the device) of one decode of the whole delta (`device` None: the host's)."""
     info = open_delta(path)
-    owned = Destinations({}, {p.name: torch.device("cpu") for p in info.manifest.params}) if device else None
+    owned = Destinations({}, {p.name: torch.device(device) for p in info.manifest.params}) if device else None
     with paused_gc():
         start = time.perf_counter()
-        changes = sum(d.count for d in iter_delta(info, current_version=0, owned=owned, lazy=True))
+        changes = sum(d.count for d in iter_delta(info, current_version=0, owned=owned, lazy=True))  # on meta: sizes
         if owned is not None:
             owned.verify()
         seconds = time.perf_counter() - start
@@ -58,10 +60,12 @@ def main() -> None:
         for encoding in ("ulp_zstd", "deltas_zstd", "planes_zstd"):
             path = Path(tmp) / encoding
             write(path, encoding)
-            for device in (False, True):
+            for device in (None, "cpu", "meta"):
                 runs = [decode(path, device) for _ in range(args.repeats)]
                 changes, sent = runs[0][1], runs[0][2]
-                rows.append({"encoding": encoding, "path": "torch (device decode, on CPU)" if device else "host numpy",
+                label = {None: "host numpy", "cpu": "torch (device decode, on CPU)",
+                         "meta": "device decode on meta: the host's share"}[device]
+                rows.append({"encoding": encoding, "path": label,
                              "changes": changes, "ns_per_change": 1e9 * statistics.median(r[0] for r in runs) / changes,
                              "samples_s": [r[0] for r in runs], "h2d_bytes_per_change": sent / changes})
                 print(json.dumps(rows[-1]), flush=True)

@@ -74,8 +74,8 @@ def test_mixed_gap_widths_wide_escapes_and_a_param_past_a_batch(tmp_path, monkey
             step_[::7] = torch.tensor(1 << 20 if name == "f32" else 9000, dtype=view)  # 3- and 2-byte escapes
             new = (old.view(view) + step_).view(dtype)
             w.add(name, pos, new, old, shape=shape)
-    for entries in (batch.BATCH_ENTRIES, 100):
-        monkeypatch.setattr(batch, "BATCH_ENTRIES", entries)
+    for entries in (batch.DEVICE_BATCH_ENTRIES, 100):
+        monkeypatch.setattr(batch, "DEVICE_BATCH_ENTRIES", entries)
         dev, dest = on_device(tmp_path / "d")
         for a, b in zip(dev, host(tmp_path / "d"), strict=True):
             same(a, b)

@@ -34,6 +34,9 @@ BATCH_ENTRIES = 1 << 19  # decoded entries per batch: bounds its temporaries (ab
 # paid back, and its contiguous views decode a change 3-6x cheaper than the batch's gathers
 # (2 M changes in 24 params: ulp_zstd 17 vs 50-57 ns a change, deltas_zstd 27 vs 153-168 ns).
 PER_PARAM_ENTRIES = 1 << 13
+# Entries of a batch's device part (batch_device.py): its ~86 ops (ulp_zstd) are launches on a GPU, so a
+# batch holds more there (its int64 temporaries, about 120 B an entry, in device memory: ~0.5 GB).
+DEVICE_BATCH_ENTRIES = 1 << 22
 
 
 class Fallback(Exception):
@@ -400,8 +403,9 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
     then on to the next batch.
 
     With `owned` a `batch_device.Destinations`, the params it places on a device are decoded
-    there (batch_device.py), in batches of their own whatever their size (the device has no
-    per-param path to prefer); their checks are left in `owned` for its `verify`.
+    there (batch_device.py), apart from the batch's host params and up to DEVICE_BATCH_ENTRIES,
+    whatever each param's size (the device has no per-param path to prefer); their checks are left
+    in `owned` for its `verify`.
 
     `make(p, positions, values, skipped, bounds, blocks)` builds param p's delta from torch views.
     """
@@ -423,7 +427,9 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
     large = np.flatnonzero((per_param >= min(PER_PARAM_ENTRIES, BATCH_ENTRIES)) & ~on_dev)
     p = 0
     while p < nparams:
-        q = p + int(np.searchsorted(np.cumsum(per_param[p:]), BATCH_ENTRIES, side="right"))
+        here = per_param[p:]
+        q = p + min(int(np.searchsorted(np.cumsum(np.where(on_dev[p:], 0, here)), BATCH_ENTRIES, side="right")),
+                    int(np.searchsorted(np.cumsum(np.where(on_dev[p:], here, 0)), DEVICE_BATCH_ENTRIES, side="right")))
         c = int(np.searchsorted(changes, p, side="right"))
         q = min(q, int(changes[c]) if c < changes.size else nparams)
         k = int(np.searchsorted(large, p))
@@ -432,7 +438,7 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
             yield from fallback(p, p + 1)
             p += 1
             continue
-        q = max(q, p + 1)  # a device param past BATCH_ENTRIES is a batch of its own
+        q = max(q, p + 1)  # a device param past DEVICE_BATCH_ENTRIES is a batch of its own
         a, b = int(ix.row0[p]), int(ix.row0[q])
         rows = a + np.flatnonzero(mask[a:b])
         dev_row = on_dev[pid[rows]]
