@@ -63,10 +63,11 @@ class DeltaDecoder:
             raise VersionError(f"encoding {self.encoding.name!r} applies only on version "
                                f"{manifest.base_version}, not {current_version}")
         self._files = {f.name: f for f in manifest.files}
-        self._params = {p.name: p for p in manifest.params}
-        # What _admit compares, made once: each param's (shape, dtype); for a param written by
-        # several writers (it has parts, each in position order on its own), each file's part.
-        self._heads: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        # What admit compares and counts, made once per param (its lookups, not the manifest's
+        # pydantic attributes, are what admit pays per tensor): the param's (shape, dtype), its files,
+        # whether it has parts (several writers, each part in position order on its own; each file's
+        # part is in `_part`) and its change count.
+        self._params: dict[str, tuple[tuple[tuple[int, ...], torch.dtype], list[str], bool, int]] = {}
         self._part: dict[tuple[str, str], int] = {}
         dtypes: dict[str, torch.dtype] = {}  # a model has a few dtypes: each name is looked up once
         for p in manifest.params:
@@ -78,7 +79,7 @@ class DeltaDecoder:
                 want = expected.get(p.name)  # the common case in one comparison; else the precise check
                 if want is None or want[1] != d or type(want[0]) not in (tuple, torch.Size) or want[0] != shape:
                     check_expected(p.name, shape, d, expected, file=MANIFEST_NAME)
-            self._heads[p.name] = (shape, d)
+            self._params[p.name] = ((shape, d), p.files, p.parts is not None, p.changed)
             for i, part in enumerate(p.parts or ()):
                 for f in part:
                     self._part[(p.name, f)] = i
@@ -136,32 +137,34 @@ class DeltaDecoder:
         return iter(deltas)
 
     def admit(self, name: str, deltas: Iterable[ParamDelta]) -> Iterator[ParamDelta]:
-        """The checks across files (order, overlaps, counts) of one decoded flush, in manifest order."""
+        """The checks across files (order, overlaps, counts) of one decoded flush, in manifest order.
+
+        One loop per flush with its lookups bound once (a flush holds thousands of tensors).
+        """
         if name in self._done:
             raise FormatError("file fed twice", file=name)
         self._done.add(name)
+        params, parts, ends, shared, seen = self._params, self._part, self._last, self._shared, self._seen
         for pd in deltas:
-            self._admit(name, pd)
+            param = pd.name
+            p = params.get(param)
+            if p is None or name not in p[1]:
+                raise FormatError("param is not listed for this file in the manifest", file=name, param=param)
+            head, _, has_parts, changed = p
+            if head != (pd.shape, pd.dtype):
+                raise FormatError("shape or dtype differs from the manifest", file=name, param=param)
+            part = (param, parts[(param, name)] if has_parts else 0)
+            end = ends.get(part)
+            bounds = pd.bounds
+            if end is not None and (bounds[0] if bounds is not None else pd.first) <= end:
+                raise BoundsError("chunks overlap or are out of order", file=name, param=param)
+            ends[part] = bounds[1] if bounds is not None else pd.last
+            if param in shared:  # skipped blocks are checked by the ranks that decode them
+                shared[param].append(pd.positions)
+            total = seen[param] = seen.get(param, 0) + pd.total
+            if total > changed:
+                raise BoundsError(f"more than the {changed} changes the manifest lists", file=name, param=param)
             yield pd
-
-    def _admit(self, file: str, pd: ParamDelta) -> None:
-        name = pd.name
-        p = self._params.get(name)
-        if p is None or file not in p.files:
-            raise FormatError("param is not listed for this file in the manifest", file=file, param=name)
-        if self._heads[name] != (pd.shape, pd.dtype):
-            raise FormatError("shape or dtype differs from the manifest", file=file, param=name)
-        part = (name, 0 if p.parts is None else self._part[(name, file)])
-        last = self._last.get(part)
-        bounds = pd.bounds
-        if last is not None and (bounds[0] if bounds is not None else pd.first) <= last:
-            raise BoundsError("chunks overlap or are out of order", file=file, param=name)
-        self._last[part] = bounds[1] if bounds is not None else pd.last
-        if name in self._shared:  # skipped blocks are checked by the ranks that decode them
-            self._shared[name].append(pd.positions)
-        seen = self._seen[name] = self._seen.get(name, 0) + pd.total
-        if seen > p.changed:
-            raise BoundsError(f"more than the {p.changed} changes the manifest lists", file=file, param=name)
 
     def finish(self) -> None:
         """Every fed param is complete; with all files fed, the whole delta is."""
