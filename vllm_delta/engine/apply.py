@@ -649,7 +649,10 @@ def scatter(flat: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     if chunk.base is not None:
         values = ulp_resolve_tensor(gather(flat, offsets).to(chunk.base), values)
     values = values.to(flat.dtype)
-    flat.index_copy_(0, offsets, values)
+    if flat.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # no fp8 index_copy_ on the CPU: copy the bits
+        bits(flat).index_copy_(0, offsets, bits(values))
+    else:
+        flat.index_copy_(0, offsets, values)
     return values
 
 

@@ -1,0 +1,96 @@
+"""A block-fp8 checkpoint served as it is, updated by deltas in its own dtypes, bit-exact.
+
+What vLLM 0.32's CPU build does with it (established here on the real engine, `harness/fp8_inspect`):
+`Fp8LinearMethod` picks `CPUFp8BlockScaledMMKernel` (W8A16 on AMX), whose post-load step
+- VNNI-packs the float8_e4m3fn weight (`convert_weight_packed`): the same shape, stride and bytes,
+  permuted, re-registered as a plain `Parameter` (`replace_parameter`);
+- re-registers `weight_scale_inv` as a plain `Parameter` around the same float32 bytes.
+So the scales are the checkpoint's bytes (deltas land in place), and the weight is re-laid:
+`transforms` re-runs the step ("rerun") from a checkpoint-layout copy that deltas are written into.
+Both replaced Parameters lost their loaders; `engine/loaders.py` gives the probe vLLM's recorded
+model-format ones (it refused every projection before).
+
+The engine starts on FINAL (the reference: its fresh load's digests, equal to vLLM's own load in
+another process, and greedy tokens and logprobs), reloads BASE with vLLM's `reload_weights`, then
+takes a base-relative delta and an overwrite delta that change fp8 codes and block scales.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.fp8_inspect import served_fp8
+from harness.fp8_models import make_fp8_llama, step_checkpoint
+from harness.vllm_engine import greedy, start_llm
+from vllm_delta.wire import load_manifest
+
+pytestmark = [pytest.mark.heavy, pytest.mark.engine]
+
+VLLM_DELTA = str(Path(sys.executable).parent / "vllm-delta")
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def diff(old: Path, new: Path, out: Path, encoding: str, version: int) -> Path:
+    subprocess.run([VLLM_DELTA, "diff", str(old), str(new), str(out), "--encoding", encoding,
+                    "--version", str(version), "--base-version", str(version - 1)], check=True)
+    return out
+
+
+def checkpoint_bytes(ckpt: dict[str, torch.Tensor], module: str, suffix: str) -> bytes:
+    """The checkpoint's bytes of a served module's tensor, fused as vLLM fuses qkv and gate_up (dim 0)."""
+    prefix, _, leaf = module.rpartition(".")
+    parts = [f"{prefix}.{p}.{suffix}" for p in FUSED.get(leaf, (leaf,))]
+    return torch.cat([ckpt[p] for p in parts]).contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+
+
+def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(tmp_path, fresh_loader):
+    base = make_fp8_llama(tmp_path / "base")
+    mid = step_checkpoint(base, tmp_path / "mid", density=0.03, seed=1)
+    final = step_checkpoint(mid, tmp_path / "final", density=0.03, seed=2)
+    chain = [diff(base, mid, tmp_path / "d1", "ulp_zstd", 1), diff(mid, final, tmp_path / "d2", "deltas_zstd", 2)]
+    with start_llm(final, delta=True) as llm:
+        reference, reference_out = llm.collective_rpc("compute_weight_checksums")[0], greedy(llm)
+        (served,) = llm.collective_rpc(served_fp8)
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(base)})
+        base_sums = llm.collective_rpc("compute_weight_checksums")[0]
+        (probe,) = llm.collective_rpc("delta_probe")
+        (coverage,) = llm.collective_rpc("delta_coverage")
+        llm.collective_rpc("delta_set_peers", args=([coverage],))
+        replies = []
+        for version, path in enumerate(chain, start=1):
+            request = {"id": f"v{version}", "path": str(path), "version": version, "base_version": version - 1,
+                       "files": None, "chunk_bytes": 1 << 20}
+            (prepared,) = llm.collective_rpc("delta_prepare", args=(request,))
+            (committed,) = llm.collective_rpc("delta_commit", args=(request["id"],)) if prepared["ok"] else (None,)
+            replies.append((prepared, committed))
+        applied, applied_out = llm.collective_rpc("compute_weight_checksums")[0], greedy(llm)
+    fresh = fresh_loader.checksums(final)
+
+    # What the CPU fp8 kernel's post-load step did, against the checkpoint's bytes.
+    ckpt = load_file(final / "model.safetensors")
+    assert len(served) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    for module, s in served.items():
+        assert s["kernel"] == "CPUFp8BlockScaledMMKernel", (module, s["kernel"])
+        assert (s["weight_class"], s["scale_class"]) == ("Parameter", "Parameter"), module  # replace_parameter
+        assert (s["kind"], s["changed"]) == ("rerun", ["weight"]), module
+        weight, scale = checkpoint_bytes(ckpt, module, "weight"), checkpoint_bytes(ckpt, module, "weight_scale_inv")
+        assert s["live_scale"] == scale, module  # the scales are served as the checkpoint's bytes
+        assert s["canonical_weight"] == weight, module  # deltas go to the checkpoint-layout copy
+        assert s["live_weight"] != weight and sorted(s["live_weight"]) == sorted(weight), module  # re-laid bytes
+    # The probe maps every tensor with the model's loaders: nothing falls back, nothing is refused.
+    assert probe["ready"] and probe["fallback"] == {} and probe["refused"] == {}, probe
+    assert coverage["map_errors"] == {} and coverage["fallback"] == [], coverage
+    # The chain changed fp8 codes and scales, applied through the map, and ends on FINAL exactly.
+    assert reference == fresh and base_sums != reference
+    for path, (prepared, committed) in zip(chain, replies):
+        assert prepared["ok"] and prepared["fallback"] == [] and committed["ok"], (prepared, committed)
+        changed = {p.dtype for p in load_manifest(path).params if p.changed}  # every fp8 weight and scale moved
+        assert {"float8_e4m3fn", "float32"} <= changed, changed
+    assert [n for n in reference if applied[n] != reference[n]] == []
+    assert applied_out == reference_out

@@ -1,0 +1,152 @@
+"""The model's own loaders for parameters a post-load step replaced, so the probe can replay them.
+
+Why: vLLM's block-fp8, Marlin and GPTQ methods call `replace_parameter` in their post-load step
+(on the CPU, `CPUFp8BlockScaledMMKernel` re-registers the VNNI-packed weight and the block scales
+as plain `Parameter`s). The model-format class (`ModelWeightParameter`, `BlockQuantScaleParameter`)
+and its attributes - `weight_loader`, `output_dim`, the TP rank - are gone from the live parameter,
+so `load_weights` raises on it, or, where the model falls back to `default_weight_loader`, copies
+whole tensors where the real loader would slice them.
+
+vLLM itself keeps what is needed: `record_metadata_for_reloading` stores each layer's parameters in
+model format (class and attributes, on `meta`) when the model is built, for `reload_weights`.
+`model_format(model, load_weights)` wraps a loader so that, for the duration of each call, every
+replaced parameter is registered as a stand-in: the recorded class and attributes around the live
+tensor's own data. Same storage, so the probe's and the fallback replay's storage maps find it,
+and the loader's offsets are the live tensor's. That is exact only where the live tensor has the
+recorded shape, stride and dtype (the bytes may be re-laid inside: `transforms` maps or re-runs
+that step on its checkpoint-layout copy). Anywhere else the stand-in's `weight_loader` raises
+`ReplacedLayout`, naming the module: the probe cannot map it and the engine refuses the tensor at
+startup, never in a prepare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+
+
+class ReplacedLayout(RuntimeError):
+    """A replaced parameter whose live layout is not its model-format one: no loader addresses it."""
+
+
+@dataclass(frozen=True)
+class _Replaced:
+    module: nn.Module
+    name: str
+    stand_in: torch.Tensor
+
+
+def _recorded(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's model-format parameters as vLLM recorded them at construction (meta), or {}.
+
+    Read from vLLM's module only if it is loaded: it is whenever vLLM built a model in this process
+    (`initialize_model` records them); a synthetic model has none and needs no import of vLLM."""
+    layerwise = sys.modules.get("vllm.model_executor.model_loader.reload.layerwise")
+    info = None if layerwise is None else layerwise.LAYERWISE_INFO.get(module)
+    return {} if info is None else info.restore_metadata[0]
+
+
+def _model_format(recorded: torch.Tensor) -> dict[str, object]:
+    """The recorded attributes, loaders unwrapped: a `reload_weights` registers the recorded tensors
+    themselves and wraps their loaders (`online_process_loader`, which loads nothing outside a reload)."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    attrs = dict(vars(recorded))
+    for key in ("weight_loader", "_weight_loader"):  # BasevLLMParameter keeps it as `_weight_loader`
+        loader = attrs.get(key)
+        while getattr(loader, "__name__", None) == "online_process_loader":
+            loader = loader.__wrapped__
+        if key in attrs:
+            attrs[key] = loader
+    if attrs.get("weight_loader") is default_weight_loader:
+        del attrs["weight_loader"]  # the wrap added it where the model loads with the default
+    return attrs
+
+
+def _lost_format(live: torch.Tensor, recorded: torch.Tensor, attrs: dict[str, object]) -> bool:
+    """Whether the live parameter lost its model-format class or any recorded attribute."""
+    return type(live) is not type(recorded) or any(k not in vars(live) for k in attrs)
+
+
+def _stand_in(module_name: str, name: str, module: nn.Module, live: torch.Tensor,
+              recorded: torch.Tensor, attrs: dict[str, object]) -> torch.Tensor:
+    """The recorded class and attributes around `live`'s data, or a plain one whose loader refuses."""
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    same = (live.shape, live.stride(), live.dtype) == (recorded.shape, recorded.stride(), recorded.dtype)
+    t = live.data.detach()
+    if not same:
+        why = (f"{module_name}: its post-load step replaced {name}, model format {tuple(recorded.shape)} "
+               f"{recorded.stride()} {recorded.dtype}, served as {tuple(live.shape)} {live.stride()} {live.dtype}: "
+               "no loader addresses the served layout")
+
+        def refuse(*args, **kwargs):
+            raise ReplacedLayout(why)
+
+        t = nn.Parameter(t, requires_grad=False)
+        t.weight_loader = refuse
+        return t
+    t.__class__ = type(recorded)  # as vLLM's own `reload/meta.py` rebuilds model-format tensors
+    t.__dict__ = attrs
+    return restore_layer_refs(t, module)
+
+
+def replaced(model: nn.Module) -> list[_Replaced]:
+    """Every live parameter that lost its model format, with its stand-in."""
+    out = []
+    for module_name, module in model.named_modules():
+        recorded = _recorded(module)
+        for name, live in module._parameters.items():
+            rec = recorded.get(name)
+            if live is None or rec is None:
+                continue
+            attrs = _model_format(rec)
+            if _lost_format(live, rec, attrs):
+                out.append(_Replaced(module, name, _stand_in(module_name, name, module, live, rec, attrs)))
+    return out
+
+
+@contextlib.contextmanager
+def standing_in(found: list[_Replaced]) -> Iterator[None]:
+    """Register the stand-ins for the block, then the live parameters again (also on error)."""
+    live = [(r.module, r.name, r.module._parameters[r.name]) for r in found]
+    for r in found:
+        r.module._parameters[r.name] = r.stand_in
+    try:
+        yield
+    finally:
+        for module, name, param in live:
+            module._parameters[name] = param
+
+
+def model_format(model: nn.Module, load_weights: LoadWeights | None = None) -> LoadWeights:
+    """`load_weights` (the model's own by default) run with model-format stand-ins in place.
+
+    The stand-ins are found once and kept while the live objects they stand for are still the
+    registered ones (a refresh and vLLM's reload put the same objects back); a changed one makes
+    the next call look again. So a call costs O(replaced parameters), not a walk of the model (a
+    fallback tensor's replay calls it in every prepare). A forward running meanwhile (a prepare
+    runs beside generation) reads the same storage through a stand-in.
+    """
+    load = load_weights or model.load_weights
+    found: list[_Replaced] | None = None
+    live: list[torch.Tensor] = []
+
+    def load_in_model_format(weights: Iterable[tuple[str, torch.Tensor]]) -> object:
+        nonlocal found, live
+        if found is None or any(r.module._parameters.get(r.name) is not p for r, p in zip(found, live)):
+            found = replaced(model)
+            live = [r.module._parameters[r.name] for r in found]
+        if not found:
+            return load(weights)
+        with standing_in(found):
+            return load(weights)
+
+    return load_in_model_format
