@@ -116,32 +116,29 @@ def _copy_pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads)
 
 
-def memcpy_s(weights: dict[str, torch.Tensor], threads: int) -> float:
-    """Best of 5 warm copies of every tensor with libc's memcpy (destination touched first: no page
-    faults timed). Why libc's: torch's `copy_` runs at about half its speed on one thread here (5.5
-    against 12 GB/s for 1 GB), and a ratio to a slow copy flatters the scan (`torch_copy_s` keeps it)."""
+def _best_copy_s(weights: dict[str, torch.Tensor], threads: int, copy) -> float:
+    """Best of 5 warm `copy(dst, src)` passes over every tensor (destination touched first: no page faults timed)."""
     torch.set_num_threads(threads)
     dst = {n: torch.empty_like(t) for n, t in weights.items()}
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
         for n, t in weights.items():
-            _libc_memcpy(dst[n], t, threads)
+            copy(dst[n], t)
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def memcpy_s(weights: dict[str, torch.Tensor], threads: int) -> float:
+    """libc's memcpy of every tensor. Why libc's: torch's `copy_` runs at about half its speed on one
+    thread here for a 1 GB copy (5.5 against 11-12 GB/s: glibc switches to non-temporal stores for
+    large copies), and a ratio to a slow copy flatters the scan (`torch_copy_s` keeps it)."""
+    return _best_copy_s(weights, threads, lambda dst, src: _libc_memcpy(dst, src, threads))
 
 
 def torch_copy_s(weights: dict[str, torch.Tensor], threads: int) -> float:
-    """The same copies with torch's `copy_` (best of 5), for comparison with earlier runs."""
-    torch.set_num_threads(threads)
-    dst = {n: torch.empty_like(t) for n, t in weights.items()}
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for n, t in weights.items():
-            dst[n].copy_(t)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    """The same copies with torch's `copy_`, for comparison with earlier runs."""
+    return _best_copy_s(weights, threads, torch.Tensor.copy_)
 
 
 def _interleaved_medians(*fns, repeats: int = REPEATS) -> list[float]:
