@@ -10,7 +10,10 @@ and greedy output exactly.
 
 The engines run with test-only post-load steps (harness/post_load_steps): layer 0's qkv_proj is
 permuted and layer 1's o_proj has a derived tensor that its forward uses, so both transform
-branches are checked on a real engine, through a reload and the delta chain.
+branches are checked on a real engine, through a reload and the delta chain. On qwen3_moe, layer
+0's fused experts also get FlashInfer-CUTLASS's w13 half swap inside vLLM's own fused-MoE
+conversion (a permutation of the fused expert parameter, mapped per row), while layer 1's keep
+the CPU prepack (a "rerun": stash and refresh after each commit); glm4_moe's one MoE layer keeps it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.perturb import perturb_checkpoint
-from harness.post_load_steps import DERIVED, EXTENSION, PERMUTED
+from harness.post_load_steps import DERIVED, EXTENSION, MOE_PERMUTED_MODULE, PERMUTED
 from harness.tiny_models import PROMPTS
 from harness.vllm_engine import greedy, start_llm
 from vllm_delta.engine.digests import check_partials, mismatches
@@ -149,10 +152,18 @@ def check_delta_chain(family: str, tp: int, ep: bool, delta_chain) -> None:
     base, deltas, final = delta_chain(family)
     engine_kwargs = {"enable_expert_parallel": True} if ep else {}
 
+    moe_permuted = family == "qwen3_moe"  # its layer 0 is a MoE layer (harness/post_load_steps)
+    want_kinds = {f"model.{PERMUTED}": "permutation", f"model.{DERIVED}": "rerun"}
+    if moe_permuted:
+        want_kinds[f"model.{MOE_PERMUTED_MODULE}"] = "permutation"
     with start_llm(final, tp=tp, delta=True, worker_extension_cls=EXTENSION, **engine_kwargs) as llm:
-        for kinds in llm.collective_rpc("steps_transforms"):
-            assert {n: k for n, k in kinds.items() if n.endswith((PERMUTED, DERIVED))} == {
-                f"model.{PERMUTED}": "permutation", f"model.{DERIVED}": "rerun"}, kinds
+        for kinds, maps in zip(llm.collective_rpc("steps_transforms"), llm.collective_rpc("steps_maps")):
+            stepped = {n: k for n, k in kinds.items() if n.endswith((PERMUTED, DERIVED, MOE_PERMUTED_MODULE))}
+            assert stepped == want_kinds, kinds
+            # Both steps move whole rows: one int32 a row (O(rows)), not one an element.
+            assert all(m["row_len"] > 1 and m["nbytes"] * m["row_len"] == 4 * m["numel"] for m in maps.values()), maps
+            if moe_permuted:
+                assert maps[f"model.{MOE_PERMUTED_MODULE}.w13_weight"]["changed"] == ["w13_weight"], maps
         status = llm.collective_rpc("delta_probe")
         assert all({f"model.{PERMUTED}", f"model.{DERIVED}"} <= set(s["transformed"]) for s in status), status
         reference = llm.collective_rpc("compute_weight_checksums")

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
+from pathlib import Path
 
 TARGET = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 
 
 def _patch(module) -> None:
-    import torch
-    import torch.nn.functional as F
-
+    # By path: a spawned worker's sys.path is its parent's, without this directory.
+    spec = importlib.util.spec_from_file_location("moe_reference", Path(__file__).with_name("moe_reference.py"))
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    reference_moe = reference.reference_moe
     cls = module.CPUUnquantizedExperts
 
     def process_weights_after_loading(self, layer) -> None:
@@ -30,20 +34,8 @@ def _patch(module) -> None:
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input) -> None:
-        if activation.value != "silu":
-            raise NotImplementedError(f"reference MoE: activation {activation.value}")
-        ids = topk_ids.long()
-        local = expert_map[ids] if expert_map is not None else ids
-        out = torch.zeros(hidden_states.shape, dtype=torch.float32)
-        inter = w2.shape[-1]
-        for e in torch.unique(local[local >= 0]).tolist():
-            rows, slot = torch.nonzero(local == e, as_tuple=True)
-            x = hidden_states[rows]
-            gate_up = x @ w1[e].t()
-            y = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[e].t()
-            weight = 1.0 if apply_router_weight_on_input else topk_weights[rows, slot].float().unsqueeze(1)
-            out.index_add_(0, rows, y.float() * weight)
-        output.copy_(out.to(output.dtype))
+        reference_moe(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map,
+                      apply_router_weight_on_input)
 
     cls.process_weights_after_loading = process_weights_after_loading
     cls.apply = apply
