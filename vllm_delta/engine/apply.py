@@ -31,12 +31,12 @@ import torch
 from torch import nn
 
 from vllm_delta.engine import cpu_weights, derived, loaders, transforms
-from vllm_delta.engine.batched import Piece, compact, locate, on_device, owned_counts, slot_sums
+from vllm_delta.engine.batched import Landing, Piece, compact, locate, on_device, owned_counts, slot_sums
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
 from vllm_delta.engine.fallback import UnservableLoader, bits, check_servable, differs, replay, same_layout, shadow_target
 from vllm_delta.engine.owned import owned_by_tensor
-from vllm_delta.engine.placement import PeakRss, TensorPlacement, build_placement
+from vllm_delta.engine.placement import PeakRss, Segment, TensorPlacement, build_placement
 from vllm_delta.wire import (DeltaDecoder, IncompleteDeltaError, Manifest, ParamDelta, VersionError, get_encoding,
                              iter_delta, open_delta, tensor_digest)
 from vllm_delta.wire.batch_device import Destinations
@@ -148,6 +148,7 @@ class DeltaApplier:
         self.refused: dict[str, str] = {}
         self.coverage: dict[str, object] | None = None  # digests.check_coverage across ranks, at startup
         self._disjoint: dict[str, bool] = {}  # tensor -> its segments here hold disjoint ids
+        self._landed: dict[str, tuple[int, tuple[tuple[Segment, Landing], ...], bool]] = {}  # see _landings
 
     def _storages(self) -> dict[int, str]:
         """Live parameter storages -> their names: what the probe and the fallback replay record into."""
@@ -310,16 +311,18 @@ class DeltaApplier:
         anchor = self._is_anchor(manifest)
         batch: list[ParamDelta] = []
         held = 0
+        placements = self.placements
         for delta in deltas:
-            total += delta.total
+            total += delta.positions.numel() + delta.skipped
             blocks[0] += delta.blocks[0]
             blocks[1] += delta.blocks[1]
             entry = entries[delta.name]
             want = (entry.pre_digest is not None, entry.post_digest is not None)
             if any(want):
                 sums.want(delta.name, want)
-            placement = self.placements[delta.name]
-            if want[0] and not placement.fallback_reason:  # the pre_digest is summed on served values cast back
+            placement = placements[delta.name]
+            # The pre_digest is summed on served values cast back (checked where a segment's dtype differs).
+            if want[0] and not placement.fallback_reason and not self._landings(delta.name)[2]:
                 for seg in placement.segments:
                     _check_resolvable(seg.target, self.targets[seg.target].dtype, delta, "its pre_digest", "checked")
             if placement.fallback_reason:
@@ -359,6 +362,18 @@ class DeltaApplier:
             known = self._disjoint[name] = all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
         return known and not self.ownership.lower.get(name)
 
+    def _landings(self, name: str) -> tuple[int, tuple[tuple[Segment, Landing], ...], bool]:
+        """Tensor `name`'s element count, its segments with what locate asks of each, and whether every
+        segment's target is served in the checkpoint's dtype (so no `_check_resolvable`): made once."""
+        got = self._landed.get(name)
+        if got is None:
+            placement = self.placements[name]
+            numel = torch.Size(placement.shape).numel()
+            same = all(self.targets[seg.target].dtype == self.checkpoint[name][1] for seg in placement.segments)
+            got = self._landed[name] = (numel, tuple((seg, Landing.of(seg, numel)) for seg in placement.segments),
+                                        same)
+        return got
+
     def _stage_batch(self, batch: list[ParamDelta], entries: Mapping[str, object], staging: _Staging,
                      sums: _Sums) -> None:
         """Locate, digest and stage a batch of tensors: a constant number of ops per destination."""
@@ -367,14 +382,14 @@ class DeltaApplier:
         # Per destination (and dtype): its pieces, and the tensors behind them (a piece's slot indexes these).
         groups: dict[tuple[str, torch.dtype, bool], tuple[list[Piece], list[str]]] = {}
         for delta in batch:
-            numel = torch.Size(delta.shape).numel()
-            for seg in self.placements[delta.name].segments:
-                if delta.needs_base:
+            numel, landings, same = self._landings(delta.name)
+            for seg, landing in landings:
+                if delta.needs_base and not same:
                     _check_resolvable(seg.target, self.targets[seg.target].dtype, delta)
                 pieces, names = groups.setdefault((seg.target, delta.dtype, delta.needs_base), ([], []))
                 if not names or names[-1] != delta.name:
                     names.append(delta.name)
-                pieces.append(Piece(len(names) - 1, delta.positions, delta.values, seg, numel))
+                pieces.append(Piece(len(names) - 1, delta.positions, delta.values, seg, numel, landing))
         located_all = []
         for (target, dtype, needs_base), (pieces, names) in groups.items():
             device = flat_storage(self.targets[target]).device
@@ -769,8 +784,9 @@ class _Sums:
             np.add.at(total, (tensor[keep], lane[keep]), values[keep])  # wraps mod 2^64, as the digest does
             held[tensor[keep], lane[keep]] = True
         text = total.astype(">u8").tobytes().hex()  # to_hex's form: lane 0 then lane 1, 16 digits each
-        return {name: [text[(4 * i + 2 * k) * 16:(4 * i + 2 * k + 2) * 16] if held[i, k] else None for k in (0, 1)]
-                for name, i in ids.items()}
+        flags = held.tolist()
+        return {name: [text[64 * i:64 * i + 32] if flags[i][0] else None, text[64 * i + 32:64 * i + 64] if flags[i][1]
+                       else None] for name, i in ids.items()}
 
 
 def _add(acc: list[torch.Tensor | None], i: int, part: torch.Tensor) -> None:

@@ -24,6 +24,21 @@ from vllm_delta.wire.additive import _CPU_SLICE, _keys, _LANES, _mix_
 _NO_DIM = 1 << 62
 
 
+@dataclass(frozen=True)
+class Landing:
+    """What locate asks of a (tensor, segment) pair: worked out once per placement (`Landing.of`) and
+    kept with it, not per sync, since at 44k tensors a few microseconds a piece add up."""
+
+    whole: bool  # the segment holds every id of its tensor: every decoded entry lands
+    dense: bool  # it holds every id from src_offset to src_last (a range)
+    shifted: bool  # dense, with the same strides on both sides: offset = position + shift
+
+    @classmethod
+    def of(cls, seg: Segment, numel: int) -> Landing:
+        dense = seg.src_dense
+        return cls(dense and seg.src_offset == 0 and seg.numel == numel, dense, dense and _same_strides(seg))
+
+
 @dataclass
 class Piece:
     """The decoded entries of one checkpoint tensor (or a chunk of it) and one segment it lands through."""
@@ -33,6 +48,7 @@ class Piece:
     values: torch.Tensor
     seg: Segment
     numel: int  # elements of the checkpoint tensor
+    landing: Landing | None = None  # `Landing.of(seg, numel)`, when the caller keeps it
 
 
 @dataclass
@@ -46,9 +62,13 @@ class Located:
     keep: torch.Tensor | None = None  # with `locate(defer=True)`: the entries this rank owns, for `compact`
 
 
-def _whole(p: Piece) -> bool:
-    """The segment holds every id of its tensor, so every decoded entry lands: no mask."""
-    return p.seg.src_offset == 0 and p.seg.numel == p.numel and p.seg.src_dense
+def _kinds(pieces: list[Piece]) -> Landing:
+    """What holds for every piece (one pass; each piece's `Landing` kept by the caller or made here)."""
+    whole = dense = shifted = True
+    for p in pieces:
+        got = p.landing or Landing.of(p.seg, p.numel)
+        whole, dense, shifted = whole and got.whole, dense and got.dense, shifted and got.shifted
+    return Landing(whole, dense, shifted)
 
 
 def _same_strides(seg: Segment) -> bool:
@@ -85,15 +105,16 @@ def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bo
     counts = [p.positions.numel() for p in pieces]
     positions = _cat([p.positions for p in pieces]).to(torch.int64)
     values = _cat([p.values for p in pieces])
+    kinds = _kinds(pieces)
     if device is not None and positions.device == device and values.device == device:
-        column = _Columns(pieces, counts, device, upload=_every_key(pieces))
-        located = _located(pieces, positions, values, column, compact=False)
-        located.keep = _owned(pieces, positions, column)
+        column = _Columns(pieces, counts, device, upload=_needed(pieces, kinds, owned=True))
+        located = _located(pieces, kinds, positions, values, column, compact=False)
+        located.keep = _owned(pieces, kinds, positions, column)
         return located if defer or located.keep is None else compact(located, int(located.keep.sum()))
     host = _Columns(pieces, counts, positions.device)
     if device is None:
-        return _located(pieces, positions, values, host, compact=True)
-    owned = _owned(pieces, positions, host)
+        return _located(pieces, kinds, positions, values, host, compact=True)
+    owned = _owned(pieces, kinds, positions, host)
     if owned is not None:
         keep = torch.nonzero(owned).squeeze(1)  # a host tensor: no device sync
         positions, values = positions.index_select(0, keep), values.index_select(0, keep)
@@ -102,18 +123,23 @@ def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bo
     narrow = max(p.numel for p in pieces) < 1 << 31
     positions = positions.to(torch.int32 if narrow else torch.int64).to(device, non_blocking=True)
     values = values.to(device, non_blocking=True)
-    ndim = max(len(p.seg.sizes) for p in pieces)
-    keys = ["slot", "shift"] if _shifted(pieces) else \
-        ["slot", "src_offset", "dst_offset", *(f"{k}{d}" for d in range(ndim) for k in ("src", "dst"))]
-    return _located(pieces, positions.to(torch.int64), values, _Columns(pieces, counts, device, upload=keys),
-                    compact=False)
+    return _located(pieces, kinds, positions.to(torch.int64), values,
+                    _Columns(pieces, counts, device, upload=_needed(pieces, kinds, owned=False)), compact=False)
 
 
-def _every_key(pieces: list[Piece]) -> list[str]:
-    """Every per-piece number the ownership mask and the offsets may ask for (those that differ cross)."""
-    ndim = max(len(p.seg.sizes) for p in pieces)
-    return ["slot", "shift", "src_offset", "src_last", "dst_offset",
-            *(f"{k}{d}" for d in range(ndim) for k in ("size", "src", "dst"))]
+def _needed(pieces: list[Piece], kinds: Landing, *, owned: bool) -> list[str]:
+    """The per-piece numbers the offsets (and with `owned`, the ownership mask) ask for: those that
+    differ cross to the device, in one table."""
+    if kinds.shifted:
+        keys = ["slot", "shift"]
+    else:
+        ndim = max(len(p.seg.sizes) for p in pieces)
+        keys = ["slot", "src_offset", "dst_offset", *(f"{k}{d}" for d in range(ndim) for k in ("src", "dst"))]
+        if owned and not kinds.dense:
+            keys += [f"size{d}" for d in range(ndim)]
+    if owned and not kinds.whole and kinds.dense:
+        keys += [k for k in ("src_offset", "src_last") if k not in keys]
+    return keys
 
 
 def owned_counts(located: list[Located]) -> list[int]:
@@ -209,29 +235,24 @@ def _number(pieces: list[Piece], key: str) -> list[int]:
     return [_dim(p, d)[("size", "src", "dst").index(kind)] for p in pieces]
 
 
-def _shifted(pieces: list[Piece]) -> bool:
-    """Contiguous blocks (whole tensors, row blocks of a fused param): a shift per piece."""
-    return all(p.seg.src_dense and _same_strides(p.seg) for p in pieces)
-
-
-def _owned(pieces: list[Piece], positions: torch.Tensor, column: _Columns) -> torch.Tensor | None:
+def _owned(pieces: list[Piece], kinds: Landing, positions: torch.Tensor, column: _Columns) -> torch.Tensor | None:
     """Which entries land (None: all of them)."""
-    if all(_whole(p) for p in pieces):
+    if kinds.whole:
         return None
-    if all(p.seg.src_dense for p in pieces):  # every id from src_offset to src_last: a range
+    if kinds.dense:  # every id from src_offset to src_last: a range
         return (positions >= column("src_offset")) & (positions <= column("src_last"))
     return _affine(pieces, positions, column, owned=True)[1]
 
 
-def _located(pieces: list[Piece], positions: torch.Tensor, values: torch.Tensor, column: _Columns, *,
-             compact: bool) -> Located:
+def _located(pieces: list[Piece], kinds: Landing, positions: torch.Tensor, values: torch.Tensor, column: _Columns,
+             *, compact: bool) -> Located:
     """Offsets of every entry; with `compact`, only the owned entries are kept (else all are owned)."""
     slots = column("slot")
     owned = None
-    if _shifted(pieces):
+    if kinds.shifted:
         offsets = positions + column("shift")
         if compact:
-            owned = _owned(pieces, positions, column)  # shifted pieces are dense: a range, or all
+            owned = _owned(pieces, kinds, positions, column)  # shifted pieces are dense: a range, or all
     else:
         offsets, owned = _affine(pieces, positions, column, owned=compact)
     if owned is not None:
