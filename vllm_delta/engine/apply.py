@@ -149,6 +149,7 @@ class DeltaApplier:
         self.coverage: dict[str, object] | None = None  # digests.check_coverage across ranks, at startup
         self._disjoint: dict[str, bool] = {}  # tensor -> its segments here hold disjoint ids
         self._landed: dict[str, tuple[int, tuple[tuple[Segment, Landing], ...], bool]] = {}  # see _landings
+        self._decode_devices: tuple[Ownership, dict[str, torch.device]] | None = None  # see _owned
 
     def _storages(self) -> dict[int, str]:
         """Live parameter storages -> their names: what the probe and the fallback replay record into."""
@@ -267,15 +268,17 @@ class DeltaApplier:
         owned = owned_by_tensor(self.placements)
         if not any(on_device(t.device) for t in self.targets.values()):
             return owned
-        devices = {}
-        for name, placement in self.placements.items():
-            if placement.fallback_reason or not self._batchable(name) or not all(
-                    s.src_dense for s in placement.segments):
-                continue
-            where = {self.targets[s.target].device for s in placement.segments}
-            if len(where) == 1 and on_device(device := next(iter(where))):
-                devices[name] = device
-        return Destinations(owned, devices)
+        if self._decode_devices is None or self._decode_devices[0] is not self.ownership:  # once per ownership
+            devices = {}
+            for name, placement in self.placements.items():
+                if placement.fallback_reason or not self._batchable(name) or not all(
+                        s.src_dense for s in placement.segments):
+                    continue
+                where = {self.targets[s.target].device for s in placement.segments}
+                if len(where) == 1 and on_device(device := next(iter(where))):
+                    devices[name] = device
+            self._decode_devices = (self.ownership, devices)
+        return Destinations(owned, self._decode_devices[1])
 
     @staticmethod
     def _check_lineage(manifest: Manifest, version: int, base_version: int | None, current_version: int):
