@@ -18,7 +18,6 @@ import asyncio
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import requests
@@ -26,6 +25,7 @@ import torch
 
 from harness.engine_pool import API_KEY
 from harness.fresh_load import save_checkpoint
+from harness.data_parallel import DPLBEngine
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
 from vllm_delta.engine import cli_args
 from vllm_delta.engine.http_errors import UpdateError
@@ -37,39 +37,6 @@ from vllm_delta.wire.additive import combine
 
 DC = device_check()
 O_PROJ = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: each TP rank holds half the columns
-
-
-class DPLBEngine:
-    """What `DeltaUpdater` reaches under `--data-parallel-size N`: vLLM's `DPLBAsyncMPClient` behind
-    `AsyncLLM`. `collective_rpc` and pause/resume reach every engine but answer with the first one's
-    replies (`call_utility_async`); `engine_core.call_utility_all_async` answers per engine, in rank order."""
-
-    def __init__(self, replicas: list[InProcessEngine]) -> None:
-        self.replicas = replicas
-        self.engine_core = SimpleNamespace(engine_ranks_managed=list(range(len(replicas))),
-                                           call_utility_all_async=self._call_all)
-
-    async def _call_all(self, utility: str, method: str, timeout: Any, args: tuple, kwargs: Any) -> list[list]:
-        assert utility == "collective_rpc" and timeout is None and kwargs is None
-        return [await r.collective_rpc(method, args=args) for r in self.replicas]
-
-    async def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        return (await self._call_all("collective_rpc", method, None, args, None))[0]
-
-    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
-        for r in self.replicas:
-            await r.pause_generation(mode, clear_cache)
-
-    async def resume_generation(self) -> None:
-        for r in self.replicas:
-            await r.resume_generation()
-
-    async def get_weight_version(self) -> None:
-        return None
-
-    @property
-    def paused(self) -> list[bool]:
-        return [r.paused for r in self.replicas]
 
 
 def dp_setup(tmp_path: Path, dp: int = 2):
@@ -166,16 +133,6 @@ def test_verify_checks_each_replica_on_its_own(tmp_path):
     report = asyncio.run(updater.verify())
     assert not report["ok"] and report["digest_mismatched"] == ["model.norm.weight"]
     assert [r["digest_mismatched"] for r in report["replicas"]] == [[], ["model.norm.weight"]]
-
-
-def test_a_moe_engine_under_data_parallel_is_refused_at_the_probe(tmp_path):
-    """vLLM keeps data_parallel_size > 1 inside an engine only for MoE models, whose experts it splits
-    across the DP engines: the startup probe refuses (the route then fails /health and every update)."""
-    base = DC.random_checkpoint(DC.SIZES["tiny"], "cpu", seed=0)
-    _, workers = tp_ranks(tmp_path / "model", base, tp=1)
-    workers[0].vllm_config.parallel_config = SimpleNamespace(data_parallel_index=1, data_parallel_size=2)
-    refused = workers[0].delta_probe()["refused"]
-    assert "(data parallel)" in refused and "experts across the DP engines" in refused["(data parallel)"]
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from vllm_delta.engine.cli_args import DEFAULT_MAX_BODY_BYTES, PLUGIN_NAME, api_
 from vllm_delta.engine.digests import check_partials, mismatches
 from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.metrics import delta_metrics
-from vllm_delta.engine.replicas import by_replica, rank_id, rpc_all
+from vllm_delta.engine.replicas import across_dp, by_replica, digest_groups, rank_id, rpc_all
 from vllm_delta.wire.errors import DeltaError
 from vllm_delta.engine.request import (CollectiveInitRequest, DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
                                        check_collective, read_body, resolve_version_dir, store_version_key)
@@ -85,6 +85,8 @@ class DeltaUpdater:
         self._auth = AuthenticationMiddleware(None, tokens) if tokens else None
         self._lock = asyncio.Lock()
         self._peers_set = False
+        # Tensors split across the DP engines of a MoE model, checked over all of them (set with the peers).
+        self._across_dp: frozenset[str] | None = None
         # Set when a commit failed part-way: generation stays paused and /health fails until an
         # anchor commits on every rank (or the server restarts).
         self.fault: dict[str, Any] | None = None
@@ -131,7 +133,7 @@ class DeltaUpdater:
                 prepare_s, tokens_after = perf_counter() - started, generation_tokens()
                 if failed := next((r for r in prepared if not r.get("ok")), None):
                     raise with_ranks(UpdateError.from_worker(failed), prepared)
-                check_replicas(prepared)  # each replica's partial digests of the changed positions, before any write
+                check_replicas(prepared, self._across_dp)  # partial digests of the changed positions, before any write
             except BaseException:  # a refusal, or the client went away mid-prepare
                 await self._abort(req["id"])  # ranks that did prepare drop their staged state
                 raise
@@ -161,14 +163,19 @@ class DeltaUpdater:
             await asyncio.sleep(PREPARE_POLL_S)
 
     async def _ensure_peers(self) -> None:
-        """Once: every rank learns which elements lower ranks of its replica hold, so digests count each
-        once per replica (each DP replica holds the whole model and is checked on its own)."""
+        """Once: every rank learns which elements lower ranks hold, so digests count each once: per
+        replica where each DP replica holds the whole model (dense), and over all DP engines for the
+        tensors a MoE model splits across them (engine/replicas.py)."""
         if not self._peers_set:
             replicas = by_replica(await self._rpc("delta_coverage"))
             if len(replicas) == 1:
                 checked = await self._rpc("delta_set_peers", next(iter(replicas.values())))
             else:
                 checked = await self._rpc("delta_set_peers", [], [[dp, group] for dp, group in replicas.items()])
+            try:
+                self._across_dp = across_dp(checked)
+            except ValueError as exc:
+                raise UpdateError(500, "CoverageError", str(exc)) from None
             for bad in (c for c in checked if not c["coverage"]["ok"]):
                 logger.error("delta updates: placement coverage check failed on %s; updates are refused: %s",
                              rank_id(bad), bad["coverage"]["errors"])
@@ -179,16 +186,23 @@ class DeltaUpdater:
         async with self._lock:
             await self._ensure_peers()
             replies = await self._rpc("delta_verify")
+        groups = digest_groups(replies, self._across_dp)  # each replica, then (MoE) the tensors split across DP
         replicas = []
-        for dp, group in by_replica(replies).items():  # each replica against the digests on its own
-            checked, bad = mismatches(group)
+        for (_, group), (dp, ranks) in zip(groups, by_replica(replies).items()):
+            checked, bad = mismatches(group)  # each replica against the digests of what it holds whole
             replicas.append({"dp": dp, "digests_checked": checked, "digest_mismatched": [b[0] for b in bad],
-                             "hash_mismatched": sorted({n for r in group for n in r["hash_mismatched"]})})
-        digest_bad = sorted({n for r in replicas for n in r["digest_mismatched"]})
+                             "hash_mismatched": sorted({n for r in ranks for n in r["hash_mismatched"]})})
+        extra: dict[str, Any] = {}
+        if self._across_dp:  # a MoE model's tensors split across the DP engines, against all of them
+            checked, bad = mismatches(groups[-1][1])
+            extra["across_dp"] = {"digests_checked": checked, "digest_mismatched": [b[0] for b in bad]}
+        checks = [*replicas, *extra.values()]
+        digest_bad = sorted({n for r in checks for n in r["digest_mismatched"]})
         hash_bad = sorted({n for r in replicas for n in r["hash_mismatched"]})
-        return {"ok": not digest_bad and not hash_bad, "digests_checked": sum(r["digests_checked"] for r in replicas),
+        return {"ok": not digest_bad and not hash_bad, "digests_checked": sum(r["digests_checked"] for r in checks),
                 "digest_mismatched": digest_bad, "hashes_checked": sum(r["hash_checked"] for r in replies),
-                "hash_mismatched": hash_bad, "verify_s": max(r["verify_s"] for r in replies), "replicas": replicas}
+                "hash_mismatched": hash_bad, "verify_s": max(r["verify_s"] for r in replies), "replicas": replicas,
+                **extra}
 
     async def _commit(self, req_id: str, pause: bool, anchor: bool = False) -> tuple[list[dict], float]:
         """Commit, pausing generation (and dropping the now stale prefix cache) around it.
@@ -310,14 +324,13 @@ def fault_of(failed: list[dict]) -> dict[str, Any]:
             "ranks": [r.get("rank") for r in failed], "rank_ids": [rank_id(r) for r in failed]}
 
 
-def check_replicas(prepared: list[dict]) -> None:
-    """Each DP replica's partial digests add up to the manifest on their own (a 4xx naming the replica if not)."""
-    replicas = by_replica(prepared)
-    for dp, group in replicas.items():
+def check_replicas(prepared: list[dict], split: frozenset[str] | None = None) -> None:
+    """Each DP replica's partial digests add up to the manifest on their own, and those of tensors `split`
+    across a MoE model's DP engines over all of them (a 4xx naming the replica, or the DP engines, if not)."""
+    for where, group in digest_groups(prepared, split):
         try:
             check_partials(group)
         except DeltaError as exc:
-            where = f"dp{dp}: " if len(replicas) > 1 else ""
             raise with_ranks(UpdateError(exc.http_status, type(exc).__name__, where + exc.reason, param=exc.param),
                              prepared) from None
 

@@ -25,6 +25,7 @@ from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage, refuse_uncovered
 from vllm_delta.engine.map_check import check_map, live_params
+from vllm_delta.engine.replicas import ACROSS_DP, moe_world
 from vllm_delta.native.model_path import local_checkpoint_dir
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta, parse_manifest
 from vllm_delta.wire.container import DeltaDir
@@ -36,12 +37,6 @@ logger = logging.getLogger(__name__)
 # for real at that live tensor (its destination is swapped for an empty one, so the scatter raises
 # after the tensors before it were written). Unset in production; the real-engine fault test sets it.
 FAULT_ENV = "VLLM_DELTA_TEST_FAULT_AT"
-# vLLM keeps data_parallel_size > 1 inside an engine only for MoE models (DPEngineCoreProc; dense DP
-# ranks run as DP=1, v1/engine/core.py run_engine_core), whose experts are split across the DP ranks.
-DP_MOE_REFUSAL = ("a MoE model under --data-parallel-size > 1: vLLM splits its experts across the DP engines "
-                  "(EP, or TP across DP), so no replica holds the whole model and its digests cannot be checked "
-                  "on their own; untested, as vLLM 0.32's CPU build cannot run it (all_gatherv raises "
-                  "NotImplementedError, distributed/device_communicators/base_device_communicator.py:296)")
 
 
 def prepare_threads() -> int:
@@ -146,6 +141,13 @@ class DeltaWorkerExtension:
     def _delta_dp(self) -> int:
         """vLLM's `data_parallel_index`: this engine's DP rank (unlike `data_parallel_rank`, kept for dense models)."""
         return int(getattr(getattr(self.vllm_config, "parallel_config", None), "data_parallel_index", 0))
+
+    def _delta_moe_dp(self) -> bool:
+        """Whether this engine is one of a MoE model's DP engines: vLLM keeps `data_parallel_size > 1`
+        inside an engine only then (`DPEngineCoreProc`; a dense DP rank is reconfigured to DP=1,
+        v1/engine/core.py `run_engine_core`), and `FusedMoEParallelConfig.make` splits the experts
+        across the DP x TP ranks."""
+        return int(getattr(getattr(self.vllm_config, "parallel_config", None), "data_parallel_size", 1)) > 1
 
     def delta_prepare_start(self, request: dict[str, Any]) -> dict[str, Any]:
         """Start `delta_prepare` on a background thread and return at once.
@@ -273,16 +275,30 @@ class DeltaWorkerExtension:
     def delta_set_peers(self, coverages: list[dict[str, Any]], replicas: list | None = None) -> dict[str, Any]:
         """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`).
 
-        `replicas`: under data parallelism, [dp index, its ranks' replies] pairs; this rank takes its
-        own replica's (each holds the whole model, so each is counted and checked on its own)."""
-        if replicas:
-            coverages = dict((int(dp), group) for dp, group in replicas)[self._delta_dp()]
-        ordered = [c["coverage"] for c in sorted(coverages, key=lambda c: c["rank"])]
+        `replicas`: under data parallelism, [dp index, its ranks' replies] pairs. A dense model's
+        replica holds the whole model, so this rank takes its own replica's and each is checked on
+        its own; the DP engines of a MoE model are one world (engine/replicas.py `moe_world`)."""
         applier = self._delta().applier
+        shapes = {n: shape for n, (shape, _) in applier.checkpoint.items()}
+        reply: dict[str, Any] = {"ok": True, "rank": self._delta_rank()}
+        groups = {int(dp): group for dp, group in replicas or ()}
+        if groups and self._delta_moe_dp():
+            try:
+                applier.ownership, applier.coverage, across = moe_world(groups, self._delta_dp(), self._delta_rank(),
+                                                                        shapes)
+            except ValueError as exc:  # refuses every update, as a hole would
+                applier.coverage = {"ok": False, "errors": {"(data parallel)": str(exc)}, "ignored": []}
+                across = []
+            if self._delta_rank() == 0:  # the same on every rank; each engine's rank 0 sends it
+                reply[ACROSS_DP] = across
+            return {**reply, "coverage": applier.coverage}
+        if groups:
+            coverages = groups[self._delta_dp()]
+        ordered = [c["coverage"] for c in sorted(coverages, key=lambda c: c["rank"])]
         applier.ownership = Ownership.from_coverages(ordered, self._delta_rank())
         # Holes or overlaps across ranks refuse every update (prepare) and show in the status.
-        applier.coverage = check_coverage(coverages, {n: shape for n, (shape, _) in applier.checkpoint.items()})
-        return {"ok": True, "rank": self._delta_rank(), "coverage": applier.coverage}
+        applier.coverage = check_coverage(coverages, shapes)
+        return {**reply, "coverage": applier.coverage}
 
     def delta_verify(self) -> dict[str, Any]:
         """Full verify of the current weights: counted-once whole-tensor digests, xxh3 where held whole."""
@@ -377,10 +393,7 @@ class DeltaWorkerExtension:
     def delta_probe(self) -> dict[str, Any]:
         """Learn the placement now (the route asks at startup, so the first update does not pay)."""
         self._delta().applier.placements
-        status = self._delta().applier.placement_status()
-        if getattr(getattr(self.vllm_config, "parallel_config", None), "data_parallel_size", 1) > 1:
-            status["refused"] = {**(status["refused"] or {}), "(data parallel)": DP_MOE_REFUSAL}
-        return status
+        return self._delta().applier.placement_status()
 
     def delta_abort(self, request_id: str) -> None:
         preparing = self._delta().preparing
