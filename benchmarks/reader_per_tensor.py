@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -86,20 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         row = {"tensors": len(info.manifest.params), "files": len(info.manifest.files),
                "changes": info.manifest.changed, "wire_bytes": info.manifest.total_bytes,
                "package": str(Path(vllm_delta.__file__).parents[1])}
-        reads, preps = [], []
+        samples: dict[str, list[float]] = {}
         for _ in range(args.repeat):  # interleaved: reader, then prepare, each round
-            t = time.perf_counter()
-            read_all(path, checkpoint, owned)
-            reads.append(time.perf_counter() - t)
-            if args.prepare:
-                t = time.perf_counter()
-                prepare()
-                preps.append(time.perf_counter() - t)
-        row["reader_s"] = reads
-        row["reader_us_per_tensor"] = round(1e6 * statistics.median(reads) / row["tensors"], 2)
-        if preps:
-            row["prepare_s"] = preps
-            row["prepare_us_per_tensor"] = round(1e6 * statistics.median(preps) / row["tensors"], 2)
+            for what, run in (("reader", lambda: read_all(path, checkpoint, owned)), ("prepare", prepare)):
+                if what == "prepare" and not args.prepare:
+                    continue
+                wall, cpu = time.perf_counter(), time.process_time()  # CPU time: what other load cannot inflate
+                run()
+                samples.setdefault(f"{what}_s", []).append(time.perf_counter() - wall)
+                samples.setdefault(f"{what}_cpu_s", []).append(time.process_time() - cpu)
+        for key, values in samples.items():
+            row[key] = values
+            row[key.replace("_s", "_us_per_tensor")] = round(1e6 * statistics.median(values) / row["tensors"], 2)
+        row["load"] = os.getloadavg()[0]
         print(json.dumps(row), flush=True)
     return 0
 
