@@ -8,7 +8,8 @@ GLM-4.7's counts (92 layers x 160 experts: 44,189 tensors): `open_delta` (manife
 prepare pauses it. The delta is written once with the real writer into `--deltas` and reused, so
 an A/B of two code versions reads the same bytes (run this file from each checkout).
 
-    taskset -c 0 python benchmarks/reader_per_tensor.py --deltas /tmp/rpt [--prepare] [--profile reader|prepare]
+    taskset -c 0 python benchmarks/reader_per_tensor.py --deltas /tmp/rpt [--density 1e-9] [--prepare]
+    ... --profile prepare --sort cumulative     # cProfile one prepare instead of timing
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--prepare", action="store_true", help="also time DeltaApplier.prepare (one decode thread)")
     ap.add_argument("--profile", choices=("reader", "prepare"), help="cProfile one run instead of timing")
+    ap.add_argument("--sort", default="tottime", help="the profile's order (pstats keys: tottime, cumulative)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from vllm.config import set_current_vllm_config
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             prof = cProfile.Profile()
             prof.runcall(prepare if args.profile == "prepare" else lambda: read_all(path, checkpoint, owned))
-            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+            pstats.Stats(prof).sort_stats(args.sort).print_stats(40)
             return 0
         info = open_delta(path)
         row = {"tensors": len(info.manifest.params), "files": len(info.manifest.files),
