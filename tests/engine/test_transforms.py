@@ -200,17 +200,21 @@ class ReorderW13Rows:
         layer.w13_weight.data = torch.stack([w[:, :n], w[:, n:]], dim=2).reshape(w.shape).contiguous()
 
 
-class FlipW13Columns:
-    """A permutation inside rows (each row reversed): no row map, one entry per element."""
+class SwapW13Columns:
+    """A permutation inside rows (columns 1 and 2 swapped; each row still starts at its first element):
+    no row map, one entry per element."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        layer.w13_weight.data = layer.w13_weight.data.flip(-1).contiguous()
+        w = layer.w13_weight.data
+        order = torch.arange(w.shape[-1])
+        order[1], order[2] = 2, 1
+        layer.w13_weight.data = w[..., order].contiguous()
 
 
 W13 = f"{MOE}.w13_weight"
 E, ROWS, COLS = DC.SyntheticLM(CFG).get_parameter(W13).shape
 PERMUTATIONS = {"swap_halves": (SwapW13Halves, COLS), "reorder_rows": (ReorderW13Rows, COLS),
-                "flip_columns": (FlipW13Columns, 1)}
+                "swap_columns": (SwapW13Columns, 1)}
 
 
 def moved(step) -> torch.Tensor:

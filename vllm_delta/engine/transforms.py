@@ -99,9 +99,11 @@ class OffsetMap:
 
 def _compact(perm: torch.Tensor, row_len: int) -> OffsetMap:
     """The inverse of `perm` (`perm[i]`: the loaded flat index the step put at i), per row where it moves whole rows."""
+    # Each row a run of consecutive loaded elements: `perm` being a bijection, the runs then tile
+    # the loaded tensor, so each starts at a row boundary.
     rows = perm.view(-1, row_len) if row_len > 1 else None
-    whole_rows = rows is not None and not bool((rows[:, 0] % row_len).any()) and torch.equal(
-        rows - rows[:, :1], torch.arange(row_len, device=perm.device).expand_as(rows))
+    whole_rows = rows is not None and torch.equal(rows - rows[:, :1],
+                                                  torch.arange(row_len, device=perm.device).expand_as(rows))
     if whole_rows:
         perm = torch.div(rows[:, 0], row_len, rounding_mode="floor")
     inverse = torch.empty_like(perm)
