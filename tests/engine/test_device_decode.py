@@ -8,21 +8,18 @@ stages (the host path is the reference: numpy decode, host locate).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from harness.dispatch_log import OpLog
 from harness.synthetic import device_check
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "wire"))
-from test_batched_apply import moe  # noqa: E402
+from test_batched_apply import moe
 from test_device_path import write_plain_delta
 from vllm_delta.engine import batched
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.owned import owned_by_tensor
-from vllm_delta.wire import batch_device, iter_delta, open_delta
+from vllm_delta.wire import CorruptDeltaError, batch_device, iter_delta, open_delta
+from wire.test_batch import _retouched, _Z
 
 DC = device_check()
 BF16 = torch.bfloat16
@@ -127,9 +124,6 @@ def test_forced_device_decode_on_cpu_stages_what_the_host_path_stages(tmp_path, 
 def test_device_decoded_bytes_that_disagree_with_the_index_fail_prepare(tmp_path, monkeypatch):
     """Gap bytes past the block index's last position, on the forced device decode: prepare raises
     (the batch's device check, read once at its end) and nothing is staged."""
-    from test_batch import _retouched, _Z
-    from vllm_delta.wire import CorruptDeltaError
-
     cfg = moe(1, 4)
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
     path = delta(tmp_path, cfg, 0.3)

@@ -8,12 +8,15 @@ the whole prepare shows where each op ran and what crossed.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from test_batch import DAMAGE, SMALL_BLOCKS, _retouched, _Z, bits, model, per_param_path, same, step, write  # noqa: F401
-from vllm_delta.wire import CorruptDeltaError, DeltaWriter, iter_delta, open_delta
+from test_batch import DAMAGE, SMALL_BLOCKS, _retouched, _Z, model, per_param_path, same, step, write
+from vllm_delta.wire import CorruptDeltaError, DeltaWriter, Limits, bytes_digest, iter_delta, open_delta
 from vllm_delta.wire import batch, flush
+from vllm_delta.wire.container import pack, unpack
 from vllm_delta.wire.batch_device import Destinations
 from vllm_delta.wire.blocks import Policy
 
@@ -70,7 +73,8 @@ def test_mixed_gap_widths_wide_escapes_and_a_param_past_a_batch(tmp_path, monkey
             dtype = torch.float32 if name == "f32" else torch.bfloat16
             view = torch.int32 if name == "f32" else torch.int16
             old = torch.randn(150, generator=g).to(dtype)
-            step_ = torch.randint(1, 4, (150,), generator=g, dtype=view) * (1 - 2 * torch.randint(0, 2, (150,), generator=g, dtype=view))
+            sign = 1 - 2 * torch.randint(0, 2, (150,), generator=g, dtype=view)
+            step_ = torch.randint(1, 4, (150,), generator=g, dtype=view) * sign
             step_[::7] = torch.tensor(1 << 20 if name == "f32" else 9000, dtype=view)  # 3- and 2-byte escapes
             new = (old.view(view) + step_).view(dtype)
             w.add(name, pos, new, old, shape=shape)
@@ -148,11 +152,6 @@ def test_gaps_that_wrap_past_2_to_the_64_back_onto_the_index_fail(tmp_path):
 
 def _reindexed(path, *, first: int, last: int) -> None:
     """Give the flush's one param one block from `first` to `last` (and re-sign the manifest)."""
-    import json
-
-    from vllm_delta.wire import Limits, bytes_digest
-    from vllm_delta.wire.container import pack, unpack
-
     name = open_delta(path).manifest.files[0].name
     tensors, meta = unpack((path / name).read_bytes(), file=name, limits=Limits())
     params = json.loads(meta["params"])

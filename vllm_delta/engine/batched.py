@@ -161,8 +161,10 @@ def owned_counts(located: list[Located]) -> list[int]:
 
 
 def compact(located: Located, count: int) -> Located:
-    """Only the owned entries (`count` of them, from `owned_counts`): no device sync."""
-    keep = torch.nonzero_static(located.keep, size=count).squeeze(1)
+    """Only the owned entries (`count` of them, from `owned_counts`): no device sync (nonzero_static runs on
+    CUDA since torch 2.6; an empty input crashed it there before 2.9, so none is passed)."""
+    keep = (torch.nonzero_static(located.keep, size=count).squeeze(1) if count else
+            torch.zeros(0, dtype=torch.int64, device=located.keep.device))
     slots = located.slots if isinstance(located.slots, int) else located.slots.index_select(0, keep)
     return Located(*(t.index_select(0, keep) for t in (located.positions, located.offsets, located.values)), slots)
 

@@ -19,6 +19,7 @@ each gap is checked in [0, numel) and each position too, so a step adds gap + 1 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -94,22 +95,22 @@ class _Upload:
             table = table.astype(np.int32)
         buf = torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.uint8))
         sent = table.nbytes + buf.nbytes
-        return (torch.from_numpy(table).to(device, non_blocking=True).to(torch.int64), buf.to(device, non_blocking=True),
-                sent)
+        table = torch.from_numpy(table).to(device, non_blocking=True).to(torch.int64)
+        return table, buf.to(device, non_blocking=True), sent
 
 
+@dataclass
 class _Planes:
-    """Where one multi-byte field's bytes lie: per byte j, its stream's span (None: no bytes) and each
-    row's base in it; `width` each row's byte count. `whole`: words stored whole (byte j of entry e
-    at base + local * width + j) rather than in planes (at base_j + local)."""
+    """Where one multi-byte field's bytes lie in the uploaded buffer and table: per byte j, its stream's
+    span (None: no bytes) and the table column of each row's base in it; `width` the column of each
+    row's byte count; `every[j]`: every row has byte j. `whole`: words stored whole (byte j of entry e
+    at base + local * width + j, one base column) rather than in planes (at base_j + local)."""
 
-    def __init__(self, up: _Upload, streams: list[np.ndarray | None], bases: list[np.ndarray], width: np.ndarray,
-                 whole: bool = False) -> None:
-        self.spans = [None if s is None or not s.size else up.stream(s) for s in streams]
-        self.bases = [up.column(b) for b in bases]
-        self.every = [bool((width > j).all()) for j in range(len(streams))]  # every row has byte j
-        self.width = up.column(width)
-        self.whole = whole
+    spans: list[tuple[int, int] | None]
+    bases: list[int]
+    width: int
+    every: list[bool]
+    whole: bool = False
 
 
 class _Device:
@@ -157,18 +158,19 @@ class _Device:
 
 def _whole_words(up: _Upload, raw: np.ndarray, width: np.ndarray, cnt: np.ndarray) -> _Planes:
     """A stream of whole little-endian words, `width[row]` bytes each."""
-    streams = [raw] + [raw] * (int(width.max()) - 1)  # byte j of every word lies in the same stream
-    planes = _Planes(up, streams[:1], [_exclusive(cnt * width)], width, whole=True)
-    planes.spans = planes.spans * len(streams)
-    planes.every = [bool((width > j).all()) for j in range(len(streams))]
-    return planes
+    top = int(width.max())
+    span = up.stream(raw) if raw.size else None
+    return _Planes([span] * top, [up.column(_exclusive(cnt * width))], up.column(width),
+                   [bool((width > j).all()) for j in range(top)], whole=True)
 
 
 def _byte_planes(batch, up: _Upload, prefix: str, width: np.ndarray, sizes: np.ndarray) -> _Planes:
     """Planes `prefix0..`: plane j holds the entries of the rows whose width > j (`sizes[row]` of them)."""
     top = int(width.max())
     streams = [batch.stream(f"{prefix}{j}", sizes) for j in range(top)]
-    return _Planes(up, streams, [_exclusive(np.where(width > j, sizes, 0)) for j in range(top)], width)
+    return _Planes([up.stream(s) if s.size else None for s in streams],
+                   [up.column(_exclusive(np.where(width > j, sizes, 0))) for j in range(top)], up.column(width),
+                   [bool((width > j).all()) for j in range(top)])
 
 
 def decode(batch, enc: Encoding, device: torch.device, dest: Destinations) -> tuple[torch.Tensor, torch.Tensor]:
