@@ -22,7 +22,7 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from vllm_delta.wire import (DeltaWriter, FormatError, ParamDelta, ShapeMismatchError, iter_delta, open_delta,
-                             read_delta)
+                             parse_manifest, read_delta)
 from vllm_delta.wire import flush as flush_mod
 from vllm_delta.wire.container import json_loads, pack, unpack
 
@@ -177,3 +177,17 @@ def test_json_loads_is_json_loads(text):
                 json_loads(given)
         else:
             assert repr(json_loads(given)) == want
+
+
+@pytest.mark.parametrize("params, says", [
+    ([("a", ["f"]), ("b", ["f"]), ("a", ["f"])], "param 'a' listed twice"),
+    ([("a", ["f"]), ("b", ["f", "g"])], r"param 'b' names unlisted files \['g'\]"),
+    ([("a", ["f"]), ("b", ["g"]), ("b", ["f"])], r"param 'b' names unlisted files \['g'\]"),  # the first at fault
+    ([("a", ["f"]), ("a", ["f"]), ("b", ["g"])], "param 'a' listed twice"),
+])
+def test_manifest_names_the_first_param_at_fault(params, says):
+    entries = [{"name": n, "dtype": "bfloat16", "shape": [4], "changed": 1, "files": fs} for n, fs in params]
+    text = json.dumps({"version": 1, "encoding": "ulp_zstd", "files": [{"name": "f", "bytes": 1, "hash": "h"}],
+                       "params": entries})
+    with pytest.raises(FormatError, match=says):
+        parse_manifest(text.encode())
