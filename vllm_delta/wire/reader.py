@@ -79,7 +79,7 @@ class DeltaDecoder:
                 want = expected.get(p.name)  # the common case in one comparison; else the precise check
                 if want is None or want[1] != d or type(want[0]) not in (tuple, torch.Size) or want[0] != shape:
                     check_expected(p.name, shape, d, expected, file=MANIFEST_NAME)
-            self._params[p.name] = ((shape, d), p.files, p.parts is not None, p.changed)
+            self._params[p.name] = ((shape, d), p.files, bool(p.parts), p.changed)
             for i, part in enumerate(p.parts or ()):
                 for f in part:
                     self._part[(p.name, f)] = i
