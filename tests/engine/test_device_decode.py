@@ -17,6 +17,7 @@ from test_batched_apply import moe
 from test_device_path import write_plain_delta
 from vllm_delta.engine import batched
 from vllm_delta.engine.apply import DeltaApplier
+from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.owned import owned_by_tensor
 from vllm_delta.wire import CorruptDeltaError, batch_device, iter_delta, open_delta
 from wire.test_batch import _retouched, _Z
@@ -134,3 +135,47 @@ def test_device_decoded_bytes_that_disagree_with_the_index_fail_prepare(tmp_path
     monkeypatch.setattr(batched, "FORCE_DEVICE_PATH", True)
     with pytest.raises(CorruptDeltaError):
         DeltaApplier(model, meta).prepare(path, version=1, base_version=0, current_version=0)
+
+
+def test_a_destination_fed_by_device_and_host_decoded_tensors(tmp_path, monkeypatch):
+    """Half the experts behind each fused param decoded on the (CPU) device, half on the host: two
+    chunks per destination, one per kind, and the commit gives the new checkpoint's weights exactly."""
+    cfg = moe(1, 8)
+    base = DC.random_checkpoint(cfg, "cpu", seed=0)
+    new = DC.step(base, 0.3, seed=1)
+    DC.write_delta(tmp_path / "d", base, new, version=1)
+    meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
+    model = DC.SyntheticLM(cfg)
+    model.load_weights(base.items())
+    applier = DeltaApplier(model, meta)
+    monkeypatch.setattr(batched, "FORCE_DEVICE_PATH", True)
+    real = applier._owned
+    half = lambda: batch_device.Destinations(real(), {n: d for n, d in real().devices.items()  # noqa: E731
+                                                       if ".experts." not in n or int(n.split(".")[5]) % 2})
+    monkeypatch.setattr(applier, "_owned", half)
+    staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
+    fused = [t for t in staged.writes if "experts" in t]
+    assert fused and all(len(staged.writes[t]) == 2 for t in fused)
+    assert check_partials([{"digests": staged.digests, "expected": staged.expected}]) > 0
+    applier.commit(staged)
+    want = DC.SyntheticLM(cfg)
+    want.load_weights(new.items())
+    got = dict(model.named_parameters())
+    assert all(torch.equal(p.view(torch.int16), got[n].view(torch.int16)) for n, p in want.named_parameters())
+
+
+def test_device_and_host_decoded_tensors_of_one_destination_never_meet_on_meta(tmp_path):
+    """The same split on meta: a device-decoded piece (on meta) beside a host-decoded one (on the CPU)
+    in one locate would fail there, as it would on a GPU."""
+    cfg = moe(1, 8)
+    path = delta(tmp_path, cfg, 0.3)
+    meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
+    placements = DeltaApplier(DC.SyntheticLM(cfg), meta).placements
+    applier = DeltaApplier(DC.SyntheticLM(cfg, device="meta"), meta, placements=placements)
+    real = applier._owned
+    applier._owned = lambda: batch_device.Destinations(real(), {n: d for n, d in real().devices.items()
+                                                                 if ".experts." not in n or int(n.split(".")[5]) % 2})
+    staged = applier.prepare(path, version=1, base_version=0, current_version=0)
+    fused = [t for t in staged.writes if "experts" in t]
+    assert fused and all(len(staged.writes[t]) == 2 for t in fused)
+    assert all(c.offsets.device.type == "meta" for cs in staged.writes.values() for c in cs)

@@ -56,10 +56,12 @@ def _slots(located) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("chosen", [[0], [1], [1, 1], [2], [3, 4], [5], [6], [0, 5], [1, 4, 2], [0, 1, 2, 3, 4, 5, 6]])
-def test_device_locate_equals_host_locate(chosen):
+@pytest.mark.parametrize("there", [False, True], ids=["host-decoded", "device-decoded"])
+def test_device_locate_equals_host_locate(chosen, there):
+    """Positions decoded on the host (filtered there, then uploaded) or on the device (masked there)."""
     pieces = _pieces(chosen, len(chosen))
     host = locate(pieces)
-    dev = locate(pieces, torch.device("cpu"))
+    dev = locate(pieces, torch.device("cpu"), there=there)
     for a, b in [(host.positions, dev.positions), (host.offsets, dev.offsets), (_slots(host), _slots(dev)),
                  (host.values.view(torch.int16), dev.values.view(torch.int16))]:
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -158,8 +160,8 @@ def test_device_locate_is_exact_past_2_to_the_33_and_narrows_positions_only_belo
                     Segment("w", (R - half, C), half * C, (C, 1), 7, (C, 1)), R * C)]
     upper = pos[pos >= half * C]
     want = torch.cat([pos, (pos % C) * R + pos // C, upper - half * C + 7])
-    for device in (None, torch.device("cpu")):
-        got = locate(pieces, device)
+    for device, there in ((None, None), (torch.device("cpu"), False), (torch.device("cpu"), True)):
+        got = locate(pieces, device, there=there)
         assert torch.equal(got.offsets, want) and torch.equal(got.positions, torch.cat([pos, pos, upper]))
     for numel, width in [((1 << 31) - 1, torch.int32), (1 << 31, torch.int64)]:
         small = [Piece(0, torch.tensor([0, numel - 1]), torch.zeros(2, dtype=BF16),

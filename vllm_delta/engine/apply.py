@@ -337,11 +337,11 @@ class DeltaApplier:
                 batch.append(delta)
                 held += delta.positions.nbytes + delta.values.nbytes
                 if held >= BATCH_BYTES:
-                    self._stage_batch(batch, entries, staging, sums)
+                    self._stage_batch(batch, entries, staging, sums, decoded)
                     batch, held = [], 0
             else:
                 self._stage_masked(delta, want, staging, sums)
-        self._stage_batch(batch, entries, staging, sums)
+        self._stage_batch(batch, entries, staging, sums, decoded)
         if isinstance(decoded, Destinations):
             decoded.verify()
         return StagedUpdate(
@@ -378,31 +378,34 @@ class DeltaApplier:
         return got
 
     def _stage_batch(self, batch: list[ParamDelta], entries: Mapping[str, object], staging: _Staging,
-                     sums: _Sums) -> None:
-        """Locate, digest and stage a batch of tensors: a constant number of ops per destination."""
+                     sums: _Sums, decoded: Mapping | None = None) -> None:
+        """Locate, digest and stage a batch of tensors: a constant number of ops per destination
+        (and per kind of decode: on the device, or on the host, as `decoded` says)."""
         if not batch:
             return
-        # Per destination (and dtype): its pieces, and the tensors behind them (a piece's slot indexes these).
-        groups: dict[tuple[str, torch.dtype, bool], tuple[list[Piece], list[str]]] = {}
+        there = decoded.decoded if isinstance(decoded, Destinations) else ()
+        # Per destination, dtype and decode: its pieces, and the tensors behind them (a piece's slot indexes these).
+        groups: dict[tuple[str, torch.dtype, bool, bool], tuple[list[Piece], list[str]]] = {}
         for delta in batch:
             numel, landings, same = self._landings(delta.name)
+            on_there = delta.name in there
             for seg, landing in landings:
                 if delta.needs_base and not same:
                     _check_resolvable(seg.target, self.targets[seg.target].dtype, delta)
-                pieces, names = groups.setdefault((seg.target, delta.dtype, delta.needs_base), ([], []))
+                pieces, names = groups.setdefault((seg.target, delta.dtype, delta.needs_base, on_there), ([], []))
                 if not names or names[-1] != delta.name:
                     names.append(delta.name)
                 pieces.append(Piece(len(names) - 1, delta.positions, delta.values, seg, numel, landing))
         located_all = []
-        for (target, dtype, needs_base), (pieces, names) in groups.items():
+        for (target, _, _, on_there), (pieces, _) in groups.items():
             device = flat_storage(self.targets[target]).device
             # Off the CPU, located on the device: only the owned positions and values cross (batched.py).
             # Positions decoded there already leave their ownership mask for one count read below.
-            located_all.append(locate(pieces, device if on_device(device) else None, defer=True))
+            located_all.append(locate(pieces, device if on_device(device) else None, defer=True, there=on_there))
         deferred = [i for i, loc in enumerate(located_all) if loc.keep is not None]
         for i, n in zip(deferred, owned_counts([located_all[i] for i in deferred])):
             located_all[i] = compact(located_all[i], n)
-        for ((target, dtype, needs_base), (pieces, names)), located in zip(groups.items(), located_all):
+        for ((target, dtype, needs_base, _), (pieces, names)), located in zip(groups.items(), located_all):
             pre = [entries[n].pre_digest is not None for n in names]
             post = [entries[n].post_digest is not None for n in names]
             canon = self.targets[target]

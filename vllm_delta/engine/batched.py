@@ -85,7 +85,8 @@ def on_device(device: torch.device) -> bool:
     return device.type != "cpu" or FORCE_DEVICE_PATH
 
 
-def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bool = False) -> Located:
+def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bool = False,
+           there: bool | None = None) -> Located:
     """Destination offsets of all pieces' entries, in a constant number of ops.
 
     A per-piece number that is the same for every piece (a destination fed by one tensor, or
@@ -97,8 +98,8 @@ def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bo
     (int32 where every tensor has < 2^31 elements), values and one table of the per-piece numbers
     that differ cross once, non-blocking, and the offsets are computed there.
 
-    With positions already on `device` (decoded there: wire/batch_device.py), the ownership mask is
-    made there too; its compaction needs the owned count on the host, so with `defer` it is left
+    With positions decoded on `device` (`there`; by default: they are on it; wire/batch_device.py),
+    the ownership mask is made there too; its compaction needs the owned count on the host, so with `defer` it is left
     in `keep` for `compact` (the caller reads every destination's count in one copy: `owned_counts`),
     and without, compacted here with a device `nonzero`.
     """
@@ -106,7 +107,9 @@ def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bo
     positions = _cat([p.positions for p in pieces]).to(torch.int64)
     values = _cat([p.values for p in pieces])
     kinds = _kinds(pieces)
-    if device is not None and positions.device == device and values.device == device:
+    if there is None:
+        there = device is not None and positions.device == device and values.device == device
+    if device is not None and there:
         column = _Columns(pieces, counts, device, upload=_needed(pieces, kinds, owned=True))
         located = _located(pieces, kinds, positions, values, column, compact=False)
         located.keep = _owned(pieces, kinds, positions, column)

@@ -454,6 +454,8 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
             yield from fallback(p, q)
             p = q
             continue
+        if True in parts:
+            owned.decoded.update(ix.names[i] for i in range(p, q) if on_dev[i])
         sizes_at = set(ix.itemsize[p:q].tolist())
         by_size = {there: batch_device.narrow(vals, sizes_at) if there else
                    {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in sizes_at}

@@ -41,6 +41,7 @@ class Destinations(dict):
         super().__init__(owned)
         self.devices = dict(devices)
         self.checks: list[tuple[str, torch.Tensor, int]] = []  # (first param, ok flag, bytes uploaded), per batch
+        self.decoded: set[str] = set()  # the params decoded on their device (the rest fell back to the host)
 
     @property
     def uploaded(self) -> int:
