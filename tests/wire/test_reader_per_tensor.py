@@ -21,8 +21,8 @@ import pytest
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from vllm_delta.wire import (DeltaWriter, FormatError, ParamDelta, ShapeMismatchError, iter_delta, open_delta,
-                             parse_manifest, read_delta)
+from vllm_delta.wire import (BoundsError, DeltaWriter, FormatError, ParamDelta, ShapeMismatchError, iter_delta,
+                             merge_manifests, open_delta, parse_manifest, read_delta, write_manifest)
 from vllm_delta.wire import flush as flush_mod
 from vllm_delta.wire.container import json_loads, pack, unpack
 
@@ -191,3 +191,33 @@ def test_manifest_names_the_first_param_at_fault(params, says):
                        "params": entries})
     with pytest.raises(FormatError, match=says):
         parse_manifest(text.encode())
+
+
+def _two_writers(path: Path, first: list[int], second: list[int]) -> Path:
+    """One param written by two ranks (each its own file, a part of its own), rank 0's file first."""
+    manifests = []
+    for rank, positions in enumerate((first, second)):
+        w = DeltaWriter(path, version=1, base_version=0, encoding="ulp_zstd", rank=rank)
+        old = torch.zeros(len(positions), dtype=torch.bfloat16)
+        w.add("w", torch.tensor(positions), old + 1, old, shape=(64,))
+        manifests.append(w.close(seal=False))
+    write_manifest(path, merge_manifests(manifests))
+    return path
+
+
+def test_each_writers_part_is_in_order_on_its_own(tmp_path):
+    """Rank 1 holds lower positions than rank 0: fine across parts, never within one."""
+    deltas = read_delta(_two_writers(tmp_path / "d", [40, 41, 50], [2, 3]), current_version=0)
+    assert [d.positions.tolist() for d in deltas] == [[40, 41, 50], [2, 3]]
+    with pytest.raises(BoundsError, match="parts from different writers overlap"):
+        read_delta(_two_writers(tmp_path / "o", [40, 41], [3, 41]), current_version=0)
+
+
+def test_a_param_in_a_file_the_manifest_does_not_list_it_for(tmp_path):
+    d = _two_writers(tmp_path / "d", [40], [2])
+    m = json.loads((d / "manifest.json").read_text())
+    m["params"][0].update(files=[m["files"][0]["name"]], parts=None, changed=1)
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="param is not listed for this file in the manifest") as e:
+        read_delta(d, current_version=0)
+    assert e.value.file == m["files"][1]["name"]
