@@ -25,7 +25,7 @@ import torch
 
 from harness.engine_pool import API_KEY
 from harness.fresh_load import save_checkpoint
-from harness.data_parallel import DPLBEngine
+from harness.data_parallel import DPLBEngine, replica_checksums, unprefixed
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
 from vllm_delta.engine import cli_args
 from vllm_delta.engine.http_errors import UpdateError
@@ -176,22 +176,6 @@ def test_data_parallel_with_one_api_server_is_accepted(serve_parser, tmp_path):
 
 
 # ---- a real `vllm serve --data-parallel-size 2` on CPU ------------------------------------------------------
-
-def replica_checksums(url: str) -> dict[int, dict[str, str]]:
-    """vLLM's own `/weight_checker` digests, per DP index (its keys are `dp<i>:pp0:pcp0:tp0:<name>`)."""
-    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"},
-                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
-    r.raise_for_status()
-    out: dict[int, dict[str, str]] = {}
-    for key, digest in r.json()["checksums"].items():
-        dp, _pp, _pcp, _tp, name = key.split(":", 4)
-        out.setdefault(int(dp.removeprefix("dp")), {})[name] = digest
-    return out
-
-
-def unprefixed(checksums: dict[str, str]) -> dict[str, str]:
-    return {key.split(":", 4)[4]: digest for key, digest in checksums.items()}
-
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_model_factory, tmp_path_factory, delta_root):

@@ -16,14 +16,20 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import requests
 import torch
+from safetensors.torch import load_file
 
-from harness.data_parallel import DPLBEngine, moe_dp_engines, moe_dp_rank
+from harness.data_parallel import DPLBEngine, moe_dp_engines, moe_dp_rank, replica_checksums
+from harness.engine_pool import API_KEY
 from harness.synthetic import device_check, loaded
+from harness.vllm_engine import VllmServer
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.replicas import moe_world
 from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater
+from vllm_delta.wire import load_manifest, write_manifest
+from vllm_delta.wire.additive import combine
 
 DC = device_check()
 CFG = DC.SIZES["tiny"]
@@ -225,3 +231,57 @@ def test_the_world_is_ordered_dp_then_rank():
     assert shares == {(0, 0): ("all", "all"), (0, 1): ("none", "all"), (1, 0): ("all", "some"),
                       (1, 1): ("none", "none")}
     assert counted[1, 0] == [False, False, True, True, False, False]
+
+
+# ---- a real `vllm serve --data-parallel-size 2 --enable-expert-parallel` of a tiny Qwen3-MoE on CPU -------
+
+def corrupted(path: Path, name: str) -> None:
+    """The delta at `path` with `name`'s post-apply digest off by one: its prepare must be refused."""
+    manifest = load_manifest(path)
+    params = [p.model_copy(update={"post_digest": combine(p.post_digest, "0" * 31 + "1")}) if p.name == name else p
+              for p in manifest.params]
+    write_manifest(path, manifest.model_copy(update={"params": params}))
+
+
+@pytest.mark.heavy
+def test_real_dp2_ep_engine_learns_the_world_and_checks_digests_across_it(tiny_model_factory, tmp_path):
+    """vLLM 0.32's CPU build starts this engine (each DP engine holds two of the four experts and all of
+    attention) and the probe learns both engines' placement from vLLM's own loaders; the world's
+    coverage holds. Its first MoE forward raises NotImplementedError (`all_gatherv`, through
+    naive_dp_ep.py), and the route's pause for a commit makes the DP engines run one (a dummy batch),
+    so a delta that changes weights cannot be committed here: what is checked is everything before the
+    pause. A delta whose expert digest is wrong is refused by the check across the DP engines, one whose
+    attention digest is wrong by the engine's own check, weights unchanged; an empty delta commits on both."""
+    model_dir = tiny_model_factory("qwen3_moe")
+    base = {n: t for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(str(f)).items()}
+    root = tmp_path / "root"
+    root.mkdir()
+    new = DC.step(base, 0.05, seed=5)
+    expert, attention = "model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    for name in (expert, attention):
+        DC.write_delta(root / name, base, new, version=1)
+        corrupted(root / name, name)
+    DC.write_delta(root / "empty", base, base, version=1)
+    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY,
+            "--data-parallel-size", "2", "--api-server-count", "1", "--enable-expert-parallel"]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with VllmServer(model_dir, tmp_path / "dp_ep.log", extra_args=args,
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
+        url = server.url
+        before = replica_checksums(url)
+        assert sorted(before) == [0, 1]
+        for name, where in ((expert, "across DP engines: post-apply"), (attention, "dp0: post-apply")):
+            r = requests.post(f"{url}/update_weights_delta", json={"path": name, "version": 1, "base_version": 0},
+                              headers=headers, timeout=300)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["type"] == "IntegrityError" and error["param"] == name, error
+            assert error["message"].startswith(where) and set(error["ranks"]) == {"dp0:rank0", "dp1:rank0"}, error
+        status = requests.get(f"{url}/delta_updates/status", headers=headers, timeout=60).json()
+        assert status["healthy"] and [r["placement"]["coverage"]["ok"] for r in status["ranks"]] == [True, True]
+        assert [(r["dp"], r["version"]) for r in status["replicas"]] == [(0, 0), (1, 0)]
+        assert replica_checksums(url) == before, "a refused delta changed an engine's weights"
+        r = requests.post(f"{url}/update_weights_delta", json={"path": "empty", "version": 1, "base_version": 0},
+                          headers=headers, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["replicas"] == [{"dp": 0, "version": 1, "ranks": 1}, {"dp": 1, "version": 1, "ranks": 1}]

@@ -18,6 +18,9 @@ from unittest import mock
 
 import torch
 
+import requests
+
+from harness.engine_pool import API_KEY
 from harness.synthetic import InProcessEngine, LocalWorker, device_check
 
 SHARD_IDS = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -141,3 +144,19 @@ class DPLBEngine:
     @property
     def paused(self) -> list[bool]:
         return [r.paused for r in self.replicas]
+
+
+def replica_checksums(url: str) -> dict[int, dict[str, str]]:
+    """vLLM's own `/weight_checker` digests, per DP index (its keys are `dp<i>:pp0:pcp0:tp0:<name>`)."""
+    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    r.raise_for_status()
+    out: dict[int, dict[str, str]] = {}
+    for key, digest in r.json()["checksums"].items():
+        dp, _pp, _pcp, _tp, name = key.split(":", 4)
+        out.setdefault(int(dp.removeprefix("dp")), {})[name] = digest
+    return out
+
+
+def unprefixed(checksums: dict[str, str]) -> dict[str, str]:
+    return {key.split(":", 4)[4]: digest for key, digest in checksums.items()}
