@@ -51,9 +51,9 @@ def checkpoint_bytes(ckpt: dict[str, torch.Tensor], module: str, suffix: str) ->
 
 
 def outputs(llm) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and logprobs, one prompt per call: vLLM's CPU fp8 kernel rounds by batch shape, and a
-    batch of three prompts is sometimes prefilled one request first (a stock engine with unchanged weights
-    moved prompt 0's first logprob -4.488667 -> -4.487775 between calls); alone, each is the same every call."""
+    """Greedy tokens and logprobs, one prompt per call: vLLM's CPU fp8 kernel rounds by batch shape, and the
+    three prompts are not batched alike in every call (a stock engine with unchanged weights moved prompt 0's
+    first logprob -4.488667 -> -4.487775 between calls, KV caches zeroed or not); alone, each is the same."""
     return [greedy(llm, [p])[0] for p in PROMPTS]
 
 
