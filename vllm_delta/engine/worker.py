@@ -366,7 +366,6 @@ class DeltaWorkerExtension:
         """Fetch the version from this engine's own store root (the route checked the relative path):
         the manifest, the lineage check, then the flushes, one fetched ahead while the last decodes,
         each sparse (only the blocks this rank decodes) where store_fetch says that is safe and pays."""
-        from vllm_delta.engine.owned import owned_by_tensor
         from vllm_delta.engine.request import store_version_key
         from vllm_delta.engine.store_fetch import StoreFlushes, configured_store, fetch_manifest
 
@@ -377,7 +376,7 @@ class DeltaWorkerExtension:
         prefix = store_version_key(request["store_path"], store.url)  # checked again, under this worker's root
         manifest, manifest_bytes = fetch_manifest(store, prefix)
         self._delta_check_lineage(manifest, request)  # before any flush is fetched
-        owned = owned_by_tensor(state.applier.placements)  # what prepare_flushes decodes
+        owned = state.applier.owned_ranges()  # what prepare_flushes decodes
         with StoreFlushes(store, prefix, manifest.files, manifest=manifest, owned=owned) as flushes:
             staged = state.applier.prepare_flushes(
                 manifest, flushes, version=int(request["version"]), base_version=request.get("base_version"),
