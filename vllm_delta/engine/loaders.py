@@ -71,8 +71,11 @@ def _model_format(recorded: torch.Tensor) -> dict[str, object]:
 
 
 def _lost_format(live: torch.Tensor, recorded: torch.Tensor, attrs: dict[str, object]) -> bool:
-    """Whether the live parameter lost its model-format class or any recorded attribute."""
-    return type(live) is not type(recorded) or any(k not in vars(live) for k in attrs)
+    """Whether the live parameter lost its model-format class or its loader (what `replace_parameter`
+    drops). A live parameter that kept both is loaded as it is, as before (a CPU repack that pads a
+    fused expert keeps its loader, and its layout is checked by `transforms`)."""
+    lost_loader = "weight_loader" in attrs and "weight_loader" not in vars(live)
+    return type(live) is not type(recorded) or lost_loader
 
 
 def _stand_in(module_name: str, name: str, module: nn.Module, live: torch.Tensor,
