@@ -180,6 +180,7 @@ def check_delta_chain(family: str, tp: int, ep: bool, delta_chain) -> None:
         assert_generated(base_out)
 
         llm.collective_rpc("delta_set_peers", args=(llm.collective_rpc("delta_coverage"),))
+        pointers = llm.collective_rpc("steps_pointers")
         for version, path in enumerate(deltas, start=1):
             prepared = apply_delta(llm, path, version)
             if tp > 1:  # each rank writes only what it owns
@@ -189,7 +190,11 @@ def check_delta_chain(family: str, tp: int, ep: bool, delta_chain) -> None:
         assert checked > 0 and bad == [], bad
         applied = llm.collective_rpc("compute_weight_checksums")
         applied_out = greedy(llm)
+        pointers_after = llm.collective_rpc("steps_pointers")
     assert all(s["version"] == len(deltas) and not s["dirty"] for s in status), status
+    for rank, (before, after) in enumerate(zip(pointers, pointers_after)):  # in place: permuted, re-run, derived
+        assert any(k.startswith(f"model.{DERIVED}.attr:") for k in before) and len(before) > 20, sorted(before)
+        assert before == after, (rank, sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)))
 
     for rank, (got, want) in enumerate(zip(applied, reference)):
         mismatched = sorted(name for name in want if got[name] != want[name])

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.post_load_steps import DERIVED, MOE_PERMUTED, PERMUTED
-from vllm_delta.engine import transforms
+from vllm_delta.engine import cpu_weights, transforms
 from vllm_delta.engine.worker import DeltaWorkerExtension
 
 
@@ -123,6 +123,14 @@ class StepsWorkerExtension(DeltaWorkerExtension):
     def steps_transforms(self) -> dict[str, str]:
         """{module: kind} as the engine classified its post-load steps at start."""
         return transforms.transformed(self.model_runner.get_model())
+
+    def steps_pointers(self) -> dict[str, int]:
+        """data_ptr() of every non-empty tensor each module holds (parameters, buffers, tensor attributes
+        such as the derived `W_T`): updates must write in place (captured CUDA graphs keep reading the
+        storage they were captured with)."""
+        model = self.model_runner.get_model()
+        return {f"{name}.{key}": t.data_ptr() for name, m in model.named_modules()
+                for key, (_, _, t) in cpu_weights.held_tensors(m).items() if t.numel()}
 
     def steps_maps(self) -> dict[str, dict]:
         """{param: its permutation map's form and size, and the params its module's step changed}."""
