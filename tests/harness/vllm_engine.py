@@ -197,24 +197,3 @@ def greedy(llm, prompts: list[str] | None = None) -> list[tuple[list[int], list[
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
     return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
             for c in (r.outputs[0] for r in llm.generate(prompts or PROMPTS, params, use_tqdm=False))]
-
-
-def _zero_kv_caches(worker) -> int:
-    """Runs in each worker (`collective_rpc`): zero every KV-cache tensor; returns how many."""
-    caches = worker.model_runner.kv_caches
-    flat = [t for c in caches for t in ((c,) if hasattr(c, "zero_") else c)]
-    for t in flat:
-        t.zero_()
-    return len(flat)
-
-
-def greedy_cold(llm, prompts: list[str] | None = None) -> list[tuple[list[int], list[float]]]:
-    """`greedy` on zeroed KV caches, so each call sees what a fresh engine's first call sees.
-
-    Why: vLLM 0.32's CPU MLA backends read KV-cache memory that the call did not write, so what earlier
-    calls left there moves logprobs (-4.5703 on a fresh engine, -4.5784 and -4.5781 on the next calls, with
-    the same weights) and can flip near-tie tokens; with the caches zeroed first, repeated calls and other
-    engines give the same tokens and logprobs bit for bit. Needs prefix caching off (a cached prefix
-    would be zeroed too)."""
-    assert all(llm.collective_rpc(_zero_kv_caches)), "no KV cache found to zero"
-    return greedy(llm, prompts)

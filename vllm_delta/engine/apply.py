@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm_delta.engine import cpu_weights, derived, loaders, transforms
+from vllm_delta.engine import cpu_weights, derived, loaders, reach, transforms
 from vllm_delta.engine.batched import Landing, Piece, compact, locate, on_device, owned_counts, slot_sums
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
@@ -151,6 +151,7 @@ class DeltaApplier:
         self._landed: dict[str, tuple[int, tuple[tuple[Segment, Landing], ...], bool]] = {}  # see _landings
         self._decode_devices: tuple[Ownership, dict[str, torch.device]] | None = None  # see _owned
         self._owned_ranges: dict[str, list[tuple[int, int]] | None] | None = None  # see owned_ranges
+        self._claimed: set[str] | None = None  # the parameters the probe's load_weights said it loaded
 
     def _storages(self) -> dict[int, str]:
         """Live parameter storages -> their names: what the probe and the fallback replay record into."""
@@ -162,7 +163,7 @@ class DeltaApplier:
         if self._placements is None:
             start = time.perf_counter()
             with PeakRss() as peak:
-                self._placements = build_placement(self._load_weights, self._storages(), self.checkpoint)
+                self._placements = build_placement(self._noting_loaded, self._storages(), self.checkpoint)
             self.probe_s, self.probe_peak_bytes = time.perf_counter() - start, peak.extra
             logger.info("delta updates: placement of %d tensors learned in %.2fs (+%s B peak)",
                         len(self._placements), self.probe_s, peak.extra)
@@ -170,9 +171,27 @@ class DeltaApplier:
             self._plan_fallbacks()
         return self._placements
 
+    def _noting_loaded(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
+        """The model's `load_weights`, noting the parameters it says it loaded (vLLM's models return
+        their names; None: the loader says nothing, and every destination is held to the reach check)."""
+        loaded = self._load_weights(weights)
+        if isinstance(loaded, (set, frozenset, list, tuple)):
+            self._claimed = (self._claimed or set()) | {n for n in loaded if isinstance(n, str)}
+        return loaded
+
+    def _reach_checked(self, storages: Mapping[int, str]) -> dict[str, torch.Tensor]:
+        """The destinations the reach check holds to their size: those the loader said it loaded (all,
+        if it said nothing; a parameter it never loads keeps vLLM's default, like fp8's `k_scale`),
+        except the parameters a post-load step derived."""
+        made = reach.derived_params((t.unit, t.key) for t in derived.discovery(self.model).tensors)
+        named = {n: storages.get(t.untyped_storage().data_ptr()) for n, (t, _) in cpu_weights.canonical_tensors(
+            self.model).items() if t.numel()}
+        wanted = set(storages.values()) if self._claimed is None else {named.get(n) for n in self._claimed} - {None}
+        return {n: self.targets[n] for n in wanted if n not in made}
+
     def _plan_fallbacks(self) -> None:
         """At startup: keep a shadow of every unmapped tensor whose loader replays exactly; refuse the rest."""
-        self.shadows, storages = {}, self._storages()
+        self.shadows, storages, replayed = {}, self._storages(), set()
         for name, placement in self._placements.items():
             if not placement.fallback_reason:
                 continue
@@ -181,7 +200,7 @@ class DeltaApplier:
                 continue
             shadow = self._read(name).to(placement.dtype).contiguous()
             try:
-                check_servable(self._load_weights, storages, name, shadow, self.targets)
+                replayed |= check_servable(self._load_weights, storages, name, shadow, self.targets)
             except UnservableLoader as exc:
                 self.refused[name] = f"{placement.fallback_reason}; its loader cannot be replayed exactly: {exc}"
                 continue
@@ -190,6 +209,8 @@ class DeltaApplier:
                 continue
             self.shadows[name] = shadow
             self.targets[shadow_target(name)] = shadow
+        if not self.refused:  # a refused tensor explains the destinations it leaves unreached
+            self.refused.update(reach.unreached(self._placements, self._reach_checked(storages), replayed))
         if self.refused:
             logger.error("delta updates: refused, loaders that cannot be served exactly: %s", self.refused)
 

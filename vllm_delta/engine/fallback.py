@@ -122,8 +122,9 @@ def differs(live: Mapping[str, torch.Tensor], writes: list[Write]) -> str | None
 
 
 def check_servable(load_weights: LoadWeights, storages: Mapping[int, str], name: str, shadow: torch.Tensor,
-                   live: Mapping[str, torch.Tensor]) -> None:
-    """Refuse (`UnservableLoader`) a loader whose replay does not reproduce the loaded weights exactly."""
+                   live: Mapping[str, torch.Tensor]) -> set[str]:
+    """Refuse (`UnservableLoader`) a loader whose replay does not reproduce the loaded weights exactly;
+    returns the targets the replay writes."""
     first = replay(load_weights, storages, name, shadow, live)
     again = replay(load_weights, storages, name, shadow, live)
     if not same_layout(first, again) or any(not torch.equal(bits(a.values), bits(b.values))
@@ -136,6 +137,7 @@ def check_servable(load_weights: LoadWeights, storages: Mapping[int, str], name:
     if (target := differs(live, first)) is not None:
         raise UnservableLoader(f"replaying the loader on the checkpoint does not give the loaded {target} "
                                "(a post-load step changed it, or the loader reads other state)")
+    return {w.target for w in first}
 
 
 def same_layout(a: list[Write], b: list[Write]) -> bool:
