@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 # Decoded tensors are located and staged together once they hold this many bytes (engine/batched.py).
 BATCH_BYTES = 64 << 20
+# How `stage` takes a tensor (DeltaApplier._routes): replayed through its loader, batched, or masked alone.
+_FALLBACK, _BATCH, _MASKED = 0, 1, 2
 
 
 class ApplyFault(Exception):
@@ -148,6 +150,7 @@ class DeltaApplier:
         self.refused: dict[str, str] = {}
         self.coverage: dict[str, object] | None = None  # digests.check_coverage across ranks, at startup
         self._disjoint: dict[str, bool] = {}  # tensor -> its segments here hold disjoint ids
+        self._routed: tuple[Ownership, dict[str, tuple[int, tuple | None]]] | None = None  # see _routes
         self._landed: dict[str, tuple[int, tuple[tuple[Segment, Landing], ...], bool]] = {}  # see _landings
         self._decode_devices: tuple[Ownership, dict[str, torch.device]] | None = None  # see _owned
         self._owned_ranges: dict[str, list[tuple[int, int]] | None] | None = None  # see owned_ranges
@@ -344,26 +347,27 @@ class DeltaApplier:
         anchor = self._is_anchor(manifest)
         batch: list[ParamDelta] = []
         held = 0
-        placements = self.placements
+        placements, routes = self.placements, self._routes()
         for delta in deltas:
+            name = delta.name
             total += delta.positions.numel() + delta.skipped
             blocks[0] += delta.blocks[0]
             blocks[1] += delta.blocks[1]
-            entry = entries[delta.name]
+            entry = entries[name]
             want = (entry.pre_digest is not None, entry.post_digest is not None)
-            if any(want):
-                sums.want(delta.name, want)
-            placement = placements[delta.name]
+            if want[0] or want[1]:
+                sums.want(name, want)
+            kind, landed = routes[name]
             # The pre_digest is summed on served values cast back (checked where a segment's dtype differs).
-            if want[0] and not placement.fallback_reason and not self._landings(delta.name)[2]:
-                for seg in placement.segments:
+            if want[0] and kind != _FALLBACK and not landed[2]:
+                for seg in placements[name].segments:
                     _check_resolvable(seg.target, self.targets[seg.target].dtype, delta, "its pre_digest", "checked")
-            if placement.fallback_reason:
-                fallback.append(delta.name)
+            if kind == _FALLBACK:
+                fallback.append(name)
                 acc = [None, None] if any(want) else None
                 self._stage_replayed(delta, staging, acc, want, anchor)
-                sums.add_tensor(delta.name, acc)
-            elif self._batchable(delta.name):
+                sums.add_tensor(name, acc)
+            elif kind == _BATCH:
                 batch.append(delta)
                 held += delta.positions.nbytes + delta.values.nbytes
                 if held >= BATCH_BYTES:
@@ -395,6 +399,18 @@ class DeltaApplier:
             known = self._disjoint[name] = all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
         return known and not self.ownership.lower.get(name)
 
+    def _routes(self) -> dict[str, tuple[int, tuple | None]]:
+        """Each tensor's way through `stage` (`_FALLBACK`, `_BATCH` or `_MASKED`) and its `_landings`
+        (None for a fallback): worked out once per ownership, since the placements are fixed after
+        startup and asking per tensor cost two method calls and four lookups a tensor every prepare."""
+        if self._routed is None or self._routed[0] is not self.ownership:
+            routes = {}
+            for name, placement in self.placements.items():
+                routes[name] = ((_FALLBACK, None) if placement.fallback_reason else
+                                (_BATCH if self._batchable(name) else _MASKED, self._landings(name)))
+            self._routed = (self.ownership, routes)
+        return self._routed[1]
+
     def _landings(self, name: str) -> tuple[int, tuple[tuple[Segment, Landing], ...], bool]:
         """Tensor `name`'s element count, its segments with what locate asks of each, and whether every
         segment's target is served in the checkpoint's dtype (so no `_check_resolvable`): made once."""
@@ -416,8 +432,9 @@ class DeltaApplier:
         there = decoded.decoded if isinstance(decoded, Destinations) else ()
         # Per destination, dtype and decode: its pieces, and the tensors behind them (a piece's slot indexes these).
         groups: dict[tuple[str, torch.dtype, bool, bool], tuple[list[Piece], list[str]]] = {}
+        routes = self._routes()
         for delta in batch:
-            numel, landings, same = self._landings(delta.name)
+            numel, landings, same = routes[delta.name][1]
             on_there = delta.name in there
             for seg, landing in landings:
                 if delta.needs_base and not same:

@@ -39,7 +39,7 @@ class Landing:
         return cls(dense and seg.src_offset == 0 and seg.numel == numel, dense, dense and _same_strides(seg))
 
 
-@dataclass
+@dataclass(slots=True)  # slotted: one is made per (tensor, segment) every sync
 class Piece:
     """The decoded entries of one checkpoint tensor (or a chunk of it) and one segment it lands through."""
 

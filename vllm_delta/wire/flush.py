@@ -474,9 +474,7 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *,
     names, shapes, dtypes, needs_base = index.names, index.shapes, [d.torch for d in index.dtypes], enc.needs_base
 
     def make(i: int, pos: torch.Tensor, values: torch.Tensor, skipped: int, bounds, nblocks) -> ParamDelta:
-        d = dtypes[i]
-        values = values if needs_base else values.view(d)  # steps stay signed integers
-        return ParamDelta(names[i], shapes[i], d, pos, values, needs_base, skipped, bounds, nblocks)
+        return ParamDelta(names[i], shapes[i], dtypes[i], pos, values, needs_base, skipped, bounds, nblocks)
 
     del pmeta
     plans: list = []

@@ -1,0 +1,65 @@
+"""The batched reader makes no torch op per checkpoint tensor: each param's positions and values are
+views from one split per batch, not a slice each.
+
+Why: a Python-level tensor slice costs ~2 us, and the reader made two per tensor (44k tensors on
+GLM-4.7: docs/results/scale.md, "Prepare per-tensor cost (session 7, after the reader and staging
+work)"). So the ops are COUNTED with a TorchDispatchMode (never timed): the same number for 40 and 120
+tensors, with every param's delta still its own changes in its own dtype.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.dispatch_log import OpLog
+from vllm_delta.wire import DeltaWriter, iter_delta, open_delta
+
+
+def _dtype(i: int) -> torch.dtype:
+    return torch.float32 if i % 7 == 0 else torch.bfloat16
+
+
+def _delta(path: Path, tensors: int, encoding: str) -> dict[str, tuple[torch.Tensor, ...]]:
+    """`tensors` small params of one shape and two dtypes, a few changes each (more in later ones), one flush."""
+    g = torch.Generator().manual_seed(tensors)
+    written = {}
+    with DeltaWriter(path, version=1, base_version=0, encoding=encoding) as w:
+        for i in range(tensors):
+            old = torch.randn(64, generator=g).to(_dtype(i))
+            positions = torch.arange(1 + i % 5, 64, 7)
+            new = old[positions].view(torch.int16 if _dtype(i) == torch.bfloat16 else torch.int32) + 1
+            w.add(f"layer.{i}.w", positions, new.view(_dtype(i)), old[positions], shape=(8, 8))
+            written[f"layer.{i}.w"] = (positions, old[positions], new.view(_dtype(i)))
+    return written
+
+
+def _read(path: Path, tensors: int, encoding: str) -> tuple[int, list]:
+    info = open_delta(path)
+    expected = {f"layer.{i}.w": ((8, 8), _dtype(i)) for i in range(tensors)}
+    with OpLog() as log:
+        deltas = list(iter_delta(info, expected=expected, current_version=0, owned={n: [(0, 63)] for n in expected},
+                                 lazy=True))
+    return [op.name for op in log.ops], deltas
+
+
+@pytest.mark.parametrize("encoding", ["ulp_zstd", "deltas_zstd"])
+def test_reader_torch_ops_do_not_grow_with_the_tensor_count(tmp_path, encoding):
+    small, large = 40, 120
+    ops = {}
+    for n in (small, large):
+        written = _delta(tmp_path / str(n), n, encoding)
+        ops[n], deltas = _read(tmp_path / str(n), n, encoding)
+        assert [d.name for d in deltas] == list(written)
+        for d in deltas:  # each its own changes, in its own dtype (steps: signed integers of its width)
+            positions, old, new = written[d.name]
+            assert torch.equal(d.positions, positions) and d.dtype == new.dtype
+            if d.needs_base:
+                assert d.values.dtype == (torch.int16 if new.dtype == torch.bfloat16 else torch.int32)
+            else:
+                assert d.values.dtype == new.dtype
+            assert torch.equal(d.resolve(old).view(torch.uint8), new.view(torch.uint8))
+    assert ops[small] == ops[large], (len(ops[small]), len(ops[large]))
+    assert "slice" not in ops[large] and "split_with_sizes" in ops[large]
