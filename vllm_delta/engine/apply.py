@@ -347,16 +347,17 @@ class DeltaApplier:
         anchor = self._is_anchor(manifest)
         batch: list[ParamDelta] = []
         held = 0
-        placements, routes = self.placements, self._routes()
+        placements, routes, wanted = self.placements, self._routes(), sums.names
         for delta in deltas:
             name = delta.name
             total += delta.positions.numel() + delta.skipped
-            blocks[0] += delta.blocks[0]
-            blocks[1] += delta.blocks[1]
+            decoded_blocks, indexed = delta.blocks
+            blocks[0] += decoded_blocks
+            blocks[1] += indexed
             entry = entries[name]
             want = (entry.pre_digest is not None, entry.post_digest is not None)
             if want[0] or want[1]:
-                sums.want(name, want)
+                wanted[name] = want  # the tensor's digests, in _Sums.names
             kind, landed = routes[name]
             # The pre_digest is summed on served values cast back (checked where a segment's dtype differs).
             if want[0] and kind != _FALLBACK and not landed[2]:
@@ -807,9 +808,6 @@ class _Sums:
     def __init__(self) -> None:
         self.names: dict[str, tuple[bool, bool]] = {}
         self.rows: list[tuple[list[str | None], int, torch.Tensor]] = []  # (name per row, lane, int64[n, 2])
-
-    def want(self, name: str, want: tuple[bool, bool]) -> None:
-        self.names[name] = want
 
     def add_rows(self, names: list[str], lane: int, wanted: list[bool], sums: torch.Tensor) -> None:
         self.rows.append(([n if w else None for n, w in zip(names, wanted)], lane, sums))

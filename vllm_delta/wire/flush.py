@@ -95,7 +95,7 @@ class ParamDelta:
     @property
     def total(self) -> int:
         """Entries of the chunk on the wire, decoded or skipped."""
-        return self.count + self.skipped
+        return self.positions.numel() + self.skipped  # not self.count: one call less a tensor in admit
 
     @property
     def first(self) -> int:
