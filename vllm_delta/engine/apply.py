@@ -435,15 +435,20 @@ class DeltaApplier:
         groups: dict[tuple[str, torch.dtype, bool, bool], tuple[list[Piece], list[str]]] = {}
         routes = self._routes()
         for delta in batch:
-            numel, landings, same = routes[delta.name][1]
-            on_there = delta.name in there
+            name, positions, values, needs_base = delta.name, delta.positions, delta.values, delta.needs_base
+            numel, landings, same = routes[name][1]
+            kind = (delta.dtype, needs_base, name in there)
             for seg, landing in landings:
-                if delta.needs_base and not same:
+                if needs_base and not same:
                     _check_resolvable(seg.target, self.targets[seg.target].dtype, delta)
-                pieces, names = groups.setdefault((seg.target, delta.dtype, delta.needs_base, on_there), ([], []))
-                if not names or names[-1] != delta.name:
-                    names.append(delta.name)
-                pieces.append(Piece(len(names) - 1, delta.positions, delta.values, seg, numel, landing))
+                key = (seg.target, *kind)
+                group = groups.get(key)
+                if group is None:  # not setdefault: its two new lists a piece would be garbage nearly always
+                    group = groups[key] = ([], [])
+                pieces, names = group
+                if not names or names[-1] != name:
+                    names.append(name)
+                pieces.append(Piece(len(names) - 1, positions, values, seg, numel, landing))
         located_all = []
         for (target, _, _, on_there), (pieces, _) in groups.items():
             device = flat_storage(self.targets[target]).device
