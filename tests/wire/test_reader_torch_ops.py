@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness.dispatch_log import OpLog
-from vllm_delta.wire import DeltaWriter, iter_delta, open_delta
+from vllm_delta.wire import DeltaWriter, FormatError, iter_delta, open_delta
 
 
 def _dtype(i: int) -> torch.dtype:
@@ -63,3 +63,34 @@ def test_reader_torch_ops_do_not_grow_with_the_tensor_count(tmp_path, encoding):
             assert torch.equal(d.resolve(old).view(torch.uint8), new.view(torch.uint8))
     assert ops[small] == ops[large], (len(ops[small]), len(ops[large]))
     assert "slice" not in ops[large] and "split_with_sizes" in ops[large]
+
+
+def test_index_parse_makes_no_python_call_per_tensor(tmp_path):
+    """wire/batch.py's index parse checks the rows as sets and lists (no generator resumed a row, no
+    `DType.itemsize` property a param): the only call a tensor left in batch.py is decode's generator."""
+    from test_reader_per_tensor import _counted, _delta as _small_delta
+
+    small, large = 40, 120
+    _, a = _counted(_small_delta(tmp_path / "a", small))
+    _, b = _counted(_small_delta(tmp_path / "b", large))
+    grew = {k: (b[k] - a[k]) / (large - small) for k in set(a) | set(b) if k[0] in ("batch.py", "dtypes.py")}
+    assert {k: g for k, g in grew.items() if g} == {("batch.py", "decode"): 1.0}
+
+
+@pytest.mark.parametrize("row", [lambda r: r + [0], lambda r: r[:3], lambda r: [*r[:3], 7], lambda r: 5],
+                         ids=["five", "three", "frames-not-a-list", "row-not-a-list"])
+def test_a_malformed_block_row_is_refused_as_the_per_param_path_refuses_it(tmp_path, row):
+    """The set checks of the rows' shape hand a malformed row to the per-param path (which names it),
+    never read past or around it."""
+    from test_reader_per_tensor import _delta as _small_delta, _with_params
+
+    path = _small_delta(tmp_path / "d", 12)
+
+    def edit(params):
+        params[5]["blocks"][0] = row(params[5]["blocks"][0])
+
+    _with_params(path, edit)
+    info = open_delta(path)
+    expected = {f"layer.{i}.w": ((8, 8), torch.float32 if i % 7 == 0 else torch.bfloat16) for i in range(12)}
+    with pytest.raises(FormatError, match="layer.5.w|block"):
+        list(iter_delta(info, expected=expected, current_version=0, owned={n: [(0, 63)] for n in expected}, lazy=True))

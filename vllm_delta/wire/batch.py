@@ -96,7 +96,7 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], pmeta: 
             d, shape, n = param_shape(p)
             if p.width not in GAP_WIDTHS:
                 raise Fallback
-            key = (p.width, d.itemsize, tuple(p.streams))
+            key = (p.width, d.torch.itemsize, tuple(p.streams))  # not the itemsize property: a call a param
             c = known.get(key)
             if c is None:
                 if list(p.streams) != _streams(enc, p.width, d.itemsize):
@@ -112,10 +112,14 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], pmeta: 
         raise Fallback from None
     nrows = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
     rows = list(chain.from_iterable(lists))
-    if not nrows.all() or not all(type(r) is list and len(r) == 4 and type(r[3]) is list for r in rows):
+    # Each row [first, last, count, [stored, decoded, ...]]: checked as sets, not a generator resumed a row.
+    if not nrows.all() or not set(map(type, rows)) <= {list} or set(map(len, rows)) != {4}:
+        raise Fallback
+    frames = [r[3] for r in rows]
+    if not set(map(type, frames)) <= {list}:
         raise Fallback
     heads = [x for r in rows for x in (r[0], r[1], r[2])]
-    lens = list(chain.from_iterable(r[3] for r in rows))
+    lens = list(chain.from_iterable(frames))
     if not set(map(type, heads)) <= {int} or not set(map(type, lens)) <= {int}:
         raise Fallback
     try:
@@ -125,7 +129,7 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], pmeta: 
         raise Fallback from None
     nstreams = np.fromiter(map(len, cols), dtype=np.int64, count=len(cols))
     per_row = np.repeat(nstreams, nrows)
-    if not np.array_equal(np.fromiter(map(len, (r[3] for r in rows)), dtype=np.int64, count=len(rows)),
+    if not np.array_equal(np.fromiter(map(len, frames), dtype=np.int64, count=len(rows)),
                           2 * per_row):
         raise Fallback
     nrow_total = len(rows)
@@ -145,7 +149,7 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], pmeta: 
           and bool((cnt[notlast] % 8 == 0).all()) and bool((flat >= 0).all()))
     if not ok:
         raise Fallback
-    col = np.array(list(chain.from_iterable(c * int(k) for c, k in zip(cols, nrows.tolist()))), dtype=np.int64)
+    col = np.array(list(chain.from_iterable([c * k for c, k in zip(cols, nrows.tolist())])), dtype=np.int64)
     rid = np.repeat(np.arange(nrow_total), per_row)
     shape2 = (nrow_total, len(columns))
     has = np.zeros(shape2, dtype=bool)
@@ -159,7 +163,7 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], pmeta: 
     if not (np.array_equal(stored.sum(axis=0), sizes) and np.array_equal(decoded.sum(axis=0), declared)):
         raise Fallback
     return FlushIndex([p.name for p in pmeta], dtypes, shapes, numel_a, count_a, np.array(widths, dtype=np.int64),
-                      np.array([d.itemsize for d in dtypes], dtype=np.int64), row0, first, last, cnt, has,
+                      np.array([d.torch.itemsize for d in dtypes], dtype=np.int64), row0, first, last, cnt, has,
                       stored, decoded, np.cumsum(stored, axis=0) - stored, columns, pid)
 
 
