@@ -303,11 +303,10 @@ class DeltaApplier:
             return owned
         if self._decode_devices is None or self._decode_devices[0] is not self.ownership:  # once per ownership
             devices = {}
-            for name, placement in self.placements.items():
-                if placement.fallback_reason or not self._batchable(name) or not all(
-                        s.src_dense for s in placement.segments):
+            for name, (kind, landed) in self._routes().items():
+                if kind != _BATCH or not all(landing.dense for _, landing in landed[1]):
                     continue
-                where = {self.targets[s.target].device for s in placement.segments}
+                where = {self.targets[seg.target].device for seg, _ in landed[1]}
                 if len(where) == 1 and on_device(device := next(iter(where))):
                     devices[name] = device
             self._decode_devices = (self.ownership, devices)
@@ -350,7 +349,7 @@ class DeltaApplier:
         placements, routes, wanted = self.placements, self._routes(), sums.names
         for delta in deltas:
             name = delta.name
-            total += delta.positions.numel() + delta.skipped
+            total += delta.total
             decoded_blocks, indexed = delta.blocks
             blocks[0] += decoded_blocks
             blocks[1] += indexed
