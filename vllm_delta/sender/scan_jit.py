@@ -2,10 +2,10 @@
 
 Per chunk of a run: the changed elements' indices, 16 lanes at a time with a compress store
 (branch-free: at 2% density a per-element or per-word branch mispredicts on every change; CPUs
-without AVX-512 skip zero 64-bit words instead),
-then per change its outputs and its four digest terms (`wire.additive`: key = HF position
-<< width | bits; lane 0 splitmix64's finaliser, lane 1 Murmur3's fmix64 of key ^ its constant),
-summed mod 2^64 per run and added to the run's member.
+without AVX-512 skip zero 64-bit words instead), then per change its outputs, then, in a second
+loop over those contiguous outputs (vectorised), its four digest terms (`wire.additive`: key =
+HF position << width | bits; lane 0 splitmix64's finaliser, lane 1 Murmur3's fmix64 of key ^ its
+constant), summed mod 2^64 per run and added to the run's member.
 """
 
 from __future__ import annotations
@@ -129,19 +129,17 @@ def find_words(x, y, at, d, words):
 
 
 @njit(nogil=True, cache=True)
-def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run):
+def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, pos, hfs, old, new, run):
     """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
+    The outputs are written into `pos`, `hfs`, `old`, `new` (and `run`, unless it has one element:
+    not wanted), grown by doubling if they fill; what is returned is the arrays written.
     Per chunk of a run: the changed elements' chunk-local indices (`find_compress`, or
-    `find_words` without AVX-512), then their outputs and digest terms."""
+    `find_words` without AVX-512), then their outputs, then their digest terms in a second loop
+    over those contiguous outputs (so LLVM vectorises the lanes' 64-bit multiplies: ~5x cheaper
+    than summing them in the gathering loop)."""
     width = np.uint64(8 * cur.itemsize)
-    # capacity: virtual memory; only the pages the changes are written to become resident
-    cap = max(CHUNK, (hi - lo) >> 5)
-    pos = np.empty(cap, np.int64)
-    hfs = np.empty(cap, np.int64)
-    old = np.empty(cap, cur.dtype)
-    new = np.empty(cap, cur.dtype)
-    run = np.empty(cap if want_run else 1, np.int64)
+    want_run = run.size > 1
     sums = np.zeros((nseg, 4), np.uint64)
     at = np.empty(CHUNK, np.int32)  # a chunk's changed indices
     d = np.zeros(CHUNK, cur.dtype)  # find_words' scratch
@@ -162,11 +160,11 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run):
             for t in range(found):
                 i = at[t]
                 p = c + i
-                h = p + shift
-                ov, nv = y[i], x[i]
-                pos[k + t], hfs[k + t], old[k + t], new[k + t] = p, h, ov, nv
-                key = np.uint64(h) << width
-                ko, kn = key | np.uint64(ov), key | np.uint64(nv)
+                pos[k + t], hfs[k + t], old[k + t], new[k + t] = p, p + shift, y[i], x[i]
+            hc, oc, nc = hfs[k:k + found], old[k:k + found], new[k:k + found]
+            for t in range(found):
+                key = np.uint64(hc[t]) << width
+                ko, kn = key | np.uint64(oc[t]), key | np.uint64(nc[t])
                 pre0 += _lane0(ko)
                 pre1 += _lane1(ko)
                 post0 += _lane0(kn)
