@@ -262,6 +262,7 @@ def test_real_dp2_ep_engine_learns_the_world_and_checks_digests_across_it(tiny_m
         DC.write_delta(root / name, base, new, version=1)
         corrupted(root / name, name)
     DC.write_delta(root / "empty", base, base, version=1)
+    DC.write_delta(root / "kills", base, new, version=2)
     args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY,
             "--data-parallel-size", "2", "--api-server-count", "1", "--enable-expert-parallel"]
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -285,3 +286,10 @@ def test_real_dp2_ep_engine_learns_the_world_and_checks_digests_across_it(tiny_m
                           headers=headers, timeout=300)
         assert r.status_code == 200, r.text
         assert r.json()["replicas"] == [{"dp": 0, "version": 1, "ranks": 1}, {"dp": 1, "version": 1, "ranks": 1}]
+        # A delta that changes weights: the pause runs the DP engines' dummy MoE batch, which raises on
+        # this build and kills both engine cores. The request must end (vLLM's EngineDeadError handler,
+        # then its shutdown), not hang until the server is killed, as it did before liveness.while_alive.
+        r = requests.post(f"{url}/update_weights_delta", json={"path": "kills", "version": 2, "base_version": 1},
+                          headers=headers, timeout=120)
+        assert r.status_code == 500, r.text
+        assert server.proc.wait(timeout=60) is not None, "the server did not shut down after its engines died"

@@ -23,10 +23,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import State
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_delta.engine.cli_args import DEFAULT_MAX_BODY_BYTES, PLUGIN_NAME, api_keys, check_args
 from vllm_delta.engine.digests import check_partials, mismatches
 from vllm_delta.engine.http_errors import UpdateError, bad_request
+from vllm_delta.engine.liveness import while_alive
 from vllm_delta.engine.metrics import delta_metrics
 from vllm_delta.engine.replicas import across_dp, by_replica, digest_groups, rank_id, rpc_all
 from vllm_delta.wire.errors import DeltaError
@@ -214,7 +216,9 @@ class DeltaUpdater:
             return await self._rpc("delta_commit", req_id), 0.0
         started = perf_counter()
         try:
-            await self.engine.pause_generation(mode="keep", clear_cache=True)
+            await while_alive(self.engine, self.engine.pause_generation(mode="keep", clear_cache=True))
+        except EngineDeadError:
+            raise
         except Exception as exc:
             await self._abort(req_id)
             raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
@@ -230,7 +234,7 @@ class DeltaUpdater:
                 if anchor:
                     self.fault = None
                 if self.fault is None:
-                    await self.engine.resume_generation()
+                    await while_alive(self.engine, self.engine.resume_generation())
         return committed, perf_counter() - started
 
     async def collective_init(self, body: CollectiveInitRequest) -> dict[str, Any]:
@@ -257,7 +261,7 @@ class DeltaUpdater:
                 self.refused = refused_of(await self._rpc("delta_probe"))
                 async with self._lock:  # then check, across ranks, that every element is held
                     await self._ensure_peers()
-            except UpdateError:
+            except (UpdateError, EngineDeadError):
                 pass  # _rpc logged it; the first update probes again and reports the error
 
         self._probe = asyncio.get_running_loop().create_task(probe())
@@ -269,7 +273,7 @@ class DeltaUpdater:
         dirty = [r["dirty_reason"] or "dirty" for r in ranks if r["dirty"]]
         agree = len(versions) == 1 and len(runs) == 1
         return {"version": ranks[0]["version"] if agree else None, "run_id": ranks[0]["run_id"] if agree else None,
-                "weight_version": await self.engine.get_weight_version(),
+                "weight_version": await while_alive(self.engine, self.engine.get_weight_version()),
                 "healthy": not dirty and agree and self.fault is None and not self.refused, "dirty_reasons": dirty,
                 "fault": self.fault, "placement": placement_summary([r["placement"] for r in ranks]),
                 "last": ranks[0]["last"], "ranks": ranks, "replicas": replica_status(ranks)}
@@ -278,14 +282,17 @@ class DeltaUpdater:
         """Drop a prepared update on every rank; a failure here must not hide the first error."""
         try:
             await self._rpc("delta_abort", req_id)
-        except UpdateError:
-            pass  # _rpc logged it
+        except (UpdateError, EngineDeadError):
+            pass  # _rpc logged it, or there is nothing left to abort
 
     async def _rpc(self, method: str, *args: Any) -> list[dict]:
         """Call every worker of every DP replica (replies tagged `dp`); an exception there (not a
         reported failure) is a 500."""
         try:
-            return await rpc_all(self.engine, method, args)
+            return await while_alive(self.engine, rpc_all(self.engine, method, args))
+        except EngineDeadError:
+            logger.error("delta updates: an engine core died during %s", method)
+            raise  # vLLM's handler answers it and shuts the server down
         except Exception as exc:
             logger.exception("delta updates: %s failed on a worker", method)
             raise UpdateError(500, "EngineError", f"{method} failed on a worker: {exc}") from exc
@@ -396,6 +403,9 @@ async def update_weights_delta(request: Request) -> JSONResponse:
         logger.warning("delta update refused (%d): %s", err.status, err.error["message"])
         delta_metrics().failed(err.status)
         return err.response()
+    except EngineDeadError:
+        delta_metrics().failed(500)
+        raise
     delta_metrics().observe(result)
     logger.info("delta update to version %d: %d changed, decode %.3fs, apply %.3fs, paused %.3fs",
                 result["version"], result["changed"], result["decode_s"], result["apply_s"], result["pause_s"])
