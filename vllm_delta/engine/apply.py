@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm_delta.engine import cpu_weights, derived, loaders, reach, transforms
+from vllm_delta.engine import apply_kernel, cpu_weights, derived, loaders, reach, transforms
 from vllm_delta.engine.batched import Landing, Piece, compact, locate, on_device, owned_counts, slot_sums
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
@@ -472,12 +472,12 @@ class DeltaApplier:
             if any(pre) or any(post):
                 positions = located.positions.to(device, non_blocking=True)
                 slots = located.slots if isinstance(located.slots, int) else located.slots.to(device, non_blocking=True)
-                old = gather(flat, offsets).to(dtype) if any(pre) or needs_base else None
+                pre_sums, post_sums = stage_sums(flat, offsets, positions, values, slots, len(names), dtype,
+                                                 needs_base, any(pre), any(post))
                 if any(pre):
-                    sums.add_rows(names, 0, pre, slot_sums(positions, old, slots, len(names)))
+                    sums.add_rows(names, 0, pre, pre_sums)
                 if any(post):
-                    new = ulp_resolve_tensor(old, values) if needs_base else values
-                    sums.add_rows(names, 1, post, slot_sums(positions, new, slots, len(names)))
+                    sums.add_rows(names, 1, post, post_sums)
             staging.add(target, Chunk(offsets, values if needs_base else values.to(canon.dtype),
                                       dtype if needs_base else None))
 
@@ -624,7 +624,7 @@ class DeltaApplier:
                 while chunks:
                     chunk = chunks.popleft()
                     new = scatter(flat, chunk)
-                    differ = (bits(gather(flat, chunk.offsets.to(flat.device))) != bits(new)).any()
+                    differ = read_back(flat, chunk.offsets, new)
                     missed = differ if missed is None else missed | differ
                 if missed is not None:
                     checks.append((target, missed))
@@ -716,7 +716,14 @@ class DeltaApplier:
 
 
 def scatter(flat: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    """Write one staged chunk into a flat storage view (resolving ULP steps there); returns the values written."""
+    """Write one staged chunk into a flat storage view (resolving ULP steps there); returns the values written.
+
+    CPU tensors go through the compiled loop (engine/apply_kernel.py) where it applies; this torch
+    path is its reference, and what every other device runs."""
+    if apply_kernel.takes(flat, chunk.offsets, chunk.values):
+        new = apply_kernel.scatter(flat, chunk.offsets, chunk.values, chunk.base)
+        if new is not None:
+            return new
     offsets = chunk.offsets.to(flat.device, non_blocking=True).to(torch.int64)
     values = chunk.values.to(flat.device, non_blocking=True)
     if chunk.base is not None:
@@ -727,6 +734,28 @@ def scatter(flat: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     else:
         flat.index_copy_(0, offsets, values)
     return values
+
+
+def stage_sums(flat: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+               slots: torch.Tensor | int, n: int, dtype: torch.dtype, needs_base: bool, pre: bool,
+               post: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """int64[n, 2] digest lane sums per slot of the old values at `offsets` (as `dtype`; if `pre`)
+    and of the new ones (`values`, or ULP steps resolved on the old; if `post`). CPU tensors go
+    through the compiled loop where it applies (engine/apply_kernel.py); this torch path is its reference."""
+    got = apply_kernel.stage_sums(flat, offsets, positions, values, slots, n, dtype, needs_base, pre, post)
+    if got is not None:
+        return got
+    old = gather(flat, offsets).to(dtype) if pre or needs_base else None
+    new = (ulp_resolve_tensor(old, values) if needs_base else values) if post else None
+    return (slot_sums(positions, old, slots, n) if pre else None, slot_sums(positions, new, slots, n) if post else None)
+
+
+def read_back(flat: torch.Tensor, offsets: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """A bool tensor on flat's device: some live flat[offsets] differ bitwise from `new`. A read of
+    the weights after the writes, never the values the scatter computed on its way."""
+    if apply_kernel.takes(flat, offsets, new):
+        return apply_kernel.missed(flat, offsets, new)
+    return (bits(gather(flat, offsets.to(flat.device))) != bits(new)).any()
 
 
 def synchronize(devices: Iterable[torch.device]) -> None:

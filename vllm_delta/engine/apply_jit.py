@@ -1,0 +1,165 @@
+"""The numba kernels of `apply_kernel` (imported on first use: numba costs ~0.3 s to import).
+
+All work on bit patterns as unsigned integers of the element's width (uint8/16/32, and uint64 for
+the plain write and read-back), with int32 or int64 storage offsets, and check every offset
+against the storage (numba does not: an unchecked offset would write outside the weights).
+Digest terms are `wire.additive`'s for widths up to 32 bits: key = HF position << width | bits,
+lane 0 splitmix64's finaliser, lane 1 Murmur3's fmix64 of key ^ its constant, summed mod 2^64.
+The ULP resolve is `wire.codecs.ulp_resolve`'s order-key bijection, branch-free on the sign bit
+(weights' signs are random: a branch would mispredict half the time).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_M1_0, _M2_0 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64 (lane 0)
+_K_1 = np.uint64(0xC2B2AE3D27D4EB4F)  # lane 1's key is XORed with this first (wire.additive._LANES)
+_M1_1, _M2_1 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)  # Murmur3 fmix64 (lane 1)
+# How `resolve` maps bits to order keys (wire.codecs.order_key): floats, uint8 (identity), signed ints.
+FLOAT, UNSIGNED, SIGNED = 0, 1, 2
+
+
+@njit(nogil=True, cache=True)
+def _lane0(x):
+    x ^= x >> np.uint64(30)
+    x *= _M1_0
+    x ^= x >> np.uint64(27)
+    x *= _M2_0
+    return x ^ (x >> np.uint64(31))
+
+
+@njit(nogil=True, cache=True)
+def _lane1(x):
+    x ^= _K_1
+    x ^= x >> np.uint64(33)
+    x *= _M1_1
+    x ^= x >> np.uint64(33)
+    x *= _M2_1
+    return x ^ (x >> np.uint64(33))
+
+
+@njit(nogil=True, cache=True)
+def _resolve(old, step, kind, top, full):
+    """The value `step` order-key units from `old` (uint64 holding `top + 1` bits), wrapping in that width."""
+    sb = np.uint64(1) << top
+    if kind == FLOAT:  # negatives flip every bit, positives set the sign bit
+        key = old ^ (((np.uint64(0) - (old >> top)) & full) | sb)
+    elif kind == SIGNED:
+        key = old ^ sb
+    else:
+        key = old
+    key = (key + step) & full
+    if kind == FLOAT:  # sign bit set: clear it; clear: flip every bit
+        return key ^ (((key >> top) - np.uint64(1)) & full | sb)
+    if kind == SIGNED:
+        return key ^ sb
+    return key
+
+
+@njit(nogil=True, cache=True)
+def _check(offsets, n):
+    """Every offset inside [0, n), in a pass of its own: the loops after it then carry no branch out
+    and vectorise (a raise inside them kept them scalar)."""
+    bad = False
+    for i in range(offsets.size):
+        o = offsets[i]
+        bad |= (o < 0) | (o >= n)
+    if bad:
+        raise IndexError("a staged offset lies outside the destination's storage")
+
+
+@njit(nogil=True, cache=True)
+def write(flat, offsets, values):
+    """flat[offsets[i]] = values[i]: the plain chunk's scatter."""
+    _check(offsets, flat.size)
+    for i in range(offsets.size):
+        flat[offsets[i]] = values[i]
+
+
+@njit(nogil=True, cache=True)
+def write_resolved(flat, offsets, steps, kind, out):
+    """out[i] = the value `steps[i]` ULPs from flat[offsets[i]], written there: the ULP chunk's scatter."""
+    _check(offsets, flat.size)
+    top = np.uint64(8 * flat.itemsize - 1)
+    full = (np.uint64(1) << top << np.uint64(1)) - np.uint64(1)
+    for i in range(offsets.size):
+        o = offsets[i]
+        v = _resolve(np.uint64(flat[o]), np.uint64(steps[i]), kind, top, full)
+        out[i] = v
+        flat[o] = v
+
+
+@njit(nogil=True, cache=True)
+def mismatches(flat, offsets, values):
+    """How many flat[offsets[i]] != values[i]: the read-back, a separate pass after the writes."""
+    _check(offsets, flat.size)
+    bad = 0
+    for i in range(offsets.size):
+        bad += flat[offsets[i]] != values[i]
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def _plain(positions, values, a, b, width):
+    """Lane sums of entries a..b of (positions, values): the post digest of overwrite values."""
+    s0, s1 = np.uint64(0), np.uint64(0)
+    for i in range(a, b):
+        k = (np.uint64(positions[i]) << width) | np.uint64(values[i])
+        s0 += _lane0(k)
+        s1 += _lane1(k)
+    return s0, s1
+
+
+@njit(nogil=True, cache=True)
+def _gathered(positions, flat, offsets, values, a, b, width, post, kind):
+    """Lane sums of entries a..b with the old values read at their offsets: pre (old) and post (new:
+    `values`, or with `kind` >= 0 the ULP steps `values` resolved on the old)."""
+    top = width - np.uint64(1)
+    full = (np.uint64(1) << top << np.uint64(1)) - np.uint64(1)
+    a0, a1, b0, b1 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    for i in range(a, b):
+        key = np.uint64(positions[i]) << width
+        old = np.uint64(flat[offsets[i]])
+        k = key | old
+        a0 += _lane0(k)
+        a1 += _lane1(k)
+        if post:
+            new = _resolve(old, np.uint64(values[i]), kind, top, full) if kind >= 0 else np.uint64(values[i])
+            k = key | new
+            b0 += _lane0(k)
+            b1 += _lane1(k)
+    return a0, a1, b0, b1
+
+
+@njit(nogil=True, cache=True)
+def slot_sums(positions, flat, offsets, values, slots, slot, n, pre, post, kind):
+    """uint64[2, n, 2]: per slot (slots[i], or `slot` for all when `slots` is empty) the lane sums of
+    the old values flat[offsets[i]] (pre) and of the new ones (post): `values[i]`, or when `kind`
+    >= 0 the value `values[i]` ULPs from the old one. `flat` and `offsets` are read only when needed.
+    Summed a run of equal slots at a time (a tensor's entries), so the inner loops vectorise."""
+    out = np.zeros((2, n, 2), np.uint64)
+    width = np.uint64(8 * values.itemsize)
+    gather = pre or kind >= 0
+    if gather:
+        _check(offsets, flat.size)
+    total = positions.size
+    a = 0
+    while a < total:
+        s = slots[a] if slots.size else slot
+        b = a + 1 if slots.size else total
+        while b < total and slots[b] == s:
+            b += 1
+        if gather:
+            a0, a1, b0, b1 = _gathered(positions, flat, offsets, values, a, b, width, post, kind)
+            if pre:
+                out[0, s, 0] += a0
+                out[0, s, 1] += a1
+        else:
+            b0, b1 = _plain(positions, values, a, b, width)
+        if post:
+            out[1, s, 0] += b0
+            out[1, s, 1] += b1
+        a = b
+    return out
