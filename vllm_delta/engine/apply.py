@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ from vllm_delta.wire.batch_device import Destinations
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 from vllm_delta.wire.container import paused_gc
 from vllm_delta.wire.codecs import ulp_resolve_tensor
+from vllm_delta.wire.flush import DeltaBatch
 from vllm_delta.wire.errors import DtypeMismatchError, IncompatibleDeltaError, IntegrityError
 
 logger = logging.getLogger(__name__)
@@ -151,6 +153,7 @@ class DeltaApplier:
         self.coverage: dict[str, object] | None = None  # digests.check_coverage across ranks, at startup
         self._disjoint: dict[str, bool] = {}  # tensor -> its segments here hold disjoint ids
         self._routed: tuple[Ownership, dict[str, tuple[int, tuple | None]]] | None = None  # see _routes
+        self._plans: tuple[dict | None, dict, dict] = (None, {}, {})  # routes, last sync's plans, this one's: _plan
         self._landed: dict[str, tuple[int, tuple[tuple[Segment, Landing], ...], bool]] = {}  # see _landings
         self._decode_devices: tuple[Ownership, dict[str, torch.device]] | None = None  # see _owned
         self._owned_ranges: dict[str, list[tuple[int, int]] | None] | None = None  # see owned_ranges
@@ -251,7 +254,8 @@ class DeltaApplier:
             owned = self._owned()
             deltas = iter_delta(info, expected=self.checkpoint, files=files,
                                 current_version=current_version if encoding.needs_base else None,
-                                owned=owned, lazy=True, threads=decode_threads or torch.get_num_threads())
+                                owned=owned, lazy=True, threads=decode_threads or torch.get_num_threads(),
+                                batches=True)
             return self.stage(info.manifest, deltas, version=version, replay=version == current_version,
                               start=start, chunk_bytes=chunk_bytes, decoded=owned)
 
@@ -275,7 +279,7 @@ class DeltaApplier:
                     raise IncompleteDeltaError(f"flush {n} is {name!r}, the manifest lists "
                                                f"{names[n] if n < len(names) else 'no more'}", file=name)
                 n += 1
-                yield from decoder.feed_iter(name, data, owned=owned)
+                yield from decoder.feed_iter(name, data, owned=owned, batches=True)
                 del data
             if n != len(names):
                 raise IncompleteDeltaError(f"received {n} flushes, the manifest lists {len(names)}")
@@ -325,7 +329,7 @@ class DeltaApplier:
                                + (" (a base-relative delta applies exactly once)" if replay else ""))
         return encoding
 
-    def stage(self, manifest: Manifest, deltas: Iterable[ParamDelta], *, version: int, replay: bool,
+    def stage(self, manifest: Manifest, deltas: Iterable[ParamDelta | DeltaBatch], *, version: int, replay: bool,
               start: float, chunk_bytes: int = DEFAULT_CHUNK_BYTES, decoded: Mapping | None = None) -> StagedUpdate:
         """Locate decoded (validated) changes and sum their digests: one path, whatever carried the bytes.
 
@@ -335,7 +339,8 @@ class DeltaApplier:
         Decoded tensors are gathered into batches of about `BATCH_BYTES`; each batch is located,
         digested and staged with a constant number of ops per destination (engine/batched.py).
         Tensors whose elements this rank may count twice (held twice here, or also by a lower
-        rank) keep their own counted-once masks, a tensor at a time.
+        rank) keep their own counted-once masks, a tensor at a time. A `DeltaBatch` (wire/flush.py) is
+        taken whole where all of its tensors are batched (`_take_whole`), else a tensor at a time.
         """
         entries = {p.name: p for p in manifest.params}
         staging = _Staging(chunk_bytes)
@@ -344,37 +349,32 @@ class DeltaApplier:
         total = 0
         blocks = [0, 0]
         anchor = self._is_anchor(manifest)
-        batch: list[ParamDelta] = []
+        batch: list[ParamDelta | DeltaBatch] = []
         held = 0
         placements, routes, wanted = self.placements, self._routes(), sums.names
-        for delta in deltas:
-            name = delta.name
-            total += delta.total
-            decoded_blocks, indexed = delta.blocks
-            blocks[0] += decoded_blocks
-            blocks[1] += indexed
-            entry = entries[name]
-            want = (entry.pre_digest is not None, entry.post_digest is not None)
-            if want[0] or want[1]:
-                wanted[name] = want  # the tensor's digests, in _Sums.names
-            kind, landed = routes[name]
-            # The pre_digest is summed on served values cast back (checked where a segment's dtype differs).
-            if want[0] and kind != _FALLBACK and not landed[2]:
-                for seg in placements[name].segments:
-                    _check_resolvable(seg.target, self.targets[seg.target].dtype, delta, "its pre_digest", "checked")
-            if kind == _FALLBACK:
-                fallback.append(name)
-                acc = [None, None] if any(want) else None
-                self._stage_replayed(delta, staging, acc, want, anchor)
-                sums.add_tensor(name, acc)
-            elif kind == _BATCH:
-                batch.append(delta)
-                held += delta.positions.nbytes + delta.values.nbytes
-                if held >= BATCH_BYTES:
-                    self._stage_batch(batch, entries, staging, sums, decoded)
-                    batch, held = [], 0
-            else:
-                self._stage_masked(delta, want, staging, sums)
+        there = decoded.decoded if isinstance(decoded, Destinations) else ()
+        if self._plans[0] is routes:  # plans this sync does not use again are dropped after it
+            self._plans = (routes, self._plans[2], {})
+        for item in deltas:
+            if type(item) is DeltaBatch:
+                if self._take_whole(item, entries, routes, there, wanted):
+                    total += item.total
+                    blocks[0] += item.blocks[0]
+                    blocks[1] += item.blocks[1]
+                    batch.append(item)
+                    held += item.nbytes
+                    if held >= BATCH_BYTES:
+                        self._stage_batch(batch, entries, staging, sums, decoded)
+                        batch, held = [], 0
+                    continue
+                for delta in item.deltas():
+                    batch, held = self._stage_one(delta, entries, staging, sums, decoded, fallback, blocks,
+                                                  anchor, batch, held)
+                    total += delta.total
+                continue
+            batch, held = self._stage_one(item, entries, staging, sums, decoded, fallback, blocks, anchor,
+                                          batch, held)
+            total += item.total
         self._stage_batch(batch, entries, staging, sums, decoded)
         if isinstance(decoded, Destinations):
             decoded.verify()
@@ -389,6 +389,59 @@ class DeltaApplier:
             blocks=(blocks[0], blocks[1]),
             anchor=anchor,
         )
+
+    def _take_whole(self, item: DeltaBatch, entries: Mapping[str, object], routes: Mapping[str, tuple],
+                    there, wanted: dict[str, tuple[bool, bool]]) -> bool:
+        """Note a decoded batch's wanted digests and take it whole for `_stage_batch`, when every tensor
+        of it is batched and decoded on the host (with `stage`'s checks of each tensor's pre_digest);
+        False (nothing noted): `stage` takes it a tensor at a time."""
+        names = item.names
+        got = list(map(routes.get, names))
+        if any(r is None or r[0] != _BATCH for r in got) or (there and not there.isdisjoint(names)):
+            return False
+        listed = list(map(entries.__getitem__, names))
+        pre = [e.pre_digest is not None for e in listed]
+        # A pre_digest is summed on served values cast back: checked where a segment's dtype differs.
+        for i in [i for i, (a, r) in enumerate(zip(pre, got)) if a and not r[1][2]]:
+            for seg in self.placements[names[i]].segments:
+                _check_resolvable(seg.target, self.targets[seg.target].dtype, _Named(names[i], item.dtypes[i]),
+                                  "its pre_digest", "checked")
+        wanted.update([(n, (a, e.post_digest is not None)) for n, a, e in zip(names, pre, listed)
+                       if a or e.post_digest is not None])
+        return True
+
+    def _stage_one(self, delta: ParamDelta, entries, staging: _Staging, sums: _Sums, decoded, fallback: list[str],
+                   blocks: list[int], anchor: bool, batch: list, held: int) -> tuple[list, int]:
+        """`stage` of one decoded tensor: replayed, masked, or held in `batch` (staged once it holds
+        `BATCH_BYTES`); the batch and its bytes after it."""
+        placements, routes, wanted = self.placements, self._routes(), sums.names
+        name = delta.name
+        decoded_blocks, indexed = delta.blocks
+        blocks[0] += decoded_blocks
+        blocks[1] += indexed
+        entry = entries[name]
+        want = (entry.pre_digest is not None, entry.post_digest is not None)
+        if want[0] or want[1]:
+            wanted[name] = want  # the tensor's digests, in _Sums.names
+        kind, landed = routes[name]
+        # The pre_digest is summed on served values cast back (checked where a segment's dtype differs).
+        if want[0] and kind != _FALLBACK and not landed[2]:
+            for seg in placements[name].segments:
+                _check_resolvable(seg.target, self.targets[seg.target].dtype, delta, "its pre_digest", "checked")
+        if kind == _FALLBACK:
+            fallback.append(name)
+            acc = [None, None] if any(want) else None
+            self._stage_replayed(delta, staging, acc, want, anchor)
+            sums.add_tensor(name, acc)
+        elif kind == _BATCH:
+            batch.append(delta)
+            held += delta.positions.nbytes + delta.values.nbytes
+            if held >= BATCH_BYTES:
+                self._stage_batch(batch, entries, staging, sums, decoded)
+                batch, held = [], 0
+        else:
+            self._stage_masked(delta, want, staging, sums)
+        return batch, held
 
     def _batchable(self, name: str) -> bool:
         """Every element of `name` this rank holds is held once here and by no lower rank, so its
@@ -423,7 +476,22 @@ class DeltaApplier:
                                         same)
         return got
 
-    def _stage_batch(self, batch: list[ParamDelta], entries: Mapping[str, object], staging: _Staging,
+    def _plan(self, item: DeltaBatch) -> _Plan:
+        """How a decoded batch's tensors group by destination (`_Plan`): worked out once for a run of
+        tensors and kept for the next sync (the same flush layout brings the same runs), so a sync
+        pays a `Piece` a (tensor, segment), not its grouping."""
+        routes = self._routes()
+        if self._plans[0] is not routes:  # a new ownership re-routes: its plans go too
+            self._plans = (routes, {}, {})
+        _, last, now = self._plans
+        key = (tuple(item.names), item.needs_base)
+        plan = now.get(key) or last.pop(key, None)
+        if plan is None or plan.dtypes != item.dtypes:
+            plan = _Plan.of(item, routes, self.targets)
+        now[key] = plan
+        return plan
+
+    def _stage_batch(self, batch: list[ParamDelta | DeltaBatch], entries: Mapping[str, object], staging: _Staging,
                      sums: _Sums, decoded: Mapping | None = None) -> None:
         """Locate, digest and stage a batch of tensors: a constant number of ops per destination
         (and per kind of decode: on the device, or on the host, as `decoded` says)."""
@@ -432,8 +500,13 @@ class DeltaApplier:
         there = decoded.decoded if isinstance(decoded, Destinations) else ()
         # Per destination, dtype and decode: its pieces, and the tensors behind them (a piece's slot indexes these).
         groups: dict[tuple[str, torch.dtype, bool, bool], tuple[list[Piece], list[str]]] = {}
+        # A group a decoded batch feeds: its entries as runs (positions, values, entries a piece), in piece order.
+        runs: dict[tuple[str, torch.dtype, bool, bool], list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = {}
         routes = self._routes()
         for delta in batch:
+            if type(delta) is DeltaBatch:  # grouped as its plan says (on the host: `stage` takes no other whole)
+                self._plan(delta).add(delta, groups, runs)
+                continue
             name, positions, values, needs_base = delta.name, delta.positions, delta.values, delta.needs_base
             numel, landings, same = routes[name][1]
             kind = (delta.dtype, needs_base, name in there)
@@ -448,12 +521,19 @@ class DeltaApplier:
                 if not names or names[-1] != name:
                     names.append(name)
                 pieces.append(Piece(len(names) - 1, positions, values, seg, numel, landing))
+                if key in runs:
+                    runs[key].append((positions, values, [positions.numel()]))
         located_all = []
-        for (target, _, _, on_there), (pieces, _) in groups.items():
+        for key, (pieces, _) in groups.items():
+            target, on_there = key[0], key[3]
             device = flat_storage(self.targets[target]).device
+            got = runs.get(key)
+            joined = None if got is None else (_cat([r[0] for r in got]), _cat([r[1] for r in got]),
+                                               [n for r in got for n in r[2]])
             # Off the CPU, located on the device: only the owned positions and values cross (batched.py).
             # Positions decoded there already leave their ownership mask for one count read below.
-            located_all.append(locate(pieces, device if on_device(device) else None, defer=True, there=on_there))
+            located_all.append(locate(pieces, device if on_device(device) else None, defer=True, there=on_there,
+                                      entries=joined))
         deferred = [i for i, loc in enumerate(located_all) if loc.keep is not None]
         for i, n in zip(deferred, owned_counts([located_all[i] for i in deferred])):
             located_all[i] = compact(located_all[i], n)
@@ -777,6 +857,88 @@ def _read_back(checks: list[tuple[str, torch.Tensor]]) -> list[str]:
             if bad:
                 wrong.append(target)
     return wrong
+
+
+class _Named(NamedTuple):
+    """What `_check_resolvable` reads of a delta."""
+
+    name: str
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A decoded batch's tensors grouped as `_stage_batch` groups them, worked out once for a run of
+    tensors: per destination key, the tensors behind it in slot order and its `Piece`s (no tensors of
+    their own), and for all pieces in group order the param each takes its entries from; and the
+    `_check_resolvable` calls its base-relative steps need."""
+
+    dtypes: list[torch.dtype]
+    keys: list[tuple[str, torch.dtype, bool, bool]]
+    tensors: list[list[str]]
+    pieces: list[list[Piece]]
+    types: list[object]  # each group's key into the batch's `values`
+    order: np.ndarray  # int64 [pieces]: each piece's param in the batch
+    bounds: list[int]  # group g's pieces are order[bounds[g]:bounds[g + 1]]
+    checks: list[tuple[str, torch.dtype, str, torch.dtype]]
+
+    @classmethod
+    def of(cls, item: DeltaBatch, routes: Mapping[str, tuple], targets: Mapping[str, torch.Tensor]) -> _Plan:
+        groups: dict[tuple, tuple[list[str], list[Piece], list[int], object]] = {}
+        checks = []
+        needs_base = item.needs_base
+        for i, (name, dtype, vtype) in enumerate(zip(item.names, item.dtypes, item.types)):
+            numel, landings, same = routes[name][1]
+            for seg, landing in landings:
+                if needs_base and not same:
+                    checks.append((seg.target, targets[seg.target].dtype, name, dtype))
+                key = (seg.target, dtype, needs_base, False)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = ([], [], [], vtype)
+                tensors, pieces, params, _ = group
+                if not tensors or tensors[-1] != name:
+                    tensors.append(name)
+                pieces.append(Piece(len(tensors) - 1, None, None, seg, numel, landing))
+                params.append(i)
+        values = list(groups.values())
+        return cls(list(item.dtypes), list(groups), [g[0] for g in values], [g[1] for g in values],
+                   [g[3] for g in values], np.array([i for g in values for i in g[2]], dtype=np.int64),
+                   np.cumsum([0] + [len(g[2]) for g in values]).tolist(), checks)
+
+    def add(self, item: DeltaBatch, groups: dict, runs: dict) -> None:
+        """Put the batch's pieces and entries into `_stage_batch`'s groups: one gather of the batch's
+        positions and values per group, whatever the tensors behind it."""
+        for target, served, name, dtype in self.checks:
+            _check_resolvable(target, served, _Named(name, dtype))
+        sizes = np.array(item.sizes, dtype=np.int64)
+        length = sizes[self.order]  # entries of each piece
+        end = np.cumsum(length)
+        total = int(end[-1]) if end.size else 0
+        # Each piece's entries, in group order: its param's run of the batch's entries.
+        index = torch.from_numpy(np.repeat((np.cumsum(sizes) - sizes)[self.order] - (end - length), length)
+                                 + np.arange(total, dtype=np.int64))
+        at = np.concatenate(([0], end))[self.bounds].tolist()
+        counts = length.tolist()
+        b = self.bounds
+        for g, key in enumerate(self.keys):
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = ([], [])
+            pieces, names = group
+            if key not in runs:  # a group of per-tensor deltas so far: their entries as runs, in order
+                runs[key] = [(p.positions, p.values, [p.positions.numel()]) for p in pieces]
+            base = len(names)
+            names.extend(self.tensors[g])
+            pieces.extend(self.pieces[g] if not base else
+                          [Piece(base + p.slot, None, None, p.seg, p.numel, p.landing) for p in self.pieces[g]])
+            sub = index[at[g]:at[g + 1]]
+            runs[key].append((item.positions.index_select(0, sub), item.values[self.types[g]].index_select(0, sub),
+                              counts[b[g]:b[g + 1]]))
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _run(idx: torch.Tensor) -> torch.Tensor | slice:

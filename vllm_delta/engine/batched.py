@@ -44,8 +44,8 @@ class Piece:
     """The decoded entries of one checkpoint tensor (or a chunk of it) and one segment it lands through."""
 
     slot: int  # the tensor's row in the batch's digest sums
-    positions: torch.Tensor  # sorted flat ids in the checkpoint tensor
-    values: torch.Tensor
+    positions: torch.Tensor | None  # sorted flat ids in the checkpoint tensor (None: `locate`'s `entries`)
+    values: torch.Tensor | None
     seg: Segment
     numel: int  # elements of the checkpoint tensor
     landing: Landing | None = None  # `Landing.of(seg, numel)`, when the caller keeps it
@@ -86,7 +86,8 @@ def on_device(device: torch.device) -> bool:
 
 
 def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bool = False,
-           there: bool | None = None) -> Located:
+           there: bool | None = None,
+           entries: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> Located:
     """Destination offsets of all pieces' entries, in a constant number of ops.
 
     A per-piece number that is the same for every piece (a destination fed by one tensor, or
@@ -102,10 +103,17 @@ def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bo
     the ownership mask is made there too; its compaction needs the owned count on the host, so with `defer` it is left
     in `keep` for `compact` (the caller reads every destination's count in one copy: `owned_counts`),
     and without, compacted here with a device `nonzero`.
+
+    `entries`: the pieces' positions, values and entry counts already concatenated (in piece order),
+    for pieces made without their own (a decoded batch's, engine/apply.py `_Plan`).
     """
-    counts = [p.positions.numel() for p in pieces]
-    positions = _cat([p.positions for p in pieces]).to(torch.int64)
-    values = _cat([p.values for p in pieces])
+    if entries is None:
+        counts = [p.positions.numel() for p in pieces]
+        positions = _cat([p.positions for p in pieces]).to(torch.int64)
+        values = _cat([p.values for p in pieces])
+    else:
+        positions, values, counts = entries
+        positions = positions.to(torch.int64)
     kinds = _kinds(pieces)
     if there is None:
         there = device is not None and positions.device == device and values.device == device

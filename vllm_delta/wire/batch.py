@@ -401,7 +401,7 @@ class _Batch:
 
 
 def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned: Mapping | None,
-           make: Callable, fallback: Callable[[int, int], Iterator]) -> Iterator:
+           make: Callable, fallback: Callable[[int, int], Iterator], make_batch: Callable | None = None) -> Iterator:
     """Decode the params a batch at a time; a batch this path does not take, and a param of at least
     PER_PARAM_ENTRIES wanted entries, go to `fallback(p, q)` (the per-param path for params p..q-1),
     then on to the next batch.
@@ -413,6 +413,10 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
 
     `make(p, positions, values, skipped, bounds, blocks)` builds param p's delta from torch views
     (values: signed-integer steps for a base-relative encoding, else new values in the param's dtype).
+    With `make_batch(p, q, positions, values, types, sizes, skipped, first, last, blocks, nbytes)`, a batch
+    decoded on the host alone is yielded as one object, with no call or view a param: every entry's
+    positions in one tensor, values in one tensor per value type (`types`: each param's, a key of
+    `values`), and lists over params p..q-1 (`sizes`: each param's entries, in order).
     """
     mask = wanted(ix, owned)
     pid = ix.pid
@@ -472,6 +476,8 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
         types = ix.itemsize[p:q].tolist() if enc.needs_base else [d.torch for d in ix.dtypes[p:q]]
         views = {}
         for there, (pos, _) in parts.items():
+            if make_batch is not None and True not in parts:
+                break  # a DeltaBatch takes the batch's tensors whole: no view a param
             lens = [n for n, on in zip(sizes, kinds_k) if on == there]
             split = {}
             for t in dict.fromkeys([t for t, on in zip(types, kinds_k) if on == there]):
@@ -483,6 +489,14 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
         first, last = ix.first[row0[:-1]].tolist(), ix.last[row0[1:] - 1].tolist()
         nrows = np.diff(row0).tolist()
         count = ix.count[p:q].tolist()
+        if make_batch is not None and True not in parts:  # one object for the batch (wire/flush.DeltaBatch)
+            vals = by_size[False]
+            values = {t: vals[t] if enc.needs_base else vals[t.itemsize].view(t) for t in dict.fromkeys(types)}
+            nbytes = parts[False][0].nbytes + int(np.dot(per_param[p:q], ix.itemsize[p:q]))
+            yield make_batch(p, q, parts[False][0], values, types, sizes, [c - n for c, n in zip(count, sizes)],
+                             first, last, list(zip(nwanted, nrows)), nbytes)
+            p = q
+            continue
         for k in range(q - p):  # made as consumed, so few params live at once
             pos, split, at = views[kinds_k[k]]
             yield make(p + k, next(pos), split[types[k]][next(at)], count[k] - sizes[k],

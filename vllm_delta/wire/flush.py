@@ -125,6 +125,46 @@ class ParamDelta:
         flat[pos] = self.resolve(flat[pos] if self.needs_base else None).to(tensor.device)
 
 
+class DeltaBatch:
+    """Receiver side: decoded, validated changes of a run of whole params of one flush, as columns.
+
+    Why: at a production tensor count (44k tensors of a few changes each) a `ParamDelta` a tensor,
+    and the per-tensor checks and bookkeeping done on it, were most of prepare's fixed cost. The
+    batched decoder (wire/batch.py) gives a run of params as one object instead: every entry's
+    positions in one tensor (param after param, `sizes` each), the values in one tensor per value
+    type (`values[types[i]]`: the same entries, viewed in param i's dtype, or its signed steps), and
+    lists over the params. The reader checks it a run at a time (`DeltaDecoder.admit`), the engine
+    stages it so (`DeltaApplier.stage`). Only readers that ask for it get one
+    (`iter_delta(batches=True)`); `deltas()` gives the same changes as `ParamDelta`s.
+    """
+
+    __slots__ = ("names", "shapes", "dtypes", "positions", "values", "types", "sizes", "needs_base", "counts",
+                 "skipped", "first", "last", "nblocks", "total", "blocks", "nbytes")
+
+    def __init__(self, names: list[str], shapes: list[tuple[int, ...]], dtypes: list[torch.dtype],
+                 positions: torch.Tensor, values: dict[object, torch.Tensor], types: list, sizes: list[int],
+                 needs_base: bool, counts: list[int], skipped: list[int], first: list[int], last: list[int],
+                 nblocks: list[tuple[int, int]], nbytes: int) -> None:
+        self.names, self.shapes, self.dtypes, self.needs_base = names, shapes, dtypes, needs_base
+        self.positions, self.values, self.types, self.sizes = positions, values, types, sizes
+        self.counts, self.skipped, self.first, self.last = counts, skipped, first, last  # counts: on the wire
+        self.nblocks = nblocks  # per param: (decoded, indexed) blocks
+        self.total = sum(counts)  # entries on the wire, decoded or skipped (`ParamDelta.total`, summed)
+        self.blocks = (sum(b for b, _ in nblocks), sum(b for _, b in nblocks))
+        self.nbytes = nbytes  # of positions and values
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def deltas(self) -> Iterator[ParamDelta]:
+        """The same changes, a `ParamDelta` (of views) a param."""
+        positions = self.positions.split(self.sizes)
+        values = {t: v.split(self.sizes) for t, v in self.values.items()}
+        for i, name in enumerate(self.names):
+            yield ParamDelta(name, self.shapes[i], self.dtypes[i], positions[i], values[self.types[i]][i],
+                             self.needs_base, self.skipped[i], (self.first[i], self.last[i]), self.nblocks[i])
+
+
 @dataclass(frozen=True)
 class EncodedFlush:
     data: bytes
@@ -364,23 +404,27 @@ def decode_flush(tensors, meta: Mapping[str, str], budget: int, *, file: str,
 
 
 def iter_flush(tensors, meta: Mapping[str, str], budget: int, *, file: str, expected: Expected | None = None,
-               owned: Owned | None = None) -> tuple[FlushHeader, Iterator[ParamDelta]]:
+               owned: Owned | None = None, batches: bool = False
+               ) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
     """Check a flush's metadata (and block index) now; decode its params one at a time as iterated.
 
     Why lazy: a receiver then holds one param's decoded changes at a time, not a flush's. Errors
     in a param's data are raised when that param is reached. With `owned`, a block-indexed
-    flush decodes only the blocks of each param that meet its owned ranges.
+    flush decodes only the blocks of each param that meet its owned ranges. With `batches`, a run
+    of params the batched decoder took whole comes as one `DeltaBatch`.
     """
     enc = get_encoding(meta.get("encoding", ""), file=file)
     header = FlushHeader(enc.name, meta_int(meta, "current_version", file=file),
                          meta_int(meta, "base_version", file=file, optional=True))
     blocked = meta.get("format") == FORMAT_BLOCKS
     with container.paused_gc():
-        return _iter_flush(enc, header, blocked, tensors, meta, budget, file=file, expected=expected, owned=owned)
+        return _iter_flush(enc, header, blocked, tensors, meta, budget, file=file, expected=expected, owned=owned,
+                           batches=batches)
 
 
 def _iter_flush(enc: Encoding, header: FlushHeader, blocked: bool, tensors, meta: Mapping[str, str], budget: int, *,
-                file: str, expected: Expected | None, owned: Owned | None) -> tuple[FlushHeader, Iterator[ParamDelta]]:
+                file: str, expected: Expected | None, owned: Owned | None, batches: bool = False
+                ) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
     try:
         smeta = {k: _StreamMeta.model_validate(v) for k, v in meta_json(meta, "streams", file=file).items()}
         pmeta = _flush_params(_BLOCKED_LIST if blocked else _V1_LIST, meta_json(meta, "params", file=file))
@@ -395,7 +439,8 @@ def _iter_flush(enc: Encoding, header: FlushHeader, blocked: bool, tensors, meta
             raise FormatError(f"stream {name!r} missing or not a 1-D uint8 tensor", file=file)
         data[name] = t.data
     if blocked:
-        return header, _iter_blocked(enc, smeta, data, pmeta, meta, file=file, expected=expected, owned=owned)
+        return header, _iter_blocked(enc, smeta, data, pmeta, meta, file=file, expected=expected, owned=owned,
+                                     batches=batches)
     return header, _iter_v1(enc, smeta, data, pmeta, file=file, expected=expected)
 
 
@@ -457,7 +502,8 @@ def _iter_v1(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected
 
 
 def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *, file: str,
-                  expected: Expected | None, owned: Owned | None) -> Iterator[ParamDelta]:
+                  expected: Expected | None, owned: Owned | None, batches: bool = False
+                  ) -> Iterator[ParamDelta | DeltaBatch]:
     """Validate every param's block index against the streams, then decode lazily (see iter_flush).
 
     The batched path (wire/batch.py) first; whatever it does not take goes to the per-param path,
@@ -476,6 +522,11 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *,
     def make(i: int, pos: torch.Tensor, values: torch.Tensor, skipped: int, bounds, nblocks) -> ParamDelta:
         return ParamDelta(names[i], shapes[i], dtypes[i], pos, values, needs_base, skipped, bounds, nblocks)
 
+    def make_batch(p: int, q: int, pos, values, types, sizes, skipped, first, last, nblocks, nbytes: int
+                   ) -> DeltaBatch:
+        return DeltaBatch(names[p:q], shapes[p:q], dtypes[p:q], pos, values, types, sizes, needs_base,
+                          index.count[p:q].tolist(), skipped, first, last, nblocks, nbytes)
+
     del pmeta
     plans: list = []
 
@@ -486,7 +537,7 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *,
                 plans.extend(_plan_blocked(smeta, data, again, file=file, expected=expected))
         return _decode_blocked(enc, smeta, data, plans[i:j], file=file, owned=owned)
 
-    return batch.decode(enc, index, data, owned, make, fallback)
+    return batch.decode(enc, index, data, owned, make, fallback, make_batch if batches else None)
 
 
 def _plan_blocked(smeta, data, pmeta, *, file: str, expected: Expected | None) -> list:

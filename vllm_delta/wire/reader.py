@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from itertools import islice
+from itertools import islice, repeat
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from .digest import bytes_digest
 from .dtypes import by_name
 from .encodings import Encoding, get_encoding
 from .errors import (BoundsError, FormatError, IncompleteDeltaError, IntegrityError, VersionError)
-from .flush import FLUSH_FORMATS, Expected, Owned, ParamDelta, check_expected, iter_flush, open_flush
+from .flush import FLUSH_FORMATS, DeltaBatch, Expected, Owned, ParamDelta, check_expected, iter_flush, open_flush
 from .legacy import decode_seed_flush, is_seed
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, parse_manifest
 
@@ -93,8 +93,8 @@ class DeltaDecoder:
         """Decode one flush's bytes; all of its checks pass before anything is returned."""
         return list(self.feed_iter(name, data, owned=owned))
 
-    def feed_iter(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None
-                  ) -> Iterator[ParamDelta]:
+    def feed_iter(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None, batches: bool = False
+                  ) -> Iterator[ParamDelta | DeltaBatch]:
         """Decode one flush's bytes a param at a time (see `flush.iter_flush`).
 
         The file's hash, header and block index are checked before the first param; a param's
@@ -102,12 +102,14 @@ class DeltaDecoder:
         block-indexed flush outside them are skipped (their entries still count). A `SparseFile`
         (only the owned blocks' bytes fetched) skips the file hash; the caller's cross-rank check of
         the post digests, which every param of the file must have, verifies what it decodes.
+        `batches`: runs of params decoded together come as one `DeltaBatch` each (`iter_flush`).
         """
         if name in self._done:
             raise FormatError("file fed twice", file=name)
-        return self.admit(name, self.decode(name, data, owned=owned))
+        return self.admit(name, self.decode(name, data, owned=owned, batches=batches))
 
-    def decode(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None) -> Iterator[ParamDelta]:
+    def decode(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None, batches: bool = False
+               ) -> Iterator[ParamDelta | DeltaBatch]:
         """`feed_iter`'s checks of this file alone, then its params, lazily, not yet admitted.
 
         Why apart from `admit`: it reads no state that other files change, so flushes can be
@@ -129,23 +131,32 @@ class DeltaDecoder:
         elif meta.get("format") not in FLUSH_FORMATS:
             raise FormatError(f"format {meta.get('format')!r} is not one of {FLUSH_FORMATS}", file=name)
         else:
-            header, deltas = iter_flush(tensors, meta, budget, file=name, expected=self.expected, owned=owned)
+            header, deltas = iter_flush(tensors, meta, budget, file=name, expected=self.expected, owned=owned,
+                                        batches=batches)
         m = self.manifest
         if (header.encoding, header.version) != (m.encoding, m.version) or (
                 not self.legacy and header.base_version != m.base_version):
             raise FormatError("flush header disagrees with the manifest's encoding or versions", file=name)
         return iter(deltas)
 
-    def admit(self, name: str, deltas: Iterable[ParamDelta]) -> Iterator[ParamDelta]:
+    def admit(self, name: str, deltas: Iterable[ParamDelta | DeltaBatch]) -> Iterator[ParamDelta | DeltaBatch]:
         """The checks across files (order, overlaps, counts) of one decoded flush, in manifest order.
 
-        One loop per flush with its lookups bound once (a flush holds thousands of tensors).
+        One loop per flush with its lookups bound once (a flush holds thousands of tensors). A
+        `DeltaBatch` is checked whole (`_admitted`), or, where that does not decide, a param at a time.
         """
         if name in self._done:
             raise FormatError("file fed twice", file=name)
         self._done.add(name)
         params, parts, ends, shared, seen = self._params, self._part, self._last, self._shared, self._seen
-        for pd in deltas:
+        for item in deltas:
+            if type(item) is DeltaBatch:
+                if self._admitted(name, item):
+                    yield item
+                    continue
+                yield from self._admit_each(name, item.deltas())
+                continue
+            pd = item
             param = pd.name
             p = params.get(param)
             if p is None or name not in p[1]:
@@ -165,6 +176,33 @@ class DeltaDecoder:
             if total > changed:
                 raise BoundsError(f"more than the {changed} changes the manifest lists", file=name, param=param)
             yield pd
+
+    def _admit_each(self, name: str, deltas: Iterator[ParamDelta]) -> Iterator[ParamDelta]:
+        """`admit`'s checks a param at a time, for a file already marked fed (admit marks it again)."""
+        self._done.discard(name)
+        return self.admit(name, deltas)
+
+    def _admitted(self, name: str, batch: DeltaBatch) -> bool:
+        """`admit`'s checks of a batch's params as columns, and its bookkeeping, when they all pass
+        and no param needs more than them: each listed for this file with this shape and dtype, of
+        one writer, met for the first time (so nothing to order or overlap) and within its count.
+        False, with nothing recorded: the per-param checks decide (and raise the precise error)."""
+        names = batch.names
+        got = list(map(self._params.get, names))
+        if None in got or len(set(names)) != len(names):
+            return False
+        if any(p[2] or name not in p[1] for p in got):  # several writers, or not this file's
+            return False
+        if [p[0] for p in got] != list(zip(batch.shapes, batch.dtypes)):
+            return False
+        keys = list(zip(names, repeat(0)))
+        if not (self._seen.keys().isdisjoint(names) and self._last.keys().isdisjoint(keys)):
+            return False
+        if any(n > p[3] for n, p in zip(batch.counts, got)):
+            return False
+        self._last.update(zip(keys, batch.last))
+        self._seen.update(zip(names, batch.counts))
+        return True
 
     def finish(self) -> None:
         """Every fed param is complete; with all files fed, the whole delta is."""
@@ -231,7 +269,7 @@ def open_delta(path: str | os.PathLike | DeltaDir, *, files: Sequence[str] | Non
 def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | None = None,
                current_version: int | None = None, files: Sequence[str] | None = None,
                limits: Limits = Limits(), owned: Owned | None = None, lazy: bool = False,
-               threads: int = 1) -> Iterator[ParamDelta]:
+               threads: int = 1, batches: bool = False) -> Iterator[ParamDelta | DeltaBatch]:
     """Decoded changes, one flush file at a time (memory stays bounded by a flush).
 
     A param may come in several chunks, in position order. Errors in a file are raised before
@@ -240,7 +278,8 @@ def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | Non
     one, so apply nothing until the iterator is exhausted (or use `read_delta`). `owned`: see
     `DeltaDecoder.feed_iter`. `threads` > 1: that many flushes are read, hash-checked and decoded
     at once on their own threads, ahead of the one being consumed (memory: threads + 1 decoded
-    flushes), and admitted in manifest order, so errors surface in the same order.
+    flushes), and admitted in manifest order, so errors surface in the same order. `batches`: runs
+    of params decoded together come as one `DeltaBatch` each (for a caller that takes them whole).
     """
     info = delta if isinstance(delta, DeltaInfo) else open_delta(delta, files=files, limits=limits)
     dec = DeltaDecoder(info.manifest, expected=expected, current_version=current_version,
@@ -248,23 +287,23 @@ def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | Non
     wanted = None if files is None or info.legacy else set(files)
     entries = [e for e in info.manifest.files if wanted is None or e.name in wanted]
     if threads > 1 and len(entries) > 1:
-        yield from _decoded_ahead(info, dec, entries, owned, threads)
+        yield from _decoded_ahead(info, dec, entries, owned, threads, batches)
     else:
         for entry in entries:
             data = info.dir.read(entry.name, size=entry.bytes, cap=entry.bytes)
-            feed = dec.feed_iter if lazy else dec.feed
-            yield from feed(entry.name, data, owned=owned)
+            got = dec.feed_iter(entry.name, data, owned=owned, batches=batches)
+            yield from got if lazy else list(got)
             del data
     dec.finish()
 
 
 def _decoded_ahead(info: DeltaInfo, dec: DeltaDecoder, entries: list[FileEntry], owned: Owned | None,
-                   threads: int) -> Iterator[ParamDelta]:
+                   threads: int, batches: bool = False) -> Iterator[ParamDelta | DeltaBatch]:
     """Flushes decoded `threads` at a time on a pool (zstd, numpy and the file hash release the GIL)."""
 
-    def decode(entry: FileEntry) -> list[ParamDelta]:
+    def decode(entry: FileEntry) -> list[ParamDelta | DeltaBatch]:
         data = info.dir.read(entry.name, size=entry.bytes, cap=entry.bytes)
-        return list(dec.decode(entry.name, data, owned=owned))
+        return list(dec.decode(entry.name, data, owned=owned, batches=batches))
 
     pool = ThreadPoolExecutor(threads, thread_name_prefix="delta-decode")
     try:
