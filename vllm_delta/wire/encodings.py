@@ -13,7 +13,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from . import codecs
+from . import codecs, planes_jit
 from .dtypes import DType
 from .errors import FormatError, UnknownEncodingError
 
@@ -83,11 +83,11 @@ class GapPlanes:
     """Gaps split into byte planes `pos0..pos7`: the low plane carries the information."""
 
     def width(self, pos, numel):
-        return codecs.gap_width(pos)
+        return planes_jit.gap_width(pos)  # `codecs.gap_width`, in one pass where numba is
 
     def encode(self, pos, numel, *, prev=-1, width=None):
-        w, gaps = codecs.encode_gaps(pos, prev=prev, width=width)
-        return w, {f"pos{j}": p for j, p in enumerate(codecs.to_planes(gaps))}
+        w, planes = planes_jit.gap_planes(pos, prev=prev, width=width)  # the numpy codecs' bytes, one pass
+        return w, {f"pos{j}": p for j, p in enumerate(planes)}
 
     def decode(self, spans, count, width, numel, *, prev=-1, file, param):
         if width not in codecs.GAP_WIDTHS:
@@ -134,10 +134,7 @@ class UlpSteps:
     relative = True
 
     def encode(self, new, old, d):
-        sign, flag, esc = codecs.encode_steps(codecs.ulp_steps(new, old, d), d)
-        streams = {"sign": sign, "flag": flag}
-        streams.update({f"esc{j}": p for j, p in enumerate(codecs.to_planes(esc))})
-        return streams
+        return planes_jit.ulp_streams(new, old, d)  # `codecs.encode_steps(codecs.ulp_steps(...))`' bytes
 
     def decode(self, spans, count, d, *, file, param):
         neg = codecs.unpack_bits(_need(spans, "sign", file=file, param=param), count, "signs",

@@ -1,0 +1,103 @@
+"""The numba kernels of `planes_jit` (imported on first use: numba costs ~0.3 s to import).
+
+Written so LLVM vectorises them: the per-change arithmetic in flat loops over native widths, the
+bit packing and the escapes' compaction in loops of their own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(nogil=True, cache=True)
+def max_gap(pos, prev):
+    """The largest pos[k] - pos[k - 1] - 1, with pos[-1] = prev."""
+    top = pos[0] - prev - 1
+    for k in range(1, pos.size):
+        top = max(top, pos[k] - pos[k - 1] - 1)
+    return top
+
+
+@njit(nogil=True, cache=True)
+def _gaps(pos, prev, out):
+    out[0] = pos[0] - prev - 1
+    for k in range(1, pos.size):
+        out[k] = pos[k] - pos[k - 1] - 1
+
+
+@njit(nogil=True, cache=True)
+def _planes(pos, prev, g, out):
+    """Compiled per gap dtype (`g`, the width's unsigned type), so the byte loop has a constant count."""
+    _gaps(pos, prev, g)  # narrowed: every gap fits the width
+    for j in range(g.itemsize):  # a row at a time: each a vectorised shift of g (in L1/L2)
+        row = out[j]
+        for k in range(pos.size):
+            row[k] = np.uint8((g[k] >> (8 * j)) & 0xFF)
+
+
+_GAP_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def write_gap_planes(pos: np.ndarray, prev: int, out: np.ndarray) -> None:
+    """Byte j of each gap pos[k] - pos[k - 1] - 1 (pos[-1] = prev) into out[j, k], little-endian:
+    `encode_gaps` narrowed to out's width, split by `to_planes`."""
+    _planes(pos, prev, np.empty(pos.size, _GAP_TYPES[out.shape[0]]), out)
+
+
+@njit(nogil=True, cache=True)
+def _steps(new, old, neg, big, mag):
+    """Per change the float order keys' wrapping step (`codecs.order_key`, `ulp_steps`): its sign,
+    `|step| > 1`, and |step| (the most negative step maps to itself), in the values' own width."""
+    top = new.dtype.type(8 * new.itemsize - 1)
+    sb = new.dtype.type(1) << top
+    zero, one = new.dtype.type(0), new.dtype.type(1)
+    for k in range(new.size):
+        bn, bo = new[k], old[k]
+        kn = bn ^ (sb | (zero - (bn >> top)))  # negatives: every bit flipped; positives: the sign bit set
+        ko = bo ^ (sb | (zero - (bo >> top)))
+        step = new.dtype.type(kn - ko)
+        s = step >> top
+        mag[k] = new.dtype.type((step ^ (zero - s)) + s)
+        neg[k] = s
+        big[k] = mag[k] > one
+
+
+@njit(nogil=True, cache=True)
+def _pack(flags, out):
+    """`np.packbits` of 0/1 bytes: first entry in the high bit, the last byte zero-padded."""
+    n = flags.size
+    for i in range(n // 8):
+        b = 0
+        for j in range(8):
+            b |= flags[8 * i + j] << (7 - j)
+        out[i] = b
+    if n % 8:
+        b = 0
+        for j in range(n % 8):
+            b |= flags[n - n % 8 + j] << (7 - j)
+        out[n // 8] = b
+
+
+@njit(nogil=True, cache=True)
+def write_ulp_streams(new, old, sign, flag, esc):
+    """`encode_steps(ulp_steps(new, old))` of float bits: packed signs and flags into `sign` and
+    `flag`, the flagged steps' |step| - 2 as byte planes esc[j, :count]; returns count."""
+    n = new.size
+    neg, big = np.empty(n, np.uint8), np.empty(n, np.uint8)
+    mag = np.empty(n, new.dtype)
+    _steps(new, old, neg, big, mag)
+    _pack(neg, sign)
+    _pack(big, flag)
+    two = new.dtype.type(2)
+    count = 0
+    b = mag.view(np.uint8)
+    w = new.itemsize
+    for k in range(n):
+        if big[k]:
+            e = new.dtype.type(mag[k] - two)
+            mag[k] = e
+            for j in range(w):
+                esc[j, count] = b[k * w + j]
+            count += 1
+    return count
