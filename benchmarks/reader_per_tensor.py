@@ -38,16 +38,19 @@ from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
 from vllm_delta.engine.owned import owned_by_tensor  # noqa: E402
 from vllm_delta.wire import iter_delta, open_delta  # noqa: E402
 from vllm_delta.wire.container import paused_gc  # noqa: E402
+from vllm_delta.wire.flush import DeltaBatch  # noqa: E402
 
 MODEL = "glm-4.7-355b-a32b"
 
 
 def read_all(path: Path, checkpoint, owned) -> int:
-    """What prepare asks of the reader: open the delta, then iterate lazily with the owned ranges."""
+    """What prepare asks of the reader: open the delta, then iterate lazily with the owned ranges, in
+    decoded batches; the tensors read."""
     with paused_gc():
         info = open_delta(path)
-        return sum(d.count for d in iter_delta(info, expected=checkpoint, current_version=0, owned=owned,
-                                               lazy=True, threads=1))
+        return sum(len(d) if isinstance(d, DeltaBatch) else 1  # tensors
+                   for d in iter_delta(info, expected=checkpoint, current_version=0, owned=owned, lazy=True,
+                                       threads=1, batches=True))
 
 
 def main(argv: list[str] | None = None) -> int:

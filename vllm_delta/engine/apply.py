@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -256,8 +257,11 @@ class DeltaApplier:
                                 current_version=current_version if encoding.needs_base else None,
                                 owned=owned, lazy=True, threads=decode_threads or torch.get_num_threads(),
                                 batches=True)
-            return self.stage(info.manifest, deltas, version=version, replay=version == current_version,
-                              start=start, chunk_bytes=chunk_bytes, decoded=owned)
+            staged = self.stage(info.manifest, deltas, version=version, replay=version == current_version,
+                                start=start, chunk_bytes=chunk_bytes, decoded=owned)
+            # Freed while the collector is still paused: else its first pass walks a few objects a tensor.
+            del info, deltas
+        return staged
 
     def prepare_flushes(self, manifest: Manifest, flushes: Iterable[tuple[str, bytes]], *, version: int,
                         base_version: int | None, current_version: int,
@@ -342,14 +346,16 @@ class DeltaApplier:
         rank) keep their own counted-once masks, a tensor at a time. A `DeltaBatch` (wire/flush.py) is
         taken whole where all of its tensors are batched (`_take_whole`), else a tensor at a time.
         """
-        entries = {p.name: p for p in manifest.params}
+        params = manifest.params
+        names = list(map(attrgetter("name"), params))
+        entries = dict(zip(names, params))
         staging = _Staging(chunk_bytes)
         sums = _Sums()
         fallback: list[str] = []
         total = 0
         blocks = [0, 0]
         anchor = self._is_anchor(manifest)
-        batch: list[ParamDelta | DeltaBatch] = []
+        batch: list[ParamDelta | _Planned] = []
         held = 0
         placements, routes, wanted = self.placements, self._routes(), sums.names
         there = decoded.decoded if isinstance(decoded, Destinations) else ()
@@ -357,11 +363,12 @@ class DeltaApplier:
             self._plans = (routes, self._plans[2], {})
         for item in deltas:
             if type(item) is DeltaBatch:
-                if self._take_whole(item, entries, routes, there, wanted):
+                plan = self._take_whole(item, entries, there, wanted)
+                if plan is not None:
                     total += item.total
                     blocks[0] += item.blocks[0]
                     blocks[1] += item.blocks[1]
-                    batch.append(item)
+                    batch.append(_Planned(item, plan))
                     held += item.nbytes
                     if held >= BATCH_BYTES:
                         self._stage_batch(batch, entries, staging, sums, decoded)
@@ -383,32 +390,35 @@ class DeltaApplier:
             bytes_read=sum(f.bytes for f in manifest.files), decode_s=time.perf_counter() - start,
             replay=replay, chunk_bytes=chunk_bytes, staged_bytes=staging.nbytes,
             digests=sums.hex(),
-            expected={p.name: [p.pre_digest, p.post_digest] for p in manifest.params
-                      if p.pre_digest is not None or p.post_digest is not None},
-            after={p.name: (p.digest, p.post_hash) for p in manifest.params},
+            expected={n: [a, b] for n, a, b in zip(names, map(attrgetter("pre_digest"), params),
+                                                   map(attrgetter("post_digest"), params))
+                      if a is not None or b is not None},
+            after=dict(zip(names, zip(map(attrgetter("digest"), params), map(attrgetter("post_hash"), params)))),
             blocks=(blocks[0], blocks[1]),
             anchor=anchor,
         )
 
-    def _take_whole(self, item: DeltaBatch, entries: Mapping[str, object], routes: Mapping[str, tuple],
-                    there, wanted: dict[str, tuple[bool, bool]]) -> bool:
-        """Note a decoded batch's wanted digests and take it whole for `_stage_batch`, when every tensor
-        of it is batched and decoded on the host (with `stage`'s checks of each tensor's pre_digest);
-        False (nothing noted): `stage` takes it a tensor at a time."""
+    def _take_whole(self, item: DeltaBatch, entries: Mapping[str, object], there,
+                    wanted: dict[str, tuple[bool, bool]]) -> _Plan | None:
+        """Note a decoded batch's wanted digests and take it whole for `_stage_batch` (its plan), when
+        every tensor of it is batched and decoded on the host (with `stage`'s checks of each tensor's
+        pre_digest); None (nothing noted): `stage` takes it a tensor at a time."""
         names = item.names
-        got = list(map(routes.get, names))
-        if any(r is None or r[0] != _BATCH for r in got) or (there and not there.isdisjoint(names)):
-            return False
+        plan = self._plan(item)
+        if plan is None or (there and not there.isdisjoint(names)):
+            return None
         listed = list(map(entries.__getitem__, names))
-        pre = [e.pre_digest is not None for e in listed]
+        pres, posts = list(map(_PRE, listed)), list(map(_POST, listed))
         # A pre_digest is summed on served values cast back: checked where a segment's dtype differs.
-        for i in [i for i, (a, r) in enumerate(zip(pre, got)) if a and not r[1][2]]:
-            for seg in self.placements[names[i]].segments:
-                _check_resolvable(seg.target, self.targets[seg.target].dtype, _Named(names[i], item.dtypes[i]),
-                                  "its pre_digest", "checked")
-        wanted.update([(n, (a, e.post_digest is not None)) for n, a, e in zip(names, pre, listed)
-                       if a or e.post_digest is not None])
-        return True
+        for i in plan.odd:
+            if pres[i] is not None:
+                for seg in self.placements[names[i]].segments:
+                    _check_resolvable(seg.target, self.targets[seg.target].dtype, _Named(names[i], item.dtypes[i]),
+                                      "its pre_digest", "checked")
+        flags = [(a is not None, b is not None) for a, b in zip(pres, posts)]
+        wanted.update(zip(names, flags) if _NEITHER not in flags else
+                      [(n, f) for n, f in zip(names, flags) if f != _NEITHER])
+        return plan
 
     def _stage_one(self, delta: ParamDelta, entries, staging: _Staging, sums: _Sums, decoded, fallback: list[str],
                    blocks: list[int], anchor: bool, batch: list, held: int) -> tuple[list, int]:
@@ -476,22 +486,22 @@ class DeltaApplier:
                                         same)
         return got
 
-    def _plan(self, item: DeltaBatch) -> _Plan:
-        """How a decoded batch's tensors group by destination (`_Plan`): worked out once for a run of
-        tensors and kept for the next sync (the same flush layout brings the same runs), so a sync
-        pays a `Piece` a (tensor, segment), not its grouping."""
+    def _plan(self, item: DeltaBatch) -> _Plan | None:
+        """How a decoded batch's tensors group by destination (`_Plan`; None: some are not batched):
+        worked out once for a run of tensors and kept for the next sync (the same flush layout brings
+        the same runs), so a sync pays a `Piece` a (tensor, segment), not its grouping."""
         routes = self._routes()
         if self._plans[0] is not routes:  # a new ownership re-routes: its plans go too
             self._plans = (routes, {}, {})
         _, last, now = self._plans
         key = (tuple(item.names), item.needs_base)
-        plan = now.get(key) or last.pop(key, None)
+        plan = now[key] if key in now else last.pop(key, None)
         if plan is None or plan.dtypes != item.dtypes:
             plan = _Plan.of(item, routes, self.targets)
         now[key] = plan
-        return plan
+        return plan if plan.whole else None
 
-    def _stage_batch(self, batch: list[ParamDelta | DeltaBatch], entries: Mapping[str, object], staging: _Staging,
+    def _stage_batch(self, batch: list[ParamDelta | _Planned], entries: Mapping[str, object], staging: _Staging,
                      sums: _Sums, decoded: Mapping | None = None) -> None:
         """Locate, digest and stage a batch of tensors: a constant number of ops per destination
         (and per kind of decode: on the device, or on the host, as `decoded` says)."""
@@ -504,8 +514,8 @@ class DeltaApplier:
         runs: dict[tuple[str, torch.dtype, bool, bool], list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = {}
         routes = self._routes()
         for delta in batch:
-            if type(delta) is DeltaBatch:  # grouped as its plan says (on the host: `stage` takes no other whole)
-                self._plan(delta).add(delta, groups, runs)
+            if type(delta) is _Planned:  # grouped as its plan says (on the host: `stage` takes no other whole)
+                delta.plan.add(delta.item, groups, runs)
                 continue
             name, positions, values, needs_base = delta.name, delta.positions, delta.values, delta.needs_base
             numel, landings, same = routes[name][1]
@@ -859,6 +869,10 @@ def _read_back(checks: list[tuple[str, torch.Tensor]]) -> list[str]:
     return wrong
 
 
+_PRE, _POST = attrgetter("pre_digest"), attrgetter("post_digest")
+_NEITHER = (False, False)  # a tensor with no digest to sum
+
+
 class _Named(NamedTuple):
     """What `_check_resolvable` reads of a delta."""
 
@@ -874,6 +888,8 @@ class _Plan:
     `_check_resolvable` calls its base-relative steps need."""
 
     dtypes: list[torch.dtype]
+    whole: bool  # every tensor is batched (else the rest is empty: `stage` takes it a tensor at a time)
+    odd: list[int]  # tensors served in another dtype on some segment (`stage` checks their pre_digest)
     keys: list[tuple[str, torch.dtype, bool, bool]]
     tensors: list[list[str]]
     pieces: list[list[Piece]]
@@ -885,10 +901,14 @@ class _Plan:
     @classmethod
     def of(cls, item: DeltaBatch, routes: Mapping[str, tuple], targets: Mapping[str, torch.Tensor]) -> _Plan:
         groups: dict[tuple, tuple[list[str], list[Piece], list[int], object]] = {}
-        checks = []
+        checks, odd = [], []
         needs_base = item.needs_base
+        if any(routes.get(name, (None,))[0] != _BATCH for name in item.names):
+            return cls(list(item.dtypes), False, [], [], [], [], [], np.zeros(0, dtype=np.int64), [0], [])
         for i, (name, dtype, vtype) in enumerate(zip(item.names, item.dtypes, item.types)):
             numel, landings, same = routes[name][1]
+            if not same:
+                odd.append(i)
             for seg, landing in landings:
                 if needs_base and not same:
                     checks.append((seg.target, targets[seg.target].dtype, name, dtype))
@@ -902,7 +922,7 @@ class _Plan:
                 pieces.append(Piece(len(tensors) - 1, None, None, seg, numel, landing))
                 params.append(i)
         values = list(groups.values())
-        return cls(list(item.dtypes), list(groups), [g[0] for g in values], [g[1] for g in values],
+        return cls(list(item.dtypes), True, odd, list(groups), [g[0] for g in values], [g[1] for g in values],
                    [g[3] for g in values], np.array([i for g in values for i in g[2]], dtype=np.int64),
                    np.cumsum([0] + [len(g[2]) for g in values]).tolist(), checks)
 
@@ -935,6 +955,13 @@ class _Plan:
             sub = index[at[g]:at[g + 1]]
             runs[key].append((item.positions.index_select(0, sub), item.values[self.types[g]].index_select(0, sub),
                               counts[b[g]:b[g + 1]]))
+
+
+class _Planned(NamedTuple):
+    """A decoded batch `stage` takes whole, with its plan."""
+
+    item: DeltaBatch
+    plan: _Plan
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -1030,9 +1057,12 @@ class _Sums:
             np.add.at(total, (tensor[keep], lane[keep]), values[keep])  # wraps mod 2^64, as the digest does
             held[tensor[keep], lane[keep]] = True
         text = total.astype(">u8").tobytes().hex()  # to_hex's form: lane 0 then lane 1, 16 digits each
-        flags = held.tolist()
-        return {name: [text[64 * i:64 * i + 32] if flags[i][0] else None, text[64 * i + 32:64 * i + 64] if flags[i][1]
-                       else None] for name, i in ids.items()}
+        digits = [text[k:k + 32] for k in range(0, len(text), 32)]  # tensor i's pre, then its post
+        out = dict(zip(ids, map(list, zip(digits[0::2], digits[1::2]))))
+        names = list(ids)
+        for i, lane in zip(*np.nonzero(~held)):  # a digest not summed here
+            out[names[i]][lane] = None
+        return out
 
 
 def _add(acc: list[torch.Tensor | None], i: int, part: torch.Tensor) -> None:

@@ -15,17 +15,19 @@ raises the precise error. So each check of that path holds here too, or a strict
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 import torch
 import zstandard
 
-from . import batch_device, blocks, container
+from . import batch_device, blocks, codecs, container
 from .codecs import GAP_WIDTHS
-from .dtypes import DType
+from .dtypes import DType, by_name
 from .encodings import Encoding, GapPlanes, Gaps, RawValues, UlpSteps, ValuePlanes
 from .errors import DeltaError
 
@@ -83,33 +85,96 @@ def _streams(enc: Encoding, width: int, itemsize: int) -> list[str]:
     return pos + val
 
 
-def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], pmeta: list, *, file: str,
-          param_shape: Callable) -> FlushIndex:
-    """Validate every param's head and block index against the streams at once (or `Fallback`)."""
-    if not _supported(enc) or any(s.codec != "zstd" for s in smeta.values()) or not pmeta:
+_FIELDS = ("name", "dtype", "shape", "count", "width", "streams", "blocks")
+_GETTER = itemgetter(*_FIELDS)
+
+
+@dataclass
+class Heads:
+    """A block-indexed flush's `params` metadata as columns (`_FIELDS`, one tuple each, in flush order).
+
+    Why: validated by its schema (flush._BlockedParamMeta) and walked a param at a time, it cost
+    a few microseconds a tensor; `of` checks the JSON's entries as columns instead.
+    """
+
+    name: tuple
+    dtype: tuple
+    shape: tuple
+    count: tuple
+    width: tuple
+    streams: tuple
+    blocks: tuple
+
+    @classmethod
+    def of(cls, raw: object) -> Heads | None:
+        """The columns of `raw` (parsed JSON) when its schema takes every entry as it is: each a dict of
+        exactly `_FIELDS`, of exact types (str, a list of ints >= 0, an int >= 1, an int >= 0, a list of
+        str, a list); None for anything else (the schema then decides: it may coerce, or refuse)."""
+        if type(raw) is not list or not raw or set(map(type, raw)) != {dict} or set(map(len, raw)) != {7}:
+            return None
+        try:
+            heads = cls(*zip(*map(_GETTER, raw)))
+        except KeyError:
+            return None
+        shapes = list(chain.from_iterable(heads.shape))
+        if (set(map(type, heads.name)) | set(map(type, heads.dtype)) != {str}
+                or set(map(type, heads.count)) | set(map(type, heads.width)) != {int}
+                or set(map(type, heads.shape)) | set(map(type, heads.streams)) | set(map(type, heads.blocks)) != {list}
+                or not set(map(type, shapes)) <= {int} or (shapes and min(shapes) < 0)
+                or not set(map(type, chain.from_iterable(heads.streams))) <= {str}
+                or min(heads.count) < 1 or min(heads.width) < 0):
+            return None
+        return heads
+
+    @classmethod
+    def of_models(cls, pmeta: list) -> Heads:
+        """The same columns from validated entries."""
+        return cls(*zip(*([getattr(p, f) for f in _FIELDS] for p in pmeta))) if pmeta else cls(*[()] * len(_FIELDS))
+
+
+def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], meta: Heads, *, file: str,
+          expected: Mapping | None) -> FlushIndex:
+    """Validate every param's head and block index against the streams at once (or `Fallback`: the
+    per-param path then raises the precise error, or decodes what this path does not take).
+
+    `meta`: the params' metadata. The heads' checks (flush._Heads's) as columns: each distinct (dtype,
+    shape) once; the model's shape and dtype for every param in one comparison; the change counts in
+    one array comparison."""
+    if not _supported(enc) or any(s.codec != "zstd" for s in smeta.values()) or not meta.name:
         raise Fallback
     columns = {s: j for j, s in enumerate(smeta)}
-    dtypes, shapes, numel, widths, cols, lists = [], [], [], [], [], []
-    known: dict[tuple, list[int]] = {}
+    shapes = list(map(tuple, meta.shape))
+    keys = list(zip(meta.dtype, shapes))
+    known: dict[tuple, tuple[DType, int]] = {}
     try:
-        for p in pmeta:
-            d, shape, n = param_shape(p)
-            if p.width not in GAP_WIDTHS:
-                raise Fallback
-            key = (p.width, d.torch.itemsize, tuple(p.streams))  # not the itemsize property: a call a param
-            c = known.get(key)
-            if c is None:
-                if list(p.streams) != _streams(enc, p.width, d.itemsize):
-                    raise Fallback
-                c = known[key] = [columns[s] for s in p.streams]
-            dtypes.append(d)
-            shapes.append(shape)
-            numel.append(n)
-            widths.append(p.width)
-            cols.append(c)
-            lists.append(p.blocks)
-    except (DeltaError, KeyError):
+        for dname, shape in set(keys):
+            numel_k = math.prod(shape)
+            codecs.check_numel(numel_k)
+            known[(dname, shape)] = (by_name(dname), numel_k)
+    except DeltaError:
         raise Fallback from None
+    got = list(map(known.__getitem__, keys))
+    dtypes = [k[0] for k in got]
+    numel = [k[1] for k in got]
+    torch_dtypes = [d.torch for d in dtypes]
+    # The model's (shape, dtype) of every param in one comparison (a torch.Size equals its tuple).
+    if expected is not None and list(map(expected.get, meta.name)) != list(zip(shapes, torch_dtypes)):
+        raise Fallback
+    if not set(meta.width) <= set(GAP_WIDTHS):
+        raise Fallback
+    itemsizes = [t.itemsize for t in torch_dtypes]
+    skeys = list(zip(meta.width, itemsizes, map(tuple, meta.streams)))
+    stream_cols: dict[tuple, list[int]] = {}
+    try:
+        for width, itemsize, listed in set(skeys):
+            if list(listed) != _streams(enc, width, itemsize):
+                raise Fallback
+            stream_cols[(width, itemsize, listed)] = [columns[s] for s in listed]
+    except KeyError:
+        raise Fallback from None
+    cols = list(map(stream_cols.__getitem__, skeys))
+    widths = meta.width
+    lists = meta.blocks
     nrows = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
     rows = list(chain.from_iterable(lists))
     # Each row [first, last, count, [stored, decoded, ...]]: checked as sets, not a generator resumed a row.
@@ -136,8 +201,13 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], pmeta: 
     row0 = np.concatenate(([0], np.cumsum(nrows)))
     first, last, cnt = head[:, 0], head[:, 1], head[:, 2]
     numel_a = np.array(numel, dtype=np.int64)
-    count_a = np.array([p.count for p in pmeta], dtype=np.int64)
-    pid = np.repeat(np.arange(len(pmeta)), nrows)
+    try:
+        count_a = np.array(meta.count, dtype=np.int64)
+    except OverflowError:
+        raise Fallback from None
+    if bool((count_a > numel_a).any()):
+        raise Fallback
+    pid = np.repeat(np.arange(len(lists)), nrows)
     same = pid[1:] == pid[:-1]
     ends = row0[1:] - 1
     notlast = np.ones(nrow_total, dtype=bool)
@@ -162,8 +232,8 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], pmeta: 
     declared = np.array([smeta[s].size for s in columns], dtype=np.int64)
     if not (np.array_equal(stored.sum(axis=0), sizes) and np.array_equal(decoded.sum(axis=0), declared)):
         raise Fallback
-    return FlushIndex([p.name for p in pmeta], dtypes, shapes, numel_a, count_a, np.array(widths, dtype=np.int64),
-                      np.array([d.torch.itemsize for d in dtypes], dtype=np.int64), row0, first, last, cnt, has,
+    return FlushIndex(list(meta.name), dtypes, shapes, numel_a, count_a, np.array(widths, dtype=np.int64),
+                      np.array(itemsizes, dtype=np.int64), row0, first, last, cnt, has,
                       stored, decoded, np.cumsum(stored, axis=0) - stored, columns, pid)
 
 
@@ -174,12 +244,13 @@ def wanted(ix: FlushIndex, owned: Mapping | None) -> np.ndarray:
         return np.ones(rows, dtype=bool)
     lo = np.zeros(len(ix.names), dtype=np.int64)
     hi = ix.numel - 1
+    got = list(map(owned.get, ix.names))
+    one = [p for p, r in enumerate(got) if r is not None and len(r) == 1]  # merged, a range is itself
+    if one:
+        lo[one], hi[one] = np.array([got[p][0] for p in one], dtype=np.int64).reshape(-1, 2).T
     special = []
-    for p, name in enumerate(ix.names):
-        r = owned.get(name)
-        if r is None:
-            continue
-        merged = blocks.merge(r)
+    for p in [p for p, r in enumerate(got) if r is not None and len(r) != 1]:
+        merged = blocks.merge(got[p])
         if len(merged) == 1:
             lo[p], hi[p] = merged[0]
         else:

@@ -427,7 +427,11 @@ def _iter_flush(enc: Encoding, header: FlushHeader, blocked: bool, tensors, meta
                 ) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
     try:
         smeta = {k: _StreamMeta.model_validate(v) for k, v in meta_json(meta, "streams", file=file).items()}
-        pmeta = _flush_params(_BLOCKED_LIST if blocked else _V1_LIST, meta_json(meta, "params", file=file))
+        raw = meta_json(meta, "params", file=file)
+        # A block-indexed flush's params as columns where the schema would take them as they are.
+        heads = batch.Heads.of(raw) if blocked else None
+        pmeta = None if heads is not None else _flush_params(_BLOCKED_LIST if blocked else _V1_LIST, raw)
+        del raw
     except (ValidationError, AttributeError, TypeError) as e:
         raise FormatError(f"bad flush metadata: {e}", file=file) from None
     if sum(s.size for s in smeta.values() if s.codec == "zstd") > budget:
@@ -440,7 +444,7 @@ def _iter_flush(enc: Encoding, header: FlushHeader, blocked: bool, tensors, meta
         data[name] = t.data
     if blocked:
         return header, _iter_blocked(enc, smeta, data, pmeta, meta, file=file, expected=expected, owned=owned,
-                                     batches=batches)
+                                     batches=batches, heads=heads)
     return header, _iter_v1(enc, smeta, data, pmeta, file=file, expected=expected)
 
 
@@ -502,8 +506,8 @@ def _iter_v1(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected
 
 
 def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *, file: str,
-                  expected: Expected | None, owned: Owned | None, batches: bool = False
-                  ) -> Iterator[ParamDelta | DeltaBatch]:
+                  expected: Expected | None, owned: Owned | None, batches: bool = False,
+                  heads: batch.Heads | None = None) -> Iterator[ParamDelta | DeltaBatch]:
     """Validate every param's block index against the streams, then decode lazily (see iter_flush).
 
     The batched path (wire/batch.py) first; whatever it does not take goes to the per-param path,
@@ -512,8 +516,10 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *,
     lives long enough to make the garbage collector walk the whole heap; a fallback parses it again.
     """
     try:
-        index = batch.parse(enc, smeta, data, pmeta, file=file, param_shape=_Heads(expected, file=file))
+        index = batch.parse(enc, smeta, data, heads or batch.Heads.of_models(pmeta), file=file, expected=expected)
     except batch.Fallback:
+        if pmeta is None:  # the columns passed as the schema would: its entries, for the per-param path
+            pmeta = _flush_params(_BLOCKED_LIST, meta_json(meta, "params", file=file))
         return _decode_blocked(enc, smeta, data, _plan_blocked(smeta, data, pmeta, file=file, expected=expected),
                                file=file, owned=owned)
 
@@ -527,7 +533,7 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *,
         return DeltaBatch(names[p:q], shapes[p:q], dtypes[p:q], pos, values, types, sizes, needs_base,
                           index.count[p:q].tolist(), skipped, first, last, nblocks, nbytes)
 
-    del pmeta
+    del pmeta, heads
     plans: list = []
 
     def fallback(i: int, j: int) -> Iterator[ParamDelta]:

@@ -22,7 +22,7 @@ from .container import DeltaDir, Limits, SparseFile, paused_gc
 from .digest import bytes_digest
 from .dtypes import by_name
 from .encodings import Encoding, get_encoding
-from .errors import (BoundsError, FormatError, IncompleteDeltaError, IntegrityError, VersionError)
+from .errors import (BoundsError, DeltaError, FormatError, IncompleteDeltaError, IntegrityError, VersionError)
 from .flush import FLUSH_FORMATS, DeltaBatch, Expected, Owned, ParamDelta, check_expected, iter_flush, open_flush
 from .legacy import decode_seed_flush, is_seed
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, parse_manifest
@@ -67,10 +67,39 @@ class DeltaDecoder:
         # pydantic attributes, are what admit pays per tensor): the param's (shape, dtype), its files,
         # whether it has parts (several writers, each part in position order on its own; each file's
         # part is in `_part`) and its change count.
-        self._params: dict[str, tuple[tuple[tuple[int, ...], torch.dtype], list[str], bool, int]] = {}
+        # As columns: each dtype name looked up once, the model's shapes and dtypes compared in one
+        # comparison; where either does not pass, a param at a time (`_check_heads`) for the precise error.
+        params = manifest.params
+        self._names = names = [p.name for p in params]
+        self._changed = changed = [p.changed for p in params]
+        shapes = [tuple(p.shape) for p in params]
+        dnames = [p.dtype for p in params]
+        try:
+            known = {n: by_name(n).torch for n in set(dnames)}
+        except DeltaError:
+            known = self._check_heads(params, expected)
+        heads = list(zip(shapes, map(known.__getitem__, dnames)))
+        if expected is not None and list(map(expected.get, names)) != heads:
+            self._check_heads(params, expected)
+        self._params: dict[str, tuple[tuple[tuple[int, ...], torch.dtype], list[str], bool, int]] = dict(
+            zip(names, zip(heads, [p.files for p in params], [bool(p.parts) for p in params], changed)))
         self._part: dict[tuple[str, str], int] = {}
-        dtypes: dict[str, torch.dtype] = {}  # a model has a few dtypes: each name is looked up once
-        for p in manifest.params:
+        for p in [p for p in params if p.parts]:
+            for i, part in enumerate(p.parts):
+                for f in part:
+                    self._part[(p.name, f)] = i
+        # Positions of parts are kept until finish() checks that no two parts overlap.
+        self._shared: dict[str, list[torch.Tensor]] = {p.name: [] for p in manifest.params if p.parts}
+        self._seen: dict[str, int] = {}
+        self._last: dict[tuple[str, int], int] = {}
+        self._done: set[str] = set()
+
+    @staticmethod
+    def _check_heads(params: list[ParamEntry], expected: Expected | None) -> dict[str, torch.dtype]:
+        """Each param's dtype name and its (shape, dtype) against the model's, in order: the first that
+        fails raises its precise error. The dtypes by name."""
+        dtypes: dict[str, torch.dtype] = {}
+        for p in params:
             d = dtypes.get(p.dtype)
             if d is None:
                 d = dtypes[p.dtype] = by_name(p.dtype, param=p.name).torch
@@ -79,15 +108,7 @@ class DeltaDecoder:
                 want = expected.get(p.name)  # the common case in one comparison; else the precise check
                 if want is None or want[1] != d or type(want[0]) not in (tuple, torch.Size) or want[0] != shape:
                     check_expected(p.name, shape, d, expected, file=MANIFEST_NAME)
-            self._params[p.name] = ((shape, d), p.files, bool(p.parts), p.changed)
-            for i, part in enumerate(p.parts or ()):
-                for f in part:
-                    self._part[(p.name, f)] = i
-        # Positions of parts are kept until finish() checks that no two parts overlap.
-        self._shared: dict[str, list[torch.Tensor]] = {p.name: [] for p in manifest.params if p.parts}
-        self._seen: dict[str, int] = {}
-        self._last: dict[tuple[str, int], int] = {}
-        self._done: set[str] = set()
+        return dtypes
 
     def feed(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None) -> list[ParamDelta]:
         """Decode one flush's bytes; all of its checks pass before anything is returned."""
@@ -206,14 +227,19 @@ class DeltaDecoder:
 
     def finish(self) -> None:
         """Every fed param is complete; with all files fed, the whole delta is."""
-        for p in self.manifest.params:
-            seen = self._seen.get(p.name, 0)
-            if seen != p.changed and all(f in self._done for f in p.files):
-                raise BoundsError(f"{seen} changes, manifest says {p.changed}", param=p.name)
+        if list(map(self._seen.get, self._names, repeat(0))) != self._changed:  # else each is complete
+            self._check_counts()
         for name, chunks in self._shared.items():
             merged = torch.cat(chunks).sort().values if chunks else None
             if merged is not None and bool((merged[1:] == merged[:-1]).any()):
                 raise BoundsError("parts from different writers overlap", param=name)
+
+    def _check_counts(self) -> None:
+        """Each param whose files were all fed has all its changes, in manifest order."""
+        for p in self.manifest.params:
+            seen = self._seen.get(p.name, 0)
+            if seen != p.changed and all(f in self._done for f in p.files):
+                raise BoundsError(f"{seen} changes, manifest says {p.changed}", param=p.name)
 
 
 def _synthesize_seed_manifest(d: DeltaDir, names: Sequence[str], limits: Limits) -> Manifest:
