@@ -201,8 +201,13 @@ def test_slot_sums_kernel_equals_batched_slot_sums():
 
 
 @pytest.mark.parametrize("encoding", ["ulp_zstd", "deltas_zstd"])
-def test_whole_apply_is_exact_on_both_paths(tmp_path, path, encoding):
-    """prepare + commit through each path, against the loaders' own load of the new checkpoint."""
+@pytest.mark.parametrize("block", [None, 5])
+def test_whole_apply_is_exact_on_both_paths(tmp_path, path, encoding, block, monkeypatch):
+    """prepare + commit through each path, against the loaders' own load of the new checkpoint;
+    also with the kernel's chunks cut into blocks of 5 entries (`apply._blocks`: a block's last entry
+    lands in the next one's first write)."""
+    if block:
+        monkeypatch.setattr(apply, "CPU_BLOCK", block)
     cfg = DC.SIZES["tiny"]
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=1)
@@ -220,9 +225,13 @@ def test_whole_apply_is_exact_on_both_paths(tmp_path, path, encoding):
     assert all(torch.equal(_bits(p), _bits(got[n])) for n, p in want.named_parameters())
 
 
-def test_a_kernel_write_that_does_not_land_is_a_commit_fault(tmp_path, monkeypatch):
+@pytest.mark.parametrize("block", [None, 5])
+def test_a_kernel_write_that_does_not_land_is_a_commit_fault(tmp_path, monkeypatch, block):
     """The kernel's write loses its last entry (a fake: a real one cannot be made to); the separate
-    read-back of the live weights catches it as an ApplyFault naming the tensor."""
+    read-back of the live weights catches it as an ApplyFault naming the tensor (also where each
+    block of 5 entries loses its last)."""
+    if block:
+        monkeypatch.setattr(apply, "CPU_BLOCK", block)
     cfg = DC.SIZES["tiny"]
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
     DC.write_delta(tmp_path / "d", base, DC.step(base, 0.3, seed=1), version=1)

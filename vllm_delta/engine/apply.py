@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 # Decoded tensors are located and staged together once they hold this many bytes (engine/batched.py).
 BATCH_BYTES = 64 << 20
+# Entries the compiled CPU commit writes, then reads back, at a time (`_blocks`): ~1.6 MB of weights at 2%.
+CPU_BLOCK = 1 << 14
 # How `stage` takes a tensor (DeltaApplier._routes): replayed through its loader, batched, or masked alone.
 _FALLBACK, _BATCH, _MASKED = 0, 1, 2
 
@@ -712,10 +714,10 @@ class DeltaApplier:
                 flat = flat_storage(self.targets[target])
                 missed = None
                 while chunks:
-                    chunk = chunks.popleft()
-                    new = scatter(flat, chunk)
-                    differ = read_back(flat, chunk.offsets, new)
-                    missed = differ if missed is None else missed | differ
+                    for part in _blocks(flat, chunks.popleft()):
+                        new = scatter(flat, part)
+                        differ = read_back(flat, part.offsets, new)
+                        missed = differ if missed is None else missed | differ
                 if missed is not None:
                     checks.append((target, missed))
             target = None
@@ -803,6 +805,20 @@ class DeltaApplier:
             if tensor_digest(tensor) != expected:
                 bad.append(name)
         return checked, bad
+
+
+def _blocks(flat: torch.Tensor, chunk: Chunk) -> Iterator[Chunk]:
+    """The chunk in blocks of `CPU_BLOCK` entries where the compiled commit takes it, else whole.
+
+    Why: each block is read back (a separate pass over the live weights, engine/apply_kernel.py)
+    right after its writes, while the lines it wrote are still in cache: at 2% density on a 1 GB
+    model about a third less time than a write pass and then a read-back pass over the whole chunk."""
+    n = chunk.offsets.numel()
+    if n <= CPU_BLOCK or not apply_kernel.takes(flat, chunk.offsets, chunk.values):
+        yield chunk
+        return
+    for lo in range(0, n, CPU_BLOCK):
+        yield Chunk(chunk.offsets[lo:lo + CPU_BLOCK], chunk.values[lo:lo + CPU_BLOCK], chunk.base)
 
 
 def scatter(flat: torch.Tensor, chunk: Chunk) -> torch.Tensor:

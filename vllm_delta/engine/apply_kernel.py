@@ -72,11 +72,14 @@ def scatter(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, bas
     return out
 
 
+_FLAG = (torch.tensor(False), torch.tensor(True))  # what `missed` answers: no tensor made per block
+
+
 def missed(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """A bool tensor: some live flat[offsets] differ bitwise from `values` (read after the writes)."""
     from vllm_delta.engine.apply_jit import mismatches
 
-    return torch.tensor(mismatches(_bits(flat), offsets.numpy(), _bits(values)) > 0)
+    return _FLAG[mismatches(_bits(flat), offsets.numpy(), _bits(values)) > 0]
 
 
 def stage_sums(flat: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,

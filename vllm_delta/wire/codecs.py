@@ -7,6 +7,9 @@ the param's own width. Every decoder validates what it returns, so a hostile byt
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 import torch
 
@@ -14,6 +17,7 @@ from .dtypes import DType, by_torch
 from .errors import BoundsError, FormatError
 
 GAP_WIDTHS = (1, 2, 4, 8)
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 _MAX_NUMEL = 1 << 62  # keeps every gap term and prefix sum inside int64
 
 
@@ -108,11 +112,37 @@ def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) ->
     """
     if gaps.size == 0:
         return np.zeros(0, dtype=np.int64)
+    if _kernel() and gaps.dtype.kind == "u":
+        return _decode_gaps_kernel(gaps, numel, prev, file=file, param=param)
     if int(gaps.max()) >= numel or not -1 <= prev < numel:
         raise BoundsError(f"gap exceeds the tensor's {numel} elements", file=file, param=param)
     pos = np.cumsum(gaps.astype(np.int64) + 1)
     pos += prev
     check_positions(pos, numel, file=file, param=param)
+    return pos
+
+
+def _kernel() -> bool:
+    """The receiver's compiled per-change loops are on: numba importable, `VLLM_DELTA_APPLY_KERNEL`
+    not 0 (the numpy code beside each call is the reference they are tested equal to)."""
+    return HAVE_NUMBA and os.environ.get("VLLM_DELTA_APPLY_KERNEL", "1") != "0"
+
+
+def _decode_gaps_kernel(gaps: np.ndarray, numel: int, prev: int, *, file, param) -> np.ndarray:
+    """`decode_gaps` in one compiled pass (wire/_decode_kernels.py), with the same checks and errors:
+    numpy's version makes five passes and three int64 temporaries over a param's changes."""
+    from ._decode_kernels import GAP, ORDER, RANGE, positions
+
+    if not -1 <= prev < numel:
+        raise BoundsError(f"gap exceeds the tensor's {numel} elements", file=file, param=param)
+    pos = np.empty(gaps.size, dtype=np.int64)
+    found = positions(gaps, numel, prev, pos)
+    if found == GAP:
+        raise BoundsError(f"gap exceeds the tensor's {numel} elements", file=file, param=param)
+    if found == RANGE:
+        raise BoundsError(f"position out of range [0, {numel})", file=file, param=param)
+    if found == ORDER:
+        raise BoundsError("positions are not strictly increasing", file=file, param=param)
     return pos
 
 
