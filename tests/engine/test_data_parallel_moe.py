@@ -147,6 +147,22 @@ def test_a_drifted_copy_is_refused_with_every_engine_unchanged(tmp_path, case):
     assert unchanged(models, before) and updater.engine.paused == [False, False] and updater.fault is None
 
 
+def test_a_refusal_by_every_worker_names_each_of_them(tmp_path):
+    """A flush whose bytes fail its file hash is refused by each worker with an error reply that does
+    not carry the worker's rank; the route still names every worker (it once said `dp0:rankNone`)."""
+    base, models, updater = setup(tmp_path, "ep-tp2")
+    DC.write_delta(updater.root / "v1", base, DC.step(base, 0.3, seed=3), version=1)
+    flush = next((updater.root / "v1").glob("*.safetensors"))
+    data = bytearray(flush.read_bytes())
+    data[-1] ^= 0xFF
+    flush.write_bytes(bytes(data))
+    before = snapshot(models)
+    with pytest.raises(UpdateError) as err:
+        update(updater, "v1")
+    assert set(err.value.error["ranks"]) == {"dp0:rank0", "dp0:rank1", "dp1:rank0", "dp1:rank1"}, err.value.error
+    assert unchanged(models, before) and updater.engine.paused == [False, False]
+
+
 def test_verify_sees_a_drifted_replicated_copy_and_a_drifted_expert(tmp_path):
     base, models, updater = setup(tmp_path, "ep-tp1")
     new = DC.step(base, 0.3, seed=3)

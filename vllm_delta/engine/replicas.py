@@ -34,7 +34,7 @@ ACROSS_DP = "across_dp"  # a set_peers reply's tensors split across DP engines (
 
 
 async def rpc_all(engine: Any, method: str, args: tuple = ()) -> list[Any]:
-    """`method` on every worker of every engine core this server manages; each dict reply tagged `dp`."""
+    """`method` on every worker of every engine core this server manages; each dict reply tagged `dp` and `rank`."""
     core = getattr(engine, "engine_core", None)
     ranks = list(getattr(core, "engine_ranks_managed", None) or [0])
     if len(ranks) == 1:
@@ -43,8 +43,10 @@ async def rpc_all(engine: Any, method: str, args: tuple = ()) -> list[Any]:
         per_engine = await core.call_utility_all_async("collective_rpc", method, None, args, None)
     if len(per_engine) != len(ranks):
         raise RuntimeError(f"{method}: {len(per_engine)} engines answered, {len(ranks)} are managed")
-    return [{DP_KEY: dp, **reply} if isinstance(reply, dict) else reply
-            for dp, replies in zip(ranks, per_engine) for reply in replies]
+    # collective_rpc answers in the engine's rank order; a reply that does not name its rank (an
+    # error reply) is named by its place, so a refusal says which worker refused.
+    return [{DP_KEY: dp, "rank": rank, **reply} if isinstance(reply, dict) else reply
+            for dp, replies in zip(ranks, per_engine) for rank, reply in enumerate(replies)]
 
 
 def by_replica(replies: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
