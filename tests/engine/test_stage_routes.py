@@ -9,6 +9,10 @@ over at startup) is worked out again, since it decides which tensors batch.
 
 from __future__ import annotations
 
+import collections
+import sys
+from pathlib import Path
+
 import torch
 
 from harness.synthetic import device_check
@@ -16,10 +20,14 @@ from vllm_delta.engine import apply
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import Ownership
 from vllm_delta.wire import iter_delta, open_delta
+from vllm_delta.wire.flush import DeltaBatch
 
 DC = device_check()
 BF16 = torch.bfloat16
 from test_batched_apply import moe  # noqa: E402
+
+# Python calls into the package a tensor when staging a decoded batch a second time (measured: 0).
+STAGE_CALLS_PER_TENSOR = 0
 
 
 def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
@@ -52,3 +60,67 @@ def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
     now = applier._routes()
     assert now[held][0] == apply._MASKED and [k for n, (k, _) in now.items() if n != held] == [apply._BATCH] * (len(now) - 1)
     assert calls["_batchable"] == len(now) and calls["_landings"] == len(now)
+
+
+def _staging_calls(tmp_path, experts: int) -> tuple[int, collections.Counter, object, object]:
+    """Stage one delta read in batches (as prepare reads it) a second time, counting Python calls into
+    the package by (module, function): (tensors, calls, the first sync's result, the second's)."""
+    cfg = moe(1, experts)
+    base = DC.random_checkpoint(cfg, "cpu", seed=0)
+    DC.write_delta(tmp_path / f"d{experts}", base, DC.step(base, 0.5, seed=1), version=1)
+    meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
+    model = DC.SyntheticLM(cfg)
+    model.load_weights(base.items())
+    applier = DeltaApplier(model, meta)
+    info = open_delta(tmp_path / f"d{experts}")
+    items = list(iter_delta(info, expected=meta, current_version=0, batches=True))
+    assert {type(i) for i in items} == {DeltaBatch}  # the batched decoder took every tensor
+    first = applier.stage(info.manifest, items, version=1, replay=False, start=0.0)  # plans, routes: once
+    calls: collections.Counter = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and "vllm_delta" in frame.f_code.co_filename:
+            calls[(Path(frame.f_code.co_filename).name, frame.f_code.co_name)] += 1
+
+    sys.setprofile(profile)
+    try:
+        again = applier.stage(info.manifest, items, version=1, replay=False, start=0.0)
+    finally:
+        sys.setprofile(None)
+    return sum(len(i) for i in items), calls, first, again
+
+
+def test_staging_a_decoded_batch_makes_no_call_a_tensor(tmp_path):
+    """A decoded batch is staged whole: the Python calls of a second sync do not grow with the tensors
+    (8 -> 24 experts: 3 tensors more an expert, the same 2 fused destinations a layer)."""
+    small, a, first, again = _staging_calls(tmp_path, 8)
+    large, b, _, _ = _staging_calls(tmp_path, 24)
+    assert large > small
+    grew = {k: (b[k] - a[k]) / (large - small) for k in set(a) | set(b)}
+    assert sum(grew.values()) <= STAGE_CALLS_PER_TENSOR, sorted((k, g) for k, g in grew.items() if g)
+    assert again.digests == first.digests and again.changed == first.changed > 0
+
+
+def test_a_batch_stages_what_its_tensors_stage_one_at_a_time(tmp_path):
+    """The same writes (offsets and values, bit for bit), digests and counts from a decoded batch as from
+    its tensors' ParamDeltas."""
+    cfg = moe(2, 8)
+    base = DC.random_checkpoint(cfg, "cpu", seed=0)
+    DC.write_delta(tmp_path / "d", base, DC.step(base, 0.3, seed=1), version=1)
+    meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
+    model = DC.SyntheticLM(cfg)
+    model.load_weights(base.items())
+    info = open_delta(tmp_path / "d")
+    staged = []
+    for batches in (False, True):
+        items = list(iter_delta(info, expected=meta, current_version=0, batches=batches))
+        staged.append(DeltaApplier(model, meta).stage(info.manifest, items, version=1, replay=False, start=0.0))
+    one, whole = staged
+    assert (whole.digests, whole.changed, whole.total_changed, whole.blocks, whole.expected, whole.after) == (
+        one.digests, one.changed, one.total_changed, one.blocks, one.expected, one.after)
+    assert list(whole.writes) == list(one.writes) and one.changed > 0
+    for target, chunks in one.writes.items():
+        a, b = (torch.cat([c.offsets for c in cs]) for cs in (chunks, whole.writes[target]))
+        va, vb = (torch.cat([c.values.view(torch.int16) for c in cs]) for cs in (chunks, whole.writes[target]))
+        order_a, order_b = a.argsort(), b.argsort()
+        assert torch.equal(a[order_a], b[order_b]) and torch.equal(va[order_a], vb[order_b]), target

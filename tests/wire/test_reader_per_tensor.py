@@ -21,17 +21,20 @@ import pytest
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from vllm_delta.wire import (BoundsError, DeltaWriter, FormatError, ParamDelta, ShapeMismatchError, iter_delta,
+from vllm_delta.wire import (BoundsError, DeltaError, DeltaWriter, FormatError, ParamDelta, ShapeMismatchError, iter_delta,
                              merge_manifests, open_delta, parse_manifest, read_delta, write_manifest)
 from vllm_delta.wire import flush as flush_mod
 from vllm_delta.wire.container import json_loads, pack, unpack
+from vllm_delta.wire.flush import DeltaBatch
 
 MINE = {"reader.py", "flush.py", "manifest.py", "container.py"}  # the reader's own modules
-# Python calls a tensor, as measured when this was written (26 in the whole package before session 7):
-# in the modules above the head check, the ParamDelta (make, __init__, total, count) and the admit and
-# iter_delta generators resumed; in the whole package also wire/batch.py's per-param loop and index parse.
-MINE_PER_TENSOR = 7
-WIRE_PER_TENSOR = 15
+# Python calls a tensor, as measured when this was written (26 in the whole package before session 7, 8
+# after it): in the modules above the ParamDelta (make, __init__, total) and the admit and iter_delta
+# generators resumed; in the whole package also wire/batch.py's decode generator (session 8: the heads
+# are checked as columns, no call a param).
+MINE_PER_TENSOR = 5
+WIRE_PER_TENSOR = 6
+BATCHED_PER_TENSOR = 0  # read in decoded batches, as prepare reads (measured: 0)
 
 
 def _dtype(i: int) -> torch.dtype:
@@ -49,9 +52,10 @@ def _delta(path: Path, tensors: int) -> Path:
     return path
 
 
-def _counted(path: Path) -> tuple[int, collections.Counter]:
-    """Decode as prepare does (lazily, expected shapes, owned ranges), counting Python calls into the
-    package by (module, function) and the C-level schema validations (pydantic's SchemaValidator)."""
+def _counted(path: Path, batches: bool = False) -> tuple[int, collections.Counter]:
+    """Decode as prepare does (lazily, expected shapes, owned ranges; with `batches`, in decoded batches),
+    counting Python calls into the package by (module, function) and the C-level schema validations
+    (pydantic's SchemaValidator); the tensors read."""
     info = open_delta(path)
     expected = {p.name: ((8, 8), _dtype(int(p.name.split(".")[1]))) for p in info.manifest.params}
     owned = {name: [(0, 63)] for name in expected}
@@ -65,7 +69,9 @@ def _counted(path: Path) -> tuple[int, collections.Counter]:
 
     sys.setprofile(profile)
     try:
-        n = sum(1 for _ in iter_delta(info, expected=expected, current_version=0, owned=owned, lazy=True))
+        n = sum(len(d) if isinstance(d, DeltaBatch) else 1
+                for d in iter_delta(info, expected=expected, current_version=0, owned=owned, lazy=True,
+                                    batches=batches))
     finally:
         sys.setprofile(None)
     return n, calls
@@ -85,6 +91,18 @@ def test_reader_calls_per_tensor_are_bounded_and_validations_are_per_flush(tmp_p
     mine = sum(g for (module, _), g in grew.items() if module in MINE)
     assert mine <= MINE_PER_TENSOR, sorted((k, g) for k, g in grew.items() if g and k[0] in MINE)
     assert sum(grew.values()) <= WIRE_PER_TENSOR, sorted((k, g) for k, g in grew.items() if g)
+
+
+def test_reading_in_batches_makes_no_call_a_tensor(tmp_path):
+    """What prepare reads (`batches=True`): a run of params decoded together is one object, checked as
+    columns, so no Python call into the package grows with the tensors."""
+    small, large = 40, 120
+    n_small, a = _counted(_delta(tmp_path / "a", small), batches=True)
+    n_large, b = _counted(_delta(tmp_path / "b", large), batches=True)
+    assert (n_small, n_large) == (small, large)
+    grew = {k: (b[k] - a[k]) / (large - small) for k in set(a) | set(b)}
+    assert a[("pydantic", "validate")] == b[("pydantic", "validate")] > 0
+    assert sum(grew.values()) <= BATCHED_PER_TENSOR, sorted((k, g) for k, g in grew.items() if g)
 
 
 def test_param_delta_sets_every_field_and_stays_frozen():
@@ -221,3 +239,43 @@ def test_a_param_in_a_file_the_manifest_does_not_list_it_for(tmp_path):
     with pytest.raises(FormatError, match="param is not listed for this file in the manifest") as e:
         read_delta(d, current_version=0)
     assert e.value.file == m["files"][1]["name"]
+
+
+def _set(i: int, **fields):
+    return lambda params: params[i].update(fields)
+
+
+@pytest.mark.parametrize("edit", [
+    _set(3, shape=[4, 16]),  # the flush's shape differs from the manifest's
+    _set(5, dtype="float32"),  # ... its dtype
+    _set(2, changed=4),  # more changes than the manifest lists
+    lambda params: params.pop(4),  # a param the manifest does not list
+], ids=["shape", "dtype", "count", "unlisted"])
+def test_a_batch_is_refused_as_its_params_are(tmp_path, edit):
+    """The cross-file checks of a decoded batch (taken as columns) refuse what the per-param checks
+    refuse, with the same error, file and param."""
+    d = _delta(tmp_path / "d", 6)
+    m = json.loads((d / "manifest.json").read_text())
+    edit(m["params"])
+    (d / "manifest.json").write_text(json.dumps(m))
+    errors = []
+    for batches in (False, True):
+        with pytest.raises(DeltaError) as e:
+            list(iter_delta(open_delta(d), current_version=0, lazy=True, batches=batches))
+        errors.append((type(e.value), str(e.value), e.value.file, e.value.param))
+    assert errors[0] == errors[1]
+
+
+def test_batches_carry_the_same_changes_as_params(tmp_path):
+    """`DeltaBatch.deltas()` and the per-param reader give the same changes, field for field."""
+    d = _delta(tmp_path / "d", 9)
+    one = read_delta(d, current_version=0)
+    items = read_delta(d, current_version=0, batches=True)
+    assert {type(i) for i in items} == {DeltaBatch}
+    whole = [pd for item in items for pd in item.deltas()]
+    assert len(whole) == len(one) == 9
+    for a, b in zip(one, whole):
+        assert (a.name, a.shape, a.dtype, a.needs_base, a.skipped, a.bounds, a.blocks) == (
+            b.name, b.shape, b.dtype, b.needs_base, b.skipped, b.bounds, b.blocks)
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.values, b.values)
+    assert sum(i.total for i in items) == sum(pd.total for pd in one)

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple
@@ -1059,6 +1060,7 @@ class _Sums:
         """Hex digests, with one device-to-host copy per device and no Python object per row (so a
         6k-tensor update does not set off the garbage collector: 0.25 s with a list per row)."""
         ids = {name: i for i, name in enumerate(self.names)}
+        row_of = {**ids, None: -1}  # a row's name: None where its tensor has no such digest
         total = np.zeros((len(ids), 2, 2), dtype=np.uint64)  # tensor, pre/post, the digest's two lanes
         held = np.zeros((len(ids), 2), dtype=bool)
         by_device: dict[torch.device, list[tuple[list[str | None], int, torch.Tensor]]] = {}
@@ -1066,7 +1068,7 @@ class _Sums:
             by_device.setdefault(row[2].device, []).append(row)
         for rows in by_device.values():
             values = torch.cat([t for _, _, t in rows]).cpu().numpy().view(np.uint64)
-            tensor = np.fromiter((-1 if n is None else ids[n] for names, _, _ in rows for n in names),
+            tensor = np.fromiter(map(row_of.__getitem__, chain.from_iterable(names for names, _, _ in rows)),
                                  dtype=np.int64, count=len(values))
             lane = np.repeat(np.array([lane for _, lane, _ in rows]), [len(names) for names, _, _ in rows])
             keep = tensor >= 0

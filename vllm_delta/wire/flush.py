@@ -150,7 +150,8 @@ class DeltaBatch:
         self.counts, self.skipped, self.first, self.last = counts, skipped, first, last  # counts: on the wire
         self.nblocks = nblocks  # per param: (decoded, indexed) blocks
         self.total = sum(counts)  # entries on the wire, decoded or skipped (`ParamDelta.total`, summed)
-        self.blocks = (sum(b for b, _ in nblocks), sum(b for _, b in nblocks))
+        decoded, indexed = zip(*nblocks) if nblocks else ((), ())
+        self.blocks = (sum(decoded), sum(indexed))
         self.nbytes = nbytes  # of positions and values
 
     def __len__(self) -> int:

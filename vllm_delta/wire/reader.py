@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from itertools import islice, repeat
+from operator import contains, gt
 from pathlib import Path
 
 import torch
@@ -212,14 +213,15 @@ class DeltaDecoder:
         got = list(map(self._params.get, names))
         if None in got or len(set(names)) != len(names):
             return False
-        if any(p[2] or name not in p[1] for p in got):  # several writers, or not this file's
+        heads, files, has_parts, changed = zip(*got)
+        if True in has_parts or not all(map(contains, files, repeat(name))):  # several writers, or not this file's
             return False
-        if [p[0] for p in got] != list(zip(batch.shapes, batch.dtypes)):
+        if list(heads) != list(zip(batch.shapes, batch.dtypes)):
             return False
         keys = list(zip(names, repeat(0)))
         if not (self._seen.keys().isdisjoint(names) and self._last.keys().isdisjoint(keys)):
             return False
-        if any(n > p[3] for n, p in zip(batch.counts, got)):
+        if any(map(gt, batch.counts, changed)):
             return False
         self._last.update(zip(keys, batch.last))
         self._seen.update(zip(names, batch.counts))
