@@ -551,8 +551,10 @@ class DeltaApplier:
         for i, n in zip(deferred, owned_counts([located_all[i] for i in deferred])):
             located_all[i] = compact(located_all[i], n)
         for ((target, dtype, needs_base, _), (pieces, names)), located in zip(groups.items(), located_all):
-            pre = [entries[n].pre_digest is not None for n in names]
-            post = [entries[n].post_digest is not None for n in names]
+            noted = list(map(sums.names.get, names))  # what `stage` noted of each tensor's digests
+            if None in noted:  # a tensor without digests, or a batch staged other than by `stage`
+                noted = [(entries[n].pre_digest is not None, entries[n].post_digest is not None) for n in names]
+            pre, post = zip(*noted)
             canon = self.targets[target]
             flat = flat_storage(canon)
             device = flat.device

@@ -70,10 +70,11 @@ def json_loads(text: str | bytes) -> object:
     share of the reader's per-tensor cost at 44k tensors. pydantic-core's parser builds the same
     objects; what it refuses (all that `json.loads` refuses, and also lone surrogates and nesting
     past its depth limit, which `json.loads` accepts) is parsed by `json.loads`, so nothing is
-    accepted or refused that was not before, and every error is `json.loads`'s own.
+    accepted or refused that was not before, and every error is `json.loads`'s own. Only keys are
+    cached: a manifest's values (names, digests) are nearly all distinct (44k entries: 1.8 -> 1.1 us each).
     """
     try:
-        return pydantic_core.from_json(text)
+        return pydantic_core.from_json(text, cache_strings="keys")
     except ValueError:
         return json.loads(text)
 
