@@ -12,11 +12,16 @@ The ULP resolve is `wire.codecs.ulp_resolve`'s order-key bijection, branch-free 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 _M1_0, _M2_0 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64 (lane 0)
 _K_1 = np.uint64(0xC2B2AE3D27D4EB4F)  # lane 1's key is XORed with this first (wire.additive._LANES)
 _M1_1, _M2_1 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)  # Murmur3 fmix64 (lane 1)
+# Entries ahead whose weights line each loop prefetches: offsets rise by ~100-400 B at 0.5-2% density,
+# too irregular for the hardware prefetcher (on a 1 GB model, 30 -> 10 ns an entry at 0.5%).
+AHEAD = 16
 # How `resolve` maps bits to order keys (wire.codecs.order_key): floats, uint8 (identity), signed ints.
 FLOAT, UNSIGNED, SIGNED = 0, 1, 2
 
@@ -58,6 +63,31 @@ def _resolve(old, step, kind, top, full):
     return key
 
 
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Ask for the cache line of arr[idx] (`llvm.prefetch`, read, keep in all levels): a hint that
+    never faults, so an index past the end is harmless."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        mod = builder.module
+        fn = mod.globals.get("llvm.prefetch.p0") or ir.Function(
+            mod, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), i8p), ir.Constant(i32, 0),
+                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def _ahead(flat, offsets, i, n):
+    """Prefetch the line of the entry AHEAD places on (clamped to the last: offsets is read in bounds)."""
+    _prefetch(flat, offsets[min(i + AHEAD, n - 1)])
+
+
 @njit(nogil=True, cache=True)
 def _check(offsets, n):
     """Every offset inside [0, n), in a pass of its own: the loops after it then carry no branch out
@@ -74,7 +104,9 @@ def _check(offsets, n):
 def write(flat, offsets, values):
     """flat[offsets[i]] = values[i]: the plain chunk's scatter."""
     _check(offsets, flat.size)
-    for i in range(offsets.size):
+    n = offsets.size
+    for i in range(n):
+        _ahead(flat, offsets, i, n)
         flat[offsets[i]] = values[i]
 
 
@@ -84,7 +116,9 @@ def write_resolved(flat, offsets, steps, kind, out):
     _check(offsets, flat.size)
     top = np.uint64(8 * flat.itemsize - 1)
     full = (np.uint64(1) << top << np.uint64(1)) - np.uint64(1)
-    for i in range(offsets.size):
+    n = offsets.size
+    for i in range(n):
+        _ahead(flat, offsets, i, n)
         o = offsets[i]
         v = _resolve(np.uint64(flat[o]), np.uint64(steps[i]), kind, top, full)
         out[i] = v
@@ -96,7 +130,9 @@ def mismatches(flat, offsets, values):
     """How many flat[offsets[i]] != values[i]: the read-back, a separate pass after the writes."""
     _check(offsets, flat.size)
     bad = 0
-    for i in range(offsets.size):
+    n = offsets.size
+    for i in range(n):
+        _ahead(flat, offsets, i, n)
         bad += flat[offsets[i]] != values[i]
     return bad
 
@@ -119,7 +155,9 @@ def _gathered(positions, flat, offsets, values, a, b, width, post, kind):
     top = width - np.uint64(1)
     full = (np.uint64(1) << top << np.uint64(1)) - np.uint64(1)
     a0, a1, b0, b1 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    n = offsets.size
     for i in range(a, b):
+        _ahead(flat, offsets, i, n)
         key = np.uint64(positions[i]) << width
         old = np.uint64(flat[offsets[i]])
         k = key | old
