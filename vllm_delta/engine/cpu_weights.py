@@ -102,6 +102,10 @@ def refresh(modules: Iterable[nn.Module]) -> int:
     tensor attribute has the `data_ptr()` it had before: a captured CUDA graph keeps reading live
     weights (what vLLM RFC #48312 asks of weight reloads). Only opaque kernel state (a closure
     over a packed copy) is rebuilt, as the step rebuilds it.
+
+    Cost: a weight the step emptied (vLLM's CPU linear, oneDNN) is its canonical tensor, so the
+    step reads it directly, uncopied; the refresh is then vLLM's own repack, and the bookkeeping
+    here is about 1% of it (benchmarks/cpu_refresh.py, docs/results/apply.md).
     """
     count = 0
     for module in modules:
@@ -109,7 +113,9 @@ def refresh(modules: Iterable[nn.Module]) -> int:
         held = held_tensors(module)
         stashed_data = {n: module._parameters[n].data for n in stash}
         for n, canon in stash.items():
-            module._parameters[n].data = canon.clone()  # the step runs from the checkpoint layout
+            # The step runs from the checkpoint layout, on a copy: steps may write into the parameter
+            # they get (vLLM's unquantized fused MoE: `w13_weight.data.copy_(...)`; test_cpu_refresh).
+            module._parameters[n].data = canon.clone()
         post_load_step(module)()
         results = held_tensors(module)
         restored: set[str] = getattr(module, RESTORED_ATTR)
