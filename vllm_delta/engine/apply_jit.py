@@ -11,6 +11,7 @@ The ULP resolve is `wire.codecs.ulp_resolve`'s order-key bijection, branch-free 
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -63,6 +64,10 @@ def _resolve(old, step, kind, top, full):
     return key
 
 
+# The intrinsic's name carries its pointer type: opaque `ptr` from LLVM 17 (llvmlite >= 0.45), `i8*` before.
+_PREFETCH = "llvm.prefetch.p0" if llvm.llvm_version_info[0] >= 17 else "llvm.prefetch.p0i8"
+
+
 @intrinsic
 def _prefetch(typingctx, arr, idx):
     """Ask for the cache line of arr[idx] (`llvm.prefetch`, read, keep in all levels): a hint that
@@ -73,8 +78,8 @@ def _prefetch(typingctx, arr, idx):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         mod = builder.module
-        fn = mod.globals.get("llvm.prefetch.p0") or ir.Function(
-            mod, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+        fn = mod.globals.get(_PREFETCH) or ir.Function(
+            mod, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH)
         builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), i8p), ir.Constant(i32, 0),
                           ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
