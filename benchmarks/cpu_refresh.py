@@ -97,8 +97,8 @@ def main() -> None:
                 samples[group].setdefault(name, []).append(timed(fn))
     out = {"threads": a.threads, "rounds": a.rounds, "modules": {g: len(m) for g, m in groups.items()}, "ms": {}}
     for group, by_name in samples.items():
-        row = {name: {"cpu": statistics.median(s[0] for s in xs) * 1e3, "wall": statistics.median(s[1] for s in xs) * 1e3}
-               for name, xs in by_name.items()}
+        row = {name: {"cpu": statistics.median(c for c, _ in xs) * 1e3,
+                      "wall": statistics.median(w for _, w in xs) * 1e3} for name, xs in by_name.items()}
         out["ms"][group] = row
         print(f"{group:8s} x{len(groups[group]):3d} " + "  ".join(
             f"{n} {v['cpu']:7.1f}/{v['wall']:7.1f}" for n, v in row.items()) + "  (ms cpu/wall)", flush=True)
