@@ -129,17 +129,23 @@ def find_words(x, y, at, d, words):
 
 
 @njit(nogil=True, cache=True)
-def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, pos, hfs, old, new, run):
+def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run):
     """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
-    The outputs are written into `pos`, `hfs`, `old`, `new` (and `run`, unless it has one element:
-    not wanted), grown by doubling if they fill; what is returned is the arrays written.
     Per chunk of a run: the changed elements' chunk-local indices (`find_compress`, or
     `find_words` without AVX-512), then their outputs, then their digest terms in a second loop
     over those contiguous outputs (so LLVM vectorises the lanes' 64-bit multiplies: ~5x cheaper
     than summing them in the gathering loop)."""
     width = np.uint64(8 * cur.itemsize)
-    want_run = run.size > 1
+    # capacity: virtual memory; only the pages the changes are written to become resident. Not
+    # numpy's allocator: it asks for transparent huge pages, whose faults stalled (0.55-0.64 s
+    # against 0.29-0.30 s a 1 GB scan) in a process that had just freed the torch path's temporaries.
+    cap = max(CHUNK, (hi - lo) >> 5)
+    pos = np.empty(cap, np.int64)
+    hfs = np.empty(cap, np.int64)
+    old = np.empty(cap, cur.dtype)
+    new = np.empty(cap, cur.dtype)
+    run = np.empty(cap if want_run else 1, np.int64)
     sums = np.zeros((nseg, 4), np.uint64)
     at = np.empty(CHUNK, np.int32)  # a chunk's changed indices
     d = np.zeros(CHUNK, cur.dtype)  # find_words' scratch

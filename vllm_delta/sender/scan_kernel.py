@@ -52,10 +52,9 @@ def diff_digest(base: torch.Tensor, snap: torch.Tensor, tables: tuple[torch.Tens
     windows = _windows(base.numel(), workers if pool is not None else 1, CHUNK)
     args = (cur, old_np, starts, ends, shifts, segs)
     if len(windows) == 1:
-        parts = [scan_runs(*args, windows[0][0], windows[0][1], n, *_outputs(*windows[0], u, want_run, CHUNK))]
+        parts = [scan_runs(*args, windows[0][0], windows[0][1], n, want_run)]
     else:
-        futures: list[Future] = [pool.submit(scan_runs, *args, a, b, n, *_outputs(a, b, u, want_run, CHUNK))
-                                 for a, b in windows]
+        futures: list[Future] = [pool.submit(scan_runs, *args, a, b, n, want_run) for a, b in windows]
         parts = [f.result() for f in futures]
     pieces = [tuple(x[:p[0]] for x in p[1:6]) for p in parts]
     pos, hf, old, new, run = (np.concatenate(x) if len(x) > 1 else x[0] for x in zip(*pieces))
@@ -66,17 +65,6 @@ def diff_digest(base: torch.Tensor, snap: torch.Tensor, tables: tuple[torch.Tens
     dtype = base.dtype
     return (torch.from_numpy(pos), _values(old, dtype), _values(new, dtype), torch.from_numpy(hf),
             torch.from_numpy(run) if want_run else None, sums[:, :2].contiguous(), sums[:, 2:].contiguous())
-
-
-def _outputs(lo: int, hi: int, u: type, want_run: bool, chunk: int) -> tuple[np.ndarray, ...]:
-    """The kernel's output arrays for a window, sized for 1/32 of it (the kernel doubles them past
-    that). Allocated by numpy, not inside the kernel: numpy asks for transparent huge pages on large
-    arrays (madvise), so first writes fault once per 2 MiB rather than per 4 KiB page (numba's
-    allocator does not: ~0.07 s of a 1 GB scan at 2%). Virtual memory: only the pages the changes
-    are written to become resident."""
-    cap = max(chunk, (hi - lo) >> 5)
-    return (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, u), np.empty(cap, u),
-            np.empty(cap if want_run else 1, np.int64))
 
 
 def _bits(t: torch.Tensor, u: type) -> np.ndarray:
