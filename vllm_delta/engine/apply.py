@@ -539,7 +539,7 @@ class DeltaApplier:
         located_all = []
         for key, (pieces, _) in groups.items():
             target, on_there = key[0], key[3]
-            device = flat_storage(self.targets[target]).device
+            device = self.targets[target].device  # its flat storage's: no view made for it
             got = runs.get(key)
             joined = None if got is None else (_cat([r[0] for r in got]), _cat([r[1] for r in got]),
                                                [n for r in got for n in r[2]])
