@@ -2,10 +2,10 @@
 
 Per chunk of a run: the changed elements' indices, 16 lanes at a time with a compress store
 (branch-free: at 2% density a per-element or per-word branch mispredicts on every change; CPUs
-without AVX-512 skip zero 64-bit words instead), then per change its outputs, then, in a second
-loop over those contiguous outputs (vectorised), its four digest terms (`wire.additive`: key =
-HF position << width | bits; lane 0 splitmix64's finaliser, lane 1 Murmur3's fmix64 of key ^ its
-constant), summed mod 2^64 per run and added to the run's member.
+without AVX-512 skip zero 64-bit words instead),
+then per change its outputs and its four digest terms (`wire.additive`: key = HF position
+<< width | bits; lane 0 splitmix64's finaliser, lane 1 Murmur3's fmix64 of key ^ its constant),
+summed mod 2^64 per run and added to the run's member.
 """
 
 from __future__ import annotations
@@ -133,13 +133,9 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run):
     """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
     Per chunk of a run: the changed elements' chunk-local indices (`find_compress`, or
-    `find_words` without AVX-512), then their outputs, then their digest terms in a second loop
-    over those contiguous outputs (so LLVM vectorises the lanes' 64-bit multiplies: ~5x cheaper
-    than summing them in the gathering loop)."""
+    `find_words` without AVX-512), then their outputs and digest terms."""
     width = np.uint64(8 * cur.itemsize)
-    # capacity: virtual memory; only the pages the changes are written to become resident. Not
-    # numpy's allocator: it asks for transparent huge pages, whose faults stalled (0.55-0.64 s
-    # against 0.29-0.30 s a 1 GB scan) in a process that had just freed the torch path's temporaries.
+    # capacity: virtual memory; only the pages the changes are written to become resident
     cap = max(CHUNK, (hi - lo) >> 5)
     pos = np.empty(cap, np.int64)
     hfs = np.empty(cap, np.int64)
@@ -166,11 +162,11 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run):
             for t in range(found):
                 i = at[t]
                 p = c + i
-                pos[k + t], hfs[k + t], old[k + t], new[k + t] = p, p + shift, y[i], x[i]
-            hc, oc, nc = hfs[k:k + found], old[k:k + found], new[k:k + found]
-            for t in range(found):
-                key = np.uint64(hc[t]) << width
-                ko, kn = key | np.uint64(oc[t]), key | np.uint64(nc[t])
+                h = p + shift
+                ov, nv = y[i], x[i]
+                pos[k + t], hfs[k + t], old[k + t], new[k + t] = p, h, ov, nv
+                key = np.uint64(h) << width
+                ko, kn = key | np.uint64(ov), key | np.uint64(nv)
                 pre0 += _lane0(ko)
                 pre1 += _lane1(ko)
                 post0 += _lane0(kn)
