@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -153,8 +154,9 @@ class Manifest(_Strict):
         if len(set(names)) != len(names):
             raise ValueError("duplicate file names")
         known = set(names)
-        params = [p.name for p in self.params]
-        if len(set(params)) == len(params) and known.issuperset(chain.from_iterable(p.files for p in self.params)):
+        params = list(map(attrgetter("name"), self.params))
+        if len(set(params)) == len(params) and known.issuperset(chain.from_iterable(map(attrgetter("files"),
+                                                                                     self.params))):
             return self  # else the first param at fault, in order:
         seen: set[str] = set()
         for p in self.params:

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from itertools import islice, repeat
-from operator import contains, gt
+from operator import attrgetter, contains, gt
 from pathlib import Path
 
 import torch
@@ -71,10 +71,10 @@ class DeltaDecoder:
         # As columns: each dtype name looked up once, the model's shapes and dtypes compared in one
         # comparison; where either does not pass, a param at a time (`_check_heads`) for the precise error.
         params = manifest.params
-        self._names = names = [p.name for p in params]
-        self._changed = changed = [p.changed for p in params]
-        shapes = [tuple(p.shape) for p in params]
-        dnames = [p.dtype for p in params]
+        self._names = names = list(map(attrgetter("name"), params))
+        self._changed = changed = list(map(attrgetter("changed"), params))
+        shapes = list(map(tuple, map(attrgetter("shape"), params)))
+        dnames = list(map(attrgetter("dtype"), params))
         try:
             known = {n: by_name(n).torch for n in set(dnames)}
         except DeltaError:
@@ -83,7 +83,8 @@ class DeltaDecoder:
         if expected is not None and list(map(expected.get, names)) != heads:
             self._check_heads(params, expected)
         self._params: dict[str, tuple[tuple[tuple[int, ...], torch.dtype], list[str], bool, int]] = dict(
-            zip(names, zip(heads, [p.files for p in params], [bool(p.parts) for p in params], changed)))
+            zip(names, zip(heads, map(attrgetter("files"), params), map(bool, map(attrgetter("parts"), params)),
+                           changed)))
         self._part: dict[tuple[str, str], int] = {}
         for p in [p for p in params if p.parts]:
             for i, part in enumerate(p.parts):
