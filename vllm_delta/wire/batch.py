@@ -86,6 +86,7 @@ def _streams(enc: Encoding, width: int, itemsize: int) -> list[str]:
 
 
 _FIELDS = ("name", "dtype", "shape", "count", "width", "streams", "blocks")
+_HEAD, _FRAMES = itemgetter(0, 1, 2), itemgetter(3)  # a block row's [first, last, count], its frame lengths
 _GETTER = itemgetter(*_FIELDS)
 
 
@@ -180,10 +181,10 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], meta: H
     # Each row [first, last, count, [stored, decoded, ...]]: checked as sets, not a generator resumed a row.
     if not nrows.all() or not set(map(type, rows)) <= {list} or set(map(len, rows)) != {4}:
         raise Fallback
-    frames = [r[3] for r in rows]
+    frames = list(map(_FRAMES, rows))
     if not set(map(type, frames)) <= {list}:
         raise Fallback
-    heads = [x for r in rows for x in (r[0], r[1], r[2])]
+    heads = list(chain.from_iterable(map(_HEAD, rows)))
     lens = list(chain.from_iterable(frames))
     if not set(map(type, heads)) <= {int} or not set(map(type, lens)) <= {int}:
         raise Fallback
@@ -219,7 +220,10 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], meta: H
           and bool((cnt[notlast] % 8 == 0).all()) and bool((flat >= 0).all()))
     if not ok:
         raise Fallback
-    col = np.array(list(chain.from_iterable([c * k for c, k in zip(cols, nrows.tolist())])), dtype=np.int64)
+    # Each row's stream columns: its param's, row after row (ranges of the params' concatenated columns).
+    col_start = np.cumsum(nstreams) - nstreams
+    col = np.fromiter(chain.from_iterable(cols), dtype=np.int64, count=int(nstreams.sum()))[
+        np.repeat(col_start[pid] - (np.cumsum(per_row) - per_row), per_row) + np.arange(int(per_row.sum()))]
     rid = np.repeat(np.arange(nrow_total), per_row)
     shape2 = (nrow_total, len(columns))
     has = np.zeros(shape2, dtype=bool)
