@@ -20,6 +20,8 @@ import os
 import numpy as np
 import torch
 
+# Empty stand-ins of the usual types (int32 offsets, int64 slots): no compiled variant of their own.
+_NO_OFFSETS, _NO_SLOTS = np.empty(0, np.int32), np.empty(0, np.int64)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None
@@ -101,8 +103,8 @@ def stage_sums(flat: torch.Tensor, offsets: torch.Tensor, positions: torch.Tenso
 
     vals = _bits(values)
     sums = slot_sums(positions.numpy(), _bits(flat) if gather else vals,
-                     offsets.numpy() if gather else np.empty(0, np.int64),
-                     vals, slot_t.numpy() if slot_t is not None else np.empty(0, np.int64),
+                     offsets.numpy() if gather else _NO_OFFSETS,
+                     vals, slot_t.numpy() if slot_t is not None else _NO_SLOTS,
                      0 if slot_t is not None else int(slots), n, pre, post, kind)
     out = torch.from_numpy(sums.view(np.int64))
     return (out[0] if pre else None, out[1] if post else None)
