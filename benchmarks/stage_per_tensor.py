@@ -31,6 +31,7 @@ from harness.perturb import perturb_tensor  # noqa: E402
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
 from vllm_delta.wire import iter_delta, open_delta  # noqa: E402
 from vllm_delta.wire.container import paused_gc  # noqa: E402
+from vllm_delta.wire.flush import DeltaBatch  # noqa: E402
 
 MODEL = "glm-4.7-355b-a32b"
 
@@ -51,14 +52,14 @@ def timed(layers: int, experts: int, density: float, repeats: int) -> dict:
         path = Path(tmp) / "v1"
         write_delta(path, base, {n: perturb_tensor(t, density, gen) for n, t in base.items()}, version=1)
         info = open_delta(path)
-        deltas = list(iter_delta(info, expected=checkpoint, current_version=0, lazy=True))
+        deltas = list(iter_delta(info, expected=checkpoint, current_version=0, lazy=True, batches=True))  # as prepare
         times = []
         for _ in range(repeats):
             with paused_gc():  # as prepare runs it
                 start = time.perf_counter()
                 staged = applier.stage(info.manifest, deltas, version=1, replay=False, start=start)
                 times.append(time.perf_counter() - start)
-    return {"layers": layers, "experts": experts, "tensors": len(deltas), "destinations": len(staged.writes),
+    return {"layers": layers, "experts": experts, "tensors": sum(len(d) if isinstance(d, DeltaBatch) else 1 for d in deltas), "destinations": len(staged.writes),
             "changes": staged.changed, "median_s": statistics.median(times), "min_s": min(times)}
 
 
