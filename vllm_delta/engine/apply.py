@@ -40,8 +40,8 @@ from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chun
 from vllm_delta.engine.fallback import UnservableLoader, bits, check_servable, differs, replay, same_layout, shadow_target
 from vllm_delta.engine.owned import owned_by_tensor
 from vllm_delta.engine.placement import PeakRss, Segment, TensorPlacement, build_placement
-from vllm_delta.wire import (DeltaDecoder, IncompleteDeltaError, Manifest, ParamDelta, VersionError, get_encoding,
-                             iter_delta, open_delta, tensor_digest)
+from vllm_delta.wire import (DeltaDecoder, DeltaInfo, IncompleteDeltaError, Manifest, ParamDelta, VersionError,
+                             get_encoding, iter_delta, open_delta, tensor_digest)
 from vllm_delta.wire.batch_device import Destinations
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 from vllm_delta.wire.container import paused_gc
@@ -240,7 +240,7 @@ class DeltaApplier:
                 "transformed": sorted(transforms.transformed(self.model))}
 
     # ---- phase 1 -------------------------------------------------------------------------
-    def prepare(self, path: str | Path, *, version: int, base_version: int | None,
+    def prepare(self, path: str | Path | DeltaInfo, *, version: int, base_version: int | None,
                 current_version: int, files: list[str] | None = None,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, decode_threads: int | None = None) -> StagedUpdate:
         """Read, verify and decode the delta in a version directory; locate each entry this rank owns.
@@ -248,11 +248,12 @@ class DeltaApplier:
         Flushes are read and decoded on `decode_threads` threads (default: this thread's torch
         intra-op count; the engine passes worker.decode_threads), ahead of the staging; the garbage
         collector is paused meanwhile (the decoded deltas form no cycles, and two full collections
-        over a 44k-tensor update's objects cost ~20 us a tensor).
+        over a 44k-tensor update's objects cost ~20 us a tensor). `path` may be the delta already
+        opened (the worker opens it for its lineage check): its manifest is then not parsed again.
         """
         start = time.perf_counter()
         with paused_gc():  # from the manifest's parse on: its per-tensor entries are young objects too
-            info = open_delta(path, files=files)
+            info = path if isinstance(path, DeltaInfo) else open_delta(path, files=files)
             encoding = self._check_lineage(info.manifest, version, base_version, current_version)
             # Lazily, a param at a time, and only the blocks meeting this rank's shard.
             owned = self._owned()

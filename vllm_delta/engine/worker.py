@@ -200,10 +200,11 @@ class DeltaWorkerExtension:
             else:
                 # Opened again from the root's handle, through no symlink (the route checked the path).
                 delta_dir = DeltaDir.open(request["path"], root=request.get("root"))
-                manifest = open_delta(delta_dir, files=request.get("files")).manifest
+                opened = open_delta(delta_dir, files=request.get("files"))
+                manifest = opened.manifest
                 self._delta_check_lineage(manifest, request)  # before any flush is read
                 staged = state.applier.prepare(
-                    delta_dir, version=int(request["version"]),
+                    opened, version=int(request["version"]),
                     base_version=request.get("base_version"),
                     current_version=state.version, files=request.get("files"), chunk_bytes=chunk_bytes,
                     decode_threads=decode_threads(state.applier.model))
