@@ -17,6 +17,8 @@ from numba import njit, types
 from numba.core import config
 from numba.extending import intrinsic
 
+from vllm_delta.wire.additive_jit import lane0, lane1
+
 # Elements of a run taken at a time: their changed indices (int32, 8 KiB at most) stay in L1.
 CHUNK = 2048
 
@@ -30,28 +32,6 @@ def _compress_store() -> bool:
 
 
 COMPRESS = _compress_store()
-_M1_0, _M2_0 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64 (lane 0)
-_K_1 = np.uint64(0xC2B2AE3D27D4EB4F)  # lane 1's key is XORed with this first (wire.additive._LANES)
-_M1_1, _M2_1 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)  # Murmur3 fmix64 (lane 1)
-
-
-@njit(nogil=True, cache=True)
-def _lane0(x):  # splitmix64's finaliser; additive._mix_ with _LANES[0]
-    x ^= x >> np.uint64(30)
-    x *= _M1_0
-    x ^= x >> np.uint64(27)
-    x *= _M2_0
-    return x ^ (x >> np.uint64(31))
-
-
-@njit(nogil=True, cache=True)
-def _lane1(x):  # Murmur3's fmix64 of the key XOR its first constant; additive._mix_ with _LANES[1]
-    x ^= _K_1
-    x ^= x >> np.uint64(33)
-    x *= _M1_1
-    x ^= x >> np.uint64(33)
-    x *= _M2_1
-    return x ^ (x >> np.uint64(33))
 
 
 @njit(nogil=True, cache=True)
@@ -167,10 +147,10 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run):
                 pos[k + t], hfs[k + t], old[k + t], new[k + t] = p, h, ov, nv
                 key = np.uint64(h) << width
                 ko, kn = key | np.uint64(ov), key | np.uint64(nv)
-                pre0 += _lane0(ko)
-                pre1 += _lane1(ko)
-                post0 += _lane0(kn)
-                post1 += _lane1(kn)
+                pre0 += lane0(ko)
+                pre1 += lane1(ko)
+                post0 += lane0(kn)
+                post1 += lane1(kn)
             if want_run:
                 run[k:k + found] = r
             k += found
