@@ -34,18 +34,20 @@ def test_a_call_that_answers_returns_its_value():
     assert asyncio.run(liveness.while_alive(client(), answer())) == 7
 
 
+async def never(cancelled: asyncio.Event) -> None:
+    """A call that only ends by cancellation, which it records."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+
+
 def test_a_pending_call_is_cancelled_when_the_engine_dies():
     engine, cancelled = client(), asyncio.Event()
 
-    async def never():
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
     async def scenario():
-        call = asyncio.ensure_future(liveness.while_alive(engine, never()))
+        call = asyncio.ensure_future(liveness.while_alive(engine, never(cancelled)))
         await asyncio.sleep(0.05)
         assert not call.done()
         engine.engine_core.resources.engine_dead = True
@@ -71,15 +73,8 @@ def test_a_dead_engine_is_not_called():
 def test_a_cancelled_caller_cancels_the_call():
     cancelled = asyncio.Event()
 
-    async def never():
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
     async def scenario():
-        call = asyncio.ensure_future(liveness.while_alive(client(), never()))
+        call = asyncio.ensure_future(liveness.while_alive(client(), never(cancelled)))
         await asyncio.sleep(0.05)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):

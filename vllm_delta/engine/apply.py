@@ -394,8 +394,7 @@ class DeltaApplier:
             bytes_read=sum(f.bytes for f in manifest.files), decode_s=time.perf_counter() - start,
             replay=replay, chunk_bytes=chunk_bytes, staged_bytes=staging.nbytes,
             digests=sums.hex(),
-            expected={n: [a, b] for n, a, b in zip(names, map(attrgetter("pre_digest"), params),
-                                                   map(attrgetter("post_digest"), params))
+            expected={n: [a, b] for n, a, b in zip(names, map(_PRE, params), map(_POST, params))
                       if a is not None or b is not None},
             after=dict(zip(names, zip(map(attrgetter("digest"), params), map(attrgetter("post_hash"), params)))),
             blocks=(blocks[0], blocks[1]),

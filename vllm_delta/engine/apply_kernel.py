@@ -14,22 +14,16 @@ conversion in the same step, or with `VLLM_DELTA_APPLY_KERNEL=0` (A/B runs, test
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import torch
+
+from vllm_delta.wire.codecs import HAVE_NUMBA
+from vllm_delta.wire.codecs import apply_kernel_on as enabled  # the one switch of the receiver's kernels
 
 # Empty stand-ins of the usual types (int32 offsets, int64 slots): no compiled variant of their own.
 _NO_OFFSETS, _NO_SLOTS = np.empty(0, np.int32), np.empty(0, np.int64)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
-
-
-def enabled() -> bool:
-    """numba importable and not switched off by the environment."""
-    return HAVE_NUMBA and os.environ.get("VLLM_DELTA_APPLY_KERNEL", "1") != "0"
 
 
 def takes(*tensors: torch.Tensor) -> bool:

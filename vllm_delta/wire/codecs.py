@@ -112,7 +112,7 @@ def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) ->
     """
     if gaps.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if _kernel() and gaps.dtype.kind == "u":
+    if apply_kernel_on() and gaps.dtype.kind == "u":
         return _decode_gaps_kernel(gaps, numel, prev, file=file, param=param)
     if int(gaps.max()) >= numel or not -1 <= prev < numel:
         raise BoundsError(f"gap exceeds the tensor's {numel} elements", file=file, param=param)
@@ -122,9 +122,10 @@ def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) ->
     return pos
 
 
-def _kernel() -> bool:
-    """The receiver's compiled per-change loops are on: numba importable, `VLLM_DELTA_APPLY_KERNEL`
-    not 0 (the numpy code beside each call is the reference they are tested equal to)."""
+def apply_kernel_on() -> bool:
+    """The receiver's compiled per-change loops are on (this decode and engine/apply_kernel.py's):
+    numba importable, `VLLM_DELTA_APPLY_KERNEL` not 0 (the numpy and torch code beside each call is
+    the reference they are tested equal to)."""
     return HAVE_NUMBA and os.environ.get("VLLM_DELTA_APPLY_KERNEL", "1") != "0"
 
 
