@@ -31,7 +31,10 @@ from harness.tiny_models import PROMPTS
 from harness.vllm_engine import greedy, start_llm
 from vllm_delta.wire import load_manifest
 
-pytestmark = [pytest.mark.heavy, pytest.mark.engine]
+pytestmark = [pytest.mark.heavy, pytest.mark.engine,
+              pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                                 reason="vLLM 0.32's CPU block-fp8 kernels (CPUFp8BlockScaledMMKernel, "
+                                        "CPUFp8W8A8BlockScaledMMKernel) need AMX tiles; this CPU's vLLM refuses the model")]
 
 VLLM_DELTA = str(Path(sys.executable).parent / "vllm-delta")
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
