@@ -8,8 +8,12 @@ GLM-4.7's counts (92 layers x 160 experts: 44,189 tensors): `open_delta` (manife
 prepare pauses it. The delta is written once with the real writer into `--deltas` and reused, so
 an A/B of two code versions reads the same bytes (run this file from each checkout).
 
-    taskset -c 0 python benchmarks/reader_per_tensor.py --deltas /tmp/rpt [--density 1e-9] [--prepare]
+    taskset -c 0 python benchmarks/reader_per_tensor.py --deltas /tmp/rpt [--density 1e-9] [--prepare] [--parts]
     ... --profile prepare --sort cumulative     # cProfile one prepare instead of timing
+
+`--parts` also times prepare's three parts apart, each round (CPU time, collector paused as prepare
+pauses it): the manifest (`open_delta`), the reader on the opened delta (decoded batches into a list)
+and staging that list (`DeltaApplier.stage`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,25 @@ def read_all(path: Path, checkpoint, owned) -> int:
                                        threads=1, batches=True))
 
 
+def parts(applier: DeltaApplier, path: Path, checkpoint) -> dict[str, float]:
+    """CPU seconds of prepare's parts, each alone: the manifest, the reader on the opened delta (into a
+    list), staging that list."""
+    out = {}
+    with paused_gc():
+        cpu = time.process_time()
+        info = open_delta(path)
+        out["manifest"] = time.process_time() - cpu
+        cpu = time.process_time()
+        items = list(iter_delta(info, expected=checkpoint, current_version=0, owned=applier._owned(), lazy=True,
+                                threads=1, batches=True))
+        out["decode"] = time.process_time() - cpu
+        cpu = time.process_time()
+        applier.stage(info.manifest, items, version=1, replay=False, start=0.0, decoded=applier._owned())
+        out["stage"] = time.process_time() - cpu
+        del info, items
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=92)
@@ -61,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deltas", type=Path, required=True, help="where the delta is written once and reused")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--prepare", action="store_true", help="also time DeltaApplier.prepare (one decode thread)")
+    ap.add_argument("--parts", action="store_true", help="also time the manifest, the reader and staging apart")
     ap.add_argument("--profile", choices=("reader", "prepare"), help="cProfile one run instead of timing")
     ap.add_argument("--sort", default="tottime", help="the profile's order (pstats keys: tottime, cumulative)")
     args = ap.parse_args(argv)
@@ -94,14 +118,16 @@ def main(argv: list[str] | None = None) -> int:
                "changes": info.manifest.changed, "wire_bytes": info.manifest.total_bytes,
                "package": str(Path(vllm_delta.__file__).parents[1])}
         samples: dict[str, list[float]] = {}
+        runs = [("reader", lambda: read_all(path, checkpoint, owned))] + [("prepare", prepare)] * args.prepare
         for _ in range(args.repeat):  # interleaved: reader, then prepare, each round
-            for what, run in (("reader", lambda: read_all(path, checkpoint, owned)), ("prepare", prepare)):
-                if what == "prepare" and not args.prepare:
-                    continue
+            for what, run in runs:
                 wall, cpu = time.perf_counter(), time.process_time()  # CPU time: what other load cannot inflate
                 run()
                 samples.setdefault(f"{what}_s", []).append(time.perf_counter() - wall)
                 samples.setdefault(f"{what}_cpu_s", []).append(time.process_time() - cpu)
+            if args.parts:
+                for what, seconds in parts(applier, path, checkpoint).items():
+                    samples.setdefault(f"{what}_cpu_s", []).append(seconds)
         for key, values in samples.items():
             row[key] = values
             row[key.replace("_s", "_us_per_tensor")] = round(1e6 * statistics.median(values) / row["tensors"], 2)

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Mapping
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_not, itemgetter
 
 import numpy as np
 import torch
@@ -155,15 +155,15 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], meta: H
     except DeltaError:
         raise Fallback from None
     got = list(map(known.__getitem__, keys))
-    dtypes = [k[0] for k in got]
-    numel = [k[1] for k in got]
-    torch_dtypes = [d.torch for d in dtypes]
+    dtypes = list(map(itemgetter(0), got))  # no Python loop a param (session 9)
+    numel = list(map(itemgetter(1), got))
+    torch_dtypes = list(map(attrgetter("torch"), dtypes))
     # The model's (shape, dtype) of every param in one comparison (a torch.Size equals its tuple).
     if expected is not None and list(map(expected.get, meta.name)) != list(zip(shapes, torch_dtypes)):
         raise Fallback
     if not set(meta.width) <= set(GAP_WIDTHS):
         raise Fallback
-    itemsizes = [t.itemsize for t in torch_dtypes]
+    itemsizes = list(map(attrgetter("itemsize"), torch_dtypes))
     skeys = list(zip(meta.width, itemsizes, map(tuple, meta.streams)))
     stream_cols: dict[tuple, list[int]] = {}
     try:
@@ -249,11 +249,15 @@ def wanted(ix: FlushIndex, owned: Mapping | None) -> np.ndarray:
     lo = np.zeros(len(ix.names), dtype=np.int64)
     hi = ix.numel - 1
     got = list(map(owned.get, ix.names))
-    one = [p for p, r in enumerate(got) if r is not None and len(r) == 1]  # merged, a range is itself
-    if one:
-        lo[one], hi[one] = np.array([got[p][0] for p in one], dtype=np.int64).reshape(-1, 2).T
+    given = list(map(is_not, got, repeat(None)))  # as columns: no Python loop a param (session 9)
+    at = np.flatnonzero(np.array(given, dtype=bool))
+    ranges = np.fromiter(map(len, compress(got, given)), dtype=np.int64, count=at.size)
+    one = at[ranges == 1]  # merged, a range is itself
+    if one.size:
+        lo[one], hi[one] = np.array(list(map(itemgetter(0), map(got.__getitem__, one.tolist()))),
+                                    dtype=np.int64).reshape(-1, 2).T
     special = []
-    for p in [p for p, r in enumerate(got) if r is not None and len(r) != 1]:
+    for p in at[ranges != 1].tolist():
         merged = blocks.merge(got[p])
         if len(merged) == 1:
             lo[p], hi[p] = merged[0]
@@ -270,10 +274,13 @@ def wanted(ix: FlushIndex, owned: Mapping | None) -> np.ndarray:
 def _frames(stream: memoryview, offset: np.ndarray, stored: np.ndarray, decoded: np.ndarray) -> bytes:
     """The frames at `offset`/`stored` decompressed back to back, each to exactly its `decoded` size.
 
-    One zstd call for all of them. Each frame is held to what `container.decompress` checks (its
-    header states exactly the size the index gives; it decodes to that; no bytes follow it in its
-    span), or `Fallback`: the header and the frame's extent are read here (RFC 8878) since zstd's
-    batch call reports neither; the output buffers are sized from the index, never from a header.
+    Each frame is held to what `container.decompress` checks (its header states exactly the size the
+    index gives; it decodes to that; no bytes follow it in its span), or `Fallback`: the header and
+    the frame's extent are read here (RFC 8878) since zstd's batch call reports neither; the output
+    buffers are sized from the index, never from a header. A frame of one stored (raw) or RLE block
+    (`_check_frames` says which) is copied out as it is: what zstd would give, with no call and no
+    Python object a frame (a tensor of a few changes has five frames of a few bytes, 220k at 44k
+    tensors). The others go through one zstd call for all of them.
     """
     if bool(((stored == 0) != (decoded == 0)).any()):
         raise Fallback  # an empty frame that decodes to something (or the reverse): the per-param path says
@@ -282,23 +289,48 @@ def _frames(stream: memoryview, offset: np.ndarray, stored: np.ndarray, decoded:
     if not offset.size:
         return b""
     buf = np.frombuffer(stream, dtype=np.uint8)
-    _check_frames(buf, offset, stored, decoded)
-    segments = np.stack((offset, stored), axis=1).astype(np.uint64)
-    try:
-        out = container.decompressor().multi_decompress_to_buffer(
-            zstandard.BufferWithSegments(stream, segments.tobytes()),
-            decompressed_sizes=decoded.astype(np.uint64).tobytes())
-    except zstandard.ZstdError:
-        raise Fallback from None
-    return b"".join(out)
+    kind, start = _check_frames(buf, offset, stored, decoded)
+    raw, rle = kind == 0, kind == 1
+    if bool(raw.all()):
+        return buf[_spans(start, decoded)].tobytes()
+    out = np.empty(int(decoded.sum()), dtype=np.uint8)
+    at = np.cumsum(decoded) - decoded
+    if bool(raw.any()):
+        out[_spans(at[raw], decoded[raw])] = buf[_spans(start[raw], decoded[raw])]
+    if bool(rle.any()):
+        out[_spans(at[rle], decoded[rle])] = np.repeat(buf[start[rle]], decoded[rle])
+    rest = kind < 0
+    if bool(rest.any()):
+        segments = np.stack((offset[rest], stored[rest]), axis=1).astype(np.uint64)
+        try:
+            got = container.decompressor().multi_decompress_to_buffer(
+                zstandard.BufferWithSegments(stream, segments.tobytes()),
+                decompressed_sizes=decoded[rest].astype(np.uint64).tobytes())
+        except zstandard.ZstdError:
+            raise Fallback from None
+        out[_spans(at[rest], decoded[rest])] = np.frombuffer(b"".join(got), dtype=np.uint8)
+    return out.tobytes()
+
+
+def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices of the runs `starts[i]`, `lengths[i]` long, back to back."""
+    ends = np.cumsum(lengths)
+    return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if ends.size else 0)
 
 
 _DICT_ID_BYTES = np.array([0, 1, 2, 4], dtype=np.int64)
 _MAX_BLOCKS = 64  # blocks walked per frame before handing the frame to the per-param path
+_MAX_BLOCK = 1 << 17  # zstd's largest block (Block_Maximum_Size)
 
 
-def _check_frames(buf: np.ndarray, offset: np.ndarray, stored: np.ndarray, decoded: np.ndarray) -> None:
-    """Every frame is one zstd frame filling its span exactly, whose header declares `decoded` bytes."""
+def _check_frames(buf: np.ndarray, offset: np.ndarray, stored: np.ndarray, decoded: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Every frame is one zstd frame filling its span exactly, whose header declares `decoded` bytes.
+
+    Per frame: 0 (a stored block) or 1 (an RLE block) where it is one such block of exactly `decoded`
+    bytes in a single-segment frame with no dictionary and no checksum (zstd would give that block's
+    bytes, or its byte repeated, and check nothing more), else -1; and where that block's content starts.
+    """
     end = offset + stored
 
     def byte(at: np.ndarray, sel: np.ndarray | slice = slice(None)) -> np.ndarray:
@@ -331,8 +363,10 @@ def _check_frames(buf: np.ndarray, offset: np.ndarray, stored: np.ndarray, decod
     if not np.array_equal(declared, decoded):
         raise Fallback
     cur = at + fcs_bytes
+    start = cur + 3  # the first block's content
     open_ = np.ones(offset.size, dtype=bool)
-    for _ in range(_MAX_BLOCKS):
+    lone = size = None
+    for i in range(_MAX_BLOCKS):
         if not bool(open_.any()):
             break
         c = cur[open_]
@@ -340,6 +374,8 @@ def _check_frames(buf: np.ndarray, offset: np.ndarray, stored: np.ndarray, decod
         kind = (head >> 1) & 3
         if bool((kind == 3).any()):
             raise Fallback
+        if i == 0:  # every frame's first block: the frame's kind where it is its last
+            lone, size = np.where((head & 1) == 1, kind, -1), head >> 3
         cur[open_] = c + 3 + np.where(kind == 1, 1, head >> 3)  # an RLE block stores one byte
         open_[np.flatnonzero(open_)[(head & 1) == 1]] = False
     else:
@@ -348,6 +384,9 @@ def _check_frames(buf: np.ndarray, offset: np.ndarray, stored: np.ndarray, decod
     checksum = (fhd >> 2) & 1
     if not np.array_equal(cur + 4 * checksum, end):
         raise Fallback  # bytes after the frame (or a frame longer than its span)
+    plain = ((lone == 0) | (lone == 1)) & (single == 1) & ((fhd & 3) == 0) & (checksum == 0) & (size == decoded) & (
+        size <= _MAX_BLOCK)
+    return np.where(plain, lone, -1), start
 
 
 class _Batch:
@@ -500,10 +539,10 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
     per_param = np.add.reduceat(np.where(mask, ix.cnt, 0), ix.row0[:-1])
     nparams = len(ix.names)
     devices = getattr(owned, "devices", None) or {}
-    where = [devices.get(name) for name in ix.names] if devices else [None] * nparams
-    on_dev = np.array([d is not None for d in where], dtype=bool)
-    kinds = {d: i for i, d in enumerate(dict.fromkeys(d for d in where if d is not None))}
-    kind = np.array([kinds.get(d, -1) for d in where], dtype=np.int64)
+    where = list(map(devices.get, ix.names)) if devices else [None] * nparams
+    on_dev = np.fromiter(map(is_not, where, repeat(None)), dtype=bool, count=nparams)
+    kinds = {d: i for i, d in enumerate(dict.fromkeys(compress(where, on_dev.tolist())))}
+    kind = np.fromiter(map(kinds.get, where, repeat(-1)), dtype=np.int64, count=nparams)
     # A batch holds host params and params of one device (each part decoded on its own, yielded in order).
     latest = np.maximum.accumulate(np.where(on_dev, np.arange(nparams), -1))  # the last device param so far
     dev_kind = np.where(latest >= 0, kind[np.maximum(latest, 0)], -1)
@@ -526,7 +565,8 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
         a, b = int(ix.row0[p]), int(ix.row0[q])
         rows = a + np.flatnonzero(mask[a:b])
         dev_row = on_dev[pid[rows]]
-        device = next((where[i] for i in range(p, q) if on_dev[i]), None)
+        first_dev = np.flatnonzero(on_dev[p:q])
+        device = where[p + int(first_dev[0])] if first_dev.size else None
         try:
             parts = {}
             for there in (False, True):
@@ -568,7 +608,7 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
             vals = by_size[False]
             values = {t: vals[t] if enc.needs_base else vals[t.itemsize].view(t) for t in dict.fromkeys(types)}
             nbytes = parts[False][0].nbytes + int(np.dot(per_param[p:q], ix.itemsize[p:q]))
-            yield make_batch(p, q, parts[False][0], values, types, sizes, [c - n for c, n in zip(count, sizes)],
+            yield make_batch(p, q, parts[False][0], values, types, sizes, list(map(int.__sub__, count, sizes)),
                              first, last, list(zip(nwanted, nrows)), nbytes)
             p = q
             continue

@@ -16,6 +16,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Annotated, Literal
 
 import numpy as np
@@ -524,7 +525,7 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *,
         return _decode_blocked(enc, smeta, data, _plan_blocked(smeta, data, pmeta, file=file, expected=expected),
                                file=file, owned=owned)
 
-    names, shapes, dtypes, needs_base = index.names, index.shapes, [d.torch for d in index.dtypes], enc.needs_base
+    names, shapes, dtypes, needs_base = index.names, index.shapes, list(map(_TORCH, index.dtypes)), enc.needs_base
 
     def make(i: int, pos: torch.Tensor, values: torch.Tensor, skipped: int, bounds, nblocks) -> ParamDelta:
         return ParamDelta(names[i], shapes[i], dtypes[i], pos, values, needs_base, skipped, bounds, nblocks)
@@ -545,6 +546,9 @@ def _iter_blocked(enc: Encoding, smeta, data, pmeta, meta: Mapping[str, str], *,
         return _decode_blocked(enc, smeta, data, plans[i:j], file=file, owned=owned)
 
     return batch.decode(enc, index, data, owned, make, fallback, make_batch if batches else None)
+
+
+_TORCH = attrgetter("torch")
 
 
 def _plan_blocked(smeta, data, pmeta, *, file: str, expected: Expected | None) -> list:
