@@ -41,7 +41,7 @@ import torch
 from harness import vllm_engine
 from harness.fresh_load import save_checkpoint
 from harness.perturb import perturb_tensor
-from harness.vllm_engine import VllmServer
+from harness.vllm_engine import VllmServer, start_servers
 from vllm_delta import DeltaSender
 from vllm_delta.wire.checkpoint import Checkpoint
 
@@ -135,8 +135,8 @@ class Fleet:
     def __init__(self, model_dir: Path, root: Path, logs: Path, fresh_loader) -> None:
         self.model_dir, self.root, self.logs, self.fresh_loader = model_dir, root, logs, fresh_loader
         self.args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
-        self.a = VllmServer(model_dir, logs / "a0.log", extra_args=self.args)
-        self.b = VllmServer(model_dir, logs / "b.log", extra_args=self.args)
+        self.a, self.b = start_servers(lambda: VllmServer(model_dir, logs / "a0.log", extra_args=self.args),
+                                       lambda: VllmServer(model_dir, logs / "b.log", extra_args=self.args))
         self.gate = Gate(self.b.port)
         self.starts = 0
         self.checkpoint = dict(Checkpoint.open(model_dir).iter_tensors())

@@ -21,7 +21,7 @@ import torch
 import harness.vllm_engine as vllm_engine
 from harness import megatron_cpu
 from harness.trainer import Trainer
-from harness.vllm_engine import VllmServer
+from harness.vllm_engine import VllmServer, start_servers
 from sender_helpers import adam_like_step, engine_checksums, engine_status
 from vllm_delta import DeltaSender
 from vllm_delta.engine.request import COLLECTIVE_MAX_FLUSH_ENV
@@ -51,8 +51,8 @@ def engines(model_dir, tmp_path_factory):
     """Two engines (a list, so a test that restarts one can put the new one in its place)."""
     servers: list[VllmServer] = []
     try:
-        for name in ("a", "b"):
-            servers.append(serve(model_dir, tmp_path_factory.mktemp(f"engine_{name}") / "serve.log"))
+        logs = [tmp_path_factory.mktemp(f"engine_{name}") / "serve.log" for name in ("a", "b")]
+        servers = start_servers(*(lambda log=log: serve(model_dir, log) for log in logs))
         servers[0].base_digests = engine_checksums(servers[0].url, API_KEY)  # the checkpoint's
         yield servers
     finally:

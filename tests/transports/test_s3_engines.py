@@ -19,7 +19,7 @@ from harness.fresh_load import save_checkpoint
 from harness.s3_server import prefix_of
 from harness.trainer import Trainer
 from harness.store_engine import engine_checksums, engine_status
-from harness.vllm_engine import VllmServer, patched_environ
+from harness.vllm_engine import VllmServer, patched_environ, start_servers
 from vllm_delta import DeltaSender
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
@@ -45,8 +45,8 @@ def test_two_engines_and_a_late_joiner_sync_exactly_through_the_store(s3_server,
     url = s3_server.url("engines")
     env = s3_server.env()
     base = fresh_loader.checksums(model_dir)
-    a = start_engine(model_dir, url, env, tmp_path / "a.log")
-    b = start_engine(model_dir, url, env, tmp_path / "b.log")
+    a, b = start_servers(lambda: start_engine(model_dir, url, env, tmp_path / "a.log"),
+                         lambda: start_engine(model_dir, url, env, tmp_path / "b.log"))
     try:
         trainer = Trainer(model_dir)
         with patched_environ(env):  # the sender reads the standard AWS environment
