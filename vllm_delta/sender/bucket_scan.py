@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from vllm_delta.diff import _cpu_pool, changed_positions
 from vllm_delta.sender import scan_kernel
+from vllm_delta.sender.scan_buffers import ScanBuffers
 from vllm_delta.sender.segments import Segments
 from vllm_delta.sender.shards import Shard
 from vllm_delta.wire.additive import _CPU_SLICE, _LANES, _keys, _mix_, partial_sum
@@ -52,6 +53,7 @@ class Layout:
     tables: tuple[torch.Tensor, ...]  # `run_tables(rows)` on the weights' device
     in_order: bool  # bucket order is already (member, HF) order: no sort of the changes
     gaps: bool  # the span holds elements no member covers (padding, unregistered params)
+    buffers: ScanBuffers = field(default_factory=ScanBuffers, repr=False)  # the CPU kernel's outputs, reused
 
 
 def storage_runs(t: torch.Tensor) -> list[tuple[int, int]] | None:
@@ -192,7 +194,8 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     if scan_kernel.applies(layout.base, snap):  # CPU: one fused pass (numba), tested equal to the torch path
         workers = torch.get_num_threads() if _CPUS != 1 else 1
         pos, old, new, hf, run, pre, post = scan_kernel.diff_digest(
-            layout.base, snap, tables, n, not layout.in_order, workers, _cpu_pool() if workers > 1 else None)
+            layout.base, snap, tables, n, not layout.in_order, workers, _cpu_pool() if workers > 1 else None,
+            layout.buffers)
     else:
         pos, old, new, hf, run, pre, post = torch_diff_digest(layout, tables, snap, n)
     digest = digests - pre + post

@@ -34,6 +34,20 @@ def _compress_store() -> bool:
 COMPRESS = _compress_store()
 
 
+def capacity(lo: int, hi: int) -> int:
+    """Changes the output arrays of a window [lo, hi) hold before the kernel grows them: 1/32 of
+    its elements (3.1% density), at least a chunk's. Virtual memory: pages become resident as written."""
+    return max(CHUNK, (hi - lo) >> 5)
+
+
+@njit(nogil=True, cache=True)
+def outputs(cap, like, want_run):
+    """Fresh output arrays for `scan_runs` (offsets, HF positions, old bits, new bits, runs), from
+    numba's allocator (malloc: no transparent-huge-page advice, whose compaction stalls cost more)."""
+    return (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, like.dtype), np.empty(cap, like.dtype),
+            np.empty(cap if want_run else 1, np.int64))
+
+
 @njit(nogil=True, cache=True)
 def _grow(a, n):
     b = np.empty(2 * a.size, a.dtype)
@@ -109,19 +123,14 @@ def find_words(x, y, at, d, words):
 
 
 @njit(nogil=True, cache=True)
-def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run):
+def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, pos, hfs, old, new, run):
     """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
-    Per chunk of a run: the changed elements' chunk-local indices (`find_compress`, or
-    `find_words` without AVX-512), then their outputs and digest terms."""
+    The changes go into `pos`, `hfs`, `old`, `new`, `run` (`outputs`, or a reused set); past their
+    size, into grown copies (then those are returned). Per chunk of a run: the changed elements'
+    chunk-local indices (`find_compress`, or `find_words` without AVX-512), then their outputs
+    and digest terms."""
     width = np.uint64(8 * cur.itemsize)
-    # capacity: virtual memory; only the pages the changes are written to become resident
-    cap = max(CHUNK, (hi - lo) >> 5)
-    pos = np.empty(cap, np.int64)
-    hfs = np.empty(cap, np.int64)
-    old = np.empty(cap, cur.dtype)
-    new = np.empty(cap, cur.dtype)
-    run = np.empty(cap if want_run else 1, np.int64)
     sums = np.zeros((nseg, 4), np.uint64)
     at = np.empty(CHUNK, np.int32)  # a chunk's changed indices
     d = np.zeros(CHUNK, cur.dtype)  # find_words' scratch

@@ -22,6 +22,8 @@ from concurrent.futures import Executor, Future
 import numpy as np
 import torch
 
+from vllm_delta.sender.scan_buffers import ScanBuffers
+
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None  # the `cpu-scan` extra (and a vLLM dependency)
 
@@ -40,21 +42,26 @@ def applies(base: torch.Tensor, snap: torch.Tensor) -> bool:
 
 
 def diff_digest(base: torch.Tensor, snap: torch.Tensor, tables: tuple[torch.Tensor, ...], n: int,
-                want_run: bool, workers: int = 1, pool: Executor | None = None) -> tuple[torch.Tensor | None, ...]:
+                want_run: bool, workers: int = 1, pool: Executor | None = None,
+                buffers: ScanBuffers | None = None) -> tuple[torch.Tensor | None, ...]:
     """(offsets, old, new, HF positions, runs or None, pre [n, 2], post [n, 2]) of the changes of the
     bucket span `base` against `snap` inside the run `tables` (`bucket_scan.run_tables`), as
-    `bucket_scan.torch_diff_digest` gives them. With a pool, the span is cut into `workers` windows."""
-    from vllm_delta.sender.scan_jit import CHUNK, scan_runs
+    `bucket_scan.torch_diff_digest` gives them. With a pool, the span is cut into `workers` windows.
+    The changes are written into `buffers`' sets (reused once nothing holds them), else fresh arrays."""
+    from vllm_delta.sender.scan_jit import CHUNK, capacity, outputs, scan_runs
 
     u = _UINT[base.element_size()]
     cur, old_np = _bits(base, u), _bits(snap, u)
     starts, ends, shifts, segs = (t.numpy() for t in tables[:4])
     windows = _windows(base.numel(), workers if pool is not None else 1, CHUNK)
+    sets = buffers.take(windows, cur, want_run) if buffers is not None else [
+        outputs(capacity(a, b), cur, want_run) for a, b in windows]
     args = (cur, old_np, starts, ends, shifts, segs)
     if len(windows) == 1:
-        parts = [scan_runs(*args, windows[0][0], windows[0][1], n, want_run)]
+        parts = [scan_runs(*args, windows[0][0], windows[0][1], n, want_run, *sets[0])]
     else:
-        futures: list[Future] = [pool.submit(scan_runs, *args, a, b, n, want_run) for a, b in windows]
+        futures: list[Future] = [pool.submit(scan_runs, *args, a, b, n, want_run, *s)
+                                 for (a, b), s in zip(windows, sets)]
         parts = [f.result() for f in futures]
     pieces = [tuple(x[:p[0]] for x in p[1:6]) for p in parts]
     pos, hf, old, new, run = (np.concatenate(x) if len(x) > 1 else x[0] for x in zip(*pieces))
@@ -63,6 +70,8 @@ def diff_digest(base: torch.Tensor, snap: torch.Tensor, tables: tuple[torch.Tens
         sums = sums + p[6]  # uint64: wraps mod 2^64, as the torch path's int64 sums do
     sums = torch.from_numpy(sums.view(np.int64))
     dtype = base.dtype
+    if buffers is not None:
+        buffers.settle([(p[0], p[1:6]) for p in parts])
     return (torch.from_numpy(pos), _values(old, dtype), _values(new, dtype), torch.from_numpy(hf),
             torch.from_numpy(run) if want_run else None, sums[:, :2].contiguous(), sums[:, 2:].contiguous())
 

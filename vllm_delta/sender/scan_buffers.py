@@ -1,0 +1,84 @@
+"""The fused CPU scan's output arrays, handed out again from one scan of a bucket to the next once
+nothing but this pool holds them.
+
+Why: a scan writes each change's offset, HF position, old and new bits (20 B; 28 with the run
+index) into its output arrays, and fresh arrays cost a 4 KiB page fault per page written: ~0.11 s
+of a 1 GB / 10 M-change scan on one core (docs/results/sender.md), a third of the scan. Reused
+ones are already resident. But a capture holds views of them until its publish is done, and
+longer: its entries, its snapshot advance, a deferred catch-up (`_Bucket.pending`), the hook's
+`last_capture`. So a set is reused only when the reference counts of all its arrays show this
+pool alone holds them (and no weak reference could make a new one). That is proof by construction:
+every numpy view, every `torch.from_numpy` tensor and every torch view of one keeps its array
+alive, so anything that can still read a set's memory shows in that count.
+
+Memory, per window of a bucket (one `ScanBuffers` per `bucket_scan.Layout`): at most two sets.
+The one the last scan wrote, and the one before only if something still held it when the last
+scan ended (a caller that keeps the previous capture while it scans the next, as the hook does;
+it is then what the scan after reuses). Each set is at most `scan_jit.capacity` (1/32 of the
+window's elements) or, if a denser scan grew it, twice the changes that scan wrote; a set larger
+than twice its last scan's changes is dropped. So beyond what live captures hold, the pool pins
+at most two scans' outputs (with that slack), one while a caller keeps its last capture.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import numpy as np
+
+Set = list[np.ndarray]  # offsets, HF positions, old bits, new bits, runs: `scan_jit.outputs`
+
+
+def _refs(arrays: Set) -> list[int]:
+    return [sys.getrefcount(a) for a in arrays]
+
+
+_ALONE = _refs([np.empty(0)])[0]  # an array that only a list holds, as `_refs` counts it
+
+
+def alone(arrays: Set) -> bool:
+    """Nothing but the list `arrays` holds any of them (strongly or weakly)."""
+    return max(_refs(arrays)) <= _ALONE and not any(weakref.getweakrefcount(a) for a in arrays)
+
+
+class ScanBuffers:
+    """Output sets per window (lo, hi, dtype, want_run), the most recently written last."""
+
+    def __init__(self) -> None:
+        self._sets: dict[tuple, list[Set]] = {}
+        self._taken: dict[tuple, Set] = {}  # the last `take`'s, by window
+        self.allocated = 0  # sets made fresh (the rest were reused): what tests count
+
+    def take(self, windows: list[tuple[int, int]], like: np.ndarray, want_run: bool) -> list[Set]:
+        """A set per window of this scan: a pooled one nothing else holds, else a fresh one."""
+        from vllm_delta.sender.scan_jit import capacity, outputs
+
+        self._taken = {}
+        for lo, hi in windows:
+            key = (lo, hi, like.dtype, want_run)
+            sets = self._sets.setdefault(key, [])
+            i = next((i for i, s in enumerate(sets) if alone(s)), None)
+            if i is None:
+                free = list(outputs(capacity(lo, hi), like, want_run))
+                self.allocated += 1
+            else:
+                free = sets.pop(i)  # by index: `==` on lists of arrays compares their elements
+            sets.append(free)
+            self._taken[key] = free
+        return list(self._taken.values())
+
+    def settle(self, written: list[tuple[int, Set]]) -> None:
+        """After a scan: `written` is (changes, arrays the kernel returned) per set of the last `take`.
+        A grown set replaces the one taken; a set over twice its changes goes; windows not taken
+        this scan go; of the older sets, the most recent one still held elsewhere stays."""
+        from vllm_delta.sender.scan_jit import capacity
+
+        kept = {}
+        for (key, taken), (k, out) in zip(self._taken.items(), written):
+            older = [s for s in self._sets[key][:-1] if not alone(s)][-1:]
+            grown = out[0] is not taken[0]
+            last = list(out) if grown else taken
+            small = last[0].size <= max(capacity(key[0], key[1]), 2 * k)
+            kept[key] = older + ([last] if small else [])
+        self._sets, self._taken = kept, {}
