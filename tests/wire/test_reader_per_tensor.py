@@ -35,7 +35,7 @@ MINE = {"reader.py", "flush.py", "manifest.py", "container.py"}  # the reader's 
 MINE_PER_TENSOR = 5
 WIRE_PER_TENSOR = 6
 BATCHED_PER_TENSOR = 0  # read in decoded batches, as prepare reads (measured: 0)
-# Lines run in the package a tensor, the same way (session 9; measured 2, was 19): the two left are
+# Lines run in the package a tensor, the same way (session 9; measured 2, was 17): the two left are
 # ParamEntry's own model validator, which pydantic runs on every entry however it was made.
 BATCHED_LINES_PER_TENSOR = 2
 
