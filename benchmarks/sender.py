@@ -197,7 +197,11 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
         caps = {}
 
         def scan(flag: str):
-            return _kernel(flag, lambda: caps.__setitem__(flag, producer.scan(shards, kind="delta", anchor=False)))
+            """As the hook scans: one earlier capture (`hook.last_capture`; here the warm `cap`) is held
+            while the next one scans, and the one before it is dropped first, so the scan's output
+            arrays can be reused (sender/scan_buffers.py) as they are in training."""
+            return _kernel(flag, lambda: (caps.pop(flag, None), caps.__setitem__(
+                flag, producer.scan(shards, kind="delta", anchor=False))))
 
         scan("1")(), scan("0")()  # warm: the kernel's first call loads its compiled code
         assert _digests(caps["0"]) == _digests(caps["1"]), "the kernel and the torch path disagree"
