@@ -216,10 +216,12 @@ def count_true_checkpoint(model: str, out: Path, layers: int | None = None, seed
     return out
 
 
-def count_true_engine(model: str, work: Path, layers: int | None = None, lock: bool = False) -> dict[str, Any]:
-    """`vllm serve --enable-delta-updates` on the count-true checkpoint: startup to ready, then a 0.5 %
-    and a 2 % delta (perturbed like the suite's, diffed by `vllm-delta diff`), bit-exact at the end
-    against vLLM's own fresh load of the final checkpoint. `lock`: take /tmp/engine.lock for the engine
+def count_true_engine(model: str, work: Path, layers: int | None = None, lock: bool = False,
+                      densities: tuple[float, ...] = (0.005, 0.02), loader: Any = None) -> dict[str, Any]:
+    """`vllm serve --enable-delta-updates` on the count-true checkpoint: startup to ready, then a delta
+    at each density in turn (0.5 % and 2 %, perturbed like the suite's, diffed by `vllm-delta diff`),
+    bit-exact at the end against vLLM's own fresh load of the final checkpoint (by `loader`, a
+    harness.fresh_load.FreshLoader, or one of its own). `lock`: take /tmp/engine.lock for the engine
     part only (not when the caller already runs under `flock /tmp/engine.lock`: that would wait forever)."""
     from safetensors.torch import load_file
 
@@ -237,7 +239,7 @@ def count_true_engine(model: str, work: Path, layers: int | None = None, lock: b
         weights.update(load_file(shard))
     versions = []
     gen = torch.Generator().manual_seed(1)
-    for v, density in enumerate((0.005, 0.02), start=1):
+    for v, density in enumerate(densities, start=1):
         # The sender's wire writer, fed the bitwise changes (`vllm-delta diff` pays ~20 ms a tensor here).
         with DeltaWriter(root / f"v{v}", version=v, base_version=v - 1, encoding="ulp_zstd") as writer:
             for name, old in weights.items():
@@ -251,7 +253,7 @@ def count_true_engine(model: str, work: Path, layers: int | None = None, lock: b
         versions.append((v, density))
     current = save_checkpoint(weights, like=base, out=work / "final")
     with _engine_lock() if lock else contextlib.nullcontext():
-        return _serve_and_sync(model, layers, base, current, root, versions, work, key, headers)
+        return _serve_and_sync(model, layers, base, current, root, versions, work, key, headers, loader)
 
 
 @contextlib.contextmanager
@@ -268,8 +270,8 @@ def _engine_lock(path: str = "/tmp/engine.lock") -> Iterator[None]:
 
 
 def _serve_and_sync(model: str, layers: int | None, base: Path, current: Path, root: Path,
-                    versions: list[tuple[int, float]], work: Path, key: str, headers: dict[str, str]
-                    ) -> dict[str, Any]:
+                    versions: list[tuple[int, float]], work: Path, key: str, headers: dict[str, str],
+                    loader: Any = None) -> dict[str, Any]:
     import requests
 
     from harness.fresh_load import FreshLoader
@@ -301,11 +303,13 @@ def _serve_and_sync(model: str, layers: int | None, base: Path, current: Path, r
             out[f"changed_{tag}"] = body["changed"]
         served = requests.post(f"{server.url}/weight_checker", json={"action": "checksum"}, headers=headers,
                                timeout=600).json()["checksums"]
-    loader = FreshLoader()
+    own = loader is None
+    loader = FreshLoader() if own else loader
     try:
         fresh = loader.checksums(current)
     finally:
-        loader.close()
+        if own:
+            loader.close()
     out["bitexact_vs_fresh_load"] = served == fresh
     return out
 

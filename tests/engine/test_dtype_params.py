@@ -13,21 +13,19 @@ engine served with `--dtype float16` on a bf16 checkpoint, against vLLM's fresh 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from harness.cli_diff import diff
 from harness.perturb import perturb_checkpoint
 from harness.vllm_engine import greedy, start_llm
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.wire import DeltaWriter
 from vllm_delta.wire.errors import DtypeMismatchError
 
-VLLM_DELTA = str(Path(sys.executable).parent / "vllm-delta")
 
 
 class Served(nn.Module):
@@ -180,8 +178,7 @@ def test_engine_served_as_float16_matches_a_fresh_load(tiny_model_factory, tmp_p
     deltas = {}
     for encoding in ("ulp_zstd", "indices"):
         deltas[encoding] = tmp_path / f"delta_{encoding}"
-        subprocess.run([VLLM_DELTA, "diff", str(base), str(final), str(deltas[encoding]), "--encoding", encoding,
-                        "--version", "1", "--base-version", "0"], check=True)
+        diff(base, final, deltas[encoding], encoding, 1, 0)
     with start_llm(final, dtype="float16", delta=True) as llm:
         reference = llm.collective_rpc("compute_weight_checksums")
         reference_out = greedy(llm)

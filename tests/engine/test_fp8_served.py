@@ -17,14 +17,11 @@ takes a base-relative delta and an overwrite delta that change fp8 codes and blo
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness.cli_diff import diff
 from harness.fp8_inspect import served_fp8
 from harness.fp8_models import make_fp8_llama, step_checkpoint
 from harness.tiny_models import PROMPTS
@@ -36,14 +33,7 @@ pytestmark = [pytest.mark.heavy, pytest.mark.engine,
                                  reason="vLLM 0.32's CPU block-fp8 kernels (CPUFp8BlockScaledMMKernel, "
                                         "CPUFp8W8A8BlockScaledMMKernel) need AMX tiles; this CPU's vLLM refuses the model")]
 
-VLLM_DELTA = str(Path(sys.executable).parent / "vllm-delta")
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def diff(old: Path, new: Path, out: Path, encoding: str, version: int) -> Path:
-    subprocess.run([VLLM_DELTA, "diff", str(old), str(new), str(out), "--encoding", encoding,
-                    "--version", str(version), "--base-version", str(version - 1)], check=True)
-    return out
 
 
 def checkpoint_bytes(ckpt: dict[str, torch.Tensor], module: str, suffix: str) -> bytes:
@@ -64,7 +54,7 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(tmp_path, fresh_l
     base = make_fp8_llama(tmp_path / "base")
     mid = step_checkpoint(base, tmp_path / "mid", density=0.03, seed=1)
     final = step_checkpoint(mid, tmp_path / "final", density=0.03, seed=2)
-    chain = [diff(base, mid, tmp_path / "d1", "ulp_zstd", 1), diff(mid, final, tmp_path / "d2", "deltas_zstd", 2)]
+    chain = [diff(base, mid, tmp_path / "d1", "ulp_zstd", 1, 0), diff(mid, final, tmp_path / "d2", "deltas_zstd", 2, 1)]
     with start_llm(final, delta=True) as llm:
         reference, reference_out = llm.collective_rpc("compute_weight_checksums")[0], outputs(llm)
         (served,) = llm.collective_rpc(served_fp8)

@@ -22,14 +22,13 @@ A model-level step whose derived tensor no re-run reproduces is refused at start
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from harness.cli_diff import diff
 from harness.engine_pool import write_anchor
 from harness.perturb import perturb_tensor
 from harness.post_load_steps_mla_worker import COPIED, EXTENSION, MODEL_STEP_ENV, MODEL_TENSOR
@@ -40,7 +39,6 @@ from vllm_delta.wire.checkpoint import Checkpoint
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 
 BACKEND = {"attention_config": {"backend": "CPU_MLA"}}  # vLLM's reference CPU MLA (AMX would be picked here)
-VLLM_DELTA = str(Path(sys.executable).parent / "vllm-delta")
 # vLLM's CPU engine serves this model call-dependently: on one engine with unchanged weights, the
 # first two greedy calls gave first-token logprob -4.692502 and the third -4.700635 (with and without
 # prefix caching). Zeroing every KV cache before each call does not fix it: on BASE one fresh engine's
@@ -86,12 +84,6 @@ def train_step(prev: Path, out: Path, seed: int) -> Path:
                       out / path.name, metadata={"format": "pt"})
         elif path.is_file():
             (out / path.name).write_bytes(path.read_bytes())
-    return out
-
-
-def diff(old: Path, new: Path, out: Path, encoding: str, version: int) -> Path:
-    subprocess.run([VLLM_DELTA, "diff", str(old), str(new), str(out), "--encoding", encoding,
-                    "--version", str(version)], check=True, capture_output=True)
     return out
 
 

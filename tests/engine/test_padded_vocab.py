@@ -15,8 +15,6 @@ boundary): digests, greedy tokens and logprobs must equal the reference.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from harness.cli_diff import diff
 from harness.fresh_load import save_checkpoint
 from harness.perturb import perturb_checkpoint
 from harness.tiny_models import _common, train_tokenizer
@@ -37,7 +36,6 @@ from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 
 VOCAB = 500  # served as 512: 12 padding rows (TP=2: rank 1 holds 244 rows and 12 of padding)
 HIDDEN = 128
-VLLM_DELTA = str(Path(sys.executable).parent / "vllm-delta")
 
 
 # ---- light: vLLM's embedding loader at GPT-2's vocab, on meta ------------------------------------
@@ -177,8 +175,7 @@ def make_chain(root: Path, tied: bool) -> tuple[Path, list[Path], Path]:
     deltas = []
     for version, (old, new, encoding) in enumerate([(base, mid, "ulp_zstd"), (mid, final, "indices")], start=1):
         out = root / f"delta_v{version}"
-        subprocess.run([VLLM_DELTA, "diff", str(old), str(new), str(out), "--encoding", encoding,
-                        "--version", str(version), "--base-version", str(version - 1)], check=True)
+        diff(old, new, out, encoding, version, version - 1)
         add_digests(out, load_file(old / "model.safetensors"), load_file(new / "model.safetensors"))
         deltas.append(out)
     return base, deltas, final

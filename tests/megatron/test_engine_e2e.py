@@ -1,7 +1,12 @@
 """End to end: megatron-core at TP=2 x EP=2 (4 gloo ranks, tiny Qwen3-MoE through mbridge) with the
 hook pushing disk deltas to a real `vllm serve --enable-delta-updates` for 3 steps. A fresh engine
 loaded from mbridge's own export of the final trainer weights must report the same
-`/weight_checker` digests and the same greedy completion as the synced engine."""
+`/weight_checker` digests and the same greedy completion as the synced engine.
+
+The fresh engine is started beside the synced one, on the same base checkpoint, and takes no
+update: once the export exists, vLLM's own `reload_weights` loads it (the whole checkpoint, through
+the model's loaders and post-load steps), before it serves any request. Its start overlaps the
+other's instead of following the training."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import pytest
 import requests
 
 from harness import megatron_cpu
-from harness.vllm_engine import VllmServer
+from harness.vllm_engine import VllmServer, start_servers
 from hook_workers import engine_worker
 
 pytestmark = [pytest.mark.megatron, pytest.mark.engine, pytest.mark.heavy]
@@ -50,21 +55,31 @@ def _serve(model: Path, root: Path, log: Path) -> VllmServer:
     return VllmServer(model, log, tp=ENGINE_TP, extra_args=args)
 
 
+def _reload(server: VllmServer, model_dir: Path) -> None:
+    """vLLM's in-place full load of `model_dir`'s checkpoint (the dev-mode `/collective_rpc` route)."""
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}}
+    r = requests.post(f"{server.url}/collective_rpc", json=body, headers=_hdr(), timeout=300)
+    r.raise_for_status()
+
+
 def test_tp2_ep2_hook_matches_a_fresh_engine_on_the_export(tiny_model_factory, tmp_path):
     hf = tiny_model_factory("qwen3_moe")
-    root = Path(os.path.realpath(tmp_path / "root"))
-    root.mkdir()
+    roots = [Path(os.path.realpath(tmp_path / name)) for name in ("root", "fresh_root")]
+    for root in roots:
+        root.mkdir()
     final = tmp_path / "final"
-    with _serve(hf, root, tmp_path / "serve.log") as server:
+    server, fresh = start_servers(lambda: _serve(hf, roots[0], tmp_path / "serve.log"),
+                                  lambda: _serve(hf, roots[1], tmp_path / "fresh.log"))
+    with server, fresh:
         initial = _checksums(server)
         version = _status(server)["version"]
-        megatron_cpu.spawn(engine_worker, 4, str(hf), server.url, str(root), API_KEY, version, STEPS,
+        megatron_cpu.spawn(engine_worker, 4, str(hf), server.url, str(roots[0]), API_KEY, version, STEPS,
                            str(final), timeout=900)
         s = _status(server)
         assert s["version"] == version + STEPS and s["healthy"], s
         synced = _checksums(server)
-        greedy = _greedy(server)
-    assert synced != initial
-    with _serve(final, final, tmp_path / "fresh.log") as fresh:
+        assert synced != initial
+        assert _checksums(fresh) == initial  # nothing reached the fresh engine
+        _reload(fresh, final)
         assert _checksums(fresh) == synced
-        assert _greedy(fresh) == greedy
+        assert _greedy(fresh) == _greedy(server)
