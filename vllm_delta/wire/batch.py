@@ -105,6 +105,7 @@ class Heads:
     width: tuple
     streams: tuple
     blocks: tuple
+    rows: Rows | None = None  # the block rows already as arrays (wire/params_columns.py): `blocks` unused
 
     @classmethod
     def of(cls, raw: object) -> Heads | None:
@@ -131,6 +132,39 @@ class Heads:
     def of_models(cls, pmeta: list) -> Heads:
         """The same columns from validated entries."""
         return cls(*zip(*([getattr(p, f) for f in _FIELDS] for p in pmeta))) if pmeta else cls(*[()] * len(_FIELDS))
+
+
+@dataclass
+class Rows:
+    """Every param's block index rows as arrays, in flush order (each row `[first, last, count, [stored,
+    decoded, ...]]` in the JSON)."""
+
+    nrows: np.ndarray  # int64 [params]: rows of each param
+    head: np.ndarray  # int64 [rows, 3]: first, last, count
+    frames: np.ndarray  # int64 [rows]: frame lengths each row lists (stored and decoded per stream)
+    lens: np.ndarray  # int64: those lengths, row after row
+
+    @classmethod
+    def of(cls, lists: tuple) -> Rows:
+        """From the parsed JSON's `blocks` lists, checked as sets, not a generator resumed a row; or
+        `Fallback` (a row not of that form, or an int past int64)."""
+        nrows = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        rows = list(chain.from_iterable(lists))
+        if not set(map(type, rows)) <= {list} or not set(map(len, rows)) <= {4}:
+            raise Fallback
+        frames = list(map(_FRAMES, rows))
+        if not set(map(type, frames)) <= {list}:
+            raise Fallback
+        heads = list(chain.from_iterable(map(_HEAD, rows)))
+        lens = list(chain.from_iterable(frames))
+        if not set(map(type, heads)) <= {int} or not set(map(type, lens)) <= {int}:
+            raise Fallback
+        try:
+            head = np.array(heads, dtype=np.int64).reshape(-1, 3)
+            flat = np.array(lens, dtype=np.int64)
+        except (ValueError, OverflowError):
+            raise Fallback from None
+        return cls(nrows, head, np.fromiter(map(len, frames), dtype=np.int64, count=len(rows)), flat)
 
 
 def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], meta: Heads, *, file: str,
@@ -175,30 +209,15 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], meta: H
         raise Fallback from None
     cols = list(map(stream_cols.__getitem__, skeys))
     widths = meta.width
-    lists = meta.blocks
-    nrows = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
-    rows = list(chain.from_iterable(lists))
-    # Each row [first, last, count, [stored, decoded, ...]]: checked as sets, not a generator resumed a row.
-    if not nrows.all() or not set(map(type, rows)) <= {list} or set(map(len, rows)) != {4}:
+    block_rows = meta.rows or Rows.of(meta.blocks)
+    nrows, head, flat = block_rows.nrows, block_rows.head, block_rows.lens
+    if not nrows.all():
         raise Fallback
-    frames = list(map(_FRAMES, rows))
-    if not set(map(type, frames)) <= {list}:
-        raise Fallback
-    heads = list(chain.from_iterable(map(_HEAD, rows)))
-    lens = list(chain.from_iterable(frames))
-    if not set(map(type, heads)) <= {int} or not set(map(type, lens)) <= {int}:
-        raise Fallback
-    try:
-        head = np.array(heads, dtype=np.int64).reshape(-1, 3)
-        flat = np.array(lens, dtype=np.int64)
-    except (ValueError, OverflowError):
-        raise Fallback from None
     nstreams = np.fromiter(map(len, cols), dtype=np.int64, count=len(cols))
     per_row = np.repeat(nstreams, nrows)
-    if not np.array_equal(np.fromiter(map(len, frames), dtype=np.int64, count=len(rows)),
-                          2 * per_row):
+    if not np.array_equal(block_rows.frames, 2 * per_row):
         raise Fallback
-    nrow_total = len(rows)
+    nrow_total = head.shape[0]
     row0 = np.concatenate(([0], np.cumsum(nrows)))
     first, last, cnt = head[:, 0], head[:, 1], head[:, 2]
     numel_a = np.array(numel, dtype=np.int64)
@@ -208,7 +227,7 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], meta: H
         raise Fallback from None
     if bool((count_a > numel_a).any()):
         raise Fallback
-    pid = np.repeat(np.arange(len(lists)), nrows)
+    pid = np.repeat(np.arange(nrows.size), nrows)
     same = pid[1:] == pid[:-1]
     ends = row0[1:] - 1
     notlast = np.ones(nrow_total, dtype=bool)

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from . import batch, blocks, codecs, container
+from . import batch, blocks, codecs, container, params_columns
 from .blocks import BlockIndex, Ranges
 from .container import Limits
 from .digest import bytes_digest
@@ -429,11 +429,15 @@ def _iter_flush(enc: Encoding, header: FlushHeader, blocked: bool, tensors, meta
                 ) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
     try:
         smeta = {k: _StreamMeta.model_validate(v) for k, v in meta_json(meta, "streams", file=file).items()}
-        raw = meta_json(meta, "params", file=file)
-        # A block-indexed flush's params as columns where the schema would take them as they are.
-        heads = batch.Heads.of(raw) if blocked else None
-        pmeta = None if heads is not None else _flush_params(_BLOCKED_LIST if blocked else _V1_LIST, raw)
-        del raw
+        # A block-indexed flush's params as columns: read from the text where the writer wrote it, else
+        # from the parsed JSON where the schema would take them as they are; else the schema decides.
+        heads = params_columns.heads(meta.get("params")) if blocked else None
+        pmeta = None
+        if heads is None:
+            raw = meta_json(meta, "params", file=file)
+            heads = batch.Heads.of(raw) if blocked else None
+            pmeta = None if heads is not None else _flush_params(_BLOCKED_LIST if blocked else _V1_LIST, raw)
+            del raw
     except (ValidationError, AttributeError, TypeError) as e:
         raise FormatError(f"bad flush metadata: {e}", file=file) from None
     if sum(s.size for s in smeta.values() if s.codec == "zstd") > budget:
