@@ -89,7 +89,8 @@ def run_soak(url: str, api_key: str, model_dir: Path, root: Path, *, syncs: int,
     headers = {"Authorization": f"Bearer {api_key}"}
     version = requests.get(f"{url}/delta_updates/status", headers=headers, timeout=60).json()["version"]
     weights = dict(load_file(model_dir / "model.safetensors"))
-    sender = DeltaSender([url], "disk", root, api_key=api_key, flush_bytes=64 << 10, version=version, keep=True)
+    sender = DeltaSender([url], "disk", root, api_key=api_key, flush_bytes=64 << 10, version=version, keep=True,
+                         post_hash=True)  # the stated xxh3 is what this soak checks
     sender.seed(weights)
     load = Load(url, api_key, streams)
     load.start()

@@ -41,7 +41,7 @@ class DeltaTrainerInitInfo(TrainerInitInfo):
     flush_bytes: int = 512 << 20
     anchor_every: int | None = None
     keep: bool = False
-    post_hash: bool | None = None
+    post_hash: bool = False
     master_addr: str = "127.0.0.1"
     collective_timeout_s: float = 120.0
     version: int = 0

@@ -69,7 +69,7 @@ class DeltaSender:
     def __init__(self, engines: list[str], transport: str = "disk", delta_dir: str | Path | None = None, *,
                  encoding: str = "ulp_zstd", overwrite_encoding: str = "planes_zstd", api_key: str | None = None,
                  flush_bytes: int = 512 << 20, anchor_every: int | None = None, keep: bool = False,
-                 post_hash: bool | None = None, timeout_s: float = 600.0, retries: int = 3,
+                 post_hash: bool = False, timeout_s: float = 600.0, retries: int = 3,
                  master_addr: str = "127.0.0.1", collective_timeout_s: float = 120.0,
                  group: Any = None, throttle_bytes_per_s: float | None = None, version: int = 0,
                  snapshot: str = "auto", max_lag_syncs: int = 3, max_pending_density: float = 0.1,

@@ -55,7 +55,7 @@ class Entry:
     new_values: torch.Tensor
     old_values: torch.Tensor | None  # snapshot values there (base-relative deltas only)
     digests: dict[str, torch.Tensor]  # additive digests: "digest" (whole, after), "pre_digest", "post_digest"
-    post_hash: str | None = None  # xxh3 of the whole tensor (one writer, host tensors only)
+    post_hash: str | None = None  # xxh3 of the whole tensor (`Producer(post_hash=True)`, whole shards only)
     anchor: Anchor | None = None  # the captured values, read from the snapshot as the anchor is encoded
     # Made by `Producer.scan` from its own diff: positions sorted and unique, new bits != old bits
     # where old values are staged. The writer then skips re-checking that, pass by pass.
@@ -116,7 +116,7 @@ class _State:
 class Producer:
     """Per rank: snapshots, the diff, and the staged changes of every shard this rank holds."""
 
-    def __init__(self, *, snapshot: str = "auto", post_hash: bool | None = None,
+    def __init__(self, *, snapshot: str = "auto", post_hash: bool = False,
                  staging: str | torch.device = "cpu") -> None:
         if snapshot not in SNAPSHOT_PLACES:
             raise ValueError(f"snapshot must be one of {SNAPSHOT_PLACES}, not {snapshot!r}")
@@ -259,7 +259,7 @@ class Producer:
             if kind == "delta":
                 digests["pre_digest"] = pre[i]
             e = Entry(name, s.full_shape, s.tensor.dtype, changed[i], hf[i], new[i], old[i], digests, scanned=True)
-            if sent[i] and kind and self._wants_post_hash(s, s.tensor):
+            if sent[i] and kind and self._wants_post_hash(s):
                 e.post_hash = tensor_digest(s.tensor)
             out[name] = e
         return out
@@ -343,7 +343,7 @@ class Producer:
             send_old = send_old[order] if send_old is not None else None
         entry = Entry(s.name, s.full_shape, cur.dtype, pos.numel(), self._stage(gsend), self._stage(send_new),
                       self._stage(send_old) if kind == "delta" else None, digests, scanned=True)
-        if self._wants_post_hash(s, cur) and (anchor or (kind and send.numel())):
+        if self._wants_post_hash(s) and (anchor or (kind and send.numel())):
             entry.post_hash = tensor_digest(cur)
         if anchor:  # nothing per element: the snapshot (untouched until settled) + the staged changes
             ready = torch.cuda.Event() if st.snapshot.device.type == "cuda" else None
@@ -352,11 +352,11 @@ class Producer:
             entry.anchor = Anchor(st.placement, st.snapshot, entry.positions, entry.new_values, self.staging, ready)
         return entry
 
-    def _wants_post_hash(self, s: Shard, cur: torch.Tensor) -> bool:
-        """xxh3 of a whole tensor needs its bytes on the host: by default only where they are."""
-        if not s.is_whole:
-            return False
-        return self.post_hash if self.post_hash is not None else cur.device.type == "cpu"
+    def _wants_post_hash(self, s: Shard) -> bool:
+        """xxh3 of a whole tensor, only when asked for (`post_hash=True`). Why opt-in: it reads every
+        changed tensor whole (on a GPU, to the host), a per-sync cost O(model bytes) where the additive
+        digests that verify every apply cost O(changed); the engine checks it on demand (`/verify`)."""
+        return self.post_hash and s.is_whole
 
     def _diff(self, cur: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(changed local positions, snapshot values there), both on the parameter's device."""
