@@ -143,3 +143,38 @@ def test_a_batch_stages_what_its_tensors_stage_one_at_a_time(tmp_path):
         va, vb = (torch.cat([c.values.view(torch.int16) for c in cs]) for cs in (chunks, whole.writes[target]))
         order_a, order_b = a.argsort(), b.argsort()
         assert torch.equal(a[order_a], b[order_b]) and torch.equal(va[order_a], vb[order_b]), target
+
+
+def test_a_plans_destinations_are_worked_out_once(tmp_path, monkeypatch):
+    """What locate makes of a plan's pieces alone (what holds for all of them, their per-piece numbers) is
+    kept with the plan: COUNTED, none of it on a second sync, which stages the same writes and digests."""
+    from vllm_delta.engine import batched
+
+    cfg = moe(1, 8)
+    base = DC.random_checkpoint(cfg, "cpu", seed=0)
+    DC.write_delta(tmp_path / "d", base, DC.step(base, 0.5, seed=1), version=1)
+    meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
+    model = DC.SyntheticLM(cfg)
+    model.load_weights(base.items())
+    applier = DeltaApplier(model, meta)
+    info = open_delta(tmp_path / "d")
+    items = list(iter_delta(info, expected=meta, current_version=0, batches=True))
+    calls = collections.Counter()
+    for name in ("_kinds", "_number"):
+        def counted(*args, _name=name, _real=getattr(batched, name)):
+            calls[_name] += 1
+            return _real(*args)
+        monkeypatch.setattr(batched, name, counted)
+    first = applier.stage(info.manifest, items, version=1, replay=False, start=0.0)
+    assert calls["_kinds"] > 0 and calls["_number"] > 0
+    calls.clear()
+    again = applier.stage(info.manifest, items, version=1, replay=False, start=0.0)
+    assert calls == {}
+    fresh = DeltaApplier(model, meta).stage(info.manifest, items, version=1, replay=False, start=0.0)
+    for staged in (again, fresh):
+        assert (staged.digests, staged.changed) == (first.digests, first.changed) and first.changed > 0
+        assert list(staged.writes) == list(first.writes)
+        for target, chunks in first.writes.items():
+            for a, b in zip(chunks, staged.writes[target]):
+                assert torch.equal(a.offsets, b.offsets) and torch.equal(a.values.view(torch.int16),
+                                                                        b.values.view(torch.int16))

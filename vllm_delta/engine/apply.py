@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from vllm_delta.engine import apply_kernel, cpu_weights, derived, loaders, reach, transforms
-from vllm_delta.engine.batched import Landing, Piece, compact, locate, on_device, owned_counts, slot_sums
+from vllm_delta.engine.batched import Known, Landing, Piece, compact, locate, on_device, owned_counts, slot_sums
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
 from vllm_delta.engine.fallback import UnservableLoader, bits, check_servable, differs, replay, same_layout, shadow_target
@@ -516,9 +516,10 @@ class DeltaApplier:
         # A group a decoded batch feeds: its entries as runs (positions, values, entries a piece), in piece order.
         runs: dict[tuple[str, torch.dtype, bool, bool], list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = {}
         routes = self._routes()
+        known: dict[tuple[str, torch.dtype, bool, bool], Known | None] = {}  # a group one plan alone gives
         for delta in batch:
             if type(delta) is _Planned:  # grouped as its plan says (on the host: `stage` takes no other whole)
-                delta.plan.add(delta.item, groups, runs)
+                delta.plan.add(delta.item, groups, runs, known)
                 continue
             name, positions, values, needs_base = delta.name, delta.positions, delta.values, delta.needs_base
             numel, landings, same = routes[name][1]
@@ -534,6 +535,7 @@ class DeltaApplier:
                 if not names or names[-1] != name:
                     names.append(name)
                 pieces.append(Piece(len(names) - 1, positions, values, seg, numel, landing))
+                known[key] = None
                 if key in runs:
                     runs[key].append((positions, values, [positions.numel()]))
         located_all = []
@@ -546,7 +548,7 @@ class DeltaApplier:
             # Off the CPU, located on the device: only the owned positions and values cross (batched.py).
             # Positions decoded there already leave their ownership mask for one count read below.
             located_all.append(locate(pieces, device if on_device(device) else None, defer=True, there=on_there,
-                                      entries=joined))
+                                      entries=joined, known=known.get(key)))
         deferred = [i for i, loc in enumerate(located_all) if loc.keep is not None]
         for i, n in zip(deferred, owned_counts([located_all[i] for i in deferred])):
             located_all[i] = compact(located_all[i], n)
@@ -922,6 +924,7 @@ class _Plan:
     order: np.ndarray  # int64 [pieces]: each piece's param in the batch
     bounds: list[int]  # group g's pieces are order[bounds[g]:bounds[g + 1]]
     checks: list[tuple[str, torch.dtype, str, torch.dtype]]
+    known: list[Known]  # per group: what locate works out of its pieces alone, once for every sync
 
     @classmethod
     def of(cls, item: DeltaBatch, routes: Mapping[str, tuple], targets: Mapping[str, torch.Tensor]) -> _Plan:
@@ -929,7 +932,7 @@ class _Plan:
         checks, odd = [], []
         needs_base = item.needs_base
         if any(routes.get(name, (None,))[0] != _BATCH for name in item.names):
-            return cls(list(item.dtypes), False, [], [], [], [], [], np.zeros(0, dtype=np.int64), [0], [])
+            return cls(list(item.dtypes), False, [], [], [], [], [], np.zeros(0, dtype=np.int64), [0], [], [])
         for i, (name, dtype, vtype) in enumerate(zip(item.names, item.dtypes, item.types)):
             numel, landings, same = routes[name][1]
             if not same:
@@ -949,11 +952,12 @@ class _Plan:
         values = list(groups.values())
         return cls(list(item.dtypes), True, odd, list(groups), [g[0] for g in values], [g[1] for g in values],
                    [g[3] for g in values], np.array([i for g in values for i in g[2]], dtype=np.int64),
-                   np.cumsum([0] + [len(g[2]) for g in values]).tolist(), checks)
+                   np.cumsum([0] + [len(g[2]) for g in values]).tolist(), checks, [Known() for _ in values])
 
-    def add(self, item: DeltaBatch, groups: dict, runs: dict) -> None:
+    def add(self, item: DeltaBatch, groups: dict, runs: dict, known: dict) -> None:
         """Put the batch's pieces and entries into `_stage_batch`'s groups: one gather of the batch's
-        positions and values per group, whatever the tensors behind it."""
+        positions and values per group, whatever the tensors behind it. `known[key]`: the group's
+        `Known` where this plan alone gives its pieces (its own piece list), else None."""
         for target, served, name, dtype in self.checks:
             _check_resolvable(target, served, _Named(name, dtype))
         sizes = np.array(item.sizes, dtype=np.int64)
@@ -970,6 +974,9 @@ class _Plan:
             group = groups.get(key)
             if group is None:
                 group = groups[key] = ([], [])
+                known[key] = self.known[g]
+            else:
+                known[key] = None
             pieces, names = group
             if key not in runs:  # a group of per-tensor deltas so far: their entries as runs, in order
                 runs[key] = [(p.positions, p.values, [p.positions.numel()]) for p in pieces]

@@ -52,6 +52,20 @@ class Piece:
     landing: Landing | None = None  # `Landing.of(seg, numel)`, when the caller keeps it
 
 
+class Known:
+    """What `locate` works out of a list of pieces alone (what holds for all of them, their per-piece
+    numbers and host tables of those), kept by a caller whose pieces do not change between syncs
+    (a decoded batch's plan, engine/apply.py `_Plan`), so a later sync does not work it out again.
+    Only for the very pieces it was made with: their entry counts are never part of it."""
+
+    __slots__ = ("kinds", "numbers", "tables")
+
+    def __init__(self) -> None:
+        self.kinds: Landing | None = None
+        self.numbers: dict[str, list[int]] = {}
+        self.tables: dict[str, torch.Tensor] = {}  # per-piece numbers that differ, as host int64
+
+
 @dataclass
 class Located:
     """Every entry of a destination's pieces this rank writes, in piece order."""
@@ -91,7 +105,7 @@ def on_device(device: torch.device) -> bool:
 
 def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bool = False,
            there: bool | None = None,
-           entries: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None) -> Located:
+           entries: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None, known: Known | None = None) -> Located:
     """Destination offsets of all pieces' entries, in a constant number of ops.
 
     A per-piece number that is the same for every piece (a destination fed by one tensor, or
@@ -109,7 +123,8 @@ def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bo
     and without, compacted here with a device `nonzero`.
 
     `entries`: the pieces' positions, values and entry counts already concatenated (in piece order),
-    for pieces made without their own (a decoded batch's, engine/apply.py `_Plan`).
+    for pieces made without their own (a decoded batch's, engine/apply.py `_Plan`). `known`: what an
+    earlier locate of these same pieces worked out (`Known`; filled here where it is not yet).
     """
     if entries is None:
         counts = [p.positions.numel() for p in pieces]
@@ -118,7 +133,9 @@ def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bo
     else:
         positions, values, counts = entries
         positions = positions.to(torch.int64)
-    kinds = _kinds(pieces)
+    kinds = known.kinds if known is not None and known.kinds is not None else _kinds(pieces)
+    if known is not None:
+        known.kinds = kinds
     if there is None:
         there = device is not None and positions.device == device and values.device == device
     if device is not None and there:
@@ -126,7 +143,7 @@ def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bo
         located = _located(pieces, kinds, positions, values, column, compact=False)
         located.keep = _owned(pieces, kinds, positions, column)
         return located if defer or located.keep is None else compact(located, int(located.keep.sum()))
-    host = _Columns(pieces, counts, positions.device)
+    host = _Columns(pieces, counts, positions.device, known=known)
     if device is None:
         return _located(pieces, kinds, positions, values, host, compact=True)
     owned = _owned(pieces, kinds, positions, host)
@@ -191,9 +208,11 @@ class _Columns:
     each, with the pieces' entry counts); otherwise each is made where first asked for."""
 
     def __init__(self, pieces: list[Piece], counts: list[int], device: torch.device, *,
-                 upload: list[str] | None = None) -> None:
+                 upload: list[str] | None = None, known: Known | None = None) -> None:
         self.pieces, self.counts, self.total, self.device, self.upload = pieces, counts, sum(counts), device, upload
-        self.numbers: dict[str, list[int]] = {}
+        # The pieces' numbers (and, on the host, their tables) from an earlier sync's locate of them.
+        self.numbers: dict[str, list[int]] = {} if known is None else known.numbers
+        self.tables: dict[str, torch.Tensor] | None = None if known is None or device.type != "cpu" else known.tables
         self.rows: dict[str, int] = {}
         self.table: torch.Tensor | None = None
         self._piece: torch.Tensor | None = None
@@ -226,7 +245,12 @@ class _Columns:
             return per_piece[0]
         if self.upload:  # a key not uploaded is a KeyError: never a blocking copy of its own
             return self.table[self.rows[key]].index_select(0, self.piece())
-        return torch.tensor(per_piece, dtype=torch.int64, device=self.device).index_select(0, self.piece())
+        table = None if self.tables is None else self.tables.get(key)
+        if table is None:
+            table = torch.tensor(per_piece, dtype=torch.int64, device=self.device)
+            if self.tables is not None:
+                self.tables[key] = table
+        return table.index_select(0, self.piece())
 
 
 def _same(per_piece: list[int]) -> bool:
