@@ -197,21 +197,21 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
         caps = {}
 
         def scan(flag: str):
-            """As the hook scans: one earlier capture (`hook.last_capture`; here the warm `cap`) is held
-            while the next one scans, and the one before it is dropped first, so the scan's output
-            arrays can be reused (sender/scan_buffers.py) as they are in training."""
+            """As the hook scans: the last capture (`hook.last_capture`; here the one popped) is held
+            while the next one scans, and no other, so the scan's output arrays can be reused
+            (sender/scan_buffers.py) as they are in training. The encode takes the latest capture
+            (every scan finds the same changes: the snapshot never advances here)."""
             return _kernel(flag, lambda: (caps.pop(flag, None), caps.__setitem__(
                 flag, producer.scan(shards, kind="delta", anchor=False))))
 
         scan("1")(), scan("0")()  # warm: the kernel's first call loads its compiled code
         assert _digests(caps["0"]) == _digests(caps["1"]), "the kernel and the torch path disagree"
-        cap = caps["1"]
         wire = []
 
         def encode() -> None:
             b = FlushBuilder(lambda name, f: None, version=1, base_version=0, encoding="ulp_zstd",
                              flush_bytes=64 << 20)
-            for e in cap.entries:  # what the publisher queues (its `_add`)
+            for e in caps["1"].entries:  # what the publisher queues (its `_add`)
                 _add(b, e, "delta")
             b.manifest()
             wire.append(b.wire_bytes)
@@ -225,7 +225,7 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
         flat_ops = flat.ops()
         out["threads"][threads] = {
             "memcpy_s": base, "memcpy_gbps": nbytes / base / 1e9, "torch_copy_s": torch_copy, "diff_s": diff_s, "gather_s": gather_s,
-            "digest_s": digest_s, "scan_s": scan_s, "encode_s": encode_s, "changed": cap.changed,
+            "digest_s": digest_s, "scan_s": scan_s, "encode_s": encode_s, "changed": caps["1"].changed,
             "wire_bytes": wire[-1], "p3_ratio": (scan_s + encode_s) / base, "scan_flat_s": flat_s,
             "flat_ops_per_sync": flat_ops, "memcpy_flat_s": flat_base, "p3_ratio_flat": (flat_s + encode_s) / flat_base,
             "scan_torch_s": scan_torch_s, "p3_ratio_torch": (scan_torch_s + encode_s) / base,
@@ -457,7 +457,8 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path, loa
         "pre-touched; torch's `copy_` of the same bytes, about half as fast on one thread here, is the last column). "
         "The scan is `Producer.scan`: bitwise diff against the snapshot, gather of new and old values, "
         "additive digests (pre/post and the whole-tensor update), staging, one pass per bucket "
-        "(`sender/bucket_scan.py`; each plain tensor is a bucket of one). 'One flat buffer' lays the same "
+        "(`sender/bucket_scan.py`; the plain CPU tensors of one dtype are one joined bucket, each in its own "
+        "storage). 'One flat buffer' lays the same "
         "weights out as Megatron's distributed optimizer does (views into one padded contiguous buffer) and "
         "scans them as one bucket; its torch op count per sync is counted with a TorchDispatchMode. "
         "Encoding is `ulp_zstd`. The scan runs twice, alternately in the same run: the fused CPU kernel "
