@@ -29,6 +29,8 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 # no other module reaches: tests/engine/test_prepare_while_serving.py makes it fail there for real.
 FAULT_VERSION = 999_000_000
 FAULT_AT = "model.layers.1.mlp.down_proj.weight"  # a live tensor written after layer 0's
+# Idle keep-alive connections are kept 120 s (vLLM's default is 5 s) for tests/reliability/test_soak.py.
+KEEP_ALIVE_S = "120"
 
 
 class EnginePool:
@@ -62,7 +64,8 @@ class EnginePool:
 
     def shared_llama(self, model_dir: Path) -> VllmServer:
         """The delta engine most modules share: the tiny Llama at TP=1, plain delta flags, fault armed."""
-        return self.delta_engine(model_dir, env={FAULT_ENV: f"{FAULT_VERSION}:{FAULT_AT}"})
+        return self.delta_engine(model_dir, env={FAULT_ENV: f"{FAULT_VERSION}:{FAULT_AT}",
+                                                 "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": KEEP_ALIVE_S})
 
     def close(self) -> None:
         for server in self._servers.values():

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from harness.perturb import perturb_tensor
 from vllm_delta import DeltaSender
+from vllm_delta.sender.publisher import dir_name
 from vllm_delta.wire import MANIFEST_NAME
 
 
@@ -107,7 +108,8 @@ def run_soak(url: str, api_key: str, model_dir: Path, root: Path, *, syncs: int,
                 continue
             pauses.append(m["perf/update_weights_engine_pause_time"])
             sync_s.append(m["perf/update_weights_time"])
-            vdir = root / f"v{int(m['sender/version']):06d}"
+            kind = "anchor" if m["sender/anchors"] else "delta"  # an engine new to this run is anchored first
+            vdir = root / dir_name(kind, int(m["sender/version"]))
             manifest = json.loads((vdir / MANIFEST_NAME).read_text())
             trainer = {n: _xxh3(t) for n, t in weights.items()}
             stated = {p["name"]: p.get("post_hash") for p in manifest["params"]}

@@ -3,37 +3,34 @@ the digest chain checked after every sync. 10 syncs in `make test`; 100 with `-m
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from harness.engine_pool import API_KEY, reset_to_checkpoint
 from harness.soak import run_soak
 from harness.vllm_engine import VllmServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
-API_KEY = "soak-test-key"
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return Path(os.path.realpath(tmp_path_factory.mktemp("soak_root")))
-
-
-# vLLM closes a keep-alive connection idle for 5 s, and under uvloop a server loop stalled past that
-# (a 2-core CI box running other engines beside this one) runs the close before it reads the next
-# request already waiting on the connection: the client sees RemoteDisconnected, which every
-# production client retries. The soak asks whether a sync drops requests, so it keeps connections
-# open long enough that a stall shows as latency (`latency_syncing.max`) instead of as a dropped one.
-KEEP_ALIVE_S = "120"
+def root(engine_pool) -> Path:
+    return engine_pool.delta_root()
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_factory, root, tmp_path_factory):
-    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
-    with VllmServer(tiny_model_factory("llama"), tmp_path_factory.mktemp("soak") / "serve.log",
-                    extra_args=args, env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": KEEP_ALIVE_S}) as s:
-        yield s
+def server(engine_pool, tiny_model_factory, root):
+    """The session's shared Llama delta engine (harness/engine_pool), back on its checkpoint. It keeps
+    idle connections 120 s (`KEEP_ALIVE_S` there): vLLM closes a keep-alive connection idle for 5 s,
+    and under uvloop a server loop stalled past that (a 2-core CI box running other engines beside
+    this one) runs the close before it reads the next request already waiting on the connection; the
+    client sees RemoteDisconnected, which every production client retries. The soak asks whether a
+    sync drops requests, so a stall must show as latency (`latency_syncing.max`), not as a drop."""
+    model_dir = tiny_model_factory("llama")
+    s = engine_pool.shared_llama(model_dir)
+    reset_to_checkpoint(s, root, model_dir)
+    return s
 
 
 def _check(figures: dict, syncs: int, server: VllmServer) -> None:
