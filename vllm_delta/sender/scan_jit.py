@@ -3,9 +3,9 @@
 Per chunk of a run: the changed elements' indices, 16 lanes at a time with a compress store
 (branch-free: at 2% density a per-element or per-word branch mispredicts on every change; CPUs
 without AVX-512 skip zero 64-bit words instead),
-then per change its outputs; per run, over its outputs, the four digest terms of each change
-(`wire.additive`: key = HF position << width | bits; lane 0 splitmix64's finaliser, lane 1
-Murmur3's fmix64 of key ^ its constant), summed mod 2^64 and added to the run's member.
+then per change its outputs and its four digest terms (`wire.additive`: key = HF position
+<< width | bits; lane 0 splitmix64's finaliser, lane 1 Murmur3's fmix64 of key ^ its constant),
+summed mod 2^64 per run and added to the run's member.
 """
 
 from __future__ import annotations
@@ -135,23 +135,6 @@ def find_words(x, y, at, d, words):
 
 
 @njit(nogil=True, cache=True)
-def _sums(hfs, old, new, k0, k1, width):
-    """The digest terms of changes k0..k1-1 (one run's), summed: (pre lane 0, pre lane 1, post 0,
-    post 1). A loop of its own over the run's outputs, which LLVM vectorises (AVX-512's 64-bit
-    multiplies): 0.109 -> 0.099 s for the P3 model's kernel, against summing in the per-change loop
-    (session 8's per-chunk version of this, on ~40 changes a loop, gained nothing)."""
-    pre0, pre1, post0, post1 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
-    for t in range(k0, k1):
-        key = np.uint64(hfs[t]) << width
-        ko, kn = key | np.uint64(old[t]), key | np.uint64(new[t])
-        pre0 += lane0(ko)
-        pre1 += lane1(ko)
-        post0 += lane0(kn)
-        post1 += lane1(kn)
-    return pre0, pre1, post0, post1
-
-
-@njit(nogil=True, cache=True)
 def scan_runs(curs, src, part_at, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, pos, hfs, old, new, run):
     """Changes of the live bits vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
@@ -159,8 +142,8 @@ def scan_runs(curs, src, part_at, snap, starts, ends, shifts, segs, lo, hi, nseg
     part for a bucket in one storage; a joined bucket's members each in their own).
     The changes go into `pos`, `hfs`, `old`, `new`, `run` (`outputs`, or a reused set); past their
     size, into grown copies (then those are returned). Per chunk of a run: the changed elements'
-    chunk-local indices (`find_compress`, or `find_words` without AVX-512), then their outputs;
-    per run, the digest terms of its outputs (`_sums`)."""
+    chunk-local indices (`find_compress`, or `find_words` without AVX-512), then their outputs
+    and digest terms."""
     width = np.uint64(8 * snap.itemsize)
     sums = np.zeros((nseg, 4), np.uint64)
     at = np.empty(CHUNK, np.int32)  # a chunk's changed indices
@@ -171,7 +154,7 @@ def scan_runs(curs, src, part_at, snap, starts, ends, shifts, segs, lo, hi, nseg
         a, e = max(starts[r], lo), min(ends[r], hi)
         shift = shifts[r]
         cur, base = curs[src[r]], part_at[src[r]]
-        k0 = k
+        pre0, pre1, post0, post1 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
         for c in range(a, e, CHUNK):
             m = min(CHUNK, e - c)
             x, y = cur[c - base:c - base + m], snap[c:c + m]
@@ -183,11 +166,18 @@ def scan_runs(curs, src, part_at, snap, starts, ends, shifts, segs, lo, hi, nseg
             for t in range(found):
                 i = at[t]
                 p = c + i
-                pos[k + t], hfs[k + t], old[k + t], new[k + t] = p, p + shift, y[i], x[i]
+                h = p + shift
+                ov, nv = y[i], x[i]
+                pos[k + t], hfs[k + t], old[k + t], new[k + t] = p, h, ov, nv
+                key = np.uint64(h) << width
+                ko, kn = key | np.uint64(ov), key | np.uint64(nv)
+                pre0 += lane0(ko)
+                pre1 += lane1(ko)
+                post0 += lane0(kn)
+                post1 += lane1(kn)
             if want_run:
                 run[k:k + found] = r
             k += found
-        pre0, pre1, post0, post1 = _sums(hfs, old, new, k0, k, width)
         s = segs[r]
         sums[s, 0] += pre0
         sums[s, 1] += pre1
