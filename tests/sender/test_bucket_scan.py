@@ -10,7 +10,7 @@ import torch
 
 from harness.dispatch_log import OpCount
 import vllm_delta.diff as diff
-from vllm_delta.sender import Shard, bucket_scan, scan_kernel
+from vllm_delta.sender import Shard, bucket_scan
 from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.segments import Segments
 from vllm_delta.wire import additive
@@ -59,13 +59,9 @@ def _reference(monkeypatch) -> None:
     monkeypatch.setattr(bucket_scan, "plan", lambda shards, known=None: ([], list(shards)))
 
 
-def _ints(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 def _entries(cap) -> dict[str, tuple]:
-    return {e.name: (e.changed, e.positions.tolist(), _ints(e.new_values).tolist(),
-                     None if e.old_values is None else _ints(e.old_values).tolist(),
+    return {e.name: (e.changed, e.positions.tolist(), e.new_values.view(torch.int16).tolist(),
+                     None if e.old_values is None else e.old_values.view(torch.int16).tolist(),
                      {k: additive.to_hex(v) for k, v in e.digests.items()}) for e in cap.entries}
 
 
@@ -73,29 +69,28 @@ SYNCS = (("delta", False, False), ("catchup", False, True), ("delta", False, Fal
          ("catchup", True, True), ("delta", False, True))
 
 
-def _run(segs, buf, gen_seed: int, bufs: list[torch.Tensor] | None = None) -> list[dict]:
+def _run(segs, buf, gen_seed: int) -> list[dict]:
     """Syncs (kind, anchor, acknowledged): deltas that lag (deferred), catch-ups, and an anchor
-    (the per-segment scan, taking the bucket's catch-up positions and writing its snapshot).
-    `bufs`: tensors perturbed each sync in place of `buf` (plain tensors, one storage each)."""
+    (the per-segment scan, taking the bucket's catch-up positions and writing its snapshot)."""
     producer = Producer(snapshot="device", post_hash=False)
     producer.seed([s.with_tensor(s.tensor.clone()) for s in segs])
     gen = torch.Generator().manual_seed(gen_seed)
+    edges = [0, 999, 1000, 1001, buf.numel() - 1]  # diff chunk edges (CHUNK_ELEMENTS is 1000 here)
     out = []
     for kind, anchor, ack in SYNCS:
-        for b in bufs or [buf]:  # with diff chunk edges (CHUNK_ELEMENTS is 1000 here)
-            _perturb(b.view(-1), gen, 300, [e for e in (0, 999, 1000, 1001, b.numel() - 1) if e < b.numel()])
+        _perturb(buf, gen, 300, edges)
         cap = producer.scan(segs, kind=kind, anchor=anchor)
         out.append(_entries(cap))
         if anchor:  # the anchor, read from the snapshot views, is the live weights in HF order
             for e, s in zip(cap.entries, segs):
-                got = torch.zeros(s.numel, dtype=_ints(s.tensor).dtype)
+                got = torch.zeros(s.numel, dtype=torch.int16)
                 for hf, piece in e.anchor.pieces(64):
-                    got[hf:hf + piece.numel()] = _ints(piece)
-                want = torch.zeros(s.numel, dtype=got.dtype)
-                want[s.global_index()] = _ints(s.tensor.reshape(-1))
+                    got[hf:hf + piece.numel()] = piece.view(torch.int16)
+                want = torch.zeros(s.numel, dtype=torch.int16)
+                want[s.global_index()] = s.tensor.reshape(-1).view(torch.int16)
                 assert torch.equal(got, want), s.name
         (producer.advance if ack else producer.defer)(cap)
-    out.append({s.name: _ints(producer.snapshot_of(s.name)).tolist() for s in segs})
+    out.append({s.name: producer.snapshot_of(s.name).view(torch.int16).tolist() for s in segs})
     return out
 
 
@@ -113,54 +108,15 @@ def test_bucket_scan_is_bit_exact_with_the_per_segment_scan(monkeypatch, kernel:
     assert sum(e[0] for e in got[0].values()) > 250  # the changes hit members, not just padding
 
 
-@pytest.mark.parametrize("kernel", ["1", "0"])
-def test_joined_plain_tensors_are_bit_exact_with_the_per_segment_scan(monkeypatch, kernel: str) -> None:
-    """Deltas, deferred deltas, catch-ups and an anchor over joined buckets (`_plain`'s tensors),
-    against every tensor scanned on its own; one kernel call per joined bucket and scan."""
-    monkeypatch.setenv("VLLM_DELTA_SCAN_KERNEL", kernel)
-    monkeypatch.setattr(diff, "CHUNK_ELEMENTS", 1000)
-    ws, shards = _plain(torch.Generator().manual_seed(5))
-    start = [w.clone() for w in ws]
-    calls = []
-    real = scan_kernel.diff_digest
-    monkeypatch.setattr(scan_kernel, "diff_digest", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
-    got = _run(shards, None, 6, bufs=ws)
-    assert calls == ([6, 2] * 4 if kernel == "1" else [])  # 4 bucket scans (the anchor is per segment)
-    for w, s in zip(ws, start):
-        w.copy_(s)
-    _reference(monkeypatch)
-    want = _run(shards, None, 6, bufs=ws)
-    assert got == want
-    assert all(sync[n][0] for sync in got[:-1] for n in ("w0", "w3", "r", "c", "f0", "f1"))  # changes everywhere
-
-
-def _plain(gen: torch.Generator) -> tuple[list[torch.Tensor], list[Shard]]:
-    """A dict of tensors as DeltaSender.capture gets it: bf16 matrices, a row shard (HF positions
-    shifted), a column shard (one storage run, a run of HF positions per row), two float32
-    tensors, and a tied pair (one storage twice: the per-segment way)."""
-    ws = [(torch.randn(40, 30, generator=gen)).to(torch.bfloat16) for _ in range(3)] + [
-        torch.randn(1500, generator=gen).to(torch.bfloat16)]
-    rows, cols = torch.randn(4, 30, generator=gen).to(torch.bfloat16), torch.randn(10, 7, generator=gen).to(torch.bfloat16)
-    fl = [torch.randn(33, generator=gen), torch.randn(5, 9, generator=gen)]
-    tied = torch.randn(6, 5, generator=gen).to(torch.bfloat16)
-    shards = [Shard.whole(f"w{i}", w) for i, w in enumerate(ws)] + [
-        Shard.narrow("r", rows, (10, 30), 0, 4), Shard.narrow("c", cols, (10, 20), 1, 13),
-        Shard.whole("f0", fl[0]), Shard.whole("f1", fl[1]), Shard.whole("tied", tied), Shard.whole("tied2", tied)]
-    return [*ws, rows, cols, *fl, tied], shards
-
-
-def test_plain_tensors_join_one_bucket_per_dtype() -> None:
-    """Plain CPU tensors (one storage each) are one bucket per dtype; a tied pair and a tensor alone
-    in its dtype are not joined. Same answers as a plain torch diff."""
+def test_plain_tensors_and_row_shards_are_buckets_of_one() -> None:
+    """DeltaSender.capture of a dict of tensors: each tensor is its own bucket, same answers as a
+    plain torch diff."""
     gen = torch.Generator().manual_seed(3)
-    _, shards = _plain(gen)
+    ws = {f"w{i}": (torch.randn(40, 30, generator=gen)).to(torch.bfloat16) for i in range(3)}
+    full = torch.randn(10, 30, generator=gen).to(torch.bfloat16)
+    shards = [Shard.whole(k, v) for k, v in ws.items()] + [Shard.narrow("r", full[4:8].clone(), (10, 30), 0, 4)]
     layouts, rest = bucket_scan.plan(shards)
-    assert sorted(layout.names for layout in layouts) == [("c", "r", "w0", "w1", "w2", "w3"), ("f0", "f1")]
-    assert {s.name for s in rest} == {"tied", "tied2"}
-    assert all(layout.base is None and not layout.gaps for layout in layouts)
-    alone = bucket_scan.plan(shards[:1] + shards[6:7])[0]  # one tensor per dtype: its own storage's bucket
-    assert [layout.base is not None for layout in alone] == [True, True]
-    shards = shards[:6]
+    assert len(layouts) == 4 and not rest
     producer = Producer(snapshot="device", post_hash=False)
     producer.seed([s.with_tensor(s.tensor.clone()) for s in shards])
     before = {s.name: s.tensor.clone() for s in shards}

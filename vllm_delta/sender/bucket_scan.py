@@ -8,10 +8,7 @@ launches ~85 small kernels and 1-3 host syncs per segment. Here the shards that 
 snapshot in large chunks, and the changed offsets are mapped to (segment, HF position) afterwards
 through a table of runs (`searchsorted` over run starts). Additive digests of all segments come out
 of one `index_add_` into an `[n_segments, 2]` table. A plain tensor (its own storage) is a bucket of
-one: the same code, so both senders share one tested path. Plain CPU tensors of one dtype (a dict of
-tensors, one storage each) are joined into one bucket: its snapshot is one flat tensor holding theirs
-end to end, its live side their storages (`Layout.parts`), so a sync makes one kernel call and one
-bucket's bookkeeping for all of them, not ~80 us of Python per tensor (237 tensors: 0.02 s a sync).
+one: the same code, so both senders share one tested path.
 
 The per-segment scan in `producer.py` is the reference this is tested bit-exact against. On CPU
 weights the diff, gathers, HF map and digests run fused in one pass (`scan_kernel`, numba): the
@@ -49,33 +46,14 @@ class Layout:
 
     key: tuple
     names: tuple[str, ...]  # members, in order of their first element in the bucket
-    base: torch.Tensor | None  # flat view of the live storage over the bucket's span (None: joined)
+    base: torch.Tensor  # flat view of the live storage over the bucket's span
     local_runs: tuple[tuple[tuple[int, int], ...], ...]  # per member: (bucket offset, length) in local order,
     # one run or equal runs at a constant stride (so the member's snapshot is a view of the bucket's)
     rows: tuple[tuple[int, int, int, int], ...]  # runs (bucket offset, HF start, length, member), sorted
     tables: tuple[torch.Tensor, ...]  # `run_tables(rows)` on the weights' device
     in_order: bool  # bucket order is already (member, HF) order: no sort of the changes
     gaps: bool  # the span holds elements no member covers (padding, unregistered params)
-    # (bucket offset, flat live tensor) covering the span in order: `((0, base),)`, or for a joined
-    # bucket each member's own storage, end to end
-    parts: tuple[tuple[int, torch.Tensor], ...] = ()
     buffers: ScanBuffers = field(default_factory=ScanBuffers, repr=False)  # the CPU kernel's outputs, reused
-
-    def __post_init__(self) -> None:
-        if not self.parts:
-            self.parts = ((0, self.base),)
-
-    @property
-    def numel(self) -> int:
-        return self.parts[-1][0] + self.parts[-1][1].numel()
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.parts[0][1].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.parts[0][1].device
 
 
 def storage_runs(t: torch.Tensor) -> list[tuple[int, int]] | None:
@@ -140,8 +118,7 @@ def plan(shards: list[Shard | Segments], known: dict[tuple, Layout] | None = Non
          ) -> tuple[list[Layout], list[Shard | Segments]]:
     """Group shards into buckets; return the layouts (those in `known` reused: no torch op) and the
     shards the per-segment scan must take (too many runs, a non-unit inner stride, or elements shared
-    with another shard). Shards alone in their CPU storage as one run are joined per dtype
-    (`_joined`). Python work only, O(runs)."""
+    with another shard). Python work only, O(runs)."""
     groups: dict[tuple, list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]] = {}
     rest = []
     for s in shards:
@@ -151,32 +128,17 @@ def plan(shards: list[Shard | Segments], known: dict[tuple, Layout] | None = Non
             rest.append(s)
             continue
         groups.setdefault(storage_key(t), []).append((s, buf, _merge(buf, hf)))
-    layouts, alone = [], {}
+    layouts = []
     for key, members in groups.items():
         flat = sorted((b, b + n) for _, buf, _ in members for b, n in buf)
         if any(e1 > b2 for (_, e1), (b2, _) in zip(flat, flat[1:])):  # overlapping shards (tied views)
             rest.extend(s for s, _, _ in members)
             continue
-        if len(members) == 1 and len(members[0][1]) == 1 and key[0].type == "cpu":
-            alone.setdefault(key[:2], []).append((key[2], *members[0]))
-            continue
         members.sort(key=lambda m: m[1][0][0])
-        layouts.append(_known(known, key + tuple((s.name, tuple(runs)) for s, _, runs in members), _layout, members))
-    for (device, dtype), members in alone.items():
-        if len(members) == 1:
-            key, s, buf, runs = members[0]
-            layouts.append(_known(known, (device, dtype, key, (s.name, tuple(runs))), _layout, [members[0][1:]]))
-            continue
-        members.sort(key=lambda m: m[1].name)
-        full_key = ("joined", device, dtype) + tuple((key, s.name, tuple(runs)) for key, s, _, runs in members)
-        layouts.append(_known(known, full_key, _joined, [m[1:] for m in members]))
+        full_key = key + tuple((s.name, tuple(runs)) for s, _, runs in members)
+        layout = (known or {}).get(full_key)
+        layouts.append(layout if layout is not None else _layout(full_key, members))
     return layouts, rest
-
-
-def _known(known: dict[tuple, Layout] | None, key: tuple, make, members) -> Layout:
-    """The layout of `key` seen before (no torch op), else `make(key, members)`."""
-    layout = (known or {}).get(key)
-    return layout if layout is not None else make(key, members)
 
 
 def strided(runs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> bool:
@@ -198,24 +160,6 @@ def _layout(key: tuple, members: list[tuple[Shard | Segments, list[tuple[int, in
                   tuple(tuple((b - lo, n) for b, n in buf) for _, buf, _ in members),
                   rows_t, run_tables(rows_t, t0.device), in_order=keys == sorted(keys),
                   gaps=sum(r[2] for r in rows) != hi - lo)
-
-
-def _joined(key: tuple, members: list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]
-            ) -> Layout:
-    """A bucket of shards that each fill one run of their own CPU storage: bucket offsets run over the
-    members end to end (no gaps); the live side is each member's storage (`parts`)."""
-    parts, rows, local, at = [], [], [], 0
-    for k, (s, buf, runs) in enumerate(members):
-        (start, n), = buf
-        parts.append((at, s.tensor.detach().as_strided((n,), (1,), start)))
-        rows += [(b - start + at, h, m, k) for b, h, m in runs]
-        local.append(((at, n),))
-        at += n
-    rows_t = tuple(sorted(rows))
-    keys = [(k, h) for _, h, _, k in rows_t]
-    return Layout(key, tuple(s.name for s, _, _ in members), None, tuple(local), rows_t,
-                  run_tables(rows_t, parts[0][1].device), in_order=keys == sorted(keys), gaps=False,
-                  parts=tuple(parts))
 
 
 def run_tables(rows: tuple[tuple[int, int, int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -247,10 +191,10 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     host snapshot of device weights the live span comes to the host chunk by chunk."""
     n = len(layout.names)
     tables = tuple(t.to(snap.device) for t in layout.tables)
-    if scan_kernel.applies(layout.parts, snap):  # CPU: one fused pass (numba), tested equal to the torch path
+    if scan_kernel.applies(layout.base, snap):  # CPU: one fused pass (numba), tested equal to the torch path
         workers = torch.get_num_threads() if _CPUS != 1 else 1
         pos, old, new, hf, run, pre, post = scan_kernel.diff_digest(
-            layout.parts, snap, tables, n, not layout.in_order, workers, _cpu_pool() if workers > 1 else None,
+            layout.base, snap, tables, n, not layout.in_order, workers, _cpu_pool() if workers > 1 else None,
             layout.buffers)
     else:
         pos, old, new, hf, run, pre, post = torch_diff_digest(layout, tables, snap, n)
@@ -259,7 +203,7 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     if kind == "catchup" and pending is not None:
         sent = union(pending, pos)
         send_seg, send_hf, _, send_run = _map(layout, tables, sent)
-        send_new, send_old = live_values(layout, sent), None
+        send_new, send_old = take(layout.base, sent), None
         post = segment_sums(send_seg, n, send_hf, send_new)
     if not layout.in_order:  # runs interleave (a fused qkv): stable by run rank is (member, HF) order
         order = torch.argsort(tables[4][send_run], stable=True)
@@ -274,12 +218,7 @@ def torch_diff_digest(layout: Layout, tables: tuple[torch.Tensor, ...], snap: to
                       ) -> tuple[torch.Tensor, ...]:
     """(offsets, old, new, HF positions, runs, pre [n, 2], post [n, 2]) of the changes inside the
     runs, in torch ops on any device: the reference for `scan_kernel.diff_digest`."""
-    if layout.base is not None:
-        pos, old, new = _diff(layout.base, snap)
-    else:  # joined: each member's storage against its span of the snapshot
-        diffs = [(p + a, s.index_select(0, p), t.index_select(0, p))
-                 for a, t in layout.parts for s in (snap[a:a + t.numel()],) for p in (changed_positions(t, s),)]
-        pos, old, new = (torch.cat(x) for x in zip(*diffs))
+    pos, old, new = _diff(layout.base, snap)
     seg, hf, keep, run = _map(layout, tables, pos)
     # drop changes no member covers (one check first: gathering six arrays costs more; meta can't say)
     if layout.gaps and (pos.device.type == "meta" or not bool(keep.all())):
@@ -337,14 +276,6 @@ def _count(tables: tuple[torch.Tensor, ...], n: int, pos: torch.Tensor) -> torch
     start, end, _, run_seg, _ = tables
     per_run = torch.searchsorted(pos, end) - torch.searchsorted(pos, start)
     return torch.zeros(n, dtype=torch.int64, device=pos.device).index_add_(0, run_seg, per_run)
-
-
-def live_values(layout: Layout, idx: torch.Tensor) -> torch.Tensor:
-    """The live values at sorted bucket offsets `idx`, where `idx` lives."""
-    if layout.base is not None:
-        return take(layout.base, idx)
-    cuts = torch.searchsorted(idx, torch.tensor([a for a, _ in layout.parts], device=idx.device)).tolist()
-    return torch.cat([take(t, idx[lo:hi] - a) for (a, t), lo, hi in zip(layout.parts, cuts, cuts[1:] + [idx.numel()])])
 
 
 def take(base: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -276,10 +276,9 @@ class Producer:
             del self._buckets[old.layout.key]
         states = [self._states[n] for n in layout.names]
         place = states[0].snapshot.device
-        snap = torch.empty(layout.numel, dtype=layout.dtype, device=place,
-                           pin_memory=place.type == "cpu" and layout.device.type == "cuda")
-        for at, live in layout.parts:
-            snap[at:at + live.numel()].copy_(live)
+        snap = torch.empty(layout.base.shape, dtype=layout.base.dtype, device=place,
+                           pin_memory=place.type == "cpu" and layout.base.device.type == "cuda")
+        snap.copy_(layout.base)
         digests = torch.stack([st.digest for st in states]).to(place)
         for i, (st, runs) in enumerate(zip(states, layout.local_runs)):
             view = snap[runs[0][0]:runs[0][0] + runs[0][1]] if len(runs) == 1 else snap.as_strided(

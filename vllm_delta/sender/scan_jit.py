@@ -135,29 +135,26 @@ def find_words(x, y, at, d, words):
 
 
 @njit(nogil=True, cache=True)
-def scan_runs(curs, src, part_at, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, pos, hfs, old, new, run):
-    """Changes of the live bits vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
+def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, pos, hfs, old, new, run):
+    """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
-    The live bits of run r are `curs[src[r]]`, a part that starts at bucket offset `part_at[src[r]]` (one
-    part for a bucket in one storage; a joined bucket's members each in their own).
     The changes go into `pos`, `hfs`, `old`, `new`, `run` (`outputs`, or a reused set); past their
     size, into grown copies (then those are returned). Per chunk of a run: the changed elements'
     chunk-local indices (`find_compress`, or `find_words` without AVX-512), then their outputs
     and digest terms."""
-    width = np.uint64(8 * snap.itemsize)
+    width = np.uint64(8 * cur.itemsize)
     sums = np.zeros((nseg, 4), np.uint64)
     at = np.empty(CHUNK, np.int32)  # a chunk's changed indices
-    d = np.zeros(CHUNK, snap.dtype)  # find_words' scratch
+    d = np.zeros(CHUNK, cur.dtype)  # find_words' scratch
     words = d.view(np.uint64)
     k = 0
     for r in range(starts.size):
         a, e = max(starts[r], lo), min(ends[r], hi)
         shift = shifts[r]
-        cur, base = curs[src[r]], part_at[src[r]]
         pre0, pre1, post0, post1 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
         for c in range(a, e, CHUNK):
             m = min(CHUNK, e - c)
-            x, y = cur[c - base:c - base + m], snap[c:c + m]
+            x, y = cur[c:c + m], snap[c:c + m]
             found = find_compress(x, y, at) if COMPRESS else find_words(x, y, at, d, words)
             if k + found > pos.size:
                 pos, hfs, old, new = _grow(pos, k), _grow(hfs, k), _grow(old, k), _grow(new, k)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 
 import numpy as np
@@ -34,61 +33,45 @@ def enabled() -> bool:
     return HAVE_NUMBA and os.environ.get("VLLM_DELTA_SCAN_KERNEL", "1") != "0"
 
 
-Live = torch.Tensor | Sequence[tuple[int, torch.Tensor]]  # a span, or (offset, tensor) parts end to end
-
-
-def _parts(live: Live) -> Sequence[tuple[int, torch.Tensor]]:
-    return ((0, live),) if isinstance(live, torch.Tensor) else live
-
-
-def applies(live: Live, snap: torch.Tensor) -> bool:
+def applies(base: torch.Tensor, snap: torch.Tensor) -> bool:
     """The kernel takes contiguous CPU spans of 16- and 32-bit dtypes (their digest key is
-    position << width | bits; those are the widths it is tested on); anything else goes the torch way.
-    `live` is the bucket's span, or its parts (`bucket_scan.Layout.parts`)."""
-    parts = _parts(live)
-    return (enabled() and snap.device.type == "cpu" and snap.element_size() in (2, 4) and not snap.is_complex()
-            and snap.is_contiguous() and parts[-1][0] + parts[-1][1].numel() == snap.numel()
-            and all(t.device.type == "cpu" and t.dtype == snap.dtype and t.is_contiguous() for _, t in parts))
+    position << width | bits; those are the widths it is tested on); anything else goes the torch way."""
+    return (enabled() and base.device.type == "cpu" and snap.device.type == "cpu"
+            and base.element_size() in (2, 4) and base.dtype == snap.dtype and not base.is_complex()
+            and base.is_contiguous() and snap.is_contiguous() and base.numel() == snap.numel())
 
 
-def diff_digest(live: Live, snap: torch.Tensor, tables: tuple[torch.Tensor, ...], n: int,
+def diff_digest(base: torch.Tensor, snap: torch.Tensor, tables: tuple[torch.Tensor, ...], n: int,
                 want_run: bool, workers: int = 1, pool: Executor | None = None,
                 buffers: ScanBuffers | None = None) -> tuple[torch.Tensor | None, ...]:
     """(offsets, old, new, HF positions, runs or None, pre [n, 2], post [n, 2]) of the changes of the
-    bucket's `live` span (or its parts, each its own storage) against `snap` inside the run `tables`
-    (`bucket_scan.run_tables`), as `bucket_scan.torch_diff_digest` gives them. One kernel call for
-    all parts; with a pool, the span is cut into `workers` windows. The changes are written into
-    `buffers`' sets (reused once nothing holds them), else fresh arrays."""
-    from numba.typed import List
-
+    bucket span `base` against `snap` inside the run `tables` (`bucket_scan.run_tables`), as
+    `bucket_scan.torch_diff_digest` gives them. With a pool, the span is cut into `workers` windows.
+    The changes are written into `buffers`' sets (reused once nothing holds them), else fresh arrays."""
     from vllm_delta.sender.scan_jit import CHUNK, capacity, outputs, scan_runs
 
-    parts = _parts(live)
-    u = _UINT[snap.element_size()]
-    old_np = _bits(snap, u)
-    curs = List([_bits(t, u) for _, t in parts])
+    u = _UINT[base.element_size()]
+    cur, old_np = _bits(base, u), _bits(snap, u)
     starts, ends, shifts, segs = (t.numpy() for t in tables[:4])
-    at = np.array([a for a, _ in parts], np.int64)
-    src = np.searchsorted(at, starts, side="right") - 1  # the part each run lies in
-    windows = _windows(snap.numel(), workers if pool is not None else 1, CHUNK)
-    sets = buffers.take(windows, old_np, want_run) if buffers is not None else [
-        outputs(capacity(a, b), old_np, want_run) for a, b in windows]
-    args = (curs, src, at, old_np, starts, ends, shifts, segs)
+    windows = _windows(base.numel(), workers if pool is not None else 1, CHUNK)
+    sets = buffers.take(windows, cur, want_run) if buffers is not None else [
+        outputs(capacity(a, b), cur, want_run) for a, b in windows]
+    args = (cur, old_np, starts, ends, shifts, segs)
     if len(windows) == 1:
-        done = [scan_runs(*args, windows[0][0], windows[0][1], n, want_run, *sets[0])]
+        parts = [scan_runs(*args, windows[0][0], windows[0][1], n, want_run, *sets[0])]
     else:
         futures: list[Future] = [pool.submit(scan_runs, *args, a, b, n, want_run, *s)
                                  for (a, b), s in zip(windows, sets)]
-        done = [f.result() for f in futures]
-    pieces = [tuple(x[:p[0]] for x in p[1:6]) for p in done]
+        parts = [f.result() for f in futures]
+    pieces = [tuple(x[:p[0]] for x in p[1:6]) for p in parts]
     pos, hf, old, new, run = (np.concatenate(x) if len(x) > 1 else x[0] for x in zip(*pieces))
-    sums = done[0][6]
-    for p in done[1:]:
+    sums = parts[0][6]
+    for p in parts[1:]:
         sums = sums + p[6]  # uint64: wraps mod 2^64, as the torch path's int64 sums do
     sums = torch.from_numpy(sums.view(np.int64))
-    dtype = snap.dtype
+    dtype = base.dtype
     if buffers is not None:
-        buffers.settle([(p[0], p[1:6]) for p in done])
+        buffers.settle([(p[0], p[1:6]) for p in parts])
     return (torch.from_numpy(pos), _values(old, dtype), _values(new, dtype), torch.from_numpy(hf),
             torch.from_numpy(run) if want_run else None, sums[:, :2].contiguous(), sums[:, 2:].contiguous())
 
