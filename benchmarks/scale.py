@@ -217,12 +217,12 @@ def count_true_checkpoint(model: str, out: Path, layers: int | None = None, seed
 
 
 def count_true_engine(model: str, work: Path, layers: int | None = None, lock: bool = False,
-                      densities: tuple[float, ...] = (0.005, 0.02), loader: Any = None) -> dict[str, Any]:
+                      densities: tuple[float, ...] = (0.005, 0.02)) -> dict[str, Any]:
     """`vllm serve --enable-delta-updates` on the count-true checkpoint: startup to ready, then a delta
     at each density in turn (0.5 % and 2 %, perturbed like the suite's, diffed by `vllm-delta diff`),
-    bit-exact at the end against vLLM's own fresh load of the final checkpoint (by `loader`, a
-    harness.fresh_load.FreshLoader, or one of its own). `lock`: take /tmp/engine.lock for the engine
-    part only (not when the caller already runs under `flock /tmp/engine.lock`: that would wait forever)."""
+    bit-exact at the end against vLLM's own fresh load of the final checkpoint. `lock`: take
+    /tmp/engine.lock for the engine part only (not when the caller already runs under `flock
+    /tmp/engine.lock`: that would wait forever)."""
     from safetensors.torch import load_file
 
     from harness.fresh_load import save_checkpoint
@@ -253,7 +253,7 @@ def count_true_engine(model: str, work: Path, layers: int | None = None, lock: b
         versions.append((v, density))
     current = save_checkpoint(weights, like=base, out=work / "final")
     with _engine_lock() if lock else contextlib.nullcontext():
-        return _serve_and_sync(model, layers, base, current, root, versions, work, key, headers, loader)
+        return _serve_and_sync(model, layers, base, current, root, versions, work, key, headers)
 
 
 @contextlib.contextmanager
@@ -270,8 +270,8 @@ def _engine_lock(path: str = "/tmp/engine.lock") -> Iterator[None]:
 
 
 def _serve_and_sync(model: str, layers: int | None, base: Path, current: Path, root: Path,
-                    versions: list[tuple[int, float]], work: Path, key: str, headers: dict[str, str],
-                    loader: Any = None) -> dict[str, Any]:
+                    versions: list[tuple[int, float]], work: Path, key: str, headers: dict[str, str]
+                    ) -> dict[str, Any]:
     import requests
 
     from harness.fresh_load import FreshLoader
@@ -303,13 +303,11 @@ def _serve_and_sync(model: str, layers: int | None, base: Path, current: Path, r
             out[f"changed_{tag}"] = body["changed"]
         served = requests.post(f"{server.url}/weight_checker", json={"action": "checksum"}, headers=headers,
                                timeout=600).json()["checksums"]
-    own = loader is None
-    loader = FreshLoader() if own else loader
+    loader = FreshLoader()
     try:
         fresh = loader.checksums(current)
     finally:
-        if own:
-            loader.close()
+        loader.close()
     out["bitexact_vs_fresh_load"] = served == fresh
     return out
 

@@ -23,8 +23,9 @@ scale = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(scale)
 
 
-def test_a_ten_thousand_tensor_engine_is_bit_exact_after_a_two_percent_delta(tmp_path, fresh_loader):
-    run = scale.count_true_engine("glm-4.7-355b-a32b", tmp_path, layers=24, densities=(0.02,), loader=fresh_loader)
+def test_a_ten_thousand_tensor_engine_is_bit_exact_after_a_two_percent_delta(tmp_path):
+    # Its own fresh loader: the session's may have set up vLLM's groups for another model (no EP group).
+    run = scale.count_true_engine("glm-4.7-355b-a32b", tmp_path, layers=24, densities=(0.02,))
     assert run["checkpoint_tensors"] >= 10_000
     assert run["coverage_ok"]
     assert run["changed_2pct"] > 0
