@@ -32,7 +32,8 @@ STAGE_CALLS_PER_TENSOR = 0
 STAGE_LINES_PER_TENSOR = 0
 
 
-def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
+def _one_moe_layer_delta(tmp_path):
+    """A one-layer, 8-expert synthetic model, its applier, the opened delta of half its elements, its meta."""
     cfg = moe(1, 8)
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
     DC.write_delta(tmp_path / "d", base, DC.step(base, 0.5, seed=1), version=1)
@@ -41,6 +42,11 @@ def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
     model.load_weights(base.items())
     applier = DeltaApplier(model, meta)
     info = open_delta(tmp_path / "d")
+    return model, applier, info, meta
+
+
+def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
+    model, applier, info, meta = _one_moe_layer_delta(tmp_path)
     deltas = list(iter_delta(info, expected=meta, current_version=0))
     first = applier.stage(info.manifest, deltas, version=1, replay=False, start=0.0)
     calls = {"_batchable": 0, "_landings": 0}
@@ -150,14 +156,7 @@ def test_a_plans_destinations_are_worked_out_once(tmp_path, monkeypatch):
     kept with the plan: COUNTED, none of it on a second sync, which stages the same writes and digests."""
     from vllm_delta.engine import batched
 
-    cfg = moe(1, 8)
-    base = DC.random_checkpoint(cfg, "cpu", seed=0)
-    DC.write_delta(tmp_path / "d", base, DC.step(base, 0.5, seed=1), version=1)
-    meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
-    model = DC.SyntheticLM(cfg)
-    model.load_weights(base.items())
-    applier = DeltaApplier(model, meta)
-    info = open_delta(tmp_path / "d")
+    model, applier, info, meta = _one_moe_layer_delta(tmp_path)
     items = list(iter_delta(info, expected=meta, current_version=0, batches=True))
     calls = collections.Counter()
     for name in ("_kinds", "_number"):
