@@ -19,6 +19,7 @@ import ctypes
 import functools
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -46,6 +47,7 @@ from vllm_delta.wire import FlushBuilder, additive  # noqa: E402
 LINK = 300e6  # bytes per second
 DENSITY = 0.02
 REPEATS = 3
+P3_REPEATS = 7  # the P3 series' rounds: cheap (~1 s a round), and this VM's timings spread by +-30%
 KNOWN_MEMCPY_GBPS = 19.0  # a quiet single-thread copy on these machines (docs: measuring honestly)
 
 def make_model(out: Path, layers: int) -> Path:
@@ -116,41 +118,54 @@ def _copy_pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads)
 
 
-def _best_copy_s(weights: dict[str, torch.Tensor], threads: int, copy) -> float:
-    """Best of 5 warm `copy(dst, src)` passes over every tensor (destination touched first: no page faults timed)."""
+_DESTINATIONS: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def _destinations(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The copies' destinations, made once per set of sources: a fresh GB a call would be page faults
+    and a free between the timed ops of the interleaved series (this VM faults at ~0.35 GB/s)."""
+    key = tuple((n, t.data_ptr(), t.numel()) for n, t in weights.items())
+    if key not in _DESTINATIONS:
+        _DESTINATIONS[key] = {n: t.clone() for n, t in weights.items()}  # written: resident
+    return _DESTINATIONS[key]
+
+
+def _warm_copy_s(weights: dict[str, torch.Tensor], threads: int, copy) -> float:
+    """One `copy(dst, src)` pass over every tensor into destinations already touched (no page faults
+    timed): one sample, as the scans are, for the same statistic (medians) on both sides of a ratio."""
     torch.set_num_threads(threads)
-    dst = {n: torch.empty_like(t) for n, t in weights.items()}
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for n, t in weights.items():
-            copy(dst[n], t)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    dst = _destinations(weights)
+    t0 = time.perf_counter()
+    for n, t in weights.items():
+        copy(dst[n], t)
+    return time.perf_counter() - t0
 
 
 def memcpy_s(weights: dict[str, torch.Tensor], threads: int) -> float:
     """libc's memcpy of every tensor. Why libc's: torch's `copy_` runs at about half its speed on one
     thread here for a 1 GB copy (5.5 against 11-12 GB/s: glibc switches to non-temporal stores for
     large copies), and a ratio to a slow copy flatters the scan (`torch_copy_s` keeps it)."""
-    return _best_copy_s(weights, threads, lambda dst, src: _libc_memcpy(dst, src, threads))
+    return _warm_copy_s(weights, threads, lambda dst, src: _libc_memcpy(dst, src, threads))
 
 
 def torch_copy_s(weights: dict[str, torch.Tensor], threads: int) -> float:
     """The same copies with torch's `copy_`, for comparison with earlier runs."""
-    return _best_copy_s(weights, threads, torch.Tensor.copy_)
+    return _warm_copy_s(weights, threads, torch.Tensor.copy_)
 
 
-def _interleaved_medians(*fns, repeats: int = REPEATS) -> list[float]:
-    """Medians of each of `fns` timed in turn (a, b, c, a, b, c, ...), so all see the same load. A
-    function that returns a float has timed itself (memcpy: its best of 5)."""
-    times: list[list[float]] = [[] for _ in fns]
+def _interleaved_medians(*fns, repeats: int = REPEATS) -> tuple[list[float], list[dict]]:
+    """Medians of each of `fns` timed in turn (a, b, c, a, b, c, ...), so all see the same load, and
+    per fn its samples and the minor page faults each call took (a fresh output array shows there). A
+    function that returns a float has timed itself (a memcpy: its copy alone)."""
+    samples: list[dict] = [{"s": [], "faults": []} for _ in fns]
     for _ in range(repeats):
-        for fn, ts in zip(fns, times):
+        for fn, got in zip(fns, samples):
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             r = fn()
-            ts.append(r if isinstance(r, float) else time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
+            got["s"].append(r if isinstance(r, float) else time.perf_counter() - t0)
+            got["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+    return [statistics.median(got["s"]) for got in samples], samples
 
 
 def _kernel(flag: str, fn):
@@ -204,7 +219,8 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
             return _kernel(flag, lambda: (caps.pop(flag, None), caps.__setitem__(
                 flag, producer.scan(shards, kind="delta", anchor=False))))
 
-        scan("1")(), scan("0")()  # warm: the kernel's first call loads its compiled code
+        # warm: the kernel's first call loads its compiled code; a layout's first scan plans it and grows its outputs
+        scan("1")(), scan("0")(), _kernel("1", flat.scan)()
         assert _digests(caps["0"]) == _digests(caps["1"]), "the kernel and the torch path disagree"
         wire = []
 
@@ -216,11 +232,16 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
             b.manifest()
             wire.append(b.wire_bytes)
 
-        # memcpy, both scans of both layouts and the encode in turn: one load for every ratio
-        base, torch_copy, flat_base, scan_torch_s, scan_s, flat_torch_s, flat_s, encode_s = _interleaved_medians(
+        # The memcpys, the kernel's scans of both layouts and the encode in turn: one load for the P3
+        # ratios. The torch path's scans in a series of their own, with their own memcpys: each
+        # allocates and frees ~2 GB of temporaries, and the op after one ran 1.3-1.9x slower in
+        # process time (session 11, in-process: plain kernel scan 0.19 -> 0.25-0.37 s).
+        (base, flat_base, scan_s, flat_s, encode_s), samples = _interleaved_medians(
+            lambda: memcpy_s(weights, threads), lambda: flat.memcpy_s(threads), scan("1"),
+            _kernel("1", flat.scan), encode, repeats=P3_REPEATS)
+        (base_t, torch_copy, flat_base_t, scan_torch_s, flat_torch_s), samples_t = _interleaved_medians(
             lambda: memcpy_s(weights, threads), lambda: torch_copy_s(weights, threads),
-            lambda: flat.memcpy_s(threads), scan("0"), scan("1"), _kernel("0", flat.scan), _kernel("1", flat.scan),
-            encode)
+            lambda: flat.memcpy_s(threads), scan("0"), _kernel("0", flat.scan))
         torch.set_num_threads(threads)
         flat_ops = flat.ops()
         out["threads"][threads] = {
@@ -228,14 +249,18 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
             "digest_s": digest_s, "scan_s": scan_s, "encode_s": encode_s, "changed": caps["1"].changed,
             "wire_bytes": wire[-1], "p3_ratio": (scan_s + encode_s) / base, "scan_flat_s": flat_s,
             "flat_ops_per_sync": flat_ops, "memcpy_flat_s": flat_base, "p3_ratio_flat": (flat_s + encode_s) / flat_base,
-            "scan_torch_s": scan_torch_s, "p3_ratio_torch": (scan_torch_s + encode_s) / base,
-            "scan_flat_torch_s": flat_torch_s, "p3_ratio_flat_torch": (flat_torch_s + encode_s) / flat_base}
+            "scan_torch_s": scan_torch_s, "memcpy_torch_series_s": base_t, "p3_ratio_torch": (scan_torch_s + encode_s) / base_t,
+            "scan_flat_torch_s": flat_torch_s, "memcpy_flat_torch_series_s": flat_base_t,
+            "p3_ratio_flat_torch": (flat_torch_s + encode_s) / flat_base_t,
+            "samples": dict(zip(("memcpy", "memcpy_flat", "scan", "scan_flat", "encode"), samples)),
+            "samples_torch": dict(zip(("memcpy", "torch_copy", "memcpy_flat", "scan", "scan_flat"), samples_t))}
         print(f"P3 {threads} thread(s): memcpy {base:.3f}s ({nbytes / base / 1e9:.1f} GB/s; torch copy_ "
               f"{torch_copy:.3f}s) scan {scan_s:.3f}s "
               f"(torch path {scan_torch_s:.3f}s: diff {diff_s:.3f} gather {gather_s:.3f} digest {digest_s:.3f}) "
-              f"encode {encode_s:.3f}s -> {(scan_s + encode_s) / base:.1f}x (torch {(scan_torch_s + encode_s) / base:.1f}x)"
+              f"encode {encode_s:.3f}s -> {(scan_s + encode_s) / base:.1f}x (torch {(scan_torch_s + encode_s) / base_t:.1f}x)"
               f"; one flat buffer: memcpy {flat_base:.3f}s, scan {flat_s:.3f}s (torch {flat_torch_s:.3f}s, "
-              f"{flat_ops} ops) -> {(flat_s + encode_s) / flat_base:.1f}x", flush=True)
+              f"{flat_ops} ops) -> {(flat_s + encode_s) / flat_base:.1f}x (torch {(flat_torch_s + encode_s) / flat_base_t:.1f}x)",
+              flush=True)
     for n in weights:  # undo, so P4 starts from the checkpoint
         weights[n].copy_(snapshot[n])
     return out
@@ -453,8 +478,8 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path, loa
         "",
         "## P3: scan + encode vs a warm memcpy of the same bytes, at the same thread count",
         "",
-        f"Medians of {REPEATS} runs; memcpy is the best of 5 warm copies with libc's memcpy (destination "
-        "pre-touched; torch's `copy_` of the same bytes, about half as fast on one thread here, is the last column). "
+        f"Medians of {P3_REPEATS} rounds (the torch path's: {REPEATS}), each op timed once a round in turn, memcpy "
+        "with libc's memcpy into a destination touched before (torch's `copy_` of the same bytes is the last column). "
         "The scan is `Producer.scan`: bitwise diff against the snapshot, gather of new and old values, "
         "additive digests (pre/post and the whole-tensor update), staging, one pass per bucket "
         "(`sender/bucket_scan.py`). 'One flat buffer' lays the same "
@@ -570,7 +595,9 @@ def main() -> None:
         model = make_model(work / "model", a.layers)
         from safetensors.torch import load_file
 
-        weights = load_file(model / "model.safetensors")
+        # Copies in the process's own memory, as a trainer holds its weights: `load_file`'s tensors
+        # are a private mapping of the file, page-cache pages copied on write.
+        weights = {n: t.clone() for n, t in load_file(model / "model.safetensors").items()}
         params = sum(t.numel() for t in weights.values())
         print(f"model: {params / 1e6:.0f} M params", flush=True)
         res3 = p3(weights, [int(x) for x in a.p3_threads.split(",") if x] or None)

@@ -3,9 +3,9 @@
 Per chunk of a run: the changed elements' indices, 16 lanes at a time with a compress store
 (branch-free: at 2% density a per-element or per-word branch mispredicts on every change; CPUs
 without AVX-512 skip zero 64-bit words instead),
-then per change its outputs and its four digest terms (`wire.additive`: key = HF position
-<< width | bits; lane 0 splitmix64's finaliser, lane 1 Murmur3's fmix64 of key ^ its constant),
-summed mod 2^64 per run and added to the run's member.
+then per change its outputs; per run, over its outputs, the four digest terms of each change
+(`wire.additive`: key = HF position << width | bits; lane 0 splitmix64's finaliser, lane 1
+Murmur3's fmix64 of key ^ its constant), summed mod 2^64 and added to the run's member.
 """
 
 from __future__ import annotations
@@ -135,13 +135,31 @@ def find_words(x, y, at, d, words):
 
 
 @njit(nogil=True, cache=True)
-def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, pos, hfs, old, new, run):
+def _sums(hfs, old, new, k0, k1, width):
+    """The digest terms of changes k0..k1-1 (one run's), summed: (pre lane 0, pre lane 1, post 0,
+    post 1). A loop of its own over the run's outputs, which LLVM vectorises (AVX-512's 64-bit
+    multiplies), where summing in the per-change store loop does not."""
+    pre0, pre1, post0, post1 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+    for t in range(k0, k1):
+        key = np.uint64(hfs[t]) << width
+        ko, kn = key | np.uint64(old[t]), key | np.uint64(new[t])
+        pre0 += lane0(ko)
+        pre1 += lane1(ko)
+        post0 += lane0(kn)
+        post1 += lane1(kn)
+    return pre0, pre1, post0, post1
+
+
+@njit(nogil=True, cache=True)
+def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, same_hf, pos, hfs, old, new, run):
     """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
+    `same_hf`: every HF position equals its offset (one run, shift 0: a plain tensor), so `hfs`
+    is left unwritten (8 of the 20 B a change) and the offsets stand for both.
     The changes go into `pos`, `hfs`, `old`, `new`, `run` (`outputs`, or a reused set); past their
     size, into grown copies (then those are returned). Per chunk of a run: the changed elements'
-    chunk-local indices (`find_compress`, or `find_words` without AVX-512), then their outputs
-    and digest terms."""
+    chunk-local indices (`find_compress`, or `find_words` without AVX-512), then their outputs;
+    per run, the digest terms of its outputs (`_sums`)."""
     width = np.uint64(8 * cur.itemsize)
     sums = np.zeros((nseg, 4), np.uint64)
     at = np.empty(CHUNK, np.int32)  # a chunk's changed indices
@@ -151,7 +169,7 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, pos
     for r in range(starts.size):
         a, e = max(starts[r], lo), min(ends[r], hi)
         shift = shifts[r]
-        pre0, pre1, post0, post1 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+        k0 = k
         for c in range(a, e, CHUNK):
             m = min(CHUNK, e - c)
             x, y = cur[c:c + m], snap[c:c + m]
@@ -160,21 +178,20 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, pos
                 pos, hfs, old, new = _grow(pos, k), _grow(hfs, k), _grow(old, k), _grow(new, k)
                 if want_run:
                     run = _grow(run, k)
-            for t in range(found):
-                i = at[t]
-                p = c + i
-                h = p + shift
-                ov, nv = y[i], x[i]
-                pos[k + t], hfs[k + t], old[k + t], new[k + t] = p, h, ov, nv
-                key = np.uint64(h) << width
-                ko, kn = key | np.uint64(ov), key | np.uint64(nv)
-                pre0 += lane0(ko)
-                pre1 += lane1(ko)
-                post0 += lane0(kn)
-                post1 += lane1(kn)
+            if same_hf:
+                for t in range(found):
+                    i = at[t]
+                    pos[k + t], old[k + t], new[k + t] = c + i, y[i], x[i]
+            else:
+                for t in range(found):
+                    i = at[t]
+                    pos[k + t], old[k + t], new[k + t] = c + i, y[i], x[i]
+                for t in range(k, k + found):
+                    hfs[t] = pos[t] + shift
             if want_run:
                 run[k:k + found] = r
             k += found
+        pre0, pre1, post0, post1 = _sums(pos if same_hf else hfs, old, new, k0, k, width)
         s = segs[r]
         sums[s, 0] += pre0
         sums[s, 1] += pre1

@@ -56,15 +56,17 @@ def diff_digest(base: torch.Tensor, snap: torch.Tensor, tables: tuple[torch.Tens
     windows = _windows(base.numel(), workers if pool is not None else 1, CHUNK)
     sets = buffers.take(windows, cur, want_run) if buffers is not None else [
         outputs(capacity(a, b), cur, want_run) for a, b in windows]
+    same_hf = starts.size == 1 and shifts[0] == 0  # a plain tensor: HF positions are the offsets
     args = (cur, old_np, starts, ends, shifts, segs)
     if len(windows) == 1:
-        parts = [scan_runs(*args, windows[0][0], windows[0][1], n, want_run, *sets[0])]
+        parts = [scan_runs(*args, windows[0][0], windows[0][1], n, want_run, same_hf, *sets[0])]
     else:
-        futures: list[Future] = [pool.submit(scan_runs, *args, a, b, n, want_run, *s)
+        futures: list[Future] = [pool.submit(scan_runs, *args, a, b, n, want_run, same_hf, *s)
                                  for (a, b), s in zip(windows, sets)]
         parts = [f.result() for f in futures]
     pieces = [tuple(x[:p[0]] for x in p[1:6]) for p in parts]
     pos, hf, old, new, run = (np.concatenate(x) if len(x) > 1 else x[0] for x in zip(*pieces))
+    pos_t = torch.from_numpy(pos)
     sums = parts[0][6]
     for p in parts[1:]:
         sums = sums + p[6]  # uint64: wraps mod 2^64, as the torch path's int64 sums do
@@ -72,7 +74,7 @@ def diff_digest(base: torch.Tensor, snap: torch.Tensor, tables: tuple[torch.Tens
     dtype = base.dtype
     if buffers is not None:
         buffers.settle([(p[0], p[1:6]) for p in parts])
-    return (torch.from_numpy(pos), _values(old, dtype), _values(new, dtype), torch.from_numpy(hf),
+    return (pos_t, _values(old, dtype), _values(new, dtype), pos_t if same_hf else torch.from_numpy(hf),
             torch.from_numpy(run) if want_run else None, sums[:, :2].contiguous(), sums[:, 2:].contiguous())
 
 
