@@ -22,6 +22,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm_delta.diff import _cpu_pool, changed_positions
@@ -54,6 +55,15 @@ class Layout:
     in_order: bool  # bucket order is already (member, HF) order: no sort of the changes
     gaps: bool  # the span holds elements no member covers (padding, unregistered params)
     buffers: ScanBuffers = field(default_factory=ScanBuffers, repr=False)  # the CPU kernel's outputs, reused
+    kernel_views: tuple | None = field(default=None, repr=False)  # `kernel_args`' last answer and its snapshot
+
+    def kernel_args(self, snap: torch.Tensor) -> tuple:
+        """(`base`'s bits, `snap`'s bits, run-table columns) as numpy views for `scan_kernel.scan_bits`,
+        made again only for another snapshot tensor: each costs a few tensor calls, paid per bucket."""
+        if self.kernel_views is None or self.kernel_views[0] is not snap:
+            self.kernel_views = (snap, scan_kernel.bits(self.base), scan_kernel.bits(snap),
+                                 scan_kernel.numpy_tables(self.tables))
+        return self.kernel_views[1:]
 
 
 def storage_runs(t: torch.Tensor) -> list[tuple[int, int]] | None:
@@ -181,6 +191,7 @@ class BucketScan:
     hf: torch.Tensor  # HF positions sent, member by member, each member's sorted
     send_new: torch.Tensor
     send_old: torch.Tensor | None
+    digest: torch.Tensor  # int64 [n, 2]: each member's additive digest after the change
     summary: torch.Tensor  # int64: digest, pre, post ([n, 2] each, flattened), changed[n], sent[n]
 
 
@@ -190,17 +201,21 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     `digests` is `[n, 2]`: each member's additive digest of `snap`. Runs where `snap` lives; with a
     host snapshot of device weights the live span comes to the host chunk by chunk."""
     n = len(layout.names)
-    tables = tuple(t.to(snap.device) for t in layout.tables)
+    catchup = kind == "catchup" and pending is not None
     if scan_kernel.applies(layout.base, snap):  # CPU: one fused pass (numba), tested equal to the torch path
+        if not catchup and layout.in_order:
+            return _kernel_scan(layout, snap, digests, n)
         workers = torch.get_num_threads() if _CPUS != 1 else 1
         pos, old, new, hf, run, pre, post = scan_kernel.diff_digest(
-            layout.base, snap, tables, n, not layout.in_order, workers, _cpu_pool() if workers > 1 else None,
-            layout.buffers)
+            layout.base, snap, layout.tables, n, not layout.in_order, workers,
+            _cpu_pool() if workers > 1 else None, layout.buffers)
+        tables = layout.tables
     else:
+        tables = tuple(t.to(snap.device) for t in layout.tables)
         pos, old, new, hf, run, pre, post = torch_diff_digest(layout, tables, snap, n)
     digest = digests - pre + post
     sent, send_hf, send_new, send_old, send_run = pos, hf, new, old, run
-    if kind == "catchup" and pending is not None:
+    if catchup:
         sent = union(pending, pos)
         send_seg, send_hf, _, send_run = _map(layout, tables, sent)
         send_new, send_old = take(layout.base, sent), None
@@ -211,7 +226,33 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
         send_old = send_old[order] if send_old is not None else None
     counts = torch.cat([_count(tables, n, pos), _count(tables, n, sent)])
     summary = torch.cat([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts.reshape(-1)])
-    return BucketScan(pos, new, send_hf, send_new, send_old, summary)
+    return BucketScan(pos, new, send_hf, send_new, send_old, digest, summary)
+
+
+def _kernel_scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, n: int) -> BucketScan:
+    """`scan` of a bucket in (member, HF) order with nothing owed, on the CPU kernel, its bookkeeping
+    in numpy: one plain tensor is one bucket, so these few microseconds are paid per tensor."""
+    workers = torch.get_num_threads() if _CPUS != 1 else 1
+    cur, snap_bits, tables = layout.kernel_args(snap)
+    pos, hf, old, new, _, sums = scan_kernel.scan_bits(
+        cur, snap_bits, tables, n, False, workers, _cpu_pool() if workers > 1 else None, layout.buffers)
+    sums = sums.view(np.int64)  # int64 wraps mod 2^64 as the torch path's sums do
+    pre, post = sums[:, :2], sums[:, 2:]
+    digest = digests.numpy() - pre + post
+    counts = np.array([pos.size]) if n == 1 else _np_count(tables, n, pos)
+    summary = torch.from_numpy(np.concatenate([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts, counts]))
+    pos_t, dtype = torch.from_numpy(pos), layout.base.dtype
+    new_t = scan_kernel.values(new, dtype)
+    return BucketScan(pos_t, new_t, pos_t if hf is pos else torch.from_numpy(hf), new_t,
+                      scan_kernel.values(old, dtype), torch.from_numpy(digest), summary)
+
+
+def _np_count(tables: tuple[np.ndarray, ...], n: int, pos: np.ndarray) -> np.ndarray:
+    """`_count` in numpy: changes per member, from the sorted offsets and the run bounds."""
+    starts, ends, _, segs = tables
+    out = np.zeros(n, np.int64)
+    np.add.at(out, segs, np.searchsorted(pos, ends) - np.searchsorted(pos, starts))
+    return out
 
 
 def torch_diff_digest(layout: Layout, tables: tuple[torch.Tensor, ...], snap: torch.Tensor, n: int

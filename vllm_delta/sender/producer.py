@@ -232,32 +232,35 @@ class Producer:
         for layout in layouts:
             b = self._bucket(layout)
             res = bucket_scan.scan(layout, b.snapshot, b.digests, b.pending, kind)
-            cap.buckets.append(_BucketAdvance(b, res.pos, res.new, res.summary[:2 * len(layout.names)].view(-1, 2)))
+            cap.buckets.append(_BucketAdvance(b, res.pos, res.new, res.digest))
             cap.changed += res.pos.numel()
             staged = (self._stage(res.hf), self._stage(res.send_new),
                       self._stage(res.send_old) if kind == "delta" else None)
             scans.append((layout, res, staged))
         if scans:  # every bucket's digests and counts, in one transfer
             summary = torch.cat([res.summary for _, res, _ in scans]).to(self.staging)
+            rows, values = summary.view(-1, 2).unbind(0), _host_values(summary)
             at = 0
             for layout, res, staged in scans:
                 n = len(layout.names)
-                part, at = summary[at:at + 8 * n], at + 8 * n
-                entries.update(self._bucket_entries(layout, by_name, part, staged, kind))
+                counts = values[at + 6 * n:at + 8 * n] if values is not None else _meta_counts(n, staged[0].numel())
+                entries.update(self._bucket_entries(layout, by_name, rows[at // 2:at // 2 + 3 * n], counts,
+                                                    staged, kind))
+                at += 8 * n
         return [entries[s.name] for s in shards]
 
-    def _bucket_entries(self, layout: bucket_scan.Layout, by_name: dict[str, Shard], summary: torch.Tensor,
-                        staged: tuple, kind: str) -> dict[str, Entry]:
+    def _bucket_entries(self, layout: bucket_scan.Layout, by_name: dict[str, Shard], rows: tuple[torch.Tensor, ...],
+                        counts: list[int], staged: tuple, kind: str) -> dict[str, Entry]:
+        """`rows`: the members' digest, pre and post rows (int64[2] each); `counts`: changed, then sent."""
         n = len(layout.names)
-        digest, pre, post = (summary[k * 2 * n:(k + 1) * 2 * n].view(n, 2).unbind(0) for k in range(3))
-        changed, sent = _host_counts(summary[6 * n:], n, staged[0].numel())
-        hf, new, old = (t.split(sent) if t is not None else [None] * n for t in staged)
+        changed, sent = counts[:n], counts[n:]
+        hf, new, old = ((t,) if n == 1 else t.split(sent) if t is not None else [None] * n for t in staged)
         out = {}
         for i, name in enumerate(layout.names):
             s = by_name[name]
-            digests = {"digest": digest[i], "post_digest": post[i]}
+            digests = {"digest": rows[i], "post_digest": rows[2 * n + i]}
             if kind == "delta":
-                digests["pre_digest"] = pre[i]
+                digests["pre_digest"] = rows[n + i]
             e = Entry(name, s.full_shape, s.tensor.dtype, changed[i], hf[i], new[i], old[i], digests, scanned=True)
             if sent[i] and kind and self._wants_post_hash(s):
                 e.post_hash = tensor_digest(s.tensor)
@@ -424,13 +427,15 @@ class Producer:
 _union = bucket_scan.union
 
 
-def _host_counts(counts: torch.Tensor, n: int, total: int) -> tuple[list[int], list[int]]:
-    """(changed, sent) per member, from the host copy of the summary. On `meta` there are no values
-    to read: every change is given to the first member (meta checks devices, not counts)."""
-    if counts.device.type == "meta":
-        return [total] + [0] * (n - 1), [total] + [0] * (n - 1)
-    both = counts.tolist()
-    return both[:n], both[n:]
+def _host_values(summary: torch.Tensor) -> list[int] | None:
+    """The host copy of every bucket's summary as ints, for the counts; None on `meta`, which has no values."""
+    return None if summary.device.type == "meta" else summary.tolist()
+
+
+def _meta_counts(n: int, total: int) -> list[int]:
+    """(changed, sent) per member on `meta`: every change is given to the first member (meta checks
+    devices, not counts)."""
+    return [total] + [0] * (n - 1) + [total] + [0] * (n - 1)
 
 
 def _put(snapshot: torch.Tensor, local: torch.Tensor, values: torch.Tensor) -> None:
