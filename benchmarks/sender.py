@@ -289,8 +289,8 @@ class FlatBuffer:
         self.producer.scan(self.shards, kind="delta", anchor=False)
 
     def memcpy_s(self, threads: int) -> float:
-        """Best of 5 libc copies of the whole buffer: the flat scan's own baseline (one large copy, which
-        glibc makes with non-temporal stores here: ~1.6x the per-tensor copies' rate)."""
+        """One libc copy of the whole buffer (`memcpy_s`): the flat scan's own baseline (one large copy,
+        which glibc makes with non-temporal stores)."""
         return memcpy_s({"buf": self.buf}, threads)
 
     def ops(self) -> int:
