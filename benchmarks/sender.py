@@ -199,7 +199,12 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
     flat = FlatBuffer(weights, snapshot)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     out: dict = {"model_bytes": nbytes, "seed_s": seed_s, "threads": {}}
-    for threads in thread_counts or sorted({1, os.cpu_count() or 1}):
+    cores = sorted(os.sched_getaffinity(0))
+    for threads in thread_counts or sorted({1, len(cores)}):
+        # Pinned to as many cores as threads, for the memcpy and the scan alike, as P4 pins its
+        # processes: a thread free to move between cores loses its cache when it moves.
+        os.sched_setaffinity(0, cores[:threads])
+        out["threads"][threads] = {"cores": cores[:threads]}
         torch.set_num_threads(threads)
         from vllm_delta import diff as diff_mod
 
@@ -246,7 +251,7 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
             lambda: flat.memcpy_s(threads), scan("0"), _kernel("0", flat.scan))
         torch.set_num_threads(threads)
         flat_ops = flat.ops()
-        out["threads"][threads] = {
+        out["threads"][threads] |= {
             "memcpy_s": base, "memcpy_gbps": nbytes / base / 1e9, "torch_copy_s": torch_copy, "diff_s": diff_s, "gather_s": gather_s,
             "digest_s": digest_s, "scan_s": scan_s, "encode_s": encode_s, "changed": caps["1"].changed,
             "wire_bytes": wire[-1], "p3_ratio": (scan_s + encode_s) / base, "scan_flat_s": flat_s,
@@ -263,6 +268,7 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
               f"; one flat buffer: memcpy {flat_base:.3f}s, scan {flat_s:.3f}s (torch {flat_torch_s:.3f}s, "
               f"{flat_ops} ops) -> {(flat_s + encode_s) / flat_base:.1f}x (torch {(flat_torch_s + encode_s) / flat_base_t:.1f}x)",
               flush=True)
+    os.sched_setaffinity(0, cores)
     for n in weights:  # undo, so P4 starts from the checkpoint
         weights[n].copy_(snapshot[n])
     return out
