@@ -204,7 +204,6 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
         # Pinned to as many cores as threads, for the memcpy and the scan alike, as P4 pins its
         # processes: a thread free to move between cores loses its cache when it moves.
         os.sched_setaffinity(0, cores[:threads])
-        out["threads"][threads] = {"cores": cores[:threads]}
         torch.set_num_threads(threads)
         from vllm_delta import diff as diff_mod
 
@@ -251,8 +250,8 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
             lambda: flat.memcpy_s(threads), scan("0"), _kernel("0", flat.scan))
         torch.set_num_threads(threads)
         flat_ops = flat.ops()
-        out["threads"][threads] |= {
-            "memcpy_s": base, "memcpy_gbps": nbytes / base / 1e9, "torch_copy_s": torch_copy, "diff_s": diff_s, "gather_s": gather_s,
+        out["threads"][threads] = {
+            "cores": cores[:threads], "memcpy_s": base, "memcpy_gbps": nbytes / base / 1e9, "torch_copy_s": torch_copy, "diff_s": diff_s, "gather_s": gather_s,
             "digest_s": digest_s, "scan_s": scan_s, "encode_s": encode_s, "changed": caps["1"].changed,
             "wire_bytes": wire[-1], "p3_ratio": (scan_s + encode_s) / base, "scan_flat_s": flat_s,
             "flat_ops_per_sync": flat_ops, "memcpy_flat_s": flat_base, "p3_ratio_flat": (flat_s + encode_s) / flat_base,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -205,10 +206,8 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
     if scan_kernel.applies(layout.base, snap):  # CPU: one fused pass (numba), tested equal to the torch path
         if not catchup and layout.in_order:
             return _kernel_scan(layout, snap, digests, n)
-        workers = torch.get_num_threads() if _CPUS != 1 else 1
         pos, old, new, hf, run, pre, post = scan_kernel.diff_digest(
-            layout.base, snap, layout.tables, n, not layout.in_order, workers,
-            _cpu_pool() if workers > 1 else None, layout.buffers)
+            layout.base, snap, layout.tables, n, not layout.in_order, *_kernel_workers(), layout.buffers)
         tables = layout.tables
     else:
         tables = tuple(t.to(snap.device) for t in layout.tables)
@@ -232,10 +231,9 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
 def _kernel_scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, n: int) -> BucketScan:
     """`scan` of a bucket in (member, HF) order with nothing owed, on the CPU kernel, its bookkeeping
     in numpy: one plain tensor is one bucket, so these few microseconds are paid per tensor."""
-    workers = torch.get_num_threads() if _CPUS != 1 else 1
     cur, snap_bits, tables = layout.kernel_args(snap)
-    pos, hf, old, new, _, sums = scan_kernel.scan_bits(
-        cur, snap_bits, tables, n, False, workers, _cpu_pool() if workers > 1 else None, layout.buffers)
+    pos, hf, old, new, _, sums = scan_kernel.scan_bits(cur, snap_bits, tables, n, False, *_kernel_workers(),
+                                                       layout.buffers)
     sums = sums.view(np.int64)  # int64 wraps mod 2^64 as the torch path's sums do
     pre, post = sums[:, :2], sums[:, 2:]
     digest = digests.numpy() - pre + post
@@ -245,6 +243,12 @@ def _kernel_scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, n: i
     new_t = scan_kernel.values(new, dtype)
     return BucketScan(pos_t, new_t, pos_t if hf is pos else torch.from_numpy(hf), new_t,
                       scan_kernel.values(old, dtype), torch.from_numpy(digest), summary)
+
+
+def _kernel_workers() -> tuple[int, Executor | None]:
+    """The CPU kernel's windows and their pool: one per torch thread, and no pool on one."""
+    workers = torch.get_num_threads() if _CPUS != 1 else 1
+    return workers, _cpu_pool() if workers > 1 else None
 
 
 def _np_count(tables: tuple[np.ndarray, ...], n: int, pos: np.ndarray) -> np.ndarray:
