@@ -1,0 +1,52 @@
+"""Where one sync's time goes: seconds per phase, per rank, and how they combine across ranks.
+
+Why its own module: the workers time the phases they run (read, decode, scatter, ...) and the
+door times the ones only it sees (agreement, pause, resume); both speak this one shape, and the
+response, `/delta_updates/status` and the Prometheus histogram all read it. No vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from time import perf_counter
+
+# The phases of one sync, in the order they run. Worker phases first (prepare, then commit), then
+# the door's own. A phase that did not run is absent, not zero.
+WORKER_PREPARE = ("receive", "hash", "decode", "locate", "digest", "stage")
+WORKER_COMMIT = ("scatter", "read_back", "post_load")
+DOOR = ("prepare_wait", "agree", "pause", "resume")
+PHASES = (*WORKER_PREPARE, *WORKER_COMMIT, *DOOR)
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds spent in each phase on one rank (or by the door); adds up repeated entries."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: str, seconds: float) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown sync phase {phase!r}; known: {PHASES}")
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    @contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        started = perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, perf_counter() - started)
+
+    def as_dict(self) -> dict[str, float]:
+        return {p: round(self.seconds[p], 6) for p in PHASES if p in self.seconds}
+
+
+def slowest(ranks: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Per phase, the slowest rank's seconds: what the sync waited for, since ranks run in parallel."""
+    out: dict[str, float] = {}
+    for times in ranks:
+        for phase, seconds in times.items():
+            out[phase] = max(out.get(phase, 0.0), seconds)
+    return {p: out[p] for p in PHASES if p in out}
