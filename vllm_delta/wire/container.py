@@ -32,6 +32,9 @@ from .errors import FormatError, IncompleteDeltaError, IntegrityError, LimitErro
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _local = threading.local()
+_gc_lock = threading.Lock()
+_gc_holders = 0  # threads inside paused_gc
+_gc_was_enabled = False  # collection's state when the first of them entered
 
 
 def decompressor() -> zstandard.ZstdDecompressor:
@@ -53,14 +56,22 @@ def paused_gc() -> Iterator[None]:
     Why: that JSON holds a few small lists per tensor; at 44k tensors their allocation starts
     hundreds of collections, each walking every object the process holds (a 6k-tensor flush's
     metadata parsed in 20 ms with collection paused, 150 ms without). They form no cycles.
+    The pause is counted across threads (decodes run several at once): the first holder records
+    whether collection was on, the last one restores that, so no interleaving leaves it off.
     """
-    was = gc.isenabled()
-    gc.disable()
+    global _gc_holders, _gc_was_enabled
+    with _gc_lock:
+        if _gc_holders == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holders += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _gc_lock:
+            _gc_holders -= 1
+            if _gc_holders == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def json_loads(text: str | bytes) -> object:
