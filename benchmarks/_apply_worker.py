@@ -107,7 +107,7 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
     The worker's version counter is set to `version - 1` first so the same delta directories can
     be replayed across the run (lineage checks are not what is measured). Phase times come from
     wrapping the applier's methods: `stage` (decode, locate, digests, staging; the decode is a
-    generator consumed there), `_digest` and `slot_sums` (the additive digests of the changed
+    generator consumed there), `_digest` and `segment_sums` (the additive digests of the changed
     positions: per tensor where masks are needed, batched otherwise) and
     `_refresh_cpu_kernels` (the CPU repack in the commit); `scatter` is the commit minus repack.
     """
@@ -119,7 +119,7 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
     applier = state.applier
     times: dict[str, float] = {}
     undos = [_timed(applier, n, times) for n in ("stage", "_digest", "_refresh_cpu_kernels")]
-    undos.append(_timed(apply_module, "slot_sums", times))  # the batched digests
+    undos.append(_timed(apply_module, "segment_sums", times))  # the batched digests
     request = {"id": f"bench-{version}", "path": path, "version": version, "base_version": None,
                "chunk_bytes": chunk_bytes}
     try:
@@ -139,7 +139,7 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
     out = {
         "changed": prepared["changed"], "payload": _payload_bytes(prepared["changed"]),
         "bytes_read": prepared["bytes_read"], "fallback": prepared["fallback"], "digests_checked": checked,
-        "prepare_s": prep.seconds, "stage_s": times["stage"], "digest_s": times["_digest"] + times["slot_sums"],
+        "prepare_s": prep.seconds, "stage_s": times["stage"], "digest_s": times["_digest"] + times["segment_sums"],
         "commit_s": com.seconds, "repack_s": repack, "scatter_s": com.seconds - repack,
         "total_s": prep.seconds + com.seconds,
         # Peaks relative to the RSS before prepare.

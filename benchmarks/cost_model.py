@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -51,7 +52,7 @@ from benchmarks import scale  # noqa: E402
 from benchmarks.device_check import write_delta  # noqa: E402
 from harness.dispatch_log import OpCount  # noqa: E402
 from harness.perturb import perturb_tensor  # noqa: E402
-from vllm_delta.engine import batched  # noqa: E402
+from vllm_delta.kernels import digest  # noqa: E402
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
 from vllm_delta.wire import DeltaWriter, iter_delta, open_delta  # noqa: E402
 from vllm_delta.wire.container import paused_gc  # noqa: E402
@@ -105,8 +106,10 @@ def _point(layers: int, experts: int, densities: tuple[float, ...], repeats: int
                 changed, staged_bytes, destinations = staged.changed, staged.staged_bytes, len(staged.writes)
                 applier.commit(staged)
             model.load_weights(base.items())
-            # On a device the digests take one pass, not the CPU's cache-sized slices: count it that way.
-            with mock.patch.object(batched, "_CPU_SLICE", 1 << 62), OpCount() as device_ops:
+            # On a device the digests are torch ops in one pass, not the CPU kernel or the CPU's
+            # cache-sized slices: count them that way.
+            with (mock.patch.object(digest, "CPU_SLICE", 1 << 62),
+                  mock.patch.dict(os.environ, {"VLLM_DELTA_KERNELS": "0"}), OpCount() as device_ops):
                 applier.commit(applier.stage(info.manifest, deltas, version=version, replay=False, start=0.0))
             model.load_weights(base.items())
             rows.append({"layers": layers, "experts": experts, "density": density, "tensors": len(deltas),

@@ -174,11 +174,11 @@ def _interleaved_medians(*fns, repeats: int = REPEATS, warm: bool = False) -> tu
 def _kernel(flag: str, fn):
     """`fn` with the fused CPU scan on ("1") or the torch path forced ("0")."""
     def run():
-        os.environ["VLLM_DELTA_SCAN_KERNEL"] = flag
+        os.environ["VLLM_DELTA_KERNELS"] = flag
         try:
             return fn()
         finally:
-            os.environ.pop("VLLM_DELTA_SCAN_KERNEL", None)
+            os.environ.pop("VLLM_DELTA_KERNELS", None)
     return run
 
 
@@ -221,7 +221,7 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
         def scan(flag: str):
             """As the hook scans: the last capture (`hook.last_capture`; here the one popped) is held
             while the next one scans, and no other, so the scan's output arrays can be reused
-            (sender/scan_buffers.py) as they are in training. The encode takes the latest capture
+            (kernels/scan_buffers.py) as they are in training. The encode takes the latest capture
             (every scan finds the same changes: the snapshot never advances here)."""
             return _kernel(flag, lambda: (caps.pop(flag, None), caps.__setitem__(
                 flag, producer.scan(shards, kind="delta", anchor=False))))
@@ -493,7 +493,7 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path, loa
         "weights out as Megatron's distributed optimizer does (views into one padded contiguous buffer) and "
         "scans them as one bucket; its torch op count per sync is counted with a TorchDispatchMode. "
         "Encoding is `ulp_zstd`. The scan runs twice, alternately in the same run: the fused CPU kernel "
-        "(`sender/scan_kernel.py`, numba) and the torch path (`VLLM_DELTA_SCAN_KERNEL=0`, its tested reference); "
+        "(`kernels/scan.py`, numba) and the torch path (`VLLM_DELTA_KERNELS=0`, its tested reference); "
         "diff, gather and digest time the torch path's three parts on their own.",
         "",
         "| threads | memcpy | GB/s | torch path: diff | gather | digest | scan | + encode × memcpy "

@@ -1,5 +1,5 @@
-"""The compiled CPU commit and digests (`engine/apply_kernel.py`, numba) against the torch path they
-replace (`VLLM_DELTA_APPLY_KERNEL=0`): the same weights bit for bit, the same digests and the same
+"""The compiled CPU commit and digests (`kernels/scatter.py`, `kernels/digest.py`, numba) against the torch path they
+replace (`VLLM_DELTA_KERNELS=0`): the same weights bit for bit, the same digests and the same
 errors, for fp8 / bf16 / fp16 / fp32 / int8 / uint8 values, ULP steps resolved on the live values
 (wire.codecs.ulp_resolve, in numpy, is the independent reference), empty chunks, int32 and int64
 offsets past 2^31, an offset outside the storage, and a write that does not land still caught by
@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from harness.synthetic import device_check
-from vllm_delta.engine import apply, apply_kernel
+from vllm_delta.engine import apply
 from vllm_delta.engine.apply import ApplyFault, Chunk, DeltaApplier
-from vllm_delta.engine.batched import slot_sums
 from vllm_delta.engine.digests import check_partials
+from vllm_delta.kernels import scatter as scatter_kernel
+from vllm_delta.kernels import switch
 from vllm_delta.wire import additive
 from vllm_delta.wire.codecs import ulp_resolve
 from vllm_delta.wire.dtypes import by_torch
 
-pytestmark = pytest.mark.skipif(not apply_kernel.HAVE_NUMBA, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba is not installed")
 DC = device_check()
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32, torch.int8,
           torch.uint8]
@@ -28,7 +29,7 @@ DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16,
 
 @pytest.fixture(params=["kernel", "torch"])
 def path(request, monkeypatch):
-    monkeypatch.setenv("VLLM_DELTA_APPLY_KERNEL", "1" if request.param == "kernel" else "0")
+    monkeypatch.setenv("VLLM_DELTA_KERNELS", "1" if request.param == "kernel" else "0")
     return request.param
 
 
@@ -65,7 +66,7 @@ def test_scatter_and_read_back_equal_the_torch_path(dtype, steps, monkeypatch):
     chunks = [_chunk(start, n, g, steps=steps, wide=n == 7 and start.element_size() == 1) for n in (0, 1, 7, 1000, 5000)]
     got = {}
     for mode in ("1", "0"):
-        monkeypatch.setenv("VLLM_DELTA_APPLY_KERNEL", mode)
+        monkeypatch.setenv("VLLM_DELTA_KERNELS", mode)
         flat = start.clone()
         written = []
         for c in chunks:  # as the commit does: each chunk read back after its write (the last: every element)
@@ -79,7 +80,7 @@ def test_scatter_and_read_back_equal_the_torch_path(dtype, steps, monkeypatch):
         d = by_torch(dtype)
         last = chunks[-1]
         before = start.clone()
-        monkeypatch.setenv("VLLM_DELTA_APPLY_KERNEL", "0")
+        monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
         for c in chunks[:-1]:
             apply.scatter(before, c)
         old = before.view(d.int_view).numpy().view(d.uint)[last.offsets.numpy()]
@@ -88,18 +89,18 @@ def test_scatter_and_read_back_equal_the_torch_path(dtype, steps, monkeypatch):
 
 
 def test_kernel_runs_on_cpu_tensors_and_the_switch_turns_it_off(monkeypatch):
-    """Which path runs: the kernel on CPU tensors, torch with VLLM_DELTA_APPLY_KERNEL=0 or on meta."""
+    """Which path runs: the kernel on CPU tensors, torch with VLLM_DELTA_KERNELS=0 or on meta."""
     calls = []
-    real = apply_kernel.scatter
-    monkeypatch.setattr(apply_kernel, "scatter", lambda *a: calls.append(1) or real(*a))
+    real = scatter_kernel.scatter
+    monkeypatch.setattr(scatter_kernel, "scatter", lambda *a: calls.append(1) or real(*a))
     flat = torch.zeros(10, dtype=torch.bfloat16)
     chunk = Chunk(torch.tensor([1, 3], dtype=torch.int32), torch.ones(2, dtype=torch.bfloat16))
     apply.scatter(flat, chunk)
     assert calls == [1] and flat[1] == 1
-    monkeypatch.setenv("VLLM_DELTA_APPLY_KERNEL", "0")
+    monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
     apply.scatter(flat, chunk)
     meta = torch.empty(10, dtype=torch.bfloat16, device="meta")
-    monkeypatch.delenv("VLLM_DELTA_APPLY_KERNEL")
+    monkeypatch.delenv("VLLM_DELTA_KERNELS")
     apply.scatter(meta, Chunk(chunk.offsets.to("meta"), chunk.values.to("meta")))
     assert calls == [1]
 
@@ -164,7 +165,7 @@ def test_stage_sums_equal_the_torch_path_and_partial_sum(dtype, mode, monkeypatc
     pre = mode != "plain"
     got = {}
     for switch in ("1", "0"):
-        monkeypatch.setenv("VLLM_DELTA_APPLY_KERNEL", switch)
+        monkeypatch.setenv("VLLM_DELTA_KERNELS", switch)
         got[switch] = [apply.stage_sums(flat, offsets, positions, values, s, 4, dtype, steps, pre, True)
                        for s in (slots, 3)]
     old = flat[offsets.long()]
@@ -187,18 +188,6 @@ def test_stage_sums_of_no_entries(path):
     none = torch.zeros(0, dtype=torch.int64)
     pre, post = apply.stage_sums(flat, none.to(torch.int32), none, flat[:0], none, 3, torch.bfloat16, False, True, True)
     assert not pre.any() and not post.any() and pre.shape == post.shape == (3, 2)
-
-
-def test_slot_sums_kernel_equals_batched_slot_sums():
-    """The kernel's plain post digest against batched.slot_sums (the reference in _stage_batch)."""
-    g = torch.Generator().manual_seed(3)
-    n = 3 * (1 << 15) + 5
-    positions = torch.randint(0, 1 << 40, (n,), generator=g)
-    values = _random(n, torch.bfloat16, g)
-    slots = torch.randint(0, 5, (n,), generator=g).sort().values
-    _, post = apply_kernel.stage_sums(values, positions, positions, values, slots, 6, torch.bfloat16, False, False,
-                                      True)
-    assert torch.equal(post, slot_sums(positions, values, slots, 6))
 
 
 @pytest.mark.parametrize("encoding", ["ulp_zstd", "deltas_zstd"])
@@ -242,7 +231,7 @@ def test_a_kernel_write_that_does_not_land_is_a_commit_fault(tmp_path, monkeypat
     applier = DeltaApplier(model, meta)
     victim = "model.layers.1.mlp.experts.w13_weight"
     storage = applier.targets[victim].untyped_storage().data_ptr()
-    real = apply_kernel.scatter
+    real = scatter_kernel.scatter
 
     def loses_last(flat, offsets, values, base):
         if flat.untyped_storage().data_ptr() != storage:
@@ -252,7 +241,7 @@ def test_a_kernel_write_that_does_not_land_is_a_commit_fault(tmp_path, monkeypat
         flat[offsets[-1:].long()] = kept
         return out
 
-    monkeypatch.setattr(apply_kernel, "scatter", loses_last)
+    monkeypatch.setattr(scatter_kernel, "scatter", loses_last)
     staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
     with pytest.raises(ApplyFault, match="read-back") as fault:
         applier.commit(staged)

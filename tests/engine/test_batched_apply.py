@@ -16,7 +16,7 @@ from harness.dispatch_log import OpLog
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
 from vllm_delta.engine import apply
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier
-from vllm_delta.engine.batched import Piece, locate, slot_sums
+from vllm_delta.engine.batched import Piece, locate
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
@@ -131,20 +131,6 @@ def test_batched_locate_equals_each_segments_own(chosen):
     assert torch.equal(got.offsets, torch.cat(want_off))
     slots = got.slots if isinstance(got.slots, torch.Tensor) else torch.full_like(got.positions, got.slots)
     assert torch.equal(slots, torch.cat(want_slot))
-
-
-def test_slot_sums_equal_each_slots_partial_sum_across_cpu_slices():
-    n = 7 * (1 << 15) + 17  # past the CPU slice, slices within one tensor and across two, an uneven tail
-    g = torch.Generator().manual_seed(0)
-    positions = torch.randint(0, 1 << 40, (n,), generator=g)
-    values = torch.randn(n, generator=g).to(BF16)
-    slots = torch.randint(0, 5, (n,), generator=g).sort().values  # tensor order, as locate gives
-    got = slot_sums(positions, values, slots, 6)
-    for s in range(6):
-        keep = slots == s
-        assert torch.equal(got[s], partial_sum(positions[keep], values[keep])), s
-    one = slot_sums(positions, values, 4, 6)  # every entry in one slot, given as an int
-    assert torch.equal(one[4], partial_sum(positions, values)) and not one[:4].any() and not one[5].any()
 
 
 def test_a_write_that_does_not_land_is_a_commit_fault_naming_the_tensor(tmp_path, monkeypatch):

@@ -123,7 +123,7 @@ def test_prepare_and_commit_on_meta_parameters(tmp_path, encoding, monkeypatch):
         assert len(log.named("index_select")) == (2 if encoding == "ulp_zstd" else 1) * chunks
 
         cpu_model = loaded(base, rank, 2)
-        monkeypatch.setenv("VLLM_DELTA_APPLY_KERNEL", "0")  # CPU weights: the torch path, whose scatters are counted
+        monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")  # CPU weights: the torch path, whose scatters are counted
         _, cpu_log, _ = commit_logged(DeltaApplier(cpu_model, META, rank=rank), tmp_path / "d")
         cpu_writes = scattered(cpu_log, cpu_model)
         assert [n for n, _ in cpu_writes] == [n for n, _ in writes]

@@ -96,7 +96,7 @@ def _run(segs, buf, gen_seed: int) -> list[dict]:
 
 @pytest.mark.parametrize("kernel", ["1", "0"])  # the fused CPU kernel (scan_kernel) and the torch path
 def test_bucket_scan_is_bit_exact_with_the_per_segment_scan(monkeypatch, kernel: str) -> None:
-    monkeypatch.setenv("VLLM_DELTA_SCAN_KERNEL", kernel)
+    monkeypatch.setenv("VLLM_DELTA_KERNELS", kernel)
     monkeypatch.setattr(diff, "CHUNK_ELEMENTS", 1000)
     buf, segs = _buffer_segments(6, gen=torch.Generator().manual_seed(1))
     start = buf.clone()

@@ -1,4 +1,4 @@
-"""The fused CPU scan's output sets reused from one scan to the next (`sender/scan_buffers.py`):
+"""The fused CPU scan's output sets reused from one scan to the next (`kernels/scan_buffers.py`):
 never while anything still holds a view of them (a held capture, one entry's tensor), reused once
 nothing does (counted in allocations, not timed), grown past 1/32 density and dropped when
 oversized, at most two sets a window kept; every capture equal to the torch path's, scanned from
@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_delta.sender import Shard, bucket_scan, scan_kernel
+from vllm_delta.kernels import scan as scan_kernel
+from vllm_delta.kernels import switch
+from vllm_delta.kernels.scan_buffers import ScanBuffers, alone
+from vllm_delta.sender import Shard, bucket_scan
 from vllm_delta.sender.producer import Producer
-from vllm_delta.sender.scan_buffers import ScanBuffers, alone
 from vllm_delta.sender.segments import Segments
 from vllm_delta.wire import additive
 
-pytestmark = pytest.mark.skipif(not scan_kernel.HAVE_NUMBA, reason="numba is not installed")
-jit = pytest.importorskip("vllm_delta.sender.scan_jit")
+pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba is not installed")
+jit = pytest.importorskip("vllm_delta.kernels.scan_jit")
 
 
 def _members(gen: torch.Generator, interleave: bool) -> tuple[torch.Tensor, list]:
@@ -61,9 +63,9 @@ class _Pair:
         bits = self.buf.view(torch.int16)
         idx = torch.randperm(self.buf.numel(), generator=self.gen)[:int(density * self.buf.numel())]
         bits[idx] += 1
-        monkeypatch.setenv("VLLM_DELTA_SCAN_KERNEL", "0")
+        monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
         ref = self.ref.scan(self.shards, kind="delta", anchor=False)
-        monkeypatch.delenv("VLLM_DELTA_SCAN_KERNEL")
+        monkeypatch.delenv("VLLM_DELTA_KERNELS")
         cap = self.fast.scan(self.shards, kind="delta", anchor=False)
         self.ref.advance(ref)
         self.fast.advance(cap)

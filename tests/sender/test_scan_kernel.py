@@ -1,4 +1,4 @@
-"""The fused CPU scan (`sender/scan_kernel.py`, numba) against the torch path it replaces
+"""The fused CPU scan (`kernels/scan.py`, numba) against the torch path it replaces
 (`bucket_scan.torch_diff_digest`): every output equal on buckets with gaps, interleaved runs, odd
 lengths, the kernel's chunk edges and thread-window edges, densities from 0 to 100%, and NaN /
 inf / -0.0 bit patterns; its digests equal to `wire.additive`'s and to a pure-Python splitmix /
@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_delta.sender import Shard, bucket_scan, scan_kernel
+from vllm_delta.kernels import scan as scan_kernel
+from vllm_delta.kernels import switch
+from vllm_delta.sender import Shard, bucket_scan
 from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.segments import Segments
 from vllm_delta.wire import additive
 
-pytestmark = pytest.mark.skipif(not scan_kernel.HAVE_NUMBA, reason="numba is not installed")
-jit = pytest.importorskip("vllm_delta.sender.scan_jit")
+pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba is not installed")
+jit = pytest.importorskip("vllm_delta.kernels.scan_jit")
 CHUNK = jit.CHUNK
 M64 = (1 << 64) - 1
 
@@ -224,7 +226,7 @@ def _captures(segs: list, buf: torch.Tensor, seed: int) -> list[list[tuple]]:
 
 
 def test_producer_dispatch_kernel_on_cpu_torch_when_forced(monkeypatch) -> None:
-    """`Producer.scan` takes the kernel on CPU weights; `VLLM_DELTA_SCAN_KERNEL=0` (or no numba)
+    """`Producer.scan` takes the kernel on CPU weights; `VLLM_DELTA_KERNELS=0` (or no numba)
     takes the torch path; the entries (positions, values, digests) are the same either way."""
     gen = torch.Generator().manual_seed(11)
     buf, segs = _bucket(torch.bfloat16, [400, 3 * 77, 64], [0, 3, 1], gen, interleave=True)
@@ -233,10 +235,10 @@ def test_producer_dispatch_kernel_on_cpu_torch_when_forced(monkeypatch) -> None:
     fast = _captures(segs, buf, 12)
     assert len(calls) == 3
     buf.copy_(start)
-    monkeypatch.setenv("VLLM_DELTA_SCAN_KERNEL", "0")
+    monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
     assert _captures(segs, buf, 12) == fast and len(calls) == 3
-    monkeypatch.delenv("VLLM_DELTA_SCAN_KERNEL")
-    monkeypatch.setattr(scan_kernel, "HAVE_NUMBA", False)
+    monkeypatch.delenv("VLLM_DELTA_KERNELS")
+    monkeypatch.setattr(switch, "HAVE_NUMBA", False)
     buf.copy_(start)
     assert _captures(segs, buf, 12) == fast and len(calls) == 3
 

@@ -35,7 +35,7 @@ def _check_like_a_caller(entries, kind: str) -> int:
 
 @pytest.mark.parametrize("path", ["kernel", "torch", "per-segment"])
 def test_every_scan_path_gives_entries_that_pass_the_writers_checks(monkeypatch, path: str) -> None:
-    monkeypatch.setenv("VLLM_DELTA_SCAN_KERNEL", "1" if path == "kernel" else "0")
+    monkeypatch.setenv("VLLM_DELTA_KERNELS", "1" if path == "kernel" else "0")
     if path == "per-segment":
         _reference(monkeypatch)
     buf, segs = _buffer_segments(6, gen=torch.Generator().manual_seed(1))

@@ -99,11 +99,3 @@ def test_merge_refuses_whole_tensor_hash_from_two_writers() -> None:
 def test_parts_must_partition_files() -> None:
     with pytest.raises(ValueError, match="partition"):
         ParamEntry(name="w", dtype="bfloat16", shape=[4], changed=1, files=["a", "b"], parts=[["a"]])
-
-
-def test_cpu_slicing_does_not_change_the_sum() -> None:
-    n = 3 * additive._CPU_SLICE + 5
-    g = torch.Generator().manual_seed(3)
-    pos = torch.sort(torch.randint(0, 1 << 30, (n,), generator=g)).values
-    vals = torch.randn(n, generator=g).bfloat16()
-    assert torch.equal(additive.partial_sum(pos, vals), additive._lane_sums(pos, vals))

@@ -1,5 +1,5 @@
-"""`codecs.decode_gaps`' compiled pass (wire/_decode_kernels.py) against its numpy code
-(`VLLM_DELTA_APPLY_KERNEL=0`): the same positions for every gap width and `prev`, and the same
+"""`codecs.decode_gaps`' compiled pass (kernels/gaps_jit.py) against its numpy code
+(`VLLM_DELTA_KERNELS=0`): the same positions for every gap width and `prev`, and the same
 error for each way a hostile stream can be wrong (a gap past the tensor, a bad `prev`, a last
 position past the end, a sum that wraps int64)."""
 
@@ -8,17 +8,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from vllm_delta.kernels import switch
 from vllm_delta.wire import codecs
 from vllm_delta.wire.errors import BoundsError
 
-pytestmark = pytest.mark.skipif(not codecs.HAVE_NUMBA, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba is not installed")
 
 
 def both(monkeypatch, gaps: np.ndarray, numel: int, prev: int = -1):
     """(kernel's result, numpy's result): each the positions or the BoundsError's message."""
     out = []
     for switch in ("1", "0"):
-        monkeypatch.setenv("VLLM_DELTA_APPLY_KERNEL", switch)
+        monkeypatch.setenv("VLLM_DELTA_KERNELS", switch)
         try:
             out.append(codecs.decode_gaps(gaps, numel, prev=prev, file="f", param="p"))
         except BoundsError as exc:

@@ -161,7 +161,7 @@ def test_edited_params_give_the_json_paths_columns_or_are_left_to_it(case):
 def test_not_text_or_kernels_off_is_left_to_the_json_path(monkeypatch):
     text = _text()
     assert params_columns.heads(text.encode()) is None and params_columns.heads(None) is None
-    monkeypatch.setenv("VLLM_DELTA_APPLY_KERNEL", "0")
+    monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
     assert params_columns.heads(text) is None
 
 
@@ -184,7 +184,7 @@ def _read(path: Path) -> list:
 def test_a_delta_reads_the_same_with_the_kernels_off(tmp_path, monkeypatch):
     path = _write(tmp_path / "d", 12)
     on = _read(path)
-    monkeypatch.setenv("VLLM_DELTA_APPLY_KERNEL", "0")
+    monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
     assert _read(path) == on
 
 

@@ -34,13 +34,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm_delta.engine import apply_kernel, cpu_weights, derived, loaders, reach, transforms
-from vllm_delta.engine.batched import Known, Landing, Piece, compact, locate, on_device, owned_counts, slot_sums
+from vllm_delta.engine import cpu_weights, derived, loaders, reach, transforms
+from vllm_delta.engine.batched import Known, Landing, Piece, compact, locate, on_device, owned_counts
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
 from vllm_delta.engine.fallback import UnservableLoader, bits, check_servable, differs, replay, same_layout, shadow_target
 from vllm_delta.engine.owned import owned_by_tensor
 from vllm_delta.engine.placement import PeakRss, Segment, TensorPlacement, build_placement
+from vllm_delta.kernels import scatter as scatter_kernel
+from vllm_delta.kernels.digest import segment_sums
 from vllm_delta.wire import (DeltaDecoder, DeltaInfo, IncompleteDeltaError, Manifest, ParamDelta, VersionError,
                              get_encoding, iter_delta, open_delta, tensor_digest)
 from vllm_delta.wire.batch_device import Destinations
@@ -815,11 +817,11 @@ class DeltaApplier:
 def _blocks(flat: torch.Tensor, chunk: Chunk) -> Iterator[Chunk]:
     """The chunk in blocks of `CPU_BLOCK` entries where the compiled commit takes it, else whole.
 
-    Why: each block is read back (a separate pass over the live weights, engine/apply_kernel.py)
+    Why: each block is read back (a separate pass over the live weights, kernels/scatter.py)
     right after its writes, while the lines it wrote are still in cache: at 2% density on a 1 GB
     model about a third less time than a write pass and then a read-back pass over the whole chunk."""
     n = chunk.offsets.numel()
-    if n <= CPU_BLOCK or not apply_kernel.takes(flat, chunk.offsets, chunk.values):
+    if n <= CPU_BLOCK or not scatter_kernel.takes(flat, chunk.offsets, chunk.values):
         yield chunk
         return
     for lo in range(0, n, CPU_BLOCK):
@@ -829,10 +831,10 @@ def _blocks(flat: torch.Tensor, chunk: Chunk) -> Iterator[Chunk]:
 def scatter(flat: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     """Write one staged chunk into a flat storage view (resolving ULP steps there); returns the values written.
 
-    CPU tensors go through the compiled loop (engine/apply_kernel.py) where it applies; this torch
+    CPU tensors go through the compiled loop (kernels/scatter.py) where it applies; this torch
     path is its reference, and what every other device runs."""
-    if apply_kernel.takes(flat, chunk.offsets, chunk.values):
-        new = apply_kernel.scatter(flat, chunk.offsets, chunk.values, chunk.base)
+    if scatter_kernel.takes(flat, chunk.offsets, chunk.values):
+        new = scatter_kernel.scatter(flat, chunk.offsets, chunk.values, chunk.base)
         if new is not None:
             return new
     offsets = chunk.offsets.to(flat.device, non_blocking=True).to(torch.int64)
@@ -851,21 +853,18 @@ def stage_sums(flat: torch.Tensor, offsets: torch.Tensor, positions: torch.Tenso
                slots: torch.Tensor | int, n: int, dtype: torch.dtype, needs_base: bool, pre: bool,
                post: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """int64[n, 2] digest lane sums per slot of the old values at `offsets` (as `dtype`; if `pre`)
-    and of the new ones (`values`, or ULP steps resolved on the old; if `post`). CPU tensors go
-    through the compiled loop where it applies (engine/apply_kernel.py); this torch path is its reference."""
-    got = apply_kernel.stage_sums(flat, offsets, positions, values, slots, n, dtype, needs_base, pre, post)
-    if got is not None:
-        return got
+    and of the new ones (`values`, or ULP steps resolved on the old; if `post`)."""
     old = gather(flat, offsets).to(dtype) if pre or needs_base else None
     new = (ulp_resolve_tensor(old, values) if needs_base else values) if post else None
-    return (slot_sums(positions, old, slots, n) if pre else None, slot_sums(positions, new, slots, n) if post else None)
+    return (segment_sums(positions, old, slots, n) if pre else None,
+            segment_sums(positions, new, slots, n) if post else None)
 
 
 def read_back(flat: torch.Tensor, offsets: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """A bool tensor on flat's device: some live flat[offsets] differ bitwise from `new`. A read of
     the weights after the writes, never the values the scatter computed on its way."""
-    if apply_kernel.takes(flat, offsets, new):
-        return apply_kernel.missed(flat, offsets, new)
+    if scatter_kernel.takes(flat, offsets, new):
+        return scatter_kernel.missed(flat, offsets, new)
     return (bits(gather(flat, offsets.to(flat.device))) != bits(new)).any()
 
 

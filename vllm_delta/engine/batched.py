@@ -5,7 +5,7 @@ Python loop of locate, digest and staging cost about 1.5 ms per checkpoint tenso
 tensors) and one scatter each at commit. Here the entries of all the tensors behind one
 destination are concatenated and go through a constant number of tensor ops: a per-entry
 table of their segments' affine maps (gathered by piece id), one ownership mask, one
-compaction, and digests summed per tensor with one `index_add_`. The op count grows with the
+compaction, and digests summed per tensor (`kernels.digest.segment_sums`). The op count grows with the
 destinations and batches, never with the checkpoint tensors. For a destination off the CPU the
 ownership filter stays on the host (where the positions are) and the rest runs on the device,
 so no device `nonzero` or read-back is needed and only owned entries cross.
@@ -19,7 +19,6 @@ from operator import attrgetter, sub
 import torch
 
 from vllm_delta.engine.placement import Segment
-from vllm_delta.wire.additive import _CPU_SLICE, _keys, _LANES, _mix_
 
 # A padded dimension (and a stride-0 one) divides by this, so its index is 0 for every id in range.
 _NO_DIM = 1 << 62
@@ -329,25 +328,3 @@ def _affine(pieces: list[Piece], positions: torch.Tensor, column: _Columns, *,
         mask &= rest == 0
     return offsets, mask
 
-
-def slot_sums(positions: torch.Tensor, values: torch.Tensor, slots: torch.Tensor | int, n: int) -> torch.Tensor:
-    """int64[n, 2]: the additive digest's lane sums of the entries of each slot (wire/additive.py's terms).
-
-    `slots` is non-decreasing (pieces come in tensor order), or one int for all. On the CPU the
-    terms are computed a slice at a time so the temporaries stay in cache, and a slice within
-    one tensor is summed directly (reading two slot ids of a host tensor, no device sync);
-    elsewhere one pass.
-    """
-    out = torch.zeros(n, 2, dtype=torch.int64, device=values.device)
-    cpu = values.device.type == "cpu"
-    step = _CPU_SLICE if cpu else max(1, positions.numel())
-    for lo in range(0, positions.numel(), step):
-        keys = _keys(positions[lo:lo + step], values[lo:lo + step])
-        lane1 = _mix_(keys ^ _LANES[1][0], _LANES[1][1], _LANES[1][2])
-        lane0 = _mix_(keys, _LANES[0][1], _LANES[0][2])
-        part = slots if isinstance(slots, int) else slots[lo:lo + step]
-        if isinstance(part, int) or (cpu and int(part[0]) == int(part[-1])):
-            out[part if isinstance(part, int) else int(part[0])] += torch.stack([lane0.sum(), lane1.sum()])
-        else:
-            out.index_add_(0, part, torch.stack([lane0, lane1], 1))
-    return out

@@ -26,6 +26,7 @@ from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage, refuse_uncovered
 from vllm_delta.engine.map_check import check_map, live_params
 from vllm_delta.engine.replicas import ACROSS_DP, moe_world
+from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.native.model_path import local_checkpoint_dir
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta, parse_manifest
 from vllm_delta.wire.container import DeltaDir
@@ -391,9 +392,11 @@ class DeltaWorkerExtension:
             group.close()
 
     def delta_probe(self) -> dict[str, Any]:
-        """Learn the placement now (the route asks at startup, so the first update does not pay)."""
-        self._delta().applier.placements
-        return self._delta().applier.placement_status()
+        """Learn the placement and compile the kernels now (the route asks at startup, so the first
+        update pays neither)."""
+        applier = self._delta().applier
+        warm_up({p.dtype for p in applier.placements.values()} | {t.dtype for t in applier.targets.values()})
+        return applier.placement_status()
 
     def delta_abort(self, request_id: str) -> None:
         preparing = self._delta().preparing

@@ -7,11 +7,11 @@ launches ~85 small kernels and 1-3 host syncs per segment. Here the shards that 
 (and dtype and device) form a bucket; the bucket's span of that storage is diffed against one flat
 snapshot in large chunks, and the changed offsets are mapped to (segment, HF position) afterwards
 through a table of runs (`searchsorted` over run starts). Additive digests of all segments come out
-of one `index_add_` into an `[n_segments, 2]` table. A plain tensor (its own storage) is a bucket of
-one: the same code, so both senders share one tested path.
+of one segmented sum (`kernels.digest.segment_sums`) into an `[n_segments, 2]` table. A plain
+tensor (its own storage) is a bucket of one: the same code, so both senders share one tested path.
 
 The per-segment scan in `producer.py` is the reference this is tested bit-exact against. On CPU
-weights the diff, gathers, HF map and digests run fused in one pass (`scan_kernel`, numba): the
+weights the diff, gathers, HF map and digests run fused in one pass (`kernels/scan.py`, numba): the
 torch ops here (`torch_diff_digest`) cost ~10x a memcpy there; they stay the path on every other
 device, and the kernel's tested reference.
 """
@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from vllm_delta.diff import _cpu_pool, changed_positions
-from vllm_delta.sender import scan_kernel
-from vllm_delta.sender.scan_buffers import ScanBuffers
+from vllm_delta.kernels import scan as scan_kernel
+from vllm_delta.kernels.digest import segment_sums
+from vllm_delta.kernels.scan_buffers import ScanBuffers
 from vllm_delta.sender.segments import Segments
 from vllm_delta.sender.shards import Shard
-from vllm_delta.wire.additive import _CPU_SLICE, _LANES, _keys, _mix_, partial_sum
 
 # Elements compared per op on an accelerator: a 256 M-element bool mask (256 MiB) at most, so a
 # multi-GB bucket is a few dozen chunks. The CPU diff chunks (and threads) internally.
@@ -218,7 +218,7 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
         sent = union(pending, pos)
         send_seg, send_hf, _, send_run = _map(layout, tables, sent)
         send_new, send_old = take(layout.base, sent), None
-        post = segment_sums(send_seg, n, send_hf, send_new)
+        post = segment_sums(send_hf, send_new, 0 if send_seg is None else send_seg, n)
     if not layout.in_order:  # runs interleave (a fused qkv): stable by run rank is (member, HF) order
         order = torch.argsort(tables[4][send_run], stable=True)
         send_hf, send_new = send_hf[order], send_new[order]
@@ -269,7 +269,8 @@ def torch_diff_digest(layout: Layout, tables: tuple[torch.Tensor, ...], snap: to
     if layout.gaps and (pos.device.type == "meta" or not bool(keep.all())):
         idx = torch.nonzero(keep).reshape(-1)
         pos, old, new, seg, hf, run = pos[idx], old[idx], new[idx], seg[idx], hf[idx], run[idx]
-    return pos, old, new, hf, run, segment_sums(seg, n, hf, old), segment_sums(seg, n, hf, new)
+    seg = 0 if seg is None else seg  # one run: one member
+    return pos, old, new, hf, run, segment_sums(hf, old, seg, n), segment_sums(hf, new, seg, n)
 
 
 def _diff(base: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -328,21 +329,6 @@ def take(base: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     if base.device == idx.device:
         return base[idx]
     return base[idx.to(base.device)].to(idx.device)
-
-
-def segment_sums(seg: torch.Tensor | None, n: int, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """`[n, 2]` additive digests (`wire.additive.partial_sum`) of the elements of each member:
-    the same terms, summed with one `index_add_` per slice instead of one sum per member."""
-    if seg is None:  # one member
-        return partial_sum(positions, values).view(1, 2)
-    out = torch.zeros(n, 2, dtype=torch.int64, device=positions.device)
-    step = _CPU_SLICE if positions.device.type == "cpu" else max(1, positions.numel())
-    for a in range(0, positions.numel(), step):
-        keys = _keys(positions[a:a + step], values[a:a + step])
-        lane1 = _mix_(keys ^ _LANES[1][0], _LANES[1][1], _LANES[1][2])
-        lane0 = _mix_(keys, _LANES[0][1], _LANES[0][2])
-        out.index_add_(0, seg[a:a + step], torch.stack([lane0, lane1], dim=1))
-    return out
 
 
 def union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -7,17 +7,15 @@ the param's own width. Every decoder validates what it returns, so a hostile byt
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import torch
+
+from vllm_delta.kernels import switch
 
 from .dtypes import DType, by_torch
 from .errors import BoundsError, FormatError
 
 GAP_WIDTHS = (1, 2, 4, 8)
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 _MAX_NUMEL = 1 << 62  # keeps every gap term and prefix sum inside int64
 
 
@@ -94,9 +92,14 @@ def _narrowest(top: int) -> int:
 
 
 def gap_width(pos: np.ndarray, *, prev: int = -1) -> int:
-    """The width `encode_gaps` picks, from the largest gap alone (one pass, nothing kept)."""
+    """The width `encode_gaps` picks, from the largest gap alone (one pass, nothing kept; compiled
+    where the kernels are on, without numpy's int64 temporary)."""
     if not pos.size:
         return GAP_WIDTHS[0]
+    if switch.on() and pos.size > 1 and pos.dtype == np.int64:
+        from vllm_delta.kernels.gaps_jit import max_gap
+
+        return _narrowest(int(max_gap(pos, prev)))
     top = int(pos[0]) - prev - 1
     if pos.size > 1:
         top = max(top, int(np.subtract(pos[1:], pos[:-1], dtype=np.int64).max()) - 1)
@@ -112,7 +115,7 @@ def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) ->
     """
     if gaps.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if apply_kernel_on() and gaps.dtype.kind == "u":
+    if switch.on() and gaps.dtype.kind == "u":
         return _decode_gaps_kernel(gaps, numel, prev, file=file, param=param)
     if int(gaps.max()) >= numel or not -1 <= prev < numel:
         raise BoundsError(f"gap exceeds the tensor's {numel} elements", file=file, param=param)
@@ -122,17 +125,10 @@ def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) ->
     return pos
 
 
-def apply_kernel_on() -> bool:
-    """The receiver's compiled per-change loops are on (this decode and engine/apply_kernel.py's):
-    numba importable, `VLLM_DELTA_APPLY_KERNEL` not 0 (the numpy and torch code beside each call is
-    the reference they are tested equal to)."""
-    return HAVE_NUMBA and os.environ.get("VLLM_DELTA_APPLY_KERNEL", "1") != "0"
-
-
 def _decode_gaps_kernel(gaps: np.ndarray, numel: int, prev: int, *, file, param) -> np.ndarray:
-    """`decode_gaps` in one compiled pass (wire/_decode_kernels.py), with the same checks and errors:
+    """`decode_gaps` in one compiled pass (kernels/gaps_jit.py), with the same checks and errors:
     numpy's version makes five passes and three int64 temporaries over a param's changes."""
-    from ._decode_kernels import GAP, ORDER, RANGE, positions
+    from vllm_delta.kernels.gaps_jit import GAP, ORDER, RANGE, positions
 
     if not -1 <= prev < numel:
         raise BoundsError(f"gap exceeds the tensor's {numel} elements", file=file, param=param)
@@ -160,6 +156,20 @@ def to_planes(arr: np.ndarray) -> list[bytes]:
     grid = arr.astype(arr.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, w)
     # a contiguous copy of each column first: 3x faster than tobytes() of the strided column
     return [bytes(memoryview(np.ascontiguousarray(grid[:, j]))) for j in range(w)]
+
+
+def gap_planes(pos: np.ndarray, *, prev: int = -1, width: int | None = None) -> tuple[int, list[bytes]]:
+    """(width, byte planes) as `encode_gaps` then `to_planes` give them: written in one compiled pass
+    where the kernels are on (kernels/gaps_jit.py), without the ~5 passes and int64 temporaries."""
+    if not (switch.on() and pos.size and pos.dtype == np.int64):
+        w, gaps = encode_gaps(pos, prev=prev, width=width)
+        return w, to_planes(gaps)
+    from vllm_delta.kernels.gaps_jit import write_gap_planes
+
+    w = gap_width(pos, prev=prev) if width is None else width
+    out = np.empty((w, pos.size), np.uint8)
+    write_gap_planes(pos, prev, out)
+    return w, [bytes(memoryview(row)) for row in out]
 
 
 def from_planes(planes: list[memoryview], count: int, width: int, what: str, *, file, param) -> np.ndarray:
@@ -274,3 +284,23 @@ def decode_steps(neg: np.ndarray, big: np.ndarray, escapes: np.ndarray, d: DType
     mag = np.ones(neg.size, dtype=d.uint)
     mag[big] = escapes + d.uint.type(2)
     return np.where(neg, d.uint.type(0) - mag, mag)
+
+
+def ulp_streams(new: np.ndarray, old: np.ndarray, d: DType) -> dict[str, bytes]:
+    """`sign`, `flag` and `esc0..` as `encode_steps(ulp_steps(new, old, d), d)` give them: written in
+    one compiled pass (kernels/ulp_jit.py) for 1-, 2- and 4-byte floats where the kernels are on, not
+    the ~10 passes over a block's changes of the numpy codecs (two order keys, steps, signs, flags,
+    magnitudes, escapes, their byte columns)."""
+    if not (switch.on() and d.is_float and d.itemsize in (1, 2, 4) and new.size
+            and new.dtype == d.uint and old.dtype == d.uint):
+        sign, flag, esc = encode_steps(ulp_steps(new, old, d), d)
+        return {"sign": sign, "flag": flag, **{f"esc{j}": p for j, p in enumerate(to_planes(esc))}}
+    from vllm_delta.kernels.ulp_jit import write_ulp_streams
+
+    n = new.size
+    sign, flag = np.zeros(bits_len(n), np.uint8), np.zeros(bits_len(n), np.uint8)
+    esc = np.empty((d.itemsize, n), np.uint8)
+    count = write_ulp_streams(new, old, sign, flag, esc)
+    out = {"sign": bytes(memoryview(sign)), "flag": bytes(memoryview(flag))}
+    out.update({f"esc{j}": bytes(memoryview(esc[j, :count])) for j in range(d.itemsize)})
+    return out

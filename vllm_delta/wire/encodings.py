@@ -13,7 +13,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from . import codecs, planes_jit
+from . import codecs
 from .dtypes import DType
 from .errors import FormatError, UnknownEncodingError
 
@@ -83,10 +83,10 @@ class GapPlanes:
     """Gaps split into byte planes `pos0..pos7`: the low plane carries the information."""
 
     def width(self, pos, numel):
-        return planes_jit.gap_width(pos)  # `codecs.gap_width`, in one pass where numba is
+        return codecs.gap_width(pos)
 
     def encode(self, pos, numel, *, prev=-1, width=None):
-        w, planes = planes_jit.gap_planes(pos, prev=prev, width=width)  # the numpy codecs' bytes, one pass
+        w, planes = codecs.gap_planes(pos, prev=prev, width=width)
         return w, {f"pos{j}": p for j, p in enumerate(planes)}
 
     def decode(self, spans, count, width, numel, *, prev=-1, file, param):
@@ -134,7 +134,7 @@ class UlpSteps:
     relative = True
 
     def encode(self, new, old, d):
-        return planes_jit.ulp_streams(new, old, d)  # `codecs.encode_steps(codecs.ulp_steps(...))`' bytes
+        return codecs.ulp_streams(new, old, d)
 
     def decode(self, spans, count, d, *, file, param):
         neg = codecs.unpack_bits(_need(spans, "sign", file=file, param=param), count, "signs",

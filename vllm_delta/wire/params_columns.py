@@ -11,14 +11,15 @@ strings looked up in small tables and no list.
 Anything else (other spacing or key order, escapes, floats, ints past 18 digits, a value of another
 type, or one that `Heads.of` would not take) gives None, and the caller parses the JSON as before,
 so the same input gives the same columns or the same decision and error. With the receiver's
-compiled loops off (`codecs.apply_kernel_on`) it always gives None.
+compiled kernels off (`kernels.switch.on`) it always gives None.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import codecs
+from vllm_delta.kernels import switch
+
 from .batch import Heads, Rows
 from .container import json_loads
 
@@ -28,7 +29,7 @@ _KEYS = tuple(np.frombuffer(k.encode(), dtype=np.uint8) for k in (
 
 def heads(text: object) -> Heads | None:
     """The columns of a flush's `params` JSON text, or None (the caller parses the JSON)."""
-    if type(text) is not str or not codecs.apply_kernel_on():
+    if type(text) is not str or not switch.on():
         return None
     try:
         raw = text.encode("ascii")

@@ -1,6 +1,7 @@
-"""The numba kernels of `planes_jit` (imported on first use: numba costs ~0.3 s to import).
+"""`ulp_zstd`'s value streams of a block in one pass (numba, imported on first use: numba costs
+~0.3 s to import): `wire.codecs.ulp_streams`' kernel, tested byte-equal to the numpy codecs.
 
-Written so LLVM vectorises them: the per-change arithmetic in flat loops over native widths, the
+Written so LLVM vectorises it: the per-change arithmetic in flat loops over native widths, the
 bit packing and the escapes' compaction in loops of their own.
 """
 
@@ -8,41 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
-
-
-@njit(nogil=True, cache=True)
-def max_gap(pos, prev):
-    """The largest pos[k] - pos[k - 1] - 1, with pos[-1] = prev."""
-    top = pos[0] - prev - 1
-    for k in range(1, pos.size):
-        top = max(top, pos[k] - pos[k - 1] - 1)
-    return top
-
-
-@njit(nogil=True, cache=True)
-def _gaps(pos, prev, out):
-    out[0] = pos[0] - prev - 1
-    for k in range(1, pos.size):
-        out[k] = pos[k] - pos[k - 1] - 1
-
-
-@njit(nogil=True, cache=True)
-def _planes(pos, prev, g, out):
-    """Compiled per gap dtype (`g`, the width's unsigned type), so the byte loop has a constant count."""
-    _gaps(pos, prev, g)  # narrowed: every gap fits the width
-    for j in range(g.itemsize):  # a row at a time: each a vectorised shift of g (in L1/L2)
-        row = out[j]
-        for k in range(pos.size):
-            row[k] = np.uint8((g[k] >> (8 * j)) & 0xFF)
-
-
-_GAP_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def write_gap_planes(pos: np.ndarray, prev: int, out: np.ndarray) -> None:
-    """Byte j of each gap pos[k] - pos[k - 1] - 1 (pos[-1] = prev) into out[j, k], little-endian:
-    `encode_gaps` narrowed to out's width, split by `to_planes`."""
-    _planes(pos, prev, np.empty(pos.size, _GAP_TYPES[out.shape[0]]), out)
 
 
 @njit(nogil=True, cache=True)

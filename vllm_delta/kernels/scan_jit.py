@@ -3,9 +3,8 @@
 Per chunk of a run: the changed elements' indices, 16 lanes at a time with a compress store
 (branch-free: at 2% density a per-element or per-word branch mispredicts on every change; CPUs
 without AVX-512 skip zero 64-bit words instead),
-then per change its outputs; per run, over its outputs, the four digest terms of each change
-(`wire.additive`: key = HF position << width | bits; lane 0 splitmix64's finaliser, lane 1
-Murmur3's fmix64 of key ^ its constant), summed mod 2^64 and added to the run's member.
+then per change its outputs; per run, over its outputs, the digest terms of each change's old and
+new bits (`digest_jit.range_sums`), summed mod 2^64 and added to the run's member.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from numba import njit, types
 from numba.core import config
 from numba.extending import intrinsic
 
-from vllm_delta.wire.additive_jit import lane0, lane1
+from vllm_delta.kernels.digest_jit import range_sums
 
 # Elements of a run taken at a time: their changed indices (int32, 8 KiB at most) stay in L1.
 CHUNK = 2048
@@ -135,22 +134,6 @@ def find_words(x, y, at, d, words):
 
 
 @njit(nogil=True, cache=True)
-def _sums(hfs, old, new, k0, k1, width):
-    """The digest terms of changes k0..k1-1 (one run's), summed: (pre lane 0, pre lane 1, post 0,
-    post 1). A loop of its own over the run's outputs, which LLVM vectorises (AVX-512's 64-bit
-    multiplies), where summing in the per-change store loop does not."""
-    pre0, pre1, post0, post1 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
-    for t in range(k0, k1):
-        key = np.uint64(hfs[t]) << width
-        ko, kn = key | np.uint64(old[t]), key | np.uint64(new[t])
-        pre0 += lane0(ko)
-        pre1 += lane1(ko)
-        post0 += lane0(kn)
-        post1 += lane1(kn)
-    return pre0, pre1, post0, post1
-
-
-@njit(nogil=True, cache=True)
 def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, same_hf, pos, hfs, old, new, run):
     """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
@@ -159,8 +142,8 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, sam
     The changes go into `pos`, `hfs`, `old`, `new`, `run` (`outputs`, or a reused set); past their
     size, into grown copies (then those are returned). Per chunk of a run: the changed elements'
     chunk-local indices (`find_compress`, or `find_words` without AVX-512), then their outputs;
-    per run, the digest terms of its outputs (`_sums`)."""
-    width = np.uint64(8 * cur.itemsize)
+    per run, the digest terms of its outputs (`range_sums`: a loop of its own, which LLVM vectorises,
+    where summing in the per-change store loop does not)."""
     sums = np.zeros((nseg, 4), np.uint64)
     at = np.empty(CHUNK, np.int32)  # a chunk's changed indices
     d = np.zeros(CHUNK, cur.dtype)  # find_words' scratch
@@ -191,7 +174,9 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, sam
             if want_run:
                 run[k:k + found] = r
             k += found
-        pre0, pre1, post0, post1 = _sums(pos if same_hf else hfs, old, new, k0, k, width)
+        hf = pos if same_hf else hfs
+        pre0, pre1 = range_sums(hf, old, k0, k)
+        post0, post1 = range_sums(hf, new, k0, k)
         s = segs[r]
         sums[s, 0] += pre0
         sums[s, 1] += pre1

@@ -5,38 +5,30 @@ to) makes a mask, its nonzero, two gathers, the HF map and ~30 elementwise int64
 digest terms: 10-12x a memcpy of the weights on one CPU thread. This kernel reads each side once
 (xor of a small chunk into an L1 scratch, then a word-wise skip of the unchanged elements) and, per
 change, writes its offset, HF position, old and new bits and adds its four digest terms
-(`wire.additive`: key = HF position << width | bits, splitmix64 / fmix64 lanes, uint64 wrapping
-sums) to its member's row. Elements no run covers (padding, unregistered params) are never
-looked at, which is the torch path's "drop uncovered changes".
+(`digest`'s, compiled: `digest_jit.range_sums`) to its member's row. Elements no run covers
+(padding, unregistered params) are never looked at, which is the torch path's "drop uncovered changes".
 
 numba is optional: without it (or for a dtype other than 16 or 32 bits, or off the CPU) the torch
-path runs. `VLLM_DELTA_SCAN_KERNEL=0` forces the torch path (A/B runs, tests).
+path runs, as it does with the kernels switched off (`switch.on`: A/B runs, tests).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from concurrent.futures import Executor, Future
 
 import numpy as np
 import torch
 
-from vllm_delta.sender.scan_buffers import ScanBuffers
+from vllm_delta.kernels import switch
+from vllm_delta.kernels.scan_buffers import ScanBuffers
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-HAVE_NUMBA = importlib.util.find_spec("numba") is not None  # the `cpu-scan` extra (and a vLLM dependency)
-
-
-def enabled() -> bool:
-    """numba importable and not switched off by the environment."""
-    return HAVE_NUMBA and os.environ.get("VLLM_DELTA_SCAN_KERNEL", "1") != "0"
 
 
 def applies(base: torch.Tensor, snap: torch.Tensor) -> bool:
     """The kernel takes contiguous CPU spans of 16- and 32-bit dtypes (their digest key is
     position << width | bits; those are the widths it is tested on); anything else goes the torch way."""
-    return (enabled() and base.device.type == "cpu" and snap.device.type == "cpu"
+    return (switch.on() and base.device.type == "cpu" and snap.device.type == "cpu"
             and base.element_size() in (2, 4) and base.dtype == snap.dtype and not base.is_complex()
             and base.is_contiguous() and snap.is_contiguous() and base.numel() == snap.numel())
 
@@ -64,7 +56,7 @@ def scan_bits(cur: np.ndarray, old_bits: np.ndarray, tables: tuple[np.ndarray, .
     pool, the span is cut into `workers` windows. The changes are written into `buffers`' sets
     (reused once nothing holds them), else fresh arrays. For a plain tensor (one run at shift 0) the
     HF positions are the offsets array itself."""
-    from vllm_delta.sender.scan_jit import CHUNK, capacity, outputs, scan_runs
+    from vllm_delta.kernels.scan_jit import CHUNK, capacity, outputs, scan_runs
 
     starts, ends, shifts, segs = tables
     windows = _windows(cur.size, workers if pool is not None else 1, CHUNK)

@@ -1,4 +1,5 @@
-"""The one-pass stream builders (`wire.planes_jit`, numba) write exactly the numpy codecs' bytes.
+"""The one-pass stream builders (`codecs.gap_planes`, `ulp_streams`: kernels/gaps_jit.py, ulp_jit.py)
+write exactly the numpy codecs' bytes.
 
 The numpy codecs (`codecs.encode_gaps` + `to_planes`, `codecs.encode_steps(ulp_steps(...))`) are
 the reference: they are what the wire goldens were made with. Cases: every float width, counts
@@ -12,10 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_delta.wire import codecs, planes_jit
+from vllm_delta.kernels import switch
+from vllm_delta.wire import codecs
 from vllm_delta.wire.dtypes import by_name
 
-pytestmark = pytest.mark.skipif(not planes_jit.HAVE_NUMBA, reason="numba (the cpu-scan extra) not installed")
+pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba (the cpu-scan extra) not installed")
 
 
 def _numpy_ulp(new: np.ndarray, old: np.ndarray, d) -> dict[str, bytes]:
@@ -47,7 +49,7 @@ def _steps_case(d, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def test_ulp_streams_equal_the_numpy_codecs(dtype: str, n: int) -> None:
     d = by_name(dtype)
     new, old = _steps_case(d, n, seed=n)
-    assert planes_jit.ulp_streams(new, old, d) == _numpy_ulp(new, old, d)
+    assert codecs.ulp_streams(new, old, d) == _numpy_ulp(new, old, d)
 
 
 def test_the_most_negative_step_and_every_step_class_are_coded_as_numpy_does() -> None:
@@ -57,7 +59,7 @@ def test_the_most_negative_step_and_every_step_class_are_coded_as_numpy_does() -
     new = np.array([0x8000, 0x0001, 0x0000, 0x3F81, 0x3F7E, 0xFFFF, 0xFFFF, 0x0000], dtype=np.uint16)
     steps = codecs.ulp_steps(new, old, d).view(np.int16)
     assert (steps == -(1 << 15)).any() and (np.abs(steps.astype(np.int32)) > 1).any()
-    assert planes_jit.ulp_streams(new, old, d) == _numpy_ulp(new, old, d)
+    assert codecs.ulp_streams(new, old, d) == _numpy_ulp(new, old, d)
 
 
 @pytest.mark.parametrize("top", [3000, 60_000, 1 << 30, 1 << 40])
@@ -67,16 +69,16 @@ def test_gap_planes_and_width_equal_the_numpy_codecs(top: int, prev: int, width:
     rng = np.random.default_rng(top)
     for n in (1, 2, 9, 3000):
         pos = np.sort(rng.choice(top, n, replace=False)).astype(np.int64) + 3
-        assert planes_jit.gap_planes(pos, prev=prev, width=width) == _numpy_gaps(pos, prev, width)
-        assert planes_jit.gap_width(pos, prev) == codecs.gap_width(pos, prev=prev)
+        assert codecs.gap_planes(pos, prev=prev, width=width) == _numpy_gaps(pos, prev, width)
+        assert codecs.gap_width(pos, prev=prev) == codecs.encode_gaps(pos, prev=prev)[0]
 
 
 @pytest.mark.parametrize("top", [255, 256, 65_535 + 1, 65_536 + 1, (1 << 32) + 1])
 def test_gap_width_at_each_width_edge(top: int) -> None:
     """Largest gaps of 2^8 - 1, 2^8, 2^16 - 1, 2^16, 2^32: the width steps exactly where numpy's does."""
     pos = np.array([5, 5 + top, 6 + top], dtype=np.int64)
-    assert planes_jit.gap_width(pos) == codecs.gap_width(pos)
-    assert planes_jit.gap_planes(pos) == _numpy_gaps(pos, -1, None)
+    assert codecs.gap_width(pos) == codecs.encode_gaps(pos)[0]
+    assert codecs.gap_planes(pos) == _numpy_gaps(pos, -1, None)
 
 
 def test_where_the_kernel_does_not_apply_the_numpy_codecs_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,10 +86,10 @@ def test_where_the_kernel_does_not_apply_the_numpy_codecs_run(monkeypatch: pytes
     rng = np.random.default_rng(0)
     d = by_name("int16")
     new, old = rng.integers(0, 1 << 16, 50, dtype=np.uint16), rng.integers(0, 1 << 16, 50, dtype=np.uint16)
-    assert planes_jit.ulp_streams(new, old, d) == _numpy_ulp(new, old, d)
+    assert codecs.ulp_streams(new, old, d) == _numpy_ulp(new, old, d)
     empty = np.zeros(0, dtype=np.int64)
-    assert planes_jit.gap_planes(empty) == _numpy_gaps(empty, -1, None)
-    monkeypatch.setenv("VLLM_DELTA_ENCODE_KERNEL", "0")
-    assert not planes_jit.enabled()
+    assert codecs.gap_planes(empty) == _numpy_gaps(empty, -1, None)
+    monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
+    assert not switch.on()
     f = by_name("bfloat16")
-    assert planes_jit.ulp_streams(new, old, f) == _numpy_ulp(new, old, f)
+    assert codecs.ulp_streams(new, old, f) == _numpy_ulp(new, old, f)

@@ -52,7 +52,7 @@ class ScanBuffers:
 
     def take(self, windows: list[tuple[int, int]], like: np.ndarray, want_run: bool) -> list[Set]:
         """A set per window of this scan: a pooled one nothing else holds, else a fresh one."""
-        from vllm_delta.sender.scan_jit import capacity, outputs
+        from vllm_delta.kernels.scan_jit import capacity, outputs
 
         self._taken = {}
         for lo, hi in windows:
@@ -72,7 +72,7 @@ class ScanBuffers:
         """After a scan: `written` is (changes, arrays the kernel returned) per set of the last `take`.
         A grown set replaces the one taken; a set over twice its changes goes; windows not taken
         this scan go; of the older sets, the most recent one still held elsewhere stays."""
-        from vllm_delta.sender.scan_jit import capacity
+        from vllm_delta.kernels.scan_jit import capacity
 
         kept = {}
         for (key, taken), (k, out) in zip(self._taken.items(), written):

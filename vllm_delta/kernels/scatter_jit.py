@@ -1,10 +1,8 @@
-"""The numba kernels of `apply_kernel` (imported on first use: numba costs ~0.3 s to import).
+"""The numba kernels of `scatter` (imported on first use: numba costs ~0.3 s to import).
 
 All work on bit patterns as unsigned integers of the element's width (uint8/16/32, and uint64 for
 the plain write and read-back), with int32 or int64 storage offsets, and check every offset
 against the storage (numba does not: an unchecked offset would write outside the weights).
-Digest terms are `wire.additive`'s for widths up to 32 bits: key = HF position << width | bits,
-lane 0 splitmix64's finaliser, lane 1 Murmur3's fmix64 of key ^ its constant, summed mod 2^64.
 The ULP resolve is `wire.codecs.ulp_resolve`'s order-key bijection, branch-free on the sign bit
 (weights' signs are random: a branch would mispredict half the time).
 """
@@ -16,8 +14,6 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
-
-from vllm_delta.wire.additive_jit import lane0, lane1
 
 # Entries ahead whose weights line each loop prefetches: offsets rise by ~100-400 B at 0.5-2% density,
 # too irregular for the hardware prefetcher (on a 1 GB model, 30 -> 10 ns an entry at 0.5%).
@@ -120,69 +116,3 @@ def mismatches(flat, offsets, values):
         _ahead(flat, offsets, i, n)
         bad += flat[offsets[i]] != values[i]
     return bad
-
-
-@njit(nogil=True, cache=True)
-def _plain(positions, values, a, b, width):
-    """Lane sums of entries a..b of (positions, values): the post digest of overwrite values."""
-    s0, s1 = np.uint64(0), np.uint64(0)
-    for i in range(a, b):
-        k = (np.uint64(positions[i]) << width) | np.uint64(values[i])
-        s0 += lane0(k)
-        s1 += lane1(k)
-    return s0, s1
-
-
-@njit(nogil=True, cache=True)
-def _gathered(positions, flat, offsets, values, a, b, width, post, kind):
-    """Lane sums of entries a..b with the old values read at their offsets: pre (old) and post (new:
-    `values`, or with `kind` >= 0 the ULP steps `values` resolved on the old)."""
-    top = width - np.uint64(1)
-    full = (np.uint64(1) << top << np.uint64(1)) - np.uint64(1)
-    a0, a1, b0, b1 = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
-    n = offsets.size
-    for i in range(a, b):
-        _ahead(flat, offsets, i, n)
-        key = np.uint64(positions[i]) << width
-        old = np.uint64(flat[offsets[i]])
-        k = key | old
-        a0 += lane0(k)
-        a1 += lane1(k)
-        if post:
-            new = _resolve(old, np.uint64(values[i]), kind, top, full) if kind >= 0 else np.uint64(values[i])
-            k = key | new
-            b0 += lane0(k)
-            b1 += lane1(k)
-    return a0, a1, b0, b1
-
-
-@njit(nogil=True, cache=True)
-def slot_sums(positions, flat, offsets, values, slots, slot, n, pre, post, kind):
-    """uint64[2, n, 2]: per slot (slots[i], or `slot` for all when `slots` is empty) the lane sums of
-    the old values flat[offsets[i]] (pre) and of the new ones (post): `values[i]`, or when `kind`
-    >= 0 the value `values[i]` ULPs from the old one. `flat` and `offsets` are read only when needed.
-    Summed a run of equal slots at a time (a tensor's entries), so the inner loops vectorise."""
-    out = np.zeros((2, n, 2), np.uint64)
-    width = np.uint64(8 * values.itemsize)
-    gather = pre or kind >= 0
-    if gather:
-        _check(offsets, flat.size)
-    total = positions.size
-    a = 0
-    while a < total:
-        s = slots[a] if slots.size else slot
-        b = a + 1 if slots.size else total
-        while b < total and slots[b] == s:
-            b += 1
-        if gather:
-            a0, a1, b0, b1 = _gathered(positions, flat, offsets, values, a, b, width, post, kind)
-            if pre:
-                out[0, s, 0] += a0
-                out[0, s, 1] += a1
-        else:
-            b0, b1 = _plain(positions, values, a, b, width)
-        if post:
-            out[1, s, 0] += b0
-            out[1, s, 1] += b1
-        a = b
-    return out

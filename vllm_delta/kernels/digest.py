@@ -1,0 +1,112 @@
+"""The additive digest's arithmetic: each element's term, and the terms' sums per segment.
+
+H(t) = sum_i mix(key(i, bits_i)) mod 2^64, in two lanes with independent mixers (wire/additive.py
+says why a digest is additive and what it detects). Every caller sums terms through `segment_sums`:
+the wire's whole-tensor and partial digests, the engine's digests of the entries it stages and the
+sender's of the changes it scans. On CPU tensors, with the kernels on, the sums run compiled
+(`digest_jit`, one pass per run of a segment, tested equal to the torch code here); elsewhere in
+plain torch integer ops where the values live (int64 wraps mod 2^64 on every backend), so only the
+sums ever leave the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_delta.kernels import switch
+
+
+def _i64(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+# Per lane: the constant its key is offset by, the mixer's three shifts and two multipliers.
+# splitmix64's finaliser (lane 0) and Murmur3's fmix64 (lane 1, whose key is XORed with its constant
+# first, so the two lanes see different inputs).
+LANES = (
+    (_i64(0x9E3779B97F4A7C15), (30, 27, 31), (_i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB))),
+    (_i64(0xC2B2AE3D27D4EB4F), (33, 33, 33), (_i64(0xFF51AFD7ED558CCD), _i64(0xC4CEB9FE1A85EC53))),
+)
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def mix_(x: torch.Tensor, lane: int) -> torch.Tensor:
+    """A lane's 64-bit finaliser (a bijection), in place. `>>` on int64 is arithmetic: masked to be logical."""
+    _, shifts, mults = LANES[lane]
+    for i, k in enumerate(shifts):
+        t = x >> k
+        t &= (1 << (64 - k)) - 1
+        x ^= t
+        if i < 2:
+            x *= mults[i]
+    return x
+
+
+def element_bits(values: torch.Tensor) -> torch.Tensor:
+    """Each element's bit pattern, zero-extended to int64 (dtype-agnostic, no float arithmetic)."""
+    size = values.element_size()
+    bits = values.detach().reshape(-1).view(_INT[size]).to(torch.int64)
+    if size < 8:
+        bits &= (1 << (8 * size)) - 1
+    return bits
+
+
+def keys(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One int64 key per element, injective in (position, bits) for dtypes up to 32 bits:
+    position * 2^width + bits. 64-bit dtypes key on a mix of the position XOR the bits."""
+    width = 8 * values.element_size()
+    pos = positions.reshape(-1).to(torch.int64)
+    bits = element_bits(values)
+    if width <= 32:
+        return (pos << width).bitwise_or_(bits)
+    golden = LANES[0][0]
+    return mix_(pos * golden + golden, 0).bitwise_xor_(bits)
+
+
+# On the CPU (with the kernels off), terms are summed this many at a time: the ~30 elementwise passes
+# then run on int64 temporaries of 256 KiB that stay in cache, about 3x faster than passes over the
+# whole array (sums mod 2^64 do not depend on the grouping). A GPU takes the whole array at once.
+CPU_SLICE = 1 << 15
+
+
+def segment_sums(positions: torch.Tensor, values: torch.Tensor, segments: torch.Tensor | int,
+                 n: int) -> torch.Tensor:
+    """int64[n, 2]: per segment, the two lane sums of the terms of `values` at flat `positions`, on
+    their device. `segments[i]` is entry i's segment in [0, n), or one int for every entry."""
+    count = positions.numel()
+    if count != values.numel():
+        raise ValueError(f"{count} positions for {values.numel()} values")
+    one = isinstance(segments, int)
+    if switch.on() and values.device.type == "cpu" and positions.device.type == "cpu" and (
+            one or segments.device.type == "cpu"):
+        return _compiled(positions, values, segments, n)
+    out = torch.zeros(n, 2, dtype=torch.int64, device=values.device)
+    step = CPU_SLICE if values.device.type == "cpu" else max(1, count)
+    positions, values = positions.reshape(-1), values.reshape(-1)
+    for lo in range(0, count, step):
+        key = keys(positions[lo:lo + step], values[lo:lo + step])
+        lane1 = mix_(key ^ LANES[1][0], 1)
+        lane0 = mix_(key, 0)
+        if one:
+            out[segments] += torch.stack([lane0.sum(), lane1.sum()])
+        else:
+            out.index_add_(0, segments.reshape(-1)[lo:lo + step], torch.stack([lane0, lane1], 1))
+    return out
+
+
+def _compiled(positions: torch.Tensor, values: torch.Tensor, segments: torch.Tensor | int,
+              n: int) -> torch.Tensor:
+    """`segment_sums` through `digest_jit` (numpy views of the CPU tensors: no copy where they are int64)."""
+    from vllm_delta.kernels.digest_jit import NO_SEGMENTS, segment_sums as sums
+
+    size = values.element_size()
+    bits = values.detach().reshape(-1).view(_INT[size]).numpy().view(f"u{size}")
+    pos = positions.detach().reshape(-1).to(torch.int64).numpy()
+    if isinstance(segments, int):
+        if not 0 <= segments < n:
+            raise IndexError(f"segment {segments} of {n}")
+        seg, one = NO_SEGMENTS, segments
+    else:
+        seg, one = segments.detach().reshape(-1).to(torch.int64).numpy(), 0
+    return torch.from_numpy(sums(pos, bits, seg, one, n).view("i8"))

@@ -1,0 +1,73 @@
+"""The commit's scatter (with the ULP resolve) and read-back on CPU weights, as compiled loops.
+
+Why: the torch path (`engine/apply.py`'s `scatter` and `read_back`, the reference these are
+tested equal to, tests/kernels/test_scatter.py) pays int32 -> int64 offset copies, `index_copy_`
+and a gathered copy of every written value for the read-back. Each loop here reads and writes
+each entry once (`scatter_jit`). The read-back stays its own pass over the live weights after the
+writes, in its own compiled function, so it checks the write instead of repeating it.
+
+numba is optional (a vLLM dependency; the `cpu-scan` extra): without it, off the CPU, for a dtype
+conversion in the same step, or with the kernels switched off (`switch.on`), the torch path runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_delta.kernels import switch
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: all on the CPU (a mixed-device call goes the torch
+    way, which refuses it), and switched on."""
+    return switch.on() and all(t.device.type == "cpu" for t in tensors)
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bits as an unsigned numpy view (no copy)."""
+    return t.detach().reshape(-1).view(_SIGNED[t.element_size()]).numpy().view(_UINT[t.element_size()])
+
+
+def _kind(dtype: torch.dtype) -> int | None:
+    """How `scatter_jit._resolve` keys this dtype (wire.codecs.order_key), or None: not resolved here."""
+    from vllm_delta.kernels import scatter_jit as J
+
+    if dtype.itemsize > 4 or dtype == torch.bool:
+        return None
+    if dtype.is_floating_point:
+        return J.FLOAT
+    return J.UNSIGNED if dtype == torch.uint8 else J.SIGNED if dtype in (torch.int8, torch.int16, torch.int32) else None
+
+
+def scatter(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, base: torch.dtype | None) -> torch.Tensor | None:
+    """`apply.scatter` on CPU tensors: writes the chunk, returns the values written (flat's dtype),
+    or None where the kernel does not apply (a dtype conversion, a step in another dtype)."""
+    if base is None:
+        if values.dtype != flat.dtype:
+            return None
+        from vllm_delta.kernels.scatter_jit import write
+
+        write(_bits(flat), offsets.numpy(), _bits(values))
+        return values
+    kind = _kind(base)
+    if base != flat.dtype or kind is None or values.element_size() != flat.element_size():
+        return None
+    from vllm_delta.kernels.scatter_jit import write_resolved
+
+    out = torch.empty(values.numel(), dtype=flat.dtype)
+    write_resolved(_bits(flat), offsets.numpy(), _bits(values), kind, _bits(out))
+    return out
+
+
+_FLAG = (torch.tensor(False), torch.tensor(True))  # what `missed` answers: no tensor made per block
+
+
+def missed(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A bool tensor: some live flat[offsets] differ bitwise from `values` (read after the writes)."""
+    from vllm_delta.kernels.scatter_jit import mismatches
+
+    return _FLAG[mismatches(_bits(flat), offsets.numpy(), _bits(values)) > 0]
