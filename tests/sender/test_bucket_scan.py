@@ -206,7 +206,7 @@ def test_chunked_diff_over_chunk_edges() -> None:
 def test_auto_placement_counts_optimizer_state_and_a_margin() -> None:
     """At registration Adam's moments do not exist yet: a snapshot that fits in today's free memory
     but not beside them (and the margin) goes to the host, and the reason says why."""
-    from vllm_delta.sender.producer import place_snapshot
+    from vllm_delta.sender.snapshot_place import place_snapshot
 
     gib = 1 << 30
     params = 5 * gib  # bf16: a 10 GiB snapshot

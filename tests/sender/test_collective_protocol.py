@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from vllm_delta.transports.groups import host_group, join_group, listen
-from vllm_delta.transports.handshake import answer, offer, stream
+from vllm_delta.transports.collective import answer, offer, stream
 from vllm_delta.transports.spool import FlushSpool
 from vllm_delta.wire.errors import LimitError
 

@@ -332,9 +332,9 @@ class DeltaWorkerExtension:
 
     def _delta_receive(self, request: dict[str, Any], chunk_bytes: int) -> tuple[Manifest, StagedUpdate]:
         """Answer the trainer's offer (accept, or refuse before any flush moves), then decode each flush
-        as it arrives and drop it: one flush in memory at a time (transports/handshake.py)."""
+        as it arrives and drop it: one flush in memory at a time (transports/collective.py)."""
         from vllm_delta.engine.request import collective_max_flush_bytes
-        from vllm_delta.transports.handshake import CollectiveError, answer
+        from vllm_delta.transports.collective import CollectiveError, answer
 
         state = self._delta()
         group = getattr(self, "_delta_group", None)
@@ -367,9 +367,9 @@ class DeltaWorkerExtension:
     def _delta_pull(self, request: dict[str, Any], chunk_bytes: int) -> tuple[Manifest, StagedUpdate]:
         """Fetch the version from this engine's own store root (the route checked the relative path):
         the manifest, the lineage check, then the flushes, one fetched ahead while the last decodes,
-        each sparse (only the blocks this rank decodes) where store_fetch says that is safe and pays."""
+        each sparse (only the blocks this rank decodes) where transports/s3.py says that is safe and pays."""
         from vllm_delta.engine.request import store_version_key
-        from vllm_delta.engine.store_fetch import StoreFlushes, configured_store, fetch_manifest
+        from vllm_delta.transports.s3 import StoreFlushes, configured_store, fetch_manifest
 
         state = self._delta()
         store = getattr(self, "_delta_store", None)

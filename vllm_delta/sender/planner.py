@@ -104,7 +104,7 @@ class Planner:
         self.run_id = run_id or uuid.uuid4().hex
         self.resume = run_id is None and version > 0
         # (engine status, version to reach) -> the pushes that replay a kept chain up to it, or None
-        # (transports.s3.S3Transport.catch_up): an engine that needs an anchor replays that instead.
+        # (the transport's `catch_up`): an engine that needs an anchor replays that instead.
         self.catch_up: Callable[[dict[str, Any], int], list[dict[str, Any]] | None] | None = None
 
     def add_engine(self, url: str) -> None:

@@ -12,7 +12,7 @@ The snapshot holds the values every engine acknowledged (version S), per shard:
 - `snapshot="host"`: a pinned host copy; the live weights come to the host chunk by chunk and are
   compared there (nothing is copied to the device; only O(changed) positions go back);
 - `"auto"`: the device only when the snapshot, the optimizer state still to be allocated and a
-  safety margin fit in its free memory (`place_snapshot`), else the host. The choice and its
+  safety margin fit in its free memory (`snapshot_place.py`), else the host. The choice and its
   reason are logged at seeding and kept in `Producer.place_reason`.
 """
 
@@ -25,20 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+import vllm_delta.sender.bucket_scan as bucket_scan
 from vllm_delta.diff import changed_positions
 from vllm_delta.sender.anchor import Anchor
-from vllm_delta.sender import bucket_scan
 from vllm_delta.sender.shards import Shard
+from vllm_delta.sender.snapshot_place import SNAPSHOT_PLACES, choose_place
 from vllm_delta.wire import additive, tensor_digest
 
-SNAPSHOT_PLACES = ("auto", "device", "host")
 # Host-snapshot compares bring this many live elements at a time to the host.
 STREAM_ELEMENTS = 1 << 24
-# "auto": what the trainer may still allocate on the device after registration. Registration comes
-# before the first step, so Adam's two fp32 moments (8 B per param; not DP-sharded: the worst case)
-# do not exist yet; activations and allocator fragmentation get a margin of the device's memory.
-OPTIMIZER_BYTES_PER_PARAM = 8
-MARGIN_FRACTION = 0.15
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +127,7 @@ class Producer:
         names = [s.name for s in shards]
         if len(set(names)) != len(names):
             raise ValueError("a param was given twice")
-        place, self.place_reason = self._choose_place(shards)
+        place, self.place_reason = choose_place(self.snapshot_place, shards)
         logger.info("vllm-delta snapshot on the %s: %s", place, self.place_reason)
         self._states, self._buckets = {}, {}
         for s in shards:
@@ -145,17 +140,6 @@ class Producer:
             digest = additive.partial_sum(s.global_index(), flat) if not s.is_whole else additive.tensor_sum(flat)
             self._states[s.name] = _State(s.describe(), snap, digest)
         self.place = place
-
-    def _choose_place(self, shards: list[Shard]) -> tuple[str, str]:
-        if self.snapshot_place != "auto":
-            return self.snapshot_place, "chosen explicitly"
-        devices = {s.tensor.device for s in shards}
-        if not any(d.type == "cuda" for d in devices):
-            return "device", "the weights are not on a GPU (the two places are the same memory)"
-        need = sum(s.tensor.numel() * s.tensor.element_size() for s in shards)
-        params = sum(s.tensor.numel() for s in shards)
-        free, total = (min(x) for x in zip(*(torch.cuda.mem_get_info(d) for d in devices if d.type == "cuda")))
-        return place_snapshot(need, params, free, total)
 
     @property
     def names(self) -> list[str]:
@@ -455,14 +439,3 @@ def _pending_counts(b: _Bucket) -> list[int]:
     return torch.zeros(len(b.layout.names), dtype=torch.int64, device=seg.device).index_add_(
         0, seg, torch.ones_like(seg)).tolist()
 
-
-def place_snapshot(snapshot_bytes: int, params: int, free: int, total: int) -> tuple[str, str]:
-    """The "auto" rule: the device only if the snapshot, the optimizer state not yet allocated
-    (OPTIMIZER_BYTES_PER_PARAM) and a margin (MARGIN_FRACTION of the device) fit in its free memory."""
-    optimizer = OPTIMIZER_BYTES_PER_PARAM * params
-    margin = int(MARGIN_FRACTION * total)
-    fits = snapshot_bytes + optimizer + margin <= free
-    gib = 1 << 30
-    why = (f"snapshot {snapshot_bytes / gib:.1f} GiB + optimizer state {optimizer / gib:.1f} GiB + margin "
-           f"{margin / gib:.1f} GiB {'<=' if fits else '>'} free {free / gib:.1f} GiB")
-    return ("device" if fits else "host"), why

@@ -16,7 +16,7 @@ from vllm_delta.client import EngineClient, Reply
 from vllm_delta.sender.planner import Plan, Planner
 from vllm_delta.sender.producer import Capture, Entry
 from vllm_delta.sender.ranks import Ranks
-from vllm_delta.transports.base import SentDelta
+from vllm_delta.transports.base import SentDelta, Transport
 from vllm_delta.wire import FlushBuilder, Manifest, additive, merge_manifests
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def dir_name(kind: str, version: int) -> str:
 
 
 class Publisher:
-    def __init__(self, transport, client: EngineClient, planner: Planner, ranks: Ranks, *, flush_bytes: int) -> None:
+    def __init__(self, transport: Transport, client: EngineClient, planner: Planner, ranks: Ranks, *, flush_bytes: int) -> None:
         self.transport, self.client, self.planner, self.ranks = transport, client, planner, ranks
         self.flush_bytes = flush_bytes
 
@@ -136,7 +136,7 @@ class Publisher:
         the lineage the engines check before applying it, and seals it (its failure is returned)."""
         full = {e.name: additive.to_hex(e.digests["digest"]) for e in cap.entries}
         parts = self.ranks.gather((manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes, full))
-        if not self.transport.shared_files:
+        if not self.transport.stored:
             self._gather_flushes(b, parts)
         mine = SentDelta(kind, manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes,
                          location=b.location, spool=getattr(b, "spool", None))

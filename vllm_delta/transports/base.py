@@ -1,16 +1,23 @@
-"""What one delta put on the wire, for any transport.
+"""What every transport is: the `Transport` interface the publisher drives, the options a sender gives
+it, and `SentDelta`, what one delta put on the wire.
 
 Flushes are built by `vllm_delta.wire.FlushBuilder`, whose encoded bytes go to a callback (a
-background file writer, or a spool for a broadcast), so encoding the next flush overlaps moving
-the previous one.
+background file writer, an uploader, or a spool for a broadcast), so encoding the next flush
+overlaps moving the previous one. Each transport module (`disk`, `s3`, `collective`) holds both
+halves of its path: the sender's (this interface) and the engine's receive side.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from vllm_delta.wire import Manifest
+from vllm_delta.wire import FlushBuilder, Manifest
+
+if TYPE_CHECKING:  # the client needs aiohttp, which the transports' engine halves do not
+    from vllm_delta.client import EngineClient, Reply
 
 
 @dataclass
@@ -23,5 +30,67 @@ class SentDelta:
     wire_bytes: int  # encoded bytes (after compression)
     pre_compress_bytes: int  # the same flushes before compression
     encode_s: float = 0.0
-    location: str | None = None  # version directory (disk)
+    location: str | None = None  # version directory (disk, s3)
     spool: Any = None  # the encoded flushes, for a collective (transports.spool.FlushSpool)
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """The `DeltaSender` arguments a transport may use; each takes what it needs and checks it."""
+
+    delta_dir: str | Path | None = None
+    keep: bool = False
+    throttle_bytes_per_s: float | None = None
+    version: int = 0  # the sender's start version
+    master_addr: str = "127.0.0.1"
+    collective_timeout_s: float = 120.0
+    planner: Any = None  # sender.planner.Planner: which engines acknowledged what (the s3 lifecycle)
+
+
+class Transport(ABC):
+    """How one publish's flushes reach the engines, in the order the publisher calls it: `prepare`
+    (rank 0), then per rank `builder` and `finish`, then on rank 0 `seal`, `push` and `cleanup`."""
+
+    # True: every rank writes its flushes once into one shared place (a directory, a store prefix)
+    # that rank 0 seals and every engine reads. False: rank 0 gathers them and sends them to each
+    # engine (a broadcast moves the bytes once per engine).
+    stored: bool
+
+    @classmethod
+    @abstractmethod
+    def create(cls, name: str, options: TransportOptions) -> Transport:
+        """The transport registered as `name`, built from the sender's options (ValueError if they
+        do not fit it)."""
+
+    def prepare(self, name: str) -> None:
+        """Rank 0, before any rank encodes: make version `name`'s place empty."""
+
+    @abstractmethod
+    def builder(self, name: str, **kwargs: Any) -> FlushBuilder:
+        """A `FlushBuilder` whose flushes go where version `name` lives; `kwargs` are its own."""
+
+    def finish(self, b: FlushBuilder) -> None:
+        """Every flush `b` encoded has left this rank (raises the writer's error, if any)."""
+
+    def seal(self, sent: SentDelta) -> None:
+        """Rank 0: the merged manifest, last; only then may an engine see the version."""
+
+    @abstractmethod
+    def push(self, client: EngineClient, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
+        """Rank 0: one update request per engine URL (`SentDelta`, request body); their replies."""
+
+    def cleanup(self, sent: list[SentDelta]) -> None:
+        """Rank 0, after the push: drop what is no longer needed on the wire."""
+
+    def close(self, url: str | None = None) -> None:
+        """Drop what is held for engine `url` (every engine with None)."""
+
+    def catch_up(self, status: dict[str, Any], target: int) -> list[dict[str, Any]] | None:
+        """The kept versions that take an engine in `status` to `target`, as update bodies in order;
+        None where nothing is kept (the planner anchors the engine instead)."""
+        return None
+
+    @property
+    def uploaded_bytes(self) -> int | None:
+        """Bytes this transport has uploaded so far, where it counts them (the object store)."""
+        return None

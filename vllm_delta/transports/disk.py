@@ -4,6 +4,9 @@ Why this order: each flush is written atomically (`.tmp`, fsync, rename) while t
 the next one; the manifest is written only after every flush is on disk, so a sender that dies
 mid-write leaves a directory without a manifest, which every engine refuses (IncompleteDeltaError).
 Multi-rank senders write their own flush files and rank 0 writes the merged manifest.
+
+The engine's half is the wire format's own reader (`wire.open_delta` over a `DeltaDir` opened under
+the engine's `--delta-updates-root`): the files are already where the engine reads them.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vllm_delta.client import EngineClient, Reply
-from vllm_delta.transports.base import SentDelta
+from vllm_delta.transports.base import SentDelta, Transport, TransportOptions
 from vllm_delta.wire import MANIFEST_NAME, EncodedFlush, FlushBuilder, Manifest, write_manifest
 from vllm_delta.wire.manifest import write_atomic
 
@@ -121,14 +124,20 @@ def remove_version_dir(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-class DiskTransport:
+class DiskTransport(Transport):
     """Flush files under `delta_dir/<version dir>`, one HTTP push per engine naming that directory."""
 
-    shared_files = True  # every rank writes into the same directory; rank 0 seals it
+    stored = True  # every rank writes into the same directory; rank 0 seals it
 
     def __init__(self, delta_dir: Path, *, throttle_bytes_per_s: float | None = None, keep: bool = False) -> None:
         self.delta_dir, self.keep = Path(delta_dir), keep
         self.throttle_bytes_per_s = throttle_bytes_per_s
+
+    @classmethod
+    def create(cls, name: str, options: TransportOptions) -> DiskTransport:
+        if options.delta_dir is None:
+            raise ValueError("the disk transport needs delta_dir")
+        return cls(Path(options.delta_dir), throttle_bytes_per_s=options.throttle_bytes_per_s, keep=options.keep)
 
     def prepare(self, name: str) -> None:
         """Rank 0, before any rank writes: an empty version directory."""
@@ -154,6 +163,3 @@ class DiskTransport:
         if not self.keep:
             for s in sent:
                 remove_version_dir(Path(s.location))
-
-    def close(self, url: str | None = None) -> None:
-        """Nothing is held per engine."""

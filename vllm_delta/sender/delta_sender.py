@@ -32,12 +32,12 @@ from vllm_delta.sender.publisher import Published, Publisher
 from vllm_delta.sender.ranks import Ranks
 from vllm_delta.sender.segments import Segments
 from vllm_delta.sender.shards import Shard, check_disjoint
+from vllm_delta.transports import registry as transports
+from vllm_delta.transports.base import TransportOptions
 
 logger = logging.getLogger(__name__)
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor] | Shard]
-TRANSPORTS = ("disk", "s3", "gloo", "nccl")
-STORED = ("disk", "s3")  # transports whose bytes are written once, whatever the number of engines
 
 
 def _items(named: NamedTensors) -> Iterator[tuple[str, torch.Tensor] | Shard]:
@@ -74,35 +74,18 @@ class DeltaSender:
                  group: Any = None, throttle_bytes_per_s: float | None = None, version: int = 0,
                  snapshot: str = "auto", max_lag_syncs: int = 3, max_pending_density: float = 0.1,
                  client: Any = None, status_wait_s: float = 0.0) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
-        if transport == "disk" and delta_dir is None:
-            raise ValueError("the disk transport needs delta_dir")
-        if transport == "s3" and not str(delta_dir or "").startswith("s3://"):
-            raise ValueError(f"the s3 transport needs delta_dir='s3://BUCKET/PREFIX', not {delta_dir!r}")
         # Anything with EngineClient's `status`/`update`/`collective_init` (e.g. vLLM's weight-sync
         # clients behind the native backend, vllm_delta/native/links.py) may stand in for HTTP.
         self.client = client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)
         self.planner = Planner(engines, self.client, encoding=encoding, overwrite_encoding=overwrite_encoding,
                                anchor_every=anchor_every, version=version, max_lag_syncs=max_lag_syncs)
+        self.transport = transports.create(transport, TransportOptions(
+            delta_dir=delta_dir, keep=keep, throttle_bytes_per_s=throttle_bytes_per_s, version=version,
+            master_addr=master_addr, collective_timeout_s=collective_timeout_s, planner=self.planner))
+        self.planner.catch_up = self.transport.catch_up
         self.max_pending_density = max_pending_density
         self.producer = Producer(snapshot=snapshot, post_hash=post_hash)
         self.ranks = Ranks(group)
-        self.transport_name = transport
-        if transport == "disk":
-            from vllm_delta.transports.disk import DiskTransport
-
-            self.transport = DiskTransport(Path(delta_dir), throttle_bytes_per_s=throttle_bytes_per_s, keep=keep)
-        elif transport == "s3":
-            from vllm_delta.transports.s3 import S3Transport
-
-            self.transport = S3Transport(str(delta_dir), planner=self.planner, keep=keep, start_version=version,
-                                         throttle_bytes_per_s=throttle_bytes_per_s)
-            self.planner.catch_up = self.transport.catch_up
-        else:
-            from vllm_delta.transports.collective import CollectiveTransport
-
-            self.transport = CollectiveTransport(transport, master_addr=master_addr, timeout_s=collective_timeout_s)
         self.publisher = Publisher(self.transport, self.client, self.planner, self.ranks, flush_bytes=flush_bytes)
         self.model_elements = 0
         self.status_wait_s = status_wait_s
@@ -263,10 +246,10 @@ class DeltaSender:
                     "sender/version": float(plan.version)}
 
     def _publish_once(self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]) -> dict[str, float]:
-        uploaded = getattr(self.transport, "uploaded_bytes", 0)
+        uploaded = self.transport.uploaded_bytes
         done = self.publisher.run(plan, cap, self.model_elements)
         metrics = {**self._metrics(done, changed), **captured}
-        if self.transport_name == "s3":  # every object this sync PUT, from every rank: one delta's bytes
+        if uploaded is not None:  # every object this sync PUT, from every rank: one delta's bytes
             metrics["perf/update_weights_upload_bytes"] = float(
                 self.ranks.all_sum(self.transport.uploaded_bytes - uploaded))
         metrics["perf/update_weights_time"] = captured["sender/capture_s"] + done.publish_s
@@ -343,7 +326,7 @@ class DeltaSender:
         post = sum(s.wire_bytes for s in sent) if mine else 0
         pre = sum(s.pre_compress_bytes for s in sent) if mine else 0
         wire = post
-        if self.transport_name not in STORED:  # a broadcast moves the bytes once per engine
+        if not self.transport.stored:  # a broadcast moves the bytes once per engine
             per = {s.kind: s.wire_bytes for s in sent}
             wire = sum(per.get(plan.kind, 0) for _ in plan.delta_urls) + sum(per.get("anchor", 0)
                                                                              for _ in plan.anchor_urls)
