@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_hook.blocks import BlockIds
+from megatron_hook.block_ids import BlockIds
 from megatron_hook.families import refuse_unsupported, tied_copy, with_model_vocab
 from megatron_hook.names import TENamed
 from vllm_delta.sender.segments import Segments

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_hook.blocks import BlockIds
+from megatron_hook.block_ids import BlockIds
 
 pytestmark = [pytest.mark.megatron]
 

@@ -39,7 +39,8 @@ def dir_name(kind: str, version: int) -> str:
 
 
 class Publisher:
-    def __init__(self, transport: Transport, client: EngineClient, planner: Planner, ranks: Ranks, *, flush_bytes: int) -> None:
+    def __init__(self, transport: Transport, client: EngineClient, planner: Planner, ranks: Ranks, *,
+                 flush_bytes: int) -> None:
         self.transport, self.client, self.planner, self.ranks = transport, client, planner, ranks
         self.flush_bytes = flush_bytes
 

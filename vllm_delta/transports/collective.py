@@ -10,13 +10,12 @@ decodes each flush as it arrives and drops it, so neither side needs the whole d
 no total-size cap stops a large anchor (each flush is capped, and the manifest states the total).
 
 Per update and engine, a handshake: the HTTP request carries the manifest; rank 0 offers the update
-on the group's control plane; every engine rank checks it and answers; only on a go do the flushes
-move, one at a time. Why a handshake before any bulk byte: an engine that refuses (lineage, version, sizes) must never
-leave the trainer blocked in a broadcast nobody receives, and an engine must not receive a delta
-it would refuse. So rank 0 announces what it will send (version, the manifest's digest and size,
-each flush's name and size); every engine rank checks that against the manifest it got over HTTP
-and answers; only if all accept does rank 0 say "go" and stream, one flush at a time. An engine
-rank that fails while decoding keeps receiving (and dropping) the rest, so the stream always ends.
+on the group's control plane (version, the manifest's digest and size, each flush's name and size);
+every engine rank checks that against the manifest it got over HTTP and answers; only if all accept
+does rank 0 say "go" and stream, one flush at a time. Why before any bulk byte: an engine that
+refuses (lineage, version, sizes) must never leave the trainer blocked in a broadcast nobody
+receives, and an engine must not receive a delta it would refuse. An engine rank that fails while
+decoding keeps receiving (and dropping) the rest, so the stream always ends.
 
 Keys, under the group's store, per update `seq`: `<seq>/offer`, `<seq>/answer/<rank>`, `<seq>/go`.
 

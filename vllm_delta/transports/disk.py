@@ -137,7 +137,8 @@ class DiskTransport(Transport):
     def create(cls, name: str, options: TransportOptions) -> DiskTransport:
         if options.delta_dir is None:
             raise ValueError("the disk transport needs delta_dir")
-        return cls(Path(options.delta_dir), throttle_bytes_per_s=options.throttle_bytes_per_s, keep=options.keep)
+        return cls(Path(options.delta_dir), throttle_bytes_per_s=options.throttle_bytes_per_s,
+                   keep=options.keep)
 
     def prepare(self, name: str) -> None:
         """Rank 0, before any rank writes: an empty version directory."""

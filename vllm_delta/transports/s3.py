@@ -120,7 +120,8 @@ class S3Transport(Transport):
     @classmethod
     def create(cls, name: str, options: TransportOptions) -> S3Transport:
         if not str(options.delta_dir or "").startswith("s3://"):
-            raise ValueError(f"the s3 transport needs delta_dir='s3://BUCKET/PREFIX', not {options.delta_dir!r}")
+            raise ValueError("the s3 transport needs delta_dir='s3://BUCKET/PREFIX', "
+                             f"not {options.delta_dir!r}")
         return cls(str(options.delta_dir), planner=options.planner, keep=options.keep,
                    start_version=options.version, throttle_bytes_per_s=options.throttle_bytes_per_s)
 
@@ -240,7 +241,8 @@ def configured_store() -> ObjectStore:
     """
     value = settings.updates_root()
     if not is_store_url(value):
-        raise StoreError(f"this engine's delta root is not an s3:// URL ({settings.UPDATES_ROOT} is {value!r})")
+        raise StoreError(f"this engine's delta root is not an s3:// URL "
+                         f"({settings.UPDATES_ROOT} is {value!r})")
     return ObjectStore(StoreURL.parse(value))
 
 
