@@ -16,7 +16,6 @@ import gc
 import re
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,62 +83,38 @@ def learn_placement(worker) -> dict[str, Any]:
             "fallback": status["fallback"], "transformed": status["transformed"]}
 
 
-def _timed(owner, name: str, times: dict[str, float]) -> Callable[[], None]:
-    """Wrap `owner.name` (an instance's method or a module's function) to add its time to
-    `times[name]`; returns the undo."""
-    orig = getattr(owner, name)
-    own = name in vars(owner)  # a module's function; an instance's method comes from its class
-    times[name] = 0.0
-
-    def timed(*a, **k):
-        t = time.perf_counter()
-        try:
-            return orig(*a, **k)
-        finally:
-            times[name] += time.perf_counter() - t
-    setattr(owner, name, timed)
-    return (lambda: setattr(owner, name, orig)) if own else (lambda: delattr(owner, name))
-
-
 def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
     """Our apply as the route runs it: `delta_prepare`, the digest check, `delta_commit`.
 
     The worker's version counter is set to `version - 1` first so the same delta directories can
     be replayed across the run (lineage checks are not what is measured). Phase times come from
-    wrapping the applier's methods: `stage` (decode, locate, digests, staging; the decode is a
-    generator consumed there), `_digest` and `segment_sums` (the additive digests of the changed
-    positions: per tensor where masks are needed, batched otherwise) and
-    `_refresh_cpu_kernels` (the CPU repack in the commit); `scatter` is the commit minus repack.
+    the staged update's trace (`StagedUpdate.times`, engine/trace.py): `stage` is the prepare after
+    reading the manifest (decode, locate, digests, staging), `digest` the additive digests of the
+    changed positions, `post_load` the CPU repack in the commit; `scatter` is the commit minus repack.
     """
-    from vllm_delta.engine import apply as apply_module
     from vllm_delta.engine.digests import check_partials
 
     state = worker._delta()
     state.version = version - 1
-    applier = state.applier
-    times: dict[str, float] = {}
-    undos = [_timed(applier, n, times) for n in ("stage", "_digest", "_refresh_cpu_kernels")]
-    undos.append(_timed(apply_module, "segment_sums", times))  # the batched digests
     request = {"id": f"bench-{version}", "path": path, "version": version, "base_version": None,
                "chunk_bytes": chunk_bytes}
-    try:
-        with PeakRss() as prep:
-            prepared = worker.delta_prepare(request)
-            if not prepared.get("ok"):
-                raise RuntimeError(f"delta_prepare failed: {prepared}")
-            checked = check_partials([prepared])  # the route's check, before any write
-        with PeakRss() as com:  # the staged update (the payload) is resident at its start
-            committed = worker.delta_commit(request["id"])
-        if not committed.get("ok"):
-            raise RuntimeError(f"delta_commit failed: {committed}")
-    finally:
-        for undo in undos:
-            undo()
-    repack = times["_refresh_cpu_kernels"]
+    with PeakRss() as prep:
+        prepared = worker.delta_prepare(request)
+        if not prepared.get("ok"):
+            raise RuntimeError(f"delta_prepare failed: {prepared}")
+        checked = check_partials([prepared])  # the route's check, before any write
+    trace = state.staged[request["id"]].times  # the commit adds its phases to the same trace
+    with PeakRss() as com:  # the staged update (the payload) is resident at its start
+        committed = worker.delta_commit(request["id"])
+    if not committed.get("ok"):
+        raise RuntimeError(f"delta_commit failed: {committed}")
+    times = trace.seconds
+    repack = times.get("post_load", 0.0)
     out = {
         "changed": prepared["changed"], "payload": _payload_bytes(prepared["changed"]),
         "bytes_read": prepared["bytes_read"], "fallback": prepared["fallback"], "digests_checked": checked,
-        "prepare_s": prep.seconds, "stage_s": times["stage"], "digest_s": times["_digest"] + times["segment_sums"],
+        "prepare_s": prep.seconds, "stage_s": sum(times.get(p, 0.0) for p in ("decode", "locate", "digest", "stage")),
+        "digest_s": times.get("digest", 0.0), "phases": trace.as_dict(),
         "commit_s": com.seconds, "repack_s": repack, "scatter_s": com.seconds - repack,
         "total_s": prep.seconds + com.seconds,
         # Peaks relative to the RSS before prepare.

@@ -32,7 +32,7 @@ def synthetic(a: argparse.Namespace) -> dict:
     import torch
 
     from benchmarks.device_check import Config, SyntheticLM, checkpoint_shapes
-    from vllm_delta.engine.placement import PeakRss, build_placement
+    from vllm_delta.engine.probe import PeakRss, build_placement
 
     cfg = Config(vocab=32000, hidden=a.hidden, layers=a.layers, heads=16, kv_heads=8, head_dim=a.hidden // 16,
                  inter=a.intermediate, moe_layers=2, experts=8, moe_inter=a.intermediate // 4)

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from harness.synthetic import device_check
-from vllm_delta.engine import apply
-from vllm_delta.engine.apply import ApplyFault, Chunk, DeltaApplier
+from vllm_delta.engine import commit, staging
+from vllm_delta.engine.apply import ApplyFault, DeltaApplier
+from vllm_delta.engine.staging import Chunk
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.kernels import scatter as scatter_kernel
 from vllm_delta.kernels import switch
@@ -70,8 +71,8 @@ def test_scatter_and_read_back_equal_the_torch_path(dtype, steps, monkeypatch):
         flat = start.clone()
         written = []
         for c in chunks:  # as the commit does: each chunk read back after its write (the last: every element)
-            written.append(apply.scatter(flat, c))
-            assert not bool(apply.read_back(flat, c.offsets, written[-1]))
+            written.append(commit.scatter(flat, c))
+            assert not bool(commit.read_back(flat, c.offsets, written[-1]))
         got[mode] = (flat, written)
     assert torch.equal(_bits(got["1"][0]), _bits(got["0"][0]))
     for a, b in zip(got["1"][1], got["0"][1]):
@@ -82,7 +83,7 @@ def test_scatter_and_read_back_equal_the_torch_path(dtype, steps, monkeypatch):
         before = start.clone()
         monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
         for c in chunks[:-1]:
-            apply.scatter(before, c)
+            commit.scatter(before, c)
         old = before.view(d.int_view).numpy().view(d.uint)[last.offsets.numpy()]
         want = ulp_resolve(old, last.values.numpy().view(d.uint), d)
         assert np.array_equal(_bits(got["1"][1][-1]).numpy().view(d.uint), want)
@@ -95,13 +96,13 @@ def test_kernel_runs_on_cpu_tensors_and_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setattr(scatter_kernel, "scatter", lambda *a: calls.append(1) or real(*a))
     flat = torch.zeros(10, dtype=torch.bfloat16)
     chunk = Chunk(torch.tensor([1, 3], dtype=torch.int32), torch.ones(2, dtype=torch.bfloat16))
-    apply.scatter(flat, chunk)
+    commit.scatter(flat, chunk)
     assert calls == [1] and flat[1] == 1
     monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
-    apply.scatter(flat, chunk)
+    commit.scatter(flat, chunk)
     meta = torch.empty(10, dtype=torch.bfloat16, device="meta")
     monkeypatch.delenv("VLLM_DELTA_KERNELS")
-    apply.scatter(meta, Chunk(chunk.offsets.to("meta"), chunk.values.to("meta")))
+    commit.scatter(meta, Chunk(chunk.offsets.to("meta"), chunk.values.to("meta")))
     assert calls == [1]
 
 
@@ -111,16 +112,16 @@ def test_offsets_past_2_31(path):
     flat = torch.empty(n, dtype=torch.float8_e4m3fn)
     offsets = torch.tensor([5, (1 << 31) - 1, 1 << 31, n - 1], dtype=torch.int64)
     values = torch.tensor([1, 2, 3, 4], dtype=torch.uint8).view(torch.float8_e4m3fn)
-    written = apply.scatter(flat, Chunk(offsets, values))
+    written = commit.scatter(flat, Chunk(offsets, values))
     assert torch.equal(flat.view(torch.uint8)[offsets], values.view(torch.uint8))
-    assert not bool(apply.read_back(flat, offsets, written))
+    assert not bool(commit.read_back(flat, offsets, written))
     steps = torch.tensor([1, -1, 2, 0], dtype=torch.int8)
-    resolved = apply.scatter(flat, Chunk(offsets, steps, torch.float8_e4m3fn))
+    resolved = commit.scatter(flat, Chunk(offsets, steps, torch.float8_e4m3fn))
     want = ulp_resolve(np.array([1, 2, 3, 4], np.uint8), steps.numpy().view(np.uint8), by_torch(torch.float8_e4m3fn))
     assert np.array_equal(flat.view(torch.uint8)[offsets].numpy(), want)
     assert np.array_equal(resolved.view(torch.uint8).numpy(), want)
     pos = offsets + (1 << 40)  # HF positions past 2^32 too
-    got = apply.stage_sums(flat, offsets, pos, resolved, 0, 1, torch.float8_e4m3fn, False, True, True)
+    got = staging.stage_sums(flat, offsets, pos, resolved, 0, 1, torch.float8_e4m3fn, False, True, True)
     want_sum = additive.partial_sum(pos, resolved)
     assert torch.equal(got[0][0], want_sum) and torch.equal(got[1][0], want_sum)
 
@@ -131,11 +132,11 @@ def test_an_offset_outside_the_storage_raises_before_any_write(path, steps):
     bad = torch.tensor([0, 8], dtype=torch.int32)
     values = torch.ones(2, dtype=torch.int16) if steps else torch.ones(2, dtype=torch.bfloat16)
     with pytest.raises(IndexError):
-        apply.scatter(flat, Chunk(bad, values, torch.bfloat16 if steps else None))
+        commit.scatter(flat, Chunk(bad, values, torch.bfloat16 if steps else None))
     with pytest.raises(IndexError):
-        apply.read_back(flat, torch.tensor([-1], dtype=torch.int32), torch.ones(1, dtype=torch.bfloat16))
+        commit.read_back(flat, torch.tensor([-1], dtype=torch.int32), torch.ones(1, dtype=torch.bfloat16))
     with pytest.raises(IndexError):
-        apply.stage_sums(flat, bad, torch.arange(2), values, 0, 1, torch.bfloat16, steps, True, True)
+        staging.stage_sums(flat, bad, torch.arange(2), values, 0, 1, torch.bfloat16, steps, True, True)
     if path == "kernel":
         assert not flat.any()  # the kernel checks every offset first
 
@@ -143,10 +144,10 @@ def test_an_offset_outside_the_storage_raises_before_any_write(path, steps):
 def test_read_back_sees_a_write_that_did_not_land(path):
     flat = torch.zeros(100, dtype=torch.bfloat16)
     chunk = Chunk(torch.arange(0, 100, 7, dtype=torch.int32), torch.ones(15, dtype=torch.bfloat16))
-    written = apply.scatter(flat, chunk)
-    assert not bool(apply.read_back(flat, chunk.offsets, written))
+    written = commit.scatter(flat, chunk)
+    assert not bool(commit.read_back(flat, chunk.offsets, written))
     flat[98] = 0  # the last write undone
-    assert bool(apply.read_back(flat, chunk.offsets, written))
+    assert bool(commit.read_back(flat, chunk.offsets, written))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -166,7 +167,7 @@ def test_stage_sums_equal_the_torch_path_and_partial_sum(dtype, mode, monkeypatc
     got = {}
     for switch in ("1", "0"):
         monkeypatch.setenv("VLLM_DELTA_KERNELS", switch)
-        got[switch] = [apply.stage_sums(flat, offsets, positions, values, s, 4, dtype, steps, pre, True)
+        got[switch] = [staging.stage_sums(flat, offsets, positions, values, s, 4, dtype, steps, pre, True)
                        for s in (slots, 3)]
     old = flat[offsets.long()]
     d = by_torch(dtype)
@@ -186,7 +187,7 @@ def test_stage_sums_equal_the_torch_path_and_partial_sum(dtype, mode, monkeypatc
 def test_stage_sums_of_no_entries(path):
     flat = torch.zeros(4, dtype=torch.bfloat16)
     none = torch.zeros(0, dtype=torch.int64)
-    pre, post = apply.stage_sums(flat, none.to(torch.int32), none, flat[:0], none, 3, torch.bfloat16, False, True, True)
+    pre, post = staging.stage_sums(flat, none.to(torch.int32), none, flat[:0], none, 3, torch.bfloat16, False, True, True)
     assert not pre.any() and not post.any() and pre.shape == post.shape == (3, 2)
 
 
@@ -194,10 +195,10 @@ def test_stage_sums_of_no_entries(path):
 @pytest.mark.parametrize("block", [None, 5])
 def test_whole_apply_is_exact_on_both_paths(tmp_path, path, encoding, block, monkeypatch):
     """prepare + commit through each path, against the loaders' own load of the new checkpoint;
-    also with the kernel's chunks cut into blocks of 5 entries (`apply._blocks`: a block's last entry
+    also with the kernel's chunks cut into blocks of 5 entries (`commit._blocks`: a block's last entry
     lands in the next one's first write)."""
     if block:
-        monkeypatch.setattr(apply, "CPU_BLOCK", block)
+        monkeypatch.setattr(commit, "CPU_BLOCK", block)
     cfg = DC.SIZES["tiny"]
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=1)
@@ -221,7 +222,7 @@ def test_a_kernel_write_that_does_not_land_is_a_commit_fault(tmp_path, monkeypat
     read-back of the live weights catches it as an ApplyFault naming the tensor (also where each
     block of 5 entries loses its last)."""
     if block:
-        monkeypatch.setattr(apply, "CPU_BLOCK", block)
+        monkeypatch.setattr(commit, "CPU_BLOCK", block)
     cfg = DC.SIZES["tiny"]
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
     DC.write_delta(tmp_path / "d", base, DC.step(base, 0.3, seed=1), version=1)

@@ -12,7 +12,7 @@ import torch
 from test_placement import CHECKPOINT, PackedModule, storages
 from torch import nn
 
-from vllm_delta.engine.placement import build_placement
+from vllm_delta.engine.probe import build_placement
 
 N = 8
 

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from harness.dispatch_log import OpLog
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
-from vllm_delta.engine import apply
+from vllm_delta.engine import commit
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier
 from vllm_delta.engine.batched import Piece, locate
 from vllm_delta.engine.digests import check_partials
@@ -144,8 +144,8 @@ def test_a_write_that_does_not_land_is_a_commit_fault_naming_the_tensor(tmp_path
     model.load_weights(base.items())
     applier = DeltaApplier(model, meta)
     victim = "model.layers.0.mlp.experts.w2_weight"
-    flat_victim = apply.flat_storage(applier.targets[victim])
-    real = apply.scatter
+    flat_victim = commit.flat_storage(applier.targets[victim])
+    real = commit.scatter
 
     def misses_last(flat, chunk):
         if flat.untyped_storage().data_ptr() != flat_victim.untyped_storage().data_ptr():
@@ -156,7 +156,7 @@ def test_a_write_that_does_not_land_is_a_commit_fault_naming_the_tensor(tmp_path
         flat.index_copy_(0, last, kept)  # the last write did not land
         return written
 
-    monkeypatch.setattr(apply, "scatter", misses_last)
+    monkeypatch.setattr(commit, "scatter", misses_last)
     staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
     with pytest.raises(ApplyFault, match="read-back") as fault:
         applier.commit(staged)
@@ -179,7 +179,7 @@ def test_a_write_that_does_not_land_keeps_the_engine_paused_and_unhealthy(tmp_pa
     app.state.delta_updater = updater
     health = TestClient(app)
     storage = dict(models[1].named_parameters())[victim].untyped_storage().data_ptr()
-    real = apply.scatter
+    real = commit.scatter
 
     def misses_last(flat, chunk):
         written = real(flat, chunk)
@@ -188,7 +188,7 @@ def test_a_write_that_does_not_land_keeps_the_engine_paused_and_unhealthy(tmp_pa
             flat.index_copy_(0, last, flat.index_select(0, last).view(torch.int16).add(1).view(flat.dtype))
         return written
 
-    monkeypatch.setattr(apply, "scatter", misses_last)
+    monkeypatch.setattr(commit, "scatter", misses_last)
     DC.write_delta(root / "v1", base, DC.step(base, 0.3, seed=1), version=1)
     with pytest.raises(UpdateError) as refused:
         asyncio.run(updater.update(DeltaUpdateRequest(path="v1", version=1, base_version=0)))
@@ -196,7 +196,7 @@ def test_a_write_that_does_not_land_keeps_the_engine_paused_and_unhealthy(tmp_pa
     assert engine.paused and updater.fault["failed_at"] == victim and updater.fault["ranks"] == [1]
     assert health.get("/health").status_code == 503
     assert asyncio.run(updater.status())["ranks"][1]["fault"]["suspect"] == [victim]
-    monkeypatch.setattr(apply, "scatter", real)  # a full anchor repairs it
+    monkeypatch.setattr(commit, "scatter", real)  # a full anchor repairs it
     final = DC.step(base, 0.3, seed=2)
     with DC.DeltaWriter(root / "v2", version=2, base_version=None, encoding="indices") as w:
         for name, t in final.items():

@@ -16,7 +16,7 @@ from torch import nn
 
 from vllm_delta.engine import digests
 from vllm_delta.engine.digests import CoverageError, check_coverage, coverage, refuse_uncovered
-from vllm_delta.engine.placement import build_placement
+from vllm_delta.engine.probe import build_placement
 
 R, C = 8, 6
 SHAPES = {"rows.weight": (R, C), "cols.weight": (R, C), "norm.weight": (C,), "kv.weight": (R // 2, C),

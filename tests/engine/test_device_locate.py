@@ -15,9 +15,10 @@ from torch.overrides import TorchFunctionMode
 from harness.dispatch_log import OpCount, OpLog
 from harness.synthetic import device_check
 from vllm_delta.engine import batched
-from vllm_delta.engine.apply import DeltaApplier, _Staging, _Sums
+from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.batched import Piece, locate
 from vllm_delta.engine.placement import Segment
+from vllm_delta.engine.stager import Stager
 from vllm_delta.wire import iter_delta, open_delta
 
 DC = device_check()
@@ -85,6 +86,18 @@ def test_device_locate_on_meta_uploads_once_and_never_reads_back(chosen):
     assert all(op.devices() == {"cpu"} for op in log.ops[:log.ops.index(uploads[0])])  # host ops first
 
 
+def _stager(applier: DeltaApplier, info) -> Stager:
+    """A stager of `info`'s delta on `applier`, with no bound on what it stages."""
+    applier.placements  # noqa: B018 - learned (or handed over) before staging
+    return Stager(applier.routing, applier.shadows, info.manifest, chunk_bytes=1 << 40)
+
+
+def _stage_batch(stager: Stager, deltas) -> None:
+    """Locate, digest and stage `deltas` as one batch."""
+    stager._batch = list(deltas)
+    stager.flush()
+
+
 def staged_by(tmp_path, cfg, rank: int, tp: int, force: bool, monkeypatch):
     """Prepare a 30% step with digests on one rank (CPU), on the host path or the forced device path."""
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
@@ -126,10 +139,10 @@ def test_per_destination_work_on_meta_has_no_sync_and_crosses_6_bytes_a_change(t
         applier = DeltaApplier(DC.SyntheticLM(cfg, rank=1, tp=2, device="meta"), meta, placements=placements, rank=1)
         info = open_delta(tmp_path / f"d{density}")
         deltas = list(iter_delta(info, expected=meta, current_version=0))
-        entries = {p.name: p for p in info.manifest.params}
-        staging, sums = _Staging(1 << 40), _Sums()
+        stager = _stager(applier, info)
+        staging, sums = stager.staging, stager.sums
         with OpLog() as log, DeviceLiterals() as literals:
-            applier._stage_batch(deltas, entries, staging, sums)
+            _stage_batch(stager, deltas)
         assert literals.calls == []
         assert staging.changed and len(sums.rows) == 2 * len(staging.writes)  # pre and post summed per destination
         assert log.copies("meta", "cpu") == [] and log.host_reads() == []
@@ -183,9 +196,10 @@ def test_device_path_ops_per_destination_do_not_grow_with_the_experts_behind_it(
         applier = DeltaApplier(DC.SyntheticLM(cfg, rank=1, tp=2, device="meta"), meta, placements=placements, rank=1)
         info = open_delta(tmp_path / f"e{experts}")
         deltas = list(iter_delta(info, expected=meta, current_version=0))
-        staging = _Staging(1 << 40)
+        stager = _stager(applier, info)
+        staging = stager.staging
         with OpCount() as count:
-            applier._stage_batch(deltas, {p.name: p for p in info.manifest.params}, staging, _Sums())
+            _stage_batch(stager, deltas)
         return count.count, len(staging.writes)
 
     few, many = ops(4), ops(32)

@@ -17,7 +17,8 @@ import torch
 
 from harness.dispatch_log import OpLog
 from harness.synthetic import device_check, loaded, same_bits, tp_ranks
-from vllm_delta.engine.apply import DeltaApplier, StagingBoundError, flat_storage, gather
+from vllm_delta.engine.apply import DeltaApplier
+from vllm_delta.engine.staging import StagingBoundError, flat_storage, gather
 from vllm_delta.engine.digests import Ownership, check_partials, coverage
 from vllm_delta.wire import codecs, open_delta
 from vllm_delta.wire.dtypes import _ALL

@@ -19,7 +19,7 @@ from test_placement import CHECKPOINT, PackedModule, loaded, random_checkpoint, 
 
 from vllm_delta.engine.digests import CoverageError, check_coverage, coverage, refuse_uncovered
 from vllm_delta.engine.map_check import check_map
-from vllm_delta.engine.placement import build_placement
+from vllm_delta.engine.probe import build_placement
 
 
 def mapped(m: PackedModule) -> dict:

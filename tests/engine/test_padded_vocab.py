@@ -30,7 +30,9 @@ from harness.tiny_models import _common, train_tokenizer
 from harness.vllm_engine import greedy, start_llm
 from vllm_delta.engine.digests import check_coverage, check_partials, coverage, mismatches
 from vllm_delta.engine.map_check import check_map
-from vllm_delta.engine.placement import Fill, build_placement, storages_of
+from vllm_delta.engine.placement import Fill
+from vllm_delta.engine.probe import build_placement
+from vllm_delta.engine.probe_modes import storages_of
 from vllm_delta.wire import load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 

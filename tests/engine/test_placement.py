@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from vllm_delta.engine.apply import DeltaApplier, flat_storage
+from vllm_delta.engine.apply import DeltaApplier
+from vllm_delta.engine.staging import flat_storage
 from vllm_delta.engine.worker import DeltaWorkerExtension
-from vllm_delta.engine.placement import build_placement
+from vllm_delta.engine.probe import build_placement
 from vllm_delta.wire import DeltaWriter, VersionError, tensor_digest
 from vllm_delta.wire.errors import IncompatibleDeltaError, UnknownParamError
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from vllm_delta.engine import placement as P
-from vllm_delta.engine.placement import PeakRss, Segment, build_placement, probe_tensor
+from vllm_delta.engine import probe as P
+from vllm_delta.engine.placement import Segment
+from vllm_delta.engine.probe import PeakRss, build_placement, probe_tensor
 
 N = 8
 

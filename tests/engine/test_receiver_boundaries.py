@@ -22,7 +22,7 @@ import torch
 from harness.dispatch_log import OpLog
 from torch import nn
 
-from vllm_delta.engine import apply
+from vllm_delta.engine import apply, stager
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import Ownership, check_coverage, check_partials, contains, lattice, segment_chunks
 from vllm_delta.engine.owned import owned_ranges
@@ -203,7 +203,8 @@ def staged_offsets(tmp_path, model: nn.Module, checkpoint, placements, positions
                   shape=checkpoint[name][0])
     applier = DeltaApplier(model, checkpoint, _never, placements=placements)
     # Located on the host, so the offsets cross (test_device_locate checks the device path's locate equal to it).
-    with OpLog() as prepared, mock.patch.object(apply, "on_device", lambda device: False):
+    with OpLog() as prepared, mock.patch.object(apply, "on_device", lambda device: False), \
+            mock.patch.object(stager, "on_device", lambda device: False):
         staged = applier.prepare(tmp_path / encoding, version=1, base_version=0, current_version=0)
     # Staged on the parameter's device (meta, no values): read the offsets as they crossed to it.
     crossed = [op.inputs[0] for op in prepared.copies("cpu", "meta") if op.inputs[0].dtype in (torch.int32, torch.int64)]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from vllm_delta.engine import cpu_weights
-from vllm_delta.engine.apply import flat_storage
+from vllm_delta.engine.staging import flat_storage
 from vllm_delta.engine.transforms import observing, offset_maps, transformed
 
 pytest.importorskip("vllm")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from harness.synthetic import device_check
-from vllm_delta.engine import apply
+from vllm_delta.engine import routing
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import Ownership
 from vllm_delta.wire import iter_delta, open_delta
@@ -51,22 +51,22 @@ def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
     first = applier.stage(info.manifest, deltas, version=1, replay=False, start=0.0)
     calls = {"_batchable": 0, "_landings": 0}
     for name in calls:
-        def counted(*args, _name=name, _real=getattr(applier, name)):
+        def counted(*args, _name=name, _real=getattr(applier.routing, name)):
             calls[_name] += 1
             return _real(*args)
-        monkeypatch.setattr(applier, name, counted)
+        monkeypatch.setattr(applier.routing, name, counted)
     again = applier.stage(info.manifest, deltas, version=1, replay=False, start=0.0)
     assert calls == {"_batchable": 0, "_landings": 0}
     assert again.digests == first.digests and again.changed == first.changed > 0
-    routes = applier._routes()
-    assert all(kind == apply._BATCH for kind, _ in routes.values()) and len(routes) == len(deltas)
+    routes = applier.routing.routes()
+    assert all(r.kind == routing.BATCH for r in routes.values()) and len(routes) == len(deltas)
     # A new ownership: a tensor a lower rank now holds is masked, the others still batch.
     held = next(iter(routes))
     ownership = Ownership()
     ownership.lower = {held: [object()]}
     applier.ownership = ownership
-    now = applier._routes()
-    assert now[held][0] == apply._MASKED and [k for n, (k, _) in now.items() if n != held] == [apply._BATCH] * (len(now) - 1)
+    now = applier.routing.routes()
+    assert now[held].kind == routing.MASKED and [r.kind for n, r in now.items() if n != held] == [routing.BATCH] * (len(now) - 1)
     assert calls["_batchable"] == len(now) and calls["_landings"] == len(now)
 
 

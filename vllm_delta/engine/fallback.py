@@ -23,6 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from vllm_delta.engine.staging import Staging, add_sum, flat_storage, plain_chunk
+from vllm_delta.wire import ParamDelta
+from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
+from vllm_delta.wire.codecs import ulp_resolve_tensor
+from vllm_delta.wire.errors import IncompatibleDeltaError, IntegrityError
+
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 SHADOW_SUFFIX = "#checkpoint"  # the shadow's target name: `{name}#checkpoint`
 
@@ -52,7 +58,8 @@ class _Recorded:
 
 
 class _Recorder(TorchFunctionMode):
-    """Record (and skip) `copy_` and `__setitem__` into parameter storage; list other in-place writes there."""
+    """Record (and skip) `copy_` and `__setitem__` into parameter storage; list other in-place
+    writes there."""
 
     def __init__(self, storages: Mapping[int, str]) -> None:
         super().__init__()
@@ -63,8 +70,11 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         first = args[0] if args else None
-        target = (self.storages.get(first.untyped_storage().data_ptr())
-                  if isinstance(first, torch.Tensor) and first.numel() else None)
+        target = (
+            self.storages.get(first.untyped_storage().data_ptr())
+            if isinstance(first, torch.Tensor) and first.numel()
+            else None
+        )
         if target is None:
             return func(*args, **kwargs)
         if func is torch.Tensor.copy_:
@@ -80,8 +90,13 @@ class _Recorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def replay(load_weights: LoadWeights, storages: Mapping[int, str], name: str, tensor: torch.Tensor,
-           live: Mapping[str, torch.Tensor]) -> list[Write]:
+def replay(
+    load_weights: LoadWeights,
+    storages: Mapping[int, str],
+    name: str,
+    tensor: torch.Tensor,
+    live: Mapping[str, torch.Tensor],
+) -> list[Write]:
     """The writes `load_weights([(name, tensor)])` would make into `live` targets; performs none."""
     mode = _Recorder(storages)
     with torch.no_grad(), mode:
@@ -103,11 +118,6 @@ def replay(load_weights: LoadWeights, storages: Mapping[int, str], name: str, te
     return writes
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    storage = t.untyped_storage()
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage.nbytes() // t.element_size(),))
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of `t`, so equality is bit equality (NaN == NaN, -0.0 != 0.0)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
@@ -116,29 +126,137 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def differs(live: Mapping[str, torch.Tensor], writes: list[Write]) -> str | None:
     """The first target whose live values differ from `writes` (bitwise), or None."""
     for w in writes:
-        if not torch.equal(bits(_flat(live[w.target])[w.offsets]), bits(w.values)):
+        if not torch.equal(bits(flat_storage(live[w.target])[w.offsets]), bits(w.values)):
             return w.target
     return None
 
 
-def check_servable(load_weights: LoadWeights, storages: Mapping[int, str], name: str, shadow: torch.Tensor,
-                   live: Mapping[str, torch.Tensor]) -> set[str]:
+def check_servable(
+    load_weights: LoadWeights,
+    storages: Mapping[int, str],
+    name: str,
+    shadow: torch.Tensor,
+    live: Mapping[str, torch.Tensor],
+) -> set[str]:
     """Refuse (`UnservableLoader`) a loader whose replay does not reproduce the loaded weights exactly;
     returns the targets the replay writes."""
     first = replay(load_weights, storages, name, shadow, live)
     again = replay(load_weights, storages, name, shadow, live)
-    if not same_layout(first, again) or any(not torch.equal(bits(a.values), bits(b.values))
-                                            for a, b in zip(first, again)):
+    if not same_layout(first, again) or any(
+        not torch.equal(bits(a.values), bits(b.values)) for a, b in zip(first, again)
+    ):
         raise UnservableLoader("loader is not deterministic")
     for target in {w.target for w in first}:
         offsets = torch.cat([w.offsets for w in first if w.target == target])
         if offsets.unique().numel() != offsets.numel():
             raise UnservableLoader(f"loader writes some elements of {target} more than once")
     if (target := differs(live, first)) is not None:
-        raise UnservableLoader(f"replaying the loader on the checkpoint does not give the loaded {target} "
-                               "(a post-load step changed it, or the loader reads other state)")
+        raise UnservableLoader(
+            f"replaying the loader on the checkpoint does not give the loaded {target} "
+            "(a post-load step changed it, or the loader reads other state)"
+        )
     return {w.target for w in first}
 
 
 def same_layout(a: list[Write], b: list[Write]) -> bool:
-    return len(a) == len(b) and all(x.target == y.target and torch.equal(x.offsets, y.offsets) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.target == y.target and torch.equal(x.offsets, y.offsets) for x, y in zip(a, b)
+    )
+
+
+class Shadows:
+    """The shadows of this rank's unmapped tensors (`tensors`), and the tensors whose loader is refused
+    with why (`refused`): planned once at startup, then staged and digested by replaying the loader."""
+
+    def __init__(
+        self,
+        load_weights: LoadWeights,
+        storages: Callable[[], dict[int, str]],
+        targets: dict[str, torch.Tensor],
+        rank: int,
+    ) -> None:
+        self.load_weights, self.storages, self.targets, self.rank = load_weights, storages, targets, rank
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.refused: dict[str, str] = {}
+
+    def plan(self, unmapped: Mapping[str, str], read: Callable[[str], torch.Tensor] | None) -> set[str]:
+        """Keep a shadow of every unmapped tensor (name -> why the probe could not map it) whose loader
+        replays exactly, as a target of its own; refuse the rest. Returns the targets the replays reach."""
+        storages, replayed = self.storages(), set()
+        for name, why in unmapped.items():
+            if read is None:
+                self.refused[name] = "no checkpoint to replay its loader from"
+                continue
+            shadow = read(name)
+            try:
+                replayed |= check_servable(self.load_weights, storages, name, shadow, self.targets)
+            except UnservableLoader as exc:
+                self.refused[name] = f"{why}; its loader cannot be replayed exactly: {exc}"
+                continue
+            except Exception as exc:  # e.g. a quant method's replace_parameter left a loader that now fails
+                self.refused[name] = f"{why}; its loader fails on replay: {type(exc).__name__}: {exc}"
+                continue
+            self.tensors[name] = shadow
+            self.targets[shadow_target(name)] = shadow
+        return replayed
+
+    def stage(
+        self,
+        delta: ParamDelta,
+        staging: Staging,
+        acc: list[torch.Tensor | None] | None,
+        want: tuple[bool, bool],
+        anchor: bool,
+    ) -> None:
+        """Stage a tensor the probe could not map by replaying its loader on its shadow, old and new.
+
+        Every rank holds the whole shadow, so rank 0 alone counts its digests. The live weights
+        must equal the replay of the old shadow (unless an anchor overwrites them); the writes are
+        the elements the new replay changes.
+        """
+        name = delta.name
+        if name in self.refused:
+            raise IncompatibleDeltaError(
+                f"engine refuses updates to this tensor: {self.refused[name]}", param=name
+            )
+        shadow = self.tensors[name]
+        positions = delta.positions.to(shadow.device)
+        old = shadow.view(-1)[positions]
+        new = (
+            ulp_resolve_tensor(old, delta.values.to(shadow.device))
+            if delta.needs_base
+            else delta.values.to(shadow)
+        )
+        if acc is not None and self.rank == 0:
+            if want[0]:
+                add_sum(acc, 0, partial_sum(positions, old))
+            if want[1]:
+                add_sum(acc, 1, partial_sum(positions, new))
+        updated = shadow.clone()
+        updated.view(-1)[positions] = new
+        storages = self.storages()
+        before = replay(self.load_weights, storages, name, shadow, self.targets)
+        after = replay(self.load_weights, storages, name, updated, self.targets)
+        del updated
+        if not same_layout(before, after):
+            raise IncompatibleDeltaError("its loader writes other elements for the new values", param=name)
+        if not anchor and (target := differs(self.targets, before)) is not None:
+            raise IntegrityError(
+                f"pre-apply: live {target} differs from its loader's replay of the checkpoint", param=name
+            )
+        for b, a in zip(before, after):
+            base = flat_storage(self.targets[a.target])[a.offsets] if anchor else b.values
+            moved = torch.nonzero(bits(a.values) != bits(base)).squeeze(1)
+            staging.add(a.target, plain_chunk(self.targets[a.target], a.offsets[moved], a.values[moved]))
+        target = shadow_target(name)
+        staging.add(target, plain_chunk(self.targets[target], positions, new), counted=False)
+
+    def partial(self, name: str) -> str | None:
+        """A replayed tensor's share of its digest: rank 0 counts its shadow; a rank whose live weights
+        differ from the shadow's replay counts the shadow once more, so the sum across ranks cannot match."""
+        shadow = self.tensors.get(name)
+        if shadow is None:
+            return None
+        drift = differs(self.targets, replay(self.load_weights, self.storages(), name, shadow, self.targets))
+        copies = int(self.rank == 0) + int(drift is not None)
+        return to_hex(tensor_sum(shadow) * copies) if copies else None

@@ -28,7 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from vllm_delta.engine.placement import TensorPlacement, _written, storage_key
+from vllm_delta.engine.placement import TensorPlacement
+from vllm_delta.engine.probe_modes import storage_key, written
 
 Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -59,8 +60,8 @@ class _Redirect(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         swap = {}
-        written = _written(func, args, kwargs)
-        for w in written:
+        out = written(func, args, kwargs)
+        for w in out:
             key = storage_key(w)
             if key in self.scratch:
                 flat = self.scratch[key]
@@ -68,7 +69,7 @@ class _Redirect(TorchDispatchMode):
                     raise TypeError(f"loader writes a {flat.dtype} parameter as {w.dtype}")
                 swap[id(w)] = torch.as_strided(flat, w.shape, w.stride(), w.storage_offset())
             elif key in self.params:  # another parameter (a name sharing a storage is the same one)
-                return written[0] if len(func._schema.returns) <= 1 else tuple(written)
+                return out[0] if len(func._schema.returns) <= 1 else tuple(out)
         if swap:
             args, kwargs = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
         return func(*args, **kwargs)

@@ -1,0 +1,426 @@
+"""Staging one sync: decoded (validated) changes located, digested and staged, whatever carried the bytes.
+
+Decoded tensors are gathered into batches of about `BATCH_BYTES`; each batch is located,
+digested and staged with a constant number of ops per destination (engine/batched.py). Tensors
+whose elements this rank may count twice (held twice here, or also by a lower rank) keep their own
+counted-once masks, a tensor at a time. A `DeltaBatch` (wire/flush.py) is taken whole where all
+of its tensors are batched, else a tensor at a time. Tensors the probe could not map are staged by
+replaying their loader (engine/fallback.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from itertools import chain, repeat
+from operator import attrgetter, is_not, itemgetter
+from time import perf_counter
+from typing import NamedTuple
+
+import torch
+
+from vllm_delta.engine.batched import Known, Piece, compact, locate, on_device, owned_counts
+from vllm_delta.engine.fallback import Shadows
+from vllm_delta.engine.routing import BATCH, FALLBACK, GroupKey, Plan, Routing
+from vllm_delta.engine.staging import (
+    Chunk,
+    Named,
+    Staging,
+    StagedUpdate,
+    Sums,
+    add_sum,
+    check_resolvable,
+    expected_digests,
+    flat_storage,
+    gather,
+    index_dtype,
+    stage_sums,
+)
+from vllm_delta.engine.trace import PhaseTimes
+from vllm_delta.wire import Manifest, ParamDelta, get_encoding
+from vllm_delta.wire.additive import partial_sum
+from vllm_delta.wire.batch_device import Destinations
+from vllm_delta.wire.codecs import ulp_resolve_tensor
+from vllm_delta.wire.flush import DeltaBatch
+
+# Decoded tensors are located and staged together once they hold this many bytes (engine/batched.py).
+BATCH_BYTES = 64 << 20
+
+_PRE, _POST = attrgetter("pre_digest"), attrgetter("post_digest")
+_NEITHER = (False, False)  # a tensor with no digest to sum
+
+
+class _Planned(NamedTuple):
+    """A decoded batch the stager takes whole, with its plan."""
+
+    item: DeltaBatch
+    plan: Plan
+
+
+class Stager:
+    """One sync's staging: fed decoded items (`take`), then `finish`ed into a `StagedUpdate`.
+
+    `decoded`: the reader's `owned`; a `Destinations` has the checks of the entries decoded on a
+    device, verified (one copy per device) before anything staged is returned. `times` gets the
+    locate and digest seconds (engine/trace.py)."""
+
+    def __init__(
+        self,
+        routing: Routing,
+        shadows: Shadows,
+        manifest: Manifest,
+        *,
+        chunk_bytes: int,
+        decoded: Mapping | None = None,
+        times: PhaseTimes | None = None,
+    ) -> None:
+        self.routing, self.shadows, self.manifest, self.decoded = routing, shadows, manifest, decoded
+        self.entries = dict(
+            zip(map(attrgetter("name"), manifest.params), manifest.params)
+        )  # no Python line a tensor
+        self.staging = Staging(chunk_bytes)
+        self.sums = Sums()
+        self.times = times if times is not None else PhaseTimes()
+        self.fallback: list[str] = []
+        self.total = 0
+        self.blocks = [0, 0]
+        self.anchor = self._is_anchor()
+        self._batch: list[ParamDelta | _Planned] = []
+        self._held = 0  # bytes in `_batch`
+        self._there = decoded.decoded if isinstance(decoded, Destinations) else ()
+        routing.new_sync()
+
+    def _is_anchor(self) -> bool:
+        """An overwrite of every element of every checkpoint tensor: repairs whatever a fault left."""
+        manifest = self.manifest
+        if not get_encoding(manifest.encoding).idempotent:
+            return False
+        listed = {p.name: p.changed for p in manifest.params}
+        return all(
+            listed.get(name) == torch.Size(shape).numel()
+            for name, (shape, _) in self.routing.checkpoint.items()
+        )
+
+    def take(self, item: ParamDelta | DeltaBatch) -> None:
+        """Stage one decoded item: a batch whole where its plan allows, else a tensor at a time."""
+        if type(item) is not DeltaBatch:
+            self.total += item.total
+            self._one(item)
+            return
+        plan = self._take_whole(item)
+        if plan is None:
+            for delta in item.deltas():
+                self.total += delta.total
+                self._one(delta)
+            return
+        self.total += item.total
+        self.blocks[0] += item.blocks[0]
+        self.blocks[1] += item.blocks[1]
+        self._hold(_Planned(item, plan), item.nbytes)
+
+    def _hold(self, item: ParamDelta | _Planned, nbytes: int) -> None:
+        self._batch.append(item)
+        self._held += nbytes
+        if self._held >= BATCH_BYTES:
+            self.flush()
+
+    def finish(self, *, version: int, replay: bool, start: float) -> StagedUpdate:
+        self.flush()
+        if isinstance(self.decoded, Destinations):
+            self.decoded.verify()
+        with self.times.phase("digest"):
+            digests = self.sums.hex()
+        manifest, params = self.manifest, self.manifest.params
+        names = list(map(attrgetter("name"), params))
+        staging = self.staging
+        return StagedUpdate(
+            version=version,
+            writes=staging.writes,
+            fallback=self.fallback,
+            total_changed=self.total,
+            changed=staging.changed,
+            bytes_read=sum(f.bytes for f in manifest.files),
+            decode_s=perf_counter() - start,
+            replay=replay,
+            chunk_bytes=staging.bound,
+            staged_bytes=staging.nbytes,
+            digests=digests,
+            expected=expected_digests(names, list(zip(map(_PRE, params), map(_POST, params)))),
+            after=dict(
+                zip(names, zip(map(attrgetter("digest"), params), map(attrgetter("post_hash"), params)))
+            ),
+            blocks=(self.blocks[0], self.blocks[1]),
+            anchor=self.anchor,
+            times=self.times,
+        )
+
+    def _take_whole(self, item: DeltaBatch) -> Plan | None:
+        """Note a decoded batch's wanted digests and its plan, when every tensor of it is batched and
+        decoded on the host (with the checks of each tensor's pre_digest); None (nothing noted)."""
+        names = item.names
+        plan = self.routing.plan(item)
+        if plan is None or (self._there and not self._there.isdisjoint(names)):
+            return None
+        listed = list(map(self.entries.__getitem__, names))
+        pres, posts = list(map(_PRE, listed)), list(map(_POST, listed))
+        # A pre_digest is summed on served values cast back: checked where a segment's dtype differs.
+        targets, placements = self.routing.targets, self.routing.placements
+        for i in plan.odd:
+            if pres[i] is not None:
+                for seg in placements[names[i]].segments:
+                    check_resolvable(
+                        seg.target,
+                        targets[seg.target].dtype,
+                        Named(names[i], item.dtypes[i]),
+                        "its pre_digest",
+                        "checked",
+                    )
+        flags = list(zip(map(is_not, pres, repeat(None)), map(is_not, posts, repeat(None))))
+        self.sums.names.update(
+            zip(names, flags)
+            if _NEITHER not in flags
+            else [(n, f) for n, f in zip(names, flags) if f != _NEITHER]
+        )
+        return plan
+
+    def _one(self, delta: ParamDelta) -> None:
+        """One decoded tensor: replayed, masked, or held in the batch (staged once it holds `BATCH_BYTES`)."""
+        name = delta.name
+        decoded_blocks, indexed = delta.blocks
+        self.blocks[0] += decoded_blocks
+        self.blocks[1] += indexed
+        entry = self.entries[name]
+        want = (entry.pre_digest is not None, entry.post_digest is not None)
+        if want[0] or want[1]:
+            self.sums.names[name] = want
+        route = self.routing.routes()[name]
+        # The pre_digest is summed on served values cast back (checked where a segment's dtype differs).
+        if want[0] and route.kind != FALLBACK and not route.landed.same:
+            for seg in self.routing.placements[name].segments:
+                check_resolvable(
+                    seg.target, self.routing.targets[seg.target].dtype, delta, "its pre_digest", "checked"
+                )
+        if route.kind == FALLBACK:
+            self.fallback.append(name)
+            acc = [None, None] if any(want) else None
+            self.shadows.stage(delta, self.staging, acc, want, self.anchor)
+            self.sums.add_tensor(name, acc)
+        elif route.kind == BATCH:
+            self._hold(delta, delta.positions.nbytes + delta.values.nbytes)
+        else:
+            self._masked(delta, want)
+
+    def flush(self) -> None:
+        """Locate, digest and stage the held batch: a constant number of ops per destination (and per
+        kind of decode: on the device, or on the host, as `decoded` says)."""
+        batch, self._batch, self._held = self._batch, [], 0
+        if not batch:
+            return
+        started = perf_counter()
+        routing, there = self.routing, self._there
+        # Per destination, dtype and decode: its pieces, and the tensors behind them (a piece's slot
+        # indexes these).
+        groups: dict[GroupKey, tuple[list[Piece], list[str]]] = {}
+        # A group a decoded batch feeds: its entries as runs (positions, values, entries a piece), in
+        # piece order.
+        runs: dict[GroupKey, list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = {}
+        routes = routing.routes()
+        known: dict[GroupKey, Known | None] = {}  # a group one plan alone gives
+        for delta in batch:
+            if type(delta) is _Planned:  # grouped as its plan says (on the host: `take` takes no other whole)
+                delta.plan.add(delta.item, groups, runs, known)
+                continue
+            name, positions, values, needs_base = delta.name, delta.positions, delta.values, delta.needs_base
+            landed = routes[name].landed
+            kind = (delta.dtype, needs_base, name in there)
+            for seg, landing in landed.landings:
+                if needs_base and not landed.same:
+                    check_resolvable(seg.target, routing.targets[seg.target].dtype, delta)
+                key = (seg.target, *kind)
+                group = groups.get(key)
+                if group is None:  # not setdefault: its two new lists a piece would be garbage nearly always
+                    group = groups[key] = ([], [])
+                pieces, names = group
+                if not names or names[-1] != name:
+                    names.append(name)
+                pieces.append(Piece(len(names) - 1, positions, values, seg, landed.numel, landing))
+                known[key] = None
+                if key in runs:
+                    runs[key].append((positions, values, [positions.numel()]))
+        located_all = []
+        for key, (pieces, _) in groups.items():
+            target, on_there = key[0], key[3]
+            device = routing.targets[target].device  # its flat storage's: no view made for it
+            got = runs.get(key)
+            joined = (
+                None
+                if got is None
+                else (
+                    _cat([r[0] for r in got]),
+                    _cat([r[1] for r in got]),
+                    list(chain.from_iterable(map(itemgetter(2), got))),
+                )
+            )
+            # Off the CPU, located on the device: only the owned positions and values cross (batched.py).
+            # Positions decoded there already leave their ownership mask for one count read below.
+            located_all.append(
+                locate(
+                    pieces,
+                    device if on_device(device) else None,
+                    defer=True,
+                    there=on_there,
+                    entries=joined,
+                    known=known.get(key),
+                )
+            )
+        deferred = [i for i, loc in enumerate(located_all) if loc.keep is not None]
+        for i, n in zip(deferred, owned_counts([located_all[i] for i in deferred])):
+            located_all[i] = compact(located_all[i], n)
+        self.times.add("locate", perf_counter() - started)
+        for ((target, dtype, needs_base, _), (pieces, names)), located in zip(groups.items(), located_all):
+            self._stage_located(target, dtype, needs_base, names, located)
+
+    def _stage_located(
+        self, target: str, dtype: torch.dtype, needs_base: bool, names: list[str], located
+    ) -> None:
+        """Digest and stage one destination group's located entries (one chunk)."""
+        noted = list(map(self.sums.names.get, names))  # what `_take_whole`/`_one` noted of each tensor
+        if None in noted:  # a tensor without digests, or a batch staged other than by `take`
+            noted = [
+                (self.entries[n].pre_digest is not None, self.entries[n].post_digest is not None)
+                for n in names
+            ]
+        pre, post = zip(*noted)
+        canon = self.routing.targets[target]
+        flat = flat_storage(canon)
+        device = flat.device
+        if not located.offsets.numel():
+            return
+        located.offsets = self.routing.permuted(target, located.offsets)
+        offsets = located.offsets.to(index_dtype(flat)).to(device, non_blocking=True)
+        values = located.values.to(device, non_blocking=True)
+        if any(pre) or any(post):
+            started = perf_counter()
+            positions = located.positions.to(device, non_blocking=True)
+            slots = (
+                located.slots
+                if isinstance(located.slots, int)
+                else located.slots.to(device, non_blocking=True)
+            )
+            pre_sums, post_sums = stage_sums(
+                flat, offsets, positions, values, slots, len(names), dtype, needs_base, any(pre), any(post)
+            )
+            if any(pre):
+                self.sums.add_rows(names, 0, pre, pre_sums)
+            if any(post):
+                self.sums.add_rows(names, 1, post, post_sums)
+            self.times.add("digest", perf_counter() - started)
+        self.staging.add(
+            target,
+            Chunk(offsets, values if needs_base else values.to(canon.dtype), dtype if needs_base else None),
+        )
+
+    def _masked(self, delta: ParamDelta, want: tuple[bool, bool]) -> None:
+        """A tensor whose elements may be counted twice: located per segment, its digests masked."""
+        routing = self.routing
+        started = perf_counter()
+        located = [
+            (seg.target, idx, routing.permuted(seg.target, offsets))
+            for seg in routing.placements[delta.name].segments
+            for idx, offsets in [seg.locate(delta.positions)]
+        ]
+        self.times.add("locate", perf_counter() - started)
+        if delta.needs_base:
+            for target, idx, _ in located:
+                if idx.numel():
+                    check_resolvable(target, routing.targets[target].dtype, delta)
+        if any(want):
+            started = perf_counter()
+            acc: list[torch.Tensor | None] = [None, None]
+            self._digest(delta, located, acc, *want)
+            self.sums.add_tensor(delta.name, acc)
+            self.times.add("digest", perf_counter() - started)
+        for target, idx, offsets in located:
+            if idx.numel():
+                canon = routing.targets[target]
+                flat = flat_storage(canon)
+                values = delta.values[_run(idx)]
+                self.staging.add(
+                    target,
+                    Chunk(
+                        offsets.to(index_dtype(flat)).to(flat.device),
+                        (values if delta.needs_base else values.to(canon.dtype)).to(flat.device),
+                        delta.dtype if delta.needs_base else None,
+                    ),
+                )
+
+    def _digest(
+        self,
+        delta: ParamDelta,
+        located: list[tuple[str, torch.Tensor, torch.Tensor]],
+        acc: list[torch.Tensor | None],
+        pre: bool,
+        post: bool,
+    ) -> None:
+        """Add this rank's counted-once terms of the changed positions, before and after, on the device.
+
+        In slices of about the staging bound of device memory (offsets, values and the int64 mixing
+        temporaries come to about 64 B per entry).
+        """
+        held = [(target, idx, offsets) for target, idx, offsets in located if idx.numel()]
+        # Masks only where an element can be counted twice: held twice here, or by a lower rank.
+        seen = torch.zeros(delta.count, dtype=torch.bool) if len(held) > 1 else None
+        ownership = self.routing.ownership
+        lower = bool(ownership.lower.get(delta.name))
+        step = max(1, self.staging.bound // 64)
+        for target, idx, offsets in held:
+            if seen is not None or lower:
+                keep = (
+                    ownership.counted(delta.name, delta.positions[idx])
+                    if lower
+                    else torch.ones(idx.numel(), dtype=torch.bool)
+                )
+                if seen is not None:
+                    keep &= ~seen[idx]
+                    seen[idx] = True
+                idx, offsets = idx[keep], offsets[keep]
+            flat = flat_storage(self.routing.targets[target])
+            for lo in range(0, idx.numel(), step):
+                part = _run(idx[lo : lo + step])
+                pos = delta.positions[part].to(flat.device)
+                old = None
+                if pre or delta.needs_base:
+                    old = gather(flat, offsets[lo : lo + step].to(flat.device)).to(delta.dtype)
+                if pre:
+                    add_sum(acc, 0, partial_sum(pos, old))
+                if post:
+                    values = delta.values[part].to(flat.device)
+                    add_sum(
+                        acc,
+                        1,
+                        partial_sum(pos, ulp_resolve_tensor(old, values) if delta.needs_base else values),
+                    )
+
+
+def stage_all(stager: Stager, deltas: Iterable[ParamDelta | DeltaBatch]) -> None:
+    """Feed `deltas` to the stager, timing the waits for the next decoded item as `decode` (the
+    reader decodes on its own threads ahead; what the calling thread waits for is what it costs)."""
+    times = stager.times
+    it = iter(deltas)
+    while True:
+        started = perf_counter()
+        item = next(it, None)
+        times.add("decode", perf_counter() - started)
+        if item is None:
+            return
+        stager.take(item)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _run(idx: torch.Tensor) -> torch.Tensor | slice:
+    """Increasing indices as a slice when they are consecutive (a dense segment's): a view, not a gather."""
+    if idx.numel() and int(idx[-1]) - int(idx[0]) + 1 == idx.numel():
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx

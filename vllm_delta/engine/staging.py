@@ -1,0 +1,246 @@
+"""What a prepare stages and how it is bounded: chunks of (offset, value) writes per destination,
+the digest sums of the changed positions, and the checks that refuse before any weight changes.
+
+Why its own module: the stager fills these and the commit consumes them; neither needs the other.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import chain, compress, count, repeat
+from operator import getitem
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
+from vllm_delta.engine.trace import PhaseTimes
+from vllm_delta.kernels.digest import segment_sums
+from vllm_delta.wire import ParamDelta
+from vllm_delta.wire.codecs import ulp_resolve_tensor
+from vllm_delta.wire.errors import DtypeMismatchError, IncompatibleDeltaError
+
+
+@dataclass
+class Chunk:
+    """Writes to one destination, staged on its device: one per batch of tensors feeding it.
+
+    `offsets` index the destination's flat storage (int32 where it has < 2^31 elements). `values`
+    are new values in the destination's dtype, or, when `base` is set, signed ULP steps to apply
+    in dtype `base` to the current values, resolved on the device at commit.
+    """
+
+    offsets: torch.Tensor
+    values: torch.Tensor
+    base: torch.dtype | None = None
+
+
+@dataclass
+class StagedUpdate:
+    """Everything `commit` needs, computed in `prepare` without touching a weight."""
+
+    version: int
+    writes: dict[str, deque[Chunk]]  # destination -> chunks, consumed (and freed) by the commit
+    fallback: list[str]  # tensors staged by replaying their loader (engine/fallback.py)
+    total_changed: int
+    changed: int  # entries this rank writes
+    bytes_read: int
+    decode_s: float
+    replay: bool
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the bound on everything staged
+    staged_bytes: int = 0
+    # This rank's counted-once partial sums [pre, post] of the changed positions, and the
+    # manifest's expectations, for every param whose manifest entry carries pre/post digests.
+    digests: dict[str, list[str | None]] = field(default_factory=dict)
+    expected: dict[str, list[str | None]] = field(default_factory=dict)
+    # What a later full verify checks: whole-tensor additive digest / xxh3 after this update.
+    after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    anchor: bool = False  # overwrites every element of every checkpoint tensor
+    blocks: tuple[int, int] = (0, 0)  # position blocks (decoded, in the delta) of block-indexed flushes
+    # Seconds per phase on this rank: prepare's, then the commit adds its own (engine/trace.py).
+    times: PhaseTimes = field(default_factory=PhaseTimes)
+
+    @property
+    def fallback_names(self) -> list[str]:
+        return sorted(set(self.fallback))
+
+
+def flat_storage(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over the whole storage of `t`, so storage offsets index it directly."""
+    storage = t.untyped_storage()
+    n = storage.nbytes() // t.element_size()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,))
+
+
+def same_device(*tensors: torch.Tensor) -> None:
+    """Refuse mixed devices explicitly: some kernels (indexing on meta, CPU indices on CUDA) accept them."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise RuntimeError(f"tensors on different devices: {sorted(str(d) for d in devices)}")
+
+
+def gather(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    same_device(flat, offsets)
+    return flat.index_select(0, offsets)
+
+
+def index_dtype(flat: torch.Tensor) -> torch.dtype:
+    """Offsets into `flat` as int32 where it has < 2^31 elements (half the staged bytes), else int64."""
+    return torch.int32 if flat.numel() < 1 << 31 else torch.int64
+
+
+def plain_chunk(canon: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> Chunk:
+    """New values (the destination's dtype) at flat storage offsets of `canon`, on its device."""
+    flat = flat_storage(canon)
+    return Chunk(offsets.to(index_dtype(flat)).to(flat.device), values.to(flat.device, flat.dtype))
+
+
+def stage_sums(
+    flat: torch.Tensor,
+    offsets: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor | int,
+    n: int,
+    dtype: torch.dtype,
+    needs_base: bool,
+    pre: bool,
+    post: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """int64[n, 2] digest lane sums per slot of the old values at `offsets` (as `dtype`; if `pre`)
+    and of the new ones (`values`, or ULP steps resolved on the old; if `post`)."""
+    old = gather(flat, offsets).to(dtype) if pre or needs_base else None
+    new = (ulp_resolve_tensor(old, values) if needs_base else values) if post else None
+    return (
+        segment_sums(positions, old, slots, n) if pre else None,
+        segment_sums(positions, new, slots, n) if post else None,
+    )
+
+
+def expected_digests(
+    names: list[str], pairs: list[tuple[str | None, str | None]]
+) -> dict[str, list[str | None]]:
+    """`StagedUpdate.expected`: each tensor's (pre, post) digests as a list, where it has either; made
+    without a Python loop a tensor (one was ~0.5 us a tensor at 44k)."""
+    return dict(compress(zip(names, map(list, pairs)), map((None, None).__ne__, pairs)))
+
+
+class Named(NamedTuple):
+    """What `check_resolvable` reads of a delta."""
+
+    name: str
+    dtype: torch.dtype
+
+
+def check_resolvable(
+    target: str,
+    served: torch.dtype,
+    delta: ParamDelta,
+    what: str = "a base-relative step",
+    done: str = "resolved",
+) -> None:
+    """Refuse (422, before any write) a base-relative step, or a pre_digest, on served values that do
+    not convert back to the checkpoint's exactly.
+
+    Why: the step is resolved (the pre_digest summed) on the served value cast to the delta's
+    dtype. That recovers the checkpoint's bits only where the served dtype holds every value of the
+    checkpoint's exactly: the same dtype, or a float at least as precise with at least its range
+    (bf16 or fp16 served as float32). Not for bf16 <-> fp16 (fp16 rounds bf16's small values), a
+    narrower float, or any integer of another dtype.
+    """
+    sent = delta.dtype
+    if served == sent:
+        return
+    if served.is_floating_point and sent.is_floating_point:
+        a, b = torch.finfo(served), torch.finfo(sent)
+        if a.eps <= b.eps and a.max >= b.max and a.tiny * a.eps <= b.tiny * b.eps:
+            return
+    hint = "send an overwrite encoding" if done == "resolved" else "send it without pre digests"
+    raise DtypeMismatchError(
+        f"{target} is served as {served}, the delta's values are {sent}: {what} cannot be "
+        f"{done} exactly on the served values ({hint})",
+        param=delta.name,
+    )
+
+
+class StagingBoundError(IncompatibleDeltaError):
+    """The staged update would exceed the receiver's bound (--delta-updates-chunk-bytes)."""
+
+    http_status = 413
+
+
+class Staging:
+    """Staged chunks per destination, refused past `bound` bytes in total (so an update never OOMs)."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.writes: dict[str, deque[Chunk]] = {}
+        self.nbytes = 0
+        self.changed = 0
+
+    def add(self, target: str, chunk: Chunk, counted: bool = True) -> None:
+        self.nbytes += chunk.offsets.nbytes + chunk.values.nbytes
+        if self.nbytes > self.bound:
+            raise StagingBoundError(
+                f"the staged update needs more than --delta-updates-chunk-bytes={self.bound} bytes "
+                "(the bound on everything an update stages); send smaller updates or raise the bound",
+                param=target,
+            )
+        if counted:
+            self.changed += chunk.offsets.numel()
+        self.writes.setdefault(target, deque()).append(chunk)
+
+
+class Sums:
+    """This rank's digest lane sums per tensor, kept on the device as batched rows until one copy
+    at the end."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, tuple[bool, bool]] = {}
+        self.rows: list[tuple[list[str | None], int, torch.Tensor]] = []  # (name per row, lane, int64[n, 2])
+
+    def add_rows(self, names: list[str], lane: int, wanted: list[bool], sums: torch.Tensor) -> None:
+        """Row i is tensor `names[i]`'s where `wanted[i]`, else no tensor's (None)."""
+        self.rows.append((list(map(getitem, zip(repeat(None), names), wanted)), lane, sums))
+
+    def add_tensor(self, name: str, acc: list[torch.Tensor | None] | None) -> None:
+        for lane, t in enumerate(acc or ()):
+            if t is not None:
+                self.rows.append(([name], lane, t.reshape(1, 2)))
+
+    def hex(self) -> dict[str, list[str | None]]:
+        """Hex digests, with one device-to-host copy per device and no Python object per row (so a
+        6k-tensor update does not set off the garbage collector: 0.25 s with a list per row)."""
+        ids = dict(zip(self.names, count()))
+        row_of = {**ids, None: -1}  # a row's name: None where its tensor has no such digest
+        total = np.zeros((len(ids), 2, 2), dtype=np.uint64)  # tensor, pre/post, the digest's two lanes
+        held = np.zeros((len(ids), 2), dtype=bool)
+        by_device: dict[torch.device, list[tuple[list[str | None], int, torch.Tensor]]] = {}
+        for row in self.rows:
+            by_device.setdefault(row[2].device, []).append(row)
+        for rows in by_device.values():
+            values = torch.cat([t for _, _, t in rows]).cpu().numpy().view(np.uint64)
+            tensor = np.fromiter(
+                map(row_of.__getitem__, chain.from_iterable(names for names, _, _ in rows)),
+                dtype=np.int64,
+                count=len(values),
+            )
+            lane = np.repeat(np.array([lane for _, lane, _ in rows]), [len(names) for names, _, _ in rows])
+            keep = tensor >= 0
+            np.add.at(total, (tensor[keep], lane[keep]), values[keep])  # wraps mod 2^64, as the digest does
+            held[tensor[keep], lane[keep]] = True
+        text = total.astype(">u8").tobytes().hex()  # to_hex's form: lane 0 then lane 1, 16 digits each
+        digits = re.findall(".{32}", text)  # tensor i's pre, then its post (no Python loop a tensor)
+        out = dict(zip(ids, map(list, zip(digits[0::2], digits[1::2]))))
+        names = list(ids)
+        for i, lane in zip(*np.nonzero(~held)):  # a digest not summed here
+            out[names[i]][lane] = None
+        return out
+
+
+def add_sum(acc: list[torch.Tensor | None], i: int, part: torch.Tensor) -> None:
+    """Add digest lane sums `part` into slot `i` of a tensor's [pre, post] accumulator."""
+    acc[i] = part if acc[i] is None else acc[i] + part.to(acc[i].device)
