@@ -61,13 +61,13 @@ def _payload_bytes(changed: int) -> int:
 
 def info(worker) -> dict[str, Any]:
     """Model facts: params, threads, what vLLM's CPU post-load step transformed."""
-    from vllm_delta.engine import cpu_weights
+    from vllm_delta.engine import canonical_weights
 
     model = worker.model_runner.get_model()
     stashed, restored = [], []
     for name, module in model.named_modules():
-        stashed += [f"{name}.{n}" for n in getattr(module, cpu_weights.STASH_ATTR, {})]
-        restored += [f"{name}.{n}" for n in getattr(module, cpu_weights.RESTORED_ATTR, set())]
+        stashed += [f"{name}.{n}" for n in getattr(module, canonical_weights.STASH_ATTR, {})]
+        restored += [f"{name}.{n}" for n in getattr(module, canonical_weights.RESTORED_ATTR, set())]
     return {"torch_threads": torch.get_num_threads(), "rss": _status_kib("VmRSS") << 10,
             "live_params": sum(p.numel() for p in model.parameters()),
             "stashed": stashed, "restored": len(restored), "restored_example": restored[:3]}

@@ -1,15 +1,18 @@
-"""Where `cpu_weights.refresh` spends its time on vLLM's real CPU linear layers (the oneDNN repack).
+"""Where `canonical_weights.refresh` spends its time on vLLM's real CPU linear layers (the oneDNN repack).
 
 Builds the 0.5 B Llama's 112 linear layers of benchmarks/apply.py (28 layers x qkv [2048, 1024],
 o [1024, 1024], gate_up [8192, 1024], down [1024, 4096], bf16) as vLLM unquantized linear layers,
 runs vLLM's post-load step under our observation (as an engine with delta updates on does), then
 times, per kind and for all 112, in rounds whose order alternates:
 
-- refresh: `cpu_weights.refresh`, what a commit runs for every touched module;
+- refresh: `canonical_weights.refresh`, what a commit runs for every touched module;
 - step: vLLM's step alone (`dispatch_cpu_unquantized_gemm`) with the weight put back, the floor
   of any refresh that re-runs vLLM's step;
 - create: `create_onednn_mm` alone on the canonical tensor (the oneDNN reorder into its packed
   copy), each replacing the module's previous handler as the step does;
+- prebuild: `canonical_weights.prebuild` from a copy of each weight, what a prepare now runs for every
+  touched linear (while the engine serves);
+- swap: `canonical_weights.install` of those handlers, what the commit now runs in their place;
 - memcpy: `copy_` of the same bytes into preallocated tensors, the floor of any full repack;
 - clone: what the generic path's `canon.clone()` would cost if it ran for these layers.
 
@@ -52,7 +55,7 @@ def variants(mods: list[nn.Module]) -> dict[str, Callable[[], object]]:
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    from vllm_delta.engine import cpu_weights
+    from vllm_delta.engine import canonical_weights
 
     outs = [torch.empty_like(m.weight) for m in mods]
 
@@ -67,7 +70,17 @@ def variants(mods: list[nn.Module]) -> dict[str, Callable[[], object]]:
             handler = ops.create_onednn_mm(m.weight.t(), 32)
             m.cpu_linear = lambda x, weight, bias, h=handler: ops.onednn_mm(h, x, bias)
 
-    return {"refresh": lambda: cpu_weights.refresh(mods), "step": step, "create": create,
+    made: list[dict[str, object] | None] = []
+
+    def prebuild() -> None:
+        made[:] = [canonical_weights.prebuild(m, {"weight": m.weight.clone()}) for m in mods]
+
+    def swap() -> None:
+        for m, attrs in zip(mods, made):
+            canonical_weights.install(m, attrs)
+
+    return {"refresh": lambda: canonical_weights.refresh(mods), "prebuild": prebuild, "swap": swap,
+            "step": step, "create": create,
             "memcpy": lambda: [o.copy_(m.weight) for o, m in zip(outs, mods)],
             "clone": lambda: [m.weight.clone() for m in mods]}
 

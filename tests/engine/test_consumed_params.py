@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from vllm_delta.engine import cpu_weights, transforms
+from vllm_delta.engine import canonical_weights, transforms
 
 SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale")
 
@@ -48,9 +48,9 @@ def test_a_step_that_deletes_its_scales_is_served_by_rerunning_it(kv_cache_dtype
     found = transforms.run_post_load(model)
     assert found["attn"].kind == "rerun" and sorted(found["attn"].changed) == sorted(SCALES)
     # A delta to k_scale lands in the tensor the placement sees, and the step derives from it again.
-    live, canonical = cpu_weights.canonical_tensors(model)["attn.k_scale"]
+    live, canonical = canonical_weights.canonical_tensors(model)["attn.k_scale"]
     canonical.fill_(0.125)
-    cpu_weights.refresh([model.attn])
+    canonical_weights.refresh([model.attn])
     fresh = _model(kv_cache_dtype, 0.125, 0.25)
     transforms.run_post_load(fresh)
     for n in ("_k_scale", "_v_scale", "_q_scale", "_k_scale_cpu", "_v_scale_cpu"):

@@ -1,4 +1,4 @@
-"""`cpu_weights.refresh` on vLLM's real CPU linear layers (the oneDNN repack) and on a step that writes into its input.
+"""`canonical_weights.refresh` on vLLM's real CPU linear layers (the oneDNN repack) and on a step that writes into its input.
 
 Why: on an x86 CPU with AMX, vLLM's post-load step for an unquantized linear layer hands the
 weight to oneDNN (`create_onednn_mm`), which serves from its own packed copy, and empties
@@ -14,12 +14,15 @@ parameter they are given (`layer.w13_weight.data.copy_(...)` in the unquantized 
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_delta.engine import cpu_weights, transforms
+from vllm_delta.engine import canonical_weights, commit, transforms
+from vllm_delta.engine.staging import Chunk, StagedUpdate
 
 pytest.importorskip("vllm")
 from vllm import _custom_ops as ops  # noqa: E402
@@ -57,7 +60,7 @@ def started(w: dict[str, torch.Tensor]) -> nn.ModuleDict:
 
 
 def fresh(w: dict[str, torch.Tensor]) -> nn.ModuleDict:
-    """The reference: layers built from `w` by vLLM's step alone (no transforms, no cpu_weights)."""
+    """The reference: layers built from `w` by vLLM's step alone (no transforms, no canonical_weights)."""
     model = nn.ModuleDict({k: Linear(t) for k, t in w.items()})
     for m in model.values():
         m.quant_method.process_weights_after_loading(m)
@@ -76,7 +79,7 @@ def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[st
 def delta(model: nn.ModuleDict, new: dict[str, torch.Tensor], seed: int) -> None:
     """Step 2% of each weight by one ULP in `new` (the trainer's new checkpoint) and write those
     values in place into the tensors deltas target, at flat offsets, as a commit does."""
-    targets = {n: canon for n, (_, canon) in cpu_weights.canonical_tensors(model).items()}
+    targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
     gen = torch.Generator().manual_seed(seed)
     for k, values in new.items():
         bits = values.view(-1).view(torch.int16)
@@ -114,7 +117,7 @@ def test_a_refreshed_linear_computes_like_a_fresh_one_and_only_after_the_refresh
     delta(model, w1, seed=1)
     # oneDNN serves from its own packed copy: the write has not reached the kernel.
     assert differing(outputs(model), served0) == []
-    cpu_weights.refresh(list(model.values()))
+    canonical_weights.refresh(list(model.values()))
     served1 = outputs(fresh(w1))
     assert differing(served1, served0) == list(SHAPES)  # the delta does change every layer's output
     assert differing(outputs(model), served1) == []
@@ -127,7 +130,7 @@ def test_a_refreshed_linear_computes_like_a_fresh_one_and_only_after_the_refresh
     w2 = {k: t.clone() for k, t in w1.items()}
     delta(model, w2, seed=2)
     assert differing(outputs(model), served1) == []
-    cpu_weights.refresh(list(model.values()))
+    canonical_weights.refresh(list(model.values()))
     assert differing(outputs(model), outputs(fresh(w2))) == []
     assert {k: m.weight.data_ptr() for k, m in model.items()} == pointers
 
@@ -156,7 +159,7 @@ def test_refreshing_a_linear_packs_once_and_copies_nothing(monkeypatch):
 
     monkeypatch.setattr(ops, "create_onednn_mm", counted)
     with OpCount() as count:
-        cpu_weights.refresh(list(model.values()))
+        canonical_weights.refresh(list(model.values()))
     assert len(built) == len(SHAPES)
     assert {w.data_ptr() for w in built} == {m.weight.data_ptr() for m in model.values()}  # from the canonical tensor
     assert count.ops.count("release_dnnl_matmul_handler.default") == len(SHAPES)
@@ -196,10 +199,60 @@ def test_a_step_that_writes_into_its_input_runs_on_a_copy_of_the_canonical_tenso
         model["m"].quant_method.process_weights_after_loading(model["m"])
     m = model["m"]
     assert getattr(m, transforms.TRANSFORM_ATTR).kind == "rerun"
-    canon = getattr(m, cpu_weights.STASH_ATTR)["weight"]
+    canon = getattr(m, canonical_weights.STASH_ATTR)["weight"]
     for step in range(1, 3):
         canon[step % 8, 0] = float(step)
         w[step % 8, 0] = float(step)
-        cpu_weights.refresh([m])
+        canonical_weights.refresh([m])
         assert torch.equal(canon, w)
         assert torch.equal(m.weight.data, w * 2) and torch.equal(m.kernel, (w * 2).t())
+
+
+def _staged_delta(model: nn.ModuleDict, new: dict[str, torch.Tensor], seed: int) -> StagedUpdate:
+    """`delta`'s 2% one-ULP steps as a prepare stages them (flat offsets and new values per weight), in
+    `new` and not yet in the model."""
+    targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
+    gen = torch.Generator().manual_seed(seed)
+    writes = {}
+    for k, values in new.items():
+        bits = values.view(-1).view(torch.int16)
+        at = torch.randint(bits.numel(), (bits.numel() // 50,), generator=gen).unique()
+        bits[at] += 1
+        target = targets[f"{k}.weight"]
+        writes[f"{k}.weight"] = deque([Chunk((at + target.storage_offset()).to(torch.int32), values.view(-1)[at])])
+    return StagedUpdate(version=1, writes=writes, fallback=[], total_changed=0, changed=0, bytes_read=0,
+                        decode_s=0.0, replay=False)
+
+
+@onednn
+def test_the_repack_is_built_in_prepare_and_only_swapped_in_at_commit(monkeypatch):
+    """Prepare builds each touched linear's new oneDNN handler from a copy of its new weights: the live
+    weights and handlers are untouched until the commit, which builds nothing (it swaps handlers), and
+    then computes like a layer freshly built from the new weights. A prepare dropped (failed or
+    aborted) leaves the layers serving the old weights."""
+    w0 = weights(0)
+    model = started(w0)
+    served0 = outputs(fresh(w0))
+    handlers = {k: m.cpu_linear for k, m in model.items()}
+    before = {k: m.weight.clone() for k, m in model.items()}
+    w1 = {k: t.clone() for k, t in w0.items()}
+    staged = _staged_delta(model, w1, seed=1)
+    targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
+    staged.prebuilt = commit.prebuild_touched(model, targets, staged.writes)
+    assert sorted(staged.prebuilt) == sorted(SHAPES)
+    assert {k: m.cpu_linear for k, m in model.items()} == handlers
+    assert all(torch.equal(m.weight.view(torch.int16), before[k].view(torch.int16)) for k, m in model.items())
+    assert differing(outputs(model), served0) == []
+
+    dropped = _staged_delta(model, {k: t.clone() for k, t in w0.items()}, seed=2)
+    dropped.prebuilt = commit.prebuild_touched(model, targets, dropped.writes)
+    del dropped  # a prepare that fails after staging, or one the door aborts
+    assert differing(outputs(model), served0) == []
+
+    built = []
+    create = ops.create_onednn_mm
+    monkeypatch.setattr(ops, "create_onednn_mm", lambda *a, **k: built.append(1) or create(*a, **k))
+    commit.commit(model, targets, staged)
+    assert built == [] and "post_load" in staged.times.seconds
+    assert differing(outputs(model), outputs(fresh(w1))) == []
+    assert all(torch.equal(m.weight.view(torch.int16), w1[k].view(torch.int16)) for k, m in model.items())

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from vllm_delta.engine import cpu_weights
+from vllm_delta.engine import canonical_weights
 from vllm_delta.engine.staging import flat_storage
 from vllm_delta.engine.transforms import observing, offset_maps, transformed
 
@@ -118,7 +118,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 def hooks(monkeypatch):
     """The reload hooks engine start installs (transforms.install), undone after the test."""
     stock(monkeypatch)
-    cpu_weights.install_reload_hooks()
+    canonical_weights.install_reload_hooks()
 
 
 def stock(monkeypatch) -> None:
@@ -129,7 +129,7 @@ def stock(monkeypatch) -> None:
 
 def commit(model: Model, weights: dict[str, torch.Tensor]) -> None:
     """Write `weights` as a commit writes a delta: to the canonical targets, through a permutation's map."""
-    targets = {n: canon for n, (_, canon) in cpu_weights.canonical_tensors(model).items()}
+    targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
     maps = offset_maps(model)
     for name, values in weights.items():
         flat = flat_storage(targets[name])
@@ -143,7 +143,7 @@ def test_reload_then_delta_is_bitexact_with_a_fresh_load(hooks):
     assert transformed(model) == {"layers.pad": "rerun", "layers.swap": "permutation", "layers.derive": "rerun",
                                   "layers.repack": "rerun"}
     live_before = dict(model.named_parameters())
-    stash_before = {k: getattr(model.layers[k], cpu_weights.STASH_ATTR, {}).get("weight") for k in KINDS}
+    stash_before = {k: getattr(model.layers[k], canonical_weights.STASH_ATTR, {}).get("weight") for k in KINDS}
 
     reload(model, base)
     assert same(served(model), served(started(base))) == []
@@ -151,13 +151,13 @@ def test_reload_then_delta_is_bitexact_with_a_fresh_load(hooks):
     assert all(p is live_before[n] for n, p in model.named_parameters())
     for k, stash in stash_before.items():
         if stash is not None:
-            assert getattr(model.layers[k], cpu_weights.STASH_ATTR)["weight"] is stash
+            assert getattr(model.layers[k], canonical_weights.STASH_ATTR)["weight"] is stash
             assert torch.equal(stash, base[f"layers.{k}.weight"])
 
     # A delta after the reload, written as a commit writes it: to the canonical targets, through
     # the permutation's map, then the touched "rerun" modules re-run their step.
     commit(model, final)
-    cpu_weights.refresh([m for m in model.modules() if cpu_weights.needs_refresh(m)])
+    canonical_weights.refresh([m for m in model.modules() if canonical_weights.needs_refresh(m)])
     assert same(served(model), served(started(final))) == []
     assert torch.equal(model.layers["repack"].weight, final["layers.repack.weight"])  # digests see real weights
 
@@ -186,7 +186,7 @@ def test_a_refresh_keeps_every_tensor_where_it_was(hooks):
     before, objects = pointers(model), {n: p for n, p in model.named_parameters()}
     final = checkpoint(1)
     commit(model, final)
-    cpu_weights.refresh([m for m in model.modules() if cpu_weights.needs_refresh(m)])
+    canonical_weights.refresh([m for m in model.modules() if canonical_weights.needs_refresh(m)])
     assert same(served(model), served(started(final))) == []
     assert pointers(model) == before
     assert all(p is objects[n] for n, p in model.named_parameters())

@@ -18,7 +18,7 @@ def served_fp8(worker) -> dict[str, dict]:
     """{module: its fp8 layer's classes, transform, and the live / checkpoint-layout bytes}."""
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
-    from vllm_delta.engine import cpu_weights, transforms
+    from vllm_delta.engine import canonical_weights, transforms
 
     model = worker.model_runner.get_model()
     out = {}
@@ -26,7 +26,7 @@ def served_fp8(worker) -> dict[str, dict]:
         if not isinstance(getattr(module, "quant_method", None), Fp8LinearMethod):
             continue
         t = getattr(module, transforms.TRANSFORM_ATTR, None)
-        stash = getattr(module, cpu_weights.STASH_ATTR, {})
+        stash = getattr(module, canonical_weights.STASH_ATTR, {})
         weight, scale = module.weight, module.weight_scale_inv
         out[name] = {
             "kernel": type(module.quant_method.fp8_linear).__name__,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.post_load_steps import DERIVED, MOE_PERMUTED, PERMUTED
-from vllm_delta.engine import cpu_weights, transforms
+from vllm_delta.engine import canonical_weights, transforms
 from vllm_delta.engine.worker import DeltaWorkerExtension
 
 
@@ -130,7 +130,7 @@ class StepsWorkerExtension(DeltaWorkerExtension):
         storage they were captured with)."""
         model = self.model_runner.get_model()
         return {f"{name}.{key}": t.data_ptr() for name, m in model.named_modules()
-                for key, (_, _, t) in cpu_weights.held_tensors(m).items() if t.numel()}
+                for key, (_, _, t) in canonical_weights.held_tensors(m).items() if t.numel()}
 
     def steps_maps(self) -> dict[str, dict]:
         """{param: its permutation map's form and size, and the params its module's step changed}."""

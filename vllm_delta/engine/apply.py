@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from vllm_delta.engine import commit as commit_phase
-from vllm_delta.engine import cpu_weights, derived, loaders, reach, transforms
+from vllm_delta.engine import canonical_weights, derived, loaders, reach, transforms
 from vllm_delta.engine.batched import on_device
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.commit import ApplyFault
@@ -78,7 +78,7 @@ class DeltaApplier:
         self.checkpoint = dict(checkpoint)
         # Parameters a post-load step replaced are loaded through their model format (engine/loaders.py).
         self._load_weights = load_weights or loaders.model_format(model)
-        self.targets = {name: canon for name, (_, canon) in cpu_weights.canonical_tensors(model).items()}
+        self.targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
         # Parameters a post-load step permuted: deltas located in the loaded layout go through these.
         self.offset_maps = transforms.offset_maps(model)
         self.routing = Routing(self.checkpoint, self.targets, self.offset_maps)
@@ -111,7 +111,7 @@ class DeltaApplier:
         """Live parameter storages -> their names: what the probe and the fallback replay record into."""
         return {
             live.untyped_storage().data_ptr(): name
-            for name, (live, _) in cpu_weights.canonical_tensors(self.model).items()
+            for name, (live, _) in canonical_weights.canonical_tensors(self.model).items()
             if live.numel() > 0
         }
 
@@ -149,7 +149,7 @@ class DeltaApplier:
         made = reach.derived_params((t.unit, t.key) for t in derived.discovery(self.model).tensors)
         named = {
             n: storages.get(t.untyped_storage().data_ptr())
-            for n, (t, _) in cpu_weights.canonical_tensors(self.model).items()
+            for n, (t, _) in canonical_weights.canonical_tensors(self.model).items()
             if t.numel()
         }
         wanted = (
@@ -368,6 +368,8 @@ class DeltaApplier:
         )
         stage_all(stager, deltas)
         staged = stager.finish(version=version, replay=replay, start=start)
+        # The commit's post-load work that can be built while serving (vLLM's CPU linear repack).
+        staged.prebuilt = commit_phase.prebuild_touched(self.model, self.targets, staged.writes)
         # What the phases timed do not cover is the staging's own work: its loop, the checks, the copies.
         timed = sum(times.seconds.get(p, 0.0) for p in WORKER_PREPARE if p != "stage")
         times.add("stage", max(0.0, time.perf_counter() - start - timed))

@@ -14,7 +14,7 @@ from time import perf_counter
 import torch
 from torch import nn
 
-from vllm_delta.engine import cpu_weights, derived
+from vllm_delta.engine import canonical_weights, derived
 from vllm_delta.engine.fallback import bits
 from vllm_delta.engine.staging import Chunk, StagedUpdate, flat_storage, gather
 from vllm_delta.kernels import scatter as scatter_kernel
@@ -66,7 +66,7 @@ def commit(model: nn.Module, targets: Mapping[str, torch.Tensor], staged: Staged
         target = None
         times.add("scatter", perf_counter() - start - checking)
         with times.phase("post_load"):
-            refresh_touched(model, staged.writes)
+            refresh_touched(model, staged.writes, staged.prebuilt)
         with times.phase("scatter"):
             synchronize({targets[t].device for t in written})
     except Exception as exc:
@@ -88,15 +88,51 @@ def commit(model: nn.Module, targets: Mapping[str, torch.Tensor], staged: Staged
     return perf_counter() - start
 
 
-def refresh_touched(model: nn.Module, writes: Iterable[str]) -> None:
-    """Re-run the post-load work of every module a write landed under."""
+def prebuild_touched(model: nn.Module, targets: Mapping[str, torch.Tensor],
+                     writes: Mapping[str, Iterable[Chunk]]) -> dict[str, dict[str, object]]:
+    """In prepare, while the engine serves: the post-load results of every touched module whose step
+    can be built ahead (canonical_weights.prebuild), from a copy of its canonical weights with the
+    staged writes applied; the live weights and handlers are untouched until `refresh_touched`."""
+    out = {}
+    for name, module in _touched(model, writes):
+        prefix = f"{name}." if name else ""
+        new = {n: _written_copy(targets[prefix + n], writes[prefix + n])
+               for n in getattr(module, canonical_weights.RESTORED_ATTR, ()) if writes.get(prefix + n)}
+        made = canonical_weights.prebuild(module, new)
+        if made is not None:
+            out[name] = made
+    return out
+
+
+def refresh_touched(model: nn.Module, writes: Iterable[str],
+                    prebuilt: Mapping[str, Mapping[str, object]]) -> None:
+    """Swap in what prepare built of every touched module's post-load work (`prebuilt`), re-run the
+    rest's, then re-derive what attention / model steps derive."""
+    rerun = []
+    for name, module in _touched(model, writes):
+        if name in prebuilt:
+            canonical_weights.install(module, prebuilt[name])
+        else:
+            rerun.append(module)
+    if rerun:
+        canonical_weights.refresh(rerun)
+    derived.rederive_touched(model, writes)
+
+
+def _touched(model: nn.Module, writes: Iterable[str]) -> list[tuple[str, nn.Module]]:
+    """The modules a write landed under whose post-load step is re-run after one (`needs_refresh`)."""
     # A module is touched when a write lands anywhere under it: a derived tensor (MLA's W_UV
     # on the attention module) comes from a child's weight (kv_b_proj).
-    touched = {t.rsplit(".", i)[0] for t in writes for i in range(1, t.count(".") + 1)}
-    modules = [m for name, m in model.named_modules() if name in touched and cpu_weights.needs_refresh(m)]
-    if modules:
-        cpu_weights.refresh(modules)
-    derived.rederive_touched(model, writes)  # then what attention / model steps derive
+    names = {t.rsplit(".", i)[0] for t in writes for i in range(1, t.count(".") + 1)}
+    return [(n, m) for n, m in model.named_modules() if n in names and canonical_weights.needs_refresh(m)]
+
+
+def _written_copy(canon: torch.Tensor, chunks: Iterable[Chunk]) -> torch.Tensor:
+    """A copy of `canon` (its whole storage, so staged offsets index it) with `chunks` written into it."""
+    flat = flat_storage(canon).clone()
+    for chunk in chunks:
+        scatter(flat, chunk)
+    return torch.as_strided(flat, canon.shape, canon.stride(), canon.storage_offset())
 
 
 def _blocks(flat: torch.Tensor, chunk: Chunk) -> Iterator[Chunk]:

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from vllm_delta.engine.cpu_weights import held_tensors
+from vllm_delta.engine.canonical_weights import held_tensors
 
 DISCOVERY_ATTR = "_delta_derived"  # on the model: its `Discovery`
 Step = Callable[[], None]

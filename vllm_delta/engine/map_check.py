@@ -76,10 +76,10 @@ class _Redirect(TorchDispatchMode):
 
 
 def live_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The live parameters by the names the probe's segments target (engine/cpu_weights.py)."""
-    from vllm_delta.engine import cpu_weights
+    """The live parameters by the names the probe's segments target (engine/canonical_weights.py)."""
+    from vllm_delta.engine import canonical_weights
 
-    return {name: live for name, (live, _) in cpu_weights.canonical_tensors(model).items()}
+    return {name: live for name, (live, _) in canonical_weights.canonical_tensors(model).items()}
 
 
 def check_map(load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],

@@ -60,6 +60,8 @@ class StagedUpdate:
     after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     anchor: bool = False  # overwrites every element of every checkpoint tensor
     blocks: tuple[int, int] = (0, 0)  # position blocks (decoded, in the delta) of block-indexed flushes
+    # Per touched module, the post-load results built in prepare, swapped in at commit (engine/commit.py).
+    prebuilt: dict[str, dict[str, object]] = field(default_factory=dict)
     # Seconds per phase on this rank: prepare's, then the commit adds its own (engine/trace.py).
     times: PhaseTimes = field(default_factory=PhaseTimes)
 

@@ -15,7 +15,7 @@ observed inside vLLM's own loop, one module at a time) and is classified:
 - `rerun`: anything else (a derived tensor, a repack, or new non-tensor state such as the CPU
   kernels' `cpu_linear` closure that may hold a packed copy): re-running the step from the
   checkpoint-layout tensors reproduces the first result bit for bit, so deltas go to a canonical
-  copy (`cpu_weights`) and the step is re-run on touched modules after each commit and reload;
+  copy (`canonical_weights`) and the step is re-run on touched modules after each commit and reload;
 - neither: `UnsupportedTransform`, naming the module, so the engine refuses to start.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vllm_delta.engine import cpu_weights, derived
+from vllm_delta.engine import canonical_weights, derived
 
 TRANSFORM_ATTR = "_delta_transform"  # the module's `Transform`
 StepOf = Callable[[nn.Module], Callable[[], None] | None]
@@ -121,8 +121,8 @@ class Snapshot:
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor the module holds itself (`cpu_weights.held_tensors`), parameters detached."""
-    return {k: t.detach() if kind == "param" else t for k, (kind, _, t) in cpu_weights.held_tensors(module).items()}
+    """Every tensor the module holds itself (`canonical_weights.held_tensors`), parameters detached."""
+    return {k: t.detach() if kind == "param" else t for k, (kind, _, t) in canonical_weights.held_tensors(module).items()}
 
 
 def _state(module: nn.Module) -> dict[str, int]:
@@ -189,7 +189,7 @@ def _prefix_layout(canon: torch.Tensor, live: torch.Tensor) -> bool:
             and all(c <= n for c, n in zip(canon.shape, live.shape)))
 
 
-def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = cpu_weights.post_load_step
+def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = canonical_weights.post_load_step
              ) -> Transform | None:
     """Classify what the step did to `module` (it has just run) and prepare deltas for it."""
     after = {k: t.clone() for k, t in _tensors(module).items()}
@@ -230,12 +230,12 @@ def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = c
                     f"{tuple(live.shape)} {live.stride()}: offsets learned on the live tensor would not address "
                     "the checkpoint-layout copy that deltas are written into")
         transform = Transform(name, "rerun", changed, derived, state)
-        cpu_weights.keep_canonical(module, {n: before.tensors[f"param:{n}"] for n in changed}, before.params)
+        canonical_weights.keep_canonical(module, {n: before.tensors[f"param:{n}"] for n in changed}, before.params)
     setattr(module, TRANSFORM_ATTR, transform)
     return transform
 
 
-def run_post_load(model: nn.Module, step_of: StepOf = cpu_weights.post_load_step) -> dict[str, Transform]:
+def run_post_load(model: nn.Module, step_of: StepOf = canonical_weights.post_load_step) -> dict[str, Transform]:
     """Run every module's post-load step under observation (no vLLM loop: synthetic models, tools).
 
     Raises `UnsupportedTransform` naming the first module that can be served neither way.
@@ -304,7 +304,7 @@ def install() -> None:
 
     process_observed._delta_wrapped = True  # type: ignore[attr-defined]
     base_loader.process_weights_after_loading = process_observed
-    cpu_weights.install_reload_hooks()
+    canonical_weights.install_reload_hooks()
 
 
 def offset_maps(model: nn.Module) -> dict[str, OffsetMap]:

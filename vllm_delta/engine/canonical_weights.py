@@ -15,12 +15,16 @@ layer's step on a freshly loaded copy and copies the result into the live tensor
 modules that copy would hit the emptied/canonical mismatch and leave the stash stale. So
 `install_reload_hooks` makes the reload load into the canonical tensors and re-run the step
 through `refresh`, the same path a delta takes.
+
+A linear layer's step (vLLM's CPU oneDNN / sgl repack) is built ahead instead (`prebuild`): run on a
+stand-in holding the new canonical weights while the engine serves, its result (the layer's new
+`cpu_linear` handler) is only swapped in at commit (`install`), so the pause holds copies only.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -94,6 +98,58 @@ def needs_refresh(module: nn.Module) -> bool:
     return hasattr(module, STASH_ATTR)
 
 
+_OWN_STATE = ("_parameters", "_buffers", "_modules")
+_UNSET = object()
+
+
+def prebuild(module: nn.Module, new: Mapping[str, torch.Tensor]) -> dict[str, object] | None:
+    """The attributes the module's post-load step sets when run from the `new` canonical weights (param
+    name -> checkpoint-layout tensor, the others as they are): computed on a stand-in, so the live
+    module, which may be serving, is untouched. None where the step is not known to keep to its own
+    layer, or left other than a handler: the step is then re-run at commit (`refresh`).
+
+    Why only vLLM's unquantized linear: its step reads the layer's weight, builds a handler that owns
+    its packed copy and empties the weight (a restored parameter, so nothing to copy back); other
+    steps write into shared state (a fused MoE's kernel object) that must not change while serving.
+    """
+    restored: set[str] = getattr(module, RESTORED_ATTR, set())
+    if getattr(module, STASH_ATTR) or not set(new) <= restored or not _keeps_to_its_layer(module):
+        return None
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update(vars(module))
+    stand_in._parameters = {n: None if p is None else nn.Parameter(new.get(n, p.data), requires_grad=False)
+                            for n, p in module._parameters.items()}
+    stand_in._buffers, stand_in._modules = dict(module._buffers), {}
+    kept, before = _kept(stand_in, restored), dict(vars(stand_in))
+    post_load_step(stand_in)()
+    if _kept(stand_in, restored) != kept:
+        return None
+    made = {k: v for k, v in vars(stand_in).items() if k not in _OWN_STATE and before.get(k, _UNSET) is not v}
+    return None if any(isinstance(v, (torch.Tensor, nn.Module)) for v in made.values()) else made
+
+
+def _kept(module: nn.Module, restored: set[str]) -> dict[str, tuple | None]:
+    """Where the module's tensors other than its restored parameters live: a step that moves one of
+    them did more than build a handler."""
+    held = {f"param:{n}": p for n, p in module._parameters.items() if n not in restored}
+    held.update({f"buffer:{n}": b for n, b in module._buffers.items()})
+    return {k: None if t is None else (t.data_ptr(), t.dtype, t.shape) for k, t in held.items()}
+
+
+def install(module: nn.Module, made: Mapping[str, object]) -> None:
+    """Swap in what `prebuild` made (an attribute assignment each: the old handler is released)."""
+    for key, value in made.items():
+        object.__setattr__(module, key, value)
+
+
+def _keeps_to_its_layer(module: nn.Module) -> bool:
+    try:
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    except ImportError:
+        return False
+    return type(getattr(module, "quant_method", None)) is UnquantizedLinearMethod
+
+
 def refresh(modules: Iterable[nn.Module]) -> int:
     """Re-run the post-load step of touched modules from their canonical tensors, in place.
 
@@ -125,11 +181,12 @@ def refresh(modules: Iterable[nn.Module]) -> int:
             new = results.get(key, (kind, name, old))[2]
             if kind == "param":
                 new, old = new.data, stashed_data.get(name, old.data)
-            if new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr() or not _same_view(new, old):
+            moved = new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+            if moved or not _same_view(new, old):
                 if new.shape != old.shape or new.dtype != old.dtype:
                     raise RuntimeError(f"re-running the post-load step changed {key} from {tuple(old.shape)} "
-                                       f"{old.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be refreshed "
-                                       "in place")
+                                       f"{old.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be "
+                                       "refreshed in place")
                 old.copy_(new)
         for key, (kind, name, obj) in held.items():
             _put_back(module, kind, name, obj)
@@ -149,7 +206,10 @@ def held_tensors(module: nn.Module) -> dict[str, tuple[str, str, torch.Tensor]]:
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.storage_offset(), a.shape, a.stride(), a.dtype) == (b.storage_offset(), b.shape, b.stride(), b.dtype)
+    def view(t: torch.Tensor) -> tuple:
+        return t.storage_offset(), t.shape, t.stride(), t.dtype
+
+    return view(a) == view(b)
 
 
 def _put_back(module: nn.Module, kind: str, name: str, obj: torch.Tensor) -> None:
