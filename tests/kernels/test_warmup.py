@@ -1,6 +1,7 @@
 """`kernels.warmup.warm_up` compiles every kernel a sync runs: in a fresh interpreter, a sender's
 scan and encode and an engine's apply after it add no signature to any kernel (`warm_check.py`,
-which shows that without the sender's warm-up they would); with the kernels off it does nothing."""
+which shows that without the sender's warm-up they would); with the kernels off it does nothing;
+and where numba finds no writable cache directory the kernels still import and run, uncached."""
 
 from __future__ import annotations
 
@@ -31,3 +32,14 @@ def test_a_sync_after_warm_up_compiles_nothing():
 def test_nothing_with_the_kernels_off(monkeypatch):
     monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
     assert warm_up((torch.bfloat16,), sender=True) == 0.0
+
+
+def test_kernels_run_uncached_where_no_cache_directory_is_writable():
+    """numba's own decorator raises at import there ("no locator available"); `jit.kernel` compiles
+    uncached instead. No locator is simulated by allowing only IPython's (outside IPython: none)."""
+    code = ("import numpy as np; from vllm_delta.kernels import gaps_jit; "
+            "print(type(gaps_jit.max_gap._cache).__name__, gaps_jit.max_gap(np.array([2, 3, 9]), -1))")
+    env = {**os.environ, "NUMBA_CACHE_LOCATOR_CLASSES": "IPythonCacheLocator"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["NullCache", "5"]

@@ -5,8 +5,9 @@ Layout: `X_jit.py` holds the numba code computing X and is imported on first use
 decides whether the kernel takes its inputs, makes the numpy views and, for `digest`, holds the
 torch reference. The other references (the numpy codecs, the torch scatter and scan) sit beside
 their call in the caller, which runs one or the other: each kernel is tested equal to its reference.
-`switch.on()` is the one switch (`VLLM_DELTA_KERNELS=0` turns every kernel off), and
-`warmup.warm_up()` compiles them ahead of a first sync.
+Every kernel is decorated by `jit.kernel` (numba, cached on disk where it can be). `switch.on()` is
+the one switch (`VLLM_DELTA_KERNELS=0` turns every kernel off), and `warmup.warm_up()` compiles them
+ahead of a first sync.
 
 This package imports no other part of vllm_delta: wire, engine and sender all build on it.
 """

@@ -8,9 +8,9 @@ one definition of the mix; the tests compare these sums with the torch code's.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from vllm_delta.kernels.digest import LANES
+from vllm_delta.kernels.jit import kernel
 
 
 def _u64(c: int) -> np.uint64:
@@ -22,7 +22,7 @@ _G1, (_A1, _B1, _C1), (_M1, _N1) = _u64(LANES[1][0]), map(_u64, LANES[1][1]), ma
 NO_SEGMENTS = np.empty(0, np.int64)  # `segment_sums`' segments when one segment takes every entry
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def lane0(x):  # splitmix64's finaliser: digest.mix_(x, 0)
     x ^= x >> _A0
     x *= _M0
@@ -31,7 +31,7 @@ def lane0(x):  # splitmix64's finaliser: digest.mix_(x, 0)
     return x ^ (x >> _C0)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def lane1(x):  # Murmur3's fmix64 of the key XOR its constant: digest.mix_(x ^ LANES[1][0], 1)
     x ^= _G1
     x ^= x >> _A1
@@ -41,7 +41,7 @@ def lane1(x):  # Murmur3's fmix64 of the key XOR its constant: digest.mix_(x ^ L
     return x ^ (x >> _C1)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def range_sums(positions, bits, a, b):
     """Both lane sums of the terms of entries a..b-1 (`digest.keys`: position << width | bits up to
     32-bit values, else lane 0 of the offset position XOR the bits). One loop LLVM vectorises."""
@@ -60,7 +60,7 @@ def range_sums(positions, bits, a, b):
     return s0, s1
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def segment_sums(positions, bits, segments, segment, n):
     """uint64[n, 2]: per segment (segments[i], or `segment` for all when `segments` is empty) the
     lane sums of the entries' terms, a run of equal segments at a time (so the inner loop vectorises)."""

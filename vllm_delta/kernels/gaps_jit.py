@@ -6,12 +6,12 @@ temporaries over a param's changes one way, about as many the other)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from vllm_delta.kernels.jit import kernel
 OK, GAP, RANGE, ORDER = 0, 1, 2, 3  # what `positions` found (codecs.decode_gaps raises the matching error)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def positions(gaps, numel, prev, out):
     """out[i] = prev + sum(gaps[:i + 1] + 1), wrapping like numpy's int64 cumsum, and which of
     decode_gaps' checks fails first: a gap >= numel (before anything is summed), the first or last
@@ -38,7 +38,7 @@ def positions(gaps, numel, prev, out):
     return ORDER if down else OK
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def max_gap(pos, prev):
     """The largest pos[k] - pos[k - 1] - 1, with pos[-1] = prev."""
     top = pos[0] - prev - 1
@@ -47,14 +47,14 @@ def max_gap(pos, prev):
     return top
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _gaps(pos, prev, out):
     out[0] = pos[0] - prev - 1
     for k in range(1, pos.size):
         out[k] = pos[k] - pos[k - 1] - 1
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _planes(pos, prev, g, out):
     """Compiled per gap dtype (`g`, the width's unsigned type), so the byte loop has a constant count."""
     _gaps(pos, prev, g)  # narrowed: every gap fits the width

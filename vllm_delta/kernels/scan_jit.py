@@ -12,11 +12,12 @@ from __future__ import annotations
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import config
 from numba.extending import intrinsic
 
 from vllm_delta.kernels.digest_jit import range_sums
+from vllm_delta.kernels.jit import kernel
 
 # Elements of a run taken at a time: their changed indices (int32, 8 KiB at most) stay in L1.
 CHUNK = 2048
@@ -39,7 +40,7 @@ def capacity(lo: int, hi: int) -> int:
     return max(CHUNK, (hi - lo) >> 5)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def outputs(cap, like, want_run):
     """Fresh output arrays for `scan_runs` (offsets, HF positions, old bits, new bits, runs), from
     numba's allocator (malloc: no transparent-huge-page advice, whose compaction stalls cost more)."""
@@ -47,7 +48,7 @@ def outputs(cap, like, want_run):
             np.empty(cap if want_run else 1, np.int64))
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _grow(a, n):
     b = np.empty(2 * a.size, a.dtype)
     b[:n] = a[:n]
@@ -98,7 +99,7 @@ def _changed16(typingctx, x, y, start, out, at):
     return sig, codegen
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def find_compress(x, y, at):
     """Indices where x != y, into `at` (x.size entries at least); returns how many. 16 lanes at a
     time, branch-free; each store writes 16 lanes, which stay inside at[:x.size] (found <= i)."""
@@ -113,7 +114,7 @@ def find_compress(x, y, at):
     return found
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def find_words(x, y, at, d, words):
     """`find_compress` for CPUs without a compress store (LLVM scalarises it there: ~2x slower than
     this): xor into the scratch `d` (vectorised), skip its zero 64-bit `words`, branch-free within one."""
@@ -133,7 +134,7 @@ def find_words(x, y, at, d, words):
     return found
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, same_hf, pos, hfs, old, new, run):
     """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).

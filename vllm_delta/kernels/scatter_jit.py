@@ -12,8 +12,10 @@ from __future__ import annotations
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
+
+from vllm_delta.kernels.jit import kernel
 
 # Entries ahead whose weights line each loop prefetches: offsets rise by ~100-400 B at 0.5-2% density,
 # too irregular for the hardware prefetcher (on a 1 GB model, 30 -> 10 ns an entry at 0.5%).
@@ -22,7 +24,7 @@ AHEAD = 16
 FLOAT, UNSIGNED, SIGNED = 0, 1, 2
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _resolve(old, step, kind, top, full):
     """The value `step` order-key units from `old` (uint64 holding `top + 1` bits), wrapping in that width."""
     sb = np.uint64(1) << top
@@ -63,13 +65,13 @@ def _prefetch(typingctx, arr, idx):
     return sig, codegen
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _ahead(flat, offsets, i, n):
     """Prefetch the line of the entry AHEAD places on (clamped to the last: offsets is read in bounds)."""
     _prefetch(flat, offsets[min(i + AHEAD, n - 1)])
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _check(offsets, n):
     """Every offset inside [0, n), in a pass of its own: the loops after it then carry no branch out
     and vectorise (a raise inside them kept them scalar)."""
@@ -81,7 +83,7 @@ def _check(offsets, n):
         raise IndexError("a staged offset lies outside the destination's storage")
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def write(flat, offsets, values):
     """flat[offsets[i]] = values[i]: the plain chunk's scatter."""
     _check(offsets, flat.size)
@@ -91,7 +93,7 @@ def write(flat, offsets, values):
         flat[offsets[i]] = values[i]
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def write_resolved(flat, offsets, steps, kind, out):
     """out[i] = the value `steps[i]` ULPs from flat[offsets[i]], written there: the ULP chunk's scatter."""
     _check(offsets, flat.size)
@@ -106,7 +108,7 @@ def write_resolved(flat, offsets, steps, kind, out):
         flat[o] = v
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def mismatches(flat, offsets, values):
     """How many flat[offsets[i]] != values[i]: the read-back, a separate pass after the writes."""
     _check(offsets, flat.size)

@@ -8,10 +8,10 @@ bit packing and the escapes' compaction in loops of their own.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from vllm_delta.kernels.jit import kernel
 
-@njit(nogil=True, cache=True)
+@kernel
 def _steps(new, old, neg, big, mag):
     """Per change the float order keys' wrapping step (`codecs.order_key`, `ulp_steps`): its sign,
     `|step| > 1`, and |step| (the most negative step maps to itself), in the values' own width."""
@@ -29,7 +29,7 @@ def _steps(new, old, neg, big, mag):
         big[k] = mag[k] > one
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _pack(flags, out):
     """`np.packbits` of 0/1 bytes: first entry in the high bit, the last byte zero-padded."""
     n = flags.size
@@ -45,7 +45,7 @@ def _pack(flags, out):
         out[n // 8] = b
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def write_ulp_streams(new, old, sign, flag, esc):
     """`encode_steps(ulp_steps(new, old))` of float bits: packed signs and flags into `sign` and
     `flag`, the flagged steps' |step| - 2 as byte planes esc[j, :count]; returns count."""
