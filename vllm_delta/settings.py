@@ -17,3 +17,13 @@ UPDATES_ROOT = "VLLM_DELTA_UPDATES_ROOT"
 def updates_root() -> str:
     """This engine's delta root ("" when none was given)."""
     return os.environ.get(UPDATES_ROOT, "")
+
+# "0" runs the numpy/torch code in place of every compiled kernel (vllm_delta/kernels/); the per-area
+# names of earlier releases are aliases that do the same.
+KERNELS = "VLLM_DELTA_KERNELS"
+KERNELS_ALIASES = ("VLLM_DELTA_APPLY_KERNEL", "VLLM_DELTA_SCAN_KERNEL", "VLLM_DELTA_ENCODE_KERNEL")
+
+
+def kernels_on() -> bool:
+    """The compiled kernels are not switched off (read on every call: tests and benchmarks flip it)."""
+    return all(os.environ.get(v, "1") != "0" for v in (KERNELS, *KERNELS_ALIASES))

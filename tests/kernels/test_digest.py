@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
+from vllm_delta import settings
 from vllm_delta.kernels import digest, switch
 from vllm_delta.wire.additive import partial_sum
 
@@ -85,7 +86,7 @@ def test_meta_and_the_switch(monkeypatch):
                               torch.empty(4, dtype=torch.bfloat16, device="meta"), 0, 2)
     assert out.device.type == "meta" and out.shape == (2, 2)
     assert switch.on()
-    for name in switch.VARS:
+    for name in (settings.KERNELS, *settings.KERNELS_ALIASES):
         monkeypatch.setenv(name, "0")
         assert not switch.on()
         monkeypatch.delenv(name)

@@ -9,5 +9,5 @@ Every kernel is decorated by `jit.kernel` (numba, cached on disk where it can be
 the one switch (`VLLM_DELTA_KERNELS=0` turns every kernel off), and `warmup.warm_up()` compiles them
 ahead of a first sync.
 
-This package imports no other part of vllm_delta: wire, engine and sender all build on it.
+This package imports no other part of vllm_delta but `settings`: wire, engine and sender build on it.
 """
