@@ -75,6 +75,31 @@ def test_failed_engine_converges_and_healthy_never_regresses(tmp_path, fake_engi
     assert [r["version"] for r in a.requests] == [1, 2, 3, 4]
 
 
+def test_engines_missing_several_syncs_are_caught_up_by_one_overwrite(tmp_path, fake_engines, fake_weights):
+    """b misses v2 and v3, a only v3: what was sent since S adds up over both misses, so the positions
+    v2 changed and v3 moved back to the snapshot (no longer in diff(N, S)) still reach a, which holds
+    v2's values there; one catch-up at v4 takes a (at v2) and b (at S = v1) exactly to v4."""
+    a, b = fake_engines
+    sender = make(tmp_path, fake_engines, max_lag_syncs=10, max_pending_density=1.0)
+    sender.seed(fake_weights)
+    gen = torch.Generator().manual_seed(7)
+    adam_like_step(fake_weights, gen)
+    sender.sync(fake_weights)
+    a.fail_versions, b.fail_versions = {3}, {2, 3}
+    adam_like_step(fake_weights, gen, density=0.3)
+    sender.sync(fake_weights)
+    adam_like_step(fake_weights, gen)
+    for k in fake_weights:  # back to the snapshot (v1) where v2 moved them: only the pending set lists these
+        fake_weights[k].view(-1)[:1500] = sender.producer.snapshot_of(k)[:1500]
+    m = sender.sync(fake_weights)
+    assert m["sender/engines_acked"] == 0.0 and (a.version, b.version, sender.snapshot_version) == (2, 1, 1)
+    adam_like_step(fake_weights, gen)
+    m = sender.sync(fake_weights)
+    assert m["sender/catchup"] == 1.0 and m["sender/all_acked"] == 1.0 and sender.snapshot_version == 4
+    for e in fake_engines:
+        assert e.version == 4 and same(e.weights, fake_weights)
+
+
 def test_restarted_engine_is_anchored(tmp_path, fake_engines, fake_weights):
     a, b = fake_engines
     seed = {k: v.clone() for k, v in fake_weights.items()}

@@ -14,9 +14,9 @@ import signal
 import pytest
 
 from vllm_delta.transports.groups import host_group, join_group, listen
-from vllm_delta.transports.collective import answer, offer, stream
+from vllm_delta.transports.collective import Refused, answer, manifest_digest, offer, stream
 from vllm_delta.transports.spool import FlushSpool
-from vllm_delta.wire.errors import LimitError
+from vllm_delta.wire.errors import IncompleteDeltaError, LimitError
 
 FLUSHES = [("rank0000_flush000000.safetensors", b"a" * 3000), ("rank0000_flush000001.safetensors", b"b" * 5000),
            ("rank0000_flush000002.safetensors", b"c" * 700)]
@@ -66,6 +66,58 @@ def _run(caps: list[int], die_after: int | None = None, manifest: dict = MANIFES
 
 
 SIZES = [(n, len(d)) for n, d in FLUSHES]
+
+
+class _ControlPlane:
+    """An engine rank's view of its group's store, in memory: rank 0's offer and go, this rank's answer."""
+
+    def __init__(self, offer: dict, go: dict | None = None) -> None:
+        self.seq, self.rank = 0, 1
+        self.kv = {"1/offer": offer, "1/go": go or {"go": True, "refusal": None}}
+
+    def get(self, key: str):
+        return self.kv[key]
+
+    def put(self, key: str, value) -> None:
+        self.kv[key] = value
+
+
+OFFER = {"version": 7, "manifest_sha256": manifest_digest(MANIFEST), "flushes": [list(f) for f in SIZES]}
+
+
+def test_the_manifest_digest_is_the_same_whatever_the_key_order():
+    assert manifest_digest(dict(reversed(MANIFEST.items()))) == manifest_digest(MANIFEST)
+    assert manifest_digest({**MANIFEST, "version": 8}) != manifest_digest(MANIFEST)
+
+
+@pytest.mark.parametrize("change", [
+    {"manifest_sha256": manifest_digest({**MANIFEST, "version": 8})},  # the offer is for another manifest
+    {"version": 8},  # for another version of this one
+    {"flushes": [list(f) for f in SIZES[:2]]},  # a flush fewer than the manifest lists
+    {"flushes": [[n, size + 1] for n, size in SIZES]},  # other sizes
+], ids=["manifest", "version", "fewer-flushes", "sizes"])
+def test_an_offer_that_does_not_match_this_request_is_answered_with_a_refusal(change):
+    plane = _ControlPlane({**OFFER, **change})
+    with pytest.raises(IncompleteDeltaError):
+        answer(plane, MANIFEST, 7, 1 << 20, lambda: "checked")
+    assert (plane.kv["1/answer/1"]["ok"], plane.kv["1/answer/1"]["type"]) == (False, "IncompleteDeltaError")
+
+
+def test_a_flush_over_the_cap_is_refused_naming_it_and_a_matching_offer_is_accepted():
+    plane = _ControlPlane(dict(OFFER))
+    with pytest.raises(LimitError):
+        answer(plane, MANIFEST, 7, 4000, lambda: "checked")
+    assert (plane.kv["1/answer/1"]["file"], plane.kv["1/answer/1"]["status"]) == (FLUSHES[1][0], 400)
+    plane = _ControlPlane(dict(OFFER))
+    receiver, checked = answer(plane, MANIFEST, 7, 5000, lambda: "checked")
+    assert checked == "checked" and receiver.flushes == SIZES and plane.kv["1/answer/1"] == {"ok": True}
+
+
+def test_another_ranks_refusal_is_raised_with_its_status():
+    refusal = {"ok": False, "status": 409, "type": "LineageError", "message": "other run", "file": None, "param": None}
+    with pytest.raises(Refused, match="LineageError on another rank") as got:
+        answer(_ControlPlane(dict(OFFER), {"go": False, "refusal": refusal}), MANIFEST, 7, 1 << 20, lambda: None)
+    assert got.value.http_status == 409
 
 
 @pytest.mark.heavy  # spawns the engine-side peer
