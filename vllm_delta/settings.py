@@ -18,6 +18,7 @@ def updates_root() -> str:
     """This engine's delta root ("" when none was given)."""
     return os.environ.get(UPDATES_ROOT, "")
 
+
 # "0" runs the numpy/torch code in place of every compiled kernel (vllm_delta/kernels/); the per-area
 # names of earlier releases are aliases that do the same.
 KERNELS = "VLLM_DELTA_KERNELS"
