@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_delta.engine import cli_args
-from vllm_delta.native import ROOT_ENV
+from vllm_delta.engine.cli_args import ROOT_ENV
 
 PATCHES = Path(__file__).resolve().parents[1] / "patches"
 PATCHED_FILE = Path("vllm/entrypoints/launchers/cli_args.py")
@@ -111,7 +111,7 @@ def test_flag_on_sets_extension_env_and_allowlist(clean_env, tmp_path):
     args = flags_parser().parse_args(["--enable-delta-updates", "--delta-updates-root", str(tmp_path),
                                       "--delta-updates-chunk-bytes", "4096", "--host", "127.0.0.1"])
     assert args.worker_extension_cls == cli_args.WORKER_EXTENSION
-    assert args.delta_updates_root == tmp_path.resolve() and args.delta_updates_chunk_bytes == 4096
+    assert args.delta_updates_root == tmp_path.resolve() and args.delta_updates_max_staged_bytes == 4096
     assert os.environ[cli_args.ENV_FLAG] == "1"
     allowed = os.environ["VLLM_PLUGINS"].split(",")
     assert cli_args.PLUGIN_NAME in allowed

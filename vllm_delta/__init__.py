@@ -16,7 +16,7 @@ def __getattr__(name: str):
 
         return DeltaSender
     if name == "DeltaTrainerInitInfo":  # the `delta` backend of vLLM's weight-transfer API (needs vLLM)
-        from vllm_delta.native.trainer import DeltaTrainerInitInfo
+        from vllm_delta.weight_transfer.trainer import DeltaTrainerInitInfo
 
         return DeltaTrainerInitInfo
     raise AttributeError(f"module 'vllm_delta' has no attribute {name!r}")

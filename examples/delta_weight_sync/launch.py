@@ -65,7 +65,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--delta-dir", default="/shared/fs/delta-updates",
                     help="shared filesystem root: trainers write here, engines read it (--delta-updates-root)")
     ap.add_argument("--flush-bytes", type=int, default=512 << 20)
-    ap.add_argument("--chunk-bytes", type=int, default=2 << 30, help="engine: --delta-updates-chunk-bytes")
+    ap.add_argument("--chunk-bytes", type=int, default=2 << 30, help="engine: --delta-updates-max-staged-bytes")
     ap.add_argument("--api-key-env", default="VLLM_DELTA_API_KEY",
                     help="environment variable holding the engines' API key (never printed)")
     args = ap.parse_args(argv)
@@ -77,7 +77,7 @@ def rollout_command(args: argparse.Namespace) -> list[str]:
     return ["vllm", "serve", args.model, "--host", "0.0.0.0", "--port", str(args.port),
             "--tensor-parallel-size", str(args.engine_tp), "--dtype", "bfloat16",
             "--enable-delta-updates", "--delta-updates-root", args.delta_dir,
-            "--delta-updates-chunk-bytes", str(args.chunk_bytes), "--api-key", f"${args.api_key_env}"]
+            "--delta-updates-max-staged-bytes", str(args.chunk_bytes), "--api-key", f"${args.api_key_env}"]
 
 
 def engine_urls(args: argparse.Namespace) -> list[str]:

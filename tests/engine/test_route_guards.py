@@ -23,10 +23,11 @@ from starlette.testclient import TestClient
 from vllm_delta.engine.cli_args import WORKER_EXTENSION, api_keys, existing_dir
 from vllm_delta.engine.request import (DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
                                        resolve_version_dir)
-from vllm_delta.engine.routes import DeltaUpdater, DeltaUpdatesEndpoint
-from vllm_delta.native import ROOT_ENV
-from vllm_delta.native.errors import DeltaTransferError, parse_error
-from vllm_delta.native.worker_engine import DeltaWeightTransferEngine
+from vllm_delta.engine.routes import DeltaUpdater
+from vllm_delta.plugin import DeltaUpdatesEndpoint
+from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta.weight_transfer.errors import DeltaTransferError, parse_error
+from vllm_delta.weight_transfer.worker_engine import DeltaWeightTransferEngine
 
 KEY = "route-guard-key"
 OTHER_KEY = "second-key"
@@ -233,10 +234,10 @@ def test_native_backend_confines_paths_to_its_root(root, outside, monkeypatch):
     worker = object.__new__(DeltaWeightTransferEngine)  # `_request` uses no worker state
     for case, path in escaping_paths(root, outside).items():
         with pytest.raises(DeltaTransferError) as exc:
-            worker._request("r", DeltaUpdateRequest(path=path, version=1, base_version=0))
+            worker._request(DeltaUpdateRequest(path=path, version=1, base_version=0))
         relayed = parse_error(f"RPC failed: {exc.value}")  # as vLLM relays a worker's exception
         assert relayed is not None and relayed.status == 403, (case, str(exc.value))
         assert relayed.error["type"] == "PathOutsideRoot", case
-    request = worker._request("r", DeltaUpdateRequest(path="v1", version=1, base_version=0))
-    assert request["path"] == str(root / "v1") and request["root"] == str(root)
-    assert os.path.realpath(request["path"]) == request["path"]
+    request = worker._request(DeltaUpdateRequest(path="v1", version=1, base_version=0))
+    assert request.path == str(root / "v1") and request.root == str(root)
+    assert os.path.realpath(request.path) == request.path

@@ -13,7 +13,7 @@ import pytest
 
 from harness.s3_server import s3_env, s3_server  # noqa: F401  (fixtures: a real local store)
 from vllm_delta.engine import cli_args
-from vllm_delta.native import ROOT_ENV
+from vllm_delta.engine.cli_args import ROOT_ENV
 
 
 @pytest.fixture
@@ -147,3 +147,14 @@ def test_a_bad_store_root_is_refused_at_parse_time(serve_parser, s3_env, monkeyp
     err = capsys.readouterr().err
     assert message in err
     assert s3_env.secret_key not in err and "not-the-secret-1234" not in err  # secrets never printed
+
+
+def test_the_staging_bound_flag_and_its_deprecated_alias(serve_parser, delta_flags):
+    """`--delta-updates-max-staged-bytes` sets the bound; the old `--delta-updates-chunk-bytes` still
+    does, for one release, with a warning naming the new flag."""
+    flags = [*delta_flags, "--api-key", "k"]
+    assert serve_parser(*flags).delta_updates_max_staged_bytes == cli_args.DEFAULT_MAX_STAGED_BYTES
+    assert serve_parser(*flags, "--delta-updates-max-staged-bytes", "4096").delta_updates_max_staged_bytes == 4096
+    with pytest.warns(FutureWarning, match="--delta-updates-max-staged-bytes"):
+        args = serve_parser(*flags, "--delta-updates-chunk-bytes", "8192")
+    assert args.delta_updates_max_staged_bytes == 8192 and not hasattr(args, "delta_updates_chunk_bytes")

@@ -18,14 +18,14 @@ from pathlib import Path
 import requests
 import torch
 
+from harness import commit_fault
 from harness.vllm_engine import VllmServer
-from vllm_delta.engine.worker import FAULT_ENV
 from vllm_delta.wire import DeltaWriter
 from vllm_delta.wire.checkpoint import Checkpoint
 
 API_KEY = "pool-test-key"  # every pooled delta engine's key
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-# The shared Llama engine has the test-only commit fault armed (engine/worker.FAULT_ENV) at a version
+# The shared Llama engine has the test-only commit fault armed (harness/commit_fault.py) at a version
 # no other module reaches: tests/engine/test_prepare_while_serving.py makes it fail there for real.
 FAULT_VERSION = 999_000_000
 FAULT_AT = "model.layers.1.mlp.down_proj.weight"  # a live tensor written after layer 0's
@@ -64,7 +64,7 @@ class EnginePool:
 
     def shared_llama(self, model_dir: Path) -> VllmServer:
         """The delta engine most modules share: the tiny Llama at TP=1, plain delta flags, fault armed."""
-        return self.delta_engine(model_dir, env={FAULT_ENV: f"{FAULT_VERSION}:{FAULT_AT}",
+        return self.delta_engine(model_dir, env={**commit_fault.engine_env(FAULT_VERSION, FAULT_AT),
                                                  "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": KEEP_ALIVE_S})
 
     def close(self) -> None:

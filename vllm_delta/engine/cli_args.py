@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,8 +26,12 @@ if TYPE_CHECKING:
 WORKER_EXTENSION = "vllm_delta.engine.worker.DeltaWorkerExtension"
 ENV_FLAG = "VLLM_DELTA_UPDATES"
 PLUGIN_NAME = "delta_updates"
+# The only directory the `delta` weight-transfer backend reads deltas from, as the engine processes see
+# it. `--delta-updates-root` exports it; without the CLI patch, set it in the environment.
+ROOT_ENV = "VLLM_DELTA_UPDATES_ROOT"
 ENDPOINT_GROUP = "vllm.endpoint_plugins"
-DEFAULT_CHUNK_BYTES = 256 << 20
+DEFAULT_MAX_STAGED_BYTES = 256 << 20
+DEFAULT_CHUNK_BYTES = DEFAULT_MAX_STAGED_BYTES  # its old name, until engine/apply.py takes the new one
 # A request body is a small JSON document; a collective update carries its manifest (about 200 B
 # per changed tensor), so this leaves room for models with hundreds of thousands of tensors.
 DEFAULT_MAX_BODY_BYTES = 64 << 20
@@ -50,9 +55,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "object-store prefix the engine pulls them from (credentials from the standard AWS environment).",
     )  # fmt: skip
     group.add_argument(
-        "--delta-updates-chunk-bytes", type=positive_int, default=DEFAULT_CHUNK_BYTES, metavar="N",
+        "--delta-updates-max-staged-bytes", type=positive_int, default=DEFAULT_MAX_STAGED_BYTES, metavar="N",
         help="The bound on everything one update stages on the receiver (offsets and values), in bytes; "
              "a larger update is refused (413) before any weight changes.",
+    )  # fmt: skip
+    group.add_argument(
+        "--delta-updates-chunk-bytes", type=positive_int, dest="delta_updates_max_staged_bytes", metavar="N",
+        action=DeprecatedAlias, default=argparse.SUPPRESS,
+        help="Deprecated alias of --delta-updates-max-staged-bytes; removed in the next release.",
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
@@ -64,6 +74,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "IP addresses, networks (CIDR) or host names. Off when not given: the workers never join a group.",
     )  # fmt: skip
     check_after_parsing(parser)
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old flag name: stores into its new flag's destination, with a warning naming the new flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        warnings.warn(f"{option_string} is deprecated and will be removed in the next release: use {new}",
+                      FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
 
 
 class EnableDeltaUpdates(argparse.Action):
@@ -89,8 +109,6 @@ class DeltaUpdatesRoot(argparse.Action):
     plugin, which answers vLLM's weight routes for that backend."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from vllm_delta.native import ROOT_ENV
-
         setattr(namespace, self.dest, values)
         os.environ[ROOT_ENV] = str(values)
         os.environ["VLLM_PLUGINS"] = ",".join(plugin_allowlist(os.environ.get("VLLM_PLUGINS")))
@@ -177,7 +195,7 @@ def check_api_server_default(args: argparse.Namespace) -> None:
                          + API_SERVERS_REFUSAL.format(args.data_parallel_size).split(": ", 1)[1] + ")")
 
 
-# The `delta` weight-transfer backend's front end (vllm_delta/native/routes.py) calls vLLM's engine
+# The `delta` weight-transfer backend's front end (vllm_delta/weight_transfer/routes.py) calls vLLM's engine
 # client, whose DP client answers a utility call with the first engine's replies only.
 NATIVE_DP_REFUSAL = ("the `delta` weight-transfer backend cannot run with --data-parallel-size {}: vLLM 0.32's "
                      "DP engine client answers its weight-update calls with the first engine's replies only "

@@ -32,17 +32,21 @@ class DeltaMetrics:
                                  buckets=SIZES, registry=registry)
         self.version = Gauge("vllm_delta:weights_version", "Weight version the engine serves.",
                              multiprocess_mode="mostrecent", registry=registry)
+        self.phases = Histogram("vllm_delta:sync_phase_seconds", "Seconds one sync spent in each phase (slowest "
+                                "rank; engine/trace.py names them).", ["phase"], buckets=SECONDS, registry=registry)
         self.failures = Counter("vllm_delta:update_failures", "Refused or failed updates, by HTTP status.",
                                 ["status"], registry=registry)
 
     def observe(self, result: dict[str, Any]) -> None:
-        """Record a 200 answer of `/update_weights_delta`."""
+        """Record a successful sync's answer (the route's 200, the backend's finish)."""
         self.decode.observe(result["decode_s"])
         self.apply.observe(result["apply_s"])
         self.pause.observe(result["pause_s"])
         self.bytes_read.observe(result["bytes_read"])
         self.changed.observe(result["changed"])
         self.version.set(result["version"])
+        for phase, seconds in (result.get("trace") or {}).get("phases", {}).items():
+            self.phases.labels(phase).observe(seconds)
 
     def failed(self, status: int) -> None:
         self.failures.labels(str(status)).inc()

@@ -25,11 +25,12 @@ tensor split across the engines (`across_dp`), counted once over the whole world
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_delta.engine.digests import Ownership, check_coverage
 
 DP_KEY = "dp"
+R = TypeVar("R")
 ACROSS_DP = "across_dp"  # a set_peers reply's tensors split across DP engines (rank 0 of each engine sends it)
 
 
@@ -49,17 +50,23 @@ async def rpc_all(engine: Any, method: str, args: tuple = ()) -> list[Any]:
             for dp, replies in zip(ranks, per_engine) for rank, reply in enumerate(replies)]
 
 
-def by_replica(replies: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+def _field(reply: Any, key: str, default: Any = None) -> Any:
+    """A field of a reply, typed (engine/messages.py) or still a dict; `default` where unset."""
+    value = reply.get(key) if isinstance(reply, Mapping) else getattr(reply, key, None)
+    return default if value is None else value
+
+
+def by_replica(replies: Sequence[R]) -> dict[int, list[R]]:
     """Replies grouped by DP index (each group in its workers' order)."""
-    groups: dict[int, list[dict[str, Any]]] = {}
+    groups: dict[int, list[R]] = {}
     for reply in replies:
-        groups.setdefault(int(reply.get(DP_KEY, 0)), []).append(reply)
+        groups.setdefault(int(_field(reply, DP_KEY, 0)), []).append(reply)
     return groups
 
 
-def rank_id(reply: dict[str, Any]) -> str:
+def rank_id(reply: Any) -> str:
     """A worker's name across replicas: its DP index and its rank in that replica's world."""
-    return f"dp{reply.get(DP_KEY, 0)}:rank{reply.get('rank')}"
+    return f"dp{_field(reply, DP_KEY, 0)}:rank{_field(reply, 'rank')}"
 
 
 def _restricted(coverage: Mapping[str, Any], keep: Callable[[str], bool]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from starlette.requests import Request
 
 from vllm_delta.engine.http_errors import UpdateError
+from vllm_delta.engine.messages import PrepareRequest
 
 if TYPE_CHECKING:
     from vllm_delta.transports.store import StoreURL
@@ -187,3 +189,25 @@ def store_version_key(path: str, root: StoreURL) -> str:
 
 def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
+
+
+def prepare_request(body: DeltaUpdateRequest, root: Path | StoreURL, max_staged_bytes: int | None) -> PrepareRequest:
+    """The workers' request for `body`, its path checked under `root` (403 outside, 400 not a version
+    directory). A store root sends only the checked relative path: the workers fetch from their own."""
+    request = PrepareRequest(id=uuid.uuid4().hex, version=body.version, base_version=body.base_version,
+                             max_staged_bytes=max_staged_bytes)
+    if body.transport == "collective":
+        return request.model_copy(update={"transport": "collective", "manifest": body.manifest})
+    try:
+        if not isinstance(root, Path):
+            store_version_key(body.path, root)
+            if body.files is not None:
+                raise UpdateError(400, "InvalidRequest", "`files` selects flushes of a disk delta; a store "
+                                  "delta is read whole, as its manifest lists it")
+            return request.model_copy(update={"store_path": body.path})
+        path = resolve_version_dir(body.path, root)
+    except OutsideRootError as exc:
+        raise UpdateError(403, "PathOutsideRoot", str(exc)) from None
+    except NotADeltaDirError as exc:
+        raise UpdateError(400, "NotADeltaDirectory", str(exc)) from None
+    return request.model_copy(update={"path": str(path), "root": str(root), "files": body.files})

@@ -16,7 +16,9 @@ from time import perf_counter
 # the door's own. A phase that did not run is absent, not zero.
 WORKER_PREPARE = ("receive", "hash", "decode", "locate", "digest", "stage")
 WORKER_COMMIT = ("scatter", "read_back", "post_load")
-DOOR = ("prepare_wait", "agree", "pause", "resume")
+# `prepare_wait` and `commit_wait`: the door's wait on the workers beyond the slowest rank's worker
+# phases (polling, RPC, a rank's untimed work), so that the phases add up to the wall time.
+DOOR = ("agree", "prepare_wait", "pause", "commit_wait", "resume")
 PHASES = (*WORKER_PREPARE, *WORKER_COMMIT, *DOOR)
 
 

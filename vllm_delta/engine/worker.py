@@ -2,12 +2,12 @@
 
 Why a worker extension: it is vLLM's own way (`--worker-extension-cls`) to add RPC methods to
 every TP/EP worker, so each rank decodes and writes only the entries it owns. Methods return
-plain dicts (never raise) so one rank's bad input reaches the route as a status code.
+the typed messages of engine/messages.py as dicts (never raising), so one rank's bad input reaches
+the door as a status code.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -15,29 +15,27 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from vllm_delta.engine import derived
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
-from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
+from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage, refuse_uncovered
 from vllm_delta.engine.map_check import check_map, live_params
+from vllm_delta.engine.messages import (CommitReply, PrepareReply, PrepareRequest, PrepareStarted, StatusReply,
+                                        failure)
+from vllm_delta.engine.model_path import local_checkpoint_dir
 from vllm_delta.engine.replicas import ACROSS_DP, moe_world
+from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE
 from vllm_delta.kernels.warmup import warm_up
-from vllm_delta.native.model_path import local_checkpoint_dir
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta, parse_manifest
 from vllm_delta.wire.container import DeltaDir
 from vllm_delta.wire.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
-
-# Test-only fault injection, read at commit: "VERSION:TENSOR" makes the commit of that version fail
-# for real at that live tensor (its destination is swapped for an empty one, so the scatter raises
-# after the tensors before it were written). Unset in production; the real-engine fault test sets it.
-FAULT_ENV = "VLLM_DELTA_TEST_FAULT_AT"
 
 
 def prepare_threads() -> int:
@@ -74,7 +72,7 @@ class _Preparing:
                 self.reply = prepare()
             except Exception as exc:  # prepare reports input errors itself; anything else is ours
                 logger.exception("delta updates: prepare crashed")
-                self.reply = _error(500, exc)
+                self.reply = failure(500, exc)
 
         self.thread = threading.Thread(target=run, name="delta-prepare", daemon=True)
         self.thread.start()
@@ -113,12 +111,6 @@ class DeltaState:
     after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
 
 
-def _error(status: int, exc: BaseException, **extra: Any) -> dict[str, Any]:
-    return {"ok": False, "status": status, "error": {
-        "type": type(exc).__name__, "message": str(getattr(exc, "reason", exc)),
-        "file": getattr(exc, "file", None), "param": getattr(exc, "param", None), **extra}}
-
-
 class DeltaWorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker."""
 
@@ -150,6 +142,10 @@ class DeltaWorkerExtension:
         across the DP x TP ranks."""
         return int(getattr(getattr(self.vllm_config, "parallel_config", None), "data_parallel_size", 1)) > 1
 
+    def _delta_max_staged_bytes(self) -> int:
+        """The staging bound of a request that names none (the backend's init info may set it)."""
+        return DEFAULT_MAX_STAGED_BYTES
+
     def delta_prepare_start(self, request: dict[str, Any]) -> dict[str, Any]:
         """Start `delta_prepare` on a background thread and return at once.
 
@@ -164,20 +160,24 @@ class DeltaWorkerExtension:
         state = self._delta()
         self._delta_join_prepare()  # a prepare a cancelled request left behind
         try:
+            typed = PrepareRequest.model_validate(request)
+        except ValueError as exc:  # pydantic's ValidationError
+            return failure(400, exc)
+        try:
             state.applier.placements
         except Exception as exc:
-            return _error(500, exc)
-        state.preparing = _Preparing(request["id"], prepare_threads())
-        state.preparing.start(lambda: self.delta_prepare(request))
-        return {"ok": True, "rank": self._delta_rank(), "threads": state.preparing.threads}
+            return failure(500, exc)
+        state.preparing = _Preparing(typed.id, prepare_threads())
+        state.preparing.start(lambda: self.delta_prepare(typed))
+        return PrepareStarted(rank=self._delta_rank(), threads=state.preparing.threads).wire()
 
     def delta_prepare_poll(self, request_id: str) -> dict[str, Any]:
         """`{"done": False}` while the background prepare runs, then its reply (with `prepare_s`)."""
         preparing = self._delta().preparing
         if preparing is None or preparing.request_id != request_id:
-            return _error(409, KeyError(f"no prepare running for {request_id!r}"))
+            return failure(409, KeyError(f"no prepare running for {request_id!r}"))
         if preparing.thread.is_alive():
-            return {"ok": True, "done": False, "rank": self._delta_rank()}
+            return PrepareReply(done=False, rank=self._delta_rank()).wire()
         self._delta().preparing = None
         return {**preparing.reply, "done": True, "prepare_s": time.perf_counter() - preparing.started}
 
@@ -189,61 +189,60 @@ class DeltaWorkerExtension:
             self._delta().preparing = None
             self.delta_abort(preparing.request_id)
 
-    def delta_prepare(self, request: dict[str, Any]) -> dict[str, Any]:
+    def delta_prepare(self, request: dict[str, Any] | PrepareRequest) -> dict[str, Any]:
         """Phase 1: read, verify, decode and locate; no weight changes."""
         state = self._delta()
         try:
-            chunk_bytes = int(request.get("chunk_bytes") or DEFAULT_CHUNK_BYTES)
-            if request.get("transport") == "collective":
-                manifest, staged = self._delta_receive(request, chunk_bytes)
-            elif request.get("store_path") is not None:
-                manifest, staged = self._delta_pull(request, chunk_bytes)
+            request = PrepareRequest.model_validate(request)
+            max_staged = request.max_staged_bytes or self._delta_max_staged_bytes()
+            if request.transport == "collective":
+                manifest, staged = self._delta_receive(request, max_staged)
+            elif request.store_path is not None:
+                manifest, staged = self._delta_pull(request, max_staged)
             else:
-                # Opened again from the root's handle, through no symlink (the route checked the path).
-                delta_dir = DeltaDir.open(request["path"], root=request.get("root"))
-                opened = open_delta(delta_dir, files=request.get("files"))
+                # Opened again from the root's handle, through no symlink (the door checked the path).
+                delta_dir = DeltaDir.open(request.path, root=request.root)
+                opened = open_delta(delta_dir, files=request.files)
                 manifest = opened.manifest
                 self._delta_check_lineage(manifest, request)  # before any flush is read
                 staged = state.applier.prepare(
-                    opened, version=int(request["version"]),
-                    base_version=request.get("base_version"),
-                    current_version=state.version, files=request.get("files"), chunk_bytes=chunk_bytes,
+                    opened, version=request.version, base_version=request.base_version,
+                    current_version=state.version, files=request.files, chunk_bytes=max_staged,
                     decode_threads=decode_threads(state.applier.model))
             refuse_uncovered(state.applier.coverage)  # after a collective receive, so a trainer never blocks
             run_id = self._delta_check_lineage(manifest, request, anchor=staged.anchor)
         except DeltaError as exc:
-            return _error(exc.http_status, exc)
+            return failure(exc.http_status, exc)
         except (OSError, ValueError) as exc:
-            return _error(400, exc)
+            return failure(400, exc)
         if state.fault is not None and not staged.anchor:
-            return _error(500, RuntimeError(f"engine is dirty since a failed commit of version {state.fault.version} "
+            return failure(500, RuntimeError(f"engine is dirty since a failed commit of version {state.fault.version} "
                                             "(only a full anchor or a restart repairs it)"),
                           fault=state.fault.as_dict())
-        state.staged = {request["id"]: staged}
-        state.staged_run = {request["id"]: run_id}
-        reply = {"ok": True, "rank": self._delta_rank(), "changed": staged.changed,
-                 "total_changed": staged.total_changed, "bytes_read": staged.bytes_read,
-                 "decode_s": staged.decode_s, "fallback": staged.fallback_names, "replay": staged.replay,
-                 "anchor": staged.anchor, "digests": staged.digests, "staged_bytes": staged.staged_bytes}
-        if self._delta_rank() == 0:  # the expectations are the same on every rank; send them once
-            reply["expected"] = staged.expected
-        return reply
+        state.staged = {request.id: staged}
+        state.staged_run = {request.id: run_id}
+        return PrepareReply(
+            rank=self._delta_rank(), changed=staged.changed, total_changed=staged.total_changed,
+            bytes_read=staged.bytes_read, decode_s=staged.decode_s, fallback=staged.fallback_names,
+            replay=staged.replay, anchor=staged.anchor, digests=staged.digests, staged_bytes=staged.staged_bytes,
+            # the expectations are the same on every rank; send them once
+            expected=staged.expected if self._delta_rank() == 0 else None,
+            phases=_phases(staged, WORKER_PREPARE)).wire()
 
     def delta_commit(self, request_id: str) -> dict[str, Any]:
         """Phase 2: scatter what `delta_prepare` staged. A failure here leaves a `Fault` until an anchor."""
         state = self._delta()
         if request_id not in state.staged:
-            return _error(409, KeyError(f"no prepared update {request_id!r}"))
+            return failure(409, KeyError(f"no prepared update {request_id!r}"))
         staged = state.staged.pop(request_id)
         run_id = state.staged_run.pop(request_id, None)
         try:
-            with _injected_fault(state.applier.targets, staged.version):
-                apply_s = state.applier.commit(staged)
+            apply_s = state.applier.commit(staged)
         except ApplyFault as exc:
             state.fault = Fault(staged.version, str(exc), exc.failed_at, exc.suspect)
             logger.error("delta updates: commit of version %d failed; suspect tensors %s\n%s",
                          staged.version, exc.suspect, traceback.format_exc())
-            return {**_error(500, exc, fault=state.fault.as_dict()), "rank": self._delta_rank()}
+            return {**failure(500, exc, fault=state.fault.as_dict()), "rank": self._delta_rank()}
         if staged.anchor:
             state.fault = None
             state.after = {}
@@ -251,17 +250,18 @@ class DeltaWorkerExtension:
         state.version, state.run_id = staged.version, run_id
         state.last = {"version": staged.version, "changed": staged.changed, "bytes_read": staged.bytes_read,
                       "decode_s": staged.decode_s, "apply_s": apply_s, "replay": staged.replay,
-                      "staged_bytes": staged.staged_bytes, "chunk_bytes": staged.chunk_bytes, "time": time.time()}
-        return {"ok": True, "rank": self._delta_rank(), "apply_s": apply_s, "version": state.version}
+                      "staged_bytes": staged.staged_bytes, "max_staged_bytes": staged.chunk_bytes, "time": time.time()}
+        return CommitReply(rank=self._delta_rank(), apply_s=apply_s, version=state.version,
+                           phases=_phases(staged, WORKER_COMMIT)).wire()
 
-    def _delta_check_lineage(self, manifest: Manifest, request: dict[str, Any], anchor: bool = True) -> str | None:
+    def _delta_check_lineage(self, manifest: Manifest, request: PrepareRequest, anchor: bool = True) -> str | None:
         """Refuse (409 `LineageError`) a delta for other weights than ours; the run id after it applies.
 
         Called before anything is read with `anchor=True` (only the range and run can be judged),
         then once prepare knows whether the delta overwrites every tensor.
         """
         state = self._delta()
-        return check_lineage(manifest.lineage, version=int(request["version"]), engine_version=state.version,
+        return check_lineage(manifest.lineage, version=request.version, engine_version=state.version,
                              engine_run_id=state.run_id, anchor=anchor)
 
     def delta_coverage(self) -> dict[str, Any]:
@@ -327,10 +327,10 @@ class DeltaWorkerExtension:
                 master_port=int(config["master_port"]), rank=int(config["rank_offset"]) + self._delta_rank(),
                 world_size=int(config["world_size"]), timeout_s=float(config.get("timeout_s") or 120.0))
         except Exception as exc:
-            return _error(500, exc)
+            return failure(500, exc)
         return {"ok": True, "rank": self._delta_rank(), "group_rank": self._delta_group.rank}
 
-    def _delta_receive(self, request: dict[str, Any], chunk_bytes: int) -> tuple[Manifest, StagedUpdate]:
+    def _delta_receive(self, request: PrepareRequest, max_staged: int) -> tuple[Manifest, StagedUpdate]:
         """Answer the trainer's offer (accept, or refuse before any flush moves), then decode each flush
         as it arrives and drop it: one flush in memory at a time (transports/collective.py)."""
         from vllm_delta.engine.request import collective_max_flush_bytes
@@ -340,19 +340,19 @@ class DeltaWorkerExtension:
         group = getattr(self, "_delta_group", None)
         if group is None:
             raise CollectiveError("no collective group: the trainer must POST /delta_updates/collective/init first")
-        version, base = int(request["version"]), request.get("base_version")
+        version, base = request.version, request.base_version
 
         def check() -> Manifest:
-            manifest = parse_manifest(json.dumps(request["manifest"]).encode())
+            manifest = parse_manifest(json.dumps(request.manifest).encode())
             self._delta_check_lineage(manifest, request)
             state.applier._check_lineage(manifest, version, base, state.version)
             return manifest
 
         try:
-            receiver, manifest = answer(group, request["manifest"], version, collective_max_flush_bytes(), check)
+            receiver, manifest = answer(group, request.manifest, version, collective_max_flush_bytes(), check)
             try:
                 staged = state.applier.prepare_flushes(manifest, receiver, version=version, base_version=base,
-                                                       current_version=state.version, chunk_bytes=chunk_bytes)
+                                                       current_version=state.version, chunk_bytes=max_staged)
             except DeltaError:
                 receiver.drain()  # the flushes after a refused one, so the trainer's stream ends
                 raise
@@ -364,7 +364,7 @@ class DeltaWorkerExtension:
             raise CollectiveError(f"{type(exc).__name__}: {exc}") from exc
         return manifest, staged
 
-    def _delta_pull(self, request: dict[str, Any], chunk_bytes: int) -> tuple[Manifest, StagedUpdate]:
+    def _delta_pull(self, request: PrepareRequest, max_staged: int) -> tuple[Manifest, StagedUpdate]:
         """Fetch the version from this engine's own store root (the route checked the relative path):
         the manifest, the lineage check, then the flushes, one fetched ahead while the last decodes,
         each sparse (only the blocks this rank decodes) where transports/s3.py says that is safe and pays."""
@@ -375,14 +375,14 @@ class DeltaWorkerExtension:
         store = getattr(self, "_delta_store", None)
         if store is None:  # one client (and its connection pool) for the worker's life
             store = self._delta_store = configured_store()
-        prefix = store_version_key(request["store_path"], store.url)  # checked again, under this worker's root
+        prefix = store_version_key(request.store_path, store.url)  # checked again, under this worker's root
         manifest, manifest_bytes = fetch_manifest(store, prefix)
         self._delta_check_lineage(manifest, request)  # before any flush is fetched
         owned = state.applier.owned_ranges()  # what prepare_flushes decodes
         with StoreFlushes(store, prefix, manifest.files, manifest=manifest, owned=owned) as flushes:
             staged = state.applier.prepare_flushes(
-                manifest, flushes, version=int(request["version"]), base_version=request.get("base_version"),
-                current_version=state.version, chunk_bytes=chunk_bytes)
+                manifest, flushes, version=request.version, base_version=request.base_version,
+                current_version=state.version, chunk_bytes=max_staged)
         staged.bytes_read = manifest_bytes + flushes.fetched_bytes  # what came over the network
         return manifest, staged
 
@@ -398,35 +398,27 @@ class DeltaWorkerExtension:
         warm_up({p.dtype for p in applier.placements.values()} | {t.dtype for t in applier.targets.values()})
         return applier.placement_status()
 
-    def delta_abort(self, request_id: str) -> None:
+    def delta_abort(self, request_id: str) -> dict[str, Any]:
         preparing = self._delta().preparing
         if preparing is not None and preparing.request_id == request_id:
             self._delta_join_prepare()  # let it finish, then drop what it staged
-            return
-        self._delta().staged.pop(request_id, None)
-        self._delta().staged_run.pop(request_id, None)
+        else:
+            self._delta().staged.pop(request_id, None)
+            self._delta().staged_run.pop(request_id, None)
+        return {"ok": True, "rank": self._delta_rank()}
 
     def delta_status(self) -> dict[str, Any]:
         state = self._delta()
-        return {"rank": self._delta_rank(), "version": state.version, "run_id": state.run_id,
-                "dirty": state.fault is not None,
-                "dirty_reason": state.fault and state.fault.reason,
-                "fault": state.fault and state.fault.as_dict(), "last": state.last,
-                "placement": state.applier.placement_status(),
-                "fallback": state.applier.fallback_tensors if state.applier.probed else None}
+        return StatusReply(rank=self._delta_rank(), version=state.version, run_id=state.run_id,
+                           dirty=state.fault is not None, dirty_reason=state.fault and state.fault.reason,
+                           fault=state.fault and state.fault.as_dict(), last=state.last,
+                           placement=state.applier.placement_status(),
+                           fallback=state.applier.fallback_tensors if state.applier.probed else None
+                           ).model_dump(exclude={"status", "error", "dp"})
 
 
-@contextlib.contextmanager
-def _injected_fault(targets: dict[str, torch.Tensor], version: int) -> Iterator[None]:
-    """Test-only (`FAULT_ENV`): make this commit fail for real at the named live tensor."""
-    spec = os.environ.get(FAULT_ENV, "")
-    at_version, _, name = spec.partition(":")
-    if not name or at_version != str(version) or name not in targets:
-        yield
-        return
-    original = targets[name]
-    targets[name] = original.new_empty(0)  # the scatter's offsets fall outside it: index_copy_ raises
-    try:
-        yield
-    finally:
-        targets[name] = original
+def _phases(staged: StagedUpdate, names: tuple[str, ...]) -> dict[str, float]:
+    """This rank's seconds in the phases `names`, from what prepare and commit recorded on `staged`."""
+    times = getattr(staged, "times", None)
+    recorded = times.as_dict() if times is not None else {}
+    return {p: s for p, s in recorded.items() if p in names}

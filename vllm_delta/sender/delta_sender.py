@@ -75,7 +75,7 @@ class DeltaSender:
                  snapshot: str = "auto", max_lag_syncs: int = 3, max_pending_density: float = 0.1,
                  client: Any = None, status_wait_s: float = 0.0) -> None:
         # Anything with EngineClient's `status`/`update`/`collective_init` (e.g. vLLM's weight-sync
-        # clients behind the native backend, vllm_delta/native/links.py) may stand in for HTTP.
+        # clients behind the native backend, vllm_delta/weight_transfer/links.py) may stand in for HTTP.
         self.client = client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)
         self.planner = Planner(engines, self.client, encoding=encoding, overwrite_encoding=overwrite_encoding,
                                anchor_every=anchor_every, version=version, max_lag_syncs=max_lag_syncs)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm_delta.client import Reply
-from vllm_delta.native.errors import parse_error
+from vllm_delta.weight_transfer.errors import parse_error
 
 
 class SyncClientLinks:
@@ -37,7 +37,7 @@ class SyncClientLinks:
         if len(bodies) == 1:
             name, body = next(iter(bodies.items()))
             return {name: _replied(name, call, self.clients[name], body)}
-        with ThreadPoolExecutor(max_workers=len(bodies), thread_name_prefix="vllm-delta-native") as pool:
+        with ThreadPoolExecutor(max_workers=len(bodies), thread_name_prefix="vllm-delta-weight-transfer") as pool:
             futures = {n: pool.submit(_replied, n, call, self.clients[n], b) for n, b in bodies.items()}
             return {n: f.result() for n, f in futures.items()}
 

@@ -12,15 +12,19 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vllm_delta.engine.cli_args import ROOT_ENV
 from vllm_delta.engine.http_errors import UpdateError
-from vllm_delta.engine.request import NotADeltaDirError, OutsideRootError, resolve_version_dir
-from vllm_delta.native import ROOT_ENV
 
 MARKER = "[vllm-delta-error "
 
 
 class DeltaTransferError(UpdateError):
     """An `UpdateError` whose text carries its status and body across vLLM's RPC layers."""
+
+    @classmethod
+    def of(cls, err: UpdateError) -> "DeltaTransferError":
+        return cls(err.status, err.error["type"], err.error["message"], file=err.error["file"],
+                   param=err.error["param"])
 
     def __str__(self) -> str:
         return f"{self.error['type']}: {self.error['message']} {error_text(self.status, self.error)}"
@@ -49,13 +53,3 @@ def delta_root() -> Path:
         raise DeltaTransferError(500, "NotConfigured", f"the delta backend needs a root: --delta-updates-root "
                                  f"or {ROOT_ENV}")
     return Path(os.path.realpath(value))
-
-
-def version_dir(path: str, root: Path) -> Path:
-    """`resolve_version_dir` with the route's status codes."""
-    try:
-        return resolve_version_dir(path, root)
-    except OutsideRootError as exc:
-        raise DeltaTransferError(403, "PathOutsideRoot", str(exc)) from None
-    except NotADeltaDirError as exc:
-        raise DeltaTransferError(400, "NotADeltaDirectory", str(exc)) from None

@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Self
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
-from vllm_delta.native import BACKEND
-from vllm_delta.native.links import SyncClientLinks
+from vllm_delta.weight_transfer.registry import BACKEND
+from vllm_delta.weight_transfer.links import SyncClientLinks
 
 
 @dataclass
@@ -147,7 +147,7 @@ def held_tensors(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _register() -> None:
     """A trainer process need not load vLLM's plugins: using our init info makes `delta` known."""
-    from vllm_delta.native.registry import register_backends
+    from vllm_delta.weight_transfer.registry import register_backends
 
     register_backends()
 

@@ -35,14 +35,13 @@ from safetensors.torch import load_file
 
 from vllm.distributed.weight_transfer import ParamMeta, WeightSource
 
-from harness import megatron_cpu
+from harness import commit_fault, megatron_cpu
 from harness.engine_pool import FAULT_AT, FAULT_VERSION, write_anchor
 from harness.vllm_engine import VllmServer, patched_environ, start_llm
 from harness.trainer import Trainer
 from native_helpers import (HUB_ID, NATIVE, Streams, checksums, hub_cache, merged_checksums, metric_samples,
                             native_update, sample, save_trained, stage_names, ulp_step, write_delta)
-from vllm_delta.engine.worker import FAULT_ENV
-from vllm_delta.native import ROOT_ENV
+from vllm_delta.engine.cli_args import ROOT_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 SERIES = ("decode_seconds", "apply_seconds", "pause_seconds", "bytes_read", "changed_elements")
@@ -75,7 +74,7 @@ def native_env(root) -> dict[str, str]:
 def served(model_dir, native_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("native_serve")
     hub_cache(model_dir, tmp / "hf")
-    env = {**native_env, "HF_HOME": str(tmp / "hf"), FAULT_ENV: f"{FAULT_VERSION}:{FAULT_AT}"}  # the fault phase's
+    env = {**native_env, "HF_HOME": str(tmp / "hf"), **commit_fault.engine_env(FAULT_VERSION, FAULT_AT)}  # phase 4
     with VllmServer(HUB_ID, tmp / "serve.log", extra_args=NATIVE, env=env) as s:
         yield s
 
@@ -376,7 +375,7 @@ def replay_offline(trainer, model_dir: Path, root: Path, run: dict) -> None:
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from vllm_delta import DeltaTrainerInitInfo
-    from vllm_delta.native.links import OfflineLLMClient
+    from vllm_delta.weight_transfer.links import OfflineLLMClient
 
     states = run["states"]
     trainer.model.load_state_dict(states[0])
@@ -414,7 +413,7 @@ def test_the_backend_refuses_a_worker_that_also_has_our_extension():
     from types import SimpleNamespace
 
     from vllm_delta.engine.cli_args import WORKER_EXTENSION
-    from vllm_delta.native.worker_engine import DeltaWeightTransferEngine
+    from vllm_delta.weight_transfer.worker_engine import DeltaWeightTransferEngine
 
     config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=WORKER_EXTENSION))
     with pytest.raises(ValueError, match="cannot serve the same engine: choose one"):
@@ -426,7 +425,7 @@ def test_the_backend_refuses_eplb():
     the worker refuses before it holds any state (the CLI door refuses --enable-eplb at parse time)."""
     from types import SimpleNamespace
 
-    from vllm_delta.native.worker_engine import DeltaWeightTransferEngine
+    from vllm_delta.weight_transfer.worker_engine import DeltaWeightTransferEngine
 
     config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=None, enable_eplb=True))
     with pytest.raises(ValueError, match="cannot run with --enable-eplb"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vllm_delta.native import BACKEND
+BACKEND = "delta"
 
 
 def register_backends() -> None:
@@ -19,35 +19,11 @@ def register_backends() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "vllm_delta.native.worker_engine",
+        WeightTransferEngineFactory.register_engine(BACKEND, "vllm_delta.weight_transfer.worker_engine",
                                                     "DeltaWeightTransferEngine")
     if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, "vllm_delta.native.trainer",
+        WeightTransferTrainerFactory.register_engine(BACKEND, "vllm_delta.weight_transfer.trainer",
                                                      "DeltaTrainerWeightTransferEngine")
-
-
-# The one method the `delta` backend adds to vLLM's worker class, for the front end's `collective_rpc`.
-WORKER_RPC = "delta_native"
-
-
-def install_worker_rpc() -> None:
-    """Give vLLM's worker class `delta_native(name, *args)` (native/worker_engine.worker_rpc).
-
-    Why: `collective_rpc` resolves a method name on the worker, not on its weight-transfer engine,
-    and vLLM's weight methods cannot poll (`Worker.update_weights` drops the return value and ends
-    the session on any exception). Called by `DeltaWeightTransferEngine.__init__`, so only processes
-    whose engine uses `delta` get it; idempotent; nothing of vLLM's is replaced.
-    """
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    if not hasattr(WorkerBase, WORKER_RPC):
-        setattr(WorkerBase, WORKER_RPC, _delta_native)
-
-
-def _delta_native(worker: Any, name: str, *args: Any) -> Any:
-    from vllm_delta.native.worker_engine import worker_rpc
-
-    return worker_rpc(worker, name, *args)
 
 
 def backend_configured() -> bool:

@@ -1,0 +1,86 @@
+"""The transaction core under our route: every sync's trace (door phases timed, each rank's worker phases,
+the slowest rank per phase adding up to the wall time), the last trace in the status, the Prometheus
+histogram per phase, and the typed messages refusing a malformed reply at the boundary.
+
+Two in-process TP ranks of the synthetic model run the real worker extension (harness/synthetic.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from harness.synthetic import InProcessEngine, device_check, tp_ranks
+from vllm_delta.engine.http_errors import UpdateError
+from vllm_delta.engine.messages import PrepareRequest, StatusReply
+from vllm_delta.engine.metrics import DeltaMetrics
+from vllm_delta.engine.request import DeltaUpdateRequest
+from vllm_delta.engine.routes import DeltaUpdater
+from vllm_delta.engine.trace import DOOR, PHASES, PhaseTimes
+from vllm_delta.engine.worker import _phases
+
+DC = device_check()
+CFG = DC.SIZES["tiny"]
+
+
+@pytest.fixture
+def synced(tmp_path):
+    """(updater, the 200 answer of one non-empty sync)."""
+    base = DC.random_checkpoint(CFG, "cpu", seed=0)
+    _, workers = tp_ranks(tmp_path / "model", base, tp=2)
+    root = tmp_path / "root"
+    root.mkdir()
+    updater = DeltaUpdater(InProcessEngine(workers), root, 1 << 20, [])
+    DC.write_delta(root / "v1", base, DC.step(base, 0.3, seed=1), version=1)
+    return updater, asyncio.run(updater.update(DeltaUpdateRequest(path="v1", version=1, base_version=0)))
+
+
+def test_the_answer_carries_the_trace_and_its_phases_add_up_to_the_wall_time(synced):
+    updater, result = synced
+    trace = result["trace"]
+    assert set(trace) == {"phases", "ranks", "wall_s"} and trace["wall_s"] > 0
+    assert set(DOOR) <= set(trace["phases"]) <= set(PHASES), trace["phases"]  # a non-empty delta pauses
+    assert [r["rank"] for r in trace["ranks"]] == ["dp0:rank0", "dp0:rank1"]
+    total = sum(trace["phases"].values())
+    assert abs(total - trace["wall_s"]) <= 0.1 * trace["wall_s"], (total, trace)
+    status = asyncio.run(updater.status())
+    assert status["last"]["trace"] == trace and status["last"]["version"] == 1 and status["healthy"]
+
+
+def test_each_phase_is_one_series_of_the_histogram(synced):
+    _, result = synced
+    registry = CollectorRegistry()
+    DeltaMetrics(registry).observe(result)
+    for phase in result["trace"]["phases"]:
+        assert registry.get_sample_value("vllm_delta:sync_phase_seconds_count", {"phase": phase}) == 1, phase
+
+
+def test_a_rank_reports_only_the_phases_of_its_step():
+    """Prepare's reply carries the prepare phases, commit's the commit phases, of the one `PhaseTimes`."""
+    times = PhaseTimes()
+    for phase in ("decode", "stage", "scatter", "post_load"):
+        times.add(phase, 0.5)
+    staged = type("Staged", (), {"times": times})()
+    assert _phases(staged, ("receive", "decode", "stage")) == {"decode": 0.5, "stage": 0.5}
+    assert _phases(staged, ("scatter", "post_load")) == {"scatter": 0.5, "post_load": 0.5}
+    assert _phases(object(), ("decode",)) == {}  # an applier that records no phases
+
+
+def test_a_malformed_worker_reply_is_a_500_naming_the_field(tmp_path):
+    class Renamed(InProcessEngine):
+        async def collective_rpc(self, method, args=()):
+            return [{"rank": 0, "versoin": 3}]
+
+    updater = DeltaUpdater(Renamed([]), tmp_path, 1 << 20, [])
+    with pytest.raises(UpdateError) as err:
+        asyncio.run(updater.status())
+    assert err.value.status == 500 and "version" in err.value.error["message"]
+
+
+def test_the_staging_bound_keeps_its_old_name_on_the_wire():
+    old = PrepareRequest.model_validate({"id": "x", "version": 1, "chunk_bytes": 64})
+    assert old.max_staged_bytes == 64 and old.wire()["max_staged_bytes"] == 64
+    with pytest.raises(ValueError):
+        StatusReply.model_validate({"version": 1, "surprise": True})

@@ -1,0 +1,168 @@
+"""The typed messages between the API server (either door) and the workers.
+
+Why pydantic at both ends: `collective_rpc` carries plain dicts (vLLM's msgpack layer would refuse
+our classes), so each side validates what it receives: a worker its request (`PrepareRequest`),
+the transaction core every reply (`Workers.call`). A renamed or missing field then fails at the
+boundary with its name, not later as a `KeyError` deep in a summary. Nested payloads whose shape
+another module owns (digests, coverage lattices, placement status) stay `dict[str, Any]` here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+
+class Message(BaseModel):
+    """Unknown fields are refused: a field one side renamed must not pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def wire(self) -> dict[str, Any]:
+        """As `collective_rpc` carries it: a dict without the fields left unset."""
+        return self.model_dump(exclude_none=True)
+
+
+class PrepareRequest(Message):
+    """Phase 1 of one update on every rank: where the delta is and which version it claims."""
+
+    id: str
+    version: int = Field(ge=0)
+    base_version: int | None = None
+    # The bound on everything one update stages (413 past it). `chunk_bytes` is its old name.
+    # None: the worker's own bound (the backend's init info, else the default).
+    max_staged_bytes: int | None = Field(default=None, gt=0,
+                                         validation_alias=AliasChoices("max_staged_bytes", "chunk_bytes"))
+    transport: Literal["disk", "collective"] = "disk"
+    manifest: dict[str, Any] | None = None  # collective: the trainer's manifest
+    store_path: str | None = None  # a store root: the version's path relative to it
+    path: str | None = None  # disk: the version directory, already checked to be under `root`
+    root: str | None = None
+    files: list[str] | None = None
+
+
+class ErrorBody(Message):
+    """The route's JSON error body, as a worker reports it (`fault`: a commit that failed part-way)."""
+
+    type: str
+    message: str
+    file: str | None = None
+    param: str | None = None
+    fault: dict[str, Any] | None = None
+
+
+class Reply(Message):
+    """What every worker reply carries. `dp` and `rank` are set by `replicas.rpc_all` where the worker
+    does not name itself; `status` only on a refusal."""
+
+    ok: bool = True
+    status: int | None = None
+    error: ErrorBody | None = None
+    dp: int | None = None
+    rank: int | None = None
+
+    @property
+    def http_status(self) -> int:
+        return self.status or (200 if self.ok else 500)
+
+
+def failure(status: int, exc: BaseException, **extra: Any) -> dict[str, Any]:
+    """A refusal as a worker sends it: the exception's type, reason, file and param."""
+    error = ErrorBody(type=type(exc).__name__, message=str(getattr(exc, "reason", exc)),
+                      file=getattr(exc, "file", None), param=getattr(exc, "param", None), **extra)
+    return {"ok": False, "status": status, "error": error.model_dump()}
+
+
+class PrepareStarted(Reply):
+    """`delta_prepare_start`: the background prepare runs (or was refused before it could)."""
+
+    threads: int | None = None
+    done: bool = False
+
+
+class PrepareReply(Reply):
+    """`delta_prepare` / `delta_prepare_poll`: this rank's verified, decoded and located update.
+
+    `digests` are this rank's counted-once partial digests of the changed positions; `expected`
+    (rank 0 only) the manifest's; `phases` this rank's seconds per prepare phase (engine/trace.py).
+    """
+
+    done: bool = True
+    prepare_s: float | None = None
+    changed: int = 0
+    total_changed: int = 0
+    bytes_read: int = 0
+    decode_s: float = 0.0
+    fallback: list[str] = Field(default_factory=list)
+    replay: bool = False
+    anchor: bool = False
+    digests: dict[str, Any] = Field(default_factory=dict)
+    staged_bytes: int = 0
+    expected: dict[str, Any] | None = None
+    phases: dict[str, float] = Field(default_factory=dict)
+
+
+class CommitReply(Reply):
+    """`delta_commit`: the version now served and this rank's seconds per commit phase."""
+
+    apply_s: float = 0.0
+    version: int | None = None
+    phases: dict[str, float] = Field(default_factory=dict)
+
+
+class CoverageReply(Reply):
+    """`delta_coverage`: which checkpoint elements this rank holds, for its peers."""
+
+    coverage: dict[str, Any] = Field(default_factory=dict)
+    unread: list[str] = Field(default_factory=list)
+    fallback: list[str] = Field(default_factory=list)
+    map_errors: Any = None
+
+
+class PeersReply(Reply):
+    """`delta_set_peers`: the coverage verdict, and (MoE under DP) the tensors split across engines."""
+
+    coverage: dict[str, Any] = Field(default_factory=dict)
+    across_dp: list[str] | None = None
+
+
+class ProbeReply(Reply):
+    """`delta_probe`: the placement status once learned (apply.DeltaApplier.placement_status)."""
+
+    model_config = ConfigDict(extra="allow")  # the placement status' own keys
+
+    refused: dict[str, str] | None = None
+
+
+class StatusReply(Reply):
+    """`delta_status`: this rank's version, lineage, health and placement."""
+
+    version: int
+    run_id: str | None = None
+    dirty: bool = False
+    dirty_reason: str | None = None
+    fault: dict[str, Any] | None = None
+    last: dict[str, Any] | None = None
+    placement: dict[str, Any] = Field(default_factory=dict)
+    fallback: dict[str, str] | None = None  # tensor -> why its loader is replayed
+
+
+class VerifyReply(Reply):
+    """`delta_verify`: this rank's whole-tensor digests and post-hash checks of the served weights."""
+
+    digests: dict[str, Any] = Field(default_factory=dict)
+    hash_checked: int = 0
+    hash_mismatched: list[str] = Field(default_factory=list)
+    verify_s: float = 0.0
+    expected: dict[str, Any] | None = None
+
+
+class JoinedReply(Reply):
+    """`delta_collective_init`: this rank's place in the trainer's group."""
+
+    group_rank: int | None = None
+
+
+class Done(Reply):
+    """A reply that says only whether it worked (`delta_abort`, the backend's `end_session`)."""

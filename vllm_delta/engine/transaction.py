@@ -1,0 +1,262 @@
+"""The one update transaction under both doors: our route and vLLM's weight-transfer backend.
+
+Why one core: an update is the same steps whichever door it came through. Every rank prepares on
+a background thread while the engine keeps generating (the core polls between engine steps); the
+ranks' prepares must agree (no refusal, each replica's partial digests add up to the manifest)
+before any rank writes; generation pauses only around the commit of a non-empty delta; a commit
+that fails part-way leaves generation paused and the engine faulted until an anchor commits on
+every rank. One update runs at a time (`lock`). There is one such core, so one fault, per engine.
+The doors differ only in how they reach the workers (`Rpc`: our worker extension's methods, or
+the backend's one RPC method) and in what they answer; nothing here imports a door.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, TypeVar
+
+from prometheus_client import REGISTRY
+from pydantic import ValidationError
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from vllm_delta.engine.http_errors import UpdateError
+from vllm_delta.engine.liveness import while_alive
+from vllm_delta.engine.messages import (CommitReply, CoverageReply, Done, PeersReply, PrepareReply, PrepareRequest,
+                                        PrepareStarted, ProbeReply, Reply, StatusReply)
+from vllm_delta.engine.replicas import across_dp, by_replica, rank_id
+from vllm_delta.engine.summary import (agree, fault_of, first_failed, placement_summary, refusal, refused_of,
+                                       replica_status, summarize, trace_of, with_ranks, worker_seconds)
+from vllm_delta.engine.trace import PhaseTimes
+
+logger = logging.getLogger("vllm.delta_updates")  # under vLLM's logger, beside its own lines
+PREPARE_POLL_S = 0.05  # between polls of a background prepare: short next to any real prepare
+R = TypeVar("R", bound=Reply)
+# `(name, args)` -> every worker's raw reply; name is the worker method without its `delta_` prefix.
+Rpc = Callable[[str, tuple], Awaitable[list[Any]]]
+
+
+@dataclass
+class Sync:
+    """One update through the core: the door's phase times and what the ranks answered."""
+
+    door: PhaseTimes = field(default_factory=PhaseTimes)
+    wall_s: float = 0.0
+    prepare_s: float = 0.0
+    tokens_during_prepare: float | None = None
+    prepared: list[PrepareReply] = field(default_factory=list)
+
+    def timed(self, started: float) -> None:
+        self.wall_s += perf_counter() - started
+
+
+class Transaction:
+    """The update state of one engine, driven by a door."""
+
+    def __init__(self, engine: Any, rpc: Rpc) -> None:
+        self.engine = engine
+        self._rpc = rpc
+        self.lock = asyncio.Lock()
+        self._peers_set = False
+        # Tensors split across the DP engines of a MoE model, checked over all of them (set with the peers).
+        self.across_dp: frozenset[str] | None = None
+        # Set when a commit failed part-way: generation stays paused and /health fails until an
+        # anchor commits on every rank (or the server restarts).
+        self.fault: dict[str, Any] | None = None
+        # Set by the startup probe: tensors whose loader cannot be served exactly. Updates are
+        # refused and /health fails, as a refusal to start would (the probe runs after startup).
+        self.refused: dict[str, str] = {}
+        self.last: dict[str, Any] | None = None  # the last successful sync's answer, with its trace
+
+    async def call(self, name: str, *args: Any, reply: type[R]) -> list[R]:
+        """`delta_<name>` on every worker of every DP replica, each reply validated as `reply`; an
+        exception there (not a reported refusal) or a malformed reply is a 500."""
+        try:
+            raw = await while_alive(self.engine, self._rpc(name, args))
+            return [reply.model_validate(r) for r in raw]
+        except EngineDeadError:
+            logger.error("delta updates: an engine core died during %s", name)
+            raise  # vLLM's handler answers it and shuts the server down
+        except ValidationError as exc:
+            logger.error("delta updates: a worker's %s reply is malformed: %s", name, exc)
+            raise UpdateError(500, "EngineError", f"delta_{name}: a worker's reply is malformed: {exc}") from exc
+        except Exception as exc:
+            logger.exception("delta updates: %s failed on a worker", name)
+            raise UpdateError(500, "EngineError", f"delta_{name} failed on a worker: {exc}") from exc
+
+    # ---- the update -----------------------------------------------------------------------------
+    async def prepare(self, request: PrepareRequest, sync: Sync) -> list[PrepareReply]:
+        """Phase 1 on every rank, then their agreement; on any refusal (or the client going away) every
+        rank drops what it staged. The caller holds `lock`."""
+        started = perf_counter()
+        try:
+            with sync.door.phase("agree"):
+                await self.ensure_peers()
+            tokens_before, polled = generation_tokens(), perf_counter()
+            sync.prepared = prepared = await self._prepare(request)
+            sync.prepare_s, tokens_after = perf_counter() - polled, generation_tokens()
+            if tokens_before is not None and tokens_after is not None:
+                sync.tokens_during_prepare = tokens_after - tokens_before
+            sync.door.add("prepare_wait", max(0.0, sync.prepare_s - worker_seconds(prepared, commit=False)))
+            with sync.door.phase("agree"):
+                agree(prepared, self.across_dp)  # partial digests of the changed positions, before any write
+        except BaseException:
+            await self.abort(request.id)
+            sync.timed(started)
+            raise
+        sync.timed(started)
+        return prepared
+
+    async def _prepare(self, request: PrepareRequest) -> list[PrepareReply]:
+        """Every rank prepares on a background thread; the polls are cheap RPCs between engine steps,
+        and the sleeps between them hand the engine core back to the scheduler."""
+        started = await self.call("prepare_start", request.wire(), reply=PrepareStarted)
+        if (failed := first_failed(started)) is not None:
+            return [PrepareReply(**failed.model_dump(include={"ok", "status", "error", "dp", "rank"}))]
+        replies: dict[int, PrepareReply] = {}
+        while True:
+            for i, reply in enumerate(await self.call("prepare_poll", request.id, reply=PrepareReply)):
+                if reply.done or not reply.ok:
+                    replies.setdefault(i, reply)
+            if len(replies) == len(started):
+                return [replies[i] for i in range(len(started))]
+            await asyncio.sleep(PREPARE_POLL_S)
+
+    async def commit(self, request_id: str, sync: Sync,
+                     then: Callable[[], Awaitable[None]] | None = None) -> tuple[list[CommitReply], float]:
+        """Phase 2: scatter what every rank staged, pausing generation (and dropping the now stale prefix
+        cache) around it when anything changed; `then` runs after a successful commit, before the resume.
+
+        If any rank fails, generation stays paused and `fault` is set: partly written weights are
+        never served. A later anchor that commits on every rank clears it and resumes.
+        """
+        started = perf_counter()
+        try:
+            return await self._commit(request_id, sync, then)
+        finally:
+            sync.timed(started)
+
+    async def _commit(self, request_id: str, sync: Sync, then: Callable[[], Awaitable[None]] | None
+                      ) -> tuple[list[CommitReply], float]:
+        prepared = sync.prepared
+        if not prepared[0].total_changed:
+            committed = await self._scatter(request_id, sync)
+            if then is not None and first_failed(committed) is None:
+                await then()
+            return _committed(committed), 0.0
+        started = perf_counter()
+        if self.fault is None:  # a faulted engine is paused already
+            try:
+                with sync.door.phase("pause"):
+                    await while_alive(self.engine, self.engine.pause_generation(mode="keep", clear_cache=True))
+            except EngineDeadError:
+                raise
+            except Exception as exc:
+                await self.abort(request_id)
+                raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
+        committed: list[CommitReply] = []
+        try:
+            committed = await self._scatter(request_id, sync)
+            if then is not None and first_failed(committed) is None:
+                await then()
+        finally:
+            failed = [r for r in committed if not r.ok] if committed else [Done(ok=False)]  # the RPC raised
+            if failed:
+                self.fault = fault_of(failed)
+                logger.error("delta updates: commit failed; generation stays paused: %s", self.fault)
+            else:
+                if all(r.anchor for r in prepared):
+                    self.fault = None
+                if self.fault is None:
+                    with sync.door.phase("resume"):
+                        await while_alive(self.engine, self.engine.resume_generation())
+        return _committed(committed), perf_counter() - started
+
+    async def _scatter(self, request_id: str, sync: Sync) -> list[CommitReply]:
+        started = perf_counter()
+        committed = await self.call("commit", request_id, reply=CommitReply)
+        waited = perf_counter() - started
+        sync.door.add("commit_wait", max(0.0, waited - worker_seconds(committed, commit=True)))
+        return committed
+
+    def answer(self, sync: Sync, committed: list[CommitReply], pause_s: float) -> dict[str, Any]:
+        """The door's 200: one summary for all ranks, the prepare's cost and the sync's trace; kept as `last`."""
+        result = {**summarize(sync.prepared, committed, pause_s), "prepare_s": sync.prepare_s,
+                  "tokens_during_prepare": sync.tokens_during_prepare,
+                  "trace": trace_of(sync.door.as_dict(), sync.prepared, committed, sync.wall_s)}
+        self.last = {k: v for k, v in result.items() if k not in ("ranks", "replicas")}
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        """Drop a prepared update on every rank; a failure here must not hide the first error."""
+        try:
+            await self.call("abort", request_id, reply=Done)
+        except (UpdateError, EngineDeadError):
+            pass  # call() logged it, or there is nothing left to abort
+
+    # ---- placement and peers --------------------------------------------------------------------
+    async def ensure_peers(self) -> None:
+        """Once: every rank learns which elements lower ranks hold, so digests count each once: per
+        replica where each DP replica holds the whole model (dense), and over all DP engines for the
+        tensors a MoE model splits across them (engine/replicas.py)."""
+        if self._peers_set:
+            return
+        coverages = [c.model_dump(exclude_none=True) for c in await self.call("coverage", reply=CoverageReply)]
+        replicas = by_replica(coverages)
+        if len(replicas) == 1:
+            checked = await self.call("set_peers", next(iter(replicas.values())), reply=PeersReply)
+        else:
+            checked = await self.call("set_peers", [], [[dp, group] for dp, group in replicas.items()],
+                                      reply=PeersReply)
+        try:
+            self.across_dp = across_dp([c.model_dump(exclude_none=True) for c in checked])
+        except ValueError as exc:
+            raise UpdateError(500, "CoverageError", str(exc)) from None
+        for bad in (c for c in checked if not c.coverage["ok"]):
+            logger.error("delta updates: placement coverage check failed on %s; updates are refused: %s",
+                         rank_id(bad), bad.coverage["errors"])
+        self._peers_set = True
+
+    def start_probe(self) -> asyncio.Task:
+        """Learn the placement on every rank now, in the background, before any update needs it."""
+
+        async def probe() -> None:
+            try:
+                self.refused = refused_of(await self.call("probe", reply=ProbeReply))
+                async with self.lock:  # then check, across ranks, that every element is held
+                    await self.ensure_peers()
+            except (UpdateError, EngineDeadError):
+                pass  # call() logged it; the first update probes again and reports the error
+
+        return asyncio.get_running_loop().create_task(probe())
+
+    async def status(self) -> dict[str, Any]:
+        """`/delta_updates/status`: the ranks' version and lineage, health, placement and the last sync."""
+        ranks = await self.call("status", reply=StatusReply)
+        versions, runs = {r.version for r in ranks}, {r.run_id for r in ranks}  # run None: the checkpoint's
+        dirty = [r.dirty_reason or "dirty" for r in ranks if r.dirty]
+        agreed = len(versions) == 1 and len(runs) == 1
+        return {"version": ranks[0].version if agreed else None, "run_id": ranks[0].run_id if agreed else None,
+                "weight_version": await while_alive(self.engine, self.engine.get_weight_version()),
+                "healthy": not dirty and agreed and self.fault is None and not self.refused, "dirty_reasons": dirty,
+                "fault": self.fault, "placement": placement_summary([r.placement for r in ranks]),
+                "last": self.last, "ranks": [r.model_dump(exclude={"status", "error"}) for r in ranks],
+                "replicas": replica_status(ranks)}
+
+
+def generation_tokens() -> float | None:
+    """vLLM's `vllm:generation_tokens` counter in this process (all engines), or None where it is absent."""
+    for metric in REGISTRY.collect():
+        if metric.name == "vllm:generation_tokens":
+            return sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    return None
+
+
+def _committed(committed: list[CommitReply]) -> list[CommitReply]:
+    """The ranks' commit replies, or the first refusal with every rank's outcome."""
+    if (failed := first_failed(committed)) is not None:
+        raise with_ranks(refusal(failed), committed)
+    return committed

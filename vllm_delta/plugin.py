@@ -1,0 +1,70 @@
+"""vLLM's entry points into vllm-delta: the general plugin (every vLLM process) and the endpoint plugin
+(the API server), which wires both doors over the engine's transaction core.
+
+Why on top of both doors: our route (engine/routes.py) and vLLM's weight-transfer backend
+(weight_transfer/) are independent doors; only this module knows both, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+from argparse import Namespace
+from typing import TYPE_CHECKING, Any
+
+from vllm_delta.engine.cli_args import ENV_FLAG, PLUGIN_NAME, api_keys, check_args
+from vllm_delta.engine.cpu_amx import request_amx_permission
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.datastructures import State
+
+
+def register() -> None:
+    """`vllm.general_plugins`: prepare this vLLM process; post-load transform bookkeeping only when delta
+    updates are on (our route), or for engines whose weight-transfer backend is `delta`."""
+    request_amx_permission()
+    from vllm_delta.weight_transfer.registry import keep_cpu_weights_when_configured, register_backends
+
+    register_backends()  # the `delta` weight-transfer backend (vLLM's own RL API)
+    if os.environ.get(ENV_FLAG) != "1":  # set by --enable-delta-updates before workers start
+        keep_cpu_weights_when_configured()
+        return
+    from vllm_delta.engine import transforms
+
+    transforms.install()  # observe every module's post-load step (any platform)
+
+
+class DeltaUpdatesEndpoint:
+    """`vllm.endpoint_plugins`: our route with `--enable-delta-updates`, the backend's front end with
+    `--weight-transfer-config '{"backend": "delta"}'`; inert otherwise."""
+
+    name = PLUGIN_NAME
+    required_tasks = None
+    # The doors are imported when used: this module also loads, as the general plugin, in every worker.
+
+    def attach_router(self, app: FastAPI) -> None:
+        from vllm_delta.engine import routes
+        from vllm_delta.weight_transfer import routes as weight_transfer
+
+        args = getattr(app.state, "args", None)
+        if getattr(args, "enable_delta_updates", False):
+            check_args(args)
+            app.include_router(routes.router)
+            routes.guard_health(app)
+        if weight_transfer.enabled(args):  # vLLM's weight routes, for the `delta` backend
+            weight_transfer.attach(app)
+
+    async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
+        from vllm_delta.engine.routes import DeltaUpdater
+        from vllm_delta.weight_transfer import routes as weight_transfer
+
+        if weight_transfer.enabled(args):
+            state.delta_weight_transfer = weight_transfer.WeightTransferDoor(engine_client)
+        if not getattr(args, "enable_delta_updates", False):
+            return
+        if engine_client is None:
+            raise RuntimeError("--enable-delta-updates needs an engine; this server has none")
+        state.delta_updater = DeltaUpdater(engine_client, args.delta_updates_root, args.delta_updates_max_staged_bytes,
+                                           api_keys(args), collective_trainers=args.delta_updates_collective_trainers,
+                                           max_body_bytes=args.delta_updates_max_body_bytes)
+        state.delta_updater.start_probe()
