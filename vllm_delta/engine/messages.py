@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from vllm_delta.engine.http_errors import UpdateError
+
 
 class Message(BaseModel):
     """Unknown fields are refused: a field one side renamed must not pass silently."""
@@ -69,9 +71,7 @@ class Reply(Message):
 
 def failure(status: int, exc: BaseException, **extra: Any) -> dict[str, Any]:
     """A refusal as a worker sends it: the exception's type, reason, file and param."""
-    error = ErrorBody(type=type(exc).__name__, message=str(getattr(exc, "reason", exc)),
-                      file=getattr(exc, "file", None), param=getattr(exc, "param", None), **extra)
-    return {"ok": False, "status": status, "error": error.model_dump()}
+    return UpdateError.of(status, exc, **extra).reply()
 
 
 class PrepareStarted(Reply):

@@ -196,13 +196,11 @@ def guard_health(app: FastAPI) -> None:
     async def delta_health(request: Request, call_next):
         updater = getattr(request.app.state, "delta_updater", None)
         if request.url.path == "/health" and updater is not None and updater.fault is not None:
-            return JSONResponse(status_code=503, content={"error": {
-                "type": "DeltaCommitFault", "message": "a delta commit failed; weights are suspect",
-                "fault": updater.fault}})
+            return UpdateError(503, "DeltaCommitFault", "a delta commit failed; weights are suspect",
+                               fault=updater.fault).response()
         if request.url.path == "/health" and updater is not None and updater.refused:
-            return JSONResponse(status_code=503, content={"error": {
-                "type": "UnservableLoader", "message": "delta updates cannot be served exactly for some tensors",
-                "refused": updater.refused}})
+            return UpdateError(503, "UnservableLoader", "delta updates cannot be served exactly for some tensors",
+                               refused=updater.refused).response()
         return await call_next(request)
 
 

@@ -20,10 +20,7 @@ from vllm_delta.wire.errors import DeltaError
 
 def refusal(reply: Reply) -> UpdateError:
     """The route's error for a rank's refusal."""
-    error = reply.error
-    if error is None:
-        return UpdateError(reply.http_status, "EngineError", "the worker gave no reason")
-    return UpdateError(reply.http_status, error.type, error.message, file=error.file, param=error.param)
+    return UpdateError.from_worker(reply.model_dump(include={"status", "error"}))
 
 
 def first_failed(replies: Sequence[Reply]) -> Reply | None:

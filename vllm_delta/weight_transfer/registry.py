@@ -9,7 +9,6 @@ path, so nothing of ours is imported until the backend is used.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 BACKEND = "delta"
 

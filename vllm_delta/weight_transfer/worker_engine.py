@@ -123,7 +123,7 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
             request_id = request.id
             result = self.delta_prepare(request)
         except UpdateError as err:  # every rank refuses alike, and all of them still agree below
-            result = {"ok": False, "status": err.status, "error": err.error}
+            result = err.reply()
         self._agree(request_id, result)
 
     def _request(self, body: DeltaUpdateRequest) -> PrepareRequest:
@@ -175,8 +175,7 @@ def _validated(model: type[BaseModel], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = bad_request(exc)
-        raise DeltaTransferError(err.status, err.error["type"], err.error["message"]) from None
+        raise DeltaTransferError.of(bad_request(exc)) from None
 
 
 # The worker methods the front end's core reaches (`delta_<name>`), and those that belong inside one of
@@ -209,9 +208,11 @@ def worker_rpc(worker: Any, name: str, *args: Any) -> dict[str, Any]:
     """
     engine = getattr(worker, "weight_transfer_engine", None)
     if not isinstance(engine, DeltaWeightTransferEngine):
-        return _failure(500, "NotConfigured", f"this worker's weight-transfer engine is not `delta` ({engine!r})")
+        return UpdateError(500, "NotConfigured", f"this worker's weight-transfer engine is not `delta` "
+                           f"({engine!r})").reply()
     if name in SESSION_RPCS and not worker._weight_update_active:
-        return _failure(409, "NoUpdateSession", "no weight update in progress: call start_weight_update first")
+        return UpdateError(409, "NoUpdateSession", "no weight update in progress: call start_weight_update "
+                           "first").reply()
     try:
         if name == "end_session":
             engine._drop_staged()
@@ -219,15 +220,11 @@ def worker_rpc(worker: Any, name: str, *args: Any) -> dict[str, Any]:
             engine.reset_weight_update_target()
             return {"ok": True}
         if name not in CORE_RPCS:
-            return _failure(400, "UnknownMethod", f"no backend RPC {name!r}")
+            return UpdateError(400, "UnknownMethod", f"no backend RPC {name!r}").reply()
         return getattr(engine, f"delta_{name}")(*args)
     except Exception as exc:  # input errors come back as dicts already; anything else is ours
         logger.exception("delta backend: %s failed", name)
         return failure(500, exc)
-
-
-def _failure(status: int, kind: str, message: str) -> dict[str, Any]:
-    return {"ok": False, "status": status, "error": {"type": kind, "message": message, "file": None, "param": None}}
 
 
 def _raise_failed(result: dict[str, Any]) -> None:
