@@ -20,7 +20,7 @@ def _delta_env_restored():
     the engine `vllm serve` starts next. In a test process that would leak into every engine a later
     test starts (a "stock" server would then run with delta updates on): give them back after each test."""
     from vllm_delta.engine.cli_args import ENV_FLAG
-    from vllm_delta.engine.cli_args import ROOT_ENV
+    from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
     saved = {name: os.environ.get(name) for name in (ENV_FLAG, ROOT_ENV, "VLLM_PLUGINS")}
     yield

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_delta.engine import cli_args
-from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
 PATCHES = Path(__file__).resolve().parents[1] / "patches"
 PATCHED_FILE = Path("vllm/entrypoints/launchers/cli_args.py")

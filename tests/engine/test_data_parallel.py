@@ -31,7 +31,7 @@ from vllm_delta.engine import cli_args
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater
-from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 from vllm_delta.wire import load_manifest, write_manifest
 from vllm_delta.wire.additive import combine
 

@@ -25,7 +25,7 @@ from vllm_delta.engine.request import (DeltaUpdateRequest, NotADeltaDirError, Ou
                                        resolve_version_dir)
 from vllm_delta.engine.routes import DeltaUpdater
 from vllm_delta.plugin import DeltaUpdatesEndpoint
-from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 from vllm_delta.weight_transfer.errors import DeltaTransferError, parse_error
 from vllm_delta.weight_transfer.worker_engine import DeltaWeightTransferEngine
 

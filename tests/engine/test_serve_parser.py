@@ -13,7 +13,7 @@ import pytest
 
 from harness.s3_server import s3_env, s3_server  # noqa: F401  (fixtures: a real local store)
 from vllm_delta.engine import cli_args
-from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, 
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater
-from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 from vllm_delta.transports import s3
 from vllm_delta.transports.store import ObjectStore, StoreURL
 from vllm_delta.wire import DeltaDecoder, DeltaWriter, load_manifest, write_manifest

@@ -33,7 +33,7 @@ from vllm_delta import DeltaSender
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater
-from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 from vllm_delta.transports.store import ObjectStore, StoreAuthError, StoreError, StoreURL
 from vllm_delta.wire import MANIFEST_NAME, load_manifest
 

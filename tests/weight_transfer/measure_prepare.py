@@ -29,7 +29,7 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 from harness.tiny_models import make_tiny_model  # noqa: E402
 from harness.vllm_engine import VllmServer  # noqa: E402
 from native_helpers import NATIVE, Streams, checksums, native_update, write_delta  # noqa: E402
-from vllm_delta.engine.cli_args import ROOT_ENV  # noqa: E402
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV  # noqa: E402
 
 
 def moved(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
-from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.weight_transfer import worker_engine
 from vllm_delta.weight_transfer.routes import WeightTransferDoor

@@ -41,7 +41,7 @@ from harness.vllm_engine import VllmServer, patched_environ, start_llm
 from harness.trainer import Trainer
 from native_helpers import (HUB_ID, NATIVE, Streams, checksums, hub_cache, merged_checksums, metric_samples,
                             native_update, sample, save_trained, stage_names, ulp_step, write_delta)
-from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 SERIES = ("decode_seconds", "apply_seconds", "pause_seconds", "bytes_read", "changed_elements")

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from harness.vllm_engine import VllmServer
 from native_helpers import NATIVE, Streams, checksums, native_update, write_delta
-from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 

@@ -20,15 +20,14 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_delta import settings
+
 if TYPE_CHECKING:
     from vllm_delta.transports.store import StoreURL
 
 WORKER_EXTENSION = "vllm_delta.engine.worker.DeltaWorkerExtension"
 ENV_FLAG = "VLLM_DELTA_UPDATES"
 PLUGIN_NAME = "delta_updates"
-# The only directory the `delta` weight-transfer backend reads deltas from, as the engine processes see
-# it. `--delta-updates-root` exports it; without the CLI patch, set it in the environment.
-ROOT_ENV = "VLLM_DELTA_UPDATES_ROOT"
 ENDPOINT_GROUP = "vllm.endpoint_plugins"
 DEFAULT_MAX_STAGED_BYTES = 256 << 20
 DEFAULT_CHUNK_BYTES = DEFAULT_MAX_STAGED_BYTES  # its old name, until engine/apply.py takes the new one
@@ -110,7 +109,7 @@ class DeltaUpdatesRoot(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, values)
-        os.environ[ROOT_ENV] = str(values)
+        os.environ[settings.UPDATES_ROOT] = str(values)
         os.environ["VLLM_PLUGINS"] = ",".join(plugin_allowlist(os.environ.get("VLLM_PLUGINS")))
 
 

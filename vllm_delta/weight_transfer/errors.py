@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_delta.engine.cli_args import ROOT_ENV
+from vllm_delta import settings
 from vllm_delta.engine.http_errors import UpdateError
 
 MARKER = "[vllm-delta-error "
@@ -48,8 +48,8 @@ def parse_error(text: str) -> UpdateError | None:
 
 def delta_root() -> Path:
     """The configured root, resolved (containment compares real paths)."""
-    value = os.environ.get(ROOT_ENV)
+    value = settings.updates_root()
     if not value:
         raise DeltaTransferError(500, "NotConfigured", f"the delta backend needs a root: --delta-updates-root "
-                                 f"or {ROOT_ENV}")
+                                 f"or {settings.UPDATES_ROOT}")
     return Path(os.path.realpath(value))
