@@ -13,7 +13,9 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from . import codecs
+from .codecs import (GAP_WIDTHS, decode_gaps, decode_indices, decode_steps, encode_gaps, encode_indices, from_planes,
+                     gap_planes, gap_width, gaps_from_bytes, index_width, to_planes, ulp_streams, unpack_bits,
+                     values_from_bytes)
 from .dtypes import DType
 from .errors import FormatError, UnknownEncodingError
 
@@ -52,49 +54,49 @@ class Indices:
     """Absolute flat positions, int32 or int64 when the tensor has more than 2^31 elements."""
 
     def width(self, pos, numel):
-        return codecs.index_width(numel)
+        return index_width(numel)
 
     def encode(self, pos, numel, *, prev=-1, width=None):
-        w = codecs.index_width(numel)
-        return w, {"positions": codecs.encode_indices(pos, w)}
+        w = index_width(numel)
+        return w, {"positions": encode_indices(pos, w)}
 
     def decode(self, spans, count, width, numel, *, prev=-1, file, param):
         buf = _need(spans, "positions", file=file, param=param)
-        return codecs.decode_indices(buf, count, width, numel, prev=prev, file=file, param=param)
+        return decode_indices(buf, count, width, numel, prev=prev, file=file, param=param)
 
 
 class Gaps:
     """Gaps in one contiguous narrow-int stream (the seed's `deltas`)."""
 
     def width(self, pos, numel):
-        return codecs.gap_width(pos)
+        return gap_width(pos)
 
     def encode(self, pos, numel, *, prev=-1, width=None):
-        w, gaps = codecs.encode_gaps(pos, prev=prev, width=width)
+        w, gaps = encode_gaps(pos, prev=prev, width=width)
         return w, {"positions": gaps.tobytes()}
 
     def decode(self, spans, count, width, numel, *, prev=-1, file, param):
         buf = _need(spans, "positions", file=file, param=param)
-        gaps = codecs.gaps_from_bytes(buf, count, width, file=file, param=param)
-        return codecs.decode_gaps(gaps, numel, prev=prev, file=file, param=param)
+        gaps = gaps_from_bytes(buf, count, width, file=file, param=param)
+        return decode_gaps(gaps, numel, prev=prev, file=file, param=param)
 
 
 class GapPlanes:
     """Gaps split into byte planes `pos0..pos7`: the low plane carries the information."""
 
     def width(self, pos, numel):
-        return codecs.gap_width(pos)
+        return gap_width(pos)
 
     def encode(self, pos, numel, *, prev=-1, width=None):
-        w, planes = codecs.gap_planes(pos, prev=prev, width=width)
+        w, planes = gap_planes(pos, prev=prev, width=width)
         return w, {f"pos{j}": p for j, p in enumerate(planes)}
 
     def decode(self, spans, count, width, numel, *, prev=-1, file, param):
-        if width not in codecs.GAP_WIDTHS:
-            raise FormatError(f"gap width {width} is not one of {codecs.GAP_WIDTHS}", file=file, param=param)
+        if width not in GAP_WIDTHS:
+            raise FormatError(f"gap width {width} is not one of {GAP_WIDTHS}", file=file, param=param)
         planes = _planes(spans, "pos", width, file=file, param=param)
-        gaps = codecs.from_planes(planes, count, width, "gaps", file=file, param=param)
-        return codecs.decode_gaps(gaps, numel, prev=prev, file=file, param=param)
+        gaps = from_planes(planes, count, width, "gaps", file=file, param=param)
+        return decode_gaps(gaps, numel, prev=prev, file=file, param=param)
 
 
 class RawValues:
@@ -107,7 +109,7 @@ class RawValues:
 
     def decode(self, spans, count, d, *, file, param):
         buf = _need(spans, "values", file=file, param=param)
-        return codecs.values_from_bytes(buf, count, d, file=file, param=param)
+        return values_from_bytes(buf, count, d, file=file, param=param)
 
 
 class ValuePlanes:
@@ -116,11 +118,11 @@ class ValuePlanes:
     relative = False
 
     def encode(self, new, old, d):
-        return {f"val{j}": p for j, p in enumerate(codecs.to_planes(new))}
+        return {f"val{j}": p for j, p in enumerate(to_planes(new))}
 
     def decode(self, spans, count, d, *, file, param):
         planes = _planes(spans, "val", d.itemsize, file=file, param=param)
-        return codecs.from_planes(planes, count, d.itemsize, "values", file=file, param=param)
+        return from_planes(planes, count, d.itemsize, "values", file=file, param=param)
 
 
 class UlpSteps:
@@ -134,16 +136,16 @@ class UlpSteps:
     relative = True
 
     def encode(self, new, old, d):
-        return codecs.ulp_streams(new, old, d)
+        return ulp_streams(new, old, d)
 
     def decode(self, spans, count, d, *, file, param):
-        neg = codecs.unpack_bits(_need(spans, "sign", file=file, param=param), count, "signs",
+        neg = unpack_bits(_need(spans, "sign", file=file, param=param), count, "signs",
                                  file=file, param=param)
-        big = codecs.unpack_bits(_need(spans, "flag", file=file, param=param), count, "flags",
+        big = unpack_bits(_need(spans, "flag", file=file, param=param), count, "flags",
                                  file=file, param=param)
         planes = _planes(spans, "esc", d.itemsize, file=file, param=param)
-        esc = codecs.from_planes(planes, int(big.sum()), d.itemsize, "escapes", file=file, param=param)
-        return codecs.decode_steps(neg, big, esc, d)
+        esc = from_planes(planes, int(big.sum()), d.itemsize, "escapes", file=file, param=param)
+        return decode_steps(neg, big, esc, d)
 
 
 Compression = Literal["none", "file", "streams"]

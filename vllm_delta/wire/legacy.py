@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from . import codecs
+from .codecs import check_numel, decode_gaps, decode_indices, gaps_from_bytes
 from .dtypes import DType, by_name, from_bits, to_bits
 from .errors import FormatError, IntegrityError, UnknownEncodingError
 from .flush import Expected, FlushHeader, ParamDelta, check_expected, meta_int, meta_json
@@ -90,7 +90,7 @@ def decode_seed_flush(tensors, meta: Mapping[str, str], *, file: str,
             raise FormatError("negative dimension", file=file, param=p.name)
         check_expected(p.name, shape, d.torch, expected, file=file)
         numel = int(np.prod(shape, dtype=object))
-        codecs.check_numel(numel, param=p.name)
+        check_numel(numel, param=p.name)
         count = p.val_end - p.val_start
         if not (0 <= p.pos_start <= p.pos_end <= len(pos_t.data) and 0 <= p.val_start <= p.val_end <= all_values.size):
             raise FormatError("param spans lie outside the blobs", file=file, param=p.name)
@@ -98,10 +98,10 @@ def decode_seed_flush(tensors, meta: Mapping[str, str], *, file: str,
             raise FormatError(f"{count} changes in {numel} elements", file=file, param=p.name)
         blob = pos_t.data[p.pos_start:p.pos_end]
         if encoding == "indices":
-            pos = codecs.decode_indices(blob, count, p.pos_width, numel, file=file, param=p.name)
+            pos = decode_indices(blob, count, p.pos_width, numel, file=file, param=p.name)
         else:
-            gaps = codecs.gaps_from_bytes(blob, count, p.pos_width, file=file, param=p.name)
-            pos = codecs.decode_gaps(gaps, numel, file=file, param=p.name)
+            gaps = gaps_from_bytes(blob, count, p.pos_width, file=file, param=p.name)
+            pos = decode_gaps(gaps, numel, file=file, param=p.name)
         values = _narrow(all_values[p.val_start:p.val_end], vd, d, file=file, param=p.name)
         if count:  # the seed may list a param with nothing changed
             out.append(ParamDelta(p.name, shape, d.torch, torch.from_numpy(pos), values, False))
