@@ -31,7 +31,7 @@ from harness.perturb import perturb_tensor  # noqa: E402
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
 from vllm_delta.wire import iter_delta, open_delta  # noqa: E402
 from vllm_delta.wire.container import paused_gc  # noqa: E402
-from vllm_delta.wire.flush import DeltaBatch  # noqa: E402
+from vllm_delta.wire.deltas import DeltaBatch  # noqa: E402
 
 MODEL = "glm-4.7-355b-a32b"
 

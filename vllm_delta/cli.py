@@ -79,7 +79,7 @@ def summarize(info: DeltaInfo) -> dict:
         torch.Size(p.shape).numel() for p in m.params)
     per = lambda b, c: b / c if c else None  # noqa: E731
     return {
-        "path": str(info.path), "format": "seed" if info.legacy else m.format, "version": m.version,
+        "path": str(info.path), "format": "seed" if info.seed else m.format, "version": m.version,
         "base_version": m.base_version, "encoding": m.encoding,
         "idempotent": info.encoding.idempotent, "needs_base": info.encoding.needs_base,
         "params": len(m.params), "changed": m.changed, "elements": elements, "elements_scope": scope,

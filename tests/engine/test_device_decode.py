@@ -19,7 +19,7 @@ from vllm_delta.engine import batched
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.owned import owned_by_tensor
-from vllm_delta.wire import CorruptDeltaError, batch_device, iter_delta, open_delta
+from vllm_delta.wire import CorruptDeltaError, batch, batch_device, iter_delta, open_delta
 from wire.test_batch import _retouched, _Z
 
 DC = device_check()
@@ -99,8 +99,8 @@ def test_forced_device_decode_on_cpu_stages_what_the_host_path_stages(tmp_path, 
     DC.write_delta(tmp_path / "d", base, DC.step(base, 0.3, seed=1), version=1)
     meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
     calls = []
-    real = batch_device.decode
-    monkeypatch.setattr(batch_device, "decode", lambda *a: calls.append(1) or real(*a))
+    real = batch.device_decode
+    monkeypatch.setattr(batch, "device_decode", lambda *a: calls.append(1) or real(*a))
 
     def staged(force: bool):
         model = DC.SyntheticLM(cfg, rank=rank, tp=tp)

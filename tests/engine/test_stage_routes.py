@@ -20,7 +20,7 @@ from vllm_delta.engine import routing
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import Ownership
 from vllm_delta.wire import iter_delta, open_delta
-from vllm_delta.wire.flush import DeltaBatch
+from vllm_delta.wire.deltas import DeltaBatch
 
 DC = device_check()
 BF16 = torch.bfloat16

@@ -16,7 +16,7 @@ import torch
 import zstandard
 
 from vllm_delta.wire import CorruptDeltaError, DeltaWriter, Limits, bytes_digest, iter_delta, open_delta
-from vllm_delta.wire import batch, container, flush
+from vllm_delta.wire import batch, batch_frames, container, flush
 from vllm_delta.wire.blocks import Policy
 from vllm_delta.wire.container import pack, unpack
 
@@ -62,7 +62,7 @@ def per_param_path(monkeypatch):
     """Send every flush to the per-param path (the reference implementation)."""
     def refuse(*args, **kwargs):
         raise batch.Fallback
-    monkeypatch.setattr(batch, "parse", refuse)
+    monkeypatch.setattr(flush, "index_flush", refuse)
 
 
 def decode(path, owned=None):
@@ -182,11 +182,11 @@ def zstd_counts(monkeypatch, path) -> tuple[int, int, int, int]:
         pass
 
     parses = []
-    real_parse_index = flush.blocks.parse_index
+    real_parse_index = flush.parse_index
     with monkeypatch.context() as m:
         m.setattr(zstandard, "ZstdDecompressor", Counting)
         m.setattr(container, "_local", threading.local())  # this thread's context is made afresh
-        m.setattr(flush.blocks, "parse_index", lambda *a, **k: parses.append(1) or real_parse_index(*a, **k))
+        m.setattr(flush, "parse_index", lambda *a, **k: parses.append(1) or real_parse_index(*a, **k))
         assert sum(d.count for d in decode(path)) > 0
     return Counting.made, Counting.frames, Counting.batches, len(parses)
 
@@ -302,9 +302,9 @@ def test_frames_of_every_block_kind_pass_and_trailing_bytes_do_not():
     offset = np.cumsum([0] + [len(f) for f in frames[:-1]])
     stored = np.array([len(f) for f in frames])
     decoded = np.array([len(p) for p in payloads])
-    assert batch._frames(memoryview(stream), offset, stored, decoded) == b"".join(payloads)
+    assert batch_frames.frames(memoryview(stream), offset, stored, decoded) == b"".join(payloads)
     padded = b"".join(f + b"\0" for f in frames)
     with pytest.raises(batch.Fallback):
-        batch._frames(memoryview(padded), offset + np.arange(len(frames)), stored + 1, decoded)
+        batch_frames.frames(memoryview(padded), offset + np.arange(len(frames)), stored + 1, decoded)
     with pytest.raises(batch.Fallback):  # the index says one byte more than the header
-        batch._frames(memoryview(stream), offset, stored, decoded + 1)
+        batch_frames.frames(memoryview(stream), offset, stored, decoded + 1)

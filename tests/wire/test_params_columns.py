@@ -1,9 +1,9 @@
-"""A block-indexed flush's params read as columns from the JSON text (wire/params_columns.py) are what
-the JSON path makes of them, and anything that path alone should decide is left to it.
+"""A block-indexed flush's params read as columns from the JSON text (`flush_meta.heads_from_text`) are
+what the JSON path makes of them, and anything that path alone should decide is left to it.
 
 Why: the JSON parse of a flush's params and its walk were ~5 us a checkpoint tensor of prepare at
 GLM-4.7's count (docs/results/scale.md, "Prepare per-tensor cost (session 10)"). The reference is
-the JSON path itself (`batch.Heads.of` of the parsed JSON and `batch.Rows.of` of its blocks): for
+the JSON path itself (`flush_meta.parse_params` of the parsed JSON and `Rows.of` of its blocks): for
 every input, the columns are None or equal to it, field for field. The JSON's own objects are
 COUNTED, never timed: the columns path parses none a tensor.
 """
@@ -15,13 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError
 
-from vllm_delta.wire import FormatError, batch, container, flush, iter_delta, params_columns
+from vllm_delta.wire import FormatError, container, flush, flush_meta, iter_delta
 from vllm_delta.wire.blocks import Policy
 from vllm_delta.wire.container import Limits
 from vllm_delta.wire.encodings import get_encoding
-from vllm_delta.wire.flush import ParamChange, encode_flush, open_flush
+from vllm_delta.wire.deltas import ParamChange
+from vllm_delta.wire.flush import open_flush
+from vllm_delta.wire.flush_encode import encode_flush
+from vllm_delta.wire.flush_meta import Heads, Rows, heads_from_text, parse_params
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -55,24 +57,22 @@ def _reference(text: str):
         raw = container.json_loads(text)
     except ValueError:
         return "not JSON"
-    heads = batch.Heads.of(raw)
-    if heads is None:
-        return "schema"
     try:
-        rows = batch.Rows.of(heads.blocks)
-    except batch.Fallback:
-        return "per-param path"
-    return _fields(heads, rows)
+        heads = parse_params(raw, blocked=True, file="f")
+    except FormatError:
+        return "schema"
+    rows = Rows.of(heads.blocks)
+    return "per-param path" if rows is None else _fields(heads, rows)
 
 
-def _fields(heads: batch.Heads, rows: batch.Rows) -> tuple:
+def _fields(heads: Heads, rows: Rows) -> tuple:
     return (list(heads.name), list(heads.dtype), [tuple(s) for s in heads.shape], list(heads.count),
             list(heads.width), [tuple(s) for s in heads.streams],
             *(getattr(rows, f).tolist() for f in ("nrows", "head", "frames", "lens")))
 
 
 def _columns(text: str):
-    got = params_columns.heads(text)
+    got = heads_from_text(text)
     return None if got is None else _fields(got, got.rows)
 
 
@@ -160,9 +160,9 @@ def test_edited_params_give_the_json_paths_columns_or_are_left_to_it(case):
 
 def test_not_text_or_kernels_off_is_left_to_the_json_path(monkeypatch):
     text = _text()
-    assert params_columns.heads(text.encode()) is None and params_columns.heads(None) is None
+    assert heads_from_text(text.encode()) is None and heads_from_text(None) is None
     monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
-    assert params_columns.heads(text) is None
+    assert heads_from_text(text) is None
 
 
 def _write(path: Path, n: int) -> Path:
@@ -203,7 +203,7 @@ def test_no_json_object_a_tensor_for_the_writers_params(tmp_path, monkeypatch, n
         return real(text)
 
     monkeypatch.setattr(container, "json_loads", counting)
-    monkeypatch.setattr(params_columns, "json_loads", counting)
+    monkeypatch.setattr(flush_meta, "json_loads", counting)
     list(iter_delta(path, current_version=0))
     # The container's header (bytes: the params text is one JSON string in it), the streams' metadata,
     # and the distinct shape and stream lists (3 shapes; a stream list per dtype and gap width).
@@ -215,13 +215,13 @@ def test_no_json_object_a_tensor_for_the_writers_params(tmp_path, monkeypatch, n
 def test_bad_params_still_give_the_json_paths_error():
     """A flush's params the columns leave to the JSON path raise what that path raises."""
     text = _edit(_text(), '"count":2,', '"count":0,')
-    assert params_columns.heads(text) is None
+    assert heads_from_text(text) is None
     with pytest.raises(FormatError, match="bad flush metadata") as got:
         flush._iter_flush(get_encoding("ulp_zstd"), flush.FlushHeader("ulp_zstd", 1, 0), True, {},
                           {"streams": "{}", "params": text}, 1 << 30, file="f", expected=None, owned=None)
-    with pytest.raises(ValidationError) as want:
-        flush._BLOCKED_LIST.validate_python(json.loads(text))
-    assert str(want.value) in str(got.value)
+    with pytest.raises(FormatError) as want:
+        parse_params(json.loads(text), blocked=True, file="f")
+    assert str(want.value) == str(got.value)
 
 
 def _synthetic(shapes: int) -> str:
@@ -236,4 +236,4 @@ def test_many_distinct_shapes_are_read_up_to_the_tables_bound():
 
     text = _synthetic(_params_kernel.MAX_DISTINCT)
     assert _columns(text) == _reference(text)
-    assert params_columns.heads(_synthetic(_params_kernel.MAX_DISTINCT + 1)) is None  # left to the JSON path
+    assert heads_from_text(_synthetic(_params_kernel.MAX_DISTINCT + 1)) is None  # left to the JSON path

@@ -33,7 +33,7 @@ def test_seed_directory_without_manifest_is_a_valid_delta(tmp_path, encoding, pr
     (d / "rank0001_flush000000.safetensors").write_bytes(seed_flush_bytes(changes[1:], encoding=encoding,
                                                                           version=4, promote=promote))
     info = open_delta(d)
-    assert info.legacy and info.manifest.version == 4 and info.manifest.changed == 7
+    assert info.seed and info.manifest.version == 4 and info.manifest.changed == 7
     out = {name: old.clone() for name, old, _ in changes}
     for pd in read_delta(d, expected={k: (v.shape, v.dtype) for k, v in out.items()}):
         assert pd.dtype == out[pd.name].dtype  # promoted fp32 values come back as bf16, exactly

@@ -19,7 +19,7 @@ from vllm_delta.diff import diff_param
 from vllm_delta.wire import IntegrityError, open_delta, read_delta
 from vllm_delta.wire.codecs import encode_gaps
 from vllm_delta.wire.dtypes import by_torch
-from vllm_delta.wire.legacy import seed_hash
+from vllm_delta.wire.seed_format import seed_hash
 
 INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -83,7 +83,7 @@ def test_seed_file_checksummed_by_torch_hash_tensor_is_read(tmp_path, encoding, 
     changes = bf16_changes(promote)
     (tmp_path / "rank0000_flush000000.safetensors").write_bytes(seed_file(changes, encoding, promote))
     info = open_delta(tmp_path)
-    assert info.legacy and info.manifest.version == 3
+    assert info.seed and info.manifest.version == 3
     out = {name: old.clone() for name, old, _ in changes}
     for pd in read_delta(tmp_path, expected={k: (v.shape, v.dtype) for k, v in out.items()}):
         pd.apply_(out[pd.name])

@@ -52,7 +52,7 @@ from vllm_delta.wire import (
 from vllm_delta.wire.additive import partial_sum, to_hex
 from vllm_delta.wire.batch_device import Destinations
 from vllm_delta.wire.container import paused_gc
-from vllm_delta.wire.flush import DeltaBatch
+from vllm_delta.wire.deltas import DeltaBatch
 
 __all__ = ["ApplyFault", "DeltaApplier", "StagedUpdate"]
 

@@ -20,7 +20,7 @@ from vllm_delta.engine.owned import owned_by_tensor
 from vllm_delta.engine.placement import Segment, TensorPlacement
 from vllm_delta.engine.transforms import OffsetMap
 from vllm_delta.engine.staging import Named, check_resolvable, flat_storage
-from vllm_delta.wire.flush import DeltaBatch
+from vllm_delta.wire.deltas import DeltaBatch
 
 # A tensor's way through `stage`: replayed through its loader, batched, or masked alone.
 FALLBACK, BATCH, MASKED = 0, 1, 2

@@ -3,7 +3,7 @@
 Decoded tensors are gathered into batches of about `BATCH_BYTES`; each batch is located,
 digested and staged with a constant number of ops per destination (engine/batched.py). Tensors
 whose elements this rank may count twice (held twice here, or also by a lower rank) keep their own
-counted-once masks, a tensor at a time. A `DeltaBatch` (wire/flush.py) is taken whole where all
+counted-once masks, a tensor at a time. A `DeltaBatch` (wire/deltas.py) is taken whole where all
 of its tensors are batched, else a tensor at a time. Tensors the probe could not map are staged by
 replaying their loader (engine/fallback.py).
 """
@@ -40,7 +40,7 @@ from vllm_delta.wire import Manifest, ParamDelta, get_encoding
 from vllm_delta.wire.additive import partial_sum
 from vllm_delta.wire.batch_device import Destinations
 from vllm_delta.wire.codecs import ulp_resolve_tensor
-from vllm_delta.wire.flush import DeltaBatch
+from vllm_delta.wire.deltas import DeltaBatch
 
 # Decoded tensors are located and staged together once they hold this many bytes (engine/batched.py).
 BATCH_BYTES = 64 << 20

@@ -55,7 +55,8 @@ from vllm_delta.transports.store import (ObjectStore, StoreAuthError, StoreError
 from vllm_delta.wire import MANIFEST_NAME, FileEntry, FlushBuilder, Manifest, blocks, parse_manifest
 from vllm_delta.wire.container import ZSTD_MAGIC, Limits, SparseFile
 from vllm_delta.wire.errors import DeltaError, IncompleteDeltaError, IntegrityError, LimitError
-from vllm_delta.wire.flush import FORMAT_BLOCKS, Owned
+from vllm_delta.wire.flush import Owned
+from vllm_delta.wire.flush_meta import FORMAT_BLOCKS
 
 logger = logging.getLogger(__name__)
 

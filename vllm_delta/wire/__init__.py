@@ -11,14 +11,15 @@ from .errors import (BoundsError, CorruptDeltaError, DeltaError, DtypeMismatchEr
                      IncompatibleDeltaError, IncompleteDeltaError, IntegrityError, LimitError,
                      ShapeMismatchError, UnknownDtypeError, UnknownEncodingError, UnknownParamError,
                      VersionError)
-from .flush import EncodedFlush, ParamChange, ParamDelta, encode_flush
+from .deltas import DeltaBatch, ParamChange, ParamDelta
+from .flush_encode import EncodedFlush, encode_flush
 from .manifest import (MANIFEST_NAME, FileEntry, Lineage, LineageError, Manifest, ParamEntry, check_lineage,
                        load_manifest, merge_manifests, parse_manifest, write_manifest)
 from .reader import DeltaDecoder, DeltaInfo, iter_delta, open_delta, read_delta
 from .writer import DeltaWriter, FlushBuilder, file_entry, flush_name
 
 __all__ = [
-    "BoundsError", "CorruptDeltaError", "DEFAULT_ENCODING", "DeltaDecoder", "DeltaError", "DeltaInfo",
+    "BoundsError", "CorruptDeltaError", "DEFAULT_ENCODING", "DeltaBatch", "DeltaDecoder", "DeltaError", "DeltaInfo",
     "DeltaWriter", "DtypeMismatchError", "FlushBuilder", "ENCODINGS", "EncodedFlush", "Encoding", "FileEntry",
     "FormatError", "HASH_ALGO", "IncompatibleDeltaError", "IncompleteDeltaError", "IntegrityError",
     "Limits", "Lineage", "LineageError", "LimitError", "MANIFEST_NAME", "Manifest", "ParamChange", "ParamDelta",

@@ -1,7 +1,7 @@
-"""The numba scan of a block-indexed flush's `params` JSON in the writer's form (wire/params_columns.py).
+"""The numba scan of a block-indexed flush's `params` JSON in the writer's form (wire/flush_meta.heads_from_text).
 
 Imported on first use (numba costs ~0.3 s to import). It accepts only the exact bytes
-`json.dumps(params, separators=(",", ":"))` writes for `flush.encode_flush`'s entries, ASCII with no
+`json.dumps(params, separators=(",", ":"))` writes for `flush_encode.encode_flush`'s entries, ASCII with no
 escapes; for anything else it returns -1 and the caller parses the JSON as before.
 """
 

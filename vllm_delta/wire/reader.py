@@ -24,8 +24,10 @@ from .digest import bytes_digest
 from .dtypes import by_name
 from .encodings import Encoding, get_encoding
 from .errors import (BoundsError, DeltaError, FormatError, IncompleteDeltaError, IntegrityError, VersionError)
-from .flush import FLUSH_FORMATS, DeltaBatch, Expected, Owned, ParamDelta, check_expected, iter_flush, open_flush
-from .legacy import decode_seed_flush, is_seed
+from .deltas import DeltaBatch, ParamDelta
+from .flush import Owned, iter_flush, open_flush
+from .flush_meta import FLUSH_FORMATS, Expected, check_expected
+from .seed_format import decode_seed_flush, is_seed
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, parse_manifest
 
 FLUSH_GLOB = "rank*_flush*.safetensors"
@@ -41,7 +43,7 @@ class DeltaInfo:
 
     path: Path
     manifest: Manifest
-    legacy: bool
+    seed: bool
     dir: DeltaDir
 
     @property
@@ -57,8 +59,8 @@ class DeltaDecoder:
     """
 
     def __init__(self, manifest: Manifest, *, expected: Expected | None = None,
-                 current_version: int | None = None, legacy: bool = False, limits: Limits = Limits()):
-        self.manifest, self.expected, self.legacy, self.limits = manifest, expected, legacy, limits
+                 current_version: int | None = None, seed: bool = False, limits: Limits = Limits()):
+        self.manifest, self.expected, self.seed, self.limits = manifest, expected, seed, limits
         self.encoding = get_encoding(manifest.encoding)
         if self.encoding.needs_base and current_version != manifest.base_version:
             raise VersionError(f"encoding {self.encoding.name!r} applies only on version "
@@ -72,7 +74,7 @@ class DeltaDecoder:
         # comparison; where either does not pass, a param at a time (`_check_heads`) for the precise error.
         params = manifest.params
         self._names = names = list(map(attrgetter("name"), params))
-        self._changed = changed = list(map(attrgetter("changed"), params))
+        self._changed = list(map(attrgetter("changed"), params))
         shapes = list(map(tuple, map(attrgetter("shape"), params)))
         dnames = list(map(attrgetter("dtype"), params))
         try:
@@ -149,9 +151,9 @@ class DeltaDecoder:
         if sparse and not all(p.post_digest for p in self.manifest.params if name in p.files):
             raise IntegrityError("a sparse fetch is only verifiable with every param's post_digest", file=name)
         tensors, meta, budget = open_flush(data, file=name, limits=self.limits,
-                                           max_decoded=None if self.legacy else entry.decoded_bytes,
+                                           max_decoded=None if self.seed else entry.decoded_bytes,
                                            expected_hash=None if sparse else entry.hash)
-        if self.legacy:
+        if self.seed:
             header, deltas = decode_seed_flush(tensors, meta, file=name, expected=self.expected)
         elif meta.get("format") not in FLUSH_FORMATS:
             raise FormatError(f"format {meta.get('format')!r} is not one of {FLUSH_FORMATS}", file=name)
@@ -160,7 +162,7 @@ class DeltaDecoder:
                                         batches=batches)
         m = self.manifest
         if (header.encoding, header.version) != (m.encoding, m.version) or (
-                not self.legacy and header.base_version != m.base_version):
+                not self.seed and header.base_version != m.base_version):
             raise FormatError("flush header disagrees with the manifest's encoding or versions", file=name)
         return iter(deltas)
 
@@ -291,12 +293,12 @@ def open_delta(path: str | os.PathLike | DeltaDir, *, files: Sequence[str] | Non
         for f in m.files:
             if not d.has(f.name):
                 raise IncompleteDeltaError("file named by the manifest is missing", file=f.name)
-        return DeltaInfo(d.path, m, legacy=False, dir=d)
+        return DeltaInfo(d.path, m, seed=False, dir=d)
     names = list(files) if files is not None else sorted(n for n in d.names() if fnmatch(n, FLUSH_GLOB))
     if not names:
         raise IncompleteDeltaError("no manifest and no flush files: the delta is unfinished",
                                    file=MANIFEST_NAME)
-    return DeltaInfo(d.path, _synthesize_seed_manifest(d, names, limits), legacy=True, dir=d)
+    return DeltaInfo(d.path, _synthesize_seed_manifest(d, names, limits), seed=True, dir=d)
 
 
 def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | None = None,
@@ -316,8 +318,8 @@ def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | Non
     """
     info = delta if isinstance(delta, DeltaInfo) else open_delta(delta, files=files, limits=limits)
     dec = DeltaDecoder(info.manifest, expected=expected, current_version=current_version,
-                       legacy=info.legacy, limits=limits)
-    wanted = None if files is None or info.legacy else set(files)
+                       seed=info.seed, limits=limits)
+    wanted = None if files is None or info.seed else set(files)
     entries = [e for e in info.manifest.files if wanted is None or e.name in wanted]
     if threads > 1 and len(entries) > 1:
         yield from _decoded_ahead(info, dec, entries, owned, threads, batches)

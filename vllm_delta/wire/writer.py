@@ -12,7 +12,8 @@ from .blocks import Policy
 from .digest import bytes_digest
 from .dtypes import by_torch
 from .encodings import DEFAULT_ENCODING, get_encoding
-from .flush import EncodedFlush, ParamChange, encode_flush
+from .deltas import ParamChange
+from .flush_encode import EncodedFlush, encode_flush
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, write_atomic, write_manifest
 
 

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from .codecs import check_numel, decode_gaps, decode_indices, gaps_from_bytes
 from .dtypes import DType, by_name, from_bits, to_bits
 from .errors import FormatError, IntegrityError, UnknownEncodingError
-from .flush import Expected, FlushHeader, ParamDelta, check_expected, meta_int, meta_json
+from .deltas import ParamDelta
+from .flush_meta import Expected, FlushHeader, check_expected, meta_int, meta_json
 
 SEED_ENCODINGS = ("indices", "deltas", "deltas_zstd")
 _MASK64 = (1 << 64) - 1
