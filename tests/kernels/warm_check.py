@@ -15,7 +15,7 @@ import torch
 from harness.synthetic import device_check
 from vllm_delta.kernels.warmup import warm_up
 
-MODULES = ("digest_jit", "gaps_jit", "scan_jit", "scatter_jit", "ulp_jit")
+MODULES = ("digest_jit", "gaps_jit", "params_jit", "scan_jit", "scatter_jit", "ulp_jit")
 
 
 def signatures() -> dict[str, int]:

@@ -232,7 +232,7 @@ def _synthetic(shapes: int) -> str:
 
 
 def test_many_distinct_shapes_are_read_up_to_the_tables_bound():
-    from vllm_delta.wire import _params_kernel
+    from vllm_delta.kernels import params_jit as _params_kernel
 
     text = _synthetic(_params_kernel.MAX_DISTINCT)
     assert _columns(text) == _reference(text)

@@ -47,7 +47,9 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 def _engine(widths: list[int]) -> None:
-    from vllm_delta.kernels import digest_jit, gaps_jit, scatter_jit
+    from vllm_delta.kernels import digest_jit, gaps_jit, params_jit, scatter_jit
+
+    params_jit.scan(np.frombuffer(b"[]", dtype=np.uint8), params_jit.KEYS)  # a flush's params text
 
     for w in GAP_WIDTHS:  # decoded gaps: read-only over a file's bytes, writable once decompressed
         for gaps in (np.zeros(1, _UINT[w]), _read_only(np.zeros(1, _UINT[w]))):

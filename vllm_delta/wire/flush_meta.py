@@ -223,9 +223,6 @@ def _check_entry(i: int, p: object, fields: tuple[str, ...], *, file: str) -> No
             raise FormatError(f"bad flush metadata: params[{i}].{f} is not {want}", file=file, param=param)
 
 
-_KEYS = tuple(np.frombuffer(k.encode(), dtype=np.uint8) for k in (
-    '{"name":', ',"dtype":', ',"shape":', ',"count":', ',"width":', ',"streams":', ',"blocks":'))
-
 
 def heads_from_text(text: object) -> Heads | None:
     """A block-indexed flush's `params` columns read straight from the text the writer writes, or None
@@ -233,7 +230,7 @@ def heads_from_text(text: object) -> Heads | None:
 
     Why: parsed as JSON, a flush's params are ~17 Python objects a checkpoint tensor, then walked as
     columns: 34 vs 26 us a tensor of prepare at GLM-4.7's count (44k tensors a flush; benchmarks/
-    reader_per_tensor.py, CPU time, medians of 3). One compiled scan (wire/_params_kernel.py) reads
+    reader_per_tensor.py, CPU time, medians of 3). One compiled scan (kernels/params_jit.py) reads
     `flush_encode`'s bytes (compact JSON, ASCII, no escape, the keys in its order) into arrays; a
     tensor then costs its name and three short strings looked up in small tables. Anything else
     (other spacing or key order, escapes, floats, ints past 18 digits, values `parse_params` refuses),
@@ -245,10 +242,11 @@ def heads_from_text(text: object) -> Heads | None:
         raw = text.encode("ascii")
     except UnicodeEncodeError:
         return None
-    from ._params_kernel import COUNT, DTYPE, NAME_A, NAME_B, NROWS, SHAPE, STREAMS, WIDTH, scan  # numba: on use
+    from vllm_delta.kernels.params_jit import (COUNT, DTYPE, KEYS, NAME_A, NAME_B, NROWS, SHAPE, STREAMS, WIDTH,
+                                               scan)  # numba: on first use
 
     n, nrows, nframes, spans, distinct, counts, head, frame_at, lens = scan(
-        np.frombuffer(raw, dtype=np.uint8), _KEYS)
+        np.frombuffer(raw, dtype=np.uint8), KEYS)
     if n < 1:
         return None
     texts = [[text[a:b] for a, b in distinct[field, :counts[field]].tolist()] for field in range(3)]

@@ -1,8 +1,10 @@
-"""The numba scan of a block-indexed flush's `params` JSON in the writer's form (wire/flush_meta.heads_from_text).
+"""The numba scan of a block-indexed flush's `params` JSON in the writer's form.
 
-Imported on first use (numba costs ~0.3 s to import). It accepts only the exact bytes
-`json.dumps(params, separators=(",", ":"))` writes for `flush_encode.encode_flush`'s entries, ASCII with no
-escapes; for anything else it returns -1 and the caller parses the JSON as before.
+`wire.flush_meta.heads_from_text`'s kernel; its reference is `flush_meta.parse_params` of the parsed
+JSON, which it is tested equal to (tests/wire/test_params_columns.py). Imported on first use (numba
+costs ~0.3 s to import). It accepts only the exact bytes `json.dumps(params, separators=(",", ":"))`
+writes for `wire.flush_encode.encode_flush`'s entries, ASCII with no escapes; for anything else it
+returns -1 and the caller parses the JSON.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+# The keys of an entry, in the writer's order, with what precedes each (`scan`'s `keys`).
+KEYS = tuple(np.frombuffer(k.encode(), dtype=np.uint8) for k in (
+    '{"name":', ',"dtype":', ',"shape":', ',"count":', ',"width":', ',"streams":', ',"blocks":'))
 # Per param, the columns of `scan`'s `spans` output; the ids are of `scan`'s `distinct` texts.
 NAME_A, NAME_B, DTYPE, SHAPE, COUNT, WIDTH, STREAMS, NROWS = range(8)
 MAX_DISTINCT = 2048  # distinct dtypes, shapes or stream lists a flush: past it, the JSON path reads it
