@@ -10,7 +10,7 @@ returns -1 and the caller parses the JSON.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from vllm_delta.kernels.jit import kernel
 
 # The keys of an entry, in the writer's order, with what precedes each (`scan`'s `keys`).
 KEYS = tuple(np.frombuffer(k.encode(), dtype=np.uint8) for k in (
@@ -23,7 +23,7 @@ _QUOTE, _BACKSLASH, _COMMA, _LBRACKET, _RBRACKET, _LBRACE, _RBRACE = 34, 92, 44,
 _MAX_DIGITS = 18  # every such int fits int64; a longer one is the JSON parser's to read
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _literal(buf, at, text):
     """The position after `text` when `buf` holds it at `at`, else -1."""
     if at + text.size > buf.size:
@@ -34,7 +34,7 @@ def _literal(buf, at, text):
     return at + text.size
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _intern(buf, a, b, slots, distinct, n, field):
     """The id of the text buf[a:b] among field `field`'s distinct texts (added where new), or -1 past
     MAX_DISTINCT. `slots[field]` is an open-addressing table of ids by FNV-1a hash of the bytes."""
@@ -64,7 +64,7 @@ def _intern(buf, a, b, slots, distinct, n, field):
         j = (j + 1) & (_SLOTS - 1)
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _string(buf, at):
     """The end (its closing quote) of a JSON string opening at `at` with no escape, no control byte
     and no byte past ASCII, else -1."""
@@ -81,7 +81,7 @@ def _string(buf, at):
     return -1
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _int(buf, at, out, k):
     """A JSON int of at most _MAX_DIGITS digits at `at` into out[k]: the position after it, else -1."""
     i = at
@@ -100,7 +100,7 @@ def _int(buf, at, out, k):
     return i
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _ints(buf, at, out, k):
     """A JSON list of ints at `at` into out[k:]: (the position after it, how many), else (-1, 0)."""
     if at >= buf.size or buf[at] != _LBRACKET:
@@ -123,7 +123,7 @@ def _ints(buf, at, out, k):
         i += 1
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def _strings(buf, at):
     """The position after a JSON list of strings (as `_string` takes them) at `at`, else -1."""
     if at >= buf.size or buf[at] != _LBRACKET:
@@ -143,7 +143,7 @@ def _strings(buf, at):
         i += 1
 
 
-@njit(nogil=True, cache=True)
+@kernel
 def scan(buf, keys):
     """(params, rows, frames, spans, distinct, counts, heads, frame_at, lens) of the params JSON in `buf`,
     or params -1.
