@@ -37,7 +37,7 @@ def main(encoding: str) -> None:
     cfg = DC.SIZES["tiny"]
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=1)
-    warm_up({t.dtype for t in base.values()}, sender=True)
+    warm_up({t.dtype for t in base.values()}, sender=True)  # both sides, as the engine and the sender do
     before = signatures()
     producer = Producer(snapshot="device", post_hash=False)
     live = {n: t.clone() for n, t in base.items()}

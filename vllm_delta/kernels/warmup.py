@@ -1,15 +1,15 @@
 """Compile every kernel before a first sync needs it.
 
-Why: numba compiles a kernel on its first call for each signature (its arguments' types): about
-11 s for the engine's set on one core here with a cold cache, and about 1 s with a warm one (numba's
-import and first dispatch). A user's first sync paid that (6.8 s against 1.8 s for the same push
-once compiled). The engine calls `warm_up` in its startup placement probe (engine/worker.py
-`delta_probe`), off the serving path; numba's cache (`cache=True`: beside the package, or under the
-user's cache directory where that is read-only) lets a later start load the kernels instead.
+Why: numba compiles a kernel on its first call for each signature (its arguments' types): 11-17 s
+for an engine's first apply on one core here with a cold cache, over 1 s with a cached one (numba's
+import and first dispatch; docs/results/kernels.md). A user's first sync paid that (6.8 s against
+1.8 s for the same push once compiled). The engine calls `warm_up` in its startup placement probe
+(engine/worker.py `delta_probe`), off the serving path, and the sender when it takes its snapshot
+(`DeltaSender.seed`). numba's cache (`jit.kernel`) lets a later start load the kernels instead.
 
 Each call below passes the argument types a sync passes (element width, int32 offsets, read-only
 buffers decoded from a file), so a sync of those types compiles nothing: tests/kernels/test_warmup.py
-checks that a whole apply after `warm_up` adds no signature to any kernel.
+checks that a sender's scan and encode and an engine's apply after `warm_up` add no signature.
 """
 
 from __future__ import annotations
@@ -26,15 +26,22 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 GAP_WIDTHS = (1, 2, 4, 8)  # `wire.codecs.GAP_WIDTHS`: what a delta's gaps may be coded in, whatever the dtype
 
 
-def warm_up(dtypes: Iterable[torch.dtype] = (torch.bfloat16,), *, sender: bool = False) -> float:
-    """Compile (or load from numba's cache) the engine's kernels for values of these dtypes (the
-    model's parameters and checkpoint tensors), and with `sender` the sender's too; the seconds it
-    took. Nothing with the kernels switched off."""
+def warm_up(dtypes: Iterable[torch.dtype] = (torch.bfloat16,), *, engine: bool = True,
+            sender: bool = False) -> float:
+    """Compile (or load from numba's cache) the digest's kernel and, with `engine`, the engine's
+    (decode, scatter, read-back), with `sender` the sender's (scan, encode), for values of these
+    dtypes (the model's parameters and checkpoint tensors); the seconds it took. Nothing with the
+    kernels switched off."""
     if not switch.on():
         return 0.0
     start = time.perf_counter()
     widths = sorted({torch.empty(0, dtype=d).element_size() for d in dtypes} & _UINT.keys())
-    _engine(widths)
+    from vllm_delta.kernels import digest_jit
+
+    for w in widths:
+        digest_jit.segment_sums(np.zeros(1, np.int64), np.zeros(1, _UINT[w]), np.zeros(1, np.int64), 0, 1)
+    if engine:
+        _engine(widths)
     if sender:
         _sender(widths)
     return time.perf_counter() - start
@@ -47,7 +54,7 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 
 def _engine(widths: list[int]) -> None:
-    from vllm_delta.kernels import digest_jit, gaps_jit, params_jit, scatter_jit
+    from vllm_delta.kernels import gaps_jit, params_jit, scatter_jit
 
     params_jit.scan(np.frombuffer(b"[]", dtype=np.uint8), params_jit.KEYS)  # a flush's params text
 
@@ -56,7 +63,6 @@ def _engine(widths: list[int]) -> None:
             gaps_jit.positions(gaps, 2, -1, np.empty(1, np.int64))
     for w in widths:
         u = _UINT[w]
-        digest_jit.segment_sums(np.zeros(1, np.int64), np.zeros(1, u), np.zeros(1, np.int64), 0, 1)
         flat, offsets, values = np.zeros(2, u), np.zeros(1, np.int32), np.zeros(1, u)
         scatter_jit.write(flat, offsets, values)
         scatter_jit.mismatches(flat, offsets, values)

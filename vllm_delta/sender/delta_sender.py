@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from vllm_delta.client import EngineClient
+from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.sender.planner import EngineState, Plan, Planner
 from vllm_delta.sender.producer import Capture, Producer
 from vllm_delta.sender.publisher import Published, Publisher
@@ -119,6 +120,7 @@ class DeltaSender:
     def seed(self, named: NamedTensors) -> None:
         """The snapshot: the engines' weights at `version`, for the tensors or shards this rank holds."""
         shards = [self._as_shard(x) for x in _items(named)]
+        warm_up({s.tensor.dtype for s in shards}, engine=False, sender=True)  # no compile in the first sync
         self.producer.seed(shards)
         placements = self.ranks.gather(self.producer.placements())
         coverage = self.ranks.bcast(check_disjoint(p for part in placements for p in part)
