@@ -1,7 +1,7 @@
 """`digest`'s terms and sums as numba functions: `segment_sums` for every CPU digest, and the two
 lanes and `range_sums` for the fused kernels that sum as they go (`scan_jit`).
 
-The constants are `digest.LANES`' (frozen into the compiled code when it compiles), so there is
+The constants are `lanes.LANES`' (frozen into the compiled code when it compiles), so there is
 one definition of the mix; the tests compare these sums with the torch code's.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_delta.kernels.digest import LANES
+from vllm_delta.kernels.lanes import LANES
 from vllm_delta.kernels.jit import kernel
 
 
