@@ -201,7 +201,7 @@ class _Discoverer:
         return {id(p): n for n, p in self.params().items()}
 
     def observe(self, name: str, unit: nn.Module, step: Step) -> None:
-        ckpt = self.checkpoint()
+        self.params()  # the checkpoint parameters as they were before this step (it may replace some)
         before = reach(unit)
         signatures = {k: (id(t), _signature(_data(t))) for k, (_, _, _, t) in before.items()}
         access = _Access()

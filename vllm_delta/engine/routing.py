@@ -38,10 +38,13 @@ class Landed:
     same: bool
 
 
+UNLANDED = Landed(0, (), True)
+
+
 @dataclass(frozen=True)
 class Route:
     kind: int  # FALLBACK, BATCH or MASKED
-    landed: Landed | None  # None for a fallback
+    landed: Landed  # a fallback's lands nowhere (`UNLANDED`): it is replayed through its loader
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ class Routing:
         """Each tensor's `Route`, made once per ownership."""
         if self._routes is None or self._routes_for is not self.ownership:
             self._routes = {
-                name: Route(FALLBACK, None)
+                name: Route(FALLBACK, UNLANDED)
                 if placement.fallback_reason
                 else Route(BATCH if self._batchable(name) else MASKED, self._landings(name))
                 for name, placement in self.placements.items()

@@ -201,7 +201,7 @@ class Stager:
                 )
         if route.kind == FALLBACK:
             self.fallback.append(name)
-            acc = [None, None] if any(want) else None
+            acc: list[torch.Tensor | None] | None = [None, None] if any(want) else None
             self.shadows.stage(delta, self.staging, acc, want, self.anchor)
             self.sums.add_tensor(name, acc)
         elif route.kind == BATCH:

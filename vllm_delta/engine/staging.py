@@ -140,7 +140,7 @@ class Named(NamedTuple):
 def check_resolvable(
     target: str,
     served: torch.dtype,
-    delta: ParamDelta,
+    delta: ParamDelta | Named,
     what: str = "a base-relative step",
     done: str = "resolved",
 ) -> None:
