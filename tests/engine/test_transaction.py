@@ -20,6 +20,8 @@ from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater
 from vllm_delta.engine.trace import DOOR, PHASES, PhaseTimes
 from vllm_delta.engine.worker import _phases
+from vllm_delta.wire import load_manifest, write_manifest
+from vllm_delta.wire.additive import combine
 
 DC = device_check()
 CFG = DC.SIZES["tiny"]
@@ -84,3 +86,43 @@ def test_the_staging_bound_keeps_its_old_name_on_the_wire():
     assert old.max_staged_bytes == 64 and old.wire()["max_staged_bytes"] == 64
     with pytest.raises(ValueError):
         StatusReply.model_validate({"version": 1, "surprise": True})
+
+
+def _ranks(tmp_path):
+    base = DC.random_checkpoint(CFG, "cpu", seed=0)
+    _, workers = tp_ranks(tmp_path / "model", base, tp=2)
+    root = tmp_path / "root"
+    root.mkdir()
+    return base, workers, root, DeltaUpdater(InProcessEngine(workers), root, 1 << 20, [])
+
+
+def test_an_empty_delta_commits_without_pausing(tmp_path):
+    base, workers, root, updater = _ranks(tmp_path)
+    paused = []
+    engine = updater.engine
+
+    async def pause_generation(mode: str, clear_cache: bool) -> None:
+        paused.append(mode)
+
+    engine.pause_generation = pause_generation
+    DC.write_delta(root / "v1", base, base, version=1)
+    result = asyncio.run(updater.update(DeltaUpdateRequest(path="v1", version=1, base_version=0)))
+    assert result["version"] == 1 and result["changed"] == 0 and result["pause_s"] == 0 and paused == []
+    assert "pause" not in result["trace"]["phases"] and "resume" not in result["trace"]["phases"]
+    assert all(w._delta().version == 1 for w in workers)
+
+
+def test_ranks_that_disagree_leave_nothing_staged_on_any_rank(tmp_path):
+    """Every rank prepares, then their digests disagree with the manifest: the core aborts what each staged."""
+    base, workers, root, updater = _ranks(tmp_path)
+    DC.write_delta(root / "v1", base, DC.step(base, 0.3, seed=1), version=1)
+    manifest = load_manifest(root / "v1")
+    entry = manifest.params[0]
+    params = [p.model_copy(update={"post_digest": combine(entry.post_digest, "0" * 31 + "1")}) if p is entry else p
+              for p in manifest.params]
+    write_manifest(root / "v1", manifest.model_copy(update={"params": params}))
+    with pytest.raises(UpdateError) as err:
+        asyncio.run(updater.update(DeltaUpdateRequest(path="v1", version=1, base_version=0)))
+    assert err.value.status == 400 and set(err.value.error["ranks"]) == {"dp0:rank0", "dp0:rank1"}
+    assert all(not w._delta().staged and w._delta().preparing is None for w in workers)
+    assert all(w._delta().version == 0 for w in workers) and updater.fault is None
