@@ -25,10 +25,10 @@ from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage, refuse_uncovered
 from vllm_delta.engine.map_check import check_map, live_params
-from vllm_delta.engine.messages import (CommitReply, PrepareReply, PrepareRequest, PrepareStarted, StatusReply,
-                                        failure)
+from vllm_delta.engine.messages import (CommitReply, CoverageReply, Done, JoinedReply, PeersReply, PrepareReply,
+                                        PrepareRequest, PrepareStarted, StatusReply, VerifyReply, failure)
 from vllm_delta.engine.model_path import local_checkpoint_dir
-from vllm_delta.engine.replicas import ACROSS_DP, moe_world
+from vllm_delta.engine.replicas import moe_world
 from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE
 from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta, parse_manifest
@@ -268,11 +268,11 @@ class DeltaWorkerExtension:
         """Which checkpoint elements this rank holds (source lattices per tensor), for its peers."""
         applier = self._delta().applier
         placements = applier.placements
-        return {"rank": self._delta_rank(), "coverage": coverage(placements),
-                "unread": [n for n, p in placements.items() if not p.read],
-                "fallback": [n for n, p in placements.items() if p.fallback_reason],
-                "map_errors": check_map(applier._load_weights, live_params(applier.model), placements,
-                                        applier.checkpoint)}
+        return CoverageReply(rank=self._delta_rank(), coverage=coverage(placements),
+                             unread=[n for n, p in placements.items() if not p.read],
+                             fallback=[n for n, p in placements.items() if p.fallback_reason],
+                             map_errors=check_map(applier._load_weights, live_params(applier.model), placements,
+                                                  applier.checkpoint)).wire()
 
     def delta_set_peers(self, coverages: list[dict[str, Any]], replicas: list | None = None) -> dict[str, Any]:
         """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`).
@@ -282,7 +282,6 @@ class DeltaWorkerExtension:
         its own; the DP engines of a MoE model are one world (engine/replicas.py `moe_world`)."""
         applier = self._delta().applier
         shapes = {n: shape for n, (shape, _) in applier.checkpoint.items()}
-        reply: dict[str, Any] = {"ok": True, "rank": self._delta_rank()}
         groups = {int(dp): group for dp, group in replicas or ()}
         if groups and self._delta_moe_dp():
             try:
@@ -291,16 +290,16 @@ class DeltaWorkerExtension:
             except ValueError as exc:  # refuses every update, as a hole would
                 applier.coverage = {"ok": False, "errors": {"(data parallel)": str(exc)}, "ignored": []}
                 across = []
-            if self._delta_rank() == 0:  # the same on every rank; each engine's rank 0 sends it
-                reply[ACROSS_DP] = across
-            return {**reply, "coverage": applier.coverage}
+            # the same on every rank; each engine's rank 0 sends it
+            return PeersReply(rank=self._delta_rank(), coverage=applier.coverage,
+                              across_dp=across if self._delta_rank() == 0 else None).wire()
         if groups:
             coverages = groups[self._delta_dp()]
         ordered = [c["coverage"] for c in sorted(coverages, key=lambda c: c["rank"])]
         applier.ownership = Ownership.from_coverages(ordered, self._delta_rank())
         # Holes or overlaps across ranks refuse every update (prepare) and show in the status.
         applier.coverage = check_coverage(coverages, shapes)
-        return {**reply, "coverage": applier.coverage}
+        return PeersReply(rank=self._delta_rank(), coverage=applier.coverage).wire()
 
     def delta_verify(self) -> dict[str, Any]:
         """Full verify of the current weights: counted-once whole-tensor digests, xxh3 where held whole."""
@@ -310,11 +309,10 @@ class DeltaWorkerExtension:
         digests = {n: [None, applier.whole_partial(n)] for n, (d, _) in state.after.items() if d is not None}
         hash_checked, hash_bad = applier.post_hash_mismatches(
             {n: h for n, (_, h) in state.after.items() if h is not None})
-        reply = {"ok": True, "rank": self._delta_rank(), "digests": digests, "hash_checked": hash_checked,
-                 "hash_mismatched": hash_bad, "verify_s": time.perf_counter() - start}
-        if self._delta_rank() == 0:
-            reply["expected"] = {n: [None, d] for n, (d, _) in state.after.items() if d is not None}
-        return reply
+        expected = {n: [None, d] for n, (d, _) in state.after.items() if d is not None}
+        return VerifyReply(rank=self._delta_rank(), digests=digests, hash_checked=hash_checked,
+                           hash_mismatched=hash_bad, verify_s=time.perf_counter() - start,
+                           expected=expected if self._delta_rank() == 0 else None).wire()
 
     def delta_collective_init(self, config: dict[str, Any]) -> dict[str, Any]:
         """Join the trainer's group for collective deltas (rank 0 is the trainer); an older group is dropped."""
@@ -328,7 +326,7 @@ class DeltaWorkerExtension:
                 world_size=int(config["world_size"]), timeout_s=float(config.get("timeout_s") or 120.0))
         except Exception as exc:
             return failure(500, exc)
-        return {"ok": True, "rank": self._delta_rank(), "group_rank": self._delta_group.rank}
+        return JoinedReply(rank=self._delta_rank(), group_rank=self._delta_group.rank).wire()
 
     def _delta_receive(self, request: PrepareRequest, max_staged: int) -> tuple[Manifest, StagedUpdate]:
         """Answer the trainer's offer (accept, or refuse before any flush moves), then decode each flush
@@ -405,7 +403,7 @@ class DeltaWorkerExtension:
         else:
             self._delta().staged.pop(request_id, None)
             self._delta().staged_run.pop(request_id, None)
-        return {"ok": True, "rank": self._delta_rank()}
+        return Done(rank=self._delta_rank()).wire()
 
     def delta_status(self) -> dict[str, Any]:
         state = self._delta()
