@@ -1,6 +1,6 @@
 """Tokens generated during native-door prepares, with `prepare_s` and `pause_s` (not a test).
 
-Usage (under the engine lock): `flock /tmp/engine.lock .venv/bin/python tests/native/measure_prepare.py
+Usage (under the engine lock): `flock /tmp/engine.lock .venv/bin/python tests/weight_transfer/measure_prepare.py
 --tp 1 --rounds 3 --updates 10 --streams 3 [--fresh-check]`. One `vllm serve` of the suite's tiny
 Llama with the `delta` backend; per round, greedy streaming clients run back to back while a
 corrupt delta is refused and then `--updates` deltas moving 50% of every tensor apply through
