@@ -16,13 +16,15 @@ matching digest. Integrity against tampering comes from the file hashes and rout
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
 
 from vllm_delta.kernels.digest import segment_sums
 
 from .dtypes import by_torch
 
-DIGEST_ALGO = "add2x64-splitmix"
+DIGEST_ALGO: Final = "add2x64-splitmix"
 _M64 = (1 << 64) - 1
 
 

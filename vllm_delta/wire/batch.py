@@ -18,11 +18,12 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_not, itemgetter
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from .batch_device import decode as device_decode, narrow
+from .batch_device import Destinations, decode as device_decode, narrow
 from .batch_frames import Fallback
 from .batch_host import FlushIndex, HostBatch
 from .blocks import BlockIndex, merge, wanted as block_wanted
@@ -162,7 +163,7 @@ def wanted(ix: FlushIndex, owned: Mapping | None) -> np.ndarray:
         return np.ones(rows, dtype=bool)
     lo = np.zeros(len(ix.names), dtype=np.int64)
     hi = ix.numel - 1
-    got = list(map(owned.get, ix.names))
+    got: list[Any] = list(map(owned.get, ix.names))  # each param's ranges, or None
     given = list(map(is_not, got, repeat(None)))  # as columns: no Python loop a param (session 9)
     at = np.flatnonzero(np.array(given, dtype=bool))
     ranges = np.fromiter(map(len, compress(got, given)), dtype=np.int64, count=at.size)
@@ -239,18 +240,21 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
         first_dev = np.flatnonzero(on_dev[p:q])
         device = where[p + int(first_dev[0])] if first_dev.size else None
         try:
-            parts = {}
+            # (positions, values) on the device (True: int64 payloads) and on the host (False: an array)
+            parts: dict[bool, tuple[torch.Tensor, Any]] = {}
             for there in (False, True):
                 if (on_dev[p:q] == there).any():
                     sub = HostBatch(ix, data, rows[dev_row == there], run_start)
-                    parts[there] = (device_decode(sub, enc, device, owned) if there
+                    # a device param: `owned` has `devices`, so it is a Destinations
+                    parts[there] = (device_decode(sub, enc, cast(torch.device, device),
+                                                  cast(Destinations, owned)) if there
                                     else (torch.from_numpy(sub.positions(enc)), sub.values(enc)))
         except Fallback:
             yield from fallback(p, q)
             p = q
             continue
         if True in parts:
-            owned.decoded.update(ix.names[i] for i in range(p, q) if on_dev[i])
+            cast(Destinations, owned).decoded.update(ix.names[i] for i in range(p, q) if on_dev[i])
         sizes_at = set(ix.itemsize[p:q].tolist())
         by_size = {there: narrow(vals, sizes_at) if there else
                    {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in sizes_at}
@@ -276,8 +280,8 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
         nrows = np.diff(row0).tolist()
         count = ix.count[p:q].tolist()
         if make_batch is not None and True not in parts:  # one object for the batch (wire/flush.DeltaBatch)
-            vals = by_size[False]
-            values = {t: vals[t] if enc.needs_base else vals[t.itemsize].view(t) for t in dict.fromkeys(types)}
+            host = by_size[False]
+            values = {t: host[t] if enc.needs_base else host[t.itemsize].view(t) for t in dict.fromkeys(types)}
             nbytes = parts[False][0].nbytes + int(np.dot(per_param[p:q], ix.itemsize[p:q]))
             yield make_batch(p, q, parts[False][0], values, types, sizes, list(map(int.__sub__, count, sizes)),
                              first, last, list(zip(nwanted, nrows)), nbytes)

@@ -96,8 +96,8 @@ class _Upload:
             table = table.astype(np.int32)
         buf = torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.uint8))
         sent = table.nbytes + buf.nbytes
-        table = torch.from_numpy(table).to(device, non_blocking=True).to(torch.int64)
-        return table, buf.to(device, non_blocking=True), sent
+        sent_table = torch.from_numpy(table).to(device, non_blocking=True).to(torch.int64)
+        return sent_table, buf.to(device, non_blocking=True), sent
 
 
 @dataclass
@@ -137,20 +137,25 @@ class _Device:
         place in the row); `mask` (0/1) the entries that have a word at all (default: every one)."""
         out = torch.zeros(self.n, dtype=torch.int64, device=self.buf.device)
         natural = local is None
-        local = self.local if natural else local
+        local = self.local if local is None else local
         width = None if all(planes.every) and not planes.whole else self.per_entry(planes.width)
         for j, span in enumerate(planes.spans):
             if span is None:
                 continue
             src = self.span(span)
             if planes.whole:
+                assert width is not None  # read whenever words are whole
                 at = self.per_entry(planes.bases[0]) + local * width + j
             elif planes.every[j] and natural and src.numel() == self.n:
                 at = None  # every entry has this byte, in entry order: no gather
             else:
                 at = self.per_entry(planes.bases[j]) + local
             byte = (src if at is None else src.index_select(0, at.clamp(0, src.numel() - 1))).to(torch.int64)
-            keep = mask if planes.every[j] else (width > j) if mask is None else mask * (width > j)
+            if planes.every[j]:
+                keep = mask
+            else:
+                assert width is not None  # read whenever some entry lacks a byte
+                keep = (width > j) if mask is None else mask * (width > j)
             if keep is not None:
                 byte = byte * keep
             out |= byte << (8 * j)

@@ -54,7 +54,9 @@ def frames(stream: memoryview, offset: np.ndarray, stored: np.ndarray, decoded: 
                 decompressed_sizes=decoded[rest].astype(np.uint64).tobytes())
         except zstandard.ZstdError:
             raise Fallback from None
-        out[_spans(at[rest], decoded[rest])] = np.frombuffer(b"".join(got), dtype=np.uint8)
+        # zstandard's stub omits the segments' buffer protocol and the collection's indexed iteration
+        joined = b"".join(got)  # type: ignore[arg-type]
+        out[_spans(at[rest], decoded[rest])] = np.frombuffer(joined, dtype=np.uint8)
     return out.tobytes()
 
 
@@ -111,7 +113,8 @@ def _check_frames(buf: np.ndarray, offset: np.ndarray, stored: np.ndarray, decod
     cur = at + fcs_bytes
     start = cur + 3  # the first block's content
     open_ = np.ones(offset.size, dtype=bool)
-    lone = size = None
+    lone: np.ndarray  # both set by the first block walk (a frame's first block; `offset` is not empty)
+    size: np.ndarray
     for i in range(_MAX_BLOCKS):
         if not bool(open_.any()):
             break

@@ -61,7 +61,7 @@ def cuts(pos: np.ndarray, policy: Policy = Policy()) -> list[int]:
     for c in candidates.tolist():
         if c - starts[-1] >= min_entries and n - c > 0:
             starts.append(c)
-    out = []
+    out: list[int] = []
     for a, b in zip(starts, [*starts[1:], n]):
         out.extend(range(a, b, max_entries))
     return out

@@ -155,7 +155,7 @@ def to_planes(arr: np.ndarray) -> list[bytes]:
     w = arr.dtype.itemsize
     grid = arr.astype(arr.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, w)
     # a contiguous copy of each column first: 3x faster than tobytes() of the strided column
-    return [bytes(memoryview(np.ascontiguousarray(grid[:, j]))) for j in range(w)]
+    return [bytes(np.ascontiguousarray(grid[:, j]).data) for j in range(w)]
 
 
 def gap_planes(pos: np.ndarray, *, prev: int = -1, width: int | None = None) -> tuple[int, list[bytes]]:
@@ -169,7 +169,7 @@ def gap_planes(pos: np.ndarray, *, prev: int = -1, width: int | None = None) -> 
     w = gap_width(pos, prev=prev) if width is None else width
     out = np.empty((w, pos.size), np.uint8)
     write_gap_planes(pos, prev, out)
-    return w, [bytes(memoryview(row)) for row in out]
+    return w, [bytes(row.data) for row in out]
 
 
 def from_planes(planes: list[memoryview], count: int, width: int, what: str, *, file, param) -> np.ndarray:
@@ -298,9 +298,9 @@ def ulp_streams(new: np.ndarray, old: np.ndarray, d: DType) -> dict[str, bytes]:
     from vllm_delta.kernels.ulp_jit import write_ulp_streams
 
     n = new.size
-    sign, flag = np.zeros(bits_len(n), np.uint8), np.zeros(bits_len(n), np.uint8)
+    signs, flags = np.zeros(bits_len(n), np.uint8), np.zeros(bits_len(n), np.uint8)
     esc = np.empty((d.itemsize, n), np.uint8)
-    count = write_ulp_streams(new, old, sign, flag, esc)
-    out = {"sign": bytes(memoryview(sign)), "flag": bytes(memoryview(flag))}
-    out.update({f"esc{j}": bytes(memoryview(esc[j, :count])) for j in range(d.itemsize)})
+    count = write_ulp_streams(new, old, signs, flags, esc)
+    out = {"sign": bytes(signs.data), "flag": bytes(flags.data)}
+    out.update({f"esc{j}": bytes(esc[j, :count].data) for j in range(d.itemsize)})
     return out

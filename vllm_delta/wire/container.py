@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pydantic_core
@@ -74,7 +75,7 @@ def paused_gc() -> Iterator[None]:
                 gc.enable()
 
 
-def json_loads(text: str | bytes) -> object:
+def json_loads(text: str | bytes) -> Any:
     """`json.loads`, the same values and the same errors, about 1.5x faster on the reader's metadata.
 
     Why: a flush's and a manifest's JSON hold a few small objects per checkpoint tensor, a measured
@@ -247,7 +248,7 @@ def _sorted_metadata(data: bytes) -> bytes:
     return data[:8] + text.ljust(n, b" ") + data[8 + n:]
 
 
-def unpack(data: bytes | memoryview, *, file: str | None, limits: Limits
+def unpack(data: bytes | bytearray | memoryview, *, file: str | None, limits: Limits
            ) -> tuple[dict[str, RawTensor], dict[str, str]]:
     """Parse a safetensors byte string; every tensor is a zero-copy view into `data`."""
     view = memoryview(data)
@@ -306,7 +307,7 @@ def compress(data: bytes, level: int) -> bytes:
     return compressor(level).compress(data)
 
 
-def frame_size(data: bytes | memoryview, *, file: str | None = None, what: str = "payload",
+def frame_size(data: bytes | bytearray | memoryview, *, file: str | None = None, what: str = "payload",
                param: str | None = None) -> int:
     """The decoded size a zstd frame declares in its header, or -1 when it does not say."""
     try:
@@ -316,7 +317,7 @@ def frame_size(data: bytes | memoryview, *, file: str | None = None, what: str =
     return -1 if declared == zstandard.CONTENTSIZE_UNKNOWN else declared
 
 
-def decompress(data: bytes | memoryview, cap: int, *, exact: int | None = None,
+def decompress(data: bytes | bytearray | memoryview, cap: int, *, exact: int | None = None,
                file: str | None = None, what: str = "payload", param: str | None = None) -> bytes | bytearray:
     """Decompress one zstd frame, never producing more than `cap` bytes (zstd-bomb safe).
 

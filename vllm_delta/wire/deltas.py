@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import final
 
 import torch
 
@@ -94,6 +95,7 @@ class ParamDelta:
         flat[pos] = self.resolve(flat[pos] if self.needs_base else None).to(tensor.device)
 
 
+@final  # `type(item) is DeltaBatch` then tells it from a ParamDelta, for mypy too
 class DeltaBatch:
     """Receiver side: decoded, validated changes of a run of whole params of one flush, as columns.
 

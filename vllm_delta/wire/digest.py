@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
 import xxhash
 
 from .dtypes import to_bits
 
-HASH_ALGO = "xxh3_128"
+HASH_ALGO: Final = "xxh3_128"
 
 
 def bytes_digest(data: bytes | bytearray | memoryview) -> str:
@@ -16,4 +18,4 @@ def bytes_digest(data: bytes | bytearray | memoryview) -> str:
 
 def tensor_digest(t: torch.Tensor) -> str:
     """Hash of a tensor's bit patterns in row-major order (what `post_hash` holds)."""
-    return xxhash.xxh3_128_hexdigest(to_bits(t.detach().cpu().contiguous()).view("u1"))
+    return xxhash.xxh3_128_hexdigest(to_bits(t.detach().cpu().contiguous()).view("u1").data)

@@ -14,13 +14,15 @@ import torch
 
 from .errors import UnknownDtypeError
 
+TorchDType = torch.dtype  # `DType.torch` hides the module inside the class body
+
 
 @dataclass(frozen=True)
 class DType:
     name: str  # the name written to manifests and flush metadata
     st_code: str  # the safetensors header code
-    torch: torch.dtype
-    int_view: torch.dtype  # signed torch integer of the same width
+    torch: TorchDType
+    int_view: TorchDType  # signed torch integer of the same width
     is_float: bool
 
     @property

@@ -32,7 +32,8 @@ from .flush_meta import (FORMAT_BLOCKS, Expected, FlushHeader, Heads, check_expe
 Owned = Mapping[str, Ranges | None]  # per param: the position ranges to decode (None: all)
 
 
-def open_flush(data: bytes | memoryview, *, file: str, limits: Limits, max_decoded: int | None = None,
+def open_flush(data: bytes | bytearray | memoryview, *, file: str, limits: Limits,
+               max_decoded: int | None = None,
                expected_hash: str | None = None):
     """Check the hash, undo whole-file zstd, parse the container: (tensors, metadata, budget left)."""
     if expected_hash is not None and bytes_digest(data) != expected_hash:
@@ -156,8 +157,8 @@ def _iter_blocked(enc: Encoding, smeta, data, heads: Heads, meta: Mapping[str, s
     try:
         index = index_flush(enc, smeta, data, heads, file=file, expected=expected)
     except Fallback:
-        plans = _plan_blocked(smeta, data, _entries(meta, file=file), file=file, expected=expected)
-        return _decode_blocked(enc, smeta, data, plans, file=file, owned=owned)
+        plan = _plan_blocked(smeta, data, _entries(meta, file=file), file=file, expected=expected)
+        return _decode_blocked(enc, smeta, data, plan, file=file, owned=owned)
 
     names, shapes, dtypes, needs_base = index.names, index.shapes, list(map(_TORCH, index.dtypes)), enc.needs_base
 

@@ -59,6 +59,7 @@ def _blocks(ch: ParamChange, encoding: Encoding, d, numel: int, pos: np.ndarray 
     """(first position, entry offset, end offset, streams) of each block of one param (`width`: the
     param-wide position width)."""
     if pos is None:  # implicit positions: dense blocks, value streams only
+        assert ch.ranges is not None  # no positions: the change is its ranges (`ParamChange`)
         for first, a, n in dense_cuts(ch.ranges, policy):
             yield first, a, a + n, encoding.encode_dense(new[a:a + n], None if old is None else old[a:a + n], d)
         return
@@ -77,6 +78,7 @@ def _arrays(changes: Sequence[ParamChange], *, explicit: bool = False):
         if ch.positions is not None:
             pos = ch.positions.detach().cpu().numpy().astype(np.int64, copy=False)
         elif explicit:  # `vllm-delta/1` has no implicit form
+            assert ch.ranges is not None  # no positions: the change is its ranges (`ParamChange`)
             pos = np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in ch.ranges])
         else:
             pos = None

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dc_field
 from itertools import chain
 from operator import itemgetter
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ class Param(NamedTuple):
     name: str
     dtype: str
     shape: list
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count, read as `p.count`
     width: int
     streams: list
     blocks: list
@@ -78,7 +78,8 @@ class Heads:
     streams: tuple
     blocks: tuple
     spans: tuple = ()
-    rows: Rows | None = None  # the block rows already as arrays (`heads_from_text`): `blocks` unused
+    # the block rows already as arrays (`heads_from_text`): `blocks` unused
+    rows: Rows | None = dc_field(default=None, kw_only=True)
 
     def __len__(self) -> int:
         return len(self.name)
@@ -129,8 +130,14 @@ def meta_json(meta: Mapping[str, str], key: str, *, file: str):
         raise FormatError(f"metadata {key!r} is missing or not JSON", file=file) from None
 
 
+@overload
+def meta_int(meta: Mapping[str, str], key: str, *, file: str, optional: Literal[False] = False) -> int: ...
+@overload
+def meta_int(meta: Mapping[str, str], key: str, *, file: str, optional: bool) -> int | None: ...
+
+
 def meta_int(meta: Mapping[str, str], key: str, *, file: str, optional: bool = False) -> int | None:
-    v = meta.get(key)
+    v = meta.get(key, "")
     if optional and v in (None, ""):
         return None
     try:
@@ -159,14 +166,14 @@ def parse_params(raw: object, *, blocked: bool, file: str) -> Heads:
     if type(raw) is not list:
         raise FormatError("bad flush metadata: params is not a list", file=file)
     if not raw:
-        return Heads(*[()] * 8)
+        return Heads((), (), (), (), (), (), (), ())
     if set(map(type, raw)) == {dict} and set(map(len, raw)) == {len(fields)}:
         try:
             columns = list(zip(*map(itemgetter(*fields), raw)))
         except KeyError:
             columns = None
         if columns is not None and _columns_ok(columns, blocked):
-            return Heads(*columns) if blocked else Heads(*columns[:5], (), (), columns[5])
+            return Heads(*columns) if blocked else Heads(*columns[:5] + [(), (), columns[5]])
     for i, p in enumerate(raw):  # the precise error
         _check_entry(i, p, fields, file=file)
     raise AssertionError("the column checks refused what every entry's check takes")  # pragma: no cover
@@ -261,9 +268,10 @@ def heads_from_text(text: object) -> Heads | None:
                 lens[:nframes].copy())
     bounds = map(slice, spans[:n, NAME_A].tolist(), spans[:n, NAME_B].tolist())
     names = tuple(map(text.__getitem__, bounds))
-    return Heads(names, *(tuple(map(table.__getitem__, spans[:n, c].tolist()))
-                          for table, c in ((dtypes, DTYPE), (shapes, SHAPE))),
-                 count, width, tuple(map(streams.__getitem__, spans[:n, STREAMS].tolist())), (), (), rows)
+    dtype, shape = (tuple(map(table.__getitem__, spans[:n, c].tolist()))
+                    for table, c in ((dtypes, DTYPE), (shapes, SHAPE)))
+    stream_names = tuple(map(streams.__getitem__, spans[:n, STREAMS].tolist()))
+    return Heads(names, dtype, shape, count, width, stream_names, (), (), rows=rows)
 
 
 def _lists(texts: list[str]) -> list[tuple] | None:

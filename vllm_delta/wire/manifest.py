@@ -13,7 +13,7 @@ from collections import deque
 from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -23,7 +23,7 @@ from .digest import HASH_ALGO
 from .errors import FormatError, IncompleteDeltaError, LimitError, VersionError
 
 MANIFEST_NAME = "manifest.json"
-FORMAT = "vllm-delta/1"
+FORMAT: Final = "vllm-delta/1"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 NonNeg = Annotated[int, Field(ge=0)]
@@ -94,7 +94,8 @@ class Lineage(_Strict):
     def _range(self) -> Lineage:
         if (self.min_version is None) != (self.max_version is None):
             raise ValueError("lineage: give both min_version and max_version, or neither (an anchor)")
-        if self.min_version is not None and self.min_version > self.max_version:
+        lo, hi = self.min_version, self.max_version
+        if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"lineage: min_version {self.min_version} > max_version {self.max_version}")
         return self
 
@@ -122,14 +123,16 @@ def check_lineage(lineage: Lineage | None, *, version: int, engine_version: int,
         if not anchor:
             raise LineageError(f"run {lineage.run_id!r}: an update valid on any weights must be a full anchor")
         return lineage.run_id
+    lo, hi = lineage.min_version, lineage.max_version
+    assert lo is not None and hi is not None  # a ranged lineage has both (`Lineage._range`)
     if engine_run_id is None:
-        if engine_version != 0 or not lineage.min_version <= 0 <= lineage.max_version:
+        if engine_version != 0 or not lo <= 0 <= hi:
             raise LineageError(f"engine is on no run's lineage at version {engine_version}; the update needs run "
                                f"{lineage.run_id!r} at versions {lineage.min_version}..{lineage.max_version}")
         return lineage.run_id
     if engine_run_id != lineage.run_id:
         raise LineageError(f"engine holds run {engine_run_id!r}'s weights; the update is for run {lineage.run_id!r}")
-    if not (lineage.min_version <= engine_version <= lineage.max_version or engine_version == version):
+    if not (lo <= engine_version <= hi or engine_version == version):
         raise LineageError(f"engine is at version {engine_version}; the update applies at versions "
                            f"{lineage.min_version}..{lineage.max_version} of run {lineage.run_id!r}")
     return lineage.run_id

@@ -16,6 +16,7 @@ from fnmatch import fnmatch
 from itertools import compress, count, islice, repeat
 from operator import attrgetter, contains, gt
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -91,7 +92,7 @@ class DeltaDecoder:
         shared = list(compress(params, parts))  # the params of several writers, without a loop over all
         self._part: dict[tuple[str, str], int] = {}
         for p in shared:
-            for i, part in enumerate(p.parts):
+            for i, part in enumerate(p.parts or ()):
                 for f in part:
                     self._part[(p.name, f)] = i
         # Positions of parts are kept until finish() checks that no two parts overlap.
@@ -118,7 +119,7 @@ class DeltaDecoder:
 
     def feed(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None) -> list[ParamDelta]:
         """Decode one flush's bytes; all of its checks pass before anything is returned."""
-        return list(self.feed_iter(name, data, owned=owned))
+        return cast("list[ParamDelta]", list(self.feed_iter(name, data, owned=owned)))  # no batches asked
 
     def feed_iter(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None, batches: bool = False
                   ) -> Iterator[ParamDelta | DeltaBatch]:
@@ -153,6 +154,7 @@ class DeltaDecoder:
         tensors, meta, budget = open_flush(data, file=name, limits=self.limits,
                                            max_decoded=None if self.seed else entry.decoded_bytes,
                                            expected_hash=None if sparse else entry.hash)
+        deltas: Iterable[ParamDelta | DeltaBatch]
         if self.seed:
             header, deltas = decode_seed_flush(tensors, meta, file=name, expected=self.expected)
         elif meta.get("format") not in FLUSH_FORMATS:
@@ -205,7 +207,7 @@ class DeltaDecoder:
                 raise BoundsError(f"more than the {changed} changes the manifest lists", file=name, param=param)
             yield pd
 
-    def _admit_each(self, name: str, deltas: Iterator[ParamDelta]) -> Iterator[ParamDelta]:
+    def _admit_each(self, name: str, deltas: Iterator[ParamDelta]) -> Iterator[ParamDelta | DeltaBatch]:
         """`admit`'s checks a param at a time, for a file already marked fed (admit marks it again)."""
         self._done.discard(name)
         return self.admit(name, deltas)
@@ -216,9 +218,10 @@ class DeltaDecoder:
         one writer, met for the first time (so nothing to order or overlap) and within its count.
         False, with nothing recorded: the per-param checks decide (and raise the precise error)."""
         names = batch.names
-        at = list(map(self._index.get, names))
-        if None in at or len(set(at)) != len(at):
+        found = list(map(self._index.get, names))
+        if None in found or len(set(found)) != len(found):
             return False
+        at = cast("list[int]", found)  # no None: checked above
         if True in map(self._has_parts.__getitem__, at) or not all(
                 map(contains, map(self._listed.__getitem__, at), repeat(name))):  # several writers, or not this file's
             return False
@@ -253,7 +256,8 @@ class DeltaDecoder:
 
 def _synthesize_seed_manifest(d: DeltaDir, names: Sequence[str], limits: Limits) -> Manifest:
     """Describe a manifest-less seed delta by decoding its files once."""
-    files, params, versions, encodings = [], {}, set(), set()
+    files, versions, encodings = [], set(), set()
+    params: dict[str, dict] = {}
     for name in names:
         data = d.read(name, cap=limits.max_decoded_bytes)
         tensors, meta, _ = open_flush(data, file=name, limits=limits)
@@ -359,4 +363,4 @@ def _decoded_ahead(info: DeltaInfo, dec: DeltaDecoder, entries: list[FileEntry],
 
 def read_delta(delta: str | os.PathLike | DeltaInfo, **kwargs) -> list[ParamDelta]:
     """All decoded changes of a delta, fully validated (see `iter_delta` for the arguments)."""
-    return list(iter_delta(delta, **kwargs))
+    return cast("list[ParamDelta]", list(iter_delta(delta, **kwargs)))  # `batches` is not for this

@@ -95,7 +95,8 @@ class FlushBuilder:
         if n == 0:
             return
         d = by_torch(new_values.dtype)
-        if self.encoding.needs_base and not _from_scan:  # bitwise, on the values' own device
+        # bitwise, on the values' own device (`needs_base` has `old_values`: checked above)
+        if self.encoding.needs_base and old_values is not None and not _from_scan:
             same = new_values.detach().view(d.int_view) == old_values.detach().view(d.int_view)
             if bool(same.any()):
                 raise UnchangedValueError(name, positions[same.to(positions.device)].tolist(), self.encoding.name)
