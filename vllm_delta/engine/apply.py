@@ -370,9 +370,11 @@ class DeltaApplier:
         staged = stager.finish(version=version, replay=replay, start=start)
         # The commit's post-load work that can be built while serving (vLLM's CPU linear repack).
         staged.prebuilt = commit_phase.prebuild_touched(self.model, self.targets, staged.writes)
-        # What the phases timed do not cover is the staging's own work: its loop, the checks, the copies.
+        # What the phases timed do not cover is the staging's own work: its loop, the checks, the copies,
+        # the prebuilt post-load work.
+        staged.decode_s = time.perf_counter() - start  # the whole prepare, the prebuild included
         timed = sum(times.seconds.get(p, 0.0) for p in WORKER_PREPARE if p != "stage")
-        times.add("stage", max(0.0, time.perf_counter() - start - timed))
+        times.add("stage", max(0.0, staged.decode_s - timed))
         return staged
 
     # ---- phase 2 -------------------------------------------------------------------------
