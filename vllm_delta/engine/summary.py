@@ -61,7 +61,8 @@ def trace_of(door: dict[str, float], prepared: Sequence[PrepareReply], committed
              wall_s: float) -> dict[str, Any]:
     """The sync's trace: per phase the slowest rank (the door's own phases as timed), each rank's phases,
     and the wall time they add up to."""
-    ranks = [{"rank": rank_id(p), "phases": {**p.phases, **c.phases}} for p, c in zip(prepared, committed)]
+    ranks: list[dict[str, Any]] = [{"rank": rank_id(p), "phases": {**p.phases, **c.phases}}
+                                   for p, c in zip(prepared, committed)]
     workers = slowest(r["phases"] for r in ranks)
     return {"phases": slowest([workers, door]), "ranks": ranks, "wall_s": round(wall_s, 6)}
 

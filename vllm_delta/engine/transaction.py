@@ -157,7 +157,7 @@ class Transaction:
             except Exception as exc:
                 await self.abort(request_id)
                 raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
-        committed: list[CommitReply] = []
+        committed = []  # the RPC may raise before any reply
         try:
             committed = await self._scatter(request_id, sync)
             if then is not None and first_failed(committed) is None:

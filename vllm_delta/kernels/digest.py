@@ -65,9 +65,8 @@ def segment_sums(positions: torch.Tensor, values: torch.Tensor, segments: torch.
     count = positions.numel()
     if count != values.numel():
         raise ValueError(f"{count} positions for {values.numel()} values")
-    one = isinstance(segments, int)
     if switch.on() and values.device.type == "cpu" and positions.device.type == "cpu" and (
-            one or segments.device.type == "cpu"):
+            isinstance(segments, int) or segments.device.type == "cpu"):
         return _compiled(positions, values, segments, n)
     out = torch.zeros(n, 2, dtype=torch.int64, device=values.device)
     step = CPU_SLICE if values.device.type == "cpu" else max(1, count)
@@ -76,7 +75,7 @@ def segment_sums(positions: torch.Tensor, values: torch.Tensor, segments: torch.
         key = keys(positions[lo:lo + step], values[lo:lo + step])
         lane1 = mix_(key ^ LANES[1][0], 1)
         lane0 = mix_(key, 0)
-        if one:
+        if isinstance(segments, int):
             out[segments] += torch.stack([lane0.sum(), lane1.sum()])
         else:
             out.index_add_(0, segments.reshape(-1)[lo:lo + step], torch.stack([lane0, lane1], 1))

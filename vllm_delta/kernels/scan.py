@@ -67,6 +67,7 @@ def scan_bits(cur: np.ndarray, old_bits: np.ndarray, tables: tuple[np.ndarray, .
     if len(windows) == 1:
         parts = [scan_runs(*args, windows[0][0], windows[0][1], n, want_run, same_hf, *sets[0])]
     else:
+        assert pool is not None  # several windows only with a pool
         futures: list[Future] = [pool.submit(scan_runs, *args, a, b, n, want_run, same_hf, *s)
                                  for (a, b), s in zip(windows, sets)]
         parts = [f.result() for f in futures]
