@@ -41,7 +41,7 @@ from vllm_delta.diff import changed_positions  # noqa: E402
 from vllm_delta.sender import Shard  # noqa: E402
 from vllm_delta.sender.producer import Producer  # noqa: E402
 from vllm_delta.sender.publisher import _add  # noqa: E402
-from vllm_delta.transports.disk import Throttle, throttled_write  # noqa: E402
+from vllm_delta.transports.writer import Throttle, throttled_write  # noqa: E402
 from vllm_delta.wire import FlushBuilder, additive  # noqa: E402
 
 LINK = 300e6  # bytes per second

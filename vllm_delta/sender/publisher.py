@@ -16,7 +16,8 @@ from vllm_delta.client import EngineClient, Reply
 from vllm_delta.sender.planner import Plan, Planner
 from vllm_delta.sender.producer import Capture, Entry
 from vllm_delta.sender.ranks import Ranks
-from vllm_delta.transports.base import SentDelta, Transport
+from vllm_delta.transports.base import SentDelta, Sink, Transport
+from vllm_delta.transports.spool import FlushSpool
 from vllm_delta.wire import FlushBuilder, Manifest, additive, merge_manifests
 
 logger = logging.getLogger(__name__)
@@ -57,17 +58,17 @@ class Publisher:
         self._agreed(lambda: [self.transport.prepare(dir_name(k, plan.version)) for k, _, _ in kinds]
                      if self.ranks.rank == 0 else None, "prepare")
         sent: list[SentDelta] = []
-        sinks: list[FlushBuilder] = []
+        sinks: list[Sink] = []
         failure: BaseException | None = None
         cleaned = False
         try:
             for kind, base, encoding in kinds:
-                b = self.transport.builder(dir_name(kind, plan.version), version=plan.version, base_version=base,
+                sink = self.transport.sink(dir_name(kind, plan.version), version=plan.version, base_version=base,
                                            encoding=encoding, flush_bytes=self.flush_bytes, rank=self.ranks.rank,
                                            model_elements=model_elements)
-                sinks.append(b)
-                manifest = self._agreed(lambda: self._encode(b, kind, cap), "encode")
-                out, err = self._finish(kind, b, manifest, cap, plan)
+                sinks.append(sink)
+                manifest = self._agreed(lambda: self._encode(sink, kind, cap), "encode")
+                out, err = self._finish(kind, sink, manifest, cap, plan)
                 sent.append(out)
                 failure = failure or err
             encode_s = time.perf_counter() - start
@@ -95,17 +96,17 @@ class Publisher:
             raise PublishError(f"rank 0: {error}")
         if self.ranks.rank != 0:  # every rank's planner keeps the versions (rank 0's word decides)
             self.planner.settle(plan, replies)
-        write_s = sum(getattr(getattr(b, "writer", None), "write_s", 0.0) for b in sinks)
+        write_s = sum(s.writer.write_s for s in sinks if s.writer is not None)
         return Published(plan, sent, replies, all_acked, encode_s, write_s, push_s, time.perf_counter() - start)
 
-    def _cleanup(self, sinks: list[FlushBuilder], sent: list[SentDelta]) -> bool:
-        """Rank 0 drops what this publish put on the wire; a builder that never became a
+    def _cleanup(self, sinks: list[Sink], sent: list[SentDelta]) -> bool:
+        """Rank 0 drops what this publish put on the wire; a sink that never became a
         `SentDelta` (its encode failed) only has its spool closed."""
         if self.ranks.rank == 0:
             self.transport.cleanup(sent)
-        for b in sinks[len(sent):]:
-            if getattr(b, "spool", None) is not None:
-                b.spool.close()
+        for s in sinks[len(sent):]:
+            if s.spool is not None:
+                s.spool.close()
         return True
 
     def _agreed(self, step, what: str):
@@ -122,25 +123,26 @@ class Publisher:
             raise PublishError(f"{what} failed on another sender rank")
         return result
 
-    def _encode(self, b: FlushBuilder, kind: str, cap: Capture) -> Manifest:
-        """This rank's entries into `b`'s flushes; its manifest, with this rank's partial digests."""
+    def _encode(self, sink: Sink, kind: str, cap: Capture) -> Manifest:
+        """This rank's entries into the sink's flushes; its manifest, with this rank's partial digests."""
         try:
-            digests = {e.name: _add(b, e, kind) for e in cap.entries}
-            manifest = _with_digests(b.manifest(), digests)
+            digests = {e.name: _add(sink.builder, e, kind) for e in cap.entries}
+            manifest = _with_digests(sink.builder.manifest(), digests)
         finally:
-            self.transport.finish(b)  # a writer thread always ends; its error (if any) is raised here
+            self.transport.finish(sink)  # a writer thread always ends; its error (if any) is raised here
         return manifest
 
-    def _finish(self, kind: str, b: FlushBuilder, manifest: Manifest, cap: Capture,
+    def _finish(self, kind: str, sink: Sink, manifest: Manifest, cap: Capture,
                 plan: Plan) -> tuple[SentDelta, BaseException | None]:
         """This rank's flushes are out; rank 0 gets the merged manifest with whole-tensor digests and
         the lineage the engines check before applying it, and seals it (its failure is returned)."""
         full = {e.name: additive.to_hex(e.digests["digest"]) for e in cap.entries}
+        b = sink.builder
         parts = self.ranks.gather((manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes, full))
-        if not self.transport.stored:
-            self._gather_flushes(b, parts)
+        if sink.spool is not None:
+            self._gather_flushes(sink.spool, parts)
         mine = SentDelta(kind, manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes,
-                         location=b.location, spool=getattr(b, "spool", None))
+                         location=sink.location, spool=sink.spool)
         if self.ranks.rank != 0:
             return mine, None
         merged = merge_manifests([p[0] for p in parts]) if len(parts) > 1 else manifest
@@ -151,14 +153,14 @@ class Publisher:
         merged = _with_digests(merged, {n: {"digest": additive.combine(*hs)} for n, hs in shards.items()})
         merged = merged.model_copy(update={"lineage": plan.lineage(kind)})
         out = SentDelta(kind, merged, len(b.files), sum(p[2] for p in parts), sum(p[3] for p in parts),
-                        location=b.location, spool=mine.spool)
+                        location=sink.location, spool=sink.spool)
         try:
             self.transport.seal(out)
         except Exception as exc:
             return out, exc
         return out, None
 
-    def _gather_flushes(self, b: FlushBuilder, parts: list) -> None:
+    def _gather_flushes(self, spool: FlushSpool, parts: list) -> None:
         """Collective transports: every other rank's flushes go to rank 0, which broadcasts them.
 
         Only encoded flushes move (changed entries, never whole weights), one flush in flight at a
@@ -169,11 +171,11 @@ class Publisher:
         if self.ranks.rank == 0:
             for src, part in enumerate(parts[1:], start=1):
                 for f in part[0].files:
-                    b.spool.add(f.name, self.ranks.recv_bytes(src))
+                    spool.add(f.name, self.ranks.recv_bytes(src))
         else:
-            for _, data in b.spool:
+            for _, data in spool:
                 self.ranks.send_bytes(data, 0)
-            b.spool.close()
+            spool.close()
 
     def _push(self, plan: Plan, sent: list[SentDelta]) -> dict[str, Reply]:
         """Rank 0: the kept chain's replays, then this plan's update to every target engine."""

@@ -2,9 +2,10 @@
 it, and `SentDelta`, what one delta put on the wire.
 
 Flushes are built by `vllm_delta.wire.FlushBuilder`, whose encoded bytes go to a callback (a
-background file writer, an uploader, or a spool for a broadcast), so encoding the next flush
-overlaps moving the previous one. Each transport module (`disk`, `s3`, `collective`) holds both
-halves of its path: the sender's (this interface) and the engine's receive side.
+background file writer, an uploader, or a spool for a broadcast: the transport's `Sink`), so
+encoding the next flush overlaps moving the previous one. Each transport module (`disk`, `s3`,
+`collective`) holds both halves of its path: the sender's (this interface) and the engine's receive
+side.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm_delta.transports.spool import FlushSpool
+from vllm_delta.transports.writer import BackgroundFlushWriter
 from vllm_delta.wire import FlushBuilder, Manifest
 
 if TYPE_CHECKING:  # the client needs aiohttp, which the transports' engine halves do not
@@ -31,7 +34,18 @@ class SentDelta:
     pre_compress_bytes: int  # the same flushes before compression
     encode_s: float = 0.0
     location: str | None = None  # version directory (disk, s3)
-    spool: Any = None  # the encoded flushes, for a collective (transports.spool.FlushSpool)
+    spool: FlushSpool | None = None  # the encoded flushes, for a collective
+
+
+@dataclass(eq=False)
+class Sink:
+    """Where one rank's flushes of one version go: the builder that encodes them, and what moves each
+    on as it comes (a background writer of files or objects, or a spool for a broadcast)."""
+
+    builder: FlushBuilder
+    location: str | None = None  # the version directory (disk), or its name under the store prefix (s3)
+    writer: BackgroundFlushWriter | None = None
+    spool: FlushSpool | None = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +63,7 @@ class TransportOptions:
 
 class Transport(ABC):
     """How one publish's flushes reach the engines, in the order the publisher calls it: `prepare`
-    (rank 0), then per rank `builder` and `finish`, then on rank 0 `seal`, `push` and `cleanup`."""
+    (rank 0), then per rank `sink` and `finish`, then on rank 0 `seal`, `push` and `cleanup`."""
 
     # True: every rank writes its flushes once into one shared place (a directory, a store prefix)
     # that rank 0 seals and every engine reads. False: rank 0 gathers them and sends them to each
@@ -66,11 +80,13 @@ class Transport(ABC):
         """Rank 0, before any rank encodes: make version `name`'s place empty."""
 
     @abstractmethod
-    def builder(self, name: str, **kwargs: Any) -> FlushBuilder:
-        """A `FlushBuilder` whose flushes go where version `name` lives; `kwargs` are its own."""
+    def sink(self, name: str, **kwargs: Any) -> Sink:
+        """A `Sink` whose flushes go where version `name` lives; `kwargs` are its `FlushBuilder`'s."""
 
-    def finish(self, b: FlushBuilder) -> None:
-        """Every flush `b` encoded has left this rank (raises the writer's error, if any)."""
+    def finish(self, sink: Sink) -> None:
+        """Every flush `sink` encoded has left this rank (raises its writer's error, if any)."""
+        if sink.writer is not None:
+            sink.writer.close()
 
     def seal(self, sent: SentDelta) -> None:
         """Rank 0: the merged manifest, last; only then may an engine see the version."""

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from vllm_delta.client import Reply
-from vllm_delta.transports.base import SentDelta, Transport, TransportOptions
+from vllm_delta.transports.base import SentDelta, Sink, Transport, TransportOptions
 from vllm_delta.transports.groups import BACKENDS, Group, host_group, listen
 from vllm_delta.transports.spool import DEFAULT_WINDOW_BYTES, FlushSpool
 from vllm_delta.wire import DeltaError, FlushBuilder
@@ -250,11 +250,9 @@ class CollectiveTransport(Transport):
         """`name` is the backend: "gloo" or "nccl"."""
         return cls(name, master_addr=options.master_addr, timeout_s=options.collective_timeout_s)
 
-    def builder(self, name: str, **kwargs) -> FlushBuilder:
+    def sink(self, name: str, **kwargs) -> Sink:
         spool = FlushSpool(self.window_bytes)
-        b = FlushBuilder(lambda file, enc: spool.add(file, enc.data), **kwargs)
-        b.spool, b.location = spool, None
-        return b
+        return Sink(FlushBuilder(lambda file, enc: spool.add(file, enc.data), **kwargs), spool=spool)
 
     def link(self, url: str, client: Any) -> CollectiveLink:
         link = self._links.get(url)

@@ -48,10 +48,10 @@ import numpy as np
 
 from vllm_delta import settings
 from vllm_delta.client import EngineClient, Reply
-from vllm_delta.transports.base import SentDelta, Transport, TransportOptions
-from vllm_delta.transports.disk import BackgroundFlushWriter
+from vllm_delta.transports.base import SentDelta, Sink, Transport, TransportOptions
 from vllm_delta.transports.store import (ObjectStore, StoreAuthError, StoreError, StoreNotFound, StoreURL,
                                          is_store_url)
+from vllm_delta.transports.writer import BackgroundFlushWriter
 from vllm_delta.wire import MANIFEST_NAME, FileEntry, FlushBuilder, Manifest, blocks, parse_manifest
 from vllm_delta.wire.container import ZSTD_MAGIC, Limits, SparseFile
 from vllm_delta.wire.errors import DeltaError, IncompleteDeltaError, IntegrityError, LimitError
@@ -136,17 +136,12 @@ class S3Transport(Transport):
         self.unsealed.add(name)
         self._remove(name)  # raises: a leftover manifest must go
 
-    def builder(self, name: str, **kwargs) -> FlushBuilder:
+    def sink(self, name: str, **kwargs) -> Sink:
         dir_key = self.url.key(name)
         uploader = BackgroundFlushWriter(
             lambda flush, data: put_retrying(self.store, f"{dir_key}/{flush}", data, attempts=self.attempts,
                                              backoff_s=self.backoff_s), name="vllm-delta-uploader")
-        b = FlushBuilder(uploader.emit, **kwargs)
-        b.writer, b.location = uploader, name
-        return b
-
-    def finish(self, b: FlushBuilder) -> None:
-        b.writer.close()  # every flush of this rank is in the store
+        return Sink(FlushBuilder(uploader.emit, **kwargs), name, writer=uploader)
 
     def seal(self, sent: SentDelta) -> None:
         """The manifest last: only now may an engine see the version."""
