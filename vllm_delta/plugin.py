@@ -7,11 +7,11 @@ Why on top of both doors: our route (engine/routes.py) and vLLM's weight-transfe
 
 from __future__ import annotations
 
-import os
 from argparse import Namespace
 from typing import TYPE_CHECKING, Any
 
-from vllm_delta.engine.cli_args import ENV_FLAG, PLUGIN_NAME, api_keys, check_args
+from vllm_delta import settings
+from vllm_delta.engine.cli_args import PLUGIN_NAME, api_keys, check_args
 from vllm_delta.engine.cpu_amx import request_amx_permission
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def register() -> None:
     from vllm_delta.weight_transfer.registry import keep_cpu_weights_when_configured, register_backends
 
     register_backends()  # the `delta` weight-transfer backend (vLLM's own RL API)
-    if os.environ.get(ENV_FLAG) != "1":  # set by --enable-delta-updates before workers start
+    if not settings.updates_enabled():  # set by --enable-delta-updates before workers start
         keep_cpu_weights_when_configured()
         return
     from vllm_delta.engine import transforms

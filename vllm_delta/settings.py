@@ -9,6 +9,25 @@ from __future__ import annotations
 
 import os
 
+# "1": delta updates are on (`--enable-delta-updates` sets it before vLLM starts its workers).
+UPDATES = "VLLM_DELTA_UPDATES"
+
+
+def updates_enabled() -> bool:
+    return os.environ.get(UPDATES) == "1"
+
+
+# The largest single flush an engine takes over a collective (it holds one at a time while decoding);
+# the total is what the manifest states, uncapped, so a whole-model anchor streams in flushes.
+COLLECTIVE_MAX_FLUSH_BYTES = "VLLM_DELTA_COLLECTIVE_MAX_FLUSH_BYTES"
+DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES = 1 << 30
+
+
+def collective_max_flush_bytes() -> int:
+    """This engine's per-flush cap over a collective (1 GiB unless set)."""
+    return int(os.environ.get(COLLECTIVE_MAX_FLUSH_BYTES) or DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES)
+
+
 # The only directory (or s3:// prefix) the engine reads deltas from, as its processes see it;
 # `--delta-updates-root` exports it to the workers (set it by hand without the CLI patch).
 UPDATES_ROOT = "VLLM_DELTA_UPDATES_ROOT"

@@ -23,8 +23,7 @@ from harness import megatron_cpu
 from harness.trainer import Trainer
 from harness.vllm_engine import VllmServer, start_servers
 from sender_helpers import adam_like_step, engine_checksums, engine_status
-from vllm_delta import DeltaSender
-from vllm_delta.engine.request import COLLECTIVE_MAX_FLUSH_ENV
+from vllm_delta import DeltaSender, settings
 from vllm_delta.transports import collective
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
@@ -36,7 +35,7 @@ FLUSH = 16 << 10  # the sender's flush target, under the cap
 def serve(model_dir: Path, log: Path) -> VllmServer:
     args = ["--enable-delta-updates", "--delta-updates-root", str(log.parent), "--api-key", API_KEY,
             "--delta-updates-collective-trainers", "127.0.0.1"]
-    server = VllmServer(model_dir, log, extra_args=args, env={COLLECTIVE_MAX_FLUSH_ENV: str(CAP)})
+    server = VllmServer(model_dir, log, extra_args=args, env={settings.COLLECTIVE_MAX_FLUSH_BYTES: str(CAP)})
     server.root = log.parent
     return server
 

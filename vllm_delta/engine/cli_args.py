@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from vllm_delta.transports.store import StoreURL
 
 WORKER_EXTENSION = "vllm_delta.engine.worker.DeltaWorkerExtension"
-ENV_FLAG = "VLLM_DELTA_UPDATES"
+ENV_FLAG = settings.UPDATES
 PLUGIN_NAME = "delta_updates"
 ENDPOINT_GROUP = "vllm.endpoint_plugins"
 DEFAULT_MAX_STAGED_BYTES = 256 << 20

@@ -61,17 +61,6 @@ class DeltaUpdateRequest(BaseModel):
         return files
 
 
-# The largest single flush an engine takes over a collective (it holds one at a time while decoding);
-# the total is what the manifest states, uncapped, so a whole-model anchor streams in flushes.
-COLLECTIVE_MAX_FLUSH_ENV = "VLLM_DELTA_COLLECTIVE_MAX_FLUSH_BYTES"
-DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES = 1 << 30
-
-
-def collective_max_flush_bytes() -> int:
-    """The per-flush cap of this engine (`COLLECTIVE_MAX_FLUSH_ENV`, else 1 GiB)."""
-    return int(os.environ.get(COLLECTIVE_MAX_FLUSH_ENV) or DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES)
-
-
 # The longest a worker may wait for the trainer's group (rendezvous, then each broadcast): a stalled
 # or hostile trainer holds the workers no longer than this.
 MAX_COLLECTIVE_TIMEOUT_S = 600

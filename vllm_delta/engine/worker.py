@@ -331,7 +331,7 @@ class DeltaWorkerExtension:
     def _delta_receive(self, request: PrepareRequest, max_staged: int) -> tuple[Manifest, StagedUpdate]:
         """Answer the trainer's offer (accept, or refuse before any flush moves), then decode each flush
         as it arrives and drop it: one flush in memory at a time (transports/collective.py)."""
-        from vllm_delta.engine.request import collective_max_flush_bytes
+        from vllm_delta.settings import collective_max_flush_bytes
         from vllm_delta.transports.collective import CollectiveError, answer
 
         state = self._delta()
