@@ -68,9 +68,14 @@ def info(worker) -> dict[str, Any]:
     for name, module in model.named_modules():
         stashed += [f"{name}.{n}" for n in getattr(module, canonical_weights.STASH_ATTR, {})]
         restored += [f"{name}.{n}" for n in getattr(module, canonical_weights.RESTORED_ATTR, set())]
-    return {"torch_threads": torch.get_num_threads(), "rss": _status_kib("VmRSS") << 10,
-            "live_params": sum(p.numel() for p in model.parameters()),
-            "stashed": stashed, "restored": len(restored), "restored_example": restored[:3]}
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "rss": _status_kib("VmRSS") << 10,
+        "live_params": sum(p.numel() for p in model.parameters()),
+        "stashed": stashed,
+        "restored": len(restored),
+        "restored_example": restored[:3],
+    }
 
 
 def learn_placement(worker) -> dict[str, Any]:
@@ -78,9 +83,15 @@ def learn_placement(worker) -> dict[str, Any]:
     applier = _applier(worker)
     with PeakRss() as m:
         status = worker.delta_probe()
-    return {"seconds": m.seconds, "extra": m.extra, "probe_s": status["probe_s"],
-            "probe_peak_bytes": status["probe_peak_bytes"], "tensors": len(applier.placements),
-            "fallback": status["fallback"], "transformed": status["transformed"]}
+    return {
+        "seconds": m.seconds,
+        "extra": m.extra,
+        "probe_s": status["probe_s"],
+        "probe_peak_bytes": status["probe_peak_bytes"],
+        "tensors": len(applier.placements),
+        "fallback": status["fallback"],
+        "transformed": status["transformed"],
+    }
 
 
 def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
@@ -96,8 +107,13 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
 
     state = worker._delta()
     state.version = version - 1
-    request = {"id": f"bench-{version}", "path": path, "version": version, "base_version": None,
-               "chunk_bytes": chunk_bytes}
+    request = {
+        "id": f"bench-{version}",
+        "path": path,
+        "version": version,
+        "base_version": None,
+        "chunk_bytes": chunk_bytes,
+    }
     with PeakRss() as prep:
         prepared = worker.delta_prepare(request)
         if not prepared.get("ok"):
@@ -111,14 +127,23 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
     times = trace.seconds
     repack = times.get("post_load", 0.0)
     out = {
-        "changed": prepared["changed"], "payload": _payload_bytes(prepared["changed"]),
-        "bytes_read": prepared["bytes_read"], "fallback": prepared["fallback"], "digests_checked": checked,
-        "prepare_s": prep.seconds, "stage_s": sum(times.get(p, 0.0) for p in ("decode", "locate", "digest", "stage")),
-        "digest_s": times.get("digest", 0.0), "phases": trace.as_dict(),
-        "commit_s": com.seconds, "repack_s": repack, "scatter_s": com.seconds - repack,
+        "changed": prepared["changed"],
+        "payload": _payload_bytes(prepared["changed"]),
+        "bytes_read": prepared["bytes_read"],
+        "fallback": prepared["fallback"],
+        "digests_checked": checked,
+        "prepare_s": prep.seconds,
+        "stage_s": sum(times.get(p, 0.0) for p in ("decode", "locate", "digest", "stage")),
+        "digest_s": times.get("digest", 0.0),
+        "phases": trace.as_dict(),
+        "commit_s": com.seconds,
+        "repack_s": repack,
+        "scatter_s": com.seconds - repack,
         "total_s": prep.seconds + com.seconds,
         # Peaks relative to the RSS before prepare.
-        "prepare_extra": prep.extra, "commit_extra": com.peak - prep.base, "staged": com.base - prep.base,
+        "prepare_extra": prep.extra,
+        "commit_extra": com.peak - prep.base,
+        "staged": com.base - prep.base,
     }
     out["extra"] = max(out["prepare_extra"], out["commit_extra"])
     return out
@@ -140,8 +165,10 @@ def _gemm_paths(layer, batch: int, repeats: int) -> dict[str, Any]:
 
     x = torch.randn(batch, layer.weight.shape[1], dtype=layer.weight.dtype)
     out = {"layer": "model.layers.0.mlp.gate_up_proj", "shape": list(layer.weight.shape), "batch": batch}
-    for label, fn in (("packed_s", lambda: layer.quant_method.apply(layer, x)),
-                      ("unpacked_s", lambda: torch.nn.functional.linear(x, layer.weight))):
+    for label, fn in (
+        ("packed_s", lambda: layer.quant_method.apply(layer, x)),
+        ("unpacked_s", lambda: torch.nn.functional.linear(x, layer.weight)),
+    ):
         with torch.no_grad():
             fn()
             times = []
@@ -151,7 +178,9 @@ def _gemm_paths(layer, batch: int, repeats: int) -> dict[str, Any]:
                 times.append(time.perf_counter() - t)
         out[label] = statistics.median(times)
     with torch.no_grad():
-        out["equal"] = bool(torch.equal(layer.quant_method.apply(layer, x), torch.nn.functional.linear(x, layer.weight)))
+        out["equal"] = bool(
+            torch.equal(layer.quant_method.apply(layer, x), torch.nn.functional.linear(x, layer.weight))
+        )
     return out
 
 

@@ -13,8 +13,13 @@ def probe(worker) -> dict[str, Any]:
     """The route's startup probe (`delta_probe`), with the worker's own peak RSS around it."""
     with PeakRss() as m:
         status = worker.delta_probe()
-    return {"seconds": m.seconds, "extra": m.extra, "probe_s": status["probe_s"],
-            "probe_peak_bytes": status["probe_peak_bytes"], "fallback": status["fallback"]}
+    return {
+        "seconds": m.seconds,
+        "extra": m.extra,
+        "probe_s": status["probe_s"],
+        "probe_peak_bytes": status["probe_peak_bytes"],
+        "fallback": status["fallback"],
+    }
 
 
 def load_module(path: str) -> Any:
@@ -28,8 +33,10 @@ def load_module(path: str) -> Any:
 
 def segments(placements: dict) -> dict[str, list[tuple]]:
     """Every segment as plain data, to compare two probes' results."""
-    return {n: [(s.target, s.sizes, s.src_offset, s.src_strides, s.dst_offset, s.dst_strides) for s in p.segments]
-            for n, p in placements.items()}
+    return {
+        n: [(s.target, s.sizes, s.src_offset, s.src_strides, s.dst_offset, s.dst_strides) for s in p.segments]
+        for n, p in placements.items()
+    }
 
 
 def old_probe(worker, path: str) -> dict[str, Any]:
@@ -40,6 +47,9 @@ def old_probe(worker, path: str) -> dict[str, Any]:
     with PeakRss() as m:
         placements = old.build_placement(applier._load_weights, storages, applier.checkpoint)
     same = segments(placements) == segments(applier.placements)
-    return {"seconds": m.seconds, "extra": m.extra,
-            "fallback": {n: p.fallback_reason for n, p in placements.items() if p.fallback_reason},
-            "same_segments_as_new": same}
+    return {
+        "seconds": m.seconds,
+        "extra": m.extra,
+        "fallback": {n: p.fallback_reason for n, p in placements.items() if p.fallback_reason},
+        "same_segments_as_new": same,
+    }

@@ -58,7 +58,9 @@ def main() -> None:
     cap = producer.scan(shards, kind="", anchor=True)
     scan_peak = rss("VmHWM") - base
     staged = staged_bytes(cap, producer, live)
-    b = FlushBuilder(lambda name, f: None, version=1, encoding="planes_zstd", flush_bytes=args.flush_mib << 20)
+    b = FlushBuilder(
+        lambda name, f: None, version=1, encoding="planes_zstd", flush_bytes=args.flush_mib << 20
+    )
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = rss("VmRSS")
@@ -68,12 +70,22 @@ def main() -> None:
     b.manifest()
     encode_s = time.perf_counter() - start
     n = sum(t.numel() for t in live)
-    print(json.dumps({
-        "elements": n, "changed": cap.changed, "flush_bytes": args.flush_mib << 20, "flushes": len(b.files),
-        "staged_bytes": staged, "staged_bytes_per_element": round(staged / n, 4),
-        "scan_peak_rss_bytes": scan_peak, "encode_peak_rss_over_capture_bytes": rss("VmHWM") - before,
-        "capture_held_bytes_after_encode": staged, "encode_s": round(encode_s, 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "elements": n,
+                "changed": cap.changed,
+                "flush_bytes": args.flush_mib << 20,
+                "flushes": len(b.files),
+                "staged_bytes": staged,
+                "staged_bytes_per_element": round(staged / n, 4),
+                "scan_peak_rss_bytes": scan_peak,
+                "encode_peak_rss_over_capture_bytes": rss("VmHWM") - before,
+                "capture_held_bytes_after_encode": staged,
+                "encode_s": round(encode_s, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,9 +40,10 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from benchmarks import _apply_worker as W  # noqa: E402
 from harness.perturb import perturb_tensor  # noqa: E402
 from harness.tiny_models import train_tokenizer  # noqa: E402
+
+from benchmarks import _apply_worker as W  # noqa: E402
 from vllm_delta.diff import diff_param  # noqa: E402
 from vllm_delta.wire import DeltaWriter, get_encoding, tensor_digest  # noqa: E402
 from vllm_delta.wire.additive import partial_sum, to_hex  # noqa: E402
@@ -57,10 +58,20 @@ def llama_config(a: argparse.Namespace):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=32000, hidden_size=a.hidden, intermediate_size=a.intermediate,
-        num_hidden_layers=a.layers, num_attention_heads=16, num_key_value_heads=8, head_dim=a.hidden // 16,
-        max_position_embeddings=512, torch_dtype="bfloat16", tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        vocab_size=32000,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=a.layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=a.hidden // 16,
+        max_position_embeddings=512,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def shapes_of(cfg) -> dict[str, tuple[int, ...]]:
@@ -68,11 +79,19 @@ def shapes_of(cfg) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                    p + "mlp.down_proj.weight": (h, i)})
+        out.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (h, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
     out["model.norm.weight"] = (h,)
     out["lm_head.weight"] = (cfg.vocab_size, h)
     return out
@@ -95,12 +114,19 @@ def make_base(cfg) -> dict[str, torch.Tensor]:
             out[name] = (0.02 * torch.randn(shape, generator=gen)).bfloat16()
         # No exact zeros: a -1 ULP step turns +-0.0 into a NaN bit pattern, which vLLM's sparse
         # loader rejects as a value (NaN is its "unchanged" sentinel). Ours would apply it exactly.
-        out[name][out[name] == 0] = 2.0 ** -20
+        out[name][out[name] == 0] = 2.0**-20
     return out
 
 
-def make_deltas(base: dict[str, torch.Tensor], base_digests: dict[str, str], density: float, work: Path,
-                encodings: list[str], new_dir: Path | None, cfg) -> tuple[dict[str, Path], int]:
+def make_deltas(
+    base: dict[str, torch.Tensor],
+    base_digests: dict[str, str],
+    density: float,
+    work: Path,
+    encodings: list[str],
+    new_dir: Path | None,
+    cfg,
+) -> tuple[dict[str, Path], int]:
     """Forward (v1: BASE -> NEW) and reverse (v2: NEW -> BASE) deltas per encoding."""
     gen = torch.Generator().manual_seed(int(density * 1e6))
     writers = {}
@@ -108,8 +134,10 @@ def make_deltas(base: dict[str, torch.Tensor], base_digests: dict[str, str], den
     for enc in encodings:
         for direction, version in (("fwd", 1), ("rev", 2)):
             d = work / f"d{density:g}_{enc}_{direction}"
-            writers[(enc, direction)] = (d, DeltaWriter(d, version=version, base_version=version - 1,
-                                                        encoding=enc, model_elements=total))
+            writers[(enc, direction)] = (
+                d,
+                DeltaWriter(d, version=version, base_version=version - 1, encoding=enc, model_elements=total),
+            )
     new_tensors = {} if new_dir is not None else None
     changed = 0
     digests: dict[tuple[str, str, str], dict[str, str]] = {}
@@ -122,21 +150,35 @@ def make_deltas(base: dict[str, torch.Tensor], base_digests: dict[str, str], den
             # What the sender publishes (sender/publisher.py): the post-apply digest of the changed
             # positions, and the pre-apply one on base-relative encodings only.
             base_rel = get_encoding(enc).needs_base
-            for direction, before, after in (("fwd", diff.old_values, diff.new_values),
-                                             ("rev", diff.new_values, diff.old_values)):
-                digests[(enc, name, direction)] = {"post_digest": to_hex(partial_sum(diff.positions, after)),
-                                                   **({"pre_digest": to_hex(partial_sum(diff.positions, before))}
-                                                      if base_rel else {})}
-            writers[(enc, "fwd")][1].add(name, diff.positions, diff.new_values, diff.old_values,
-                                         shape=old.shape, post_hash=new_hash)
-            writers[(enc, "rev")][1].add(name, diff.positions, diff.old_values, diff.new_values,
-                                         shape=old.shape, post_hash=base_digests[name])
+            for direction, before, after in (
+                ("fwd", diff.old_values, diff.new_values),
+                ("rev", diff.new_values, diff.old_values),
+            ):
+                digests[(enc, name, direction)] = {
+                    "post_digest": to_hex(partial_sum(diff.positions, after)),
+                    **({"pre_digest": to_hex(partial_sum(diff.positions, before))} if base_rel else {}),
+                }
+            writers[(enc, "fwd")][1].add(
+                name, diff.positions, diff.new_values, diff.old_values, shape=old.shape, post_hash=new_hash
+            )
+            writers[(enc, "rev")][1].add(
+                name,
+                diff.positions,
+                diff.old_values,
+                diff.new_values,
+                shape=old.shape,
+                post_hash=base_digests[name],
+            )
         if new_tensors is not None:
             new_tensors[name] = new
     for (enc, direction), (d, w) in writers.items():
         m = w.close(seal=False)
-        write_manifest(d, m.model_copy(update={"params": [
-            p.model_copy(update=digests[(enc, p.name, direction)]) for p in m.params]}))
+        write_manifest(
+            d,
+            m.model_copy(
+                update={"params": [p.model_copy(update=digests[(enc, p.name, direction)]) for p in m.params]}
+            ),
+        )
     if new_tensors is not None:
         write_model(cfg, new_dir, new_tensors)
     return {f"{enc}_{direction}": d for (enc, direction), (d, _) in writers.items()}, changed
@@ -170,26 +212,43 @@ def run_engine(base_dir: Path, new_dir: Path, deltas: dict[float, dict[str, Path
 
     # The worker must import benchmarks._apply_worker (collective_rpc pickles the function by name).
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    res: dict = {"runs": [], "load_before": os.getloadavg(), "other_engines": other_engines(),
-                 "other_processes": busy_processes()}
+    res: dict = {
+        "runs": [],
+        "load_before": os.getloadavg(),
+        "other_engines": other_engines(),
+        "other_processes": busy_processes(),
+    }
     t0 = time.perf_counter()
     with start_llm(base_dir, delta=True) as llm:
         res["engine_start_s"] = time.perf_counter() - t0
         res["info"] = rpc(llm, W.info)
-        print(f"engine up in {res['engine_start_s']:.0f}s; worker torch threads {res['info']['torch_threads']}, "
-              f"stashed (repacked elsewhere) {res['info']['stashed']}", flush=True)
+        print(
+            f"engine up in {res['engine_start_s']:.0f}s; worker torch threads {res['info']['torch_threads']}, "
+            f"stashed (repacked elsewhere) {res['info']['stashed']}",
+            flush=True,
+        )
         res["placement"] = rpc(llm, W.learn_placement)
-        print(f"placement probe: {res['placement']['probe_s']:.2f}s, +{res['placement']['probe_peak_bytes'] / MB:.0f} MB "
-              f"peak, fallback {res['placement']['fallback']}", flush=True)
+        print(
+            f"placement probe: {res['placement']['probe_s']:.2f}s, +{res['placement']['probe_peak_bytes'] / MB:.0f} MB "
+            f"peak, fallback {res['placement']['fallback']}",
+            flush=True,
+        )
         res["gemm"] = [rpc(llm, W.gemm_paths, b) for b in (1, 64)]
 
         def step(method, density, direction, fn, *args):
             r = rpc(llm, fn, *args)
             r.update(method=method, density=density, direction=direction)
             res["runs"].append(r)
-            print(f"  {method:>14} {density:>6.1%} {direction:>8}: {r['total_s']:.3f}s, extra {r['extra'] / MB:.0f} MB"
-                  + (f"  [prepare {r['prepare_s']:.3f} digest {r['digest_s']:.3f} scatter {r['scatter_s']:.3f} "
-                     f"repack {r['repack_s']:.3f}]" if "scatter_s" in r else ""), flush=True)
+            print(
+                f"  {method:>14} {density:>6.1%} {direction:>8}: {r['total_s']:.3f}s, extra {r['extra'] / MB:.0f} MB"
+                + (
+                    f"  [prepare {r['prepare_s']:.3f} digest {r['digest_s']:.3f} scatter {r['scatter_s']:.3f} "
+                    f"repack {r['repack_s']:.3f}]"
+                    if "scatter_s" in r
+                    else ""
+                ),
+                flush=True,
+            )
 
         def three(method, density, fn, fwd, rev, *args):
             for direction, src in (("fwd", fwd), ("rev", rev), ("fwd", fwd), ("restore", rev)):
@@ -206,22 +265,36 @@ def run_engine(base_dir: Path, new_dir: Path, deltas: dict[float, dict[str, Path
         for density in sorted(deltas):
             paths = deltas[density]
             for e in [enc, *a.extra_encodings]:
-                three("ours" if e == enc else f"ours:{e}", density, W.ours,
-                      (str(paths[f"{e}_fwd"]), 1), (str(paths[f"{e}_rev"]), 2), CHUNK_BYTES)
-            three("vllm", density, W.vllm_patch, str(paths[f"{enc}_fwd"]), str(paths[f"{enc}_rev"]), CHUNK_BYTES)
+                three(
+                    "ours" if e == enc else f"ours:{e}",
+                    density,
+                    W.ours,
+                    (str(paths[f"{e}_fwd"]), 1),
+                    (str(paths[f"{e}_rev"]), 2),
+                    CHUNK_BYTES,
+                )
+            three(
+                "vllm", density, W.vllm_patch, str(paths[f"{enc}_fwd"]), str(paths[f"{enc}_rev"]), CHUNK_BYTES
+            )
         three("full", a.full_density, W.full_load, str(new_dir), str(base_dir))
         res["load_after"] = os.getloadavg()
         res["final_check"] = rpc(llm, W.matches_checkpoint, str(base_dir))
-        print(f"final state equals BASE: mismatched {res['final_check']['mismatched']}, "
-              f"unchecked {res['final_check']['unchecked']}", flush=True)
+        print(
+            f"final state equals BASE: mismatched {res['final_check']['mismatched']}, "
+            f"unchecked {res['final_check']['unchecked']}",
+            flush=True,
+        )
     return res
 
 
 # ---- report ------------------------------------------------------------------------------------
 def machine() -> str:
     try:
-        model = next(line.split(":", 1)[1].strip() for line in subprocess.run(
-            ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name"))
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+            if line.startswith("Model name")
+        )
     except StopIteration:
         model = platform.processor()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -230,6 +303,7 @@ def machine() -> str:
 
 def busy_processes() -> list[str]:
     """Other processes using CPU right now (over 10% over 1 s): what shared the cores."""
+
     def ticks() -> dict[int, tuple[int, str]]:
         out = {}
         for p in Path("/proc").iterdir():
@@ -246,13 +320,19 @@ def busy_processes() -> list[str]:
     time.sleep(1.0)
     after = ticks()
     hz = os.sysconf("SC_CLK_TCK")
-    return [f"{(t - before[pid][0]) / hz:.0%} {cmd}" for pid, (t, cmd) in after.items()
-            if pid in before and (t - before[pid][0]) / hz > 0.1]
+    return [
+        f"{(t - before[pid][0]) / hz:.0%} {cmd}"
+        for pid, (t, cmd) in after.items()
+        if pid in before and (t - before[pid][0]) / hz > 0.1
+    ]
 
 
 def samples(res: dict, method: str, density: float) -> list[dict]:
-    return [r for r in res["runs"] if r["method"] == method and r["density"] == density
-            and r["direction"] in ("fwd", "rev")]
+    return [
+        r
+        for r in res["runs"]
+        if r["method"] == method and r["density"] == density and r["direction"] in ("fwd", "rev")
+    ]
 
 
 def med(res: dict, method: str, density: float, key: str) -> float:
@@ -294,7 +374,8 @@ def write_report(out: Path, res: dict, a, facts: dict, keys: dict[str, float]) -
         f"vLLM {vllm.__version__}. Load average at engine start {res['load_before'][0]:.1f}, at the end "
         f"{res['load_after'][0]:.1f}; {res['other_engines']} other vLLM engine process(es) at the start. "
         "Other processes busy (>10% of a core over 1 s) just before the engine started: "
-        + ("; ".join(f"`{p}`" for p in res["other_processes"]) or "none") + ".",
+        + ("; ".join(f"`{p}`" for p in res["other_processes"]) or "none")
+        + ".",
         f"- **Model:** random-weight Llama, {facts['params'] / 1e9:.3f} B params in {facts['tensors']} bf16 "
         f"tensors ({facts['params'] * 2 / 2**30:.2f} GiB): hidden {a.hidden}, intermediate {a.intermediate}, "
         f"{a.layers} layers, vocab 32000, untied lm_head. One in-process engine "
@@ -340,15 +421,29 @@ def write_report(out: Path, res: dict, a, facts: dict, keys: dict[str, float]) -
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for d in densities:
-        m = {k: med(res, "ours", d, k) for k in ("changed", "payload", "bytes_read", "total_s", "prepare_s",
-                                                   "stage_s", "digest_s", "scatter_s", "repack_s", "extra")}
+        m = {
+            k: med(res, "ours", d, k)
+            for k in (
+                "changed",
+                "payload",
+                "bytes_read",
+                "total_s",
+                "prepare_s",
+                "stage_s",
+                "digest_s",
+                "scatter_s",
+                "repack_s",
+                "extra",
+            )
+        }
         v_s, v_mem = med(res, "vllm", d, "total_s"), med(res, "vllm", d, "extra")
         lines.append(
             f"| {d:.1%} | {m['changed'] / 1e6:.2f} M | {m['payload'] / MB:.0f} MB | {m['bytes_read'] / MB:.0f} MB "
             f"| **{m['total_s']:.3f} s** | {m['prepare_s']:.3f} s | {m['stage_s']:.3f} s ({m['digest_s']:.3f}) "
             f"| {m['scatter_s']:.3f} s | {m['repack_s']:.3f} s | {v_s:.3f} s | {full_s:.3f} s "
             f"| {m['extra'] / MB:.0f} MB ({m['extra'] / m['payload']:.2f}x) | {v_mem / MB:.0f} MB "
-            f"({v_mem / m['payload']:.2f}x) |")
+            f"({v_mem / m['payload']:.2f}x) |"
+        )
     lines += [
         "",
         "| density | vLLM / ours | vLLM / ours without CPU repack | full / ours | ours extra mem / payload |",
@@ -356,24 +451,31 @@ def write_report(out: Path, res: dict, a, facts: dict, keys: dict[str, float]) -
     ]
     for d in densities:
         k = f"{d * 100:g}pct".replace(".", "p")
-        lines.append(f"| {d:.1%} | {keys[f'vs_vllm_{k}']:.1f}x | {keys[f'vs_vllm_no_repack_{k}']:.1f}x "
-                     f"| {keys[f'vs_full_{k}']:.2f}x | {keys[f'mem_over_payload_{k}']:.2f}x |")
+        lines.append(
+            f"| {d:.1%} | {keys[f'vs_vllm_{k}']:.1f}x | {keys[f'vs_vllm_no_repack_{k}']:.1f}x "
+            f"| {keys[f'vs_full_{k}']:.2f}x | {keys[f'mem_over_payload_{k}']:.2f}x |"
+        )
     lines += ["", "### Targets", ""]
     for d, key, goal in ((0.02, "2pct", 10), (0.005, "0p5pct", 30)):
         if f"vs_vllm_{key}" in keys:
             r, r2 = keys[f"vs_vllm_{key}"], keys[f"vs_vllm_no_repack_{key}"]
-            lines.append(f"- **>= {goal}x vLLM's loader at {d:.1%}:** {'met' if r >= goal else 'NOT met'} end to end "
-                         f"({r:.1f}x); without the CPU-only repack {r2:.1f}x ({'met' if r2 >= goal else 'NOT met'}).")
+            lines.append(
+                f"- **>= {goal}x vLLM's loader at {d:.1%}:** {'met' if r >= goal else 'NOT met'} end to end "
+                f"({r:.1f}x); without the CPU-only repack {r2:.1f}x ({'met' if r2 >= goal else 'NOT met'})."
+            )
     if "mem_over_payload_2pct" in keys:
         m = keys["mem_over_payload_2pct"]
         lines.append(f"- **Extra memory <= 2x payload at 2%:** {'met' if m <= 2 else 'NOT met'} ({m:.2f}x).")
     g1, g64 = res["gemm"]
-    gemm = (f"Its cost is generation speed, measured on `{g1['layer']}` ({g1['shape']}), median of 20 calls: batch 1: "
-            f"packed {g1['packed_s'] * 1e3:.2f} ms, unpacked {g1['unpacked_s'] * 1e3:.2f} ms "
-            f"({g1['unpacked_s'] / g1['packed_s']:.2f}x); batch 64: packed {g64['packed_s'] * 1e3:.2f} ms, unpacked "
-            f"{g64['unpacked_s'] * 1e3:.2f} ms ({g64['unpacked_s'] / g64['packed_s']:.2f}x). Outputs bit-equal: "
-            f"{g1['equal']} / {g64['equal']}." if "error" not in g1 and "error" not in g64
-            else f"The matmul comparison failed: {g1.get('error') or g64.get('error')}.")
+    gemm = (
+        f"Its cost is generation speed, measured on `{g1['layer']}` ({g1['shape']}), median of 20 calls: batch 1: "
+        f"packed {g1['packed_s'] * 1e3:.2f} ms, unpacked {g1['unpacked_s'] * 1e3:.2f} ms "
+        f"({g1['unpacked_s'] / g1['packed_s']:.2f}x); batch 64: packed {g64['packed_s'] * 1e3:.2f} ms, unpacked "
+        f"{g64['unpacked_s'] * 1e3:.2f} ms ({g64['unpacked_s'] / g64['packed_s']:.2f}x). Outputs bit-equal: "
+        f"{g1['equal']} / {g64['equal']}."
+        if "error" not in g1 and "error" not in g64
+        else f"The matmul comparison failed: {g1.get('error') or g64.get('error')}."
+    )
     lines += [
         "",
         "## Where our time goes, and the alternative to a CPU repack",
@@ -388,11 +490,24 @@ def write_report(out: Path, res: dict, a, facts: dict, keys: dict[str, float]) -
         "| method | density | direction | time | extra mem |",
         "|---|---:|---|---:|---:|",
     ]
-    lines += [f"| {r['method']} | {r['density']:.1%} | {r['direction']} | {r['total_s']:.3f} s | {r['extra'] / MB:.0f} MB |"
-              for r in res["runs"]]
-    lines += ["", "Rows `ours:<encoding>` apply the same changes in another encoding (`ulp_zstd` is "
-              "base-relative: vLLM's loader cannot take it).", "", "## Reproduce", "", "```", facts["command"], "```",
-              "", f"Raw numbers: `{out.name.replace('.md', '_raw.json')}`; headline keys: `--json`.", ""]
+    lines += [
+        f"| {r['method']} | {r['density']:.1%} | {r['direction']} | {r['total_s']:.3f} s | {r['extra'] / MB:.0f} MB |"
+        for r in res["runs"]
+    ]
+    lines += [
+        "",
+        "Rows `ours:<encoding>` apply the same changes in another encoding (`ulp_zstd` is "
+        "base-relative: vLLM's loader cannot take it).",
+        "",
+        "## Reproduce",
+        "",
+        "```",
+        facts["command"],
+        "```",
+        "",
+        f"Raw numbers: `{out.name.replace('.md', '_raw.json')}`; headline keys: `--json`.",
+        "",
+    ]
     out.write_text("\n".join(lines))
     return [f"{k}: {v:.3g}" for k, v in keys.items()]
 
@@ -400,8 +515,21 @@ def write_report(out: Path, res: dict, a, facts: dict, keys: dict[str, float]) -
 def analysis(res: dict, a) -> str:
     """Where our time goes at `--full-density`, from the measured numbers only."""
     d = a.full_density
-    o = {k: med(res, "ours", d, k) for k in ("total_s", "prepare_s", "stage_s", "digest_s", "scatter_s",
-                                               "repack_s", "changed", "staged", "prepare_extra", "commit_extra")}
+    o = {
+        k: med(res, "ours", d, k)
+        for k in (
+            "total_s",
+            "prepare_s",
+            "stage_s",
+            "digest_s",
+            "scatter_s",
+            "repack_s",
+            "changed",
+            "staged",
+            "prepare_extra",
+            "commit_extra",
+        )
+    }
     v = med(res, "vllm", d, "total_s")
     budget = v / 10
     repacked = len(res["info"]["stashed"]) + res["info"]["restored"]
@@ -435,9 +563,18 @@ def plot(path: Path, res: dict, densities: list[float], a) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [d * 100 for d in densities]
     ax.plot(xs, [med(res, "ours", d, "total_s") for d in densities], "o-", label="ours (end to end)")
-    ax.plot(xs, [med(res, "ours", d, "total_s") - med(res, "ours", d, "repack_s") for d in densities], "o--",
-            label="ours without CPU repack")
-    ax.plot(xs, [med(res, "vllm", d, "total_s") for d in densities], "s-", label="vLLM load_checkpoint_weight_patches")
+    ax.plot(
+        xs,
+        [med(res, "ours", d, "total_s") - med(res, "ours", d, "repack_s") for d in densities],
+        "o--",
+        label="ours without CPU repack",
+    )
+    ax.plot(
+        xs,
+        [med(res, "vllm", d, "total_s") for d in densities],
+        "s-",
+        label="vLLM load_checkpoint_weight_patches",
+    )
     ax.axhline(med(res, "full", a.full_density, "total_s"), color="gray", ls=":", label="full load_weights")
     ax.set_yscale("log")
     ax.set_xlabel("density (% of elements changed)")
@@ -478,18 +615,32 @@ def main() -> None:
         deltas = {}
         for d in a.densities:
             t = time.perf_counter()
-            deltas[d], changed = make_deltas(base, base_digests, d, work, [a.encoding, *a.extra_encodings],
-                                             new_dir if d == a.full_density else None, cfg)
-            print(f"deltas at {d:.1%}: {changed / 1e6:.2f} M changed, {a.encoding} "
-                  f"{dir_bytes(deltas[d][a.encoding + '_fwd']) / MB:.0f} MB ({time.perf_counter() - t:.0f}s)",
-                  flush=True)
+            deltas[d], changed = make_deltas(
+                base,
+                base_digests,
+                d,
+                work,
+                [a.encoding, *a.extra_encodings],
+                new_dir if d == a.full_density else None,
+                cfg,
+            )
+            print(
+                f"deltas at {d:.1%}: {changed / 1e6:.2f} M changed, {a.encoding} "
+                f"{dir_bytes(deltas[d][a.encoding + '_fwd']) / MB:.0f} MB ({time.perf_counter() - t:.0f}s)",
+                flush=True,
+            )
         del base
         gc.collect()
         res = run_engine(base_dir, new_dir, deltas, a)
         keys = summary(res, a)
-        facts = {"params": params, "tensors": len(base_digests), "deltas": deltas,
-                 "wall_s": time.perf_counter() - start, "analysis": analysis(res, a),
-                 "command": " ".join([".venv/bin/python", "benchmarks/apply.py", *sys.argv[1:]])}
+        facts = {
+            "params": params,
+            "tensors": len(base_digests),
+            "deltas": deltas,
+            "wall_s": time.perf_counter() - start,
+            "analysis": analysis(res, a),
+            "command": " ".join([".venv/bin/python", "benchmarks/apply.py", *sys.argv[1:]]),
+        }
         a.out.mkdir(parents=True, exist_ok=True)
         lines = write_report(a.out / "apply.md", res, a, facts, keys)
         (a.out / "apply_raw.json").write_text(json.dumps(res, indent=1, default=str))

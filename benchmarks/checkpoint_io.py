@@ -39,7 +39,7 @@ def write(path: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
     weight_map = {}
     for i in range(shards):
         fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        keys = names[i * per:(i + 1) * per]
+        keys = names[i * per : (i + 1) * per]
         save_file({k: tensors[k] for k in keys}, str(path / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(keys, fname))
     (path / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -47,8 +47,12 @@ def write(path: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
 
 def build(root: Path, layers: int, experts: int, shards: int) -> tuple[Path, Path, int]:
     g = torch.Generator().manual_seed(0)
-    old = {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight": torch.randn(SHAPE, generator=g).bfloat16()
-           for layer in range(layers) for e in range(experts) for p in ("gate", "up", "down")}
+    old = {
+        f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight": torch.randn(SHAPE, generator=g).bfloat16()
+        for layer in range(layers)
+        for e in range(experts)
+        for p in ("gate", "up", "down")
+    }
     new = {}
     for name, t in old.items():
         moved = torch.rand(t.shape, generator=g) < 0.01
@@ -98,25 +102,41 @@ def main() -> None:
     try:
         old, new, count = build(root, a.layers, a.experts, a.shards)
         size = sum(f.stat().st_size for f in old.glob("*.safetensors"))
-        runs: dict[str, list[tuple[float, float] | None]] = {"read_twice": [], "diff": [], "apply": [], "verify": []}
-        for i in range(a.runs):
+        runs: dict[str, list[tuple[float, float] | None]] = {
+            "read_twice": [],
+            "diff": [],
+            "apply": [],
+            "verify": [],
+        }
+        for _ in range(a.runs):
             for d in ("delta", "applied"):
                 shutil.rmtree(root / d, ignore_errors=True)
             runs["read_twice"].append(read_twice(old))
             runs["diff"].append(timed([*py, "diff", str(old), str(new), str(root / "delta")], a.limit))
             if runs["diff"][-1] is None:
                 break  # nothing to apply or verify
-            runs["apply"].append(timed([*py, "apply", str(old), str(root / "delta"), str(root / "applied")],
-                                       a.limit))
+            runs["apply"].append(
+                timed([*py, "apply", str(old), str(root / "delta"), str(root / "applied")], a.limit)
+            )
             runs["verify"].append(timed([*py, "verify", str(root / "delta"), "--base", str(old)], a.limit))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     done = {k: v for k, v in runs.items() if v and None not in v}
-    med = {k: {"wall": statistics.median(w for w, _ in v), "cpu": statistics.median(c for _, c in v)}
-           for k, v in done.items()}
-    result = {"tensors": count, "shards": a.shards, "checkpoint_bytes": size, "runs": runs, "median_s": med,
-              "limit_s": a.limit, "cpu_affinity": sorted(os.sched_getaffinity(0)),
-              "torch_threads": torch.get_num_threads(), "loadavg_at_end": os.getloadavg()}
+    med = {
+        k: {"wall": statistics.median(w for w, _ in v), "cpu": statistics.median(c for _, c in v)}
+        for k, v in done.items()
+    }
+    result = {
+        "tensors": count,
+        "shards": a.shards,
+        "checkpoint_bytes": size,
+        "runs": runs,
+        "median_s": med,
+        "limit_s": a.limit,
+        "cpu_affinity": sorted(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_at_end": os.getloadavg(),
+    }
     print(json.dumps(result, indent=1))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")

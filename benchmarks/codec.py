@@ -23,24 +23,44 @@ import torch
 import zstandard
 
 from vllm_delta.diff import diff_param
-from vllm_delta.wire import (ENCODINGS, DeltaDecoder, Manifest, ParamChange, ParamEntry, encode_flush,
-                             file_entry)
+from vllm_delta.wire import (
+    ENCODINGS,
+    DeltaDecoder,
+    Manifest,
+    ParamChange,
+    ParamEntry,
+    encode_flush,
+    file_entry,
+)
 from vllm_delta.wire.codecs import encode_gaps
 from vllm_delta.wire.container import Limits, unpack
 
 SEED = "deltas_zstd"
 PULSE = "pulse_style"
 # (label, lr, optimizer steps per sync)
-CASES = [("lr 1e-6", 1e-6, 1), ("lr 3e-6", 3e-6, 1), ("lr 1e-5", 1e-5, 1), ("lr 1e-6, sync every 3 steps", 1e-6, 3)]
+CASES = [
+    ("lr 1e-6", 1e-6, 1),
+    ("lr 3e-6", 3e-6, 1),
+    ("lr 1e-5", 1e-5, 1),
+    ("lr 1e-6, sync every 3 steps", 1e-6, 3),
+]
 
 
 def model_shapes(elements: int) -> dict[str, tuple[int, ...]]:
     """A small transformer-like mix: embedding, attention, MLP and norms, scaled to `elements`."""
     h = max(64, int(math.sqrt(elements / 14)) // 64 * 64)
-    return {"embed_tokens.weight": (4 * h, h), "q_proj.weight": (h, h), "k_proj.weight": (h // 4, h),
-            "v_proj.weight": (h // 4, h), "o_proj.weight": (h, h), "gate_proj.weight": (3 * h, h),
-            "up_proj.weight": (3 * h, h), "down_proj.weight": (h, 3 * h), "input_layernorm.weight": (h,),
-            "norm.weight": (h,)}
+    return {
+        "embed_tokens.weight": (4 * h, h),
+        "q_proj.weight": (h, h),
+        "k_proj.weight": (h // 4, h),
+        "v_proj.weight": (h // 4, h),
+        "o_proj.weight": (h, h),
+        "gate_proj.weight": (3 * h, h),
+        "up_proj.weight": (3 * h, h),
+        "down_proj.weight": (h, 3 * h),
+        "input_layernorm.weight": (h,),
+        "norm.weight": (h,),
+    }
 
 
 def adam_deltas(shapes, lr: float, steps: int, warmup: int = 3, seed: int = 0):
@@ -84,20 +104,34 @@ def best_of(fn, repeat: int):
 def run_encoding(name: str, changes: list[ParamChange], repeat: int) -> Result:
     enc = ENCODINGS[name]
     enc_s, flush = best_of(lambda: encode_flush(changes, encoding=enc, version=1, base_version=0), repeat)
-    manifest = Manifest(version=1, base_version=0, encoding=name, files=[file_entry("f", flush)],
-                        params=[ParamEntry(name=c.name, dtype="bfloat16", shape=list(c.shape),
-                                           changed=c.positions.numel(), files=["f"]) for c in changes])
+    manifest = Manifest(
+        version=1,
+        base_version=0,
+        encoding=name,
+        files=[file_entry("f", flush)],
+        params=[
+            ParamEntry(
+                name=c.name, dtype="bfloat16", shape=list(c.shape), changed=c.positions.numel(), files=["f"]
+            )
+            for c in changes
+        ],
+    )
     olds = {c.name: c.old_values for c in changes}
 
     def decode():  # what a receiver does before its scatter: verify, decode, resolve
         dec = DeltaDecoder(manifest, current_version=0)
-        out = [(pd.positions, pd.resolve(olds[pd.name] if pd.needs_base else None)) for pd in dec.feed("f", flush.data)]
+        out = [
+            (pd.positions, pd.resolve(olds[pd.name] if pd.needs_base else None))
+            for pd in dec.feed("f", flush.data)
+        ]
         dec.finish()
         return out
 
     dec_s, decoded = best_of(decode, repeat)
     for c, (pos, vals) in zip(changes, decoded):  # the benchmark also proves exactness
-        assert torch.equal(pos, c.positions) and torch.equal(vals.view(torch.int16), c.new_values.view(torch.int16))
+        assert torch.equal(pos, c.positions) and torch.equal(
+            vals.view(torch.int16), c.new_values.view(torch.int16)
+        )
     v1 = encode_flush(changes, encoding=enc, version=1, base_version=0, blocked=False)
     meta = unpack(flush.data, file="f", limits=Limits())[1]
     blocks = sum(len(p["blocks"]) for p in json.loads(meta["params"]))
@@ -106,6 +140,7 @@ def run_encoding(name: str, changes: list[ParamChange], repeat: int) -> Result:
 
 def run_pulse(changes: list[ParamChange], repeat: int) -> Result:
     """PULSE-style: gaps in the narrowest int per tensor, then zstd-1 over gaps and raw values."""
+
     def encode():
         parts = []
         for c in changes:
@@ -158,8 +193,10 @@ def main() -> None:
         res = {e: run_encoding(e, changes, a.repeat) for e in ENCODINGS}
         res[PULSE] = run_pulse(changes, a.repeat)
         rows.append((label, changed / total, changed, res))
-        print(f"{label}: density {changed / total:.4f}, " +
-              ", ".join(f"{e} {r.bytes / changed:.3f}" for e, r in res.items()))
+        print(
+            f"{label}: density {changed / total:.4f}, "
+            + ", ".join(f"{e} {r.bytes / changed:.3f}" for e, r in res.items())
+        )
     wall = time.perf_counter() - t0
     a.out.mkdir(parents=True, exist_ok=True)
     write_report(a.out / "codec.md", rows, names, total, wall)
@@ -192,25 +229,36 @@ def write_report(path: Path, rows, names, total: int, wall: float) -> None:
     ]
     label, density, changed, res = min(rows, key=lambda r: abs(r[1] - 0.02))
     best = min(res, key=lambda e: res[e].bytes)
-    lines += [f"**Result at {density:.1%} density ({label}):** `{best}` needs "
-              f"{res[best].bytes / changed:.3f} B per changed element (target: at most 1.3), against "
-              f"{res[SEED].bytes / changed:.3f} B for the seed's `deltas_zstd` and "
-              f"{res[PULSE].bytes / changed:.3f} B for the PULSE-style codec.", ""]
+    lines += [
+        f"**Result at {density:.1%} density ({label}):** `{best}` needs "
+        f"{res[best].bytes / changed:.3f} B per changed element (target: at most 1.3), against "
+        f"{res[SEED].bytes / changed:.3f} B for the seed's `deltas_zstd` and "
+        f"{res[PULSE].bytes / changed:.3f} B for the PULSE-style codec.",
+        "",
+    ]
     for label, density, changed, res in rows:
         seed, pulse = res[SEED].bytes, res[PULSE].bytes
-        lines += [f"## {label}: density {density:.2%} ({changed:,} changed; position floor "
-                  f"{position_floor(density):.3f} B)", "",
-                  "| encoding | B/chg | vs seed | vs PULSE | vs full | enc MB/s | dec MB/s | enc Mchg/s | dec Mchg/s "
-                  "| blocks | v1 B/chg | block cost |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {label}: density {density:.2%} ({changed:,} changed; position floor "
+            f"{position_floor(density):.3f} B)",
+            "",
+            "| encoding | B/chg | vs seed | vs PULSE | vs full | enc MB/s | dec MB/s | enc Mchg/s | dec Mchg/s "
+            "| blocks | v1 B/chg | block cost |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for e in names:
             r = res[e]
-            v1 = (f"{r.blocks} | {r.bytes_v1 / changed:.3f} | {(r.bytes - r.bytes_v1) / changed:+.3f} B"
-                  if r.bytes_v1 else "- | - | -")
-            lines.append(f"| `{e}` | {r.bytes / changed:.3f} | {r.bytes / seed:.2f} | {r.bytes / pulse:.2f} | "
-                         f"{2 * total / r.bytes:.0f}x | {r.bytes / r.encode_s / 1e6:.0f} | "
-                         f"{r.bytes / r.decode_s / 1e6:.0f} | {changed / r.encode_s / 1e6:.1f} | "
-                         f"{changed / r.decode_s / 1e6:.1f} | {v1} |")
+            v1 = (
+                f"{r.blocks} | {r.bytes_v1 / changed:.3f} | {(r.bytes - r.bytes_v1) / changed:+.3f} B"
+                if r.bytes_v1
+                else "- | - | -"
+            )
+            lines.append(
+                f"| `{e}` | {r.bytes / changed:.3f} | {r.bytes / seed:.2f} | {r.bytes / pulse:.2f} | "
+                f"{2 * total / r.bytes:.0f}x | {r.bytes / r.encode_s / 1e6:.0f} | "
+                f"{r.bytes / r.decode_s / 1e6:.0f} | {changed / r.encode_s / 1e6:.1f} | "
+                f"{changed / r.decode_s / 1e6:.1f} | {v1} |"
+            )
         lines.append("")
     lines += ["![bytes per changed element vs density](codec_bytes_vs_density.png)", ""]
     path.write_text("\n".join(lines))
@@ -227,11 +275,21 @@ def plot(path: Path, rows, names) -> None:
     xs = [r[1] * 100 for r in order]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for e in names:
-        ax.plot(xs, [r[3][e].bytes / r[2] for r in order], marker="o", label=e,
-                linestyle="--" if e == PULSE else "-")
+        ax.plot(
+            xs,
+            [r[3][e].bytes / r[2] for r in order],
+            marker="o",
+            label=e,
+            linestyle="--" if e == PULSE else "-",
+        )
     dens = np.linspace(min(xs) * 0.9, max(xs) * 1.05, 100)
-    ax.plot(dens, [position_floor(d / 100) for d in dens], color="gray", linestyle=":",
-            label="position entropy floor")
+    ax.plot(
+        dens,
+        [position_floor(d / 100) for d in dens],
+        color="gray",
+        linestyle=":",
+        label="position entropy floor",
+    )
     ax.set_xscale("log")
     ax.set_xticks([1, 2, 3, 5, 10, 20])
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())

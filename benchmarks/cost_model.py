@@ -48,12 +48,13 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
-from benchmarks import scale  # noqa: E402
-from benchmarks.device_check import write_delta  # noqa: E402
 from harness.dispatch_log import OpCount  # noqa: E402
 from harness.perturb import perturb_tensor  # noqa: E402
-from vllm_delta.kernels import digest  # noqa: E402
+
+from benchmarks import scale  # noqa: E402
+from benchmarks.device_check import write_delta  # noqa: E402
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
+from vllm_delta.kernels import digest  # noqa: E402
 from vllm_delta.wire import DeltaWriter, iter_delta, open_delta  # noqa: E402
 from vllm_delta.wire.container import paused_gc  # noqa: E402
 
@@ -80,11 +81,14 @@ def _point(layers: int, experts: int, densities: tuple[float, ...], repeats: int
     gen = torch.Generator().manual_seed(0)
     base = {n: (torch.randn(s, generator=gen) * 0.05).to(dtype) for n, (s, dtype) in checkpoint.items()}
     rows = []
-    with scale.fake_parallel(1, 0, False), set_current_vllm_config(config), \
-            tempfile.TemporaryDirectory(prefix="cost_model_") as tmp:
+    with (
+        scale.fake_parallel(1, 0, False),
+        set_current_vllm_config(config),
+        tempfile.TemporaryDirectory(prefix="cost_model_") as tmp,
+    ):
         model.load_weights(base.items())
         applier = DeltaApplier(model, checkpoint, model.load_weights)
-        applier.placements  # the startup probe, outside every timing
+        _ = applier.placements  # the startup probe, outside every timing
         for version, density in enumerate(densities, start=1):
             new = {n: perturb_tensor(t, density, gen) for n, t in base.items()}
             path = Path(tmp) / f"v{version}"
@@ -94,7 +98,9 @@ def _point(layers: int, experts: int, densities: tuple[float, ...], repeats: int
                 info = open_delta(path)
                 with paused_gc():  # as DeltaApplier.prepare runs them
                     start = time.perf_counter()
-                    deltas = list(iter_delta(info, expected=checkpoint, current_version=version - 1, lazy=True))
+                    deltas = list(
+                        iter_delta(info, expected=checkpoint, current_version=version - 1, lazy=True)
+                    )
                     samples["decode_s"].append(time.perf_counter() - start)
                     start = time.perf_counter()
                     staged = applier.stage(info.manifest, deltas, version=version, replay=False, start=start)
@@ -108,14 +114,28 @@ def _point(layers: int, experts: int, densities: tuple[float, ...], repeats: int
             model.load_weights(base.items())
             # On a device the digests are torch ops in one pass, not the CPU kernel or the CPU's
             # cache-sized slices: count them that way.
-            with (mock.patch.object(digest, "CPU_SLICE", 1 << 62),
-                  mock.patch.dict(os.environ, {"VLLM_DELTA_KERNELS": "0"}), OpCount() as device_ops):
+            with (
+                mock.patch.object(digest, "CPU_SLICE", 1 << 62),
+                mock.patch.dict(os.environ, {"VLLM_DELTA_KERNELS": "0"}),
+                OpCount() as device_ops,
+            ):
                 applier.commit(applier.stage(info.manifest, deltas, version=version, replay=False, start=0.0))
             model.load_weights(base.items())
-            rows.append({"layers": layers, "experts": experts, "density": density, "tensors": len(deltas),
-                         "destinations": destinations, "changes": changed, "staged_bytes": staged_bytes,
-                         "ops": ops.count, "device_ops": device_ops.count, **{k: statistics.median(v) for k, v in samples.items()},
-                         "samples": samples})
+            rows.append(
+                {
+                    "layers": layers,
+                    "experts": experts,
+                    "density": density,
+                    "tensors": len(deltas),
+                    "destinations": destinations,
+                    "changes": changed,
+                    "staged_bytes": staged_bytes,
+                    "ops": ops.count,
+                    "device_ops": device_ops.count,
+                    **{k: statistics.median(v) for k, v in samples.items()},
+                    "samples": samples,
+                }
+            )
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "samples"}), flush=True)
     return rows
 
@@ -131,16 +151,25 @@ def _wide_decode(repeats: int, numel: int = 1 << 22) -> list[dict[str, Any]]:
             path = Path(tmp) / f"{tensors}_{density}"
             with DeltaWriter(path, version=1, base_version=0, encoding="ulp_zstd") as writer:
                 for i in range(tensors):
-                    pos = torch.randperm(size, generator=gen)[:int(size * density)].sort().values
+                    pos = torch.randperm(size, generator=gen)[: int(size * density)].sort().values
                     old = torch.randn(pos.numel(), generator=gen).to(torch.bfloat16)
-                    writer.add(f"t{i}", pos, (old.view(torch.int16) + 1).view(torch.bfloat16), old, shape=(size,))
+                    writer.add(
+                        f"t{i}", pos, (old.view(torch.int16) + 1).view(torch.bfloat16), old, shape=(size,)
+                    )
             times = []
             for _ in range(repeats):
                 with paused_gc():
                     start = time.perf_counter()
                     changes = sum(d.count for d in iter_delta(open_delta(path), current_version=0, lazy=True))
                     times.append(time.perf_counter() - start)
-            rows.append({"tensors": tensors, "destinations": 0, "changes": changes, "decode_s": statistics.median(times)})
+            rows.append(
+                {
+                    "tensors": tensors,
+                    "destinations": 0,
+                    "changes": changes,
+                    "decode_s": statistics.median(times),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -159,21 +188,34 @@ def fit(rows: list[dict[str, Any]], part: str, columns: tuple[str, ...]) -> dict
         active.pop(int(np.argmin(coef)))
     out = {c: 0.0 for c in columns}
     out.update(dict(zip(active, (max(0.0, float(v)) for v in coef))))
-    predicted = np.array([[r[c] for c in columns] for r in rows], dtype=float) @ np.array([out[c] for c in columns])
+    predicted = np.array([[r[c] for c in columns] for r in rows], dtype=float) @ np.array(
+        [out[c] for c in columns]
+    )
     out["max_rel_residual"] = float(np.max(np.abs(predicted - y) / y))
     return out
 
 
-def node_projection(model_fit: dict[str, Any], ops_per_destination: float, staged_bytes_per_change: float,
-                    assumed: dict[str, float] = ASSUMED) -> dict[str, Any]:
+def node_projection(
+    model_fit: dict[str, Any],
+    ops_per_destination: float,
+    staged_bytes_per_change: float,
+    assumed: dict[str, float] = ASSUMED,
+) -> dict[str, Any]:
     """GLM-4.7-355B, TP=8 on one 8xH200 node, 2%: the last rank (every rank holds a slice of every tensor)."""
     full = scale.checkpoint_shapes(MODEL)
     params = sum(torch.Size(s).numel() for s, _ in full.values())
     tp = 8
-    counts = {"T_r": len(full), "D_r": 1187, "C_r": params * 0.02 / tp}  # D_r: the full-shape harness's rank 7
-    dec = model_fit["decode_wide"]  # at full width each rank's slice of a tensor decodes on the per-param path
+    counts = {
+        "T_r": len(full),
+        "D_r": 1187,
+        "C_r": params * 0.02 / tp,
+    }  # D_r: the full-shape harness's rank 7
+    dec = model_fit[
+        "decode_wide"
+    ]  # at full width each rank's slice of a tensor decodes on the per-param path
     terms = {
-        "decode_s": (dec["tensors"] * counts["T_r"] + dec["changes"] * counts["C_r"]) / assumed["host_threads"],
+        "decode_s": (dec["tensors"] * counts["T_r"] + dec["changes"] * counts["C_r"])
+        / assumed["host_threads"],
         # the staging's Python per checkpoint tensor (pieces, tables) stays on the host, one thread
         "host_stage_s": (model_fit["stage"]["tensors"] + model_fit["commit"]["tensors"]) * counts["T_r"],
         # what crosses per change (batched.locate on a device): int32 positions and the values, as many
@@ -182,18 +224,30 @@ def node_projection(model_fit: dict[str, Any], ops_per_destination: float, stage
         "device_s": ops_per_destination * counts["D_r"] * assumed["launch_s"]
         + assumed["device_bytes_per_change"] * counts["C_r"] / assumed["hbm_bytes_per_s"],
     }
-    return {"params": params, **counts, **terms, "node_s": sum(terms.values()), "assumed": dict(assumed),
-            "formula": "(decode_wide.per_tensor*T_r + decode_wide.per_change*C_r)/host_threads"
-                       " + (stage.per_tensor + commit.per_tensor)*T_r + staged_bytes_per_change*C_r/pcie"
-                       " + ops_per_destination*D_r*launch_s + device_bytes_per_change*C_r/hbm"}
+    return {
+        "params": params,
+        **counts,
+        **terms,
+        "node_s": sum(terms.values()),
+        "assumed": dict(assumed),
+        "formula": "(decode_wide.per_tensor*T_r + decode_wide.per_change*C_r)/host_threads"
+        " + (stage.per_tensor + commit.per_tensor)*T_r + staged_bytes_per_change*C_r/pcie"
+        " + ops_per_destination*D_r*launch_s + device_bytes_per_change*C_r/hbm",
+    }
 
 
 def predict(part: dict[str, float], row: dict[str, Any]) -> float:
     return sum(part[c] * row[c] for c in ("tensors", "destinations", "changes"))
 
 
-def cost_model(layers: list[int], experts: list[int], densities: tuple[float, ...], repeats: int,
-               count_true: bool = False, wide_numel: int = 1 << 22) -> dict[str, Any]:
+def cost_model(
+    layers: list[int],
+    experts: list[int],
+    densities: tuple[float, ...],
+    repeats: int,
+    count_true: bool = False,
+    wide_numel: int = 1 << 22,
+) -> dict[str, Any]:
     """The grid's fit and the node projection; `count_true`: also GLM-4.7's own counts (92 layers x 160
     experts, 2%), out of the fit, as its check and for the op counts at the real tensor count."""
     rows = [r for n in layers for e in experts for r in _point(n, e, densities, repeats)]
@@ -211,13 +265,22 @@ def cost_model(layers: list[int], experts: list[int], densities: tuple[float, ..
     if count_true:
         (check,) = _point(92, 160, (0.02,), repeats)
         check["prepare_s"] = check["decode_s"] + check["stage_s"]
-        check["predicted"] = {part: predict(fits[part], check) for part in ("decode", "stage", "commit", "prepare")}
-    return {"rows": rows, "wide_rows": wide, "fit": fits, "ops_per_destination": ops_per_destination, "count_true": check,
-            "ops_per_sync_2pct": check["device_ops"] if check else None,
-            "staged_bytes_per_change": staged_per_change,
-            "per_tensor_us": fits["prepare"]["tensors"] * 1e6,
-            "per_change_ns": (fits["prepare"]["changes"] + fits["commit"]["changes"]) * 1e9,
-            "projected_node_sync_s_2pct": projection["node_s"], "projection": projection}
+        check["predicted"] = {
+            part: predict(fits[part], check) for part in ("decode", "stage", "commit", "prepare")
+        }
+    return {
+        "rows": rows,
+        "wide_rows": wide,
+        "fit": fits,
+        "ops_per_destination": ops_per_destination,
+        "count_true": check,
+        "ops_per_sync_2pct": check["device_ops"] if check else None,
+        "staged_bytes_per_change": staged_per_change,
+        "per_tensor_us": fits["prepare"]["tensors"] * 1e6,
+        "per_change_ns": (fits["prepare"]["changes"] + fits["commit"]["changes"]) * 1e9,
+        "projected_node_sync_s_2pct": projection["node_s"],
+        "projection": projection,
+    }
 
 
 def main() -> None:
@@ -227,7 +290,9 @@ def main() -> None:
     ap.add_argument("--densities", type=float, nargs="+", default=[0.005, 0.02, 0.1])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--count-true", action="store_true", help="also GLM-4.7's 92 x 160 (44,189 tensors) at 2%%")
+    ap.add_argument(
+        "--count-true", action="store_true", help="also GLM-4.7's 92 x 160 (44,189 tensors) at 2%%"
+    )
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

@@ -79,10 +79,15 @@ def variants(mods: list[nn.Module]) -> dict[str, Callable[[], object]]:
         for m, attrs in zip(mods, made):
             canonical_weights.install(m, attrs)
 
-    return {"refresh": lambda: canonical_weights.refresh(mods), "prebuild": prebuild, "swap": swap,
-            "step": step, "create": create,
-            "memcpy": lambda: [o.copy_(m.weight) for o, m in zip(outs, mods)],
-            "clone": lambda: [m.weight.clone() for m in mods]}
+    return {
+        "refresh": lambda: canonical_weights.refresh(mods),
+        "prebuild": prebuild,
+        "swap": swap,
+        "step": step,
+        "create": create,
+        "memcpy": lambda: [o.copy_(m.weight) for o, m in zip(outs, mods)],
+        "clone": lambda: [m.weight.clone() for m in mods],
+    }
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:
@@ -108,13 +113,27 @@ def main() -> None:
             for name, fn in vs if r % 2 == 0 else vs[::-1]:
                 fn()  # warm: the first call after another group's allocates, later ones reuse
                 samples[group].setdefault(name, []).append(timed(fn))
-    out = {"threads": a.threads, "rounds": a.rounds, "modules": {g: len(m) for g, m in groups.items()}, "ms": {}}
+    out = {
+        "threads": a.threads,
+        "rounds": a.rounds,
+        "modules": {g: len(m) for g, m in groups.items()},
+        "ms": {},
+    }
     for group, by_name in samples.items():
-        row = {name: {"cpu": statistics.median(c for c, _ in xs) * 1e3,
-                      "wall": statistics.median(w for _, w in xs) * 1e3} for name, xs in by_name.items()}
+        row = {
+            name: {
+                "cpu": statistics.median(c for c, _ in xs) * 1e3,
+                "wall": statistics.median(w for _, w in xs) * 1e3,
+            }
+            for name, xs in by_name.items()
+        }
         out["ms"][group] = row
-        print(f"{group:8s} x{len(groups[group]):3d} " + "  ".join(
-            f"{n} {v['cpu']:7.1f}/{v['wall']:7.1f}" for n, v in row.items()) + "  (ms cpu/wall)", flush=True)
+        print(
+            f"{group:8s} x{len(groups[group]):3d} "
+            + "  ".join(f"{n} {v['cpu']:7.1f}/{v['wall']:7.1f}" for n, v in row.items())
+            + "  (ms cpu/wall)",
+            flush=True,
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -48,8 +48,10 @@ try:
     from vllm_delta.wire import DeltaWriter, iter_delta, load_manifest, open_delta, write_manifest
     from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 except ModuleNotFoundError as exc:  # a torch-only image: say what to carry instead of a bare traceback
-    sys.exit(f"device_check: missing {exc.name!r}; the wire format needs numpy, safetensors, xxhash, zstandard "
-             "and pydantic (carry cp312 wheels of the missing ones)")
+    sys.exit(
+        f"device_check: missing {exc.name!r}; the wire format needs numpy, safetensors, xxhash, zstandard "
+        "and pydantic (carry cp312 wheels of the missing ones)"
+    )
 
 DENSITIES = (0.005, 0.02, 0.05)
 
@@ -70,37 +72,76 @@ class Config:
 
 SIZES = {
     # ~1.1 B params: the size the issue asks timings for.
-    "1b": Config(vocab=32000, hidden=2048, layers=20, heads=16, kv_heads=4, head_dim=128, inter=5632,
-                 moe_layers=2, experts=8, moe_inter=1408),
+    "1b": Config(
+        vocab=32000,
+        hidden=2048,
+        layers=20,
+        heads=16,
+        kv_heads=4,
+        head_dim=128,
+        inter=5632,
+        moe_layers=2,
+        experts=8,
+        moe_inter=1408,
+    ),
     # CI: a few thousand params; kv_heads=1 < tp, so kv heads are replicated across ranks.
-    "tiny": Config(vocab=64, hidden=16, layers=2, heads=4, kv_heads=1, head_dim=4, inter=24,
-                   moe_layers=1, experts=4, moe_inter=8),
+    "tiny": Config(
+        vocab=64,
+        hidden=16,
+        layers=2,
+        heads=4,
+        kv_heads=1,
+        head_dim=4,
+        inter=24,
+        moe_layers=1,
+        experts=4,
+        moe_inter=8,
+    ),
 }
 
 
 def checkpoint_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """HF-style names and shapes of the full (unsharded) checkpoint."""
     h, hd = cfg.hidden, cfg.head_dim
-    out = {"model.embed_tokens.weight": (cfg.vocab, h), "model.norm.weight": (h,), "lm_head.weight": (cfg.vocab, h)}
+    out = {
+        "model.embed_tokens.weight": (cfg.vocab, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (cfg.vocab, h),
+    }
     for i in range(cfg.layers):
         p = f"model.layers.{i}"
-        out.update({f"{p}.self_attn.q_proj.weight": (cfg.heads * hd, h),
-                    f"{p}.self_attn.k_proj.weight": (cfg.kv_heads * hd, h),
-                    f"{p}.self_attn.v_proj.weight": (cfg.kv_heads * hd, h),
-                    f"{p}.self_attn.o_proj.weight": (h, cfg.heads * hd),
-                    f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,)})
+        out.update(
+            {
+                f"{p}.self_attn.q_proj.weight": (cfg.heads * hd, h),
+                f"{p}.self_attn.k_proj.weight": (cfg.kv_heads * hd, h),
+                f"{p}.self_attn.v_proj.weight": (cfg.kv_heads * hd, h),
+                f"{p}.self_attn.o_proj.weight": (h, cfg.heads * hd),
+                f"{p}.input_layernorm.weight": (h,),
+                f"{p}.post_attention_layernorm.weight": (h,),
+            }
+        )
         if i >= cfg.layers - cfg.moe_layers:
             for e in range(cfg.experts):
-                out.update({f"{p}.mlp.experts.{e}.gate_proj.weight": (cfg.moe_inter, h),
-                            f"{p}.mlp.experts.{e}.up_proj.weight": (cfg.moe_inter, h),
-                            f"{p}.mlp.experts.{e}.down_proj.weight": (h, cfg.moe_inter)})
+                out.update(
+                    {
+                        f"{p}.mlp.experts.{e}.gate_proj.weight": (cfg.moe_inter, h),
+                        f"{p}.mlp.experts.{e}.up_proj.weight": (cfg.moe_inter, h),
+                        f"{p}.mlp.experts.{e}.down_proj.weight": (h, cfg.moe_inter),
+                    }
+                )
         else:
-            out.update({f"{p}.mlp.gate_proj.weight": (cfg.inter, h), f"{p}.mlp.up_proj.weight": (cfg.inter, h),
-                        f"{p}.mlp.down_proj.weight": (h, cfg.inter)})
+            out.update(
+                {
+                    f"{p}.mlp.gate_proj.weight": (cfg.inter, h),
+                    f"{p}.mlp.up_proj.weight": (cfg.inter, h),
+                    f"{p}.mlp.down_proj.weight": (h, cfg.inter),
+                }
+            )
     return out
 
 
 # ---- a model whose loaders do what vLLM's do ---------------------------------------------------
+
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: str, loader: Callable) -> nn.Parameter:
     p = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
@@ -111,8 +152,16 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: str, loader: Call
 class SyntheticLM(nn.Module):
     """One TP rank of a Llama/MoE-shaped model; `load_weights` takes full checkpoint tensors."""
 
-    def __init__(self, cfg: Config, *, rank: int = 0, tp: int = 1, ep: bool = False,
-                 dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        rank: int = 0,
+        tp: int = 1,
+        ep: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str = "cpu",
+    ) -> None:
         super().__init__()
         for n in (cfg.vocab, cfg.heads, cfg.inter, cfg.moe_inter, cfg.experts):
             assert n % tp == 0, f"{n} is not divisible by tp={tp}"
@@ -171,7 +220,11 @@ class SyntheticLM(nn.Module):
             start, n, src = 0, self.q_rows, self.rank
         else:  # kv heads: replicated over tp / kv_heads ranks when there are fewer heads than ranks
             replicas = max(1, self.tp // self.cfg.kv_heads)
-            start, n, src = self.q_rows + (0 if shard == "k" else self.kv_rows), self.kv_rows, self.rank // replicas
+            start, n, src = (
+                self.q_rows + (0 if shard == "k" else self.kv_rows),
+                self.kv_rows,
+                self.rank // replicas,
+            )
         param.data.narrow(0, start, n).copy_(w.narrow(0, src * n, n))
 
     def _gate_up(self, param: torch.Tensor, w: torch.Tensor, shard: int) -> None:
@@ -210,10 +263,13 @@ class SyntheticLM(nn.Module):
 
 # ---- deltas --------------------------------------------------------------------------------
 
+
 def random_checkpoint(cfg: Config, device: str, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(seed)
-    return {n: (torch.randn(s, generator=g, device=device) * 0.02).to(torch.bfloat16)
-            for n, s in checkpoint_shapes(cfg).items()}
+    return {
+        n: (torch.randn(s, generator=g, device=device) * 0.02).to(torch.bfloat16)
+        for n, s in checkpoint_shapes(cfg).items()
+    }
 
 
 def step(old: dict[str, torch.Tensor], density: float, seed: int) -> dict[str, torch.Tensor]:
@@ -230,21 +286,32 @@ def step(old: dict[str, torch.Tensor], density: float, seed: int) -> dict[str, t
     return out
 
 
-def write_delta(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, version: int,
-                encoding: str = "ulp_zstd", **writer_options: Any) -> int:
+def write_delta(
+    path: Path,
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    *,
+    version: int,
+    encoding: str = "ulp_zstd",
+    **writer_options: Any,
+) -> int:
     """A delta old -> new with additive digests computed on the full tensors; returns its bytes.
     `writer_options` go to `DeltaWriter` (flush size, block policy, layout)."""
     digests = {}
-    with DeltaWriter(path, version=version, base_version=version - 1, encoding=encoding,
-                     **writer_options) as writer:
+    with DeltaWriter(
+        path, version=version, base_version=version - 1, encoding=encoding, **writer_options
+    ) as writer:
         for name, t in new.items():
             a, b = old[name].reshape(-1), t.reshape(-1)
             bits = {2: torch.int16, 4: torch.int32}[a.element_size()]  # any float dtype's bitwise changes
             pos = torch.nonzero(a.view(bits) != b.view(bits)).squeeze(1)
             if pos.numel():
                 writer.add(name, pos.cpu(), b[pos].cpu(), a[pos].cpu(), shape=tuple(t.shape))
-                digests[name] = dict(pre_digest=to_hex(partial_sum(pos, a[pos])),
-                                     post_digest=to_hex(partial_sum(pos, b[pos])), digest=to_hex(tensor_sum(t)))
+                digests[name] = dict(
+                    pre_digest=to_hex(partial_sum(pos, a[pos])),
+                    post_digest=to_hex(partial_sum(pos, b[pos])),
+                    digest=to_hex(tensor_sum(t)),
+                )
     manifest = load_manifest(path)
     params = [p.model_copy(update=digests[p.name]) for p in manifest.params]
     write_manifest(path, manifest.model_copy(update={"params": params}))
@@ -252,6 +319,7 @@ def write_delta(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.T
 
 
 # ---- the apply section --------------------------------------------------------------------
+
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -286,19 +354,31 @@ def section_apply(args: argparse.Namespace, ctx: dict) -> dict:
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="device_check_"))
     for version, density in enumerate(args.densities, start=1):
-        if time.perf_counter() - ctx["start"] > args.max_s:  # stay inside the machine's time: report, not crash
+        if (
+            time.perf_counter() - ctx["start"] > args.max_s
+        ):  # stay inside the machine's time: report, not crash
             rows.append({"density": density, "skipped": f"over --max-s {args.max_s}"})
             continue
         new = step(base, density, seed=version)
         path = tmp / f"v{version}"
         wire_bytes = write_delta(path, base, new, version=version)
-        _, decode_s = _timed("cpu", lambda: sum(d.count for d in iter_delta(open_delta(path), current_version=version - 1)))
+        _, decode_s = _timed(
+            "cpu", lambda: sum(d.count for d in iter_delta(open_delta(path), current_version=version - 1))
+        )
         prepared, prepare_s, decoded_on_device = [], 0.0, []
         for a in appliers:  # ranks run side by side in an engine; here one after another: take the slowest
-            staged, s = _timed(device, lambda a=a: _prepare_on_device(a, decoded_on_device, path, version=version,
-                                                                      base_version=version - 1,
-                                                                      current_version=version - 1,
-                                                                      chunk_bytes=args.chunk_bytes))
+            staged, s = _timed(
+                device,
+                lambda a=a: _prepare_on_device(
+                    a,
+                    decoded_on_device,
+                    path,
+                    version=version,
+                    base_version=version - 1,
+                    current_version=version - 1,
+                    chunk_bytes=args.chunk_bytes,
+                ),
+            )
             prepared.append(staged)
             prepare_s = max(prepare_s, s)
         replies = [{"digests": s.digests, "expected": s.expected} for s in prepared]
@@ -316,22 +396,45 @@ def section_apply(args: argparse.Namespace, ctx: dict) -> dict:
             want = SyntheticLM(cfg, rank=r, tp=tp, ep=args.ep, device=device)
             want.load_weights(new.items())
             got = dict(m.named_parameters())
-            mismatched += [f"rank{r}:{n}" for n, p in want.named_parameters()
-                           if not torch.equal(p.view(torch.int16), got[n].view(torch.int16))]
+            mismatched += [
+                f"rank{r}:{n}"
+                for n, p in want.named_parameters()
+                if not torch.equal(p.view(torch.int16), got[n].view(torch.int16))
+            ]
         changed = prepared[0].total_changed
         decode_h2d = sum(d.uploaded for d in decoded_on_device)
-        rows.append({"density": density, "changed": changed, "wire_bytes": wire_bytes,
-                     "device_decode_batches": sum(len(d.checks) for d in decoded_on_device),
-                     "decode_h2d_bytes_per_change": decode_h2d / max(sum(s.changed for s in prepared), 1),
-                     "bytes_per_changed": wire_bytes / max(changed, 1), "decode_s": decode_s,
-                     "prepare_s": prepare_s, "commit_s": commit_s, "full_verify_s": verify_s,
-                     "digests_checked": digests_checked, "whole_digests_checked": whole_checked,
-                     "bit_exact": not mismatched, "mismatched": mismatched[:10]})
+        rows.append(
+            {
+                "density": density,
+                "changed": changed,
+                "wire_bytes": wire_bytes,
+                "device_decode_batches": sum(len(d.checks) for d in decoded_on_device),
+                "decode_h2d_bytes_per_change": decode_h2d / max(sum(s.changed for s in prepared), 1),
+                "bytes_per_changed": wire_bytes / max(changed, 1),
+                "decode_s": decode_s,
+                "prepare_s": prepare_s,
+                "commit_s": commit_s,
+                "full_verify_s": verify_s,
+                "digests_checked": digests_checked,
+                "whole_digests_checked": whole_checked,
+                "bit_exact": not mismatched,
+                "mismatched": mismatched[:10],
+            }
+        )
         for m in ranks:  # back to the base for the next density
             m.load_weights(base.items())
     params = sum(math.prod(s) for s in shapes.values())
-    return {"params": params, "tp": tp, "ep": args.ep, "probe_s": probe_s, "fallback": fallback, "rows": rows,
-            "ok": all(r.get("bit_exact", True) for r in rows) and any("bit_exact" in r for r in rows) and not fallback}
+    return {
+        "params": params,
+        "tp": tp,
+        "ep": args.ep,
+        "probe_s": probe_s,
+        "fallback": fallback,
+        "rows": rows,
+        "ok": all(r.get("bit_exact", True) for r in rows)
+        and any("bit_exact" in r for r in rows)
+        and not fallback,
+    }
 
 
 def _prepare_on_device(applier: DeltaApplier, seen: list, path: Path, **kwargs):
@@ -365,8 +468,18 @@ def moe_config(args: argparse.Namespace) -> Config:
     cpu = args.device == "cpu"
     layers = args.moe_layers or (2 if cpu else 16)
     experts = args.moe_experts or (32 if cpu else 128)
-    return Config(vocab=256, hidden=64, layers=layers, heads=4, kv_heads=2, head_dim=16, inter=128,
-                  moe_layers=layers, experts=experts, moe_inter=32)
+    return Config(
+        vocab=256,
+        hidden=64,
+        layers=layers,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        inter=128,
+        moe_layers=layers,
+        experts=experts,
+        moe_inter=32,
+    )
 
 
 def section_apply_moe(args: argparse.Namespace, ctx: dict) -> dict:
@@ -390,14 +503,23 @@ def section_apply_moe(args: argparse.Namespace, ctx: dict) -> dict:
         new = step(base, density, seed=version)
         path = tmp / f"v{version}"
         write_delta(path, base, new, version=version)
-        prepare = lambda: applier.prepare(path, version=version, base_version=version - 1,  # noqa: E731
-                                          current_version=version - 1, chunk_bytes=args.chunk_bytes)
-        staged, prepare_s = _timed(device, prepare)
+        staged, prepare_s = _timed(
+            device,
+            lambda: applier.prepare(
+                path,
+                version=version,
+                base_version=version - 1,
+                current_version=version - 1,
+                chunk_bytes=args.chunk_bytes,
+            ),
+        )
         replies = [{"digests": staged.digests, "expected": staged.expected}]
         checked = check_partials(replies)
         commit_s = _timed(device, lambda: applier.commit(staged))[1]
-        exact = all(torch.equal(p.view(torch.int16), dict(model.named_parameters())[n].view(torch.int16))
-                    for n, p in _direct(cfg, device, new).named_parameters())
+        exact = all(
+            torch.equal(p.view(torch.int16), dict(model.named_parameters())[n].view(torch.int16))
+            for n, p in _direct(cfg, device, new).named_parameters()
+        )
         model.load_weights(base.items())
         info = open_delta(path)
         deltas = list(iter_delta(info, expected=meta, current_version=version - 1))
@@ -408,12 +530,27 @@ def section_apply_moe(args: argparse.Namespace, ctx: dict) -> dict:
         with _OpCount() as count:
             applier.commit(applier.stage(info.manifest, deltas, version=version, replay=False, start=0.0))
         model.load_weights(base.items())
-        rows.append({"density": density, "changed": staged.changed, "tensors": len(deltas),
-                     "prepare_s": prepare_s, "stage_s": stage_s, "commit_s": min(commit_s, commit_s2),
-                     "ops_per_sync": count.ops, "digests_checked": checked, "bit_exact": exact})
-    return {"tensors": len(shapes), "expert_tensors": 3 * cfg.experts * cfg.moe_layers,
-            "destination_params": destinations, "probe_s": probe_s, "rows": rows,
-            "ok": all(r["bit_exact"] for r in rows) and bool(rows)}
+        rows.append(
+            {
+                "density": density,
+                "changed": staged.changed,
+                "tensors": len(deltas),
+                "prepare_s": prepare_s,
+                "stage_s": stage_s,
+                "commit_s": min(commit_s, commit_s2),
+                "ops_per_sync": count.ops,
+                "digests_checked": checked,
+                "bit_exact": exact,
+            }
+        )
+    return {
+        "tensors": len(shapes),
+        "expert_tensors": 3 * cfg.experts * cfg.moe_layers,
+        "destination_params": destinations,
+        "probe_s": probe_s,
+        "rows": rows,
+        "ok": all(r["bit_exact"] for r in rows) and bool(rows),
+    }
 
 
 def _direct(cfg: Config, device: str, weights: dict[str, torch.Tensor]) -> SyntheticLM:
@@ -428,7 +565,9 @@ def section_sender(args: argparse.Namespace, ctx: dict) -> dict:
     from device_sender import section_sender as run
 
     cfg = SIZES[args.size]
-    return run(args, ctx, shapes=checkpoint_shapes(cfg), make_weights=lambda: random_checkpoint(cfg, args.device, 0))
+    return run(
+        args, ctx, shapes=checkpoint_shapes(cfg), make_weights=lambda: random_checkpoint(cfg, args.device, 0)
+    )
 
 
 def section_collective(args: argparse.Namespace, ctx: dict) -> dict:
@@ -436,8 +575,13 @@ def section_collective(args: argparse.Namespace, ctx: dict) -> dict:
     from device_collective import section_collective as run
 
     cfg = SIZES[args.size]
-    return run(args, ctx, make_weights=lambda: random_checkpoint(cfg, args.device, 0), step=step,
-               write_delta=write_delta)
+    return run(
+        args,
+        ctx,
+        make_weights=lambda: random_checkpoint(cfg, args.device, 0),
+        step=step,
+        write_delta=write_delta,
+    )
 
 
 def section_bucket_scan(args: argparse.Namespace, ctx: dict) -> dict:
@@ -448,49 +592,76 @@ def section_bucket_scan(args: argparse.Namespace, ctx: dict) -> dict:
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace, dict], dict]] = {
-    "apply": section_apply, "apply_moe": section_apply_moe, "sender": section_sender, "collective": section_collective,
-    "bucket_scan": section_bucket_scan}
+    "apply": section_apply,
+    "apply_moe": section_apply_moe,
+    "sender": section_sender,
+    "collective": section_collective,
+    "bucket_scan": section_bucket_scan,
+}
 
 
 # ---- report -----------------------------------------------------------------------------------
 
+
 def markdown(report: dict) -> str:
     env = report["env"]
-    lines = [f"# Device check ({env['device_name']}, torch {env['torch']}, size {report['args']['size']})", "",
-             f"Command: `{report['command']}`", ""]
+    lines = [
+        f"# Device check ({env['device_name']}, torch {env['torch']}, size {report['args']['size']})",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+    ]
     if "apply" in report["sections"]:
         a = report["sections"]["apply"]
-        lines += [f"## apply: {a['params'] / 1e9:.3f} B params, TP={a['tp']}{' EP' if a['ep'] else ''}, "
-                  f"probe {max(a['probe_s']):.2f} s per rank, fallback {a['fallback'] or 'none'}", "",
-                  "| density | changed | wire MB | B/changed | decode s | prepare s | commit s | full verify s "
-                  "| digests checked | bit-exact | device-decoded batches | decode H2D B/change |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## apply: {a['params'] / 1e9:.3f} B params, TP={a['tp']}{' EP' if a['ep'] else ''}, "
+            f"probe {max(a['probe_s']):.2f} s per rank, fallback {a['fallback'] or 'none'}",
+            "",
+            "| density | changed | wire MB | B/changed | decode s | prepare s | commit s | full verify s "
+            "| digests checked | bit-exact | device-decoded batches | decode H2D B/change |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in a["rows"]:
             if "skipped" in r:
                 lines.append(f"| {r['density']:.1%} | skipped: {r['skipped']} |")
                 continue
-            lines.append(f"| {r['density']:.1%} | {r['changed']:,} | {r['wire_bytes'] / 1e6:.1f} | "
-                         f"{r['bytes_per_changed']:.2f} | {r['decode_s']:.3f} | {r['prepare_s']:.3f} | "
-                         f"{r['commit_s']:.3f} | {r['full_verify_s']:.3f} | "
-                         f"{r['digests_checked']} + {r['whole_digests_checked']} | {r['bit_exact']} | "
-                         f"{r['device_decode_batches']} | {r['decode_h2d_bytes_per_change']:.2f} |")
-        lines += ["", "decode: read + hash + decode of every flush (CPU); prepare: the same plus locate, "
-                  "the decode's gap cumsum and value planes on the device (wire/batch_device.py; forced on a CPU "
-                  "run, where the engine keeps the host decode; decode H2D: the bytes it sent per staged change), "
-                  "the one copy of offsets and values to the device and the O(changed) pre/post digests there (slowest "
-                  "rank); commit: ULP resolve, the scatters, the read-back and a synchronize (slowest rank); full verify: "
-                  "counted-once whole-tensor digests of every tensor (slowest rank)."]
+            lines.append(
+                f"| {r['density']:.1%} | {r['changed']:,} | {r['wire_bytes'] / 1e6:.1f} | "
+                f"{r['bytes_per_changed']:.2f} | {r['decode_s']:.3f} | {r['prepare_s']:.3f} | "
+                f"{r['commit_s']:.3f} | {r['full_verify_s']:.3f} | "
+                f"{r['digests_checked']} + {r['whole_digests_checked']} | {r['bit_exact']} | "
+                f"{r['device_decode_batches']} | {r['decode_h2d_bytes_per_change']:.2f} |"
+            )
+        lines += [
+            "",
+            "decode: read + hash + decode of every flush (CPU); prepare: the same plus locate, "
+            "the decode's gap cumsum and value planes on the device (wire/batch_device.py; forced on a CPU "
+            "run, where the engine keeps the host decode; decode H2D: the bytes it sent per staged change), "
+            "the one copy of offsets and values to the device and the O(changed) pre/post digests there (slowest "
+            "rank); commit: ULP resolve, the scatters, the read-back and a synchronize (slowest rank); full verify: "
+            "counted-once whole-tensor digests of every tensor (slowest rank).",
+        ]
     if "apply_moe" in report["sections"]:
         m = report["sections"]["apply_moe"]
-        lines += ["", f"## apply_moe: {m['tensors']:,} checkpoint tensors ({m['expert_tensors']:,} experts) into "
-                  f"{m['destination_params']} params, probe {m['probe_s']:.2f} s", "",
-                  "| density | changed | prepare s | of decoded s | commit s | ops per sync | bit-exact |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['density']:.1%} | {r['changed']:,} | {r['prepare_s']:.3f} | {r['stage_s']:.3f} | "
-                  f"{r['commit_s']:.4f} | {r['ops_per_sync']:,} | {r['bit_exact']} |" for r in m["rows"]]
-        lines += ["", "prepare: read, hash, decode, then the batched locate, digests and staging on the "
-                  "device; of decoded: the same from already decoded deltas (`stage`); commit: the scatters, "
-                  "read-back and a device synchronize; ops: aten ops of one stage + commit."]
+        lines += [
+            "",
+            f"## apply_moe: {m['tensors']:,} checkpoint tensors ({m['expert_tensors']:,} experts) into "
+            f"{m['destination_params']} params, probe {m['probe_s']:.2f} s",
+            "",
+            "| density | changed | prepare s | of decoded s | commit s | ops per sync | bit-exact |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['density']:.1%} | {r['changed']:,} | {r['prepare_s']:.3f} | {r['stage_s']:.3f} | "
+            f"{r['commit_s']:.4f} | {r['ops_per_sync']:,} | {r['bit_exact']} |"
+            for r in m["rows"]
+        ]
+        lines += [
+            "",
+            "prepare: read, hash, decode, then the batched locate, digests and staging on the "
+            "device; of decoded: the same from already decoded deltas (`stage`); commit: the scatters, "
+            "read-back and a device synchronize; ops: aten ops of one stage + commit.",
+        ]
     if "sender" in report["sections"]:
         from device_sender import sender_markdown
 
@@ -514,10 +685,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", action="store_true", help="experts split across ranks instead of TP-sliced")
     ap.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
     ap.add_argument("--chunk-bytes", type=int, default=256 << 20)
-    ap.add_argument("--moe-layers", type=int, default=0, help="apply_moe: MoE layers (0: 16 on a GPU, 2 on cpu)")
+    ap.add_argument(
+        "--moe-layers", type=int, default=0, help="apply_moe: MoE layers (0: 16 on a GPU, 2 on cpu)"
+    )
     ap.add_argument("--moe-experts", type=int, default=0, help="apply_moe: experts per layer (0: 128 / 32)")
     ap.add_argument("--moe-densities", type=float, nargs="+", default=[0.005, 0.02])
-    ap.add_argument("--scan-gb", type=float, default=2.0, help="bucket_scan: bytes of the bucket on a GPU (CPU: 8 MB)")
+    ap.add_argument(
+        "--scan-gb", type=float, default=2.0, help="bucket_scan: bytes of the bucket on a GPU (CPU: 8 MB)"
+    )
     ap.add_argument("--max-s", type=float, default=420.0, help="start no new density after this many seconds")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
@@ -525,12 +700,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda but torch sees no GPU (use --device cpu for the CI run)")
-    env = {"torch": torch.__version__, "python": platform.python_version(),
-           "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
-           or "cpu"}
-    report = {"command": " ".join(["python", "benchmarks/device_check.py", *(argv or sys.argv[1:])]),
-              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "env": env, "sections": {}}
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device_name": torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else platform.processor() or "cpu",
+    }
+    report = {
+        "command": " ".join(["python", "benchmarks/device_check.py", *(argv or sys.argv[1:])]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "env": env,
+        "sections": {},
+    }
     ctx: dict = {"start": time.perf_counter()}
     for name in [s for s in args.sections.split(",") if s]:
         if name not in SECTIONS:

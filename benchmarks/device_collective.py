@@ -25,8 +25,15 @@ from pathlib import Path
 import torch
 
 
-def section_collective(args: argparse.Namespace, ctx: dict, *, make_weights: Callable, step: Callable,
-                       write_delta: Callable, density: float = 0.02) -> dict:
+def section_collective(
+    args: argparse.Namespace,
+    ctx: dict,
+    *,
+    make_weights: Callable,
+    step: Callable,
+    write_delta: Callable,
+    density: float = 0.02,
+) -> dict:
     """Stream the flushes of one real delta through pinned host memory to the device and back."""
     cuda = args.device.startswith("cuda")
     old = make_weights()
@@ -59,15 +66,28 @@ def section_collective(args: argparse.Namespace, ctx: dict, *, make_weights: Cal
         exact &= back == data
         del dev
     total = sum(len(f) for f in flushes)
-    return {"density": density, "flushes": len(flushes), "wire_bytes": total, "largest_flush": largest,
-            "pinned_window_bytes": pinned.numel(), "h2d_s": h2d_s, "d2h_s": d2h_s,
-            "h2d_gbps": total / max(h2d_s, 1e-9) / 1e9, "d2h_gbps": total / max(d2h_s, 1e-9) / 1e9,
-            "exact": exact, "pinned": cuda, "ok": exact and len(flushes) > 0}
+    return {
+        "density": density,
+        "flushes": len(flushes),
+        "wire_bytes": total,
+        "largest_flush": largest,
+        "pinned_window_bytes": pinned.numel(),
+        "h2d_s": h2d_s,
+        "d2h_s": d2h_s,
+        "h2d_gbps": total / max(h2d_s, 1e-9) / 1e9,
+        "d2h_gbps": total / max(d2h_s, 1e-9) / 1e9,
+        "exact": exact,
+        "pinned": cuda,
+        "ok": exact and len(flushes) > 0,
+    }
 
 
 def collective_markdown(c: dict) -> list[str]:
-    return [f"## collective (NCCL form, one process: see benchmarks/device_collective.py)", "",
-            "| density | flushes | wire MB | largest flush MB | H2D GB/s | D2H GB/s | pinned | bit-exact |",
-            "|---|---|---|---|---|---|---|---|",
-            f"| {c['density']:.1%} | {c['flushes']} | {c['wire_bytes'] / 1e6:.2f} | {c['largest_flush'] / 1e6:.2f} | "
-            f"{c['h2d_gbps']:.2f} | {c['d2h_gbps']:.2f} | {c['pinned']} | {c['exact']} |"]
+    return [
+        "## collective (NCCL form, one process: see benchmarks/device_collective.py)",
+        "",
+        "| density | flushes | wire MB | largest flush MB | H2D GB/s | D2H GB/s | pinned | bit-exact |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {c['density']:.1%} | {c['flushes']} | {c['wire_bytes'] / 1e6:.2f} | {c['largest_flush'] / 1e6:.2f} | "
+        f"{c['h2d_gbps']:.2f} | {c['d2h_gbps']:.2f} | {c['pinned']} | {c['exact']} |",
+    ]

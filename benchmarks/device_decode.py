@@ -25,13 +25,14 @@ from vllm_delta.wire.batch_device import Destinations
 from vllm_delta.wire.container import paused_gc
 
 
-def write(path: Path, encoding: str, tensors: int = 24, shape: tuple[int, int] = (4096, 1024),
-          density: float = 0.02) -> None:
+def write(
+    path: Path, encoding: str, tensors: int = 24, shape: tuple[int, int] = (4096, 1024), density: float = 0.02
+) -> None:
     gen = torch.Generator().manual_seed(0)
     numel = shape[0] * shape[1]
     with DeltaWriter(path, version=1, base_version=0, encoding=encoding) as writer:
         for i in range(tensors):
-            pos = torch.randperm(numel, generator=gen)[:int(numel * density)].sort().values
+            pos = torch.randperm(numel, generator=gen)[: int(numel * density)].sort().values
             old = torch.randn(pos.numel(), generator=gen).to(torch.bfloat16)
             writer.add(f"t{i}", pos, (old.view(torch.int16) + 1).view(torch.bfloat16), old, shape=shape)
 
@@ -42,7 +43,9 @@ def decode(path: Path, device: str | None) -> tuple[float, int, int]:
     owned = Destinations({}, {p.name: torch.device(device) for p in info.manifest.params}) if device else None
     with paused_gc():
         start = time.perf_counter()
-        changes = sum(d.count for d in iter_delta(info, current_version=0, owned=owned, lazy=True))  # on meta: sizes
+        changes = sum(
+            d.count for d in iter_delta(info, current_version=0, owned=owned, lazy=True)
+        )  # on meta: sizes
         if owned is not None:
             owned.verify()
         seconds = time.perf_counter() - start
@@ -63,11 +66,21 @@ def main() -> None:
             for device in (None, "cpu", "meta"):
                 runs = [decode(path, device) for _ in range(args.repeats)]
                 changes, sent = runs[0][1], runs[0][2]
-                label = {None: "host numpy", "cpu": "torch (device decode, on CPU)",
-                         "meta": "device decode on meta: the host's share"}[device]
-                rows.append({"encoding": encoding, "path": label,
-                             "changes": changes, "ns_per_change": 1e9 * statistics.median(r[0] for r in runs) / changes,
-                             "samples_s": [r[0] for r in runs], "h2d_bytes_per_change": sent / changes})
+                label = {
+                    None: "host numpy",
+                    "cpu": "torch (device decode, on CPU)",
+                    "meta": "device decode on meta: the host's share",
+                }[device]
+                rows.append(
+                    {
+                        "encoding": encoding,
+                        "path": label,
+                        "changes": changes,
+                        "ns_per_change": 1e9 * statistics.median(r[0] for r in runs) / changes,
+                        "samples_s": [r[0] for r in runs],
+                        "h2d_bytes_per_change": sent / changes,
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

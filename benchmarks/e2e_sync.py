@@ -41,9 +41,9 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 def write_deltas(base: Path, root: Path, densities: tuple[float, ...]) -> tuple[dict[str, torch.Tensor], int]:
     """One `ulp_zstd` delta per density, each on the last (the sender's writer fed bitwise changes)."""
+    from harness.perturb import perturb_tensor
     from safetensors.torch import load_file
 
-    from harness.perturb import perturb_tensor
     from vllm_delta.wire import DeltaWriter, tensor_digest
 
     weights: dict[str, torch.Tensor] = {}
@@ -66,7 +66,6 @@ def write_deltas(base: Path, root: Path, densities: tuple[float, ...]) -> tuple[
 
 def run(model: str, layers: int | None, densities: tuple[float, ...], work: Path) -> dict[str, Any]:
     import requests
-
     from harness.fresh_load import FreshLoader, save_checkpoint
     from harness.vllm_engine import VllmServer
 
@@ -89,21 +88,38 @@ def run(model: str, layers: int | None, densities: tuple[float, ...], work: Path
         out["ready_s"] = time.perf_counter() - started
         for v, density in enumerate(densities, start=1):
             t0 = time.perf_counter()
-            r = requests.post(f"{server.url}/update_weights_delta", headers=HEADERS, timeout=3600,
-                              json={"path": f"v{v}", "version": v, "base_version": v - 1})
+            r = requests.post(
+                f"{server.url}/update_weights_delta",
+                headers=HEADERS,
+                timeout=3600,
+                json={"path": f"v{v}", "version": v, "base_version": v - 1},
+            )
             wall = time.perf_counter() - t0
             r.raise_for_status()
             body = r.json()
-            out["pushes"].append({"version": v, "density": density, "wall_s": wall, "changed": body["changed"],
-                                  "prepare_s": body.get("prepare_s"), "pause_s": body.get("pause_s"),
-                                  "trace": body.get("trace")})
-        served = requests.post(f"{server.url}/weight_checker", json={"action": "checksum"}, headers=HEADERS,
-                               timeout=600).json()["checksums"]
+            out["pushes"].append(
+                {
+                    "version": v,
+                    "density": density,
+                    "wall_s": wall,
+                    "changed": body["changed"],
+                    "prepare_s": body.get("prepare_s"),
+                    "pause_s": body.get("pause_s"),
+                    "trace": body.get("trace"),
+                }
+            )
+        served = requests.post(
+            f"{server.url}/weight_checker", json={"action": "checksum"}, headers=HEADERS, timeout=600
+        ).json()["checksums"]
         reloads = []
         for _ in range(3):
             t0 = time.perf_counter()
-            rr = requests.post(f"{server.url}/collective_rpc", headers=HEADERS, timeout=3600,
-                               json={"method": "reload_weights", "kwargs": {"weights_path": str(final)}})
+            rr = requests.post(
+                f"{server.url}/collective_rpc",
+                headers=HEADERS,
+                timeout=3600,
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(final)}},
+            )
             rr.raise_for_status()
             reloads.append(time.perf_counter() - t0)
         out["reload_s"] = reloads
@@ -129,8 +145,10 @@ def main() -> None:
         result = run(a.model, a.layers, tuple(a.densities), Path(tmp))
     for push in result["pushes"]:
         phases = (push["trace"] or {}).get("phases", {})
-        print(f"v{push['version']} {push['density']:.1%}: {push['wall_s']:.3f} s end to end "
-              f"({push['vs_reload']:.3f}x reload), pause {push['pause_s']}, phases {phases}")
+        print(
+            f"v{push['version']} {push['density']:.1%}: {push['wall_s']:.3f} s end to end "
+            f"({push['vs_reload']:.3f}x reload), pause {push['pause_s']}, phases {phases}"
+        )
     print(f"reload_weights: {result['reload_s']}; bit-exact: {result['bitexact_vs_fresh_load']}")
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))

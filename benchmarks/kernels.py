@@ -40,9 +40,12 @@ def cases(elements: int, density: float) -> dict:
         "decode_gaps": lambda: codecs.decode_gaps(gaps, elements, file=None, param=None),
         "gap_planes": lambda: codecs.gap_planes(pos),
         "ulp_streams": lambda: codecs.ulp_streams(new, old, bf),
-        "scatter + read_back, values": lambda: read_back(flat, offsets, scatter(flat, Chunk(offsets, values))),
+        "scatter + read_back, values": lambda: read_back(
+            flat, offsets, scatter(flat, Chunk(offsets, values))
+        ),
         "scatter + read_back, ULP steps": lambda: read_back(
-            flat, offsets, scatter(flat, Chunk(offsets, steps, torch.bfloat16))),
+            flat, offsets, scatter(flat, Chunk(offsets, steps, torch.bfloat16))
+        ),
         "segment_sums": lambda: digest.segment_sums(positions, values, seg, 1),
     }
 

@@ -34,8 +34,18 @@ def synthetic(a: argparse.Namespace) -> dict:
     from benchmarks.device_check import Config, SyntheticLM, checkpoint_shapes
     from vllm_delta.engine.probe import PeakRss, build_placement
 
-    cfg = Config(vocab=32000, hidden=a.hidden, layers=a.layers, heads=16, kv_heads=8, head_dim=a.hidden // 16,
-                 inter=a.intermediate, moe_layers=2, experts=8, moe_inter=a.intermediate // 4)
+    cfg = Config(
+        vocab=32000,
+        hidden=a.hidden,
+        layers=a.layers,
+        heads=16,
+        kv_heads=8,
+        head_dim=a.hidden // 16,
+        inter=a.intermediate,
+        moe_layers=2,
+        experts=8,
+        moe_inter=a.intermediate // 4,
+    )
     model = SyntheticLM(cfg, rank=0, tp=a.synthetic)
     checkpoint = {n: (s, torch.bfloat16) for n, s in checkpoint_shapes(cfg).items()}
     storages = {p.untyped_storage().data_ptr(): n for n, p in model.named_parameters()}
@@ -51,8 +61,11 @@ def synthetic(a: argparse.Namespace) -> dict:
             t = time.perf_counter()
             placements = probe(model.load_weights, storages, checkpoint)
             seconds = time.perf_counter() - t
-        out[label] = {"probe_s": seconds, "probe_peak_bytes": peak.extra,
-                      "fallback": sorted(n for n, p in placements.items() if p.fallback_reason)}
+        out[label] = {
+            "probe_s": seconds,
+            "probe_peak_bytes": peak.extra,
+            "fallback": sorted(n for n, p in placements.items() if p.fallback_reason),
+        }
         found[label] = PW.segments(placements)
     if a.old:
         out["same_segments"] = found["new"] == found["old"]

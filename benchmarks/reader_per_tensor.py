@@ -33,11 +33,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from benchmarks import scale  # noqa: E402
-from benchmarks.device_check import write_delta  # noqa: E402
 from harness.perturb import perturb_tensor  # noqa: E402
 
 import vllm_delta  # noqa: E402
+from benchmarks import scale  # noqa: E402
+from benchmarks.device_check import write_delta  # noqa: E402
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
 from vllm_delta.engine.owned import owned_by_tensor  # noqa: E402
 from vllm_delta.wire import iter_delta, open_delta  # noqa: E402
@@ -52,9 +52,12 @@ def read_all(path: Path, checkpoint, owned) -> int:
     decoded batches; the tensors read."""
     with paused_gc():
         info = open_delta(path)
-        return sum(len(d) if isinstance(d, DeltaBatch) else 1  # tensors
-                   for d in iter_delta(info, expected=checkpoint, current_version=0, owned=owned, lazy=True,
-                                       threads=1, batches=True))
+        return sum(
+            len(d) if isinstance(d, DeltaBatch) else 1  # tensors
+            for d in iter_delta(
+                info, expected=checkpoint, current_version=0, owned=owned, lazy=True, threads=1, batches=True
+            )
+        )
 
 
 def parts(applier: DeltaApplier, path: Path, checkpoint) -> dict[str, float]:
@@ -66,8 +69,17 @@ def parts(applier: DeltaApplier, path: Path, checkpoint) -> dict[str, float]:
         info = open_delta(path)
         out["manifest"] = time.process_time() - cpu
         cpu = time.process_time()
-        items = list(iter_delta(info, expected=checkpoint, current_version=0, owned=applier._owned(), lazy=True,
-                                threads=1, batches=True))
+        items = list(
+            iter_delta(
+                info,
+                expected=checkpoint,
+                current_version=0,
+                owned=applier._owned(),
+                lazy=True,
+                threads=1,
+                batches=True,
+            )
+        )
         out["decode"] = time.process_time() - cpu
         cpu = time.process_time()
         applier.stage(info.manifest, items, version=1, replay=False, start=0.0, decoded=applier._owned())
@@ -83,10 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.02)
     ap.add_argument("--deltas", type=Path, required=True, help="where the delta is written once and reused")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--prepare", action="store_true", help="also time DeltaApplier.prepare (one decode thread)")
-    ap.add_argument("--parts", action="store_true", help="also time the manifest, the reader and staging apart")
+    ap.add_argument(
+        "--prepare", action="store_true", help="also time DeltaApplier.prepare (one decode thread)"
+    )
+    ap.add_argument(
+        "--parts", action="store_true", help="also time the manifest, the reader and staging apart"
+    )
     ap.add_argument("--profile", choices=("reader", "prepare"), help="cProfile one run instead of timing")
-    ap.add_argument("--sort", default="tottime", help="the profile's order (pstats keys: tottime, cumulative)")
+    ap.add_argument(
+        "--sort", default="tottime", help="the profile's order (pstats keys: tottime, cumulative)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from vllm.config import set_current_vllm_config
@@ -114,14 +132,21 @@ def main(argv: list[str] | None = None) -> int:
             pstats.Stats(prof).sort_stats(args.sort).print_stats(40)
             return 0
         info = open_delta(path)
-        row = {"tensors": len(info.manifest.params), "files": len(info.manifest.files),
-               "changes": info.manifest.changed, "wire_bytes": info.manifest.total_bytes,
-               "package": str(Path(vllm_delta.__file__).parents[1])}
+        row = {
+            "tensors": len(info.manifest.params),
+            "files": len(info.manifest.files),
+            "changes": info.manifest.changed,
+            "wire_bytes": info.manifest.total_bytes,
+            "package": str(Path(vllm_delta.__file__).parents[1]),
+        }
         samples: dict[str, list[float]] = {}
         runs = [("reader", lambda: read_all(path, checkpoint, owned))] + [("prepare", prepare)] * args.prepare
         for _ in range(args.repeat):  # interleaved: reader, then prepare, each round
             for what, run in runs:
-                wall, cpu = time.perf_counter(), time.process_time()  # CPU time: what other load cannot inflate
+                wall, cpu = (
+                    time.perf_counter(),
+                    time.process_time(),
+                )  # CPU time: what other load cannot inflate
                 run()
                 samples.setdefault(f"{what}_s", []).append(time.perf_counter() - wall)
                 samples.setdefault(f"{what}_cpu_s", []).append(time.process_time() - cpu)
@@ -130,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                     samples.setdefault(f"{what}_cpu_s", []).append(seconds)
         for key, values in samples.items():
             row[key] = values
-            row[key.replace("_s", "_us_per_tensor")] = round(1e6 * statistics.median(values) / row["tensors"], 2)
+            row[key.replace("_s", "_us_per_tensor")] = round(
+                1e6 * statistics.median(values) / row["tensors"], 2
+            )
         row["load"] = os.getloadavg()[0]
         print(json.dumps(row), flush=True)
     return 0

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from harness.s3_server import S3Server, prefix_of  # noqa: E402
 from harness.store_engine import StoreFakeEngine  # noqa: E402
 from harness.vllm_engine import VllmServer, patched_environ  # noqa: E402
+
 from vllm_delta import DeltaSender  # noqa: E402
 from vllm_delta.transports.store import ObjectStore, StoreURL  # noqa: E402
 from vllm_delta.wire.checkpoint import Checkpoint  # noqa: E402
@@ -65,23 +66,38 @@ def store_throughput(store: S3Server, nbytes: int = 256 << 20) -> dict:
         put.append(SB._timed(lambda: s.put(key, data)))
         get.append(SB._timed(lambda: s.get(key)))
         s.delete_prefix(key)
-    return {"bytes": nbytes, "put_MBps": nbytes / statistics.median(put) / 1e6,
-            "get_MBps": nbytes / statistics.median(get) / 1e6}
+    return {
+        "bytes": nbytes,
+        "put_MBps": nbytes / statistics.median(put) / 1e6,
+        "get_MBps": nbytes / statistics.median(get) / 1e6,
+    }
 
 
 def version_bytes(store: S3Server, url: str, version: int) -> int:
     return sum(store.sizes(f"{prefix_of(url)}/v{version:06d}/").values())
 
 
-def real_engine(model: Path, weights: dict[str, torch.Tensor], store: S3Server, work: Path, syncs: int,
-                train_s: float, cores: tuple[int, int]) -> dict:
+def real_engine(
+    model: Path,
+    weights: dict[str, torch.Tensor],
+    store: S3Server,
+    work: Path,
+    syncs: int,
+    train_s: float,
+    cores: tuple[int, int],
+) -> dict:
     sender_core, engine_core = cores
     url = store.url("bench")
     os.sched_setaffinity(0, {engine_core})  # the engine's processes inherit this core
     args = ["--enable-delta-updates", "--delta-updates-root", url]
     t0 = time.perf_counter()
-    with VllmServer(model, work / "serve.log", extra_args=args, startup_timeout_s=1200,
-                    env={**store.env(), "VLLM_CPU_OMP_THREADS_BIND": str(engine_core)}) as server:
+    with VllmServer(
+        model,
+        work / "serve.log",
+        extra_args=args,
+        startup_timeout_s=1200,
+        env={**store.env(), "VLLM_CPU_OMP_THREADS_BIND": str(engine_core)},
+    ) as server:
         start_s = time.perf_counter() - t0
         os.sched_setaffinity(0, {sender_core})
         torch.set_num_threads(1)
@@ -96,9 +112,12 @@ def real_engine(model: Path, weights: dict[str, torch.Tensor], store: S3Server, 
             assert m["sender/all_acked"] == 1.0, sender.engines
             m["store_version_bytes"] = version_bytes(store, url, int(m["sender/version"]))
             seq.append(m)
-            print(f"sync {k + 1}: {m['perf/update_weights_time']:.2f}s upload "
-                  f"{m['perf/update_weights_upload_bytes'] / 1e6:.1f} MB pause "
-                  f"{m['perf/update_weights_engine_pause_time']:.3f}s", flush=True)
+            print(
+                f"sync {k + 1}: {m['perf/update_weights_time']:.2f}s upload "
+                f"{m['perf/update_weights_upload_bytes'] / 1e6:.1f} MB pause "
+                f"{m['perf/update_weights_engine_pause_time']:.3f}s",
+                flush=True,
+            )
         alone = [SB.simulated_train_step(train_s) for _ in range(REPEATS)]
         over = []
         for _ in range(syncs):
@@ -107,8 +126,13 @@ def real_engine(model: Path, weights: dict[str, torch.Tensor], store: S3Server, 
             wait_s = sender.last_wait_s
             sender.publish()
             iters = SB.simulated_train_step(train_s)
-            over.append({"capture_s": sender._capture_metrics["sender/capture_s"], "wait_s": wait_s,
-                         "train_iters": iters})
+            over.append(
+                {
+                    "capture_s": sender._capture_metrics["sender/capture_s"],
+                    "wait_s": wait_s,
+                    "train_iters": iters,
+                }
+            )
         sender.wait()
         waits = [o["wait_s"] for o in over[1:]] + [0.0]
         full = []
@@ -117,18 +141,31 @@ def real_engine(model: Path, weights: dict[str, torch.Tensor], store: S3Server, 
             m = sender.sync(weights)
             assert m["sender/all_acked"] == 1.0 and m["sender/anchors"] == 1.0, sender.engines
             full.append(m)
-            print(f"full sync: {m['perf/update_weights_time']:.2f}s upload "
-                  f"{m['perf/update_weights_upload_bytes'] / 1e6:.1f} MB", flush=True)
+            print(
+                f"full sync: {m['perf/update_weights_time']:.2f}s upload "
+                f"{m['perf/update_weights_upload_bytes'] / 1e6:.1f} MB",
+                flush=True,
+            )
         sender.close()
-    return {"engine_start_s": start_s, "sequential": seq, "overlapped": over, "overlap_waits": waits,
-            "train_alone_iters": alone, "train_s": train_s, "full": full, "cores": cores}
+    return {
+        "engine_start_s": start_s,
+        "sequential": seq,
+        "overlapped": over,
+        "overlap_waits": waits,
+        "train_alone_iters": alone,
+        "train_s": train_s,
+        "full": full,
+        "cores": cores,
+    }
 
 
 def upload_per_engines(store: S3Server, work: Path, counts=(1, 2, 4)) -> dict:
     """Upload bytes per sync with n store-pulling engines (same weights and steps for every n)."""
     gen = torch.Generator().manual_seed(0)
-    base = {f"layer{i}.weight": (torch.randn(2048, 2048, generator=gen) * 0.02).to(torch.bfloat16)
-            for i in range(8)}  # 64 MB
+    base = {
+        f"layer{i}.weight": (torch.randn(2048, 2048, generator=gen) * 0.02).to(torch.bfloat16)
+        for i in range(8)
+    }  # 64 MB
     out = {}
     for n in counts:
         url = store.url(f"fanout{n}")
@@ -145,17 +182,23 @@ def upload_per_engines(store: S3Server, work: Path, counts=(1, 2, 4)) -> dict:
                 m = sender.sync(weights.items())
                 assert m["sender/all_acked"] == 1.0, sender.engines
                 v = int(m["sender/version"])
-                rows.append({"upload_bytes": m["perf/update_weights_upload_bytes"],
-                             "version_bytes": version_bytes(store, url, v),
-                             "fetched_bytes_per_engine": [e.fetched_bytes for e in engines]})
+                rows.append(
+                    {
+                        "upload_bytes": m["perf/update_weights_upload_bytes"],
+                        "version_bytes": version_bytes(store, url, v),
+                        "fetched_bytes_per_engine": [e.fetched_bytes for e in engines],
+                    }
+                )
                 assert all(torch.equal(e.weights[k], weights[k]) for e in engines for k in weights)
             sender.close()
         finally:
             for e in engines:
                 e.close()
         out[n] = rows
-        print(f"{n} engine(s): upload {[r['upload_bytes'] for r in rows]} store {[r['version_bytes'] for r in rows]}",
-              flush=True)
+        print(
+            f"{n} engine(s): upload {[r['upload_bytes'] for r in rows]} store {[r['version_bytes'] for r in rows]}",
+            flush=True,
+        )
     return out
 
 
@@ -165,22 +208,34 @@ def summarize(res: dict, fan: dict, raw: dict, params: int, full_bytes: int) -> 
     sync_s = med(seq, "perf/update_weights_time")
     full_s = med(res["full"], "perf/update_weights_time")
     link_floor_s = full_bytes / LINK  # any full sync over this link moves every byte at 300 MB/s
-    anchor_floor_s = med(res["full"], "perf/update_weights_upload_bytes") / LINK  # our compressed anchor's bytes
+    anchor_floor_s = (
+        med(res["full"], "perf/update_weights_upload_bytes") / LINK
+    )  # our compressed anchor's bytes
     over = res["overlapped"]
     blocked = sum(o["capture_s"] for o in over) + sum(res["overlap_waits"])
     return {
-        "params": params, "full_bytes": full_bytes, "sync_s": sync_s, "full_sync_s": full_s,
-        "full_link_floor_s": link_floor_s, "p4_ratio": full_s / sync_s, "p4_ratio_link_floor": link_floor_s / sync_s,
-        "anchor_link_floor_s": anchor_floor_s, "p4_ratio_anchor_floor": anchor_floor_s / sync_s,
+        "params": params,
+        "full_bytes": full_bytes,
+        "sync_s": sync_s,
+        "full_sync_s": full_s,
+        "full_link_floor_s": link_floor_s,
+        "p4_ratio": full_s / sync_s,
+        "p4_ratio_link_floor": link_floor_s / sync_s,
+        "anchor_link_floor_s": anchor_floor_s,
+        "p4_ratio_anchor_floor": anchor_floor_s / sync_s,
         "pause_s": med(seq, "perf/update_weights_engine_pause_time"),
         "pause_fraction": med(seq, "perf/update_weights_engine_pause_time") / sync_s,
         "hidden_fraction": max(0.0, 1.0 - blocked / (sync_s * len(over))),
         "upload_bytes": med(seq, "perf/update_weights_upload_bytes"),
-        "upload_equals_version_bytes": all(r["perf/update_weights_upload_bytes"] == r["store_version_bytes"]
-                                           for r in res["sequential"]),
-        "upload_vs_engines": {n: statistics.median(r["upload_bytes"] / r["version_bytes"] for r in rows)
-                              for n, rows in fan.items()},
-        "store_put_MBps": raw["put_MBps"], "store_get_MBps": raw["get_MBps"],
+        "upload_equals_version_bytes": all(
+            r["perf/update_weights_upload_bytes"] == r["store_version_bytes"] for r in res["sequential"]
+        ),
+        "upload_vs_engines": {
+            n: statistics.median(r["upload_bytes"] / r["version_bytes"] for r in rows)
+            for n, rows in fan.items()
+        },
+        "store_put_MBps": raw["put_MBps"],
+        "store_get_MBps": raw["get_MBps"],
     }
 
 
@@ -262,10 +317,16 @@ def report(head: dict, res: dict, fan: dict, load: dict, out_md: Path) -> None:
     ]
     for n, rows in fan.items():
         r = rows[-1]
-        lines.append(f"| {n} | {[int(x['upload_bytes']) for x in rows]} | {[x['version_bytes'] for x in rows]} | "
-                     f"{head['upload_vs_engines'][n]:.3f} | {r['fetched_bytes_per_engine'][0]} (cumulative) |")
-    lines += ["", f"With the real engine, upload bytes equal the version's store bytes on every sync: "
-              f"{head['upload_equals_version_bytes']}.", ""]
+        lines.append(
+            f"| {n} | {[int(x['upload_bytes']) for x in rows]} | {[x['version_bytes'] for x in rows]} | "
+            f"{head['upload_vs_engines'][n]:.3f} | {r['fetched_bytes_per_engine'][0]} (cumulative) |"
+        )
+    lines += [
+        "",
+        f"With the real engine, upload bytes equal the version's store bytes on every sync: "
+        f"{head['upload_equals_version_bytes']}.",
+        "",
+    ]
     out_md.write_text("\n".join(lines))
 
 
@@ -276,8 +337,11 @@ def main() -> None:
     ap.add_argument("--train-s", type=float, default=4.0)
     ap.add_argument("--json", type=Path, default=ROOT / "docs" / "results" / "s3.json")
     ap.add_argument("--md", type=Path, default=ROOT / "docs" / "results" / "s3.md")
-    ap.add_argument("--load-note", default="other sessions' edits and light tests may have run on the same 2 "
-                    "cores; no other engine (engine runs are serialized by a lock, this one held it)")
+    ap.add_argument(
+        "--load-note",
+        default="other sessions' edits and light tests may have run on the same 2 "
+        "cores; no other engine (engine runs are serialized by a lock, this one held it)",
+    )
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     sender_core, engine_core = cores[0], cores[-1]
@@ -295,14 +359,17 @@ def main() -> None:
             print(f"store: PUT {raw['put_MBps']:.0f} MB/s, GET {raw['get_MBps']:.0f} MB/s", flush=True)
             fan = upload_per_engines(store, work)
             os.sched_setaffinity(0, set(cores))
-            res = real_engine(model, weights, store, work, args.syncs, args.train_s, (sender_core, engine_core))
+            res = real_engine(
+                model, weights, store, work, args.syncs, args.train_s, (sender_core, engine_core)
+            )
         finally:
             store.close()
     load = {"before": load_before, "after": os.getloadavg()[0], "note": args.load_note}
     head = summarize(res, fan, raw, params, full_bytes)
     report(head, res, fan, load, args.md)
-    args.json.write_text(json.dumps({"headline": head, "load": load, "raw": res, "fanout": fan}, indent=1,
-                                    default=float))
+    args.json.write_text(
+        json.dumps({"headline": head, "load": load, "raw": res, "fanout": fan}, indent=1, default=float)
+    )
     print(json.dumps(head, indent=1), flush=True)
 
 

@@ -41,8 +41,9 @@ Checkpoint = dict[str, tuple[tuple[int, ...], torch.dtype]]
 LAYOUTS = {"tp8": (8, False), "tp8_ep8": (8, True)}
 
 
-def checkpoint_shapes(model: str, layers: int | None = None, shrink: bool = False,
-                      experts: int | None = None) -> Checkpoint:
+def checkpoint_shapes(
+    model: str, layers: int | None = None, shrink: bool = False, experts: int | None = None
+) -> Checkpoint:
     """The checkpoint's tensor names, shapes and dtypes, as transformers saves the model."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
@@ -56,7 +57,9 @@ def checkpoint_shapes(model: str, layers: int | None = None, shrink: bool = Fals
     return {n: (tuple(t.shape), t.dtype) for n, t in saved.items()}
 
 
-def _config(model: str, layers: int | None, shrink: bool = False, experts: int | None = None) -> dict[str, Any]:
+def _config(
+    model: str, layers: int | None, shrink: bool = False, experts: int | None = None
+) -> dict[str, Any]:
     """The published config (`shrink`: the same counts at tiny widths), optionally cut to `layers`
     (and to `experts` routed experts a layer: the cost model varies the tensor count alone)."""
     cfg = shrunk(MODELS[model], vocab=512) if shrink else dict(MODELS[model])
@@ -104,15 +107,23 @@ def fake_parallel(tp: int, rank: int, ep: bool) -> Iterator[None]:
             setattr(ps, n, g)
 
 
-def engine_config(model: str, tp: int, ep: bool, layers: int | None = None, shrink: bool = False,
-                  experts: int | None = None):
+def engine_config(
+    model: str, tp: int, ep: bool, layers: int | None = None, shrink: bool = False, experts: int | None = None
+):
     """vLLM's config for the model as `vllm serve` would make it (no weights, no tokenizer)."""
     from vllm.engine.arg_utils import EngineArgs
 
     d = Path(tempfile.mkdtemp(prefix="scale_"))
     (d / "config.json").write_text(json.dumps(_config(model, layers, shrink, experts)))
-    config = EngineArgs(model=str(d), dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True,
-                        max_model_len=4096, enable_expert_parallel=ep, load_format="dummy").create_engine_config()
+    config = EngineArgs(
+        model=str(d),
+        dtype="bfloat16",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=4096,
+        enable_expert_parallel=ep,
+        load_format="dummy",
+    ).create_engine_config()
     config.parallel_config.tensor_parallel_size = tp
     return config
 
@@ -120,9 +131,8 @@ def engine_config(model: str, tp: int, ep: bool, layers: int | None = None, shri
 def meta_model(config, tp: int, rank: int, ep: bool, device: str = "meta") -> torch.nn.Module:
     """vLLM's model class on `device` (full shape: `meta`), as rank `rank` builds it."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model
-
     from vllm.model_executor.layers.fused_moe import expert_map_manager
+    from vllm.model_executor.model_loader.utils import initialize_model
 
     config.compilation_config.static_forward_context.clear()  # each rank's model registers its layers anew
     default = torch.get_default_dtype()
@@ -152,9 +162,12 @@ def probe_rank(config, checkpoint: Checkpoint, tp: int, rank: int, ep: bool) -> 
     with fake_parallel(tp, rank, ep), set_current_vllm_config(config):
         placements = build_placement(model.load_weights, storages_of(model.named_parameters()), checkpoint)
     done = time.perf_counter()
-    reply = {"rank": rank, "coverage": coverage(placements),
-             "unread": [n for n, p in placements.items() if not p.read],
-             "fallback": [n for n, p in placements.items() if p.fallback_reason]}
+    reply = {
+        "rank": rank,
+        "coverage": coverage(placements),
+        "unread": [n for n, p in placements.items() if not p.read],
+        "fallback": [n for n, p in placements.items() if p.fallback_reason],
+    }
     return {"placements": placements, "reply": reply, "build_s": built - start, "probe_s": done - built}
 
 
@@ -180,28 +193,39 @@ def full_shape_startup(model: str, layout: str, rank: int, layers: int | None = 
         ownership = Ownership.from_coverages([r["coverage"] for r in replies], rank)
         ownership_s = time.perf_counter() - owned
     total = probed + coverage_s + ownership_s
-    peak = None if probe_peak.extra is None or check_peak.extra is None else probe_peak.extra + check_peak.extra
+    peak = (
+        None if probe_peak.extra is None or check_peak.extra is None else probe_peak.extra + check_peak.extra
+    )
     placements = mine["placements"]
     return {
-        "model": model, "layout": layout, "rank": rank, "tp": tp, "ep": ep,
+        "model": model,
+        "layout": layout,
+        "rank": rank,
+        "tp": tp,
+        "ep": ep,
         "checkpoint_tensors": len(checkpoint),
         "destination_params": len({s.target for p in placements.values() for s in p.segments}),
         "segments": sum(len(p.segments) for p in placements.values()),
         "held_tensors": sum(1 for p in placements.values() if p.segments),
-        "fallback": len(mine["reply"]["fallback"]), "coverage_ok": report["ok"],
-        "coverage_errors": dict(list(report["errors"].items())[:3]), "ignored": len(report["ignored"]),
-        "masked_tensors": len(ownership.masked), "uncounted_tensors": len(ownership.uncounted),
-        "build_s": mine["build_s"], "probe_s": mine["probe_s"], "coverage_s": coverage_s,
-        "ownership_s": ownership_s, "startup_s_full_shape": total,
+        "fallback": len(mine["reply"]["fallback"]),
+        "coverage_ok": report["ok"],
+        "coverage_errors": dict(list(report["errors"].items())[:3]),
+        "ignored": len(report["ignored"]),
+        "masked_tensors": len(ownership.masked),
+        "uncounted_tensors": len(ownership.uncounted),
+        "build_s": mine["build_s"],
+        "probe_s": mine["probe_s"],
+        "coverage_s": coverage_s,
+        "ownership_s": ownership_s,
+        "startup_s_full_shape": total,
         "startup_peak_bytes_full_shape": peak,  # probe's peak + the check's peak over what was resident: an upper bound
     }
 
 
 def count_true_checkpoint(model: str, out: Path, layers: int | None = None, seed: int = 0) -> Path:
     """The model's layer, expert and head counts at tiny widths: a checkpoint a CPU engine loads."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from harness.tiny_models import train_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = _config(model, layers, shrink=True)
     cfg.pop("architectures")
@@ -210,24 +234,31 @@ def count_true_checkpoint(model: str, out: Path, layers: int | None = None, seed
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for name, param in hf.named_parameters():
-            param.copy_(torch.randn_like(param) * (0.01 if name.endswith("e_score_correction_bias") else 0.05))
+            param.copy_(
+                torch.randn_like(param) * (0.01 if name.endswith("e_score_correction_bias") else 0.05)
+            )
     out.mkdir(parents=True, exist_ok=True)
     hf.save_pretrained(out)
     train_tokenizer(out)
     return out
 
 
-def count_true_engine(model: str, work: Path, layers: int | None = None, lock: bool = False,
-                      densities: tuple[float, ...] = (0.005, 0.02)) -> dict[str, Any]:
+def count_true_engine(
+    model: str,
+    work: Path,
+    layers: int | None = None,
+    lock: bool = False,
+    densities: tuple[float, ...] = (0.005, 0.02),
+) -> dict[str, Any]:
     """`vllm serve --enable-delta-updates` on the count-true checkpoint: startup to ready, then a delta
     at each density in turn (0.5 % and 2 %, perturbed like the suite's, diffed by `vllm-delta diff`),
     bit-exact at the end against vLLM's own fresh load of the final checkpoint. `lock`: take
     /tmp/engine.lock for the engine part only (not when the caller already runs under `flock
     /tmp/engine.lock`: that would wait forever)."""
-    from safetensors.torch import load_file
-
     from harness.fresh_load import save_checkpoint
     from harness.perturb import perturb_tensor
+    from safetensors.torch import load_file
+
     from vllm_delta.wire import DeltaWriter, tensor_digest
 
     key = "scale-bench-key"
@@ -247,8 +278,9 @@ def count_true_engine(model: str, work: Path, layers: int | None = None, lock: b
                 new = perturb_tensor(old, density, gen)
                 a, b = old.reshape(-1), new.reshape(-1)
                 size = a.element_size()
-                pos = torch.nonzero(a.view(torch.uint8).view(-1, size).ne(b.view(torch.uint8).view(-1, size))
-                                    .any(1)).squeeze(1)
+                pos = torch.nonzero(
+                    a.view(torch.uint8).view(-1, size).ne(b.view(torch.uint8).view(-1, size)).any(1)
+                ).squeeze(1)
                 writer.add(name, pos, b[pos], a[pos], shape=tuple(old.shape), post_hash=tensor_digest(new))
                 weights[name] = new
         versions.append((v, density))
@@ -270,18 +302,28 @@ def _engine_lock(path: str = "/tmp/engine.lock") -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _serve_and_sync(model: str, layers: int | None, base: Path, current: Path, root: Path,
-                    versions: list[tuple[int, float]], work: Path, key: str, headers: dict[str, str]
-                    ) -> dict[str, Any]:
+def _serve_and_sync(
+    model: str,
+    layers: int | None,
+    base: Path,
+    current: Path,
+    root: Path,
+    versions: list[tuple[int, float]],
+    work: Path,
+    key: str,
+    headers: dict[str, str],
+) -> dict[str, Any]:
     import requests
-
     from harness.fresh_load import FreshLoader
     from harness.vllm_engine import VllmServer
 
     start = time.perf_counter()
-    with VllmServer(base, work / "serve.log", extra_args=["--enable-delta-updates", "--delta-updates-root",
-                                                          str(root), "--api-key", key],
-                    startup_timeout_s=1800) as server:
+    with VllmServer(
+        base,
+        work / "serve.log",
+        extra_args=["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", key],
+        startup_timeout_s=1800,
+    ) as server:
         healthy = time.perf_counter() - start
         while True:
             st = requests.get(f"{server.url}/delta_updates/status", headers=headers, timeout=60).json()
@@ -289,12 +331,20 @@ def _serve_and_sync(model: str, layers: int | None, base: Path, current: Path, r
                 break
             time.sleep(0.5)
         ready = time.perf_counter() - start
-        out: dict[str, Any] = {"checkpoint_tensors": len(checkpoint_shapes(model, layers)), "healthy_s": healthy,
-                               "engine_ready_s": ready, "probe_s": st["placement"]["probe_s"],
-                               "coverage_ok": st["placement"]["coverage"]["ok"]}
+        out: dict[str, Any] = {
+            "checkpoint_tensors": len(checkpoint_shapes(model, layers)),
+            "healthy_s": healthy,
+            "engine_ready_s": ready,
+            "probe_s": st["placement"]["probe_s"],
+            "coverage_ok": st["placement"]["coverage"]["ok"],
+        }
         for v, density in versions:
-            r = requests.post(f"{server.url}/update_weights_delta", headers=headers, timeout=3600,
-                              json={"path": f"v{v}", "version": v, "base_version": v - 1})
+            r = requests.post(
+                f"{server.url}/update_weights_delta",
+                headers=headers,
+                timeout=3600,
+                json={"path": f"v{v}", "version": v, "base_version": v - 1},
+            )
             r.raise_for_status()
             body = r.json()
             tag = {0.005: "0p5pct", 0.02: "2pct"}[density]
@@ -302,8 +352,9 @@ def _serve_and_sync(model: str, layers: int | None, base: Path, current: Path, r
             out[f"commit_s_{tag}"] = body["apply_s"]
             out[f"pause_s_{tag}"] = body.get("pause_s")
             out[f"changed_{tag}"] = body["changed"]
-        served = requests.post(f"{server.url}/weight_checker", json={"action": "checksum"}, headers=headers,
-                               timeout=600).json()["checksums"]
+        served = requests.post(
+            f"{server.url}/weight_checker", json={"action": "checksum"}, headers=headers, timeout=600
+        ).json()["checksums"]
     loader = FreshLoader()
     try:
         fresh = loader.checksums(current)
@@ -323,8 +374,11 @@ def main() -> None:
     ap.add_argument("--engine-layers", type=int, default=None, help="cut the engine's model to N layers")
     ap.add_argument("--lock", action="store_true", help="take /tmp/engine.lock for the engine run only")
     ap.add_argument("--skip-full-shape", action="store_true")
-    ap.add_argument("--cost-model", action="store_true",
-                    help="also the fitted per-unit costs and the node projection (benchmarks/cost_model.py)")
+    ap.add_argument(
+        "--cost-model",
+        action="store_true",
+        help="also the fitted per-unit costs and the node projection (benchmarks/cost_model.py)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (pin with taskset too)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -346,18 +400,39 @@ def main() -> None:
             print(json.dumps(r), flush=True)
     if a.json:
         # What this run did not measure stays null, not guessed.
-        engine = {k: None for k in ("engine_ready_s", "prepare_s_0p5pct", "prepare_s_2pct", "commit_s_2pct",
-                                    "ops_per_sync_2pct", "per_tensor_us", "per_change_ns",
-                                    "projected_node_sync_s_2pct")}
+        engine = {
+            k: None
+            for k in (
+                "engine_ready_s",
+                "prepare_s_0p5pct",
+                "prepare_s_2pct",
+                "commit_s_2pct",
+                "ops_per_sync_2pct",
+                "per_tensor_us",
+                "per_change_ns",
+                "projected_node_sync_s_2pct",
+            )
+        }
         engine.update({k: v for k, v in (engine_run or {}).items() if k in engine})
         engine.update({k: v for k, v in (model_fit or {}).items() if k in engine})
-        a.json.write_text(json.dumps({
-            "startup_s_full_shape": {k: r["startup_s_full_shape"] for k, r in results.items()},
-            "startup_peak_bytes_full_shape": {k: r["startup_peak_bytes_full_shape"] for k, r in results.items()},
-            "startup_probe_per_tensor_us": {k: r["probe_s"] / r["checkpoint_tensors"] * 1e6
-                                            for k, r in results.items()},
-            **engine, "engine": engine_run, "cost_model": model_fit,
-            "full_shape": results}, indent=1))
+        a.json.write_text(
+            json.dumps(
+                {
+                    "startup_s_full_shape": {k: r["startup_s_full_shape"] for k, r in results.items()},
+                    "startup_peak_bytes_full_shape": {
+                        k: r["startup_peak_bytes_full_shape"] for k, r in results.items()
+                    },
+                    "startup_probe_per_tensor_us": {
+                        k: r["probe_s"] / r["checkpoint_tensors"] * 1e6 for k, r in results.items()
+                    },
+                    **engine,
+                    "engine": engine_run,
+                    "cost_model": model_fit,
+                    "full_shape": results,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "megatron")
 
 from benchmarks.scale_configs import MODELS  # noqa: E402
 
-
 # Megatron needs every PP stage to hold whole layers: 94 = 23 + 24 + 24 + 23 (first and last stages set).
-_STAGES = {"qwen3-235b-a22b": {"num_layers_in_first_pipeline_stage": 23, "num_layers_in_last_pipeline_stage": 23}}
+_STAGES = {
+    "qwen3-235b-a22b": {"num_layers_in_first_pipeline_stage": 23, "num_layers_in_last_pipeline_stage": 23}
+}
 
 
 def launcher_layout() -> dict[str, int]:
@@ -100,14 +101,23 @@ def register_rank(fields: dict, layout: dict, rank: int, probe=None, repeats: in
                 seconds.append(time.perf_counter() - t0)
                 cpu.append(time.thread_time() - c0)
             extra.append(mem.extra)
-        return {"rank": rank, "pp_stage": ps.get_pipeline_model_parallel_rank(),
-                "tp_rank": par.tp_rank, "ep_rank": ps.get_expert_model_parallel_rank(),
-                "local_elements": sum(p.numel() for p in gpt.parameters()),
-                "shipped_elements": sum(s.tensor.numel() for s in segs), "segments": len(segs),
-                "runs": sum(len(s.runs) for s in segs), "hf_tensors": len({s.name for s in segs}),
-                "seconds": statistics.median(seconds), "seconds_all": seconds,
-                "cpu_seconds": statistics.median(cpu), "cpu_seconds_all": cpu,
-                "extra_rss_bytes": max(extra), "extra_rss_all": extra}
+        return {
+            "rank": rank,
+            "pp_stage": ps.get_pipeline_model_parallel_rank(),
+            "tp_rank": par.tp_rank,
+            "ep_rank": ps.get_expert_model_parallel_rank(),
+            "local_elements": sum(p.numel() for p in gpt.parameters()),
+            "shipped_elements": sum(s.tensor.numel() for s in segs),
+            "segments": len(segs),
+            "runs": sum(len(s.runs) for s in segs),
+            "hf_tensors": len({s.name for s in segs}),
+            "seconds": statistics.median(seconds),
+            "seconds_all": seconds,
+            "cpu_seconds": statistics.median(cpu),
+            "cpu_seconds_all": cpu,
+            "extra_rss_bytes": max(extra),
+            "extra_rss_all": extra,
+        }
 
 
 def stage_ranks(layout: dict[str, int]) -> list[int]:
@@ -135,11 +145,19 @@ def _on_first_layers(probe_fn, layers: int):
     from megatron_hook.hf_map import shipped
 
     def chunk(bridge, gpt, par):
-        items = [(name, t, r, size) for name, t, r, size in shipped(bridge, gpt, par)
-                 if re.match(r"decoder\.layers\.\d+\.", name)]
+        items = [
+            (name, t, r, size)
+            for name, t, r, size in shipped(bridge, gpt, par)
+            if re.match(r"decoder\.layers\.\d+\.", name)
+        ]
         first = sorted({int(re.match(r"decoder\.layers\.(\d+)\.", n).group(1)) for n, *_ in items})[:layers]
         keep = tuple(f"decoder.layers.{i}." for i in first)
-        return [s for name, t, r, size in items if name.startswith(keep) for s in probe_fn(bridge, name, t, r, size)]
+        return [
+            s
+            for name, t, r, size in items
+            if name.startswith(keep)
+            for s in probe_fn(bridge, name, t, r, size)
+        ]
 
     return chunk
 
@@ -151,14 +169,21 @@ def run(model: str, layout: dict | None = None, old_layers: int = 0, repeats: in
         layout["extra_args"] = _STAGES[model]
     fields = MODELS[model]
     stages = [register_rank(fields, layout, r) for r in stage_ranks(layout)]
-    worst = register_rank(fields, layout, max(stages, key=lambda s: s["shipped_elements"])["rank"], repeats=repeats)
+    worst = register_rank(
+        fields, layout, max(stages, key=lambda s: s["shipped_elements"])["rank"], repeats=repeats
+    )
     out = {"model": model, "layout": layout, "stages": stages, "worst": worst}
     if old_layers:
         new = register_rank_layers(fields, layout, worst["rank"], old_layers, repeats)
         old = old_probe_layers(fields, layout, worst["rank"], old_layers, repeats)
         scale = worst["shipped_elements"] / old["shipped_elements"]
-        out["old_probe"] = {"layers": old_layers, "new": new, "old": old, "elements_scale": scale,
-                            "projected_worst_seconds": old["seconds"] * scale}
+        out["old_probe"] = {
+            "layers": old_layers,
+            "new": new,
+            "old": old,
+            "elements_scale": scale,
+            "projected_worst_seconds": old["seconds"] * scale,
+        }
     return out
 
 
@@ -177,29 +202,59 @@ def main(argv: list[str] | None = None) -> None:
     models = args.model or ["glm-4.7-355b-a32b", "qwen3-235b-a22b", "deepseek-v3"]
     for model in models:
         try:
-            r = run(model, old_layers=args.old_probe_layers if model == models[0] else 0, repeats=args.repeats)
+            r = run(
+                model, old_layers=args.old_probe_layers if model == models[0] else 0, repeats=args.repeats
+            )
         except Exception as e:  # a family the map cannot register yet: say so, measure the rest
             r = {"model": model, "error": f"{type(e).__name__}: {str(e)[:400]}"}
         results.append(r)
         w = r.get("worst")
-        print(json.dumps({"model": model, "error": r["error"]} if w is None else
-                         {"model": model, "worst_rank": w["rank"], "seconds": round(w["seconds"], 2),
-                          "cpu_seconds": round(w["cpu_seconds"], 2),
-                          "extra_rss_MiB": round(w["extra_rss_bytes"] / 2**20, 1), "segments": w["segments"],
-                          "runs": w["runs"], "shipped_G": round(w["shipped_elements"] / 1e9, 3)}), flush=True)
+        print(
+            json.dumps(
+                {"model": model, "error": r["error"]}
+                if w is None
+                else {
+                    "model": model,
+                    "worst_rank": w["rank"],
+                    "seconds": round(w["seconds"], 2),
+                    "cpu_seconds": round(w["cpu_seconds"], 2),
+                    "extra_rss_MiB": round(w["extra_rss_bytes"] / 2**20, 1),
+                    "segments": w["segments"],
+                    "runs": w["runs"],
+                    "shipped_G": round(w["shipped_elements"] / 1e9, 3),
+                }
+            ),
+            flush=True,
+        )
         if "old_probe" in r:
             o = r["old_probe"]
-            print(json.dumps({"model": model, "subset_layers": o["layers"],
-                              "subset_G": round(o["old"]["shipped_elements"] / 1e9, 3),
-                              "old_seconds": round(o["old"]["seconds"], 2), "new_seconds": round(o["new"]["seconds"], 3),
-                              "old_cpu_seconds": round(o["old"]["cpu_seconds"], 2),
-                              "new_cpu_seconds": round(o["new"]["cpu_seconds"], 3),
-                              "old_extra_rss_MiB": round(o["old"]["extra_rss_bytes"] / 2**20),
-                              "new_extra_rss_MiB": round(o["new"]["extra_rss_bytes"] / 2**20, 1),
-                              "old_projected_worst_seconds": round(o["projected_worst_seconds"])}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "model": model,
+                        "subset_layers": o["layers"],
+                        "subset_G": round(o["old"]["shipped_elements"] / 1e9, 3),
+                        "old_seconds": round(o["old"]["seconds"], 2),
+                        "new_seconds": round(o["new"]["seconds"], 3),
+                        "old_cpu_seconds": round(o["old"]["cpu_seconds"], 2),
+                        "new_cpu_seconds": round(o["new"]["cpu_seconds"], 3),
+                        "old_extra_rss_MiB": round(o["old"]["extra_rss_bytes"] / 2**20),
+                        "new_extra_rss_MiB": round(o["new"]["extra_rss_bytes"] / 2**20, 1),
+                        "old_projected_worst_seconds": round(o["projected_worst_seconds"]),
+                    }
+                ),
+                flush=True,
+            )
     if args.json:
-        args.json.write_text(json.dumps({"host": {"cpus": os.cpu_count(), "threads": args.threads,
-                                                  "load_avg": os.getloadavg()}, "results": results}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "host": {"cpus": os.cpu_count(), "threads": args.threads, "load_avg": os.getloadavg()},
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from harness.tiny_models import make_tiny_model  # noqa: E402
 from harness.vllm_engine import VllmServer  # noqa: E402
+
 from vllm_delta import DeltaSender  # noqa: E402
 from vllm_delta.diff import changed_positions  # noqa: E402
 from vllm_delta.sender import Shard  # noqa: E402
@@ -50,6 +51,7 @@ REPEATS = 3
 P3_REPEATS = 7  # the P3 series' rounds: cheap (~1 s a round), and this VM's timings spread by +-30%
 KNOWN_MEMCPY_GBPS = 19.0  # a quiet single-thread copy on these machines (docs: measuring honestly)
 
+
 def make_model(out: Path, layers: int) -> Path:
     """A Llama-shaped bf16 checkpoint of ~0.5 B params with random weights (tokenizer from the tiny model)."""
     from safetensors.torch import save_file
@@ -60,23 +62,49 @@ def make_model(out: Path, layers: int) -> Path:
     for f in tiny.iterdir():
         if "token" in f.name or f.name == "special_tokens_map.json":
             shutil.copy2(f, out / f.name)
-    cfg = LlamaConfig(vocab_size=48000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=512,
-                      torch_dtype="bfloat16", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0, architectures=["LlamaForCausalLM"])
+    cfg = LlamaConfig(
+        vocab_size=48000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=512,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        architectures=["LlamaForCausalLM"],
+    )
     cfg.save_pretrained(out)
     gen = torch.Generator().manual_seed(0)
     h, i, kv = 1024, 4096, 8 * 64
-    shapes = {"model.embed_tokens.weight": (48000, h), "lm_head.weight": (48000, h), "model.norm.weight": (h,)}
-    for l in range(layers):
-        p = f"model.layers.{l}."
-        shapes.update({p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                       p + "post_attention_layernorm.weight": (h,)})
-    tensors = {n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
-               for n, s in shapes.items()}
+    shapes = {
+        "model.embed_tokens.weight": (48000, h),
+        "lm_head.weight": (48000, h),
+        "model.norm.weight": (h,),
+    }
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (h, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
+    tensors = {
+        n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16)
+        for n, s in shapes.items()
+    }
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
@@ -109,11 +137,14 @@ def _libc_memcpy(dst: torch.Tensor, src: torch.Tensor, threads: int) -> None:
     if threads == 1:
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
     else:
-        list(_copy_pool(threads).map(lambda c: ctypes.memmove(dst.data_ptr() + c[0], src.data_ptr() + c[0], c[1]),
-                                     cuts))
+        list(
+            _copy_pool(threads).map(
+                lambda c: ctypes.memmove(dst.data_ptr() + c[0], src.data_ptr() + c[0], c[1]), cuts
+            )
+        )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _copy_pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads)
 
@@ -173,12 +204,14 @@ def _interleaved_medians(*fns, repeats: int = REPEATS, warm: bool = False) -> tu
 
 def _kernel(flag: str, fn):
     """`fn` with the fused CPU scan on ("1") or the torch path forced ("0")."""
+
     def run():
         os.environ["VLLM_DELTA_KERNELS"] = flag
         try:
             return fn()
         finally:
             os.environ.pop("VLLM_DELTA_KERNELS", None)
+
     return run
 
 
@@ -209,13 +242,24 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
 
         diff_mod._pool = None  # the diff's thread pool follows torch's thread count
         pos = {}
-        diff_s = _median_s(lambda: pos.update({n: changed_positions(t, snapshot[n]) for n, t in weights.items()}))
+        diff_s = _median_s(
+            lambda: pos.update({n: changed_positions(t, snapshot[n]) for n, t in weights.items()})
+        )
         gathered = {}
-        gather_s = _median_s(lambda: gathered.update(
-            {n: (t.view(-1).index_select(0, pos[n]), snapshot[n].view(-1).index_select(0, pos[n]))
-             for n, t in weights.items()}))
-        digest_s = _median_s(lambda: [(additive.partial_sum(pos[n], new), additive.partial_sum(pos[n], old))
-                                      for n, (new, old) in gathered.items()])
+        gather_s = _median_s(
+            lambda: gathered.update(
+                {
+                    n: (t.view(-1).index_select(0, pos[n]), snapshot[n].view(-1).index_select(0, pos[n]))
+                    for n, t in weights.items()
+                }
+            )
+        )
+        digest_s = _median_s(
+            lambda: [
+                (additive.partial_sum(pos[n], new), additive.partial_sum(pos[n], old))
+                for n, (new, old) in gathered.items()
+            ]
+        )
         caps = {}
 
         def scan(flag: str):
@@ -223,16 +267,22 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
             while the next one scans, and no other, so the scan's output arrays can be reused
             (kernels/scan_buffers.py) as they are in training. The encode takes the latest capture
             (every scan finds the same changes: the snapshot never advances here)."""
-            return _kernel(flag, lambda: (caps.pop(flag, None), caps.__setitem__(
-                flag, producer.scan(shards, kind="delta", anchor=False))))
+            return _kernel(
+                flag,
+                lambda: (
+                    caps.pop(flag, None),
+                    caps.__setitem__(flag, producer.scan(shards, kind="delta", anchor=False)),
+                ),
+            )
 
         scan("1")(), scan("0")()  # for the check below (the series warm themselves)
         assert _digests(caps["0"]) == _digests(caps["1"]), "the kernel and the torch path disagree"
         wire = []
 
         def encode() -> None:
-            b = FlushBuilder(lambda name, f: None, version=1, base_version=0, encoding="ulp_zstd",
-                             flush_bytes=64 << 20)
+            b = FlushBuilder(
+                lambda name, f: None, version=1, base_version=0, encoding="ulp_zstd", flush_bytes=64 << 20
+            )
             for e in caps["1"].entries:  # what the publisher queues (its `_add`)
                 _add(b, e, "delta")
             b.manifest()
@@ -243,30 +293,60 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
         # allocates and frees ~2 GB of temporaries, and the op after one ran 1.3-1.9x slower in
         # process time (session 11, in-process: plain kernel scan 0.19 -> 0.25-0.37 s).
         (base, flat_base, scan_s, flat_s, encode_s), samples = _interleaved_medians(
-            lambda: memcpy_s(weights, threads), lambda: flat.memcpy_s(threads), scan("1"),
-            _kernel("1", flat.scan), encode, repeats=P3_REPEATS, warm=True)
+            lambda: memcpy_s(weights, threads),
+            lambda: flat.memcpy_s(threads),
+            scan("1"),
+            _kernel("1", flat.scan),
+            encode,
+            repeats=P3_REPEATS,
+            warm=True,
+        )
         (base_t, torch_copy, flat_base_t, scan_torch_s, flat_torch_s), samples_t = _interleaved_medians(
-            lambda: memcpy_s(weights, threads), lambda: torch_copy_s(weights, threads),
-            lambda: flat.memcpy_s(threads), scan("0"), _kernel("0", flat.scan))
+            lambda: memcpy_s(weights, threads),
+            lambda: torch_copy_s(weights, threads),
+            lambda: flat.memcpy_s(threads),
+            scan("0"),
+            _kernel("0", flat.scan),
+        )
         torch.set_num_threads(threads)
         flat_ops = flat.ops()
         out["threads"][threads] = {
-            "cores": cores[:threads], "memcpy_s": base, "memcpy_gbps": nbytes / base / 1e9, "torch_copy_s": torch_copy, "diff_s": diff_s, "gather_s": gather_s,
-            "digest_s": digest_s, "scan_s": scan_s, "encode_s": encode_s, "changed": caps["1"].changed,
-            "wire_bytes": wire[-1], "p3_ratio": (scan_s + encode_s) / base, "scan_flat_s": flat_s,
-            "flat_ops_per_sync": flat_ops, "memcpy_flat_s": flat_base, "p3_ratio_flat": (flat_s + encode_s) / flat_base,
-            "scan_torch_s": scan_torch_s, "memcpy_torch_series_s": base_t, "p3_ratio_torch": (scan_torch_s + encode_s) / base_t,
-            "scan_flat_torch_s": flat_torch_s, "memcpy_flat_torch_series_s": flat_base_t,
+            "cores": cores[:threads],
+            "memcpy_s": base,
+            "memcpy_gbps": nbytes / base / 1e9,
+            "torch_copy_s": torch_copy,
+            "diff_s": diff_s,
+            "gather_s": gather_s,
+            "digest_s": digest_s,
+            "scan_s": scan_s,
+            "encode_s": encode_s,
+            "changed": caps["1"].changed,
+            "wire_bytes": wire[-1],
+            "p3_ratio": (scan_s + encode_s) / base,
+            "scan_flat_s": flat_s,
+            "flat_ops_per_sync": flat_ops,
+            "memcpy_flat_s": flat_base,
+            "p3_ratio_flat": (flat_s + encode_s) / flat_base,
+            "scan_torch_s": scan_torch_s,
+            "memcpy_torch_series_s": base_t,
+            "p3_ratio_torch": (scan_torch_s + encode_s) / base_t,
+            "scan_flat_torch_s": flat_torch_s,
+            "memcpy_flat_torch_series_s": flat_base_t,
             "p3_ratio_flat_torch": (flat_torch_s + encode_s) / flat_base_t,
             "samples": dict(zip(("memcpy", "memcpy_flat", "scan", "scan_flat", "encode"), samples)),
-            "samples_torch": dict(zip(("memcpy", "torch_copy", "memcpy_flat", "scan", "scan_flat"), samples_t))}
-        print(f"P3 {threads} thread(s): memcpy {base:.3f}s ({nbytes / base / 1e9:.1f} GB/s; torch copy_ "
-              f"{torch_copy:.3f}s) scan {scan_s:.3f}s "
-              f"(torch path {scan_torch_s:.3f}s: diff {diff_s:.3f} gather {gather_s:.3f} digest {digest_s:.3f}) "
-              f"encode {encode_s:.3f}s -> {(scan_s + encode_s) / base:.1f}x (torch {(scan_torch_s + encode_s) / base_t:.1f}x)"
-              f"; one flat buffer: memcpy {flat_base:.3f}s, scan {flat_s:.3f}s (torch {flat_torch_s:.3f}s, "
-              f"{flat_ops} ops) -> {(flat_s + encode_s) / flat_base:.1f}x (torch {(flat_torch_s + encode_s) / flat_base_t:.1f}x)",
-              flush=True)
+            "samples_torch": dict(
+                zip(("memcpy", "torch_copy", "memcpy_flat", "scan", "scan_flat"), samples_t)
+            ),
+        }
+        print(
+            f"P3 {threads} thread(s): memcpy {base:.3f}s ({nbytes / base / 1e9:.1f} GB/s; torch copy_ "
+            f"{torch_copy:.3f}s) scan {scan_s:.3f}s "
+            f"(torch path {scan_torch_s:.3f}s: diff {diff_s:.3f} gather {gather_s:.3f} digest {digest_s:.3f}) "
+            f"encode {encode_s:.3f}s -> {(scan_s + encode_s) / base:.1f}x (torch {(scan_torch_s + encode_s) / base_t:.1f}x)"
+            f"; one flat buffer: memcpy {flat_base:.3f}s, scan {flat_s:.3f}s (torch {flat_torch_s:.3f}s, "
+            f"{flat_ops} ops) -> {(flat_s + encode_s) / flat_base:.1f}x (torch {(flat_torch_s + encode_s) / flat_base_t:.1f}x)",
+            flush=True,
+        )
     os.sched_setaffinity(0, cores)
     for n in weights:  # undo, so P4 starts from the checkpoint
         weights[n].copy_(snapshot[n])
@@ -277,12 +357,14 @@ class FlatBuffer:
     """The same weights and step laid out as Megatron's distributed optimizer holds them: views
     into one contiguous buffer, padded between params, scanned as one bucket."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], snapshot: dict[str, torch.Tensor], pad: int = 64) -> None:
+    def __init__(
+        self, weights: dict[str, torch.Tensor], snapshot: dict[str, torch.Tensor], pad: int = 64
+    ) -> None:
         sizes = {n: t.numel() for n, t in weights.items()}
         self.buf = torch.zeros(sum(sizes.values()) + pad * len(sizes), dtype=torch.bfloat16)
         at, self.shards, seeds = 0, [], []
         for n, t in weights.items():
-            view = self.buf[at:at + t.numel()].view(t.shape)
+            view = self.buf[at : at + t.numel()].view(t.shape)
             view.copy_(t)
             self.shards.append(Shard.whole(n, view))
             seeds.append(Shard.whole(n, snapshot[n]))
@@ -334,8 +416,13 @@ def p4(model: Path, weights: dict[str, torch.Tensor], work: Path, syncs: int, tr
     engine_core, sender_core = cores[-1], cores[0]
     os.sched_setaffinity(0, {engine_core})  # the engine's processes inherit this core
     t0 = time.perf_counter()
-    with VllmServer(model, work / "serve.log", extra_args=args, startup_timeout_s=1200,
-                    env={"VLLM_CPU_OMP_THREADS_BIND": str(engine_core)}) as server:
+    with VllmServer(
+        model,
+        work / "serve.log",
+        extra_args=args,
+        startup_timeout_s=1200,
+        env={"VLLM_CPU_OMP_THREADS_BIND": str(engine_core)},
+    ) as server:
         start_s = time.perf_counter() - t0
         os.sched_setaffinity(0, {sender_core})
         torch.set_num_threads(1)
@@ -348,20 +435,28 @@ def p4(model: Path, weights: dict[str, torch.Tensor], work: Path, syncs: int, tr
             m = sender.sync(weights)
             assert m["sender/all_acked"] == 1.0, sender.engines
             seq.append(m)
-            print(f"sync {k + 1}: {m['perf/update_weights_time']:.2f}s "
-                  f"{m['perf/update_weights_wire_bytes'] / 1e6:.1f} MB "
-                  f"pause {m['perf/update_weights_engine_pause_time']:.3f}s", flush=True)
+            print(
+                f"sync {k + 1}: {m['perf/update_weights_time']:.2f}s "
+                f"{m['perf/update_weights_wire_bytes'] / 1e6:.1f} MB "
+                f"pause {m['perf/update_weights_engine_pause_time']:.3f}s",
+                flush=True,
+            )
         # Training alone, then training with the previous sync publishing in the background.
         alone = [simulated_train_step(train_s) for _ in range(REPEATS)]
         over = []
-        for k in range(syncs):
+        for _ in range(syncs):
             step(weights, gen)
             sender.capture(weights)
             wait_s = sender.last_wait_s
             sender.publish()
             iters = simulated_train_step(train_s)
-            over.append({"capture_s": sender._capture_metrics["sender/capture_s"], "wait_s": wait_s,
-                         "train_iters": iters})
+            over.append(
+                {
+                    "capture_s": sender._capture_metrics["sender/capture_s"],
+                    "wait_s": wait_s,
+                    "train_iters": iters,
+                }
+            )
         last = sender.wait()
         over[-1]["tail_s"] = 0.0
         waits = [o["wait_s"] for o in over[1:]] + [0.0]
@@ -372,19 +467,30 @@ def p4(model: Path, weights: dict[str, torch.Tensor], work: Path, syncs: int, tr
             if f.suffix != ".safetensors":
                 shutil.copy2(f, full_dir / f.name)
         data = (model / "model.safetensors").read_bytes()
-        write = [_timed(lambda: throttled_write(full_dir / "model.safetensors", data, Throttle(LINK)))
-                 for _ in range(REPEATS)]
+        write = [
+            _timed(lambda: throttled_write(full_dir / "model.safetensors", data, Throttle(LINK)))
+            for _ in range(REPEATS)
+        ]
         del data
         try:
             reload_s = _timed(lambda: rpc(server.url, "reload_weights", weights_path=str(full_dir)))
         except requests.HTTPError as exc:  # reported: the ratio then uses the link time alone
             print(f"vLLM reload_weights failed: {exc}", flush=True)
             reload_s = None
-    return {"engine_start_s": start_s, "sequential": seq, "overlapped": over, "overlap_waits": waits,
-            "overlap_last": last, "train_alone_iters": alone, "train_s": train_s,
-            "full_bytes": (model / "model.safetensors").stat().st_size,
-            "full_write_s": write, "full_reload_s": reload_s, "sender_core": sender_core,
-            "engine_core": engine_core}
+    return {
+        "engine_start_s": start_s,
+        "sequential": seq,
+        "overlapped": over,
+        "overlap_waits": waits,
+        "overlap_last": last,
+        "train_alone_iters": alone,
+        "train_s": train_s,
+        "full_bytes": (model / "model.safetensors").stat().st_size,
+        "full_write_s": write,
+        "full_reload_s": reload_s,
+        "sender_core": sender_core,
+        "engine_core": engine_core,
+    }
 
 
 def _timed(fn) -> float:
@@ -411,12 +517,17 @@ def summarize(res3: dict, res4: dict, params: int) -> dict:
     one = res3["threads"][min(res3["threads"])]
     changed = statistics.median(r["sender/changed_elements"] for r in seq)
     return {
-        "p3_ratio": all_cores["p3_ratio"], "p3_ratio_1thread": one["p3_ratio"],
-        "p4_ratio": full_s / sync_s, "pause_fraction": med("perf/update_weights_engine_pause_time") / sync_s,
-        "hidden_fraction": hidden, "sync_s": sync_s, "full_sync_s": full_s, "params": params,
+        "p3_ratio": all_cores["p3_ratio"],
+        "p3_ratio_1thread": one["p3_ratio"],
+        "p4_ratio": full_s / sync_s,
+        "pause_fraction": med("perf/update_weights_engine_pause_time") / sync_s,
+        "hidden_fraction": hidden,
+        "sync_s": sync_s,
+        "full_sync_s": full_s,
+        "params": params,
         "bytes_per_changed": med("perf/update_weights_wire_bytes") / max(1, changed),
-        "train_slowdown": statistics.median(res4["train_alone_iters"]) / statistics.median(
-            o["train_iters"] for o in over),
+        "train_slowdown": statistics.median(res4["train_alone_iters"])
+        / statistics.median(o["train_iters"] for o in over),
     }
 
 
@@ -427,9 +538,14 @@ def glm_model(res3: dict, res4: dict, head: dict) -> dict:
     scan_ns = one["scan_s"] / (res3["model_bytes"] / 2) * 1e9  # per element, one core
     encode_ns = one["encode_s"] / max(1, one["changed"]) * 1e9  # per changed element, one core
     seq = res4["sequential"][1:]
-    apply_ns = statistics.median(
-        (r["perf/update_weights_engine_decode_time"] + r["perf/update_weights_engine_apply_time"])
-        / max(1, r["sender/changed_elements"]) for r in seq) * 1e9
+    apply_ns = (
+        statistics.median(
+            (r["perf/update_weights_engine_decode_time"] + r["perf/update_weights_engine_apply_time"])
+            / max(1, r["sender/changed_elements"])
+            for r in seq
+        )
+        * 1e9
+    )
     changed = params * density
     delta_bytes = changed * head["bytes_per_changed"]
     full_bytes = params * 2
@@ -442,9 +558,17 @@ def glm_model(res3: dict, res4: dict, head: dict) -> dict:
         delta_s = per_rank_scan + per_rank_encode + delta_bytes / link + per_engine_apply
         full_s = full_bytes / link
         rows[label] = {"delta_s": delta_s, "full_s": full_s, "ratio": full_s / delta_s}
-    return {"scan_ns_per_element": scan_ns, "encode_ns_per_changed": encode_ns, "apply_ns_per_changed": apply_ns,
-            "delta_bytes": delta_bytes, "full_bytes": full_bytes, "per_rank_scan_s": per_rank_scan,
-            "per_rank_encode_s": per_rank_encode, "per_engine_apply_s": per_engine_apply, "links": rows}
+    return {
+        "scan_ns_per_element": scan_ns,
+        "encode_ns_per_changed": encode_ns,
+        "apply_ns_per_changed": apply_ns,
+        "delta_bytes": delta_bytes,
+        "full_bytes": full_bytes,
+        "per_rank_scan_s": per_rank_scan,
+        "per_rank_encode_s": per_rank_encode,
+        "per_engine_apply_s": per_engine_apply,
+        "links": rows,
+    }
 
 
 def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path, load: dict) -> dict:
@@ -465,16 +589,29 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path, loa
     a1.plot(xs, times, "o-", label="delta sync (end to end)")
     a1.plot(xs, pause, "s-", label="engine pause")
     a1.axhline(head["full_sync_s"], color="r", ls="--", label=f"full sync ({head['full_sync_s']:.1f}s)")
-    a1.set_yscale("log"); a1.set_xlabel("sync"); a1.set_ylabel("seconds"); a1.legend(); a1.set_title("time per sync")
+    a1.set_yscale("log")
+    a1.set_xlabel("sync")
+    a1.set_ylabel("seconds")
+    a1.legend()
+    a1.set_title("time per sync")
     a2.plot(xs, [w / 1e6 for w in wire], "o-", label="delta wire bytes")
     a2.axhline(res4["full_bytes"] / 1e6, color="r", ls="--", label="full checkpoint")
-    a2.set_yscale("log"); a2.set_xlabel("sync"); a2.set_ylabel("MB"); a2.legend(); a2.set_title("bytes per sync")
-    fig.suptitle(f"{params / 1e9:.2f} B-param Llama, {DENSITY:.0%} density, link paced to {LINK / 1e6:.0f} MB/s")
+    a2.set_yscale("log")
+    a2.set_xlabel("sync")
+    a2.set_ylabel("MB")
+    a2.legend()
+    a2.set_title("bytes per sync")
+    fig.suptitle(
+        f"{params / 1e9:.2f} B-param Llama, {DENSITY:.0%} density, link paced to {LINK / 1e6:.0f} MB/s"
+    )
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     med = lambda key: statistics.median(r[key] for r in seq[1:])  # noqa: E731
-    reload_txt = (f"{res4['full_reload_s']:.2f} s" if res4["full_reload_s"] is not None
-                  else "failed on this CPU build: the full sync is the link time alone, a lower bound")
+    reload_txt = (
+        f"{res4['full_reload_s']:.2f} s"
+        if res4["full_reload_s"] is not None
+        else "failed on this CPU build: the full sync is the link time alone, a lower bound"
+    )
     lines = [
         "# Sender benchmarks (P3, P4)",
         "",
@@ -502,13 +639,15 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path, loa
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for th, r in sorted(res3["threads"].items()):
-        lines.append(f"| {th} | {r['memcpy_s']:.3f} s | {r['memcpy_gbps']:.1f} | {r['diff_s']:.3f} | "
-                     f"{r['gather_s']:.3f} | {r['digest_s']:.3f} | {r['scan_torch_s']:.3f} | "
-                     f"{r['p3_ratio_torch']:.1f}× | {r['scan_s']:.3f} | {r['encode_s']:.3f} | "
-                     f"{r['scan_s'] + r['encode_s']:.3f} | **{r['p3_ratio']:.1f}×** | "
-                     f"{r['memcpy_flat_s']:.3f} s | {r['scan_flat_torch_s']:.3f} / {r['scan_flat_s']:.3f} | "
-                     f"{r['p3_ratio_flat']:.1f}× | "
-                     f"{r['flat_ops_per_sync']} | {r['torch_copy_s']:.3f} s |")
+        lines.append(
+            f"| {th} | {r['memcpy_s']:.3f} s | {r['memcpy_gbps']:.1f} | {r['diff_s']:.3f} | "
+            f"{r['gather_s']:.3f} | {r['digest_s']:.3f} | {r['scan_torch_s']:.3f} | "
+            f"{r['p3_ratio_torch']:.1f}× | {r['scan_s']:.3f} | {r['encode_s']:.3f} | "
+            f"{r['scan_s'] + r['encode_s']:.3f} | **{r['p3_ratio']:.1f}×** | "
+            f"{r['memcpy_flat_s']:.3f} s | {r['scan_flat_torch_s']:.3f} / {r['scan_flat_s']:.3f} | "
+            f"{r['p3_ratio_flat']:.1f}× | "
+            f"{r['flat_ops_per_sync']} | {r['torch_copy_s']:.3f} s |"
+        )
     lines += [
         "",
         f"The memcpy baseline ran at {one['memcpy_gbps']:.1f} GB/s on one thread here, where this machine's known "
@@ -585,16 +724,21 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path, loa
     out_md.write_text("\n".join(lines) + "\n" + tail)
     return {**head, "glm": glm}
 
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--syncs", type=int, default=5)
     ap.add_argument("--layers", type=int, default=26)
     ap.add_argument("--train-s", type=float, default=4.0, help="simulated training step, seconds")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
-    ap.add_argument("--json", type=Path, default=None, help="write p3_ratio, p4_ratio, pause_fraction, hidden_fraction")
+    ap.add_argument(
+        "--json", type=Path, default=None, help="write p3_ratio, p4_ratio, pause_fraction, hidden_fraction"
+    )
     ap.add_argument("--load-note", default="nothing else", help="what else ran on the machine")
     ap.add_argument("--p3-only", action="store_true", help="P3 alone (no engine): writes OUT/sender_p3.json")
-    ap.add_argument("--p3-threads", default="", help="P3's thread counts, e.g. '1' (default: 1 and every core)")
+    ap.add_argument(
+        "--p3-threads", default="", help="P3's thread counts, e.g. '1' (default: 1 and every core)"
+    )
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sender-bench-"))
     load = {"note": a.load_note, "before": os.getloadavg()[0]}
@@ -611,7 +755,9 @@ def main() -> None:
         if a.p3_only:
             load["after"] = os.getloadavg()[0]
             a.out.mkdir(parents=True, exist_ok=True)
-            (a.out / "sender_p3.json").write_text(json.dumps({"p3": res3, "params": params, "load": load}, indent=1))
+            (a.out / "sender_p3.json").write_text(
+                json.dumps({"p3": res3, "params": params, "load": load}, indent=1)
+            )
             return
         res4 = p4(model, weights, work, a.syncs, a.train_s)
         load["after"] = os.getloadavg()[0]

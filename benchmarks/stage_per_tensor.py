@@ -24,10 +24,10 @@ ROOT = os.environ.get("ROOT", str(Path(__file__).resolve().parents[1]))
 sys.path[:0] = [ROOT, ROOT + "/tests"]
 
 import torch  # noqa: E402
+from harness.perturb import perturb_tensor  # noqa: E402
 
 from benchmarks import scale  # noqa: E402
 from benchmarks.device_check import write_delta  # noqa: E402
-from harness.perturb import perturb_tensor  # noqa: E402
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
 from vllm_delta.wire import iter_delta, open_delta  # noqa: E402
 from vllm_delta.wire.container import paused_gc  # noqa: E402
@@ -45,22 +45,35 @@ def timed(layers: int, experts: int, density: float, repeats: int) -> dict:
     model = scale.meta_model(config, 1, 0, False, device="cpu")
     gen = torch.Generator().manual_seed(0)
     base = {n: (torch.randn(s, generator=gen) * 0.05).to(dtype) for n, (s, dtype) in checkpoint.items()}
-    with scale.fake_parallel(1, 0, False), set_current_vllm_config(config), tempfile.TemporaryDirectory() as tmp:
+    with (
+        scale.fake_parallel(1, 0, False),
+        set_current_vllm_config(config),
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         model.load_weights(base.items())
         applier = DeltaApplier(model, checkpoint, model.load_weights)
-        applier.placements  # the startup probe, outside the timing
+        _ = applier.placements  # the startup probe, outside the timing
         path = Path(tmp) / "v1"
         write_delta(path, base, {n: perturb_tensor(t, density, gen) for n, t in base.items()}, version=1)
         info = open_delta(path)
-        deltas = list(iter_delta(info, expected=checkpoint, current_version=0, lazy=True, batches=True))  # as prepare
+        deltas = list(
+            iter_delta(info, expected=checkpoint, current_version=0, lazy=True, batches=True)
+        )  # as prepare
         times = []
         for _ in range(repeats):
             with paused_gc():  # as prepare runs it
                 start = time.perf_counter()
                 staged = applier.stage(info.manifest, deltas, version=1, replay=False, start=start)
                 times.append(time.perf_counter() - start)
-    return {"layers": layers, "experts": experts, "tensors": sum(len(d) if isinstance(d, DeltaBatch) else 1 for d in deltas), "destinations": len(staged.writes),
-            "changes": staged.changed, "median_s": statistics.median(times), "min_s": min(times)}
+    return {
+        "layers": layers,
+        "experts": experts,
+        "tensors": sum(len(d) if isinstance(d, DeltaBatch) else 1 for d in deltas),
+        "destinations": len(staged.writes),
+        "changes": staged.changed,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+    }
 
 
 def main() -> None:
@@ -73,9 +86,16 @@ def main() -> None:
     torch.set_num_threads(1)
     few, many = (timed(args.layers, e, args.density, args.repeats) for e in args.experts)
     extra = many["tensors"] - few["tensors"]
-    print(json.dumps({"few": few, "many": many,
-                      "per_tensor_us_median": 1e6 * (many["median_s"] - few["median_s"]) / extra,
-                      "per_tensor_us_min": 1e6 * (many["min_s"] - few["min_s"]) / extra}))
+    print(
+        json.dumps(
+            {
+                "few": few,
+                "many": many,
+                "per_tensor_us_median": 1e6 * (many["median_s"] - few["median_s"]) / extra,
+                "per_tensor_us_min": 1e6 * (many["min_s"] - few["min_s"]) / extra,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

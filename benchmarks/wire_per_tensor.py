@@ -31,7 +31,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import device_check as dc  # noqa: E402
 
 import vllm_delta  # noqa: E402
-
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
 from vllm_delta.engine.owned import owned_by_tensor  # noqa: E402
 from vllm_delta.wire import get_encoding, iter_delta, open_delta  # noqa: E402
@@ -48,8 +47,12 @@ def ensure_delta(path: Path, cfg: dc.Config, encoding: str, density: float) -> N
 def read_all(path: Path, meta, owned, needs_base: bool) -> int:
     """What prepare asks of the wire reader: open, then iterate lazily with this rank's owned ranges."""
     info = open_delta(path)
-    return sum(d.count for d in iter_delta(info, expected=meta, current_version=0 if needs_base else None,
-                                           owned=owned, lazy=True))
+    return sum(
+        d.count
+        for d in iter_delta(
+            info, expected=meta, current_version=0 if needs_base else None, owned=owned, lazy=True
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             return 0
         info = open_delta(path)
-        row = {"encoding": e, "density": d, "tensors": len(info.manifest.params),
-               "files": len(info.manifest.files), "changes": sum(p.changed for p in info.manifest.params),
-               "wire_bytes": info.manifest.total_bytes, "package": str(Path(vllm_delta.__file__).parents[1])}
+        row = {
+            "encoding": e,
+            "density": d,
+            "tensors": len(info.manifest.params),
+            "files": len(info.manifest.files),
+            "changes": sum(p.changed for p in info.manifest.params),
+            "wire_bytes": info.manifest.total_bytes,
+            "package": str(Path(vllm_delta.__file__).parents[1]),
+        }
         reads, preps = [], []
         for _ in range(args.repeat):  # interleaved: reader, then prepare, each round
             t = time.perf_counter()

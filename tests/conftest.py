@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from harness.tiny_models import SPECS, make_tiny_model
 
 

@@ -35,8 +35,10 @@ def stock_vllm(apply_mod, tmp_path, monkeypatch) -> Path:
     shutil.copy(apply_mod.site_packages() / PATCHED_FILE, target)
     for patch_file in sorted(PATCHES.glob("*.patch")):
         if apply_mod.is_applied(patch_file, tmp_path):
-            subprocess.run(["patch", "-p1", "-R", "--batch", "--silent", "-d", str(tmp_path), "-i", str(patch_file)],
-                           check=True)
+            subprocess.run(
+                ["patch", "-p1", "-R", "--batch", "--silent", "-d", str(tmp_path), "-i", str(patch_file)],
+                check=True,
+            )
     monkeypatch.setattr(apply_mod, "site_packages", lambda: tmp_path)
     return target
 
@@ -70,7 +72,9 @@ def test_refuses_an_unknown_vllm_version(apply_mod, stock_vllm, monkeypatch, cap
 def test_refuses_a_file_it_does_not_fit(apply_mod, stock_vllm, monkeypatch, capsys):
     stock = stock_vllm.read_text()
     start = stock.index("    parser = FrontendArgs.add_cli_args(parser)")
-    stock_vllm.write_text(stock[:start] + "    return build_parser(parser)\n" + stock[stock.index("\n\n\ndef ", start):])
+    stock_vllm.write_text(
+        stock[:start] + "    return build_parser(parser)\n" + stock[stock.index("\n\n\ndef ", start) :]
+    )
     before = stock_vllm.read_text()
     assert run(apply_mod, monkeypatch) == 1
     assert "does not apply" in capsys.readouterr().err
@@ -91,7 +95,8 @@ def clean_env(monkeypatch):
 
 
 def flags_parser() -> argparse.ArgumentParser:
-    """Our flags beside the vLLM flags `check_args` reads, with vLLM's defaults (no --host: every interface)."""
+    """Our flags beside the vLLM flags `check_args` reads, with vLLM's defaults (no --host: every
+    interface)."""
     parser = argparse.ArgumentParser(exit_on_error=False)
     parser.add_argument("--worker-extension-cls", default="")
     parser.add_argument("--host", default=None)
@@ -108,8 +113,17 @@ def test_flag_off_changes_nothing(clean_env):
 
 
 def test_flag_on_sets_extension_env_and_allowlist(clean_env, tmp_path):
-    args = flags_parser().parse_args(["--enable-delta-updates", "--delta-updates-root", str(tmp_path),
-                                      "--delta-updates-chunk-bytes", "4096", "--host", "127.0.0.1"])
+    args = flags_parser().parse_args(
+        [
+            "--enable-delta-updates",
+            "--delta-updates-root",
+            str(tmp_path),
+            "--delta-updates-chunk-bytes",
+            "4096",
+            "--host",
+            "127.0.0.1",
+        ]
+    )
     assert args.worker_extension_cls == cli_args.WORKER_EXTENSION
     assert args.delta_updates_root == tmp_path.resolve() and args.delta_updates_max_staged_bytes == 4096
     assert os.environ[cli_args.ENV_FLAG] == "1"
@@ -130,8 +144,17 @@ def test_conflicting_worker_extension_is_refused(clean_env, tmp_path, capsys):
     with pytest.raises(SystemExit):  # given before the flag: argparse error as the flag is parsed
         parser.parse_args(["--worker-extension-cls", "x.Y", "--enable-delta-updates"])
     with pytest.raises(SystemExit):  # given after it: refused once the whole line is parsed
-        parser.parse_args(["--enable-delta-updates", "--delta-updates-root", str(tmp_path), "--host", "127.0.0.1",
-                           "--worker-extension-cls", "x.Y"])
+        parser.parse_args(
+            [
+                "--enable-delta-updates",
+                "--delta-updates-root",
+                str(tmp_path),
+                "--host",
+                "127.0.0.1",
+                "--worker-extension-cls",
+                "x.Y",
+            ]
+        )
     assert "--worker-extension-cls x.Y" in capsys.readouterr().err
 
 
@@ -153,6 +176,7 @@ def test_vllm_serve_parser_has_the_flags(clean_env, tmp_path):
     parser = make_arg_parser(FlexibleArgumentParser())
     stock = parser.parse_args(["model"])
     assert stock.enable_delta_updates is False and stock.worker_extension_cls == ""
-    args = parser.parse_args(["model", "--enable-delta-updates", "--delta-updates-root", str(tmp_path),
-                              "--host", "127.0.0.1"])
+    args = parser.parse_args(
+        ["model", "--enable-delta-updates", "--delta-updates-root", str(tmp_path), "--host", "127.0.0.1"]
+    )
     assert args.worker_extension_cls == cli_args.WORKER_EXTENSION

@@ -33,8 +33,8 @@ def _step_worker(rank, world_size, port, tp, ep, num_experts, distopt):
 
     megatron_cpu.init_distributed(rank, world_size, port, tp=tp, ep=ep)
     model, opt, gpt = megatron_cpu.build_gpt_model(
-        lr=LR, num_experts=num_experts, use_distributed_optimizer=distopt,
-        overlap_param_gather=distopt)
+        lr=LR, num_experts=num_experts, use_distributed_optimizer=distopt, overlap_param_gather=distopt
+    )
     params = dict(gpt.named_parameters())
     assert all(p.dtype == torch.bfloat16 for p in params.values())
     before = {n: _bits(p) for n, p in params.items()}

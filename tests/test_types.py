@@ -14,12 +14,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ["vllm_delta/wire", "vllm_delta/engine/transaction.py", "vllm_delta/engine/messages.py",
-           "vllm_delta/engine/trace.py", "vllm_delta/engine/summary.py", "vllm_delta/kernels"]
+CHECKED = [
+    "vllm_delta/wire",
+    "vllm_delta/engine/transaction.py",
+    "vllm_delta/engine/messages.py",
+    "vllm_delta/engine/trace.py",
+    "vllm_delta/engine/summary.py",
+    "vllm_delta/kernels",
+]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed (pip install mypy)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mypy") is None, reason="mypy is not installed (pip install mypy)"
+)
 def test_mypy_passes_on_wire_engine_core_and_kernels():
-    run = subprocess.run([sys.executable, "-m", "mypy", *CHECKED], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", *CHECKED], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stdout + run.stderr

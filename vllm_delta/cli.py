@@ -13,8 +13,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_delta.diff import diff_param
-from vllm_delta.wire import (DEFAULT_ENCODING, ENCODINGS, DeltaError, DeltaInfo, DeltaWriter, IntegrityError,
-                             ParamDelta, open_delta, read_delta, tensor_digest)
+from vllm_delta.wire import (
+    DEFAULT_ENCODING,
+    ENCODINGS,
+    DeltaError,
+    DeltaInfo,
+    DeltaWriter,
+    IntegrityError,
+    ParamDelta,
+    open_delta,
+    read_delta,
+    tensor_digest,
+)
 from vllm_delta.wire.checkpoint import Checkpoint, staged_dir
 
 
@@ -30,14 +40,24 @@ def cmd_diff(a: argparse.Namespace) -> None:
         raise CliError(f"shape or dtype differs for {bad[:5]}")
     base = a.version - 1 if a.base_version is None else a.base_version
     with staged_dir(a.out) as tmp:
-        with DeltaWriter(tmp, version=a.version, base_version=base, encoding=a.encoding,
-                         flush_bytes=a.flush_bytes, model_elements=new.elements) as w:
+        with DeltaWriter(
+            tmp,
+            version=a.version,
+            base_version=base,
+            encoding=a.encoding,
+            flush_bytes=a.flush_bytes,
+            model_elements=new.elements,
+        ) as w:
             for name, t in new.iter_tensors():
                 d = diff_param(t, old.read(name))
-                w.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))
+                w.add(
+                    name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t)
+                )
     summary = summarize(open_delta(a.out))
-    print(f"wrote {a.out}: {summary['changed']} changed elements, {summary['bytes']} B "
-          f"({summary['bytes_per_changed']:.3f} B per change, {a.encoding})")
+    print(
+        f"wrote {a.out}: {summary['changed']} changed elements, {summary['bytes']} B "
+        f"({summary['bytes_per_changed']:.3f} B per change, {a.encoding})"
+    )
 
 
 def _load_deltas(info: DeltaInfo, base: Checkpoint) -> dict[str, list[ParamDelta]]:
@@ -75,18 +95,37 @@ def cmd_apply(a: argparse.Namespace) -> None:
 def summarize(info: DeltaInfo) -> dict:
     m = info.manifest
     scope = "model" if m.model_elements is not None else "changed_params"
-    elements = m.model_elements if m.model_elements is not None else sum(
-        torch.Size(p.shape).numel() for p in m.params)
+    elements = (
+        m.model_elements
+        if m.model_elements is not None
+        else sum(torch.Size(p.shape).numel() for p in m.params)
+    )
     per = lambda b, c: b / c if c else None  # noqa: E731
     return {
-        "path": str(info.path), "format": "seed" if info.seed else m.format, "version": m.version,
-        "base_version": m.base_version, "encoding": m.encoding,
-        "idempotent": info.encoding.idempotent, "needs_base": info.encoding.needs_base,
-        "params": len(m.params), "changed": m.changed, "elements": elements, "elements_scope": scope,
-        "density": m.changed / elements if elements else 0.0, "bytes": m.total_bytes,
+        "path": str(info.path),
+        "format": "seed" if info.seed else m.format,
+        "version": m.version,
+        "base_version": m.base_version,
+        "encoding": m.encoding,
+        "idempotent": info.encoding.idempotent,
+        "needs_base": info.encoding.needs_base,
+        "params": len(m.params),
+        "changed": m.changed,
+        "elements": elements,
+        "elements_scope": scope,
+        "density": m.changed / elements if elements else 0.0,
+        "bytes": m.total_bytes,
         "bytes_per_changed": per(m.total_bytes, m.changed),
-        "files": [{"name": f.name, "bytes": f.bytes, "changed": f.changed,
-                   "bytes_per_changed": per(f.bytes, f.changed), "hash": f.hash} for f in m.files],
+        "files": [
+            {
+                "name": f.name,
+                "bytes": f.bytes,
+                "changed": f.changed,
+                "bytes_per_changed": per(f.bytes, f.changed),
+                "hash": f.hash,
+            }
+            for f in m.files
+        ],
     }
 
 
@@ -143,7 +182,9 @@ def cmd_encodings(a: argparse.Namespace) -> None:
     for col in ("name", "idempotent", "needs_base", "compression", "description"):
         t.add_column(col)
     for r in rows:
-        t.add_row(*(escape(str(r[c])) for c in ("name", "idempotent", "needs_base", "compression", "description")))
+        t.add_row(
+            *(escape(str(r[c])) for c in ("name", "idempotent", "needs_base", "compression", "description"))
+        )
     Console().print(t)
 
 

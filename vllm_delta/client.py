@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +51,15 @@ class Reply:
 class EngineClient:
     """Talks to a set of engines, concurrently; each route has an async method and a sync wrapper."""
 
-    def __init__(self, api_key: str | None = None, *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
-                 retries: int = 3, backoff_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+    ) -> None:
         self.api_key = api_key
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self.retries, self.backoff_s = retries, backoff_s
@@ -64,35 +70,48 @@ class EngineClient:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
-    async def _request(self, session: aiohttp.ClientSession, method: str, url: str, route: str,
-                       body: Mapping[str, Any] | None) -> Reply:
+    async def _request(
+        self,
+        session: aiohttp.ClientSession,
+        method: str,
+        url: str,
+        route: str,
+        body: Mapping[str, Any] | None,
+    ) -> Reply:
         attempt, last = 0, Reply(url, 0, {"error": {"type": "NotSent", "message": "no attempt made"}})
         while attempt <= self.retries:
             attempt += 1
             try:
                 data = None if body is None else json.dumps(body).encode()
-                async with session.request(method, url.rstrip("/") + route, data=data,
-                                           headers=self.headers()) as resp:
+                async with session.request(
+                    method, url.rstrip("/") + route, data=data, headers=self.headers()
+                ) as resp:
                     try:
                         payload = await resp.json(content_type=None)
                     except (ValueError, aiohttp.ContentTypeError):
                         payload = {"error": {"type": "HTTPError", "message": (await resp.text())[:500]}}
-                    last = Reply(url, resp.status, payload if isinstance(payload, dict) else {"body": payload},
-                                 attempt)
+                    last = Reply(
+                        url, resp.status, payload if isinstance(payload, dict) else {"body": payload}, attempt
+                    )
                     if resp.status not in RETRY_STATUSES:
                         return last
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                last = Reply(url, 0, {"error": {"type": type(exc).__name__, "message": str(exc) or repr(exc)}},
-                             attempt)
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                last = Reply(
+                    url, 0, {"error": {"type": type(exc).__name__, "message": str(exc) or repr(exc)}}, attempt
+                )
                 if isinstance(exc, asyncio.TimeoutError):
                     return last  # the engine may still be applying: do not send it twice
             await asyncio.sleep(self.backoff_s * attempt)
         return last
 
-    async def _many(self, method: str, route: str, bodies: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Reply]:
+    async def _many(
+        self, method: str, route: str, bodies: Mapping[str, Mapping[str, Any] | None]
+    ) -> dict[str, Reply]:
         async with aiohttp.ClientSession(timeout=self.timeout) as session:
             urls = list(bodies)
-            replies = await asyncio.gather(*(self._request(session, method, u, route, bodies[u]) for u in urls))
+            replies = await asyncio.gather(
+                *(self._request(session, method, u, route, bodies[u]) for u in urls)
+            )
         return dict(zip(urls, replies))
 
     @staticmethod

@@ -26,7 +26,9 @@ def _cpu_pool() -> ThreadPoolExecutor:
     """numpy releases the GIL in comparisons and flatnonzero, so threads use every core."""
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="vllm-delta-diff")
+        _pool = ThreadPoolExecutor(
+            max_workers=max(1, torch.get_num_threads()), thread_name_prefix="vllm-delta-diff"
+        )
     return _pool
 
 
@@ -49,8 +51,10 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 def changed_positions(current: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
     """Sorted int64 flat positions where the bit patterns differ, on the tensors' device."""
     if current.shape != snapshot.shape or current.dtype != snapshot.dtype:
-        raise ValueError(f"shape/dtype differ: {current.dtype}{list(current.shape)} vs "
-                         f"{snapshot.dtype}{list(snapshot.shape)}")
+        raise ValueError(
+            f"shape/dtype differ: {current.dtype}{list(current.shape)} vs "
+            f"{snapshot.dtype}{list(snapshot.shape)}"
+        )
     if current.device != snapshot.device:
         raise ValueError(f"current is on {current.device}, the snapshot on {snapshot.device}")
     a, b = int_view(current), int_view(snapshot)
@@ -59,13 +63,19 @@ def changed_positions(current: torch.Tensor, snapshot: torch.Tensor) -> torch.Te
     an, bn = a.numpy(), b.numpy()
 
     def chunk(i: int) -> np.ndarray:
-        return np.flatnonzero(an[i:i + CHUNK_ELEMENTS] != bn[i:i + CHUNK_ELEMENTS]) + i
+        return np.flatnonzero(an[i : i + CHUNK_ELEMENTS] != bn[i : i + CHUNK_ELEMENTS]) + i
 
     starts = range(0, an.size, CHUNK_ELEMENTS)
-    parts = list(_cpu_pool().map(chunk, starts)) if len(starts) > 1 and os.cpu_count() != 1 else [
-        chunk(i) for i in starts]
-    return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)) if parts else \
-        torch.zeros(0, dtype=torch.int64)
+    parts = (
+        list(_cpu_pool().map(chunk, starts))
+        if len(starts) > 1 and os.cpu_count() != 1
+        else [chunk(i) for i in starts]
+    )
+    return (
+        torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+        if parts
+        else torch.zeros(0, dtype=torch.int64)
+    )
 
 
 def device_positions(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

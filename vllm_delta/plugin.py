@@ -64,7 +64,12 @@ class DeltaUpdatesEndpoint:
             return
         if engine_client is None:
             raise RuntimeError("--enable-delta-updates needs an engine; this server has none")
-        state.delta_updater = DeltaUpdater(engine_client, args.delta_updates_root, args.delta_updates_max_staged_bytes,
-                                           api_keys(args), collective_trainers=args.delta_updates_collective_trainers,
-                                           max_body_bytes=args.delta_updates_max_body_bytes)
+        state.delta_updater = DeltaUpdater(
+            engine_client,
+            args.delta_updates_root,
+            args.delta_updates_max_staged_bytes,
+            api_keys(args),
+            collective_trainers=args.delta_updates_collective_trainers,
+            max_body_bytes=args.delta_updates_max_body_bytes,
+        )
         state.delta_updater.start_probe()

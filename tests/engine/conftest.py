@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file
-
 from harness.engine_pool import API_KEY, reset_to_checkpoint
 from harness.vllm_engine import VllmServer
+from safetensors.torch import load_file
+
 from vllm_delta.diff import diff_param
 from vllm_delta.wire import DeltaWriter, tensor_digest
 
@@ -37,11 +37,21 @@ class DeltaServer:
     def headers(self, key: str | None = API_KEY) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"} if key is not None else {}
 
-    def update(self, body: object = None, *, raw: bytes | None = None, key: str | None = API_KEY,
-               headers: dict[str, str] | None = None) -> requests.Response:
+    def update(
+        self,
+        body: object = None,
+        *,
+        raw: bytes | None = None,
+        key: str | None = API_KEY,
+        headers: dict[str, str] | None = None,
+    ) -> requests.Response:
         data = raw if raw is not None else json.dumps(body).encode()
-        return requests.post(f"{self.url}/update_weights_delta", data=data, timeout=120,
-                             headers={"Content-Type": "application/json", **self.headers(key), **(headers or {})})
+        return requests.post(
+            f"{self.url}/update_weights_delta",
+            data=data,
+            timeout=120,
+            headers={"Content-Type": "application/json", **self.headers(key), **(headers or {})},
+        )
 
     def status(self) -> dict:
         resp = requests.get(f"{self.url}/delta_updates/status", headers=self.headers(), timeout=60)
@@ -49,8 +59,9 @@ class DeltaServer:
         return resp.json()
 
     def checksums(self) -> dict[str, str]:
-        resp = requests.post(f"{self.url}/weight_checker", json={"action": "checksum"}, headers=self.headers(),
-                             timeout=120)
+        resp = requests.post(
+            f"{self.url}/weight_checker", json={"action": "checksum"}, headers=self.headers(), timeout=120
+        )
         resp.raise_for_status()
         return resp.json()["checksums"]
 
@@ -63,8 +74,15 @@ class DeltaServer:
     def greedy(self, prompt: str = PROMPT) -> tuple[list[int], list[float]]:
         """Greedy token ids and their logprobs. A fresh cache salt per call: every call computes the
         prompt afresh, so two calls on the same weights take the same path and agree bit for bit."""
-        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 1,
-                "return_token_ids": True, "cache_salt": uuid.uuid4().hex}
+        body = {
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "cache_salt": uuid.uuid4().hex,
+        }
         resp = requests.post(f"{self.url}/v1/completions", json=body, headers=self.headers(), timeout=120)
         resp.raise_for_status()
         choice = resp.json()["choices"][0]
@@ -89,7 +107,6 @@ class Baseline:
 
     checksums: dict[str, str]
     greedy: tuple[list[int], list[float]]
-
 
 
 def child_environ(server: VllmServer) -> list[dict[str, str]]:
@@ -134,31 +151,53 @@ class DeltaFactory:
             out[name] = t
         return out
 
-    def write(self, label: str, new: dict[str, torch.Tensor], *, version: int = 1, base_version: int | None = 0,
-              encoding: str = "ulp_zstd", old: dict[str, torch.Tensor] | None = None) -> Path:
+    def write(
+        self,
+        label: str,
+        new: dict[str, torch.Tensor],
+        *,
+        version: int = 1,
+        base_version: int | None = 0,
+        encoding: str = "ulp_zstd",
+        old: dict[str, torch.Tensor] | None = None,
+    ) -> Path:
         """A finished delta from `old` (default: the checkpoint) to `new`; returns its directory."""
         old = old or self.base
         out = self.fresh_dir(label)
         with DeltaWriter(out, version=version, base_version=base_version, encoding=encoding) as writer:
             for name, t in new.items():
                 d = diff_param(t, old[name])
-                writer.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))
+                writer.add(
+                    name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t)
+                )
         return out
 
-    def raw(self, label: str, name: str, shape: tuple[int, ...], positions: list[int], values: torch.Tensor,
-            *, encoding: str = "ulp_zstd", version: int = 1, base_version: int | None = 0) -> Path:
+    def raw(
+        self,
+        label: str,
+        name: str,
+        shape: tuple[int, ...],
+        positions: list[int],
+        values: torch.Tensor,
+        *,
+        encoding: str = "ulp_zstd",
+        version: int = 1,
+        base_version: int | None = 0,
+    ) -> Path:
         """A delta that states `shape` and `values` as given, whatever the model has."""
         out = self.fresh_dir(label)
         pos = torch.tensor(positions, dtype=torch.int64)
         old = values.clone()
-        old.view(torch.uint8)[::values.element_size()] ^= 1  # every old value differs (low bit, LE)
+        old.view(torch.uint8)[:: values.element_size()] ^= 1  # every old value differs (low bit, LE)
         with DeltaWriter(out, version=version, base_version=base_version, encoding=encoding) as writer:
             writer.add(name, pos, values, old, shape=shape)
         return out
 
 
 @contextlib.contextmanager
-def serve_deltas(model_dir: Path, root: Path, log: Path, extra_args: Sequence[str] = ()) -> Iterator[DeltaServer]:
+def serve_deltas(
+    model_dir: Path, root: Path, log: Path, extra_args: Sequence[str] = ()
+) -> Iterator[DeltaServer]:
     """`vllm serve` with delta updates under `root`, the API key, and any further flags."""
     args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY, *extra_args]
     with VllmServer(model_dir, log, extra_args=args) as server:

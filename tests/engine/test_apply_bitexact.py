@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from harness.cli_diff import diff
 from harness.perturb import perturb_checkpoint
 from harness.post_load_steps import DERIVED, EXTENSION, MOE_PERMUTED_MODULE, PERMUTED
 from harness.tiny_models import PROMPTS
 from harness.vllm_engine import greedy, start_llm
+from safetensors.torch import load_file
+
 from vllm_delta.engine.digests import check_partials, mismatches
 from vllm_delta.wire import load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
@@ -69,11 +69,18 @@ def add_digests(delta: Path, old_dir: Path, new_dir: Path) -> None:
     params = []
     for p in manifest.params:
         a, b = old[p.name].reshape(-1), new[p.name].reshape(-1)
-        pos = torch.nonzero(a.view(torch.uint8).reshape(a.numel(), -1).ne(b.view(torch.uint8).reshape(b.numel(), -1))
-                            .any(1)).squeeze(1)
-        params.append(p.model_copy(update={"pre_digest": to_hex(partial_sum(pos, a[pos])),
-                                           "post_digest": to_hex(partial_sum(pos, b[pos])),
-                                           "digest": to_hex(tensor_sum(b))}))
+        pos = torch.nonzero(
+            a.view(torch.uint8).reshape(a.numel(), -1).ne(b.view(torch.uint8).reshape(b.numel(), -1)).any(1)
+        ).squeeze(1)
+        params.append(
+            p.model_copy(
+                update={
+                    "pre_digest": to_hex(partial_sum(pos, a[pos])),
+                    "post_digest": to_hex(partial_sum(pos, b[pos])),
+                    "digest": to_hex(tensor_sum(b)),
+                }
+            )
+        )
     write_manifest(delta, manifest.model_copy(update={"params": params}))
 
 
@@ -85,8 +92,14 @@ def load_checkpoint(model_dir: Path) -> dict:
 
 
 def apply_delta(llm, path: Path, version: int) -> list[dict]:
-    request = {"id": f"v{version}", "path": str(path), "version": version, "base_version": version - 1,
-               "files": None, "chunk_bytes": 1 << 20}
+    request = {
+        "id": f"v{version}",
+        "path": str(path),
+        "version": version,
+        "base_version": version - 1,
+        "files": None,
+        "chunk_bytes": 1 << 20,
+    }
     prepared = llm.collective_rpc("delta_prepare", args=(request,))
     assert all(r["ok"] for r in prepared), prepared
     assert all(r["fallback"] == [] for r in prepared), prepared
@@ -163,7 +176,9 @@ def check_delta_chain(family: str, tp: int, ep: bool, delta_chain) -> None:
             stepped = {n: k for n, k in kinds.items() if n.endswith((PERMUTED, DERIVED, MOE_PERMUTED_MODULE))}
             assert stepped == want_kinds, kinds
             # Both steps move whole rows: one int32 a row (O(rows)), not one an element.
-            assert all(m["row_len"] > 1 and m["nbytes"] * m["row_len"] == 4 * m["numel"] for m in maps.values()), maps
+            assert all(
+                m["row_len"] > 1 and m["nbytes"] * m["row_len"] == 4 * m["numel"] for m in maps.values()
+            ), maps
             if moe_permuted:
                 assert maps[f"model.{MOE_PERMUTED_MODULE}.w13_weight"]["changed"] == ["w13_weight"], maps
         status = llm.collective_rpc("delta_probe")
@@ -194,9 +209,16 @@ def check_delta_chain(family: str, tp: int, ep: bool, delta_chain) -> None:
         applied_out = greedy(llm)
         pointers_after = llm.collective_rpc("steps_pointers")
     assert all(s["version"] == len(deltas) and not s["dirty"] for s in status), status
-    for rank, (before, after) in enumerate(zip(pointers, pointers_after)):  # in place: permuted, re-run, derived
-        assert any(k.startswith(f"model.{DERIVED}.attr:") for k in before) and len(before) > 20, sorted(before)
-        assert before == after, (rank, sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)))
+    for rank, (before, after) in enumerate(
+        zip(pointers, pointers_after)
+    ):  # in place: permuted, re-run, derived
+        assert any(k.startswith(f"model.{DERIVED}.attr:") for k in before) and len(before) > 20, sorted(
+            before
+        )
+        assert before == after, (
+            rank,
+            sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)),
+        )
 
     for rank, (got, want) in enumerate(zip(applied, reference)):
         mismatched = sorted(name for name in want if got[name] != want[name])

@@ -1,4 +1,5 @@
-"""The compiled CPU commit and digests (`kernels/scatter.py`, `kernels/digest.py`, numba) against the torch path they
+"""The compiled CPU commit and digests (`kernels/scatter.py`, `kernels/digest.py`, numba) against the torch
+path they
 replace (`VLLM_DELTA_KERNELS=0`): the same weights bit for bit, the same digests and the same
 errors, for fp8 / bf16 / fp16 / fp32 / int8 / uint8 values, ULP steps resolved on the live values
 (wire.codecs.ulp_resolve, in numpy, is the independent reference), empty chunks, int32 and int64
@@ -10,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from harness.synthetic import device_check
+
 from vllm_delta.engine import commit, staging
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier
-from vllm_delta.engine.staging import Chunk
 from vllm_delta.engine.digests import check_partials
+from vllm_delta.engine.staging import Chunk
 from vllm_delta.kernels import scatter as scatter_kernel
 from vllm_delta.kernels import switch
 from vllm_delta.wire import additive
@@ -24,8 +25,15 @@ from vllm_delta.wire.dtypes import by_torch
 
 pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba is not installed")
 DC = device_check()
-DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32, torch.int8,
-          torch.uint8]
+DTYPES = [
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.int8,
+    torch.uint8,
+]
 
 
 @pytest.fixture(params=["kernel", "torch"])
@@ -63,8 +71,12 @@ def _chunk(flat: torch.Tensor, n: int, g: torch.Generator, *, steps: bool, wide:
 def test_scatter_and_read_back_equal_the_torch_path(dtype, steps, monkeypatch):
     g = torch.Generator().manual_seed(DTYPES.index(dtype) * 2 + steps)
     start = _random(5000, dtype, g)
-    # int64 offsets for one width only (each offset type and width is a compiled variant; 2^31 is tested apart)
-    chunks = [_chunk(start, n, g, steps=steps, wide=n == 7 and start.element_size() == 1) for n in (0, 1, 7, 1000, 5000)]
+    # int64 offsets for one width only (each offset type and width is a compiled variant; 2^31 is tested
+    # apart)
+    chunks = [
+        _chunk(start, n, g, steps=steps, wide=n == 7 and start.element_size() == 1)
+        for n in (0, 1, 7, 1000, 5000)
+    ]
     got = {}
     for mode in ("1", "0"):
         monkeypatch.setenv("VLLM_DELTA_KERNELS", mode)
@@ -117,7 +129,9 @@ def test_offsets_past_2_31(path):
     assert not bool(commit.read_back(flat, offsets, written))
     steps = torch.tensor([1, -1, 2, 0], dtype=torch.int8)
     resolved = commit.scatter(flat, Chunk(offsets, steps, torch.float8_e4m3fn))
-    want = ulp_resolve(np.array([1, 2, 3, 4], np.uint8), steps.numpy().view(np.uint8), by_torch(torch.float8_e4m3fn))
+    want = ulp_resolve(
+        np.array([1, 2, 3, 4], np.uint8), steps.numpy().view(np.uint8), by_torch(torch.float8_e4m3fn)
+    )
     assert np.array_equal(flat.view(torch.uint8)[offsets].numpy(), want)
     assert np.array_equal(resolved.view(torch.uint8).numpy(), want)
     pos = offsets + (1 << 40)  # HF positions past 2^32 too
@@ -165,14 +179,23 @@ def test_stage_sums_equal_the_torch_path_and_partial_sum(dtype, mode, monkeypatc
     values = _chunk(flat, n, g, steps=True).values if steps else _random(n, dtype, g)
     pre = mode != "plain"
     got = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv("VLLM_DELTA_KERNELS", switch)
-        got[switch] = [staging.stage_sums(flat, offsets, positions, values, s, 4, dtype, steps, pre, True)
-                       for s in (slots, 3)]
+    for kernels_on in ("1", "0"):
+        monkeypatch.setenv("VLLM_DELTA_KERNELS", kernels_on)
+        got[kernels_on] = [
+            staging.stage_sums(flat, offsets, positions, values, s, 4, dtype, steps, pre, True)
+            for s in (slots, 3)
+        ]
     old = flat[offsets.long()]
     d = by_torch(dtype)
-    new = (torch.from_numpy(ulp_resolve(_bits(old).numpy().view(d.uint), values.numpy().view(d.uint), d).view(
-        _bits(old).numpy().dtype)).view(dtype) if steps else values)
+    new = (
+        torch.from_numpy(
+            ulp_resolve(_bits(old).numpy().view(d.uint), values.numpy().view(d.uint), d).view(
+                _bits(old).numpy().dtype
+            )
+        ).view(dtype)
+        if steps
+        else values
+    )
     for (kp, kq), (tp, tq), s in zip(got["1"], got["0"], (slots, 3)):
         assert torch.equal(kq, tq) and (kp is None) == (tp is None) == (not pre)
         if pre:
@@ -187,7 +210,9 @@ def test_stage_sums_equal_the_torch_path_and_partial_sum(dtype, mode, monkeypatc
 def test_stage_sums_of_no_entries(path):
     flat = torch.zeros(4, dtype=torch.bfloat16)
     none = torch.zeros(0, dtype=torch.int64)
-    pre, post = staging.stage_sums(flat, none.to(torch.int32), none, flat[:0], none, 3, torch.bfloat16, False, True, True)
+    pre, post = staging.stage_sums(
+        flat, none.to(torch.int32), none, flat[:0], none, 3, torch.bfloat16, False, True, True
+    )
     assert not pre.any() and not post.any() and pre.shape == post.shape == (3, 2)
 
 
@@ -208,7 +233,9 @@ def test_whole_apply_is_exact_on_both_paths(tmp_path, path, encoding, block, mon
     model.load_weights(base.items())
     applier = DeltaApplier(model, meta)
     staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
-    assert check_partials([{"digests": staged.digests, "expected": staged.expected}]) == 2 * len(staged.expected)
+    assert check_partials([{"digests": staged.digests, "expected": staged.expected}]) == 2 * len(
+        staged.expected
+    )
     applier.commit(staged)
     want = DC.SyntheticLM(cfg)
     want.load_weights(new.items())

@@ -11,19 +11,18 @@ import pytest
 import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-
 from harness.dispatch_log import OpLog
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
+
 from vllm_delta.engine import commit
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier
 from vllm_delta.engine.batched import Piece, locate
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.http_errors import UpdateError
+from vllm_delta.engine.placement import Segment
 from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater, guard_health
-from vllm_delta.engine.placement import Segment
 from vllm_delta.wire import iter_delta, open_delta
-from vllm_delta.wire.additive import partial_sum
 
 DC = device_check()
 BF16 = torch.bfloat16
@@ -31,8 +30,18 @@ BF16 = torch.bfloat16
 
 def moe(layers: int, experts: int):
     """A model whose every layer is MoE: 3 x `experts` checkpoint tensors per layer feed two fused params."""
-    return DC.Config(vocab=64, hidden=16, layers=layers, heads=4, kv_heads=1, head_dim=4, inter=24,
-                     moe_layers=layers, experts=experts, moe_inter=8)
+    return DC.Config(
+        vocab=64,
+        hidden=16,
+        layers=layers,
+        heads=4,
+        kv_heads=1,
+        head_dim=4,
+        inter=24,
+        moe_layers=layers,
+        experts=experts,
+        moe_inter=8,
+    )
 
 
 def synced(tmp_path, cfg, encoding: str = "ulp_zstd"):
@@ -46,7 +55,7 @@ def synced(tmp_path, cfg, encoding: str = "ulp_zstd"):
     model = DC.SyntheticLM(cfg)
     model.load_weights(base.items())
     applier = DeltaApplier(model, meta)
-    applier.placements  # the probe runs the loaders: not part of a sync
+    _ = applier.placements  # the probe runs the loaders: not part of a sync
     info = open_delta(tmp_path / "d")
     deltas = list(iter_delta(info, expected=meta, current_version=0))
     with OpLog() as log:
@@ -79,7 +88,9 @@ def test_prepare_and_commit_of_many_experts_run_on_meta(tmp_path):
     cfg = moe(1, 32)
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=1)
-    with DC.DeltaWriter(tmp_path / "d", version=1, base_version=0, encoding="ulp_zstd") as w:  # no digests on meta
+    with DC.DeltaWriter(
+        tmp_path / "d", version=1, base_version=0, encoding="ulp_zstd"
+    ) as w:  # no digests on meta
         for name, t in new.items():
             a, b = base[name].reshape(-1), t.reshape(-1)
             pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)

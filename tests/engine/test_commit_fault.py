@@ -15,8 +15,8 @@ import asyncio
 import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
+
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater, guard_health
@@ -80,7 +80,11 @@ def test_failed_commit_stays_paused_and_unhealthy_until_an_anchor(tmp_path):
     else:
         raise AssertionError("the commit should have failed")
     assert engine.paused, "a failed commit must not resume generation"
-    assert updater.fault["version"] == 1 and updater.fault["failed_at"] == VICTIM and updater.fault["ranks"] == [1]
+    assert (
+        updater.fault["version"] == 1
+        and updater.fault["failed_at"] == VICTIM
+        and updater.fault["ranks"] == [1]
+    )
     assert VICTIM in updater.fault["suspect"]
     reply = health.get("/health")
     assert reply.status_code == 503 and reply.json()["error"]["fault"]["failed_at"] == VICTIM

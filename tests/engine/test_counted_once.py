@@ -49,7 +49,10 @@ def test_shares_match_a_brute_force_count_and_masks_only_where_needed(tp):
             mine = sorted(held(covs[rank][name]))
             lower = held([lat for c in covs[:rank] for lat in c.get(name, ())])
             mask = own.counted(name, torch.tensor(mine))  # prepare asks only about what this rank holds
-            assert [i for i, keep in zip(mine, mask.tolist()) if keep] == sorted(set(mine) - lower), (rank, name)
+            assert [i for i, keep in zip(mine, mask.tolist()) if keep] == sorted(set(mine) - lower), (
+                rank,
+                name,
+            )
     # At tp=4 the last rank shares its kv rows with rank 2 and its norm with everyone: "none";
     # its row shard is its own: "all". Nothing needs a mask.
     last = Ownership.from_coverages(covs, tp - 1)

@@ -11,7 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_placement import CHECKPOINT, MAPPABLE, H, LocalWorker, loaded, perturbed, random_checkpoint, write_delta
+from test_placement import (
+    CHECKPOINT,
+    MAPPABLE,
+    H,
+    LocalWorker,
+    loaded,
+    perturbed,
+    random_checkpoint,
+    write_delta,
+)
 from torch import nn
 
 from vllm_delta.engine import digests
@@ -19,8 +28,13 @@ from vllm_delta.engine.digests import CoverageError, check_coverage, coverage, r
 from vllm_delta.engine.probe import build_placement
 
 R, C = 8, 6
-SHAPES = {"rows.weight": (R, C), "cols.weight": (R, C), "norm.weight": (C,), "kv.weight": (R // 2, C),
-          "inv_freq": (C // 2,)}
+SHAPES = {
+    "rows.weight": (R, C),
+    "cols.weight": (R, C),
+    "norm.weight": (C,),
+    "kv.weight": (R // 2, C),
+    "inv_freq": (C // 2,),
+}
 
 
 class Shard(nn.Module):
@@ -64,10 +78,17 @@ def replies(tp: int, **broken) -> list[dict]:
     for rank in range(tp):
         m = Shard(rank, tp, **(broken if rank == tp - 1 else {}))
         storages = {p.untyped_storage().data_ptr(): n for n, p in m.named_parameters()}
-        placements = build_placement(m.load_weights, storages, {n: (s, torch.float32) for n, s in SHAPES.items()})
-        out.append({"rank": rank, "coverage": coverage(placements),
-                    "unread": [n for n, p in placements.items() if not p.read],
-                    "fallback": [n for n, p in placements.items() if p.fallback_reason]})
+        placements = build_placement(
+            m.load_weights, storages, {n: (s, torch.float32) for n, s in SHAPES.items()}
+        )
+        out.append(
+            {
+                "rank": rank,
+                "coverage": coverage(placements),
+                "unread": [n for n, p in placements.items() if not p.read],
+                "fallback": [n for n, p in placements.items() if p.fallback_reason],
+            }
+        )
     return out
 
 
@@ -111,7 +132,9 @@ def test_two_ranks_holding_the_same_rows_is_an_overlap_and_a_hole():
 def test_uneven_replication_is_an_overlap():
     """Rank 1 also holds rank 0's rows: rows 0.. by two ranks, the rest by one."""
     reps = replies(2)
-    reps[1]["coverage"]["rows.weight"] = reps[1]["coverage"]["rows.weight"] + reps[0]["coverage"]["rows.weight"]
+    reps[1]["coverage"]["rows.weight"] = (
+        reps[1]["coverage"]["rows.weight"] + reps[0]["coverage"]["rows.weight"]
+    )
     report = check_coverage(reps, SHAPES)
     assert list(report["errors"]) == ["rows.weight"]
     assert "ranks overlap" in report["errors"]["rows.weight"]
@@ -125,7 +148,9 @@ def test_fragmented_lattices_are_checked_element_by_element():
     ok = [{"coverage": {"w": [even]}}, {"coverage": {"w": [odd]}}]
     assert digests._coverage_error("w", R * C, [[even], [odd]], max_intervals=1, block=7) is None
     assert "held by no rank" in digests._coverage_error("w", R * C, [[even], []], max_intervals=1, block=7)
-    assert "ranks overlap" in digests._coverage_error("w", R * C, [[even, odd], [odd]], max_intervals=1, block=7)
+    assert "ranks overlap" in digests._coverage_error(
+        "w", R * C, [[even, odd], [odd]], max_intervals=1, block=7
+    )
     assert check_coverage(ok, {"w": shape})["ok"]
 
 
@@ -160,5 +185,7 @@ def test_a_hole_found_at_startup_refuses_updates_and_shows_in_status(tmp_path):
     assert refused["error"]["type"] == "CoverageError" and refused["error"]["param"] == "q.weight", refused
     assert all(torch.equal(p, before[n]) for n, p in worker.model_runner.get_model().named_parameters())
 
-    assert worker.delta_set_peers([worker.delta_coverage(), peer])["coverage"]["ok"]  # the same delta, fully held
+    assert worker.delta_set_peers([worker.delta_coverage(), peer])["coverage"][
+        "ok"
+    ]  # the same delta, fully held
     assert worker.delta_prepare(request)["ok"]

@@ -1,4 +1,5 @@
-"""`canonical_weights.refresh` on vLLM's real CPU linear layers (the oneDNN repack) and on a step that writes into its input.
+"""`canonical_weights.refresh` on vLLM's real CPU linear layers (the oneDNN repack) and on a step that writes
+into its input.
 
 Why: on an x86 CPU with AMX, vLLM's post-load step for an unquantized linear layer hands the
 weight to oneDNN (`create_onednn_mm`), which serves from its own packed copy, and empties
@@ -30,7 +31,12 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: E
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
 
 # benchmarks/apply.py's 0.5 B Llama: hidden 1024, 16 heads of 64, 8 KV heads, intermediate 4096.
-SHAPES = {"qkv_proj": (2048, 1024), "o_proj": (1024, 1024), "gate_up_proj": (8192, 1024), "down_proj": (1024, 4096)}
+SHAPES = {
+    "qkv_proj": (2048, 1024),
+    "o_proj": (1024, 1024),
+    "gate_up_proj": (8192, 1024),
+    "down_proj": (1024, 4096),
+}
 
 
 class Linear(nn.Module):
@@ -101,14 +107,18 @@ def _dispatches_to_onednn() -> bool:
     return bool(calls)
 
 
-onednn = pytest.mark.skipif(not _dispatches_to_onednn(), reason="vLLM's CPU linear does not use oneDNN on this host")
+onednn = pytest.mark.skipif(
+    not _dispatches_to_onednn(), reason="vLLM's CPU linear does not use oneDNN on this host"
+)
 
 
 @onednn
 def test_a_refreshed_linear_computes_like_a_fresh_one_and_only_after_the_refresh():
     w0 = weights(0)
     model = started(w0)
-    assert {k: getattr(m, transforms.TRANSFORM_ATTR).kind for k, m in model.items()} == dict.fromkeys(SHAPES, "rerun")
+    assert {k: getattr(m, transforms.TRANSFORM_ATTR).kind for k, m in model.items()} == dict.fromkeys(
+        SHAPES, "rerun"
+    )
     pointers = {k: m.weight.data_ptr() for k, m in model.items()}
     served0 = outputs(fresh(w0))
     assert differing(outputs(model), served0) == []
@@ -161,9 +171,13 @@ def test_refreshing_a_linear_packs_once_and_copies_nothing(monkeypatch):
     with OpCount() as count:
         canonical_weights.refresh(list(model.values()))
     assert len(built) == len(SHAPES)
-    assert {w.data_ptr() for w in built} == {m.weight.data_ptr() for m in model.values()}  # from the canonical tensor
+    assert {w.data_ptr() for w in built} == {
+        m.weight.data_ptr() for m in model.values()
+    }  # from the canonical tensor
     assert count.ops.count("release_dnnl_matmul_handler.default") == len(SHAPES)
-    moved = [op for op in count.ops if op.split(".")[0] in {"clone", "copy_", "copy", "_to_copy", "index_put_"}]
+    moved = [
+        op for op in count.ops if op.split(".")[0] in {"clone", "copy_", "copy", "_to_copy", "index_put_"}
+    ]
     assert moved == []
 
 
@@ -219,9 +233,19 @@ def _staged_delta(model: nn.ModuleDict, new: dict[str, torch.Tensor], seed: int)
         at = torch.randint(bits.numel(), (bits.numel() // 50,), generator=gen).unique()
         bits[at] += 1
         target = targets[f"{k}.weight"]
-        writes[f"{k}.weight"] = deque([Chunk((at + target.storage_offset()).to(torch.int32), values.view(-1)[at])])
-    return StagedUpdate(version=1, writes=writes, fallback=[], total_changed=0, changed=0, bytes_read=0,
-                        decode_s=0.0, replay=False)
+        writes[f"{k}.weight"] = deque(
+            [Chunk((at + target.storage_offset()).to(torch.int32), values.view(-1)[at])]
+        )
+    return StagedUpdate(
+        version=1,
+        writes=writes,
+        fallback=[],
+        total_changed=0,
+        changed=0,
+        bytes_read=0,
+        decode_s=0.0,
+        replay=False,
+    )
 
 
 @onednn

@@ -22,11 +22,11 @@ from types import SimpleNamespace
 import pytest
 import requests
 import torch
-
+from harness.data_parallel import DPLBEngine, replica_checksums, unprefixed
 from harness.engine_pool import API_KEY
 from harness.fresh_load import save_checkpoint
-from harness.data_parallel import DPLBEngine, replica_checksums, unprefixed
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
+
 from vllm_delta.engine import cli_args
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
@@ -55,7 +55,9 @@ def dp_setup(tmp_path: Path, dp: int = 2):
 
 
 def update(updater: DeltaUpdater, name: str, version: int = 1) -> dict:
-    return asyncio.run(updater.update(DeltaUpdateRequest(path=name, version=version, base_version=version - 1)))
+    return asyncio.run(
+        updater.update(DeltaUpdateRequest(path=name, version=version, base_version=version - 1))
+    )
 
 
 def test_every_replica_applies_and_reports_its_dp_rank(tmp_path):
@@ -90,7 +92,9 @@ def test_a_replica_that_drifted_is_refused_by_its_own_digests(tmp_path, drifted)
     with pytest.raises(UpdateError) as err:
         update(updater, "v1")
     assert err.value.status == 400 and err.value.error["type"] == "IntegrityError"
-    assert err.value.error["param"] == O_PROJ and err.value.error["message"].startswith(f"dp{drifted}: pre-apply")
+    assert err.value.error["param"] == O_PROJ and err.value.error["message"].startswith(
+        f"dp{drifted}: pre-apply"
+    )
     assert set(err.value.error["ranks"]) == {"dp0:rank0", "dp0:rank1", "dp1:rank0", "dp1:rank1"}
     for models, was in zip(replicas, before):
         for m, b in zip(models, was):
@@ -116,10 +120,17 @@ def test_a_commit_that_fails_on_one_replica_keeps_every_replica_paused(tmp_path)
         update(updater, "v1")
     assert err.value.status == 500 and victim in err.value.error["message"]
     assert {k: v["ok"] for k, v in err.value.error["ranks"].items()} == {
-        "dp0:rank0": True, "dp0:rank1": True, "dp1:rank0": True, "dp1:rank1": False}
+        "dp0:rank0": True,
+        "dp0:rank1": True,
+        "dp1:rank0": True,
+        "dp1:rank1": False,
+    }
     assert engine.paused == [True, True] and updater.fault["rank_ids"] == ["dp1:rank1"]
     status = asyncio.run(updater.status())
-    assert not status["healthy"] and [(r["dp"], r["dirty"]) for r in status["replicas"]] == [(0, False), (1, True)]
+    assert not status["healthy"] and [(r["dp"], r["dirty"]) for r in status["replicas"]] == [
+        (0, False),
+        (1, True),
+    ]
 
 
 def test_verify_checks_each_replica_on_its_own(tmp_path):
@@ -129,7 +140,9 @@ def test_verify_checks_each_replica_on_its_own(tmp_path):
     update(updater, "v1")
     report = asyncio.run(updater.verify())
     assert report["ok"] and [r["digests_checked"] for r in report["replicas"]] == [len(new), len(new)]
-    replicas[1][0].model.norm.weight.data.view(torch.int16)[0] += 1  # replicated on both TP ranks: counted once
+    replicas[1][0].model.norm.weight.data.view(torch.int16)[0] += (
+        1  # replicated on both TP ranks: counted once
+    )
     report = asyncio.run(updater.verify())
     assert not report["ok"] and report["digest_mismatched"] == ["model.norm.weight"]
     assert [r["digest_mismatched"] for r in report["replicas"]] == [[], ["model.norm.weight"]]
@@ -150,12 +163,18 @@ def serve_parser(monkeypatch):
 REFUSED = {
     "dp-implicit-api-servers": (["--data-parallel-size", "2"], "pass --api-server-count 1"),
     "api-servers": (["--data-parallel-size", "2", "--api-server-count", "2"], "--api-server-count 2"),
-    "external-lb": (["--data-parallel-size", "2", "--api-server-count", "1", "--data-parallel-external-lb"],
-                    "not --data-parallel-external-lb"),
-    "hybrid-lb": (["--data-parallel-size", "2", "--api-server-count", "1", "--data-parallel-hybrid-lb"],
-                  "not --data-parallel-hybrid-lb"),
-    "dp-rank": (["--data-parallel-size", "2", "--api-server-count", "1", "--data-parallel-rank", "1"],
-                "not --data-parallel-rank"),
+    "external-lb": (
+        ["--data-parallel-size", "2", "--api-server-count", "1", "--data-parallel-external-lb"],
+        "not --data-parallel-external-lb",
+    ),
+    "hybrid-lb": (
+        ["--data-parallel-size", "2", "--api-server-count", "1", "--data-parallel-hybrid-lb"],
+        "not --data-parallel-hybrid-lb",
+    ),
+    "dp-rank": (
+        ["--data-parallel-size", "2", "--api-server-count", "1", "--data-parallel-rank", "1"],
+        "not --data-parallel-rank",
+    ),
 }
 
 
@@ -163,19 +182,32 @@ REFUSED = {
 def test_data_parallel_command_lines_refused_at_parse_time(serve_parser, tmp_path, capsys, case):
     flags, message = REFUSED[case]
     with pytest.raises(SystemExit) as exc:
-        serve_parser("--enable-delta-updates", "--delta-updates-root", str(tmp_path), "--api-key", "k", *flags)
+        serve_parser(
+            "--enable-delta-updates", "--delta-updates-root", str(tmp_path), "--api-key", "k", *flags
+        )
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_data_parallel_with_one_api_server_is_accepted(serve_parser, tmp_path):
-    args = serve_parser("--enable-delta-updates", "--delta-updates-root", str(tmp_path), "--api-key", "k",
-                        "--data-parallel-size", "2", "--api-server-count", "1")
+    args = serve_parser(
+        "--enable-delta-updates",
+        "--delta-updates-root",
+        str(tmp_path),
+        "--api-key",
+        "k",
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "1",
+    )
     assert args.data_parallel_size == 2 and args.api_server_count == 1
     args.api_server_count = None  # what `vllm serve` hands its one API server (entrypoints/cli/serve.py)
     cli_args.check_args(args)  # the route plugin's check when the app is built
 
 
-# ---- a real `vllm serve --data-parallel-size 2` on CPU ------------------------------------------------------
+# ---- a real `vllm serve --data-parallel-size 2` on CPU
+# ------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_model_factory, tmp_path_factory, delta_root):
@@ -184,24 +216,39 @@ def dp_server(tiny_model_factory, tmp_path_factory, delta_root):
     vllm/utils/ompmultiprocessing.py)."""
     from harness.vllm_engine import VllmServer
 
-    args = ["--enable-delta-updates", "--delta-updates-root", str(delta_root), "--api-key", API_KEY,
-            "--data-parallel-size", "2", "--api-server-count", "1"]
+    args = [
+        "--enable-delta-updates",
+        "--delta-updates-root",
+        str(delta_root),
+        "--api-key",
+        API_KEY,
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "1",
+    ]
     log = tmp_path_factory.mktemp("dp") / "dp.log"
-    with VllmServer(tiny_model_factory("llama"), log, extra_args=args,
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
+    with VllmServer(
+        tiny_model_factory("llama"), log, extra_args=args, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    ) as server:
         yield server
 
 
 @pytest.mark.heavy
-def test_real_dp2_engine_applies_on_both_replicas_and_refuses_a_bad_delta(dp_server, deltas, fresh_loader,
-                                                                         tiny_model_factory, tmp_path):
+def test_real_dp2_engine_applies_on_both_replicas_and_refuses_a_bad_delta(
+    dp_server, deltas, fresh_loader, tiny_model_factory, tmp_path
+):
     server, model_dir = dp_server, tiny_model_factory("llama")
     headers = {"Authorization": f"Bearer {API_KEY}"}
     new = deltas.perturbed(sorted(deltas.base), seed=11, density=0.05)
     path = deltas.fresh_dir("v1")  # with the manifest's additive digests: each replica's partials checked
     DC.write_delta(path, deltas.base, new, version=1)
-    r = requests.post(f"{server.url}/update_weights_delta", json={"path": path.name, "version": 1, "base_version": 0},
-                      headers=headers, timeout=300)
+    r = requests.post(
+        f"{server.url}/update_weights_delta",
+        json={"path": path.name, "version": 1, "base_version": 0},
+        headers=headers,
+        timeout=300,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["replicas"] == [{"dp": 0, "version": 1, "ranks": 1}, {"dp": 1, "version": 1, "ranks": 1}]
     want = unprefixed(fresh_loader.checksums(save_checkpoint(new, model_dir, tmp_path / "new")))
@@ -221,11 +268,17 @@ def test_real_dp2_engine_applies_on_both_replicas_and_refuses_a_bad_delta(dp_ser
     DC.write_delta(bad, new, newer, version=2)
     manifest = load_manifest(bad)
     name = manifest.params[0].name
-    params = [p.model_copy(update={"post_digest": combine(p.post_digest, "0" * 31 + "1")}) if p.name == name else p
-              for p in manifest.params]
+    params = [
+        p.model_copy(update={"post_digest": combine(p.post_digest, "0" * 31 + "1")}) if p.name == name else p
+        for p in manifest.params
+    ]
     write_manifest(bad, manifest.model_copy(update={"params": params}))
-    r = requests.post(f"{server.url}/update_weights_delta", json={"path": bad.name, "version": 2, "base_version": 1},
-                      headers=headers, timeout=300)
+    r = requests.post(
+        f"{server.url}/update_weights_delta",
+        json={"path": bad.name, "version": 2, "base_version": 1},
+        headers=headers,
+        timeout=300,
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "IntegrityError" and error["param"] == name, error

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file
-
 from harness.data_parallel import DPLBEngine, moe_dp_engines, moe_dp_rank, replica_checksums
 from harness.engine_pool import API_KEY
 from harness.synthetic import device_check, loaded
 from harness.vllm_engine import VllmServer
+from safetensors.torch import load_file
+
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.replicas import moe_world
 from vllm_delta.engine.request import DeltaUpdateRequest
@@ -52,7 +52,9 @@ def setup(tmp_path: Path, layout: str, dp: int = 2):
 
 
 def update(updater: DeltaUpdater, name: str, version: int = 1) -> dict:
-    return asyncio.run(updater.update(DeltaUpdateRequest(path=name, version=version, base_version=version - 1)))
+    return asyncio.run(
+        updater.update(DeltaUpdateRequest(path=name, version=version, base_version=version - 1))
+    )
 
 
 def expected_experts(ckpt: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -64,9 +66,15 @@ def expected_experts(ckpt: dict[str, torch.Tensor], model: torch.nn.Module) -> d
     rows = slice(moe.tp_rank * n, (moe.tp_rank + 1) * n)
     experts = range(moe.ep_rank * local, (moe.ep_rank + 1) * local)
     at = f"{MOE}.mlp.experts"
-    return {f"{at}.w13_weight": torch.stack([torch.cat([ckpt[f"{at}.{e}.gate_proj.weight"][rows],
-                                                         ckpt[f"{at}.{e}.up_proj.weight"][rows]]) for e in experts]),
-            f"{at}.w2_weight": torch.stack([ckpt[f"{at}.{e}.down_proj.weight"][:, rows] for e in experts])}
+    return {
+        f"{at}.w13_weight": torch.stack(
+            [
+                torch.cat([ckpt[f"{at}.{e}.gate_proj.weight"][rows], ckpt[f"{at}.{e}.up_proj.weight"][rows]])
+                for e in experts
+            ]
+        ),
+        f"{at}.w2_weight": torch.stack([ckpt[f"{at}.{e}.down_proj.weight"][:, rows] for e in experts]),
+    }
 
 
 def differing(ckpt: dict[str, torch.Tensor], model: torch.nn.Module) -> list[str]:
@@ -74,7 +82,11 @@ def differing(ckpt: dict[str, torch.Tensor], model: torch.nn.Module) -> list[str
     tp = model.tp
     want = dict(loaded(ckpt, model.rank, tp).named_parameters())  # attention / dense: this engine's TP slice
     want.update(expected_experts(ckpt, model))
-    return [n for n, p in model.named_parameters() if not torch.equal(p.view(torch.int16), want[n].view(torch.int16))]
+    return [
+        n
+        for n, p in model.named_parameters()
+        if not torch.equal(p.view(torch.int16), want[n].view(torch.int16))
+    ]
 
 
 def snapshot(models: list[list[torch.nn.Module]]) -> list[list[dict[str, torch.Tensor]]]:
@@ -82,15 +94,21 @@ def snapshot(models: list[list[torch.nn.Module]]) -> list[list[dict[str, torch.T
 
 
 def unchanged(models, before) -> bool:
-    return all(torch.equal(p, b[n]) for engine, was in zip(models, before) for m, b in zip(engine, was)
-               for n, p in m.named_parameters())
+    return all(
+        torch.equal(p, b[n])
+        for engine, was in zip(models, before)
+        for m, b in zip(engine, was)
+        for n, p in m.named_parameters()
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_engine_applies_bit_exact(tmp_path, layout):
     base, models, updater = setup(tmp_path, layout)
     tp = LAYOUTS[layout][0]
-    assert [differing(base, m) for engine in models for m in engine] == [[]] * (2 * tp)  # the harness loads right
+    assert [differing(base, m) for engine in models for m in engine] == [[]] * (
+        2 * tp
+    )  # the harness loads right
     new = DC.step(base, 0.3, seed=1)
     DC.write_delta(updater.root / "v1", base, new, version=1)
     result = update(updater, "v1")
@@ -101,7 +119,9 @@ def test_every_engine_applies_bit_exact(tmp_path, layout):
     assert updater.core.across_dp == experts  # the split tensors are the experts; attention is per engine
     status = asyncio.run(updater.status())
     assert status["healthy"] and [(r["dp"], r["version"], r["dirty"]) for r in status["replicas"]] == [
-        (0, 1, False), (1, 1, False)]
+        (0, 1, False),
+        (1, 1, False),
+    ]
     report = asyncio.run(updater.verify())
     assert report["ok"] and report["across_dp"]["digests_checked"] == len(experts)
     assert [r["digests_checked"] for r in report["replicas"]] == [len(new) - len(experts)] * 2
@@ -135,14 +155,18 @@ def test_a_drifted_copy_is_refused_with_every_engine_unchanged(tmp_path, case):
     if ".experts." in name:
         expert = int(name.split(".")[-3])
         assert model.moe.expert_map[expert] >= 0, "the drifted engine holds this expert"
-        model.model.layers[-1].mlp.experts.w2_weight.data.view(torch.int16)[int(model.moe.expert_map[expert]), row, col] += 1
+        model.model.layers[-1].mlp.experts.w2_weight.data.view(torch.int16)[
+            int(model.moe.expert_map[expert]), row, col
+        ] += 1
     else:
         model.model.layers[0].self_attn.o_proj.weight.data.view(torch.int16)[row, col] += 1
     before = snapshot(models)
     with pytest.raises(UpdateError) as err:
         update(updater, "v1")
     assert err.value.status == 400 and err.value.error["type"] == "IntegrityError"
-    assert err.value.error["param"] == name and err.value.error["message"].startswith(message), err.value.error
+    assert err.value.error["param"] == name and err.value.error["message"].startswith(message), (
+        err.value.error
+    )
     assert set(err.value.error["ranks"]) == {"dp0:rank0", "dp1:rank0"}
     assert unchanged(models, before) and updater.engine.paused == [False, False] and updater.fault is None
 
@@ -159,7 +183,9 @@ def test_a_refusal_by_every_worker_names_each_of_them(tmp_path):
     before = snapshot(models)
     with pytest.raises(UpdateError) as err:
         update(updater, "v1")
-    assert set(err.value.error["ranks"]) == {"dp0:rank0", "dp0:rank1", "dp1:rank0", "dp1:rank1"}, err.value.error
+    assert set(err.value.error["ranks"]) == {"dp0:rank0", "dp0:rank1", "dp1:rank0", "dp1:rank1"}, (
+        err.value.error
+    )
     assert unchanged(models, before) and updater.engine.paused == [False, False]
 
 
@@ -185,7 +211,10 @@ def test_verify_sees_a_drifted_replicated_copy_and_a_drifted_expert(tmp_path):
     models[1][0].model.norm.weight.data.view(torch.int16)[0] += 1  # replicated on both engines
     models[1][0].model.layers[-1].mlp.experts.w13_weight.data.view(torch.int16)[0, 0, 0] += 1  # expert 2's
     report = asyncio.run(updater.verify())
-    assert not report["ok"] and [r["digest_mismatched"] for r in report["replicas"]] == [[], ["model.norm.weight"]]
+    assert not report["ok"] and [r["digest_mismatched"] for r in report["replicas"]] == [
+        [],
+        ["model.norm.weight"],
+    ]
     assert report["across_dp"]["digest_mismatched"] == [f"{MOE}.mlp.experts.2.gate_proj.weight"]
 
 
@@ -196,11 +225,16 @@ def hole_setup(tmp_path: Path, read: bool):
     models, engines = moe_dp_engines(tmp_path / "model", base, tp=1, dp=2, ep=True)
     twin = moe_dp_rank(CFG, tp=1, dp=2, dp_rank=0, tp_rank=0, ep=True)
     if read:
-        for param in (twin.model.layers[-1].mlp.experts.w13_weight, twin.model.layers[-1].mlp.experts.w2_weight):
+        for param in (
+            twin.model.layers[-1].mlp.experts.w13_weight,
+            twin.model.layers[-1].mlp.experts.w2_weight,
+        ):
+
             def load(p, w, shard, vllm_load=param.weight_loader):
                 if shard[0] == 3:
                     w.clone()  # read, and dropped
                 vllm_load(p, w, shard)
+
             param.weight_loader = load
     twin.load_weights(base.items())
     engines[1].workers[0].model_runner.get_model = lambda: twin
@@ -235,7 +269,8 @@ def test_an_expert_read_but_held_by_no_engine_is_refused_at_startup(tmp_path):
     assert ".experts.3." in err.value.error["param"] and "no rank holds" in err.value.error["message"]
     coverage = asyncio.run(updater.status())["placement"]["coverage"]
     assert not coverage["ok"] and {n for n in coverage["errors"] if ".experts." in n} == {
-        f"{MOE}.mlp.experts.3.{p}_proj.weight" for p in ("gate", "up", "down")}
+        f"{MOE}.mlp.experts.3.{p}_proj.weight" for p in ("gate", "up", "down")
+    }
     assert unchanged(models, before)
 
 
@@ -258,18 +293,25 @@ def test_the_world_is_ordered_dp_then_rank():
             assert report["ok"] and across == ["x"]
             shares[dp, rank] = (ownership.share("a"), ownership.share("x"))
             counted[dp, rank] = ownership.counted("x", torch.arange(6)).tolist()
-    assert shares == {(0, 0): ("all", "all"), (0, 1): ("none", "all"), (1, 0): ("all", "some"),
-                      (1, 1): ("none", "none")}
+    assert shares == {
+        (0, 0): ("all", "all"),
+        (0, 1): ("none", "all"),
+        (1, 0): ("all", "some"),
+        (1, 1): ("none", "none"),
+    }
     assert counted[1, 0] == [False, False, True, True, False, False]
 
 
 # ---- a real `vllm serve --data-parallel-size 2 --enable-expert-parallel` of a tiny Qwen3-MoE on CPU -------
 
+
 def corrupted(path: Path, name: str) -> None:
     """The delta at `path` with `name`'s post-apply digest off by one: its prepare must be refused."""
     manifest = load_manifest(path)
-    params = [p.model_copy(update={"post_digest": combine(p.post_digest, "0" * 31 + "1")}) if p.name == name else p
-              for p in manifest.params]
+    params = [
+        p.model_copy(update={"post_digest": combine(p.post_digest, "0" * 31 + "1")}) if p.name == name else p
+        for p in manifest.params
+    ]
     write_manifest(path, manifest.model_copy(update={"params": params}))
 
 
@@ -287,39 +329,73 @@ def test_real_dp2_ep_engine_learns_the_world_and_checks_digests_across_it(tiny_m
     root = tmp_path / "root"
     root.mkdir()
     new = DC.step(base, 0.05, seed=5)
-    expert, attention = "model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    expert, attention = (
+        "model.layers.0.mlp.experts.3.down_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+    )
     for name in (expert, attention):
         DC.write_delta(root / name, base, new, version=1)
         corrupted(root / name, name)
     DC.write_delta(root / "empty", base, base, version=1)
     DC.write_delta(root / "kills", base, new, version=2)
-    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY,
-            "--data-parallel-size", "2", "--api-server-count", "1", "--enable-expert-parallel"]
+    args = [
+        "--enable-delta-updates",
+        "--delta-updates-root",
+        str(root),
+        "--api-key",
+        API_KEY,
+        "--data-parallel-size",
+        "2",
+        "--api-server-count",
+        "1",
+        "--enable-expert-parallel",
+    ]
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with VllmServer(model_dir, tmp_path / "dp_ep.log", extra_args=args,
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
+    with VllmServer(
+        model_dir, tmp_path / "dp_ep.log", extra_args=args, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    ) as server:
         url = server.url
         before = replica_checksums(url)
         assert sorted(before) == [0, 1]
         for name, where in ((expert, "across DP engines: post-apply"), (attention, "dp0: post-apply")):
-            r = requests.post(f"{url}/update_weights_delta", json={"path": name, "version": 1, "base_version": 0},
-                              headers=headers, timeout=300)
+            r = requests.post(
+                f"{url}/update_weights_delta",
+                json={"path": name, "version": 1, "base_version": 0},
+                headers=headers,
+                timeout=300,
+            )
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert error["type"] == "IntegrityError" and error["param"] == name, error
-            assert error["message"].startswith(where) and set(error["ranks"]) == {"dp0:rank0", "dp1:rank0"}, error
+            assert error["message"].startswith(where) and set(error["ranks"]) == {"dp0:rank0", "dp1:rank0"}, (
+                error
+            )
         status = requests.get(f"{url}/delta_updates/status", headers=headers, timeout=60).json()
-        assert status["healthy"] and [r["placement"]["coverage"]["ok"] for r in status["ranks"]] == [True, True]
+        assert status["healthy"] and [r["placement"]["coverage"]["ok"] for r in status["ranks"]] == [
+            True,
+            True,
+        ]
         assert [(r["dp"], r["version"]) for r in status["replicas"]] == [(0, 0), (1, 0)]
         assert replica_checksums(url) == before, "a refused delta changed an engine's weights"
-        r = requests.post(f"{url}/update_weights_delta", json={"path": "empty", "version": 1, "base_version": 0},
-                          headers=headers, timeout=300)
+        r = requests.post(
+            f"{url}/update_weights_delta",
+            json={"path": "empty", "version": 1, "base_version": 0},
+            headers=headers,
+            timeout=300,
+        )
         assert r.status_code == 200, r.text
-        assert r.json()["replicas"] == [{"dp": 0, "version": 1, "ranks": 1}, {"dp": 1, "version": 1, "ranks": 1}]
+        assert r.json()["replicas"] == [
+            {"dp": 0, "version": 1, "ranks": 1},
+            {"dp": 1, "version": 1, "ranks": 1},
+        ]
         # A delta that changes weights: the pause runs the DP engines' dummy MoE batch, which raises on
         # this build and kills both engine cores. The request must end (vLLM's EngineDeadError handler,
         # then its shutdown), not hang until the server is killed, as it did before liveness.while_alive.
-        r = requests.post(f"{url}/update_weights_delta", json={"path": "kills", "version": 2, "base_version": 1},
-                          headers=headers, timeout=120)
+        r = requests.post(
+            f"{url}/update_weights_delta",
+            json={"path": "kills", "version": 2, "base_version": 1},
+            headers=headers,
+            timeout=120,
+        )
         assert r.status_code == 500, r.text
         assert server.proc.wait(timeout=60) is not None, "the server did not shut down after its engines died"

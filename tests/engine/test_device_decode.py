@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness.dispatch_log import OpLog
 from harness.synthetic import device_check
 from test_batched_apply import moe
 from test_device_path import write_plain_delta
+from wire.test_batch import _Z, _retouched
+
 from vllm_delta.engine import batched
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.owned import owned_by_tensor
 from vllm_delta.wire import CorruptDeltaError, batch, batch_device, iter_delta, open_delta
-from wire.test_batch import _retouched, _Z
 
 DC = device_check()
 BF16 = torch.bfloat16
@@ -30,13 +30,16 @@ def meta_prepare(path, cfg, *, device_decode: bool = True, tp: int = 2, rank: in
     """Prepare on a meta model of `rank` (placements probed on the CPU): (op log, staged, entries decoded)."""
     meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
     placements = DeltaApplier(DC.SyntheticLM(cfg, rank=rank, tp=tp), meta).placements
-    applier = DeltaApplier(DC.SyntheticLM(cfg, rank=rank, tp=tp, device="meta"), meta, placements=placements,
-                           rank=rank)
+    applier = DeltaApplier(
+        DC.SyntheticLM(cfg, rank=rank, tp=tp, device="meta"), meta, placements=placements, rank=rank
+    )
     if not device_decode:
         applier._owned = lambda: owned_by_tensor(applier.placements)
     with OpLog() as log:
         staged = applier.prepare(path, version=1, base_version=0, current_version=0)
-    decoded = sum(d.count for d in iter_delta(open_delta(path), current_version=0, owned=owned_by_tensor(placements)))
+    decoded = sum(
+        d.count for d in iter_delta(open_delta(path), current_version=0, owned=owned_by_tensor(placements))
+    )
     return log, staged, decoded
 
 
@@ -49,7 +52,9 @@ def h2d(log: OpLog) -> int:
 def delta(tmp_path, cfg, density: float, encoding: str = "ulp_zstd"):
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
     path = tmp_path / f"{encoding}-{density}-{cfg.experts}"
-    write_plain_delta(path, base, DC.step(base, density, seed=1), encoding)  # no digests: meta reads none back
+    write_plain_delta(
+        path, base, DC.step(base, density, seed=1), encoding
+    )  # no digests: meta reads none back
     return path
 
 
@@ -58,15 +63,33 @@ def test_prepare_on_meta_decodes_there_with_no_sync_and_fewer_bytes_across(tmp_p
     """Fused experts at TP=2, rank 1 (row and column shards): every decoded tensor on meta, nothing read
     back, no device `nonzero` (compaction sizes come from one count read per batch, skipped on meta);
     host->device bytes per decoded change below the host decode's (int32 positions + values + tables)."""
-    cfg = DC.Config(vocab=64, hidden=128, layers=1, heads=4, kv_heads=1, head_dim=32, inter=96, moe_layers=1,
-                    experts=8, moe_inter=64)  # about 2k changes a tensor: the per-block table is small beside them
+    cfg = DC.Config(
+        vocab=64,
+        hidden=128,
+        layers=1,
+        heads=4,
+        kv_heads=1,
+        head_dim=32,
+        inter=96,
+        moe_layers=1,
+        experts=8,
+        moe_inter=64,
+    )  # about 2k changes a tensor: the per-block table is small beside them
     path = delta(tmp_path, cfg, 0.3, encoding)
     log, staged, decoded = meta_prepare(path, cfg)
-    assert all(c.offsets.device.type == "meta" and c.values.device.type == "meta"
-               for cs in staged.writes.values() for c in cs) and staged.changed
+    assert (
+        all(
+            c.offsets.device.type == "meta" and c.values.device.type == "meta"
+            for cs in staged.writes.values()
+            for c in cs
+        )
+        and staged.changed
+    )
     assert log.copies("meta", "cpu") == [] and log.host_reads() == []
     assert [op for op in log.named("nonzero") if op.devices() != {"cpu"}] == []
-    assert any(op.name == "cumsum" and op.devices() == {"meta"} for op in log.ops)  # the gaps' cumsum ran there
+    assert any(
+        op.name == "cumsum" and op.devices() == {"meta"} for op in log.ops
+    )  # the gaps' cumsum ran there
     host_log, _, _ = meta_prepare(path, cfg, device_decode=False)
     ours, theirs = h2d(log) / decoded, h2d(host_log) / decoded
     with capsys.disabled():
@@ -83,8 +106,9 @@ def test_prepare_ops_on_meta_do_not_grow_with_the_expert_tensors(tmp_path):
         path = delta(tmp_path, cfg, 0.5)
         meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
         placements = DeltaApplier(DC.SyntheticLM(cfg, rank=1, tp=2), meta).placements
-        applier = DeltaApplier(DC.SyntheticLM(cfg, rank=1, tp=2, device="meta"), meta, placements=placements,
-                               rank=1)
+        applier = DeltaApplier(
+            DC.SyntheticLM(cfg, rank=1, tp=2, device="meta"), meta, placements=placements, rank=1
+        )
         with OpLog() as log:
             applier.prepare(path, version=1, base_version=0, current_version=0)
         counts.append(sum(op.name != "slice" for op in log.ops))
@@ -106,8 +130,9 @@ def test_forced_device_decode_on_cpu_stages_what_the_host_path_stages(tmp_path, 
         model = DC.SyntheticLM(cfg, rank=rank, tp=tp)
         model.load_weights(base.items())
         monkeypatch.setattr(batched, "FORCE_DEVICE_PATH", force)
-        return DeltaApplier(model, meta, rank=rank).prepare(tmp_path / "d", version=1, base_version=0,
-                                                            current_version=0)
+        return DeltaApplier(model, meta, rank=rank).prepare(
+            tmp_path / "d", version=1, base_version=0, current_version=0
+        )
 
     host = staged(False)
     assert not calls
@@ -117,9 +142,12 @@ def test_forced_device_decode_on_cpu_stages_what_the_host_path_stages(tmp_path, 
     assert dev.changed == host.changed > 0 and list(dev.writes) == list(host.writes)
     for target, chunks in host.writes.items():
         for a, b in zip(chunks, dev.writes[target], strict=True):
-            assert a.base == b.base and a.offsets.dtype == b.offsets.dtype and torch.equal(a.offsets, b.offsets)
-            assert a.values.dtype == b.values.dtype and torch.equal(a.values.view(torch.uint8),
-                                                                    b.values.view(torch.uint8))
+            assert (
+                a.base == b.base and a.offsets.dtype == b.offsets.dtype and torch.equal(a.offsets, b.offsets)
+            )
+            assert a.values.dtype == b.values.dtype and torch.equal(
+                a.values.view(torch.uint8), b.values.view(torch.uint8)
+            )
 
 
 def test_device_decoded_bytes_that_disagree_with_the_index_fail_prepare(tmp_path, monkeypatch):
@@ -128,7 +156,9 @@ def test_device_decoded_bytes_that_disagree_with_the_index_fail_prepare(tmp_path
     cfg = moe(1, 4)
     base = DC.random_checkpoint(cfg, "cpu", seed=0)
     path = delta(tmp_path, cfg, 0.3)
-    _retouched(path, "model.layers.0.mlp.experts.2.up_proj.weight", "pos0", lambda n: _Z.compress(b"\xff" * n))
+    _retouched(
+        path, "model.layers.0.mlp.experts.2.up_proj.weight", "pos0", lambda n: _Z.compress(b"\xff" * n)
+    )
     meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
     model = DC.SyntheticLM(cfg)
     model.load_weights(base.items())
@@ -150,8 +180,13 @@ def test_a_destination_fed_by_device_and_host_decoded_tensors(tmp_path, monkeypa
     applier = DeltaApplier(model, meta)
     monkeypatch.setattr(batched, "FORCE_DEVICE_PATH", True)
     real = applier._owned
-    half = lambda: batch_device.Destinations(real(), {n: d for n, d in real().devices.items()  # noqa: E731
-                                                       if ".experts." not in n or int(n.split(".")[5]) % 2})
+
+    def half() -> batch_device.Destinations:
+        devices = real().devices.items()
+        return batch_device.Destinations(
+            real(), {n: d for n, d in devices if ".experts." not in n or int(n.split(".")[5]) % 2}
+        )
+
     monkeypatch.setattr(applier, "_owned", half)
     staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
     fused = [t for t in staged.writes if "experts" in t]
@@ -173,8 +208,9 @@ def test_device_and_host_decoded_tensors_of_one_destination_never_meet_on_meta(t
     placements = DeltaApplier(DC.SyntheticLM(cfg), meta).placements
     applier = DeltaApplier(DC.SyntheticLM(cfg, device="meta"), meta, placements=placements)
     real = applier._owned
-    applier._owned = lambda: batch_device.Destinations(real(), {n: d for n, d in real().devices.items()
-                                                                 if ".experts." not in n or int(n.split(".")[5]) % 2})
+    applier._owned = lambda: batch_device.Destinations(
+        real(), {n: d for n, d in real().devices.items() if ".experts." not in n or int(n.split(".")[5]) % 2}
+    )
     staged = applier.prepare(path, version=1, base_version=0, current_version=0)
     fused = [t for t in staged.writes if "experts" in t]
     assert fused and all(len(staged.writes[t]) == 2 for t in fused)

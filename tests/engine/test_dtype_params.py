@@ -17,15 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from harness.cli_diff import diff
 from harness.perturb import perturb_checkpoint
 from harness.vllm_engine import greedy, start_llm
+from torch import nn
+
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.wire import DeltaWriter
 from vllm_delta.wire.errors import DtypeMismatchError
-
 
 
 class Served(nn.Module):
@@ -54,8 +53,10 @@ CHECKPOINT = {"ids": ((64,), torch.int32), "w": ((8, 8), torch.bfloat16)}
 
 def checkpoint(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"ids": torch.randint(-1000, 1000, (64,), dtype=torch.int32, generator=g),
-            "w": torch.randn(8, 8, generator=g).to(torch.bfloat16)}
+    return {
+        "ids": torch.randint(-1000, 1000, (64,), dtype=torch.int32, generator=g),
+        "w": torch.randn(8, 8, generator=g).to(torch.bfloat16),
+    }
 
 
 def stepped(old: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -70,8 +71,9 @@ def write(path: Path, old, new, names, encoding: str) -> Path:
     with DeltaWriter(path, version=1, base_version=0, encoding=encoding) as writer:
         for n in names:
             a, b = old[n].reshape(-1), new[n].reshape(-1)
-            pos = torch.nonzero(a.view(torch.uint8).view(a.numel(), -1).ne(
-                b.view(torch.uint8).view(b.numel(), -1)).any(1)).squeeze(1)
+            pos = torch.nonzero(
+                a.view(torch.uint8).view(a.numel(), -1).ne(b.view(torch.uint8).view(b.numel(), -1)).any(1)
+            ).squeeze(1)
             writer.add(n, pos, b[pos], a[pos], shape=tuple(old[n].shape))
     return path
 
@@ -83,7 +85,11 @@ def loaded(ckpt, *dtypes, twice=False) -> Served:
 
 
 def same_bits(a: nn.Module, b: nn.Module) -> list[str]:
-    return [n for n, p in a.named_parameters() if not torch.equal(p.view(torch.uint8), getattr(b, n).view(torch.uint8))]
+    return [
+        n
+        for n, p in a.named_parameters()
+        if not torch.equal(p.view(torch.uint8), getattr(b, n).view(torch.uint8))
+    ]
 
 
 @pytest.mark.parametrize("twice", [False, True], ids=["batched", "masked"])
@@ -95,18 +101,26 @@ def test_exact_where_the_served_dtype_holds_the_checkpoints(tmp_path, twice, enc
     new = stepped(old)
     m = loaded(old, torch.int32, w_dtype, twice=twice)
     applier = DeltaApplier(m, CHECKPOINT)
-    staged = applier.prepare(write(tmp_path / "d", old, new, ["ids", "w"], encoding), version=1, base_version=0,
-                             current_version=0)
+    staged = applier.prepare(
+        write(tmp_path / "d", old, new, ["ids", "w"], encoding), version=1, base_version=0, current_version=0
+    )
     applier.commit(staged)
     assert same_bits(m, loaded(new, torch.int32, w_dtype, twice=twice)) == []
 
 
 @pytest.mark.parametrize("twice", [False, True], ids=["batched", "masked"])
-@pytest.mark.parametrize("name,dtypes", [("ids", (torch.int64, torch.bfloat16)),
-                                         ("w", (torch.int32, torch.float16)),
-                                         ("w", (torch.int32, torch.float8_e4m3fn))],
-                         ids=["int32-as-int64", "bf16-as-fp16", "bf16-as-fp8"])
-def test_a_base_relative_step_that_cannot_be_resolved_is_a_422_before_any_write(tmp_path, twice, name, dtypes):
+@pytest.mark.parametrize(
+    "name,dtypes",
+    [
+        ("ids", (torch.int64, torch.bfloat16)),
+        ("w", (torch.int32, torch.float16)),
+        ("w", (torch.int32, torch.float8_e4m3fn)),
+    ],
+    ids=["int32-as-int64", "bf16-as-fp16", "bf16-as-fp8"],
+)
+def test_a_base_relative_step_that_cannot_be_resolved_is_a_422_before_any_write(
+    tmp_path, twice, name, dtypes
+):
     old = checkpoint(0)
     m = loaded(old, *dtypes, twice=twice)
     before = {n: p.clone() for n, p in m.named_parameters()}
@@ -117,14 +131,22 @@ def test_a_base_relative_step_that_cannot_be_resolved_is_a_422_before_any_write(
     assert all(torch.equal(p.view(torch.uint8), before[n].view(torch.uint8)) for n, p in m.named_parameters())
 
 
-@pytest.mark.parametrize("dtypes", [(torch.int64, torch.float16), (torch.int64, torch.float32)], ids=["fp16", "fp32"])
+@pytest.mark.parametrize(
+    "dtypes", [(torch.int64, torch.float16), (torch.int64, torch.float32)], ids=["fp16", "fp32"]
+)
 def test_an_overwrite_converts_as_the_loader_does(tmp_path, dtypes):
     old = checkpoint(0)
     new = stepped(old)
     m = loaded(old, *dtypes)
     applier = DeltaApplier(m, CHECKPOINT)
-    applier.commit(applier.prepare(write(tmp_path / "d", old, new, ["ids", "w"], "indices"), version=1,
-                                   base_version=0, current_version=0))
+    applier.commit(
+        applier.prepare(
+            write(tmp_path / "d", old, new, ["ids", "w"], "indices"),
+            version=1,
+            base_version=0,
+            current_version=0,
+        )
+    )
     assert same_bits(m, loaded(new, *dtypes)) == []
 
 
@@ -137,10 +159,17 @@ def with_digests(path: Path, old, new) -> Path:
     params = []
     for p in manifest.params:
         a, b = old[p.name].reshape(-1), new[p.name].reshape(-1)
-        pos = torch.nonzero(a.view(torch.uint8).view(a.numel(), -1).ne(b.view(torch.uint8).view(b.numel(), -1))
-                            .any(1)).squeeze(1)
-        params.append(p.model_copy(update={"pre_digest": to_hex(partial_sum(pos, a[pos])),
-                                           "post_digest": to_hex(partial_sum(pos, b[pos]))}))
+        pos = torch.nonzero(
+            a.view(torch.uint8).view(a.numel(), -1).ne(b.view(torch.uint8).view(b.numel(), -1)).any(1)
+        ).squeeze(1)
+        params.append(
+            p.model_copy(
+                update={
+                    "pre_digest": to_hex(partial_sum(pos, a[pos])),
+                    "post_digest": to_hex(partial_sum(pos, b[pos])),
+                }
+            )
+        )
     write_manifest(path, manifest.model_copy(update={"params": params}))
     return path
 
@@ -185,11 +214,18 @@ def test_engine_served_as_float16_matches_a_fresh_load(tiny_model_factory, tmp_p
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(base)})
         base_sums = llm.collective_rpc("compute_weight_checksums")
         llm.collective_rpc("delta_set_peers", args=(llm.collective_rpc("delta_coverage"),))
-        request = {"path": str(deltas["ulp_zstd"]), "version": 1, "base_version": 0, "files": None,
-                   "chunk_bytes": 1 << 20}
+        request = {
+            "path": str(deltas["ulp_zstd"]),
+            "version": 1,
+            "base_version": 0,
+            "files": None,
+            "chunk_bytes": 1 << 20,
+        }
         (refused,) = llm.collective_rpc("delta_prepare", args=({**request, "id": "ulp"},))
         unchanged = llm.collective_rpc("compute_weight_checksums")
-        (prepared,) = llm.collective_rpc("delta_prepare", args=({**request, "id": "ow", "path": str(deltas["indices"])},))
+        (prepared,) = llm.collective_rpc(
+            "delta_prepare", args=({**request, "id": "ow", "path": str(deltas["indices"])},)
+        )
         (committed,) = llm.collective_rpc("delta_commit", args=("ow",))
         applied = llm.collective_rpc("compute_weight_checksums")
         applied_out = greedy(llm)

@@ -38,7 +38,7 @@ def test_a_loader_that_raises_on_replay_is_refused_at_startup():
     model.plain.data.copy_(ckpt["plain.weight"])
     model.replaced.data.copy_(ckpt["replaced.weight"])
     applier = DeltaApplier(model, {n: ((H, H), torch.bfloat16) for n in ckpt}, read=lambda n: ckpt[n].clone())
-    applier.placements  # the probe runs at startup (lazily here)
+    _ = applier.placements  # the probe runs at startup (lazily here)
     status = applier.placement_status()
     assert list(status["refused"]) == ["replaced.weight"], status
     assert "AttributeError" in status["refused"]["replaced.weight"]

@@ -15,10 +15,10 @@ import pytest
 import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from harness.synthetic import InProcessEngine, LocalWorker, device_check
 from safetensors.torch import save_file
 from torch import nn
 
-from harness.synthetic import InProcessEngine, LocalWorker, device_check
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.http_errors import UpdateError
@@ -40,8 +40,9 @@ class OddLoaders(nn.Module):
         super().__init__()
         self.names = SERVED if served_only else SERVED + REFUSED
         for n in self.names:
-            self.register_parameter(n.split(".")[0], nn.Parameter(torch.zeros(H, H, dtype=torch.bfloat16),
-                                                                  requires_grad=False))
+            self.register_parameter(
+                n.split(".")[0], nn.Parameter(torch.zeros(H, H, dtype=torch.bfloat16), requires_grad=False)
+            )
         self.calls = 0
 
     def load_weights(self, weights) -> None:
@@ -84,7 +85,9 @@ def step(ckpt: dict[str, torch.Tensor], seed: int, names=SERVED) -> dict[str, to
     for n in names:
         t = ckpt[n].clone()
         bits = t.view(-1).view(torch.int16)
-        bits[torch.rand(bits.shape, generator=g) < 0.25] += torch.randint(1, 4, (), generator=g).to(torch.int16)
+        bits[torch.rand(bits.shape, generator=g) < 0.25] += torch.randint(1, 4, (), generator=g).to(
+            torch.int16
+        )
         out[n] = t
     return out
 
@@ -101,7 +104,11 @@ def applier(m: OddLoaders, ckpt: dict[str, torch.Tensor]) -> DeltaApplier:
 
 
 def same_bits(a: nn.Module, b: nn.Module) -> list[str]:
-    return [n for n, p in a.named_parameters() if not torch.equal(p.view(torch.int16), getattr(b, n).view(torch.int16))]
+    return [
+        n
+        for n, p in a.named_parameters()
+        if not torch.equal(p.view(torch.int16), getattr(b, n).view(torch.int16))
+    ]
 
 
 def test_loaders_that_cannot_be_replayed_exactly_are_refused_at_startup():
@@ -123,10 +130,16 @@ def test_replayed_tensors_apply_bitexact_and_carry_digests(tmp_path, encoding):
     new = step(base, seed=1)
     newer = step(new, seed=2)
     for version, (old, want) in enumerate([(base, new), (new, newer)], start=1):
-        staged = a.prepare(write_delta(tmp_path / f"v{version}", old, want, version=version, encoding=encoding),
-                           version=version, base_version=version - 1, current_version=version - 1)
+        staged = a.prepare(
+            write_delta(tmp_path / f"v{version}", old, want, version=version, encoding=encoding),
+            version=version,
+            base_version=version - 1,
+            current_version=version - 1,
+        )
         assert staged.fallback_names == ["cumsum.weight", "scaled.weight"]
-        check_partials([{"digests": staged.digests, "expected": staged.expected}])  # pre and post, counted here
+        check_partials(
+            [{"digests": staged.digests, "expected": staged.expected}]
+        )  # pre and post, counted here
         assert all(None not in staged.digests[n] for n in ("scaled.weight", "cumsum.weight"))
         a.commit(staged)
         assert same_bits(m, loaded(want, served_only=True)) == []  # the second proves the shadow advanced
@@ -139,8 +152,12 @@ def test_genuine_nan_reaches_a_replayed_tensor(tmp_path):
     a = applier(m, base)
     new = dict(base, **{"scaled.weight": base["scaled.weight"].clone()})
     new["scaled.weight"][2, 3] = float("nan")
-    staged = a.prepare(write_delta(tmp_path / "v1", base, new, encoding="indices"), version=1, base_version=0,
-                       current_version=0)
+    staged = a.prepare(
+        write_delta(tmp_path / "v1", base, new, encoding="indices"),
+        version=1,
+        base_version=0,
+        current_version=0,
+    )
     a.commit(staged)
     assert torch.isnan(m.scaled[2, 3]) and same_bits(m, loaded(new, served_only=True)) == []
 
@@ -202,8 +219,9 @@ def test_server_with_a_refused_loader_fails_health_and_refuses_updates(tmp_path)
     (tmp_path / "model").mkdir()
     save_file(base, str(tmp_path / "model" / "model.safetensors"))
     (tmp_path / "root").mkdir()
-    updater = DeltaUpdater(InProcessEngine([LocalWorker(loaded(base), tmp_path / "model", 0)]), tmp_path / "root",
-                           1 << 20, [])
+    updater = DeltaUpdater(
+        InProcessEngine([LocalWorker(loaded(base), tmp_path / "model", 0)]), tmp_path / "root", 1 << 20, []
+    )
     app = FastAPI()
     app.get("/health")(lambda: {})
     guard_health(app)

@@ -19,19 +19,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from harness.cli_diff import diff
 from harness.fp8_inspect import served_fp8
 from harness.fp8_models import make_fp8_llama, step_checkpoint
 from harness.tiny_models import PROMPTS
 from harness.vllm_engine import greedy, start_llm
+from safetensors.torch import load_file
+
 from vllm_delta.wire import load_manifest
 
-pytestmark = [pytest.mark.heavy, pytest.mark.engine,
-              pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
-                                 reason="vLLM 0.32's CPU block-fp8 kernels (CPUFp8BlockScaledMMKernel, "
-                                        "CPUFp8W8A8BlockScaledMMKernel) need AMX tiles; this CPU's vLLM refuses the model")]
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.engine,
+    pytest.mark.skipif(
+        not torch.cpu._is_amx_tile_supported(),
+        reason="vLLM 0.32's CPU block-fp8 kernels (CPUFp8BlockScaledMMKernel, "
+        "CPUFp8W8A8BlockScaledMMKernel) need AMX tiles; this CPU's vLLM refuses the model",
+    ),
+]
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -54,7 +59,10 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(tmp_path, fresh_l
     base = make_fp8_llama(tmp_path / "base")
     mid = step_checkpoint(base, tmp_path / "mid", density=0.03, seed=1)
     final = step_checkpoint(mid, tmp_path / "final", density=0.03, seed=2)
-    chain = [diff(base, mid, tmp_path / "d1", "ulp_zstd", 1, 0), diff(mid, final, tmp_path / "d2", "deltas_zstd", 2, 1)]
+    chain = [
+        diff(base, mid, tmp_path / "d1", "ulp_zstd", 1, 0),
+        diff(mid, final, tmp_path / "d2", "deltas_zstd", 2, 1),
+    ]
     with start_llm(final, delta=True) as llm:
         reference, reference_out = llm.collective_rpc("compute_weight_checksums")[0], outputs(llm)
         (served,) = llm.collective_rpc(served_fp8)
@@ -65,10 +73,18 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(tmp_path, fresh_l
         llm.collective_rpc("delta_set_peers", args=([coverage],))
         replies = []
         for version, path in enumerate(chain, start=1):
-            request = {"id": f"v{version}", "path": str(path), "version": version, "base_version": version - 1,
-                       "files": None, "chunk_bytes": 1 << 20}
+            request = {
+                "id": f"v{version}",
+                "path": str(path),
+                "version": version,
+                "base_version": version - 1,
+                "files": None,
+                "chunk_bytes": 1 << 20,
+            }
             (prepared,) = llm.collective_rpc("delta_prepare", args=(request,))
-            (committed,) = llm.collective_rpc("delta_commit", args=(request["id"],)) if prepared["ok"] else (None,)
+            (committed,) = (
+                llm.collective_rpc("delta_commit", args=(request["id"],)) if prepared["ok"] else (None,)
+            )
             replies.append((prepared, committed))
         applied, applied_out = llm.collective_rpc("compute_weight_checksums")[0], outputs(llm)
     fresh = fresh_loader.checksums(final)
@@ -78,12 +94,19 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(tmp_path, fresh_l
     assert len(served) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
     for module, s in served.items():
         assert s["kernel"] == "CPUFp8BlockScaledMMKernel", (module, s["kernel"])
-        assert (s["weight_class"], s["scale_class"]) == ("Parameter", "Parameter"), module  # replace_parameter
+        assert (s["weight_class"], s["scale_class"]) == ("Parameter", "Parameter"), (
+            module
+        )  # replace_parameter
         assert (s["kind"], s["changed"]) == ("rerun", ["weight"]), module
-        weight, scale = checkpoint_bytes(ckpt, module, "weight"), checkpoint_bytes(ckpt, module, "weight_scale_inv")
+        weight, scale = (
+            checkpoint_bytes(ckpt, module, "weight"),
+            checkpoint_bytes(ckpt, module, "weight_scale_inv"),
+        )
         assert s["live_scale"] == scale, module  # the scales are served as the checkpoint's bytes
         assert s["canonical_weight"] == weight, module  # deltas go to the checkpoint-layout copy
-        assert s["live_weight"] != weight and sorted(s["live_weight"]) == sorted(weight), module  # re-laid bytes
+        assert s["live_weight"] != weight and sorted(s["live_weight"]) == sorted(weight), (
+            module
+        )  # re-laid bytes
     # The probe maps every tensor with the model's loaders: nothing falls back, nothing is refused.
     assert probe["ready"] and probe["fallback"] == {} and probe["refused"] == {}, probe
     assert coverage["map_errors"] == {} and coverage["fallback"] == [], coverage
@@ -91,7 +114,9 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(tmp_path, fresh_l
     assert reference == fresh and base_sums != reference
     for path, (prepared, committed) in zip(chain, replies):
         assert prepared["ok"] and prepared["fallback"] == [] and committed["ok"], (prepared, committed)
-        changed = {p.dtype for p in load_manifest(path).params if p.changed}  # every fp8 weight and scale moved
+        changed = {
+            p.dtype for p in load_manifest(path).params if p.changed
+        }  # every fp8 weight and scale moved
         assert {"float8_e4m3fn", "float32"} <= changed, changed
     assert [n for n in reference if applied[n] != reference[n]] == []
     assert applied_out == reference_out

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch import nn
-
 import pytest
 import torch
 from test_placement import CHECKPOINT, PackedModule, loaded, random_checkpoint, storages
+from torch import nn
 
 from vllm_delta.engine.digests import CoverageError, check_coverage, coverage, refuse_uncovered
 from vllm_delta.engine.map_check import check_map
@@ -49,8 +48,13 @@ def test_a_corrupted_map_is_named_and_refuses_updates(field, delta):
     placements["k.weight"].segments[0] = bad
     errors = check_map(m.load_weights, params(m), placements, CHECKPOINT)
     assert list(errors) == ["qkv"] and "placement map" in errors["qkv"]
-    reply = {"rank": 0, "coverage": coverage(placements), "unread": [], "map_errors": errors,
-             "fallback": [n for n, p in placements.items() if p.fallback_reason]}
+    reply = {
+        "rank": 0,
+        "coverage": coverage(placements),
+        "unread": [],
+        "map_errors": errors,
+        "fallback": [n for n, p in placements.items() if p.fallback_reason],
+    }
     report = check_coverage([reply], {n: s for n, (s, _) in CHECKPOINT.items()})
     assert not report["ok"] and "qkv" in report["errors"]
     with pytest.raises(CoverageError, match="placement map"):

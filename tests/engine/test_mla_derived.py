@@ -1,4 +1,5 @@
-"""MLA's derived tensors on real CPU engines: views, copies re-derived in place, and a refused model-level step.
+"""MLA's derived tensors on real CPU engines: views, copies re-derived in place, and a refused model-level
+step.
 
 Why: vLLM's MLA attention derives `W_UV` / `W_UK_T` from `kv_b_proj` in its own post-load step.
 On the CPU MLA backend with a bf16 `kv_b_proj` they are views, but AMX, a quantized `kv_b_proj`
@@ -26,14 +27,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from harness.cli_diff import diff
 from harness.engine_pool import write_anchor
 from harness.perturb import perturb_tensor
 from harness.post_load_steps_mla_worker import COPIED, EXTENSION, MODEL_STEP_ENV, MODEL_TENSOR
 from harness.tiny_models import VOCAB_SIZE
 from harness.vllm_engine import greedy, patched_environ, start_llm
+from safetensors.torch import load_file, save_file
+
 from vllm_delta.wire.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
@@ -49,21 +50,44 @@ LAYER0, LAYER1 = "model.layers.0.self_attn.mla_attn.mla_attn", "model.layers.1.s
 
 
 def make_tiny_mla(out: Path) -> Path:
-    from transformers import DeepseekV3Config
-
-    from harness.megatron_cpu import make_tiny_deepseek_v3
     import harness.megatron_cpu as megatron_cpu
+    from harness.megatron_cpu import make_tiny_deepseek_v3
+    from transformers import DeepseekV3Config
 
     def config(layers: int, mtp_layers: int, dense_layers: int) -> DeepseekV3Config:
         cfg = DeepseekV3Config(
-            vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-            num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
-            n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=dense_layers, n_group=1, topk_group=1,
-            routed_scaling_factor=1.0, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
-            v_head_dim=32, max_position_embeddings=512, num_nextn_predict_layers=mtp_layers,
-            tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+            vocab_size=VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=dense_layers,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            q_lora_rank=32,
+            kv_lora_rank=512,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=64,
+            v_head_dim=32,
+            max_position_embeddings=512,
+            num_nextn_predict_layers=mtp_layers,
+            tie_word_embeddings=False,
+            torch_dtype="bfloat16",
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
         cfg.rope_theta = 10000.0
-        cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"  # vLLM loads e_score_correction_bias only then
+        cfg.topk_method, cfg.scoring_func = (
+            "noaux_tc",
+            "sigmoid",
+        )  # vLLM loads e_score_correction_bias only then
         return cfg
 
     stock, megatron_cpu.tiny_deepseek_v3_config = megatron_cpu.tiny_deepseek_v3_config, config
@@ -80,8 +104,11 @@ def train_step(prev: Path, out: Path, seed: int) -> Path:
     for path in prev.iterdir():
         if path.suffix == ".safetensors":
             tensors = load_file(path)
-            save_file({n: perturb_tensor(t, 1.0 if "kv_b_proj" in n else 0.02, gen) for n, t in tensors.items()},
-                      out / path.name, metadata={"format": "pt"})
+            save_file(
+                {n: perturb_tensor(t, 1.0 if "kv_b_proj" in n else 0.02, gen) for n, t in tensors.items()},
+                out / path.name,
+                metadata={"format": "pt"},
+            )
         elif path.is_file():
             (out / path.name).write_bytes(path.read_bytes())
     return out
@@ -95,21 +122,28 @@ def chain(tmp_path_factory) -> dict:
     v1 = train_step(base, root / "v1", 1)
     v2 = train_step(v1, root / "v2", 2)
     v3 = train_step(v2, root / "v3", 3)
-    up = [("ulp_zstd", diff(base, v1, root / "d1", "ulp_zstd", 1), 0),
-          ("anchor", write_anchor(root / "d2", Checkpoint.open(v2).iter_tensors(), 2), None),
-          ("deltas", diff(v2, v3, root / "d3", "deltas", 3), 2)]
+    up = [
+        ("ulp_zstd", diff(base, v1, root / "d1", "ulp_zstd", 1), 0),
+        ("anchor", write_anchor(root / "d2", Checkpoint.open(v2).iter_tensors(), 2), None),
+        ("deltas", diff(v2, v3, root / "d3", "deltas", 3), 2),
+    ]
     # For an engine started on FINAL: an anchor back to BASE, then the same three kinds (versions + 1).
-    down = [("anchor", write_anchor(root / "e1", Checkpoint.open(base).iter_tensors(), 1), None),
-            ("ulp_zstd", diff(base, v1, root / "e2", "ulp_zstd", 2), 1),
-            ("anchor", write_anchor(root / "e3", Checkpoint.open(v2).iter_tensors(), 3), None),
-            ("deltas", diff(v2, v3, root / "e4", "deltas", 4), 3)]
+    down = [
+        ("anchor", write_anchor(root / "e1", Checkpoint.open(base).iter_tensors(), 1), None),
+        ("ulp_zstd", diff(base, v1, root / "e2", "ulp_zstd", 2), 1),
+        ("anchor", write_anchor(root / "e3", Checkpoint.open(v2).iter_tensors(), 3), None),
+        ("deltas", diff(v2, v3, root / "e4", "deltas", 4), 3),
+    ]
     return {"base": base, "final": v3, "up": up, "down": down}
 
 
 def state(llm) -> dict:
     """What the engine serves from: vLLM's per-parameter digests, every derived tensor's bits, data_ptr()s."""
-    return {"params": llm.collective_rpc("compute_weight_checksums")[0],
-            "derived": llm.collective_rpc("mla_derived_digests")[0], "pointers": llm.collective_rpc("mla_pointers")[0]}
+    return {
+        "params": llm.collective_rpc("compute_weight_checksums")[0],
+        "derived": llm.collective_rpc("mla_derived_digests")[0],
+        "pointers": llm.collective_rpc("mla_pointers")[0],
+    }
 
 
 def run(start: Path, updates: list[tuple[str, Path, int | None]], **backend) -> dict:
@@ -117,11 +151,21 @@ def run(start: Path, updates: list[tuple[str, Path, int | None]], **backend) -> 
     with start_llm(start, delta=True, worker_extension_cls=EXTENSION, **backend) as llm:
         for _ in range(WARMUP):
             greedy(llm)
-        out = {"found": llm.collective_rpc("mla_discovery")[0], "probe": llm.collective_rpc("delta_probe")[0],
-               "fresh_out": greedy(llm), "states": [state(llm)]}
+        out = {
+            "found": llm.collective_rpc("mla_discovery")[0],
+            "probe": llm.collective_rpc("delta_probe")[0],
+            "fresh_out": greedy(llm),
+            "states": [state(llm)],
+        }
         for version, (kind, path, base_version) in enumerate(updates, start=1):
-            request = {"id": f"v{version}", "path": str(path), "version": version, "base_version": base_version,
-                       "files": None, "chunk_bytes": 1 << 28}
+            request = {
+                "id": f"v{version}",
+                "path": str(path),
+                "version": version,
+                "base_version": base_version,
+                "files": None,
+                "chunk_bytes": 1 << 28,
+            }
             prepared = llm.collective_rpc("delta_prepare", args=(request,))[0]
             assert prepared["ok"], (kind, prepared)
             committed = llm.collective_rpc("delta_commit", args=(request["id"],))[0]
@@ -178,8 +222,10 @@ def test_discovery_classifies_views_and_copies(cpu_mla):
         assert kinds[(LAYER1, name)] == ("view", ["model.layers.1.self_attn.kv_b_proj.weight"]), kinds
     assert LAYER0.startswith(COPIED)
     # vLLM's default KV-cache scales (1.0) are derived by the same step, from no parameter.
-    assert any(unit == LAYER1 and key.endswith("_k_scale") and kind == "constant" and not sources
-               for unit, key, kind, sources in found["tensors"]), found["tensors"]
+    assert any(
+        unit == LAYER1 and key.endswith("_k_scale") and kind == "constant" and not sources
+        for unit, key, kind, sources in found["tensors"]
+    ), found["tensors"]
     assert found["units"] == {LAYER0: ["model.layers.0.self_attn.kv_b_proj.weight"]}, found["units"]
     assert found["refused"] == {} and probe["refused"] == {}, (found, probe)
     assert LAYER0 in probe["transformed"]
@@ -195,12 +241,16 @@ def test_pointers_stable_across_updates(cpu_mla):
     """data_ptr() of every parameter and derived tensor is the same after each kind of update."""
     for r in cpu_mla:
         first, *after = [s["pointers"] for s in r["states"]]
-        assert any(k.startswith(f"derived:{LAYER0}.") for k in first) and any(k.startswith("param:") for k in first)
+        assert any(k.startswith(f"derived:{LAYER0}.") for k in first) and any(
+            k.startswith("param:") for k in first
+        )
         for i, ptrs in enumerate(after):
             assert ptrs == first, (i, sorted(k for k in first if ptrs.get(k) != first[k]))
 
 
-@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM picks its AMX MLA backend only on AMX hosts")
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="vLLM picks its AMX MLA backend only on AMX hosts"
+)
 def test_amx_backend_copies_rederived(chain):
     """vLLM's own AMX MLA backend (its default here): VNNI-packed W_UK / W_UV copies on the impl, and
     `kv_b_proj.weight` emptied; the same checks and pointer stability, but greedy tokens without their
@@ -210,17 +260,23 @@ def test_amx_backend_copies_rederived(chain):
     kinds = {(unit, key): (kind, sources) for unit, key, kind, sources in up["found"]["tensors"]}
     for layer, unit in enumerate((LAYER0, LAYER1)):
         for name in ("impl.attr:_w_uk_packed", "impl.attr:_w_uv_packed"):
-            assert kinds[(unit, name)] == ("rederive", [f"model.layers.{layer}.self_attn.kv_b_proj.weight"]), kinds
+            assert kinds[(unit, name)] == (
+                "rederive",
+                [f"model.layers.{layer}.self_attn.kv_b_proj.weight"],
+            ), kinds
     check_exact(up, down)
     for r in (up, down):
         assert all(s["pointers"] == r["states"][0]["pointers"] for s in r["states"])
 
 
 def test_model_level_derived_tensor_refused(chain):
-    """A model-level step whose derived tensor a re-run does not reproduce: updates refused at startup, named."""
+    """A model-level step whose derived tensor a re-run does not reproduce: updates refused at startup,
+    named."""
     base = chain["base"]
-    with patched_environ({MODEL_STEP_ENV: "1"}), \
-            start_llm(base, delta=True, worker_extension_cls=EXTENSION, **BACKEND) as llm:
+    with (
+        patched_environ({MODEL_STEP_ENV: "1"}),
+        start_llm(base, delta=True, worker_extension_cls=EXTENSION, **BACKEND) as llm,
+    ):
         found = llm.collective_rpc("mla_discovery")[0]
         probe = llm.collective_rpc("delta_probe")[0]
     assert list(found["refused"]) == [f"attr:{MODEL_TENSOR}"], found["refused"]
@@ -236,7 +292,8 @@ class _Impl:
 
 
 class _AmxLikeAttention(torch.nn.Module):
-    """Shaped like vLLM's AMX MLA step: packed copies on the impl from `kv_b_proj`, whose weight it empties."""
+    """Shaped like vLLM's AMX MLA step: packed copies on the impl from `kv_b_proj`, whose weight it
+    empties."""
 
     def __init__(self, fold_into_weight: bool = False) -> None:
         super().__init__()
@@ -274,7 +331,8 @@ def test_amx_shaped_step_rederived_in_place():
     attn = model[0]
     assert attn.kv_b_proj.weight is weight and weight.numel() == 32 * 64
     assert [(t.key, t.kind, t.sources) for t in found.tensors] == [
-        ("impl.attr:packed", "rederive", ["0.kv_b_proj.weight"])]
+        ("impl.attr:packed", "rederive", ["0.kv_b_proj.weight"])
+    ]
     packed_ptr = attn.impl.packed.data_ptr()
     with torch.no_grad():
         weight.add_(1)
@@ -303,5 +361,7 @@ def test_stash_whose_layout_the_live_param_does_not_extend_is_refused():
 
     layer = torch.nn.Linear(3, 4, bias=False)
     layer.quant_method = _ReStride()
-    with pytest.raises(UnsupportedTransform, match=r"re-lays weight from \(4, 3\) \(3, 1\) to \(4, 3\) \(1, 4\)"):
+    with pytest.raises(
+        UnsupportedTransform, match=r"re-lays weight from \(4, 3\) \(3, 1\) to \(4, 3\) \(1, 4\)"
+    ):
         run_post_load(torch.nn.Sequential(layer))

@@ -9,8 +9,8 @@ every block) and row-parallel layers are column splits (their ranges span the wh
 from __future__ import annotations
 
 import torch
-
 from harness.synthetic import device_check, loaded, same_bits, tp_ranks
+
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import Ownership, check_partials, coverage
 from vllm_delta.engine.owned import owned_by_tensor, owned_ranges
@@ -37,7 +37,9 @@ def test_owned_ranges_of_synthetic_placements():
     assert owned_ranges(fallback) is None  # replayed whole: needs every position
 
 
-def write_delta(path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], blocked: bool = True) -> None:
+def write_delta(
+    path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], blocked: bool = True
+) -> None:
     """A block-indexed delta (or a `vllm-delta/1` one) with the sender's digests of the changed positions."""
     DC.write_delta(path, old, new, version=1, block_policy=SMALL, blocked=blocked)
 
@@ -59,7 +61,9 @@ def test_each_tp_rank_decodes_fewer_blocks_and_applies_bit_exact(tmp_path):
     replies = []
     for rank, (model, applier) in enumerate(tp2_appliers(tmp_path, base)):
         owned = owned_by_tensor(applier.placements)
-        embed = next(pd for pd in iter_delta(tmp_path / "d", current_version=0, owned=owned) if pd.name == EMBED)
+        embed = next(
+            pd for pd in iter_delta(tmp_path / "d", current_version=0, owned=owned) if pd.name == EMBED
+        )
         assert 0 < embed.blocks[0] < embed.blocks[1] and embed.skipped > 0  # a row split: half the blocks
         staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
         assert 0 < staged.blocks[0] < staged.blocks[1]

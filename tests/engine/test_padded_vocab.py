@@ -20,14 +20,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from torch import nn
-
 from harness.cli_diff import diff
 from harness.fresh_load import save_checkpoint
 from harness.perturb import perturb_checkpoint
 from harness.tiny_models import _common, train_tokenizer
 from harness.vllm_engine import greedy, start_llm
+from safetensors.torch import load_file
+from torch import nn
+
 from vllm_delta.engine.digests import check_coverage, check_partials, coverage, mismatches
 from vllm_delta.engine.map_check import check_map
 from vllm_delta.engine.placement import Fill
@@ -48,14 +48,19 @@ def vllm_embedding(vocab: int, hidden: int, rank: int, tp: int, device: str = "m
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     with torch.device(device):
-        return VocabParallelEmbedding(vocab, hidden, params_dtype=torch.bfloat16,
-                                      parallel_group=SimpleNamespace(rank_in_group=rank, world_size=tp))
+        return VocabParallelEmbedding(
+            vocab,
+            hidden,
+            params_dtype=torch.bfloat16,
+            parallel_group=SimpleNamespace(rank_in_group=rank, world_size=tp),
+        )
 
 
 def loader_of(module) -> callable:
     def load_weights(weights):
         for _, w in weights:
             module.weight_loader(module.weight, w)
+
     return load_weights
 
 
@@ -75,7 +80,9 @@ def test_gpt2_vocab_padding_fill_is_allowed_and_ignored_by_the_map(tp):
         (seg,) = p.segments
         assert (seg.sizes, seg.src_offset, seg.dst_offset) == ((held, hidden), first * hidden, 0)
         if held < rows:  # the padding rows, and only they, are filled (with 0)
-            assert p.fills == [Fill("w", (rows - held, hidden), held * hidden, (hidden, 1), 0, "aten.fill_.Scalar")]
+            assert p.fills == [
+                Fill("w", (rows - held, hidden), held * hidden, (hidden, 1), 0, "aten.fill_.Scalar")
+            ]
         else:
             assert p.fills == []
         replies.append({"rank": rank, "coverage": coverage(placements), "unread": [], "fallback": []})
@@ -148,8 +155,10 @@ def make_vocab_model(out: Path, tied: bool) -> Path:
     """A tiny Llama with vocab 500 (the tokenizer has fewer tokens), random bf16 weights."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(intermediate_size=256, **{**_common(), "vocab_size": VOCAB, "hidden_size": HIDDEN,
-                                                   "tie_word_embeddings": tied})
+    config = LlamaConfig(
+        intermediate_size=256,
+        **{**_common(), "vocab_size": VOCAB, "hidden_size": HIDDEN, "tie_word_embeddings": tied},
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -175,7 +184,9 @@ def make_chain(root: Path, tied: bool) -> tuple[Path, list[Path], Path]:
             weights[name][ROWS] = (torch.randn(len(ROWS), HIDDEN, generator=gen) * 0.5).to(torch.bfloat16)
     final = save_checkpoint(weights, mid, root / "final")
     deltas = []
-    for version, (old, new, encoding) in enumerate([(base, mid, "ulp_zstd"), (mid, final, "indices")], start=1):
+    for version, (old, new, encoding) in enumerate(
+        [(base, mid, "ulp_zstd"), (mid, final, "indices")], start=1
+    ):
         out = root / f"delta_v{version}"
         diff(old, new, out, encoding, version, version - 1)
         add_digests(out, load_file(old / "model.safetensors"), load_file(new / "model.safetensors"))
@@ -191,9 +202,15 @@ def add_digests(delta: Path, old: dict, new: dict) -> None:
     for p in manifest.params:
         a, b = old[p.name].reshape(-1), new[p.name].reshape(-1)
         pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
-        params.append(p.model_copy(update={"pre_digest": to_hex(partial_sum(pos, a[pos])),
-                                           "post_digest": to_hex(partial_sum(pos, b[pos])),
-                                           "digest": to_hex(tensor_sum(b))}))
+        params.append(
+            p.model_copy(
+                update={
+                    "pre_digest": to_hex(partial_sum(pos, a[pos])),
+                    "post_digest": to_hex(partial_sum(pos, b[pos])),
+                    "digest": to_hex(tensor_sum(b)),
+                }
+            )
+        )
     write_manifest(delta, manifest.model_copy(update={"params": params}))
 
 
@@ -216,11 +233,19 @@ def test_padded_vocab_engine_matches_a_fresh_load(tied, tp, tmp_path):
         base_out = greedy(llm)
         llm.collective_rpc("delta_set_peers", args=(llm.collective_rpc("delta_coverage"),))
         for version, path in enumerate(deltas, start=1):
-            request = {"id": f"v{version}", "path": str(path), "version": version, "base_version": version - 1,
-                       "files": None, "chunk_bytes": 1 << 20}
+            request = {
+                "id": f"v{version}",
+                "path": str(path),
+                "version": version,
+                "base_version": version - 1,
+                "files": None,
+                "chunk_bytes": 1 << 20,
+            }
             prepared = llm.collective_rpc("delta_prepare", args=(request,))
             assert all(r["ok"] and r["fallback"] == [] for r in prepared), prepared
-            assert check_partials(prepared) == 2 * len(load_manifest(path).params)  # counted once across ranks
+            assert check_partials(prepared) == 2 * len(
+                load_manifest(path).params
+            )  # counted once across ranks
             committed = llm.collective_rpc("delta_commit", args=(request["id"],))
             assert all(r["ok"] for r in committed), committed
         checked, bad = mismatches(llm.collective_rpc("delta_verify"))

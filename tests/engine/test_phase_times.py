@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import torch
-
 from harness.synthetic import device_check
+
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE
 

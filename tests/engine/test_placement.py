@@ -11,13 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from vllm_delta.engine.apply import DeltaApplier
+from vllm_delta.engine.probe import build_placement
 from vllm_delta.engine.staging import flat_storage
 from vllm_delta.engine.worker import DeltaWorkerExtension
-from vllm_delta.engine.probe import build_placement
 from vllm_delta.wire import DeltaWriter, VersionError, tensor_digest
 from vllm_delta.wire.errors import IncompatibleDeltaError, UnknownParamError
 
@@ -92,7 +91,10 @@ def test_probe_maps_packing_slicing_and_transpose():
     assert placements["t.weight"].covers_whole_tensor
     assert placements["scaled.weight"].fallback_reason and not placements["scaled.weight"].segments
     assert "writes parameter filled" in placements["filled.weight"].fallback_reason
-    assert all(placements[n].fallback_reason is None for n in ("q.weight", "k.weight", "v.weight", "t.weight", "norm.weight"))
+    assert all(
+        placements[n].fallback_reason is None
+        for n in ("q.weight", "k.weight", "v.weight", "t.weight", "norm.weight")
+    )
 
 
 def test_probe_never_writes_a_parameter():
@@ -118,12 +120,20 @@ def perturbed(ckpt: dict[str, torch.Tensor], names, seed: int) -> dict[str, torc
 def write_delta(path, old, new, *, version=1, base_version=0, encoding="ulp_zstd", post_hash=True):
     with DeltaWriter(path, version=version, base_version=base_version, encoding=encoding) as w:
         for n in old:
-            diff = (old[n].view(torch.int16 if old[n].dtype == torch.bfloat16 else torch.int32)
-                    != new[n].view(torch.int16 if new[n].dtype == torch.bfloat16 else torch.int32)).reshape(-1)
+            diff = (
+                old[n].view(torch.int16 if old[n].dtype == torch.bfloat16 else torch.int32)
+                != new[n].view(torch.int16 if new[n].dtype == torch.bfloat16 else torch.int32)
+            ).reshape(-1)
             pos = torch.nonzero(diff).squeeze(1)
             if pos.numel():
-                w.add(n, pos, new[n].reshape(-1)[pos], old[n].reshape(-1)[pos], shape=old[n].shape,
-                      post_hash=tensor_digest(new[n]) if post_hash else None)
+                w.add(
+                    n,
+                    pos,
+                    new[n].reshape(-1)[pos],
+                    old[n].reshape(-1)[pos],
+                    shape=old[n].shape,
+                    post_hash=tensor_digest(new[n]) if post_hash else None,
+                )
     return path
 
 
@@ -136,8 +146,9 @@ def test_apply_equals_full_load(tmp_path, encoding):
     new = perturbed(old, MAPPABLE, seed=1)
     m = loaded(old)
     applier = DeltaApplier(m, CHECKPOINT)
-    staged = applier.prepare(write_delta(tmp_path / "d", old, new, encoding=encoding), version=1,
-                             base_version=0, current_version=0)
+    staged = applier.prepare(
+        write_delta(tmp_path / "d", old, new, encoding=encoding), version=1, base_version=0, current_version=0
+    )
     assert staged.changed < staged.total_changed  # rows 0..H of shard.weight live on another rank
     applier.commit(staged, chunk_bytes=64)
     want = loaded(new)
@@ -163,7 +174,9 @@ def test_post_hash_is_checked_on_demand(tmp_path):
     new = perturbed(old, ["t.weight"], seed=3)
     m = loaded(old)
     applier = DeltaApplier(m, CHECKPOINT)
-    staged = applier.prepare(write_delta(tmp_path / "d", old, new), version=1, base_version=0, current_version=0)
+    staged = applier.prepare(
+        write_delta(tmp_path / "d", old, new), version=1, base_version=0, current_version=0
+    )
     applier.commit(staged)
     hashes = {n: h for n, (_, h) in staged.after.items()}
     assert applier.post_hash_mismatches(hashes) == (1, [])
@@ -182,8 +195,12 @@ def test_unmappable_tensor_is_served_by_replaying_its_loader(tmp_path):
     new = perturbed(old, ["scaled.weight", "q.weight"], seed=4)
     m = loaded(old)
     applier = DeltaApplier(m, CHECKPOINT, read=old.__getitem__)  # the checkpoint, for the replay's shadow
-    staged = applier.prepare(write_delta(tmp_path / "d", old, new, encoding="indices"), version=1,
-                             base_version=0, current_version=0)
+    staged = applier.prepare(
+        write_delta(tmp_path / "d", old, new, encoding="indices"),
+        version=1,
+        base_version=0,
+        current_version=0,
+    )
     assert staged.fallback_names == ["scaled.weight"]
     applier.commit(staged, chunk_bytes=1 << 20)
     want = loaded(new)
@@ -196,8 +213,12 @@ def test_unmappable_tensor_without_a_checkpoint_to_replay_is_refused(tmp_path):
     new = perturbed(old, ["scaled.weight"], seed=5)
     applier = DeltaApplier(loaded(old), CHECKPOINT)
     with pytest.raises(IncompatibleDeltaError, match="no checkpoint to replay"):
-        applier.prepare(write_delta(tmp_path / "d", old, new, encoding="ulp_zstd"), version=1,
-                        base_version=0, current_version=0)
+        applier.prepare(
+            write_delta(tmp_path / "d", old, new, encoding="ulp_zstd"),
+            version=1,
+            base_version=0,
+            current_version=0,
+        )
 
 
 class LocalWorker(DeltaWorkerExtension):

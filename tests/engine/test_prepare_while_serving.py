@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-
 from harness.engine_pool import FAULT_AT, FAULT_VERSION, write_anchor
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
@@ -33,8 +32,11 @@ def server(delta_server):
 @pytest.fixture(scope="module")
 def served(server, deltas, fresh_loader, tiny_model_factory) -> dict:
     """What the engine holds: its version and weights (checkpoint names), and a fresh load's digests."""
-    return {"version": server.status()["version"], "weights": dict(deltas.base),
-            "fresh": fresh_loader.checksums(tiny_model_factory("llama"))}
+    return {
+        "version": server.status()["version"],
+        "weights": dict(deltas.base),
+        "fresh": fresh_loader.checksums(tiny_model_factory("llama")),
+    }
 
 
 def moved(weights: dict[str, torch.Tensor], seed: int, density: float) -> dict[str, torch.Tensor]:
@@ -63,11 +65,18 @@ def is_paused(server) -> bool:
 def stream(server) -> list[int]:
     """A long greedy completion, streamed; the token ids of its chunks (a chunk may carry several
     tokens when the client reads behind the engine)."""
-    body = {"prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": STREAM_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     received: list[int] = []
-    with requests.post(f"{server.url}/v1/completions", json=body, headers=server.headers(), stream=True,
-                       timeout=300) as resp:
+    with requests.post(
+        f"{server.url}/v1/completions", json=body, headers=server.headers(), stream=True, timeout=300
+    ) as resp:
         for line in resp.iter_lines():
             if line.startswith(b"data: {"):
                 for choice in json.loads(line[6:])["choices"]:
@@ -92,8 +101,9 @@ def test_generation_continues_while_an_update_is_prepared(server, deltas, served
     for seed in range(1, UPDATES + 1):  # written up front: the updates follow each other closely
         new = moved(weights, seed=seed, density=0.5)
         version = served["version"] + seed
-        chain.append((deltas.write(f"serving{seed}", new, version=version, base_version=version - 1, old=weights),
-                      new))
+        chain.append(
+            (deltas.write(f"serving{seed}", new, version=version, base_version=version - 1, old=weights), new)
+        )
         weights = new
     counts: list[int] = []
     stop = threading.Event()
@@ -106,10 +116,14 @@ def test_generation_continues_while_an_update_is_prepared(server, deltas, served
             assert resp.status_code == 200, resp.text
             served.update(version=served["version"] + 1, weights=new)
             result = resp.json()
-            assert all(isinstance(result[key], float) for key in ("pause_s", "prepare_s")), result  # not judged
+            assert all(isinstance(result[key], float) for key in ("pause_s", "prepare_s")), (
+                result
+            )  # not judged
             seen.append(result["tokens_during_prepare"])
-            print(f"prepare_s={result['prepare_s']:.3f} pause_s={result['pause_s']:.3f} "
-                  f"tokens_during_prepare={result['tokens_during_prepare']} changed={result['changed']}")
+            print(
+                f"prepare_s={result['prepare_s']:.3f} pause_s={result['pause_s']:.3f} "
+                f"tokens_during_prepare={result['tokens_during_prepare']} changed={result['changed']}"
+            )
             if seen[-1] > 0:
                 break
     finally:
@@ -127,7 +141,9 @@ def stripped(checksums: dict[str, str]) -> dict[str, str]:
 def test_real_commit_fault_drains_the_engine_until_an_anchor(server, deltas, served):
     before = stripped(server.checksums())
     new = moved(served["weights"], seed=2, density=0.05)
-    path = deltas.write("fault", new, version=FAULT_VERSION, base_version=served["version"], old=served["weights"])
+    path = deltas.write(
+        "fault", new, version=FAULT_VERSION, base_version=served["version"], old=served["weights"]
+    )
     resp = post(server, path, FAULT_VERSION, served["version"])
     assert resp.status_code == 500 and FAULT_AT in resp.json()["error"]["message"], resp.text
 
@@ -144,15 +160,28 @@ def test_real_commit_fault_drains_the_engine_until_an_anchor(server, deltas, ser
     assert changed and changed <= set(fault["suspect"]) and FAULT_AT not in changed
 
     # A plain delta cannot repair it; the engine stays drained.
-    refused = post(server, deltas.write("after-fault", moved(new, seed=3, density=0.05),
-                                        version=FAULT_VERSION + 1, base_version=FAULT_VERSION, old=new),
-                   FAULT_VERSION + 1, None)
+    refused = post(
+        server,
+        deltas.write(
+            "after-fault",
+            moved(new, seed=3, density=0.05),
+            version=FAULT_VERSION + 1,
+            base_version=FAULT_VERSION,
+            old=new,
+        ),
+        FAULT_VERSION + 1,
+        None,
+    )
     assert refused.status_code in (400, 409, 500), refused.text
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 503 and is_paused(server)
 
     # A full anchor back to the checkpoint repairs it: serving resumes, digests equal the fresh load's.
-    repaired = post(server, write_anchor(deltas.fresh_dir("anchor"), deltas.base.items(), FAULT_VERSION + 2),
-                    FAULT_VERSION + 2, None)
+    repaired = post(
+        server,
+        write_anchor(deltas.fresh_dir("anchor"), deltas.base.items(), FAULT_VERSION + 2),
+        FAULT_VERSION + 2,
+        None,
+    )
     assert repaired.status_code == 200, repaired.text
     served.update(version=FAULT_VERSION + 2, weights=dict(deltas.base))
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 200 and not is_paused(server)

@@ -25,8 +25,22 @@ def _zeros(*shape: int) -> nn.Parameter:
 class HoleModule(nn.Module):
     """One parameter per loader; every loader but `plain` / `rows` / `via_item` / `contig` must fall back."""
 
-    LOADERS = ("plain", "rows", "via_item", "contig", "out_add", "out_cat", "adv_setitem", "bool_setitem",
-               "add_inplace", "zero_then_copy", "buffer", "probe_mul_", "plus_one", "flip")
+    LOADERS = (
+        "plain",
+        "rows",
+        "via_item",
+        "contig",
+        "out_add",
+        "out_cat",
+        "adv_setitem",
+        "bool_setitem",
+        "add_inplace",
+        "zero_then_copy",
+        "buffer",
+        "probe_mul_",
+        "plus_one",
+        "flip",
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -52,7 +66,7 @@ class HoleModule(nn.Module):
             elif name == "out_add":
                 torch.add(w, 0, out=p)
             elif name == "out_cat":
-                torch.cat([w[: N // 2], w[N // 2:]], out=p)
+                torch.cat([w[: N // 2], w[N // 2 :]], out=p)
             elif name == "adv_setitem":  # rows 2, 0, 5 (advanced indexing -> index_put_)
                 p[torch.tensor([2, 0, 5])] = w[:3]
             elif name == "bool_setitem":
@@ -86,7 +100,9 @@ def storages(m: nn.Module) -> dict[int, str]:
 def probed() -> tuple[HoleModule, dict[str, torch.Tensor], dict]:
     m = HoleModule()
     before = {n: t.clone() for n, t in [*m.named_parameters(), *m.named_buffers()]}
-    placements = build_placement(m.load_weights, storages(m), {n: (s, torch.float32) for n, s in SHAPES.items()})
+    placements = build_placement(
+        m.load_weights, storages(m), {n: (s, torch.float32) for n, s in SHAPES.items()}
+    )
     return m, before, placements
 
 
@@ -102,11 +118,16 @@ def test_unprovable_loaders_fall_back_with_no_segments(probed, name):
     assert placement.fallback_reason and placement.segments == [], placement
 
 
-@pytest.mark.parametrize("name,why", [("out_add", "aten.add.out writes parameter out_add"),
-                                      ("out_cat", "aten.cat.out writes parameter out_cat"),
-                                      ("adv_setitem", "aten.index_put_.default writes parameter adv_setitem"),
-                                      ("add_inplace", "aten.add_.Tensor writes parameter add_inplace"),
-                                      ("buffer", "neither a parameter nor the loader's own")])
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("out_add", "aten.add.out writes parameter out_add"),
+        ("out_cat", "aten.cat.out writes parameter out_cat"),
+        ("adv_setitem", "aten.index_put_.default writes parameter adv_setitem"),
+        ("add_inplace", "aten.add_.Tensor writes parameter add_inplace"),
+        ("buffer", "neither a parameter nor the loader's own"),
+    ],
+)
 def test_the_refused_write_is_named(probed, name, why):
     assert why in probed[2][name].fallback_reason
 
@@ -145,7 +166,9 @@ class BigShard(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.empty(self.ROWS // 2, self.COLS, dtype=torch.bfloat16), requires_grad=False)
+        self.w = nn.Parameter(
+            torch.empty(self.ROWS // 2, self.COLS, dtype=torch.bfloat16), requires_grad=False
+        )
 
     def load_weights(self, weights) -> None:
         for _, w in weights:
@@ -175,8 +198,9 @@ def test_a_tensor_the_loader_skips_is_unread_not_a_fallback():
                 self.p.data.copy_(w)
 
     m = Skips()
-    placements = build_placement(m.load_weights, storages(m), {"rotary.inv_freq": ((N,), torch.float32),
-                                                               "p": ((N,), torch.float32)})
+    placements = build_placement(
+        m.load_weights, storages(m), {"rotary.inv_freq": ((N,), torch.float32), "p": ((N,), torch.float32)}
+    )
     skipped = placements["rotary.inv_freq"]
     assert not skipped.read and skipped.segments == [] and skipped.fallback_reason is None
     assert placements["p"].read and placements["p"].covers_whole_tensor

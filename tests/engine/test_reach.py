@@ -6,7 +6,8 @@ becomes an ignored one and every delta to it is dropped while the commit answers
 parameters' side that is a destination the segments, fills and fallback replays reach too little of.
 Here: loaders that write (all or half of) their parameter on the first load only, as vLLM's
 reload wrapper does (after `reload_weights` its recorded loaders load nothing, so the probe that
-follows sees no write), and a parameter no checkpoint tensor feeds; against them, a plain copy, a padded parameter whose
+follows sees no write), and a parameter no checkpoint tensor feeds; against them, a plain copy, a padded
+parameter whose
 padding the loader fills, a fallback whose replay writes its parameter, and a derived parameter.
 """
 
@@ -27,7 +28,9 @@ class Loaders(nn.Module):
         self.loads: dict[str, int] = {}
         for n in names:
             rows = H + 4 if n == "padded" else H
-            self.register_parameter(n, nn.Parameter(torch.zeros(rows, H, dtype=torch.bfloat16), requires_grad=False))
+            self.register_parameter(
+                n, nn.Parameter(torch.zeros(rows, H, dtype=torch.bfloat16), requires_grad=False)
+            )
 
     def load_weights(self, weights) -> None:
         for name, w in weights:
@@ -40,7 +43,7 @@ class Loaders(nn.Module):
             elif name == "part.weight":  # its second half loads once, then nothing
                 p[: H // 2].copy_(w[: H // 2])
                 if first:
-                    p[H // 2:].copy_(w[H // 2:])
+                    p[H // 2 :].copy_(w[H // 2 :])
             elif name == "padded.weight":  # vLLM's vocab padding: a constant fill of rows no element reaches
                 p[:H].copy_(w)
                 p[H:].fill_(0)
@@ -81,6 +84,7 @@ def test_a_parameter_no_checkpoint_tensor_feeds_is_refused():
 def test_only_parameters_the_loader_says_it_loaded_are_held_to_it():
     """vLLM's models return the names they loaded: a parameter the checkpoint lacks keeps its default
     (fp8's `k_scale`) and is not refused; one the loader claims but the probe saw short still is."""
+
     class Claiming(Loaders):
         def load_weights(self, weights):
             weights = list(weights)
@@ -97,7 +101,14 @@ def test_only_parameters_the_loader_says_it_loaded_are_held_to_it():
 
 
 def test_derived_parameter_names():
-    keys = [("model.layers.0.attn", "param:W_UV"), ("model.layers.0.attn", "kv_b_proj.param:weight"),
-            ("model.layers.0.attn", "impl.attr:_w_uk_packed"), ("", "param:lm_head_sum")]
-    assert reach.derived_params(keys) == {"model.layers.0.attn.W_UV", "model.layers.0.attn.kv_b_proj.weight",
-                                          "lm_head_sum"}
+    keys = [
+        ("model.layers.0.attn", "param:W_UV"),
+        ("model.layers.0.attn", "kv_b_proj.param:weight"),
+        ("model.layers.0.attn", "impl.attr:_w_uk_packed"),
+        ("", "param:lm_head_sum"),
+    ]
+    assert reach.derived_params(keys) == {
+        "model.layers.0.attn.W_UV",
+        "model.layers.0.attn.kv_b_proj.weight",
+        "lm_head_sum",
+    }

@@ -24,10 +24,17 @@ from torch import nn
 
 from vllm_delta.engine import apply, stager
 from vllm_delta.engine.apply import DeltaApplier
-from vllm_delta.engine.digests import Ownership, check_coverage, check_partials, contains, lattice, segment_chunks
+from vllm_delta.engine.digests import (
+    Ownership,
+    check_coverage,
+    check_partials,
+    contains,
+    lattice,
+    segment_chunks,
+)
 from vllm_delta.engine.owned import owned_ranges
 from vllm_delta.engine.placement import Segment, TensorPlacement
-from vllm_delta.wire import DeltaWriter, ENCODINGS, load_manifest, write_manifest
+from vllm_delta.wire import ENCODINGS, DeltaWriter, load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, to_hex
 
 BF16 = torch.bfloat16
@@ -79,7 +86,7 @@ class WindowedModule(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        for name, (first, view) in WINDOWS.items():
+        for name, (_, view) in WINDOWS.items():
             shape = view(torch.empty(2, C, device="meta")).shape
             self.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=BF16), requires_grad=False))
 
@@ -103,7 +110,10 @@ def loaded(checkpoint: Callable[[torch.Tensor], torch.Tensor]) -> WindowedModule
 
 def held_positions() -> torch.Tensor:
     """Every checkpoint position some window holds, sorted (the views' ids, computed by hand)."""
-    ids = [view(torch.arange(first * C, (first + 2) * C).view(2, C)).reshape(-1) for first, view in WINDOWS.values()]
+    ids = [
+        view(torch.arange(first * C, (first + 2) * C).view(2, C)).reshape(-1)
+        for first, view in WINDOWS.values()
+    ]
     return torch.cat(ids).unique()
 
 
@@ -123,9 +133,13 @@ def write_delta(path, encoding: str) -> None:
     with DeltaWriter(path, version=1, base_version=0, encoding=encoding) as w:
         w.add(NAME, positions, new(positions), base(positions), shape=(R, C))
     mine = positions[torch.isin(positions, held_positions())]
-    update = dict(pre_digest=to_hex(partial_sum(mine, base(mine))), post_digest=to_hex(partial_sum(mine, new(mine))))
+    update = dict(
+        pre_digest=to_hex(partial_sum(mine, base(mine))), post_digest=to_hex(partial_sum(mine, new(mine)))
+    )
     manifest = load_manifest(path)
-    write_manifest(path, manifest.model_copy(update={"params": [p.model_copy(update=update) for p in manifest.params]}))
+    write_manifest(
+        path, manifest.model_copy(update={"params": [p.model_copy(update=update) for p in manifest.params]})
+    )
 
 
 def test_the_probe_learns_segments_past_2_to_the_33():
@@ -189,25 +203,42 @@ def test_coverage_across_ranks_past_2_to_the_32():
 
 # ---- parameters on meta with more than 2^31 storage elements ----------------------------------
 
-def meta_param(storage_elements: int, offset: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> nn.Parameter:
+
+def meta_param(
+    storage_elements: int, offset: int, shape: tuple[int, ...], strides: tuple[int, ...]
+) -> nn.Parameter:
     storage = torch.empty(storage_elements, dtype=BF16, device="meta")
     return nn.Parameter(storage.as_strided(shape, strides, offset), requires_grad=False)
 
 
-def staged_offsets(tmp_path, model: nn.Module, checkpoint, placements, positions: dict[str, torch.Tensor],
-                   encoding: str) -> dict[str, torch.Tensor]:
+def staged_offsets(
+    tmp_path, model: nn.Module, checkpoint, placements, positions: dict[str, torch.Tensor], encoding: str
+) -> dict[str, torch.Tensor]:
     """Prepare and commit on meta; returns each target's staged storage offsets, in staging order."""
     with DeltaWriter(tmp_path / encoding, version=1, base_version=0, encoding=encoding) as w:
         for name, pos in positions.items():
-            w.add(name, pos, values(pos, 1), values(pos, 1).view(torch.int16).add(1).view(BF16),
-                  shape=checkpoint[name][0])
+            w.add(
+                name,
+                pos,
+                values(pos, 1),
+                values(pos, 1).view(torch.int16).add(1).view(BF16),
+                shape=checkpoint[name][0],
+            )
     applier = DeltaApplier(model, checkpoint, _never, placements=placements)
-    # Located on the host, so the offsets cross (test_device_locate checks the device path's locate equal to it).
-    with OpLog() as prepared, mock.patch.object(apply, "on_device", lambda device: False), \
-            mock.patch.object(stager, "on_device", lambda device: False):
+    # Located on the host, so the offsets cross (test_device_locate checks the device path's locate equal to
+    # it).
+    with (
+        OpLog() as prepared,
+        mock.patch.object(apply, "on_device", lambda device: False),
+        mock.patch.object(stager, "on_device", lambda device: False),
+    ):
         staged = applier.prepare(tmp_path / encoding, version=1, base_version=0, current_version=0)
     # Staged on the parameter's device (meta, no values): read the offsets as they crossed to it.
-    crossed = [op.inputs[0] for op in prepared.copies("cpu", "meta") if op.inputs[0].dtype in (torch.int32, torch.int64)]
+    crossed = [
+        op.inputs[0]
+        for op in prepared.copies("cpu", "meta")
+        if op.inputs[0].dtype in (torch.int32, torch.int64)
+    ]
     out = {}
     for target, chunks in staged.writes.items():
         assert all(c.offsets.device.type == "meta" for c in chunks)
@@ -221,7 +252,9 @@ def staged_offsets(tmp_path, model: nn.Module, checkpoint, placements, positions
     for op in log.named("index_copy_"):  # the scatter's index keeps the width too
         flat, index = op.inputs[0], op.inputs[1]
         assert index.dtype == torch.int64 or flat.untyped_storage().nbytes() // flat.element_size() < 1 << 31
-    assert sum(op.inputs[1].numel() for op in log.named("index_copy_")) == sum(t.numel() for t in out.values())
+    assert sum(op.inputs[1].numel() for op in log.named("index_copy_")) == sum(
+        t.numel() for t in out.values()
+    )
     return out
 
 
@@ -229,8 +262,9 @@ def _never(weights) -> None:
     raise AssertionError("the placements are given: the loader must not run")
 
 
-def whole(target: str, shape: tuple[int, ...], dst_offset: int = 0, dst_strides: tuple[int, ...] | None = None
-          ) -> Segment:
+def whole(
+    target: str, shape: tuple[int, ...], dst_offset: int = 0, dst_strides: tuple[int, ...] | None = None
+) -> Segment:
     src_strides = (shape[1], 1) if len(shape) == 2 else (1,)
     return Segment(target, shape, 0, src_strides, dst_offset, dst_strides or src_strides)
 
@@ -241,10 +275,14 @@ def test_staged_offsets_are_exact_past_2_to_the_33_on_meta(tmp_path, encoding):
     model.w = meta_param(NUMEL, 0, (R, C), (C, 1))
     model.t = meta_param(NUMEL, 0, (R, C), (1, R))  # stored transposed: offset (p % C) * R + p // C
     checkpoint = {"w.weight": ((R, C), BF16), "t.weight": ((R, C), BF16)}
-    placements = {"w.weight": TensorPlacement("w.weight", (R, C), BF16, [whole("w", (R, C))]),
-                  "t.weight": TensorPlacement("t.weight", (R, C), BF16, [whole("t", (R, C), 0, (1, R))])}
+    placements = {
+        "w.weight": TensorPlacement("w.weight", (R, C), BF16, [whole("w", (R, C))]),
+        "t.weight": TensorPlacement("t.weight", (R, C), BF16, [whole("t", (R, C), 0, (1, R))]),
+    }
     pos = torch.tensor([0, *EDGES])
-    got = staged_offsets(tmp_path, model, checkpoint, placements, {"w.weight": pos, "t.weight": pos}, encoding)
+    got = staged_offsets(
+        tmp_path, model, checkpoint, placements, {"w.weight": pos, "t.weight": pos}, encoding
+    )
     assert got["w"].dtype == torch.int64 and torch.equal(got["w"], pos)
     assert got["t"].dtype == torch.int64 and torch.equal(got["t"], (pos % C) * R + pos // C)
 
@@ -258,11 +296,19 @@ def test_int32_offsets_only_below_2_to_the_31_storage_elements(tmp_path):
     model.above = meta_param((1 << 31) + n, 1 << 31, (n,), (1,))  # first offset 2^31
     model.far = meta_param((1 << 32) + n, 1 << 32, (n,), (1,))  # first offset 2^32
     checkpoint = {f"{t}.weight": ((n,), BF16) for t in ("below", "at", "above", "far")}
-    placements = {name: TensorPlacement(name, (n,), BF16, [whole(name.split(".")[0], (n,),
-                                                                 getattr(model, name.split(".")[0]).storage_offset())])
-                  for name in checkpoint}
+    placements = {
+        name: TensorPlacement(
+            name,
+            (n,),
+            BF16,
+            [whole(name.split(".")[0], (n,), getattr(model, name.split(".")[0]).storage_offset())],
+        )
+        for name in checkpoint
+    }
     pos = torch.tensor([0, 1, *range(7, n - 2, 7), n - 2, n - 1])
-    got = staged_offsets(tmp_path, model, checkpoint, placements, {name: pos for name in checkpoint}, "indices")
+    got = staged_offsets(
+        tmp_path, model, checkpoint, placements, {name: pos for name in checkpoint}, "indices"
+    )
     for target in ("below", "at", "above", "far"):
         start = getattr(model, target).storage_offset()
         assert torch.equal(got[target].to(torch.int64), pos + start), target

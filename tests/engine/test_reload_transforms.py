@@ -105,13 +105,23 @@ def reload(model: Model, weights: dict[str, torch.Tensor]) -> None:
 def served(model: Model) -> dict[str, torch.Tensor]:
     """What each layer's forward would read."""
     layers = model.layers
-    return {"repack": layers["repack"].packed(), "pad": layers["pad"].weight.data,
-            "swap": layers["swap"].weight.data, "derive": layers["derive"].W_UV}
+    return {
+        "repack": layers["repack"].packed(),
+        "pad": layers["pad"].weight.data,
+        "swap": layers["swap"].weight.data,
+        "derive": layers["derive"].W_UV,
+    }
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    return [k for k in a if not (a[k].shape == b[k].shape and torch.equal(a[k].view(-1).view(torch.uint8),
-                                                                         b[k].view(-1).view(torch.uint8)))]
+    return [
+        k
+        for k in a
+        if not (
+            a[k].shape == b[k].shape
+            and torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8))
+        )
+    ]
 
 
 @pytest.fixture
@@ -140,10 +150,16 @@ def commit(model: Model, weights: dict[str, torch.Tensor]) -> None:
 def test_reload_then_delta_is_bitexact_with_a_fresh_load(hooks):
     base, final = checkpoint(0), checkpoint(1)
     model = started(final)
-    assert transformed(model) == {"layers.pad": "rerun", "layers.swap": "permutation", "layers.derive": "rerun",
-                                  "layers.repack": "rerun"}
+    assert transformed(model) == {
+        "layers.pad": "rerun",
+        "layers.swap": "permutation",
+        "layers.derive": "rerun",
+        "layers.repack": "rerun",
+    }
     live_before = dict(model.named_parameters())
-    stash_before = {k: getattr(model.layers[k], canonical_weights.STASH_ATTR, {}).get("weight") for k in KINDS}
+    stash_before = {
+        k: getattr(model.layers[k], canonical_weights.STASH_ATTR, {}).get("weight") for k in KINDS
+    }
 
     reload(model, base)
     assert same(served(model), served(started(base))) == []
@@ -159,7 +175,9 @@ def test_reload_then_delta_is_bitexact_with_a_fresh_load(hooks):
     commit(model, final)
     canonical_weights.refresh([m for m in model.modules() if canonical_weights.needs_refresh(m)])
     assert same(served(model), served(started(final))) == []
-    assert torch.equal(model.layers["repack"].weight, final["layers.repack.weight"])  # digests see real weights
+    assert torch.equal(
+        model.layers["repack"].weight, final["layers.repack.weight"]
+    )  # digests see real weights
 
 
 def test_stock_reload_of_a_given_back_weight_is_the_reported_crash(monkeypatch):
@@ -174,7 +192,11 @@ def pointers(model: nn.Module) -> dict[str, int]:
     """data_ptr of every tensor each module holds itself (params, buffers, tensor attributes)."""
     out = {}
     for name, m in model.named_modules():
-        held = {**m._parameters, **m._buffers, **{k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}}
+        held = {
+            **m._parameters,
+            **m._buffers,
+            **{k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)},
+        }
         out.update({f"{name}.{k}": t.data_ptr() for k, t in held.items() if t is not None})
     return out
 

@@ -33,8 +33,10 @@ class Sharded(nn.Parameter):
 class Fp8Linear(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        for name, shape, dtype in (("weight", (N, K // TP), FP8), ("weight_scale_inv", (N // 128, K // TP // 128),
-                                                                     torch.float32)):
+        for name, shape, dtype in (
+            ("weight", (N, K // TP), FP8),
+            ("weight_scale_inv", (N // 128, K // TP // 128), torch.float32),
+        ):
             p = Sharded(torch.zeros(shape, dtype=dtype), requires_grad=False)
             p.weight_loader = self.weight_loader  # a bound method, as vLLM's layers give theirs
             self.register_parameter(name, p)
@@ -59,8 +61,10 @@ class Model(nn.Module):
 
 def checkpoint() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"proj.weight": torch.randn(N, K, generator=g).to(FP8),
-            "proj.weight_scale_inv": torch.rand(N // 128, K // 128, generator=g)}
+    return {
+        "proj.weight": torch.randn(N, K, generator=g).to(FP8),
+        "proj.weight_scale_inv": torch.rand(N // 128, K // 128, generator=g),
+    }
 
 
 def served(relayout=lambda w: w.view(torch.uint8).flip(1).view(FP8)) -> tuple[Model, dict[str, torch.Tensor]]:
@@ -73,16 +77,25 @@ def served(relayout=lambda w: w.view(torch.uint8).flip(1).view(FP8)) -> tuple[Mo
     record_metadata_for_reloading(model)
     ckpt = checkpoint()
     model.load_weights(ckpt.items())
-    replace_parameter(model.proj, "weight", nn.Parameter(relayout(model.proj.weight.data), requires_grad=False))
-    replace_parameter(model.proj, "weight_scale_inv",
-                      nn.Parameter(model.proj.weight_scale_inv.data.contiguous(), requires_grad=False))
+    replace_parameter(
+        model.proj, "weight", nn.Parameter(relayout(model.proj.weight.data), requires_grad=False)
+    )
+    replace_parameter(
+        model.proj,
+        "weight_scale_inv",
+        nn.Parameter(model.proj.weight_scale_inv.data.contiguous(), requires_grad=False),
+    )
     assert type(model.proj.weight) is nn.Parameter and not hasattr(model.proj.weight, "weight_loader")
     return model, ckpt
 
 
 def applier(model: Model, ckpt: dict[str, torch.Tensor], **kwargs) -> DeltaApplier:
-    return DeltaApplier(model, {n: (tuple(t.shape), t.dtype) for n, t in ckpt.items()},
-                        read=lambda n: ckpt[n].clone(), **kwargs)
+    return DeltaApplier(
+        model,
+        {n: (tuple(t.shape), t.dtype) for n, t in ckpt.items()},
+        read=lambda n: ckpt[n].clone(),
+        **kwargs,
+    )
 
 
 def test_replaced_parameters_are_probed_with_their_model_format_loaders():
@@ -93,10 +106,13 @@ def test_replaced_parameters_are_probed_with_their_model_format_loaders():
     assert a.refused == {} and a.fallback_tensors == {}
     # Rank 1's half of the columns, as the Parameter class slices them (a default loader copies all).
     shard = K // TP
-    assert placements["proj.weight"].segments == [Segment("proj.weight", (N, shard), shard, (K, 1), 0, (shard, 1))]
+    assert placements["proj.weight"].segments == [
+        Segment("proj.weight", (N, shard), shard, (K, 1), 0, (shard, 1))
+    ]
     cols = shard // 128
     assert placements["proj.weight_scale_inv"].segments == [
-        Segment("proj.weight_scale_inv", (N // 128, cols), cols, (K // 128, 1), 0, (cols, 1))]
+        Segment("proj.weight_scale_inv", (N // 128, cols), cols, (K // 128, 1), 0, (cols, 1))
+    ]
     assert dict(model.named_parameters()) == live  # the live objects are back
 
 
@@ -104,14 +120,17 @@ def test_without_the_model_format_the_replaced_loaders_are_refused():
     """The mutation this guards against: the probe given the live (replaced) parameters."""
     model, ckpt = served()
     a = applier(model, ckpt, load_weights=model.load_weights)
-    a.placements
+    _ = a.placements
     assert sorted(a.refused) == ["proj.weight", "proj.weight_scale_inv"]
 
 
 def test_loaders_wrapped_by_a_reload_are_unwrapped():
     """vLLM's `reload_weights` registers the recorded tensors themselves and wraps their loaders in an
     `online_process_loader`, which loads nothing once the reload is over: a stand-in must not carry it."""
-    from vllm.model_executor.model_loader.reload.layerwise import (get_layerwise_info, initialize_online_processing)
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        get_layerwise_info,
+        initialize_online_processing,
+    )
     from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
 
     model, ckpt = served()
@@ -130,7 +149,7 @@ def test_loaders_wrapped_by_a_reload_are_unwrapped():
 def test_a_replaced_parameter_whose_layout_changed_is_refused_at_startup_naming_the_module():
     model, ckpt = served(relayout=lambda w: w.t())  # as Marlin's (K, N) canonicalization
     a = applier(model, ckpt)
-    a.placements  # the startup probe (the route runs it in the background)
+    _ = a.placements  # the startup probe (the route runs it in the background)
     status = a.placement_status()
     assert sorted(status["refused"]) == ["proj.weight"], status["refused"]
     why = status["refused"]["proj.weight"]

@@ -21,8 +21,12 @@ from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from vllm_delta.engine.cli_args import WORKER_EXTENSION, api_keys, existing_dir
-from vllm_delta.engine.request import (DeltaUpdateRequest, NotADeltaDirError, OutsideRootError,
-                                       resolve_version_dir)
+from vllm_delta.engine.request import (
+    DeltaUpdateRequest,
+    NotADeltaDirError,
+    OutsideRootError,
+    resolve_version_dir,
+)
 from vllm_delta.engine.routes import DeltaUpdater
 from vllm_delta.plugin import DeltaUpdatesEndpoint
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
@@ -32,11 +36,16 @@ from vllm_delta.weight_transfer.worker_engine import DeltaWeightTransferEngine
 KEY = "route-guard-key"
 OTHER_KEY = "second-key"
 # Every delta route, with a body it would otherwise accept for parsing.
-ROUTES = [("POST", "/update_weights_delta", {"path": "v1", "version": 1, "base_version": 0}),
-          ("POST", "/delta_updates/collective/init", {"master_addr": "10.0.0.1", "master_port": 29500,
-                                                       "world_size": 2}),
-          ("POST", "/delta_updates/verify", None),
-          ("GET", "/delta_updates/status", None)]
+ROUTES = [
+    ("POST", "/update_weights_delta", {"path": "v1", "version": 1, "base_version": 0}),
+    (
+        "POST",
+        "/delta_updates/collective/init",
+        {"master_addr": "10.0.0.1", "master_port": 29500, "world_size": 2},
+    ),
+    ("POST", "/delta_updates/verify", None),
+    ("GET", "/delta_updates/status", None),
+]
 
 
 class UnreachedEngine:
@@ -72,8 +81,14 @@ def outside(tmp_path) -> Path:
 @pytest.fixture
 def served(root):
     """The plugin's router on an in-process app: (client, updater, engine), keys `KEY` and `OTHER_KEY`."""
-    args = Namespace(enable_delta_updates=True, delta_updates_root=root, worker_extension_cls=WORKER_EXTENSION,
-                     api_key=[KEY, OTHER_KEY], api_server_count=1, data_parallel_size=1)
+    args = Namespace(
+        enable_delta_updates=True,
+        delta_updates_root=root,
+        worker_extension_cls=WORKER_EXTENSION,
+        api_key=[KEY, OTHER_KEY],
+        api_server_count=1,
+        data_parallel_size=1,
+    )
     app = FastAPI()
     app.state.args = args
     DeltaUpdatesEndpoint().attach_router(app)
@@ -87,8 +102,11 @@ def served(root):
 
 def post_update(client: TestClient, path: str, headers: dict | None = None):
     body = {"path": path, "version": 1, "base_version": 0}
-    return client.post("/update_weights_delta", json=body, headers={"Authorization": f"Bearer {KEY}"}
-                       if headers is None else headers)
+    return client.post(
+        "/update_weights_delta",
+        json=body,
+        headers={"Authorization": f"Bearer {KEY}"} if headers is None else headers,
+    )
 
 
 def error_of(resp, status: int, type_: str) -> dict:
@@ -142,10 +160,13 @@ def test_a_valid_key_passes_the_guard(served, header):
 def test_no_configured_key_means_no_key_check(root):
     """Keyless servers are allowed only on loopback or in dev mode (checked at parse time, test_security)."""
     updater = DeltaUpdater(UnreachedEngine(), root, 1 << 20, [])
-    updater.authorize(Request({"type": "http", "method": "POST", "path": "/update_weights_delta", "headers": []}))
+    updater.authorize(
+        Request({"type": "http", "method": "POST", "path": "/update_weights_delta", "headers": []})
+    )
 
 
 # ---- path confinement through the route ---------------------------------------------------------
+
 
 def escaping_paths(root: Path, outside: Path) -> dict[str, str]:
     """Each way out of the root, built on disk: name -> the request's `path`.
@@ -160,13 +181,23 @@ def escaping_paths(root: Path, outside: Path) -> dict[str, str]:
     (root / "v-linked-file" / "manifest.json").symlink_to(outside / "manifest.json")
     (root / "v-linked-dir-entry").mkdir()
     (root / "v-linked-dir-entry" / "sub").symlink_to(outside, target_is_directory=True)
-    return {"absolute-outside": str(outside), "dotdot": f"../{outside.name}",
-            "dotdot-via-subdir": f"v1/../../{outside.name}", "dotdot-via-link": f"link-out/../{outside.name}",
-            "root-parent": "..", "etc": "/etc", "symlinked-dir": "link-out", "symlinked-dir-inside": "link-out/.",
-            "entry-links-out": "v-linked-file", "dir-entry-links-out": "v-linked-dir-entry",
-            "absolute-dotdot": f"{root}/../{outside.name}", "empty-absolute": str(empty),
-            "empty-dotdot": f"../{empty.name}", "empty-dotdot-via-subdir": f"v1/../../{empty.name}",
-            "empty-symlinked": "link-empty"}
+    return {
+        "absolute-outside": str(outside),
+        "dotdot": f"../{outside.name}",
+        "dotdot-via-subdir": f"v1/../../{outside.name}",
+        "dotdot-via-link": f"link-out/../{outside.name}",
+        "root-parent": "..",
+        "etc": "/etc",
+        "symlinked-dir": "link-out",
+        "symlinked-dir-inside": "link-out/.",
+        "entry-links-out": "v-linked-file",
+        "dir-entry-links-out": "v-linked-dir-entry",
+        "absolute-dotdot": f"{root}/../{outside.name}",
+        "empty-absolute": str(empty),
+        "empty-dotdot": f"../{empty.name}",
+        "empty-dotdot-via-subdir": f"v1/../../{empty.name}",
+        "empty-symlinked": "link-empty",
+    }
 
 
 def test_paths_outside_the_root_are_403_and_reach_nothing(served, root, outside):
@@ -177,8 +208,9 @@ def test_paths_outside_the_root_are_403_and_reach_nothing(served, root, outside)
     assert engine.touched == []
 
 
-@pytest.mark.parametrize("path,reason", [("missing", "not a directory"), ("v1/manifest.json", "not a directory"),
-                                         ("v1\0", "NUL")])
+@pytest.mark.parametrize(
+    "path,reason", [("missing", "not a directory"), ("v1/manifest.json", "not a directory"), ("v1\0", "NUL")]
+)
 def test_paths_under_the_root_that_are_no_directory_are_400(served, path, reason):
     client, _, engine = served
     error = error_of(post_update(client, path), 400, "NotADeltaDirectory")
@@ -190,13 +222,17 @@ def test_paths_under_the_root_that_are_no_directory_are_400(served, path, reason
 def test_file_names_that_leave_the_version_directory_are_400(served, name):
     client, _, engine = served
     body = {"path": "v1", "version": 1, "base_version": 0, "files": [name]}
-    error = error_of(client.post("/update_weights_delta", json=body, headers={"Authorization": f"Bearer {KEY}"}),
-                     400, "InvalidRequest")
+    error = error_of(
+        client.post("/update_weights_delta", json=body, headers={"Authorization": f"Bearer {KEY}"}),
+        400,
+        "InvalidRequest",
+    )
     assert error["message"].startswith("files")
     assert engine.touched == []
 
 
 # ---- path confinement: what resolves, and to where ------------------------------------------------
+
 
 def test_a_relative_path_is_taken_under_the_root_never_the_working_directory(root, outside, monkeypatch):
     monkeypatch.chdir(outside.parent)  # the working directory holds `escaped` and a decoy `v1`
@@ -210,8 +246,15 @@ def test_paths_that_stay_under_the_root_resolve_to_their_real_directory(root):
     (root / "link-in").symlink_to(root / "v1", target_is_directory=True)
     (root / "v2").mkdir()
     (root / "v2" / "manifest.json").symlink_to(root / "v1" / "manifest.json")  # a link that stays inside
-    for path, real in {"v1": "v1", "./v1": "v1", str(root / "v1"): "v1", "v2/../v1": "v1", "link-in": "v1",
-                       "v2": "v2", f"{root}/v2/../v2": "v2"}.items():
+    for path, real in {
+        "v1": "v1",
+        "./v1": "v1",
+        str(root / "v1"): "v1",
+        "v2/../v1": "v1",
+        "link-in": "v1",
+        "v2": "v2",
+        f"{root}/v2/../v2": "v2",
+    }.items():
         assert resolve_version_dir(path, root) == root / real, path
 
 
@@ -226,6 +269,7 @@ def test_the_root_is_compared_by_component_not_by_prefix(root):
 
 
 # ---- the `delta` weight-transfer backend: the same confinement on the worker side -----------------
+
 
 def test_native_backend_confines_paths_to_its_root(root, outside, monkeypatch):
     """The worker resolves `update_info.path` under `VLLM_DELTA_UPDATES_ROOT` before anything opens it,

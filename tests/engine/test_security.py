@@ -29,10 +29,16 @@ TRAINERS = ["10.9.8.0/24", "trainer.example"]
 
 # ---- one server: body cap, collective allowlist, safe file opening ------------------------------
 
+
 @pytest.fixture(scope="module")
 def guarded(serve_deltas, tiny_model_factory, delta_root, tmp_path_factory) -> Iterator:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    extra = ["--delta-updates-max-body-bytes", str(MAX_BODY), "--delta-updates-collective-trainers", *TRAINERS]
+    extra = [
+        "--delta-updates-max-body-bytes",
+        str(MAX_BODY),
+        "--delta-updates-collective-trainers",
+        *TRAINERS,
+    ]
     with serve_deltas(tiny_model_factory("llama"), delta_root, log, extra) as server:
         yield server
 
@@ -70,17 +76,28 @@ def test_body_over_the_cap_is_refused(guarded, deltas, baseline):
         yield padded[:1000]
         yield padded[1000:]
 
-    resp = requests.post(f"{guarded.url}/update_weights_delta", data=chunked(), timeout=60,
-                         headers={"Content-Type": "application/json", **guarded.headers()})
+    resp = requests.post(
+        f"{guarded.url}/update_weights_delta",
+        data=chunked(),
+        timeout=60,
+        headers={"Content-Type": "application/json", **guarded.headers()},
+    )
     refused(resp, 413, "RequestTooLarge")
     assert_unchanged(guarded, baseline)
 
 
 def collective_init(server, **overrides) -> requests.Response:
-    body = {"master_addr": "10.9.8.7", "master_port": 29555, "world_size": 2, "backend": "gloo",
-            "timeout_s": 1, **overrides}
-    return requests.post(f"{server.url}/delta_updates/collective/init", json=body, headers=server.headers(),
-                         timeout=120)
+    body = {
+        "master_addr": "10.9.8.7",
+        "master_port": 29555,
+        "world_size": 2,
+        "backend": "gloo",
+        "timeout_s": 1,
+        **overrides,
+    }
+    return requests.post(
+        f"{server.url}/delta_updates/collective/init", json=body, headers=server.headers(), timeout=120
+    )
 
 
 @pytest.mark.parametrize("addr", ["10.1.2.3", "::ffff:10.1.2.3", "trainer.example.evil", "attacker"])

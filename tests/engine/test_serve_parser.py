@@ -10,15 +10,16 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from harness.s3_server import s3_env, s3_server  # noqa: F401  (fixtures: a real local store)
+
 from vllm_delta.engine import cli_args
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
 
 @pytest.fixture
 def serve_parser(monkeypatch):
-    """`parse(*argv)`: `vllm serve`'s parser on `model *argv`, with no dev mode and no key in the environment."""
+    """`parse(*argv)`: `vllm serve`'s parser on `model *argv`, with no dev mode and no key in the
+    environment."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -48,15 +49,23 @@ REFUSED = {
     "data-parallel": (["--api-key", "k", "--data-parallel-size", "2"], {}, "--data-parallel-size 2"),
     "eplb": (["--api-key", "k", "--enable-eplb"], {}, "--enable-eplb"),
     "bad-trainer": (["--api-key", "k", "--delta-updates-collective-trainers", "a b"], {}, "host name"),
-    "two-doors": (["--api-key", "k", "--weight-transfer-config", '{"backend": "delta"}'], {},
-                  "cannot serve the same engine: choose one"),
+    "two-doors": (
+        ["--api-key", "k", "--weight-transfer-config", '{"backend": "delta"}'],
+        {},
+        "cannot serve the same engine: choose one",
+    ),
 }
 
 
 NATIVE_REFUSED = {
-    "data-parallel": (["--data-parallel-size", "2", "--api-server-count", "1"], "DPLBAsyncMPClient.call_utility_async"),
-    "api-server-count": (["--api-server-count", "2"], "the `delta` weight-transfer backend cannot run with "
-                                                      "--api-server-count 2"),
+    "data-parallel": (
+        ["--data-parallel-size", "2", "--api-server-count", "1"],
+        "DPLBAsyncMPClient.call_utility_async",
+    ),
+    "api-server-count": (
+        ["--api-server-count", "2"],
+        "the `delta` weight-transfer backend cannot run with --api-server-count 2",
+    ),
 }
 
 
@@ -109,8 +118,9 @@ def test_safe_command_lines_parse(serve_parser, delta_flags, monkeypatch, case):
     flags, env = ALLOWED[case]
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    args = serve_parser(*delta_flags, *flags, "--delta-updates-collective-trainers", "10.0.0.0/8", "::1",
-                        "trainer-0")
+    args = serve_parser(
+        *delta_flags, *flags, "--delta-updates-collective-trainers", "10.0.0.0/8", "::1", "trainer-0"
+    )
     assert args.enable_delta_updates and args.delta_updates_max_body_bytes == cli_args.DEFAULT_MAX_BODY_BYTES
     assert args.delta_updates_collective_trainers == ["10.0.0.0/8", "::1", "trainer-0"]
 
@@ -142,7 +152,9 @@ def test_a_bad_store_root_is_refused_at_parse_time(serve_parser, s3_env, monkeyp
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exc:
-        serve_parser("--enable-delta-updates", "--delta-updates-root", url or s3_env.url("serve"), "--api-key", "k")
+        serve_parser(
+            "--enable-delta-updates", "--delta-updates-root", url or s3_env.url("serve"), "--api-key", "k"
+        )
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err
@@ -154,7 +166,10 @@ def test_the_staging_bound_flag_and_its_deprecated_alias(serve_parser, delta_fla
     does, for one release, with a warning naming the new flag."""
     flags = [*delta_flags, "--api-key", "k"]
     assert serve_parser(*flags).delta_updates_max_staged_bytes == cli_args.DEFAULT_MAX_STAGED_BYTES
-    assert serve_parser(*flags, "--delta-updates-max-staged-bytes", "4096").delta_updates_max_staged_bytes == 4096
+    assert (
+        serve_parser(*flags, "--delta-updates-max-staged-bytes", "4096").delta_updates_max_staged_bytes
+        == 4096
+    )
     with pytest.warns(FutureWarning, match="--delta-updates-max-staged-bytes"):
         args = serve_parser(*flags, "--delta-updates-chunk-bytes", "8192")
     assert args.delta_updates_max_staged_bytes == 8192 and not hasattr(args, "delta_updates_chunk_bytes")

@@ -24,13 +24,29 @@ import pytest
 import requests
 import torch
 import zstandard
-
 from harness.engine_pool import API_KEY
+
+from vllm_delta.wire import (
+    BoundsError,
+    DtypeMismatchError,
+    FormatError,
+    IncompleteDeltaError,
+    IntegrityError,
+    LimitError,
+    Manifest,
+    ParamChange,
+    ParamEntry,
+    ShapeMismatchError,
+    UnknownParamError,
+    bytes_digest,
+    encode_flush,
+    file_entry,
+    flush_name,
+    get_encoding,
+    read_delta,
+    write_manifest,
+)
 from vllm_delta.wire.additive import combine, partial_sum, tensor_sum, to_hex
-from vllm_delta.wire import (BoundsError, DtypeMismatchError, FormatError, IncompleteDeltaError, IntegrityError,
-                             LimitError, Manifest, ParamChange, ParamEntry, ShapeMismatchError, UnknownParamError,
-                             bytes_digest, encode_flush, file_entry, flush_name, get_encoding, read_delta,
-                             write_manifest)
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 
@@ -52,8 +68,14 @@ class Served:
     hashed: set[str] = field(default_factory=set)  # params an applied update stated a post_hash for
     digested: set[str] = field(default_factory=set)  # ... and a whole-tensor additive digest
 
-    def next(self, deltas, label: str, names: list[str], seed: int, encoding: str = "ulp_zstd",
-             ) -> tuple[Path, dict[str, torch.Tensor]]:
+    def next(
+        self,
+        deltas,
+        label: str,
+        names: list[str],
+        seed: int,
+        encoding: str = "ulp_zstd",
+    ) -> tuple[Path, dict[str, torch.Tensor]]:
         """A valid delta from the served weights to new ones (5% of `names`' elements one ULP up),
         at the next version on this one."""
         gen = torch.Generator().manual_seed(seed)
@@ -63,8 +85,14 @@ class Served:
             bits = t.view(-1).view(torch.int16)
             bits[torch.rand(bits.shape, generator=gen) < 0.05] += 1
             new[name] = t
-        d = deltas.write(label, new, version=self.version + 1, base_version=self.version, encoding=encoding,
-                         old=self.weights)
+        d = deltas.write(
+            label,
+            new,
+            version=self.version + 1,
+            base_version=self.version,
+            encoding=encoding,
+            old=self.weights,
+        )
         return d, new
 
     def body(self, d: Path) -> dict:
@@ -107,14 +135,27 @@ def crafted(deltas, served: Served, label: str, positions: list[int], name: str 
     pos = torch.tensor(positions, dtype=torch.int64)
     vals = torch.ones(len(positions), dtype=torch.bfloat16)
     v, base = served.version + 1, served.version
-    flush = encode_flush([ParamChange(name, shape, pos, vals, vals)], encoding=get_encoding("indices"),
-                         version=v, base_version=base)
+    flush = encode_flush(
+        [ParamChange(name, shape, pos, vals, vals)],
+        encoding=get_encoding("indices"),
+        version=v,
+        base_version=base,
+    )
     d = deltas.fresh_dir(label)
     d.mkdir()
     (d / F).write_bytes(flush.data)
-    write_manifest(d, Manifest(version=v, base_version=base, encoding="indices", files=[file_entry(F, flush)],
-                               params=[ParamEntry(name=name, dtype="bfloat16", shape=list(shape),
-                                                  changed=len(positions), files=[F])]))
+    write_manifest(
+        d,
+        Manifest(
+            version=v,
+            base_version=base,
+            encoding="indices",
+            files=[file_entry(F, flush)],
+            params=[
+                ParamEntry(name=name, dtype="bfloat16", shape=list(shape), changed=len(positions), files=[F])
+            ],
+        ),
+    )
     return d
 
 
@@ -181,8 +222,18 @@ CORRUPT: dict[str, tuple[Callable, type, str, str | None]] = {
     "wrong-hash": (wrong_hash, IntegrityError, F, None),
     "header-bomb": (header_bomb, LimitError, F, None),
     "zstd-bomb": (zstd_bomb, LimitError, F, None),
-    "out-of-range": (lambda deltas, served: crafted(deltas, served, "out-of-range", [2, 128]), BoundsError, F, NORM),
-    "duplicates": (lambda deltas, served: crafted(deltas, served, "duplicates", [3, 3, 4]), BoundsError, F, NORM),
+    "out-of-range": (
+        lambda deltas, served: crafted(deltas, served, "out-of-range", [2, 128]),
+        BoundsError,
+        F,
+        NORM,
+    ),
+    "duplicates": (
+        lambda deltas, served: crafted(deltas, served, "duplicates", [3, 3, 4]),
+        BoundsError,
+        F,
+        NORM,
+    ),
     "missing-file": (missing_file, IncompleteDeltaError, F, None),
     "unfinished": (unfinished, IncompleteDeltaError, MANIFEST, None),
     "garbage-manifest": (garbage_manifest, FormatError, MANIFEST, None),
@@ -190,15 +241,45 @@ CORRUPT: dict[str, tuple[Callable, type, str, str | None]] = {
 
 # case -> (error type, the param it names, build)
 MISFIT: dict[str, tuple[type, str, Callable]] = {
-    "unknown-param": (UnknownParamError, UNKNOWN, lambda deltas, served: deltas.raw(
-        "unknown", UNKNOWN, (256, 128), [0, 5], torch.ones(2, dtype=torch.bfloat16),
-        version=served.version + 1, base_version=served.version)),
-    "shape": (ShapeMismatchError, NORM, lambda deltas, served: deltas.raw(
-        "shape", NORM, (64,), [0, 5], torch.ones(2, dtype=torch.bfloat16),
-        version=served.version + 1, base_version=served.version)),
-    "dtype": (DtypeMismatchError, NORM, lambda deltas, served: deltas.raw(
-        "dtype", NORM, (128,), [0, 5], torch.ones(2, dtype=torch.float32),
-        version=served.version + 1, base_version=served.version)),
+    "unknown-param": (
+        UnknownParamError,
+        UNKNOWN,
+        lambda deltas, served: deltas.raw(
+            "unknown",
+            UNKNOWN,
+            (256, 128),
+            [0, 5],
+            torch.ones(2, dtype=torch.bfloat16),
+            version=served.version + 1,
+            base_version=served.version,
+        ),
+    ),
+    "shape": (
+        ShapeMismatchError,
+        NORM,
+        lambda deltas, served: deltas.raw(
+            "shape",
+            NORM,
+            (64,),
+            [0, 5],
+            torch.ones(2, dtype=torch.bfloat16),
+            version=served.version + 1,
+            base_version=served.version,
+        ),
+    ),
+    "dtype": (
+        DtypeMismatchError,
+        NORM,
+        lambda deltas, served: deltas.raw(
+            "dtype",
+            NORM,
+            (128,),
+            [0, 5],
+            torch.ones(2, dtype=torch.float32),
+            version=served.version + 1,
+            base_version=served.version,
+        ),
+    ),
 }
 
 
@@ -206,10 +287,13 @@ def test_placement_is_learned_at_startup(delta_server, served):
     """The status reports the probe learned at startup (ready, its cost, nothing falling back) and the
     coverage check across ranks."""
     deadline = time.monotonic() + 120
-    while (not (placement := delta_server.status()["placement"])["ready"] or placement["coverage"] is None) \
-            and time.monotonic() < deadline:
+    while (
+        not (placement := delta_server.status()["placement"])["ready"] or placement["coverage"] is None
+    ) and time.monotonic() < deadline:
         time.sleep(1)
-    assert placement["ready"] and isinstance(placement["probe_s"], float) and placement["fallback"] == [], placement
+    assert placement["ready"] and isinstance(placement["probe_s"], float) and placement["fallback"] == [], (
+        placement
+    )
     # The cross-rank coverage check ran at startup too: every checkpoint element is held.
     assert placement["coverage"]["ok"] and placement["coverage"]["errors"] == {}, placement
     assert placement["probe_peak_bytes"] is not None and isinstance(placement["transformed"], list), placement
@@ -232,8 +316,14 @@ def test_paths_outside_the_root_are_403(delta_server, deltas, tmp_path, served):
     linked_file = good(deltas, served, "linked-file")
     (linked_file / F).unlink()
     (linked_file / F).symlink_to(escaped / F)
-    for path in (str(escaped), "../escaped", f"{link_dir.name}/../../escaped", link_dir.name, "/etc",
-                 linked_file.name):
+    for path in (
+        str(escaped),
+        "../escaped",
+        f"{link_dir.name}/../../escaped",
+        link_dir.name,
+        "/etc",
+        linked_file.name,
+    ):
         resp = delta_server.update({**served.body(escaped), "path": path})
         error = refused(resp, 403, "PathOutsideRoot")
         assert "outside" in error["message"], (path, error)
@@ -257,7 +347,10 @@ MALFORMED: dict[bytes, tuple[str, str]] = {
     b'{"path": "", "version": VER, "base_version": BASE}': ("path", "at least 1"),
     b'{"path": "PATH", "version": VER, "base_version": "BASE"}': ("base_version", "integer"),
     b'{"path": "PATH", "version": VER, "base_version": BASE, "files": "F"}': ("files", "array"),
-    b'{"path": "PATH", "version": VER, "base_version": BASE, "files": ["../F"]}': ("files", "plain file name"),
+    b'{"path": "PATH", "version": VER, "base_version": BASE, "files": ["../F"]}': (
+        "files",
+        "plain file name",
+    ),
     b'{"path": "PATH", "version": VER, "base_version": BASE, "extra": 1}': ("extra", "not permitted"),
     b'{"path": "PATH", "version": VER, "base_version": BASE, "transport": "x"}': ("transport", "disk"),
     b'{"path": "PATH", "version": VER, "base_version": BASE, "manifest": {}}': ("body", "`manifest`"),
@@ -268,9 +361,13 @@ MALFORMED: dict[bytes, tuple[str, str]] = {
 def test_malformed_requests_are_400_naming_the_field(delta_server, deltas, served, raw):
     d = good(deltas, served, "malformed")
     read_delta(d, current_version=served.version)  # the directory itself is valid: it decodes in full
-    body = (raw.replace(b"PATH", d.name.encode()).replace(b"VER", str(served.version + 1).encode())
-            .replace(b"BASE", str(served.version).encode()).replace(b'"F"', json.dumps(F).encode())
-            .replace(b"../F", f"../{F}".encode()))
+    body = (
+        raw.replace(b"PATH", d.name.encode())
+        .replace(b"VER", str(served.version + 1).encode())
+        .replace(b"BASE", str(served.version).encode())
+        .replace(b'"F"', json.dumps(F).encode())
+        .replace(b"../F", f"../{F}".encode())
+    )
     field_, word = MALFORMED[raw]
     error = refused(delta_server.update(raw=body), 400, "InvalidRequest")
     assert error["message"].startswith(f"{field_}: ") and word in error["message"], error
@@ -297,8 +394,9 @@ def test_wrong_base_version_is_409(delta_server, deltas, served):
     v = served.version
     new = served.next(deltas, "base-ahead", [Q], seed=3)[1]
     d = deltas.write("base-ahead-5", new, version=v + 6, base_version=v + 5, old=served.weights)
-    error = refused(delta_server.update({"path": d.name, "version": v + 6, "base_version": v + 5}), 409,
-                    "VersionError")
+    error = refused(
+        delta_server.update({"path": d.name, "version": v + 6, "base_version": v + 5}), 409, "VersionError"
+    )
     assert str(v + 5) in error["message"], error
     delta_server.assert_unharmed(served.before, version=v)
 
@@ -314,8 +412,12 @@ def test_deltas_that_do_not_fit_the_model_are_422(delta_server, deltas, served, 
 def test_collective_path_is_off_without_its_flag(delta_server, deltas, served):
     """No `--delta-updates-collective-trainers`: the workers never join a group, nor wait for one."""
     init = {"master_addr": "127.0.0.1", "master_port": 29555, "world_size": 2, "timeout_s": 1}
-    resp = requests.post(f"{delta_server.url}/delta_updates/collective/init", json=init,
-                         headers=delta_server.headers(), timeout=120)
+    resp = requests.post(
+        f"{delta_server.url}/delta_updates/collective/init",
+        json=init,
+        headers=delta_server.headers(),
+        timeout=120,
+    )
     refused(resp, 403, "CollectiveDisabled")
     d = good(deltas, served, "collective-off")
     manifest = json.loads((d / MANIFEST).read_text())
@@ -343,7 +445,9 @@ def test_each_refusal_is_counted_once_under_its_status(delta_server, deltas, ser
     refused(delta_server.update({**served.body(d), "version": "x"}), 400, "InvalidRequest")
     refused(delta_server.update(served.body(d), key="wrong-key"), 401, "Unauthorized")
     refused(delta_server.update({**served.body(d), "path": "/etc"}), 403, "PathOutsideRoot")
-    refused(delta_server.update({**served.body(d), "version": v + 2, "base_version": v + 1}), 409, "VersionError")
+    refused(
+        delta_server.update({**served.body(d), "version": v + 2, "base_version": v + 1}), 409, "VersionError"
+    )
     refused(delta_server.update(served.body(MISFIT["shape"][2](deltas, served))), 422, "ShapeMismatchError")
     text = metrics(delta_server)
     assert {s: metric(text, name) - before[s] for s, name in series.items()} == dict.fromkeys(series, 1.0)
@@ -356,8 +460,11 @@ def with_digests(d, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], 
     for p in m["params"]:
         a, b = old[p["name"]].reshape(-1), new[p["name"]].reshape(-1)
         pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
-        p.update(pre_digest=to_hex(partial_sum(pos, a[pos])), post_digest=to_hex(partial_sum(pos, b[pos])),
-                 digest=to_hex(tensor_sum(new[p["name"]])))
+        p.update(
+            pre_digest=to_hex(partial_sum(pos, a[pos])),
+            post_digest=to_hex(partial_sum(pos, b[pos])),
+            digest=to_hex(tensor_sum(new[p["name"]])),
+        )
         for field_, name in wrong.items():
             if name == p["name"]:
                 p[field_] = combine(p[field_], "0" * 31 + "1")
@@ -374,6 +481,7 @@ def test_digest_mismatches_are_400_before_any_write(delta_server, deltas, served
 
 
 # The good updates: each moves the weights from what `served` says the server holds, and records it.
+
 
 def moved(before: dict[str, str], after: dict[str, str]) -> set[str]:
     """Params whose digest changed, without vLLM's `dp0:pp0:...:` rank prefix."""
@@ -392,10 +500,16 @@ def test_apply_returns_metrics_and_changes_only_its_params(delta_server, deltas,
     assert all(isinstance(result[key], float) for key in ("decode_s", "apply_s", "pause_s")), result
     assert len(result["ranks"]) == 1 and result["fallback"] == []
     assert moved(served.before.checksums, delta_server.checksums()) == {
-        "model.layers.0.self_attn.qkv_proj.weight", DOWN}
+        "model.layers.0.self_attn.qkv_proj.weight",
+        DOWN,
+    }
     served.committed(delta_server, new)
     status = delta_server.status()
-    assert status["healthy"] and status["version"] == served.version and status["last"]["version"] == served.version
+    assert (
+        status["healthy"]
+        and status["version"] == served.version
+        and status["last"]["version"] == served.version
+    )
     assert served.before.greedy[0]
 
 
@@ -405,10 +519,20 @@ def test_non_idempotent_replays_are_409(delta_server, deltas, served):
     served.committed(delta_server, new)
     refused(delta_server.update({"path": d.name, "version": served.version}), 409, "VersionError")
     delta_server.assert_unharmed(served.before, version=served.version)
-    other = deltas.write("relative-other", served.next(deltas, "unused", [NORM], seed=13)[1],
-                         version=served.version, base_version=served.version - 1, old=served.weights)
-    refused(delta_server.update({"path": other.name, "version": served.version,
-                                 "base_version": served.version - 1}), 409, "VersionError")
+    other = deltas.write(
+        "relative-other",
+        served.next(deltas, "unused", [NORM], seed=13)[1],
+        version=served.version,
+        base_version=served.version - 1,
+        old=served.weights,
+    )
+    refused(
+        delta_server.update(
+            {"path": other.name, "version": served.version, "base_version": served.version - 1}
+        ),
+        409,
+        "VersionError",
+    )
     delta_server.assert_unharmed(served.before, version=served.version)
 
 
@@ -436,9 +560,13 @@ def test_empty_delta_bumps_the_version_without_pausing(delta_server, deltas, ser
 
 def test_metrics_are_on_vllm_metrics(delta_server, deltas, served):
     """One update adds one to each histogram's count and sets the version gauge."""
-    counted = ("vllm_delta:apply_seconds_count", "vllm_delta:decode_seconds_count",
-               "vllm_delta:pause_seconds_count", "vllm_delta:bytes_read_count",
-               "vllm_delta:changed_elements_count")
+    counted = (
+        "vllm_delta:apply_seconds_count",
+        "vllm_delta:decode_seconds_count",
+        "vllm_delta:pause_seconds_count",
+        "vllm_delta:bytes_read_count",
+        "vllm_delta:changed_elements_count",
+    )
     before = metrics(delta_server)
     d, new = served.next(deltas, "metrics", [DOWN], seed=15)
     assert delta_server.update(served.body(d)).status_code == 200
@@ -457,10 +585,14 @@ def test_digests_are_checked_and_a_full_verify_agrees(delta_server, deltas, serv
     resp = delta_server.update(served.body(d))
     assert resp.status_code == 200, resp.text
     served.committed(delta_server, new, digested=(Q, DOWN))
-    resp = requests.post(f"{delta_server.url}/delta_updates/verify", headers=delta_server.headers(), timeout=120)
+    resp = requests.post(
+        f"{delta_server.url}/delta_updates/verify", headers=delta_server.headers(), timeout=120
+    )
     assert resp.status_code == 200, resp.text
     report = resp.json()
     assert report["ok"], report
-    assert (report["digests_checked"], report["hashes_checked"]) == (len(served.digested), len(served.hashed)), \
-        (report, served.digested, served.hashed)
+    assert (report["digests_checked"], report["hashes_checked"]) == (
+        len(served.digested),
+        len(served.hashed),
+    ), (report, served.digested, served.hashed)
     assert delta_server.status()["fault"] is None

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from harness.synthetic import device_check
+
 from vllm_delta.engine import routing
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import Ownership
@@ -51,9 +51,11 @@ def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
     first = applier.stage(info.manifest, deltas, version=1, replay=False, start=0.0)
     calls = {"_batchable": 0, "_landings": 0}
     for name in calls:
+
         def counted(*args, _name=name, _real=getattr(applier.routing, name)):
             calls[_name] += 1
             return _real(*args)
+
         monkeypatch.setattr(applier.routing, name, counted)
     again = applier.stage(info.manifest, deltas, version=1, replay=False, start=0.0)
     assert calls == {"_batchable": 0, "_landings": 0}
@@ -66,11 +68,15 @@ def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
     ownership.lower = {held: [object()]}
     applier.ownership = ownership
     now = applier.routing.routes()
-    assert now[held].kind == routing.MASKED and [r.kind for n, r in now.items() if n != held] == [routing.BATCH] * (len(now) - 1)
+    assert now[held].kind == routing.MASKED and [r.kind for n, r in now.items() if n != held] == [
+        routing.BATCH
+    ] * (len(now) - 1)
     assert calls["_batchable"] == len(now) and calls["_landings"] == len(now)
 
 
-def _staging_calls(tmp_path, experts: int, lines: bool = False) -> tuple[int, collections.Counter, object, object]:
+def _staging_calls(
+    tmp_path, experts: int, lines: bool = False
+) -> tuple[int, collections.Counter, object, object]:
     """Stage one delta read in batches (as prepare reads it) a second time, counting Python calls into
     the package by (module, function), or with `lines` the lines it runs there (a Python loop's body is
     one a pass): (tensors, counts, the first sync's result, the second's)."""
@@ -139,14 +145,24 @@ def test_a_batch_stages_what_its_tensors_stage_one_at_a_time(tmp_path):
     staged = []
     for batches in (False, True):
         items = list(iter_delta(info, expected=meta, current_version=0, batches=batches))
-        staged.append(DeltaApplier(model, meta).stage(info.manifest, items, version=1, replay=False, start=0.0))
+        staged.append(
+            DeltaApplier(model, meta).stage(info.manifest, items, version=1, replay=False, start=0.0)
+        )
     one, whole = staged
     assert (whole.digests, whole.changed, whole.total_changed, whole.blocks, whole.expected, whole.after) == (
-        one.digests, one.changed, one.total_changed, one.blocks, one.expected, one.after)
+        one.digests,
+        one.changed,
+        one.total_changed,
+        one.blocks,
+        one.expected,
+        one.after,
+    )
     assert list(whole.writes) == list(one.writes) and one.changed > 0
     for target, chunks in one.writes.items():
         a, b = (torch.cat([c.offsets for c in cs]) for cs in (chunks, whole.writes[target]))
-        va, vb = (torch.cat([c.values.view(torch.int16) for c in cs]) for cs in (chunks, whole.writes[target]))
+        va, vb = (
+            torch.cat([c.values.view(torch.int16) for c in cs]) for cs in (chunks, whole.writes[target])
+        )
         order_a, order_b = a.argsort(), b.argsort()
         assert torch.equal(a[order_a], b[order_b]) and torch.equal(va[order_a], vb[order_b]), target
 
@@ -160,9 +176,11 @@ def test_a_plans_destinations_are_worked_out_once(tmp_path, monkeypatch):
     items = list(iter_delta(info, expected=meta, current_version=0, batches=True))
     calls = collections.Counter()
     for name in ("_kinds", "_number"):
+
         def counted(*args, _name=name, _real=getattr(batched, name)):
             calls[_name] += 1
             return _real(*args)
+
         monkeypatch.setattr(batched, name, counted)
     first = applier.stage(info.manifest, items, version=1, replay=False, start=0.0)
     assert calls["_kinds"] > 0 and calls["_number"] > 0
@@ -175,5 +193,6 @@ def test_a_plans_destinations_are_worked_out_once(tmp_path, monkeypatch):
         assert list(staged.writes) == list(first.writes)
         for target, chunks in first.writes.items():
             for a, b in zip(chunks, staged.writes[target]):
-                assert torch.equal(a.offsets, b.offsets) and torch.equal(a.values.view(torch.int16),
-                                                                        b.values.view(torch.int16))
+                assert torch.equal(a.offsets, b.offsets) and torch.equal(
+                    a.values.view(torch.int16), b.values.view(torch.int16)
+                )

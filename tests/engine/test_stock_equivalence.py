@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 import requests
-
 from harness.engine_pool import API_KEY
 from harness.perturb import perturb_checkpoint
 from harness.vllm_engine import VllmServer
+
 from vllm_delta import DeltaSender
 from vllm_delta.wire.checkpoint import Checkpoint
 
@@ -53,13 +53,16 @@ def assert_flag_off_is_stock(server: VllmServer, child_environ) -> None:
     assert "Loaded endpoint plugin delta_updates" in server.log_tail(10_000)
 
 
-def test_synced_delta_engine_generates_like_stock_vllm_on_that_checkpoint(tiny_model_factory, tmp_path,
-                                                                          child_environ, delta_server):
+def test_synced_delta_engine_generates_like_stock_vllm_on_that_checkpoint(
+    tiny_model_factory, tmp_path, child_environ, delta_server
+):
     base = tiny_model_factory("llama")
     new = perturb_checkpoint(base, tmp_path / "new", density=0.2, seed=5)
     server = delta_server  # the shared Llama engine, on `base`
     before = outputs(server.url, API_KEY)
-    sender = DeltaSender([server.url], "disk", server.root, api_key=API_KEY, version=server.status()["version"])
+    sender = DeltaSender(
+        [server.url], "disk", server.root, api_key=API_KEY, version=server.status()["version"]
+    )
     sender.seed_from_checkpoint(base)
     m = sender.sync(Checkpoint.open(new).iter_tensors())
     assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] > 0

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness.s3_server import s3_env, s3_server  # noqa: F401  (fixtures: a real local store)
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
+
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest, OutsideRootError, store_version_key
 from vllm_delta.engine.routes import DeltaUpdater
@@ -33,11 +33,35 @@ ROOT = StoreURL("bucket", "runs/a")
 
 # ---- path confinement ------------------------------------------------------------------------
 
-CONFINED = {"v000005": "runs/a/v000005", "v000006-anchor": "runs/a/v000006-anchor",
-            "run_b/v000007": "runs/a/run_b/v000007"}
-OUTSIDE = ["/v000005", "/runs/a/v000005", "../v000005", "v1/../../b", "..", ".", "./v1", "a//b", "v1/", "",
-           "a\\b", "v1\0", "s3://other-bucket/v1", "S3://bucket/runs/a/v1", "http://169.254.169.254/latest",
-           "https://example.com/v1", "file:/etc/passwd", "file:v1", "%2e%2e/v1", "v1?x=1", "v1#f", "v 1"]
+CONFINED = {
+    "v000005": "runs/a/v000005",
+    "v000006-anchor": "runs/a/v000006-anchor",
+    "run_b/v000007": "runs/a/run_b/v000007",
+}
+OUTSIDE = [
+    "/v000005",
+    "/runs/a/v000005",
+    "../v000005",
+    "v1/../../b",
+    "..",
+    ".",
+    "./v1",
+    "a//b",
+    "v1/",
+    "",
+    "a\\b",
+    "v1\0",
+    "s3://other-bucket/v1",
+    "S3://bucket/runs/a/v1",
+    "http://169.254.169.254/latest",
+    "https://example.com/v1",
+    "file:/etc/passwd",
+    "file:v1",
+    "%2e%2e/v1",
+    "v1?x=1",
+    "v1#f",
+    "v 1",
+]
 
 
 @pytest.mark.parametrize("path", CONFINED)
@@ -124,7 +148,7 @@ def test_one_flush_is_fetched_ahead_while_the_last_is_decoded(objects):
             assert got == (name, blobs[name])
             if k + 1 < len(NAMES):  # while flush k is held, flush k+1 is fetched, and nothing after it
                 assert store.arrived[NAMES[k + 1]].wait(30)
-            assert store.asked == NAMES[:k + 2]
+            assert store.asked == NAMES[: k + 2]
         with pytest.raises(StopIteration):
             next(flushes)
     assert flushes.fetched_bytes == sum(len(b) for b in blobs.values())
@@ -163,8 +187,9 @@ def test_a_version_without_its_manifest_is_unfinished(objects):
 
 def write_delta(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], version: int) -> None:
     """A delta old -> new in several small flushes, so the fetch runs ahead of the decoder."""
-    with DeltaWriter(path, version=version, base_version=version - 1, encoding="ulp_zstd",
-                     flush_bytes=2048) as writer:
+    with DeltaWriter(
+        path, version=version, base_version=version - 1, encoding="ulp_zstd", flush_bytes=2048
+    ) as writer:
         for name, t in new.items():
             a, b = old[name].reshape(-1), t.reshape(-1)
             pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
@@ -186,15 +211,17 @@ def engine(tmp_path, s3_env, monkeypatch):
     assert len(names) >= 3
     client = s3_env.client()
     for name in [*names, "manifest.json"]:
-        client.put_object(Bucket=url.bucket, Key=url.key("v000001", name),
-                          Body=(tmp_path / "v000001" / name).read_bytes())
+        client.put_object(
+            Bucket=url.bucket, Key=url.key("v000001", name), Body=(tmp_path / "v000001" / name).read_bytes()
+        )
     updater = DeltaUpdater(InProcessEngine(workers), url, 1 << 20, [])
     return updater, url, models, workers, base, new, names
 
 
 def pull(updater: DeltaUpdater, version: int = 1, base_version: int | None = 0) -> dict:
-    return asyncio.run(updater.update(DeltaUpdateRequest(path=f"v{version:06d}", version=version,
-                                                         base_version=base_version)))
+    return asyncio.run(
+        updater.update(DeltaUpdateRequest(path=f"v{version:06d}", version=version, base_version=base_version))
+    )
 
 
 def unchanged(models, base) -> bool:
@@ -207,11 +234,16 @@ def test_a_pushed_version_is_pulled_and_applied_exactly(engine, s3_env):
     assert result["version"] == 1
     assert all(same_bits(m, loaded(new, rank, 2)) == [] for rank, m in enumerate(models))
     sizes = s3_env.client().list_objects_v2(Bucket=url.bucket, Prefix=url.key("v000001") + "/")["Contents"]
-    assert [r["bytes_read"] for r in result["ranks"]] == [sum(o["Size"] for o in sizes)] * 2  # manifest + flushes
+    assert [r["bytes_read"] for r in result["ranks"]] == [
+        sum(o["Size"] for o in sizes)
+    ] * 2  # manifest + flushes
 
 
-CORRUPTIONS = {"byte-flipped": lambda d: d[:100] + bytes([d[100] ^ 1]) + d[101:],
-               "truncated": lambda d: d[:-1], "longer": lambda d: d + b"\0"}
+CORRUPTIONS = {
+    "byte-flipped": lambda d: d[:100] + bytes([d[100] ^ 1]) + d[101:],
+    "truncated": lambda d: d[:-1],
+    "longer": lambda d: d + b"\0",
+}
 
 
 @pytest.mark.parametrize("corruption", CORRUPTIONS)
@@ -253,8 +285,11 @@ def test_the_lineage_is_checked_before_any_flush_is_fetched(engine, s3_env, tmp_
     if refusal == "other-lineage":  # versions 3..3 of a run: not the checkpoint this engine is on
         manifest = load_manifest(tmp_path / "v000001")
         manifest = manifest.model_copy(update={"lineage": Lineage(run_id="r", min_version=3, max_version=3)})
-        s3_env.client().put_object(Bucket=url.bucket, Key=url.key("v000001", "manifest.json"),
-                                   Body=manifest.model_dump_json().encode())
+        s3_env.client().put_object(
+            Bucket=url.bucket,
+            Key=url.key("v000001", "manifest.json"),
+            Body=manifest.model_dump_json().encode(),
+        )
     for w in workers:
         w._delta_store = RecordingStore(url, names)
     with pytest.raises(UpdateError) as err:

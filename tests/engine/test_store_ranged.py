@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-
 from harness.s3_server import s3_env, s3_server  # noqa: F401  (fixtures: a real local store)
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
+
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater
@@ -38,7 +38,9 @@ CHANGED = ["model.embed_tokens.weight", "lm_head.weight"]  # vocab-parallel: eac
 POLICY = Policy(span_bits=4, min_entries=64, max_entries=128)  # 16 blocks per tensor of 1024
 
 
-def write_delta(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, digests: bool) -> str:
+def write_delta(
+    path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, digests: bool
+) -> str:
     """Version 1 (every element of CHANGED) in one block-indexed flush; its name."""
     with DeltaWriter(path, version=1, base_version=0, encoding="planes_zstd", block_policy=POLICY) as w:
         for name in CHANGED:
@@ -52,8 +54,9 @@ def write_delta(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.T
             flat = new[name].reshape(-1)
             pos = torch.nonzero(old[name].reshape(-1).view(torch.int16) != flat.view(torch.int16)).squeeze(1)
             post[name] = to_hex(partial_sum(pos, flat[pos]))
-        manifest = manifest.model_copy(update={"params": [p.model_copy(update={"post_digest": post[p.name]})
-                                                          for p in manifest.params]})
+        manifest = manifest.model_copy(
+            update={"params": [p.model_copy(update={"post_digest": post[p.name]}) for p in manifest.params]}
+        )
     write_manifest(path, manifest)
     assert [f.name for f in manifest.files] == ["rank0000_flush000000.safetensors"]
     return manifest.files[0].name
@@ -97,8 +100,9 @@ def setup(tmp_path, s3_env, monkeypatch):
     base = DC.random_checkpoint(CFG, "cpu", seed=0)
     new = dict(base)
     for k, name in enumerate(CHANGED):
-        new[name] = base[name] + torch.randn(base[name].shape, generator=torch.Generator().manual_seed(k),
-                                             dtype=torch.float32).to(base[name].dtype)
+        new[name] = base[name] + torch.randn(
+            base[name].shape, generator=torch.Generator().manual_seed(k), dtype=torch.float32
+        ).to(base[name].dtype)
     counter = iter(range(100))
 
     def make(digests: bool = True, corrupt: str | None = None, tp: int = 2):
@@ -112,7 +116,7 @@ def setup(tmp_path, s3_env, monkeypatch):
             data = (tmp_path / f"v{n}" / f).read_bytes()
             if f == name and corrupt is not None:
                 at = block_byte(data, corrupt)
-                data = data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:]
+                data = data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :]
             client.put_object(Bucket=url.bucket, Key=url.key("v000001", f), Body=data)
         for w in workers:
             w._delta_store = counted_store(url)
@@ -126,7 +130,7 @@ def block_byte(data: bytes, which: str) -> int:
     """A byte in the middle of the first embedding block's value frame ("first": rank 0's) or of
     its last ("last": rank 1's), found from the safetensors header."""
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     params = json.loads(header["__metadata__"]["params"])
     p = params[0]
     assert p["name"] == CHANGED[0] and len(p["blocks"]) == 16
@@ -223,22 +227,26 @@ def test_the_decoder_refuses_a_sparse_file_without_post_digests(tmp_path):
 def test_an_anchor_flush_of_implicit_positions_is_fetched_by_its_blocks(tmp_path):
     """An anchor's dense ranges carry no positions (width 0); their blocks are still ranged: the
     bytes fetched for one half of the rows decode to exactly that half's new values."""
-    name, values = CHANGED[0], torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    name, values = (
+        CHANGED[0],
+        torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16),
+    )
     with DeltaWriter(tmp_path, version=1, base_version=0, encoding="planes_zstd", block_policy=POLICY) as w:
         # Two runs of odd lengths: implicit blocks need not hold a multiple of 8 entries, explicit ones must.
         w.add_dense(name, [(0, values[:501]), (601, values[601:])], shape=(1024,))
         manifest = w.close(seal=False)
-    manifest = manifest.model_copy(update={"params": [p.model_copy(update={"post_digest": "0" * 32})
-                                                      for p in manifest.params]})
+    manifest = manifest.model_copy(
+        update={"params": [p.model_copy(update={"post_digest": "0" * 32}) for p in manifest.params]}
+    )
     write_manifest(tmp_path, manifest)
     (flush,) = [f.name for f in manifest.files]
     data = (tmp_path / flush).read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     owned = {name: [(0, 511)]}
-    ranges = s3.block_ranges(data[:8 + n], owned)
+    ranges = s3.block_ranges(data[: 8 + n], owned)
     assert ranges is not None  # not "fetch the whole file"
     sparse = SparseFile(len(data))
-    sparse[:8 + n] = data[:8 + n]
+    sparse[: 8 + n] = data[: 8 + n]
     for a, b in ranges:
         sparse[a:b] = data[a:b]
     assert sum(b - a for a, b in ranges) < len(data) - 8 - n

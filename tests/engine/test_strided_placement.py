@@ -20,7 +20,7 @@ from vllm_delta.engine.digests import Ownership, check_coverage, check_partials,
 from vllm_delta.wire import DeltaWriter, load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, to_hex
 
-H, I, R, C, N = 8, 6, 6, 16, 40  # hidden, intermediate, rows, columns, flat length
+H, I, R, C, N = 8, 6, 6, 16, 40  # noqa: E741 hidden, intermediate, rows, columns, flat length
 TP = 2
 BF16 = torch.bfloat16
 
@@ -73,7 +73,7 @@ class StridedModule(nn.Module):
     def _load(self, param: nn.Parameter, w: torch.Tensor, name: str) -> None:
         r = self.rank
         if name in ("gate.weight", "up.weight"):
-            param.data[int(name == "up.weight")::2].copy_(w)
+            param.data[int(name == "up.weight") :: 2].copy_(w)
         elif name == "gu.weight":
             param.data.copy_(w[r::2])
         elif name == "cols.weight":
@@ -87,8 +87,13 @@ class StridedModule(nn.Module):
             param.data.copy_(_windows(w, size, step, every))
 
     def load_weights(self, weights) -> None:
-        targets = {"gate.weight": "gate_up", "up.weight": "gate_up", "gu.weight": "gu_half",
-                   "cols.weight": "cols_even", "flat.weight": "flat_half"}
+        targets = {
+            "gate.weight": "gate_up",
+            "up.weight": "gate_up",
+            "gu.weight": "gu_half",
+            "cols.weight": "cols_even",
+            "flat.weight": "flat_half",
+        }
         for name, w in weights:
             param = getattr(self, targets.get(name, name.split(".")[0]))
             param.weight_loader(param, w, name)
@@ -119,11 +124,17 @@ def write_delta(path, old, new, *, encoding: str, digests: bool) -> None:
             a, b = old[name].reshape(-1), t.reshape(-1)
             pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
             w.add(name, pos, b[pos], a[pos], shape=tuple(t.shape))
-            sums[name] = dict(pre_digest=to_hex(partial_sum(pos, a[pos])), post_digest=to_hex(partial_sum(pos, b[pos])))
+            sums[name] = dict(
+                pre_digest=to_hex(partial_sum(pos, a[pos])), post_digest=to_hex(partial_sum(pos, b[pos]))
+            )
     if digests:
         manifest = load_manifest(path)
-        write_manifest(path, manifest.model_copy(update={"params": [p.model_copy(update=sums[p.name])
-                                                                    for p in manifest.params]}))
+        write_manifest(
+            path,
+            manifest.model_copy(
+                update={"params": [p.model_copy(update=sums[p.name]) for p in manifest.params]}
+            ),
+        )
 
 
 def direct(ckpt: dict[str, torch.Tensor], rank: int) -> StridedModule:
@@ -135,7 +146,11 @@ def direct(ckpt: dict[str, torch.Tensor], rank: int) -> StridedModule:
 
 def assert_same_bits(got: nn.Module, want: nn.Module) -> None:
     expected = dict(want.named_parameters())
-    bad = [n for n, p in got.named_parameters() if not torch.equal(p.view(torch.int16), expected[n].view(torch.int16))]
+    bad = [
+        n
+        for n, p in got.named_parameters()
+        if not torch.equal(p.view(torch.int16), expected[n].view(torch.int16))
+    ]
     assert bad == []
 
 
@@ -144,7 +159,12 @@ def test_strided_loaders_are_mapped_and_the_ranks_cover_each_element_once():
     for applier in appliers:
         assert applier.fallback_tensors == {}
     (gate,), (up,) = (appliers[0].placements[n].segments for n in ("gate.weight", "up.weight"))
-    assert (gate.dst_offset, gate.dst_strides, up.dst_offset, up.dst_strides) == (0, (2 * H, 1), H, (2 * H, 1))
+    assert (gate.dst_offset, gate.dst_strides, up.dst_offset, up.dst_strides) == (
+        0,
+        (2 * H, 1),
+        H,
+        (2 * H, 1),
+    )
     (gu,) = appliers[1].placements["gu.weight"].segments
     assert (gu.src_offset, gu.src_strides, gu.src_dense) == (H, (2 * H, 1), False)
     (flat,) = appliers[1].placements["flat.weight"].segments
@@ -164,12 +184,13 @@ def test_strided_apply_equals_a_direct_load(tmp_path, encoding):
     appliers = [DeltaApplier(m, INTERLEAVED, rank=r) for r, m in enumerate(models)]
     for r, applier in enumerate(appliers):
         applier.ownership = Ownership.from_coverages([coverage(a.placements) for a in appliers], r)
-    staged = [a.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
-              for a in appliers]
+    staged = [a.prepare(tmp_path / "d", version=1, base_version=0, current_version=0) for a in appliers]
     # Each changed element is written once per rank holding it: gate and up on every rank, the rest on one.
     replicated = sum(int((base[n].view(torch.int16) != new[n].view(torch.int16)).sum()) for n in REPLICATED)
     assert sum(s.changed for s in staged) == staged[0].total_changed + (TP - 1) * replicated
-    assert check_partials([{"digests": s.digests, "expected": s.expected} for s in staged]) == 2 * len(INTERLEAVED)
+    assert check_partials([{"digests": s.digests, "expected": s.expected} for s in staged]) == 2 * len(
+        INTERLEAVED
+    )
     for r, (applier, s) in enumerate(zip(appliers, staged)):
         applier.commit(s)
         assert_same_bits(models[r], direct(new, r))

@@ -18,13 +18,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from harness.dispatch_log import OpLog
 from harness.synthetic import device_check, same_bits
+
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import check_partials
-from vllm_delta.engine.transforms import (OffsetMap, UnsupportedTransform, observing, offset_maps, run_post_load,
-                                          transformed)
+from vllm_delta.engine.transforms import (
+    OffsetMap,
+    UnsupportedTransform,
+    observing,
+    offset_maps,
+    run_post_load,
+    transformed,
+)
 
 DC = device_check()
 CFG = DC.SIZES["tiny"]
@@ -74,15 +80,18 @@ def vllm_loop(model: torch.nn.Module) -> dict[str, str]:
             method = getattr(module, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(module)
-    return {name: getattr(m, "_delta_transform").kind for name, m in model.named_modules()
-            if hasattr(m, "_delta_transform")}
+    return {
+        name: m._delta_transform.kind for name, m in model.named_modules() if hasattr(m, "_delta_transform")
+    }
 
 
 def by_run_post_load(model: torch.nn.Module) -> dict[str, str]:
     return {n: t.kind for n, t in run_post_load(model).items()}
 
 
-POST_LOAD = pytest.mark.parametrize("post_load", [by_run_post_load, vllm_loop], ids=["run_post_load", "observing"])
+POST_LOAD = pytest.mark.parametrize(
+    "post_load", [by_run_post_load, vllm_loop], ids=["run_post_load", "observing"]
+)
 
 
 def model_with_steps(checkpoint: dict[str, torch.Tensor], steps: dict[str, object]) -> torch.nn.Module:
@@ -95,7 +104,8 @@ def model_with_steps(checkpoint: dict[str, torch.Tensor], steps: dict[str, objec
 
 
 def direct(checkpoint: dict[str, torch.Tensor], steps: dict[str, object]) -> torch.nn.Module:
-    """The reference: a direct load of `checkpoint`, then each step called once on its module (no observation)."""
+    """The reference: a direct load of `checkpoint`, then each step called once on its module (no
+    observation)."""
     m = DC.SyntheticLM(CFG)
     m.load_weights(checkpoint.items())
     for name, method in steps.items():
@@ -191,6 +201,7 @@ def test_a_step_that_changes_nothing_is_not_a_transform(post_load):
 
 # ---- permutation maps: per row where whole rows move (issue 17 item 4), else per element ----
 
+
 class ReorderW13Rows:
     """TRT-LLM-like: gate and up rows interleaved per expert ([g0, u0, g1, u1, ...]), whole rows moved."""
 
@@ -213,16 +224,20 @@ class SwapW13Columns:
 
 W13 = f"{MOE}.w13_weight"
 E, ROWS, COLS = DC.SyntheticLM(CFG).get_parameter(W13).shape
-PERMUTATIONS = {"swap_halves": (SwapW13Halves, COLS), "reorder_rows": (ReorderW13Rows, COLS),
-                "swap_columns": (SwapW13Columns, 1)}
+PERMUTATIONS = {
+    "swap_halves": (SwapW13Halves, COLS),
+    "reorder_rows": (ReorderW13Rows, COLS),
+    "swap_columns": (SwapW13Columns, 1),
+}
 
 
 def moved(step) -> torch.Tensor:
     """Per element, where `step` puts each loaded element of w13 (built here from element ids, not by the
     classifier): the per-element inverse map."""
     layer = torch.nn.Module()
-    layer.w13_weight = torch.nn.Parameter(torch.arange(E * ROWS * COLS, dtype=torch.float64).view(E, ROWS, COLS),
-                                          requires_grad=False)
+    layer.w13_weight = torch.nn.Parameter(
+        torch.arange(E * ROWS * COLS, dtype=torch.float64).view(E, ROWS, COLS), requires_grad=False
+    )
     step().process_weights_after_loading(layer)
     perm = layer.w13_weight.detach().reshape(-1).long()
     inverse = torch.empty_like(perm)
@@ -262,7 +277,8 @@ def test_permutation_maps_are_per_row_where_rows_move_and_both_forms_agree(tmp_p
 
 
 def test_row_map_maps_on_meta_without_host_sync():
-    """A 2**31-row map (a 355B MoE's w13 is far smaller) on `meta`: a fixed handful of ops, none to the host."""
+    """A 2**31-row map (a 355B MoE's w13 is far smaller) on `meta`: a fixed handful of ops, none to the
+    host."""
     rows, row_len = 1 << 31, 7168
     big = OffsetMap(1 << 20, torch.empty(rows, dtype=torch.int64, device="meta"), row_len)
     small = OffsetMap(0, torch.empty(64, dtype=torch.int32, device="meta"), 16)
@@ -296,8 +312,9 @@ def flashinfer_cutlass_method():
     method = UnquantizedFusedMoEMethod.__new__(UnquantizedFusedMoEMethod)
     torch.nn.Module.__init__(method)  # its base is a Module (vLLM's CustomOp); its config is not needed here
     method.unquantized_backend, method.moe_kernel = UnquantizedMoeBackend.FLASHINFER_CUTLASS, None
-    method._init_moe_kernel = lambda layer: setattr(method, "moe_kernel", SimpleNamespace(
-        fused_experts=_NoExpertsStep()))
+    method._init_moe_kernel = lambda layer: setattr(
+        method, "moe_kernel", SimpleNamespace(fused_experts=_NoExpertsStep())
+    )
     return method
 
 
@@ -308,7 +325,8 @@ def with_moe_config(model: torch.nn.Module) -> torch.nn.Module:
 
 @POST_LOAD
 def test_vllm_flashinfer_cutlass_w13_swap_is_a_row_permutation(tmp_path, post_load):
-    """Why 3: the re-run must include the method's conversion, or the swap is neither mapped nor reproducible."""
+    """Why 3: the re-run must include the method's conversion, or the swap is neither mapped nor
+    reproducible."""
     pytest.importorskip("vllm")
     base = DC.random_checkpoint(CFG, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=1)

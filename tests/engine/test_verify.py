@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
+
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
@@ -40,7 +40,9 @@ def setup(tmp_path: Path, ep: bool = False):
 
 
 def update(updater: DeltaUpdater, path: Path, version: int = 1) -> dict:
-    return asyncio.run(updater.update(DeltaUpdateRequest(path=path.name, version=version, base_version=version - 1)))
+    return asyncio.run(
+        updater.update(DeltaUpdateRequest(path=path.name, version=version, base_version=version - 1))
+    )
 
 
 def tamper(path: Path, name: str, **fields: str) -> None:
@@ -113,7 +115,9 @@ def test_full_verify_on_demand(tmp_path):
     update(updater, updater.root / "v1")
     report = asyncio.run(updater.verify())
     assert report["ok"] and report["digests_checked"] == len(new) and report["digest_mismatched"] == []
-    models[1].model.layers[1].self_attn.o_proj.weight.data.view(torch.int16)[0, 0] += 1  # rank 1 only holds it
+    models[1].model.layers[1].self_attn.o_proj.weight.data.view(torch.int16)[0, 0] += (
+        1  # rank 1 only holds it
+    )
     report = asyncio.run(updater.verify())
     assert not report["ok"] and report["digest_mismatched"] == ["model.layers.1.self_attn.o_proj.weight"]
 

@@ -15,8 +15,15 @@ from vllm_delta.kernels import digest, switch
 from vllm_delta.wire.additive import partial_sum
 
 pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba is not installed")
-DTYPES = [torch.float8_e4m3fn, torch.uint8, torch.bfloat16, torch.int16, torch.float32, torch.int64,
-          torch.float64]
+DTYPES = [
+    torch.float8_e4m3fn,
+    torch.uint8,
+    torch.bfloat16,
+    torch.int16,
+    torch.float32,
+    torch.int64,
+    torch.float64,
+]
 
 
 def _random(n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -42,8 +49,11 @@ def test_compiled_equals_torch(monkeypatch, dtype, order):
     n = 2 * digest.CPU_SLICE + 17  # slices within a segment and across two, an uneven tail
     positions = torch.randint(0, 1 << 40, (n,), generator=g)
     values = _random(n, dtype, g)
-    segs = {"runs": torch.randint(0, 5, (n,), generator=g).sort().values,  # segment 5 of 6 empty
-            "interleaved": torch.randint(0, 6, (n,), generator=g), "one": 4}[order]
+    segs = {
+        "runs": torch.randint(0, 5, (n,), generator=g).sort().values,  # segment 5 of 6 empty
+        "interleaved": torch.randint(0, 6, (n,), generator=g),
+        "one": 4,
+    }[order]
     got, want = _both(monkeypatch, positions, values, segs, 6)
     assert got.dtype == want.dtype == torch.int64 and got.shape == want.shape == (6, 2)
     assert torch.equal(got, want)
@@ -82,8 +92,12 @@ def test_a_segment_out_of_range_raises(monkeypatch):
 
 def test_meta_and_the_switch(monkeypatch):
     """Off the CPU the torch code runs (meta stays meta); each name of the switch turns the kernels off."""
-    out = digest.segment_sums(torch.zeros(4, dtype=torch.int64, device="meta"),
-                              torch.empty(4, dtype=torch.bfloat16, device="meta"), 0, 2)
+    out = digest.segment_sums(
+        torch.zeros(4, dtype=torch.int64, device="meta"),
+        torch.empty(4, dtype=torch.bfloat16, device="meta"),
+        0,
+        2,
+    )
     assert out.device.type == "meta" and out.shape == (2, 2)
     assert switch.on()
     for name in (settings.KERNELS, *settings.KERNELS_ALIASES):

@@ -23,8 +23,13 @@ pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba is not inst
 @pytest.mark.heavy
 def test_a_sync_after_warm_up_compiles_nothing():
     script = Path(__file__).with_name("warm_check.py")
-    run = subprocess.run([sys.executable, str(script), "ulp_zstd"], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "VLLM_DELTA_KERNELS": "1"})
+    run = subprocess.run(
+        [sys.executable, str(script), "ulp_zstd"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "VLLM_DELTA_KERNELS": "1"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {}
 
@@ -37,8 +42,10 @@ def test_nothing_with_the_kernels_off(monkeypatch):
 def test_kernels_run_uncached_where_no_cache_directory_is_writable():
     """numba's own decorator raises at import there ("no locator available"); `jit.kernel` compiles
     uncached instead. No locator is simulated by allowing only IPython's (outside IPython: none)."""
-    code = ("import numpy as np; from vllm_delta.kernels import gaps_jit; "
-            "print(type(gaps_jit.max_gap._cache).__name__, gaps_jit.max_gap(np.array([2, 3, 9]), -1))")
+    code = (
+        "import numpy as np; from vllm_delta.kernels import gaps_jit; "
+        "print(type(gaps_jit.max_gap._cache).__name__, gaps_jit.max_gap(np.array([2, 3, 9]), -1))"
+    )
     env = {**os.environ, "NUMBA_CACHE_LOCATOR_CLASSES": "IPythonCacheLocator"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]

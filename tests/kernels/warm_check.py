@@ -11,8 +11,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from harness.synthetic import device_check
+
 from vllm_delta.kernels.warmup import warm_up
 
 MODULES = ("digest_jit", "gaps_jit", "params_jit", "scan_jit", "scatter_jit", "ulp_jit")

@@ -39,8 +39,13 @@ class JoinThenStop(FakeEngine):
     def _join(self, body) -> None:
         from vllm.distributed.utils import StatelessProcessGroup
 
-        spg = StatelessProcessGroup.create(body["master_addr"], body["master_port"], 1, body["world_size"],
-                                           store_timeout=max(1, int(body["timeout_s"])))
+        spg = StatelessProcessGroup.create(
+            body["master_addr"],
+            body["master_port"],
+            1,
+            body["world_size"],
+            store_timeout=max(1, int(body["timeout_s"])),
+        )
         spg.store.set("vllm-delta/joined/1", b"true")
         time.sleep(3600)  # never builds the bulk channel
 

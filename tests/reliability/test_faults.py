@@ -37,11 +37,11 @@ from unittest import mock
 import pytest
 import requests
 import torch
-
 from harness import vllm_engine
 from harness.fresh_load import save_checkpoint
 from harness.perturb import perturb_tensor
 from harness.vllm_engine import VllmServer, start_servers
+
 from vllm_delta import DeltaSender
 from vllm_delta.wire.checkpoint import Checkpoint
 
@@ -135,8 +135,10 @@ class Fleet:
     def __init__(self, model_dir: Path, root: Path, logs: Path, fresh_loader) -> None:
         self.model_dir, self.root, self.logs, self.fresh_loader = model_dir, root, logs, fresh_loader
         self.args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
-        self.a, self.b = start_servers(lambda: VllmServer(model_dir, logs / "a0.log", extra_args=self.args),
-                                       lambda: VllmServer(model_dir, logs / "b.log", extra_args=self.args))
+        self.a, self.b = start_servers(
+            lambda: VllmServer(model_dir, logs / "a0.log", extra_args=self.args),
+            lambda: VllmServer(model_dir, logs / "b.log", extra_args=self.args),
+        )
         self.gate = Gate(self.b.port)
         self.starts = 0
         self.checkpoint = dict(Checkpoint.open(model_dir).iter_tensors())
@@ -153,7 +155,9 @@ class Fleet:
         """A sender that anchors both engines on the trainer's current weights, whatever they held."""
         version = max(status(u)["version"] for u in (self.a.url, self.gate.url))
         kw = {"flush_bytes": 64 << 10, "retries": 0, "timeout_s": 120, "max_pending_density": 1.0, **kw}
-        s = DeltaSender([self.a.url, self.gate.url], "disk", self.root, api_key=API_KEY, version=version, **kw)
+        s = DeltaSender(
+            [self.a.url, self.gate.url], "disk", self.root, api_key=API_KEY, version=version, **kw
+        )
         s.seed(self.weights)
         s.request_anchor()
         m = s.sync(self.weights)
@@ -195,8 +199,12 @@ class Fleet:
 def root(tmp_path_factory) -> Path:
     """The delta root on a 16 MiB tmpfs (so a test can fill it), or a plain directory if mounting fails."""
     path = Path(os.path.realpath(tmp_path_factory.mktemp("faults_root")))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
     yield path
     if mounted:
         subprocess.run(["umount", "-l", str(path)], check=False)
@@ -283,11 +291,21 @@ s.sync(Checkpoint.open(model).iter_tensors())
 def test_sender_killed_at_random_points_never_leaves_an_engine_on_partial_weights(fleet):
     s = fleet.fresh_sender()
     rng = random.Random(8)
-    for i in range(3):
+    for _ in range(3):
         before, st = checksums(fleet.a.url), status(fleet.a.url)
         version = st["version"] + 1000
-        proc = subprocess.Popen([sys.executable, "-c", KILLED_SENDER, fleet.a.url, str(fleet.root),
-                                 str(fleet.model_dir), str(version), API_KEY])
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                KILLED_SENDER,
+                fleet.a.url,
+                str(fleet.root),
+                str(fleet.model_dir),
+                str(version),
+                API_KEY,
+            ]
+        )
         d = fleet.root / f"v{version + 1:06d}-anchor"
         deadline = time.monotonic() + 120
         while not d.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -303,8 +321,12 @@ def test_sender_killed_at_random_points_never_leaves_an_engine_on_partial_weight
         else:
             assert st2["version"] == st["version"] and checksums(fleet.a.url) == before
             if d.exists() and not (d / "manifest.json").exists():  # killed mid-write: nothing applicable
-                r = requests.post(f"{fleet.a.url}/update_weights_delta",
-                                  json={"path": d.name, "version": version + 1}, headers=HDR, timeout=60)
+                r = requests.post(
+                    f"{fleet.a.url}/update_weights_delta",
+                    json={"path": d.name, "version": version + 1},
+                    headers=HDR,
+                    timeout=60,
+                )
                 assert r.status_code == 400 and r.json()["error"]["type"] == "IncompleteDeltaError", r.text
                 assert checksums(fleet.a.url) == before and status(fleet.a.url)["version"] == st["version"]
         shutil.rmtree(d, ignore_errors=True)
@@ -339,8 +361,12 @@ def test_disk_full_mid_write_applies_nothing_and_recovers(fleet, root):
             assert st["version"] == v and st["healthy"] and checksums(u) == digests
         partial = [p for p in root.glob("v*") if not (p / "manifest.json").exists()]
         for p in partial:  # whatever the writer left is not a delta an engine would take
-            r = requests.post(f"{fleet.a.url}/update_weights_delta", json={"path": p.name, "version": s.version},
-                              headers=HDR, timeout=60)
+            r = requests.post(
+                f"{fleet.a.url}/update_weights_delta",
+                json={"path": p.name, "version": s.version},
+                headers=HDR,
+                timeout=60,
+            )
             assert r.status_code == 400 and r.json()["error"]["type"] == "IncompleteDeltaError", r.text
     finally:
         ballast.unlink()

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from harness.engine_pool import API_KEY, reset_to_checkpoint
 from harness.soak import run_soak
 from harness.vllm_engine import VllmServer
@@ -34,21 +33,26 @@ def server(engine_pool, tiny_model_factory, root):
 
 
 def _check(figures: dict, syncs: int, server: VllmServer) -> None:
-    errors = [line for line in server.log_tail(100_000).splitlines() if "ERROR" in line or "Exception" in line]
+    errors = [
+        line for line in server.log_tail(100_000).splitlines() if "ERROR" in line or "Exception" in line
+    ]
     assert figures["requests_failed"] == 0, (figures["failures"], errors[-20:])
     assert figures["chain_errors"] == [] and figures["syncs_verified"] == syncs
     assert figures["latency_baseline"]["n"] > 0 and figures["latency_syncing"]["n"] > 0
 
 
 def test_ten_syncs_under_eight_streams(server, root, tiny_model_factory):
-    figures = run_soak(server.url, API_KEY, tiny_model_factory("llama"), root, syncs=10, streams=8, baseline_s=5)
+    figures = run_soak(
+        server.url, API_KEY, tiny_model_factory("llama"), root, syncs=10, streams=8, baseline_s=5
+    )
     print(figures)
     _check(figures, 10, server)
 
 
 @pytest.mark.soak
 def test_hundred_syncs_under_eight_streams(server, root, tiny_model_factory):
-    figures = run_soak(server.url, API_KEY, tiny_model_factory("llama"), root, syncs=100, streams=8,
-                       baseline_s=20, seed=1)
+    figures = run_soak(
+        server.url, API_KEY, tiny_model_factory("llama"), root, syncs=100, streams=8, baseline_s=20, seed=1
+    )
     print(figures)
     _check(figures, 100, server)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_sync_never_stops import FakeEngine, RecordingClient, make_weights, train, world  # noqa: F401
+
 from vllm_delta import DeltaSender
 
 pytestmark = pytest.mark.heavy

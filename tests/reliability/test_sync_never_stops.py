@@ -41,7 +41,9 @@ STEPS = 6
 
 def make_weights() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": (torch.randn(64, 48, generator=gen) * 0.02).to(torch.bfloat16) for i in range(3)}
+    return {
+        f"layer{i}.weight": (torch.randn(64, 48, generator=gen) * 0.02).to(torch.bfloat16) for i in range(3)
+    }
 
 
 class RecordingClient(EngineClient):
@@ -75,8 +77,13 @@ class EngineProcess:
         tmp.mkdir(parents=True, exist_ok=True)
         save_file(weights, str(tmp / "weights.safetensors"))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        self.proc = subprocess.Popen([sys.executable, str(ENGINE), str(tmp / "weights.safetensors"), str(root), mode],
-                                     stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ENGINE), str(tmp / "weights.safetensors"), str(root), mode],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )
         self.url = self.proc.stdout.readline().strip()
         assert self.url.startswith("http://"), self.url
 
@@ -90,8 +97,13 @@ class EngineProcess:
         self.proc.wait(30)
 
 
-def train(sender: DeltaSender, weights: dict[str, torch.Tensor], steps: int, gen: torch.Generator,
-          between=lambda i: None) -> list[dict[str, float]]:
+def train(
+    sender: DeltaSender,
+    weights: dict[str, torch.Tensor],
+    steps: int,
+    gen: torch.Generator,
+    between=lambda i: None,
+) -> list[dict[str, float]]:
     """`steps` training steps with the hook's capture/publish after each; the metrics of each
     publish, read from its future once it is done (as the hook reports them)."""
     reported, future = [], None

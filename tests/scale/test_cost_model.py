@@ -28,7 +28,9 @@ def result():
 
 
 def _row(result, layers: int, experts: int, density: float) -> dict:
-    return next(r for r in result["rows"] if (r["layers"], r["experts"], r["density"]) == (layers, experts, density))
+    return next(
+        r for r in result["rows"] if (r["layers"], r["experts"], r["density"]) == (layers, experts, density)
+    )
 
 
 @pytest.mark.parametrize("layers", [4, 5])
@@ -50,5 +52,6 @@ def test_the_fit_and_the_projection_are_what_they_say(result):
     assert p["node_s"] == pytest.approx(p["decode_s"] + p["host_stage_s"] + p["h2d_s"] + p["device_s"])
     assert p["T_r"] == 44189 and p["C_r"] == pytest.approx(p["params"] * 0.02 / 8)
     fit = result["fit"]["decode_wide"]
-    assert p["decode_s"] == pytest.approx((fit["tensors"] * p["T_r"] + fit["changes"] * p["C_r"])
-                                          / p["assumed"]["host_threads"])
+    assert p["decode_s"] == pytest.approx(
+        (fit["tensors"] * p["T_r"] + fit["changes"] * p["C_r"]) / p["assumed"]["host_threads"]
+    )

@@ -18,7 +18,9 @@ import pytest
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-_SPEC = importlib.util.spec_from_file_location("scale", Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "scale", Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
+)
 scale = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(scale)
 

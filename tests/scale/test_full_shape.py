@@ -26,7 +26,9 @@ from vllm_delta.engine.probe import build_placement
 from vllm_delta.engine.probe_modes import storages_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ imports scale_configs
-_SPEC = importlib.util.spec_from_file_location("scale", Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py")
+_SPEC = importlib.util.spec_from_file_location(
+    "scale", Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
+)
 scale = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(scale)
 
@@ -53,9 +55,14 @@ def startup():
 
         with scale.fake_parallel(TP, rank, False), _current(config):
             placements = build_placement(counted_load, storages_of(model.named_parameters()), checkpoint)
-        replies.append({"rank": rank, "coverage": digests.coverage(placements),
-                        "unread": [n for n, p in placements.items() if not p.read],
-                        "fallback": [n for n, p in placements.items() if p.fallback_reason]})
+        replies.append(
+            {
+                "rank": rank,
+                "coverage": digests.coverage(placements),
+                "unread": [n for n, p in placements.items() if not p.read],
+                "fallback": [n for n, p in placements.items() if p.fallback_reason],
+            }
+        )
     original = digests._coverage_error
 
     def counted_verdict(*args, **kwargs):
@@ -119,6 +126,8 @@ def test_a_corrupted_map_of_vllms_own_loader_is_named():
         assert check_map(model.load_weights, params, placements, checkpoint) == {}
         name = "model.layers.3.mlp.experts.17.down_proj.weight"
         seg = placements[name].segments[0]
-        placements[name].segments[0] = dataclasses.replace(seg, dst_offset=seg.dst_offset + seg.dst_strides[0])
+        placements[name].segments[0] = dataclasses.replace(
+            seg, dst_offset=seg.dst_offset + seg.dst_strides[0]
+        )
         errors = check_map(model.load_weights, params, placements, checkpoint)
     assert list(errors) == ["model.layers.3.mlp.experts.routed_experts.w2_weight"], errors

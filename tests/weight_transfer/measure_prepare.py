@@ -1,6 +1,7 @@
 """Tokens generated during native-door prepares, with `prepare_s` and `pause_s` (not a test).
 
-Usage (under the engine lock): `flock /tmp/engine.lock .venv/bin/python tests/weight_transfer/measure_prepare.py
+Usage (under the engine lock): `flock /tmp/engine.lock .venv/bin/python
+tests/weight_transfer/measure_prepare.py
 --tp 1 --rounds 3 --updates 10 --streams 3 [--fresh-check]`. One `vllm serve` of the suite's tiny
 Llama with the `delta` backend; per round, greedy streaming clients run back to back while a
 corrupt delta is refused and then `--updates` deltas moving 50% of every tensor apply through
@@ -21,7 +22,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import requests
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -29,6 +29,7 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 from harness.tiny_models import make_tiny_model  # noqa: E402
 from harness.vllm_engine import VllmServer  # noqa: E402
 from native_helpers import NATIVE, Streams, checksums, native_update, write_delta  # noqa: E402
+
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV  # noqa: E402
 
 
@@ -77,18 +78,29 @@ def main() -> None:
             bad, before, updates = corrupted(chain[0]), checksums(server.url), []
             with contextlib.ExitStack() as stack:
                 streams = [stack.enter_context(Streams(server.url, 240)) for _ in range(args.streams)]
-                r, _ = native_update(server.url, {"path": bad.name, "version": version + 1,
-                                                  "base_version": version}, str(version + 1))
+                r, _ = native_update(
+                    server.url,
+                    {"path": bad.name, "version": version + 1, "base_version": version},
+                    str(version + 1),
+                )
                 refused = [r.status_code, r.json()["error"]["type"], checksums(server.url) == before]
                 for path in chain:
                     version += 1
-                    r, done = native_update(server.url, {"path": path.name, "version": version,
-                                                         "base_version": version - 1}, str(version))
+                    r, done = native_update(
+                        server.url,
+                        {"path": path.name, "version": version, "base_version": version - 1},
+                        str(version),
+                    )
                     assert r.status_code == 200, r.text
                     updates.append({k: done[k] for k in ("prepare_s", "pause_s", "tokens_during_prepare")})
-            out["rounds"].append({"refused": refused, "streams": [c for s in streams for c in s.counts],
-                                  "updates": updates,
-                                  "median": {k: statistics.median(u[k] for u in updates) for k in updates[0]}})
+            out["rounds"].append(
+                {
+                    "refused": refused,
+                    "streams": [c for s in streams for c in s.counts],
+                    "updates": updates,
+                    "median": {k: statistics.median(u[k] for u in updates) for k in updates[0]},
+                }
+            )
         served = checksums(server.url)
     if args.fresh_check:
         fresh_dir = work / "fresh"

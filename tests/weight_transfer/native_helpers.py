@@ -49,9 +49,12 @@ def merged_checksums(per_worker: list[dict[str, str]]) -> dict[str, str]:
 def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
     """Our `vllm_delta:` samples on vLLM's `/metrics`: (sample name, labels) -> value."""
     text = requests.get(f"{url}/metrics", timeout=60).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) if fam.name.startswith("vllm_delta:")
-            for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name.startswith("vllm_delta:")
+        for s in fam.samples
+    }
 
 
 def sample(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
@@ -85,8 +88,14 @@ def stage_names(names: list[str], rank: int) -> set[str]:
 
 def stream_tokens(url: str, max_tokens: int) -> int:
     """One greedy streamed completion of `max_tokens` (EOS ignored); how many token ids arrived."""
-    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     received = 0
     with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=300) as resp:
         for line in resp.iter_lines():
@@ -109,7 +118,7 @@ class Streams:
         while not self._stop.is_set():
             self.counts.append(stream_tokens(self.url, self.max_tokens))
 
-    def __enter__(self) -> "Streams":
+    def __enter__(self) -> Streams:
         self._thread.start()
         return self
 
@@ -130,12 +139,20 @@ def native_update(url: str, update_info: dict, weight_version: str) -> tuple[req
     return r, f.json()["delta"]
 
 
-def write_delta(root: Path, label: str, tensors: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
-                version: int, base_version: int) -> Path:
+def write_delta(
+    root: Path,
+    label: str,
+    tensors: dict[str, torch.Tensor],
+    base: dict[str, torch.Tensor],
+    version: int,
+    base_version: int,
+) -> Path:
     """A finished, valid delta from `base` to `tensors` (shapes as given)."""
     out = root / label
     with DeltaWriter(out, version=version, base_version=base_version, encoding="ulp_zstd") as writer:
         for name, t in tensors.items():
             d = diff_param(t, base[name])
-            writer.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))
+            writer.add(
+                name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t)
+            )
     return out

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
-from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
+
 from vllm_delta.engine.http_errors import UpdateError
+from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 from vllm_delta.weight_transfer import worker_engine
 from vllm_delta.weight_transfer.routes import WeightTransferDoor
 
@@ -79,9 +79,11 @@ def test_update_then_finish_commits_through_the_core(setup):
 
 def test_a_refusal_ends_the_session_and_writes_nothing(setup):
     base, models, root, engine, door = setup
-    for info, status, kind in [({"path": "../elsewhere", "version": 1}, 403, "PathOutsideRoot"),
-                               ({"path": "v1", "version": "four"}, 400, "InvalidRequest"),
-                               ({"path": "missing", "version": 1, "base_version": 0}, 400, "NotADeltaDirectory")]:
+    for info, status, kind in [
+        ({"path": "../elsewhere", "version": 1}, 403, "PathOutsideRoot"),
+        ({"path": "v1", "version": "four"}, 400, "InvalidRequest"),
+        ({"path": "missing", "version": 1, "base_version": 0}, 400, "NotADeltaDirectory"),
+    ]:
         engine.calls.clear()
         with pytest.raises(UpdateError) as err:
             asyncio.run(door.update(info))

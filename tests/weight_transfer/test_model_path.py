@@ -10,14 +10,16 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 from native_helpers import HUB_ID, hub_cache
+
 from vllm_delta.engine.model_path import local_checkpoint_dir
 
 
 def config(model: str, download_dir: str | None = None) -> SimpleNamespace:
-    return SimpleNamespace(model_config=SimpleNamespace(model=model, revision=None),
-                           load_config=SimpleNamespace(download_dir=download_dir))
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, revision=None),
+        load_config=SimpleNamespace(download_dir=download_dir),
+    )
 
 
 def test_local_dir_and_hub_id(tmp_path):

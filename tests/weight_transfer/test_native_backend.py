@@ -31,16 +31,28 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file
-
-from vllm.distributed.weight_transfer import ParamMeta, WeightSource
-
 from harness import commit_fault, megatron_cpu
 from harness.engine_pool import FAULT_AT, FAULT_VERSION, write_anchor
-from harness.vllm_engine import VllmServer, patched_environ, start_llm
 from harness.trainer import Trainer
-from native_helpers import (HUB_ID, NATIVE, Streams, checksums, hub_cache, merged_checksums, metric_samples,
-                            native_update, sample, save_trained, stage_names, ulp_step, write_delta)
+from harness.vllm_engine import VllmServer, patched_environ, start_llm
+from native_helpers import (
+    HUB_ID,
+    NATIVE,
+    Streams,
+    checksums,
+    hub_cache,
+    merged_checksums,
+    metric_samples,
+    native_update,
+    sample,
+    save_trained,
+    stage_names,
+    ulp_step,
+    write_delta,
+)
+from safetensors.torch import load_file
+from vllm.distributed.weight_transfer import ParamMeta, WeightSource
+
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
@@ -74,7 +86,11 @@ def native_env(root) -> dict[str, str]:
 def served(model_dir, native_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("native_serve")
     hub_cache(model_dir, tmp / "hf")
-    env = {**native_env, "HF_HOME": str(tmp / "hf"), **commit_fault.engine_env(FAULT_VERSION, FAULT_AT)}  # phase 4
+    env = {
+        **native_env,
+        "HF_HOME": str(tmp / "hf"),
+        **commit_fault.engine_env(FAULT_VERSION, FAULT_AT),
+    }  # phase 4
     with VllmServer(HUB_ID, tmp / "serve.log", extra_args=NATIVE, env=env) as s:
         yield s
 
@@ -96,8 +112,9 @@ def status(url: str) -> dict:
     return r.json()
 
 
-def test_trainer_syncs_through_vllm_api_and_equals_a_fresh_engine(served, trainer, model_dir, root, run, tmp_path,
-                                                                   tmp_path_factory, fresh_loader):
+def test_trainer_syncs_through_vllm_api_and_equals_a_fresh_engine(
+    served, trainer, model_dir, root, run, tmp_path, tmp_path_factory, fresh_loader
+):
     """Disk, gloo, a two-stage pipeline, then the offline `LLM` on the same states; a fresh load decides.
     Last, a real commit fault through the native door, repaired by an anchor of the checkpoint."""
     run["states"].clear()
@@ -114,7 +131,11 @@ def test_trainer_syncs_through_vllm_api_and_equals_a_fresh_engine(served, traine
 
 def sync_over_disk(served, trainer, root: Path, run: dict) -> None:
     """3 steps over disk through vLLM's trainer factory and HTTP client; metrics move each step."""
-    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
 
     from vllm_delta import DeltaTrainerInitInfo
 
@@ -122,14 +143,18 @@ def sync_over_disk(served, trainer, root: Path, run: dict) -> None:
     assert status(served.url)["version"] == version
     engine = WeightTransferTrainerFactory.trainer_init(
         DeltaTrainerInitInfo(delta_dir=str(root), flush_bytes=64 << 10, rank=0),
-        client=HTTPVLLMWeightSyncClient(served.url), source=ModuleSource(trainer.model))
+        client=HTTPVLLMWeightSyncClient(served.url),
+        source=ModuleSource(trainer.model),
+    )
     before = run["digests"]["checkpoint"] = checksums(served.url)
     for step in range(version + 1, version + 4):
         m0 = metric_samples(served.url)
         trainer.step()
         metrics = engine.send_weights()
         run["states"].append(trainer.state())
-        assert metrics["sender/all_acked"] == 1.0 and metrics["sender/changed_elements"] > 0, engine.sender.engines
+        assert metrics["sender/all_acked"] == 1.0 and metrics["sender/changed_elements"] > 0, (
+            engine.sender.engines
+        )
         st = status(served.url)
         assert st["version"] == step and st["weight_version"] == str(step) and st["healthy"], st
         assert requests.get(f"{served.url}/weight_info", timeout=30).json()["weight_version"] == str(step)
@@ -139,7 +164,9 @@ def sync_over_disk(served, trainer, root: Path, run: dict) -> None:
             assert sample(m1, f"vllm_delta:{name}_count") == sample(m0, f"vllm_delta:{name}_count") + 1, name
         moved = sample(m1, "vllm_delta:changed_elements_sum") - sample(m0, "vllm_delta:changed_elements_sum")
         assert moved == st["last"]["changed"] > 0
-        assert all(isinstance(st["last"][key], float) for key in ("pause_s", "apply_s")), st  # reported, not judged
+        assert all(isinstance(st["last"][key], float) for key in ("pause_s", "apply_s")), (
+            st
+        )  # reported, not judged
         assert requests.get(f"{served.url}/is_paused", timeout=30).json()["is_paused"] is False
         assert served.complete("The quick brown fox", max_tokens=4)["text"]
     engine.shutdown()
@@ -161,7 +188,9 @@ def prepare_while_serving(served, trainer, root: Path, run: dict) -> None:
         for t in new.values():
             bits = t.view(-1).view(torch.int16)
             bits[torch.rand(bits.shape, generator=gen) < 0.5] += 1
-        chain.append((write_delta(root, f"serving{step}", new, weights, version + step, version + step - 1), new))
+        chain.append(
+            (write_delta(root, f"serving{step}", new, weights, version + step, version + step - 1), new)
+        )
         weights = new
     corrupt = root / "serving-corrupt"
     shutil.copytree(chain[0][0], corrupt)
@@ -171,20 +200,28 @@ def prepare_while_serving(served, trainer, root: Path, run: dict) -> None:
     flush.write_bytes(bytes(data))
     digests, seen = checksums(served.url), []
     with Streams(served.url, STREAM_TOKENS) as streams:
-        r, _ = native_update(served.url, {"path": corrupt.name, "version": version + 1, "base_version": version},
-                             str(version + 1))
+        r, _ = native_update(
+            served.url,
+            {"path": corrupt.name, "version": version + 1, "base_version": version},
+            str(version + 1),
+        )
         assert r.status_code == 400 and r.json()["error"]["type"] == "IntegrityError", r.text
         assert r.json()["error"]["file"] == flush.name, r.text
         assert checksums(served.url) == digests, "a refused update changed the weights"
         for step, (path, new) in enumerate(chain, 1):
-            r, done = native_update(served.url, {"path": path.name, "version": version + step,
-                                                 "base_version": version + step - 1}, str(version + step))
+            r, done = native_update(
+                served.url,
+                {"path": path.name, "version": version + step, "base_version": version + step - 1},
+                str(version + step),
+            )
             assert r.status_code == 200 and done is not None, r.text
             run["states"].append(new)
             assert r.json()["tokens_during_prepare"] == done["tokens_during_prepare"], (r.json(), done)
             seen.append(done["tokens_during_prepare"])
-            print(f"native prepare_s={done['prepare_s']:.3f} pause_s={done['pause_s']:.3f} "
-                  f"tokens_during_prepare={seen[-1]} changed={done['changed']}")
+            print(
+                f"native prepare_s={done['prepare_s']:.3f} pause_s={done['pause_s']:.3f} "
+                f"tokens_during_prepare={seen[-1]} changed={done['changed']}"
+            )
             if seen[-1] > LAG_TOKENS:
                 break
     assert max(seen) > LAG_TOKENS, seen  # vLLM's generation_tokens counter moved during a native prepare
@@ -208,8 +245,11 @@ def commit_fault_then_anchor(served, model_dir: Path, root: Path, run: dict) -> 
     ulp_step(new, seed=version)
     path = write_delta(root, "fault", new, run["states"][-1], FAULT_VERSION, version)
     assert requests.post(f"{served.url}/start_weight_update", timeout=60).status_code == 200
-    r = requests.post(f"{served.url}/update_weights", json={"update_info": {
-        "path": path.name, "version": FAULT_VERSION, "base_version": version}}, timeout=300)
+    r = requests.post(
+        f"{served.url}/update_weights",
+        json={"update_info": {"path": path.name, "version": FAULT_VERSION, "base_version": version}},
+        timeout=300,
+    )
     assert r.status_code == 200, r.text
     r = requests.post(f"{served.url}/finish_weight_update", json={"weight_version": "fault"}, timeout=300)
     assert r.status_code == 500 and FAULT_AT in r.json()["error"]["message"], r.text
@@ -230,8 +270,13 @@ def commit_fault_then_anchor(served, model_dir: Path, root: Path, run: dict) -> 
 
 def greedy(server) -> tuple[list[int], list[float]]:
     """Greedy token ids and logprobs; a fresh cache salt, so each call computes the prompt afresh."""
-    out = server.complete("The quick brown fox", max_tokens=4, ignore_eos=True, return_token_ids=True,
-                          cache_salt=uuid.uuid4().hex)
+    out = server.complete(
+        "The quick brown fox",
+        max_tokens=4,
+        ignore_eos=True,
+        return_token_ids=True,
+        cache_salt=uuid.uuid4().hex,
+    )
     return out["token_ids"], out["logprobs"]["token_logprobs"]
 
 
@@ -248,10 +293,22 @@ def test_bad_input_through_native_routes(served, model_dir, root, run):
     new = held[PARAM].clone()
     new.view(-1).view(torch.int16)[::7] += 1
     good = write_delta(root, "good", {PARAM: new}, held, v, base)
-    unknown = write_delta(root, "unknown", {"model.layers.0.mlp.nope.weight": new}, {"model.layers.0.mlp.nope.weight":
-                                                                                     held[PARAM]}, v, base)
-    reshaped = write_delta(root, "reshaped", {PARAM: new.reshape(-1)[:64].reshape(8, 8)},
-                           {PARAM: held[PARAM].reshape(-1)[:64].reshape(8, 8)}, v, base)
+    unknown = write_delta(
+        root,
+        "unknown",
+        {"model.layers.0.mlp.nope.weight": new},
+        {"model.layers.0.mlp.nope.weight": held[PARAM]},
+        v,
+        base,
+    )
+    reshaped = write_delta(
+        root,
+        "reshaped",
+        {PARAM: new.reshape(-1)[:64].reshape(8, 8)},
+        {PARAM: held[PARAM].reshape(-1)[:64].reshape(8, 8)},
+        v,
+        base,
+    )
     corrupt = root / "corrupt"
     shutil.copytree(good, corrupt)
     flush = next(corrupt.glob("*.safetensors"))
@@ -264,12 +321,30 @@ def test_bad_input_through_native_routes(served, model_dir, root, run):
         ({"path": good.name, "version": v + 1, "base_version": base + 1}, 409, "VersionError", None),
         ({"path": good.name, "version": base, "base_version": base}, 409, "VersionError", None),
         ({"path": f"../{elsewhere.name}", "version": v, "base_version": base}, 403, "PathOutsideRoot", None),
-        ({"path": good.name, "version": "four", "base_version": base}, 400, "InvalidRequest",
-         ("message", "version: ")),
-        ({"path": unknown.name, "version": v, "base_version": base}, 422, "UnknownParamError",
-         ("param", "model.layers.0.mlp.nope.weight")),
-        ({"path": reshaped.name, "version": v, "base_version": base}, 422, "ShapeMismatchError", ("param", PARAM)),
-        ({"path": corrupt.name, "version": v, "base_version": base}, 400, "IntegrityError", ("file", flush.name)),
+        (
+            {"path": good.name, "version": "four", "base_version": base},
+            400,
+            "InvalidRequest",
+            ("message", "version: "),
+        ),
+        (
+            {"path": unknown.name, "version": v, "base_version": base},
+            422,
+            "UnknownParamError",
+            ("param", "model.layers.0.mlp.nope.weight"),
+        ),
+        (
+            {"path": reshaped.name, "version": v, "base_version": base},
+            422,
+            "ShapeMismatchError",
+            ("param", PARAM),
+        ),
+        (
+            {"path": corrupt.name, "version": v, "base_version": base},
+            400,
+            "IntegrityError",
+            ("file", flush.name),
+        ),
     ]
     digests, output, m0 = checksums(served.url), greedy(served), metric_samples(served.url)
     for update_info, code, kind, field in cases:
@@ -291,8 +366,10 @@ def test_bad_input_through_native_routes(served, model_dir, root, run):
     m1 = metric_samples(served.url)
     counts = Counter([code for _, code, _, _ in cases] + [400])  # + the body that is not JSON
     for code, count in counts.items():
-        assert sample(m1, "vllm_delta:update_failures_total", status=str(code)) == \
-            sample(m0, "vllm_delta:update_failures_total", status=str(code)) + count, code
+        assert (
+            sample(m1, "vllm_delta:update_failures_total", status=str(code))
+            == sample(m0, "vllm_delta:update_failures_total", status=str(code)) + count
+        ), code
     assert greedy(served) == output, "a refused update changed the served output"
     for d in (good, unknown, reshaped, corrupt, elsewhere):
         shutil.rmtree(d)
@@ -300,14 +377,22 @@ def test_bad_input_through_native_routes(served, model_dir, root, run):
 
 def sync_over_gloo(served, trainer, run: dict) -> None:
     """`transport="gloo"`: the engine joins the trainer's group through vLLM's init route; 2 more steps."""
-    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
 
     from vllm_delta import DeltaTrainerInitInfo
 
     version = len(run["states"]) - 1
     engine = WeightTransferTrainerFactory.trainer_init(
-        DeltaTrainerInitInfo(transport="gloo", version=version, flush_bytes=64 << 10, collective_timeout_s=60, rank=0),
-        client=HTTPVLLMWeightSyncClient(served.url), source=ModuleSource(trainer.model))
+        DeltaTrainerInitInfo(
+            transport="gloo", version=version, flush_bytes=64 << 10, collective_timeout_s=60, rank=0
+        ),
+        client=HTTPVLLMWeightSyncClient(served.url),
+        source=ModuleSource(trainer.model),
+    )
     for step in range(version + 1, version + 3):
         trainer.step()
         metrics = engine.send_weights()
@@ -349,7 +434,9 @@ def _stage(rank: int, world_size: int, port: int, url: str, root: str, state_fil
     source = StageSource(full, stage_names(list(full), rank))
     engine = WeightTransferTrainerFactory.trainer_init(
         DeltaTrainerInitInfo(delta_dir=root, version=version, group=dist.group.WORLD, rank=rank),
-        client=HTTPVLLMWeightSyncClient(url), source=source)
+        client=HTTPVLLMWeightSyncClient(url),
+        source=source,
+    )
     ulp_step(full, seed=version)
     metrics = engine.send_weights()
     assert metrics["sender/all_acked"] == 1.0, metrics
@@ -379,11 +466,15 @@ def replay_offline(trainer, model_dir: Path, root: Path, run: dict) -> None:
 
     states = run["states"]
     trainer.model.load_state_dict(states[0])
-    with patched_environ({ROOT_ENV: str(root)}), \
-            start_llm(model_dir, weight_transfer_config={"backend": "delta"}) as llm:
+    with (
+        patched_environ({ROOT_ENV: str(root)}),
+        start_llm(model_dir, weight_transfer_config={"backend": "delta"}) as llm,
+    ):
         engine = WeightTransferTrainerFactory.trainer_init(
             DeltaTrainerInitInfo(delta_dir=str(root), checkpoint=str(model_dir), rank=0),
-            client=OfflineLLMClient(llm), source=ModuleSource(trainer.model))
+            client=OfflineLLMClient(llm),
+            source=ModuleSource(trainer.model),
+        )
         for step, state in enumerate(states[1:], 1):
             trainer.model.load_state_dict(state)
             metrics = engine.send_weights()

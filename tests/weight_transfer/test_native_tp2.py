@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file
-
 from harness.vllm_engine import VllmServer
 from native_helpers import NATIVE, Streams, checksums, native_update, write_delta
+from safetensors.torch import load_file
+
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
@@ -35,8 +35,13 @@ def root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def served(tiny_model_factory, root, tmp_path_factory):
     log = tmp_path_factory.mktemp("native_tp2") / "serve.log"
-    with VllmServer(tiny_model_factory("llama"), log, tp=2, extra_args=NATIVE,
-                    env={ROOT_ENV: str(root), "VLLM_PLUGINS": "delta_updates"}) as s:
+    with VllmServer(
+        tiny_model_factory("llama"),
+        log,
+        tp=2,
+        extra_args=NATIVE,
+        env={ROOT_ENV: str(root), "VLLM_PLUGINS": "delta_updates"},
+    ) as s:
         yield s
 
 
@@ -60,7 +65,9 @@ def test_refusal_at_tp2_then_rpcs_and_the_next_update_work(served, tiny_model_fa
     with Streams(served.url, 240) as streams:
         r, _ = native_update(served.url, {"path": corrupt.name, "version": 1, "base_version": 0}, "1")
         assert r.status_code == 400, r.text
-        assert r.json()["error"]["type"] == "IntegrityError" and r.json()["error"]["file"] == flush.name, r.text
+        assert r.json()["error"]["type"] == "IntegrityError" and r.json()["error"]["file"] == flush.name, (
+            r.text
+        )
         assert checksums(served.url) == before  # vLLM's own RPC answers, and nothing was written
         r, done = native_update(served.url, {"path": good.name, "version": 1, "base_version": 0}, "1")
         assert r.status_code == 200 and done is not None and done["changed"] > 0, r.text

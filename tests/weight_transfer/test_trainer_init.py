@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm.distributed.weight_transfer import ModuleSource, ParamMeta, WeightSource, WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer import (
+    ModuleSource,
+    ParamMeta,
+    WeightSource,
+    WeightTransferTrainerFactory,
+)
 
 from vllm_delta import DeltaTrainerInitInfo
 
@@ -39,12 +44,16 @@ def test_registered_and_dispatched_by_init_info():
         DeltaTrainerInitInfo("/tmp")  # `rank` is keyword-only and required, as for every vLLM backend
 
 
-@pytest.mark.parametrize("info, source, match", [
-    (dict(delta_dir=None), lambda: ModuleSource(torch.nn.Linear(2, 2)), "needs delta_dir"),
-    (dict(delta_dir="/tmp"), lambda: None, "pass source="),
-    (dict(delta_dir="/tmp"), HalfSource, "pass group="),
-])
+@pytest.mark.parametrize(
+    "info, source, match",
+    [
+        (dict(delta_dir=None), lambda: ModuleSource(torch.nn.Linear(2, 2)), "needs delta_dir"),
+        (dict(delta_dir="/tmp"), lambda: None, "pass source="),
+        (dict(delta_dir="/tmp"), HalfSource, "pass group="),
+    ],
+)
 def test_refused_before_any_engine_call(info, source, match):
     with pytest.raises(ValueError, match=match):
-        WeightTransferTrainerFactory.trainer_init(DeltaTrainerInitInfo(**info, rank=0), client=NoEngine(),
-                                                  source=source())
+        WeightTransferTrainerFactory.trainer_init(
+            DeltaTrainerInitInfo(**info, rank=0), client=NoEngine(), source=source()
+        )

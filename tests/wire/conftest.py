@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from wire_helpers import model_tensors, perturb, write_checkpoint
 
 
@@ -16,5 +15,8 @@ def checkpoints(request, tmp_path) -> tuple[Path, Path, dict[str, torch.Tensor]]
     old = model_tensors(0)
     new = perturb(old, 1)
     sharded = request.param == "sharded"
-    return (write_checkpoint(tmp_path / "old", old, sharded=sharded),
-            write_checkpoint(tmp_path / "new", new, sharded=sharded), new)
+    return (
+        write_checkpoint(tmp_path / "old", old, sharded=sharded),
+        write_checkpoint(tmp_path / "new", new, sharded=sharded),
+        new,
+    )

@@ -15,8 +15,18 @@ import pytest
 import torch
 import zstandard
 
-from vllm_delta.wire import CorruptDeltaError, DeltaWriter, Limits, bytes_digest, iter_delta, open_delta
-from vllm_delta.wire import batch, batch_frames, container, flush
+from vllm_delta.wire import (
+    CorruptDeltaError,
+    DeltaWriter,
+    Limits,
+    batch,
+    batch_frames,
+    bytes_digest,
+    container,
+    flush,
+    iter_delta,
+    open_delta,
+)
 from vllm_delta.wire.blocks import Policy
 from vllm_delta.wire.container import pack, unpack
 
@@ -60,8 +70,10 @@ def write(path, old, new, encoding: str, policy: Policy = SMALL_BLOCKS):
 
 def per_param_path(monkeypatch):
     """Send every flush to the per-param path (the reference implementation)."""
+
     def refuse(*args, **kwargs):
         raise batch.Fallback
+
     monkeypatch.setattr(flush, "index_flush", refuse)
 
 
@@ -75,8 +87,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def same(a, b) -> None:
-    assert (a.name, a.shape, a.dtype, a.needs_base, a.skipped, a.bounds, a.blocks) == \
-        (b.name, b.shape, b.dtype, b.needs_base, b.skipped, b.bounds, b.blocks)
+    assert (a.name, a.shape, a.dtype, a.needs_base, a.skipped, a.bounds, a.blocks) == (
+        b.name,
+        b.shape,
+        b.dtype,
+        b.needs_base,
+        b.skipped,
+        b.bounds,
+        b.blocks,
+    )
     assert a.positions.dtype == b.positions.dtype == torch.int64 and torch.equal(a.positions, b.positions)
     assert a.values.dtype == b.values.dtype
     assert torch.equal(bits(a.values), bits(b.values))
@@ -85,7 +104,9 @@ def same(a, b) -> None:
 @pytest.mark.parametrize("encoding", ["ulp_zstd", "planes_zstd", "deltas_zstd"])
 @pytest.mark.parametrize("density", [0.02, 0.3])
 @pytest.mark.parametrize("owned_kind", ["all", "ranges"])
-def test_batched_equals_per_param_path_and_the_new_weights(tmp_path, monkeypatch, encoding, density, owned_kind):
+def test_batched_equals_per_param_path_and_the_new_weights(
+    tmp_path, monkeypatch, encoding, density, owned_kind
+):
     old = model(12)
     new = step(old, density, seed=1)
     path = write(tmp_path / "d", old, new, encoding)
@@ -117,8 +138,13 @@ def test_batches_and_a_param_past_a_batch(tmp_path, monkeypatch):
     real_decode, real_plan = flush._decode_blocked, flush._plan_blocked
     with monkeypatch.context() as m:
         m.setattr(batch, "BATCH_ENTRIES", 40)
-        m.setattr(flush, "_decode_blocked", lambda enc, s, d, p, **k: slow_params.extend(x[0].name for x in p)
-                  or real_decode(enc, s, d, p, **k))
+        m.setattr(
+            flush,
+            "_decode_blocked",
+            lambda enc, s, d, p, **k: (
+                slow_params.extend(x[0].name for x in p) or real_decode(enc, s, d, p, **k)
+            ),
+        )
         m.setattr(flush, "_plan_blocked", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
         fast = decode(path)
     per_param_path(monkeypatch)
@@ -138,8 +164,13 @@ def test_a_large_param_decodes_on_the_per_param_path_and_the_rest_in_batches(tmp
     real_decode = flush._decode_blocked
     with monkeypatch.context() as m:
         m.setattr(batch, "PER_PARAM_ENTRIES", 30)
-        m.setattr(flush, "_decode_blocked", lambda enc, s, d, p, **k: slow_params.extend(x[0].name for x in p)
-                  or real_decode(enc, s, d, p, **k))
+        m.setattr(
+            flush,
+            "_decode_blocked",
+            lambda enc, s, d, p, **k: (
+                slow_params.extend(x[0].name for x in p) or real_decode(enc, s, d, p, **k)
+            ),
+        )
         fast = decode(path)
     per_param_path(monkeypatch)
     slow = decode(path)
@@ -178,6 +209,7 @@ _REAL_DECOMPRESSOR = zstandard.ZstdDecompressor
 
 def zstd_counts(monkeypatch, path) -> tuple[int, int, int, int]:
     """(contexts made, one-frame calls, multi-frame calls, per-param index parses) for reading `path`."""
+
     class Counting(_Counting):
         pass
 
@@ -198,8 +230,13 @@ def test_zstd_contexts_and_calls_are_per_flush_not_per_param(tmp_path, monkeypat
         path = write(tmp_path / f"d{n}", old, step(old, 0.05, seed=2), "ulp_zstd", policy=Policy())
         assert len(open_delta(path).manifest.files) == 1
         counts[n] = zstd_counts(monkeypatch, path)
-    streams = len(json.loads(unpack((path / open_delta(path).manifest.files[0].name).read_bytes(), file=None,
-                                    limits=Limits())[1]["streams"]))
+    streams = len(
+        json.loads(
+            unpack((path / open_delta(path).manifest.files[0].name).read_bytes(), file=None, limits=Limits())[
+                1
+            ]["streams"]
+        )
+    )
     made, frames, batches, parses = counts[96]
     assert counts[8] == counts[96]  # 12x the params, the same counts
     assert (made, frames, parses) == (1, 0, 0)  # one context, no frame on its own, no per-param index parse
@@ -223,7 +260,7 @@ def _retouched(path, param: str, stream: str, make_frame, decoded: int | None = 
             lengths = p["blocks"][0][3]
             frame = make_frame(lengths[2 * j + 1])
             blob = blobs[f"__{stream}__"]
-            blobs[f"__{stream}__"] = blob[:at] + frame + blob[at + lengths[2 * j]:]
+            blobs[f"__{stream}__"] = blob[:at] + frame + blob[at + lengths[2 * j] :]
             lengths[2 * j] = len(frame)
             grow = 0 if decoded is None else decoded - lengths[2 * j + 1]
             lengths[2 * j + 1] += grow
@@ -231,10 +268,14 @@ def _retouched(path, param: str, stream: str, make_frame, decoded: int | None = 
         at += sum(r[3][2 * j] for r in p["blocks"])
     streams = json.loads(meta["streams"])
     streams[stream]["size"] += grow
-    data = pack(blobs, dict(meta, params=json.dumps(params, separators=(",", ":")), streams=json.dumps(streams)))
+    data = pack(
+        blobs, dict(meta, params=json.dumps(params, separators=(",", ":")), streams=json.dumps(streams))
+    )
     (path / name).write_bytes(data)
     m = json.loads((path / "manifest.json").read_text())
-    m["files"][0].update(bytes=len(data), hash=bytes_digest(data), decoded_bytes=m["files"][0]["decoded_bytes"] + grow)
+    m["files"][0].update(
+        bytes=len(data), hash=bytes_digest(data), decoded_bytes=m["files"][0]["decoded_bytes"] + grow
+    )
     (path / "manifest.json").write_text(json.dumps(m))
 
 
@@ -294,10 +335,16 @@ def test_escapes_where_a_param_has_none_fail_alike(tmp_path, monkeypatch):
 def test_frames_of_every_block_kind_pass_and_trailing_bytes_do_not():
     # Raw, RLE and compressed blocks, several blocks a frame, checksums: read by the frame walker.
     rng = np.random.default_rng(0)
-    payloads = [rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes(), b"\0" * 200_000,
-                bytes(range(256)) * 900, b"x"]
-    frames = [zstandard.ZstdCompressor(level=1, write_checksum=k % 2 == 1).compress(p)
-              for k, p in enumerate(payloads)]
+    payloads = [
+        rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes(),
+        b"\0" * 200_000,
+        bytes(range(256)) * 900,
+        b"x",
+    ]
+    frames = [
+        zstandard.ZstdCompressor(level=1, write_checksum=k % 2 == 1).compress(p)
+        for k, p in enumerate(payloads)
+    ]
     stream = b"".join(frames)
     offset = np.cumsum([0] + [len(f) for f in frames[:-1]])
     stored = np.array([len(f) for f in frames])

@@ -12,24 +12,39 @@ import json
 
 import pytest
 import torch
+from test_batch import _Z, DAMAGE, SMALL_BLOCKS, _retouched, model, per_param_path, same, step, write
 
-from test_batch import DAMAGE, SMALL_BLOCKS, _retouched, _Z, model, per_param_path, same, step, write
-from vllm_delta.wire import CorruptDeltaError, DeltaWriter, Limits, bytes_digest, iter_delta, open_delta
-from vllm_delta.wire import batch, flush
-from vllm_delta.wire.container import pack, unpack
+from vllm_delta.wire import (
+    CorruptDeltaError,
+    DeltaWriter,
+    Limits,
+    batch,
+    bytes_digest,
+    flush,
+    iter_delta,
+    open_delta,
+)
 from vllm_delta.wire.batch_device import Destinations
 from vllm_delta.wire.blocks import Policy
+from vllm_delta.wire.container import pack, unpack
 
 CPU = torch.device("cpu")
 ENCODINGS = ["ulp_zstd", "planes_zstd", "deltas_zstd"]  # every encoding with gaps and value planes/words
-RANGES = {"big": [(100, 900), (2000, 2100), (3000, 4095)], "e0": [], "e1": [(0, 40)], "norm": None,
-          **{f"e{i}": [(64 * i, 511)] for i in range(2, 12)}}  # one range, several, none, and a param whole
+RANGES = {
+    "big": [(100, 900), (2000, 2100), (3000, 4095)],
+    "e0": [],
+    "e1": [(0, 40)],
+    "norm": None,
+    **{f"e{i}": [(64 * i, 511)] for i in range(2, 12)},
+}  # one range, several, none, and a param whole
 
 
 def on_device(path, owned=None, names=None) -> tuple[list, Destinations]:
     """Decoded with every param (or `names`) placed on the CPU "device"; the checks verified."""
     info = open_delta(path)
-    dest = Destinations(owned or {}, {p.name: CPU for p in info.manifest.params if names is None or p.name in names})
+    dest = Destinations(
+        owned or {}, {p.name: CPU for p in info.manifest.params if names is None or p.name in names}
+    )
     with pytest.MonkeyPatch.context() as m:  # the device decoder, and it alone
         m.setattr(flush, "_plan_blocked", lambda *a, **k: pytest.fail("fell back to the per-param path"))
         out = list(iter_delta(info, current_version=0, owned=dest, lazy=True))
@@ -67,7 +82,9 @@ def test_mixed_gap_widths_wide_escapes_and_a_param_past_a_batch(tmp_path, monkey
     g = torch.Generator().manual_seed(7)
     shapes = {"u8": (1 << 16,), "u16": (1 << 24,), "u32": (1 << 40,), "u64": (1 << 61,), "f32": (1 << 12,)}
     gaps = {"u8": 200, "u16": 60_000, "u32": 1 << 30, "u64": 1 << 53, "f32": 9}
-    with DeltaWriter(tmp_path / "d", version=1, base_version=0, encoding="ulp_zstd", block_policy=SMALL_BLOCKS) as w:
+    with DeltaWriter(
+        tmp_path / "d", version=1, base_version=0, encoding="ulp_zstd", block_policy=SMALL_BLOCKS
+    ) as w:
         for name, shape in shapes.items():
             pos = torch.cumsum(torch.randint(1, gaps[name], (150,), generator=g), 0)
             dtype = torch.float32 if name == "f32" else torch.bfloat16
@@ -90,11 +107,26 @@ def test_positions_past_2_to_the_31_32_and_33(tmp_path):
     """A [2^23 + 2, 2^10] tensor (2^33 + 2^11 elements, written as positions alone) changed at the
     int32 and uint32 edges: the cumsum runs in int64 on the device, a rank owning the upper half too."""
     numel = ((1 << 23) + 2) << 10
-    edges = [0, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 32) + 1, (1 << 33) - 1, 1 << 33, numel - 1]
+    edges = [
+        0,
+        (1 << 31) - 1,
+        1 << 31,
+        (1 << 32) - 1,
+        1 << 32,
+        (1 << 32) + 1,
+        (1 << 33) - 1,
+        1 << 33,
+        numel - 1,
+    ]
     pos = torch.tensor(edges)
     old = torch.zeros(len(edges), dtype=torch.bfloat16)
-    with DeltaWriter(tmp_path / "d", version=1, base_version=0, encoding="ulp_zstd", block_policy=Policy(
-            span_bits=6, min_entries=8, max_entries=8)) as w:
+    with DeltaWriter(
+        tmp_path / "d",
+        version=1,
+        base_version=0,
+        encoding="ulp_zstd",
+        block_policy=Policy(span_bits=6, min_entries=8, max_entries=8),
+    ) as w:
         w.add("w", pos, (old.view(torch.int16) + 1).view(torch.bfloat16), old, shape=(numel >> 10, 1 << 10))
     for owned in (None, {"w": [(1 << 32, numel - 1)]}):
         dev, _ = on_device(tmp_path / "d", owned)
@@ -112,12 +144,15 @@ def test_only_the_named_params_decode_on_the_device(tmp_path):
     assert len(dest.checks) == 1  # one batch: its device params decoded together, its host params apart
 
 
-@pytest.mark.parametrize("stream,frame", [
-    ("pos0", lambda n: _Z.compress(b"\xff" * n)),  # gaps past the block index's last position
-    ("pos0", lambda n: _Z.compress(b"\0" * n)),  # positions short of it
-    ("flag", lambda n: _Z.compress(b"\xff" * n)),  # more flags than the escape planes hold
-    ("sign", DAMAGE["trailing bytes"]),  # a frame the host's checks refuse: the per-param path's error
-])
+@pytest.mark.parametrize(
+    "stream,frame",
+    [
+        ("pos0", lambda n: _Z.compress(b"\xff" * n)),  # gaps past the block index's last position
+        ("pos0", lambda n: _Z.compress(b"\0" * n)),  # positions short of it
+        ("flag", lambda n: _Z.compress(b"\xff" * n)),  # more flags than the escape planes hold
+        ("sign", DAMAGE["trailing bytes"]),  # a frame the host's checks refuse: the per-param path's error
+    ],
+)
 def test_bytes_that_disagree_with_the_block_index_fail_before_use(tmp_path, stream, frame):
     old = model(6)
     path = write(tmp_path / "d", old, step(old, 0.3, seed=3), "ulp_zstd")
@@ -136,7 +171,9 @@ def test_gaps_that_wrap_past_2_to_the_64_back_onto_the_index_fail(tmp_path):
     block index's first and last still match: only each position's range check sees it."""
     numel = 1 << 61
     gaps = [0] + [numel - 1] * 8 + [99]  # positions 0, 2^61, ..., 7 * 2^61, 2^64 = 0, then 100
-    pos = torch.tensor([0, 1 << 58, *(range((1 << 58) + 1, (1 << 58) + 8)), 100 + (1 << 59)])  # width 8, 10 entries
+    pos = torch.tensor(
+        [0, 1 << 58, *(range((1 << 58) + 1, (1 << 58) + 8)), 100 + (1 << 59)]
+    )  # width 8, 10 entries
     old = torch.zeros(pos.numel(), dtype=torch.bfloat16)
     with DeltaWriter(tmp_path / "d", version=1, base_version=0, encoding="ulp_zstd") as w:
         w.add("w", pos, (old.view(torch.int16) + 1).view(torch.bfloat16), old, shape=(numel,))

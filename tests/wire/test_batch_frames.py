@@ -20,8 +20,18 @@ from vllm_delta.wire.deltas import DeltaBatch
 MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-def _frame(content: bytes, *, kind: int = 0, fcs: int | None = None, single: int = 1, dict_id: int = 0,
-           last: int = 1, block: int | None = None, window: int = 0, declared: int | None = None) -> bytes:
+def _frame(
+    content: bytes,
+    *,
+    kind: int = 0,
+    fcs: int | None = None,
+    single: int = 1,
+    dict_id: int = 0,
+    last: int = 1,
+    block: int | None = None,
+    window: int = 0,
+    declared: int | None = None,
+) -> bytes:
     """A zstd frame of one block of `content` (kind 0: stored, 1: RLE of its first byte, 2: `content` as a
     compressed block), by RFC 8878; `fcs`: the content size's field (by default the smallest that holds
     it); `block` and `declared`: a block size and a content size other than the content's."""
@@ -48,7 +58,9 @@ def _bad_checksum(content: bytes) -> bytes:
 def _read(frames: list[bytes], decoded: list[int]) -> bytes:
     stream = b"".join(frames)
     offset = np.cumsum([0] + [len(f) for f in frames[:-1]])
-    return batch_frames.frames(memoryview(stream), offset, np.array([len(f) for f in frames]), np.array(decoded))
+    return batch_frames.frames(
+        memoryview(stream), offset, np.array([len(f) for f in frames]), np.array(decoded)
+    )
 
 
 def _zstd(frame: bytes, size: int) -> bytes:
@@ -58,12 +70,22 @@ def _zstd(frame: bytes, size: int) -> bytes:
 def test_stored_and_rle_frames_give_what_zstd_gives():
     rng = np.random.default_rng(0)
     contents = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (1, 2, 3, 17, 255, 300, 1 << 17)]
-    frames = ([_frame(c) for c in contents] + [_frame(c[:1] * len(c), kind=1) for c in contents]
-              + [_frame(contents[5], fcs=1), _frame(contents[5], fcs=2), _frame(contents[3], fcs=3),
-                 _frame(contents[3], single=0, fcs=2),  # a window descriptor: left to zstd
-                 _frame(b"\5" * ((1 << 17) + 1))]  # a block past the spec's largest: left to zstd, which takes it
-              + [zstandard.ZstdCompressor(level=1, write_checksum=c).compress(p)
-                 for c in (False, True) for p in (b"x", b"ab" * 500, contents[4])])  # zstd's own frames
+    frames = (
+        [_frame(c) for c in contents]
+        + [_frame(c[:1] * len(c), kind=1) for c in contents]
+        + [
+            _frame(contents[5], fcs=1),
+            _frame(contents[5], fcs=2),
+            _frame(contents[3], fcs=3),
+            _frame(contents[3], single=0, fcs=2),  # a window descriptor: left to zstd
+            _frame(b"\5" * ((1 << 17) + 1)),
+        ]  # a block past the spec's largest: left to zstd, which takes it
+        + [
+            zstandard.ZstdCompressor(level=1, write_checksum=c).compress(p)
+            for c in (False, True)
+            for p in (b"x", b"ab" * 500, contents[4])
+        ]
+    )  # zstd's own frames
     want = [_zstd(f, 1 << 18) for f in frames]  # the reference: zstd's one-shot decompress of each
     assert _read(frames, [len(w) for w in want]) == b"".join(want)
     for f, w in zip(frames, want):  # alone too, and each next to a compressed one
@@ -71,15 +93,31 @@ def test_stored_and_rle_frames_give_what_zstd_gives():
         assert _read([f], [len(w)]) == w and _read([other, f], [200, len(w)]) == b"zz" * 100 + w
 
 
-@pytest.mark.parametrize("frame, size", [
-    (_frame(b"abc", block=2), 3), (_frame(b"abc", block=4), 3),  # a block size other than its extent
-    (_frame(b"ab", declared=3), 3), (_frame(b"ab", kind=1, declared=3), 3),  # ... than the frame's content size
-    (_frame(b"abc", kind=2), 3),  # a compressed block as long as its content: not a stored one
-    (_frame(b"abc", dict_id=1), 3),  # a dictionary this reader does not have
-    (_frame(b"abc", last=0), 3),  # no last block
-    (_frame(b"a" * 300, single=0, fcs=1, window=0xF8), 300),  # a window of 2^41 B
-    (_bad_checksum(b"abc"), 3),  # a stored block whose checksum is wrong
-], ids=["short block", "long block", "short content", "short rle", "compressed", "dictionary", "not last", "huge window", "checksum"])
+@pytest.mark.parametrize(
+    "frame, size",
+    [
+        (_frame(b"abc", block=2), 3),
+        (_frame(b"abc", block=4), 3),  # a block size other than its extent
+        (_frame(b"ab", declared=3), 3),
+        (_frame(b"ab", kind=1, declared=3), 3),  # ... than the frame's content size
+        (_frame(b"abc", kind=2), 3),  # a compressed block as long as its content: not a stored one
+        (_frame(b"abc", dict_id=1), 3),  # a dictionary this reader does not have
+        (_frame(b"abc", last=0), 3),  # no last block
+        (_frame(b"a" * 300, single=0, fcs=1, window=0xF8), 300),  # a window of 2^41 B
+        (_bad_checksum(b"abc"), 3),  # a stored block whose checksum is wrong
+    ],
+    ids=[
+        "short block",
+        "long block",
+        "short content",
+        "short rle",
+        "compressed",
+        "dictionary",
+        "not last",
+        "huge window",
+        "checksum",
+    ],
+)
 def test_what_zstd_refuses_still_falls_back(frame, size):
     with pytest.raises(zstandard.ZstdError):
         _zstd(frame, 1 << 18)
@@ -107,8 +145,13 @@ def _delta(path, tensors: int, changes: int):
         for i in range(tensors):
             old = torch.randn(changes, generator=g).to(torch.bfloat16)
             steps = torch.randint(1, 300, (changes,), generator=g).to(torch.int16)
-            w.add(f"t{i}", torch.arange(changes) * 3, (old.view(torch.int16) + steps).view(torch.bfloat16), old,
-                  shape=(4 * changes,))
+            w.add(
+                f"t{i}",
+                torch.arange(changes) * 3,
+                (old.view(torch.int16) + steps).view(torch.bfloat16),
+                old,
+                shape=(4 * changes,),
+            )
     return path
 
 
@@ -130,4 +173,3 @@ def test_tiny_tensors_hand_no_frame_to_zstd(tmp_path, monkeypatch, changes, zstd
     assert [d.name for d in got] == [d.name for d in want]
     for a, b in zip(got, want):
         assert torch.equal(a.positions, b.positions) and torch.equal(a.values, b.values)
-

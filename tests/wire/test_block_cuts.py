@@ -26,9 +26,15 @@ def _rule(pos: list[int], policy: Policy) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("policy", [Policy(), Policy(span_bits=6, min_entries=8, max_entries=64),
-                                    Policy(span_bits=0, min_entries=0, max_entries=8),
-                                    Policy(span_bits=3, min_entries=1, max_entries=16)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        Policy(),
+        Policy(span_bits=6, min_entries=8, max_entries=64),
+        Policy(span_bits=0, min_entries=0, max_entries=8),
+        Policy(span_bits=3, min_entries=1, max_entries=16),
+    ],
+)
 @pytest.mark.parametrize("density", [1.0, 0.3, 0.02, 1e-4])
 def test_cuts_follow_the_rule_whichever_way_they_are_found(policy: Policy, density: float) -> None:
     rng = np.random.default_rng(int(density * 1e4) + policy.span_bits)

@@ -9,11 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_delta.wire import (ENCODINGS, BoundsError, DeltaDecoder, Manifest, ParamChange, ParamEntry, encode_flush,
-                             file_entry, get_encoding)
+from vllm_delta.wire import (
+    ENCODINGS,
+    BoundsError,
+    DeltaDecoder,
+    Manifest,
+    ParamChange,
+    ParamEntry,
+    encode_flush,
+    file_entry,
+    get_encoding,
+)
 from vllm_delta.wire.blocks import Policy, cuts
-from vllm_delta.wire.container import pack, unpack
-from vllm_delta.wire.container import Limits
+from vllm_delta.wire.container import Limits, pack, unpack
 
 SMALL = Policy(span_bits=8, min_entries=16, max_entries=64)  # many blocks in a small tensor
 NUMEL = 4096
@@ -30,16 +38,26 @@ def change(seed: int = 0, density: float = 0.3):
 
 
 def decode(ch: ParamChange, encoding: str, *, blocked: bool = True, owned=None, data: bytes | None = None):
-    flush = encode_flush([ch], encoding=get_encoding(encoding), version=1, base_version=0, blocked=blocked,
-                         policy=SMALL)
+    flush = encode_flush(
+        [ch], encoding=get_encoding(encoding), version=1, base_version=0, blocked=blocked, policy=SMALL
+    )
     data = data if data is not None else flush.data
-    m = Manifest(version=1, base_version=0, encoding=encoding,
-                 files=[file_entry("f", flush).model_copy(update={"bytes": len(data)}) if data is not flush.data
-                        else file_entry("f", flush)],
-                 params=[ParamEntry(name="w", dtype="bfloat16", shape=[64, 64], changed=ch.positions.numel(),
-                                    files=["f"])])
+    m = Manifest(
+        version=1,
+        base_version=0,
+        encoding=encoding,
+        files=[
+            file_entry("f", flush).model_copy(update={"bytes": len(data)})
+            if data is not flush.data
+            else file_entry("f", flush)
+        ],
+        params=[
+            ParamEntry(name="w", dtype="bfloat16", shape=[64, 64], changed=ch.positions.numel(), files=["f"])
+        ],
+    )
     if data is not flush.data:
         from vllm_delta.wire import bytes_digest
+
         m = m.model_copy(update={"files": [m.files[0].model_copy(update={"hash": bytes_digest(data)})]})
     dec = DeltaDecoder(m, current_version=0)
     (pd,) = dec.feed("f", data, owned=owned)
@@ -76,7 +94,9 @@ def test_a_reader_decodes_only_blocks_meeting_what_it_owns(encoding):
     for a, b in owned:
         inside |= (ch.positions >= a) & (ch.positions <= b)
     got = set(pd.positions.tolist())
-    assert set(ch.positions[inside].tolist()) <= got <= set(ch.positions.tolist())  # all it owns, no invention
+    assert (
+        set(ch.positions[inside].tolist()) <= got <= set(ch.positions.tolist())
+    )  # all it owns, no invention
     keep = torch.isin(ch.positions, pd.positions)
     assert torch.equal(bits(pd.resolve(ch.old_values[keep])), bits(ch.new_values[keep]))
     assert (pd.first, pd.last) == (int(ch.positions[0]), int(ch.positions[-1]))

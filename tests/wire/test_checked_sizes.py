@@ -14,8 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_delta.wire import (DeltaWriter, FormatError, Limits, bytes_digest, iter_delta, open_delta,
-                             parse_manifest)
+from vllm_delta.wire import (
+    DeltaWriter,
+    FormatError,
+    Limits,
+    bytes_digest,
+    iter_delta,
+    open_delta,
+    parse_manifest,
+)
 from vllm_delta.wire.blocks import Policy
 from vllm_delta.wire.container import pack, unpack
 
@@ -59,12 +66,14 @@ def test_block_lengths_that_wrap_int64_are_refused(tmp_path, batches):
     assert len(list(iter_delta(open_delta(path), current_version=0, owned={"w": [(0, 7)]}, lazy=True))) == 1
     _edit_flush(path, _wrap_block_lengths)
     with pytest.raises(FormatError, match="blocks span"):
-        list(iter_delta(open_delta(path), current_version=0, owned={"w": [(0, 7)]}, lazy=True,
-                        batches=batches))
+        list(
+            iter_delta(open_delta(path), current_version=0, owned={"w": [(0, 7)]}, lazy=True, batches=batches)
+        )
 
 
-@pytest.mark.parametrize("key, value", [("params", "[" * 100_000 + "]" * 100_000),
-                                        ("streams", "[" * 100_000 + "]" * 100_000)])
+@pytest.mark.parametrize(
+    "key, value", [("params", "[" * 100_000 + "]" * 100_000), ("streams", "[" * 100_000 + "]" * 100_000)]
+)
 def test_deeply_nested_flush_metadata_is_a_format_error(tmp_path, key, value):
     path = _delta(tmp_path / "d")
     _edit_flush(path, lambda meta: meta.__setitem__(key, value))
@@ -77,9 +86,14 @@ def test_deeply_nested_manifest_is_a_format_error():
         parse_manifest(("[" * 100_000 + "]" * 100_000).encode())
 
 
-@pytest.mark.parametrize("entry", [{"dtype": {"a": 1}, "shape": [1], "data_offsets": [0, 1]},
-                                   {"dtype": "U8", "shape": 1, "data_offsets": [0, 1]},
-                                   "[" * 100_000 + "]" * 100_000])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": {"a": 1}, "shape": [1], "data_offsets": [0, 1]},
+        {"dtype": "U8", "shape": 1, "data_offsets": [0, 1]},
+        "[" * 100_000 + "]" * 100_000,
+    ],
+)
 def test_bad_safetensors_entries_are_format_errors(entry):
     text = ('{"x":' + entry + "}" if isinstance(entry, str) else json.dumps({"x": entry})).encode()
     data = struct.pack("<Q", len(text)) + text + b"\0"

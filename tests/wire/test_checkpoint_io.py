@@ -50,7 +50,7 @@ def file_opens(directory: Path) -> Iterator[collections.Counter]:
             i = 0
             while i < len(buf):
                 _, mask, _, n = struct.unpack_from("iIII", buf, i)
-                name = buf[i + 16:i + 16 + n].rstrip(b"\0").decode()
+                name = buf[i + 16 : i + 16 + n].rstrip(b"\0").decode()
                 if mask & IN_OPEN and name.endswith(".safetensors"):
                     counts[name] += 1
                 i += 16 + n
@@ -64,7 +64,7 @@ def write_sharded(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     names, weight_map = list(tensors), {}
     for i in range(SHARDS):
         fname = f"model-{i + 1:05d}-of-{SHARDS:05d}.safetensors"
-        keys = names[i * PER_SHARD:(i + 1) * PER_SHARD]
+        keys = names[i * PER_SHARD : (i + 1) * PER_SHARD]
         save_file({k: tensors[k] for k in keys}, str(path / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(keys, fname))
     (path / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -74,8 +74,11 @@ def write_sharded(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
 @pytest.fixture
 def pair(tmp_path) -> tuple[Path, Path]:
     g = torch.Generator().manual_seed(0)
-    old = {f"model.layers.{i}.mlp.experts.{e}.up_proj.weight": torch.randn(8, 6, generator=g).bfloat16()
-           for i in range(SHARDS * PER_SHARD // 10) for e in range(10)}
+    old = {
+        f"model.layers.{i}.mlp.experts.{e}.up_proj.weight": torch.randn(8, 6, generator=g).bfloat16()
+        for i in range(SHARDS * PER_SHARD // 10)
+        for e in range(10)
+    }
     new = {}
     for n, t in old.items():
         bits = t.view(torch.int16).clone()
@@ -119,9 +122,15 @@ def test_seed_from_checkpoint_like_opens_only_this_ranks_shards(pair, tmp_path):
     second = f"model-00002-of-{SHARDS:05d}.safetensors"
     a, b = ckpt.shards[second][:2]
     full_a, full_b = load_file(old / second)[a], load_file(old / second)[b]
-    like = [Shard.narrow(a, torch.zeros(4, 6, dtype=torch.bfloat16), full_a.shape, 0, 4),  # rows 4..7
-            Segments(b, torch.zeros(8, 3, dtype=torch.bfloat16), tuple(full_b.shape),
-                     tuple((r * 6 + 3, 3) for r in range(8)))]  # columns 3..5 of every row
+    like = [
+        Shard.narrow(a, torch.zeros(4, 6, dtype=torch.bfloat16), full_a.shape, 0, 4),  # rows 4..7
+        Segments(
+            b,
+            torch.zeros(8, 3, dtype=torch.bfloat16),
+            tuple(full_b.shape),
+            tuple((r * 6 + 3, 3) for r in range(8)),
+        ),
+    ]  # columns 3..5 of every row
     sender = DeltaSender(["http://127.0.0.1:9"], "disk", tmp_path / "d")
     with file_opens(old) as o:
         sender.seed_from_checkpoint(old, like=like)
@@ -132,14 +141,17 @@ def test_seed_from_checkpoint_like_opens_only_this_ranks_shards(pair, tmp_path):
     sender.close()
 
 
-@pytest.mark.parametrize("shape, pick", [
-    ((10, 6), lambda: torch.arange(18, 42)),  # rows 3..6: a dim-0 TP shard
-    ((10, 6), lambda: torch.arange(60).view(10, 6)[:, 2:4].reshape(-1)),  # a dim-1 TP shard
-    ((10, 6), lambda: torch.tensor([59, 0, 31, 7])),  # scattered, unordered
-    ((12,), lambda: torch.arange(5, 9)),
-    ((3, 4, 5), lambda: torch.arange(20, 45)),
-    ((), lambda: torch.tensor([0])),
-])
+@pytest.mark.parametrize(
+    "shape, pick",
+    [
+        ((10, 6), lambda: torch.arange(18, 42)),  # rows 3..6: a dim-0 TP shard
+        ((10, 6), lambda: torch.arange(60).view(10, 6)[:, 2:4].reshape(-1)),  # a dim-1 TP shard
+        ((10, 6), lambda: torch.tensor([59, 0, 31, 7])),  # scattered, unordered
+        ((12,), lambda: torch.arange(5, 9)),
+        ((3, 4, 5), lambda: torch.arange(20, 45)),
+        ((), lambda: torch.tensor([0])),
+    ],
+)
 def test_read_at_is_the_flat_index_of_the_whole_tensor(tmp_path, shape, pick):
     full = torch.randn(shape).bfloat16()
     save_file({"w": full}, str(tmp_path / "model.safetensors"))
@@ -159,19 +171,21 @@ def test_an_index_that_misnames_a_shards_tensors_is_refused(pair):
         Checkpoint.open(old).read(name)
 
 
-
-@pytest.mark.parametrize("shape, runs", [
-    ((10, 6), [(18, 24)]),  # rows 3..6: a dim-0 TP shard
-    ((10, 6), [(r * 6 + 2, 2) for r in range(10)]),  # columns 2..3 of every row: a dim-1 TP shard
-    ((10, 6), [(40, 8), (4, 9)]),  # out of order, crossing rows
-    ((12,), [(5, 4), (0, 2)]),
-    ((3, 4, 5), [(20, 25)]),
-    ((), [(0, 1)]),
-])
+@pytest.mark.parametrize(
+    "shape, runs",
+    [
+        ((10, 6), [(18, 24)]),  # rows 3..6: a dim-0 TP shard
+        ((10, 6), [(r * 6 + 2, 2) for r in range(10)]),  # columns 2..3 of every row: a dim-1 TP shard
+        ((10, 6), [(40, 8), (4, 9)]),  # out of order, crossing rows
+        ((12,), [(5, 4), (0, 2)]),
+        ((3, 4, 5), [(20, 25)]),
+        ((), [(0, 1)]),
+    ],
+)
 def test_read_runs_is_the_runs_of_the_whole_tensor(tmp_path, shape, runs):
     full = torch.randn(shape).bfloat16()
     save_file({"w": full}, str(tmp_path / "model.safetensors"))
     got = Checkpoint.open(tmp_path).read_runs("w", runs)
     flat = load_file(tmp_path / "model.safetensors")["w"].reshape(-1)
-    want = torch.cat([flat[a:a + n] for a, n in runs])
+    want = torch.cat([flat[a : a + n] for a, n in runs])
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from wire_helpers import seed_flush_bytes
 
 from vllm_delta.cli import main
 from vllm_delta.wire import ENCODINGS
-from wire_helpers import seed_flush_bytes
 
 INT = {2: torch.int16, 4: torch.int32}
 
@@ -36,8 +36,25 @@ def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 @pytest.mark.parametrize("encoding", sorted(ENCODINGS))
 def test_diff_then_apply_reproduces_new(tmp_path, checkpoints, encoding, capsys):
     old, new, _ = checkpoints
-    assert main(["diff", str(old), str(new), str(tmp_path / "delta"), "--encoding", encoding,
-                 "--version", "5", "--base-version", "4", "--flush-bytes", "2000"]) == 0
+    assert (
+        main(
+            [
+                "diff",
+                str(old),
+                str(new),
+                str(tmp_path / "delta"),
+                "--encoding",
+                encoding,
+                "--version",
+                "5",
+                "--base-version",
+                "4",
+                "--flush-bytes",
+                "2000",
+            ]
+        )
+        == 0
+    )
     assert main(["apply", str(old), str(tmp_path / "delta"), str(tmp_path / "out")]) == 0
     assert_bit_identical(load_dir(tmp_path / "out"), load_dir(new))
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in new.iterdir())
@@ -118,6 +135,7 @@ def test_diff_refuses_mismatched_checkpoints(tmp_path, checkpoints, capsys):
     for f in other.glob("*.safetensors*"):
         f.unlink()
     from safetensors.torch import save_file
+
     save_file({"x": torch.zeros(3)}, str(other / "model.safetensors"))
     assert main(["diff", str(old), str(other), str(tmp_path / "d")]) == 1
     assert not (tmp_path / "d").exists()
@@ -126,8 +144,9 @@ def test_diff_refuses_mismatched_checkpoints(tmp_path, checkpoints, capsys):
 def test_encodings_json_via_console_script():
     exe = shutil.which("vllm-delta", path=str(__import__("pathlib").Path(sys.executable).parent))
     cmd = [exe] if exe else [sys.executable, "-m", "vllm_delta.cli"]
-    rows = json.loads(subprocess.run(cmd + ["encodings", "--json"], check=True, capture_output=True,
-                                     text=True).stdout)
+    rows = json.loads(
+        subprocess.run(cmd + ["encodings", "--json"], check=True, capture_output=True, text=True).stdout
+    )
     by = {r["name"]: r for r in rows}
     assert {"indices", "deltas", "deltas_zstd", "planes_zstd", "ulp_zstd"} <= set(by)
     assert by["ulp_zstd"]["needs_base"] and not by["ulp_zstd"]["idempotent"]

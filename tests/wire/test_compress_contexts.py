@@ -40,7 +40,9 @@ def _changes(params: int) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.T
     for i in range(params):
         pos = torch.randperm(4096, generator=g)[:300].sort().values
         old = torch.randn(300, generator=g).bfloat16()
-        new = (old.view(torch.int16) + torch.randint(1, 4, (300,), generator=g, dtype=torch.int16)).view(torch.bfloat16)
+        new = (old.view(torch.int16) + torch.randint(1, 4, (300,), generator=g, dtype=torch.int16)).view(
+            torch.bfloat16
+        )
         out.append((f"p{i}", pos, new, old))
     return out
 
@@ -48,6 +50,7 @@ def _changes(params: int) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.T
 def _encode(params: int) -> tuple[list[bytes], int]:
     """The flushes of `params` params' changes, and the contexts made encoding them (on a fresh thread
     state, so this thread's cached contexts don't hide any)."""
+
     class Counting(_Counting):
         made = 0
 
@@ -55,8 +58,14 @@ def _encode(params: int) -> tuple[list[bytes], int]:
     real = zstandard.ZstdCompressor, container._local
     zstandard.ZstdCompressor, container._local = Counting, threading.local()
     try:
-        b = FlushBuilder(lambda name, f: flushes.append(f.data), version=1, base_version=0, encoding="ulp_zstd",
-                         flush_bytes=1 << 30, block_policy=SMALL_BLOCKS)
+        b = FlushBuilder(
+            lambda name, f: flushes.append(f.data),
+            version=1,
+            base_version=0,
+            encoding="ulp_zstd",
+            flush_bytes=1 << 30,
+            block_policy=SMALL_BLOCKS,
+        )
         for name, pos, new, old in _changes(params):
             b.add(name, pos, new, old, shape=(4096,))
         b.manifest()

@@ -9,14 +9,33 @@ import numpy as np
 import pytest
 import torch
 import zstandard
+from wire_helpers import seed_flush_bytes, write_delta
 
-from vllm_delta.wire import (BoundsError, DeltaError, DtypeMismatchError, FormatError, IncompleteDeltaError,
-                             IntegrityError, LimitError, Limits, Manifest, ParamChange, ParamEntry,
-                             ShapeMismatchError, UnknownDtypeError, UnknownParamError, bytes_digest,
-                             encode_flush, file_entry, get_encoding, open_delta, read_delta, write_manifest)
+from vllm_delta.wire import (
+    BoundsError,
+    DeltaError,
+    DtypeMismatchError,
+    FormatError,
+    IncompleteDeltaError,
+    IntegrityError,
+    LimitError,
+    Limits,
+    Manifest,
+    ParamChange,
+    ParamEntry,
+    ShapeMismatchError,
+    UnknownDtypeError,
+    UnknownParamError,
+    bytes_digest,
+    encode_flush,
+    file_entry,
+    get_encoding,
+    open_delta,
+    read_delta,
+    write_manifest,
+)
 from vllm_delta.wire.codecs import decode_gaps
 from vllm_delta.wire.container import pack, unpack
-from wire_helpers import seed_flush_bytes, write_delta
 
 F = "rank0000_flush000000.safetensors"
 
@@ -28,19 +47,29 @@ def good_delta(tmp_path, encoding="ulp_zstd", blocked=True):
     return write_delta(tmp_path / "d", {"w": old}, {"w": new}, encoding=encoding, blocked=blocked), old
 
 
-def crafted(tmp_path, positions, *, encoding="indices", shape=(10,), dtype="bfloat16", flush=None, blocked=True):
+def crafted(
+    tmp_path, positions, *, encoding="indices", shape=(10,), dtype="bfloat16", flush=None, blocked=True
+):
     """A delta whose flush is encoded without the writer's checks, with a matching manifest."""
     pos = torch.tensor(positions, dtype=torch.int64)
     vals = torch.ones(len(positions), dtype=torch.bfloat16)
     enc = get_encoding(encoding)
-    flush = flush or encode_flush([ParamChange("w", shape, pos, vals, vals)], encoding=enc, version=1,
-                                  base_version=0, blocked=blocked)
+    flush = flush or encode_flush(
+        [ParamChange("w", shape, pos, vals, vals)], encoding=enc, version=1, base_version=0, blocked=blocked
+    )
     d = tmp_path / "c"
     d.mkdir()
     (d / F).write_bytes(flush.data)
-    write_manifest(d, Manifest(version=1, base_version=0, encoding=encoding, files=[file_entry(F, flush)],
-                               params=[ParamEntry(name="w", dtype=dtype, shape=list(shape),
-                                                  changed=len(positions), files=[F])]))
+    write_manifest(
+        d,
+        Manifest(
+            version=1,
+            base_version=0,
+            encoding=encoding,
+            files=[file_entry(F, flush)],
+            params=[ParamEntry(name="w", dtype=dtype, shape=list(shape), changed=len(positions), files=[F])],
+        ),
+    )
     return d
 
 
@@ -229,9 +258,11 @@ def test_garbage_and_unsafe_manifests(tmp_path):
 
 def test_model_mismatches_are_422(tmp_path):
     d, _ = good_delta(tmp_path)
-    cases = [({"v": ((64, 16), torch.bfloat16)}, UnknownParamError),
-             ({"w": ((16, 64), torch.bfloat16)}, ShapeMismatchError),
-             ({"w": ((64, 16), torch.float32)}, DtypeMismatchError)]
+    cases = [
+        ({"v": ((64, 16), torch.bfloat16)}, UnknownParamError),
+        ({"w": ((16, 64), torch.bfloat16)}, ShapeMismatchError),
+        ({"w": ((64, 16), torch.float32)}, DtypeMismatchError),
+    ]
     for expected, err in cases:
         with pytest.raises(err) as e:
             read(d, expected=expected)
@@ -250,6 +281,13 @@ def test_metadata_spans_outside_streams(tmp_path):
 
 
 def test_every_error_is_a_delta_error():
-    for err in (BoundsError, FormatError, IncompleteDeltaError, IntegrityError, LimitError,
-                UnknownDtypeError, UnknownParamError):
+    for err in (
+        BoundsError,
+        FormatError,
+        IncompleteDeltaError,
+        IntegrityError,
+        LimitError,
+        UnknownDtypeError,
+        UnknownParamError,
+    ):
         assert issubclass(err, DeltaError)

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba is not inst
 def both(monkeypatch, gaps: np.ndarray, numel: int, prev: int = -1):
     """(kernel's result, numpy's result): each the positions or the BoundsError's message."""
     out = []
-    for switch in ("1", "0"):
-        monkeypatch.setenv("VLLM_DELTA_KERNELS", switch)
+    for kernels_on in ("1", "0"):
+        monkeypatch.setenv("VLLM_DELTA_KERNELS", kernels_on)
         try:
             out.append(codecs.decode_gaps(gaps, numel, prev=prev, file="f", param="p"))
         except BoundsError as exc:

@@ -25,11 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
+from wire_helpers import seed_flush_bytes
 
 from vllm_delta.wire import ENCODINGS, DeltaWriter, read_delta
 from vllm_delta.wire.blocks import Policy
-
-from wire_helpers import seed_flush_bytes
 
 GOLDEN = Path(__file__).parent / "golden"
 FLUSH = "rank0000_flush000000.safetensors"
@@ -39,8 +38,11 @@ POLICY = Policy(span_bits=16, min_entries=8, max_entries=8)  # small blocks, so 
 OURS = ("indices", "deltas", "deltas_zstd", "planes_zstd", "ulp_zstd")
 SEED = ("indices", "deltas", "deltas_zstd")
 DENSE_ENCODINGS = ("indices", "deltas", "deltas_zstd", "planes_zstd")  # overwrite: what anchors use
-CASES = ([(layout, e) for layout in ("v1", "v2") for e in OURS] + [("seed", e) for e in SEED]
-         + [("v2dense", e) for e in DENSE_ENCODINGS])
+CASES = (
+    [(layout, e) for layout in ("v1", "v2") for e in OURS]
+    + [("seed", e) for e in SEED]
+    + [("v2dense", e) for e in DENSE_ENCODINGS]
+)
 FORMATS = {"v1": "vllm-delta/1", "v2": "vllm-delta/2", "v2dense": "vllm-delta/2"}
 
 # name: dtype, shape, flat positions, old bits, new bits (unsigned bit patterns of the dtype).
@@ -48,30 +50,111 @@ FORMATS = {"v1": "vllm-delta/1", "v2": "vllm-delta/2", "v2dense": "vllm-delta/2"
 # `huge` (2^33 elements, never allocated): positions either side of 2^31, a gap of exactly 2^32
 # (u64 gaps, int64 indices). Values have distinct high and low bytes, so a plane order shows.
 PARAMS = {
-    "a": (torch.bfloat16, (3, 100_000),
-          [0, 1, 2, 3, 4, 5, 6, 7, 300, 65_535, 65_536, 65_537, 70_000, 135_536, 135_537,
-           250_000, 250_001, 260_000, 299_998, 299_999],
-          [0x3F80, 0xBF80, 0x0000, 0x8000, 0x3C23, 0x4049, 0x7F7F, 0x3F80, 0x7FC0, 0x0001,
-           0x1234, 0xA5C3, 0x3E4C, 0xC2F7, 0x4B1D, 0x3A5E, 0xFF80, 0x00FF, 0x5A01, 0x3F80],
-          [0x3F81, 0xBF81, 0x8000, 0x0000, 0x3C21, 0x404C, 0x7F80, 0xC000, 0x7FC1, 0x0002,
-           0x1236, 0xA5C2, 0x3E4B, 0xC2F8, 0x4B1C, 0x3A62, 0xFF7F, 0x0100, 0x59FF, 0x3F00]),
-    "b": (torch.float32, (8, 64), [1, 3, 300, 400, 511],
-          [0x3F800000, 0xBF800000, 0x00000001, 0x7F7FFFFF, 0x12345678],
-          [0x3F800001, 0xBF7FFFFF, 0x80000000, 0x7F800000, 0x12345680]),
+    "a": (
+        torch.bfloat16,
+        (3, 100_000),
+        [
+            0,
+            1,
+            2,
+            3,
+            4,
+            5,
+            6,
+            7,
+            300,
+            65_535,
+            65_536,
+            65_537,
+            70_000,
+            135_536,
+            135_537,
+            250_000,
+            250_001,
+            260_000,
+            299_998,
+            299_999,
+        ],
+        [
+            0x3F80,
+            0xBF80,
+            0x0000,
+            0x8000,
+            0x3C23,
+            0x4049,
+            0x7F7F,
+            0x3F80,
+            0x7FC0,
+            0x0001,
+            0x1234,
+            0xA5C3,
+            0x3E4C,
+            0xC2F7,
+            0x4B1D,
+            0x3A5E,
+            0xFF80,
+            0x00FF,
+            0x5A01,
+            0x3F80,
+        ],
+        [
+            0x3F81,
+            0xBF81,
+            0x8000,
+            0x0000,
+            0x3C21,
+            0x404C,
+            0x7F80,
+            0xC000,
+            0x7FC1,
+            0x0002,
+            0x1236,
+            0xA5C2,
+            0x3E4B,
+            0xC2F8,
+            0x4B1C,
+            0x3A62,
+            0xFF7F,
+            0x0100,
+            0x59FF,
+            0x3F00,
+        ],
+    ),
+    "b": (
+        torch.float32,
+        (8, 64),
+        [1, 3, 300, 400, 511],
+        [0x3F800000, 0xBF800000, 0x00000001, 0x7F7FFFFF, 0x12345678],
+        [0x3F800001, 0xBF7FFFFF, 0x80000000, 0x7F800000, 0x12345680],
+    ),
     "c": (torch.float16, (16,), [0, 5, 15], [0x3C00, 0x0000, 0xFBFF], [0x3C01, 0x0001, 0xFC00]),
-    "huge": (torch.bfloat16, (1 << 17, 1 << 16),
-             [0, (1 << 31) - 1, 1 << 31, (1 << 31) + (1 << 32) + 1, (1 << 33) - 1],
-             [0x3F80, 0x4000, 0xBF80, 0x0001, 0x7F7F], [0x3F81, 0x3FFF, 0xBF7F, 0x0003, 0xFF80]),
+    "huge": (
+        torch.bfloat16,
+        (1 << 17, 1 << 16),
+        [0, (1 << 31) - 1, 1 << 31, (1 << 31) + (1 << 32) + 1, (1 << 33) - 1],
+        [0x3F80, 0x4000, 0xBF80, 0x0001, 0x7F7F],
+        [0x3F81, 0x3FFF, 0xBF7F, 0x0003, 0xFF80],
+    ),
 }
 SEED_PARAMS = ("a", "b", "c")  # the seed's writer diffs whole tensors: no `huge`
 # ulp_zstd's signed steps key(new) - key(old) mod 2^bits, worked out by hand from the bits above.
-STEPS = {"a": [1, -1, -1, 1, -2, 3, 1, -32641, 1, 1, 2, 1, -1, -1, -1, 4, 1, 1, -2, -128],
-         "b": [1, 1, -2, 1, 8], "c": [1, 1, -1], "huge": [1, -1, 1, 2, 256]}
-WIDTHS = {"indices": {"a": 4, "b": 4, "c": 4, "huge": 8},
-          "gaps": {"a": 4, "b": 2, "c": 1, "huge": 8},
-          "seed_deltas": {"a": 4, "b": 2, "c": 2}}  # the seed's writer never goes below u16
-BLOCKS = {"a": [[0, 7, 8], [300, 250_000, 8], [250_001, 299_999, 4]], "b": [[1, 511, 5]],
-          "c": [[0, 15, 3]], "huge": [[0, (1 << 33) - 1, 5]]}
+STEPS = {
+    "a": [1, -1, -1, 1, -2, 3, 1, -32641, 1, 1, 2, 1, -1, -1, -1, 4, 1, 1, -2, -128],
+    "b": [1, 1, -2, 1, 8],
+    "c": [1, 1, -1],
+    "huge": [1, -1, 1, 2, 256],
+}
+WIDTHS = {
+    "indices": {"a": 4, "b": 4, "c": 4, "huge": 8},
+    "gaps": {"a": 4, "b": 2, "c": 1, "huge": 8},
+    "seed_deltas": {"a": 4, "b": 2, "c": 2},
+}  # the seed's writer never goes below u16
+BLOCKS = {
+    "a": [[0, 7, 8], [300, 250_000, 8], [250_001, 299_999, 4]],
+    "b": [[1, 511, 5]],
+    "c": [[0, 15, 3]],
+    "huge": [[0, (1 << 33) - 1, 5]],
+}
 
 # Implicit positions (width 0), written by `add_dense` from pieces `(start, length)`: `w` whole, in two
 # pieces that merge into one run, cut where positions cross a multiple of 8 (POLICY.max_entries);
@@ -82,10 +165,15 @@ DENSE = {
     "s": (torch.float32, (4, 6), [(1, 3), (7, 3), (13, 3), (19, 3)]),
     "huge": (torch.bfloat16, (1 << 17, 1 << 16), [((1 << 31) - 5, 11), ((1 << 33) - 2, 2)]),
 }
-DENSE_BLOCKS = {"w": [[0, 7, 8], [8, 15, 8], [16, 20, 5]],
-                "s": [[1, 3, 3], [7, 7, 1], [8, 9, 2], [13, 15, 3], [19, 21, 3]],
-                "huge": [[(1 << 31) - 5, (1 << 31) - 1, 5], [1 << 31, (1 << 31) + 5, 6],
-                         [(1 << 33) - 2, (1 << 33) - 1, 2]]}
+DENSE_BLOCKS = {
+    "w": [[0, 7, 8], [8, 15, 8], [16, 20, 5]],
+    "s": [[1, 3, 3], [7, 7, 1], [8, 9, 2], [13, 15, 3], [19, 21, 3]],
+    "huge": [
+        [(1 << 31) - 5, (1 << 31) - 1, 5],
+        [1 << 31, (1 << 31) + 5, 6],
+        [(1 << 33) - 2, (1 << 33) - 1, 2],
+    ],
+}
 
 
 def dense_positions(name: str) -> list[int]:
@@ -120,16 +208,29 @@ def case_dir(layout: str, encoding: str) -> str:
 def write_ours(out: Path, layout: str, encoding: str) -> None:
     """The fixed inputs through the public writer: one flush, `vllm-delta/1` or `/2`."""
     if layout == "v2dense":
-        with DeltaWriter(out, version=VERSION, base_version=BASE, encoding=encoding, block_policy=POLICY) as w:
+        with DeltaWriter(
+            out, version=VERSION, base_version=BASE, encoding=encoding, block_policy=POLICY
+        ) as w:
             for name, (dtype, shape, pieces) in DENSE.items():
                 values, at = bits_tensor(dense_bits(name), dtype), 0
-                w.add_dense(name, [(a, values[at:(at := at + n)]) for a, n in pieces], shape=shape)
+                w.add_dense(name, [(a, values[at : (at := at + n)]) for a, n in pieces], shape=shape)
         return
-    with DeltaWriter(out, version=VERSION, base_version=BASE, encoding=encoding, blocked=layout == "v2",
-                     block_policy=POLICY) as w:
+    with DeltaWriter(
+        out,
+        version=VERSION,
+        base_version=BASE,
+        encoding=encoding,
+        blocked=layout == "v2",
+        block_policy=POLICY,
+    ) as w:
         for name, (dtype, shape, pos, old, new) in PARAMS.items():
-            w.add(name, torch.tensor(pos, dtype=torch.int64), bits_tensor(new, dtype), bits_tensor(old, dtype),
-                  shape=shape)
+            w.add(
+                name,
+                torch.tensor(pos, dtype=torch.int64),
+                bits_tensor(new, dtype),
+                bits_tensor(old, dtype),
+                shape=shape,
+            )
 
 
 def seed_bytes(encoding: str) -> bytes:
@@ -150,7 +251,7 @@ def container_parts(data: bytes) -> tuple[int, dict, bytes]:
     if data[:4] == b"\x28\xb5\x2f\xfd":
         data = zstandard.ZstdDecompressor().decompress(data)
     (n,) = struct.unpack("<Q", data[:8])
-    return n, json.loads(data[8:8 + n]), data[8 + n:]
+    return n, json.loads(data[8 : 8 + n]), data[8 + n :]
 
 
 def test_every_encoding_has_golden_files():
@@ -177,8 +278,12 @@ def test_encoder_reproduces_the_golden_file(tmp_path, layout, encoding):
 def test_golden_header_states_the_widths_and_blocks(layout, encoding):
     _, header, _ = container_parts((GOLDEN / case_dir(layout, encoding) / FLUSH).read_bytes())
     meta = header["__metadata__"]
-    assert (meta["format"], meta["encoding"], meta["current_version"], meta["base_version"]) == \
-        (FORMATS[layout], encoding, str(VERSION), str(BASE))
+    assert (meta["format"], meta["encoding"], meta["current_version"], meta["base_version"]) == (
+        FORMATS[layout],
+        encoding,
+        str(VERSION),
+        str(BASE),
+    )
     params = json.loads(meta["params"])
     widths = WIDTHS["indices" if encoding == "indices" else "gaps"]
     assert {p["name"]: p["width"] for p in params} == widths
@@ -216,8 +321,9 @@ def test_seed_golden_files_state_the_seed_widths():
 @pytest.mark.parametrize("encoding", OURS)
 def test_golden_block_index_lets_a_reader_decode_one_block(encoding):
     owned = {"a": [(65_536, 65_536)], "b": [], "c": None}  # `huge` unlisted: all of it
-    deltas = {pd.name: pd for pd in read_delta(GOLDEN / case_dir("v2", encoding), current_version=BASE,
-                                               owned=owned)}
+    deltas = {
+        pd.name: pd for pd in read_delta(GOLDEN / case_dir("v2", encoding), current_version=BASE, owned=owned)
+    }
     a, b, c, huge = (deltas[n] for n in PARAMS)
     assert (a.blocks, b.blocks, c.blocks, huge.blocks) == ((1, 3), (0, 1), (1, 1), (1, 1))
     assert a.positions.tolist() == PARAMS["a"][2][8:16] and (a.skipped, b.skipped) == (12, 5)
@@ -236,7 +342,9 @@ def test_dense_golden_header_has_implicit_positions(encoding):
     assert [p["name"] for p in params] == list(DENSE)
     assert {p["name"]: p["width"] for p in params} == {n: 0 for n in DENSE}
     assert {p["name"]: [r[:3] for r in p["blocks"]] for p in params} == DENSE_BLOCKS
-    values = {"indices": ["values"], "deltas": ["values"], "deltas_zstd": ["values"], "planes_zstd": None}[encoding]
+    values = {"indices": ["values"], "deltas": ["values"], "deltas_zstd": ["values"], "planes_zstd": None}[
+        encoding
+    ]
     for p in params:  # no position stream: only the values'
         assert p["streams"] == (values or [f"val{j}" for j in range(DENSE[p["name"]][0].itemsize)])
 

@@ -19,8 +19,8 @@ import torch
 from vllm_delta.wire import FormatError, container, flush, flush_meta, iter_delta
 from vllm_delta.wire.blocks import Policy
 from vllm_delta.wire.container import Limits
-from vllm_delta.wire.encodings import get_encoding
 from vllm_delta.wire.deltas import ParamChange
+from vllm_delta.wire.encodings import get_encoding
 from vllm_delta.wire.flush import open_flush
 from vllm_delta.wire.flush_encode import encode_flush
 from vllm_delta.wire.flush_meta import Heads, Rows, heads_from_text, parse_params
@@ -45,8 +45,13 @@ def _changes(n: int = 4) -> list[ParamChange]:
 
 def _text(encoding: str = "ulp_zstd", n: int = 4) -> str:
     enc = get_encoding(encoding)
-    data = encode_flush(_changes(n), encoding=enc, version=1, base_version=0 if enc.needs_base else None,
-                        policy=Policy(span_bits=0, min_entries=8, max_entries=8)).data
+    data = encode_flush(
+        _changes(n),
+        encoding=enc,
+        version=1,
+        base_version=0 if enc.needs_base else None,
+        policy=Policy(span_bits=0, min_entries=8, max_entries=8),
+    ).data
     _, meta, _ = open_flush(data, file="f", limits=Limits())
     return meta["params"]
 
@@ -66,9 +71,15 @@ def _reference(text: str):
 
 
 def _fields(heads: Heads, rows: Rows) -> tuple:
-    return (list(heads.name), list(heads.dtype), [tuple(s) for s in heads.shape], list(heads.count),
-            list(heads.width), [tuple(s) for s in heads.streams],
-            *(getattr(rows, f).tolist() for f in ("nrows", "head", "frames", "lens")))
+    return (
+        list(heads.name),
+        list(heads.dtype),
+        [tuple(s) for s in heads.shape],
+        list(heads.count),
+        list(heads.width),
+        [tuple(s) for s in heads.streams],
+        *(getattr(rows, f).tolist() for f in ("nrows", "head", "frames", "lens")),
+    )
 
 
 def _columns(text: str):
@@ -133,7 +144,7 @@ EDITS = {  # each: an edit of the writer's text, and whether the columns must ta
     "null shape": (lambda t: _edit(t, '"shape":[300]', '"shape":null'), False),
     "nested shape": (lambda t: _edit(t, '"shape":[300]', '"shape":[[300]]'), False),
     "int stream": (lambda t: _edit(t, '"streams":["pos0"', '"streams":[0'), False),
-    "row of three": (lambda t: _edit(t, ',[', ',[[0,0,1],', 1), False),
+    "row of three": (lambda t: _edit(t, ",[", ",[[0,0,1],", 1), False),
     "float in a row": (lambda t: _edit(t, '"blocks":[[', '"blocks":[[0.5,'), False),
     "19 digits in a row": (lambda t: _edit(t, '"blocks":[[', '"blocks":[[1000000000000000000,'), False),
     "leading zero": (lambda t: _edit(t, '"count":2,', '"count":01,'), False),
@@ -143,7 +154,7 @@ EDITS = {  # each: an edit of the writer's text, and whether the columns must ta
     "empty list": (lambda t: "[]", False),
     "an object": (lambda t: '{"a":1}', False),
     "extra key": (lambda t: _edit(t, '"blocks":', '"z":1,"blocks":'), False),
-    "missing key": (lambda t: _edit(t, '"width":1,', ''), False),
+    "missing key": (lambda t: _edit(t, '"width":1,', ""), False),
 }
 
 
@@ -177,7 +188,9 @@ def _write(path: Path, n: int) -> Path:
 def _read(path: Path) -> list:
     out = []
     for d in iter_delta(path, current_version=0):
-        out.append((d.name, d.shape, d.dtype, d.positions.tolist(), d.values.tolist(), d.skipped, d.bounds, d.blocks))
+        out.append(
+            (d.name, d.shape, d.dtype, d.positions.tolist(), d.values.tolist(), d.skipped, d.bounds, d.blocks)
+        )
     return out
 
 
@@ -217,8 +230,17 @@ def test_bad_params_still_give_the_json_paths_error():
     text = _edit(_text(), '"count":2,', '"count":0,')
     assert heads_from_text(text) is None
     with pytest.raises(FormatError, match="bad flush metadata") as got:
-        flush._iter_flush(get_encoding("ulp_zstd"), flush.FlushHeader("ulp_zstd", 1, 0), True, {},
-                          {"streams": "{}", "params": text}, 1 << 30, file="f", expected=None, owned=None)
+        flush._iter_flush(
+            get_encoding("ulp_zstd"),
+            flush.FlushHeader("ulp_zstd", 1, 0),
+            True,
+            {},
+            {"streams": "{}", "params": text},
+            1 << 30,
+            file="f",
+            expected=None,
+            owned=None,
+        )
     with pytest.raises(FormatError) as want:
         parse_params(json.loads(text), blocked=True, file="f")
     assert str(want.value) == str(got.value)
@@ -226,9 +248,21 @@ def test_bad_params_still_give_the_json_paths_error():
 
 def _synthetic(shapes: int) -> str:
     """Params of `shapes` distinct shapes of one text length (the intern tables' probe chains), compact."""
-    return json.dumps([{"name": f"p{i}", "dtype": "bfloat16", "shape": [1000 + i % 9000, 7], "count": 1, "width": 1,
-                        "streams": ["pos0", "sign", "flag", "esc0", "esc1"], "blocks": [[i, i, 1, [9, 1] * 5]]}
-                       for i in range(shapes)], separators=(",", ":"))
+    return json.dumps(
+        [
+            {
+                "name": f"p{i}",
+                "dtype": "bfloat16",
+                "shape": [1000 + i % 9000, 7],
+                "count": 1,
+                "width": 1,
+                "streams": ["pos0", "sign", "flag", "esc0", "esc1"],
+                "blocks": [[i, i, 1, [9, 1] * 5]],
+            }
+            for i in range(shapes)
+        ],
+        separators=(",", ":"),
+    )
 
 
 def test_many_distinct_shapes_are_read_up_to_the_tables_bound():

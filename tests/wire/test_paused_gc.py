@@ -33,8 +33,9 @@ def test_overlapping_pauses_restore_the_collector(monkeypatch, collector_on):
             a_left.wait(5)  # B's disable lands after A turned collection back on
         gc.disable()
 
-    monkeypatch.setattr(container, "gc", types.SimpleNamespace(isenabled=gc.isenabled, enable=gc.enable,
-                                                               disable=disable))
+    monkeypatch.setattr(
+        container, "gc", types.SimpleNamespace(isenabled=gc.isenabled, enable=gc.enable, disable=disable)
+    )
 
     def a() -> None:
         with container.paused_gc():

@@ -18,16 +18,21 @@ import pytest
 import safetensors.numpy
 import safetensors.torch
 import torch
+from wire_helpers import seed_flush_bytes, write_delta
 
-from vllm_delta.wire import (DtypeMismatchError, FormatError, UnknownDtypeError, bytes_digest, read_delta,
-                             write_manifest)
+from vllm_delta.wire import (
+    DtypeMismatchError,
+    FormatError,
+    UnknownDtypeError,
+    bytes_digest,
+    read_delta,
+    write_manifest,
+)
 from vllm_delta.wire.checkpoint import Checkpoint
 from vllm_delta.wire.codecs import ulp_resolve_tensor
 from vllm_delta.wire.container import Limits, unpack
 from vllm_delta.wire.dtypes import by_name, by_st_code, by_torch
 from vllm_delta.wire.manifest import load_manifest
-
-from wire_helpers import seed_flush_bytes, write_delta
 
 F = "rank0000_flush000000.safetensors"
 SHAPE = (4, 8)
@@ -55,8 +60,12 @@ def rewrite_flush(d: Path, *, dtype: str | None = None, stream_dtype: str | None
     data = safetensors.numpy.save(arrays, metadata=meta)
     (d / F).write_bytes(data)
     m = load_manifest(d)
-    write_manifest(d, m.model_copy(update={"files": [m.files[0].model_copy(update={
-        "bytes": len(data), "hash": bytes_digest(data)})]}))
+    write_manifest(
+        d,
+        m.model_copy(
+            update={"files": [m.files[0].model_copy(update={"bytes": len(data), "hash": bytes_digest(data)})]}
+        ),
+    )
 
 
 @pytest.mark.parametrize("blocked", [True, False], ids=["v2", "v1"])
@@ -104,6 +113,7 @@ def test_resolve_and_apply_refuse_another_dtype(tmp_path):
 
 # ---- the seed's layout ----------------------------------------------------------------------
 
+
 def seed_pair(dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     old = torch.ones(64, dtype=dtype)
     new = old.clone()
@@ -111,8 +121,13 @@ def seed_pair(dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.Tens
     return [("w", old, new)]
 
 
-def resave_seed(data: bytes, *, params: list | None = None, values: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> bytes:
+def resave_seed(
+    data: bytes,
+    *,
+    params: list | None = None,
+    values: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> bytes:
     """A seed flush with fields replaced, its checksum recomputed by `torch.hash_tensor` (the seed's)."""
     tensors = safetensors.torch.load(data)
     meta = unpack(data, file=F, limits=Limits())[1]
@@ -122,7 +137,9 @@ def resave_seed(data: bytes, *, params: list | None = None, values: torch.Tensor
         tensors["__positions__"] = positions
     pos, vals = tensors["__positions__"], tensors["__values__"]
     checksum = torch.hash_tensor(pos).item() ^ ((torch.hash_tensor(vals).item() << 1) & ((1 << 64) - 1))
-    meta = dict(meta, checksum=str(checksum), **({"params": json.dumps(params)} if params is not None else {}))
+    meta = dict(
+        meta, checksum=str(checksum), **({"params": json.dumps(params)} if params is not None else {})
+    )
     return safetensors.torch.save(tensors, metadata=meta)
 
 
@@ -155,10 +172,13 @@ def test_seed_param_dtype_other_than_the_models(tmp_path):
     assert e.value.param == "w" and e.value.http_status == 422
 
 
-@pytest.mark.parametrize("dtype,inexact", [
-    (torch.bfloat16, 0x3F800001),  # 1 + 2^-23: low 16 bits set, no bf16 holds it (checked bitwise)
-    (torch.float16, 0x3DCCCCCD),  # 0.1f: 23 mantissa bits, fp16 has 10 (checked by a round trip)
-])
+@pytest.mark.parametrize(
+    "dtype,inexact",
+    [
+        (torch.bfloat16, 0x3F800001),  # 1 + 2^-23: low 16 bits set, no bf16 holds it (checked bitwise)
+        (torch.float16, 0x3DCCCCCD),  # 0.1f: 23 mantissa bits, fp16 has 10 (checked by a round trip)
+    ],
+)
 def test_seed_promoted_values_narrow_only_where_exact(tmp_path, dtype, inexact):
     data = seed_flush_bytes(seed_pair(dtype), promote=True)
     vals = safetensors.torch.load(data)["__values__"]
@@ -174,11 +194,14 @@ def test_seed_promoted_values_narrow_only_where_exact(tmp_path, dtype, inexact):
 
 # ---- checkpoints and lookups ----------------------------------------------------------------
 
+
 def test_checkpoint_with_a_dtype_the_codec_cannot_carry(tmp_path):
     ok = {"w": torch.ones(4, dtype=torch.bfloat16), "s": torch.ones(2, dtype=torch.float8_e4m3fn)}
     safetensors.torch.save_file(ok, str(tmp_path / "model.safetensors"))
     assert Checkpoint.open(tmp_path).meta == {"w": ((4,), torch.bfloat16), "s": ((2,), torch.float8_e4m3fn)}
-    safetensors.torch.save_file({"mask": torch.zeros(3, dtype=torch.bool)}, str(tmp_path / "model-2.safetensors"))
+    safetensors.torch.save_file(
+        {"mask": torch.zeros(3, dtype=torch.bool)}, str(tmp_path / "model-2.safetensors")
+    )
     with pytest.raises(UnknownDtypeError, match="BOOL"):
         Checkpoint.open(tmp_path)
 

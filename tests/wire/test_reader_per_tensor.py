@@ -20,12 +20,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_delta.wire import (BoundsError, DeltaError, DeltaWriter, FormatError, ParamDelta, ShapeMismatchError, iter_delta,
-                             merge_manifests, open_delta, parse_manifest, read_delta, write_manifest)
+from vllm_delta.wire import (
+    BoundsError,
+    DeltaError,
+    DeltaWriter,
+    FormatError,
+    ParamDelta,
+    ShapeMismatchError,
+    iter_delta,
+    merge_manifests,
+    open_delta,
+    parse_manifest,
+    read_delta,
+    write_manifest,
+)
 from vllm_delta.wire import flush as flush_mod
-from vllm_delta.wire.flush_meta import parse_params
 from vllm_delta.wire.container import json_loads, pack, unpack
 from vllm_delta.wire.deltas import DeltaBatch
+from vllm_delta.wire.flush_meta import parse_params
 
 MINE = {"reader.py", "flush.py", "flush_meta.py", "deltas.py", "manifest.py", "container.py"}  # the reader's
 # Python calls a tensor, as measured when this was written (26 in the whole package before session 7, 8
@@ -67,14 +79,21 @@ def _counted(path: Path, batches: bool = False) -> tuple[int, collections.Counte
     def profile(frame, event, arg):
         if event == "call" and "vllm_delta" in frame.f_code.co_filename:
             calls[(Path(frame.f_code.co_filename).name, frame.f_code.co_name)] += 1
-        elif event == "c_call" and getattr(arg, "__name__", "") in ("validate_python", "validate_json", "validate_strings"):
+        elif event == "c_call" and getattr(arg, "__name__", "") in (
+            "validate_python",
+            "validate_json",
+            "validate_strings",
+        ):
             calls[("pydantic", "validate")] += 1
 
     sys.setprofile(profile)
     try:
-        n = sum(len(d) if isinstance(d, DeltaBatch) else 1
-                for d in iter_delta(info, expected=expected, current_version=0, owned=owned, lazy=True,
-                                    batches=batches))
+        n = sum(
+            len(d) if isinstance(d, DeltaBatch) else 1
+            for d in iter_delta(
+                info, expected=expected, current_version=0, owned=owned, lazy=True, batches=batches
+            )
+        )
     finally:
         sys.setprofile(None)
     return n, calls
@@ -132,8 +151,12 @@ def _lines(path: Path) -> tuple[int, collections.Counter]:
         info = open_delta(path)
         expected = {p.name: ((8, 8), _dtype(int(p.name.split(".")[1]))) for p in info.manifest.params}
         owned = {name: [(0, 63)] for name in expected}
-        n = sum(len(d) for d in iter_delta(info, expected=expected, current_version=0, owned=owned, lazy=True,
-                                           batches=True))
+        n = sum(
+            len(d)
+            for d in iter_delta(
+                info, expected=expected, current_version=0, owned=owned, lazy=True, batches=True
+            )
+        )
     finally:
         sys.settrace(None)
     return n, lines
@@ -152,8 +175,17 @@ def test_opening_and_reading_in_batches_runs_no_line_a_tensor(tmp_path):
 
 def test_param_delta_sets_every_field_and_stays_frozen():
     x = torch.arange(3)
-    args = dict(name="w", shape=(3,), dtype=torch.bfloat16, positions=x, values=x, needs_base=True, skipped=2,
-                bounds=(0, 9), blocks=(1, 2))
+    args = dict(
+        name="w",
+        shape=(3,),
+        dtype=torch.bfloat16,
+        positions=x,
+        values=x,
+        needs_base=True,
+        skipped=2,
+        bounds=(0, 9),
+        blocks=(1, 2),
+    )
     assert [f.name for f in dataclasses.fields(ParamDelta)] == list(args)
     for d in (ParamDelta(**args), ParamDelta(*args.values())):
         assert {f: getattr(d, f) for f in args} == args
@@ -180,15 +212,18 @@ def _with_params(path: Path, edit) -> list:
     return params
 
 
-@pytest.mark.parametrize("edit, says", [
-    (lambda ps: ps[1].update(extra=1), r"params\[1\] has unknown fields \['extra'\]"),
-    (lambda ps: ps.__setitem__(1, "not an object"), r"params\[1\] is not an object"),
-    (lambda ps: ps[1].update(count=0), r"params\[1\].count is not an int >= 1"),
-    (lambda ps: ps[1].pop("width"), r"params\[1\] lacks fields \['width'\]"),
-    (lambda ps: ps[1].update(dtype={"a": 1}), r"params\[1\].dtype is not a string"),
-    (lambda ps: ps[1].update(shape=8), r"params\[1\].shape is not a list of ints >= 0"),
-    (lambda ps: ps[1].update(count=True), r"params\[1\].count is not an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda ps: ps[1].update(extra=1), r"params\[1\] has unknown fields \['extra'\]"),
+        (lambda ps: ps.__setitem__(1, "not an object"), r"params\[1\] is not an object"),
+        (lambda ps: ps[1].update(count=0), r"params\[1\].count is not an int >= 1"),
+        (lambda ps: ps[1].pop("width"), r"params\[1\] lacks fields \['width'\]"),
+        (lambda ps: ps[1].update(dtype={"a": 1}), r"params\[1\].dtype is not a string"),
+        (lambda ps: ps[1].update(shape=8), r"params\[1\].shape is not a list of ints >= 0"),
+        (lambda ps: ps[1].update(count=True), r"params\[1\].count is not an int >= 1"),
+    ],
+)
 def test_bad_flush_metadata_says_which_param_and_field(tmp_path, edit, says):
     _with_params(d := _delta(tmp_path / "d", 3), edit)
     with pytest.raises(FormatError, match="bad flush metadata: " + says):
@@ -210,10 +245,15 @@ def test_cached_heads_still_check_each_param_against_the_model(tmp_path):
     expected = {f"layer.{i}.w": ((8, 8), _dtype(i)) for i in range(3)}
     assert sum(x.count for x in read_delta(d, expected=expected, current_version=0)) == 15
     # A list shape (not a tuple) takes the precise check, and passes.
-    assert len(read_delta(d, expected={**expected, "layer.2.w": ([8, 8], torch.bfloat16)}, current_version=0)) == 3
+    assert (
+        len(read_delta(d, expected={**expected, "layer.2.w": ([8, 8], torch.bfloat16)}, current_version=0))
+        == 3
+    )
     heads = flush_mod._HeadCheck({**expected, "layer.2.w": ((4, 16), torch.bfloat16)}, file="f")
     info = open_delta(d)
-    tensors, meta = unpack((d / info.manifest.files[0].name).read_bytes(), file="f", limits=flush_mod.Limits())
+    tensors, meta = unpack(
+        (d / info.manifest.files[0].name).read_bytes(), file="f", limits=flush_mod.Limits()
+    )
     params = parse_params(json.loads(meta["params"]), blocked=True, file="f").entries()
     heads(params[1])
     with pytest.raises(ShapeMismatchError, match=r"shape \[8, 8\] != model's \[4, 16\]"):
@@ -222,11 +262,25 @@ def test_cached_heads_still_check_each_param_against_the_model(tmp_path):
         heads(params[1]._replace(count=65))
 
 
-@pytest.mark.parametrize("text", [
-    '{"a": [1, 2.5, -0, 1e400, "\\u00e9"], "a": null}', "123456789012345678901234567890", "NaN", "[-Infinity]",
-    '"\\ud800"', "[" * 300 + "]" * 300,  # accepted by json.loads, not by pydantic-core's parser
-    "[1,]", '{"a":1,}', "01", "[1] x", '"a\tb"', "", "nan", "\ufeff[1]",  # refused by both
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": [1, 2.5, -0, 1e400, "\\u00e9"], "a": null}',
+        "123456789012345678901234567890",
+        "NaN",
+        "[-Infinity]",
+        '"\\ud800"',
+        "[" * 300 + "]" * 300,  # accepted by json.loads, not by pydantic-core's parser
+        "[1,]",
+        '{"a":1,}',
+        "01",
+        "[1] x",
+        '"a\tb"',
+        "",
+        "nan",
+        "\ufeff[1]",  # refused by both
+    ],
+)
 def test_json_loads_is_json_loads(text):
     """The same value or the same error as the standard library's, for each of str and bytes."""
     for given in (text, text.encode("utf-8", "surrogatepass")):
@@ -239,16 +293,28 @@ def test_json_loads_is_json_loads(text):
             assert repr(json_loads(given)) == want
 
 
-@pytest.mark.parametrize("params, says", [
-    ([("a", ["f"]), ("b", ["f"]), ("a", ["f"])], "param 'a' listed twice"),
-    ([("a", ["f"]), ("b", ["f", "g"])], r"param 'b' names unlisted files \['g'\]"),
-    ([("a", ["f"]), ("b", ["g"]), ("b", ["f"])], r"param 'b' names unlisted files \['g'\]"),  # the first at fault
-    ([("a", ["f"]), ("a", ["f"]), ("b", ["g"])], "param 'a' listed twice"),
-])
+@pytest.mark.parametrize(
+    "params, says",
+    [
+        ([("a", ["f"]), ("b", ["f"]), ("a", ["f"])], "param 'a' listed twice"),
+        ([("a", ["f"]), ("b", ["f", "g"])], r"param 'b' names unlisted files \['g'\]"),
+        (
+            [("a", ["f"]), ("b", ["g"]), ("b", ["f"])],
+            r"param 'b' names unlisted files \['g'\]",
+        ),  # the first at fault
+        ([("a", ["f"]), ("a", ["f"]), ("b", ["g"])], "param 'a' listed twice"),
+    ],
+)
 def test_manifest_names_the_first_param_at_fault(params, says):
     entries = [{"name": n, "dtype": "bfloat16", "shape": [4], "changed": 1, "files": fs} for n, fs in params]
-    text = json.dumps({"version": 1, "encoding": "ulp_zstd", "files": [{"name": "f", "bytes": 1, "hash": "h"}],
-                       "params": entries})
+    text = json.dumps(
+        {
+            "version": 1,
+            "encoding": "ulp_zstd",
+            "files": [{"name": "f", "bytes": 1, "hash": "h"}],
+            "params": entries,
+        }
+    )
     with pytest.raises(FormatError, match=says):
         parse_manifest(text.encode())
 
@@ -287,12 +353,16 @@ def _set(i: int, **fields):
     return lambda params: params[i].update(fields)
 
 
-@pytest.mark.parametrize("edit", [
-    _set(3, shape=[4, 16]),  # the flush's shape differs from the manifest's
-    _set(5, dtype="float32"),  # ... its dtype
-    _set(2, changed=4),  # more changes than the manifest lists
-    lambda params: params.pop(4),  # a param the manifest does not list
-], ids=["shape", "dtype", "count", "unlisted"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _set(3, shape=[4, 16]),  # the flush's shape differs from the manifest's
+        _set(5, dtype="float32"),  # ... its dtype
+        _set(2, changed=4),  # more changes than the manifest lists
+        lambda params: params.pop(4),  # a param the manifest does not list
+    ],
+    ids=["shape", "dtype", "count", "unlisted"],
+)
 def test_a_batch_is_refused_as_its_params_are(tmp_path, edit):
     """The cross-file checks of a decoded batch (taken as columns) refuse what the per-param checks
     refuse, with the same error, file and param."""
@@ -318,6 +388,13 @@ def test_batches_carry_the_same_changes_as_params(tmp_path):
     assert len(whole) == len(one) == 9
     for a, b in zip(one, whole):
         assert (a.name, a.shape, a.dtype, a.needs_base, a.skipped, a.bounds, a.blocks) == (
-            b.name, b.shape, b.dtype, b.needs_base, b.skipped, b.bounds, b.blocks)
+            b.name,
+            b.shape,
+            b.dtype,
+            b.needs_base,
+            b.skipped,
+            b.bounds,
+            b.blocks,
+        )
         assert torch.equal(a.positions, b.positions) and torch.equal(a.values, b.values)
     assert sum(i.total for i in items) == sum(pd.total for pd in one)

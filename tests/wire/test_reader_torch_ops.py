@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness.dispatch_log import OpLog
+
 from vllm_delta.wire import DeltaWriter, FormatError, iter_delta, open_delta
 
 
@@ -23,7 +23,8 @@ def _dtype(i: int) -> torch.dtype:
 
 
 def _delta(path: Path, tensors: int, encoding: str) -> dict[str, tuple[torch.Tensor, ...]]:
-    """`tensors` small params of one shape and two dtypes, a few changes each (more in later ones), one flush."""
+    """`tensors` small params of one shape and two dtypes, a few changes each (more in later ones), one
+    flush."""
     g = torch.Generator().manual_seed(tensors)
     written = {}
     with DeltaWriter(path, version=1, base_version=0, encoding=encoding) as w:
@@ -40,8 +41,11 @@ def _read(path: Path, tensors: int, encoding: str) -> tuple[int, list]:
     info = open_delta(path)
     expected = {f"layer.{i}.w": ((8, 8), _dtype(i)) for i in range(tensors)}
     with OpLog() as log:
-        deltas = list(iter_delta(info, expected=expected, current_version=0, owned={n: [(0, 63)] for n in expected},
-                                 lazy=True))
+        deltas = list(
+            iter_delta(
+                info, expected=expected, current_version=0, owned={n: [(0, 63)] for n in expected}, lazy=True
+            )
+        )
     return [op.name for op in log.ops], deltas
 
 
@@ -68,7 +72,8 @@ def test_reader_torch_ops_do_not_grow_with_the_tensor_count(tmp_path, encoding):
 def test_index_parse_makes_no_python_call_per_tensor(tmp_path):
     """wire/batch.py's index parse checks the rows as sets and lists (no generator resumed a row, no
     `DType.itemsize` property a param): the only call a tensor left in batch.py is decode's generator."""
-    from test_reader_per_tensor import _counted, _delta as _small_delta
+    from test_reader_per_tensor import _counted
+    from test_reader_per_tensor import _delta as _small_delta
 
     small, large = 40, 120
     _, a = _counted(_small_delta(tmp_path / "a", small))
@@ -77,12 +82,16 @@ def test_index_parse_makes_no_python_call_per_tensor(tmp_path):
     assert {k: g for k, g in grew.items() if g} == {("batch.py", "decode"): 1.0}
 
 
-@pytest.mark.parametrize("row", [lambda r: r + [0], lambda r: r[:3], lambda r: [*r[:3], 7], lambda r: 5],
-                         ids=["five", "three", "frames-not-a-list", "row-not-a-list"])
+@pytest.mark.parametrize(
+    "row",
+    [lambda r: r + [0], lambda r: r[:3], lambda r: [*r[:3], 7], lambda r: 5],
+    ids=["five", "three", "frames-not-a-list", "row-not-a-list"],
+)
 def test_a_malformed_block_row_is_refused_as_the_per_param_path_refuses_it(tmp_path, row):
     """The set checks of the rows' shape hand a malformed row to the per-param path (which names it),
     never read past or around it."""
-    from test_reader_per_tensor import _delta as _small_delta, _with_params
+    from test_reader_per_tensor import _delta as _small_delta
+    from test_reader_per_tensor import _with_params
 
     path = _small_delta(tmp_path / "d", 12)
 
@@ -93,4 +102,8 @@ def test_a_malformed_block_row_is_refused_as_the_per_param_path_refuses_it(tmp_p
     info = open_delta(path)
     expected = {f"layer.{i}.w": ((8, 8), torch.float32 if i % 7 == 0 else torch.bfloat16) for i in range(12)}
     with pytest.raises(FormatError, match="layer.5.w|block"):
-        list(iter_delta(info, expected=expected, current_version=0, owned={n: [(0, 63)] for n in expected}, lazy=True))
+        list(
+            iter_delta(
+                info, expected=expected, current_version=0, owned={n: [(0, 63)] for n in expected}, lazy=True
+            )
+        )

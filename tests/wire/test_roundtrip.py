@@ -7,13 +7,24 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from wire_helpers import write_delta
 
 from vllm_delta.diff import diff_param
-from vllm_delta.wire import (ENCODINGS, DeltaDecoder, DeltaWriter, Manifest, ParamChange, ParamEntry,
-                             VersionError, encode_flush, file_entry, get_encoding, open_delta,
-                             read_delta, tensor_digest)
-
-from wire_helpers import write_delta
+from vllm_delta.wire import (
+    ENCODINGS,
+    DeltaDecoder,
+    DeltaWriter,
+    Manifest,
+    ParamChange,
+    ParamEntry,
+    VersionError,
+    encode_flush,
+    file_entry,
+    get_encoding,
+    open_delta,
+    read_delta,
+    tensor_digest,
+)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -23,7 +34,9 @@ SPECIAL_BITS = {  # +0, -0, +inf, -inf, quiet NaN, NaN with a payload, negative 
 }
 
 
-def roundtrip(encoding: str, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def roundtrip(
+    encoding: str, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Encode to flush bytes and decode them as a collective receiver would; returns applied tensors."""
     enc = get_encoding(encoding)
     changes, entries = [], []
@@ -31,11 +44,19 @@ def roundtrip(encoding: str, old: dict[str, torch.Tensor], new: dict[str, torch.
         d = diff_param(t, old[name])
         if d.count:
             changes.append(ParamChange(name, tuple(t.shape), d.positions, d.new_values, d.old_values))
-            entries.append(ParamEntry(name=name, dtype=str(t.dtype)[6:], shape=list(t.shape),
-                                      changed=d.count, files=["f0"]))
+            entries.append(
+                ParamEntry(
+                    name=name, dtype=str(t.dtype)[6:], shape=list(t.shape), changed=d.count, files=["f0"]
+                )
+            )
     flush = encode_flush(changes, encoding=enc, version=2, base_version=1)
-    manifest = Manifest(version=2, base_version=1, encoding=encoding,
-                        files=[file_entry("f0", flush)] if changes else [], params=entries)
+    manifest = Manifest(
+        version=2,
+        base_version=1,
+        encoding=encoding,
+        files=[file_entry("f0", flush)] if changes else [],
+        params=entries,
+    )
     out = {k: v.clone() for k, v in old.items()}
     dec = DeltaDecoder(manifest, expected={k: (v.shape, v.dtype) for k, v in old.items()}, current_version=1)
     if changes:
@@ -48,7 +69,9 @@ def roundtrip(encoding: str, old: dict[str, torch.Tensor], new: dict[str, torch.
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(INT[a.dtype]), b.reshape(-1).view(INT[b.dtype]))
+    return a.dtype == b.dtype and torch.equal(
+        a.reshape(-1).view(INT[a.dtype]), b.reshape(-1).view(INT[b.dtype])
+    )
 
 
 @st.composite
@@ -62,10 +85,12 @@ def param_pairs(draw):
     g = torch.Generator().manual_seed(seed)
     old_bits = torch.randint(lo, hi, (numel,), generator=g, dtype=torch.int64).to(ity)
     mode = draw(st.sampled_from(["none", "one", "all", "some"]))
-    mask = {"none": torch.zeros(numel, dtype=torch.bool),
-            "all": torch.ones(numel, dtype=torch.bool),
-            "one": torch.arange(numel) == draw(st.integers(0, max(numel - 1, 0))),
-            "some": torch.rand(numel, generator=g) < draw(st.floats(0.01, 0.9))}[mode]
+    mask = {
+        "none": torch.zeros(numel, dtype=torch.bool),
+        "all": torch.ones(numel, dtype=torch.bool),
+        "one": torch.arange(numel) == draw(st.integers(0, max(numel - 1, 0))),
+        "some": torch.rand(numel, generator=g) < draw(st.floats(0.01, 0.9)),
+    }[mode]
     new_bits = old_bits.clone()
     kind = draw(st.sampled_from(["ulp", "random", "special"]))
     k = int(mask.sum())
@@ -124,8 +149,13 @@ def test_positions_past_2_pow_31_without_allocating(encoding):
     new = torch.tensor([1.5, -2.5, 0.25, 3.5, -0.0, 7.0], dtype=torch.bfloat16)
     enc = get_encoding(encoding)
     flush = encode_flush([ParamChange("huge", shape, pos, new, old)], encoding=enc, version=1, base_version=0)
-    m = Manifest(version=1, base_version=0, encoding=encoding, files=[file_entry("f", flush)],
-                 params=[ParamEntry(name="huge", dtype="bfloat16", shape=list(shape), changed=6, files=["f"])])
+    m = Manifest(
+        version=1,
+        base_version=0,
+        encoding=encoding,
+        files=[file_entry("f", flush)],
+        params=[ParamEntry(name="huge", dtype="bfloat16", shape=list(shape), changed=6, files=["f"])],
+    )
     (pd,) = DeltaDecoder(m, current_version=0).feed("f", flush.data)
     assert torch.equal(pd.positions, pos)
     assert same_bits(pd.resolve(old), new)
@@ -191,6 +221,7 @@ def test_best_encoding_is_smallest_on_adam_like_changes(tmp_path):
 def test_order_key_is_a_monotone_bijection_on_bf16():
     from vllm_delta.wire.codecs import from_order_key, order_key
     from vllm_delta.wire.dtypes import by_name
+
     d = by_name("bfloat16")
     bits = np.arange(1 << 16, dtype=np.uint16)
     key = order_key(bits, d)

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import torch
+from wire_helpers import model_tensors, perturb, seed_flush_bytes, write_delta
 
 from vllm_delta.wire import FormatError, IncompleteDeltaError, IntegrityError, flush_name, read_delta
 from vllm_delta.wire.container import DeltaDir
-from wire_helpers import model_tensors, perturb, seed_flush_bytes, write_delta
 
 F = flush_name(0, 0)
 

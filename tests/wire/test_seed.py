@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from wire_helpers import seed_flush_bytes
 
 from vllm_delta.wire import IntegrityError, open_delta, read_delta
-from wire_helpers import seed_flush_bytes
 
 INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -28,10 +28,12 @@ def test_seed_directory_without_manifest_is_a_valid_delta(tmp_path, encoding, pr
     changes = pair()
     d = tmp_path / "weight_v000004"
     d.mkdir()
-    (d / "rank0000_flush000000.safetensors").write_bytes(seed_flush_bytes(changes[:1], encoding=encoding,
-                                                                          version=4, promote=promote))
-    (d / "rank0001_flush000000.safetensors").write_bytes(seed_flush_bytes(changes[1:], encoding=encoding,
-                                                                          version=4, promote=promote))
+    (d / "rank0000_flush000000.safetensors").write_bytes(
+        seed_flush_bytes(changes[:1], encoding=encoding, version=4, promote=promote)
+    )
+    (d / "rank0001_flush000000.safetensors").write_bytes(
+        seed_flush_bytes(changes[1:], encoding=encoding, version=4, promote=promote)
+    )
     info = open_delta(d)
     assert info.seed and info.manifest.version == 4 and info.manifest.changed == 7
     out = {name: old.clone() for name, old, _ in changes}

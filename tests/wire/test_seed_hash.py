@@ -1,4 +1,5 @@
-"""The seed reader checks the seed's real checksum: `torch.hash_tensor(positions) ^ (torch.hash_tensor(values) << 1)`.
+"""The seed reader checks the seed's real checksum: `torch.hash_tensor(positions) ^ (torch.hash_tensor(values)
+<< 1)`.
 
 Why these tests: the checksum was reconstructed once as an XOR of raw 64-bit words, and the tests
 built files with that same function, so they could not tell. Here every file's checksum is
@@ -43,17 +44,32 @@ def seed_file(changes: list[tuple[str, torch.Tensor, torch.Tensor]], encoding: s
             w = max(w, 2)
             blob = gaps.astype(f"<u{w}").tobytes()
         v = d.new_values.float() if promote else d.new_values
-        params.append({"name": name, "dtype": str(new.dtype), "shape": list(new.shape), "pos_start": pos_off,
-                       "pos_end": pos_off + len(blob), "pos_width": w, "val_start": val_off,
-                       "val_end": val_off + v.numel()})
+        params.append(
+            {
+                "name": name,
+                "dtype": str(new.dtype),
+                "shape": list(new.shape),
+                "pos_start": pos_off,
+                "pos_end": pos_off + len(blob),
+                "pos_width": w,
+                "val_start": val_off,
+                "val_end": val_off + v.numel(),
+            }
+        )
         blobs.append(blob)
         vals.append(v)
         pos_off, val_off = pos_off + len(blob), val_off + v.numel()
     positions = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
     values = torch.cat(vals)
-    data = save({"__positions__": positions, "__values__": values},
-                metadata={"encoding": encoding, "params": json.dumps(params), "current_version": "3",
-                          "checksum": str(torch_checksum(positions, values))})
+    data = save(
+        {"__positions__": positions, "__values__": values},
+        metadata={
+            "encoding": encoding,
+            "params": json.dumps(params),
+            "current_version": "3",
+            "checksum": str(torch_checksum(positions, values)),
+        },
+    )
     return zstandard.ZstdCompressor(level=1).compress(data) if encoding == "deltas_zstd" else data
 
 
@@ -108,8 +124,20 @@ def random_bits(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
     return raw.view(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bfloat16,
-                                   torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    ],
+)
 @pytest.mark.parametrize("n", [1, 7, 4099])  # torch.hash_tensor refuses an empty tensor
 def test_seed_hash_equals_torch_hash_tensor(dtype, n):
     t = random_bits(dtype, n, seed=n)
@@ -122,4 +150,5 @@ def test_seed_hash_widens_elements_rather_than_xoring_raw_words():
     assert seed_hash(bytes([1, 2, 3]), by_torch(torch.uint8)) == 1 ^ 2 ^ 3
     one = torch.ones(1, dtype=torch.bfloat16)
     assert seed_hash(one.view(torch.uint8).numpy().tobytes(), by_torch(torch.bfloat16)) == int(
-        np.array([1.0]).view(np.uint64)[0])
+        np.array([1.0]).view(np.uint64)[0]
+    )

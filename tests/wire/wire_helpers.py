@@ -14,19 +14,39 @@ from vllm_delta.wire import DeltaWriter, tensor_digest
 from vllm_delta.wire.codecs import encode_gaps
 
 
-def write_delta(path: Path, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *,
-                encoding: str = "ulp_zstd", version: int = 1, base_version: int | None = 0,
-                flush_bytes: int = 1 << 20, blocked: bool = True) -> Path:
-    with DeltaWriter(path, version=version, base_version=base_version, encoding=encoding,
-                     flush_bytes=flush_bytes, blocked=blocked) as w:
+def write_delta(
+    path: Path,
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    *,
+    encoding: str = "ulp_zstd",
+    version: int = 1,
+    base_version: int | None = 0,
+    flush_bytes: int = 1 << 20,
+    blocked: bool = True,
+) -> Path:
+    with DeltaWriter(
+        path,
+        version=version,
+        base_version=base_version,
+        encoding=encoding,
+        flush_bytes=flush_bytes,
+        blocked=blocked,
+    ) as w:
         for name, t in new.items():
             d = diff_param(t, old[name])
             w.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))
     return path
 
 
-def seed_flush_bytes(changes: list[tuple[str, torch.Tensor, torch.Tensor]], *, encoding: str = "deltas",
-                     version: int = 1, promote: bool = False, pos_width: int | None = None) -> bytes:
+def seed_flush_bytes(
+    changes: list[tuple[str, torch.Tensor, torch.Tensor]],
+    *,
+    encoding: str = "deltas",
+    version: int = 1,
+    promote: bool = False,
+    pos_width: int | None = None,
+) -> bytes:
     """A flush in the seed's documented layout (docs/wire-format.md, "Seed format").
 
     `changes` is (name, old, new). `promote` concatenates values as float32, like the seed did
@@ -44,21 +64,42 @@ def seed_flush_bytes(changes: list[tuple[str, torch.Tensor, torch.Tensor]], *, e
             w = max(w, pos_width or 2)
             blob = gaps.astype(f"<u{w}").tobytes()
         v = d.new_values.float() if promote else d.new_values
-        params.append({"name": name, "dtype": str(new.dtype), "shape": list(new.shape),
-                       "pos_start": pos_off, "pos_end": pos_off + len(blob), "pos_width": w,
-                       "val_start": val_off, "val_end": val_off + v.numel()})
+        params.append(
+            {
+                "name": name,
+                "dtype": str(new.dtype),
+                "shape": list(new.shape),
+                "pos_start": pos_off,
+                "pos_end": pos_off + len(blob),
+                "pos_width": w,
+                "val_start": val_off,
+                "val_end": val_off + v.numel(),
+            }
+        )
         blobs.append(blob)
         vals.append(v)
         pos_off += len(blob)
         val_off += v.numel()
-    positions = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8) if pos_off else torch.zeros(0, dtype=torch.uint8)
+    positions = (
+        torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+        if pos_off
+        else torch.zeros(0, dtype=torch.uint8)
+    )
     values = torch.cat(vals)
     # Computed by torch.hash_tensor itself, as the seed did: never by the reader's own function.
     # torch 2.13 has no uint64 `<<` on the CPU: shift the integer, wrapping at 2^64 as uint64 does.
-    checksum = torch.hash_tensor(positions).item() ^ ((torch.hash_tensor(values).item() << 1) & ((1 << 64) - 1))
-    data = save({"__positions__": positions, "__values__": values},
-                metadata={"encoding": encoding, "params": json.dumps(params),
-                          "current_version": str(version), "checksum": str(checksum)})
+    checksum = torch.hash_tensor(positions).item() ^ (
+        (torch.hash_tensor(values).item() << 1) & ((1 << 64) - 1)
+    )
+    data = save(
+        {"__positions__": positions, "__values__": values},
+        metadata={
+            "encoding": encoding,
+            "params": json.dumps(params),
+            "current_version": str(version),
+            "checksum": str(checksum),
+        },
+    )
     return zstandard.ZstdCompressor(level=1).compress(data) if encoding == "deltas_zstd" else data
 
 

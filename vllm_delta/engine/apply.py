@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vllm_delta.engine import commit as commit_phase
 from vllm_delta.engine import canonical_weights, derived, loaders, reach, transforms
+from vllm_delta.engine import commit as commit_phase
 from vllm_delta.engine.batched import on_device
 from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
 from vllm_delta.engine.commit import ApplyFault

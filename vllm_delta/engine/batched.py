@@ -102,9 +102,15 @@ def on_device(device: torch.device) -> bool:
     return device.type != "cpu" or FORCE_DEVICE_PATH
 
 
-def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bool = False,
-           there: bool | None = None,
-           entries: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None, known: Known | None = None) -> Located:
+def locate(
+    pieces: list[Piece],
+    device: torch.device | None = None,
+    *,
+    defer: bool = False,
+    there: bool | None = None,
+    entries: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
+    known: Known | None = None,
+) -> Located:
     """Destination offsets of all pieces' entries, in a constant number of ops.
 
     A per-piece number that is the same for every piece (a destination fed by one tensor, or
@@ -117,7 +123,8 @@ def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bo
     that differ cross once, non-blocking, and the offsets are computed there.
 
     With positions decoded on `device` (`there`; by default: they are on it; wire/batch_device.py),
-    the ownership mask is made there too; its compaction needs the owned count on the host, so with `defer` it is left
+    the ownership mask is made there too; its compaction needs the owned count on the host, so with `defer` it
+    is left
     in `keep` for `compact` (the caller reads every destination's count in one copy: `owned_counts`),
     and without, compacted here with a device `nonzero`.
 
@@ -149,13 +156,23 @@ def locate(pieces: list[Piece], device: torch.device | None = None, *, defer: bo
     if owned is not None:
         keep = torch.nonzero(owned).squeeze(1)  # a host tensor: no device sync
         positions, values = positions.index_select(0, keep), values.index_select(0, keep)
-        counts = ([keep.numel()] if len(pieces) == 1 else  # host tensors, so no device sync either
-                  torch.bincount(host.piece().index_select(0, keep), minlength=len(pieces)).tolist())
+        counts = (
+            [keep.numel()]
+            if len(pieces) == 1
+            # host tensors, so no device sync either
+            else torch.bincount(host.piece().index_select(0, keep), minlength=len(pieces)).tolist()
+        )
     narrow = max(p.numel for p in pieces) < 1 << 31
     positions = positions.to(torch.int32 if narrow else torch.int64).to(device, non_blocking=True)
     values = values.to(device, non_blocking=True)
-    return _located(pieces, kinds, positions.to(torch.int64), values,
-                    _Columns(pieces, counts, device, upload=_needed(pieces, kinds, owned=False)), compact=False)
+    return _located(
+        pieces,
+        kinds,
+        positions.to(torch.int64),
+        values,
+        _Columns(pieces, counts, device, upload=_needed(pieces, kinds, owned=False)),
+        compact=False,
+    )
 
 
 def _needed(pieces: list[Piece], kinds: Landing, *, owned: bool) -> list[str]:
@@ -194,10 +211,15 @@ def owned_counts(located: list[Located]) -> list[int]:
 def compact(located: Located, count: int) -> Located:
     """Only the owned entries (`count` of them, from `owned_counts`): no device sync (nonzero_static runs on
     CUDA since torch 2.6; an empty input crashed it there before 2.9, so none is passed)."""
-    keep = (torch.nonzero_static(located.keep, size=count).squeeze(1) if count else
-            torch.zeros(0, dtype=torch.int64, device=located.keep.device))
+    keep = (
+        torch.nonzero_static(located.keep, size=count).squeeze(1)
+        if count
+        else torch.zeros(0, dtype=torch.int64, device=located.keep.device)
+    )
     slots = located.slots if isinstance(located.slots, int) else located.slots.index_select(0, keep)
-    return Located(*(t.index_select(0, keep) for t in (located.positions, located.offsets, located.values)), slots)
+    return Located(
+        *(t.index_select(0, keep) for t in (located.positions, located.offsets, located.values)), slots
+    )
 
 
 class _Columns:
@@ -206,12 +228,27 @@ class _Columns:
     ask for), every one of those numbers that differs crosses in one non-blocking upload (a row
     each, with the pieces' entry counts); otherwise each is made where first asked for."""
 
-    def __init__(self, pieces: list[Piece], counts: list[int], device: torch.device, *,
-                 upload: list[str] | None = None, known: Known | None = None) -> None:
-        self.pieces, self.counts, self.total, self.device, self.upload = pieces, counts, sum(counts), device, upload
+    def __init__(
+        self,
+        pieces: list[Piece],
+        counts: list[int],
+        device: torch.device,
+        *,
+        upload: list[str] | None = None,
+        known: Known | None = None,
+    ) -> None:
+        self.pieces, self.counts, self.total, self.device, self.upload = (
+            pieces,
+            counts,
+            sum(counts),
+            device,
+            upload,
+        )
         # The pieces' numbers (and, on the host, their tables) from an earlier sync's locate of them.
         self.numbers: dict[str, list[int]] = {} if known is None else known.numbers
-        self.tables: dict[str, torch.Tensor] | None = None if known is None or device.type != "cpu" else known.tables
+        self.tables: dict[str, torch.Tensor] | None = (
+            None if known is None or device.type != "cpu" else known.tables
+        )
         self.rows: dict[str, int] = {}
         self.table: torch.Tensor | None = None
         self._piece: torch.Tensor | None = None
@@ -232,10 +269,14 @@ class _Columns:
         """Each entry's piece id, made on first need."""
         if self._piece is None:
             n = len(self.counts)
-            counts = (self.table[-1] if self.table is not None
-                      else torch.tensor(self.counts, dtype=torch.int64, device=self.device))
-            self._piece = torch.repeat_interleave(torch.arange(n, device=self.device), counts,
-                                                  output_size=self.total)
+            counts = (
+                self.table[-1]
+                if self.table is not None
+                else torch.tensor(self.counts, dtype=torch.int64, device=self.device)
+            )
+            self._piece = torch.repeat_interleave(
+                torch.arange(n, device=self.device), counts, output_size=self.total
+            )
         return self._piece
 
     def __call__(self, key: str) -> torch.Tensor | int:
@@ -262,7 +303,11 @@ def _dim(p: Piece, d: int) -> tuple[int, int, int]:
     return p.seg.sizes[d], p.seg.src_strides[d], p.seg.dst_strides[d]
 
 
-_SLOT, _DST_OFFSET, _SRC_OFFSET = attrgetter("slot"), attrgetter("seg.dst_offset"), attrgetter("seg.src_offset")
+_SLOT, _DST_OFFSET, _SRC_OFFSET = (
+    attrgetter("slot"),
+    attrgetter("seg.dst_offset"),
+    attrgetter("seg.src_offset"),
+)
 
 
 def _number(pieces: list[Piece], key: str) -> list[int]:
@@ -278,7 +323,9 @@ def _number(pieces: list[Piece], key: str) -> list[int]:
     return [_dim(p, d)[("size", "src", "dst").index(kind)] for p in pieces]
 
 
-def _owned(pieces: list[Piece], kinds: Landing, positions: torch.Tensor, column: _Columns) -> torch.Tensor | None:
+def _owned(
+    pieces: list[Piece], kinds: Landing, positions: torch.Tensor, column: _Columns
+) -> torch.Tensor | None:
     """Which entries land (None: all of them)."""
     if kinds.whole:
         return None
@@ -287,8 +334,15 @@ def _owned(pieces: list[Piece], kinds: Landing, positions: torch.Tensor, column:
     return _affine(pieces, positions, column, owned=True)[1]
 
 
-def _located(pieces: list[Piece], kinds: Landing, positions: torch.Tensor, values: torch.Tensor, column: _Columns,
-             *, compact: bool) -> Located:
+def _located(
+    pieces: list[Piece],
+    kinds: Landing,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    column: _Columns,
+    *,
+    compact: bool,
+) -> Located:
     """Offsets of every entry; with `compact`, only the owned entries are kept (else all are owned)."""
     slots = column("slot")
     owned = None
@@ -310,8 +364,9 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-def _affine(pieces: list[Piece], positions: torch.Tensor, column: _Columns, *,
-            owned: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _affine(
+    pieces: list[Piece], positions: torch.Tensor, column: _Columns, *, owned: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The general strided map (Segment.locate's), with each dim's size and strides gathered per entry;
     with `owned`, also the mask of the entries it holds."""
     rest = positions - column("src_offset")
@@ -327,4 +382,3 @@ def _affine(pieces: list[Piece], positions: torch.Tensor, column: _Columns, *,
     if mask is not None:
         mask &= rest == 0
     return offsets, mask
-

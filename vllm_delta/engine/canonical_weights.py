@@ -48,9 +48,11 @@ def post_load_step(module: nn.Module) -> Callable[[], None] | None:
     if step is None:
         return None
     if _skips_experts_on_update(method):
+
         def first_call_again() -> None:
             step(module)
             method.moe_kernel.fused_experts.process_weights_after_loading(module)
+
         return first_call_again
     return lambda: step(module)
 
@@ -64,8 +66,9 @@ def _skips_experts_on_update(method: object) -> bool:
     return isinstance(method, UnquantizedFusedMoEMethod)
 
 
-def keep_canonical(module: nn.Module, canonical: dict[str, torch.Tensor],
-                   originals: dict[str, nn.Parameter]) -> None:
+def keep_canonical(
+    module: nn.Module, canonical: dict[str, torch.Tensor], originals: dict[str, nn.Parameter]
+) -> None:
     """Record a "rerun" module: checkpoint-layout copies of the params its step changed."""
     stash: dict[str, torch.Tensor] = {}
     restored: set[str] = set()
@@ -117,8 +120,10 @@ def prebuild(module: nn.Module, new: Mapping[str, torch.Tensor]) -> dict[str, ob
         return None
     stand_in = object.__new__(type(module))
     stand_in.__dict__.update(vars(module))
-    stand_in._parameters = {n: None if p is None else nn.Parameter(new.get(n, p.data), requires_grad=False)
-                            for n, p in module._parameters.items()}
+    stand_in._parameters = {
+        n: None if p is None else nn.Parameter(new.get(n, p.data), requires_grad=False)
+        for n, p in module._parameters.items()
+    }
     stand_in._buffers, stand_in._modules = dict(module._buffers), {}
     kept, before = _kept(stand_in, restored), dict(vars(stand_in))
     post_load_step(stand_in)()
@@ -184,11 +189,13 @@ def refresh(modules: Iterable[nn.Module]) -> int:
             moved = new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
             if moved or not _same_view(new, old):
                 if new.shape != old.shape or new.dtype != old.dtype:
-                    raise RuntimeError(f"re-running the post-load step changed {key} from {tuple(old.shape)} "
-                                       f"{old.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be "
-                                       "refreshed in place")
+                    raise RuntimeError(
+                        f"re-running the post-load step changed {key} from {tuple(old.shape)} "
+                        f"{old.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be "
+                        "refreshed in place"
+                    )
                 old.copy_(new)
-        for key, (kind, name, obj) in held.items():
+        for kind, name, obj in held.values():
             _put_back(module, kind, name, obj)
         for n, data in stashed_data.items():
             module._parameters[n].data = data

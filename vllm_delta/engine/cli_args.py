@@ -5,8 +5,8 @@ server turns the parsed args into engine args and starts the engine processes be
 plugin runs, so the worker extension and the environment the workers read are set here.
 Argparse has no post-parse hook, so what can only be judged on the whole command line (the root
 is given, no later `--worker-extension-cls` replaced ours, the server is not open to anyone who
-reaches its port, one API server, every DP engine behind it) is checked by `check_args`. It runs as soon as the
-command line is parsed (see `check_after_parsing`), so a bad one stops `vllm serve` before any
+reaches its port, one API server, every DP engine behind it) is checked by `check_args`. It runs as soon as
+the command line is parsed (see `check_after_parsing`), so a bad one stops `vllm serve` before any
 engine starts; the route plugin checks again when the app is built.
 """
 
@@ -50,8 +50,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--delta-updates-root", type=delta_root, default=None, metavar="DIR|s3://BUCKET/PREFIX",
         action=DeltaUpdatesRoot,
-        help="The only directory deltas may be read from (also by the `delta` weight-transfer backend), or the "
-             "object-store prefix the engine pulls them from (credentials from the standard AWS environment).",
+        help="The only directory deltas may be read from (also by the `delta` weight-transfer backend), or "
+             "the object-store prefix the engine pulls them from (credentials from the standard AWS "
+             "environment).",
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-max-staged-bytes", type=positive_int, default=DEFAULT_MAX_STAGED_BYTES, metavar="N",
@@ -70,7 +71,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--delta-updates-collective-trainers", type=trainer_address, nargs="+", default=None, metavar="ADDR",
         help="Turn on POST /delta_updates/collective/init, for trainers whose master_addr is one of these "
-             "IP addresses, networks (CIDR) or host names. Off when not given: the workers never join a group.",
+             "IP addresses, networks (CIDR) or host names. Off when not given: the workers never join a "
+             "group.",
     )  # fmt: skip
     check_after_parsing(parser)
 
@@ -80,8 +82,11 @@ class DeprecatedAlias(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         new = "--" + self.dest.replace("_", "-")
-        warnings.warn(f"{option_string} is deprecated and will be removed in the next release: use {new}",
-                      FutureWarning, stacklevel=2)
+        warnings.warn(
+            f"{option_string} is deprecated and will be removed in the next release: use {new}",
+            FutureWarning,
+            stacklevel=2,
+        )
         setattr(namespace, self.dest, values)
 
 
@@ -94,8 +99,10 @@ class EnableDeltaUpdates(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         current = getattr(namespace, "worker_extension_cls", "")
         if current and current != WORKER_EXTENSION:
-            parser.error(f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
-                         f"it cannot be combined with --worker-extension-cls {current}")
+            parser.error(
+                f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
+                f"it cannot be combined with --worker-extension-cls {current}"
+            )
         namespace.worker_extension_cls = WORKER_EXTENSION
         setattr(namespace, self.dest, True)
         os.environ[ENV_FLAG] = "1"
@@ -123,8 +130,14 @@ def plugin_allowlist(current: str | None) -> list[str]:
         names = current.split(",")
     else:
         eps = entry_points()
-        names = sorted({ep.name for group in eps.groups if group.startswith("vllm.") and group != ENDPOINT_GROUP
-                        for ep in eps.select(group=group)})
+        names = sorted(
+            {
+                ep.name
+                for group in eps.groups
+                if group.startswith("vllm.") and group != ENDPOINT_GROUP
+                for ep in eps.select(group=group)
+            }
+        )
     return names if PLUGIN_NAME in names else [*names, PLUGIN_NAME]
 
 
@@ -151,24 +164,31 @@ def check_after_parsing(parser: argparse.ArgumentParser) -> None:
 
 
 # Shared by both doors (this CLI check and the `delta` backend's worker engine).
-EPLB_REFUSAL = ("delta updates cannot run with --enable-eplb: EPLB moves experts between physical slots "
-                "while the engine serves, and the placement learned at startup would then write an expert's "
-                "changes into another expert's slot. Run without EPLB.")
+EPLB_REFUSAL = (
+    "delta updates cannot run with --enable-eplb: EPLB moves experts between physical slots "
+    "while the engine serves, and the placement learned at startup would then write an expert's "
+    "changes into another expert's slot. Run without EPLB."
+)
 
 
 # Why one API server: the kernel hands each connection to any of them (one shared listening socket),
 # and each holds its own update lock, version, fault and startup-refusal state (engine/routes.py
 # DeltaUpdater), so two updates could interleave on the workers (each prepare replaces the staged one),
 # and one server's resume could un-pause another's failed commit on every engine.
-API_SERVERS_REFUSAL = ("--enable-delta-updates cannot run with --api-server-count {}: each API server process "
-                       "holds its own update lock, version and fault state while connections reach any of them, "
-                       "so two updates could interleave on the workers and one server's resume could un-pause "
-                       "another's failed commit. Use --api-server-count 1.")
+API_SERVERS_REFUSAL = (
+    "--enable-delta-updates cannot run with --api-server-count {}: each API server process "
+    "holds its own update lock, version and fault state while connections reach any of them, "
+    "so two updates could interleave on the workers and one server's resume could un-pause "
+    "another's failed commit. Use --api-server-count 1."
+)
 # The load-balancing modes in which a server reaches only some DP engines (vllm/entrypoints/cli/serve.py).
-DP_LB_FLAGS = {"data_parallel_external_lb": "--data-parallel-external-lb",
-               "data_parallel_hybrid_lb": "--data-parallel-hybrid-lb",
-               "data_parallel_multi_port_external_lb": "--data-parallel-multi-port-external-lb",
-               "data_parallel_rank": "--data-parallel-rank", "data_parallel_start_rank": "--data-parallel-start-rank"}
+DP_LB_FLAGS = {
+    "data_parallel_external_lb": "--data-parallel-external-lb",
+    "data_parallel_hybrid_lb": "--data-parallel-hybrid-lb",
+    "data_parallel_multi_port_external_lb": "--data-parallel-multi-port-external-lb",
+    "data_parallel_rank": "--data-parallel-rank",
+    "data_parallel_start_rank": "--data-parallel-start-rank",
+}
 
 
 def check_data_parallel(args: argparse.Namespace) -> None:
@@ -178,9 +198,11 @@ def check_data_parallel(args: argparse.Namespace) -> None:
         return
     given = [flag for dest, flag in DP_LB_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
     if given:
-        raise ValueError(f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size} needs vLLM's "
-                         f"internal load balancer, not {given[0]}: there each API server reaches only its own DP "
-                         "engines, so an update would leave the other replicas on old weights (untested)")
+        raise ValueError(
+            f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size} needs vLLM's "
+            f"internal load balancer, not {given[0]}: there each API server reaches only its own DP "
+            "engines, so an update would leave the other replicas on old weights (untested)"
+        )
 
 
 def check_api_server_default(args: argparse.Namespace) -> None:
@@ -188,19 +210,26 @@ def check_api_server_default(args: argparse.Namespace) -> None:
     (vllm/entrypoints/cli/serve.py defaults api_server_count to data_parallel_size); ask for one."""
     if not getattr(args, "enable_delta_updates", False) or getattr(args, "headless", False):
         return
-    if (getattr(args, "data_parallel_size", None) or 1) > 1 and getattr(args, "api_server_count", None) is None:
-        raise ValueError(f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size}: pass "
-                         f"--api-server-count 1 (vLLM would start {args.data_parallel_size} API servers; "
-                         + API_SERVERS_REFUSAL.format(args.data_parallel_size).split(": ", 1)[1] + ")")
+    if (getattr(args, "data_parallel_size", None) or 1) > 1 and getattr(
+        args, "api_server_count", None
+    ) is None:
+        raise ValueError(
+            f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size}: pass "
+            f"--api-server-count 1 (vLLM would start {args.data_parallel_size} API servers; "
+            + API_SERVERS_REFUSAL.format(args.data_parallel_size).split(": ", 1)[1]
+            + ")"
+        )
 
 
 # The `delta` weight-transfer backend's front end (vllm_delta/weight_transfer/routes.py) calls vLLM's engine
 # client, whose DP client answers a utility call with the first engine's replies only.
-NATIVE_DP_REFUSAL = ("the `delta` weight-transfer backend cannot run with --data-parallel-size {}: vLLM 0.32's "
-                     "DP engine client answers its weight-update calls with the first engine's replies only "
-                     "(vllm/v1/engine/core_client.py, DPLBAsyncMPClient.call_utility_async), so another "
-                     "replica's refusal or failed commit would go unseen. Use --enable-delta-updates "
-                     "(POST /update_weights_delta), which calls every DP engine.")
+NATIVE_DP_REFUSAL = (
+    "the `delta` weight-transfer backend cannot run with --data-parallel-size {}: vLLM 0.32's "
+    "DP engine client answers its weight-update calls with the first engine's replies only "
+    "(vllm/v1/engine/core_client.py, DPLBAsyncMPClient.call_utility_async), so another "
+    "replica's refusal or failed commit would go unseen. Use --enable-delta-updates "
+    "(POST /update_weights_delta), which calls every DP engine."
+)
 
 
 def check_native_args(args: argparse.Namespace) -> None:
@@ -210,8 +239,11 @@ def check_native_args(args: argparse.Namespace) -> None:
     if (getattr(args, "data_parallel_size", None) or 1) > 1:
         raise ValueError(NATIVE_DP_REFUSAL.format(args.data_parallel_size))
     if (getattr(args, "api_server_count", None) or 1) > 1:
-        raise ValueError(API_SERVERS_REFUSAL.format(args.api_server_count).replace(
-            "--enable-delta-updates", "the `delta` weight-transfer backend", 1))
+        raise ValueError(
+            API_SERVERS_REFUSAL.format(args.api_server_count).replace(
+                "--enable-delta-updates", "the `delta` weight-transfer backend", 1
+            )
+        )
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -222,20 +254,26 @@ def check_args(args: argparse.Namespace) -> None:
     if args.delta_updates_root is None:
         raise ValueError("--enable-delta-updates requires --delta-updates-root DIR")
     if args.worker_extension_cls != WORKER_EXTENSION:
-        raise ValueError(f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
-                         f"it cannot be combined with --worker-extension-cls {args.worker_extension_cls}")
+        raise ValueError(
+            f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
+            f"it cannot be combined with --worker-extension-cls {args.worker_extension_cls}"
+        )
     if _weight_transfer_backend(args) == "delta":
-        raise ValueError("the `delta` weight-transfer backend and --enable-delta-updates cannot serve the same "
-                         "engine: choose one (each door would keep its own version of the same weights)")
+        raise ValueError(
+            "the `delta` weight-transfer backend and --enable-delta-updates cannot serve the same "
+            "engine: choose one (each door would keep its own version of the same weights)"
+        )
     if (getattr(args, "api_server_count", None) or 1) > 1:
         raise ValueError(API_SERVERS_REFUSAL.format(args.api_server_count))
     check_data_parallel(args)
     if getattr(args, "enable_eplb", False):
         raise ValueError(EPLB_REFUSAL)
     if not api_keys(args) and not dev_mode() and not loopback_only(args):
-        raise ValueError("--enable-delta-updates lets whoever reaches this server rewrite its weights: give "
-                         "--api-key (or VLLM_API_KEY), listen on loopback only (--host 127.0.0.1, localhost "
-                         "or ::1), or set VLLM_SERVER_DEV_MODE=1")
+        raise ValueError(
+            "--enable-delta-updates lets whoever reaches this server rewrite its weights: give "
+            "--api-key (or VLLM_API_KEY), listen on loopback only (--host 127.0.0.1, localhost "
+            "or ::1), or set VLLM_SERVER_DEV_MODE=1"
+        )
 
 
 def check_store(args: argparse.Namespace) -> None:
@@ -277,7 +315,8 @@ def dev_mode() -> bool:
 
 
 def loopback_only(args: argparse.Namespace) -> bool:
-    """Whether the server listens on a Unix socket or a loopback address only (no `--host`: all interfaces)."""
+    """Whether the server listens on a Unix socket or a loopback address only (no `--host`: all
+    interfaces)."""
     if getattr(args, "uds", None):
         return True
     host = getattr(args, "host", None)
@@ -297,7 +336,9 @@ def trainer_address(value: str) -> str:
         ipaddress.ip_network(value, strict=False)
     except ValueError:
         if not value or any(c.isspace() or c in "/,@:" for c in value):
-            raise argparse.ArgumentTypeError(f"{value!r} is not an IP address, network or host name") from None
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not an IP address, network or host name"
+            ) from None
     return value
 
 

@@ -88,24 +88,29 @@ def commit(model: nn.Module, targets: Mapping[str, torch.Tensor], staged: Staged
     return perf_counter() - start
 
 
-def prebuild_touched(model: nn.Module, targets: Mapping[str, torch.Tensor],
-                     writes: Mapping[str, Iterable[Chunk]]) -> dict[str, dict[str, object]]:
+def prebuild_touched(
+    model: nn.Module, targets: Mapping[str, torch.Tensor], writes: Mapping[str, Iterable[Chunk]]
+) -> dict[str, dict[str, object]]:
     """In prepare, while the engine serves: the post-load results of every touched module whose step
     can be built ahead (canonical_weights.prebuild), from a copy of its canonical weights with the
     staged writes applied; the live weights and handlers are untouched until `refresh_touched`."""
     out = {}
     for name, module in _touched(model, writes):
         prefix = f"{name}." if name else ""
-        new = {n: _written_copy(targets[prefix + n], writes[prefix + n])
-               for n in getattr(module, canonical_weights.RESTORED_ATTR, ()) if writes.get(prefix + n)}
+        new = {
+            n: _written_copy(targets[prefix + n], writes[prefix + n])
+            for n in getattr(module, canonical_weights.RESTORED_ATTR, ())
+            if writes.get(prefix + n)
+        }
         made = canonical_weights.prebuild(module, new)
         if made is not None:
             out[name] = made
     return out
 
 
-def refresh_touched(model: nn.Module, writes: Iterable[str],
-                    prebuilt: Mapping[str, Mapping[str, object]]) -> None:
+def refresh_touched(
+    model: nn.Module, writes: Iterable[str], prebuilt: Mapping[str, Mapping[str, object]]
+) -> None:
     """Swap in what prepare built of every touched module's post-load work (`prebuilt`), re-run the
     rest's, then re-derive what attention / model steps derive."""
     rerun = []

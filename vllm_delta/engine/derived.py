@@ -100,8 +100,11 @@ def _signature(t: torch.Tensor) -> tuple:
 
 def _plain(obj: object) -> bool:
     """An object whose tensor attributes a module's step may set: its attention impl, quant method."""
-    return (hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, torch.Tensor, type))
-            and not callable(obj))
+    return (
+        hasattr(obj, "__dict__")
+        and not isinstance(obj, (nn.Module, torch.Tensor, type))
+        and not callable(obj)
+    )
 
 
 Held = dict[str, tuple[object, str, str, torch.Tensor]]  # key -> (owner, kind, attribute, tensor)
@@ -115,8 +118,13 @@ def reach(unit: nn.Module) -> Held:
         out.update({pre + key: (m, kind, n, t) for key, (kind, n, t) in held_tensors(m).items()})
         for attr, obj in vars(m).items():
             if _plain(obj):
-                out.update({f"{pre}{attr}.attr:{a}": (obj, "attr", a, t)
-                            for a, t in vars(obj).items() if isinstance(t, torch.Tensor)})
+                out.update(
+                    {
+                        f"{pre}{attr}.attr:{a}": (obj, "attr", a, t)
+                        for a, t in vars(obj).items()
+                        if isinstance(t, torch.Tensor)
+                    }
+                )
     return out
 
 
@@ -149,11 +157,15 @@ def rederive(unit: nn.Module, step: Step, keep: Held | None = None) -> None:
             new = _data(after.get(key, old))
             target = data[key]
             if _signature(new) != _signature(target):
-                if not (kind == "param" and new.numel() == 0 and target.numel()):  # not an emptied param we keep
+                if not (
+                    kind == "param" and new.numel() == 0 and target.numel()
+                ):  # not an emptied param we keep
                     if new.shape != target.shape or new.dtype != target.dtype:
-                        raise RuntimeError(f"re-running the step changed {key} from {tuple(target.shape)} "
-                                           f"{target.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be "
-                                           "re-derived in place")
+                        raise RuntimeError(
+                            f"re-running the step changed {key} from {tuple(target.shape)} "
+                            f"{target.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be "
+                            "re-derived in place"
+                        )
                     target.copy_(new)
             if after.get(key) is not old:
                 _put_back(owner, kind, name, old)
@@ -169,8 +181,11 @@ def _data(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+    )
 
 
 def _other_values(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -208,8 +223,12 @@ class _Discoverer:
         with access:
             step()
         after = _tensors(reach(unit))
-        outputs = [k for k, t in after.items() if signatures.get(k) != (id(t), _signature(_data(t)))
-                   or (t.numel() and _storage(t) in access.written)]
+        outputs = [
+            k
+            for k, t in after.items()
+            if signatures.get(k) != (id(t), _signature(_data(t)))
+            or (t.numel() and _storage(t) in access.written)
+        ]
         try:
             derived = self._keep_checkpoint_params(before, after, outputs, signatures)
             if derived:
@@ -218,10 +237,13 @@ class _Discoverer:
             pass
         except Exception as exc:
             self.found.refused[name or "<model>"] = (
-                f"its post-load step derives tensors that cannot be re-derived in place ({type(exc).__name__}: {exc})")
+                f"its post-load step derives tensors that cannot be re-derived in place "
+                f"({type(exc).__name__}: {exc})"
+            )
 
-    def _keep_checkpoint_params(self, before: Held, after: dict[str, torch.Tensor], outputs: list[str],
-                                signatures: dict[str, tuple]) -> list[str]:
+    def _keep_checkpoint_params(
+        self, before: Held, after: dict[str, torch.Tensor], outputs: list[str], signatures: dict[str, tuple]
+    ) -> list[str]:
         """Outputs that are not checkpoint parameters. A checkpoint parameter the step emptied gets its
         loaded bytes back (deltas land there and re-derivation reads them); any other change refuses."""
         ckpt, derived = self.checkpoint(), []
@@ -277,7 +299,9 @@ class _Discoverer:
             rederive(unit, step, keep)
         self._expect(name, unit, reference, "re-running it after a probe does not restore")
         for k in copies:
-            self.found.tensors.append(DerivedTensor(name, k, "rederive" if sources[k] else "constant", sources[k]))
+            self.found.tensors.append(
+                DerivedTensor(name, k, "rederive" if sources[k] else "constant", sources[k])
+            )
         used = {n for k in copies for n in sources[k]}
         if used:
             self.found.units.append(Unit(name, unit, step, used))
@@ -287,7 +311,8 @@ class _Discoverer:
         wrong = [k for k, want in reference.items() if not _same(now[k], want)]
         for k in wrong:
             self.found.refused[f"{name}.{k}" if name else k] = (
-                f"derived by the post-load step of {name or 'the model'}; {what} it bit for bit")
+                f"derived by the post-load step of {name or 'the model'}; {what} it bit for bit"
+            )
         if wrong:
             raise _Refused()
 

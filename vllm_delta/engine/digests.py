@@ -106,7 +106,9 @@ def _depth_runs(runs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     """For [start, end) runs: (breakpoints, depth on [breakpoints[i], breakpoints[i + 1]))."""
     runs_cat = torch.cat(list(runs))
     points = torch.cat([runs_cat[:, 0], runs_cat[:, 1]])
-    steps = torch.cat([torch.ones(len(runs_cat), dtype=torch.int64), -torch.ones(len(runs_cat), dtype=torch.int64)])
+    steps = torch.cat(
+        [torch.ones(len(runs_cat), dtype=torch.int64), -torch.ones(len(runs_cat), dtype=torch.int64)]
+    )
     points, order = torch.sort(points, stable=True)
     depth = torch.cumsum(steps[order], 0)
     last = torch.ones_like(points, dtype=torch.bool)  # the final depth at each distinct point
@@ -121,8 +123,9 @@ def _union(runs: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([points[:-1][covered], points[1:][covered]], dim=1)
 
 
-def _rank_depth_by_runs(per_rank: Sequence[Sequence[Lattice]], max_intervals: int
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _rank_depth_by_runs(
+    per_rank: Sequence[Sequence[Lattice]], max_intervals: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     unions = []
     for lats in per_rank:
         runs = [_intervals(lat, max_intervals) for lat in lats]
@@ -133,8 +136,13 @@ def _rank_depth_by_runs(per_rank: Sequence[Sequence[Lattice]], max_intervals: in
     return _depth_runs(unions)
 
 
-def _coverage_error(name: str, numel: int, per_rank: Sequence[Sequence[Lattice]],
-                    max_intervals: int = 1 << 22, block: int = 1 << 20) -> str | None:
+def _coverage_error(
+    name: str,
+    numel: int,
+    per_rank: Sequence[Sequence[Lattice]],
+    max_intervals: int = 1 << 22,
+    block: int = 1 << 20,
+) -> str | None:
     """Why the ranks' lattices do not hold every element of a tensor the same number of times."""
     by_runs = _rank_depth_by_runs(per_rank, max_intervals)
     if by_runs is not None:
@@ -149,8 +157,10 @@ def _coverage_error(name: str, numel: int, per_rank: Sequence[Sequence[Lattice]]
             return f"{name}: elements [{int(points[i])}, {int(points[i + 1])}) are held by no rank"
         if int(pieces.min()) != int(pieces.max()):
             i = int(torch.nonzero(pieces != pieces[0])[0])
-            return (f"{name}: elements [{int(points[i])}, {int(points[i + 1])}) are held by {int(pieces[i])} "
-                    f"ranks, elements from 0 by {int(pieces[0])}: ranks overlap")
+            return (
+                f"{name}: elements [{int(points[i])}, {int(points[i + 1])}) are held by {int(pieces[i])} "
+                f"ranks, elements from 0 by {int(pieces[0])}: ranks overlap"
+            )
         return None
     # Lattices too fragmented for runs: count holders per element, a block of ids at a time.
     want = None
@@ -167,7 +177,10 @@ def _coverage_error(name: str, numel: int, per_rank: Sequence[Sequence[Lattice]]
         want = int(depth[0]) if want is None else want
         if bool((depth != want).any()):
             i = int(torch.nonzero(depth != want)[0])
-            return f"{name}: element {int(pos[i])} is held by {int(depth[i])} ranks, element 0 by {want}: ranks overlap"
+            return (
+                f"{name}: element {int(pos[i])} is held by {int(depth[i])} ranks, element 0 by {want}: "
+                "ranks overlap"
+            )
     return None
 
 
@@ -180,8 +193,9 @@ def _signature(numel: int, per_rank: Sequence[Sequence[Lattice]]) -> tuple:
     return numel, tuple(tuple(sorted(lats)) for lats in per_rank)
 
 
-def check_coverage(replies: Sequence[Mapping[str, Any]], shapes: Mapping[str, Sequence[int]]
-                   ) -> dict[str, Any]:
+def check_coverage(
+    replies: Sequence[Mapping[str, Any]], shapes: Mapping[str, Sequence[int]]
+) -> dict[str, Any]:
     """Whether every element of every checkpoint tensor is held by the ranks that should hold it.
 
     Why: an empty placement on one rank means "another rank holds it" - or "the probe missed
@@ -213,7 +227,9 @@ def check_coverage(replies: Sequence[Mapping[str, Any]], shapes: Mapping[str, Se
             if all(name in u for u in unread):
                 ignored.append(name)
             else:
-                errors[name] = f"{name}: no rank holds any element (the loader read it, the probe saw no copy)"
+                errors[name] = (
+                    f"{name}: no rank holds any element (the loader read it, the probe saw no copy)"
+                )
             continue
         if not numel:
             continue
@@ -234,7 +250,7 @@ def _runs_of(lats: Sequence[Lattice], max_intervals: int = 1 << 22) -> torch.Ten
 
 
 def _share(mine: Sequence[Lattice], lower: Sequence[Lattice]) -> str:
-    """"all", "none" or "some": how much of what this rank holds no lower rank holds."""
+    """ "all", "none" or "some": how much of what this rank holds no lower rank holds."""
     held, below = _runs_of(mine), _runs_of(lower)
     if held is None or below is None:
         return "some"  # counted per position, as before
@@ -255,8 +271,9 @@ class Ownership:
     entry, minutes per sync at 355B, where almost every tensor is "all" or "none".
     """
 
-    def __init__(self, lower: Mapping[str, list[Lattice]] | None = None,
-                 shares: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, lower: Mapping[str, list[Lattice]] | None = None, shares: Mapping[str, str] | None = None
+    ) -> None:
         self.lower = {name: [lattice_parts(lat) for lat in lats] for name, lats in (lower or {}).items()}
         self.shares = dict(shares or {})
 
@@ -276,11 +293,13 @@ class Ownership:
             if key not in memo:
                 memo[key] = _share(*key)
             shares[name] = memo[key]
-        return cls({n: lats for n, lats in lower.items() if shares[n] != "all"},
-                   {n: v for n, v in shares.items() if v != "all"})
+        return cls(
+            {n: lats for n, lats in lower.items() if shares[n] != "all"},
+            {n: v for n, v in shares.items() if v != "all"},
+        )
 
     def share(self, name: str) -> str:
-        """"all", "none" or "some" (only "some" needs `counted`, O(lower lattices) per position)."""
+        """ "all", "none" or "some" (only "some" needs `counted`, O(lower lattices) per position)."""
         return self.shares.get(name, "some" if self.lower.get(name) else "all")
 
     @property
@@ -301,15 +320,15 @@ class Ownership:
         return mask
 
 
-def segment_chunks(seg: Segment, flat: torch.Tensor,
-                   max_elements: int = 1 << 22) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def segment_chunks(
+    seg: Segment, flat: torch.Tensor, max_elements: int = 1 << 22
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(checkpoint positions, held values) of a segment, a block of leading rows at a time.
 
     Why blocks: a full verify must not allocate int64 temporaries the size of the embedding.
     """
     if not seg.sizes:
-        yield (torch.tensor([seg.src_offset], device=flat.device),
-               flat[seg.dst_offset:seg.dst_offset + 1])
+        yield (torch.tensor([seg.src_offset], device=flat.device), flat[seg.dst_offset : seg.dst_offset + 1])
         return
     inner = 1
     for n in seg.sizes[1:]:
@@ -349,6 +368,9 @@ def check_partials(replies: Sequence[Mapping[str, Any]]) -> int:
     checked, bad = mismatches(replies)
     if bad:
         name, which, got, want = bad[0]
-        raise IntegrityError(f"{which}-apply digest of the changed positions is {got}, the manifest says {want}"
-                             + (": this engine is not at the delta's base" if which == "pre" else ""), param=name)
+        raise IntegrityError(
+            f"{which}-apply digest of the changed positions is {got}, the manifest says {want}"
+            + (": this engine is not at the delta's base" if which == "pre" else ""),
+            param=name,
+        )
     return checked

@@ -18,25 +18,43 @@ class UpdateError(Exception):
     the door, a worker (`reply()` is how a worker sends it, `from_worker` how the door reads it back),
     or the wire format's own errors (`of`). `extra` adds context to the body (`fault`, `refused`)."""
 
-    def __init__(self, status: int, type_: str, message: str, *, file: str | None = None,
-                 param: str | None = None, **extra: Any) -> None:
+    def __init__(
+        self,
+        status: int,
+        type_: str,
+        message: str,
+        *,
+        file: str | None = None,
+        param: str | None = None,
+        **extra: Any,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.error = {"type": type_, "message": message, "file": file, "param": param, **extra}
 
     @classmethod
-    def of(cls, status: int, exc: BaseException, **extra: Any) -> "UpdateError":
+    def of(cls, status: int, exc: BaseException, **extra: Any) -> UpdateError:
         """`exc` as a refusal: its type, its reason (a `DeltaError`'s) or text, and its file and param."""
-        return cls(status, type(exc).__name__, str(getattr(exc, "reason", exc)), file=getattr(exc, "file", None),
-                   param=getattr(exc, "param", None), **extra)
+        return cls(
+            status,
+            type(exc).__name__,
+            str(getattr(exc, "reason", exc)),
+            file=getattr(exc, "file", None),
+            param=getattr(exc, "param", None),
+            **extra,
+        )
 
     @classmethod
-    def from_worker(cls, result: dict[str, Any]) -> "UpdateError":
+    def from_worker(cls, result: dict[str, Any]) -> UpdateError:
         """From a rank's `{"ok": False, "status": ..., "error": {...}}` answer."""
         error = result.get("error") or {}
-        return cls(int(result.get("status") or 500), str(error.get("type", "EngineError")),
-                   str(error.get("message", "the worker gave no reason")),
-                   file=error.get("file"), param=error.get("param"))
+        return cls(
+            int(result.get("status") or 500),
+            str(error.get("type", "EngineError")),
+            str(error.get("message", "the worker gave no reason")),
+            file=error.get("file"),
+            param=error.get("param"),
+        )
 
     def reply(self) -> dict[str, Any]:
         """As a worker answers an RPC with it (RPCs never raise: see weight_transfer/worker_engine.py)."""

@@ -78,17 +78,25 @@ def _lost_format(live: torch.Tensor, recorded: torch.Tensor, attrs: dict[str, ob
     return type(live) is not type(recorded) or lost_loader
 
 
-def _stand_in(module_name: str, name: str, module: nn.Module, live: torch.Tensor,
-              recorded: torch.Tensor, attrs: dict[str, object]) -> torch.Tensor:
+def _stand_in(
+    module_name: str,
+    name: str,
+    module: nn.Module,
+    live: torch.Tensor,
+    recorded: torch.Tensor,
+    attrs: dict[str, object],
+) -> torch.Tensor:
     """The recorded class and attributes around `live`'s data, or a plain one whose loader refuses."""
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
     same = (live.shape, live.stride(), live.dtype) == (recorded.shape, recorded.stride(), recorded.dtype)
     t = live.data.detach()
     if not same:
-        why = (f"{module_name}: its post-load step replaced {name}, model format {tuple(recorded.shape)} "
-               f"{recorded.stride()} {recorded.dtype}, served as {tuple(live.shape)} {live.stride()} {live.dtype}: "
-               "no loader addresses the served layout")
+        why = (
+            f"{module_name}: its post-load step replaced {name}, model format {tuple(recorded.shape)} "
+            f"{recorded.stride()} {recorded.dtype}, served as {tuple(live.shape)} {live.stride()} "
+            f"{live.dtype}: no loader addresses the served layout"
+        )
 
         def refuse(*args, **kwargs):
             raise ReplacedLayout(why)

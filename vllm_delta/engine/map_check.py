@@ -15,7 +15,8 @@ that is not the constant the probe saw is a difference like any other.
 Cost: one loader pass per layer that holds a checked destination (values made on the destinations'
 device, one tensor at a time), and two scratch copies of that layer's checked destinations there (at
 GLM-4.7 TP=8, an MoE layer's: about 2 x 1 GB, freed after the layer). On the 44k-tensor GLM-4.7 model at
-tiny widths on this CPU: 18 classes, 3 passes (layer 0, layer 3, the tensors outside layers), 0.24 s (it was 19 s as one pass per class). It runs in `delta_coverage`,
+tiny widths on this CPU: 18 classes, 3 passes (layer 0, layer 3, the tensors outside layers), 0.24 s (it was
+19 s as one pass per class). It runs in `delta_coverage`,
 inside vLLM's `collective_rpc`, so it holds the engine loop for that long (not measured at full size).
 """
 
@@ -42,7 +43,9 @@ def structural_class(target: str, shape: tuple[int, ...]) -> tuple[str, tuple[in
 def _random(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Seeded random bits of `dtype` on the generator's device (bit patterns: NaNs compare as bytes)."""
     size = torch.empty(0, dtype=dtype).element_size()
-    return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=gen, device=gen.device).view(dtype)
+    return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=gen, device=gen.device).view(
+        dtype
+    )
 
 
 def _flat_like(t: torch.Tensor) -> int:
@@ -71,7 +74,9 @@ class _Redirect(TorchDispatchMode):
             elif key in self.params:  # another parameter (a name sharing a storage is the same one)
                 return out[0] if len(func._schema.returns) <= 1 else tuple(out)
         if swap:
-            args, kwargs = tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            args, kwargs = tree_map(
+                lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+            )
         return func(*args, **kwargs)
 
 
@@ -82,9 +87,13 @@ def live_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: live for name, (live, _) in canonical_weights.canonical_tensors(model).items()}
 
 
-def check_map(load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
-              params: Mapping[str, torch.Tensor], placements: Mapping[str, TensorPlacement],
-              checkpoint: Checkpoint, seed: int = 0) -> dict[str, str]:
+def check_map(
+    load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
+    params: Mapping[str, torch.Tensor],
+    placements: Mapping[str, TensorPlacement],
+    checkpoint: Checkpoint,
+    seed: int = 0,
+) -> dict[str, str]:
     """{destination: why} for each class whose map disagrees with the loader (empty: all agree).
 
     `params` are the live parameters by the names the segments target (never written here).
@@ -102,7 +111,9 @@ def check_map(load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], objec
     for prefix, targets in by_layer.items():
         # Every tensor of the layer goes through the loader once, so one the map forgot is seen too.
         names = [n for n, p in placements.items() if not p.fallback_reason and _layer_prefix(n) == prefix]
-        errors.update(_check_layer(load_weights, storages, params, placements, checkpoint, targets, names, seed))
+        errors.update(
+            _check_layer(load_weights, storages, params, placements, checkpoint, targets, names, seed)
+        )
     return errors
 
 
@@ -112,16 +123,26 @@ def _layer_prefix(target: str) -> str:
     return match.group(1) if match else ""
 
 
-def _check_layer(load_weights, storages: set[int], params: Mapping[str, torch.Tensor],
-                 placements: Mapping[str, TensorPlacement], checkpoint: Checkpoint, targets: list[str],
-                 names: list[str], seed: int) -> dict[str, str]:
+def _check_layer(
+    load_weights,
+    storages: set[int],
+    params: Mapping[str, torch.Tensor],
+    placements: Mapping[str, TensorPlacement],
+    checkpoint: Checkpoint,
+    targets: list[str],
+    names: list[str],
+    seed: int,
+) -> dict[str, str]:
     """{target: why} for the checked destinations of one layer, from one pass of its tensors."""
     device = params[targets[0]].device
-    # Made on the destinations' device: at 355B a layer's values are gigabytes, generated in milliseconds there.
+    # Made on the destinations' device: at 355B a layer's values are gigabytes, generated in milliseconds
+    # there.
     by_loader, by_map = {}, {}
     for i, target in enumerate(targets):
         live = params[target]
-        by_loader[target] = _random(_flat_like(live), live.dtype, torch.Generator(device).manual_seed(seed + i))
+        by_loader[target] = _random(
+            _flat_like(live), live.dtype, torch.Generator(device).manual_seed(seed + i)
+        )
         by_map[target] = by_loader[target].clone()
 
     def values(i: int, name: str) -> torch.Tensor:
@@ -144,21 +165,30 @@ def _check_layer(load_weights, storages: set[int], params: Mapping[str, torch.Te
         for seg in segments:
             try:
                 torch.as_strided(by_map[seg.target], seg.sizes, seg.dst_strides, seg.dst_offset).copy_(
-                    torch.as_strided(flat_src, seg.sizes, seg.src_strides, seg.src_offset))
+                    torch.as_strided(flat_src, seg.sizes, seg.src_strides, seg.src_offset)
+                )
             except RuntimeError as exc:  # the map reaches outside the checkpoint tensor or the storage
-                errors.setdefault(seg.target, f"{seg.target}: the placement map of {name} is out of bounds: {exc}")
+                errors.setdefault(
+                    seg.target, f"{seg.target}: the placement map of {name} is out of bounds: {exc}"
+                )
         # The constants the probe saw filled into padding (no checkpoint element reaches them): a
         # loader whose fill follows the checkpoint's values differs from them on these random values.
         for fill in placements[name].fills:
             if fill.target in by_map:
-                torch.as_strided(by_map[fill.target], fill.sizes, fill.dst_strides, fill.dst_offset).fill_(fill.value)
+                torch.as_strided(by_map[fill.target], fill.sizes, fill.dst_strides, fill.dst_offset).fill_(
+                    fill.value
+                )
     for target in targets:
         size = params[target].element_size()
-        bad = torch.ne(by_loader[target].view(torch.uint8).view(-1, size),
-                       by_map[target].view(torch.uint8).view(-1, size)).any(1)
+        bad = torch.ne(
+            by_loader[target].view(torch.uint8).view(-1, size),
+            by_map[target].view(torch.uint8).view(-1, size),
+        ).any(1)
         if target not in errors and bool(bad.any()):
             first = int(torch.nonzero(bad)[0])
-            errors[target] = (f"{target}: the placement map disagrees with vLLM's loader at {int(bad.sum())} of "
-                              f"{bad.numel()} storage elements (first at offset {first}), loading {len(names)} "
-                              "tensors")
+            errors[target] = (
+                f"{target}: the placement map disagrees with vLLM's loader at {int(bad.sum())} of "
+                f"{bad.numel()} storage elements (first at offset {first}), loading {len(names)} "
+                "tensors"
+            )
     return errors

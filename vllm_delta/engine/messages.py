@@ -34,8 +34,9 @@ class PrepareRequest(Message):
     base_version: int | None = None
     # The bound on everything one update stages (413 past it). `chunk_bytes` is its old name.
     # None: the worker's own bound (the backend's init info, else the default).
-    max_staged_bytes: int | None = Field(default=None, gt=0,
-                                         validation_alias=AliasChoices("max_staged_bytes", "chunk_bytes"))
+    max_staged_bytes: int | None = Field(
+        default=None, gt=0, validation_alias=AliasChoices("max_staged_bytes", "chunk_bytes")
+    )
     transport: Literal["disk", "collective"] = "disk"
     manifest: dict[str, Any] | None = None  # collective: the trainer's manifest
     store_path: str | None = None  # a store root: the version's path relative to it

@@ -26,16 +26,37 @@ class DeltaMetrics:
         self.decode = seconds("decode", "Reading, verifying and decoding a delta (not paused; slowest rank).")
         self.apply = seconds("apply", "Scattering a delta into the live weights (slowest rank).")
         self.pause = seconds("pause", "Generation paused for one update.")
-        self.bytes_read = Histogram("vllm_delta:bytes_read", "Delta bytes read by one update (largest rank).",
-                                    buckets=SIZES, registry=registry)
-        self.changed = Histogram("vllm_delta:changed_elements", "Changed checkpoint elements per update.",
-                                 buckets=SIZES, registry=registry)
-        self.version = Gauge("vllm_delta:weights_version", "Weight version the engine serves.",
-                             multiprocess_mode="mostrecent", registry=registry)
-        self.phases = Histogram("vllm_delta:sync_phase_seconds", "Seconds one sync spent in each phase (slowest "
-                                "rank; engine/trace.py names them).", ["phase"], buckets=SECONDS, registry=registry)
-        self.failures = Counter("vllm_delta:update_failures", "Refused or failed updates, by HTTP status.",
-                                ["status"], registry=registry)
+        self.bytes_read = Histogram(
+            "vllm_delta:bytes_read",
+            "Delta bytes read by one update (largest rank).",
+            buckets=SIZES,
+            registry=registry,
+        )
+        self.changed = Histogram(
+            "vllm_delta:changed_elements",
+            "Changed checkpoint elements per update.",
+            buckets=SIZES,
+            registry=registry,
+        )
+        self.version = Gauge(
+            "vllm_delta:weights_version",
+            "Weight version the engine serves.",
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.phases = Histogram(
+            "vllm_delta:sync_phase_seconds",
+            "Seconds one sync spent in each phase (slowest rank; engine/trace.py names them).",
+            ["phase"],
+            buckets=SECONDS,
+            registry=registry,
+        )
+        self.failures = Counter(
+            "vllm_delta:update_failures",
+            "Refused or failed updates, by HTTP status.",
+            ["status"],
+            registry=registry,
+        )
 
     def observe(self, result: dict[str, Any]) -> None:
         """Record a successful sync's answer (the route's 200, the backend's finish)."""

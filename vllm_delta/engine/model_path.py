@@ -19,5 +19,9 @@ def local_checkpoint_dir(vllm_config: Any) -> str:
         return model
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(model, revision=model_config.revision, cache_dir=vllm_config.load_config.download_dir,
-                             local_files_only=True)
+    return snapshot_download(
+        model,
+        revision=model_config.revision,
+        cache_dir=vllm_config.load_config.download_dir,
+        local_files_only=True,
+    )

@@ -23,8 +23,11 @@ import torch
 from vllm_delta.engine.placement import TensorPlacement
 
 
-def unreached(placements: Mapping[str, TensorPlacement], destinations: Mapping[str, torch.Tensor],
-              replayed: Iterable[str] = ()) -> dict[str, str]:
+def unreached(
+    placements: Mapping[str, TensorPlacement],
+    destinations: Mapping[str, torch.Tensor],
+    replayed: Iterable[str] = (),
+) -> dict[str, str]:
     """{destination: why} for each destination (probe name -> the tensor deltas are written into) that
     the segments and fills reach fewer elements of than it holds; destinations in `replayed` (written
     by a fallback's loader replay) are not counted here."""
@@ -35,9 +38,14 @@ def unreached(placements: Mapping[str, TensorPlacement], destinations: Mapping[s
         for fill in placement.fills:
             reached[fill.target] += math.prod(fill.sizes)
     skip = set(replayed)
-    return {name: (f"the map reaches {reached[name]} of its {t.numel()} elements: some loader write was not "
-                   "seen at startup, so deltas to the tensors behind it would be dropped")
-            for name, t in destinations.items() if name not in skip and reached[name] < t.numel()}
+    return {
+        name: (
+            f"the map reaches {reached[name]} of its {t.numel()} elements: some loader write was not "
+            "seen at startup, so deltas to the tensors behind it would be dropped"
+        )
+        for name, t in destinations.items()
+        if name not in skip and reached[name] < t.numel()
+    }
 
 
 def derived_params(keys: Iterable[tuple[str, str]]) -> set[str]:

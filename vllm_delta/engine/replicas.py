@@ -31,11 +31,14 @@ from vllm_delta.engine.digests import Ownership, check_coverage
 
 DP_KEY = "dp"
 R = TypeVar("R")
-ACROSS_DP = "across_dp"  # a set_peers reply's tensors split across DP engines (rank 0 of each engine sends it)
+ACROSS_DP = (
+    "across_dp"  # a set_peers reply's tensors split across DP engines (rank 0 of each engine sends it)
+)
 
 
 async def rpc_all(engine: Any, method: str, args: tuple = ()) -> list[Any]:
-    """`method` on every worker of every engine core this server manages; each dict reply tagged `dp` and `rank`."""
+    """`method` on every worker of every engine core this server manages; each dict reply tagged `dp` and
+    `rank`."""
     core = getattr(engine, "engine_core", None)
     ranks = list(getattr(core, "engine_ranks_managed", None) or [0])
     if len(ranks) == 1:
@@ -46,8 +49,11 @@ async def rpc_all(engine: Any, method: str, args: tuple = ()) -> list[Any]:
         raise RuntimeError(f"{method}: {len(per_engine)} engines answered, {len(ranks)} are managed")
     # collective_rpc answers in the engine's rank order; a reply that does not name its rank (an
     # error reply) is named by its place, so a refusal says which worker refused.
-    return [{DP_KEY: dp, "rank": rank, **reply} if isinstance(reply, dict) else reply
-            for dp, replies in zip(ranks, per_engine) for rank, reply in enumerate(replies)]
+    return [
+        {DP_KEY: dp, "rank": rank, **reply} if isinstance(reply, dict) else reply
+        for dp, replies in zip(ranks, per_engine)
+        for rank, reply in enumerate(replies)
+    ]
 
 
 def _field(reply: Any, key: str, default: Any = None) -> Any:
@@ -73,8 +79,9 @@ def _restricted(coverage: Mapping[str, Any], keep: Callable[[str], bool]) -> dic
     return {n: lats for n, lats in coverage.items() if keep(n)}
 
 
-def moe_world(groups: Mapping[int, Sequence[Mapping[str, Any]]], dp: int, rank: int,
-              shapes: Mapping[str, Sequence[int]]) -> tuple[Ownership, dict[str, Any], list[str]]:
+def moe_world(
+    groups: Mapping[int, Sequence[Mapping[str, Any]]], dp: int, rank: int, shapes: Mapping[str, Sequence[int]]
+) -> tuple[Ownership, dict[str, Any], list[str]]:
     """This rank's counted-once ownership, the coverage verdict and the tensors split across DP
     engines, for the DP engines of a MoE model (`groups`: each DP index's `delta_coverage` replies).
 
@@ -84,7 +91,9 @@ def moe_world(groups: Mapping[int, Sequence[Mapping[str, Any]]], dp: int, rank: 
     no rank holds (a hole where some rank's loader read it; one vLLM ignores where none did).
     """
     if sorted(groups) != list(range(len(groups))) or dp not in groups:
-        raise ValueError(f"DP engines {sorted(groups)} answered, DP rank {dp} expected among 0..{len(groups) - 1}")
+        raise ValueError(
+            f"DP engines {sorted(groups)} answered, DP rank {dp} expected among 0..{len(groups) - 1}"
+        )
     engines = [sorted(groups[d], key=lambda c: c["rank"]) for d in range(len(groups))]
     world = [c for engine in engines for c in engine]
     local = [c["rank"] for c in engines[dp]]
@@ -93,18 +102,25 @@ def moe_world(groups: Mapping[int, Sequence[Mapping[str, Any]]], dp: int, rank: 
     me = sum(len(e) for e in engines[:dp]) + local.index(rank)  # this rank's place in (dp, rank) order
     held = [{n for c in engine for n, lats in c["coverage"].items() if lats} for engine in engines]
     broken = {n for engine in engines for n in check_coverage(engine, shapes)["errors"]}
-    across = sorted(n for n in set().union(*held) & shapes.keys()
-                    if n in broken or not all(n in h for h in held))  # not held whole by every engine
+    across = sorted(
+        n for n in set().union(*held) & shapes.keys() if n in broken or not all(n in h for h in held)
+    )  # not held whole by every engine
     split = set(across)
-    whole = Ownership.from_coverages([_restricted(c["coverage"], lambda n: n not in split) for c in engines[dp]],
-                                     local.index(rank))
+    whole = Ownership.from_coverages(
+        [_restricted(c["coverage"], lambda n: n not in split) for c in engines[dp]], local.index(rank)
+    )
     spread = Ownership.from_coverages([_restricted(c["coverage"], split.__contains__) for c in world], me)
     ownership = Ownership({**whole.lower, **spread.lower}, {**whole.shares, **spread.shares})
     nowhere = shapes.keys() - set().union(*held)  # a hole if any rank's loader read it, else ignored by vLLM
     report = check_coverage(world, {n: shapes[n] for n in (*across, *sorted(nowhere))})
-    mine = check_coverage(engines[dp], {n: s for n, s in shapes.items() if n not in split and n not in nowhere})
-    report = {"ok": report["ok"] and mine["ok"], "errors": {**mine["errors"], **report["errors"]},
-              "ignored": sorted({*report["ignored"], *mine["ignored"]})}
+    mine = check_coverage(
+        engines[dp], {n: s for n, s in shapes.items() if n not in split and n not in nowhere}
+    )
+    report = {
+        "ok": report["ok"] and mine["ok"],
+        "errors": {**mine["errors"], **report["errors"]},
+        "ignored": sorted({*report["ignored"], *mine["ignored"]}),
+    }
     return ownership, report, across
 
 
@@ -117,8 +133,9 @@ def across_dp(replies: Sequence[Mapping[str, Any]]) -> frozenset[str] | None:
     return frozenset(sets.pop()) if sets else None
 
 
-def digest_groups(replies: Sequence[dict[str, Any]], split: frozenset[str] | None
-                  ) -> list[tuple[str, list[dict[str, Any]]]]:
+def digest_groups(
+    replies: Sequence[dict[str, Any]], split: frozenset[str] | None
+) -> list[tuple[str, list[dict[str, Any]]]]:
     """(label, replies) groups whose partial digests must each add up to the manifest: every replica on
     its own, for the tensors it holds whole; and, where `split` names tensors split across the DP
     engines, all ranks together for those. The first reply of a group carries its `expected`."""

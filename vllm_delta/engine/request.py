@@ -15,7 +15,6 @@ import re
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-
 from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.requests import Request
@@ -26,8 +25,16 @@ from vllm_delta.engine.messages import PrepareRequest
 if TYPE_CHECKING:
     from vllm_delta.transports.store import StoreURL
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 
 class DeltaUpdateRequest(BaseModel):
@@ -45,7 +52,7 @@ class DeltaUpdateRequest(BaseModel):
     manifest: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _source(self) -> "DeltaUpdateRequest":
+    def _source(self) -> DeltaUpdateRequest:
         if self.transport == "disk" and (self.path is None or self.manifest is not None):
             raise ValueError("a disk update needs `path` and no `manifest`")
         if self.transport == "collective" and (self.manifest is None or self.path is not None or self.files):
@@ -100,12 +107,17 @@ def check_collective(master_addr: str | None, allowed: Sequence[str] | None) -> 
     `master_addr=None` asks only whether the collective path is on.
     """
     if not allowed:
-        raise UpdateError(403, "CollectiveDisabled", "collective updates are off: start the server with "
-                          "--delta-updates-collective-trainers ADDR to allow a trainer")
+        raise UpdateError(
+            403,
+            "CollectiveDisabled",
+            "collective updates are off: start the server with "
+            "--delta-updates-collective-trainers ADDR to allow a trainer",
+        )
     if master_addr is None or any(_matches(master_addr, entry) for entry in allowed):
         return
-    raise UpdateError(403, "TrainerNotAllowed", f"master_addr {master_addr!r} is not in "
-                      "--delta-updates-collective-trainers")
+    raise UpdateError(
+        403, "TrainerNotAllowed", f"master_addr {master_addr!r} is not in --delta-updates-collective-trainers"
+    )
 
 
 def _matches(addr: str, entry: str) -> bool:
@@ -172,7 +184,9 @@ def store_version_key(path: str, root: StoreURL) -> str:
         if segment in ("", ".", ".."):
             raise OutsideRootError(f"{path!r} has an empty, '.' or '..' segment")
         if not _STORE_SEGMENT.fullmatch(segment):
-            raise OutsideRootError(f"{path!r}: segment {segment!r} is not made of letters, digits, '.', '_' or '-'")
+            raise OutsideRootError(
+                f"{path!r}: segment {segment!r} is not made of letters, digits, '.', '_' or '-'"
+            )
     return root.key(path)
 
 
@@ -180,19 +194,29 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def prepare_request(body: DeltaUpdateRequest, root: Path | StoreURL, max_staged_bytes: int | None) -> PrepareRequest:
+def prepare_request(
+    body: DeltaUpdateRequest, root: Path | StoreURL, max_staged_bytes: int | None
+) -> PrepareRequest:
     """The workers' request for `body`, its path checked under `root` (403 outside, 400 not a version
     directory). A store root sends only the checked relative path: the workers fetch from their own."""
-    request = PrepareRequest(id=uuid.uuid4().hex, version=body.version, base_version=body.base_version,
-                             max_staged_bytes=max_staged_bytes)
+    request = PrepareRequest(
+        id=uuid.uuid4().hex,
+        version=body.version,
+        base_version=body.base_version,
+        max_staged_bytes=max_staged_bytes,
+    )
     if body.transport == "collective":
         return request.model_copy(update={"transport": "collective", "manifest": body.manifest})
     try:
         if not isinstance(root, Path):
             store_version_key(body.path, root)
             if body.files is not None:
-                raise UpdateError(400, "InvalidRequest", "`files` selects flushes of a disk delta; a store "
-                                  "delta is read whole, as its manifest lists it")
+                raise UpdateError(
+                    400,
+                    "InvalidRequest",
+                    "`files` selects flushes of a disk delta; a store "
+                    "delta is read whole, as its manifest lists it",
+                )
             return request.model_copy(update={"store_path": body.path})
         path = resolve_version_dir(body.path, root)
     except OutsideRootError as exc:

@@ -26,8 +26,13 @@ from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.messages import JoinedReply, StatusReply, VerifyReply
 from vllm_delta.engine.metrics import delta_metrics
 from vllm_delta.engine.replicas import by_replica, digest_groups, rpc_all
-from vllm_delta.engine.request import (CollectiveInitRequest, DeltaUpdateRequest, check_collective, prepare_request,
-                                       read_body)
+from vllm_delta.engine.request import (
+    CollectiveInitRequest,
+    DeltaUpdateRequest,
+    check_collective,
+    prepare_request,
+    read_body,
+)
 from vllm_delta.engine.summary import first_failed, refusal
 from vllm_delta.engine.transaction import Sync, Transaction
 from vllm_delta.transports.store import StoreURL
@@ -48,8 +53,16 @@ def worker_extension_rpc(engine: Any):
 class DeltaUpdater:
     """Our route's side of the core: the request checks, and the answers."""
 
-    def __init__(self, engine: Any, root: Path | StoreURL, max_staged_bytes: int, tokens: list[str], *,
-                 collective_trainers: list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        root: Path | StoreURL,
+        max_staged_bytes: int,
+        tokens: list[str],
+        *,
+        collective_trainers: list[str] | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
         self.core = Transaction(engine, worker_extension_rpc(engine))
         self.root = root
         self.max_staged_bytes = max_staged_bytes
@@ -101,12 +114,20 @@ class DeltaUpdater:
             await self.core.ensure_peers()
             typed = await self.core.call("verify", reply=VerifyReply)
         replies = [r.model_dump(exclude_none=True) for r in typed]
-        groups = digest_groups(replies, self.core.across_dp)  # each replica, then (MoE) the tensors split across DP
+        groups = digest_groups(
+            replies, self.core.across_dp
+        )  # each replica, then (MoE) the tensors split across DP
         replicas = []
         for (_, group), (dp, ranks) in zip(groups, by_replica(replies).items()):
             checked, bad = mismatches(group)  # each replica against the digests of what it holds whole
-            replicas.append({"dp": dp, "digests_checked": checked, "digest_mismatched": [b[0] for b in bad],
-                             "hash_mismatched": sorted({n for r in ranks for n in r["hash_mismatched"]})})
+            replicas.append(
+                {
+                    "dp": dp,
+                    "digests_checked": checked,
+                    "digest_mismatched": [b[0] for b in bad],
+                    "hash_mismatched": sorted({n for r in ranks for n in r["hash_mismatched"]}),
+                }
+            )
         extra: dict[str, Any] = {}
         if self.core.across_dp:  # a MoE model's tensors split across the DP engines, against all of them
             checked, bad = mismatches(groups[-1][1])
@@ -114,21 +135,34 @@ class DeltaUpdater:
         checks = [*replicas, *extra.values()]
         digest_bad = sorted({n for r in checks for n in r["digest_mismatched"]})
         hash_bad = sorted({n for r in replicas for n in r["hash_mismatched"]})
-        return {"ok": not digest_bad and not hash_bad, "digests_checked": sum(r["digests_checked"] for r in checks),
-                "digest_mismatched": digest_bad, "hashes_checked": sum(r.hash_checked for r in typed),
-                "hash_mismatched": hash_bad, "verify_s": max(r.verify_s for r in typed), "replicas": replicas,
-                **extra}
+        return {
+            "ok": not digest_bad and not hash_bad,
+            "digests_checked": sum(r["digests_checked"] for r in checks),
+            "digest_mismatched": digest_bad,
+            "hashes_checked": sum(r.hash_checked for r in typed),
+            "hash_mismatched": hash_bad,
+            "verify_s": max(r.verify_s for r in typed),
+            "replicas": replicas,
+            **extra,
+        }
 
     async def collective_init(self, body: CollectiveInitRequest) -> dict[str, Any]:
         """Every worker joins the trainer's group (each worker is rank `rank_offset + its rank`)."""
         check_collective(body.master_addr, self.collective_trainers)
         ranks = await self.core.call("status", reply=StatusReply)
         if len(by_replica(ranks)) > 1:  # each worker would join as rank_offset + its rank in its own replica
-            raise UpdateError(400, "InvalidRequest", "the collective transport cannot serve data-parallel "
-                              "replicas: their workers would take the same group ranks; use a disk or store root")
+            raise UpdateError(
+                400,
+                "InvalidRequest",
+                "the collective transport cannot serve data-parallel "
+                "replicas: their workers would take the same group ranks; use a disk or store root",
+            )
         if body.world_size != body.rank_offset + len(ranks):
-            raise UpdateError(400, "InvalidRequest", f"world_size {body.world_size} != rank_offset "
-                              f"{body.rank_offset} + {len(ranks)} engine ranks")
+            raise UpdateError(
+                400,
+                "InvalidRequest",
+                f"world_size {body.world_size} != rank_offset {body.rank_offset} + {len(ranks)} engine ranks",
+            )
         async with self.core.lock:
             joined = await self.core.call("collective_init", body.model_dump(), reply=JoinedReply)
         if (failed := first_failed(joined)) is not None:
@@ -148,7 +182,9 @@ def _updater(request: Request) -> DeltaUpdater:
 async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
     """The request body as `model`; a malformed one is a 400, one past the size cap a 413."""
     try:
-        return model.model_validate_json(await read_body(request, request.app.state.delta_updater.max_body_bytes))
+        return model.model_validate_json(
+            await read_body(request, request.app.state.delta_updater.max_body_bytes)
+        )
     except ValidationError as exc:
         raise bad_request(exc) from None
 
@@ -166,8 +202,14 @@ async def update_weights_delta(request: Request) -> JSONResponse:
         delta_metrics().failed(500)
         raise
     delta_metrics().observe(result)
-    logger.info("delta update to version %d: %d changed, decode %.3fs, apply %.3fs, paused %.3fs",
-                result["version"], result["changed"], result["decode_s"], result["apply_s"], result["pause_s"])
+    logger.info(
+        "delta update to version %d: %d changed, decode %.3fs, apply %.3fs, paused %.3fs",
+        result["version"],
+        result["changed"],
+        result["decode_s"],
+        result["apply_s"],
+        result["pause_s"],
+    )
     return JSONResponse(result)
 
 
@@ -196,11 +238,16 @@ def guard_health(app: FastAPI) -> None:
     async def delta_health(request: Request, call_next):
         updater = getattr(request.app.state, "delta_updater", None)
         if request.url.path == "/health" and updater is not None and updater.fault is not None:
-            return UpdateError(503, "DeltaCommitFault", "a delta commit failed; weights are suspect",
-                               fault=updater.fault).response()
+            return UpdateError(
+                503, "DeltaCommitFault", "a delta commit failed; weights are suspect", fault=updater.fault
+            ).response()
         if request.url.path == "/health" and updater is not None and updater.refused:
-            return UpdateError(503, "UnservableLoader", "delta updates cannot be served exactly for some tensors",
-                               refused=updater.refused).response()
+            return UpdateError(
+                503,
+                "UnservableLoader",
+                "delta updates cannot be served exactly for some tensors",
+                refused=updater.refused,
+            ).response()
         return await call_next(request)
 
 

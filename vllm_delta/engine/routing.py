@@ -18,8 +18,8 @@ from vllm_delta.engine.batched import Known, Landing, Piece, on_device
 from vllm_delta.engine.digests import Ownership
 from vllm_delta.engine.owned import owned_by_tensor
 from vllm_delta.engine.placement import Segment, TensorPlacement
-from vllm_delta.engine.transforms import OffsetMap
 from vllm_delta.engine.staging import Named, check_resolvable, flat_storage
+from vllm_delta.engine.transforms import OffsetMap
 from vllm_delta.wire.deltas import DeltaBatch
 
 # A tensor's way through `stage`: replayed through its loader, batched, or masked alone.

@@ -24,8 +24,8 @@ from vllm_delta.engine.routing import BATCH, FALLBACK, GroupKey, Plan, Routing
 from vllm_delta.engine.staging import (
     Chunk,
     Named,
-    Staging,
     StagedUpdate,
+    Staging,
     Sums,
     add_sum,
     check_resolvable,
@@ -276,7 +276,7 @@ class Stager:
         for i, n in zip(deferred, owned_counts([located_all[i] for i in deferred])):
             located_all[i] = compact(located_all[i], n)
         self.times.add("locate", perf_counter() - started)
-        for ((target, dtype, needs_base, _), (pieces, names)), located in zip(groups.items(), located_all):
+        for ((target, dtype, needs_base, _), (_, names)), located in zip(groups.items(), located_all):
             self._stage_located(target, dtype, needs_base, names, located)
 
     def _stage_located(

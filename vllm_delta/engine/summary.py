@@ -28,7 +28,8 @@ def first_failed(replies: Sequence[Reply]) -> Reply | None:
 
 
 def with_ranks(err: UpdateError, replies: Sequence[Reply]) -> UpdateError:
-    """`err` with every rank's outcome (`dp<i>:rank<r>` -> ok, status), so a client sees which replica refused."""
+    """`err` with every rank's outcome (`dp<i>:rank<r>` -> ok, status), so a client sees which replica
+    refused."""
     err.error["ranks"] = {rank_id(r): {"ok": r.ok, "status": r.http_status} for r in replies}
     return err
 
@@ -44,25 +45,32 @@ def agree(prepared: Sequence[PrepareReply], split: frozenset[str] | None = None)
         try:
             check_partials(group)
         except DeltaError as exc:
-            raise with_ranks(UpdateError(exc.http_status, type(exc).__name__, where + exc.reason, param=exc.param),
-                             prepared) from None
+            raise with_ranks(
+                UpdateError(exc.http_status, type(exc).__name__, where + exc.reason, param=exc.param),
+                prepared,
+            ) from None
 
 
 def fault_of(failed: Sequence[Reply]) -> dict[str, Any]:
     """One fault record from the failed ranks' commit replies: the version, where, what is suspect."""
     faults = [(r.error.fault if r.error else None) or {} for r in failed]
-    return {"version": next((f["version"] for f in faults if "version" in f), None),
-            "failed_at": next((f["failed_at"] for f in faults if f.get("failed_at")), None),
-            "suspect": sorted({n for f in faults for n in f.get("suspect", [])}),
-            "ranks": [r.rank for r in failed], "rank_ids": [rank_id(r) for r in failed]}
+    return {
+        "version": next((f["version"] for f in faults if "version" in f), None),
+        "failed_at": next((f["failed_at"] for f in faults if f.get("failed_at")), None),
+        "suspect": sorted({n for f in faults for n in f.get("suspect", [])}),
+        "ranks": [r.rank for r in failed],
+        "rank_ids": [rank_id(r) for r in failed],
+    }
 
 
-def trace_of(door: dict[str, float], prepared: Sequence[PrepareReply], committed: Sequence[CommitReply],
-             wall_s: float) -> dict[str, Any]:
+def trace_of(
+    door: dict[str, float], prepared: Sequence[PrepareReply], committed: Sequence[CommitReply], wall_s: float
+) -> dict[str, Any]:
     """The sync's trace: per phase the slowest rank (the door's own phases as timed), each rank's phases,
     and the wall time they add up to."""
-    ranks: list[dict[str, Any]] = [{"rank": rank_id(p), "phases": {**p.phases, **c.phases}}
-                                   for p, c in zip(prepared, committed)]
+    ranks: list[dict[str, Any]] = [
+        {"rank": rank_id(p), "phases": {**p.phases, **c.phases}} for p, c in zip(prepared, committed)
+    ]
     workers = slowest(r["phases"] for r in ranks)
     return {"phases": slowest([workers, door]), "ranks": ranks, "wall_s": round(wall_s, 6)}
 
@@ -73,14 +81,25 @@ def worker_seconds(replies: Sequence[PrepareReply | CommitReply], commit: bool) 
     return sum(phases.get(p, 0.0) for p in (WORKER_COMMIT if commit else WORKER_PREPARE))
 
 
-def summarize(prepared: Sequence[PrepareReply], committed: Sequence[CommitReply], pause_s: float) -> dict[str, Any]:
+def summarize(
+    prepared: Sequence[PrepareReply], committed: Sequence[CommitReply], pause_s: float
+) -> dict[str, Any]:
     """One answer for all ranks: the slowest rank's times, the largest read, the union of fallbacks."""
     versions = {r.version for r in committed}
     if len(versions) != 1:
-        raise UpdateError(500, "EngineError", f"ranks committed different versions: {sorted(versions, key=str)}")
-    ranks = [{k: v for k, v in {**p.model_dump(exclude_none=True, exclude={"ok", "done", "phases"}),
-                                **c.model_dump(exclude_none=True, exclude={"ok", "phases"})}.items()}
-             for p, c in zip(prepared, committed)]
+        raise UpdateError(
+            500, "EngineError", f"ranks committed different versions: {sorted(versions, key=str)}"
+        )
+    ranks = [
+        {
+            k: v
+            for k, v in {
+                **p.model_dump(exclude_none=True, exclude={"ok", "done", "phases"}),
+                **c.model_dump(exclude_none=True, exclude={"ok", "phases"}),
+            }.items()
+        }
+        for p, c in zip(prepared, committed)
+    ]
     return {
         "version": versions.pop(),
         "changed": prepared[0].total_changed,
@@ -91,8 +110,10 @@ def summarize(prepared: Sequence[PrepareReply], committed: Sequence[CommitReply]
         "replay": all(r.replay for r in prepared),
         "fallback": sorted({name for r in prepared for name in r.fallback}),
         "ranks": ranks,
-        "replicas": [{"dp": dp, "version": group[0].version, "ranks": len(group)}
-                     for dp, group in by_replica(committed).items()],
+        "replicas": [
+            {"dp": dp, "version": group[0].version, "ranks": len(group)}
+            for dp, group in by_replica(committed).items()
+        ],
     }
 
 
@@ -105,13 +126,17 @@ def placement_summary(placements: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The ranks' placement status as one: ready when all are, the slowest probe, the largest peak."""
     ready = all(p["ready"] for p in placements)
     refused = {n: why for p in placements for n, why in (p.get("refused") or {}).items()}
-    return {"ready": ready,
-            "probe_s": max((p["probe_s"] or 0.0 for p in placements), default=None) if ready else None,
-            "probe_peak_bytes": max((p["probe_peak_bytes"] or 0 for p in placements), default=None) if ready else None,
-            "fallback": sorted({n for p in placements for n in (p["fallback"] or {})}) if ready else None,
-            "refused": refused if ready else None,
-            "transformed": sorted({n for p in placements for n in p["transformed"]}),
-            "coverage": placements[0].get("coverage")}  # the same check on every rank
+    return {
+        "ready": ready,
+        "probe_s": max((p["probe_s"] or 0.0 for p in placements), default=None) if ready else None,
+        "probe_peak_bytes": max((p["probe_peak_bytes"] or 0 for p in placements), default=None)
+        if ready
+        else None,
+        "fallback": sorted({n for p in placements for n in (p["fallback"] or {})}) if ready else None,
+        "refused": refused if ready else None,
+        "transformed": sorted({n for p in placements for n in p["transformed"]}),
+        "coverage": placements[0].get("coverage"),
+    }  # the same check on every rank
 
 
 def replica_status(ranks: Sequence[StatusReply]) -> list[dict[str, Any]]:
@@ -119,6 +144,12 @@ def replica_status(ranks: Sequence[StatusReply]) -> list[dict[str, Any]]:
     out = []
     for dp, group in by_replica(ranks).items():
         versions = {r.version for r in group}
-        out.append({"dp": dp, "version": versions.pop() if len(versions) == 1 else None,
-                    "dirty": any(r.dirty for r in group), "ranks": len(group)})
+        out.append(
+            {
+                "dp": dp,
+                "version": versions.pop() if len(versions) == 1 else None,
+                "dirty": any(r.dirty for r in group),
+                "ranks": len(group),
+            }
+        )
     return out

@@ -25,11 +25,32 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.liveness import while_alive
-from vllm_delta.engine.messages import (CommitReply, CoverageReply, Done, PeersReply, PrepareReply, PrepareRequest,
-                                        PrepareStarted, ProbeReply, Reply, StatusReply)
+from vllm_delta.engine.messages import (
+    CommitReply,
+    CoverageReply,
+    Done,
+    PeersReply,
+    PrepareReply,
+    PrepareRequest,
+    PrepareStarted,
+    ProbeReply,
+    Reply,
+    StatusReply,
+)
 from vllm_delta.engine.replicas import across_dp, by_replica, rank_id
-from vllm_delta.engine.summary import (agree, fault_of, first_failed, placement_summary, refusal, refused_of,
-                                       replica_status, summarize, trace_of, with_ranks, worker_seconds)
+from vllm_delta.engine.summary import (
+    agree,
+    fault_of,
+    first_failed,
+    placement_summary,
+    refusal,
+    refused_of,
+    replica_status,
+    summarize,
+    trace_of,
+    with_ranks,
+    worker_seconds,
+)
 from vllm_delta.engine.trace import PhaseTimes
 
 logger = logging.getLogger("vllm.delta_updates")  # under vLLM's logger, beside its own lines
@@ -82,7 +103,9 @@ class Transaction:
             raise  # vLLM's handler answers it and shuts the server down
         except ValidationError as exc:
             logger.error("delta updates: a worker's %s reply is malformed: %s", name, exc)
-            raise UpdateError(500, "EngineError", f"delta_{name}: a worker's reply is malformed: {exc}") from exc
+            raise UpdateError(
+                500, "EngineError", f"delta_{name}: a worker's reply is malformed: {exc}"
+            ) from exc
         except Exception as exc:
             logger.exception("delta updates: %s failed on a worker", name)
             raise UpdateError(500, "EngineError", f"delta_{name} failed on a worker: {exc}") from exc
@@ -125,8 +148,9 @@ class Transaction:
                 return [replies[i] for i in range(len(started))]
             await asyncio.sleep(PREPARE_POLL_S)
 
-    async def commit(self, request_id: str, sync: Sync,
-                     then: Callable[[], Awaitable[None]] | None = None) -> tuple[list[CommitReply], float]:
+    async def commit(
+        self, request_id: str, sync: Sync, then: Callable[[], Awaitable[None]] | None = None
+    ) -> tuple[list[CommitReply], float]:
         """Phase 2: scatter what every rank staged, pausing generation (and dropping the now stale prefix
         cache) around it when anything changed; `then` runs after a successful commit, before the resume.
 
@@ -139,8 +163,9 @@ class Transaction:
         finally:
             sync.timed(started)
 
-    async def _commit(self, request_id: str, sync: Sync, then: Callable[[], Awaitable[None]] | None
-                      ) -> tuple[list[CommitReply], float]:
+    async def _commit(
+        self, request_id: str, sync: Sync, then: Callable[[], Awaitable[None]] | None
+    ) -> tuple[list[CommitReply], float]:
         prepared = sync.prepared
         if not prepared[0].total_changed:
             committed = await self._scatter(request_id, sync)
@@ -151,7 +176,9 @@ class Transaction:
         if self.fault is None:  # a faulted engine is paused already
             try:
                 with sync.door.phase("pause"):
-                    await while_alive(self.engine, self.engine.pause_generation(mode="keep", clear_cache=True))
+                    await while_alive(
+                        self.engine, self.engine.pause_generation(mode="keep", clear_cache=True)
+                    )
             except EngineDeadError:
                 raise
             except Exception as exc:
@@ -183,10 +210,14 @@ class Transaction:
         return committed
 
     def answer(self, sync: Sync, committed: list[CommitReply], pause_s: float) -> dict[str, Any]:
-        """The door's 200: one summary for all ranks, the prepare's cost and the sync's trace; kept as `last`."""
-        result = {**summarize(sync.prepared, committed, pause_s), "prepare_s": sync.prepare_s,
-                  "tokens_during_prepare": sync.tokens_during_prepare,
-                  "trace": trace_of(sync.door.as_dict(), sync.prepared, committed, sync.wall_s)}
+        """The door's 200: one summary for all ranks, the prepare's cost and the sync's trace; kept as
+        `last`."""
+        result = {
+            **summarize(sync.prepared, committed, pause_s),
+            "prepare_s": sync.prepare_s,
+            "tokens_during_prepare": sync.tokens_during_prepare,
+            "trace": trace_of(sync.door.as_dict(), sync.prepared, committed, sync.wall_s),
+        }
         self.last = {k: v for k, v in result.items() if k not in ("ranks", "replicas")}
         return result
 
@@ -204,20 +235,26 @@ class Transaction:
         tensors a MoE model splits across them (engine/replicas.py)."""
         if self._peers_set:
             return
-        coverages = [c.model_dump(exclude_none=True) for c in await self.call("coverage", reply=CoverageReply)]
+        coverages = [
+            c.model_dump(exclude_none=True) for c in await self.call("coverage", reply=CoverageReply)
+        ]
         replicas = by_replica(coverages)
         if len(replicas) == 1:
             checked = await self.call("set_peers", next(iter(replicas.values())), reply=PeersReply)
         else:
-            checked = await self.call("set_peers", [], [[dp, group] for dp, group in replicas.items()],
-                                      reply=PeersReply)
+            checked = await self.call(
+                "set_peers", [], [[dp, group] for dp, group in replicas.items()], reply=PeersReply
+            )
         try:
             self.across_dp = across_dp([c.model_dump(exclude_none=True) for c in checked])
         except ValueError as exc:
             raise UpdateError(500, "CoverageError", str(exc)) from None
         for bad in (c for c in checked if not c.coverage["ok"]):
-            logger.error("delta updates: placement coverage check failed on %s; updates are refused: %s",
-                         rank_id(bad), bad.coverage["errors"])
+            logger.error(
+                "delta updates: placement coverage check failed on %s; updates are refused: %s",
+                rank_id(bad),
+                bad.coverage["errors"],
+            )
         self._peers_set = True
 
     def start_probe(self) -> asyncio.Task:
@@ -239,12 +276,18 @@ class Transaction:
         versions, runs = {r.version for r in ranks}, {r.run_id for r in ranks}  # run None: the checkpoint's
         dirty = [r.dirty_reason or "dirty" for r in ranks if r.dirty]
         agreed = len(versions) == 1 and len(runs) == 1
-        return {"version": ranks[0].version if agreed else None, "run_id": ranks[0].run_id if agreed else None,
-                "weight_version": await while_alive(self.engine, self.engine.get_weight_version()),
-                "healthy": not dirty and agreed and self.fault is None and not self.refused, "dirty_reasons": dirty,
-                "fault": self.fault, "placement": placement_summary([r.placement for r in ranks]),
-                "last": self.last, "ranks": [r.model_dump(exclude={"status", "error"}) for r in ranks],
-                "replicas": replica_status(ranks)}
+        return {
+            "version": ranks[0].version if agreed else None,
+            "run_id": ranks[0].run_id if agreed else None,
+            "weight_version": await while_alive(self.engine, self.engine.get_weight_version()),
+            "healthy": not dirty and agreed and self.fault is None and not self.refused,
+            "dirty_reasons": dirty,
+            "fault": self.fault,
+            "placement": placement_summary([r.placement for r in ranks]),
+            "last": self.last,
+            "ranks": [r.model_dump(exclude={"status", "error"}) for r in ranks],
+            "replicas": replica_status(ranks),
+        }
 
 
 def generation_tokens() -> float | None:

@@ -98,17 +98,21 @@ class OffsetMap:
 
 
 def _compact(perm: torch.Tensor, row_len: int) -> OffsetMap:
-    """The inverse of `perm` (`perm[i]`: the loaded flat index the step put at i), per row where it moves whole rows."""
+    """The inverse of `perm` (`perm[i]`: the loaded flat index the step put at i), per row where it moves
+    whole rows."""
     # Each row a run of consecutive loaded elements: `perm` being a bijection, the runs then tile
     # the loaded tensor, so each starts at a row boundary.
     rows = perm.view(-1, row_len) if row_len > 1 else None
-    whole_rows = rows is not None and torch.equal(rows - rows[:, :1],
-                                                  torch.arange(row_len, device=perm.device).expand_as(rows))
+    whole_rows = rows is not None and torch.equal(
+        rows - rows[:, :1], torch.arange(row_len, device=perm.device).expand_as(rows)
+    )
     if whole_rows:
         perm = torch.div(rows[:, 0], row_len, rounding_mode="floor")
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), dtype=torch.int64, device=perm.device)
-    return OffsetMap(0, inverse.to(torch.int32) if perm.numel() < 1 << 31 else inverse, row_len if whole_rows else 1)
+    return OffsetMap(
+        0, inverse.to(torch.int32) if perm.numel() < 1 << 31 else inverse, row_len if whole_rows else 1
+    )
 
 
 @dataclass
@@ -122,24 +126,35 @@ class Snapshot:
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor the module holds itself (`canonical_weights.held_tensors`), parameters detached."""
-    return {k: t.detach() if kind == "param" else t for k, (kind, _, t) in canonical_weights.held_tensors(module).items()}
+    return {
+        k: t.detach() if kind == "param" else t
+        for k, (kind, _, t) in canonical_weights.held_tensors(module).items()
+    }
 
 
 def _state(module: nn.Module) -> dict[str, int]:
     """Public non-tensor attributes by identity: a step that sets one may hide a weight copy in it."""
-    return {n: id(v) for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, torch.Tensor)}
+    return {
+        n: id(v) for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, torch.Tensor)
+    }
 
 
 def snapshot(module: nn.Module) -> Snapshot:
-    return Snapshot({k: t.detach().clone() for k, t in _tensors(module).items()},
-                    dict(module.named_parameters(recurse=False)), _state(module))
+    return Snapshot(
+        {k: t.detach().clone() for k, t in _tensors(module).items()},
+        dict(module.named_parameters(recurse=False)),
+        _state(module),
+    )
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def _rerun(module: nn.Module, step_of: StepOf, before: Snapshot, changed: list[str]) -> None:
@@ -151,8 +166,9 @@ def _rerun(module: nn.Module, step_of: StepOf, before: Snapshot, changed: list[s
     step_of(module)()
 
 
-def _inverse_permutation(module: nn.Module, step_of: StepOf, name: str, before: torch.Tensor,
-                         after: torch.Tensor) -> OffsetMap | None:
+def _inverse_permutation(
+    module: nn.Module, step_of: StepOf, name: str, before: torch.Tensor, after: torch.Tensor
+) -> OffsetMap | None:
     """Inverse map of a step that permutes parameter `name`, or None if it does not.
 
     The step runs on the module itself with `name` holding its element ids (float64, exact to
@@ -161,7 +177,9 @@ def _inverse_permutation(module: nn.Module, step_of: StepOf, name: str, before: 
     if before.shape != after.shape or before.dtype != after.dtype or not after.is_contiguous():
         return None
     n = before.numel()
-    module._parameters[name].data = torch.arange(n, dtype=torch.float64, device=before.device).view(before.shape)
+    module._parameters[name].data = torch.arange(n, dtype=torch.float64, device=before.device).view(
+        before.shape
+    )
     try:
         step_of(module)()
     except Exception:
@@ -185,15 +203,22 @@ def _prefix_layout(canon: torch.Tensor, live: torch.Tensor) -> bool:
     written at those offsets into `canon` (the stash): right when the layouts agree, or when the
     step only appended (padded rows at the end, the CPU fused MoE); anything else is refused.
     """
-    return (canon.dim() == live.dim() and canon.stride() == live.stride() and live.storage_offset() == 0
-            and all(c <= n for c, n in zip(canon.shape, live.shape)))
+    return (
+        canon.dim() == live.dim()
+        and canon.stride() == live.stride()
+        and live.storage_offset() == 0
+        and all(c <= n for c, n in zip(canon.shape, live.shape))
+    )
 
 
-def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = canonical_weights.post_load_step
-             ) -> Transform | None:
+def classify(
+    name: str, module: nn.Module, before: Snapshot, step_of: StepOf = canonical_weights.post_load_step
+) -> Transform | None:
     """Classify what the step did to `module` (it has just run) and prepare deltas for it."""
     after = {k: t.clone() for k, t in _tensors(module).items()}
-    differs = sorted(k for k in before.tensors.keys() | after.keys() if not _same(before.tensors.get(k), after.get(k)))
+    differs = sorted(
+        k for k in before.tensors.keys() | after.keys() if not _same(before.tensors.get(k), after.get(k))
+    )
     now = _state(module)
     state = sorted(n for n in now if before.state.get(n) != now[n])
     if not differs and not state:
@@ -206,19 +231,25 @@ def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = c
     inverse: dict[str, OffsetMap | None] = {}
     try:
         for n in changed if not derived and not state and not consumed else []:
-            inverse[n] = _inverse_permutation(module, step_of, n, before.tensors[f"param:{n}"], after[f"param:{n}"])
+            inverse[n] = _inverse_permutation(
+                module, step_of, n, before.tensors[f"param:{n}"], after[f"param:{n}"]
+            )
             _rerun(module, step_of, before, changed)  # back from the id probe
             if inverse[n] is None:
                 break
         if not inverse:
             _rerun(module, step_of, before, changed)
     except Exception as exc:
-        raise UnsupportedTransform(f"{name}: its post-load step changes {differs + state} and cannot be re-run "
-                                   f"({type(exc).__name__}: {exc})") from exc
+        raise UnsupportedTransform(
+            f"{name}: its post-load step changes {differs + state} and cannot be re-run "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
     again = _tensors(module)
     if again.keys() != after.keys() or not all(_same(again[k], after[k]) for k in after):
-        raise UnsupportedTransform(f"{name}: its post-load step changes {differs + state}, is not a permutation, "
-                                   "and re-running it from the checkpoint layout does not reproduce its result")
+        raise UnsupportedTransform(
+            f"{name}: its post-load step changes {differs + state}, is not a permutation, "
+            "and re-running it from the checkpoint layout does not reproduce its result"
+        )
     if inverse and all(v is not None for v in inverse.values()):
         transform = Transform(name, "permutation", changed, [], [], inverse)  # type: ignore[arg-type]
     else:
@@ -227,15 +258,20 @@ def classify(name: str, module: nn.Module, before: Snapshot, step_of: StepOf = c
             if live is not None and live.numel() and not _prefix_layout(canon, live):
                 raise UnsupportedTransform(
                     f"{name}: its post-load step re-lays {n} from {tuple(canon.shape)} {canon.stride()} to "
-                    f"{tuple(live.shape)} {live.stride()}: offsets learned on the live tensor would not address "
-                    "the checkpoint-layout copy that deltas are written into")
+                    f"{tuple(live.shape)} {live.stride()}: offsets learned on the live tensor would not "
+                    "address the checkpoint-layout copy that deltas are written into"
+                )
         transform = Transform(name, "rerun", changed, derived, state)
-        canonical_weights.keep_canonical(module, {n: before.tensors[f"param:{n}"] for n in changed}, before.params)
+        canonical_weights.keep_canonical(
+            module, {n: before.tensors[f"param:{n}"] for n in changed}, before.params
+        )
     setattr(module, TRANSFORM_ATTR, transform)
     return transform
 
 
-def run_post_load(model: nn.Module, step_of: StepOf = canonical_weights.post_load_step) -> dict[str, Transform]:
+def run_post_load(
+    model: nn.Module, step_of: StepOf = canonical_weights.post_load_step
+) -> dict[str, Transform]:
     """Run every module's post-load step under observation (no vLLM loop: synthetic models, tools).
 
     Raises `UnsupportedTransform` naming the first module that can be served neither way.
@@ -315,14 +351,18 @@ def offset_maps(model: nn.Module) -> dict[str, OffsetMap]:
         if t is not None and t.kind == "permutation":
             for n, inverse in t.inverse.items():
                 out[f"{name}.{n}" if name else n] = dataclasses.replace(
-                    inverse, start=module._parameters[n].storage_offset())
+                    inverse, start=module._parameters[n].storage_offset()
+                )
     return out
 
 
 def transformed(model: nn.Module) -> dict[str, str]:
     """{module: "permutation" | "rerun" | "rederive"} for the status: modules whose step changed or
     derived tensors ("rederive": an attention layer's or the model's own step, `derived`)."""
-    out = {name: t.kind for name, m in model.named_modules()
-           if (t := getattr(m, TRANSFORM_ATTR, None)) is not None and t.relayout}
+    out = {
+        name: t.kind
+        for name, m in model.named_modules()
+        if (t := getattr(m, TRANSFORM_ATTR, None)) is not None and t.relayout
+    }
     out.update({u.name: "rederive" for u in derived.discovery(model).units})
     return out

@@ -14,8 +14,8 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,21 +25,33 @@ from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage, refuse_uncovered
 from vllm_delta.engine.map_check import check_map, live_params
-from vllm_delta.engine.messages import (CommitReply, CoverageReply, Done, JoinedReply, PeersReply, PrepareReply,
-                                        PrepareRequest, PrepareStarted, StatusReply, VerifyReply, failure)
+from vllm_delta.engine.messages import (
+    CommitReply,
+    CoverageReply,
+    Done,
+    JoinedReply,
+    PeersReply,
+    PrepareReply,
+    PrepareRequest,
+    PrepareStarted,
+    StatusReply,
+    VerifyReply,
+    failure,
+)
 from vllm_delta.engine.model_path import local_checkpoint_dir
 from vllm_delta.engine.replicas import moe_world
 from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE
 from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta, parse_manifest
-from vllm_delta.wire.container import DeltaDir
 from vllm_delta.wire.checkpoint import Checkpoint
+from vllm_delta.wire.container import DeltaDir
 
 logger = logging.getLogger(__name__)
 
 
 def prepare_threads() -> int:
-    """Intra-op threads for a background prepare: at most half of the engine's, so generation keeps a share."""
+    """Intra-op threads for a background prepare: at most half of the engine's, so generation keeps a
+    share."""
     return max(1, min(4, torch.get_num_threads() // 2))
 
 
@@ -57,7 +69,8 @@ def decode_threads(model: torch.nn.Module) -> int:
 
 @dataclass
 class _Preparing:
-    """A prepare running on a background thread with `threads` intra-op threads; `reply` is set when it ends."""
+    """A prepare running on a background thread with `threads` intra-op threads; `reply` is set when it
+    ends."""
 
     request_id: str
     threads: int
@@ -88,8 +101,12 @@ class Fault:
     suspect: list[str]  # tensors that may be partly written (live names)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "reason": self.reason, "failed_at": self.failed_at,
-                "suspect": self.suspect}
+        return {
+            "version": self.version,
+            "reason": self.reason,
+            "failed_at": self.failed_at,
+            "suspect": self.suspect,
+        }
 
 
 @dataclass
@@ -118,8 +135,11 @@ class DeltaWorkerExtension:
         state = getattr(self, "_delta_state", None)
         if state is None:
             checkpoint = Checkpoint.open(local_checkpoint_dir(self.vllm_config))
-            state = DeltaState(DeltaApplier(self._delta_model(), checkpoint.meta, rank=self._delta_rank(),
-                                            read=checkpoint.read))
+            state = DeltaState(
+                DeltaApplier(
+                    self._delta_model(), checkpoint.meta, rank=self._delta_rank(), read=checkpoint.read
+                )
+            )
             # Derived tensors no commit can keep exact refuse every update, as unservable loaders do.
             state.applier.refused.update(derived.refused(self._delta_model()))
             self._delta_state = state
@@ -132,7 +152,8 @@ class DeltaWorkerExtension:
         return int(getattr(self, "rank", 0))
 
     def _delta_dp(self) -> int:
-        """vLLM's `data_parallel_index`: this engine's DP rank (unlike `data_parallel_rank`, kept for dense models)."""
+        """vLLM's `data_parallel_index`: this engine's DP rank (unlike `data_parallel_rank`, kept for dense
+        models)."""
         return int(getattr(getattr(self.vllm_config, "parallel_config", None), "data_parallel_index", 0))
 
     def _delta_moe_dp(self) -> bool:
@@ -164,7 +185,7 @@ class DeltaWorkerExtension:
         except ValueError as exc:  # pydantic's ValidationError
             return failure(400, exc)
         try:
-            state.applier.placements
+            _ = state.applier.placements  # the probe, once
         except Exception as exc:
             return failure(500, exc)
         state.preparing = _Preparing(typed.id, prepare_threads())
@@ -206,9 +227,14 @@ class DeltaWorkerExtension:
                 manifest = opened.manifest
                 self._delta_check_lineage(manifest, request)  # before any flush is read
                 staged = state.applier.prepare(
-                    opened, version=request.version, base_version=request.base_version,
-                    current_version=state.version, files=request.files, chunk_bytes=max_staged,
-                    decode_threads=decode_threads(state.applier.model))
+                    opened,
+                    version=request.version,
+                    base_version=request.base_version,
+                    current_version=state.version,
+                    files=request.files,
+                    chunk_bytes=max_staged,
+                    decode_threads=decode_threads(state.applier.model),
+                )
             refuse_uncovered(state.applier.coverage)  # after a collective receive, so a trainer never blocks
             run_id = self._delta_check_lineage(manifest, request, anchor=staged.anchor)
         except DeltaError as exc:
@@ -216,18 +242,31 @@ class DeltaWorkerExtension:
         except (OSError, ValueError) as exc:
             return failure(400, exc)
         if state.fault is not None and not staged.anchor:
-            return failure(500, RuntimeError(f"engine is dirty since a failed commit of version {state.fault.version} "
-                                            "(only a full anchor or a restart repairs it)"),
-                          fault=state.fault.as_dict())
+            return failure(
+                500,
+                RuntimeError(
+                    f"engine is dirty since a failed commit of version {state.fault.version} "
+                    "(only a full anchor or a restart repairs it)"
+                ),
+                fault=state.fault.as_dict(),
+            )
         state.staged = {request.id: staged}
         state.staged_run = {request.id: run_id}
         return PrepareReply(
-            rank=self._delta_rank(), changed=staged.changed, total_changed=staged.total_changed,
-            bytes_read=staged.bytes_read, decode_s=staged.decode_s, fallback=staged.fallback_names,
-            replay=staged.replay, anchor=staged.anchor, digests=staged.digests, staged_bytes=staged.staged_bytes,
+            rank=self._delta_rank(),
+            changed=staged.changed,
+            total_changed=staged.total_changed,
+            bytes_read=staged.bytes_read,
+            decode_s=staged.decode_s,
+            fallback=staged.fallback_names,
+            replay=staged.replay,
+            anchor=staged.anchor,
+            digests=staged.digests,
+            staged_bytes=staged.staged_bytes,
             # the expectations are the same on every rank; send them once
             expected=staged.expected if self._delta_rank() == 0 else None,
-            phases=_phases(staged, WORKER_PREPARE)).wire()
+            phases=_phases(staged, WORKER_PREPARE),
+        ).wire()
 
     def delta_commit(self, request_id: str) -> dict[str, Any]:
         """Phase 2: scatter what `delta_prepare` staged. A failure here leaves a `Fault` until an anchor."""
@@ -240,41 +279,70 @@ class DeltaWorkerExtension:
             apply_s = state.applier.commit(staged)
         except ApplyFault as exc:
             state.fault = Fault(staged.version, str(exc), exc.failed_at, exc.suspect)
-            logger.error("delta updates: commit of version %d failed; suspect tensors %s\n%s",
-                         staged.version, exc.suspect, traceback.format_exc())
+            logger.error(
+                "delta updates: commit of version %d failed; suspect tensors %s\n%s",
+                staged.version,
+                exc.suspect,
+                traceback.format_exc(),
+            )
             return {**failure(500, exc, fault=state.fault.as_dict()), "rank": self._delta_rank()}
         if staged.anchor:
             state.fault = None
             state.after = {}
         state.after.update(staged.after)
         state.version, state.run_id = staged.version, run_id
-        state.last = {"version": staged.version, "changed": staged.changed, "bytes_read": staged.bytes_read,
-                      "decode_s": staged.decode_s, "apply_s": apply_s, "replay": staged.replay,
-                      "staged_bytes": staged.staged_bytes, "max_staged_bytes": staged.chunk_bytes, "time": time.time()}
-        return CommitReply(rank=self._delta_rank(), apply_s=apply_s, version=state.version,
-                           phases=_phases(staged, WORKER_COMMIT)).wire()
+        state.last = {
+            "version": staged.version,
+            "changed": staged.changed,
+            "bytes_read": staged.bytes_read,
+            "decode_s": staged.decode_s,
+            "apply_s": apply_s,
+            "replay": staged.replay,
+            "staged_bytes": staged.staged_bytes,
+            "max_staged_bytes": staged.chunk_bytes,
+            "time": time.time(),
+        }
+        return CommitReply(
+            rank=self._delta_rank(),
+            apply_s=apply_s,
+            version=state.version,
+            phases=_phases(staged, WORKER_COMMIT),
+        ).wire()
 
-    def _delta_check_lineage(self, manifest: Manifest, request: PrepareRequest, anchor: bool = True) -> str | None:
+    def _delta_check_lineage(
+        self, manifest: Manifest, request: PrepareRequest, anchor: bool = True
+    ) -> str | None:
         """Refuse (409 `LineageError`) a delta for other weights than ours; the run id after it applies.
 
         Called before anything is read with `anchor=True` (only the range and run can be judged),
         then once prepare knows whether the delta overwrites every tensor.
         """
         state = self._delta()
-        return check_lineage(manifest.lineage, version=request.version, engine_version=state.version,
-                             engine_run_id=state.run_id, anchor=anchor)
+        return check_lineage(
+            manifest.lineage,
+            version=request.version,
+            engine_version=state.version,
+            engine_run_id=state.run_id,
+            anchor=anchor,
+        )
 
     def delta_coverage(self) -> dict[str, Any]:
         """Which checkpoint elements this rank holds (source lattices per tensor), for its peers."""
         applier = self._delta().applier
         placements = applier.placements
-        return CoverageReply(rank=self._delta_rank(), coverage=coverage(placements),
-                             unread=[n for n, p in placements.items() if not p.read],
-                             fallback=[n for n, p in placements.items() if p.fallback_reason],
-                             map_errors=check_map(applier._load_weights, live_params(applier.model), placements,
-                                                  applier.checkpoint)).wire()
+        return CoverageReply(
+            rank=self._delta_rank(),
+            coverage=coverage(placements),
+            unread=[n for n, p in placements.items() if not p.read],
+            fallback=[n for n, p in placements.items() if p.fallback_reason],
+            map_errors=check_map(
+                applier._load_weights, live_params(applier.model), placements, applier.checkpoint
+            ),
+        ).wire()
 
-    def delta_set_peers(self, coverages: list[dict[str, Any]], replicas: list | None = None) -> dict[str, Any]:
+    def delta_set_peers(
+        self, coverages: list[dict[str, Any]], replicas: list | None = None
+    ) -> dict[str, Any]:
         """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`).
 
         `replicas`: under data parallelism, [dp index, its ranks' replies] pairs. A dense model's
@@ -285,14 +353,18 @@ class DeltaWorkerExtension:
         groups = {int(dp): group for dp, group in replicas or ()}
         if groups and self._delta_moe_dp():
             try:
-                applier.ownership, applier.coverage, across = moe_world(groups, self._delta_dp(), self._delta_rank(),
-                                                                        shapes)
+                applier.ownership, applier.coverage, across = moe_world(
+                    groups, self._delta_dp(), self._delta_rank(), shapes
+                )
             except ValueError as exc:  # refuses every update, as a hole would
                 applier.coverage = {"ok": False, "errors": {"(data parallel)": str(exc)}, "ignored": []}
                 across = []
             # the same on every rank; each engine's rank 0 sends it
-            return PeersReply(rank=self._delta_rank(), coverage=applier.coverage,
-                              across_dp=across if self._delta_rank() == 0 else None).wire()
+            return PeersReply(
+                rank=self._delta_rank(),
+                coverage=applier.coverage,
+                across_dp=across if self._delta_rank() == 0 else None,
+            ).wire()
         if groups:
             coverages = groups[self._delta_dp()]
         ordered = [c["coverage"] for c in sorted(coverages, key=lambda c: c["rank"])]
@@ -308,22 +380,33 @@ class DeltaWorkerExtension:
         start = time.perf_counter()
         digests = {n: [None, applier.whole_partial(n)] for n, (d, _) in state.after.items() if d is not None}
         hash_checked, hash_bad = applier.post_hash_mismatches(
-            {n: h for n, (_, h) in state.after.items() if h is not None})
+            {n: h for n, (_, h) in state.after.items() if h is not None}
+        )
         expected = {n: [None, d] for n, (d, _) in state.after.items() if d is not None}
-        return VerifyReply(rank=self._delta_rank(), digests=digests, hash_checked=hash_checked,
-                           hash_mismatched=hash_bad, verify_s=time.perf_counter() - start,
-                           expected=expected if self._delta_rank() == 0 else None).wire()
+        return VerifyReply(
+            rank=self._delta_rank(),
+            digests=digests,
+            hash_checked=hash_checked,
+            hash_mismatched=hash_bad,
+            verify_s=time.perf_counter() - start,
+            expected=expected if self._delta_rank() == 0 else None,
+        ).wire()
 
     def delta_collective_init(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Join the trainer's group for collective deltas (rank 0 is the trainer); an older group is dropped."""
+        """Join the trainer's group for collective deltas (rank 0 is the trainer); an older group is
+        dropped."""
         from vllm_delta.transports.groups import join_group
 
         self._delta_drop_group()
         try:
             self._delta_group = join_group(
-                backend=config["backend"], master_addr=config["master_addr"],
-                master_port=int(config["master_port"]), rank=int(config["rank_offset"]) + self._delta_rank(),
-                world_size=int(config["world_size"]), timeout_s=float(config.get("timeout_s") or 120.0))
+                backend=config["backend"],
+                master_addr=config["master_addr"],
+                master_port=int(config["master_port"]),
+                rank=int(config["rank_offset"]) + self._delta_rank(),
+                world_size=int(config["world_size"]),
+                timeout_s=float(config.get("timeout_s") or 120.0),
+            )
         except Exception as exc:
             return failure(500, exc)
         return JoinedReply(rank=self._delta_rank(), group_rank=self._delta_group.rank).wire()
@@ -337,7 +420,9 @@ class DeltaWorkerExtension:
         state = self._delta()
         group = getattr(self, "_delta_group", None)
         if group is None:
-            raise CollectiveError("no collective group: the trainer must POST /delta_updates/collective/init first")
+            raise CollectiveError(
+                "no collective group: the trainer must POST /delta_updates/collective/init first"
+            )
         version, base = request.version, request.base_version
 
         def check() -> Manifest:
@@ -349,8 +434,14 @@ class DeltaWorkerExtension:
         try:
             receiver, manifest = answer(group, request.manifest, version, collective_max_flush_bytes(), check)
             try:
-                staged = state.applier.prepare_flushes(manifest, receiver, version=version, base_version=base,
-                                                       current_version=state.version, chunk_bytes=max_staged)
+                staged = state.applier.prepare_flushes(
+                    manifest,
+                    receiver,
+                    version=version,
+                    base_version=base,
+                    current_version=state.version,
+                    chunk_bytes=max_staged,
+                )
             except DeltaError:
                 receiver.drain()  # the flushes after a refused one, so the trainer's stream ends
                 raise
@@ -379,8 +470,13 @@ class DeltaWorkerExtension:
         owned = state.applier.owned_ranges()  # what prepare_flushes decodes
         with StoreFlushes(store, prefix, manifest.files, manifest=manifest, owned=owned) as flushes:
             staged = state.applier.prepare_flushes(
-                manifest, flushes, version=request.version, base_version=request.base_version,
-                current_version=state.version, chunk_bytes=max_staged)
+                manifest,
+                flushes,
+                version=request.version,
+                base_version=request.base_version,
+                current_version=state.version,
+                chunk_bytes=max_staged,
+            )
         staged.bytes_read = manifest_bytes + flushes.fetched_bytes  # what came over the network
         return manifest, staged
 
@@ -407,12 +503,17 @@ class DeltaWorkerExtension:
 
     def delta_status(self) -> dict[str, Any]:
         state = self._delta()
-        return StatusReply(rank=self._delta_rank(), version=state.version, run_id=state.run_id,
-                           dirty=state.fault is not None, dirty_reason=state.fault and state.fault.reason,
-                           fault=state.fault and state.fault.as_dict(), last=state.last,
-                           placement=state.applier.placement_status(),
-                           fallback=state.applier.fallback_tensors if state.applier.probed else None
-                           ).model_dump(exclude={"status", "error", "dp"})
+        return StatusReply(
+            rank=self._delta_rank(),
+            version=state.version,
+            run_id=state.run_id,
+            dirty=state.fault is not None,
+            dirty_reason=state.fault and state.fault.reason,
+            fault=state.fault and state.fault.as_dict(),
+            last=state.last,
+            placement=state.applier.placement_status(),
+            fallback=state.applier.fallback_tensors if state.applier.probed else None,
+        ).model_dump(exclude={"status", "error", "dp"})
 
 
 def _phases(staged: StagedUpdate, names: tuple[str, ...]) -> dict[str, float]:

@@ -20,7 +20,8 @@ _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def mix_(x: torch.Tensor, lane: int) -> torch.Tensor:
-    """A lane's 64-bit finaliser (a bijection), in place. `>>` on int64 is arithmetic: masked to be logical."""
+    """A lane's 64-bit finaliser (a bijection), in place. `>>` on int64 is arithmetic: masked to be
+    logical."""
     _, shifts, mults = LANES[lane]
     for i, k in enumerate(shifts):
         t = x >> k
@@ -58,34 +59,41 @@ def keys(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 CPU_SLICE = 1 << 15
 
 
-def segment_sums(positions: torch.Tensor, values: torch.Tensor, segments: torch.Tensor | int,
-                 n: int) -> torch.Tensor:
+def segment_sums(
+    positions: torch.Tensor, values: torch.Tensor, segments: torch.Tensor | int, n: int
+) -> torch.Tensor:
     """int64[n, 2]: per segment, the two lane sums of the terms of `values` at flat `positions`, on
     their device. `segments[i]` is entry i's segment in [0, n), or one int for every entry."""
     count = positions.numel()
     if count != values.numel():
         raise ValueError(f"{count} positions for {values.numel()} values")
-    if switch.on() and values.device.type == "cpu" and positions.device.type == "cpu" and (
-            isinstance(segments, int) or segments.device.type == "cpu"):
+    if (
+        switch.on()
+        and values.device.type == "cpu"
+        and positions.device.type == "cpu"
+        and (isinstance(segments, int) or segments.device.type == "cpu")
+    ):
         return _compiled(positions, values, segments, n)
     out = torch.zeros(n, 2, dtype=torch.int64, device=values.device)
     step = CPU_SLICE if values.device.type == "cpu" else max(1, count)
     positions, values = positions.reshape(-1), values.reshape(-1)
     for lo in range(0, count, step):
-        key = keys(positions[lo:lo + step], values[lo:lo + step])
+        key = keys(positions[lo : lo + step], values[lo : lo + step])
         lane1 = mix_(key ^ LANES[1][0], 1)
         lane0 = mix_(key, 0)
         if isinstance(segments, int):
             out[segments] += torch.stack([lane0.sum(), lane1.sum()])
         else:
-            out.index_add_(0, segments.reshape(-1)[lo:lo + step], torch.stack([lane0, lane1], 1))
+            out.index_add_(0, segments.reshape(-1)[lo : lo + step], torch.stack([lane0, lane1], 1))
     return out
 
 
-def _compiled(positions: torch.Tensor, values: torch.Tensor, segments: torch.Tensor | int,
-              n: int) -> torch.Tensor:
+def _compiled(
+    positions: torch.Tensor, values: torch.Tensor, segments: torch.Tensor | int, n: int
+) -> torch.Tensor:
     """`segment_sums` through `digest_jit` (numpy views of the CPU tensors: no copy where they are int64)."""
-    from vllm_delta.kernels.digest_jit import NO_SEGMENTS, segment_sums as sums
+    from vllm_delta.kernels.digest_jit import NO_SEGMENTS
+    from vllm_delta.kernels.digest_jit import segment_sums as sums
 
     size = values.element_size()
     bits = values.detach().reshape(-1).view(_INT[size]).numpy().view(f"u{size}")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_delta.kernels.lanes import LANES
 from vllm_delta.kernels.jit import kernel
+from vllm_delta.kernels.lanes import LANES
 
 
 def _u64(c: int) -> np.uint64:

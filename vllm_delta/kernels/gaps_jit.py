@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_delta.kernels.jit import kernel
+
 OK, GAP, RANGE, ORDER = 0, 1, 2, 3  # what `positions` found (codecs.decode_gaps raises the matching error)
 
 

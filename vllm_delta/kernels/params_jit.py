@@ -10,11 +10,14 @@ returns -1 and the caller parses the JSON.
 from __future__ import annotations
 
 import numpy as np
+
 from vllm_delta.kernels.jit import kernel
 
 # The keys of an entry, in the writer's order, with what precedes each (`scan`'s `keys`).
-KEYS = tuple(np.frombuffer(k.encode(), dtype=np.uint8) for k in (
-    '{"name":', ',"dtype":', ',"shape":', ',"count":', ',"width":', ',"streams":', ',"blocks":'))
+KEYS = tuple(
+    np.frombuffer(k.encode(), dtype=np.uint8)
+    for k in ('{"name":', ',"dtype":', ',"shape":', ',"count":', ',"width":', ',"streams":', ',"blocks":')
+)
 # Per param, the columns of `scan`'s `spans` output; the ids are of `scan`'s `distinct` texts.
 NAME_A, NAME_B, DTYPE, SHAPE, COUNT, WIDTH, STREAMS, NROWS = range(8)
 MAX_DISTINCT = 2048  # distinct dtypes, shapes or stream lists a flush: past it, the JSON path reads it

@@ -28,27 +28,57 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 def applies(base: torch.Tensor, snap: torch.Tensor) -> bool:
     """The kernel takes contiguous CPU spans of 16- and 32-bit dtypes (their digest key is
     position << width | bits; those are the widths it is tested on); anything else goes the torch way."""
-    return (switch.on() and base.device.type == "cpu" and snap.device.type == "cpu"
-            and base.element_size() in (2, 4) and base.dtype == snap.dtype and not base.is_complex()
-            and base.is_contiguous() and snap.is_contiguous() and base.numel() == snap.numel())
+    return (
+        switch.on()
+        and base.device.type == "cpu"
+        and snap.device.type == "cpu"
+        and base.element_size() in (2, 4)
+        and base.dtype == snap.dtype
+        and not base.is_complex()
+        and base.is_contiguous()
+        and snap.is_contiguous()
+        and base.numel() == snap.numel()
+    )
 
 
-def diff_digest(base: torch.Tensor, snap: torch.Tensor, tables: tuple[torch.Tensor, ...], n: int,
-                want_run: bool, workers: int = 1, pool: Executor | None = None,
-                buffers: ScanBuffers | None = None) -> tuple[torch.Tensor | None, ...]:
+def diff_digest(
+    base: torch.Tensor,
+    snap: torch.Tensor,
+    tables: tuple[torch.Tensor, ...],
+    n: int,
+    want_run: bool,
+    workers: int = 1,
+    pool: Executor | None = None,
+    buffers: ScanBuffers | None = None,
+) -> tuple[torch.Tensor | None, ...]:
     """(offsets, old, new, HF positions, runs or None, pre [n, 2], post [n, 2]) of the changes of the
     bucket span `base` against `snap` inside the run `tables` (`bucket_scan.run_tables`), as
     `bucket_scan.torch_diff_digest` gives them: `scan_bits`' arrays as tensors."""
-    pos, hf, old, new, run, sums = scan_bits(bits(base), bits(snap), numpy_tables(tables), n, want_run,
-                                             workers, pool, buffers)
+    pos, hf, old, new, run, sums = scan_bits(
+        bits(base), bits(snap), numpy_tables(tables), n, want_run, workers, pool, buffers
+    )
     pos_t, sums_t = torch.from_numpy(pos), torch.from_numpy(sums.view(np.int64))
-    return (pos_t, values(old, base.dtype), values(new, base.dtype), pos_t if hf is pos else torch.from_numpy(hf),
-            torch.from_numpy(run) if want_run else None, sums_t[:, :2].contiguous(), sums_t[:, 2:].contiguous())
+    return (
+        pos_t,
+        values(old, base.dtype),
+        values(new, base.dtype),
+        pos_t if hf is pos else torch.from_numpy(hf),
+        torch.from_numpy(run) if want_run else None,
+        sums_t[:, :2].contiguous(),
+        sums_t[:, 2:].contiguous(),
+    )
 
 
-def scan_bits(cur: np.ndarray, old_bits: np.ndarray, tables: tuple[np.ndarray, ...], n: int, want_run: bool,
-              workers: int = 1, pool: Executor | None = None, buffers: ScanBuffers | None = None
-              ) -> tuple[np.ndarray, ...]:
+def scan_bits(
+    cur: np.ndarray,
+    old_bits: np.ndarray,
+    tables: tuple[np.ndarray, ...],
+    n: int,
+    want_run: bool,
+    workers: int = 1,
+    pool: Executor | None = None,
+    buffers: ScanBuffers | None = None,
+) -> tuple[np.ndarray, ...]:
     """(offsets, HF positions, old bits, new bits, runs, sums [n, 4] uint64: pre lane 0, pre lane 1,
     post 0, post 1) of `cur` against `old_bits` (`bits` of the span and its snapshot) inside the runs
     (`numpy_tables`). Numpy in and out: a tensor op costs ~1 us of Python, and a plain tensor is a
@@ -60,16 +90,20 @@ def scan_bits(cur: np.ndarray, old_bits: np.ndarray, tables: tuple[np.ndarray, .
 
     starts, ends, shifts, segs = tables
     windows = _windows(cur.size, workers if pool is not None else 1, CHUNK)
-    sets = buffers.take(windows, cur, want_run) if buffers is not None else [
-        outputs(capacity(a, b), cur, want_run) for a, b in windows]
+    sets = (
+        buffers.take(windows, cur, want_run)
+        if buffers is not None
+        else [outputs(capacity(a, b), cur, want_run) for a, b in windows]
+    )
     same_hf = starts.size == 1 and shifts[0] == 0
     args = (cur, old_bits, starts, ends, shifts, segs)
     if len(windows) == 1:
         parts = [scan_runs(*args, windows[0][0], windows[0][1], n, want_run, same_hf, *sets[0])]
     else:
         assert pool is not None  # several windows only with a pool
-        futures: list[Future] = [pool.submit(scan_runs, *args, a, b, n, want_run, same_hf, *s)
-                                 for (a, b), s in zip(windows, sets)]
+        futures: list[Future] = [
+            pool.submit(scan_runs, *args, a, b, n, want_run, same_hf, *s) for (a, b), s in zip(windows, sets)
+        ]
         parts = [f.result() for f in futures]
     if buffers is not None:
         buffers.settle([(p[0], p[1:6]) for p in parts])
@@ -77,7 +111,7 @@ def scan_bits(cur: np.ndarray, old_bits: np.ndarray, tables: tuple[np.ndarray, .
         k, pos, hf, old, new, run, sums = parts[0]
         pos, old, new, run = pos[:k], old[:k], new[:k], run[:k] if want_run else run
         return pos, pos if same_hf else hf[:k], old, new, run, sums
-    pos, hf, old, new, run = (np.concatenate([p[i][:p[0]] for p in parts]) for i in range(1, 6))
+    pos, hf, old, new, run = (np.concatenate([p[i][: p[0]] for p in parts]) for i in range(1, 6))
     sums = parts[0][6]
     for p in parts[1:]:
         sums = sums + p[6]  # uint64: wraps mod 2^64, as the torch path's int64 sums do
@@ -92,7 +126,13 @@ def numpy_tables(tables: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, ...]:
 def bits(t: torch.Tensor) -> np.ndarray:
     """The tensor's bits as a flat unsigned numpy view (no copy)."""
     size = t.element_size()
-    return t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]).numpy().view(_UINT[size])
+    return (
+        t.detach()
+        .reshape(-1)
+        .view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[size])
+        .numpy()
+        .view(_UINT[size])
+    )
 
 
 def values(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

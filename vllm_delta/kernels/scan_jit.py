@@ -44,8 +44,13 @@ def capacity(lo: int, hi: int) -> int:
 def outputs(cap, like, want_run):
     """Fresh output arrays for `scan_runs` (offsets, HF positions, old bits, new bits, runs), from
     numba's allocator (malloc: no transparent-huge-page advice, whose compaction stalls cost more)."""
-    return (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, like.dtype), np.empty(cap, like.dtype),
-            np.empty(cap if want_run else 1, np.int64))
+    return (
+        np.empty(cap, np.int64),
+        np.empty(cap, np.int64),
+        np.empty(cap, like.dtype),
+        np.empty(cap, like.dtype),
+        np.empty(cap if want_run else 1, np.int64),
+    )
 
 
 @kernel
@@ -77,9 +82,13 @@ def _changed16(typingctx, x, y, start, out, at):
         xv = builder.load(builder.bitcast(builder.gep(xd, [st]), lanes.as_pointer()), align=bits // 8)
         yv = builder.load(builder.bitcast(builder.gep(yd, [st]), lanes.as_pointer()), align=bits // 8)
         mask = builder.icmp_unsigned("!=", xv, yv)
-        first = builder.insert_element(ir.Constant(v32, ir.Undefined), builder.trunc(st, i32), ir.Constant(i32, 0))
-        idx = builder.add(builder.shuffle_vector(first, ir.Constant(v32, ir.Undefined), ir.Constant(v32, [0] * 16)),
-                          ir.Constant(v32, list(range(16))))
+        first = builder.insert_element(
+            ir.Constant(v32, ir.Undefined), builder.trunc(st, i32), ir.Constant(i32, 0)
+        )
+        idx = builder.add(
+            builder.shuffle_vector(first, ir.Constant(v32, ir.Undefined), ir.Constant(v32, [0] * 16)),
+            ir.Constant(v32, list(range(16))),
+        )
         mod = builder.module
         dest = builder.bitcast(builder.gep(od, [at_]), i32.as_pointer())
         if COMPRESS:  # compress in a register, then one 64-byte store (see the docstring)
@@ -90,10 +99,13 @@ def _changed16(typingctx, x, y, start, out, at):
         else:
             name = "llvm.masked.compressstore.v16i32"
             store = mod.globals.get(name) or ir.Function(
-                mod, ir.FunctionType(ir.VoidType(), [v32, i32.as_pointer(), mask_t]), name)
+                mod, ir.FunctionType(ir.VoidType(), [v32, i32.as_pointer(), mask_t]), name
+            )
             builder.call(store, [idx, dest, mask])
         i16 = ir.IntType(16)
-        pop = mod.globals.get("llvm.ctpop.i16") or ir.Function(mod, ir.FunctionType(i16, [i16]), "llvm.ctpop.i16")
+        pop = mod.globals.get("llvm.ctpop.i16") or ir.Function(
+            mod, ir.FunctionType(i16, [i16]), "llvm.ctpop.i16"
+        )
         return builder.zext(builder.call(pop, [builder.bitcast(mask, i16)]), ir.IntType(64))
 
     return sig, codegen
@@ -135,7 +147,9 @@ def find_words(x, y, at, d, words):
 
 
 @kernel
-def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, same_hf, pos, hfs, old, new, run):
+def scan_runs(
+    cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, same_hf, pos, hfs, old, new, run
+):
     """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
     positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
     `same_hf`: every HF position equals its offset (one run, shift 0: a plain tensor), so `hfs`
@@ -156,7 +170,7 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, sam
         k0 = k
         for c in range(a, e, CHUNK):
             m = min(CHUNK, e - c)
-            x, y = cur[c:c + m], snap[c:c + m]
+            x, y = cur[c : c + m], snap[c : c + m]
             found = find_compress(x, y, at) if COMPRESS else find_words(x, y, at, d, words)
             if k + found > pos.size:
                 pos, hfs, old, new = _grow(pos, k), _grow(hfs, k), _grow(old, k), _grow(new, k)
@@ -173,7 +187,7 @@ def scan_runs(cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, sam
                 for t in range(k, k + found):
                     hfs[t] = pos[t] + shift
             if want_run:
-                run[k:k + found] = r
+                run[k : k + found] = r
             k += found
         hf = pos if same_hf else hfs
         pre0, pre1 = range_sums(hf, old, k0, k)

@@ -40,10 +40,18 @@ def _kind(dtype: torch.dtype) -> int | None:
         return None
     if dtype.is_floating_point:
         return J.FLOAT
-    return J.UNSIGNED if dtype == torch.uint8 else J.SIGNED if dtype in (torch.int8, torch.int16, torch.int32) else None
+    return (
+        J.UNSIGNED
+        if dtype == torch.uint8
+        else J.SIGNED
+        if dtype in (torch.int8, torch.int16, torch.int32)
+        else None
+    )
 
 
-def scatter(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, base: torch.dtype | None) -> torch.Tensor | None:
+def scatter(
+    flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, base: torch.dtype | None
+) -> torch.Tensor | None:
     """`apply.scatter` on CPU tensors: writes the chunk, returns the values written (flat's dtype),
     or None where the kernel does not apply (a dtype conversion, a step in another dtype)."""
     if base is None:

@@ -57,9 +57,17 @@ def _prefetch(typingctx, arr, idx):
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         mod = builder.module
         fn = mod.globals.get(_PREFETCH) or ir.Function(
-            mod, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH)
-        builder.call(fn, [builder.bitcast(builder.gep(data, [args[1]]), i8p), ir.Constant(i32, 0),
-                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            mod, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH
+        )
+        builder.call(
+            fn,
+            [
+                builder.bitcast(builder.gep(data, [args[1]]), i8p),
+                ir.Constant(i32, 0),
+                ir.Constant(i32, 3),
+                ir.Constant(i32, 1),
+            ],
+        )
         return context.get_dummy_value()
 
     return sig, codegen

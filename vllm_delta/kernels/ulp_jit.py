@@ -11,6 +11,7 @@ import numpy as np
 
 from vllm_delta.kernels.jit import kernel
 
+
 @kernel
 def _steps(new, old, neg, big, mag):
     """Per change the float order keys' wrapping step (`codecs.order_key`, `ulp_steps`): its sign,

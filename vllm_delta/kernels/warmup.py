@@ -26,8 +26,9 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 GAP_WIDTHS = (1, 2, 4, 8)  # `wire.codecs.GAP_WIDTHS`: what a delta's gaps may be coded in, whatever the dtype
 
 
-def warm_up(dtypes: Iterable[torch.dtype] = (torch.bfloat16,), *, engine: bool = True,
-            sender: bool = False) -> float:
+def warm_up(
+    dtypes: Iterable[torch.dtype] = (torch.bfloat16,), *, engine: bool = True, sender: bool = False
+) -> float:
     """Compile (or load from numba's cache) the digest's kernel and, with `engine`, the engine's
     (decode, scatter, read-back), with `sender` the sender's (scan, encode), for values of these
     dtypes (the model's parameters and checkpoint tensors); the seconds it took. Nothing with the
@@ -81,7 +82,9 @@ def _sender(widths: list[int]) -> None:
                 scan.scan_bits(np.zeros(32, u), np.ones(32, u), tables, 1, want_run)
         if w <= 4:
             one = np.zeros(1, np.uint8)
-            ulp_jit.write_ulp_streams(np.zeros(1, u), np.ones(1, u), one, one.copy(), np.zeros((w, 1), np.uint8))
+            ulp_jit.write_ulp_streams(
+                np.zeros(1, u), np.ones(1, u), one, one.copy(), np.zeros((w, 1), np.uint8)
+            )
     pos = np.arange(2, dtype=np.int64)
     gaps_jit.max_gap(pos, -1)
     for w in GAP_WIDTHS:

@@ -22,9 +22,14 @@ class DeltaTransferError(UpdateError):
     """An `UpdateError` whose text carries its status and body across vLLM's RPC layers."""
 
     @classmethod
-    def of(cls, err: UpdateError) -> "DeltaTransferError":
-        return cls(err.status, err.error["type"], err.error["message"], file=err.error["file"],
-                   param=err.error["param"])
+    def of(cls, err: UpdateError) -> DeltaTransferError:
+        return cls(
+            err.status,
+            err.error["type"],
+            err.error["message"],
+            file=err.error["file"],
+            param=err.error["param"],
+        )
 
     def __str__(self) -> str:
         return f"{self.error['type']}: {self.error['message']} {error_text(self.status, self.error)}"
@@ -50,6 +55,9 @@ def delta_root() -> Path:
     """The configured root, resolved (containment compares real paths)."""
     value = settings.updates_root()
     if not value:
-        raise DeltaTransferError(500, "NotConfigured", f"the delta backend needs a root: --delta-updates-root "
-                                 f"or {settings.UPDATES_ROOT}")
+        raise DeltaTransferError(
+            500,
+            "NotConfigured",
+            f"the delta backend needs a root: --delta-updates-root or {settings.UPDATES_ROOT}",
+        )
     return Path(os.path.realpath(value))

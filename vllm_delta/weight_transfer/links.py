@@ -37,7 +37,9 @@ class SyncClientLinks:
         if len(bodies) == 1:
             name, body = next(iter(bodies.items()))
             return {name: _replied(name, call, self.clients[name], body)}
-        with ThreadPoolExecutor(max_workers=len(bodies), thread_name_prefix="vllm-delta-weight-transfer") as pool:
+        with ThreadPoolExecutor(
+            max_workers=len(bodies), thread_name_prefix="vllm-delta-weight-transfer"
+        ) as pool:
             futures = {n: pool.submit(_replied, n, call, self.clients[n], b) for n, b in bodies.items()}
             return {n: f.result() for n, f in futures.items()}
 
@@ -77,7 +79,9 @@ def _replied(name: str, call, client: Any, body: Mapping[str, Any]) -> Reply:
                 payload = response.json()
             except ValueError:
                 payload = {"error": {"type": "HTTPError", "message": response.text[:500]}}
-            return Reply(name, response.status_code, payload if isinstance(payload, dict) else {"body": payload})
+            return Reply(
+                name, response.status_code, payload if isinstance(payload, dict) else {"body": payload}
+            )
         err = parse_error(str(exc))  # an in-process client relays the worker's error as text
         if err is not None:
             return Reply(name, err.status, {"error": err.error})

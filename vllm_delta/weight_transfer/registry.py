@@ -15,14 +15,19 @@ BACKEND = "delta"
 
 def register_backends() -> None:
     """Both registries; idempotent, as plugins may load more than once per process."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "vllm_delta.weight_transfer.worker_engine",
-                                                    "DeltaWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "vllm_delta.weight_transfer.worker_engine", "DeltaWeightTransferEngine"
+        )
     if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(BACKEND, "vllm_delta.weight_transfer.trainer",
-                                                     "DeltaTrainerWeightTransferEngine")
+        WeightTransferTrainerFactory.register_engine(
+            BACKEND, "vllm_delta.weight_transfer.trainer", "DeltaTrainerWeightTransferEngine"
+        )
 
 
 def backend_configured() -> bool:

@@ -129,8 +129,20 @@ class WeightTransferDoor:
                 await self._end_session()
                 raise
         result = self.core.answer(sync, committed, pause_s)
-        return {k: result[k] for k in ("version", "changed", "bytes_read", "decode_s", "prepare_s",
-                                       "tokens_during_prepare", "apply_s", "pause_s", "trace")}
+        return {
+            k: result[k]
+            for k in (
+                "version",
+                "changed",
+                "bytes_read",
+                "decode_s",
+                "prepare_s",
+                "tokens_during_prepare",
+                "apply_s",
+                "pause_s",
+                "trace",
+            )
+        }
 
     async def _end_session(self) -> None:
         """Close vLLM's update session after a refusal or a failed commit (nothing stays staged),
@@ -193,8 +205,14 @@ async def finish_weight_update(request: Request) -> JSONResponse:
         return _refused(err, "commit")
     if result is not None:
         delta_metrics().observe(result)
-        logger.info("delta update to version %d (weight_version %s): %d changed, apply %.3fs, paused %.3fs",
-                    result["version"], body.weight_version, result["changed"], result["apply_s"], result["pause_s"])
+        logger.info(
+            "delta update to version %d (weight_version %s): %d changed, apply %.3fs, paused %.3fs",
+            result["version"],
+            body.weight_version,
+            result["changed"],
+            result["apply_s"],
+            result["pause_s"],
+        )
     return JSONResponse({"message": "Weight update finished", "delta": result})
 
 

@@ -1,4 +1,5 @@
-"""The trainer side of the `delta` backend: `WeightTransferTrainerFactory.trainer_init(...)` -> `send_weights()`.
+"""The trainer side of the `delta` backend: `WeightTransferTrainerFactory.trainer_init(...)` ->
+`send_weights()`.
 
 Why a `DeltaSender` underneath: the snapshot, the ack gating (the snapshot advances only when every
 engine holds the new version), overwrite catch-ups for a lagging engine and anchors are all there;
@@ -17,8 +18,8 @@ from typing import Any, ClassVar, Self
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
-from vllm_delta.weight_transfer.registry import BACKEND
 from vllm_delta.weight_transfer.links import SyncClientLinks
+from vllm_delta.weight_transfer.registry import BACKEND
 
 
 @dataclass
@@ -57,16 +58,18 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
 
     init_info_cls = DeltaTrainerInitInfo
 
-    def __init__(self, *, client: Any, source: WeightSource, is_sender: bool, sender: Any | None,
-                 transport: str) -> None:
+    def __init__(
+        self, *, client: Any, source: WeightSource, is_sender: bool, sender: Any | None, transport: str
+    ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.sender = sender
         self.transport = transport
         self.last_metrics: dict[str, float] = {}
 
     @classmethod
-    def trainer_init(cls, init_info: DeltaTrainerInitInfo, *, client: Any,
-                     source: WeightSource | None = None) -> Self:
+    def trainer_init(
+        cls, init_info: DeltaTrainerInitInfo, *, client: Any, source: WeightSource | None = None
+    ) -> Self:
         """Check every engine runs the `delta` backend, then seed the snapshot.
 
         `client` is one `VLLMWeightSyncClient` per engine: one, or a list for several engines.
@@ -77,28 +80,47 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
             raise ValueError("the delta backend diffs the trainer's weights each round: pass source=")
         held = held_names(source)
         if init_info.group is None and held is not None and held != {m.name for m in source.metadata()}:
-            raise ValueError("this rank holds part of the model (held_names): pass group=, the trainer ranks' "
-                             "gloo group, so every rank sends what it holds")
+            raise ValueError(
+                "this rank holds part of the model (held_names): pass group=, the trainer ranks' "
+                "gloo group, so every rank sends what it holds"
+            )
         clients = engine_clients(client)
         if not init_info.is_sender and init_info.group is None:  # rank 0 sends everything
             if init_info.checkpoint is None:
                 drain(source)  # rank 0's seeding pass may be a collective (FSDP gathers)
-            return cls(client=client, source=source, is_sender=False, sender=None, transport=init_info.transport)
+            return cls(
+                client=client, source=source, is_sender=False, sender=None, transport=init_info.transport
+            )
         if init_info.is_sender and init_info.transport == "disk":
             for c in clients.values():
                 c.init_weight_transfer_engine({"transport": "disk"})
-        sender = DeltaSender(list(clients), transport=init_info.transport, delta_dir=init_info.delta_dir,
-                             encoding=init_info.encoding, overwrite_encoding=init_info.overwrite_encoding,
-                             flush_bytes=init_info.flush_bytes, anchor_every=init_info.anchor_every,
-                             keep=init_info.keep, post_hash=init_info.post_hash, master_addr=init_info.master_addr,
-                             collective_timeout_s=init_info.collective_timeout_s, group=init_info.group,
-                             version=init_info.version, client=SyncClientLinks(clients))
+        sender = DeltaSender(
+            list(clients),
+            transport=init_info.transport,
+            delta_dir=init_info.delta_dir,
+            encoding=init_info.encoding,
+            overwrite_encoding=init_info.overwrite_encoding,
+            flush_bytes=init_info.flush_bytes,
+            anchor_every=init_info.anchor_every,
+            keep=init_info.keep,
+            post_hash=init_info.post_hash,
+            master_addr=init_info.master_addr,
+            collective_timeout_s=init_info.collective_timeout_s,
+            group=init_info.group,
+            version=init_info.version,
+            client=SyncClientLinks(clients),
+        )
         if init_info.checkpoint is not None:
             sender.seed_from_checkpoint(init_info.checkpoint, names=held)
         else:
             sender.seed(held_tensors(source))
-        return cls(client=client, source=source, is_sender=init_info.is_sender, sender=sender,
-                   transport=init_info.transport)
+        return cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            sender=sender,
+            transport=init_info.transport,
+        )
 
     def send_weights(self) -> dict[str, float]:
         """Diff, encode, move and apply (prepare, then commit) on every engine; ack-gated."""

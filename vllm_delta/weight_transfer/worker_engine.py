@@ -50,7 +50,9 @@ class DeltaInitInfo(BaseModel):
     max_staged_bytes: int | None = Field(default=None, gt=0)
 
 
-class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[DeltaInitInfo, DeltaUpdateRequest]):
+class DeltaWeightTransferEngine(
+    DeltaWorkerExtension, WeightTransferEngine[DeltaInitInfo, DeltaUpdateRequest]
+):
     """Registered as `delta` in `WeightTransferEngineFactory`; one per worker (TP/EP rank)."""
 
     init_info_cls = DeltaInitInfo
@@ -61,8 +63,10 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         if vllm_config.parallel_config.worker_extension_cls == WORKER_EXTENSION:
             # Each door would keep its own version of the same weights, and refuse the other's lineage.
-            raise ValueError("the `delta` weight-transfer backend and --enable-delta-updates (our worker extension) "
-                             "cannot serve the same engine: choose one")
+            raise ValueError(
+                "the `delta` weight-transfer backend and --enable-delta-updates (our worker extension) "
+                "cannot serve the same engine: choose one"
+            )
         if vllm_config.parallel_config.enable_eplb:
             raise ValueError(EPLB_REFUSAL)
         super().__init__(config, vllm_config, device, model)
@@ -102,8 +106,11 @@ class DeltaWeightTransferEngine(DeltaWorkerExtension, WeightTransferEngine[Delta
         config = init_info.collective
         ranks = _world_size()
         if config.world_size != config.rank_offset + ranks:
-            raise DeltaTransferError(400, "InvalidRequest", f"world_size {config.world_size} != rank_offset "
-                                     f"{config.rank_offset} + {ranks} engine ranks")
+            raise DeltaTransferError(
+                400,
+                "InvalidRequest",
+                f"world_size {config.world_size} != rank_offset {config.rank_offset} + {ranks} engine ranks",
+            )
         _raise_failed(self.delta_collective_init(config.model_dump()))
 
     def start_weight_update(self) -> None:
@@ -208,11 +215,13 @@ def worker_rpc(worker: Any, name: str, *args: Any) -> dict[str, Any]:
     """
     engine = getattr(worker, "weight_transfer_engine", None)
     if not isinstance(engine, DeltaWeightTransferEngine):
-        return UpdateError(500, "NotConfigured", f"this worker's weight-transfer engine is not `delta` "
-                           f"({engine!r})").reply()
+        return UpdateError(
+            500, "NotConfigured", f"this worker's weight-transfer engine is not `delta` ({engine!r})"
+        ).reply()
     if name in SESSION_RPCS and not worker._weight_update_active:
-        return UpdateError(409, "NoUpdateSession", "no weight update in progress: call start_weight_update "
-                           "first").reply()
+        return UpdateError(
+            409, "NoUpdateSession", "no weight update in progress: call start_weight_update first"
+        ).reply()
     try:
         if name == "end_session":
             engine._drop_staged()

@@ -5,26 +5,88 @@ docs/wire-format.md for the byte layout.
 """
 
 from .container import Limits
+from .deltas import DeltaBatch, ParamChange, ParamDelta
 from .digest import HASH_ALGO, bytes_digest, tensor_digest
 from .encodings import DEFAULT_ENCODING, ENCODINGS, Encoding, get_encoding
-from .errors import (BoundsError, CorruptDeltaError, DeltaError, DtypeMismatchError, FormatError,
-                     IncompatibleDeltaError, IncompleteDeltaError, IntegrityError, LimitError,
-                     ShapeMismatchError, UnknownDtypeError, UnknownEncodingError, UnknownParamError,
-                     VersionError)
-from .deltas import DeltaBatch, ParamChange, ParamDelta
+from .errors import (
+    BoundsError,
+    CorruptDeltaError,
+    DeltaError,
+    DtypeMismatchError,
+    FormatError,
+    IncompatibleDeltaError,
+    IncompleteDeltaError,
+    IntegrityError,
+    LimitError,
+    ShapeMismatchError,
+    UnknownDtypeError,
+    UnknownEncodingError,
+    UnknownParamError,
+    VersionError,
+)
 from .flush_encode import EncodedFlush, encode_flush
-from .manifest import (MANIFEST_NAME, FileEntry, Lineage, LineageError, Manifest, ParamEntry, check_lineage,
-                       load_manifest, merge_manifests, parse_manifest, write_manifest)
+from .manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Lineage,
+    LineageError,
+    Manifest,
+    ParamEntry,
+    check_lineage,
+    load_manifest,
+    merge_manifests,
+    parse_manifest,
+    write_manifest,
+)
 from .reader import DeltaDecoder, DeltaInfo, iter_delta, open_delta, read_delta
 from .writer import DeltaWriter, FlushBuilder, file_entry, flush_name
 
 __all__ = [
-    "BoundsError", "CorruptDeltaError", "DEFAULT_ENCODING", "DeltaBatch", "DeltaDecoder", "DeltaError", "DeltaInfo",
-    "DeltaWriter", "DtypeMismatchError", "FlushBuilder", "ENCODINGS", "EncodedFlush", "Encoding", "FileEntry",
-    "FormatError", "HASH_ALGO", "IncompatibleDeltaError", "IncompleteDeltaError", "IntegrityError",
-    "Limits", "Lineage", "LineageError", "LimitError", "MANIFEST_NAME", "Manifest", "ParamChange", "ParamDelta",
-    "ParamEntry", "ShapeMismatchError", "UnknownDtypeError", "UnknownEncodingError", "UnknownParamError",
-    "VersionError", "bytes_digest", "check_lineage", "encode_flush", "file_entry", "flush_name",
-    "get_encoding", "iter_delta", "load_manifest", "merge_manifests", "open_delta", "parse_manifest", "read_delta",
-    "tensor_digest", "write_manifest",
+    "BoundsError",
+    "CorruptDeltaError",
+    "DEFAULT_ENCODING",
+    "DeltaBatch",
+    "DeltaDecoder",
+    "DeltaError",
+    "DeltaInfo",
+    "DeltaWriter",
+    "DtypeMismatchError",
+    "FlushBuilder",
+    "ENCODINGS",
+    "EncodedFlush",
+    "Encoding",
+    "FileEntry",
+    "FormatError",
+    "HASH_ALGO",
+    "IncompatibleDeltaError",
+    "IncompleteDeltaError",
+    "IntegrityError",
+    "Limits",
+    "Lineage",
+    "LineageError",
+    "LimitError",
+    "MANIFEST_NAME",
+    "Manifest",
+    "ParamChange",
+    "ParamDelta",
+    "ParamEntry",
+    "ShapeMismatchError",
+    "UnknownDtypeError",
+    "UnknownEncodingError",
+    "UnknownParamError",
+    "VersionError",
+    "bytes_digest",
+    "check_lineage",
+    "encode_flush",
+    "file_entry",
+    "flush_name",
+    "get_encoding",
+    "iter_delta",
+    "load_manifest",
+    "merge_manifests",
+    "open_delta",
+    "parse_manifest",
+    "read_delta",
+    "tensor_digest",
+    "write_manifest",
 ]

@@ -47,7 +47,7 @@ def tensor_sum(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
     check_positions(flat.numel(), flat.dtype)
     total = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), chunk):
-        part = flat[start:start + chunk]
+        part = flat[start : start + chunk]
         total += partial_sum(torch.arange(start, start + part.numel(), device=flat.device), part)
     return total
 

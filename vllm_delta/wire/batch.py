@@ -23,10 +23,12 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .batch_device import Destinations, decode as device_decode, narrow
+from .batch_device import Destinations, narrow
+from .batch_device import decode as device_decode
 from .batch_frames import Fallback
 from .batch_host import FlushIndex, HostBatch
-from .blocks import BlockIndex, merge, wanted as block_wanted
+from .blocks import BlockIndex, merge
+from .blocks import wanted as block_wanted
 from .codecs import GAP_WIDTHS, check_numel
 from .dtypes import DType, by_name
 from .encodings import Encoding, GapPlanes, Gaps, RawValues, UlpSteps, ValuePlanes
@@ -45,8 +47,11 @@ _INT64_MAX = (1 << 63) - 1
 
 
 def _supported(enc: Encoding) -> bool:
-    return (isinstance(enc.positions, (GapPlanes, Gaps))
-            and isinstance(enc.values, (UlpSteps, ValuePlanes, RawValues)) and enc.compression != "none")
+    return (
+        isinstance(enc.positions, (GapPlanes, Gaps))
+        and isinstance(enc.values, (UlpSteps, ValuePlanes, RawValues))
+        and enc.compression != "none"
+    )
 
 
 def _streams(enc: Encoding, width: int, itemsize: int) -> list[str]:
@@ -61,8 +66,15 @@ def _streams(enc: Encoding, width: int, itemsize: int) -> list[str]:
     return pos + val
 
 
-def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], meta: Heads, *, file: str,
-          expected: Mapping | None) -> FlushIndex:
+def parse(
+    enc: Encoding,
+    smeta: Mapping,
+    data: Mapping[str, memoryview],
+    meta: Heads,
+    *,
+    file: str,
+    expected: Mapping | None,
+) -> FlushIndex:
     """Validate every param's head and block index against the streams at once (or `Fallback`: the
     per-param path then raises the precise error, or decodes what this path does not take).
 
@@ -128,17 +140,24 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], meta: H
     ends = row0[1:] - 1
     notlast = np.ones(nrow_total, dtype=bool)
     notlast[ends] = False
-    ok = (bool((first[row0[:-1]] >= 0).all()) and bool((last[ends] < numel_a).all())
-          and bool((first <= last).all()) and bool((last[:-1][same] < first[1:][same]).all())
-          and bool((cnt <= last - first + 1).all()) and bool((cnt >= 1).all())
-          and np.array_equal(np.add.reduceat(cnt, row0[:-1]), count_a)
-          and bool((cnt[notlast] % 8 == 0).all()) and bool((flat >= 0).all()))
+    ok = (
+        bool((first[row0[:-1]] >= 0).all())
+        and bool((last[ends] < numel_a).all())
+        and bool((first <= last).all())
+        and bool((last[:-1][same] < first[1:][same]).all())
+        and bool((cnt <= last - first + 1).all())
+        and bool((cnt >= 1).all())
+        and np.array_equal(np.add.reduceat(cnt, row0[:-1]), count_a)
+        and bool((cnt[notlast] % 8 == 0).all())
+        and bool((flat >= 0).all())
+    )
     if not ok or (flat.size and int(flat.max()) > _INT64_MAX // flat.size):
         raise Fallback  # (the lengths' sums below could wrap in int64: the per-param path sums Python ints)
     # Each row's stream columns: its param's, row after row (ranges of the params' concatenated columns).
     col_start = np.cumsum(nstreams) - nstreams
     col = np.fromiter(chain.from_iterable(cols), dtype=np.int64, count=int(nstreams.sum()))[
-        np.repeat(col_start[pid] - (np.cumsum(per_row) - per_row), per_row) + np.arange(int(per_row.sum()))]
+        np.repeat(col_start[pid] - (np.cumsum(per_row) - per_row), per_row) + np.arange(int(per_row.sum()))
+    ]
     rid = np.repeat(np.arange(nrow_total), per_row)
     shape2 = (nrow_total, len(columns))
     has = np.zeros(shape2, dtype=bool)
@@ -151,9 +170,25 @@ def parse(enc: Encoding, smeta: Mapping, data: Mapping[str, memoryview], meta: H
     declared = np.array([smeta[s].size for s in columns], dtype=np.int64)
     if not (np.array_equal(stored.sum(axis=0), sizes) and np.array_equal(decoded.sum(axis=0), declared)):
         raise Fallback
-    return FlushIndex(list(meta.name), dtypes, shapes, numel_a, count_a, np.array(widths, dtype=np.int64),
-                      np.array(itemsizes, dtype=np.int64), row0, first, last, cnt, has,
-                      stored, decoded, np.cumsum(stored, axis=0) - stored, columns, pid)
+    return FlushIndex(
+        list(meta.name),
+        dtypes,
+        shapes,
+        numel_a,
+        count_a,
+        np.array(widths, dtype=np.int64),
+        np.array(itemsizes, dtype=np.int64),
+        row0,
+        first,
+        last,
+        cnt,
+        has,
+        stored,
+        decoded,
+        np.cumsum(stored, axis=0) - stored,
+        columns,
+        pid,
+    )
 
 
 def wanted(ix: FlushIndex, owned: Mapping | None) -> np.ndarray:
@@ -169,8 +204,11 @@ def wanted(ix: FlushIndex, owned: Mapping | None) -> np.ndarray:
     ranges = np.fromiter(map(len, compress(got, given)), dtype=np.int64, count=at.size)
     one = at[ranges == 1]  # merged, a range is itself
     if one.size:
-        lo[one], hi[one] = np.array(list(map(itemgetter(0), map(got.__getitem__, one.tolist()))),
-                                    dtype=np.int64).reshape(-1, 2).T
+        lo[one], hi[one] = (
+            np.array(list(map(itemgetter(0), map(got.__getitem__, one.tolist()))), dtype=np.int64)
+            .reshape(-1, 2)
+            .T
+        )
     special = []
     for p in at[ranges != 1].tolist():
         merged = merge(got[p])
@@ -186,8 +224,15 @@ def wanted(ix: FlushIndex, owned: Mapping | None) -> np.ndarray:
     return mask
 
 
-def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned: Mapping | None,
-           make: Callable, fallback: Callable[[int, int], Iterator], make_batch: Callable | None = None) -> Iterator:
+def decode(
+    enc: Encoding,
+    ix: FlushIndex,
+    data: Mapping[str, memoryview],
+    owned: Mapping | None,
+    make: Callable,
+    fallback: Callable[[int, int], Iterator],
+    make_batch: Callable | None = None,
+) -> Iterator:
     """Decode the params a batch at a time; a batch this path does not take, and a param of at least
     PER_PARAM_ENTRIES wanted entries, go to `fallback(p, q)` (the per-param path for params p..q-1),
     then on to the next batch.
@@ -218,13 +263,19 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
     # A batch holds host params and params of one device (each part decoded on its own, yielded in order).
     latest = np.maximum.accumulate(np.where(on_dev, np.arange(nparams), -1))  # the last device param so far
     dev_kind = np.where(latest >= 0, kind[np.maximum(latest, 0)], -1)
-    changes = np.flatnonzero(dev_kind[1:] != dev_kind[:-1]) + 1 if len(kinds) > 1 else np.zeros(0, dtype=np.int64)
+    changes = (
+        np.flatnonzero(dev_kind[1:] != dev_kind[:-1]) + 1 if len(kinds) > 1 else np.zeros(0, dtype=np.int64)
+    )
     large = np.flatnonzero((per_param >= min(PER_PARAM_ENTRIES, BATCH_ENTRIES)) & ~on_dev)
     p = 0
     while p < nparams:
         here = per_param[p:]
-        q = p + min(int(np.searchsorted(np.cumsum(np.where(on_dev[p:], 0, here)), BATCH_ENTRIES, side="right")),
-                    int(np.searchsorted(np.cumsum(np.where(on_dev[p:], here, 0)), DEVICE_BATCH_ENTRIES, side="right")))
+        q = p + min(
+            int(np.searchsorted(np.cumsum(np.where(on_dev[p:], 0, here)), BATCH_ENTRIES, side="right")),
+            int(
+                np.searchsorted(np.cumsum(np.where(on_dev[p:], here, 0)), DEVICE_BATCH_ENTRIES, side="right")
+            ),
+        )
         c = int(np.searchsorted(changes, p, side="right"))
         q = min(q, int(changes[c]) if c < changes.size else nparams)
         k = int(np.searchsorted(large, p))
@@ -246,9 +297,11 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
                 if (on_dev[p:q] == there).any():
                     sub = HostBatch(ix, data, rows[dev_row == there], run_start)
                     # a device param: `owned` has `devices`, so it is a Destinations
-                    parts[there] = (device_decode(sub, enc, cast(torch.device, device),
-                                                  cast(Destinations, owned)) if there
-                                    else (torch.from_numpy(sub.positions(enc)), sub.values(enc)))
+                    parts[there] = (
+                        device_decode(sub, enc, cast(torch.device, device), cast(Destinations, owned))
+                        if there
+                        else (torch.from_numpy(sub.positions(enc)), sub.values(enc))
+                    )
         except Fallback:
             yield from fallback(p, q)
             p = q
@@ -256,9 +309,12 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
         if True in parts:
             cast(Destinations, owned).decoded.update(ix.names[i] for i in range(p, q) if on_dev[i])
         sizes_at = set(ix.itemsize[p:q].tolist())
-        by_size = {there: narrow(vals, sizes_at) if there else
-                   {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in sizes_at}
-                   for there, (_, vals) in parts.items()}
+        by_size = {
+            there: narrow(vals, sizes_at)
+            if there
+            else {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in sizes_at}
+            for there, (_, vals) in parts.items()
+        }
         sizes = per_param[p:q].tolist()
         kinds_k = on_dev[p:q].tolist()
         # Each param's views made by one split per part and value type (a Python slice costs ~2 us a
@@ -275,20 +331,39 @@ def decode(enc: Encoding, ix: FlushIndex, data: Mapping[str, memoryview], owned:
                 split[t] = vals.split(lens) if enc.needs_base else vals.view(t).split(lens)
             views[there] = (iter(pos.split(lens)), split, iter(range(len(lens))))
         nwanted = np.add.reduceat(mask[a:b].astype(np.int64), ix.row0[p:q] - a).tolist()
-        row0 = ix.row0[p:q + 1]
+        row0 = ix.row0[p : q + 1]
         first, last = ix.first[row0[:-1]].tolist(), ix.last[row0[1:] - 1].tolist()
         nrows = np.diff(row0).tolist()
         count = ix.count[p:q].tolist()
         if make_batch is not None and True not in parts:  # one object for the batch (wire/flush.DeltaBatch)
             host = by_size[False]
-            values = {t: host[t] if enc.needs_base else host[t.itemsize].view(t) for t in dict.fromkeys(types)}
+            values = {
+                t: host[t] if enc.needs_base else host[t.itemsize].view(t) for t in dict.fromkeys(types)
+            }
             nbytes = parts[False][0].nbytes + int(np.dot(per_param[p:q], ix.itemsize[p:q]))
-            yield make_batch(p, q, parts[False][0], values, types, sizes, list(map(int.__sub__, count, sizes)),
-                             first, last, list(zip(nwanted, nrows)), nbytes)
+            yield make_batch(
+                p,
+                q,
+                parts[False][0],
+                values,
+                types,
+                sizes,
+                list(map(int.__sub__, count, sizes)),
+                first,
+                last,
+                list(zip(nwanted, nrows)),
+                nbytes,
+            )
             p = q
             continue
         for k in range(q - p):  # made as consumed, so few params live at once
             pos, split, at = views[kinds_k[k]]
-            yield make(p + k, next(pos), split[types[k]][next(at)], count[k] - sizes[k],
-                       (first[k], last[k]), (nwanted[k], nrows[k]))
+            yield make(
+                p + k,
+                next(pos),
+                split[types[k]][next(at)],
+                count[k] - sizes[k],
+                (first[k], last[k]),
+                (nwanted[k], nrows[k]),
+            )
         p = q

@@ -1,4 +1,5 @@
-"""A batch of block-indexed params decoded on its destination's device: the host decompresses, the device decodes.
+"""A batch of block-indexed params decoded on its destination's device: the host decompresses, the device
+decodes.
 
 Why: with the weights on an accelerator, the host's share of prepare per change was numpy work
 (byte planes into words, bits unpacked, the gap cumsum) and the int64 positions it made, which
@@ -40,7 +41,9 @@ class Destinations(dict):
     def __init__(self, owned: Mapping, devices: Mapping[str, torch.device]) -> None:
         super().__init__(owned)
         self.devices = dict(devices)
-        self.checks: list[tuple[str, torch.Tensor, int]] = []  # (first param, ok flag, bytes uploaded), per batch
+        self.checks: list[
+            tuple[str, torch.Tensor, int]
+        ] = []  # (first param, ok flag, bytes uploaded), per batch
         self.decoded: set[str] = set()  # the params decoded on their device (the rest fell back to the host)
 
     @property
@@ -49,7 +52,8 @@ class Destinations(dict):
         return sum(n for _, _, n in self.checks)
 
     def verify(self) -> None:
-        """Raise `BoundsError` naming a batch's first param if its device checks failed: one copy per device."""
+        """Raise `BoundsError` naming a batch's first param if its device checks failed: one copy per
+        device."""
         by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         for name, flag, _ in self.checks:
             if flag.device.type != "meta":  # meta holds no values to check
@@ -57,8 +61,11 @@ class Destinations(dict):
         for items in by_device.values():
             for (name, _), good in zip(items, torch.stack([f for _, f in items]).cpu().tolist()):
                 if not good:
-                    raise BoundsError("positions or ULP flags disagree with the block index (checked on the device, "
-                                      "for a batch of params from this one)", param=name)
+                    raise BoundsError(
+                        "positions or ULP flags disagree with the block index (checked on the device, "
+                        "for a batch of params from this one)",
+                        param=name,
+                    )
 
 
 def _exclusive(a: np.ndarray) -> np.ndarray:
@@ -76,7 +83,7 @@ class _Upload:
 
     def column(self, values: np.ndarray) -> int:
         col = np.zeros(self.rows, dtype=np.int64)
-        col[:values.size] = values
+        col[: values.size] = values
         self.columns.append(col)
         return len(self.columns) - 1
 
@@ -117,11 +124,14 @@ class _Planes:
 class _Device:
     """The uploaded table and bytes, and the per-entry row ids every field's gathers share."""
 
-    def __init__(self, table: torch.Tensor, buf: torch.Tensor, cnt_col: int, estart_col: int, entries: int) -> None:
+    def __init__(
+        self, table: torch.Tensor, buf: torch.Tensor, cnt_col: int, estart_col: int, entries: int
+    ) -> None:
         self.table, self.buf, self.n = table, buf, entries
         dev = table.device
-        self.row_of = torch.repeat_interleave(torch.arange(table.shape[1], device=dev), table[cnt_col],
-                                              output_size=entries)
+        self.row_of = torch.repeat_interleave(
+            torch.arange(table.shape[1], device=dev), table[cnt_col], output_size=entries
+        )
         self.estart = table[estart_col]
         self.local = torch.arange(entries, device=dev) - self.per_entry(estart_col)
 
@@ -129,10 +139,11 @@ class _Device:
         return self.table[col].index_select(0, self.row_of)
 
     def span(self, span: tuple[int, int]) -> torch.Tensor:
-        return self.buf[span[0]:span[0] + span[1]]
+        return self.buf[span[0] : span[0] + span[1]]
 
-    def field(self, planes: _Planes, local: torch.Tensor | None = None, mask: torch.Tensor | None = None
-              ) -> torch.Tensor:
+    def field(
+        self, planes: _Planes, local: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """int64 words from `planes`; `local` each entry's index in its row's share (default: its
         place in the row); `mask` (0/1) the entries that have a word at all (default: every one)."""
         out = torch.zeros(self.n, dtype=torch.int64, device=self.buf.device)
@@ -166,25 +177,37 @@ def _whole_words(up: _Upload, raw: np.ndarray, width: np.ndarray, cnt: np.ndarra
     """A stream of whole little-endian words, `width[row]` bytes each."""
     top = int(width.max())
     span = up.stream(raw) if raw.size else None
-    return _Planes([span] * top, [up.column(_exclusive(cnt * width))], up.column(width),
-                   [bool((width > j).all()) for j in range(top)], whole=True)
+    return _Planes(
+        [span] * top,
+        [up.column(_exclusive(cnt * width))],
+        up.column(width),
+        [bool((width > j).all()) for j in range(top)],
+        whole=True,
+    )
 
 
 def _byte_planes(batch, up: _Upload, prefix: str, width: np.ndarray, sizes: np.ndarray) -> _Planes:
     """Planes `prefix0..`: plane j holds the entries of the rows whose width > j (`sizes[row]` of them)."""
     top = int(width.max())
     streams = [batch.stream(f"{prefix}{j}", sizes) for j in range(top)]
-    return _Planes([up.stream(s) if s.size else None for s in streams],
-                   [up.column(_exclusive(np.where(width > j, sizes, 0))) for j in range(top)], up.column(width),
-                   [bool((width > j).all()) for j in range(top)])
+    return _Planes(
+        [up.stream(s) if s.size else None for s in streams],
+        [up.column(_exclusive(np.where(width > j, sizes, 0))) for j in range(top)],
+        up.column(width),
+        [bool((width > j).all()) for j in range(top)],
+    )
 
 
-def decode(batch, enc: Encoding, device: torch.device, dest: Destinations) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(
+    batch, enc: Encoding, device: torch.device, dest: Destinations
+) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 positions and int64 value payloads (bit patterns, or wrapping ULP steps) of `batch`'s
     entries, on `device`; `Fallback` (from the host's size checks) before anything is sent."""
     ix, rows, cnt, n = batch.ix, batch.rows, batch.cnt, batch.entries
     if not n:
-        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
+        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(
+            0, dtype=torch.int64, device=device
+        )
     pid = ix.pid[rows]
     width, isz, numel = ix.width[pid], ix.itemsize[pid], ix.numel[pid]
     heads = np.flatnonzero(batch.run_start)  # rows (in the batch) where a run of blocks starts
@@ -193,7 +216,11 @@ def decode(batch, enc: Encoding, device: torch.device, dest: Destinations) -> tu
     up = _Upload(rows.size)
     c_cnt, c_estart = up.column(cnt), up.column(batch.estart)
     c_numel, c_first, c_last = up.column(numel), up.column(ix.first[rows]), up.column(ix.last[rows])
-    c_run, c_hstart, c_prev = up.column(np.cumsum(batch.run_start) - 1), up.column(batch.estart[heads]), up.column(prev)
+    c_run, c_hstart, c_prev = (
+        up.column(np.cumsum(batch.run_start) - 1),
+        up.column(batch.estart[heads]),
+        up.column(prev),
+    )
     if isinstance(enc.positions, GapPlanes):
         gaps = _byte_planes(batch, up, "pos", width, cnt)
     else:
@@ -218,11 +245,14 @@ def decode(batch, enc: Encoding, device: torch.device, dest: Destinations) -> tu
     numel_e = d.per_entry(c_numel)
     checks = [((g >= 0) & (g < numel_e)).all()]
     cs = torch.cumsum(g + 1, 0)
-    hstart = table[c_hstart][:heads.size]
+    hstart = table[c_hstart][: heads.size]
     before = torch.where(hstart > 0, cs.index_select(0, (hstart - 1).clamp(min=0)), 0)
-    pos = cs + (table[c_prev][:heads.size] - before).index_select(0, table[c_run]).index_select(0, row_of)
-    checks += [((pos >= 0) & (pos < numel_e)).all(), (pos.index_select(0, d.estart) == table[c_first]).all(),
-               (pos.index_select(0, last_e) == table[c_last]).all()]
+    pos = cs + (table[c_prev][: heads.size] - before).index_select(0, table[c_run]).index_select(0, row_of)
+    checks += [
+        ((pos >= 0) & (pos < numel_e)).all(),
+        (pos.index_select(0, d.estart) == table[c_first]).all(),
+        (pos.index_select(0, last_e) == table[c_last]).all(),
+    ]
     pos = torch.minimum(pos.clamp(min=0), numel_e - 1)  # in range whatever the bytes said (checked above)
     if not ulp:
         values = d.field(vals)
@@ -250,5 +280,9 @@ def narrow(values: torch.Tensor, itemsizes: Iterable[int]) -> dict[int, torch.Te
     """int64 payloads as the signed integers of each width (their low bytes, as numpy's astype wraps)."""
     out = {}
     for i in itemsizes:
-        out[i] = values if i == 8 else values.view(getattr(torch, f"int{8 * i}")).reshape(-1, 8 // i)[:, 0].contiguous()
+        out[i] = (
+            values
+            if i == 8
+            else values.view(getattr(torch, f"int{8 * i}")).reshape(-1, 8 // i)[:, 0].contiguous()
+        )
     return out

@@ -51,7 +51,8 @@ def frames(stream: memoryview, offset: np.ndarray, stored: np.ndarray, decoded: 
         try:
             got = decompressor().multi_decompress_to_buffer(
                 zstandard.BufferWithSegments(stream, segments.tobytes()),
-                decompressed_sizes=decoded[rest].astype(np.uint64).tobytes())
+                decompressed_sizes=decoded[rest].astype(np.uint64).tobytes(),
+            )
         except zstandard.ZstdError:
             raise Fallback from None
         # zstandard's stub omits the segments' buffer protocol and the collection's indexed iteration
@@ -71,8 +72,9 @@ _MAX_BLOCKS = 64  # blocks walked per frame before handing the frame to the per-
 _MAX_BLOCK = 1 << 17  # zstd's largest block (Block_Maximum_Size)
 
 
-def _check_frames(buf: np.ndarray, offset: np.ndarray, stored: np.ndarray, decoded: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def _check_frames(
+    buf: np.ndarray, offset: np.ndarray, stored: np.ndarray, decoded: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Every frame is one zstd frame filling its span exactly, whose header declares `decoded` bytes.
 
     Per frame: 0 (a stored block) or 1 (an RLE block) where it is one such block of exactly `decoded`
@@ -133,7 +135,12 @@ def _check_frames(buf: np.ndarray, offset: np.ndarray, stored: np.ndarray, decod
     checksum = (fhd >> 2) & 1
     if not np.array_equal(cur + 4 * checksum, end):
         raise Fallback  # bytes after the frame (or a frame longer than its span)
-    plain = ((lone == 0) | (lone == 1)) & (single == 1) & ((fhd & 3) == 0) & (checksum == 0) & (size == decoded) & (
-        size <= _MAX_BLOCK)
+    plain = (
+        ((lone == 0) | (lone == 1))
+        & (single == 1)
+        & ((fhd & 3) == 0)
+        & (checksum == 0)
+        & (size == decoded)
+        & (size <= _MAX_BLOCK)
+    )
     return np.where(plain, lone, -1), start
-

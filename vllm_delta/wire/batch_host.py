@@ -8,8 +8,8 @@ the per-param path (wire/flush.py) then decodes those params and raises the prec
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import cached_property
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -44,7 +44,9 @@ class FlushIndex:
 class HostBatch:
     """The wanted rows of a run of params, with the entry bookkeeping every stream decoder shares."""
 
-    def __init__(self, ix: FlushIndex, data: Mapping[str, memoryview], rows: np.ndarray, run_start: np.ndarray):
+    def __init__(
+        self, ix: FlushIndex, data: Mapping[str, memoryview], rows: np.ndarray, run_start: np.ndarray
+    ):
         self.ix, self.data, self.rows = ix, data, rows
         self.cnt = ix.cnt[rows]
         self.entries = int(self.cnt.sum())
@@ -70,10 +72,13 @@ class HostBatch:
         r = self.rows[listed]
         if not np.array_equal(ix.decoded[r, j], want[listed]):
             raise Fallback
-        return np.frombuffer(frames(self.data[name], ix.offset[r, j], ix.stored[r, j], ix.decoded[r, j]),
-                             dtype=np.uint8)
+        return np.frombuffer(
+            frames(self.data[name], ix.offset[r, j], ix.stored[r, j], ix.decoded[r, j]), dtype=np.uint8
+        )
 
-    def planes(self, prefix: str, width: np.ndarray, width_e: np.ndarray, want: np.ndarray, count: int) -> np.ndarray:
+    def planes(
+        self, prefix: str, width: np.ndarray, width_e: np.ndarray, want: np.ndarray, count: int
+    ) -> np.ndarray:
         """Byte planes `prefix0..` of `count` entries into uint64 (plane j: entries whose width > j).
 
         `width` per row: every plane a row lists is read and its size checked, even with no entries in it.
@@ -129,10 +134,13 @@ class HostBatch:
         pos = cs + np.repeat(prev - before, run_len)
         inside = np.ones(self.entries, dtype=bool)
         inside[starts] = False
-        ok = (bool((pos >= 0).all()) and bool((pos < numel_e).all())
-              and bool((pos[1:][inside[1:]] > pos[:-1][inside[1:]]).all())
-              and np.array_equal(pos[self.estart], ix.first[rows])
-              and np.array_equal(pos[self.estart + self.cnt - 1], ix.last[rows]))
+        ok = (
+            bool((pos >= 0).all())
+            and bool((pos < numel_e).all())
+            and bool((pos[1:][inside[1:]] > pos[:-1][inside[1:]]).all())
+            and np.array_equal(pos[self.estart], ix.first[rows])
+            and np.array_equal(pos[self.estart + self.cnt - 1], ix.last[rows])
+        )
         if not ok:
             raise Fallback
         return pos
@@ -164,4 +172,3 @@ class HostBatch:
         byte0 = np.cumsum(want) - want
         idx = np.repeat(8 * byte0 - self.estart, self.cnt) + np.arange(self.entries)
         return bits[idx].astype(bool)
-

@@ -96,15 +96,26 @@ class BlockIndex:
         return int(self.first.size)
 
 
-def parse_index(rows: object, *, streams: int, count: int, numel: int,
-                file: str | None, param: str, implicit: bool = False) -> BlockIndex:
+def parse_index(
+    rows: object,
+    *,
+    streams: int,
+    count: int,
+    numel: int,
+    file: str | None,
+    param: str,
+    implicit: bool = False,
+) -> BlockIndex:
     """Check a param's `blocks` metadata: [[first, last, count, [stored, decoded] * streams], ...].
 
     `implicit` (width 0): every block must be dense (count = last - first + 1); blocks are decoded
     one by one, so counts need not be multiples of 8."""
-    if (not isinstance(rows, list) or not rows
-            or not all(isinstance(r, list) and len(r) == 4 and isinstance(r[3], list) for r in rows)
-            or not all(type(x) is int for r in rows for x in (r[0], r[1], r[2], *r[3]))):
+    if (
+        not isinstance(rows, list)
+        or not rows
+        or not all(isinstance(r, list) and len(r) == 4 and isinstance(r[3], list) for r in rows)
+        or not all(type(x) is int for r in rows for x in (r[0], r[1], r[2], *r[3]))
+    ):
         raise FormatError("bad block index", file=file, param=param)
     try:
         head = np.array([r[:3] for r in rows], dtype=np.int64)
@@ -113,20 +124,34 @@ def parse_index(rows: object, *, streams: int, count: int, numel: int,
         raise FormatError("bad block index", file=file, param=param) from None
     first, last, cnt = head[:, 0], head[:, 1], head[:, 2]
     if lens.ndim != 2 or lens.shape[1] != 2 * streams:
-        raise FormatError(f"block index lists {lens.shape[-1] if lens.ndim == 2 else '?'} lengths "
-                          f"for {streams} streams", file=file, param=param)
+        raise FormatError(
+            f"block index lists {lens.shape[-1] if lens.ndim == 2 else '?'} lengths for {streams} streams",
+            file=file,
+            param=param,
+        )
     stored, decoded = lens[:, 0::2], lens[:, 1::2]
     if int(first[0]) < 0 or int(last[-1]) >= numel:
         raise BoundsError(f"block index: position out of range [0, {numel})", file=file, param=param)
-    if not (bool((first <= last).all()) and bool((last[:-1] < first[1:]).all())
-            and bool((cnt <= last - first + 1).all())):
+    if not (
+        bool((first <= last).all())
+        and bool((last[:-1] < first[1:]).all())
+        and bool((cnt <= last - first + 1).all())
+    ):
         raise BoundsError("block index: positions are not strictly increasing", file=file, param=param)
     if implicit and not bool((cnt == last - first + 1).all()):
         raise BoundsError("block index: a block of implicit positions is not dense", file=file, param=param)
-    if not (bool((cnt >= 1).all()) and int(cnt.sum()) == count and (implicit or bool((cnt[:-1] % 8 == 0).all()))
-            and bool((lens >= 0).all())):
-        raise FormatError(f"block index: counts do not partition the param's {count} changes "
-                          "in multiples of 8, or a length is negative", file=file, param=param)
+    if not (
+        bool((cnt >= 1).all())
+        and int(cnt.sum()) == count
+        and (implicit or bool((cnt[:-1] % 8 == 0).all()))
+        and bool((lens >= 0).all())
+    ):
+        raise FormatError(
+            f"block index: counts do not partition the param's {count} changes "
+            "in multiples of 8, or a length is negative",
+            file=file,
+            param=param,
+        )
     return BlockIndex(first, last, cnt, stored, decoded)
 
 

@@ -51,7 +51,11 @@ class Checkpoint:
         path = Path(path)
         index = path / INDEX_NAME
         where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-        files = sorted(set(where.values())) if where is not None else sorted(p.name for p in path.glob("*.safetensors"))
+        files = (
+            sorted(set(where.values()))
+            if where is not None
+            else sorted(p.name for p in path.glob("*.safetensors"))
+        )
         if not files:
             raise FileNotFoundError(f"{path}: no safetensors checkpoint found")
         return cls(path, where, files)
@@ -73,8 +77,10 @@ class Checkpoint:
                 meta[k] = (tuple(s.get_shape()), by_st_code(s.get_dtype(), file=shard).torch)
             listed = self.shards.get(shard)
             if listed is not None and sorted(listed) != sorted(meta):
-                raise ValueError(f"{self.path / shard}: holds other tensors than {INDEX_NAME} says "
-                                 f"({sorted(set(meta) ^ set(listed))[:5]})")
+                raise ValueError(
+                    f"{self.path / shard}: holds other tensors than {INDEX_NAME} says "
+                    f"({sorted(set(meta) ^ set(listed))[:5]})"
+                )
             self._meta[shard] = meta
         return meta
 
@@ -147,7 +153,11 @@ class Checkpoint:
         else:
             flat, width, c0 = part[r0:r1].reshape(-1), row, 0
         at = [((a // row - r0) * width + a % row - c0, n) for a, n in runs]
-        return flat[at[0][0]:at[0][0] + at[0][1]] if len(at) == 1 else torch.cat([flat[o:o + n] for o, n in at])
+        return (
+            flat[at[0][0] : at[0][0] + at[0][1]]
+            if len(at) == 1
+            else torch.cat([flat[o : o + n] for o, n in at])
+        )
 
     def shard_metadata(self, shard: str) -> dict[str, str] | None:
         return self._handle(shard).metadata()
@@ -176,4 +186,3 @@ def staged_dir(out: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-

@@ -40,12 +40,14 @@ def _uint(width: int) -> np.dtype:
 
 def _frombuffer(buf: memoryview, dtype: np.dtype, count: int, what: str, *, file, param) -> np.ndarray:
     if len(buf) != count * dtype.itemsize:
-        raise BoundsError(f"{what}: {len(buf)} bytes for {count} entries of {dtype.itemsize} B",
-                          file=file, param=param)
+        raise BoundsError(
+            f"{what}: {len(buf)} bytes for {count} entries of {dtype.itemsize} B", file=file, param=param
+        )
     return np.frombuffer(buf, dtype=dtype, count=count)
 
 
 # ---- absolute indices -------------------------------------------------------------------------
+
 
 def index_width(numel: int) -> int:
     """int32 while every index fits, int64 beyond 2^31 elements."""
@@ -56,7 +58,9 @@ def encode_indices(pos: np.ndarray, width: int) -> bytes:
     return pos.astype(f"<i{width}").tobytes()
 
 
-def decode_indices(buf: memoryview, count: int, width: int, numel: int, *, prev: int = -1, file, param) -> np.ndarray:
+def decode_indices(
+    buf: memoryview, count: int, width: int, numel: int, *, prev: int = -1, file, param
+) -> np.ndarray:
     if width not in (4, 8):
         raise FormatError(f"index width {width} is not 4 or 8", file=file, param=param)
     pos = _frombuffer(buf, np.dtype(f"<i{width}"), count, "positions", file=file, param=param)
@@ -68,6 +72,7 @@ def decode_indices(buf: memoryview, count: int, width: int, numel: int, *, prev:
 
 
 # ---- gaps: d[k] = idx[k] - idx[k-1] - 1, idx[-1] = -1 ------------------------------------------
+
 
 def encode_gaps(pos: np.ndarray, *, prev: int = -1, width: int | None = None) -> tuple[int, np.ndarray]:
     """Gaps in the narrowest unsigned width that holds the largest one (or in `width`).
@@ -151,6 +156,7 @@ def gaps_from_bytes(buf: memoryview, count: int, width: int, *, file, param) -> 
 
 # ---- byte planes: plane j holds byte j of every entry, so mostly-zero high bytes compress away --
 
+
 def to_planes(arr: np.ndarray) -> list[bytes]:
     w = arr.dtype.itemsize
     grid = arr.astype(arr.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, w)
@@ -175,17 +181,21 @@ def gap_planes(pos: np.ndarray, *, prev: int = -1, width: int | None = None) -> 
 def from_planes(planes: list[memoryview], count: int, width: int, what: str, *, file, param) -> np.ndarray:
     grid = np.empty((count, width), dtype=np.uint8)
     for j, plane in enumerate(planes):
-        grid[:, j] = _frombuffer(plane, np.dtype(np.uint8), count, f"{what} plane {j}", file=file, param=param)
+        grid[:, j] = _frombuffer(
+            plane, np.dtype(np.uint8), count, f"{what} plane {j}", file=file, param=param
+        )
     return grid.view(_uint(width)).reshape(count)
 
 
 # ---- raw values -------------------------------------------------------------------------------
+
 
 def values_from_bytes(buf: memoryview, count: int, d: DType, *, file, param) -> np.ndarray:
     return _frombuffer(buf, d.uint, count, "values", file=file, param=param).copy()
 
 
 # ---- ULP steps: the new value as a signed step from the old one, in a monotone integer key ------
+
 
 def _int(d: DType) -> np.dtype:
     return np.dtype(f"<i{d.itemsize}")
@@ -237,8 +247,10 @@ def ulp_resolve_tensor(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """
     d = by_torch(old.dtype)
     if steps.device != old.device or steps.numel() != old.numel() or steps.element_size() != d.itemsize:
-        raise ValueError(f"{steps.numel()} {steps.dtype} steps on {steps.device} for "
-                         f"{old.numel()} {old.dtype} values on {old.device}")
+        raise ValueError(
+            f"{steps.numel()} {steps.dtype} steps on {steps.device} for "
+            f"{old.numel()} {old.dtype} values on {old.device}"
+        )
     bits = old.reshape(-1).view(d.int_view)
     top = 8 * d.itemsize - 1
     sign = -(1 << top)  # the sign bit as a signed integer of this width
@@ -291,8 +303,14 @@ def ulp_streams(new: np.ndarray, old: np.ndarray, d: DType) -> dict[str, bytes]:
     one compiled pass (kernels/ulp_jit.py) for 1-, 2- and 4-byte floats where the kernels are on, not
     the ~10 passes over a block's changes of the numpy codecs (two order keys, steps, signs, flags,
     magnitudes, escapes, their byte columns)."""
-    if not (switch.on() and d.is_float and d.itemsize in (1, 2, 4) and new.size
-            and new.dtype == d.uint and old.dtype == d.uint):
+    if not (
+        switch.on()
+        and d.is_float
+        and d.itemsize in (1, 2, 4)
+        and new.size
+        and new.dtype == d.uint
+        and old.dtype == d.uint
+    ):
         sign, flag, esc = encode_steps(ulp_steps(new, old, d), d)
         return {"sign": sign, "flag": flag, **{f"esc{j}": p for j, p in enumerate(to_planes(esc))}}
     from vllm_delta.kernels.ulp_jit import write_ulp_streams

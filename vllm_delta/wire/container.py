@@ -182,7 +182,9 @@ class DeltaDir:
             raise IncompleteDeltaError("file named by the delta is missing", file=name) from None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise FormatError("is a symlink; delta files are never read through links", file=name) from None
+                raise FormatError(
+                    "is a symlink; delta files are never read through links", file=name
+                ) from None
             if e.errno == errno.ENXIO:  # a Unix socket (or a FIFO's other end): nothing to read
                 raise FormatError("is not a regular file", file=name) from None
             raise
@@ -191,7 +193,9 @@ class DeltaDir:
             if not stat.S_ISREG(st.st_mode):
                 raise FormatError("is not a regular file", file=name)
             if size is not None and st.st_size != size:
-                raise IntegrityError(f"{st.st_size} B on disk, manifest says {size} B (truncated?)", file=name)
+                raise IntegrityError(
+                    f"{st.st_size} B on disk, manifest says {size} B (truncated?)", file=name
+                )
             if st.st_size > cap:
                 raise LimitError(f"{st.st_size} B exceeds the {cap} B limit", file=name)
             with os.fdopen(fd, "rb", closefd=False) as f:
@@ -220,7 +224,9 @@ def _open_dir(name: str, dir_fd: int | None, *, follow: bool, shown: Path) -> in
         raise IncompleteDeltaError(f"{shown} is not a directory") from None
     except NotADirectoryError:  # also what O_NOFOLLOW | O_DIRECTORY says of a symlink
         if not follow and stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-            raise FormatError(f"{shown}: {name!r} is a symlink; the path is never followed through links") from None
+            raise FormatError(
+                f"{shown}: {name!r} is a symlink; the path is never followed through links"
+            ) from None
         raise IncompleteDeltaError(f"{shown} is not a directory") from None
 
 
@@ -239,17 +245,18 @@ def _sorted_metadata(data: bytes) -> bytes:
     same space (padded with spaces, as safetensors pads), so the tensors' offsets are unchanged.
     """
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     if "__metadata__" in header:
         header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     if len(text) > n:  # cannot happen: the same keys and values in another order
         raise FormatError(f"re-ordered safetensors header of {len(text)} B exceeds its {n} B")
-    return data[:8] + text.ljust(n, b" ") + data[8 + n:]
+    return data[:8] + text.ljust(n, b" ") + data[8 + n :]
 
 
-def unpack(data: bytes | bytearray | memoryview, *, file: str | None, limits: Limits
-           ) -> tuple[dict[str, RawTensor], dict[str, str]]:
+def unpack(
+    data: bytes | bytearray | memoryview, *, file: str | None, limits: Limits
+) -> tuple[dict[str, RawTensor], dict[str, str]]:
     """Parse a safetensors byte string; every tensor is a zero-copy view into `data`."""
     view = memoryview(data)
     if len(view) < 8:
@@ -260,12 +267,12 @@ def unpack(data: bytes | bytearray | memoryview, *, file: str | None, limits: Li
     if n > len(view) - 8:
         raise FormatError(f"truncated: header of {n} B in a {len(view)} B file", file=file)
     try:
-        header = json_loads(bytes(view[8:8 + n]))
+        header = json_loads(bytes(view[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"safetensors header is not JSON: {e}", file=file) from None
     if not isinstance(header, dict):
         raise FormatError("safetensors header is not an object", file=file)
-    body = view[8 + n:]
+    body = view[8 + n :]
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise FormatError("safetensors metadata is not a string map", file=file)
@@ -307,8 +314,13 @@ def compress(data: bytes, level: int) -> bytes:
     return compressor(level).compress(data)
 
 
-def frame_size(data: bytes | bytearray | memoryview, *, file: str | None = None, what: str = "payload",
-               param: str | None = None) -> int:
+def frame_size(
+    data: bytes | bytearray | memoryview,
+    *,
+    file: str | None = None,
+    what: str = "payload",
+    param: str | None = None,
+) -> int:
     """The decoded size a zstd frame declares in its header, or -1 when it does not say."""
     try:
         declared = zstandard.get_frame_parameters(data[:18]).content_size
@@ -317,8 +329,15 @@ def frame_size(data: bytes | bytearray | memoryview, *, file: str | None = None,
     return -1 if declared == zstandard.CONTENTSIZE_UNKNOWN else declared
 
 
-def decompress(data: bytes | bytearray | memoryview, cap: int, *, exact: int | None = None,
-               file: str | None = None, what: str = "payload", param: str | None = None) -> bytes | bytearray:
+def decompress(
+    data: bytes | bytearray | memoryview,
+    cap: int,
+    *,
+    exact: int | None = None,
+    file: str | None = None,
+    what: str = "payload",
+    param: str | None = None,
+) -> bytes | bytearray:
     """Decompress one zstd frame, never producing more than `cap` bytes (zstd-bomb safe).
 
     Why one-shot when the frame states its size: the output is allocated once at exactly that
@@ -328,7 +347,9 @@ def decompress(data: bytes | bytearray | memoryview, cap: int, *, exact: int | N
     if declared > cap:
         raise LimitError(f"{what}: zstd frame declares {declared} B, limit {cap} B", file=file, param=param)
     if exact is not None and declared not in (-1, exact):
-        raise FormatError(f"{what}: zstd frame declares {declared} B, expected {exact} B", file=file, param=param)
+        raise FormatError(
+            f"{what}: zstd frame declares {declared} B, expected {exact} B", file=file, param=param
+        )
     if declared >= 0:
         try:
             return decompressor().decompress(data, max_output_size=declared, allow_extra_data=False)

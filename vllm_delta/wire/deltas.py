@@ -10,6 +10,7 @@ import torch
 
 from .codecs import ulp_resolve_tensor
 
+
 @dataclass(frozen=True, eq=False)
 class ParamChange:
     """Sender side: the changes of one param (or one chunk of it).
@@ -48,15 +49,36 @@ class ParamDelta:
     bounds: tuple[int, int] | None = None
     blocks: tuple[int, int] = (0, 0)
 
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, positions: torch.Tensor,
-                 values: torch.Tensor, needs_base: bool, skipped: int = 0, bounds: tuple[int, int] | None = None,
-                 blocks: tuple[int, int] = (0, 0)) -> None:
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        positions: torch.Tensor,
+        values: torch.Tensor,
+        needs_base: bool,
+        skipped: int = 0,
+        bounds: tuple[int, int] | None = None,
+        blocks: tuple[int, int] = (0, 0),
+    ) -> None:
         # Why not the dataclass's own __init__: a frozen one sets each field with its own
         # object.__setattr__ call, 2.3 us an object; one __dict__ for all is 0.8 us, and a flush of
         # a production tensor count makes tens of thousands. Still frozen: assignment raises.
-        object.__setattr__(self, "__dict__", {
-            "name": name, "shape": shape, "dtype": dtype, "positions": positions, "values": values,
-            "needs_base": needs_base, "skipped": skipped, "bounds": bounds, "blocks": blocks})
+        object.__setattr__(
+            self,
+            "__dict__",
+            {
+                "name": name,
+                "shape": shape,
+                "dtype": dtype,
+                "positions": positions,
+                "values": values,
+                "needs_base": needs_base,
+                "skipped": skipped,
+                "bounds": bounds,
+                "blocks": blocks,
+            },
+        )
 
     @property
     def count(self) -> int:
@@ -109,13 +131,42 @@ class DeltaBatch:
     (`iter_delta(batches=True)`); `deltas()` gives the same changes as `ParamDelta`s.
     """
 
-    __slots__ = ("names", "shapes", "dtypes", "positions", "values", "types", "sizes", "needs_base", "counts",
-                 "skipped", "first", "last", "nblocks", "total", "blocks", "nbytes")
+    __slots__ = (
+        "names",
+        "shapes",
+        "dtypes",
+        "positions",
+        "values",
+        "types",
+        "sizes",
+        "needs_base",
+        "counts",
+        "skipped",
+        "first",
+        "last",
+        "nblocks",
+        "total",
+        "blocks",
+        "nbytes",
+    )
 
-    def __init__(self, names: list[str], shapes: list[tuple[int, ...]], dtypes: list[torch.dtype],
-                 positions: torch.Tensor, values: dict[object, torch.Tensor], types: list, sizes: list[int],
-                 needs_base: bool, counts: list[int], skipped: list[int], first: list[int], last: list[int],
-                 nblocks: list[tuple[int, int]], nbytes: int) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        shapes: list[tuple[int, ...]],
+        dtypes: list[torch.dtype],
+        positions: torch.Tensor,
+        values: dict[object, torch.Tensor],
+        types: list,
+        sizes: list[int],
+        needs_base: bool,
+        counts: list[int],
+        skipped: list[int],
+        first: list[int],
+        last: list[int],
+        nblocks: list[tuple[int, int]],
+        nbytes: int,
+    ) -> None:
         self.names, self.shapes, self.dtypes, self.needs_base = names, shapes, dtypes, needs_base
         self.positions, self.values, self.types, self.sizes = positions, values, types, sizes
         self.counts, self.skipped, self.first, self.last = counts, skipped, first, last  # counts: on the wire
@@ -133,6 +184,14 @@ class DeltaBatch:
         positions = self.positions.split(self.sizes)
         values = {t: v.split(self.sizes) for t, v in self.values.items()}
         for i, name in enumerate(self.names):
-            yield ParamDelta(name, self.shapes[i], self.dtypes[i], positions[i], values[self.types[i]][i],
-                             self.needs_base, self.skipped[i], (self.first[i], self.last[i]), self.nblocks[i])
-
+            yield ParamDelta(
+                name,
+                self.shapes[i],
+                self.dtypes[i],
+                positions[i],
+                values[self.types[i]][i],
+                self.needs_base,
+                self.skipped[i],
+                (self.first[i], self.last[i]),
+                self.nblocks[i],
+            )

@@ -13,9 +13,23 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from .codecs import (GAP_WIDTHS, decode_gaps, decode_indices, decode_steps, encode_gaps, encode_indices, from_planes,
-                     gap_planes, gap_width, gaps_from_bytes, index_width, to_planes, ulp_streams, unpack_bits,
-                     values_from_bytes)
+from .codecs import (
+    GAP_WIDTHS,
+    decode_gaps,
+    decode_indices,
+    decode_steps,
+    encode_gaps,
+    encode_indices,
+    from_planes,
+    gap_planes,
+    gap_width,
+    gaps_from_bytes,
+    index_width,
+    to_planes,
+    ulp_streams,
+    unpack_bits,
+    values_from_bytes,
+)
 from .dtypes import DType
 from .errors import FormatError, UnknownEncodingError
 
@@ -38,14 +52,17 @@ class PositionCodec(Protocol):
     otherwise), `width` a param-wide width, so the blocks of a param concatenate into one stream."""
 
     def width(self, pos: np.ndarray, numel: int) -> int: ...
-    def encode(self, pos: np.ndarray, numel: int, *, prev: int = -1, width: int | None = None
-               ) -> tuple[int, Streams]: ...
-    def decode(self, spans: Spans, count: int, width: int, numel: int, *, prev: int = -1,
-               file, param) -> np.ndarray: ...
+    def encode(
+        self, pos: np.ndarray, numel: int, *, prev: int = -1, width: int | None = None
+    ) -> tuple[int, Streams]: ...
+    def decode(
+        self, spans: Spans, count: int, width: int, numel: int, *, prev: int = -1, file, param
+    ) -> np.ndarray: ...
 
 
 class ValueCodec(Protocol):
     relative: bool
+
     def encode(self, new: np.ndarray, old: np.ndarray | None, d: DType) -> Streams: ...
     def decode(self, spans: Spans, count: int, d: DType, *, file, param) -> np.ndarray: ...
 
@@ -139,10 +156,12 @@ class UlpSteps:
         return ulp_streams(new, old, d)
 
     def decode(self, spans, count, d, *, file, param):
-        neg = unpack_bits(_need(spans, "sign", file=file, param=param), count, "signs",
-                                 file=file, param=param)
-        big = unpack_bits(_need(spans, "flag", file=file, param=param), count, "flags",
-                                 file=file, param=param)
+        neg = unpack_bits(
+            _need(spans, "sign", file=file, param=param), count, "signs", file=file, param=param
+        )
+        big = unpack_bits(
+            _need(spans, "flag", file=file, param=param), count, "flags", file=file, param=param
+        )
         planes = _planes(spans, "esc", d.itemsize, file=file, param=param)
         esc = from_planes(planes, int(big.sum()), d.itemsize, "escapes", file=file, param=param)
         return decode_steps(neg, big, esc, d)
@@ -172,8 +191,17 @@ class Encoding:
         """Applying the delta twice leaves the same weights as applying it once."""
         return not self.values.relative
 
-    def encode_param(self, pos: np.ndarray, numel: int, new: np.ndarray, old: np.ndarray | None,
-                     d: DType, *, prev: int = -1, width: int | None = None) -> tuple[int, Streams]:
+    def encode_param(
+        self,
+        pos: np.ndarray,
+        numel: int,
+        new: np.ndarray,
+        old: np.ndarray | None,
+        d: DType,
+        *,
+        prev: int = -1,
+        width: int | None = None,
+    ) -> tuple[int, Streams]:
         """Streams of one param, or of one block of it (`prev`, `width`: see PositionCodec)."""
         width, streams = self.positions.encode(pos, numel, prev=prev, width=width)
         if self.needs_base and old is None:
@@ -187,35 +215,79 @@ class Encoding:
             raise ValueError(f"encoding {self.name!r} needs the old values")
         return self.values.encode(new, old, d)
 
-    def decode_param(self, spans: Spans, count: int, width: int, numel: int, d: DType, *, prev: int = -1,
-                     file: str | None, param: str | None) -> tuple[np.ndarray, np.ndarray]:
+    def decode_param(
+        self,
+        spans: Spans,
+        count: int,
+        width: int,
+        numel: int,
+        d: DType,
+        *,
+        prev: int = -1,
+        file: str | None,
+        param: str | None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Positions (int64, validated) and the value payload (new bits, or steps if needs_base)."""
         pos = self.positions.decode(spans, count, width, numel, prev=prev, file=file, param=param)
         return pos, self.values.decode(spans, count, d, file=file, param=param)
 
-    def decode_dense(self, spans: Spans, first: int, last: int, d: DType, *, file: str | None,
-                     param: str | None) -> tuple[np.ndarray, np.ndarray]:
+    def decode_dense(
+        self, spans: Spans, first: int, last: int, d: DType, *, file: str | None, param: str | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Positions `first..last` (the block index, already checked in range) and the value payload."""
         pos = np.arange(first, last + 1, dtype=np.int64)
         return pos, self.values.decode(spans, pos.size, d, file=file, param=param)
 
     def describe(self) -> dict:
-        return {"name": self.name, "idempotent": self.idempotent, "needs_base": self.needs_base,
-                "compression": self.compression, "description": self.description}
+        return {
+            "name": self.name,
+            "idempotent": self.idempotent,
+            "needs_base": self.needs_base,
+            "compression": self.compression,
+            "description": self.description,
+        }
 
 
-ENCODINGS: dict[str, Encoding] = {e.name: e for e in (
-    Encoding("indices", Indices(), RawValues(), "none",
-             "seed-compatible: absolute int32 positions (int64 past 2^31 elements), raw values"),
-    Encoding("deltas", Gaps(), RawValues(), "none",
-             "seed-compatible: gaps idx[k]-idx[k-1]-1 in the narrowest of u8/u16/u32/u64, raw values"),
-    Encoding("deltas_zstd", Gaps(), RawValues(), "file",
-             "seed-compatible: `deltas` with the whole file zstd-1 compressed"),
-    Encoding("planes_zstd", GapPlanes(), ValuePlanes(), "streams",
-             "overwrite: gap and value byte planes, each plane its own zstd stream"),
-    Encoding("ulp_zstd", GapPlanes(), UlpSteps(), "streams",
-             "base-relative: gap byte planes + signed ULP steps from the old bits, zstd per stream"),
-)}
+ENCODINGS: dict[str, Encoding] = {
+    e.name: e
+    for e in (
+        Encoding(
+            "indices",
+            Indices(),
+            RawValues(),
+            "none",
+            "seed-compatible: absolute int32 positions (int64 past 2^31 elements), raw values",
+        ),
+        Encoding(
+            "deltas",
+            Gaps(),
+            RawValues(),
+            "none",
+            "seed-compatible: gaps idx[k]-idx[k-1]-1 in the narrowest of u8/u16/u32/u64, raw values",
+        ),
+        Encoding(
+            "deltas_zstd",
+            Gaps(),
+            RawValues(),
+            "file",
+            "seed-compatible: `deltas` with the whole file zstd-1 compressed",
+        ),
+        Encoding(
+            "planes_zstd",
+            GapPlanes(),
+            ValuePlanes(),
+            "streams",
+            "overwrite: gap and value byte planes, each plane its own zstd stream",
+        ),
+        Encoding(
+            "ulp_zstd",
+            GapPlanes(),
+            UlpSteps(),
+            "streams",
+            "base-relative: gap byte planes + signed ULP steps from the old bits, zstd per stream",
+        ),
+    )
+}
 
 DEFAULT_ENCODING = "ulp_zstd"
 

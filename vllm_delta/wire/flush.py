@@ -17,24 +17,41 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from .batch import Fallback, decode as decode_batches, parse as index_flush
+from .batch import Fallback
+from .batch import decode as decode_batches
+from .batch import parse as index_flush
 from .blocks import BlockIndex, Ranges, merge, parse_index, runs, wanted
 from .codecs import check_numel
-from .container import Limits, ZSTD_MAGIC, decompress, paused_gc, unpack
+from .container import ZSTD_MAGIC, Limits, decompress, paused_gc, unpack
 from .deltas import DeltaBatch, ParamDelta
 from .digest import bytes_digest
 from .dtypes import by_name, from_bits
 from .encodings import Encoding, get_encoding
 from .errors import BoundsError, FormatError, IntegrityError, LimitError
-from .flush_meta import (FORMAT_BLOCKS, Expected, FlushHeader, Heads, check_expected, heads_from_text,
-                         meta_int, meta_json, parse_params, parse_streams)
+from .flush_meta import (
+    FORMAT_BLOCKS,
+    Expected,
+    FlushHeader,
+    Heads,
+    check_expected,
+    heads_from_text,
+    meta_int,
+    meta_json,
+    parse_params,
+    parse_streams,
+)
 
 Owned = Mapping[str, Ranges | None]  # per param: the position ranges to decode (None: all)
 
 
-def open_flush(data: bytes | bytearray | memoryview, *, file: str, limits: Limits,
-               max_decoded: int | None = None,
-               expected_hash: str | None = None):
+def open_flush(
+    data: bytes | bytearray | memoryview,
+    *,
+    file: str,
+    limits: Limits,
+    max_decoded: int | None = None,
+    expected_hash: str | None = None,
+):
     """Check the hash, undo whole-file zstd, parse the container: (tensors, metadata, budget left)."""
     if expected_hash is not None and bytes_digest(data) != expected_hash:
         raise IntegrityError("file hash does not match the manifest", file=file)
@@ -46,10 +63,16 @@ def open_flush(data: bytes | bytearray | memoryview, *, file: str, limits: Limit
     return tensors, meta, budget
 
 
-
-def iter_flush(tensors, meta: Mapping[str, str], budget: int, *, file: str, expected: Expected | None = None,
-               owned: Owned | None = None, batches: bool = False
-               ) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
+def iter_flush(
+    tensors,
+    meta: Mapping[str, str],
+    budget: int,
+    *,
+    file: str,
+    expected: Expected | None = None,
+    owned: Owned | None = None,
+    batches: bool = False,
+) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
     """Check a flush's metadata (and block index) now; decode its params one at a time as iterated.
 
     Why lazy: a receiver then holds one param's decoded changes at a time, not a flush's. Errors
@@ -58,17 +81,40 @@ def iter_flush(tensors, meta: Mapping[str, str], budget: int, *, file: str, expe
     of params the batched decoder took whole comes as one `DeltaBatch`.
     """
     enc = get_encoding(meta.get("encoding", ""), file=file)
-    header = FlushHeader(enc.name, meta_int(meta, "current_version", file=file),
-                         meta_int(meta, "base_version", file=file, optional=True))
+    header = FlushHeader(
+        enc.name,
+        meta_int(meta, "current_version", file=file),
+        meta_int(meta, "base_version", file=file, optional=True),
+    )
     blocked = meta.get("format") == FORMAT_BLOCKS
     with paused_gc():
-        return _iter_flush(enc, header, blocked, tensors, meta, budget, file=file, expected=expected, owned=owned,
-                           batches=batches)
+        return _iter_flush(
+            enc,
+            header,
+            blocked,
+            tensors,
+            meta,
+            budget,
+            file=file,
+            expected=expected,
+            owned=owned,
+            batches=batches,
+        )
 
 
-def _iter_flush(enc: Encoding, header: FlushHeader, blocked: bool, tensors, meta: Mapping[str, str], budget: int, *,
-                file: str, expected: Expected | None, owned: Owned | None, batches: bool = False
-                ) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
+def _iter_flush(
+    enc: Encoding,
+    header: FlushHeader,
+    blocked: bool,
+    tensors,
+    meta: Mapping[str, str],
+    budget: int,
+    *,
+    file: str,
+    expected: Expected | None,
+    owned: Owned | None,
+    batches: bool = False,
+) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
     smeta = parse_streams(meta, file=file)
     heads = heads_from_text(meta.get("params")) if blocked else None  # the writer's text, read fast
     if heads is None:
@@ -76,14 +122,15 @@ def _iter_flush(enc: Encoding, header: FlushHeader, blocked: bool, tensors, meta
     if sum(s.size for s in smeta.values() if s.codec == "zstd") > budget:
         raise LimitError("streams would decompress past the declared size", file=file)
     data: dict[str, memoryview] = {}
-    for name, s in smeta.items():
+    for name in smeta:
         t = tensors.get(f"__{name}__")
         if t is None or t.dtype.st_code != "U8" or len(t.shape) != 1:
             raise FormatError(f"stream {name!r} missing or not a 1-D uint8 tensor", file=file)
         data[name] = t.data
     if blocked:
-        return header, _iter_blocked(enc, smeta, data, heads, meta, file=file, expected=expected, owned=owned,
-                                     batches=batches)
+        return header, _iter_blocked(
+            enc, smeta, data, heads, meta, file=file, expected=expected, owned=owned, batches=batches
+        )
     return header, _iter_v1(enc, smeta, data, heads.entries(), file=file, expected=expected)
 
 
@@ -106,7 +153,12 @@ class _HeadCheck:
         d = by_name(p.dtype, file=self.file, param=p.name) if known is None else known[0]
         if self.expected is not None:
             want = self.expected.get(p.name)  # the common case in one comparison; else the precise check
-            if want is None or want[1] != d.torch or type(want[0]) not in (tuple, torch.Size) or want[0] != shape:
+            if (
+                want is None
+                or want[1] != d.torch
+                or type(want[0]) not in (tuple, torch.Size)
+                or want[0] != shape
+            ):
                 check_expected(p.name, shape, d.torch, self.expected, file=self.file)
         if known is None:
             numel = math.prod(shape)
@@ -118,12 +170,17 @@ class _HeadCheck:
 
 
 def _delta(enc: Encoding, name: str, shape, d, pos: np.ndarray, payload: np.ndarray, **extra) -> ParamDelta:
-    values = (torch.from_numpy(np.ascontiguousarray(payload).view(f"<i{d.itemsize}")) if enc.needs_base
-              else from_bits(payload, d))
+    values = (
+        torch.from_numpy(np.ascontiguousarray(payload).view(f"<i{d.itemsize}"))
+        if enc.needs_base
+        else from_bits(payload, d)
+    )
     return ParamDelta(name, shape, d.torch, torch.from_numpy(pos), values, enc.needs_base, **extra)
 
 
-def _iter_v1(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected | None) -> Iterator[ParamDelta]:
+def _iter_v1(
+    enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected | None
+) -> Iterator[ParamDelta]:
     streams: dict[str, memoryview] = {}
     for name, s in smeta.items():
         if s.codec == "zstd":
@@ -144,9 +201,18 @@ def _iter_v1(enc: Encoding, smeta, data, pmeta, *, file: str, expected: Expected
         yield _delta(enc, p.name, shape, d, pos, payload)
 
 
-def _iter_blocked(enc: Encoding, smeta, data, heads: Heads, meta: Mapping[str, str], *, file: str,
-                  expected: Expected | None, owned: Owned | None, batches: bool = False
-                  ) -> Iterator[ParamDelta | DeltaBatch]:
+def _iter_blocked(
+    enc: Encoding,
+    smeta,
+    data,
+    heads: Heads,
+    meta: Mapping[str, str],
+    *,
+    file: str,
+    expected: Expected | None,
+    owned: Owned | None,
+    batches: bool = False,
+) -> Iterator[ParamDelta | DeltaBatch]:
     """Validate every param's block index against the streams, then decode lazily (see iter_flush).
 
     The batched path (wire/batch.py) first; whatever it does not take goes to the per-param path,
@@ -160,15 +226,35 @@ def _iter_blocked(enc: Encoding, smeta, data, heads: Heads, meta: Mapping[str, s
         plan = _plan_blocked(smeta, data, _entries(meta, file=file), file=file, expected=expected)
         return _decode_blocked(enc, smeta, data, plan, file=file, owned=owned)
 
-    names, shapes, dtypes, needs_base = index.names, index.shapes, list(map(_TORCH, index.dtypes)), enc.needs_base
+    names, shapes, dtypes, needs_base = (
+        index.names,
+        index.shapes,
+        list(map(_TORCH, index.dtypes)),
+        enc.needs_base,
+    )
 
     def make(i: int, pos: torch.Tensor, values: torch.Tensor, skipped: int, bounds, nblocks) -> ParamDelta:
         return ParamDelta(names[i], shapes[i], dtypes[i], pos, values, needs_base, skipped, bounds, nblocks)
 
-    def make_batch(p: int, q: int, pos, values, types, sizes, skipped, first, last, nblocks, nbytes: int
-                   ) -> DeltaBatch:
-        return DeltaBatch(names[p:q], shapes[p:q], dtypes[p:q], pos, values, types, sizes, needs_base,
-                          index.count[p:q].tolist(), skipped, first, last, nblocks, nbytes)
+    def make_batch(
+        p: int, q: int, pos, values, types, sizes, skipped, first, last, nblocks, nbytes: int
+    ) -> DeltaBatch:
+        return DeltaBatch(
+            names[p:q],
+            shapes[p:q],
+            dtypes[p:q],
+            pos,
+            values,
+            types,
+            sizes,
+            needs_base,
+            index.count[p:q].tolist(),
+            skipped,
+            first,
+            last,
+            nblocks,
+            nbytes,
+        )
 
     del heads
     plans: list = []
@@ -204,8 +290,15 @@ def _plan_blocked(smeta, data, pmeta, *, file: str, expected: Expected | None) -
         if len(set(p.streams)) != len(p.streams) or any(s not in smeta for s in p.streams):
             raise FormatError(f"unknown or repeated streams {p.streams}", file=file, param=p.name)
         raw = [smeta[s].codec == "raw" for s in p.streams]
-        index = parse_index(p.blocks, streams=len(p.streams), count=p.count, numel=numel,
-                                   file=file, param=p.name, implicit=p.width == 0)
+        index = parse_index(
+            p.blocks,
+            streams=len(p.streams),
+            count=p.count,
+            numel=numel,
+            file=file,
+            param=p.name,
+            implicit=p.width == 0,
+        )
         if any(raw) and not np.array_equal(index.stored[:, raw], index.decoded[:, raw]):
             raise FormatError("raw block lengths differ from their decoded lengths", file=file, param=p.name)
         starts = {}
@@ -216,47 +309,92 @@ def _plan_blocked(smeta, data, pmeta, *, file: str, expected: Expected | None) -
         plans.append((p, d, shape, numel, index, starts))
     for s, m in smeta.items():
         if cursor[s] != len(data[s]) or decoded[s] != m.size:
-            raise FormatError(f"stream {s!r}: blocks span {cursor[s]} of {len(data[s])} B, decode to "
-                              f"{decoded[s]} of the declared {m.size} B", file=file)
+            raise FormatError(
+                f"stream {s!r}: blocks span {cursor[s]} of {len(data[s])} B, decode to "
+                f"{decoded[s]} of the declared {m.size} B",
+                file=file,
+            )
     return plans
 
 
-def _decode_blocked(enc: Encoding, smeta, data, plans, *, file: str, owned: Owned | None) -> Iterator[ParamDelta]:
+def _decode_blocked(
+    enc: Encoding, smeta, data, plans, *, file: str, owned: Owned | None
+) -> Iterator[ParamDelta]:
     for p, d, shape, numel, index, starts in plans:
         ranges = None if owned is None else owned.get(p.name)
         mask = wanted(index, None if ranges is None else merge(ranges))
-        offsets = [starts[s] + np.concatenate(([0], np.cumsum(index.stored[:, j]))) for j, s in enumerate(p.streams)]
+        offsets = [
+            starts[s] + np.concatenate(([0], np.cumsum(index.stored[:, j]))) for j, s in enumerate(p.streams)
+        ]
 
-        def spans(k: int, m: int) -> dict[str, memoryview]:
-            return {s: _run_bytes(data[s], smeta[s].codec, offsets[j], index, j, k, m, file=file, param=p.name)
-                    for j, s in enumerate(p.streams)}
+        def spans(k: int, m: int, p=p, offsets=offsets, index=index) -> dict[str, memoryview]:
+            return {
+                s: _run_bytes(data[s], smeta[s].codec, offsets[j], index, j, k, m, file=file, param=p.name)
+                for j, s in enumerate(p.streams)
+            }
 
         if p.width == 0:  # implicit positions: each dense block on its own (counts need not be x8)
-            parts = [enc.decode_dense(spans(k, k + 1), int(index.first[k]), int(index.last[k]), d, file=file,
-                                      param=p.name) for k in np.flatnonzero(mask).tolist()]
+            parts = [
+                enc.decode_dense(
+                    spans(k, k + 1), int(index.first[k]), int(index.last[k]), d, file=file, param=p.name
+                )
+                for k in np.flatnonzero(mask).tolist()
+            ]
         else:
-            parts = [_decode_run(enc, p, d, numel, index, k, m, spans(k, m), file=file) for k, m in runs(mask)]
+            parts = [
+                _decode_run(enc, p, d, numel, index, k, m, spans(k, m), file=file) for k, m in runs(mask)
+            ]
         pos = np.concatenate([x for x, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
         payload = np.concatenate([v for _, v in parts]) if parts else np.zeros(0, dtype=d.uint)
-        yield _delta(enc, p.name, shape, d, pos, payload, skipped=p.count - pos.size,
-                     bounds=(int(index.first[0]), int(index.last[-1])), blocks=(int(mask.sum()), index.size))
+        yield _delta(
+            enc,
+            p.name,
+            shape,
+            d,
+            pos,
+            payload,
+            skipped=p.count - pos.size,
+            bounds=(int(index.first[0]), int(index.last[-1])),
+            blocks=(int(mask.sum()), index.size),
+        )
 
 
-def _decode_run(enc: Encoding, p, d, numel: int, index: BlockIndex, k: int, m: int, spans, *, file: str
-                ) -> tuple[np.ndarray, np.ndarray]:
+def _decode_run(
+    enc: Encoding, p, d, numel: int, index: BlockIndex, k: int, m: int, spans, *, file: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Blocks k..m-1 of explicit positions, decoded as one: gaps continue across blocks."""
     counts = index.count[k:m]
-    pos, payload = enc.decode_param(spans, int(counts.sum()), p.width, numel, d,
-                                    prev=int(index.last[k - 1]) if k else -1, file=file, param=p.name)
+    pos, payload = enc.decode_param(
+        spans,
+        int(counts.sum()),
+        p.width,
+        numel,
+        d,
+        prev=int(index.last[k - 1]) if k else -1,
+        file=file,
+        param=p.name,
+    )
     heads = np.cumsum(counts) - counts
-    if not (np.array_equal(pos[heads], index.first[k:m]) and np.array_equal(pos[heads + counts - 1],
-                                                                            index.last[k:m])):
+    if not (
+        np.array_equal(pos[heads], index.first[k:m])
+        and np.array_equal(pos[heads + counts - 1], index.last[k:m])
+    ):
         raise BoundsError("positions disagree with the block index", file=file, param=p.name)
     return pos, payload
 
 
-def _run_bytes(stream: memoryview, codec: str, offsets: np.ndarray, index: BlockIndex, j: int, k: int, m: int, *,
-               file: str, param: str) -> memoryview:
+def _run_bytes(
+    stream: memoryview,
+    codec: str,
+    offsets: np.ndarray,
+    index: BlockIndex,
+    j: int,
+    k: int,
+    m: int,
+    *,
+    file: str,
+    param: str,
+) -> memoryview:
     """Decoded bytes of stream column `j` for blocks k..m-1 (`offsets`: the blocks' byte offsets in the
     stream, and its end), in one buffer of exactly their size."""
     a, b = int(offsets[k]), int(offsets[m])
@@ -264,18 +402,28 @@ def _run_bytes(stream: memoryview, codec: str, offsets: np.ndarray, index: Block
         return stream[a:b]
     sizes = index.decoded[k:m, j]
     if m - k == 1 and sizes[0]:
-        return memoryview(decompress(stream[a:b], int(sizes[0]), exact=int(sizes[0]), file=file,
-                                               what=f"block {k} of stream {j}", param=param))
+        return memoryview(
+            decompress(
+                stream[a:b],
+                int(sizes[0]),
+                exact=int(sizes[0]),
+                file=file,
+                what=f"block {k} of stream {j}",
+                param=param,
+            )
+        )
     out = bytearray(int(sizes.sum()))
     at = 0
     for i, n in zip(range(k, m), sizes.tolist()):
         lo, hi = int(offsets[i]), int(offsets[i + 1])
         if hi == lo:
             if n:
-                raise FormatError(f"block {i} of stream {j} is empty but decodes to {n} B", file=file, param=param)
+                raise FormatError(
+                    f"block {i} of stream {j} is empty but decodes to {n} B", file=file, param=param
+                )
             continue
-        out[at:at + n] = decompress(stream[lo:hi], n, exact=n, file=file, what=f"block {i} of stream {j}",
-                                              param=param)
+        out[at : at + n] = decompress(
+            stream[lo:hi], n, exact=n, file=file, what=f"block {i} of stream {j}", param=param
+        )
         at += n
     return memoryview(out)
-

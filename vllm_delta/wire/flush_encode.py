@@ -15,6 +15,7 @@ from .dtypes import by_torch, to_bits
 from .encodings import Encoding
 from .flush_meta import FORMAT, FORMAT_BLOCKS
 
+
 @dataclass(frozen=True)
 class EncodedFlush:
     data: bytes
@@ -22,9 +23,15 @@ class EncodedFlush:
     counts: list[tuple[str, int]]  # (param, changed) in flush order
 
 
-def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version: int,
-                 base_version: int | None, blocked: bool = True,
-                 policy: Policy = Policy()) -> EncodedFlush:
+def encode_flush(
+    changes: Sequence[ParamChange],
+    *,
+    encoding: Encoding,
+    version: int,
+    base_version: int | None,
+    blocked: bool = True,
+    policy: Policy = Policy(),
+) -> EncodedFlush:
     """Encode a bucket of changes; `blocked=False` writes the older `vllm-delta/1` layout."""
     if not blocked:
         return _encode_v1(changes, encoding=encoding, version=version, base_version=base_version)
@@ -46,27 +53,65 @@ def encode_flush(changes: Sequence[ParamChange], *, encoding: Encoding, version:
                 sizes[s] = sizes.get(s, 0) + len(raw)
                 lengths += [len(blob), len(raw)]
             rows.append([first, first + b - a - 1 if pos is None else int(pos[b - 1]), b - a, lengths])
-        params.append({"name": ch.name, "dtype": d.name, "shape": list(ch.shape), "count": len(new),
-                       "width": width, "streams": names, "blocks": rows})
-    meta = _header(encoding, version, base_version, FORMAT_BLOCKS, params,
-                   {s: {"codec": "zstd" if compressed else "raw", "size": n} for s, n in sizes.items()})
+        params.append(
+            {
+                "name": ch.name,
+                "dtype": d.name,
+                "shape": list(ch.shape),
+                "count": len(new),
+                "width": width,
+                "streams": names,
+                "blocks": rows,
+            }
+        )
+    meta = _header(
+        encoding,
+        version,
+        base_version,
+        FORMAT_BLOCKS,
+        params,
+        {s: {"codec": "zstd" if compressed else "raw", "size": n} for s, n in sizes.items()},
+    )
     data = pack({f"__{s}__": b"".join(parts) for s, parts in streams.items()}, meta)
-    return EncodedFlush(data, sum(sizes.values()) if compressed else 0, [(p["name"], p["count"]) for p in params])
+    return EncodedFlush(
+        data, sum(sizes.values()) if compressed else 0, [(p["name"], p["count"]) for p in params]
+    )
 
 
-def _blocks(ch: ParamChange, encoding: Encoding, d, numel: int, pos: np.ndarray | None, new: np.ndarray,
-            old: np.ndarray | None, policy: Policy, width: int):
+def _blocks(
+    ch: ParamChange,
+    encoding: Encoding,
+    d,
+    numel: int,
+    pos: np.ndarray | None,
+    new: np.ndarray,
+    old: np.ndarray | None,
+    policy: Policy,
+    width: int,
+):
     """(first position, entry offset, end offset, streams) of each block of one param (`width`: the
     param-wide position width)."""
     if pos is None:  # implicit positions: dense blocks, value streams only
         assert ch.ranges is not None  # no positions: the change is its ranges (`ParamChange`)
         for first, a, n in dense_cuts(ch.ranges, policy):
-            yield first, a, a + n, encoding.encode_dense(new[a:a + n], None if old is None else old[a:a + n], d)
+            yield (
+                first,
+                a,
+                a + n,
+                encoding.encode_dense(new[a : a + n], None if old is None else old[a : a + n], d),
+            )
         return
     starts = cuts(pos, policy)
     for a, b in zip(starts, [*starts[1:], len(pos)]):
-        _, parts = encoding.encode_param(pos[a:b], numel, new[a:b], None if old is None else old[a:b], d,
-                                         prev=int(pos[a - 1]) if a else -1, width=width)
+        _, parts = encoding.encode_param(
+            pos[a:b],
+            numel,
+            new[a:b],
+            None if old is None else old[a:b],
+            d,
+            prev=int(pos[a - 1]) if a else -1,
+            width=width,
+        )
         yield int(pos[a]), a, b, parts
 
 
@@ -87,17 +132,22 @@ def _arrays(changes: Sequence[ParamChange], *, explicit: bool = False):
         yield ch, d, numel, pos, new, old
 
 
-def _header(encoding: Encoding, version: int, base_version: int | None, fmt: str, params: list,
-            streams: dict) -> dict[str, str]:
+def _header(
+    encoding: Encoding, version: int, base_version: int | None, fmt: str, params: list, streams: dict
+) -> dict[str, str]:
     return {
-        "format": fmt, "encoding": encoding.name, "current_version": str(version),
+        "format": fmt,
+        "encoding": encoding.name,
+        "current_version": str(version),
         "base_version": "" if base_version is None else str(base_version),
-        "streams": json.dumps(streams), "params": json.dumps(params, separators=(",", ":")),
+        "streams": json.dumps(streams),
+        "params": json.dumps(params, separators=(",", ":")),
     }
 
 
-def _encode_v1(changes: Sequence[ParamChange], *, encoding: Encoding, version: int,
-               base_version: int | None) -> EncodedFlush:
+def _encode_v1(
+    changes: Sequence[ParamChange], *, encoding: Encoding, version: int, base_version: int | None
+) -> EncodedFlush:
     streams: dict[str, list[bytes]] = {}
     sizes: dict[str, int] = {}
     params = []
@@ -109,16 +159,29 @@ def _encode_v1(changes: Sequence[ParamChange], *, encoding: Encoding, version: i
             streams.setdefault(s, []).append(blob)
             sizes[s] = start + len(blob)
             spans[s] = [start, start + len(blob)]
-        params.append({"name": ch.name, "dtype": d.name, "shape": list(ch.shape), "count": len(pos),
-                       "width": width, "spans": spans})
+        params.append(
+            {
+                "name": ch.name,
+                "dtype": d.name,
+                "shape": list(ch.shape),
+                "count": len(pos),
+                "width": width,
+                "spans": spans,
+            }
+        )
     raw = {s: b"".join(parts) for s, parts in streams.items()}
     per_stream = encoding.compression == "streams"
     blobs = {f"__{s}__": compress(b, encoding.zstd_level) if per_stream else b for s, b in raw.items()}
-    meta = _header(encoding, version, base_version, FORMAT, params,
-                   {s: {"codec": "zstd" if per_stream else "raw", "size": len(b)} for s, b in raw.items()})
+    meta = _header(
+        encoding,
+        version,
+        base_version,
+        FORMAT,
+        params,
+        {s: {"codec": "zstd" if per_stream else "raw", "size": len(b)} for s, b in raw.items()},
+    )
     data = pack(blobs, meta)
     decoded = sum(sizes.values()) if per_stream else 0
     if encoding.compression == "file":
         data, decoded = compress(data, encoding.zstd_level), len(data)
     return EncodedFlush(data, decoded, [(p["name"], p["count"]) for p in params])
-

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field as dc_field
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 from itertools import chain
 from operator import itemgetter
 from typing import Literal, NamedTuple, overload
@@ -86,8 +87,19 @@ class Heads:
 
     def entries(self) -> list[Param]:
         n = len(self.name)
-        return list(map(Param, self.name, self.dtype, self.shape, self.count, self.width,
-                        self.streams or [[]] * n, self.blocks or [[]] * n, self.spans or [{}] * n))
+        return list(
+            map(
+                Param,
+                self.name,
+                self.dtype,
+                self.shape,
+                self.count,
+                self.width,
+                self.streams or [[]] * n,
+                self.blocks or [[]] * n,
+                self.spans or [{}] * n,
+            )
+        )
 
 
 @dataclass
@@ -152,8 +164,13 @@ def parse_streams(meta: Mapping[str, str], *, file: str) -> dict[str, StreamMeta
         raise FormatError("bad flush metadata: streams is not an object", file=file)
     out = {}
     for name, s in raw.items():
-        if (type(s) is not dict or set(s) != {"codec", "size"} or s["codec"] not in CODECS
-                or type(s["size"]) is not int or s["size"] < 0):
+        if (
+            type(s) is not dict
+            or set(s) != {"codec", "size"}
+            or s["codec"] not in CODECS
+            or type(s["size"]) is not int
+            or s["size"] < 0
+        ):
             want = "{codec: raw|zstd, size: int >= 0}"
             raise FormatError(f"bad flush metadata: stream {name!r} is not {want}", file=file)
         out[name] = StreamMeta(s["codec"], s["size"])
@@ -183,20 +200,29 @@ def _columns_ok(columns: list[tuple], blocked: bool) -> bool:
     """The entry checks of `_check_entry`, as a few passes over whole columns."""
     name, dtype, shape, count, width = columns[:5]
     dims = list(chain.from_iterable(shape)) if set(map(type, shape)) == {list} else None
-    if (dims is None or not set(map(type, name)) | set(map(type, dtype)) == {str}
-            or not set(map(type, dims)) <= {int} or (dims and min(dims) < 0)
-            or set(map(type, count)) | set(map(type, width)) != {int} or min(count) < 1 or min(width) < 0):
+    if (
+        dims is None
+        or not set(map(type, name)) | set(map(type, dtype)) == {str}
+        or not set(map(type, dims)) <= {int}
+        or (dims and min(dims) < 0)
+        or set(map(type, count)) | set(map(type, width)) != {int}
+        or min(count) < 1
+        or min(width) < 0
+    ):
         return False
     if blocked:
         streams, blocks = columns[5:]
-        return (set(map(type, streams)) | set(map(type, blocks)) == {list}
-                and set(map(type, chain.from_iterable(streams))) <= {str})
+        return set(map(type, streams)) | set(map(type, blocks)) == {list} and set(
+            map(type, chain.from_iterable(streams))
+        ) <= {str}
     return all(map(_spans_ok, columns[5]))
 
 
 def _spans_ok(spans: object) -> bool:
     return type(spans) is dict and all(
-        type(ab) is list and len(ab) == 2 and _nonneg_int(ab[0]) and _nonneg_int(ab[1]) for ab in spans.values())
+        type(ab) is list and len(ab) == 2 and _nonneg_int(ab[0]) and _nonneg_int(ab[1])
+        for ab in spans.values()
+    )
 
 
 def _nonneg_int(x: object, least: int = 0) -> bool:
@@ -230,7 +256,6 @@ def _check_entry(i: int, p: object, fields: tuple[str, ...], *, file: str) -> No
             raise FormatError(f"bad flush metadata: params[{i}].{f} is not {want}", file=file, param=param)
 
 
-
 def heads_from_text(text: object) -> Heads | None:
     """A block-indexed flush's `params` columns read straight from the text the writer writes, or None
     (the caller then parses the JSON: `parse_params`).
@@ -249,14 +274,25 @@ def heads_from_text(text: object) -> Heads | None:
         raw = text.encode("ascii")
     except UnicodeEncodeError:
         return None
-    from vllm_delta.kernels.params_jit import (COUNT, DTYPE, KEYS, NAME_A, NAME_B, NROWS, SHAPE, STREAMS, WIDTH,
-                                               scan)  # numba: on first use
+    from vllm_delta.kernels.params_jit import (
+        COUNT,
+        DTYPE,
+        KEYS,
+        NAME_A,
+        NAME_B,
+        NROWS,
+        SHAPE,
+        STREAMS,
+        WIDTH,
+        scan,
+    )  # numba: on first use
 
     n, nrows, nframes, spans, distinct, counts, head, frame_at, lens = scan(
-        np.frombuffer(raw, dtype=np.uint8), KEYS)
+        np.frombuffer(raw, dtype=np.uint8), KEYS
+    )
     if n < 1:
         return None
-    texts = [[text[a:b] for a, b in distinct[field, :counts[field]].tolist()] for field in range(3)]
+    texts = [[text[a:b] for a, b in distinct[field, : counts[field]].tolist()] for field in range(3)]
     dtypes, shapes, streams = texts[0], _lists(texts[1]), _lists(texts[2])
     if shapes is None or streams is None:
         return None
@@ -264,12 +300,15 @@ def heads_from_text(text: object) -> Heads | None:
     # parse_params's bounds (its types hold by the scan: ints, strings, lists of them).
     if min(count) < 1 or min(width) < 0 or min(map(min, filter(None, shapes)), default=0) < 0:
         return None
-    rows = Rows(spans[:n, NROWS].copy(), head[:nrows].copy(), np.diff(frame_at[:nrows + 1]),
-                lens[:nframes].copy())
+    rows = Rows(
+        spans[:n, NROWS].copy(), head[:nrows].copy(), np.diff(frame_at[: nrows + 1]), lens[:nframes].copy()
+    )
     bounds = map(slice, spans[:n, NAME_A].tolist(), spans[:n, NAME_B].tolist())
     names = tuple(map(text.__getitem__, bounds))
-    dtype, shape = (tuple(map(table.__getitem__, spans[:n, c].tolist()))
-                    for table, c in ((dtypes, DTYPE), (shapes, SHAPE)))
+    dtype, shape = (
+        tuple(map(table.__getitem__, spans[:n, c].tolist()))
+        for table, c in ((dtypes, DTYPE), (shapes, SHAPE))
+    )
     stream_names = tuple(map(streams.__getitem__, spans[:n, STREAMS].tolist()))
     return Heads(names, dtype, shape, count, width, stream_names, (), (), rows=rows)
 
@@ -280,8 +319,9 @@ def _lists(texts: list[str]) -> list[tuple] | None:
     return list(map(tuple, values)) if all(type(v) is list for v in values) else None
 
 
-def check_expected(name: str, shape: tuple[int, ...], dtype: torch.dtype, expected: Expected | None,
-                   *, file: str | None) -> None:
+def check_expected(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, expected: Expected | None, *, file: str | None
+) -> None:
     """The receiver's view of a param must match the delta's exactly."""
     if expected is None:
         return

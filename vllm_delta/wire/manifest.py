@@ -104,8 +104,9 @@ class Lineage(_Strict):
         return self.min_version is None
 
 
-def check_lineage(lineage: Lineage | None, *, version: int, engine_version: int, engine_run_id: str | None,
-                  anchor: bool) -> str | None:
+def check_lineage(
+    lineage: Lineage | None, *, version: int, engine_version: int, engine_run_id: str | None, anchor: bool
+) -> str | None:
     """Refuse (`LineageError`) an update whose lineage does not hold this engine's weights; the run id
     the engine is on once it applies the update.
 
@@ -121,20 +122,28 @@ def check_lineage(lineage: Lineage | None, *, version: int, engine_version: int,
         return None
     if lineage.any_version:
         if not anchor:
-            raise LineageError(f"run {lineage.run_id!r}: an update valid on any weights must be a full anchor")
+            raise LineageError(
+                f"run {lineage.run_id!r}: an update valid on any weights must be a full anchor"
+            )
         return lineage.run_id
     lo, hi = lineage.min_version, lineage.max_version
     assert lo is not None and hi is not None  # a ranged lineage has both (`Lineage._range`)
     if engine_run_id is None:
         if engine_version != 0 or not lo <= 0 <= hi:
-            raise LineageError(f"engine is on no run's lineage at version {engine_version}; the update needs run "
-                               f"{lineage.run_id!r} at versions {lineage.min_version}..{lineage.max_version}")
+            raise LineageError(
+                f"engine is on no run's lineage at version {engine_version}; the update needs run "
+                f"{lineage.run_id!r} at versions {lineage.min_version}..{lineage.max_version}"
+            )
         return lineage.run_id
     if engine_run_id != lineage.run_id:
-        raise LineageError(f"engine holds run {engine_run_id!r}'s weights; the update is for run {lineage.run_id!r}")
+        raise LineageError(
+            f"engine holds run {engine_run_id!r}'s weights; the update is for run {lineage.run_id!r}"
+        )
     if not (lo <= engine_version <= hi or engine_version == version):
-        raise LineageError(f"engine is at version {engine_version}; the update applies at versions "
-                           f"{lineage.min_version}..{lineage.max_version} of run {lineage.run_id!r}")
+        raise LineageError(
+            f"engine is at version {engine_version}; the update applies at versions "
+            f"{lineage.min_version}..{lineage.max_version} of run {lineage.run_id!r}"
+        )
     return lineage.run_id
 
 
@@ -159,8 +168,9 @@ class Manifest(_Strict):
             raise ValueError("duplicate file names")
         known = set(names)
         params = list(map(attrgetter("name"), self.params))
-        if len(set(params)) == len(params) and known.issuperset(chain.from_iterable(map(attrgetter("files"),
-                                                                                     self.params))):
+        if len(set(params)) == len(params) and known.issuperset(
+            chain.from_iterable(map(attrgetter("files"), self.params))
+        ):
             return self  # else the first param at fault, in order:
         seen: set[str] = set()
         for p in self.params:
@@ -189,17 +199,26 @@ def merge_manifests(parts: list[Manifest]) -> Manifest:
     """
     first = parts[0]
     for p in parts[1:]:
-        if (p.version, p.base_version, p.encoding, p.lineage) != (first.version, first.base_version, first.encoding,
-                                                                   first.lineage):
+        if (p.version, p.base_version, p.encoding, p.lineage) != (
+            first.version,
+            first.base_version,
+            first.encoding,
+            first.lineage,
+        ):
             raise ValueError("manifests disagree on version, base_version, encoding or lineage")
     by_name: dict[str, list[ParamEntry]] = {}
     for p in parts:
         for e in p.params:
             by_name.setdefault(e.name, []).append(e)
-    return Manifest(version=first.version, base_version=first.base_version, encoding=first.encoding,
-                    model_elements=first.model_elements, files=[f for p in parts for f in p.files],
-                    params=[_merge_entries(es) for es in by_name.values()],
-                    lineage=first.lineage)
+    return Manifest(
+        version=first.version,
+        base_version=first.base_version,
+        encoding=first.encoding,
+        model_elements=first.model_elements,
+        files=[f for p in parts for f in p.files],
+        params=[_merge_entries(es) for es in by_name.values()],
+        lineage=first.lineage,
+    )
 
 
 def _merge_entries(entries: list[ParamEntry]) -> ParamEntry:
@@ -219,10 +238,17 @@ def _merge_entries(entries: list[ParamEntry]) -> ParamEntry:
             raise ValueError(f"some writers of {first.name!r} give {field}, others do not")
         return combine(*values)
 
-    return ParamEntry(name=first.name, dtype=first.dtype, shape=first.shape,
-                      changed=sum(e.changed for e in entries), files=[f for e in entries for f in e.files],
-                      parts=[f for e in entries for f in (e.parts or [e.files])],
-                      digest=added("digest"), pre_digest=added("pre_digest"), post_digest=added("post_digest"))
+    return ParamEntry(
+        name=first.name,
+        dtype=first.dtype,
+        shape=first.shape,
+        changed=sum(e.changed for e in entries),
+        files=[f for e in entries for f in e.files],
+        parts=[f for e in entries for f in (e.parts or [e.files])],
+        digest=added("digest"),
+        pre_digest=added("pre_digest"),
+        post_digest=added("post_digest"),
+    )
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -300,12 +326,17 @@ def _entries(params: object) -> list[ParamEntry] | None:
         return None
     name, dtype, shape, changed, files, parts, *digests = (list(map(g, params)) for g in _COLUMNS)
     dims = list(chain.from_iterable(shape))
-    if (set(map(type, name)) | set(map(type, dtype)) != {str}
-            or set(map(type, shape)) | set(map(type, files)) != {list}
-            or not set(map(type, dims)) <= {int} or (dims and min(dims) < 0)
-            or set(map(type, changed)) != {int} or min(changed) < 1
-            or min(map(len, files)) < 1 or set(map(type, chain.from_iterable(files))) != {str}
-            or not set(map(type, chain.from_iterable(digests))) <= {str, _NONE}):
+    if (
+        set(map(type, name)) | set(map(type, dtype)) != {str}
+        or set(map(type, shape)) | set(map(type, files)) != {list}
+        or not set(map(type, dims)) <= {int}
+        or (dims and min(dims) < 0)
+        or set(map(type, changed)) != {int}
+        or min(changed) < 1
+        or min(map(len, files)) < 1
+        or set(map(type, chain.from_iterable(files))) != {str}
+        or not set(map(type, chain.from_iterable(digests))) <= {str, _NONE}
+    ):
         return None
     if set(map(type, parts)) != {_NONE} and not all(map(_lists_of_str, parts)):
         return None
@@ -313,8 +344,12 @@ def _entries(params: object) -> list[ParamEntry] | None:
     made = list(map(object.__new__, repeat(ParamEntry, n)))
     # One fields-set for the manifest's entries (a set of 10 names was 0.7 us an entry): pydantic never
     # changes a frozen model's in place (model_copy and copy change a copy of it).
-    for attr, value in (("__dict__", params), ("__pydantic_fields_set__", repeat(set(_PARAM_FIELDS), n)),
-                        ("__pydantic_extra__", repeat(None, n)), ("__pydantic_private__", repeat(None, n))):
+    for attr, value in (
+        ("__dict__", params),
+        ("__pydantic_fields_set__", repeat(set(_PARAM_FIELDS), n)),
+        ("__pydantic_extra__", repeat(None, n)),
+        ("__pydantic_private__", repeat(None, n)),
+    ):
         deque(map(_setattr, made, repeat(attr), value), 0)
     return made
 
@@ -322,5 +357,8 @@ def _entries(params: object) -> list[ParamEntry] | None:
 def _lists_of_str(parts: object) -> bool:
     """`parts` is None or lists of str, as its schema takes it (that they partition the files is the
     model validator's check, which pydantic runs on each instance given too)."""
-    return parts is None or (type(parts) is list and set(map(type, parts)) <= {list}
-                             and set(map(type, chain.from_iterable(parts))) <= {str})
+    return parts is None or (
+        type(parts) is list
+        and set(map(type, parts)) <= {list}
+        and set(map(type, chain.from_iterable(parts))) <= {str}
+    )

@@ -21,15 +21,15 @@ from typing import cast
 import torch
 
 from .container import DeltaDir, Limits, SparseFile, paused_gc
+from .deltas import DeltaBatch, ParamDelta
 from .digest import bytes_digest
 from .dtypes import by_name
 from .encodings import Encoding, get_encoding
-from .errors import (BoundsError, DeltaError, FormatError, IncompleteDeltaError, IntegrityError, VersionError)
-from .deltas import DeltaBatch, ParamDelta
+from .errors import BoundsError, DeltaError, FormatError, IncompleteDeltaError, IntegrityError, VersionError
 from .flush import Owned, iter_flush, open_flush
 from .flush_meta import FLUSH_FORMATS, Expected, check_expected
-from .seed_format import decode_seed_flush, is_seed
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, parse_manifest
+from .seed_format import decode_seed_flush, is_seed
 
 FLUSH_GLOB = "rank*_flush*.safetensors"
 
@@ -59,13 +59,22 @@ class DeltaDecoder:
     delta known to be whole. Nothing should be applied before `finish()` returns.
     """
 
-    def __init__(self, manifest: Manifest, *, expected: Expected | None = None,
-                 current_version: int | None = None, seed: bool = False, limits: Limits = Limits()):
+    def __init__(
+        self,
+        manifest: Manifest,
+        *,
+        expected: Expected | None = None,
+        current_version: int | None = None,
+        seed: bool = False,
+        limits: Limits = Limits(),
+    ):
         self.manifest, self.expected, self.seed, self.limits = manifest, expected, seed, limits
         self.encoding = get_encoding(manifest.encoding)
         if self.encoding.needs_base and current_version != manifest.base_version:
-            raise VersionError(f"encoding {self.encoding.name!r} applies only on version "
-                               f"{manifest.base_version}, not {current_version}")
+            raise VersionError(
+                f"encoding {self.encoding.name!r} applies only on version "
+                f"{manifest.base_version}, not {current_version}"
+            )
         self._files = {f.name: f for f in manifest.files}
         # What admit compares and counts, made once per param (its lookups, not the manifest's
         # pydantic attributes, are what admit pays per tensor): the param's (shape, dtype), its files,
@@ -88,7 +97,11 @@ class DeltaDecoder:
         parts = list(map(attrgetter("parts"), params))
         # As columns by manifest position (`_index`), not a tuple a param: 44k tuples were ~0.7 us a tensor.
         self._index = dict(zip(names, count()))
-        self._heads, self._listed, self._has_parts = heads, list(map(attrgetter("files"), params)), list(map(bool, parts))
+        self._heads, self._listed, self._has_parts = (
+            heads,
+            list(map(attrgetter("files"), params)),
+            list(map(bool, parts)),
+        )
         shared = list(compress(params, parts))  # the params of several writers, without a loop over all
         self._part: dict[tuple[str, str], int] = {}
         for p in shared:
@@ -113,7 +126,12 @@ class DeltaDecoder:
             shape = tuple(p.shape)
             if expected is not None:
                 want = expected.get(p.name)  # the common case in one comparison; else the precise check
-                if want is None or want[1] != d or type(want[0]) not in (tuple, torch.Size) or want[0] != shape:
+                if (
+                    want is None
+                    or want[1] != d
+                    or type(want[0]) not in (tuple, torch.Size)
+                    or want[0] != shape
+                ):
                     check_expected(p.name, shape, d, expected, file=MANIFEST_NAME)
         return dtypes
 
@@ -121,8 +139,9 @@ class DeltaDecoder:
         """Decode one flush's bytes; all of its checks pass before anything is returned."""
         return cast("list[ParamDelta]", list(self.feed_iter(name, data, owned=owned)))  # no batches asked
 
-    def feed_iter(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None, batches: bool = False
-                  ) -> Iterator[ParamDelta | DeltaBatch]:
+    def feed_iter(
+        self, name: str, data: bytes | memoryview, *, owned: Owned | None = None, batches: bool = False
+    ) -> Iterator[ParamDelta | DeltaBatch]:
         """Decode one flush's bytes a param at a time (see `flush.iter_flush`).
 
         The file's hash, header and block index are checked before the first param; a param's
@@ -136,8 +155,9 @@ class DeltaDecoder:
             raise FormatError("file fed twice", file=name)
         return self.admit(name, self.decode(name, data, owned=owned, batches=batches))
 
-    def decode(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None, batches: bool = False
-               ) -> Iterator[ParamDelta | DeltaBatch]:
+    def decode(
+        self, name: str, data: bytes | memoryview, *, owned: Owned | None = None, batches: bool = False
+    ) -> Iterator[ParamDelta | DeltaBatch]:
         """`feed_iter`'s checks of this file alone, then its params, lazily, not yet admitted.
 
         Why apart from `admit`: it reads no state that other files change, so flushes can be
@@ -150,25 +170,35 @@ class DeltaDecoder:
             raise IntegrityError(f"{len(data)} B, manifest says {entry.bytes} B (truncated?)", file=name)
         sparse = isinstance(data, SparseFile)  # only owned blocks fetched: no file hash to check
         if sparse and not all(p.post_digest for p in self.manifest.params if name in p.files):
-            raise IntegrityError("a sparse fetch is only verifiable with every param's post_digest", file=name)
-        tensors, meta, budget = open_flush(data, file=name, limits=self.limits,
-                                           max_decoded=None if self.seed else entry.decoded_bytes,
-                                           expected_hash=None if sparse else entry.hash)
+            raise IntegrityError(
+                "a sparse fetch is only verifiable with every param's post_digest", file=name
+            )
+        tensors, meta, budget = open_flush(
+            data,
+            file=name,
+            limits=self.limits,
+            max_decoded=None if self.seed else entry.decoded_bytes,
+            expected_hash=None if sparse else entry.hash,
+        )
         deltas: Iterable[ParamDelta | DeltaBatch]
         if self.seed:
             header, deltas = decode_seed_flush(tensors, meta, file=name, expected=self.expected)
         elif meta.get("format") not in FLUSH_FORMATS:
             raise FormatError(f"format {meta.get('format')!r} is not one of {FLUSH_FORMATS}", file=name)
         else:
-            header, deltas = iter_flush(tensors, meta, budget, file=name, expected=self.expected, owned=owned,
-                                        batches=batches)
+            header, deltas = iter_flush(
+                tensors, meta, budget, file=name, expected=self.expected, owned=owned, batches=batches
+            )
         m = self.manifest
         if (header.encoding, header.version) != (m.encoding, m.version) or (
-                not self.seed and header.base_version != m.base_version):
+            not self.seed and header.base_version != m.base_version
+        ):
             raise FormatError("flush header disagrees with the manifest's encoding or versions", file=name)
         return iter(deltas)
 
-    def admit(self, name: str, deltas: Iterable[ParamDelta | DeltaBatch]) -> Iterator[ParamDelta | DeltaBatch]:
+    def admit(
+        self, name: str, deltas: Iterable[ParamDelta | DeltaBatch]
+    ) -> Iterator[ParamDelta | DeltaBatch]:
         """The checks across files (order, overlaps, counts) of one decoded flush, in manifest order.
 
         One loop per flush with its lookups bound once (a flush holds thousands of tensors). A
@@ -204,7 +234,9 @@ class DeltaDecoder:
                 shared[param].append(pd.positions)
             total = seen[param] = seen.get(param, 0) + pd.total
             if total > changed:
-                raise BoundsError(f"more than the {changed} changes the manifest lists", file=name, param=param)
+                raise BoundsError(
+                    f"more than the {changed} changes the manifest lists", file=name, param=param
+                )
             yield pd
 
     def _admit_each(self, name: str, deltas: Iterator[ParamDelta]) -> Iterator[ParamDelta | DeltaBatch]:
@@ -223,7 +255,8 @@ class DeltaDecoder:
             return False
         at = cast("list[int]", found)  # no None: checked above
         if True in map(self._has_parts.__getitem__, at) or not all(
-                map(contains, map(self._listed.__getitem__, at), repeat(name))):  # several writers, or not this file's
+            map(contains, map(self._listed.__getitem__, at), repeat(name))
+        ):  # several writers, or not this file's
             return False
         if list(map(self._heads.__getitem__, at)) != list(zip(batch.shapes, batch.dtypes)):
             return False
@@ -266,22 +299,38 @@ def _synthesize_seed_manifest(d: DeltaDir, names: Sequence[str], limits: Limits)
         header, deltas = decode_seed_flush(tensors, meta, file=name)
         versions.add(header.version)
         encodings.add(header.encoding)
-        files.append(FileEntry(name=name, bytes=len(data), hash=bytes_digest(data),
-                               changed=sum(pd.count for pd in deltas)))
+        files.append(
+            FileEntry(
+                name=name, bytes=len(data), hash=bytes_digest(data), changed=sum(pd.count for pd in deltas)
+            )
+        )
         for pd in deltas:
-            e = params.setdefault(pd.name, {"name": pd.name, "dtype": str(pd.dtype).removeprefix("torch."),
-                                            "shape": list(pd.shape), "changed": 0, "files": []})
+            e = params.setdefault(
+                pd.name,
+                {
+                    "name": pd.name,
+                    "dtype": str(pd.dtype).removeprefix("torch."),
+                    "shape": list(pd.shape),
+                    "changed": 0,
+                    "files": [],
+                },
+            )
             e["changed"] += pd.count
             if name not in e["files"]:
                 e["files"].append(name)
     if len(versions) != 1 or len(encodings) != 1:
         raise FormatError("seed flush files disagree on version or encoding")
-    return Manifest(version=versions.pop(), encoding=encodings.pop(), files=files,
-                    params=[ParamEntry(**e) for e in params.values() if e["changed"]])
+    return Manifest(
+        version=versions.pop(),
+        encoding=encodings.pop(),
+        files=files,
+        params=[ParamEntry(**e) for e in params.values() if e["changed"]],
+    )
 
 
-def open_delta(path: str | os.PathLike | DeltaDir, *, files: Sequence[str] | None = None,
-               limits: Limits = Limits()) -> DeltaInfo:
+def open_delta(
+    path: str | os.PathLike | DeltaDir, *, files: Sequence[str] | None = None, limits: Limits = Limits()
+) -> DeltaInfo:
     """Open a version directory: with a manifest, or a seed delta (flush files, no manifest).
 
     `path` may be a `DeltaDir` already opened under a root (the engine's workers do that). `files`
@@ -300,15 +349,24 @@ def open_delta(path: str | os.PathLike | DeltaDir, *, files: Sequence[str] | Non
         return DeltaInfo(d.path, m, seed=False, dir=d)
     names = list(files) if files is not None else sorted(n for n in d.names() if fnmatch(n, FLUSH_GLOB))
     if not names:
-        raise IncompleteDeltaError("no manifest and no flush files: the delta is unfinished",
-                                   file=MANIFEST_NAME)
+        raise IncompleteDeltaError(
+            "no manifest and no flush files: the delta is unfinished", file=MANIFEST_NAME
+        )
     return DeltaInfo(d.path, _synthesize_seed_manifest(d, names, limits), seed=True, dir=d)
 
 
-def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | None = None,
-               current_version: int | None = None, files: Sequence[str] | None = None,
-               limits: Limits = Limits(), owned: Owned | None = None, lazy: bool = False,
-               threads: int = 1, batches: bool = False) -> Iterator[ParamDelta | DeltaBatch]:
+def iter_delta(
+    delta: str | os.PathLike | DeltaInfo,
+    *,
+    expected: Expected | None = None,
+    current_version: int | None = None,
+    files: Sequence[str] | None = None,
+    limits: Limits = Limits(),
+    owned: Owned | None = None,
+    lazy: bool = False,
+    threads: int = 1,
+    batches: bool = False,
+) -> Iterator[ParamDelta | DeltaBatch]:
     """Decoded changes, one flush file at a time (memory stays bounded by a flush).
 
     A param may come in several chunks, in position order. Errors in a file are raised before
@@ -321,8 +379,9 @@ def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | Non
     of params decoded together come as one `DeltaBatch` each (for a caller that takes them whole).
     """
     info = delta if isinstance(delta, DeltaInfo) else open_delta(delta, files=files, limits=limits)
-    dec = DeltaDecoder(info.manifest, expected=expected, current_version=current_version,
-                       seed=info.seed, limits=limits)
+    dec = DeltaDecoder(
+        info.manifest, expected=expected, current_version=current_version, seed=info.seed, limits=limits
+    )
     wanted = None if files is None or info.seed else set(files)
     entries = [e for e in info.manifest.files if wanted is None or e.name in wanted]
     if threads > 1 and len(entries) > 1:
@@ -336,8 +395,14 @@ def iter_delta(delta: str | os.PathLike | DeltaInfo, *, expected: Expected | Non
     dec.finish()
 
 
-def _decoded_ahead(info: DeltaInfo, dec: DeltaDecoder, entries: list[FileEntry], owned: Owned | None,
-                   threads: int, batches: bool = False) -> Iterator[ParamDelta | DeltaBatch]:
+def _decoded_ahead(
+    info: DeltaInfo,
+    dec: DeltaDecoder,
+    entries: list[FileEntry],
+    owned: Owned | None,
+    threads: int,
+    batches: bool = False,
+) -> Iterator[ParamDelta | DeltaBatch]:
     """Flushes decoded `threads` at a time on a pool (zstd, numpy and the file hash release the GIL)."""
 
     def decode(entry: FileEntry) -> list[ParamDelta | DeltaBatch]:

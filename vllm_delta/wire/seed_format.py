@@ -16,9 +16,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .codecs import check_numel, decode_gaps, decode_indices, gaps_from_bytes
+from .deltas import ParamDelta
 from .dtypes import DType, by_name, from_bits, to_bits
 from .errors import FormatError, IntegrityError, UnknownEncodingError
-from .deltas import ParamDelta
 from .flush_meta import Expected, FlushHeader, check_expected, meta_int, meta_json
 
 SEED_ENCODINGS = ("indices", "deltas", "deltas_zstd")
@@ -38,7 +38,7 @@ def seed_hash(data: bytes | memoryview, d: DType) -> int:
     wide = torch.float64 if d.is_float else torch.int64
     acc = 0
     for start in range(0, bits.size, _HASH_CHUNK):
-        chunk = from_bits(bits[start:start + _HASH_CHUNK].copy(), d).to(wide)
+        chunk = from_bits(bits[start : start + _HASH_CHUNK].copy(), d).to(wide)
         acc ^= int(np.bitwise_xor.reduce(chunk.view(torch.int64).numpy().view(np.uint64)))
     return acc
 
@@ -65,14 +65,21 @@ def is_seed(meta: Mapping[str, str]) -> bool:
     return "format" not in meta and meta.get("encoding") in SEED_ENCODINGS
 
 
-def decode_seed_flush(tensors, meta: Mapping[str, str], *, file: str,
-                      expected: Expected | None = None) -> tuple[FlushHeader, list[ParamDelta]]:
+def decode_seed_flush(
+    tensors, meta: Mapping[str, str], *, file: str, expected: Expected | None = None
+) -> tuple[FlushHeader, list[ParamDelta]]:
     encoding = meta.get("encoding", "")
     if encoding not in SEED_ENCODINGS:
         raise UnknownEncodingError(f"unknown seed encoding {encoding!r}", file=file)
     header = FlushHeader(encoding, meta_int(meta, "current_version", file=file), None)
     pos_t, val_t = tensors.get("__positions__"), tensors.get("__values__")
-    if pos_t is None or val_t is None or pos_t.dtype.st_code != "U8" or len(pos_t.shape) != 1 or len(val_t.shape) != 1:
+    if (
+        pos_t is None
+        or val_t is None
+        or pos_t.dtype.st_code != "U8"
+        or len(pos_t.shape) != 1
+        or len(val_t.shape) != 1
+    ):
         raise FormatError("seed flush needs 1-D `__positions__` (uint8) and `__values__`", file=file)
     checksum = meta_int(meta, "checksum", file=file) & _MASK64
     if seed_checksum(pos_t.data, val_t.data, val_t.dtype) != checksum:
@@ -93,17 +100,20 @@ def decode_seed_flush(tensors, meta: Mapping[str, str], *, file: str,
         numel = int(np.prod(shape, dtype=object))
         check_numel(numel, param=p.name)
         count = p.val_end - p.val_start
-        if not (0 <= p.pos_start <= p.pos_end <= len(pos_t.data) and 0 <= p.val_start <= p.val_end <= all_values.size):
+        if not (
+            0 <= p.pos_start <= p.pos_end <= len(pos_t.data)
+            and 0 <= p.val_start <= p.val_end <= all_values.size
+        ):
             raise FormatError("param spans lie outside the blobs", file=file, param=p.name)
         if count > numel:
             raise FormatError(f"{count} changes in {numel} elements", file=file, param=p.name)
-        blob = pos_t.data[p.pos_start:p.pos_end]
+        blob = pos_t.data[p.pos_start : p.pos_end]
         if encoding == "indices":
             pos = decode_indices(blob, count, p.pos_width, numel, file=file, param=p.name)
         else:
             gaps = gaps_from_bytes(blob, count, p.pos_width, file=file, param=p.name)
             pos = decode_gaps(gaps, numel, file=file, param=p.name)
-        values = _narrow(all_values[p.val_start:p.val_end], vd, d, file=file, param=p.name)
+        values = _narrow(all_values[p.val_start : p.val_end], vd, d, file=file, param=p.name)
         if count:  # the seed may list a param with nothing changed
             out.append(ParamDelta(p.name, shape, d.torch, torch.from_numpy(pos), values, False))
     return header, out

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from .blocks import Policy
+from .deltas import ParamChange
 from .digest import bytes_digest
 from .dtypes import by_torch
 from .encodings import DEFAULT_ENCODING, get_encoding
-from .deltas import ParamChange
 from .flush_encode import EncodedFlush, encode_flush
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, write_atomic, write_manifest
 
@@ -26,9 +26,11 @@ class UnchangedValueError(ValueError):
 
     def __init__(self, param: str, positions: list[int], encoding: str) -> None:
         self.param, self.positions, self.encoding = param, positions, encoding
-        super().__init__(f"{param}: {encoding!r} cannot carry unchanged positions "
-                         f"(new bits equal old bits at positions {positions[:8]}"
-                         f"{' ...' if len(positions) > 8 else ''})")
+        super().__init__(
+            f"{param}: {encoding!r} cannot carry unchanged positions "
+            f"(new bits equal old bits at positions {positions[:8]}"
+            f"{' ...' if len(positions) > 8 else ''})"
+        )
 
 
 def flush_name(rank: int, index: int) -> str:
@@ -37,8 +39,13 @@ def flush_name(rank: int, index: int) -> str:
 
 def file_entry(name: str, flush: EncodedFlush) -> FileEntry:
     """The manifest's record of one encoded flush (also for flushes sent over a collective)."""
-    return FileEntry(name=name, bytes=len(flush.data), hash=bytes_digest(flush.data),
-                     decoded_bytes=flush.decoded_bytes, changed=sum(n for _, n in flush.counts))
+    return FileEntry(
+        name=name,
+        bytes=len(flush.data),
+        hash=bytes_digest(flush.data),
+        decoded_bytes=flush.decoded_bytes,
+        changed=sum(n for _, n in flush.counts),
+    )
 
 
 class FlushBuilder:
@@ -50,10 +57,19 @@ class FlushBuilder:
     chunks in position order.
     """
 
-    def __init__(self, emit: Callable[[str, EncodedFlush], None], *, version: int,
-                 base_version: int | None = None, encoding: str = DEFAULT_ENCODING,
-                 flush_bytes: int = 256 << 20, rank: int = 0, model_elements: int | None = None,
-                 blocked: bool = True, block_policy: Policy = Policy()):
+    def __init__(
+        self,
+        emit: Callable[[str, EncodedFlush], None],
+        *,
+        version: int,
+        base_version: int | None = None,
+        encoding: str = DEFAULT_ENCODING,
+        flush_bytes: int = 256 << 20,
+        rank: int = 0,
+        model_elements: int | None = None,
+        blocked: bool = True,
+        block_policy: Policy = Policy(),
+    ):
         self.encoding = get_encoding(encoding)
         if self.encoding.needs_base and base_version is None:
             raise ValueError(f"encoding {encoding!r} is base-relative: give base_version")
@@ -71,9 +87,17 @@ class FlushBuilder:
         self.wire_bytes = 0  # encoded bytes emitted (after compression)
         self.pre_compress_bytes = 0  # the same flushes before compression
 
-    def add(self, name: str, positions: torch.Tensor, new_values: torch.Tensor,
-            old_values: torch.Tensor | None = None, *, shape: tuple[int, ...] | torch.Size,
-            post_hash: str | None = None, _from_scan: bool = False) -> None:
+    def add(
+        self,
+        name: str,
+        positions: torch.Tensor,
+        new_values: torch.Tensor,
+        old_values: torch.Tensor | None = None,
+        *,
+        shape: tuple[int, ...] | torch.Size,
+        post_hash: str | None = None,
+        _from_scan: bool = False,
+    ) -> None:
         """Queue one param's changes: sorted unique int64 flat `positions` and the values there.
 
         `old_values` (the snapshot's values at `positions`) is required by base-relative
@@ -99,25 +123,49 @@ class FlushBuilder:
         if self.encoding.needs_base and old_values is not None and not _from_scan:
             same = new_values.detach().view(d.int_view) == old_values.detach().view(d.int_view)
             if bool(same.any()):
-                raise UnchangedValueError(name, positions[same.to(positions.device)].tolist(), self.encoding.name)
+                raise UnchangedValueError(
+                    name, positions[same.to(positions.device)].tolist(), self.encoding.name
+                )
         numel = int(torch.Size(shape).numel())
-        if int(positions[0]) < 0 or int(positions[-1]) >= numel or not (
-                _from_scan or bool((positions[1:] > positions[:-1]).all())):
+        if (
+            int(positions[0]) < 0
+            or int(positions[-1]) >= numel
+            or not (_from_scan or bool((positions[1:] > positions[:-1]).all()))
+        ):
             raise ValueError(f"{name}: positions must be strictly increasing and inside {list(shape)}")
-        self._params[name] = {"name": name, "dtype": d.name, "shape": list(shape), "changed": n,
-                              "files": [], "post_hash": post_hash}
+        self._params[name] = {
+            "name": name,
+            "dtype": d.name,
+            "shape": list(shape),
+            "changed": n,
+            "files": [],
+            "post_hash": post_hash,
+        }
         per_elem = 8 + 2 * d.itemsize
         chunk = max(1, self.flush_bytes // per_elem)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            self._pending.append(ParamChange(name, tuple(shape), positions[a:b], new_values[a:b],
-                                             None if old_values is None else old_values[a:b]))
+            self._pending.append(
+                ParamChange(
+                    name,
+                    tuple(shape),
+                    positions[a:b],
+                    new_values[a:b],
+                    None if old_values is None else old_values[a:b],
+                )
+            )
             self._pending_bytes += (b - a) * per_elem
             if self._pending_bytes >= self.flush_bytes:
                 self.flush()
 
-    def add_dense(self, name: str, pieces: Iterable[tuple[int, torch.Tensor]], *,
-                  shape: tuple[int, ...] | torch.Size, post_hash: str | None = None) -> None:
+    def add_dense(
+        self,
+        name: str,
+        pieces: Iterable[tuple[int, torch.Tensor]],
+        *,
+        shape: tuple[int, ...] | torch.Size,
+        post_hash: str | None = None,
+    ) -> None:
         """Queue every element of dense ranges of one param, streamed from `pieces`: `(first flat
         position, 1-D new values)` in increasing, disjoint position order (an anchor's shard, read a
         piece at a time).
@@ -129,7 +177,9 @@ class FlushBuilder:
         if name in self._params:
             raise ValueError(f"param {name!r} added twice")
         if self.encoding.needs_base:
-            raise ValueError(f"{name}: dense ranges carry new values, {self.encoding.name!r} is base-relative")
+            raise ValueError(
+                f"{name}: dense ranges carry new values, {self.encoding.name!r} is base-relative"
+            )
         numel = int(torch.Size(shape).numel())
         runs: list[list[int]] = []  # this flush's [start, length] runs of the param, and their values
         parts: list[torch.Tensor] = []
@@ -137,8 +187,9 @@ class FlushBuilder:
         def queue() -> None:
             if parts:
                 values = parts[0] if len(parts) == 1 else torch.cat(parts)
-                self._pending.append(ParamChange(name, tuple(shape), None, values,
-                                                 ranges=tuple((a, n) for a, n in runs)))
+                self._pending.append(
+                    ParamChange(name, tuple(shape), None, values, ranges=tuple((a, n) for a, n in runs))
+                )
                 runs.clear()
                 parts.clear()
 
@@ -148,14 +199,21 @@ class FlushBuilder:
             if values.dim() != 1 or (d is not None and values.dtype != d.torch):
                 raise ValueError(f"{name}: pieces must be 1-D and of one dtype")
             if start < end or start + n > numel:
-                raise ValueError(f"{name}: piece [{start}, {start + n}) overlaps the previous one or leaves "
-                                 f"{list(shape)}")
+                raise ValueError(
+                    f"{name}: piece [{start}, {start + n}) overlaps the previous one or leaves {list(shape)}"
+                )
             if n == 0:
                 continue
             if d is None:
                 d = by_torch(values.dtype)
-                self._params[name] = {"name": name, "dtype": d.name, "shape": list(shape), "changed": 0,
-                                      "files": [], "post_hash": post_hash}
+                self._params[name] = {
+                    "name": name,
+                    "dtype": d.name,
+                    "shape": list(shape),
+                    "changed": 0,
+                    "files": [],
+                    "post_hash": post_hash,
+                }
             self._params[name]["changed"] += n
             a = 0
             while a < n:
@@ -178,9 +236,14 @@ class FlushBuilder:
         if not self._pending:
             return
         name = flush_name(self.rank, len(self.files))
-        enc = encode_flush(self._pending, encoding=self.encoding, version=self.version,
-                           base_version=self.base_version, blocked=self.blocked,
-                           policy=self.block_policy)
+        enc = encode_flush(
+            self._pending,
+            encoding=self.encoding,
+            version=self.version,
+            base_version=self.base_version,
+            blocked=self.blocked,
+            policy=self.block_policy,
+        )
         entry = file_entry(name, enc)
         self.emit(name, enc)
         self.files.append(entry)
@@ -197,9 +260,14 @@ class FlushBuilder:
     def manifest(self) -> Manifest:
         """Emit what is pending, then describe every flush and param."""
         self.flush()
-        return Manifest(version=self.version, base_version=self.base_version, encoding=self.encoding.name,
-                        model_elements=self.model_elements, files=self.files,
-                        params=[ParamEntry(**p) for p in self._params.values()])
+        return Manifest(
+            version=self.version,
+            base_version=self.base_version,
+            encoding=self.encoding.name,
+            model_elements=self.model_elements,
+            files=self.files,
+            params=[ParamEntry(**p) for p in self._params.values()],
+        )
 
 
 class DeltaWriter(FlushBuilder):
