@@ -1,6 +1,6 @@
 """Megatron-core integration: a post-optimizer-step hook that diffs shard-local weights in HF coordinates.
 
-    handle = megatron_hook.register(optimizer, model_chunks, sender, bridge=bridge, checkpoint=hf_dir)
+handle = megatron_hook.register(optimizer, model_chunks, sender, bridge=bridge, checkpoint=hf_dir)
 """
 
 from megatron_hook.bindings import RebindError

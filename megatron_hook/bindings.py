@@ -67,8 +67,9 @@ class Bindings:
             end = w.ptr + torch.Size(shape).numel() * dtype.itemsize
             if last < end and t.dtype == dtype and t.device == w.layout[3]:
                 return w
-        raise RebindError(f"{s.name}: its segment is not a view of any model weight, so it would not see "
-                          "training change it")
+        raise RebindError(
+            f"{s.name}: its segment is not a view of any model weight, so it would not see training change it"
+        )
 
     def refresh(self, segments: list[Segments]) -> list[str]:
         """Re-point the views of every weight rebound since the last call (in `segments`, in place);
@@ -82,13 +83,16 @@ class Bindings:
                 shape, stride, dtype, device = w.layout
                 raise RebindError(
                     f"{w.name} was rebound after register(): it was {list(shape)} {dtype} on {device} with "
-                    f"strides {stride}, now {list(t.shape)} {t.dtype} on {t.device} with strides {t.stride()}; "
-                    "the hook cannot follow it (register again after changing the model's layout)")
+                    f"strides {stride}, now {list(t.shape)} {t.dtype} on {t.device} with strides "
+                    f"{t.stride()}; "
+                    "the hook cannot follow it (register again after changing the model's layout)"
+                )
             base = t.detach()
             for si, off in w.views:
                 old = segments[si].tensor
                 segments[si] = segments[si].with_tensor(
-                    base.as_strided(old.shape, old.stride(), base.storage_offset() + off))
+                    base.as_strided(old.shape, old.stride(), base.storage_offset() + off)
+                )
             w.ptr = t.data_ptr()
             moved.append(w.name)
         return moved

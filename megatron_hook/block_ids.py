@@ -30,7 +30,8 @@ class BlockIds:
 
     @classmethod
     def arange(cls, first: int, shape: Sequence[int], width: int | None = None) -> BlockIds:
-        """Ids `first + arange(prod(shape))` laid out as `shape`, in blocks of `width` (default: whole rows)."""
+        """Ids `first + arange(prod(shape))` laid out as `shape`, in blocks of `width` (default: whole
+        rows)."""
         shape = tuple(int(n) for n in shape)
         if not shape:
             raise NotImplementedError("BlockIds: a 0-d tensor")
@@ -113,14 +114,21 @@ class BlockIds:
     def split(self, split_size, dim: int = 0) -> tuple[BlockIds, ...]:
         dim = _dim(dim, self.dim())
         n = self.shape[dim]
-        sizes = list(split_size) if isinstance(split_size, (list, tuple)) else \
-            [min(split_size, n - a) for a in range(0, n, split_size)] if split_size else [n]
+        sizes = (
+            list(split_size)
+            if isinstance(split_size, (list, tuple))
+            else [min(split_size, n - a) for a in range(0, n, split_size)]
+            if split_size
+            else [n]
+        )
         if sum(sizes) != n:
             raise ValueError(f"split sizes {sizes} do not add up to {n}")
         if dim != self.dim() - 1:
             return tuple(BlockIds(s, self.width) for s in self.starts.split(sizes, dim))
         blocks = self.refine(math.gcd(self.width, *sizes))
-        return tuple(BlockIds(s, blocks.width) for s in blocks.starts.split([k // blocks.width for k in sizes], dim))
+        return tuple(
+            BlockIds(s, blocks.width) for s in blocks.starts.split([k // blocks.width for k in sizes], dim)
+        )
 
     def chunk(self, chunks: int, dim: int = 0) -> tuple[BlockIds, ...]:
         n = self.shape[_dim(dim, self.dim())]
@@ -134,8 +142,10 @@ class BlockIds:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _CAT:
-            raise NotImplementedError(f"BlockIds: mbridge called {getattr(func, '__name__', func)}, which the "
-                                      "block probe does not model")
+            raise NotImplementedError(
+                f"BlockIds: mbridge called {getattr(func, '__name__', func)}, which the "
+                "block probe does not model"
+            )
         parts = list(args[0])
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
         return cat(parts, dim)
@@ -168,7 +178,7 @@ def _expand_index(index: tuple, ndim: int) -> tuple:
         raise NotImplementedError(f"BlockIds: advanced index {index!r}")
     if Ellipsis in index:
         k = index.index(Ellipsis)
-        index = index[:k] + (slice(None),) * (ndim - len(index) + 1) + index[k + 1:]
+        index = index[:k] + (slice(None),) * (ndim - len(index) + 1) + index[k + 1 :]
     if len(index) > ndim:
         raise IndexError(f"too many indices for {ndim} dims")
     return index + (slice(None),) * (ndim - len(index))

@@ -37,23 +37,30 @@ def refuse_unsupported(names: list[str], tp_size: int, etp_size: int) -> None:
         if m := _GROUPED.match(n):
             raise NotImplementedError(
                 f"{m.group(1)}: legacy GroupedMLP (moe_use_legacy_grouped_gemm) has no mbridge name table; "
-                "build the experts as TEGroupedMLP or SequentialMLP")
+                "build the experts as TEGroupedMLP or SequentialMLP"
+            )
         if ".mlp.experts." in n and etp_size > tp_size == 1:
             raise NotImplementedError(
                 f"{n.rsplit('.mlp.experts.', 1)[0]}.mlp.experts: expert tensor parallel size {etp_size} with "
-                "tensor parallel size 1: mbridge 0.15.1's _weight_merge_across_tp merges nothing when TP = 1")
+                "tensor parallel size 1: mbridge 0.15.1's _weight_merge_across_tp merges nothing when TP = 1"
+            )
 
 
 def with_model_vocab(bridge, gpt: torch.nn.Module, tp_size: int):
     """A shallow copy of `bridge` told the vocab padding that `gpt`'s own tensors have (`bridge`
     itself for a chunk without vocab-parallel tensors); a bridge that claims another padding is refused."""
-    rows = {n: t.shape[0] * (tp_size if getattr(t, "tensor_model_parallel", False) else 1)
-            for n, t in gpt.named_parameters() if n in _VOCAB}
+    rows = {
+        n: t.shape[0] * (tp_size if getattr(t, "tensor_model_parallel", False) else 1)
+        for n, t in gpt.named_parameters()
+        if n in _VOCAB
+    }
     if not rows:
         return bridge
     padded, vocab = max(rows.values()), bridge.hf_config.vocab_size
     if len(set(rows.values())) != 1 or padded < vocab:
-        raise ValueError(f"vocab-parallel tensors hold {rows} rows over TP={tp_size}; the HF vocab is {vocab}")
+        raise ValueError(
+            f"vocab-parallel tensors hold {rows} rows over TP={tp_size}; the HF vocab is {vocab}"
+        )
     claimed = bridge.padded_vocab_size if bridge.make_vocab_size_divisible_by is not None else None
     if claimed is not None and claimed != padded:
         raise ValueError(f"the bridge pads the vocab to {claimed} rows but the model's tensors hold {padded}")

@@ -47,9 +47,14 @@ class Parallel:
     def current(cls) -> Parallel:
         from megatron.core import parallel_state as ps
 
-        return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-                   ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
-                   ps.get_data_parallel_rank(with_context_parallel=True), ps.get_expert_data_parallel_rank())
+        return cls(
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_data_parallel_rank(with_context_parallel=True),
+            ps.get_expert_data_parallel_rank(),
+        )
 
 
 def local_tensors(gpt: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -70,7 +75,9 @@ def chunk_segments(bridge, gpt: torch.nn.Module, par: Parallel | None = None) ->
     return [s for args in shipped(bridge, gpt, par) for s in probe(bridge, *args)]
 
 
-def shipped(bridge, gpt: torch.nn.Module, par: Parallel | None = None) -> Iterator[tuple[str, torch.Tensor, int, int]]:
+def shipped(
+    bridge, gpt: torch.nn.Module, par: Parallel | None = None
+) -> Iterator[tuple[str, torch.Tensor, int, int]]:
     """`(global TE name, tensor, TP rank, TP size)` of each tensor this rank ships (size 1: not split)."""
     par = par or Parallel.current()
     view = TENamed(gpt)
@@ -100,8 +107,10 @@ def probe(bridge, global_name: str, t: torch.Tensor, rank: int, size: int) -> li
         merged = bridge._weight_merge_across_tp(global_name, ids, t) if size > 1 else ids[0]
         names, hf = bridge._weight_to_hf_format(global_name, merged)
     except (NotImplementedError, AttributeError, TypeError) as e:
-        raise NotImplementedError(f"{global_name}: mbridge's conversion does something the block probe does not "
-                                  f"model ({e}); refusing rather than guessing its HF positions") from e
+        raise NotImplementedError(
+            f"{global_name}: mbridge's conversion does something the block probe does not "
+            f"model ({e}); refusing rather than guessing its HF positions"
+        ) from e
     flat = t.detach().reshape(-1)
     out = []
     for hf_name, hf_ids in zip(names, hf):
@@ -112,8 +121,11 @@ def probe(bridge, global_name: str, t: torch.Tensor, rank: int, size: int) -> li
         local = starts[blocks] - rank * n
         order = torch.argsort(local)
         local, hf_pos = local[order], blocks[order] * w
-        out.append(Segments(hf_name, _view(flat, _runs(local, w), global_name), tuple(hf_ids.shape),
-                            _runs(hf_pos, w)))
+        out.append(
+            Segments(
+                hf_name, _view(flat, _runs(local, w), global_name), tuple(hf_ids.shape), _runs(hf_pos, w)
+            )
+        )
     return out
 
 
@@ -131,10 +143,12 @@ def _view(flat: torch.Tensor, runs: tuple[tuple[int, int], ...], name: str) -> t
     follow the live weights, so it is refused."""
     if len(runs) == 1:
         a, length = runs[0]
-        return flat[a:a + length]
+        return flat[a : a + length]
     lengths = {length for _, length in runs}
     strides = {b - a for (a, _), (b, _) in zip(runs, runs[1:])}
     if len(lengths) != 1 or len(strides) != 1:
-        raise NotImplementedError(f"{name}: local elements of one HF tensor are not a strided view: {runs[:4]}")
+        raise NotImplementedError(
+            f"{name}: local elements of one HF tensor are not a strided view: {runs[:4]}"
+        )
     (length,), (stride,) = lengths, strides
     return flat.as_strided((len(runs), length), (stride, 1), flat.storage_offset() + runs[0][0])

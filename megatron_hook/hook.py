@@ -14,8 +14,8 @@ overlaps the next training step; the next capture waits only if that push is sti
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 class SeedReport:
     """Elements where the trainer's weights differ from the served checkpoint at registration."""
 
-    mismatches: dict[str, torch.Tensor] = field(default_factory=dict)  # HF name -> HF flat positions (this rank)
+    mismatches: dict[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # HF name -> HF flat positions (this rank)
     total: int = 0  # over every sender rank
 
     @property
@@ -49,8 +51,15 @@ class SeedMismatchError(RuntimeError):
 class HookHandle:
     """The registered hook; `remove()` puts the optimizer's own `step` back."""
 
-    def __init__(self, optimizer, chunks: Sequence[torch.nn.Module], sender, segments: list[Segments],
-                 every: int, on_sync: Callable[[dict[str, float]], None] | None) -> None:
+    def __init__(
+        self,
+        optimizer,
+        chunks: Sequence[torch.nn.Module],
+        sender,
+        segments: list[Segments],
+        every: int,
+        on_sync: Callable[[dict[str, float]], None] | None,
+    ) -> None:
         self.optimizer, self.chunks, self.sender, self.segments = optimizer, list(chunks), sender, segments
         self.bindings = Bindings([_unwrap(c) for c in self.chunks], segments)
         self.every, self.on_sync = every, on_sync
@@ -131,10 +140,18 @@ class HookHandle:
             del self.optimizer.step
 
 
-def register(optimizer, model_chunks: Sequence[torch.nn.Module], sender, *, bridge,
-             checkpoint: str | Path | None = None, seed_from_trainer: bool = False,
-             seed_mismatch: Literal["raise", "warn"] = "raise", every: int = 1,
-             on_sync: Callable[[dict[str, float]], None] | None = None) -> HookHandle:
+def register(
+    optimizer,
+    model_chunks: Sequence[torch.nn.Module],
+    sender,
+    *,
+    bridge,
+    checkpoint: str | Path | None = None,
+    seed_from_trainer: bool = False,
+    seed_mismatch: Literal["raise", "warn"] = "raise",
+    every: int = 1,
+    on_sync: Callable[[dict[str, float]], None] | None = None,
+) -> HookHandle:
     """Sync `sender`'s engines after every `every`-th optimizer step that updated the weights.
 
     `model_chunks` are the DDP-wrapped chunks given to the optimizer (one per virtual stage);
@@ -152,9 +169,11 @@ def register(optimizer, model_chunks: Sequence[torch.nn.Module], sender, *, brid
     if seed_mismatch not in ("raise", "warn"):
         raise ValueError(f"seed_mismatch must be 'raise' or 'warn', not {seed_mismatch!r}")
     if (checkpoint is None) != seed_from_trainer:
-        raise ValueError("register() needs checkpoint= (the HF directory the engines loaded: the trainer's "
-                         "weights are checked against it at step 0) or, to seed from the trainer's weights "
-                         "with nothing checked, seed_from_trainer=True; not both")
+        raise ValueError(
+            "register() needs checkpoint= (the HF directory the engines loaded: the trainer's "
+            "weights are checked against it at step 0) or, to seed from the trainer's weights "
+            "with nothing checked, seed_from_trainer=True; not both"
+        )
     segments = [s for chunk in model_chunks for s in chunk_segments(bridge, _unwrap(chunk))]
     report = SeedReport()
     if checkpoint is None:
@@ -164,8 +183,10 @@ def register(optimizer, model_chunks: Sequence[torch.nn.Module], sender, *, brid
         report.total = sender.ranks.all_sum(sum(p.numel() for p in report.mismatches.values()))
         if not report.ok:
             mine = {n: p[:5].tolist() for n, p in list(report.mismatches.items())[:5]} or "none"
-            msg = (f"{report.total} elements of the trainer's weights differ from the served checkpoint "
-                   f"{checkpoint} (HF name: first flat positions, this rank: {mine})")
+            msg = (
+                f"{report.total} elements of the trainer's weights differ from the served checkpoint "
+                f"{checkpoint} (HF name: first flat positions, this rank: {mine})"
+            )
             if seed_mismatch == "raise":
                 raise SeedMismatchError(msg + "; pass seed_mismatch='warn' to sync anyway")
             logger.error("megatron_hook: %s", msg)

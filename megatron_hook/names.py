@@ -43,7 +43,7 @@ def to_te_names(names: Iterable[str]) -> dict[str, str]:
             layer, rest = m.groups()
             for norm, linear in _FUSED_NORMS.items():
                 if rest.startswith(norm) and linear + "weight" in layers[layer]:
-                    te = f"{layer}.{linear}layer_norm_{rest[len(norm):]}"
+                    te = f"{layer}.{linear}layer_norm_{rest[len(norm) :]}"
                     break
         out[n] = te
     return out

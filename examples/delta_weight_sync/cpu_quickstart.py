@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the tiny-model builder and server har
 
 from harness.tiny_models import make_tiny_model  # noqa: E402
 from harness.vllm_engine import VllmServer  # noqa: E402
+
 from vllm_delta import DeltaSender  # noqa: E402
 
 STEPS = 3
@@ -66,20 +67,28 @@ def main() -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     gen = torch.Generator().manual_seed(0)
     steps = []
-    with VllmServer(model_dir, work / "serve.log",
-                    extra_args=["--enable-delta-updates", "--delta-updates-root", str(root)]) as server:
+    with VllmServer(
+        model_dir,
+        work / "serve.log",
+        extra_args=["--enable-delta-updates", "--delta-updates-root", str(root)],
+    ) as server:
         sender = DeltaSender([server.url], transport="disk", delta_dir=root, encoding="ulp_zstd")
         sender.seed_from_checkpoint(model_dir)
         for step in range(1, STEPS + 1):
             loss = train_step(model, optimizer, gen)
             state = model.state_dict()
             m = sender.sync((n, p.detach()) for n, p in state.items())
-            steps.append({"step": step, "loss": round(loss, 4),
-                          "density": round(m["perf/update_weights_density"], 5),
-                          "wire_bytes": int(m["perf/update_weights_wire_bytes"]),
-                          "full_sync_bytes": full_sync_bytes(state),
-                          "sync_s": round(m["perf/update_weights_time"], 3),
-                          "all_acked": m["sender/all_acked"] == 1.0})
+            steps.append(
+                {
+                    "step": step,
+                    "loss": round(loss, 4),
+                    "density": round(m["perf/update_weights_density"], 5),
+                    "wire_bytes": int(m["perf/update_weights_wire_bytes"]),
+                    "full_sync_bytes": full_sync_bytes(state),
+                    "sync_s": round(m["perf/update_weights_time"], 3),
+                    "all_acked": m["sender/all_acked"] == 1.0,
+                }
+            )
             print(f"step {step}: {steps[-1]}", flush=True)
         status = requests.get(f"{server.url}/delta_updates/status", timeout=30).json()
         completion = server.complete("The quick brown fox", max_tokens=8)
@@ -90,19 +99,29 @@ def main() -> int:
     for f in model_dir.iterdir():
         if "token" in f.name:
             shutil.copy2(f, trained / f.name)
-    with VllmServer(trained, work / "fresh.log",
-                    extra_args=["--enable-delta-updates", "--delta-updates-root", str(root)]) as fresh:
-        bitexact = checksums(fresh.url) == synced and \
-            fresh.complete("The quick brown fox", max_tokens=8)["text"] == completion["text"]
+    with VllmServer(
+        trained, work / "fresh.log", extra_args=["--enable-delta-updates", "--delta-updates-root", str(root)]
+    ) as fresh:
+        bitexact = (
+            checksums(fresh.url) == synced
+            and fresh.complete("The quick brown fox", max_tokens=8)["text"] == completion["text"]
+        )
     full_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     summary = {
-        "demo": "cpu_quickstart", "model": "tiny-llama (random bf16)", "trainer": "AdamW lr 1e-5",
-        "bitexact": bitexact, "engine_version": status["version"], "healthy": status["healthy"],
+        "demo": "cpu_quickstart",
+        "model": "tiny-llama (random bf16)",
+        "trainer": "AdamW lr 1e-5",
+        "bitexact": bitexact,
+        "engine_version": status["version"],
+        "healthy": status["healthy"],
         "syncs": len(steps),
         "all_acked": all(s["all_acked"] for s in steps),
         "wire_bytes_total": sum(s["wire_bytes"] for s in steps),
-        "full_sync_bytes": sum(s["full_sync_bytes"] for s in steps), "full_checkpoint_bytes": full_bytes,
-        "served_text": completion["text"], "steps": steps, "wall_s": round(time.perf_counter() - started, 1),
+        "full_sync_bytes": sum(s["full_sync_bytes"] for s in steps),
+        "full_checkpoint_bytes": full_bytes,
+        "served_text": completion["text"],
+        "steps": steps,
+        "wall_s": round(time.perf_counter() - started, 1),
     }
     print(json.dumps(summary))
     return 0 if bitexact and summary["healthy"] and summary["all_acked"] and status["version"] == STEPS else 1

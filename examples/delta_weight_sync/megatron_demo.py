@@ -24,7 +24,9 @@ from pathlib import Path
 import requests
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))  # the tiny-model builder, the megatron CPU shim and the server harness
+sys.path.insert(
+    0, str(REPO / "tests")
+)  # the tiny-model builder, the megatron CPU shim and the server harness
 
 from harness import megatron_cpu  # noqa: E402
 from harness.tiny_models import make_tiny_model  # noqa: E402
@@ -38,8 +40,9 @@ PROMPT = "The quick brown fox"
 LR = 3e-6
 
 
-def worker(rank: int, world: int, port: int, hf: str, url: str, root: str, version: int, steps: int,
-           out: str) -> None:
+def worker(
+    rank: int, world: int, port: int, hf: str, url: str, root: str, version: int, steps: int, out: str
+) -> None:
     """One trainer rank: build from the checkpoint, register the hook, train, export (rank 0 writes)."""
     import shutil
 
@@ -55,20 +58,30 @@ def worker(rank: int, world: int, port: int, hf: str, url: str, root: str, versi
     model, opt, gpt, bridge = megatron_cpu.build_from_hf(hf, lr=LR)
     model.eval()  # MoE with TP>1 trains only with sequence parallel, which the local spec refuses
     group = dist.new_group(backend="gloo")
-    sender = DeltaSender([url], "disk", root, api_key=API_KEY, group=group, version=version, flush_bytes=256 << 10)
+    sender = DeltaSender(
+        [url], "disk", root, api_key=API_KEY, group=group, version=version, flush_bytes=256 << 10
+    )
     log: list[dict] = []
 
     def on_sync(m: dict) -> None:
         log.append(m)
         if rank == 0:
-            print(f"sync {len(log)}: version {int(m['sender/version'])} density {m['perf/update_weights_density']:.4f} "
-                  f"wire {int(m['perf/update_weights_wire_bytes'])} B  publish {m['perf/update_weights_time']:.2f} s  "
-                  f"acked {bool(m['sender/all_acked'])}", flush=True)
+            print(
+                f"sync {len(log)}: version {int(m['sender/version'])} density "
+                f"{m['perf/update_weights_density']:.4f} "
+                f"wire {int(m['perf/update_weights_wire_bytes'])} B  publish "
+                f"{m['perf/update_weights_time']:.2f} s  "
+                f"acked {bool(m['sender/all_acked'])}",
+                flush=True,
+            )
 
     handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf, on_sync=on_sync)
     if rank == 0:
-        print(f"registered: {len(handle.segments)} segments on rank 0; seed mismatches {handle.seed_report.total}",
-              flush=True)
+        print(
+            f"registered: {len(handle.segments)} segments on rank 0; seed mismatches "
+            f"{handle.seed_report.total}",
+            flush=True,
+        )
     step_s = []
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step)
@@ -86,20 +99,33 @@ def worker(rank: int, world: int, port: int, hf: str, url: str, root: str, versi
                 shutil.copy2(f, dest / f.name)
         save_file({n: t.contiguous() for n, t in final.items()}, dest / "model.safetensors")
         full = sum(t.numel() * t.element_size() for t in final.values())
-        (dest.parent / "syncs.json").write_text(json.dumps({"syncs": log, "step_s": step_s,
-                                                            "seed_mismatches": handle.seed_report.total,
-                                                            "full_bytes": full}))
+        (dest.parent / "syncs.json").write_text(
+            json.dumps(
+                {
+                    "syncs": log,
+                    "step_s": step_s,
+                    "seed_mismatches": handle.seed_report.total,
+                    "full_bytes": full,
+                }
+            )
+        )
 
 
 def _checksums(server: VllmServer) -> dict:
-    r = requests.post(f"{server.url}/weight_checker", json={"action": "checksum"},
-                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    r = requests.post(
+        f"{server.url}/weight_checker",
+        json={"action": "checksum"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=120,
+    )
     r.raise_for_status()
     return r.json()["checksums"]
 
 
 def _version(server: VllmServer) -> int:
-    r = requests.get(f"{server.url}/delta_updates/status", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    r = requests.get(
+        f"{server.url}/delta_updates/status", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    )
     r.raise_for_status()
     return int(r.json()["version"])
 
@@ -107,14 +133,20 @@ def _version(server: VllmServer) -> int:
 def _greedy(server: VllmServer) -> str:
     """Greedy completion through the OpenAI route (the key is required there too)."""
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
-    r = requests.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    r = requests.post(
+        f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
+    )
     r.raise_for_status()
     return r.json()["choices"][0]["text"]
 
 
 def _serve(model: Path, root: Path, log: Path, tp: int) -> VllmServer:
-    return VllmServer(model, log, tp=tp, extra_args=["--enable-delta-updates", "--delta-updates-root", str(root),
-                                                     "--api-key", API_KEY])
+    return VllmServer(
+        model,
+        log,
+        tp=tp,
+        extra_args=["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY],
+    )
 
 
 def hidden_fraction(syncs: list[dict]) -> float:
@@ -158,7 +190,9 @@ def main() -> int:
     final = work / "final" / "model"
     with _serve(hf, root, work / "serve.log", args.engine_tp) as server:
         version = _version(server)
-        megatron_cpu.spawn(worker, 4, str(hf), server.url, str(root), version, args.steps, str(final), timeout=1200)
+        megatron_cpu.spawn(
+            worker, 4, str(hf), server.url, str(root), version, args.steps, str(final), timeout=1200
+        )
         engine_version = _version(server)
         synced = _checksums(server)
         greedy = _greedy(server)
@@ -176,9 +210,15 @@ def main() -> int:
         "engine_version": engine_version,
         "lr": LR,
         "density_mean": sum(m["perf/update_weights_density"] for m in syncs) / max(1, n),
-        "per_sync": [{"sync": i, "density": round(m["perf/update_weights_density"], 5),
-                      "wire_bytes": int(m["perf/update_weights_wire_bytes"]),
-                      "full_sync_bytes": int(info["full_bytes"])} for i, m in enumerate(syncs, 1)],
+        "per_sync": [
+            {
+                "sync": i,
+                "density": round(m["perf/update_weights_density"], 5),
+                "wire_bytes": int(m["perf/update_weights_wire_bytes"]),
+                "full_sync_bytes": int(info["full_bytes"]),
+            }
+            for i, m in enumerate(syncs, 1)
+        ],
         "wire_bytes_total": int(sum(m["perf/update_weights_wire_bytes"] for m in syncs)),
         "full_sync_bytes": int(info["full_bytes"] * n),
         "sync_seconds_mean": sum(m["perf/update_weights_time"] for m in syncs) / max(1, n),

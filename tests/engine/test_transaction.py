@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from harness.synthetic import InProcessEngine, device_check, tp_ranks
 from prometheus_client import CollectorRegistry
 
-from harness.synthetic import InProcessEngine, device_check, tp_ranks
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.messages import PrepareRequest, StatusReply
 from vllm_delta.engine.metrics import DeltaMetrics
@@ -113,13 +113,16 @@ def test_an_empty_delta_commits_without_pausing(tmp_path):
 
 
 def test_ranks_that_disagree_leave_nothing_staged_on_any_rank(tmp_path):
-    """Every rank prepares, then their digests disagree with the manifest: the core aborts what each staged."""
+    """Every rank prepares, then their digests disagree with the manifest: the core aborts what each
+    staged."""
     base, workers, root, updater = _ranks(tmp_path)
     DC.write_delta(root / "v1", base, DC.step(base, 0.3, seed=1), version=1)
     manifest = load_manifest(root / "v1")
     entry = manifest.params[0]
-    params = [p.model_copy(update={"post_digest": combine(entry.post_digest, "0" * 31 + "1")}) if p is entry else p
-              for p in manifest.params]
+    params = [
+        p.model_copy(update={"post_digest": combine(entry.post_digest, "0" * 31 + "1")}) if p is entry else p
+        for p in manifest.params
+    ]
     write_manifest(root / "v1", manifest.model_copy(update={"params": params}))
     with pytest.raises(UpdateError) as err:
         asyncio.run(updater.update(DeltaUpdateRequest(path="v1", version=1, base_version=0)))

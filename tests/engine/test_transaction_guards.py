@@ -14,8 +14,8 @@ import asyncio
 
 import pytest
 import torch
-
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
+
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.messages import CommitReply, PrepareReply
 from vllm_delta.engine.request import DeltaUpdateRequest, prepare_request

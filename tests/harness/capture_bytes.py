@@ -16,7 +16,9 @@ from vllm_delta.sender.producer import Capture, Producer
 def staged_bytes(cap: Capture, producer: Producer, live: list[torch.Tensor]) -> int:
     """Bytes of every storage the capture holds, anywhere in it, except the snapshots' and the live
     weights' (what an anchor may read without staging)."""
-    skip = {t.untyped_storage().data_ptr() for t in [*(producer.snapshot_of(n) for n in producer.names), *live]}
+    skip = {
+        t.untyped_storage().data_ptr() for t in [*(producer.snapshot_of(n) for n in producer.names), *live]
+    }
     seen: dict[int, int] = {}
 
     def visit(x) -> None:

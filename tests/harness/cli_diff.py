@@ -10,7 +10,9 @@ from pathlib import Path
 from vllm_delta.cli import main
 
 
-def diff(old: Path, new: Path, out: Path, encoding: str, version: int, base_version: int | None = None) -> Path:
+def diff(
+    old: Path, new: Path, out: Path, encoding: str, version: int, base_version: int | None = None
+) -> Path:
     """The delta from checkpoint `old` to `new` at `version` (on `base_version`, if stated) into `out`."""
     argv = ["diff", str(old), str(new), str(out), "--encoding", encoding, "--version", str(version)]
     if base_version is not None:

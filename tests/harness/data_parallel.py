@@ -16,9 +16,8 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
-import torch
-
 import requests
+import torch
 
 from harness.engine_pool import API_KEY
 from harness.synthetic import InProcessEngine, LocalWorker, device_check
@@ -30,12 +29,16 @@ def moe_parallel(tp: int, dp: int, dp_rank: int, tp_rank: int, ep: bool) -> Any:
     """vLLM's `FusedMoEParallelConfig.make` for one rank of a DP x TP engine set (its groups' ranks given)."""
     from vllm.model_executor.layers.fused_moe import config
 
-    parallel = SimpleNamespace(enable_expert_parallel=ep, all2all_backend="allgather_reducescatter",
-                               enable_eplb=False)
-    with mock.patch.object(config, "get_dp_group", lambda: SimpleNamespace(rank_in_group=dp_rank)), \
-            mock.patch.object(config, "get_tensor_model_parallel_rank", lambda: tp_rank):
-        return config.FusedMoEParallelConfig.make(tp_size_=tp, pcp_size_=1, dp_size_=dp, sp_size_=1,
-                                                  vllm_parallel_config=parallel)
+    parallel = SimpleNamespace(
+        enable_expert_parallel=ep, all2all_backend="allgather_reducescatter", enable_eplb=False
+    )
+    with (
+        mock.patch.object(config, "get_dp_group", lambda: SimpleNamespace(rank_in_group=dp_rank)),
+        mock.patch.object(config, "get_tensor_model_parallel_rank", lambda: tp_rank),
+    ):
+        return config.FusedMoEParallelConfig.make(
+            tp_size_=tp, pcp_size_=1, dp_size_=dp, sp_size_=1, vllm_parallel_config=parallel
+        )
 
 
 def routed_experts(moe: Any, experts: int) -> Any:
@@ -51,10 +54,23 @@ def routed_experts(moe: Any, experts: int) -> Any:
     host._fused_shared_expert_quantizer = None
     host._loaded_expert_biases = set()
     host.expert_map_manager = ExpertMapManager(
-        max_num_batched_tokens=16, top_k=2, global_num_experts=experts, num_redundant_experts=0,
-        num_expert_group=None, moe_parallel_config=moe, placement_strategy="linear", enable_eplb=False)
-    host.moe_config = SimpleNamespace(is_act_and_mul=True, moe_parallel_config=moe, tp_rank=moe.tp_rank,
-                                      tp_size=moe.tp_size, tp_shard_with_padding=False, num_logical_experts=experts)
+        max_num_batched_tokens=16,
+        top_k=2,
+        global_num_experts=experts,
+        num_redundant_experts=0,
+        num_expert_group=None,
+        moe_parallel_config=moe,
+        placement_strategy="linear",
+        enable_eplb=False,
+    )
+    host.moe_config = SimpleNamespace(
+        is_act_and_mul=True,
+        moe_parallel_config=moe,
+        tp_rank=moe.tp_rank,
+        tp_size=moe.tp_size,
+        tp_shard_with_padding=False,
+        num_logical_experts=experts,
+    )
     return host
 
 
@@ -72,7 +88,10 @@ def moe_dp_rank(cfg: Any, *, tp: int, dp: int, dp_rank: int, tp_rank: int, ep: b
         experts = getattr(layer.mlp, "experts", None)
         if experts is None:
             continue
-        for name, shape in (("w13_weight", (local, 2 * inter, cfg.hidden)), ("w2_weight", (local, cfg.hidden, inter))):
+        for name, shape in (
+            ("w13_weight", (local, 2 * inter, cfg.hidden)),
+            ("w2_weight", (local, cfg.hidden, inter)),
+        ):
             param = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False)
             param.weight_loader = _vllm_loader(host, name)
             setattr(experts, name, param)
@@ -89,8 +108,9 @@ def _vllm_loader(host: Any, name: str):
     return load
 
 
-def moe_dp_engines(model_dir: Path, base: dict[str, torch.Tensor], *, tp: int, dp: int, ep: bool
-                   ) -> tuple[list[list[torch.nn.Module]], list[InProcessEngine]]:
+def moe_dp_engines(
+    model_dir: Path, base: dict[str, torch.Tensor], *, tp: int, dp: int, ep: bool
+) -> tuple[list[list[torch.nn.Module]], list[InProcessEngine]]:
     """`dp` engines of `tp` ranks each on `base`; each worker configured as vLLM configures a MoE DP
     engine (`data_parallel_size` kept, `data_parallel_rank` = `data_parallel_index` = its DP rank)."""
     from safetensors.torch import save_file
@@ -105,8 +125,9 @@ def moe_dp_engines(model_dir: Path, base: dict[str, torch.Tensor], *, tp: int, d
         for r, m in enumerate(ranks):
             m.load_weights(base.items())
             w = LocalWorker(m, model_dir, r)
-            w.vllm_config.parallel_config = SimpleNamespace(data_parallel_size=dp, data_parallel_rank=d,
-                                                            data_parallel_index=d)
+            w.vllm_config.parallel_config = SimpleNamespace(
+                data_parallel_size=dp, data_parallel_rank=d, data_parallel_index=d
+            )
             workers.append(w)
         models.append(ranks)
         engines.append(InProcessEngine(workers))
@@ -120,10 +141,13 @@ class DPLBEngine:
 
     def __init__(self, replicas: list[InProcessEngine]) -> None:
         self.replicas = replicas
-        self.engine_core = SimpleNamespace(engine_ranks_managed=list(range(len(replicas))),
-                                           call_utility_all_async=self._call_all)
+        self.engine_core = SimpleNamespace(
+            engine_ranks_managed=list(range(len(replicas))), call_utility_all_async=self._call_all
+        )
 
-    async def _call_all(self, utility: str, method: str, timeout: Any, args: tuple, kwargs: Any) -> list[list]:
+    async def _call_all(
+        self, utility: str, method: str, timeout: Any, args: tuple, kwargs: Any
+    ) -> list[list]:
         assert utility == "collective_rpc" and timeout is None and kwargs is None
         return [await r.collective_rpc(method, args=args) for r in self.replicas]
 
@@ -148,8 +172,12 @@ class DPLBEngine:
 
 def replica_checksums(url: str) -> dict[int, dict[str, str]]:
     """vLLM's own `/weight_checker` digests, per DP index (its keys are `dp<i>:pp0:pcp0:tp0:<name>`)."""
-    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"},
-                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    r = requests.post(
+        f"{url}/weight_checker",
+        json={"action": "checksum"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=120,
+    )
     r.raise_for_status()
     out: dict[int, dict[str, str]] = {}
     for key, digest in r.json()["checksums"].items():

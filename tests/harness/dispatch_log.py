@@ -58,8 +58,11 @@ class OpLog(TorchDispatchMode):
 
     def copies(self, src: str, dst: str) -> list[Op]:
         """Ops that read a tensor on device type `src` and produce one on `dst` (a cross-device copy)."""
-        return [op for op in self.ops if any(t.device.type == src for t in op.inputs)
-                and any(t.device.type == dst for t in op.outputs)]
+        return [
+            op
+            for op in self.ops
+            if any(t.device.type == src for t in op.inputs) and any(t.device.type == dst for t in op.outputs)
+        ]
 
     def host_reads(self) -> list[Op]:
         """`.item()`, `int()`, `bool()` of a device tensor: each waits for the device."""

@@ -40,13 +40,16 @@ class EnginePool:
         self.workdir = workdir
         self._servers: dict[tuple, VllmServer] = {}
 
-    def get(self, model_dir: Path, tp: int = 1, extra_args: Sequence[str] = (),
-            env: dict[str, str] | None = None) -> VllmServer:
+    def get(
+        self, model_dir: Path, tp: int = 1, extra_args: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> VllmServer:
         key = (str(model_dir), tp, tuple(extra_args), tuple(sorted((env or {}).items())))
         server = self._servers.get(key)
         if server is None or server.proc.poll() is not None:  # first use, or a test stopped it
             log = self.workdir / f"engine{len(self._servers):02d}.log"
-            server = self._servers[key] = VllmServer(model_dir, log, tp=tp, extra_args=list(extra_args), env=env)
+            server = self._servers[key] = VllmServer(
+                model_dir, log, tp=tp, extra_args=list(extra_args), env=env
+            )
         return server
 
     def delta_root(self) -> Path:
@@ -55,17 +58,30 @@ class EnginePool:
         root.mkdir(exist_ok=True)
         return root
 
-    def delta_engine(self, model_dir: Path, tp: int = 1, extra_args: Sequence[str] = (),
-                     env: dict[str, str] | None = None) -> VllmServer:
-        """`vllm serve --enable-delta-updates` on the pool's root with the pool's key, and any further flags."""
-        args = ["--enable-delta-updates", "--delta-updates-root", str(self.delta_root()), "--api-key", API_KEY,
-                *extra_args]
+    def delta_engine(
+        self, model_dir: Path, tp: int = 1, extra_args: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> VllmServer:
+        """`vllm serve --enable-delta-updates` on the pool's root with the pool's key, and any further
+        flags."""
+        args = [
+            "--enable-delta-updates",
+            "--delta-updates-root",
+            str(self.delta_root()),
+            "--api-key",
+            API_KEY,
+            *extra_args,
+        ]
         return self.get(model_dir, tp, args, env)
 
     def shared_llama(self, model_dir: Path) -> VllmServer:
         """The delta engine most modules share: the tiny Llama at TP=1, plain delta flags, fault armed."""
-        return self.delta_engine(model_dir, env={**commit_fault.engine_env(FAULT_VERSION, FAULT_AT),
-                                                 "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": KEEP_ALIVE_S})
+        return self.delta_engine(
+            model_dir,
+            env={
+                **commit_fault.engine_env(FAULT_VERSION, FAULT_AT),
+                "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": KEEP_ALIVE_S,
+            },
+        )
 
     def close(self) -> None:
         for server in self._servers.values():
@@ -89,9 +105,15 @@ def reset_to_checkpoint(server: VllmServer, root: Path, model_dir: Path) -> int:
     if st["version"] == 0 and st["healthy"]:
         return 0
     version = st["version"] + 1
-    path = write_anchor(root / f"reset-{uuid.uuid4().hex[:8]}", Checkpoint.open(model_dir).iter_tensors(), version)
-    r = requests.post(f"{server.url}/update_weights_delta", json={"path": path.name, "version": version},
-                      headers=HEADERS, timeout=300)
+    path = write_anchor(
+        root / f"reset-{uuid.uuid4().hex[:8]}", Checkpoint.open(model_dir).iter_tensors(), version
+    )
+    r = requests.post(
+        f"{server.url}/update_weights_delta",
+        json={"path": path.name, "version": version},
+        headers=HEADERS,
+        timeout=300,
+    )
     assert r.status_code == 200, r.text
     assert status(server.url)["version"] == version
     return version

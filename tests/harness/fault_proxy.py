@@ -15,12 +15,15 @@ import asyncio
 import threading
 from urllib.parse import urlparse
 
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message>"
-             b"<RequestId>FAULTPROXY0000001</RequestId></Error>")
-SLOW_DOWN_RESPONSE = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                      b"Content-Length: %d\r\nx-amz-request-id: FAULTPROXY0000001\r\nConnection: close\r\n\r\n"
-                      % len(SLOW_DOWN)) + SLOW_DOWN
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message>"
+    b"<RequestId>FAULTPROXY0000001</RequestId></Error>"
+)
+SLOW_DOWN_RESPONSE = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+    b"Content-Length: %d\r\nx-amz-request-id: FAULTPROXY0000001\r\nConnection: close\r\n\r\n" % len(SLOW_DOWN)
+) + SLOW_DOWN
 CHUNK = 64 << 10
 
 
@@ -64,6 +67,7 @@ class FaultProxy:
 
     def start(self) -> None:
         """Listen (again, on the same port)."""
+
         async def listen() -> asyncio.AbstractServer:
             return await asyncio.start_server(self._handle, "127.0.0.1", self.port, reuse_address=True)
 
@@ -72,6 +76,7 @@ class FaultProxy:
 
     def stop(self) -> None:
         """Close the listening socket: new connections are refused."""
+
         async def close() -> None:
             self._server.close()
             await self._server.wait_closed()

@@ -30,10 +30,14 @@ def served_fp8(worker) -> dict[str, dict]:
         weight, scale = module.weight, module.weight_scale_inv
         out[name] = {
             "kernel": type(module.quant_method.fp8_linear).__name__,
-            "weight_class": type(weight).__name__, "scale_class": type(scale).__name__,
+            "weight_class": type(weight).__name__,
+            "scale_class": type(scale).__name__,
             "weight_layout": (tuple(weight.shape), weight.stride(), str(weight.dtype)),
-            "kind": t and t.kind, "changed": t and t.changed, "derived": t and t.derived,
-            "live_weight": _bytes(weight), "live_scale": _bytes(scale),
+            "kind": t and t.kind,
+            "changed": t and t.changed,
+            "derived": t and t.derived,
+            "live_weight": _bytes(weight),
+            "live_scale": _bytes(scale),
             "canonical_weight": _bytes(stash["weight"]) if "weight" in stash else None,
         }
     return out

@@ -21,18 +21,33 @@ from harness.tiny_models import VOCAB_SIZE, train_tokenizer
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK], "activation_scheme": "dynamic",
-                "fmt": "e4m3"}
+QUANTIZATION = {
+    "quant_method": "fp8",
+    "weight_block_size": [BLOCK, BLOCK],
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                       torch_dtype="bfloat16", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                       pad_token_id=0)
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def quantize_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,18 +85,27 @@ def _serve(conn: Connection) -> None:
 
 def _load_and_digest(model_dir: str) -> dict[str, str]:
     from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import (ensure_model_parallel_initialized, init_distributed_environment,
-                                                 model_parallel_is_initialized)
+    from vllm.distributed.parallel_state import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+        model_parallel_is_initialized,
+    )
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
     from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
 
-    config = EngineArgs(model=model_dir, dtype="bfloat16", enforce_eager=True, seed=0,
-                        max_model_len=MAX_MODEL_LEN).create_engine_config()
+    config = EngineArgs(
+        model=model_dir, dtype="bfloat16", enforce_eager=True, seed=0, max_model_len=MAX_MODEL_LEN
+    ).create_engine_config()
     with set_current_vllm_config(config):
         if not model_parallel_is_initialized():  # once per child: TP=1 on a gloo group of one
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            )
             ensure_model_parallel_initialized(1, 1)
         model = get_model(vllm_config=config)
     return {PREFIX + name: digest for name, digest in compute_tensor_digests(model).items()}

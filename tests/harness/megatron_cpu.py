@@ -24,7 +24,8 @@ _CPU = torch.device("cpu")
 
 def _is_cuda(dev) -> bool:
     return (isinstance(dev, torch.device) and dev.type == "cuda") or (
-        isinstance(dev, str) and dev.startswith("cuda"))
+        isinstance(dev, str) and dev.startswith("cuda")
+    )
 
 
 class _CudaToCpu(TorchFunctionMode):
@@ -128,8 +129,9 @@ def install() -> None:
 # --------------------------------------------------------------------------- helpers
 
 
-def init_distributed(rank: int, world_size: int, port: int, tp: int = 1, ep: int = 1, pp: int = 1,
-                     seed: int = 1234) -> None:
+def init_distributed(
+    rank: int, world_size: int, port: int, tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234
+) -> None:
     """gloo process group + megatron parallel_state + RNG tracker, with the shim installed."""
     install()
     torch.set_num_threads(1)
@@ -147,10 +149,18 @@ def init_distributed(rank: int, world_size: int, port: int, tp: int = 1, ep: int
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def build_gpt_model(hidden: int = 64, layers: int = 2, heads: int = 4, query_groups: int = 2,
-                    vocab: int = 256, seq_len: int = 32, num_experts: int | None = None,
-                    lr: float = 1e-3, use_distributed_optimizer: bool = False,
-                    overlap_param_gather: bool = False):
+def build_gpt_model(
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    query_groups: int = 2,
+    vocab: int = 256,
+    seq_len: int = 32,
+    num_experts: int | None = None,
+    lr: float = 1e-3,
+    use_distributed_optimizer: bool = False,
+    overlap_param_gather: bool = False,
+):
     """Tiny bf16 GPTModel (local spec: RMSNorm, GQA, SwiGLU, RoPE, untied output layer),
     wrapped as Megatron-LM does (Float16Module, then DDP), plus its megatron Adam optimizer.
     Returns (ddp_model, optimizer, gpt_model); gpt_model.named_parameters() gives the
@@ -158,45 +168,69 @@ def build_gpt_model(hidden: int = 64, layers: int = 2, heads: int = 4, query_gro
     `overlap_param_gather` also turns on overlap_grad_reduce (megatron requires both); then
     only this DP rank's shard is current after `optimizer.step()` until
     `ddp_model.start_param_sync(force_sync=True)` or the next forward. No pipeline stages."""
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
-    from megatron.core import parallel_state
 
     assert parallel_state.get_pipeline_model_parallel_world_size() == 1, "pp > 1 unsupported"
     moe = {}
     if num_experts:
-        moe = dict(num_moe_experts=num_experts, moe_router_topk=2, moe_ffn_hidden_size=hidden * 2,
-                   moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0)
+        moe = dict(
+            num_moe_experts=num_experts,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=hidden * 2,
+            moe_token_dispatcher_type="alltoall",
+            moe_aux_loss_coeff=0.0,
+        )
     config = TransformerConfig(
-        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-        num_query_groups=query_groups, ffn_hidden_size=hidden * 2, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, normalization="RMSNorm",
-        add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=query_groups,
+        ffn_hidden_size=hidden * 2,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        sequence_parallel=False, bf16=True, params_dtype=torch.bfloat16,
-        use_cpu_initialization=True, gradient_accumulation_fusion=False, **moe,
+        sequence_parallel=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        **moe,
     )
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=num_experts,
-                                                        normalization="RMSNorm"),
-        vocab_size=vocab, max_sequence_length=seq_len, position_embedding_type="rope",
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm"),
+        vocab_size=vocab,
+        max_sequence_length=seq_len,
+        position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
     )
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
-        overlap_grad_reduce=overlap_param_gather, overlap_param_gather=overlap_param_gather,
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=overlap_param_gather,
+        overlap_param_gather=overlap_param_gather,
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config,
-                                    module=Float16Module(config, gpt))
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, gpt))
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", bf16=True, lr=lr, weight_decay=0.0, clip_grad=1.0,
-                        use_distributed_optimizer=use_distributed_optimizer),
+        OptimizerConfig(
+            optimizer="adam",
+            bf16=True,
+            lr=lr,
+            weight_decay=0.0,
+            clip_grad=1.0,
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
         [model],
     )
     return model, opt, gpt
@@ -231,7 +265,7 @@ def pipeline_step(model, opt, tokens: torch.Tensor, microbatches: int = 2) -> No
     config.finalize_model_grads_func = finalize_model_grads
     inp, labels = tokens[:, :-1], tokens[:, 1:]
     mb = inp.shape[0] // microbatches
-    batches = iter([(inp[i * mb:(i + 1) * mb], labels[i * mb:(i + 1) * mb]) for i in range(microbatches)])
+    batches = iter([(inp[i * mb : (i + 1) * mb], labels[i * mb : (i + 1) * mb]) for i in range(microbatches)])
 
     def forward_step(data_iterator, chunk):
         x, y = next(data_iterator)
@@ -246,9 +280,15 @@ def pipeline_step(model, opt, tokens: torch.Tensor, microbatches: int = 2) -> No
 
     model.zero_grad_buffer()
     opt.zero_grad()
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=batches, model=[model],
-                                num_microbatches=microbatches, seq_length=inp.shape[1], micro_batch_size=mb,
-                                forward_only=False)
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=batches,
+        model=[model],
+        num_microbatches=microbatches,
+        seq_length=inp.shape[1],
+        micro_batch_size=mb,
+        forward_only=False,
+    )
     ok, _grad_norm, _ = opt.step()
     assert ok, "megatron optimizer skipped the step"
 
@@ -279,8 +319,10 @@ def spawn(fn, world_size: int, *args, timeout: float = 300) -> None:
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, errq, args), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, fn, world_size, port, errq, args), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -290,9 +332,10 @@ def spawn(fn, world_size: int, *args, timeout: float = 300) -> None:
             if time.monotonic() > deadline:
                 failure = f"timed out after {timeout}s"
             elif not errq.empty():
-                failure = "rank %d failed:\n%s" % errq.get()
+                rank, trace = errq.get()
+                failure = f"rank {rank} failed:\n{trace}"
             elif any(p.exitcode not in (None, 0) for p in procs):
-                failure = "exit codes %s" % [p.exitcode for p in procs]
+                failure = f"exit codes {[p.exitcode for p in procs]}"
             else:
                 time.sleep(0.05)
     finally:
@@ -301,9 +344,10 @@ def spawn(fn, world_size: int, *args, timeout: float = 300) -> None:
                 p.terminate()
             p.join(10)
     if failure is None and not errq.empty():
-        failure = "rank %d failed:\n%s" % errq.get()
+        rank, trace = errq.get()
+        failure = f"rank {rank} failed:\n{trace}"
     if failure is None and any(p.exitcode != 0 for p in procs):
-        failure = "exit codes %s" % [p.exitcode for p in procs]
+        failure = f"exit codes {[p.exitcode for p in procs]}"
     if failure is not None:
         raise RuntimeError(f"megatron worker failure: {failure}")
 
@@ -311,9 +355,16 @@ def spawn(fn, world_size: int, *args, timeout: float = 300) -> None:
 # --------------------------------------------------------------------------- mbridge on CPU
 
 
-def build_from_hf(hf_dir, *, lr: float = 1e-3, use_distributed_optimizer: bool = False,
-                  overlap_param_gather: bool = False, make_vocab_size_divisible_by: int | None = None,
-                  loss_scale: float | None = None, extra_args: dict | None = None):
+def build_from_hf(
+    hf_dir,
+    *,
+    lr: float = 1e-3,
+    use_distributed_optimizer: bool = False,
+    overlap_param_gather: bool = False,
+    make_vocab_size_divisible_by: int | None = None,
+    loss_scale: float | None = None,
+    extra_args: dict | None = None,
+):
     """mbridge's own model for an HF checkpoint, with the HF weights loaded, wrapped in megatron
     DDP, plus a megatron Adam optimizer. Returns (ddp_model, optimizer, gpt, bridge). Call after
     `init_distributed` (which also needs `import_mbridge()` before it: see there).
@@ -321,10 +372,10 @@ def build_from_hf(hf_dir, *, lr: float = 1e-3, use_distributed_optimizer: bool =
     CPU glue mbridge needs without Transformer Engine (field notes): the local decoder spec,
     no grouped GEMM / persistent norm / sequence parallel, `rope_theta` from transformers 5's
     `rope_parameters`, and `Module.cuda()` as a no-op."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from mbridge import AutoBridge
     from mbridge.core.safetensor_io import SafeTensorIO
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from transformers import AutoConfig
 
     from megatron_hook.names import TENamed
@@ -333,10 +384,18 @@ def build_from_hf(hf_dir, *, lr: float = 1e-3, use_distributed_optimizer: bool =
     if not hasattr(cfg, "rope_theta"):
         cfg.rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     bridge = AutoBridge.from_config(cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    bridge.set_extra_args(moe_grouped_gemm=False, persist_layer_norm=False, sequence_parallel=False,
-                          use_cpu_initialization=True, gradient_accumulation_fusion=False,
-                          masked_softmax_fusion=False, bias_activation_fusion=False,
-                          bias_dropout_fusion=False, moe_aux_loss_coeff=0.0, **(extra_args or {}))
+    bridge.set_extra_args(
+        moe_grouped_gemm=False,
+        persist_layer_norm=False,
+        sequence_parallel=False,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        moe_aux_loss_coeff=0.0,
+        **(extra_args or {}),
+    )
     cpu_specs(bridge)
     # DeepSeek-V3's fp8-dequantizing reader opens files on "cuda"; the tiny checkpoints are bf16.
     bridge._get_safetensor_io = lambda path: SafeTensorIO(bridge._get_actual_hf_path(path))
@@ -345,14 +404,24 @@ def build_from_hf(hf_dir, *, lr: float = 1e-3, use_distributed_optimizer: bool =
     gpt = f16.module
     bridge.load_weights([TENamed(gpt)], hf_dir)  # mbridge sees the TE names its tables use
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
-        overlap_grad_reduce=overlap_param_gather, overlap_param_gather=overlap_param_gather)
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=overlap_param_gather,
+        overlap_param_gather=overlap_param_gather,
+    )
     model = DistributedDataParallel(config=bridge.config, ddp_config=ddp_config, module=f16)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", bf16=True, lr=lr, weight_decay=0.0, clip_grad=1.0,
-                        use_distributed_optimizer=use_distributed_optimizer,
-                        loss_scale=loss_scale),
-        [model])
+        OptimizerConfig(
+            optimizer="adam",
+            bf16=True,
+            lr=lr,
+            weight_decay=0.0,
+            clip_grad=1.0,
+            use_distributed_optimizer=use_distributed_optimizer,
+            loss_scale=loss_scale,
+        ),
+        [model],
+    )
     return model, opt, gpt, bridge
 
 
@@ -362,16 +431,36 @@ class MLACoreAttention(torch.nn.Module):
     does not accept the `k_channels`/`v_channels` MLA passes (its query/key head dim differs from
     the value's), so without Transformer Engine MLA cannot be built at all."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None,
-                 k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None,
-                 attention_dropout=None) -> None:
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        softmax_scale=None,
+        k_channels=None,
+        v_channels=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        attention_dropout=None,
+    ) -> None:
         super().__init__()
         self.softmax_scale = softmax_scale
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, h] -> [b, n, s, h]
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale
+        )
         return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
 
@@ -381,10 +470,14 @@ def cpu_specs(bridge) -> None:
     import mbridge.models.deepseek_v3 as ds
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
-    bridge._get_transformer_layer_spec = lambda vp_stage=None: _with_cpu_mla_attention(get_gpt_decoder_block_spec(
-        bridge.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage))
-    ds.get_gpt_mtp_block_spec = lambda config, spec, use_transformer_engine, vp_stage=None: get_gpt_mtp_block_spec(
-        config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+    bridge._get_transformer_layer_spec = lambda vp_stage=None: _with_cpu_mla_attention(
+        get_gpt_decoder_block_spec(
+            bridge.config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+        )
+    )
+    ds.get_gpt_mtp_block_spec = lambda config, spec, use_transformer_engine, vp_stage=None: (
+        get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+    )
 
 
 def _with_cpu_mla_attention(block_spec):
@@ -440,18 +533,41 @@ def tiny_deepseek_v3_config(layers: int = 2, mtp_layers: int = 0, dense_layers: 
     from harness.tiny_models import VOCAB_SIZE
 
     cfg = DeepseekV3Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=dense_layers, n_group=1, topk_group=1,
-        routed_scaling_factor=1.0, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, max_position_embeddings=512, num_nextn_predict_layers=mtp_layers,
-        tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=dense_layers,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=512,
+        num_nextn_predict_layers=mtp_layers,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if not hasattr(cfg, "rope_theta"):
         cfg.rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     return cfg
 
 
-def make_tiny_deepseek_v3(out_dir, layers: int = 2, mtp_layers: int = 0, dense_layers: int = 1, seed: int = 0):
+def make_tiny_deepseek_v3(
+    out_dir, layers: int = 2, mtp_layers: int = 0, dense_layers: int = 1, seed: int = 0
+):
     """A tiny DeepSeek-V3 HF checkpoint (bf16, random): MLA with q and kv LoRA (and their norms),
     one leading dense layer, then MoE layers with 4 routed experts, one shared expert and the
     router's `e_score_correction_bias`; with `mtp_layers`, the MTP layers' tensors follow the
@@ -496,7 +612,9 @@ def make_tiny_deepseek_v3(out_dir, layers: int = 2, mtp_layers: int = 0, dense_l
         tensors[pre + "eh_proj.weight"] = (torch.randn(h, 2 * h, generator=gen) * 0.05).to(torch.bfloat16)
         tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    save_file({n: t.contiguous() for n, t in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"}
+    )
     index = {"metadata": {}, "weight_map": {n: "model.safetensors" for n in tensors}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     train_tokenizer(out)
@@ -507,23 +625,38 @@ _NVTE = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
 @contextmanager
-def meta_chunk(cfg, *, world: int = 1, rank: int = 0, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
-               make_vocab_size_divisible_by: int | None = None,
-               extra_args: dict | None = None) -> Iterator[tuple[torch.nn.Module, object]]:
+def meta_chunk(
+    cfg,
+    *,
+    world: int = 1,
+    rank: int = 0,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    make_vocab_size_divisible_by: int | None = None,
+    extra_args: dict | None = None,
+) -> Iterator[tuple[torch.nn.Module, object]]:
     """(gpt, bridge): rank `rank`'s chunk of a `world`-rank job of HF config `cfg`, built by mbridge
     and megatron-core's local specs with every weight on `meta`, in this process (torch's `fake`
     process group: no collective runs). For reading megatron-core's own names, shapes and TP
     attributes at test time; everything patched is put back on exit."""
-    import megatron.core.transformer.multi_latent_attention as mla
     import mbridge.models.deepseek_v3 as ds
+    import megatron.core.transformer.multi_latent_attention as mla
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from mbridge import AutoBridge
+    from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     mbridge_mla_compat()
-    saved = (torch.cuda.current_device, torch.cuda.Stream, torch.nn.Module.cuda, torch.Tensor.cuda, mla.HAVE_TE,
-             ds.get_gpt_mtp_block_spec)
+    saved = (
+        torch.cuda.current_device,
+        torch.cuda.Stream,
+        torch.nn.Module.cuda,
+        torch.Tensor.cuda,
+        mla.HAVE_TE,
+        ds.get_gpt_mtp_block_spec,
+    )
     torch.cuda.current_device = lambda: torch.device("meta")
     torch.cuda.Stream = lambda *a, **k: None
     torch.nn.Module.cuda = lambda self, *a, **k: self
@@ -532,14 +665,29 @@ def meta_chunk(cfg, *, world: int = 1, rank: int = 0, tp: int = 1, pp: int = 1, 
     env = {k: os.environ.get(k) for k in _NVTE}  # megatron sets these from the attention backend
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                                     create_gloo_process_groups=False)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            create_gloo_process_groups=False,
+        )
         bridge = AutoBridge.from_config(cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-        bridge.set_extra_args(**{**dict(moe_grouped_gemm=False, persist_layer_norm=False, sequence_parallel=False,
-                                        use_cpu_initialization=True, gradient_accumulation_fusion=False,
-                                        masked_softmax_fusion=False, bias_activation_fusion=False,
-                                        bias_dropout_fusion=False), **(extra_args or {})})
+        bridge.set_extra_args(
+            **{
+                **dict(
+                    moe_grouped_gemm=False,
+                    persist_layer_norm=False,
+                    sequence_parallel=False,
+                    use_cpu_initialization=True,
+                    gradient_accumulation_fusion=False,
+                    masked_softmax_fusion=False,
+                    bias_activation_fusion=False,
+                    bias_dropout_fusion=False,
+                ),
+                **(extra_args or {}),
+            }
+        )
         cpu_specs(bridge)
         with torch.device("meta"):
             (f16,) = bridge.get_model(wrap_with_ddp=False, use_cpu_initialization=True)
@@ -547,8 +695,14 @@ def meta_chunk(cfg, *, world: int = 1, rank: int = 0, tp: int = 1, pp: int = 1, 
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
-        (torch.cuda.current_device, torch.cuda.Stream, torch.nn.Module.cuda, torch.Tensor.cuda, mla.HAVE_TE,
-         ds.get_gpt_mtp_block_spec) = saved
+        (
+            torch.cuda.current_device,
+            torch.cuda.Stream,
+            torch.nn.Module.cuda,
+            torch.Tensor.cuda,
+            mla.HAVE_TE,
+            ds.get_gpt_mtp_block_spec,
+        ) = saved
         for k, v in env.items():
             if v is None:
                 os.environ.pop(k, None)

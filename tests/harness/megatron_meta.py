@@ -30,11 +30,29 @@ def hf_config(fields: dict[str, Any]):
 
 
 @contextmanager
-def meta_rank(fields: dict[str, Any], *, world: int, rank: int, tp: int = 1, pp: int = 1, ep: int = 1,
-              etp: int = 1, make_vocab_size_divisible_by: int | None = None,
-              extra_args: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
+def meta_rank(
+    fields: dict[str, Any],
+    *,
+    world: int,
+    rank: int,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    make_vocab_size_divisible_by: int | None = None,
+    extra_args: dict[str, Any] | None = None,
+) -> Iterator[tuple[Any, Any]]:
     """(gpt, bridge) of rank `rank` in a `world`-rank job of published config `fields`, weights on
     `meta`; torn down on exit. `extra_args` go to mbridge's `set_extra_args` (e.g. uneven stages)."""
-    with meta_chunk(hf_config(fields), world=world, rank=rank, tp=tp, pp=pp, ep=ep, etp=etp,
-                    make_vocab_size_divisible_by=make_vocab_size_divisible_by, extra_args=extra_args) as built:
+    with meta_chunk(
+        hf_config(fields),
+        world=world,
+        rank=rank,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        etp=etp,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        extra_args=extra_args,
+    ) as built:
         yield built

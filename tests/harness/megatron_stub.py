@@ -19,8 +19,9 @@ from harness.tiny_models import SPECS
 ParamSpec = dict[str, tuple[tuple[int, ...], int | None]]
 
 
-def stub_chunk(params: ParamSpec, layer_numbers: Sequence[int] = (),
-               buffers: dict[str, tuple[int, ...]] | None = None) -> torch.nn.Module:
+def stub_chunk(
+    params: ParamSpec, layer_numbers: Sequence[int] = (), buffers: dict[str, tuple[int, ...]] | None = None
+) -> torch.nn.Module:
     """A module tree holding `params` (bf16) and `buffers` (fp32) under their dotted names;
     `decoder.layers[i].layer_number` is `layer_numbers[i]` (1-based global layer, as megatron's)."""
     root = torch.nn.Module()

@@ -1,4 +1,5 @@
-"""Test-only: MLA engines whose post-load steps make derived tensors copies, or derive one no re-run reproduces.
+"""Test-only: MLA engines whose post-load steps make derived tensors copies, or derive one no re-run
+reproduces.
 
 Why: on vLLM's CPU MLA backend with a bf16 `kv_b_proj`, `W_UV` / `W_UK_T` are views of
 `kv_b_proj.weight`, so in-place deltas reach them whether or not the receiver re-derives them.
@@ -44,6 +45,7 @@ def _patch() -> None:
     MLAAttention.process_weights_after_loading = process_weights_after_loading
 
     if os.environ.get(MODEL_STEP_ENV):
+
         def model_step(self) -> None:
             w = self.lm_head.weight.detach().float()
             prev = getattr(self, MODEL_TENSOR, None)
@@ -61,8 +63,11 @@ class MlaStepsWorkerExtension(DeltaWorkerExtension):
     def mla_discovery(self) -> dict:
         """What `derived` found at startup: tensors (unit, key, kind, sources), units, refusals."""
         found = derived.discovery(self.model_runner.get_model())
-        return {"tensors": [(t.unit, t.key, t.kind, t.sources) for t in found.tensors],
-                "units": {u.name: sorted(u.sources) for u in found.units}, "refused": found.refused}
+        return {
+            "tensors": [(t.unit, t.key, t.kind, t.sources) for t in found.tensors],
+            "units": {u.name: sorted(u.sources) for u in found.units},
+            "refused": found.refused,
+        }
 
     def mla_pointers(self) -> dict[str, int]:
         """data_ptr() of every parameter and every derived tensor (CUDA-graph safety)."""
@@ -77,5 +82,7 @@ class MlaStepsWorkerExtension(DeltaWorkerExtension):
         from vllm_delta.wire import tensor_digest
 
         model = self.model_runner.get_model()
-        return {f"{t.unit}.{t.key}": tensor_digest(derived.reach(model.get_submodule(t.unit))[t.key][3])
-                for t in derived.discovery(model).tensors}
+        return {
+            f"{t.unit}.{t.key}": tensor_digest(derived.reach(model.get_submodule(t.unit))[t.key][3])
+            for t in derived.discovery(model).tensors
+        }

@@ -44,7 +44,10 @@ def _swap_halves(t: torch.Tensor) -> torch.Tensor:
 def _patch() -> None:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    stock_step, stock_apply = UnquantizedLinearMethod.process_weights_after_loading, UnquantizedLinearMethod.apply
+    stock_step, stock_apply = (
+        UnquantizedLinearMethod.process_weights_after_loading,
+        UnquantizedLinearMethod.apply,
+    )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         which = _which(layer)
@@ -55,12 +58,14 @@ def _patch() -> None:
         else:
             stock_step(self, layer)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         which = _which(layer)
         if which == PERMUTED:
             out = F.linear(x, layer.weight)
             rows = layer.weight.shape[0]
-            out = torch.cat([out[..., rows - rows // 2:], out[..., :rows - rows // 2]], dim=-1)
+            out = torch.cat([out[..., rows - rows // 2 :], out[..., : rows - rows // 2]], dim=-1)
         elif which == DERIVED:
             out = (x.float() @ layer.W_T).to(x.dtype)
         else:
@@ -73,7 +78,9 @@ def _patch() -> None:
 
 def _patch_moe() -> None:
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
-    from vllm.model_executor.layers.fused_moe.experts import cpu_moe  # on EP engines torch_moe patches it first
+    from vllm.model_executor.layers.fused_moe.experts import (
+        cpu_moe,
+    )  # on EP engines torch_moe patches it first
     from vllm.model_executor.layers.quantization.utils.flashinfer_utils import swap_w13_to_w31
 
     from harness.torch_moe.moe_reference import reference_moe
@@ -84,8 +91,9 @@ def _patch_moe() -> None:
     stock_convert = method.convert_to_unquantized_kernel_format
 
     def convert_to_unquantized_kernel_format(backend, moe_config, w13_weight, w2_weight, layer=None):
-        w13, w2 = stock_convert(backend, moe_config=moe_config, w13_weight=w13_weight, w2_weight=w2_weight,
-                                layer=layer)
+        w13, w2 = stock_convert(
+            backend, moe_config=moe_config, w13_weight=w13_weight, w2_weight=w2_weight, layer=layer
+        )
         return (swap_w13_to_w31(w13) if swapped(layer) else w13), w2
 
     experts = cpu_moe.CPUUnquantizedExperts
@@ -97,16 +105,55 @@ def _patch_moe() -> None:
         else:
             stock_step(self, layer)
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-              apply_router_weight_on_input) -> None:
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ) -> None:
         if getattr(self, "_delta_swapped", False):
-            reference_moe(output, hidden_states, swap_w13_to_w31(w1), w2, topk_weights, topk_ids, activation,
-                          expert_map, apply_router_weight_on_input)
+            reference_moe(
+                output,
+                hidden_states,
+                swap_w13_to_w31(w1),
+                w2,
+                topk_weights,
+                topk_ids,
+                activation,
+                expert_map,
+                apply_router_weight_on_input,
+            )
         else:
-            stock_apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-                        expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-                        apply_router_weight_on_input)
+            stock_apply(
+                self,
+                output,
+                hidden_states,
+                w1,
+                w2,
+                topk_weights,
+                topk_ids,
+                activation,
+                global_num_experts,
+                expert_map,
+                a1q_scale,
+                a2_scale,
+                workspace13,
+                workspace2,
+                expert_tokens_meta,
+                apply_router_weight_on_input,
+            )
 
     method.convert_to_unquantized_kernel_format = convert_to_unquantized_kernel_format
     experts.process_weights_after_loading = process_weights_after_loading
@@ -129,12 +176,26 @@ class StepsWorkerExtension(DeltaWorkerExtension):
         such as the derived `W_T`): updates must write in place (captured CUDA graphs keep reading the
         storage they were captured with)."""
         model = self.model_runner.get_model()
-        return {f"{name}.{key}": t.data_ptr() for name, m in model.named_modules()
-                for key, (_, _, t) in canonical_weights.held_tensors(m).items() if t.numel()}
+        return {
+            f"{name}.{key}": t.data_ptr()
+            for name, m in model.named_modules()
+            for key, (_, _, t) in canonical_weights.held_tensors(m).items()
+            if t.numel()
+        }
 
     def steps_maps(self) -> dict[str, dict]:
         """{param: its permutation map's form and size, and the params its module's step changed}."""
         model = self.model_runner.get_model()
-        transform = lambda name: getattr(model.get_submodule(name.rsplit(".", 1)[0]), transforms.TRANSFORM_ATTR)  # noqa: E731
-        return {name: {"row_len": m.row_len, "nbytes": m.nbytes, "numel": m.numel, "changed": transform(name).changed}
-                for name, m in transforms.offset_maps(model).items()}
+
+        def transform(name: str):
+            return getattr(model.get_submodule(name.rsplit(".", 1)[0]), transforms.TRANSFORM_ATTR)
+
+        return {
+            name: {
+                "row_len": m.row_len,
+                "nbytes": m.nbytes,
+                "numel": m.numel,
+                "changed": transform(name).changed,
+            }
+            for name, m in transforms.offset_maps(model).items()
+        }

@@ -66,8 +66,9 @@ class S3Server:
             cmd = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)]
             if self.cpus:
                 cmd = ["taskset", "-c", self.cpus, *cmd]
-            self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            )
             self._wait_up()
             return
         from moto.server import ThreadedMotoServer
@@ -77,7 +78,8 @@ class S3Server:
         self._thread_server.start()
 
     def stop(self) -> None:
-        """Stop serving and close the listening socket, so a client's connect is refused (not left hanging)."""
+        """Stop serving and close the listening socket, so a client's connect is refused (not left
+        hanging)."""
         if self.process:
             if self._proc is not None and self._proc.poll() is None:
                 self._proc.terminate()
@@ -100,8 +102,9 @@ class S3Server:
         raise TimeoutError(f"moto_server not up on {self.endpoint} after {timeout_s:.0f}s")
 
     # ---- what clients need --------------------------------------------------------------------
-    def env(self, *, access_key: str | None = None, secret_key: str | None = None,
-            endpoint: str | None = None) -> dict[str, str]:
+    def env(
+        self, *, access_key: str | None = None, secret_key: str | None = None, endpoint: str | None = None
+    ) -> dict[str, str]:
         """The standard AWS variables a sender or an engine reads (botocore honours AWS_ENDPOINT_URL)."""
         return {
             "AWS_ENDPOINT_URL": endpoint or self.endpoint,
@@ -118,9 +121,13 @@ class S3Server:
         """A plain boto3 client on this server, independent of the code under test (for checks and faults)."""
         import boto3
 
-        return boto3.client(service, endpoint_url=self.endpoint, region_name=REGION,
-                            aws_access_key_id=access_key or self.access_key,
-                            aws_secret_access_key=secret_key or self.secret_key)
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            region_name=REGION,
+            aws_access_key_id=access_key or self.access_key,
+            aws_secret_access_key=secret_key or self.secret_key,
+        )
 
     def sizes(self, prefix: str) -> dict[str, int]:
         """Every key under `prefix` and its size, listed by a plain boto3 client."""
@@ -152,4 +159,3 @@ def s3_env(s3_server: S3Server) -> Iterator[S3Server]:
     """The store's endpoint and keys in os.environ for this test (the sender in this process reads them)."""
     with patched_environ(s3_server.env()):
         yield s3_server
-

@@ -84,14 +84,25 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def run_soak(url: str, api_key: str, model_dir: Path, root: Path, *, syncs: int, streams: int = 8,
-             baseline_s: float = 10.0, density: float = 0.02, seed: int = 0) -> dict:
+def run_soak(
+    url: str,
+    api_key: str,
+    model_dir: Path,
+    root: Path,
+    *,
+    syncs: int,
+    streams: int = 8,
+    baseline_s: float = 10.0,
+    density: float = 0.02,
+    seed: int = 0,
+) -> dict:
     """Baseline load, then `syncs` syncs under the same load; returns the figures."""
     headers = {"Authorization": f"Bearer {api_key}"}
     version = requests.get(f"{url}/delta_updates/status", headers=headers, timeout=60).json()["version"]
     weights = dict(load_file(model_dir / "model.safetensors"))
-    sender = DeltaSender([url], "disk", root, api_key=api_key, flush_bytes=64 << 10, version=version, keep=True,
-                         post_hash=True)  # the stated xxh3 is what this soak checks
+    sender = DeltaSender(
+        [url], "disk", root, api_key=api_key, flush_bytes=64 << 10, version=version, keep=True, post_hash=True
+    )  # the stated xxh3 is what this soak checks
     sender.seed(weights)
     load = Load(url, api_key, streams)
     load.start()
@@ -116,8 +127,10 @@ def run_soak(url: str, api_key: str, model_dir: Path, root: Path, *, syncs: int,
             engine = requests.post(f"{url}/delta_updates/verify", headers=headers, timeout=300).json()
             if stated != trainer or not engine.get("ok") or engine.get("hashes_checked") != len(trainer):
                 wrong = sorted(n for n in trainer.keys() | stated.keys() if stated.get(n) != trainer.get(n))
-                chain_errors.append(f"v{manifest['version']}: stated hashes differ from the trainer's for {wrong[:5]}, "
-                                    f"engine {engine}")
+                chain_errors.append(
+                    f"v{manifest['version']}: stated hashes differ from the trainer's for {wrong[:5]}, "
+                    f"engine {engine}"
+                )
             else:
                 verified += 1
             shutil.rmtree(vdir)
@@ -126,12 +139,23 @@ def run_soak(url: str, api_key: str, model_dir: Path, root: Path, *, syncs: int,
         sender.close()
     base, busy = load.latencies.get("baseline", []), load.latencies.get("syncing", [])
     return {
-        "syncs": syncs, "syncs_verified": verified, "chain_errors": chain_errors, "streams": streams,
-        "requests": len(base) + len(busy) + len(load.failures), "requests_failed": len(load.failures),
+        "syncs": syncs,
+        "syncs_verified": verified,
+        "chain_errors": chain_errors,
+        "streams": streams,
+        "requests": len(base) + len(busy) + len(load.failures),
+        "requests_failed": len(load.failures),
         "failures": load.failures[:5],
         "latency_baseline": {"n": len(base), "p50": _pct(base, 0.5), "p99": _pct(base, 0.99)},
-        "latency_syncing": {"n": len(busy), "p50": _pct(busy, 0.5), "p99": _pct(busy, 0.99),
-                            "max": max(busy, default=float("nan"))},
-        "pause_s": {"median": statistics.median(pauses) if pauses else float("nan"), "max": max(pauses, default=0.0)},
+        "latency_syncing": {
+            "n": len(busy),
+            "p50": _pct(busy, 0.5),
+            "p99": _pct(busy, 0.99),
+            "max": max(busy, default=float("nan")),
+        },
+        "pause_s": {
+            "median": statistics.median(pauses) if pauses else float("nan"),
+            "max": max(pauses, default=0.0),
+        },
         "sync_s": {"median": statistics.median(sync_s) if sync_s else float("nan")},
     }

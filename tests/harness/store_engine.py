@@ -41,7 +41,9 @@ class StoreFakeEngine(FakeEngine):
 
     def _download(self, version_dir: str) -> int:
         client, out, n = self.server.client(), self.root / version_dir, 0
-        shutil.rmtree(out, ignore_errors=True)  # a version re-uploaded under the same name: only what is there now
+        shutil.rmtree(
+            out, ignore_errors=True
+        )  # a version re-uploaded under the same name: only what is there now
         out.mkdir(parents=True)
         for key in self.server.keys(f"{self.prefix}/{version_dir}/"):
             data = client.get_object(Bucket=self.server.bucket, Key=key)["Body"].read()

@@ -60,8 +60,9 @@ class InProcessEngine:
         return None
 
 
-def tp_ranks(model_dir: Path, base: dict[str, torch.Tensor], tp: int = 2, ep: bool = False,
-             device: str = "cpu") -> tuple[list[torch.nn.Module], list[LocalWorker]]:
+def tp_ranks(
+    model_dir: Path, base: dict[str, torch.Tensor], tp: int = 2, ep: bool = False, device: str = "cpu"
+) -> tuple[list[torch.nn.Module], list[LocalWorker]]:
     """`tp` ranks of the tiny synthetic model loaded with `base` (also saved as the served checkpoint)."""
     dc = device_check()
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -84,4 +85,6 @@ def loaded(checkpoint: dict[str, torch.Tensor], rank: int, tp: int, ep: bool = F
 def same_bits(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     """Names of parameters whose bits differ."""
     got = dict(b.named_parameters())
-    return [n for n, p in a.named_parameters() if not torch.equal(p.view(torch.uint8), got[n].view(torch.uint8))]
+    return [
+        n for n, p in a.named_parameters() if not torch.equal(p.view(torch.uint8), got[n].view(torch.uint8))
+    ]

@@ -9,9 +9,9 @@ shared experts, `e_score_correction_bias` and `first_k_dense_replace`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -115,9 +115,7 @@ def train_tokenizer(out_dir: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS] * 50, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(out_dir)
 
 

@@ -63,7 +63,7 @@ TORCH_MOE = str(Path(__file__).resolve().parent / "torch_moe")
 
 
 @contextlib.contextmanager
-def start_llm(model_dir: Path | str, tp: int = 1, delta: bool = False, **engine_kwargs) -> Iterator["object"]:
+def start_llm(model_dir: Path | str, tp: int = 1, delta: bool = False, **engine_kwargs) -> Iterator[object]:
     """Start an in-process `vllm.LLM` on the CPU and shut it down afterwards.
 
     `delta=True` turns delta updates on the way `--enable-delta-updates` does: the worker
@@ -174,7 +174,7 @@ class VllmServer:
                 self.proc.wait()
         self._log.close()
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -188,7 +188,7 @@ class VllmServer:
         return resp.json()["choices"][0]
 
 
-def start_servers(*starts: Callable[[], "VllmServer"]) -> list["VllmServer"]:
+def start_servers(*starts: Callable[[], VllmServer]) -> list[VllmServer]:
     """Start several `VllmServer`s at once, in threads; returns them in order.
 
     Why: about half of a CPU engine's start is waiting (process spawns, handshakes, the health poll),
@@ -213,5 +213,7 @@ def greedy(llm, prompts: list[str] | None = None) -> list[tuple[list[int], list[
     from harness.tiny_models import PROMPTS
 
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
-    return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            for c in (r.outputs[0] for r in llm.generate(prompts or PROMPTS, params, use_tqdm=False))]
+    return [
+        (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        for c in (r.outputs[0] for r in llm.generate(prompts or PROMPTS, params, use_tqdm=False))
+    ]

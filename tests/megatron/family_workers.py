@@ -6,7 +6,6 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-
 from harness import megatron_cpu
 from hook_workers import LR, apply_entries, bits, tokens
 
@@ -27,8 +26,9 @@ def family_worker(rank, world, port, hf, tp, pp, steps, extra_args, vocab_multip
 
     megatron_cpu.import_mbridge()
     megatron_cpu.init_distributed(rank, world, port, tp=tp, pp=pp)
-    model, opt, gpt, ref = megatron_cpu.build_from_hf(hf, lr=LR, extra_args=extra_args,
-                                                      make_vocab_size_divisible_by=vocab_multiple)
+    model, opt, gpt, ref = megatron_cpu.build_from_hf(
+        hf, lr=LR, extra_args=extra_args, make_vocab_size_divisible_by=vocab_multiple
+    )
     bridge = ref
     if trainer_padded:
         cfg = AutoConfig.from_pretrained(hf)

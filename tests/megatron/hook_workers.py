@@ -6,7 +6,6 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-
 from harness import megatron_cpu
 
 LR = 1e-2
@@ -50,8 +49,13 @@ def topology_worker(rank, world, port, hf, tp, ep, pp, distopt, steps, family, v
     # GLM4-MoE: the tiny checkpoint has no qkv bias; mbridge leaves the expert-bias update rate at 0.
     extra = dict(add_qkv_bias=False, moe_router_bias_update_rate=1e-2) if family == "glm4_moe" else None
     model, opt, gpt, bridge = megatron_cpu.build_from_hf(
-        hf, lr=LR, use_distributed_optimizer=distopt, overlap_param_gather=distopt, extra_args=extra,
-        make_vocab_size_divisible_by=vocab_multiple)
+        hf,
+        lr=LR,
+        use_distributed_optimizer=distopt,
+        overlap_param_gather=distopt,
+        extra_args=extra,
+        make_vocab_size_divisible_by=vocab_multiple,
+    )
     if ep > 1 and tp > 1:
         model.eval()  # MoE with TP>1 trains only with sequence parallel, which the local spec refuses
     pad = _padding_rows(gpt, bridge, tp) if vocab_multiple else None
@@ -169,8 +173,10 @@ def behaviour_worker(rank, world, port, hf, expect_path):
 
     served = load_file(f"{hf}/model.safetensors")
     exported = megatron_cpu.export_hf(bridge, gpt)
-    expect = {n: torch.nonzero(bits(exported[n]).view(-1) != bits(served[n]).view(-1)).view(-1).tolist()
-              for n in served}
+    expect = {
+        n: torch.nonzero(bits(exported[n]).view(-1) != bits(served[n]).view(-1)).view(-1).tolist()
+        for n in served
+    }
     expect = {n: p for n, p in expect.items() if p}
     assert sum(len(p) for p in expect.values()) == 1, expect
 
@@ -182,13 +188,16 @@ def behaviour_worker(rank, world, port, hf, expect_path):
 
         from megatron_hook import SeedMismatchError
 
-        with pytest.raises(SeedMismatchError, match=r"1 elements .*'model\.layers\.1\.self_attn\.q_proj\.weight': \[77\]"):
+        with pytest.raises(
+            SeedMismatchError, match=r"1 elements .*'model\.layers\.1\.self_attn\.q_proj\.weight': \[77\]"
+        ):
             register(opt, [model], sender, bridge=bridge, checkpoint=hf)
         assert "step" not in vars(opt), "a refused register() must leave the optimizer alone"
         with pytest.raises(ValueError, match="seed_from_trainer=True"):
             register(opt, [model], sender, bridge=bridge)  # no checkpoint, no explicit opt-out
-        handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf, seed_mismatch="warn",
-                          on_sync=syncs.append)
+        handle = register(
+            opt, [model], sender, bridge=bridge, checkpoint=hf, seed_mismatch="warn", on_sync=syncs.append
+        )
         got = {n: p.tolist() for n, p in handle.seed_report.mismatches.items()}
         assert handle.seed_report.total == 1 and got == expect, (got, expect)
 
@@ -238,8 +247,9 @@ def engine_worker(rank, world, port, hf, url, root, api_key, version, steps, out
     model, opt, gpt, bridge = megatron_cpu.build_from_hf(hf, lr=LR)
     model.eval()  # MoE with TP>1 trains only with sequence parallel, which the local spec refuses
     group = dist.new_group(backend="gloo")
-    sender = DeltaSender([url], "disk", root, api_key=api_key, group=group, version=version,
-                         flush_bytes=64 << 10)
+    sender = DeltaSender(
+        [url], "disk", root, api_key=api_key, group=group, version=version, flush_bytes=64 << 10
+    )
     synced: list[dict] = []
     handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf, on_sync=synced.append)
     assert handle.seed_report.ok, handle.seed_report

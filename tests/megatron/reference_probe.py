@@ -29,8 +29,11 @@ def full_probe(bridge, global_name: str, t: torch.Tensor, rank: int, size: int) 
         order = torch.argsort(local)
         local, positions = local[order], positions[order]
         if local.numel():
-            out.append(Segments.from_positions(hf_name, _view(flat, local, global_name), tuple(hf_ids.shape),
-                                               positions))
+            out.append(
+                Segments.from_positions(
+                    hf_name, _view(flat, local, global_name), tuple(hf_ids.shape), positions
+                )
+            )
     return out
 
 
@@ -38,11 +41,13 @@ def _view(flat: torch.Tensor, local: torch.Tensor, name: str) -> torch.Tensor:
     runs = runs_of(local)
     if len(runs) == 1:
         a, length = runs[0]
-        return flat[a:a + length]
+        return flat[a : a + length]
     lengths = {length for _, length in runs}
     strides = {b - a for (a, _), (b, _) in zip(runs, runs[1:])}
     if len(lengths) != 1 or len(strides) != 1:
-        raise NotImplementedError(f"{name}: local elements of one HF tensor are not a strided view: {runs[:4]}")
+        raise NotImplementedError(
+            f"{name}: local elements of one HF tensor are not a strided view: {runs[:4]}"
+        )
     (length,), (stride,) = lengths, strides
     return flat.as_strided((len(runs), length), (stride, 1), flat.storage_offset() + runs[0][0])
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness.dispatch_log import OpCount
+
 from megatron_hook.bindings import Bindings, RebindError
 from vllm_delta.sender.segments import Segments
 
@@ -21,9 +21,11 @@ def model_and_segments() -> tuple[torch.nn.Module, list[Segments]]:
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6))
     w = m[0].weight.detach().reshape(-1)
-    segs = [Segments("up.weight", w[:12], (6, 4), ((0, 12),)),  # rows 0..2 of weight
-            Segments("gate.weight", w.as_strided((3, 2), (4, 1), 12), (3, 2), ((0, 6),)),  # rows 3..5, cols 0..1
-            Segments("norm.weight", m[1].weight.detach().reshape(-1), (6,), ((0, 6),))]
+    segs = [
+        Segments("up.weight", w[:12], (6, 4), ((0, 12),)),  # rows 0..2 of weight
+        Segments("gate.weight", w.as_strided((3, 2), (4, 1), 12), (3, 2), ((0, 6),)),  # rows 3..5, cols 0..1
+        Segments("norm.weight", m[1].weight.detach().reshape(-1), (6,), ((0, 6),)),
+    ]
     return m, segs
 
 
@@ -53,11 +55,14 @@ def test_nothing_moved_costs_no_torch_op():
     assert ops.count == 0
 
 
-@pytest.mark.parametrize("rebind", [
-    lambda w: w.data.t().contiguous().t(),  # same values, column-major
-    lambda w: w.data.double(),
-    lambda w: w.data[:5].clone(),
-])
+@pytest.mark.parametrize(
+    "rebind",
+    [
+        lambda w: w.data.t().contiguous().t(),  # same values, column-major
+        lambda w: w.data.double(),
+        lambda w: w.data[:5].clone(),
+    ],
+)
 def test_a_rebind_with_another_layout_is_refused_by_name(rebind):
     m, segs = model_and_segments()
     b = Bindings([m], segs)

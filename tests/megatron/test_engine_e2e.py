@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from harness import megatron_cpu
 from harness.vllm_engine import VllmServer, start_servers
 from hook_workers import engine_worker
@@ -31,7 +30,9 @@ def _hdr() -> dict[str, str]:
 
 
 def _checksums(server: VllmServer) -> dict[str, str]:
-    r = requests.post(f"{server.url}/weight_checker", json={"action": "checksum"}, headers=_hdr(), timeout=120)
+    r = requests.post(
+        f"{server.url}/weight_checker", json={"action": "checksum"}, headers=_hdr(), timeout=120
+    )
     r.raise_for_status()
     return r.json()["checksums"]
 
@@ -68,13 +69,25 @@ def test_tp2_ep2_hook_matches_a_fresh_engine_on_the_export(tiny_model_factory, t
     for root in roots:
         root.mkdir()
     final = tmp_path / "final"
-    server, fresh = start_servers(lambda: _serve(hf, roots[0], tmp_path / "serve.log"),
-                                  lambda: _serve(hf, roots[1], tmp_path / "fresh.log"))
+    server, fresh = start_servers(
+        lambda: _serve(hf, roots[0], tmp_path / "serve.log"),
+        lambda: _serve(hf, roots[1], tmp_path / "fresh.log"),
+    )
     with server, fresh:
         initial = _checksums(server)
         version = _status(server)["version"]
-        megatron_cpu.spawn(engine_worker, 4, str(hf), server.url, str(roots[0]), API_KEY, version, STEPS,
-                           str(final), timeout=900)
+        megatron_cpu.spawn(
+            engine_worker,
+            4,
+            str(hf),
+            server.url,
+            str(roots[0]),
+            API_KEY,
+            version,
+            STEPS,
+            str(final),
+            timeout=900,
+        )
         s = _status(server)
         assert s["version"] == version + STEPS and s["healthy"], s
         synced = _checksums(server)

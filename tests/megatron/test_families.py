@@ -17,9 +17,8 @@ Why 61 layers is affordable: the layers are toy-sized; most of the cost is mbrid
 from __future__ import annotations
 
 import pytest
-
-from harness import megatron_cpu
 from family_workers import family_worker
+from harness import megatron_cpu
 
 pytestmark = [pytest.mark.megatron, pytest.mark.heavy]
 STEPS = 2
@@ -27,17 +26,27 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def deepseek_v3(tmp_path_factory):
-    return megatron_cpu.make_tiny_deepseek_v3(tmp_path_factory.mktemp("dsv3") / "hf", layers=61, mtp_layers=1,
-                                              dense_layers=59)
+    return megatron_cpu.make_tiny_deepseek_v3(
+        tmp_path_factory.mktemp("dsv3") / "hf", layers=61, mtp_layers=1, dense_layers=59
+    )
 
 
 def test_deepseek_v3_mla_mtp_pp2(deepseek_v3):
-    extra = dict(moe_router_bias_update_rate=1e-2, moe_shared_expert_overlap=False,
-                 num_layers_in_first_pipeline_stage=30)
-    mtp = ["model.layers.61.eh_proj.weight", "model.layers.61.self_attn.q_a_layernorm.weight",
-           "model.layers.61.mlp.experts.0.gate_proj.weight", "model.layers.61.embed_tokens.weight",
-           "model.layers.61.shared_head.head.weight", "model.layers.0.self_attn.kv_a_layernorm.weight",
-           "model.layers.0.input_layernorm.weight", "model.layers.60.mlp.gate.e_score_correction_bias"]
+    extra = dict(
+        moe_router_bias_update_rate=1e-2,
+        moe_shared_expert_overlap=False,
+        num_layers_in_first_pipeline_stage=30,
+    )
+    mtp = [
+        "model.layers.61.eh_proj.weight",
+        "model.layers.61.self_attn.q_a_layernorm.weight",
+        "model.layers.61.mlp.experts.0.gate_proj.weight",
+        "model.layers.61.embed_tokens.weight",
+        "model.layers.61.shared_head.head.weight",
+        "model.layers.0.self_attn.kv_a_layernorm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.60.mlp.gate.e_score_correction_bias",
+    ]
     megatron_cpu.spawn(family_worker, 2, str(deepseek_v3), 1, 2, STEPS, extra, None, False, mtp, timeout=400)
 
 

@@ -15,7 +15,6 @@ import math
 
 import pytest
 import torch
-
 from harness.megatron_cpu import meta_chunk, tiny_deepseek_v3_config
 from harness.megatron_stub import make_bridge, stub_chunk
 
@@ -28,16 +27,20 @@ def _megatron_remap(gpt, bridge) -> dict[str, str]:
 
     specs = get_gpt_modelopt_spec(bridge.config, remap_te_layernorm=True).layer_specs
     layers = {f"decoder.layers.{i}.": spec for i, spec in enumerate(specs)}
-    layers.update({f"mtp.layers.{k}.transformer_layer.": specs[-1]  # MTP reuses the last layer's spec
-                   for k in range(bridge.config.mtp_num_layers or 0)})
+    layers.update(
+        {
+            f"mtp.layers.{k}.transformer_layer.": specs[-1]  # MTP reuses the last layer's spec
+            for k in range(bridge.config.mtp_num_layers or 0)
+        }
+    )
     out = {}
     for name in gpt.state_dict():
         for prefix, spec in layers.items():
             if name.startswith(prefix):
-                rest = name[len(prefix):]
+                rest = name[len(prefix) :]
                 for src, dst in spec.submodules.sharded_state_dict_keys_map.items():
                     if rest.startswith(src):
-                        out[name] = prefix + dst + rest[len(src):]
+                        out[name] = prefix + dst + rest[len(src) :]
     return out
 
 
@@ -63,11 +66,11 @@ def _hf_table(cfg) -> dict[str, tuple[int, ...]]:
     for name, t in model.state_dict().items():
         if name.endswith("experts.gate_up_proj"):  # [E, 2F, H]
             for e in range(t.shape[0]):
-                for i, proj in enumerate(("gate_proj", "up_proj")):
-                    out[f"{name[:-len('gate_up_proj')]}{e}.{proj}.weight"] = (t.shape[1] // 2, t.shape[2])
+                for proj in ("gate_proj", "up_proj"):
+                    out[f"{name[: -len('gate_up_proj')]}{e}.{proj}.weight"] = (t.shape[1] // 2, t.shape[2])
         elif name.endswith("experts.down_proj"):  # [E, H, F]
             for e in range(t.shape[0]):
-                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = tuple(t.shape[1:])
+                out[f"{name[: -len('down_proj')]}{e}.down_proj.weight"] = tuple(t.shape[1:])
         else:
             out[name] = tuple(t.shape)
     return out
@@ -87,14 +90,17 @@ def test_mla_layers_map_onto_transformers_names_and_shapes():
 
 def test_legacy_grouped_mlp_is_refused_naming_the_module(monkeypatch):
     import megatron.core.transformer.moe.grouped_gemm_util as gg
-
     from harness.tiny_models import SPECS
+
     from megatron_hook.hf_map import Parallel, chunk_segments
 
     monkeypatch.setattr(gg, "assert_grouped_gemm_is_available", lambda: None)  # built, never run
     cfg = SPECS["qwen3_moe"].make_config()
     cfg.rope_theta = 10000.0
-    with meta_chunk(cfg, extra_args=dict(moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True)) as (gpt, bridge):
+    with meta_chunk(cfg, extra_args=dict(moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True)) as (
+        gpt,
+        bridge,
+    ):
         assert "decoder.layers.0.mlp.experts.weight1" in dict(gpt.named_parameters())
         with pytest.raises(NotImplementedError, match=r"decoder\.layers\.0\.mlp\.experts: legacy GroupedMLP"):
             chunk_segments(bridge, gpt, Parallel(0, 1, 0, 1, 0, 0))
@@ -103,10 +109,13 @@ def test_legacy_grouped_mlp_is_refused_naming_the_module(monkeypatch):
 def test_expert_tensor_parallel_without_tp_is_refused_naming_the_module():
     from megatron_hook.hf_map import Parallel, chunk_segments
 
-    chunk = stub_chunk({"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": ((64, 128), 0)},
-                       layer_numbers=[1])
+    chunk = stub_chunk(
+        {"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": ((64, 128), 0)}, layer_numbers=[1]
+    )
     bridge = make_bridge("qwen3_moe", tp_size=1, etp_size=2, etp_rank=1)
-    with pytest.raises(NotImplementedError, match=r"decoder\.layers\.0\.mlp\.experts: expert tensor parallel size 2"):
+    with pytest.raises(
+        NotImplementedError, match=r"decoder\.layers\.0\.mlp\.experts: expert tensor parallel size 2"
+    ):
         chunk_segments(bridge, chunk, Parallel(0, 1, 1, 2, 0, 0))
 
 
@@ -135,7 +144,9 @@ def test_an_mtp_stages_embedding_copy_is_not_shipped(first_stage):
     first stage's); only the first stage ships it. test_families.py runs this at PP=2 for real."""
     from megatron_hook.hf_map import Parallel, chunk_segments
 
-    chunk = stub_chunk({n: ((512, 128), 0) for n in ("embedding.word_embeddings.weight", "output_layer.weight")})
+    chunk = stub_chunk(
+        {n: ((512, 128), 0) for n in ("embedding.word_embeddings.weight", "output_layer.weight")}
+    )
     chunk.pre_process = first_stage
     names = {s.name for s in chunk_segments(make_bridge("llama"), chunk, Parallel(0, 1, 0, 1, 0, 0))}
     assert names == ({"model.embed_tokens.weight", "lm_head.weight"} if first_stage else {"lm_head.weight"})

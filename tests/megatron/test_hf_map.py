@@ -21,9 +21,11 @@ def _bridge(hf_dir, tp_rank: int, vocab_multiple: int | None = None):
 
     cfg = AutoConfig.from_pretrained(hf_dir)
     cfg.rope_theta = 10000.0
-    return AutoBridge.from_config(cfg, parallel_states=ParallelStates(tp_size=2, tp_rank=tp_rank, etp_size=2,
-                                                                      etp_rank=tp_rank),
-                                  make_vocab_size_divisible_by=vocab_multiple)
+    return AutoBridge.from_config(
+        cfg,
+        parallel_states=ParallelStates(tp_size=2, tp_rank=tp_rank, etp_size=2, etp_rank=tp_rank),
+        make_vocab_size_divisible_by=vocab_multiple,
+    )
 
 
 def _param(shape, dim):
@@ -45,8 +47,11 @@ def test_qkv_fc1_and_padded_vocab_at_tp2(tiny_model_factory, rank):
     # linear_qkv: per query group [q 64 rows; k 32; v 32]; rank r holds query group r.
     qkv = _param((128, 128), 0)
     got = _positions(probe(bridge, "decoder.layers.0.self_attention.linear_qkv.weight", qkv, rank, 2))
-    rows = {"q_proj": range(64 * rank, 64 * rank + 64), "k_proj": range(32 * rank, 32 * rank + 32),
-            "v_proj": range(32 * rank, 32 * rank + 32)}
+    rows = {
+        "q_proj": range(64 * rank, 64 * rank + 64),
+        "k_proj": range(32 * rank, 32 * rank + 32),
+        "v_proj": range(32 * rank, 32 * rank + 32),
+    }
     for proj, rs in rows.items():
         want = [r * 128 + c for r in rs for c in range(128)]
         assert got[f"model.layers.0.self_attn.{proj}.weight"] == want, proj

@@ -1,4 +1,5 @@
-"""Registration in O(rows) (issue 18, "Why 1"): the block probe against the element-wise reference, and at 355B.
+"""Registration in O(rows) (issue 18, "Why 1"): the block probe against the element-wise reference, and at
+355B.
 
 - `BlockIds` against real torch ops on the ids it stands for.
 - `hf_map.chunk_segments` against `reference_probe.chunk_segments_full` (one int64 id per element
@@ -40,8 +41,10 @@ def test_block_ids_follow_torch():
     cases = {
         "cat0": (torch.cat([a, b], dim=0), torch.cat([ra, rb], dim=0)),
         "cat1": (torch.cat([a, b], dim=1), torch.cat([ra, rb], dim=1)),
-        "qkv": (torch.cat([a, b]).view(2, -1, 8)[:, 2:5].reshape(-1, 8),
-                torch.cat([ra, rb]).view(2, -1, 8)[:, 2:5].reshape(-1, 8)),
+        "qkv": (
+            torch.cat([a, b]).view(2, -1, 8)[:, 2:5].reshape(-1, 8),
+            torch.cat([ra, rb]).view(2, -1, 8)[:, 2:5].reshape(-1, 8),
+        ),
         "chunk": (a.chunk(2)[1], ra.chunk(2)[1]),
         "chunk_uneven": (a.chunk(4, dim=1)[-1], ra.chunk(4, dim=1)[-1]),
         "split_last": (a.split([3, 5], dim=-1)[1], ra.split([3, 5], dim=-1)[1]),
@@ -81,18 +84,35 @@ def test_probe_refuses_a_rule_it_does_not_model():
 
 
 _KINDS = {  # every param kind registration must map, by its TE global name
-    "embedding": r"^embedding\.word_embeddings\.weight$", "output": r"^output_layer\.weight$",
-    "final_norm": r"^decoder\.final_layernorm\.weight$", "qkv": r"linear_qkv\.weight$",
-    "qkv_bias": r"linear_qkv\.bias$", "qkv_norm": r"linear_qkv\.layer_norm_weight$",
-    "qk_norms": r"(q|k)_layernorm\.weight$", "proj": r"linear_proj\.weight$",
-    "dense_fc1": r"\.mlp\.linear_fc1\.weight$", "dense_fc2": r"\.mlp\.linear_fc2\.weight$",
-    "dense_norm": r"\.mlp\.linear_fc1\.layer_norm_weight$", "moe_norm": r"pre_mlp_layernorm\.weight$",
-    "router": r"router\.weight$", "expert_bias": r"router\.expert_bias$",
-    "expert_fc1": r"experts\.linear_fc1\.weight\d+$", "expert_fc2": r"experts\.linear_fc2\.weight\d+$",
-    "shared_fc1": r"shared_experts\.linear_fc1\.weight$", "shared_fc2": r"shared_experts\.linear_fc2\.weight$",
+    "embedding": r"^embedding\.word_embeddings\.weight$",
+    "output": r"^output_layer\.weight$",
+    "final_norm": r"^decoder\.final_layernorm\.weight$",
+    "qkv": r"linear_qkv\.weight$",
+    "qkv_bias": r"linear_qkv\.bias$",
+    "qkv_norm": r"linear_qkv\.layer_norm_weight$",
+    "qk_norms": r"(q|k)_layernorm\.weight$",
+    "proj": r"linear_proj\.weight$",
+    "dense_fc1": r"\.mlp\.linear_fc1\.weight$",
+    "dense_fc2": r"\.mlp\.linear_fc2\.weight$",
+    "dense_norm": r"\.mlp\.linear_fc1\.layer_norm_weight$",
+    "moe_norm": r"pre_mlp_layernorm\.weight$",
+    "router": r"router\.weight$",
+    "expert_bias": r"router\.expert_bias$",
+    "expert_fc1": r"experts\.linear_fc1\.weight\d+$",
+    "expert_fc2": r"experts\.linear_fc2\.weight\d+$",
+    "shared_fc1": r"shared_experts\.linear_fc1\.weight$",
+    "shared_fc2": r"shared_experts\.linear_fc2\.weight$",
 }
-_SMALL = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_attention_heads=8,
-              num_key_value_heads=4, vocab_size=500, num_hidden_layers=4)
+_SMALL = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    head_dim=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=500,
+    num_hidden_layers=4,
+)
 _LAYOUTS = [  # (tp, pp, ep, vocab multiple); every rank ships something (its experts at least)
     (2, 2, 2, 64),  # every dim split; padded vocab; embedding and output on different stages
     (4, 1, 4, None),  # one query group per rank
@@ -113,22 +133,38 @@ def test_block_probe_equals_element_probe(family):
 
     configs = _module("benchmarks/scale_configs.py")
     fields = {**configs.MODELS[family], **_SMALL}
-    fields.update({"n_routed_experts": 8, "first_k_dense_replace": 1} if "n_routed_experts" in fields
-                  else {"num_experts": 8})
+    fields.update(
+        {"n_routed_experts": 8, "first_k_dense_replace": 1}
+        if "n_routed_experts" in fields
+        else {"num_experts": 8}
+    )
     seen, checked = set(), 0
     for tp, pp, ep, multiple in _LAYOUTS:
         world = pp * max(tp, ep)
         for rank in range(world):
-            with meta_rank(fields, world=world, rank=rank, tp=tp, pp=pp, ep=ep,
-                           make_vocab_size_divisible_by=multiple) as (gpt, bridge):
+            with meta_rank(
+                fields, world=world, rank=rank, tp=tp, pp=pp, ep=ep, make_vocab_size_divisible_by=multiple
+            ) as (gpt, bridge):
                 par = Parallel.current()
                 got = [_key(s) for s in chunk_segments(bridge, gpt, par)]
-                assert got and got == [_key(s) for s in chunk_segments_full(bridge, gpt, par)], (tp, pp, ep, rank)
-                seen |= {k for name, *_ in shipped(bridge, gpt, par) for k, pat in _KINDS.items()
-                         if re.search(pat, name)}
+                assert got and got == [_key(s) for s in chunk_segments_full(bridge, gpt, par)], (
+                    tp,
+                    pp,
+                    ep,
+                    rank,
+                )
+                seen |= {
+                    k
+                    for name, *_ in shipped(bridge, gpt, par)
+                    for k, pat in _KINDS.items()
+                    if re.search(pat, name)
+                }
                 checked += 1
-    kinds = set(_KINDS) - ({"qkv_bias", "shared_fc1", "shared_fc2", "expert_bias", "dense_fc1", "dense_fc2",
-                            "dense_norm"} if family.startswith("qwen3") else set())
+    kinds = set(_KINDS) - (
+        {"qkv_bias", "shared_fc1", "shared_fc2", "expert_bias", "dense_fc1", "dense_fc2", "dense_norm"}
+        if family.startswith("qwen3")
+        else set()
+    )
     assert seen == kinds and checked == 12
 
 
@@ -145,7 +181,9 @@ class _LargestAlloc(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 self.largest = max(self.largest, t.numel())
-                assert self.largest <= self.limit, f"{func} allocated {t.numel()} elements during registration"
+                assert self.largest <= self.limit, (
+                    f"{func} allocated {t.numel()} elements during registration"
+                )
         return out
 
 

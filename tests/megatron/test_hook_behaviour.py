@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from harness import megatron_cpu
 from hook_workers import behaviour_worker
 

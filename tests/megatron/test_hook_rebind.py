@@ -6,7 +6,6 @@ rebind the views cannot follow raises, naming the weight."""
 from __future__ import annotations
 
 import pytest
-
 from harness import megatron_cpu
 from hook_workers import rebind_worker
 

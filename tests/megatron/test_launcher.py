@@ -16,8 +16,9 @@ LAUNCHER = Path(__file__).resolve().parents[2] / "examples/delta_weight_sync/lau
 
 
 def _dry_run(*flags: str) -> dict[str, list[str]]:
-    out = subprocess.run([sys.executable, str(LAUNCHER), "--dry-run", *flags], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(LAUNCHER), "--dry-run", *flags], capture_output=True, text=True, check=True
+    ).stdout
     nodes = {}
     for line in out.splitlines():
         m = re.match(r"\[(\S+) @ (\S+)\] (.*)", line)
@@ -38,10 +39,17 @@ def test_dry_run_prints_8_trainer_and_8_rollout_nodes(monkeypatch, tmp_path):
     for i in range(8):
         t = nodes[f"trainer-{i}"]
         assert t[0] == "torchrun" and _flag(t, "--node-rank") == str(i) and _flag(t, "--nnodes") == "8"
-        assert (_flag(t, "--delta-mode"), _flag(t, "--delta-transport"), _flag(t, "--delta-encoding"),
-                _flag(t, "--delta-dir")) == ("delta", "disk", "ulp_zstd", root)
+        assert (
+            _flag(t, "--delta-mode"),
+            _flag(t, "--delta-transport"),
+            _flag(t, "--delta-encoding"),
+            _flag(t, "--delta-dir"),
+        ) == ("delta", "disk", "ulp_zstd", root)
         assert _flag(t, "--delta-engines").split(",") == urls
-        tp, pp = int(_flag(t, "--tensor-model-parallel-size")), int(_flag(t, "--pipeline-model-parallel-size"))
+        tp, pp = (
+            int(_flag(t, "--tensor-model-parallel-size")),
+            int(_flag(t, "--pipeline-model-parallel-size")),
+        )
         assert 64 % (tp * pp) == 0
     # Every engine command parses with vLLM's real `vllm serve` parser and our flags.
     pytest.importorskip("vllm")
@@ -57,5 +65,7 @@ def test_dry_run_prints_8_trainer_and_8_rollout_nodes(monkeypatch, tmp_path):
 
 
 def test_layout_that_does_not_fit_is_refused():
-    r = subprocess.run([sys.executable, str(LAUNCHER), "--dry-run", "--tp", "3"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(LAUNCHER), "--dry-run", "--tp", "3"], capture_output=True, text=True
+    )
     assert r.returncode != 0 and "does not divide" in r.stderr

@@ -15,7 +15,6 @@ import math
 
 import pytest
 import torch
-
 from harness.megatron_stub import make_bridge, storage_of, stub_chunk
 
 pytestmark = [pytest.mark.megatron]
@@ -32,62 +31,91 @@ ATTENTION = {
     ("decoder.layers.{i}.self_attention.linear_qkv.weight", (Q + 2 * KV, H)): {
         "model.layers.{i}.self_attn.q_proj.weight": (Q, H),
         "model.layers.{i}.self_attn.k_proj.weight": (KV, H),
-        "model.layers.{i}.self_attn.v_proj.weight": (KV, H)},
+        "model.layers.{i}.self_attn.v_proj.weight": (KV, H),
+    },
     ("decoder.layers.{i}.self_attention.linear_proj.weight", (H, Q)): {
-        "model.layers.{i}.self_attn.o_proj.weight": (H, Q)},
+        "model.layers.{i}.self_attn.o_proj.weight": (H, Q)
+    },
 }
 INPUT_NORM = {
-    "local": {("decoder.layers.{i}.input_layernorm.weight", (H,)): {
-        "model.layers.{i}.input_layernorm.weight": (H,)}},
-    "te": {("decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight", (H,)): {
-        "model.layers.{i}.input_layernorm.weight": (H,)}},
+    "local": {
+        ("decoder.layers.{i}.input_layernorm.weight", (H,)): {"model.layers.{i}.input_layernorm.weight": (H,)}
+    },
+    "te": {
+        ("decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight", (H,)): {
+            "model.layers.{i}.input_layernorm.weight": (H,)
+        }
+    },
 }
 QK_NORM = {
     ("decoder.layers.{i}.self_attention.q_layernorm.weight", (D,)): {
-        "model.layers.{i}.self_attn.q_norm.weight": (D,)},
+        "model.layers.{i}.self_attn.q_norm.weight": (D,)
+    },
     ("decoder.layers.{i}.self_attention.k_layernorm.weight", (D,)): {
-        "model.layers.{i}.self_attn.k_norm.weight": (D,)},
+        "model.layers.{i}.self_attn.k_norm.weight": (D,)
+    },
 }
 DENSE_MLP = {
     ("decoder.layers.{i}.mlp.linear_fc1.weight", (2 * F, H)): {
-        "model.layers.{i}.mlp.gate_proj.weight": (F, H), "model.layers.{i}.mlp.up_proj.weight": (F, H)},
+        "model.layers.{i}.mlp.gate_proj.weight": (F, H),
+        "model.layers.{i}.mlp.up_proj.weight": (F, H),
+    },
     ("decoder.layers.{i}.mlp.linear_fc2.weight", (H, F)): {"model.layers.{i}.mlp.down_proj.weight": (H, F)},
 }
 DENSE_MLP_NORM = {
-    "local": {("decoder.layers.{i}.pre_mlp_layernorm.weight", (H,)): {
-        "model.layers.{i}.post_attention_layernorm.weight": (H,)}},
-    "te": {("decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight", (H,)): {
-        "model.layers.{i}.post_attention_layernorm.weight": (H,)}},
+    "local": {
+        ("decoder.layers.{i}.pre_mlp_layernorm.weight", (H,)): {
+            "model.layers.{i}.post_attention_layernorm.weight": (H,)
+        }
+    },
+    "te": {
+        ("decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight", (H,)): {
+            "model.layers.{i}.post_attention_layernorm.weight": (H,)
+        }
+    },
 }
 MOE_MLP_NORM = {  # a MoE layer's norm stays its own module in both specs
     ("decoder.layers.{i}.pre_mlp_layernorm.weight", (H,)): {
-        "model.layers.{i}.post_attention_layernorm.weight": (H,)},
+        "model.layers.{i}.post_attention_layernorm.weight": (H,)
+    },
 }
 ROUTER = {("decoder.layers.{i}.mlp.router.weight", (E, H)): {"model.layers.{i}.mlp.gate.weight": (E, H)}}
 EXPERT = {
     "local": {
         ("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight", (2 * MF, H)): {
             "model.layers.{i}.mlp.experts.{e}.gate_proj.weight": (MF, H),
-            "model.layers.{i}.mlp.experts.{e}.up_proj.weight": (MF, H)},
+            "model.layers.{i}.mlp.experts.{e}.up_proj.weight": (MF, H),
+        },
         ("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight", (H, MF)): {
-            "model.layers.{i}.mlp.experts.{e}.down_proj.weight": (H, MF)}},
+            "model.layers.{i}.mlp.experts.{e}.down_proj.weight": (H, MF)
+        },
+    },
     "te": {
         ("decoder.layers.{i}.mlp.experts.linear_fc1.weight{e}", (2 * MF, H)): {
             "model.layers.{i}.mlp.experts.{e}.gate_proj.weight": (MF, H),
-            "model.layers.{i}.mlp.experts.{e}.up_proj.weight": (MF, H)},
+            "model.layers.{i}.mlp.experts.{e}.up_proj.weight": (MF, H),
+        },
         ("decoder.layers.{i}.mlp.experts.linear_fc2.weight{e}", (H, MF)): {
-            "model.layers.{i}.mlp.experts.{e}.down_proj.weight": (H, MF)}},
+            "model.layers.{i}.mlp.experts.{e}.down_proj.weight": (H, MF)
+        },
+    },
 }
 SHARED_EXPERT = {
     ("decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight", (2 * MF, H)): {
         "model.layers.{i}.mlp.shared_experts.gate_proj.weight": (MF, H),
-        "model.layers.{i}.mlp.shared_experts.up_proj.weight": (MF, H)},
+        "model.layers.{i}.mlp.shared_experts.up_proj.weight": (MF, H),
+    },
     ("decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight", (H, MF)): {
-        "model.layers.{i}.mlp.shared_experts.down_proj.weight": (H, MF)},
+        "model.layers.{i}.mlp.shared_experts.down_proj.weight": (H, MF)
+    },
 }
 # GLM4's router bias: a buffer (updated outside the optimizer), HF's e_score_correction_bias.
-EXPERT_BIAS = {"decoder.layers.{i}.mlp.router.expert_bias": (
-    (E,), {"model.layers.{i}.mlp.gate.e_score_correction_bias": (E,)})}
+EXPERT_BIAS = {
+    "decoder.layers.{i}.mlp.router.expert_bias": (
+        (E,),
+        {"model.layers.{i}.mlp.gate.e_score_correction_bias": (E,)},
+    )
+}
 
 
 def _layer(kind: str, spec: str) -> dict:
@@ -96,8 +124,13 @@ def _layer(kind: str, spec: str) -> dict:
     if kind == "dense":
         return {**rows, **DENSE_MLP_NORM[spec], **DENSE_MLP}
     rows = {**rows, **MOE_MLP_NORM, **ROUTER}
-    rows.update({(n.replace("{e}", str(e)), s): {h.replace("{e}", str(e)): hs for h, hs in hf.items()}
-                 for e in range(E) for (n, s), hf in EXPERT[spec].items()})
+    rows.update(
+        {
+            (n.replace("{e}", str(e)), s): {h.replace("{e}", str(e)): hs for h, hs in hf.items()}
+            for e in range(E)
+            for (n, s), hf in EXPERT[spec].items()
+        }
+    )
     if kind == "moe":
         return {**rows, **QK_NORM}
     return {**rows, **SHARED_EXPERT}

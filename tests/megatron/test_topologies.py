@@ -17,7 +17,6 @@ collectives; the hook's map never gathers, so the two paths are independent.
 from __future__ import annotations
 
 import pytest
-
 from harness import megatron_cpu
 from hook_workers import topology_worker
 
@@ -25,15 +24,21 @@ pytestmark = [pytest.mark.megatron, pytest.mark.heavy]
 STEPS = 3
 
 
-@pytest.mark.parametrize("family,world,tp,ep,pp,distopt,vocab_multiple", [
-    ("llama", 2, 2, 1, 1, False, 384),
-    ("qwen3_moe", 2, 1, 2, 1, False, None),
-    ("llama", 2, 1, 1, 2, False, None),
-    ("llama", 2, 1, 1, 1, True, None),
-    ("glm4_moe", 2, 1, 2, 1, False, None),
-], ids=["tp2_padded_vocab", "ep2_moe", "pp2_schedule", "dp2_distopt_overlap", "ep2_glm4moe_expert_bias"])
-def test_shipped_entries_reproduce_the_export(tiny_model_factory, family, world, tp, ep, pp, distopt,
-                                              vocab_multiple):
+@pytest.mark.parametrize(
+    "family,world,tp,ep,pp,distopt,vocab_multiple",
+    [
+        ("llama", 2, 2, 1, 1, False, 384),
+        ("qwen3_moe", 2, 1, 2, 1, False, None),
+        ("llama", 2, 1, 1, 2, False, None),
+        ("llama", 2, 1, 1, 1, True, None),
+        ("glm4_moe", 2, 1, 2, 1, False, None),
+    ],
+    ids=["tp2_padded_vocab", "ep2_moe", "pp2_schedule", "dp2_distopt_overlap", "ep2_glm4moe_expert_bias"],
+)
+def test_shipped_entries_reproduce_the_export(
+    tiny_model_factory, family, world, tp, ep, pp, distopt, vocab_multiple
+):
     hf = str(tiny_model_factory(family))
-    megatron_cpu.spawn(topology_worker, world, hf, tp, ep, pp, distopt, STEPS, family, vocab_multiple,
-                       timeout=400)
+    megatron_cpu.spawn(
+        topology_worker, world, hf, tp, ep, pp, distopt, STEPS, family, vocab_multiple, timeout=400
+    )

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx.experimental._config as fx_config
-
 from sender_helpers import FakeEngine
 
 
 @pytest.fixture
 def fake_weights() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": (torch.randn(64, 48, generator=gen) * 0.02).to(torch.bfloat16) for i in range(3)}
+    return {
+        f"layer{i}.weight": (torch.randn(64, 48, generator=gen) * 0.02).to(torch.bfloat16) for i in range(3)
+    }
 
 
 @pytest.fixture

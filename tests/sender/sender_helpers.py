@@ -42,8 +42,15 @@ class FakeEngine:
         self.weights, self.version, self.run_id = {k: v.clone() for k, v in weights.items()}, 0, None
 
     async def status(self, request):
-        return web.json_response({"version": self.version, "run_id": self.run_id, "healthy": True,
-                                  "dirty_reasons": [], "ranks": [{}]})
+        return web.json_response(
+            {
+                "version": self.version,
+                "run_id": self.run_id,
+                "healthy": True,
+                "dirty_reasons": [],
+                "ranks": [{}],
+            }
+        )
 
     async def update(self, request):
         body = await request.json()
@@ -61,21 +68,33 @@ class FakeEngine:
                 raise VersionError("order")
             listed = {p.name: p.changed for p in info.manifest.params}
             anchor = enc.idempotent and all(listed.get(k) == t.numel() for k, t in self.weights.items())
-            run_id = check_lineage(info.manifest.lineage, version=v, engine_version=cur, engine_run_id=self.run_id,
-                                   anchor=anchor)
+            run_id = check_lineage(
+                info.manifest.lineage, version=v, engine_version=cur, engine_run_id=self.run_id, anchor=anchor
+            )
             deltas = read_delta(info, current_version=cur if enc.needs_base else None)
         except DeltaError as exc:
-            return web.json_response({"error": {"type": type(exc).__name__, "message": str(exc)}},
-                                     status=exc.http_status)
+            return web.json_response(
+                {"error": {"type": type(exc).__name__, "message": str(exc)}}, status=exc.http_status
+            )
         for d in deltas:
             d.apply_(self.weights[d.name])
         self.version, self.run_id = v, run_id
         if v in self.lose_reply_versions:
             self.lose_reply_versions.discard(v)
             return web.json_response({"error": {"type": "BadGateway", "message": "reply lost"}}, status=503)
-        return web.json_response({"version": v, "changed": sum(d.count for d in deltas), "bytes_read": 0,
-                                  "decode_s": 0.0, "apply_s": 0.0, "pause_s": 0.0, "replay": False,
-                                  "fallback": [], "ranks": []})
+        return web.json_response(
+            {
+                "version": v,
+                "changed": sum(d.count for d in deltas),
+                "bytes_read": 0,
+                "decode_s": 0.0,
+                "apply_s": 0.0,
+                "pause_s": 0.0,
+                "replay": False,
+                "fallback": [],
+                "ranks": [],
+            }
+        )
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -95,7 +114,9 @@ def engine_status(url: str, api_key: str) -> dict:
     """`GET /delta_updates/status` of a real engine."""
     import requests
 
-    r = requests.get(f"{url}/delta_updates/status", headers={"Authorization": f"Bearer {api_key}"}, timeout=60)
+    r = requests.get(
+        f"{url}/delta_updates/status", headers={"Authorization": f"Bearer {api_key}"}, timeout=60
+    )
     r.raise_for_status()
     return r.json()
 
@@ -104,7 +125,11 @@ def engine_checksums(url: str, api_key: str) -> dict[str, str]:
     """vLLM's own per-parameter digests (`/weight_checker`, dev mode) of a real engine."""
     import requests
 
-    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"},
-                      headers={"Authorization": f"Bearer {api_key}"}, timeout=120)
+    r = requests.post(
+        f"{url}/weight_checker",
+        json={"action": "checksum"},
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=120,
+    )
     r.raise_for_status()
     return r.json()["checksums"]

@@ -11,14 +11,16 @@ import json
 
 import pytest
 import torch
-
 from sender_helpers import adam_like_step
+
 from vllm_delta import DeltaSender
 from vllm_delta.wire import MANIFEST_NAME
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a
+    )
 
 
 def make(tmp_path, engines, **kw) -> DeltaSender:
@@ -141,7 +143,7 @@ def test_anchor_every_and_duplicate_push(tmp_path, fake_engines, fake_weights):
     sender = make(tmp_path, fake_engines, anchor_every=2, keep=True)
     sender.seed(fake_weights)
     gen = torch.Generator().manual_seed(5)
-    for v in (1, 2):
+    for _ in (1, 2):
         adam_like_step(fake_weights, gen)
         m = sender.sync(fake_weights)
     assert m["sender/anchors"] == 2.0 and (tmp_path / "v000002-anchor" / MANIFEST_NAME).exists()
@@ -150,10 +152,13 @@ def test_anchor_every_and_duplicate_push(tmp_path, fake_engines, fake_weights):
     a = fake_engines[0]
     import requests
 
-    r = requests.post(f"{a.url}/update_weights_delta", json={"path": "v000002-anchor", "version": 2}, timeout=30)
+    r = requests.post(
+        f"{a.url}/update_weights_delta", json={"path": "v000002-anchor", "version": 2}, timeout=30
+    )
     assert r.status_code == 200 and same(a.weights, fake_weights)
-    r = requests.post(f"{a.url}/update_weights_delta", json={"path": "v000001", "version": 1, "base_version": 0},
-                      timeout=30)
+    r = requests.post(
+        f"{a.url}/update_weights_delta", json={"path": "v000001", "version": 1, "base_version": 0}, timeout=30
+    )
     assert r.status_code == 409  # out of order
 
 
@@ -168,15 +173,22 @@ def test_metrics_match_bytes_on_disk(tmp_path, fake_engines, fake_weights):
     assert len(files) == m["perf/update_weights_flushes_per_rank"] == len(manifest["files"])
     on_disk = sum(f.stat().st_size for f in files)
     assert m["perf/update_weights_wire_bytes"] == on_disk == m["perf/update_weights_disk_bytes_post_compress"]
-    assert m["perf/update_weights_disk_bytes_pre_compress"] == sum(f["decoded_bytes"] for f in manifest["files"])
+    assert m["perf/update_weights_disk_bytes_pre_compress"] == sum(
+        f["decoded_bytes"] for f in manifest["files"]
+    )
     assert m["perf/update_weights_compression_ratio"] == pytest.approx(
-        m["perf/update_weights_disk_bytes_pre_compress"] / on_disk)
+        m["perf/update_weights_disk_bytes_pre_compress"] / on_disk
+    )
     total = sum(t.numel() for t in fake_weights.values())
-    assert m["perf/update_weights_density"] == pytest.approx(sum(p["changed"] for p in manifest["params"]) / total)
+    assert m["perf/update_weights_density"] == pytest.approx(
+        sum(p["changed"] for p in manifest["params"]) / total
+    )
     assert not list(d.glob("*.tmp"))
 
 
-def test_engine_down_for_k_syncs_drops_to_anchor_and_healthy_keep_deltas(tmp_path, fake_engines, fake_weights):
+def test_engine_down_for_k_syncs_drops_to_anchor_and_healthy_keep_deltas(
+    tmp_path, fake_engines, fake_weights
+):
     """Bounded lag: after `max_lag_syncs` misses the snapshot moves on without the engine, the healthy
     one is back on base-relative deltas, and the returning engine is anchored and converges."""
     a, b = fake_engines

@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-
 from harness.capture_bytes import staged_bytes
+
 from vllm_delta.sender import Shard
 from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.segments import Segments
@@ -25,12 +25,16 @@ def placements(dtype: torch.dtype):
     full = torch.randn(24, 40, generator=g).to(dtype)
     flat = full.reshape(-1)
     runs = ((500, 37), (3, 200), (900, 60))
-    seg = torch.cat([flat[a:a + n] for a, n in runs])
+    seg = torch.cat([flat[a : a + n] for a, n in runs])
     return [
         (Shard.whole("whole", full.clone()), full),
         (Shard.narrow("cols", full[:, 8:21].contiguous(), full.shape, 1, 8), full),
-        (Shard.pieces("rows", torch.cat([full[12:16], full[2:5]]).contiguous(), full.shape, 0, [(12, 4), (2, 3)]),
-         full),
+        (
+            Shard.pieces(
+                "rows", torch.cat([full[12:16], full[2:5]]).contiguous(), full.shape, 0, [(12, 4), (2, 3)]
+            ),
+            full,
+        ),
         (Segments("runs", seg.clone(), full.shape, runs), full),
     ]
 
@@ -48,8 +52,9 @@ def edit(t: torch.Tensor, seed: int) -> None:
 def decode_anchor(entries, flush_bytes: int):
     """The entries' anchors through the publisher's call (`add_dense` of `pieces(flush_bytes)`), decoded."""
     out = []
-    b = FlushBuilder(lambda name, f: out.append((name, f.data)), version=3, encoding="planes_zstd",
-                     flush_bytes=flush_bytes)
+    b = FlushBuilder(
+        lambda name, f: out.append((name, f.data)), version=3, encoding="planes_zstd", flush_bytes=flush_bytes
+    )
     for e in entries:
         b.add_dense(e.name, e.anchor.pieces(b.flush_bytes), shape=e.full_shape)
     dec = DeltaDecoder(b.manifest())
@@ -95,8 +100,11 @@ def test_an_anchor_capture_stages_nothing_per_element(layout):
     """The bytes a capture holds are O(changed) with an anchor as without one. Before: an int64
     position and a copy of the value per element (10 B per bf16 element, 20 MiB here)."""
     full = torch.randn(512, 4096).to(torch.bfloat16)  # 2 M elements
-    s = Shard.whole("w", full) if layout == "whole" else Shard.narrow("w", full[:, 1024:].contiguous(),
-                                                                      full.shape, 1, 1024)
+    s = (
+        Shard.whole("w", full)
+        if layout == "whole"
+        else Shard.narrow("w", full[:, 1024:].contiguous(), full.shape, 1, 1024)
+    )
     producer = Producer(snapshot="device")
     producer.seed([s])
     s.tensor.view(-1).view(torch.int16)[::4096] += 1  # ~1000 changes

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness.dispatch_log import OpCount
+
 import vllm_delta.diff as diff
 from vllm_delta.sender import Shard, bucket_scan
 from vllm_delta.sender.producer import Producer
@@ -18,8 +18,9 @@ from vllm_delta.wire import additive
 PAD = 7  # elements of padding after every param, as Megatron's buffer aligns params
 
 
-def _buffer_segments(n_params: int, rows: int = 12, cols: int = 16, device: str = "cpu",
-                     gen: torch.Generator | None = None) -> tuple[torch.Tensor, list[Segments]]:
+def _buffer_segments(
+    n_params: int, rows: int = 12, cols: int = 16, device: str = "cpu", gen: torch.Generator | None = None
+) -> tuple[torch.Tensor, list[Segments]]:
     """A flat bf16 buffer of `n_params` params, each [rows, cols] with PAD after it, cut into HF
     tensors three ways: a strided view of every other row pair (qkv-like), the other rows as one
     HF tensor whose runs are out of HF order, and a whole param split in two (fc1-like)."""
@@ -31,20 +32,29 @@ def _buffer_segments(n_params: int, rows: int = 12, cols: int = 16, device: str 
         buf = (torch.randn(size, generator=gen) * 0.02).to(torch.bfloat16)
     segs = []
     for k in range(n_params):
-        flat = buf[k * (numel + PAD):k * (numel + PAD) + numel]
+        flat = buf[k * (numel + PAD) : k * (numel + PAD) + numel]
         p = flat.view(rows, cols)
         if k % 2 == 0:  # rows 0,1 / 4,5 / 8,9 -> "q" (strided view), rows 2,3 / 6,7 / 10,11 -> "kv"
             q = flat.as_strided((rows // 4, 2 * cols), (4 * cols, 1), flat.storage_offset())
             kv = flat.as_strided((rows // 4, 2 * cols), (4 * cols, 1), flat.storage_offset() + 2 * cols)
             half = numel // 2
-            segs.append(Segments(f"p{k}.q", q, (rows // 2, cols), tuple((i * 2 * cols, 2 * cols)
-                                                                       for i in range(rows // 4))))
+            segs.append(
+                Segments(
+                    f"p{k}.q", q, (rows // 2, cols), tuple((i * 2 * cols, 2 * cols) for i in range(rows // 4))
+                )
+            )
             # kv's local runs land in reverse HF order: the sort by HF position is exercised
-            segs.append(Segments(f"p{k}.kv", kv, (rows // 2, cols), tuple((half - (i + 1) * 2 * cols, 2 * cols)
-                                                                         for i in range(rows // 4))))
+            segs.append(
+                Segments(
+                    f"p{k}.kv",
+                    kv,
+                    (rows // 2, cols),
+                    tuple((half - (i + 1) * 2 * cols, 2 * cols) for i in range(rows // 4)),
+                )
+            )
         else:
-            segs.append(Segments(f"p{k}.gate", p[:rows // 2], (rows // 2, cols), ((0, numel // 2),)))
-            segs.append(Segments(f"p{k}.up", p[rows // 2:], (rows // 2, cols), ((0, numel // 2),)))
+            segs.append(Segments(f"p{k}.gate", p[: rows // 2], (rows // 2, cols), ((0, numel // 2),)))
+            segs.append(Segments(f"p{k}.up", p[rows // 2 :], (rows // 2, cols), ((0, numel // 2),)))
     return buf, segs
 
 
@@ -60,13 +70,25 @@ def _reference(monkeypatch) -> None:
 
 
 def _entries(cap) -> dict[str, tuple]:
-    return {e.name: (e.changed, e.positions.tolist(), e.new_values.view(torch.int16).tolist(),
-                     None if e.old_values is None else e.old_values.view(torch.int16).tolist(),
-                     {k: additive.to_hex(v) for k, v in e.digests.items()}) for e in cap.entries}
+    return {
+        e.name: (
+            e.changed,
+            e.positions.tolist(),
+            e.new_values.view(torch.int16).tolist(),
+            None if e.old_values is None else e.old_values.view(torch.int16).tolist(),
+            {k: additive.to_hex(v) for k, v in e.digests.items()},
+        )
+        for e in cap.entries
+    }
 
 
-SYNCS = (("delta", False, False), ("catchup", False, True), ("delta", False, False),
-         ("catchup", True, True), ("delta", False, True))
+SYNCS = (
+    ("delta", False, False),
+    ("catchup", False, True),
+    ("delta", False, False),
+    ("catchup", True, True),
+    ("delta", False, True),
+)
 
 
 def _run(segs, buf, gen_seed: int) -> list[dict]:
@@ -85,7 +107,7 @@ def _run(segs, buf, gen_seed: int) -> list[dict]:
             for e, s in zip(cap.entries, segs):
                 got = torch.zeros(s.numel, dtype=torch.int16)
                 for hf, piece in e.anchor.pieces(64):
-                    got[hf:hf + piece.numel()] = piece.view(torch.int16)
+                    got[hf : hf + piece.numel()] = piece.view(torch.int16)
                 want = torch.zeros(s.numel, dtype=torch.int16)
                 want[s.global_index()] = s.tensor.reshape(-1).view(torch.int16)
                 assert torch.equal(got, want), s.name
@@ -114,7 +136,9 @@ def test_plain_tensors_and_row_shards_are_buckets_of_one() -> None:
     gen = torch.Generator().manual_seed(3)
     ws = {f"w{i}": (torch.randn(40, 30, generator=gen)).to(torch.bfloat16) for i in range(3)}
     full = torch.randn(10, 30, generator=gen).to(torch.bfloat16)
-    shards = [Shard.whole(k, v) for k, v in ws.items()] + [Shard.narrow("r", full[4:8].clone(), (10, 30), 0, 4)]
+    shards = [Shard.whole(k, v) for k, v in ws.items()] + [
+        Shard.narrow("r", full[4:8].clone(), (10, 30), 0, 4)
+    ]
     layouts, rest = bucket_scan.plan(shards)
     assert len(layouts) == 4 and not rest
     producer = Producer(snapshot="device", post_hash=False)
@@ -124,7 +148,9 @@ def test_plain_tensors_and_row_shards_are_buckets_of_one() -> None:
         s.tensor.view(-1)[::37] += 1
     cap = producer.scan(shards, kind="delta", anchor=False)
     for e, s in zip(cap.entries, shards):
-        local = torch.nonzero(s.tensor.view(torch.int16).reshape(-1) != before[s.name].view(torch.int16).reshape(-1))
+        local = torch.nonzero(
+            s.tensor.view(torch.int16).reshape(-1) != before[s.name].view(torch.int16).reshape(-1)
+        )
         assert torch.equal(e.positions, s.to_global(local.reshape(-1)))
         assert torch.equal(e.new_values, s.tensor.reshape(-1)[local.reshape(-1)])
 
@@ -159,7 +185,9 @@ def test_bucket_scan_runs_on_meta(meta_nonzero) -> None:
         cap = producer.scan(segs, kind=kind, anchor=False)
         assert len(cap.buckets) == 1
         for e in cap.entries:
-            assert all(t.device.type == "meta" for t in (e.positions, e.new_values, *e.digests.values())), e.name
+            assert all(t.device.type == "meta" for t in (e.positions, e.new_values, *e.digests.values())), (
+                e.name
+            )
         producer.defer(cap)
     producer.advance(cap)
 
@@ -172,7 +200,7 @@ def test_offsets_past_two_to_the_31(meta_nonzero) -> None:
     buf = torch.empty(big, dtype=torch.bfloat16, device="meta")
     a0 = (1 << 31) - 1000
     hf0 = (1 << 31) - 500  # HF positions straddle 2^31 too
-    seg = Segments("x", buf[a0:a0 + 4000], (1 << 32,), ((hf0, 1000), (0, 3000)))
+    seg = Segments("x", buf[a0 : a0 + 4000], (1 << 32,), ((hf0, 1000), (0, 3000)))
     head = Segments("h", buf[:1000], (1000,), ((0, 1000),))
     (layout,), rest = bucket_scan.plan([head, seg])
     assert not rest and layout.names == ("h", "x")
@@ -185,7 +213,9 @@ def test_offsets_past_two_to_the_31(meta_nonzero) -> None:
     assert torch.equal(hf[2:], cpu_seg.to_global(local)) and hf[:2].tolist() == [0, 999]
     assert not bucket_scan.locate(tables, torch.tensor([1000, a0 - 1]))[2].any()  # the gap
     producer = Producer(snapshot="device", staging="meta", post_hash=False)
-    producer.seed([head.with_tensor(torch.empty_like(head.tensor)), seg.with_tensor(torch.empty_like(seg.tensor))])
+    producer.seed(
+        [head.with_tensor(torch.empty_like(head.tensor)), seg.with_tensor(torch.empty_like(seg.tensor))]
+    )
     cap = producer.scan([head, seg], kind="delta", anchor=False)
     assert cap.buckets[0].bucket.snapshot.numel() == a0 + 4000
 

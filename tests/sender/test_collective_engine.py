@@ -15,14 +15,14 @@ import signal
 from pathlib import Path
 from unittest import mock
 
+import harness.vllm_engine as vllm_engine
 import pytest
 import torch
-
-import harness.vllm_engine as vllm_engine
 from harness import megatron_cpu
 from harness.trainer import Trainer
 from harness.vllm_engine import VllmServer, start_servers
 from sender_helpers import adam_like_step, engine_checksums, engine_status
+
 from vllm_delta import DeltaSender, settings
 from vllm_delta.transports import collective
 
@@ -33,8 +33,15 @@ FLUSH = 16 << 10  # the sender's flush target, under the cap
 
 
 def serve(model_dir: Path, log: Path) -> VllmServer:
-    args = ["--enable-delta-updates", "--delta-updates-root", str(log.parent), "--api-key", API_KEY,
-            "--delta-updates-collective-trainers", "127.0.0.1"]
+    args = [
+        "--enable-delta-updates",
+        "--delta-updates-root",
+        str(log.parent),
+        "--api-key",
+        API_KEY,
+        "--delta-updates-collective-trainers",
+        "127.0.0.1",
+    ]
     server = VllmServer(model_dir, log, extra_args=args, env={settings.COLLECTIVE_MAX_FLUSH_BYTES: str(CAP)})
     server.root = log.parent
     return server
@@ -75,13 +82,23 @@ def checksums(server) -> dict[str, str]:
 def sender_for(servers, **kwargs) -> DeltaSender:
     """A gloo sender that resumes the engines' run at their version (they hold the trainer's weights)."""
     version = max(status(s)["version"] for s in servers)
-    return DeltaSender([s.url for s in servers], "gloo", api_key=API_KEY, flush_bytes=FLUSH, version=version,
-                       collective_timeout_s=60, max_pending_density=1.0, **kwargs)
+    return DeltaSender(
+        [s.url for s in servers],
+        "gloo",
+        api_key=API_KEY,
+        flush_bytes=FLUSH,
+        version=version,
+        collective_timeout_s=60,
+        max_pending_density=1.0,
+        **kwargs,
+    )
 
 
 def every_engine_acked(sender: DeltaSender, m: dict) -> bool:
     """Every engine holds the sync's version (`all_acked` counts only engines not owed an anchor)."""
-    return m["sender/all_acked"] == 1.0 and all(e.acked == m["sender/version"] for e in sender.engines.values())
+    return m["sender/all_acked"] == 1.0 and all(
+        e.acked == m["sender/version"] for e in sender.engines.values()
+    )
 
 
 def until_acked(sender: DeltaSender, trainer: Trainer, tries: int = 3) -> list[dict]:
@@ -130,7 +147,9 @@ def test_refusal_leaves_that_engine_unchanged_and_updates_the_other(engines, tra
     trainer.step()
     m = sender.sync(trainer.weights())
     assert every_engine_acked(sender, m), sender.engines
-    other = DeltaSender([b.url], "disk", b.root, api_key=API_KEY, flush_bytes=FLUSH, version=int(m["sender/version"]))
+    other = DeltaSender(
+        [b.url], "disk", b.root, api_key=API_KEY, flush_bytes=FLUSH, version=int(m["sender/version"])
+    )
     other.seed(trainer.weights())
     foreign = dict(trainer.state())
     adam_like_step(foreign, torch.Generator().manual_seed(7))
@@ -145,7 +164,10 @@ def test_refusal_leaves_that_engine_unchanged_and_updates_the_other(engines, tra
     refusal = sender.transport.link(b.url, None).refusal
     assert (refusal["status"], refusal["type"]) == (409, "VersionError"), refusal  # the base-version check
     assert "base_version" in refusal["message"], refusal
-    assert sender.transport.link(b.url, None).bytes_sent == 0 and sender.transport.link(b.url, None).group is None
+    assert (
+        sender.transport.link(b.url, None).bytes_sent == 0
+        and sender.transport.link(b.url, None).group is None
+    )
     assert sender.transport.link(a.url, None).group is not None  # a's group was not torn down
     assert checksums(b) == b_before and status(b)["version"] == b_version and status(b)["healthy"]
     a_synced = checksums(a)
@@ -166,7 +188,9 @@ def test_flush_over_the_engine_cap_is_refused_before_any_byte_moves(engines, tra
     m = sender.sync(trainer.weights())
     link = sender.transport.link(a.url, None)
     assert m["sender/all_acked"] == 0.0 and sender.engines[a.url].last_status == 400
-    assert link.refusal["type"] == "LimitError" and link.refusal["file"].startswith("rank0000_flush"), link.refusal
+    assert link.refusal["type"] == "LimitError" and link.refusal["file"].startswith("rank0000_flush"), (
+        link.refusal
+    )
     assert link.bytes_sent == 0
     assert checksums(a) == before and status(a)["version"] == version
     sender.publisher.flush_bytes = FLUSH  # the same anchor in flushes under the cap streams
@@ -175,7 +199,9 @@ def test_flush_over_the_engine_cap_is_refused_before_any_byte_moves(engines, tra
     sender.close()
 
 
-def test_engine_killed_mid_broadcast_tears_down_only_its_group(engines, trainer, model_dir, tmp_path, monkeypatch):
+def test_engine_killed_mid_broadcast_tears_down_only_its_group(
+    engines, trainer, model_dir, tmp_path, monkeypatch
+):
     """b is SIGKILLed after its first flush: the sender survives, a is updated on its own group, and
     b, restarted on the same port from the trainer's weights (a fresh load), has a's digests; the
     next sync anchors b (a fresh engine at version 0) and both end on the trainer's weights."""
@@ -199,7 +225,9 @@ def test_engine_killed_mid_broadcast_tears_down_only_its_group(engines, trainer,
     trainer.step()
     m = sender.sync(trainer.weights())
     monkeypatch.setattr(collective, "stream", real_stream)
-    assert killed and sender.engines[b.url].acked is None and sender.engines[a.url].acked == m["sender/version"]
+    assert (
+        killed and sender.engines[b.url].acked is None and sender.engines[a.url].acked == m["sender/version"]
+    )
     assert sender.engines[a.url].last_status == 200 and sender.engines[b.url].last_status != 200
     assert sender.transport.link(b.url, None).group is None
     assert sender.transport.link(a.url, None).group is not None
@@ -216,7 +244,9 @@ def test_engine_killed_mid_broadcast_tears_down_only_its_group(engines, trainer,
     sender.close()
 
 
-def _sharded_sender(rank: int, world: int, port: int, url: str, state_file: str, version: int, out: str) -> None:
+def _sharded_sender(
+    rank: int, world: int, port: int, url: str, state_file: str, version: int, out: str
+) -> None:
     """One of two trainer ranks: it holds every other tensor and sends what changed in them to rank 0,
     which broadcasts to the engine."""
     import torch.distributed as dist
@@ -226,8 +256,16 @@ def _sharded_sender(rank: int, world: int, port: int, url: str, state_file: str,
     group = dist.new_group(backend="gloo")  # the sender's own group (vllm_delta/sender/ranks.py)
     full = torch.load(state_file)
     mine = {n: full[n] for n in sorted(full)[rank::world]}
-    sender = DeltaSender([url], "gloo", api_key=API_KEY, flush_bytes=FLUSH, version=version, group=group,
-                         collective_timeout_s=60, max_pending_density=1.0)
+    sender = DeltaSender(
+        [url],
+        "gloo",
+        api_key=API_KEY,
+        flush_bytes=FLUSH,
+        version=version,
+        group=group,
+        collective_timeout_s=60,
+        max_pending_density=1.0,
+    )
     sender.seed(mine)
     adam_like_step(mine, torch.Generator().manual_seed(100 + rank), density=0.05)
     m = sender.sync(mine)
@@ -243,8 +281,9 @@ def test_two_sender_ranks_with_different_shards(engines, trainer, tmp_path):
     a, b = engines
     version = status(a)["version"]
     torch.save(trainer.state(), tmp_path / "state.pt")
-    megatron_cpu.spawn(_sharded_sender, 2, a.url, str(tmp_path / "state.pt"), version, str(tmp_path / "out"),
-                       timeout=300)
+    megatron_cpu.spawn(
+        _sharded_sender, 2, a.url, str(tmp_path / "state.pt"), version, str(tmp_path / "out"), timeout=300
+    )
     new = {**torch.load(tmp_path / "out.0"), **torch.load(tmp_path / "out.1")}
     assert status(a)["version"] == version + 1
     with torch.no_grad():

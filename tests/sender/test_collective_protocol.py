@@ -13,13 +13,16 @@ import signal
 
 import pytest
 
-from vllm_delta.transports.groups import host_group, join_group, listen
 from vllm_delta.transports.collective import Refused, answer, manifest_digest, offer, stream
+from vllm_delta.transports.groups import host_group, join_group, listen
 from vllm_delta.transports.spool import FlushSpool
 from vllm_delta.wire.errors import IncompleteDeltaError, LimitError
 
-FLUSHES = [("rank0000_flush000000.safetensors", b"a" * 3000), ("rank0000_flush000001.safetensors", b"b" * 5000),
-           ("rank0000_flush000002.safetensors", b"c" * 700)]
+FLUSHES = [
+    ("rank0000_flush000000.safetensors", b"a" * 3000),
+    ("rank0000_flush000001.safetensors", b"b" * 5000),
+    ("rank0000_flush000002.safetensors", b"c" * 700),
+]
 MANIFEST = {"version": 7, "files": [{"name": n, "bytes": len(d), "hash": "x"} for n, d in FLUSHES]}
 
 
@@ -38,8 +41,9 @@ def test_spool_keeps_a_bounded_window_in_memory_and_reads_back_every_flush(tmp_p
 
 def _engine(port: int, caps: list[int], results, die_after: int | None, manifest: dict) -> None:
     """An engine rank: answer one offer per per-flush cap in `caps`, receive what each go lets through."""
-    group = join_group(master_addr="127.0.0.1", master_port=port, rank=1, world_size=2, backend="gloo",
-                       timeout_s=30)
+    group = join_group(
+        master_addr="127.0.0.1", master_port=port, rank=1, world_size=2, backend="gloo", timeout_s=30
+    )
     for cap in caps:
         try:
             receiver, checked = answer(group, manifest, 7, cap, lambda: "checked")
@@ -58,8 +62,9 @@ def _run(caps: list[int], die_after: int | None = None, manifest: dict = MANIFES
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     sock = listen("127.0.0.1")
-    proc = ctx.Process(target=_engine, args=(sock.getsockname()[1], caps, results, die_after, manifest),
-                       daemon=True)
+    proc = ctx.Process(
+        target=_engine, args=(sock.getsockname()[1], caps, results, die_after, manifest), daemon=True
+    )
     proc.start()
     group = host_group(sock, world_size=2, backend="gloo", timeout_s=30)
     return group, proc, results
@@ -90,12 +95,16 @@ def test_the_manifest_digest_is_the_same_whatever_the_key_order():
     assert manifest_digest({**MANIFEST, "version": 8}) != manifest_digest(MANIFEST)
 
 
-@pytest.mark.parametrize("change", [
-    {"manifest_sha256": manifest_digest({**MANIFEST, "version": 8})},  # the offer is for another manifest
-    {"version": 8},  # for another version of this one
-    {"flushes": [list(f) for f in SIZES[:2]]},  # a flush fewer than the manifest lists
-    {"flushes": [[n, size + 1] for n, size in SIZES]},  # other sizes
-], ids=["manifest", "version", "fewer-flushes", "sizes"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"manifest_sha256": manifest_digest({**MANIFEST, "version": 8})},  # the offer is for another manifest
+        {"version": 8},  # for another version of this one
+        {"flushes": [list(f) for f in SIZES[:2]]},  # a flush fewer than the manifest lists
+        {"flushes": [[n, size + 1] for n, size in SIZES]},  # other sizes
+    ],
+    ids=["manifest", "version", "fewer-flushes", "sizes"],
+)
 def test_an_offer_that_does_not_match_this_request_is_answered_with_a_refusal(change):
     plane = _ControlPlane({**OFFER, **change})
     with pytest.raises(IncompleteDeltaError):
@@ -114,9 +123,18 @@ def test_a_flush_over_the_cap_is_refused_naming_it_and_a_matching_offer_is_accep
 
 
 def test_another_ranks_refusal_is_raised_with_its_status():
-    refusal = {"ok": False, "status": 409, "type": "LineageError", "message": "other run", "file": None, "param": None}
+    refusal = {
+        "ok": False,
+        "status": 409,
+        "type": "LineageError",
+        "message": "other run",
+        "file": None,
+        "param": None,
+    }
     with pytest.raises(Refused, match="LineageError on another rank") as got:
-        answer(_ControlPlane(dict(OFFER), {"go": False, "refusal": refusal}), MANIFEST, 7, 1 << 20, lambda: None)
+        answer(
+            _ControlPlane(dict(OFFER), {"go": False, "refusal": refusal}), MANIFEST, 7, 1 << 20, lambda: None
+        )
     assert got.value.http_status == 409
 
 
@@ -125,7 +143,11 @@ def test_refused_offer_moves_no_bulk_byte_and_the_next_offer_streams_one_flush_a
     group, proc, results = _run([4000, 1 << 20])  # the 5000 B flush is over the first per-flush cap
     assert offer(group, 7, MANIFEST, SIZES, stop=lambda: False) is False
     assert group.bytes_sent == 0
-    assert (group.refusal["type"], group.refusal["file"], group.refusal["status"]) == ("LimitError", FLUSHES[1][0], 400)
+    assert (group.refusal["type"], group.refusal["file"], group.refusal["status"]) == (
+        "LimitError",
+        FLUSHES[1][0],
+        400,
+    )
     assert results.get(timeout=30) == ("refused", "LimitError", FLUSHES[1][0])
     assert offer(group, 7, MANIFEST, SIZES, stop=lambda: False) is True
     stream(group, (d for _, d in FLUSHES))

@@ -12,15 +12,17 @@ import json
 
 import pytest
 import torch
-
 from sender_helpers import adam_like_step
+
 from vllm_delta import DeltaSender
 from vllm_delta.sender.planner import EngineState
 from vllm_delta.wire import MANIFEST_NAME, Lineage, LineageError, Manifest, check_lineage, parse_manifest
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a
+    )
 
 
 def make(tmp_path, engines, **kw) -> DeltaSender:
@@ -36,16 +38,25 @@ def clone(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 RANGED = Lineage(run_id="run-a", min_version=3, max_version=5)
 
 
-@pytest.mark.parametrize(("engine_version", "engine_run", "version", "ok"), [
-    (3, "run-a", 6, True), (5, "run-a", 6, True),  # inside [S, N-1]
-    (6, "run-a", 6, True),  # a replay at the update's own version
-    (2, "run-a", 6, False), (7, "run-a", 6, False),  # outside the range
-    (4, "run-b", 6, False),  # another run's version 4
-    (0, None, 6, False), (4, None, 6, False),  # restarted on the checkpoint; no run vouches for version 4
-])
+@pytest.mark.parametrize(
+    ("engine_version", "engine_run", "version", "ok"),
+    [
+        (3, "run-a", 6, True),
+        (5, "run-a", 6, True),  # inside [S, N-1]
+        (6, "run-a", 6, True),  # a replay at the update's own version
+        (2, "run-a", 6, False),
+        (7, "run-a", 6, False),  # outside the range
+        (4, "run-b", 6, False),  # another run's version 4
+        (0, None, 6, False),
+        (4, None, 6, False),  # restarted on the checkpoint; no run vouches for version 4
+    ],
+)
 def test_ranged_lineage(engine_version, engine_run, version, ok):
-    call = lambda: check_lineage(RANGED, version=version, engine_version=engine_version,  # noqa: E731
-                                 engine_run_id=engine_run, anchor=False)
+    def call():
+        return check_lineage(
+            RANGED, version=version, engine_version=engine_version, engine_run_id=engine_run, anchor=False
+        )
+
     if ok:
         assert call() == "run-a"
     else:
@@ -72,18 +83,23 @@ def test_no_lineage_leaves_every_run():
     assert check_lineage(None, version=5, engine_version=4, engine_run_id="run-a", anchor=False) is None
 
 
-@pytest.mark.parametrize(("fields", "where"), [
-    ({"run_id": "run-a", "min_version": 4, "max_version": 3}, "min_version"),
-    ({"run_id": "run-a", "min_version": 4}, "both"),
-    ({"run_id": "bad id/../x", "min_version": 1, "max_version": 1}, "run_id"),
-    ({"run_id": "run-a", "min_version": -1, "max_version": 1}, "min_version"),
-])
+@pytest.mark.parametrize(
+    ("fields", "where"),
+    [
+        ({"run_id": "run-a", "min_version": 4, "max_version": 3}, "min_version"),
+        ({"run_id": "run-a", "min_version": 4}, "both"),
+        ({"run_id": "bad id/../x", "min_version": 1, "max_version": 1}, "run_id"),
+        ({"run_id": "run-a", "min_version": -1, "max_version": 1}, "min_version"),
+    ],
+)
 def test_bad_lineage_in_an_otherwise_valid_manifest(fields, where):
     good = Manifest(version=7, encoding="planes_zstd", lineage=RANGED).model_dump(mode="json")
     assert parse_manifest(json.dumps(good).encode()).lineage == RANGED
     with pytest.raises(Exception) as err:
         parse_manifest(json.dumps({**good, "lineage": fields}).encode())
-    assert type(err.value).__name__ == "FormatError" and "lineage" in str(err.value) and where in str(err.value)
+    assert (
+        type(err.value).__name__ == "FormatError" and "lineage" in str(err.value) and where in str(err.value)
+    )
 
 
 def test_manifest_without_lineage_still_reads():
@@ -112,7 +128,10 @@ def test_restarted_engine_refuses_the_catchup_and_is_anchored(tmp_path, fake_eng
     adam_like_step(fake_weights, gen)
     m = sender.sync(fake_weights)
     assert m["sender/catchup"] == 1.0 and m["sender/all_acked"] == 0.0
-    assert sender.engines[a.url].last_status == 409 and sender.engines[a.url].last_error["type"] == "LineageError"
+    assert (
+        sender.engines[a.url].last_status == 409
+        and sender.engines[a.url].last_error["type"] == "LineageError"
+    )
     assert a.version == 0 and same(a.weights, checkpoint), "a refused update changes nothing"
     assert b.version == 3 and same(b.weights, fake_weights)
     adam_like_step(fake_weights, gen)
@@ -152,7 +171,9 @@ def test_lost_replies_and_replays_converge(tmp_path, fake_engines, fake_weights)
     replayed is refused (409), so the sender asks the status, finds its own run at that version,
     and carries on with deltas; an overwrite catch-up replayed is applied again, harmlessly."""
     a, b = fake_engines
-    sender = DeltaSender([a.url, b.url], "disk", tmp_path, flush_bytes=1024, retries=1, max_pending_density=1.0)
+    sender = DeltaSender(
+        [a.url, b.url], "disk", tmp_path, flush_bytes=1024, retries=1, max_pending_density=1.0
+    )
     sender.client.backoff_s = 0.0
     sender.seed(fake_weights)
     gen = torch.Generator().manual_seed(13)
@@ -168,8 +189,9 @@ def test_lost_replies_and_replays_converge(tmp_path, fake_engines, fake_weights)
     assert [r["version"] for r in a.requests].count(2) == 2, "the overwrite catch-up was sent twice"
     adam_like_step(fake_weights, gen)
     m = sender.sync(fake_weights)
-    assert m["sender/all_acked"] == 1.0 and all(e.version == 3 and same(e.weights, fake_weights)
-                                                for e in fake_engines)
+    assert m["sender/all_acked"] == 1.0 and all(
+        e.version == 3 and same(e.weights, fake_weights) for e in fake_engines
+    )
 
 
 def test_update_without_lineage_leaves_the_run(tmp_path, fake_engines, fake_weights):
@@ -199,8 +221,9 @@ def test_update_without_lineage_leaves_the_run(tmp_path, fake_engines, fake_weig
     assert m["sender/anchors"] == 1.0 and all(same(e.weights, fake_weights) for e in fake_engines)
 
 
-def test_sender_started_at_a_version_resumes_the_engines_run_only_if_they_agree(tmp_path, fake_engines,
-                                                                                 fake_weights):
+def test_sender_started_at_a_version_resumes_the_engines_run_only_if_they_agree(
+    tmp_path, fake_engines, fake_weights
+):
     a, b = fake_engines
     first = make(tmp_path, fake_engines)
     first.seed(fake_weights)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import megatron_cpu
+
 from vllm_delta.wire import MANIFEST_NAME
 
 pytestmark = pytest.mark.heavy  # two spawned processes: ~7 s, mostly interpreter and torch start-up
@@ -38,7 +38,9 @@ def _full_model() -> dict[str, torch.Tensor]:
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a
+    )
 
 
 def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> int:
@@ -47,8 +49,8 @@ def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> int:
 
 def _worker(rank: int, world_size: int, port: int, root: str, result: str) -> None:
     import torch.distributed as dist
-
     from sender_helpers import FakeEngine, adam_like_step
+
     from vllm_delta import DeltaSender
 
     torch.set_num_threads(1)
@@ -62,10 +64,13 @@ def _worker(rank: int, world_size: int, port: int, root: str, result: str) -> No
     dist.broadcast_object_list(box, src=0)
     urls = box[0]
 
-    sender = DeltaSender(urls, "disk", root, flush_bytes=1024, retries=0, keep=True, group=group,
-                         max_pending_density=1.0)  # the scripted catch-ups, not a drop to anchor
+    sender = DeltaSender(
+        urls, "disk", root, flush_bytes=1024, retries=0, keep=True, group=group, max_pending_density=1.0
+    )  # the scripted catch-ups, not a drop to anchor
     sender.seed(mine)
-    assert sender.model_elements == sum(t.numel() for t in full.values()), "model_elements is summed over ranks"
+    assert sender.model_elements == sum(t.numel() for t in full.values()), (
+        "model_elements is summed over ranks"
+    )
     gen = torch.Generator().manual_seed(100 + rank)
     acked_union = {k: v.clone() for k, v in full.items()}  # rank 0: the weights at S
     log = []
@@ -88,7 +93,9 @@ def _worker(rank: int, world_size: int, port: int, root: str, result: str) -> No
             engines[1].restart(full)
         m = sender.sync(iter(mine.items()) if v == 5 else mine)
         parts = [None] * world_size if rank == 0 else None
-        dist.gather_object(({k: t.clone() for k, t in mine.items()}, m, sender.snapshot_version), parts, dst=0)
+        dist.gather_object(
+            ({k: t.clone() for k, t in mine.items()}, m, sender.snapshot_version), parts, dst=0
+        )
         if rank != 0:
             continue
         union = {k: t for p in parts for k, t in p[0].items()}
@@ -131,7 +138,9 @@ def _worker(rank: int, world_size: int, port: int, root: str, result: str) -> No
             assert e.version == expect_v and _same(e.weights, expect_w), f"engine {i} differs after sync {v}"
         if acked:
             acked_union = {k: t.clone() for k, t in union.items()}
-        log.append({"v": v, "changed": expect_changed, "files": sorted(f.name for d in dirs for f in d.iterdir())})
+        log.append(
+            {"v": v, "changed": expect_changed, "files": sorted(f.name for d in dirs for f in d.iterdir())}
+        )
     if rank == 0:
         for e in engines:
             e.close()

@@ -51,7 +51,9 @@ def test_staging_slots_bound_the_buffers_held_at_once_over_every_engine():
 def test_a_staging_buffer_is_one_chunk_at_most_whatever_the_flush():
     import torch
 
-    g = groups.Group(spg=None, backend="nccl", timeout_s=1.0, bulk=type("Bulk", (), {"device": torch.device("meta")}))
+    g = groups.Group(
+        spg=None, backend="nccl", timeout_s=1.0, bulk=type("Bulk", (), {"device": torch.device("meta")})
+    )
     for size, want in [(5, 5), (C, C), (C + 1, C), (1 << 34, C)]:
         host, dev = g._staging_pair(size, pin=False)
         assert host is None and dev.numel() == want and dev.dtype == torch.uint8, size

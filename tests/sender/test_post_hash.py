@@ -8,16 +8,22 @@ import pytest
 import torch
 import xxhash
 
-from vllm_delta.sender import Shard, producer as producer_mod
+from vllm_delta.sender import Shard
+from vllm_delta.sender import producer as producer_mod
 from vllm_delta.sender.producer import Producer
 
 
 def _shards() -> tuple[dict[str, torch.Tensor], list[Shard]]:
     gen = torch.Generator().manual_seed(3)
-    w = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in
-         (("a", (64, 32)), ("b", (16,)), ("c", (8, 12)))}
-    shards = [Shard.whole("a", w["a"]), Shard.whole("b", w["b"]),
-              Shard.pieces("c", w["c"][:4], (8, 12), 0, [(0, 2), (4, 2)])]
+    w = {
+        n: torch.randn(s, generator=gen).to(torch.bfloat16)
+        for n, s in (("a", (64, 32)), ("b", (16,)), ("c", (8, 12)))
+    }
+    shards = [
+        Shard.whole("a", w["a"]),
+        Shard.whole("b", w["b"]),
+        Shard.pieces("c", w["c"][:4], (8, 12), 0, [(0, 2), (4, 2)]),
+    ]
     return w, shards
 
 

@@ -24,13 +24,16 @@ def _check_against_slicing(shard: Shard, local: torch.Tensor) -> None:
     assert torch.equal(FULL.reshape(-1)[shard.to_global(pos)], local.reshape(-1))
 
 
-@pytest.mark.parametrize("dim,spans", [
-    (0, [(4, 3)]),                       # TP row slice
-    (1, [(2, 5)]),                       # TP column slice
-    (2, [(1, 2)]),                       # innermost dim
-    (0, [(0, 2), (6, 2), (3, 1)]),       # interleaved query groups, out of order
-    (1, [(8, 2), (0, 3)]),               # column pieces: every row interleaves them
-])
+@pytest.mark.parametrize(
+    "dim,spans",
+    [
+        (0, [(4, 3)]),  # TP row slice
+        (1, [(2, 5)]),  # TP column slice
+        (2, [(1, 2)]),  # innermost dim
+        (0, [(0, 2), (6, 2), (3, 1)]),  # interleaved query groups, out of order
+        (1, [(8, 2), (0, 3)]),  # column pieces: every row interleaves them
+    ],
+)
 def test_to_global_inverts_torch_slicing(dim: int, spans: list[tuple[int, int]]) -> None:
     local = torch.cat([FULL.narrow(dim, a, n) for a, n in spans], dim=dim)
     shard = Shard.pieces("w", local, FULL.shape, dim, spans)
@@ -63,7 +66,9 @@ def test_partial_digests_of_shards_add_up_to_the_whole() -> None:
     w = torch.randn(8, 6).to(torch.bfloat16)
     left = Shard.narrow("w", w[:, :4].contiguous(), w.shape, 1, 0)
     right = Shard.narrow("w", w[:, 4:].contiguous(), w.shape, 1, 4)
-    parts = [additive.to_hex(additive.partial_sum(s.global_index(), s.tensor.reshape(-1))) for s in (left, right)]
+    parts = [
+        additive.to_hex(additive.partial_sum(s.global_index(), s.tensor.reshape(-1))) for s in (left, right)
+    ]
     assert additive.combine(*parts) == additive.to_hex(additive.tensor_sum(w))
 
 
@@ -71,8 +76,12 @@ def test_scan_runs_on_meta_device(meta_nonzero) -> None:
     """Every op of the scan (diff, gather, shard map, digests, sort, pending union, snapshot advance)
     on meta tensors: any tensor made on the CPU (arange, index tables, `.cpu()`) raises here."""
     w = torch.empty(8, 12, dtype=torch.bfloat16, device="meta")
-    shards = [Shard.whole("a", w), Shard.pieces("b", torch.empty(4, 12, dtype=torch.bfloat16, device="meta"),
-                                                (8, 12), 0, [(0, 2), (4, 2)])]
+    shards = [
+        Shard.whole("a", w),
+        Shard.pieces(
+            "b", torch.empty(4, 12, dtype=torch.bfloat16, device="meta"), (8, 12), 0, [(0, 2), (4, 2)]
+        ),
+    ]
     producer = Producer(snapshot="device", staging="meta")
     producer.seed(shards)
     for kind, anchor in (("delta", False), ("catchup", True), ("", True)):
@@ -122,7 +131,9 @@ def test_device_diff_matches_the_host_diff_element_for_element(monkeypatch, dtyp
     assert diff.device_positions(diff.int_view(snap), diff.int_view(snap)).numel() == 0
 
 
-def test_capture_then_publish_overlaps_and_advances_only_after_ack(fake_engines, fake_weights, tmp_path) -> None:
+def test_capture_then_publish_overlaps_and_advances_only_after_ack(
+    fake_engines, fake_weights, tmp_path
+) -> None:
     sender = DeltaSender([e.url for e in fake_engines], "disk", tmp_path, retries=0)
     sender.seed(fake_weights)
     weights = {k: v.clone() for k, v in fake_weights.items()}
@@ -140,7 +151,9 @@ def test_capture_then_publish_overlaps_and_advances_only_after_ack(fake_engines,
             t.sub_(1.0)
         assert metrics["sender/all_acked"] == 1.0 and metrics["sender/version"] == step
         # The snapshot's bytes move at the next capture/wait, on the main thread, never under a scan.
-        assert not torch.equal(sender.producer.snapshot_of("layer0.weight"), expected["layer0.weight"].view(-1))
+        assert not torch.equal(
+            sender.producer.snapshot_of("layer0.weight"), expected["layer0.weight"].view(-1)
+        )
         sender.wait()
         assert sender.snapshot_version == step
         assert torch.equal(sender.producer.snapshot_of("layer0.weight"), expected["layer0.weight"].view(-1))
@@ -179,5 +192,7 @@ def test_seed_from_checkpoint_takes_this_ranks_elements(kind, tmp_path) -> None:
         like = Segments("w", torch.zeros_like(local), tuple(full.shape), ((16, 8), (0, 8)))
     sender = DeltaSender(["http://127.0.0.1:9"], "disk", tmp_path / "d")
     sender.seed_from_checkpoint(tmp_path, like=[like])
-    assert torch.equal(sender.producer.snapshot_of("w").view(torch.int16), local.reshape(-1).view(torch.int16))
+    assert torch.equal(
+        sender.producer.snapshot_of("w").view(torch.int16), local.reshape(-1).view(torch.int16)
+    )
     sender.close()

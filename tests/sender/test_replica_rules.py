@@ -32,22 +32,30 @@ H, Q, KV, F, MF, E, V, D = 128, 128, 64, 256, 64, 4, 512, 32  # the tiny familie
 
 
 def _attention(i: int, tp: int) -> ParamSpec:
-    return {f"decoder.layers.{i}.input_layernorm.weight": ((H,), None),
-            f"decoder.layers.{i}.self_attention.linear_qkv.weight": (((Q + 2 * KV) // tp, H), 0),
-            f"decoder.layers.{i}.self_attention.linear_proj.weight": ((H, Q // tp), 1),
-            f"decoder.layers.{i}.pre_mlp_layernorm.weight": ((H,), None)}
+    return {
+        f"decoder.layers.{i}.input_layernorm.weight": ((H,), None),
+        f"decoder.layers.{i}.self_attention.linear_qkv.weight": (((Q + 2 * KV) // tp, H), 0),
+        f"decoder.layers.{i}.self_attention.linear_proj.weight": ((H, Q // tp), 1),
+        f"decoder.layers.{i}.pre_mlp_layernorm.weight": ((H,), None),
+    }
 
 
 def _llama_layer(i: int, tp: int) -> ParamSpec:
-    return {**_attention(i, tp), f"decoder.layers.{i}.mlp.linear_fc1.weight": ((2 * F // tp, H), 0),
-            f"decoder.layers.{i}.mlp.linear_fc2.weight": ((H, F // tp), 1)}
+    return {
+        **_attention(i, tp),
+        f"decoder.layers.{i}.mlp.linear_fc1.weight": ((2 * F // tp, H), 0),
+        f"decoder.layers.{i}.mlp.linear_fc2.weight": ((H, F // tp), 1),
+    }
 
 
 def _moe_layer(i: int, tp: int, etp: int, experts: int) -> ParamSpec:
     """A Qwen3-MoE layer holding `experts` local experts, each cut over `etp` expert-TP ranks."""
-    out = {**_attention(i, tp), f"decoder.layers.{i}.self_attention.q_layernorm.weight": ((D,), None),
-           f"decoder.layers.{i}.self_attention.k_layernorm.weight": ((D,), None),
-           f"decoder.layers.{i}.mlp.router.weight": ((E, H), None)}
+    out = {
+        **_attention(i, tp),
+        f"decoder.layers.{i}.self_attention.q_layernorm.weight": ((D,), None),
+        f"decoder.layers.{i}.self_attention.k_layernorm.weight": ((D,), None),
+        f"decoder.layers.{i}.mlp.router.weight": ((E, H), None),
+    }
     for e in range(experts):
         out[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = ((2 * MF // etp, H), 0)
         out[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight"] = ((H, MF // etp), 1)
@@ -89,16 +97,20 @@ class Topology:
         numbers = [r.pp * layers + k + 1 for k in range(layers)]
         spec = _ends(self.tp, r.pp == 0, r.pp == self.pp - 1)
         for k in range(layers):
-            spec.update(_llama_layer(k, self.tp) if self.family == "llama" else
-                        _moe_layer(k, self.tp, self.etp, E // self.ep))
+            spec.update(
+                _llama_layer(k, self.tp)
+                if self.family == "llama"
+                else _moe_layer(k, self.tp, self.etp, E // self.ep)
+            )
         return stub_chunk(spec, numbers)
 
     def shipped(self, r: Rank) -> dict[str, list[torch.Tensor]]:
         """HF name -> the HF flat positions this rank ships, per segment."""
         from megatron_hook.hf_map import Parallel, chunk_segments
 
-        parallel = dict(tp_size=self.tp, tp_rank=r.tp, pp_size=self.pp, pp_rank=r.pp, etp_size=self.etp,
-                        etp_rank=r.etp)
+        parallel = dict(
+            tp_size=self.tp, tp_rank=r.tp, pp_size=self.pp, pp_rank=r.pp, etp_size=self.etp, etp_rank=r.etp
+        )
         if self.ep > 1:
             parallel.update(ep_size=self.ep, ep_rank=r.ep)
         bridge = make_bridge(self.family, **parallel)
@@ -114,8 +126,10 @@ def _everything(family: str) -> dict[str, tuple[int, ...]]:
     from megatron_hook.hf_map import Parallel, chunk_segments
 
     t = Topology(family)
-    return {s.name: s.full_shape for s in
-            chunk_segments(make_bridge(family), t.chunk(Rank()), Parallel(0, 1, 0, 1, 0, 0))}
+    return {
+        s.name: s.full_shape
+        for s in chunk_segments(make_bridge(family), t.chunk(Rank()), Parallel(0, 1, 0, 1, 0, 0))
+    }
 
 
 def _check_exactly_once(family: str, by_rank: dict[Rank, dict[str, list[torch.Tensor]]]) -> None:
@@ -124,7 +138,9 @@ def _check_exactly_once(family: str, by_rank: dict[Rank, dict[str, list[torch.Te
     assert names == set(everything), names ^ set(everything)
     for name, shape in everything.items():
         pos = torch.cat([p for shipped in by_rank.values() for p in shipped.get(name, [])])
-        assert torch.equal(pos.sort().values, torch.arange(math.prod(shape))), f"{name}: not each element once"
+        assert torch.equal(pos.sort().values, torch.arange(math.prod(shape))), (
+            f"{name}: not each element once"
+        )
 
 
 def _ships(shipped: dict[str, list[torch.Tensor]], name: str) -> int:
@@ -158,9 +174,14 @@ def test_pp_each_stage_its_own_layers() -> None:
     by_rank = {first: t.shipped(first), last: t.shipped(last)}
     _check_exactly_once("llama", by_rank)
     assert {n.split(".")[2] if n.startswith("model.layers.") else n for n in by_rank[first]} == {
-        "0", "model.embed_tokens.weight"}
+        "0",
+        "model.embed_tokens.weight",
+    }
     assert {n.split(".")[2] if n.startswith("model.layers.") else n for n in by_rank[last]} == {
-        "1", "model.norm.weight", "lm_head.weight"}
+        "1",
+        "model.norm.weight",
+        "lm_head.weight",
+    }
 
 
 def _experts(shipped: dict[str, list[torch.Tensor]]) -> set[tuple[str, str]]:

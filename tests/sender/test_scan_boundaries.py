@@ -59,7 +59,9 @@ def test_scattered_changes_over_many_chunks(monkeypatch) -> None:
     monkeypatch.setattr(diff, "CHUNK_ELEMENTS", SMALL_CHUNK)
     n = 40 * SMALL_CHUNK + 123
     gen = torch.Generator().manual_seed(1)
-    pick = sorted(set(torch.randint(0, n, (n // 50,), generator=gen).tolist()) | set(_edges(SMALL_CHUNK, n)[::3]))
+    pick = sorted(
+        set(torch.randint(0, n, (n // 50,), generator=gen).tolist()) | set(_edges(SMALL_CHUNK, n)[::3])
+    )
     snap = _base(n, seed=2)
     cur = _with_changes(snap, pick)
     assert torch.equal(diff.changed_positions(cur, snap), _reference(cur, snap))

@@ -32,19 +32,31 @@ def _members(gen: torch.Generator, interleave: bool) -> tuple[torch.Tensor, list
     buf = (torch.randn(sum(sizes) + pad * len(sizes), generator=gen) * 0.02).to(torch.bfloat16)
     shards, at = [], 0
     for i, n in enumerate(sizes):
-        shards.append(Shard.whole(f"w{i}", buf[at:at + n]))
+        shards.append(Shard.whole(f"w{i}", buf[at : at + n]))
         at += n + pad
     if interleave:
         cols = sizes[0] // 4
-        shards[0] = Segments("q", buf.as_strided((2, cols), (2 * cols, 1), 0), (2, cols), ((cols, cols), (0, cols)))
-        shards.insert(1, Segments("k", buf.as_strided((2, cols), (2 * cols, 1), cols), (2, cols), ((0, 2 * cols),)))
+        shards[0] = Segments(
+            "q", buf.as_strided((2, cols), (2 * cols, 1), 0), (2, cols), ((cols, cols), (0, cols))
+        )
+        shards.insert(
+            1, Segments("k", buf.as_strided((2, cols), (2 * cols, 1), cols), (2, cols), ((0, 2 * cols),))
+        )
     return buf, shards
 
 
 def _rows(cap) -> list[tuple]:
-    return [(e.name, e.changed, e.positions.tolist(), e.new_values.view(torch.int16).tolist(),
-             e.old_values.view(torch.int16).tolist(), {k: additive.to_hex(v) for k, v in e.digests.items()})
-            for e in cap.entries]
+    return [
+        (
+            e.name,
+            e.changed,
+            e.positions.tolist(),
+            e.new_values.view(torch.int16).tolist(),
+            e.old_values.view(torch.int16).tolist(),
+            {k: additive.to_hex(v) for k, v in e.digests.items()},
+        )
+        for e in cap.entries
+    ]
 
 
 class _Pair:
@@ -53,7 +65,10 @@ class _Pair:
     def __init__(self, interleave: bool, seed: int) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.buf, self.shards = _members(self.gen, interleave)
-        self.fast, self.ref = Producer(snapshot="device", post_hash=False), Producer(snapshot="device", post_hash=False)
+        self.fast, self.ref = (
+            Producer(snapshot="device", post_hash=False),
+            Producer(snapshot="device", post_hash=False),
+        )
         for p in (self.fast, self.ref):
             p.seed([s.with_tensor(s.tensor.clone()) for s in self.shards])
 
@@ -61,7 +76,7 @@ class _Pair:
         """Move a random `density` of the elements by one ULP; scan and advance both. The kernel's
         capture, and the torch path's rows."""
         bits = self.buf.view(torch.int16)
-        idx = torch.randperm(self.buf.numel(), generator=self.gen)[:int(density * self.buf.numel())]
+        idx = torch.randperm(self.buf.numel(), generator=self.gen)[: int(density * self.buf.numel())]
         bits[idx] += 1
         monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
         ref = self.ref.scan(self.shards, kind="delta", anchor=False)
@@ -118,18 +133,21 @@ def _scan(layout: bucket_scan.Layout, snap: torch.Tensor, buffers: ScanBuffers, 
     n = len(layout.names)
     want = bucket_scan.torch_diff_digest(layout, layout.tables, snap, n)
     with ThreadPoolExecutor(workers) as pool:
-        got = scan_kernel.diff_digest(layout.base, snap, layout.tables, n, False, workers,
-                                      pool if workers > 1 else None, buffers)
+        got = scan_kernel.diff_digest(
+            layout.base, snap, layout.tables, n, False, workers, pool if workers > 1 else None, buffers
+        )
     for name, g, w in zip(("pos", "old", "new", "hf"), got, want):
-        assert torch.equal(g.view(torch.int16) if name in ("old", "new") else g,
-                           w.view(torch.int16) if name in ("old", "new") else w), name
+        assert torch.equal(
+            g.view(torch.int16) if name in ("old", "new") else g,
+            w.view(torch.int16) if name in ("old", "new") else w,
+        ), name
     assert torch.equal(got[5], want[5]) and torch.equal(got[6], want[6])
     return got[0].numel()
 
 
 def _flipped(buf: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
     snap = buf.clone()
-    snap.view(torch.int16)[torch.randperm(buf.numel(), generator=gen)[:int(density * buf.numel())]] ^= 1
+    snap.view(torch.int16)[torch.randperm(buf.numel(), generator=gen)[: int(density * buf.numel())]] ^= 1
     return snap
 
 

@@ -25,8 +25,9 @@ CHUNK = jit.CHUNK
 M64 = (1 << 64) - 1
 
 
-def _bucket(dtype: torch.dtype, sizes: list[int], gaps: list[int], gen: torch.Generator,
-            interleave: bool = False) -> tuple[torch.Tensor, list[Segments]]:
+def _bucket(
+    dtype: torch.dtype, sizes: list[int], gaps: list[int], gen: torch.Generator, interleave: bool = False
+) -> tuple[torch.Tensor, list[Segments]]:
     """A flat buffer of members of `sizes` elements with `gaps[i]` uncovered elements before
     member i; with `interleave`, member 0 is two row-halves of a [4, cols] param whose local runs
     land in reverse HF order (so the bucket is not in (member, HF) order)."""
@@ -34,13 +35,16 @@ def _bucket(dtype: torch.dtype, sizes: list[int], gaps: list[int], gen: torch.Ge
     segs, at = [], 0
     for i, (n, g) in enumerate(zip(sizes, gaps)):
         at += g
-        view = buf[at:at + n]
+        view = buf[at : at + n]
         if interleave and i == 0:
             cols = n // 4
             rows = buf.as_strided((2, cols), (2 * cols, 1), at)  # rows 0 and 2
             segs.append(Segments("m0.q", rows, (2, cols), ((cols, cols), (0, cols))))
-            segs.append(Segments("m0.k", buf.as_strided((2, cols), (2 * cols, 1), at + cols), (2, cols),
-                                 ((0, 2 * cols),)))
+            segs.append(
+                Segments(
+                    "m0.k", buf.as_strided((2, cols), (2 * cols, 1), at + cols), (2, cols), ((0, 2 * cols),)
+                )
+            )
         else:
             segs.append(Segments(f"m{i}", view, (n + 5,), ((5, n),)))  # HF positions shifted by 5
         at += n
@@ -57,8 +61,9 @@ def _both(layout: bucket_scan.Layout, snap: torch.Tensor, workers: int = 1):
     n = len(layout.names)
     want = bucket_scan.torch_diff_digest(layout, layout.tables, snap, n)
     with ThreadPoolExecutor(workers) as pool:
-        got = scan_kernel.diff_digest(layout.base, snap, layout.tables, n, True, workers,
-                                      pool if workers > 1 else None)
+        got = scan_kernel.diff_digest(
+            layout.base, snap, layout.tables, n, True, workers, pool if workers > 1 else None
+        )
     return got, want
 
 
@@ -68,8 +73,10 @@ def _assert_equal(got, want) -> None:
         if name == "run" and w is None:  # one run: the torch path needs no run index
             continue
         if name in ("old", "new"):
-            g, w = g.view(torch.int16 if g.element_size() == 2 else torch.int32), \
-                w.view(torch.int16 if w.element_size() == 2 else torch.int32)
+            g, w = (
+                g.view(torch.int16 if g.element_size() == 2 else torch.int32),
+                w.view(torch.int16 if w.element_size() == 2 else torch.int32),
+            )
         assert g.dtype == w.dtype and torch.equal(g, w), name
 
 
@@ -88,14 +95,17 @@ def _perturb(buf: torch.Tensor, gen: torch.Generator, density: float, extra: lis
 def test_kernel_equals_the_torch_path(density: float, interleave: bool) -> None:
     gen = torch.Generator().manual_seed(int(density * 1e5) + interleave)
     # odd sizes and gaps: runs start and end off the scratch's words and chunks
-    buf, segs = _bucket(torch.bfloat16, [4 * 1001, 3 * CHUNK + 3, 7, CHUNK, 5 * CHUNK - 1], [0, 3, 1, 2, 9], gen,
-                        interleave)
+    buf, segs = _bucket(
+        torch.bfloat16, [4 * 1001, 3 * CHUNK + 3, 7, CHUNK, 5 * CHUNK - 1], [0, 3, 1, 2, 9], gen, interleave
+    )
     layout = _layout(segs)
     assert layout.gaps and layout.in_order is not interleave
     ends = [r[0] + r[2] for r in layout.rows]
-    edges = sorted({p for r in layout.rows for p in (r[0], r[0] + r[2] - 1)} |
-                   {CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, buf.numel() - 1} |
-                   {e for e in ends if e < buf.numel()})  # the first element of every gap
+    edges = sorted(
+        {p for r in layout.rows for p in (r[0], r[0] + r[2] - 1)}
+        | {CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, buf.numel() - 1}
+        | {e for e in ends if e < buf.numel()}
+    )  # the first element of every gap
     snap = _perturb(buf, gen, density, edges if density else [])
     got, want = _both(layout, snap)
     _assert_equal(got, want)
@@ -116,7 +126,9 @@ def test_thread_windows_cut_anywhere() -> None:
     snap = _perturb(buf, gen, 0.02, edges)
     got, want = _both(layout, snap, workers=3)
     _assert_equal(got, want)
-    assert all(bool((got[0] == e).any()) or not any(r[0] <= e < r[0] + r[2] for r in layout.rows) for e in edges)
+    assert all(
+        bool((got[0] == e).any()) or not any(r[0] <= e < r[0] + r[2] for r in layout.rows) for e in edges
+    )
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
@@ -132,16 +144,21 @@ def test_both_ways_of_finding_changes(dtype) -> None:
             x = rng.integers(0, np.iinfo(dtype).max, m, dtype=dtype)
             y = x.copy()
             flip = rng.random(m) < density
-            y[flip] ^= dtype(1 << (8 * np.dtype(dtype).itemsize - 1))  # the top bit: a sign-extension bug shows
+            y[flip] ^= dtype(
+                1 << (8 * np.dtype(dtype).itemsize - 1)
+            )  # the top bit: a sign-extension bug shows
             want = np.flatnonzero(x != y)
             d[:] = 7  # a stale scratch from the chunk before
-            for name, got in (("compress", jit.find_compress(x, y, at)),
-                              ("words", jit.find_words(x, y, at, d, d.view(np.uint64)))):
+            for name, got in (
+                ("compress", jit.find_compress(x, y, at)),
+                ("words", jit.find_words(x, y, at, d, d.view(np.uint64))),
+            ):
                 assert np.array_equal(at[:got], want), (name, m, density)
 
 
 def _py_lanes(hf: list[int], bits: list[int], width: int) -> tuple[int, int]:
     """splitmix64 / Murmur3 fmix64 of key = hf << width | bits, summed mod 2^64, in Python ints."""
+
     def mix(x: int, shifts: tuple[int, int, int], mults: tuple[int, int]) -> int:
         x ^= x >> shifts[0]
         x = (x * mults[0]) & M64
@@ -163,8 +180,17 @@ NAN, NAN2, INF, NINF, ZERO, NZERO, ALL = 0x7FC0, 0x7FC1, 0x7F80, 0xFF80, 0x0000,
 def test_special_bit_patterns_and_digests_against_python() -> None:
     """NaN payloads, inf, -0.0 vs +0.0 and 0xFFFF (a sign-extension bug shows there) are changes;
     equal NaNs are not; the digests are the pure-Python lane sums and `additive.partial_sum`'s."""
-    pairs = [(NAN, NAN2), (NAN, NAN), (INF, NINF), (ZERO, NZERO), (NZERO, ZERO), (ALL, ZERO), (ZERO, ALL),
-             (INF, INF), (0x3F80, ALL)]
+    pairs = [
+        (NAN, NAN2),
+        (NAN, NAN),
+        (INF, NINF),
+        (ZERO, NZERO),
+        (NZERO, ZERO),
+        (ALL, ZERO),
+        (ZERO, ALL),
+        (INF, INF),
+        (0x3F80, ALL),
+    ]
     old = torch.tensor([o for o, _ in pairs] * 3, dtype=torch.int32).to(torch.int16)
     new = torch.tensor([n for _, n in pairs] * 3, dtype=torch.int32).to(torch.int16)
     buf = new.view(torch.bfloat16).clone()
@@ -218,9 +244,19 @@ def _captures(segs: list, buf: torch.Tensor, seed: int) -> list[list[tuple]]:
     for kind, ack in (("delta", False), ("catchup", True), ("delta", True)):
         _perturb(buf, gen, 0.03, [0, buf.numel() - 1])
         cap = producer.scan(segs, kind=kind, anchor=False)
-        out.append([(e.name, e.changed, e.positions.tolist(), e.new_values.view(torch.int16).tolist(),
-                     None if e.old_values is None else e.old_values.view(torch.int16).tolist(),
-                     {k: additive.to_hex(v) for k, v in e.digests.items()}) for e in cap.entries])
+        out.append(
+            [
+                (
+                    e.name,
+                    e.changed,
+                    e.positions.tolist(),
+                    e.new_values.view(torch.int16).tolist(),
+                    None if e.old_values is None else e.old_values.view(torch.int16).tolist(),
+                    {k: additive.to_hex(v) for k, v in e.digests.items()},
+                )
+                for e in cap.entries
+            ]
+        )
         (producer.advance if ack else producer.defer)(cap)
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_bucket_scan import _buffer_segments, _perturb, _reference  # noqa: E402
 
 from vllm_delta.sender import Shard
 from vllm_delta.sender.producer import Producer
@@ -16,19 +17,26 @@ from vllm_delta.sender.publisher import _add
 from vllm_delta.wire import FlushBuilder
 from vllm_delta.wire.writer import UnchangedValueError
 
-from test_bucket_scan import _buffer_segments, _perturb, _reference  # noqa: E402
-
 
 def _check_like_a_caller(entries, kind: str) -> int:
     """Every entry through `FlushBuilder.add` with every check on; the changes checked."""
-    b = FlushBuilder(lambda name, f: None, version=1, base_version=0,
-                     encoding="ulp_zstd" if kind == "delta" else "planes_zstd")
+    b = FlushBuilder(
+        lambda name, f: None,
+        version=1,
+        base_version=0,
+        encoding="ulp_zstd" if kind == "delta" else "planes_zstd",
+    )
     n = 0
     for e in entries:
         assert e.scanned
         if e.positions.numel():
-            b.add(e.name, e.positions, e.new_values, e.old_values if kind == "delta" else None,
-                  shape=e.full_shape)
+            b.add(
+                e.name,
+                e.positions,
+                e.new_values,
+                e.old_values if kind == "delta" else None,
+                shape=e.full_shape,
+            )
             n += e.positions.numel()
     return n
 
@@ -43,8 +51,12 @@ def test_every_scan_path_gives_entries_that_pass_the_writers_checks(monkeypatch,
     producer.seed([s.with_tensor(s.tensor.clone()) for s in segs])
     gen = torch.Generator().manual_seed(2)
     checked = 0
-    for kind, anchor, ack in (("delta", False, False), ("catchup", False, True), ("delta", True, True),
-                              ("delta", False, True)):
+    for kind, anchor, ack in (
+        ("delta", False, False),
+        ("catchup", False, True),
+        ("delta", True, True),
+        ("delta", False, True),
+    ):
         _perturb(buf, gen, 300, [0, buf.numel() - 1])
         buf.view(torch.int16)[5:9] -= 1  # changed, then changed back below: bits equal again
         cap = producer.scan(segs, kind=kind, anchor=anchor)

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-
-from sender_helpers import FakeEngine, engine_checksums, engine_status
+from harness.engine_pool import API_KEY, reset_to_checkpoint
 from harness.fresh_load import save_checkpoint
 from harness.trainer import Trainer
-from harness.engine_pool import API_KEY, reset_to_checkpoint
+from sender_helpers import FakeEngine, engine_checksums, engine_status
+
 from vllm_delta import DeltaSender
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
@@ -102,8 +102,15 @@ def test_one_of_two_engines_fails_then_converges(server, trainer, root):
     healthy = FakeEngine(root, dict(trainer.weights()))
     healthy.version = version
     try:
-        sender = DeltaSender([server.url, healthy.url], "disk", root, api_key=API_KEY, flush_bytes=64 << 10,
-                             version=version, retries=0)
+        sender = DeltaSender(
+            [server.url, healthy.url],
+            "disk",
+            root,
+            api_key=API_KEY,
+            flush_bytes=64 << 10,
+            version=version,
+            retries=0,
+        )
         sender.seed(trainer.weights())
         trainer.step()
         sender.client.api_key = "wrong-key"
@@ -128,8 +135,9 @@ def test_one_of_two_engines_fails_then_converges(server, trainer, root):
 
 def test_duplicate_push_idempotent_and_out_of_order_rejected(server, trainer, root):
     version = status(server)["version"]
-    sender = DeltaSender([server.url], "disk", root, api_key=API_KEY, encoding="deltas_zstd", keep=True,
-                         version=version)
+    sender = DeltaSender(
+        [server.url], "disk", root, api_key=API_KEY, encoding="deltas_zstd", keep=True, version=version
+    )
     sender.seed(trainer.weights())
     trainer.step()
     sender.sync(trainer.weights())
@@ -167,8 +175,9 @@ def test_sender_killed_mid_write_leaves_nothing_applicable(server, root, model_d
     digests, version = checksums(server), status(server)["version"]
     # With the key: a sender started at a version asks the engines' status (lineage) before it writes.
     start = version + 1000  # a sender of another run, ahead of the engine
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SENDER, server.url, str(root), str(model_dir), API_KEY,
-                             str(start)])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SENDER, server.url, str(root), str(model_dir), API_KEY, str(start)]
+    )
     d = root / f"v{start + 1:06d}-anchor"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(d.glob("rank*_flush*.safetensors"))) < 2:
@@ -183,12 +192,14 @@ def test_sender_killed_mid_write_leaves_nothing_applicable(server, root, model_d
     shutil.rmtree(d)
 
 
-def test_synced_engine_equals_fresh_engine_from_trainer_weights(server, trainer, model_dir, root, tmp_path_factory,
-                                                                  fresh_loader, base_digests):
+def test_synced_engine_equals_fresh_engine_from_trainer_weights(
+    server, trainer, model_dir, root, tmp_path_factory, fresh_loader, base_digests
+):
     # The engine resumes at its version; a sender started there resumes the run it is on (lineage), or
     # anchors it. Either way the engine must end on the trainer's weights after one more step.
-    sender = DeltaSender([server.url], "disk", root, api_key=API_KEY, flush_bytes=64 << 10,
-                         version=status(server)["version"])
+    sender = DeltaSender(
+        [server.url], "disk", root, api_key=API_KEY, flush_bytes=64 << 10, version=status(server)["version"]
+    )
     sender.seed(trainer.weights())
     trainer.step()
     m = sender.sync(trainer.weights())

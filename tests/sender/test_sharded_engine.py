@@ -18,18 +18,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from harness import megatron_cpu
-from sender_helpers import engine_checksums, engine_status
 from harness.engine_pool import API_KEY, reset_to_checkpoint
+from safetensors.torch import load_file, save_file
+from sender_helpers import engine_checksums, engine_status
+
 from vllm_delta import DeltaSender
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 STEPS = 3
 
 
-def _spans(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[int, list[tuple[int, int]]] | None:
+def _spans(
+    name: str, shape: tuple[int, ...], rank: int, world: int
+) -> tuple[int, list[tuple[int, int]]] | None:
     """This rank's (dim, spans) of an HF tensor, as a TP trainer would hold it; None: not held."""
     if len(shape) == 1:
         return (0, [(0, shape[0])]) if rank == 0 else None  # replicated across TP: one rank ships
@@ -43,10 +45,12 @@ def _spans(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[in
     return 0, [(rank * n, n)]
 
 
-def _worker(rank: int, world: int, port: int, url: str, root: str, state_dir: str, out: str, version: int) -> None:
+def _worker(
+    rank: int, world: int, port: int, url: str, root: str, state_dir: str, out: str, version: int
+) -> None:
     import torch.distributed as dist
-
     from sender_helpers import adam_like_step
+
     from vllm_delta.sender import Shard
 
     torch.set_num_threads(1)
@@ -61,7 +65,9 @@ def _worker(rank: int, world: int, port: int, url: str, root: str, state_dir: st
             # The trainer's own slices; the checkpoint seeds the snapshot at the same placement.
             local = torch.cat([t.narrow(dim, a, n) for a, n in spans], dim=dim).clone()
             shards.append(Shard.pieces(name, local, t.shape, dim, spans))
-    sender = DeltaSender([url], "disk", root, api_key=API_KEY, flush_bytes=16 << 10, version=version, group=group)
+    sender = DeltaSender(
+        [url], "disk", root, api_key=API_KEY, flush_bytes=16 << 10, version=version, group=group
+    )
     sender.seed_from_checkpoint(state_dir, like=shards)
     gen = torch.Generator().manual_seed(100 * world + rank)
     for _ in range(STEPS):
@@ -149,14 +155,18 @@ def _capture_publish_phase(server, root: Path, state: Path, tmp_path: Path) -> P
         sender.publish()
     m = sender.wait()
     assert m["sender/all_acked"] == 1.0 and status(server)["version"] == version + 4
-    print(f"capture/publish: waited {waited_s:.2f} s in capture() over 4 steps; "
-          f"last publish took {m['perf/update_weights_time']:.2f} s")
+    print(
+        f"capture/publish: waited {waited_s:.2f} s in capture() over 4 steps; "
+        f"last publish took {m['perf/update_weights_time']:.2f} s"
+    )
     sender.close()
     _write_model(state, model.state_dict(), tmp_path / "state_cp")
     return tmp_path / "state_cp"
 
 
-def test_sharded_and_overlapped_syncs_equal_a_fresh_engine(server, root, tiny_model_factory, tmp_path, fresh_loader):
+def test_sharded_and_overlapped_syncs_equal_a_fresh_engine(
+    server, root, tiny_model_factory, tmp_path, fresh_loader
+):
     state = tiny_model_factory("llama")
     initial = checksums(server)
     for world in (2, 4):

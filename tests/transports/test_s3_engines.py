@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from harness.fresh_load import save_checkpoint
 from harness.s3_server import prefix_of
-from harness.trainer import Trainer
 from harness.store_engine import engine_checksums, engine_status
+from harness.trainer import Trainer
 from harness.vllm_engine import VllmServer, patched_environ, start_servers
+
 from vllm_delta import DeltaSender
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
@@ -28,8 +28,12 @@ API_KEY = "s3-engine-key"
 
 
 def start_engine(model_dir: Path, url: str, env: dict[str, str], log: Path) -> VllmServer:
-    return VllmServer(model_dir, log, env=env, extra_args=[
-        "--enable-delta-updates", "--delta-updates-root", url, "--api-key", API_KEY])
+    return VllmServer(
+        model_dir,
+        log,
+        env=env,
+        extra_args=["--enable-delta-updates", "--delta-updates-root", url, "--api-key", API_KEY],
+    )
 
 
 def version_bytes(server, url: str, version: int) -> int:
@@ -39,14 +43,17 @@ def version_bytes(server, url: str, version: int) -> int:
     return sum(sizes.values())
 
 
-def test_two_engines_and_a_late_joiner_sync_exactly_through_the_store(s3_server, tiny_model_factory, fresh_loader,
-                                                                       tmp_path):
+def test_two_engines_and_a_late_joiner_sync_exactly_through_the_store(
+    s3_server, tiny_model_factory, fresh_loader, tmp_path
+):
     model_dir = tiny_model_factory("llama")
     url = s3_server.url("engines")
     env = s3_server.env()
     base = fresh_loader.checksums(model_dir)
-    a, b = start_servers(lambda: start_engine(model_dir, url, env, tmp_path / "a.log"),
-                         lambda: start_engine(model_dir, url, env, tmp_path / "b.log"))
+    a, b = start_servers(
+        lambda: start_engine(model_dir, url, env, tmp_path / "a.log"),
+        lambda: start_engine(model_dir, url, env, tmp_path / "b.log"),
+    )
     try:
         trainer = Trainer(model_dir)
         with patched_environ(env):  # the sender reads the standard AWS environment
@@ -57,11 +64,15 @@ def test_two_engines_and_a_late_joiner_sync_exactly_through_the_store(s3_server,
             trainer.step()
             m = sender.sync(trainer.weights())
             assert m["sender/all_acked"] == 1.0, sender.engines
-            want = fresh_loader.checksums(save_checkpoint(trainer.state(), model_dir, tmp_path / f"step{version}"))
+            want = fresh_loader.checksums(
+                save_checkpoint(trainer.state(), model_dir, tmp_path / f"step{version}")
+            )
             assert want != base, "the trainer moved away from the checkpoint"
             for e in engines:
                 assert engine_status(e.url, API_KEY)["version"] == version
-                assert engine_checksums(e.url, API_KEY) == want, f"{e.url} differs from a fresh load at v{version}"
+                assert engine_checksums(e.url, API_KEY) == want, (
+                    f"{e.url} differs from a fresh load at v{version}"
+                )
             return m
 
         # Two engines, three syncs: one upload per sync, whatever the number of engines.
@@ -81,7 +92,9 @@ def test_two_engines_and_a_late_joiner_sync_exactly_through_the_store(s3_server,
         sender.add_engine(b.url)
         m = sync_and_check([a, b], 5)
         assert m["sender/anchors"] == 0.0, "b replayed the kept chain; no anchor was sent"
-        assert m["perf/update_weights_upload_bytes"] == version_bytes(s3_server, url, 5), "only v5 was uploaded"
+        assert m["perf/update_weights_upload_bytes"] == version_bytes(s3_server, url, 5), (
+            "only v5 was uploaded"
+        )
         sender.close()
     finally:
         a.stop()

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from harness.fault_proxy import FaultProxy
 from harness.s3_server import S3Server, prefix_of
 from harness.store_engine import StoreFakeEngine
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
 from harness.vllm_engine import patched_environ
+from safetensors.torch import save_file
 from sender_helpers import adam_like_step  # tests/sender, on the path since harness.store_engine
+
 from vllm_delta import DeltaSender
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
@@ -48,8 +48,9 @@ def proxy(s3_server: S3Server):
     p.close()
 
 
-def store_at(server: S3Server, url: str, *, endpoint: str | None = None, secret_key: str | None = None,
-             **kwargs) -> ObjectStore:
+def store_at(
+    server: S3Server, url: str, *, endpoint: str | None = None, secret_key: str | None = None, **kwargs
+) -> ObjectStore:
     """An ObjectStore configured only through the standard AWS environment, as a user's would be."""
     with patched_environ(server.env(endpoint=endpoint, secret_key=secret_key)):
         return ObjectStore(StoreURL.parse(url), **kwargs)
@@ -92,8 +93,11 @@ def test_slow_down_past_the_retry_budget_is_a_store_error_naming_the_key(s3_serv
 def test_wrong_credentials_are_a_clear_auth_error_at_the_first_request(s3_server, proxy, bad):
     url = s3_server.url("auth")
     secret = "wrong-secret-do-not-print"
-    env = s3_server.env(endpoint=proxy.url, secret_key=secret,
-                        access_key="AKIANOTAREALKEY00000" if bad == "access_key" else None)
+    env = s3_server.env(
+        endpoint=proxy.url,
+        secret_key=secret,
+        access_key="AKIANOTAREALKEY00000" if bad == "access_key" else None,
+    )
     with patched_environ(env):
         store = ObjectStore(StoreURL.parse(url))
     with pytest.raises(StoreAuthError) as err:
@@ -154,8 +158,9 @@ def store_engine(s3_env, tmp_path):
     assert len(flushes) >= 3
     url = s3_env.url("engine")
     for f in sorted((tmp_path / "v000001").iterdir()):
-        s3_env.client().put_object(Bucket=s3_env.bucket, Key=f"{prefix_of(url)}/v000001/{f.name}",
-                                   Body=f.read_bytes())
+        s3_env.client().put_object(
+            Bucket=s3_env.bucket, Key=f"{prefix_of(url)}/v000001/{f.name}", Body=f.read_bytes()
+        )
     models, workers = tp_ranks(tmp_path / "model", base, tp=1)
     with patched_environ({ROOT_ENV: url}):  # what --delta-updates-root exports to the workers
         updater = DeltaUpdater(InProcessEngine(workers), StoreURL.parse(url), 1 << 20, [])
@@ -184,7 +189,9 @@ def test_corrupted_object_is_refused_naming_it_and_the_engine_is_unchanged(s3_en
     err = refused(updater)
     assert err["status"] == 400 and err["type"] == "IntegrityError" and err["file"] == name, err
     assert same_bits(model, loaded(base, 0, 1)) == [] and updater.fault is None
-    s3_env.client().put_object(Bucket=s3_env.bucket, Key=key, Body=good)  # the sender's bytes again: it applies
+    s3_env.client().put_object(
+        Bucket=s3_env.bucket, Key=key, Body=good
+    )  # the sender's bytes again: it applies
     assert push(updater)["version"] == 1 and same_bits(model, loaded(new, 0, 1)) == []
 
 
@@ -202,21 +209,29 @@ def test_version_without_its_manifest_is_invisible(s3_env, store_engine):
     updater, model, base, new, url, flushes = store_engine
     s3_env.client().delete_object(Bucket=s3_env.bucket, Key=f"{prefix_of(url)}/v000001/{MANIFEST_NAME}")
     err = refused(updater)
-    assert err["status"] == 400 and err["type"] == "IncompleteDeltaError" and err["file"] == MANIFEST_NAME, err
+    assert err["status"] == 400 and err["type"] == "IncompleteDeltaError" and err["file"] == MANIFEST_NAME, (
+        err
+    )
     assert same_bits(model, loaded(base, 0, 1)) == []
 
 
 # ---- the sender: the store down mid-upload, wrong keys, killed between upload and push -----------
-def weights_and_step(density: float, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def weights_and_step(
+    density: float, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    base = {f"layer{i}.weight": (torch.randn(256, 256, generator=gen) * 0.02).to(torch.bfloat16) for i in range(3)}
+    base = {
+        f"layer{i}.weight": (torch.randn(256, 256, generator=gen) * 0.02).to(torch.bfloat16) for i in range(3)
+    }
     new = {k: v.clone() for k, v in base.items()}
     adam_like_step(new, gen, density)
     return base, new
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a
+    )
 
 
 def test_store_down_mid_upload_is_retried_and_no_engine_sees_a_half_version(s3_env, tmp_path):
@@ -249,7 +264,9 @@ def test_store_down_mid_upload_is_retried_and_no_engine_sees_a_half_version(s3_e
     assert seen["at_stop"] and f"{vdir}{MANIFEST_NAME}" not in seen["at_stop"], seen
     assert seen["pushes_at_stop"] == []
     keys = s3_env.keys(vdir)
-    assert f"{vdir}{MANIFEST_NAME}" in keys and len(keys) > len(seen["at_stop"]), "flushes went on after the restart"
+    assert f"{vdir}{MANIFEST_NAME}" in keys and len(keys) > len(seen["at_stop"]), (
+        "flushes went on after the restart"
+    )
     assert m["sender/all_acked"] == 1.0 and [r["version"] for r in engine.requests] == [1]
     assert same(engine.weights, new)
 
@@ -297,18 +314,32 @@ def test_sender_killed_between_upload_and_push_then_next_sync_is_exact(s3_env, t
     other = {k: v.clone() for k, v in base.items()}  # the new sender's trainer: not the dead one's step
     adam_like_step(other, torch.Generator().manual_seed(3), 0.2)
     engine = StoreFakeEngine(s3_env, url, base, tmp_path / "engine")
-    save_file({**{f"base.{k}": v for k, v in base.items()}, **{f"new.{k}": v for k, v in new.items()}},
-              str(tmp_path / "w.safetensors"))
+    save_file(
+        {**{f"base.{k}": v for k, v in base.items()}, **{f"new.{k}": v for k, v in new.items()}},
+        str(tmp_path / "w.safetensors"),
+    )
     marker = tmp_path / "sealed"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_AFTER_SEAL, engine.url, url, str(tmp_path / "w.safetensors"),
-                             str(marker)], env={**os.environ, **s3_env.env()})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            KILLED_AFTER_SEAL,
+            engine.url,
+            url,
+            str(tmp_path / "w.safetensors"),
+            str(marker),
+        ],
+        env={**os.environ, **s3_env.env()},
+    )
     try:
         deadline = time.monotonic() + 120
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert marker.exists(), f"the sender never sealed (exit {proc.poll()})"
         orphan = s3_env.keys(f"{prefix_of(url)}/v000001/")
-        assert f"{prefix_of(url)}/v000001/{MANIFEST_NAME}" in orphan  # sealed: a complete version, never pushed
+        assert (
+            f"{prefix_of(url)}/v000001/{MANIFEST_NAME}" in orphan
+        )  # sealed: a complete version, never pushed
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert engine.requests == []

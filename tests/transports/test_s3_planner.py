@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from harness.s3_server import prefix_of
 from harness.store_engine import StoreFakeEngine
 from sender.sender_helpers import adam_like_step
+
 from vllm_delta import DeltaSender
 from vllm_delta.wire import MANIFEST_NAME
 
@@ -37,11 +37,15 @@ def world(s3_env, tmp_path, fake_weights):
 @pytest.fixture
 def fake_weights() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": (torch.randn(64, 48, generator=gen) * 0.02).to(torch.bfloat16) for i in range(3)}
+    return {
+        f"layer{i}.weight": (torch.randn(64, 48, generator=gen) * 0.02).to(torch.bfloat16) for i in range(3)
+    }
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a
+    )
 
 
 def stored(server, url: str) -> dict[str, int]:
@@ -49,7 +53,7 @@ def stored(server, url: str) -> dict[str, int]:
     out: dict[str, int] = {}
     prefix = prefix_of(url)
     for key, size in server.sizes(prefix + "/").items():
-        d = key[len(prefix) + 1:].split("/")[0]
+        d = key[len(prefix) + 1 :].split("/")[0]
         out[d] = out.get(d, 0) + size
     return out
 
@@ -72,7 +76,9 @@ def test_one_upload_and_a_late_joiner_replays_from_the_checkpoint(world, s3_env,
         adam_like_step(fake_weights, gen)
         m = sender.sync(fake_weights)
         assert m["sender/all_acked"] == 1.0
-        assert m["perf/update_weights_upload_bytes"] == stored(s3_env, url)[f"v{v:06d}"], "one upload, any engines"
+        assert m["perf/update_weights_upload_bytes"] == stored(s3_env, url)[f"v{v:06d}"], (
+            "one upload, any engines"
+        )
         assert all(e.version == v and same(e.weights, fake_weights) for e in engines)
     late = engine(seed)
     sender.add_engine(late.url)

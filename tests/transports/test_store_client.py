@@ -13,8 +13,14 @@ from collections import Counter
 
 import pytest
 
-from vllm_delta.transports.store import ObjectStore, StoreAuthError, StoreError, StoreNotFound, StoreURL, \
-    is_store_url
+from vllm_delta.transports.store import (
+    ObjectStore,
+    StoreAuthError,
+    StoreError,
+    StoreNotFound,
+    StoreURL,
+    is_store_url,
+)
 from vllm_delta.wire.errors import LimitError
 
 BUCKET = "store-client"
@@ -22,7 +28,9 @@ BUCKET = "store-client"
 
 @pytest.fixture
 def store(s3_env, request):
-    s = ObjectStore(StoreURL.parse(f"s3://{BUCKET}/run/{request.node.name}"), part_bytes=1 << 20, max_concurrency=4)
+    s = ObjectStore(
+        StoreURL.parse(f"s3://{BUCKET}/run/{request.node.name}"), part_bytes=1 << 20, max_concurrency=4
+    )
     if BUCKET not in {b["Name"] for b in s.client.list_buckets()["Buckets"]}:
         s.client.create_bucket(Bucket=BUCKET)
     calls: Counter = Counter()
@@ -33,8 +41,12 @@ def store(s3_env, request):
 
 def test_url_parse():
     u = StoreURL.parse("s3://bkt/a/b/")
-    assert (u.bucket, u.prefix, str(u), u.key("v000001", "manifest.json")) == \
-        ("bkt", "a/b", "s3://bkt/a/b", "a/b/v000001/manifest.json")
+    assert (u.bucket, u.prefix, str(u), u.key("v000001", "manifest.json")) == (
+        "bkt",
+        "a/b",
+        "s3://bkt/a/b",
+        "a/b/v000001/manifest.json",
+    )
     assert StoreURL.parse("s3://bkt").key("v1") == "v1" and str(StoreURL.parse("s3://bkt")) == "s3://bkt"
     for bad in ("bkt/a", "http://bkt/a", "s3://", "s3:///a", "s3://bkt/a/../b", "s3://bkt/a//b"):
         with pytest.raises(ValueError):
@@ -53,7 +65,7 @@ def test_multipart_put_and_parallel_ranged_get(store):
     assert hashlib.sha256(store.get(key)).digest() == hashlib.sha256(data).digest()
     assert store.calls["GetObject"] == 12
     assert store.size(key) == len(data)
-    assert store.get_range(key, (1 << 20) - 1, (1 << 20) + 1) == data[(1 << 20) - 1:(1 << 20) + 1]
+    assert store.get_range(key, (1 << 20) - 1, (1 << 20) + 1) == data[(1 << 20) - 1 : (1 << 20) + 1]
     assert store.get_range(key, len(data) - 1, len(data)) == data[-1:]
     assert store.get_range(key, 7, 7) == b""
 
@@ -65,12 +77,14 @@ def test_small_objects_list_and_delete_one_version(store):
     assert store.calls["PutObject"] == 5 and store.calls["CreateMultipartUpload"] == 0
     assert store.get(store.url.key("v000002/empty")) == b""
     assert store.get(store.url.key("v000001/a")) == b"v000001/a"
-    assert store.uploaded_bytes == sum(len(n) for n in ("v000001/a", "v000001/manifest.json", "v000001-anchor/a",
-                                                        "v000002/a"))
+    assert store.uploaded_bytes == sum(
+        len(n) for n in ("v000001/a", "v000001/manifest.json", "v000001-anchor/a", "v000002/a")
+    )
     # "v000001/" must not reach the sibling "v000001-anchor/"
     assert store.delete_prefix(store.url.key("v000001") + "/") == 2
-    assert sorted(store.list(store.url.key(""))) == [store.url.key(n) for n in
-                                                     ("v000001-anchor/a", "v000002/a", "v000002/empty")]
+    assert sorted(store.list(store.url.key(""))) == [
+        store.url.key(n) for n in ("v000001-anchor/a", "v000002/a", "v000002/empty")
+    ]
 
 
 def test_missing_object_and_size_cap(store):

@@ -59,13 +59,15 @@ class Anchor:
                 yield hf + o, self._piece(local + o, hf + o, k, stream)
 
     def _piece(self, local: int, hf: int, k: int, stream) -> torch.Tensor:
-        src = self.snapshot[local:local + k]
+        src = self.snapshot[local : local + k]
         if stream is None:
             piece = src.to(self.staging, copy=True)
         else:
             with torch.cuda.stream(stream):
                 piece = src.to(self.staging)
-        lo, hi = torch.searchsorted(self.positions, torch.tensor([hf, hf + k], device=self.positions.device)).tolist()
+        lo, hi = torch.searchsorted(
+            self.positions, torch.tensor([hf, hf + k], device=self.positions.device)
+        ).tolist()
         if hi > lo:  # the capture's changes inside this piece
             piece[(self.positions[lo:hi] - hf).to(piece.device)] = self.values[lo:hi].to(piece.device)
         return piece
@@ -76,7 +78,7 @@ def _runs(placement: tuple) -> Iterator[Run]:
     _, full, dim, spans = placement
     if dim is None:
         starts, at = [], 0
-        for hf, n in spans:
+        for _, n in spans:
             starts.append(at)
             at += n
         yield from sorted(((loc, hf, n) for loc, (hf, n) in zip(starts, spans)), key=lambda r: r[1])
@@ -84,7 +86,7 @@ def _runs(placement: tuple) -> Iterator[Run]:
     if not full:  # a scalar
         yield 0, 0, 1
         return
-    inner, outer = math.prod(full[dim + 1:]), math.prod(full[:dim])
+    inner, outer = math.prod(full[dim + 1 :]), math.prod(full[:dim])
     local_len = sum(n for _, n in spans)
     offsets, at = [], 0
     for _, n in spans:

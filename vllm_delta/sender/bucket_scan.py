@@ -56,14 +56,20 @@ class Layout:
     in_order: bool  # bucket order is already (member, HF) order: no sort of the changes
     gaps: bool  # the span holds elements no member covers (padding, unregistered params)
     buffers: ScanBuffers = field(default_factory=ScanBuffers, repr=False)  # the CPU kernel's outputs, reused
-    kernel_views: tuple | None = field(default=None, repr=False)  # `kernel_args`' last answer and its snapshot
+    kernel_views: tuple | None = field(
+        default=None, repr=False
+    )  # `kernel_args`' last answer and its snapshot
 
     def kernel_args(self, snap: torch.Tensor) -> tuple:
         """(`base`'s bits, `snap`'s bits, run-table columns) as numpy views for `scan_kernel.scan_bits`,
         made again only for another snapshot tensor: each costs a few tensor calls, paid per bucket."""
         if self.kernel_views is None or self.kernel_views[0] is not snap:
-            self.kernel_views = (snap, scan_kernel.bits(self.base), scan_kernel.bits(snap),
-                                 scan_kernel.numpy_tables(self.tables))
+            self.kernel_views = (
+                snap,
+                scan_kernel.bits(self.base),
+                scan_kernel.bits(snap),
+                scan_kernel.numpy_tables(self.tables),
+            )
         return self.kernel_views[1:]
 
 
@@ -99,10 +105,12 @@ def hf_runs(s: Shard | Segments) -> tuple[tuple[int, int], ...] | None:
     full, dim = s.full_shape, s.dim
     if not full:
         return ((0, 1),)
-    inner, outer = math.prod(full[dim + 1:]), math.prod(full[:dim])
+    inner, outer = math.prod(full[dim + 1 :]), math.prod(full[:dim])
     if outer * len(s.spans) > MAX_RUNS:
         return None
-    return tuple((o * full[dim] * inner + a * inner, n * inner) for o in range(outer) for a, n in s.spans if n)
+    return tuple(
+        (o * full[dim] * inner + a * inner, n * inner) for o in range(outer) for a, n in s.spans if n
+    )
 
 
 def _merge(buf: list[tuple[int, int]], hf: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:
@@ -125,8 +133,9 @@ def storage_key(t: torch.Tensor) -> tuple:
     return t.device, t.dtype, t.untyped_storage()._cdata
 
 
-def plan(shards: list[Shard | Segments], known: dict[tuple, Layout] | None = None
-         ) -> tuple[list[Layout], list[Shard | Segments]]:
+def plan(
+    shards: list[Shard | Segments], known: dict[tuple, Layout] | None = None
+) -> tuple[list[Layout], list[Shard | Segments]]:
     """Group shards into buckets; return the layouts (those in `known` reused: no torch op) and the
     shards the per-segment scan must take (too many runs, a non-unit inner stride, or elements shared
     with another shard). Python work only, O(runs)."""
@@ -154,12 +163,16 @@ def plan(shards: list[Shard | Segments], known: dict[tuple, Layout] | None = Non
 
 def strided(runs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> bool:
     """One run, or equal runs at a constant positive stride: what one strided view covers."""
-    return len(runs) == 1 or (len({n for _, n in runs}) == 1 and
-                              len({b[0] - a[0] for a, b in zip(runs, runs[1:])}) == 1 and runs[1][0] > runs[0][0])
+    return len(runs) == 1 or (
+        len({n for _, n in runs}) == 1
+        and len({b[0] - a[0] for a, b in zip(runs, runs[1:])}) == 1
+        and runs[1][0] > runs[0][0]
+    )
 
 
-def _layout(key: tuple, members: list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]
-            ) -> Layout:
+def _layout(
+    key: tuple, members: list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]
+) -> Layout:
     lo = min(b for _, buf, _ in members for b, _ in buf)
     hi = max(b + n for _, buf, _ in members for b, n in buf)
     rows = sorted((b - lo, h, n, k) for k, (_, _, runs) in enumerate(members) for b, h, n in runs)
@@ -167,10 +180,16 @@ def _layout(key: tuple, members: list[tuple[Shard | Segments, list[tuple[int, in
     base = t0.as_strided((hi - lo,), (1,), lo)
     rows_t = tuple(rows)
     keys = [(k, h) for _, h, _, k in rows_t]
-    return Layout(key, tuple(s.name for s, _, _ in members), base,
-                  tuple(tuple((b - lo, n) for b, n in buf) for _, buf, _ in members),
-                  rows_t, run_tables(rows_t, t0.device), in_order=keys == sorted(keys),
-                  gaps=sum(r[2] for r in rows) != hi - lo)
+    return Layout(
+        key,
+        tuple(s.name for s, _, _ in members),
+        base,
+        tuple(tuple((b - lo, n) for b, n in buf) for _, buf, _ in members),
+        rows_t,
+        run_tables(rows_t, t0.device),
+        in_order=keys == sorted(keys),
+        gaps=sum(r[2] for r in rows) != hi - lo,
+    )
 
 
 def run_tables(rows: tuple[tuple[int, int, int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -178,8 +197,9 @@ def run_tables(rows: tuple[tuple[int, int, int, int], ...], device: torch.device
     bucket offset), member, and rank in (member, HF) order."""
     t = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).t().contiguous()
     rank = torch.empty_like(t[0])
-    rank[torch.tensor(sorted(range(len(rows)), key=lambda i: (rows[i][3], rows[i][1])), dtype=torch.int64)] = \
-        torch.arange(len(rows))
+    rank[
+        torch.tensor(sorted(range(len(rows)), key=lambda i: (rows[i][3], rows[i][1])), dtype=torch.int64)
+    ] = torch.arange(len(rows))
     return tuple(x.to(device) for x in (t[0], t[0] + t[2], t[1] - t[0], t[3], rank))
 
 
@@ -196,8 +216,9 @@ class BucketScan:
     summary: torch.Tensor  # int64: digest, pre, post ([n, 2] each, flattened), changed[n], sent[n]
 
 
-def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: torch.Tensor | None,
-         kind: str) -> BucketScan:
+def scan(
+    layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: torch.Tensor | None, kind: str
+) -> BucketScan:
     """Diff the bucket's live span against `snap` (same span, flat) and digest every member.
     `digests` is `[n, 2]`: each member's additive digest of `snap`. Runs where `snap` lives; with a
     host snapshot of device weights the live span comes to the host chunk by chunk."""
@@ -207,7 +228,8 @@ def scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: tor
         if not catchup and layout.in_order:
             return _kernel_scan(layout, snap, digests, n)
         pos, old, new, hf, run, pre, post = scan_kernel.diff_digest(
-            layout.base, snap, layout.tables, n, not layout.in_order, *_kernel_workers(), layout.buffers)
+            layout.base, snap, layout.tables, n, not layout.in_order, *_kernel_workers(), layout.buffers
+        )
         tables = layout.tables
     else:
         tables = tuple(t.to(snap.device) for t in layout.tables)
@@ -232,17 +254,27 @@ def _kernel_scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, n: i
     """`scan` of a bucket in (member, HF) order with nothing owed, on the CPU kernel, its bookkeeping
     in numpy: one plain tensor is one bucket, so these few microseconds are paid per tensor."""
     cur, snap_bits, tables = layout.kernel_args(snap)
-    pos, hf, old, new, _, sums = scan_kernel.scan_bits(cur, snap_bits, tables, n, False, *_kernel_workers(),
-                                                       layout.buffers)
+    pos, hf, old, new, _, sums = scan_kernel.scan_bits(
+        cur, snap_bits, tables, n, False, *_kernel_workers(), layout.buffers
+    )
     sums = sums.view(np.int64)  # int64 wraps mod 2^64 as the torch path's sums do
     pre, post = sums[:, :2], sums[:, 2:]
     digest = digests.numpy() - pre + post
     counts = np.array([pos.size]) if n == 1 else _np_count(tables, n, pos)
-    summary = torch.from_numpy(np.concatenate([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts, counts]))
+    summary = torch.from_numpy(
+        np.concatenate([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts, counts])
+    )
     pos_t, dtype = torch.from_numpy(pos), layout.base.dtype
     new_t = scan_kernel.values(new, dtype)
-    return BucketScan(pos_t, new_t, pos_t if hf is pos else torch.from_numpy(hf), new_t,
-                      scan_kernel.values(old, dtype), torch.from_numpy(digest), summary)
+    return BucketScan(
+        pos_t,
+        new_t,
+        pos_t if hf is pos else torch.from_numpy(hf),
+        new_t,
+        scan_kernel.values(old, dtype),
+        torch.from_numpy(digest),
+        summary,
+    )
 
 
 def _kernel_workers() -> tuple[int, Executor | None]:
@@ -259,8 +291,9 @@ def _np_count(tables: tuple[np.ndarray, ...], n: int, pos: np.ndarray) -> np.nda
     return out
 
 
-def torch_diff_digest(layout: Layout, tables: tuple[torch.Tensor, ...], snap: torch.Tensor, n: int
-                      ) -> tuple[torch.Tensor, ...]:
+def torch_diff_digest(
+    layout: Layout, tables: tuple[torch.Tensor, ...], snap: torch.Tensor, n: int
+) -> tuple[torch.Tensor, ...]:
     """(offsets, old, new, HF positions, runs, pre [n, 2], post [n, 2]) of the changes inside the
     runs, in torch ops on any device: the reference for `scan_kernel.diff_digest`."""
     pos, old, new = _diff(layout.base, snap)
@@ -281,12 +314,13 @@ def _diff(base: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return chunked_diff(base, snap, DEVICE_CHUNK)
 
 
-def chunked_diff(base: torch.Tensor, snap: torch.Tensor, chunk: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunked_diff(
+    base: torch.Tensor, snap: torch.Tensor, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_diff` a chunk at a time: bounded temporaries, a fixed number of ops per chunk."""
     parts = []
     for a in range(0, snap.numel(), chunk):
-        cur, s = base[a:a + chunk], snap[a:a + chunk]
+        cur, s = base[a : a + chunk], snap[a : a + chunk]
         if cur.device != s.device:  # host snapshot: the live chunk comes over, nothing goes to the device
             cur = cur.to(s.device)
         p = changed_positions(cur, s)
@@ -296,16 +330,18 @@ def chunked_diff(base: torch.Tensor, snap: torch.Tensor, chunk: int
     return tuple(torch.cat(x) for x in zip(*parts))  # type: ignore[return-value]
 
 
-def locate(tables: tuple[torch.Tensor, ...], pos: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def locate(
+    tables: tuple[torch.Tensor, ...], pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(member, HF position, covered?, run) of bucket offsets: one `searchsorted` over the run starts."""
     start, end, shift, seg, _ = tables
     r = (torch.searchsorted(start, pos, right=True) - 1).clamp_(min=0)
     return seg[r], pos + shift[r], pos < end[r], r
 
 
-def _map(layout: Layout, tables: tuple[torch.Tensor, ...], pos: torch.Tensor
-         ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _map(
+    layout: Layout, tables: tuple[torch.Tensor, ...], pos: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`locate`, or for a bucket of one run (a plain tensor, a whole param) just an offset: no
     member index is needed then (`seg` None)."""
     if len(layout.rows) == 1:

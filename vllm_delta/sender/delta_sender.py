@@ -67,27 +67,65 @@ class DeltaSender:
     unknown state before skipping it for that sync (`sync()` waits for the answer).
     """
 
-    def __init__(self, engines: list[str], transport: str = "disk", delta_dir: str | Path | None = None, *,
-                 encoding: str = "ulp_zstd", overwrite_encoding: str = "planes_zstd", api_key: str | None = None,
-                 flush_bytes: int = 512 << 20, anchor_every: int | None = None, keep: bool = False,
-                 post_hash: bool = False, timeout_s: float = 600.0, retries: int = 3,
-                 master_addr: str = "127.0.0.1", collective_timeout_s: float = 120.0,
-                 group: Any = None, throttle_bytes_per_s: float | None = None, version: int = 0,
-                 snapshot: str = "auto", max_lag_syncs: int = 3, max_pending_density: float = 0.1,
-                 client: Any = None, status_wait_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        engines: list[str],
+        transport: str = "disk",
+        delta_dir: str | Path | None = None,
+        *,
+        encoding: str = "ulp_zstd",
+        overwrite_encoding: str = "planes_zstd",
+        api_key: str | None = None,
+        flush_bytes: int = 512 << 20,
+        anchor_every: int | None = None,
+        keep: bool = False,
+        post_hash: bool = False,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        master_addr: str = "127.0.0.1",
+        collective_timeout_s: float = 120.0,
+        group: Any = None,
+        throttle_bytes_per_s: float | None = None,
+        version: int = 0,
+        snapshot: str = "auto",
+        max_lag_syncs: int = 3,
+        max_pending_density: float = 0.1,
+        client: Any = None,
+        status_wait_s: float = 0.0,
+    ) -> None:
         # Anything with EngineClient's `status`/`update`/`collective_init` (e.g. vLLM's weight-sync
         # clients behind the native backend, vllm_delta/weight_transfer/links.py) may stand in for HTTP.
-        self.client = client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)
-        self.planner = Planner(engines, self.client, encoding=encoding, overwrite_encoding=overwrite_encoding,
-                               anchor_every=anchor_every, version=version, max_lag_syncs=max_lag_syncs)
-        self.transport = transports.create(transport, TransportOptions(
-            delta_dir=delta_dir, keep=keep, throttle_bytes_per_s=throttle_bytes_per_s, version=version,
-            master_addr=master_addr, collective_timeout_s=collective_timeout_s, planner=self.planner))
+        self.client = (
+            client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)
+        )
+        self.planner = Planner(
+            engines,
+            self.client,
+            encoding=encoding,
+            overwrite_encoding=overwrite_encoding,
+            anchor_every=anchor_every,
+            version=version,
+            max_lag_syncs=max_lag_syncs,
+        )
+        self.transport = transports.create(
+            transport,
+            TransportOptions(
+                delta_dir=delta_dir,
+                keep=keep,
+                throttle_bytes_per_s=throttle_bytes_per_s,
+                version=version,
+                master_addr=master_addr,
+                collective_timeout_s=collective_timeout_s,
+                planner=self.planner,
+            ),
+        )
         self.planner.catch_up = self.transport.catch_up
         self.max_pending_density = max_pending_density
         self.producer = Producer(snapshot=snapshot, post_hash=post_hash)
         self.ranks = Ranks(group)
-        self.publisher = Publisher(self.transport, self.client, self.planner, self.ranks, flush_bytes=flush_bytes)
+        self.publisher = Publisher(
+            self.transport, self.client, self.planner, self.ranks, flush_bytes=flush_bytes
+        )
         self.model_elements = 0
         self.status_wait_s = status_wait_s
         self.publish_failures = 0
@@ -123,15 +161,20 @@ class DeltaSender:
         warm_up({s.tensor.dtype for s in shards}, engine=False, sender=True)  # no compile in the first sync
         self.producer.seed(shards)
         placements = self.ranks.gather(self.producer.placements())
-        coverage = self.ranks.bcast(check_disjoint(p for part in placements for p in part)
-                                    if self.ranks.rank == 0 else None)
+        coverage = self.ranks.bcast(
+            check_disjoint(p for part in placements for p in part) if self.ranks.rank == 0 else None
+        )
         if partial := [n for n, c in coverage.items() if c < 1.0]:
-            logger.warning("delta sender: no rank holds all of %d tensors (e.g. %s); their missing parts are "
-                           "never sent", len(partial), partial[:3])
+            logger.warning(
+                "delta sender: no rank holds all of %d tensors (e.g. %s); their missing parts are never sent",
+                len(partial),
+                partial[:3],
+            )
         self.model_elements = self.ranks.all_sum(self.producer.elements)
 
-    def seed_from_checkpoint(self, hf_dir: str | Path, names: Iterable[str] | None = None,
-                             like: NamedTensors | None = None) -> None:
+    def seed_from_checkpoint(
+        self, hf_dir: str | Path, names: Iterable[str] | None = None, like: NamedTensors | None = None
+    ) -> None:
         """Seed from the engines' own HF checkpoint bytes (exact even if the trainer's round trip isn't).
 
         With `like` (the tensors or shards this rank will pass to `capture`), each snapshot takes
@@ -152,8 +195,11 @@ class DeltaSender:
             raise KeyError(f"not in the checkpoint: {missing[:5]}")
 
         def part(s: Shard | Segments) -> torch.Tensor:  # segments by their runs: no per-element index
-            got = (ckpt.read_runs(s.name, s.runs) if isinstance(s, Segments)
-                   else ckpt.read_at(s.name, s.global_index().cpu()))
+            got = (
+                ckpt.read_runs(s.name, s.runs)
+                if isinstance(s, Segments)
+                else ckpt.read_at(s.name, s.global_index().cpu())
+            )
             return got.reshape(s.tensor.shape).to(s.tensor.device)
 
         # Only the shards holding this rank's tensors are opened, and only its slices read.
@@ -176,11 +222,21 @@ class DeltaSender:
 
     def status(self) -> dict[str, Any]:
         """What went wrong lately, for a trainer's logs: failed publishes and each engine's state."""
-        return {"publish_failures": self.publish_failures,
-                "last_error": None if self.last_error is None else f"{type(self.last_error).__name__}: "
-                                                                   f"{self.last_error}",
-                "engines": {u: {"acked": e.acked, "needs_anchor": e.needs_anchor, "skipped": e.skipped,
-                                "last_error": e.last_error} for u, e in self.planner.engines.items()}}
+        return {
+            "publish_failures": self.publish_failures,
+            "last_error": None
+            if self.last_error is None
+            else f"{type(self.last_error).__name__}: {self.last_error}",
+            "engines": {
+                u: {
+                    "acked": e.acked,
+                    "needs_anchor": e.needs_anchor,
+                    "skipped": e.skipped,
+                    "last_error": e.last_error,
+                }
+                for u, e in self.planner.engines.items()
+            },
+        }
 
     # ---- one sync ---------------------------------------------------------------------------
     def capture(self, named: NamedTensors) -> Capture:
@@ -197,11 +253,16 @@ class DeltaSender:
         self.last_wait_s = time.perf_counter() - t
         start = time.perf_counter()
         plan = self.ranks.bcast(self.planner.plan(status_wait_s) if self.ranks.rank == 0 else None)
-        cap = self.producer.scan(self._given(named), kind=plan.kind if plan.delta_urls else "",
-                                 anchor=bool(plan.anchor_urls))
+        cap = self.producer.scan(
+            self._given(named), kind=plan.kind if plan.delta_urls else "", anchor=bool(plan.anchor_urls)
+        )
         self._staged = (cap, plan)
-        self._capture_metrics = {"sender/capture_s": time.perf_counter() - start, "sender/scan_s": cap.scan_s,
-                                 "sender/stage_s": cap.stage_s, "sender/capture_wait_s": self.last_wait_s}
+        self._capture_metrics = {
+            "sender/capture_s": time.perf_counter() - start,
+            "sender/scan_s": cap.scan_s,
+            "sender/stage_s": cap.stage_s,
+            "sender/capture_wait_s": self.last_wait_s,
+        }
         return cap
 
     def publish(self) -> Future:
@@ -237,23 +298,32 @@ class DeltaSender:
         self.transport.close()
 
     # ---- internals ----------------------------------------------------------------------------
-    def _publish(self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]) -> dict[str, float]:
+    def _publish(
+        self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]
+    ) -> dict[str, float]:
         """The publish thread: its metrics, or the error it ended with (never raised, so a trainer's
         `future.result()` cannot throw it into the training loop)."""
         try:
             return self._publish_once(plan, cap, changed, captured)
         except Exception as exc:  # one publish runs at a time: `_collect` takes it from here
             self._publish_error = exc
-            return {**captured, "sender/publish_failed": 1.0, "sender/all_acked": 0.0,
-                    "sender/version": float(plan.version)}
+            return {
+                **captured,
+                "sender/publish_failed": 1.0,
+                "sender/all_acked": 0.0,
+                "sender/version": float(plan.version),
+            }
 
-    def _publish_once(self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]) -> dict[str, float]:
+    def _publish_once(
+        self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]
+    ) -> dict[str, float]:
         uploaded = self.transport.uploaded_bytes
         done = self.publisher.run(plan, cap, self.model_elements)
         metrics = {**self._metrics(done, changed), **captured}
         if uploaded is not None:  # every object this sync PUT, from every rank: one delta's bytes
             metrics["perf/update_weights_upload_bytes"] = float(
-                self.ranks.all_sum(self.transport.uploaded_bytes - uploaded))
+                self.ranks.all_sum(self.transport.uploaded_bytes - uploaded)
+            )
         metrics["perf/update_weights_time"] = captured["sender/capture_s"] + done.publish_s
         metrics["perf/delta_encode_time"] = captured["sender/scan_s"] + done.encode_s
         metrics["sender/publish_failed"] = 0.0
@@ -286,25 +356,38 @@ class DeltaSender:
         metrics["sender/dropped_to_anchor"] = float(len(dropped))
         return metrics
 
-    def _failed(self, cap: Capture, plan: Plan, metrics: dict[str, float],
-                error: BaseException | None) -> dict[str, float]:
+    def _failed(
+        self, cap: Capture, plan: Plan, metrics: dict[str, float], error: BaseException | None
+    ) -> dict[str, float]:
         """A publish that failed on some rank: no snapshot moves, the changes stay pending, and the
         plan's engines are in an unknown state until their status (asked in the background) says."""
         error = error or RuntimeError("the publish failed on another sender rank")
         self.publish_failures += 1
         self.last_error = error
-        logger.error("delta sender: publishing version %d failed (training goes on): %s: %s", plan.version,
-                     type(error).__name__, error)
+        logger.error(
+            "delta sender: publishing version %d failed (training goes on): %s: %s",
+            plan.version,
+            type(error).__name__,
+            error,
+        )
         for url in plan.delta_urls + plan.anchor_urls:
             e = self.planner.engines.get(url)
             if e is not None:
-                e.acked, e.last_error = None, {"type": "PublishFailed", "message": f"{type(error).__name__}: {error}"}
+                e.acked, e.last_error = (
+                    None,
+                    {"type": "PublishFailed", "message": f"{type(error).__name__}: {error}"},
+                )
         self.planner.version = max(self.planner.version, plan.version)
         if self.ranks.rank == 0:
             self.planner.probe_unknown()
         self.producer.defer(cap)
-        return {**metrics, "sender/publish_failed": 1.0, "sender/all_acked": 0.0,
-                "sender/publish_failures": float(self.publish_failures), "sender/version": float(plan.version)}
+        return {
+            **metrics,
+            "sender/publish_failed": 1.0,
+            "sender/all_acked": 0.0,
+            "sender/publish_failures": float(self.publish_failures),
+            "sender/version": float(plan.version),
+        }
 
     def _as_shard(self, x: tuple[str, torch.Tensor] | Shard | Segments) -> Shard | Segments:
         return x if isinstance(x, (Shard, Segments)) else Shard.whole(x[0], x[1].detach())
@@ -330,8 +413,9 @@ class DeltaSender:
         wire = post
         if not self.transport.stored:  # a broadcast moves the bytes once per engine
             per = {s.kind: s.wire_bytes for s in sent}
-            wire = sum(per.get(plan.kind, 0) for _ in plan.delta_urls) + sum(per.get("anchor", 0)
-                                                                             for _ in plan.anchor_urls)
+            wire = sum(per.get(plan.kind, 0) for _ in plan.delta_urls) + sum(
+                per.get("anchor", 0) for _ in plan.anchor_urls
+            )
         ok = [r.body for r in replies.values() if r.ok]
         return {
             "perf/update_weights_density": changed / max(1, self.model_elements),
@@ -353,10 +437,11 @@ class DeltaSender:
             "sender/snapshot_version": float(self.planner.snapshot_version),
             "sender/changed_elements": float(changed),
             "sender/engines_acked": float(sum(r.ok for r in replies.values())),
-            "sender/engines_failed": float(len(self.planner.engines) - sum(
-                e.acked == plan.version for e in self.planner.engines.values())),
+            "sender/engines_failed": float(
+                len(self.planner.engines)
+                - sum(e.acked == plan.version for e in self.planner.engines.values())
+            ),
             "sender/anchors": float(len(plan.anchor_urls)),
             "sender/catchup": float(plan.kind == "catchup"),
             "sender/all_acked": float(done.all_acked),
         }
-

@@ -77,15 +77,29 @@ class Plan:
         if kind == "anchor":
             return Lineage(run_id=self.run_id)
         if kind == "catchup":  # every version this run sent since S (versions are never reused)
-            return Lineage(run_id=self.run_id, min_version=self.snapshot_version, max_version=self.version - 1)
-        return Lineage(run_id=self.run_id, min_version=self.snapshot_version, max_version=self.snapshot_version)
+            return Lineage(
+                run_id=self.run_id, min_version=self.snapshot_version, max_version=self.version - 1
+            )
+        return Lineage(
+            run_id=self.run_id, min_version=self.snapshot_version, max_version=self.snapshot_version
+        )
 
 
 class Planner:
     """Engine bookkeeping: versions sent and acknowledged, anchors owed."""
 
-    def __init__(self, engines: list[str], client: EngineClient, *, encoding: str, overwrite_encoding: str,
-                 anchor_every: int | None, version: int, max_lag_syncs: int = 3, run_id: str | None = None) -> None:
+    def __init__(
+        self,
+        engines: list[str],
+        client: EngineClient,
+        *,
+        encoding: str,
+        overwrite_encoding: str,
+        anchor_every: int | None,
+        version: int,
+        max_lag_syncs: int = 3,
+        run_id: str | None = None,
+    ) -> None:
         if get_encoding(overwrite_encoding).needs_base:
             raise ValueError(f"overwrite_encoding {overwrite_encoding!r} must not be base-relative")
         get_encoding(encoding)
@@ -129,7 +143,10 @@ class Planner:
             replies = self.prober.take([e.url for e in unknown], wait_s, fresh=wait_s is None)
             for e in unknown:
                 if e.url not in replies:  # still being asked: not sent to this sync
-                    e.skipped, e.last_error = True, {"type": "StatusPending", "message": "status probe in flight"}
+                    e.skipped, e.last_error = (
+                        True,
+                        {"type": "StatusPending", "message": "status probe in flight"},
+                    )
             if self.resume:
                 self._resume(replies)
             for url, r in replies.items():
@@ -139,7 +156,10 @@ class Planner:
                     continue
                 v = r.body.get("version")
                 if not r.body.get("healthy") or v is None:
-                    e.skipped, e.last_error = True, {"type": "Unhealthy", "message": str(r.body.get("dirty_reasons"))}
+                    e.skipped, e.last_error = (
+                        True,
+                        {"type": "Unhealthy", "message": str(r.body.get("dirty_reasons"))},
+                    )
                 elif not e.needs_anchor and S <= v <= self.version and self.on_lineage(r.body, v):
                     e.acked = v
                 else:
@@ -162,12 +182,17 @@ class Planner:
     def _resume(self, replies: dict[str, Reply]) -> None:
         """Take the run id the engines report at this sender's starting version, if they agree on one."""
         self.resume = False
-        runs = {r.body.get("run_id") for r in replies.values()
-                if r.ok and r.body.get("healthy") and r.body.get("version") == self.version} - {None}
+        runs = {
+            r.body.get("run_id")
+            for r in replies.values()
+            if r.ok and r.body.get("healthy") and r.body.get("version") == self.version
+        } - {None}
         if len(runs) == 1:
             self.run_id = runs.pop()
         elif runs:
-            logger.warning("delta sender: engines at version %d are on runs %s; anchoring them", self.version, runs)
+            logger.warning(
+                "delta sender: engines at version %d are on runs %s; anchoring them", self.version, runs
+            )
 
     def on_lineage(self, status: dict[str, Any], version: int) -> bool:
         """Whether an engine's status says its weights are this run's `version` (an engine that reports
@@ -188,8 +213,9 @@ class Planner:
                 e.acked, e.needs_anchor, e.last_error, e.missed = plan.version, False, None, 0
             else:
                 e.acked, e.last_error = None, r.error  # unknown: ask its status before the next sync
-                logger.warning("delta sender: %s did not apply version %d (%s): %s", url, plan.version, r.status,
-                               r.error)
+                logger.warning(
+                    "delta sender: %s did not apply version %d (%s): %s", url, plan.version, r.status, r.error
+                )
         for e in self.engines.values():
             if e.acked != plan.version:
                 e.missed += 1
@@ -209,7 +235,8 @@ class Planner:
         self.prober.start([e.url for e in self.engines.values() if e.acked is None])
 
     def holders_acked(self, version: int) -> bool:
-        """Every engine that depends on the snapshot's lineage (all but those owed an anchor) is at `version`."""
+        """Every engine that depends on the snapshot's lineage (all but those owed an anchor) is at
+        `version`."""
         return all(e.acked == version for e in self.engines.values() if not e.needs_anchor)
 
     def drop(self, e: EngineState, why: str) -> None:

@@ -36,8 +36,9 @@ class Prober:
                 future: Future = Future()
                 self._probes[url] = future
                 self.started += 1
-                threading.Thread(target=self._probe, args=(url, future), name="vllm-delta-probe",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._probe, args=(url, future), name="vllm-delta-probe", daemon=True
+                ).start()
 
     def _probe(self, url: str, future: Future) -> None:
         try:

@@ -111,8 +111,9 @@ class _State:
 class Producer:
     """Per rank: snapshots, the diff, and the staged changes of every shard this rank holds."""
 
-    def __init__(self, *, snapshot: str = "auto", post_hash: bool = False,
-                 staging: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, *, snapshot: str = "auto", post_hash: bool = False, staging: str | torch.device = "cpu"
+    ) -> None:
         if snapshot not in SNAPSHOT_PLACES:
             raise ValueError(f"snapshot must be one of {SNAPSHOT_PLACES}, not {snapshot!r}")
         self.snapshot_place, self.post_hash = snapshot, post_hash
@@ -137,7 +138,9 @@ class Producer:
                 snap.copy_(flat)
             else:
                 snap = flat.clone()
-            digest = additive.partial_sum(s.global_index(), flat) if not s.is_whole else additive.tensor_sum(flat)
+            digest = (
+                additive.partial_sum(s.global_index(), flat) if not s.is_whole else additive.tensor_sum(flat)
+            )
             self._states[s.name] = _State(s.describe(), snap, digest)
         self.place = place
 
@@ -167,7 +170,8 @@ class Producer:
     def pending_elements(self) -> int:
         """Positions waiting in a catch-up (sent since S while some engine lags)."""
         return sum(st.pending.numel() for st in self._states.values() if st.pending is not None) + sum(
-            b.pending.numel() for b in self._buckets.values() if b.pending is not None)
+            b.pending.numel() for b in self._buckets.values() if b.pending is not None
+        )
 
     # ---- one scan ------------------------------------------------------------------------------
     def scan(self, shards: Iterable[Shard], *, kind: str, anchor: bool) -> Capture:
@@ -218,23 +222,40 @@ class Producer:
             res = bucket_scan.scan(layout, b.snapshot, b.digests, b.pending, kind)
             cap.buckets.append(_BucketAdvance(b, res.pos, res.new, res.digest))
             cap.changed += res.pos.numel()
-            staged = (self._stage(res.hf), self._stage(res.send_new),
-                      self._stage(res.send_old) if kind == "delta" else None)
+            staged = (
+                self._stage(res.hf),
+                self._stage(res.send_new),
+                self._stage(res.send_old) if kind == "delta" else None,
+            )
             scans.append((layout, res, staged))
         if scans:  # every bucket's digests and counts, in one transfer
             summary = torch.cat([res.summary for _, res, _ in scans]).to(self.staging)
             rows, values = summary.view(-1, 2).unbind(0), _host_values(summary)
             at = 0
-            for layout, res, staged in scans:
+            for layout, _, staged in scans:
                 n = len(layout.names)
-                counts = values[at + 6 * n:at + 8 * n] if values is not None else _meta_counts(n, staged[0].numel())
-                entries.update(self._bucket_entries(layout, by_name, rows[at // 2:at // 2 + 3 * n], counts,
-                                                    staged, kind))
+                counts = (
+                    values[at + 6 * n : at + 8 * n]
+                    if values is not None
+                    else _meta_counts(n, staged[0].numel())
+                )
+                entries.update(
+                    self._bucket_entries(
+                        layout, by_name, rows[at // 2 : at // 2 + 3 * n], counts, staged, kind
+                    )
+                )
                 at += 8 * n
         return [entries[s.name] for s in shards]
 
-    def _bucket_entries(self, layout: bucket_scan.Layout, by_name: dict[str, Shard], rows: tuple[torch.Tensor, ...],
-                        counts: list[int], staged: tuple, kind: str) -> dict[str, Entry]:
+    def _bucket_entries(
+        self,
+        layout: bucket_scan.Layout,
+        by_name: dict[str, Shard],
+        rows: tuple[torch.Tensor, ...],
+        counts: list[int],
+        staged: tuple,
+        kind: str,
+    ) -> dict[str, Entry]:
         """`rows`: the members' digest, pre and post rows (int64[2] each); `counts`: changed, then sent."""
         n = len(layout.names)
         changed, sent = counts[:n], counts[n:]
@@ -245,7 +266,9 @@ class Producer:
             digests = {"digest": rows[i], "post_digest": rows[2 * n + i]}
             if kind == "delta":
                 digests["pre_digest"] = rows[n + i]
-            e = Entry(name, s.full_shape, s.tensor.dtype, changed[i], hf[i], new[i], old[i], digests, scanned=True)
+            e = Entry(
+                name, s.full_shape, s.tensor.dtype, changed[i], hf[i], new[i], old[i], digests, scanned=True
+            )
             if sent[i] and kind and self._wants_post_hash(s):
                 e.post_hash = tensor_digest(s.tensor)
             out[name] = e
@@ -263,13 +286,22 @@ class Producer:
             del self._buckets[old.layout.key]
         states = [self._states[n] for n in layout.names]
         place = states[0].snapshot.device
-        snap = torch.empty(layout.base.shape, dtype=layout.base.dtype, device=place,
-                           pin_memory=place.type == "cpu" and layout.base.device.type == "cuda")
+        snap = torch.empty(
+            layout.base.shape,
+            dtype=layout.base.dtype,
+            device=place,
+            pin_memory=place.type == "cpu" and layout.base.device.type == "cuda",
+        )
         snap.copy_(layout.base)
         digests = torch.stack([st.digest for st in states]).to(place)
         for i, (st, runs) in enumerate(zip(states, layout.local_runs)):
-            view = snap[runs[0][0]:runs[0][0] + runs[0][1]] if len(runs) == 1 else snap.as_strided(
-                (len(runs), runs[0][1]), (runs[1][0] - runs[0][0], 1), snap.storage_offset() + runs[0][0])
+            view = (
+                snap[runs[0][0] : runs[0][0] + runs[0][1]]
+                if len(runs) == 1
+                else snap.as_strided(
+                    (len(runs), runs[0][1]), (runs[1][0] - runs[0][0], 1), snap.storage_offset() + runs[0][0]
+                )
+            )
             view.copy_((st.view if st.view is not None else st.snapshot).reshape(view.shape))
             st.snapshot, st.digest, st.view = view, digests[i], view if view.dim() == 2 else None
         b = self._buckets[layout.key] = _Bucket(layout, snap, digests)
@@ -328,15 +360,26 @@ class Producer:
             order = torch.argsort(gsend)
             gsend, send_new = gsend[order], send_new[order]
             send_old = send_old[order] if send_old is not None else None
-        entry = Entry(s.name, s.full_shape, cur.dtype, pos.numel(), self._stage(gsend), self._stage(send_new),
-                      self._stage(send_old) if kind == "delta" else None, digests, scanned=True)
+        entry = Entry(
+            s.name,
+            s.full_shape,
+            cur.dtype,
+            pos.numel(),
+            self._stage(gsend),
+            self._stage(send_new),
+            self._stage(send_old) if kind == "delta" else None,
+            digests,
+            scanned=True,
+        )
         if self._wants_post_hash(s) and (anchor or (kind and send.numel())):
             entry.post_hash = tensor_digest(cur)
         if anchor:  # nothing per element: the snapshot (untouched until settled) + the staged changes
             ready = torch.cuda.Event() if st.snapshot.device.type == "cuda" else None
             if ready is not None:
                 ready.record(torch.cuda.current_stream(st.snapshot.device))
-            entry.anchor = Anchor(st.placement, st.snapshot, entry.positions, entry.new_values, self.staging, ready)
+            entry.anchor = Anchor(
+                st.placement, st.snapshot, entry.positions, entry.new_values, self.staging, ready
+            )
         return entry
 
     def _wants_post_hash(self, s: Shard) -> bool:
@@ -412,7 +455,8 @@ _union = bucket_scan.union
 
 
 def _host_values(summary: torch.Tensor) -> list[int] | None:
-    """The host copy of every bucket's summary as ints, for the counts; None on `meta`, which has no values."""
+    """The host copy of every bucket's summary as ints, for the counts; None on `meta`, which has no
+    values."""
     return None if summary.device.type == "meta" else summary.tolist()
 
 
@@ -436,6 +480,8 @@ def _pending_counts(b: _Bucket) -> list[int]:
     if b.pending.device.type == "meta":
         return [1] * len(b.layout.names)
     seg, *_ = bucket_scan.locate(tuple(t.to(b.pending.device) for t in b.layout.tables), b.pending)
-    return torch.zeros(len(b.layout.names), dtype=torch.int64, device=seg.device).index_add_(
-        0, seg, torch.ones_like(seg)).tolist()
-
+    return (
+        torch.zeros(len(b.layout.names), dtype=torch.int64, device=seg.device)
+        .index_add_(0, seg, torch.ones_like(seg))
+        .tolist()
+    )

@@ -40,8 +40,9 @@ def dir_name(kind: str, version: int) -> str:
 
 
 class Publisher:
-    def __init__(self, transport: Transport, client: EngineClient, planner: Planner, ranks: Ranks, *,
-                 flush_bytes: int) -> None:
+    def __init__(
+        self, transport: Transport, client: EngineClient, planner: Planner, ranks: Ranks, *, flush_bytes: int
+    ) -> None:
         self.transport, self.client, self.planner, self.ranks = transport, client, planner, ranks
         self.flush_bytes = flush_bytes
 
@@ -55,19 +56,31 @@ class Publisher:
             kinds.append((plan.kind, plan.base_version, plan.encoding))
         if plan.anchor_urls:
             kinds.append(("anchor", None, self.planner.overwrite_encoding))
-        self._agreed(lambda: [self.transport.prepare(dir_name(k, plan.version)) for k, _, _ in kinds]
-                     if self.ranks.rank == 0 else None, "prepare")
+        self._agreed(
+            lambda: (
+                [self.transport.prepare(dir_name(k, plan.version)) for k, _, _ in kinds]
+                if self.ranks.rank == 0
+                else None
+            ),
+            "prepare",
+        )
         sent: list[SentDelta] = []
         sinks: list[Sink] = []
         failure: BaseException | None = None
         cleaned = False
         try:
             for kind, base, encoding in kinds:
-                sink = self.transport.sink(dir_name(kind, plan.version), version=plan.version, base_version=base,
-                                           encoding=encoding, flush_bytes=self.flush_bytes, rank=self.ranks.rank,
-                                           model_elements=model_elements)
+                sink = self.transport.sink(
+                    dir_name(kind, plan.version),
+                    version=plan.version,
+                    base_version=base,
+                    encoding=encoding,
+                    flush_bytes=self.flush_bytes,
+                    rank=self.ranks.rank,
+                    model_elements=model_elements,
+                )
                 sinks.append(sink)
-                manifest = self._agreed(lambda: self._encode(sink, kind, cap), "encode")
+                manifest = self._agreed(lambda sink=sink, kind=kind: self._encode(sink, kind, cap), "encode")
                 out, err = self._finish(kind, sink, manifest, cap, plan)
                 sent.append(out)
                 failure = failure or err
@@ -97,14 +110,16 @@ class Publisher:
         if self.ranks.rank != 0:  # every rank's planner keeps the versions (rank 0's word decides)
             self.planner.settle(plan, replies)
         write_s = sum(s.writer.write_s for s in sinks if s.writer is not None)
-        return Published(plan, sent, replies, all_acked, encode_s, write_s, push_s, time.perf_counter() - start)
+        return Published(
+            plan, sent, replies, all_acked, encode_s, write_s, push_s, time.perf_counter() - start
+        )
 
     def _cleanup(self, sinks: list[Sink], sent: list[SentDelta]) -> bool:
         """Rank 0 drops what this publish put on the wire; a sink that never became a
         `SentDelta` (its encode failed) only has its spool closed."""
         if self.ranks.rank == 0:
             self.transport.cleanup(sent)
-        for s in sinks[len(sent):]:
+        for s in sinks[len(sent) :]:
             if s.spool is not None:
                 s.spool.close()
         return True
@@ -132,8 +147,9 @@ class Publisher:
             self.transport.finish(sink)  # a writer thread always ends; its error (if any) is raised here
         return manifest
 
-    def _finish(self, kind: str, sink: Sink, manifest: Manifest, cap: Capture,
-                plan: Plan) -> tuple[SentDelta, BaseException | None]:
+    def _finish(
+        self, kind: str, sink: Sink, manifest: Manifest, cap: Capture, plan: Plan
+    ) -> tuple[SentDelta, BaseException | None]:
         """This rank's flushes are out; rank 0 gets the merged manifest with whole-tensor digests and
         the lineage the engines check before applying it, and seals it (its failure is returned)."""
         full = {e.name: additive.to_hex(e.digests["digest"]) for e in cap.entries}
@@ -141,8 +157,15 @@ class Publisher:
         parts = self.ranks.gather((manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes, full))
         if sink.spool is not None:
             self._gather_flushes(sink.spool, parts)
-        mine = SentDelta(kind, manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes,
-                         location=sink.location, spool=sink.spool)
+        mine = SentDelta(
+            kind,
+            manifest,
+            len(b.files),
+            b.wire_bytes,
+            b.pre_compress_bytes,
+            location=sink.location,
+            spool=sink.spool,
+        )
         if self.ranks.rank != 0:
             return mine, None
         merged = merge_manifests([p[0] for p in parts]) if len(parts) > 1 else manifest
@@ -152,8 +175,15 @@ class Publisher:
                 shards.setdefault(name, []).append(h)
         merged = _with_digests(merged, {n: {"digest": additive.combine(*hs)} for n, hs in shards.items()})
         merged = merged.model_copy(update={"lineage": plan.lineage(kind)})
-        out = SentDelta(kind, merged, len(b.files), sum(p[2] for p in parts), sum(p[3] for p in parts),
-                        location=sink.location, spool=sink.spool)
+        out = SentDelta(
+            kind,
+            merged,
+            len(b.files),
+            sum(p[2] for p in parts),
+            sum(p[3] for p in parts),
+            location=sink.location,
+            spool=sink.spool,
+        )
         try:
             self.transport.seal(out)
         except Exception as exc:
@@ -185,8 +215,13 @@ class Publisher:
         targets.update({u: by_kind["anchor"] for u in plan.anchor_urls})
         if not targets:
             return {}
-        return self.transport.push(self.client, {
-            u: (s, {"version": plan.version, "base_version": s.manifest.base_version}) for u, s in targets.items()})
+        return self.transport.push(
+            self.client,
+            {
+                u: (s, {"version": plan.version, "base_version": s.manifest.base_version})
+                for u, s in targets.items()
+            },
+        )
 
     def _replay(self, replay: dict[str, list[dict]]) -> None:
         """Late joiners first replay the store's kept chain, version by version, up to the last version
@@ -197,8 +232,13 @@ class Publisher:
             for u, r in replies.items():
                 step = pending[u].pop(0)
                 if not (r.ok and r.body.get("version") == step["version"]):
-                    logger.warning("delta sender: %s refused catch-up version %d (%s): %s", u, step["version"],
-                                   r.status, r.error)
+                    logger.warning(
+                        "delta sender: %s refused catch-up version %d (%s): %s",
+                        u,
+                        step["version"],
+                        r.status,
+                        r.error,
+                    )
                     pending[u] = []
             pending = {u: s for u, s in pending.items() if s}
 
@@ -218,12 +258,22 @@ def _add(b: FlushBuilder, e: Entry, kind: str) -> dict[str, str]:
         return {"post_digest": additive.to_hex(e.digests["digest"])}
     if not e.positions.numel():
         return {}
-    b.add(e.name, e.positions, e.new_values, e.old_values if b.encoding.needs_base else None,
-          shape=e.full_shape, post_hash=e.post_hash, _from_scan=e.scanned)
+    b.add(
+        e.name,
+        e.positions,
+        e.new_values,
+        e.old_values if b.encoding.needs_base else None,
+        shape=e.full_shape,
+        post_hash=e.post_hash,
+        _from_scan=e.scanned,
+    )
     # pre_digest pins the values the delta applies to; only a base-relative delta (pinned to its
     # base version anyway) may carry it, so an overwrite delta stays safe to replay.
-    return {k: additive.to_hex(v) for k, v in e.digests.items()
-            if k == "post_digest" or (k == "pre_digest" and b.encoding.needs_base)}
+    return {
+        k: additive.to_hex(v)
+        for k, v in e.digests.items()
+        if k == "post_digest" or (k == "pre_digest" and b.encoding.needs_base)
+    }
 
 
 def _with_digests(m: Manifest, digests: dict[str, dict[str, str]]) -> Manifest:

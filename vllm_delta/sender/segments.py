@@ -37,23 +37,30 @@ class Segments:
         object.__setattr__(self, "runs", runs)
         total = math.prod(full)
         if sum(n for _, n in runs) != self.tensor.numel():
-            raise ValueError(f"{self.name}: runs cover {sum(n for _, n in runs)} elements, the tensor has "
-                             f"{self.tensor.numel()}")
+            raise ValueError(
+                f"{self.name}: runs cover {sum(n for _, n in runs)} elements, the tensor has "
+                f"{self.tensor.numel()}"
+            )
         ends = sorted(runs)
         if any(a < 0 or n <= 0 or a + n > total for a, n in runs) or any(
-                a1 + n1 > a2 for (a1, n1), (a2, _) in zip(ends, ends[1:])):
+            a1 + n1 > a2 for (a1, n1), (a2, _) in zip(ends, ends[1:])
+        ):
             raise ValueError(f"{self.name}: runs overlap, are empty or leave the {list(full)} tensor")
 
     @classmethod
-    def from_positions(cls, name: str, tensor: torch.Tensor, full_shape: Sequence[int],
-                       hf_positions: torch.Tensor) -> Segments:
+    def from_positions(
+        cls, name: str, tensor: torch.Tensor, full_shape: Sequence[int], hf_positions: torch.Tensor
+    ) -> Segments:
         """Compress a per-element map (local order) into runs; O(map) memory, transient."""
         return cls(name, tensor, tuple(full_shape), runs_of(hf_positions))
 
     @property
     def is_whole(self) -> bool:
-        return len(self.runs) == 1 and self.runs[0] == (0, math.prod(self.full_shape)) and \
-            tuple(self.tensor.shape) == self.full_shape
+        return (
+            len(self.runs) == 1
+            and self.runs[0] == (0, math.prod(self.full_shape))
+            and tuple(self.tensor.shape) == self.full_shape
+        )
 
     @property
     def numel(self) -> int:
@@ -68,8 +75,9 @@ class Segments:
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
         bounds = torch.tensor(starts[1:], dtype=local.dtype, device=local.device)
-        shifts = torch.tensor([a - s for (a, _), s in zip(self.runs, starts)], dtype=local.dtype,
-                              device=local.device)
+        shifts = torch.tensor(
+            [a - s for (a, _), s in zip(self.runs, starts)], dtype=local.dtype, device=local.device
+        )
         return local + shifts[torch.bucketize(local, bounds, right=True)]
 
     def global_index(self) -> torch.Tensor:

@@ -34,27 +34,40 @@ class Shard:
         spans = tuple((int(a), int(n)) for a, n in self.spans) or ((0, full[self.dim] if full else 1),)
         object.__setattr__(self, "spans", spans)
         local_len = sum(n for _, n in spans)
-        expected = full[:self.dim] + (local_len,) + full[self.dim + 1:] if full else ()
+        expected = full[: self.dim] + (local_len,) + full[self.dim + 1 :] if full else ()
         if tuple(self.tensor.shape) != expected:
-            raise ValueError(f"{self.name}: local shape {list(self.tensor.shape)} is not {list(full)} "
-                             f"with dim {self.dim} cut to {local_len}")
+            raise ValueError(
+                f"{self.name}: local shape {list(self.tensor.shape)} is not {list(full)} "
+                f"with dim {self.dim} cut to {local_len}"
+            )
         ends = sorted(spans)
         if any(a < 0 or n < 0 or (full and a + n > full[self.dim]) for a, n in spans) or any(
-                a1 + n1 > a2 for (a1, n1), (a2, _) in zip(ends, ends[1:])):
-            raise ValueError(f"{self.name}: spans {list(spans)} overlap or leave dim {self.dim} of {list(full)}")
+            a1 + n1 > a2 for (a1, n1), (a2, _) in zip(ends, ends[1:])
+        ):
+            raise ValueError(
+                f"{self.name}: spans {list(spans)} overlap or leave dim {self.dim} of {list(full)}"
+            )
 
     @classmethod
     def whole(cls, name: str, tensor: torch.Tensor) -> Shard:
         return cls(name, tensor, tuple(tensor.shape))
 
     @classmethod
-    def narrow(cls, name: str, tensor: torch.Tensor, full_shape: Sequence[int], dim: int, start: int) -> Shard:
+    def narrow(
+        cls, name: str, tensor: torch.Tensor, full_shape: Sequence[int], dim: int, start: int
+    ) -> Shard:
         """`tensor` is `full.narrow(dim, start, tensor.shape[dim])`: a TP row or column slice."""
         return cls(name, tensor, tuple(full_shape), dim, ((start, tensor.shape[dim]),))
 
     @classmethod
-    def pieces(cls, name: str, tensor: torch.Tensor, full_shape: Sequence[int], dim: int,
-               spans: Iterable[tuple[int, int]]) -> Shard:
+    def pieces(
+        cls,
+        name: str,
+        tensor: torch.Tensor,
+        full_shape: Sequence[int],
+        dim: int,
+        spans: Iterable[tuple[int, int]],
+    ) -> Shard:
         """Several slices of one dim, concatenated (e.g. interleaved query groups)."""
         return cls(name, tensor, tuple(full_shape), dim, tuple(spans))
 
@@ -70,7 +83,7 @@ class Shard:
         """HF flat positions of local flat positions (int64, computed on their device)."""
         if self.is_whole:
             return local
-        inner = math.prod(self.full_shape[self.dim + 1:])
+        inner = math.prod(self.full_shape[self.dim + 1 :])
         local_len = sum(n for _, n in self.spans)
         outer_idx = torch.div(local, local_len * inner, rounding_mode="floor")
         rest = local - outer_idx * (local_len * inner)  # position inside one outer row, in local units
@@ -84,8 +97,9 @@ class Shard:
                 starts_local.append(starts_local[-1] + n)
             bounds = torch.tensor(starts_local[1:], dtype=local.dtype, device=local.device)
             which = torch.bucketize(row, bounds, right=True)
-            shifts = torch.tensor([a - s for (a, _), s in zip(self.spans, starts_local)], dtype=local.dtype,
-                                  device=local.device)
+            shifts = torch.tensor(
+                [a - s for (a, _), s in zip(self.spans, starts_local)], dtype=local.dtype, device=local.device
+            )
             along = row + shifts[which]
         return outer_idx * (self.full_shape[self.dim] * inner) + along * inner + (rest - row * inner)
 
@@ -102,8 +116,9 @@ class Shard:
         return self.name, self.full_shape, self.dim, self.spans
 
 
-def check_disjoint(placements: Iterable[tuple[str, tuple[int, ...], int, tuple[tuple[int, int], ...]]]
-                   ) -> dict[str, float]:
+def check_disjoint(
+    placements: Iterable[tuple[str, tuple[int, ...], int, tuple[tuple[int, int], ...]]],
+) -> dict[str, float]:
     """Raise if two placements of one tensor overlap; return each tensor's covered fraction.
 
     Placements are compared span by span (no element tables): two spans on the same dim overlap
@@ -129,13 +144,17 @@ def check_disjoint(placements: Iterable[tuple[str, tuple[int, ...], int, tuple[t
         spans = sorted(s for p in parts for s in p[2])
         for (a1, n1), (a2, n2) in zip(spans, spans[1:]):
             if a1 + n1 > a2 and n1 and n2:
-                raise ValueError(f"{name}: two ranks both hold dim {dim} indices {a2}..{min(a1 + n1, a2 + n2) - 1}")
+                raise ValueError(
+                    f"{name}: two ranks both hold dim {dim} indices {a2}..{min(a1 + n1, a2 + n2) - 1}"
+                )
         coverage[name] = sum(n for _, n in spans) / shape[dim] if shape else 1.0
     return coverage
 
 
-def _flat_runs(shape: tuple[int, ...], dim: int, spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+def _flat_runs(
+    shape: tuple[int, ...], dim: int, spans: tuple[tuple[int, int], ...]
+) -> tuple[tuple[int, int], ...]:
     """A `Shard` placement as flat (start, length) runs, to compare with `Segments`."""
-    inner = math.prod(shape[dim + 1:])
+    inner = math.prod(shape[dim + 1 :])
     outer = math.prod(shape[:dim])
     return tuple((o * shape[dim] * inner + a * inner, n * inner) for o in range(outer) for a, n in spans)

@@ -42,6 +42,8 @@ def place_snapshot(snapshot_bytes: int, params: int, free: int, total: int) -> t
     margin = int(MARGIN_FRACTION * total)
     fits = snapshot_bytes + optimizer + margin <= free
     gib = 1 << 30
-    why = (f"snapshot {snapshot_bytes / gib:.1f} GiB + optimizer state {optimizer / gib:.1f} GiB + margin "
-           f"{margin / gib:.1f} GiB {'<=' if fits else '>'} free {free / gib:.1f} GiB")
+    why = (
+        f"snapshot {snapshot_bytes / gib:.1f} GiB + optimizer state {optimizer / gib:.1f} GiB + margin "
+        f"{margin / gib:.1f} GiB {'<=' if fits else '>'} free {free / gib:.1f} GiB"
+    )
     return ("device" if fits else "host"), why

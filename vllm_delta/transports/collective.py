@@ -30,7 +30,8 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from vllm_delta.client import Reply
@@ -54,8 +55,11 @@ class Refused(DeltaError):
     """Another rank of this engine refused the offer (its status, type and fields are kept)."""
 
     def __init__(self, answer: dict[str, Any]) -> None:
-        super().__init__(f"{answer['type']} on another rank: {answer['message']}", file=answer.get("file"),
-                         param=answer.get("param"))
+        super().__init__(
+            f"{answer['type']} on another rank: {answer['message']}",
+            file=answer.get("file"),
+            param=answer.get("param"),
+        )
         self.http_status = int(answer["status"])
 
 
@@ -66,18 +70,31 @@ class CollectiveError(DeltaError):
 
 
 # ---- rank 0 -------------------------------------------------------------------------------------
-def offer(group: Group, version: int, manifest: dict[str, Any], flushes: Iterable[tuple[str, int]],
-          stop: Callable[[], bool]) -> bool:
+def offer(
+    group: Group,
+    version: int,
+    manifest: dict[str, Any],
+    flushes: Iterable[tuple[str, int]],
+    stop: Callable[[], bool],
+) -> bool:
     """Announce one update and collect the answers. True: every rank accepted (go, now stream);
     False: the engine answered its HTTP request without taking part (`stop()`), or a rank refused.
     `GroupTimeout` if the ranks stay silent past the group's timeout."""
     group.seq += 1
     group.bytes_sent, group.refusal = 0, None
     seq = group.seq
-    group.put(f"{seq}/offer", {"version": version, "manifest_sha256": manifest_digest(manifest),
-                               "manifest_bytes": len(json.dumps(manifest)), "flushes": [list(f) for f in flushes]})
-    answers = group.wait_all([f"{seq}/answer/{r}" for r in range(1, group.world_size)],
-                             time.monotonic() + group.timeout_s, stop)
+    group.put(
+        f"{seq}/offer",
+        {
+            "version": version,
+            "manifest_sha256": manifest_digest(manifest),
+            "manifest_bytes": len(json.dumps(manifest)),
+            "flushes": [list(f) for f in flushes],
+        },
+    )
+    answers = group.wait_all(
+        [f"{seq}/answer/{r}" for r in range(1, group.world_size)], time.monotonic() + group.timeout_s, stop
+    )
     if answers is None:
         return False
     refusal = group.refusal = next((a for a in answers if not a["ok"]), None)
@@ -111,8 +128,9 @@ class Receiver:
             pass
 
 
-def answer(group: Group, manifest: dict[str, Any], version: int, max_flush_bytes: int,
-           check: Callable[[], T]) -> tuple[Receiver, T]:
+def answer(
+    group: Group, manifest: dict[str, Any], version: int, max_flush_bytes: int, check: Callable[[], T]
+) -> tuple[Receiver, T]:
     """Wait for rank 0's offer, check it (sizes, then `check()`: parse, lineage, version), answer, and
     wait for the go. Raises what this rank refused with, or `Refused` when another rank refused."""
     group.seq += 1
@@ -122,10 +140,17 @@ def answer(group: Group, manifest: dict[str, Any], version: int, max_flush_bytes
         flushes = _check_offer(got, manifest, version, max_flush_bytes)
         checked = check()
     except Exception as exc:  # every refusal is answered, so rank 0 never waits on this rank
-        group.put(f"{seq}/answer/{group.rank}", {
-            "ok": False, "status": getattr(exc, "http_status", 400), "type": type(exc).__name__,
-            "message": str(getattr(exc, "reason", exc)), "file": getattr(exc, "file", None),
-            "param": getattr(exc, "param", None)})
+        group.put(
+            f"{seq}/answer/{group.rank}",
+            {
+                "ok": False,
+                "status": getattr(exc, "http_status", 400),
+                "type": type(exc).__name__,
+                "message": str(getattr(exc, "reason", exc)),
+                "file": getattr(exc, "file", None),
+                "param": getattr(exc, "param", None),
+            },
+        )
         raise
     group.put(f"{seq}/answer/{group.rank}", {"ok": True})
     go = group.get(f"{seq}/go")
@@ -134,17 +159,22 @@ def answer(group: Group, manifest: dict[str, Any], version: int, max_flush_bytes
     return Receiver(group, flushes), checked
 
 
-def _check_offer(got: dict[str, Any], manifest: dict[str, Any], version: int,
-                 max_flush_bytes: int) -> list[tuple[str, int]]:
+def _check_offer(
+    got: dict[str, Any], manifest: dict[str, Any], version: int, max_flush_bytes: int
+) -> list[tuple[str, int]]:
     if got["manifest_sha256"] != manifest_digest(manifest) or got["version"] != version:
         raise IncompleteDeltaError("the trainer's offer is for another manifest than this request's")
     flushes = [(str(n), int(s)) for n, s in got["flushes"]]
     stated = [(f["name"], int(f["bytes"])) for f in manifest.get("files", [])]
     if flushes != stated:
-        raise IncompleteDeltaError(f"the offer lists {len(flushes)} flushes, not the manifest's {len(stated)}")
+        raise IncompleteDeltaError(
+            f"the offer lists {len(flushes)} flushes, not the manifest's {len(stated)}"
+        )
     for name, size in flushes:
         if size > max_flush_bytes:
-            raise LimitError(f"flush of {size} B exceeds this engine's {max_flush_bytes} B per-flush cap", file=name)
+            raise LimitError(
+                f"flush of {size} B exceeds this engine's {max_flush_bytes} B per-flush cap", file=name
+            )
     return flushes
 
 
@@ -155,8 +185,15 @@ def _failed(url: str, exc: BaseException, kind: str) -> Reply:
 class CollectiveLink:
     """The trainer's end of one engine's group: `connect()` through the engine's init route, `send()`."""
 
-    def __init__(self, url: str, client: Any, *, backend: str = "gloo", master_addr: str = "127.0.0.1",
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        client: Any,
+        *,
+        backend: str = "gloo",
+        master_addr: str = "127.0.0.1",
+        timeout_s: float = 120.0,
+    ) -> None:
         self.url, self.client, self.backend = url, client, backend
         self.master_addr, self.timeout_s = master_addr, timeout_s
         self.group: Group | None = None
@@ -170,13 +207,24 @@ class CollectiveLink:
             raise ConnectionError(f"{self.url}: status {status.status}: {status.error}")
         world = 1 + len(status.body["ranks"])
         sock = listen(self.master_addr)
-        body = {"master_addr": self.master_addr, "master_port": sock.getsockname()[1], "world_size": world,
-                "rank_offset": 1, "backend": self.backend, "timeout_s": self.timeout_s}
+        body = {
+            "master_addr": self.master_addr,
+            "master_port": sock.getsockname()[1],
+            "world_size": world,
+            "rank_offset": 1,
+            "backend": self.backend,
+            "timeout_s": self.timeout_s,
+        }
         pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-init")
         init = pool.submit(self.client.collective_init, {self.url: body})
         try:
-            group = host_group(sock, world_size=world, backend=self.backend, timeout_s=self.timeout_s,
-                               joined=lambda: not init.done() or init.result()[self.url].ok)
+            group = host_group(
+                sock,
+                world_size=world,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+                joined=lambda: not init.done() or init.result()[self.url].ok,
+            )
         except BaseException as exc:
             sock.close()
             reply = init.result()[self.url] if init.done() else None
@@ -188,7 +236,9 @@ class CollectiveLink:
             reply = init.result(timeout=self.timeout_s)[self.url]
         except FutureTimeout:
             group.close()
-            raise ConnectionError(f"{self.url}: collective init: no answer within {self.timeout_s:.0f} s") from None
+            raise ConnectionError(
+                f"{self.url}: collective init: no answer within {self.timeout_s:.0f} s"
+            ) from None
         finally:
             pool.shutdown(wait=False)
         if not reply.ok:
@@ -208,7 +258,9 @@ class CollectiveLink:
         manifest = sent.manifest.model_dump(mode="json")
         flushes = [(f.name, f.bytes) for f in sent.manifest.files]
         pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-update")
-        http = pool.submit(self.client.update, {self.url: {"transport": "collective", "manifest": manifest, **body}})
+        http = pool.submit(
+            self.client.update, {self.url: {"transport": "collective", "manifest": manifest, **body}}
+        )
         try:
             if offer(group, body["version"], manifest, flushes, stop=http.done):
                 stream(group, (sent.spool.read(name) for name, _ in flushes))
@@ -237,8 +289,14 @@ class CollectiveTransport(Transport):
 
     stored = False  # flushes live in rank 0's spool; other ranks send theirs there
 
-    def __init__(self, backend: str, *, master_addr: str = "127.0.0.1", timeout_s: float = 120.0,
-                 window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
+    def __init__(
+        self,
+        backend: str,
+        *,
+        master_addr: str = "127.0.0.1",
+        timeout_s: float = 120.0,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         self.backend, self.master_addr, self.timeout_s = backend, master_addr, timeout_s
@@ -257,8 +315,9 @@ class CollectiveTransport(Transport):
     def link(self, url: str, client: Any) -> CollectiveLink:
         link = self._links.get(url)
         if link is None:
-            link = self._links[url] = CollectiveLink(url, client, backend=self.backend,
-                                                     master_addr=self.master_addr, timeout_s=self.timeout_s)
+            link = self._links[url] = CollectiveLink(
+                url, client, backend=self.backend, master_addr=self.master_addr, timeout_s=self.timeout_s
+            )
         return link
 
     def push(self, client: Any, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:

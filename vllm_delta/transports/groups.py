@@ -28,10 +28,12 @@ import json
 import socket
 import threading
 import time
-from concurrent.futures import Future, TimeoutError as FutureTimeout
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -75,7 +77,9 @@ class Group:
         """Wait (at most the store's timeout) for `key`."""
         return json.loads(bytes(self.spg.store.get(f"vllm-delta/{key}")))
 
-    def wait_all(self, keys: list[str], deadline: float, stop: Callable[[], bool] = lambda: False) -> list[Any] | None:
+    def wait_all(
+        self, keys: list[str], deadline: float, stop: Callable[[], bool] = lambda: False
+    ) -> list[Any] | None:
         """Every key's value, or None if `stop()` turned true first; `GroupTimeout` past `deadline`."""
         full = [f"vllm-delta/{k}" for k in keys]
         pause = _POLL_S[0]
@@ -100,7 +104,7 @@ class Group:
             with _staging:
                 host, dev = self._staging_pair(len(data), pin=True)
                 for a, n in chunks(len(data)):
-                    host[:n].numpy()[:] = view[a:a + n]
+                    host[:n].numpy()[:] = view[a : a + n]
                     with torch.cuda.stream(self._cuda_stream()):
                         dev[:n].copy_(host[:n], non_blocking=True)
                         self._nccl_broadcast(dev[:n])  # returns once done: both buffers are free again
@@ -118,7 +122,7 @@ class Group:
             for a, n in chunks(size):
                 with torch.cuda.stream(self._cuda_stream()):
                     self._nccl_broadcast(dev[:n])
-                out[a:a + n] = dev[:n].cpu().numpy().tobytes()
+                out[a : a + n] = dev[:n].cpu().numpy().tobytes()
             del dev
         return bytes(out)
 
@@ -142,7 +146,9 @@ class Group:
         while not done.query():
             if time.monotonic() > deadline:
                 self.close()
-                raise GroupTimeout(f"NCCL broadcast of {t.numel()} B did not finish within {self.timeout_s:.0f} s")
+                raise GroupTimeout(
+                    f"NCCL broadcast of {t.numel()} B did not finish within {self.timeout_s:.0f} s"
+                )
             time.sleep(_POLL_S[0])
 
     def close(self) -> None:
@@ -167,16 +173,30 @@ def listen(master_addr: str) -> socket.socket:
     return sock
 
 
-def host_group(sock: socket.socket, *, world_size: int, backend: str, timeout_s: float,
-               joined: Callable[[], bool] = lambda: True) -> Group:
+def host_group(
+    sock: socket.socket,
+    *,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    joined: Callable[[], bool] = lambda: True,
+) -> Group:
     """Rank 0: serve the store on `sock`, wait until every engine rank has joined (or `joined()` says
     the engine refused: `ConnectionError`), then build the bulk channel with them."""
     from vllm.distributed.utils import StatelessProcessGroup, create_tcp_store
 
     _check_backend(backend)
     host, port = sock.getsockname()[:2]
-    store = create_tcp_store(host, port, listen_socket=sock, world_size=world_size, is_master=True,
-                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False, use_libuv=False)
+    store = create_tcp_store(
+        host,
+        port,
+        listen_socket=sock,
+        world_size=world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        use_libuv=False,
+    )
     group = Group(StatelessProcessGroup(rank=0, world_size=world_size, store=store), backend, timeout_s)
     ranks = [f"joined/{r}" for r in range(1, world_size)]
     if group.wait_all(ranks, time.monotonic() + timeout_s, stop=lambda: not joined()) is None:
@@ -185,14 +205,16 @@ def host_group(sock: socket.socket, *, world_size: int, backend: str, timeout_s:
     return group
 
 
-def join_group(*, master_addr: str, master_port: int, rank: int, world_size: int, backend: str,
-               timeout_s: float) -> Group:
+def join_group(
+    *, master_addr: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float
+) -> Group:
     """An engine rank: connect to the trainer's store, say so, then build the bulk channel."""
     from vllm.distributed.utils import StatelessProcessGroup
 
     _check_backend(backend)
-    spg = StatelessProcessGroup.create(master_addr, master_port, rank, world_size,
-                                       store_timeout=max(1, int(timeout_s)))
+    spg = StatelessProcessGroup.create(
+        master_addr, master_port, rank, world_size, store_timeout=max(1, int(timeout_s))
+    )
     group = Group(spg, backend, timeout_s)
     group.put(f"joined/{rank}", True)
     group.bulk = _bulk(group)
@@ -214,8 +236,10 @@ def _bulk(group: Group) -> Any:
         return built.result(timeout=group.timeout_s)
     except FutureTimeout:
         built.add_done_callback(lambda f: _abort_late(f, group.backend))
-        raise GroupTimeout(f"the {group.backend} channel was not set up within {group.timeout_s:.0f} s "
-                           "(a peer joined the store, then went away or stopped)") from None
+        raise GroupTimeout(
+            f"the {group.backend} channel was not set up within {group.timeout_s:.0f} s "
+            "(a peer joined the store, then went away or stopped)"
+        ) from None
 
 
 def _abort_late(built: Future, backend: str) -> None:
@@ -229,7 +253,9 @@ def _build_bulk(group: Group) -> Any:
         import torch.distributed as dist
 
         store = dist.PrefixStore("vllm-delta-gloo", group.spg.store)
-        return dist.ProcessGroupGloo(store, group.rank, group.world_size, datetime.timedelta(seconds=group.timeout_s))
+        return dist.ProcessGroupGloo(
+            store, group.rank, group.world_size, datetime.timedelta(seconds=group.timeout_s)
+        )
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
     comm = PyNcclCommunicator(group.spg, device=torch.device("cuda", torch.cuda.current_device()))

@@ -49,8 +49,14 @@ import numpy as np
 from vllm_delta import settings
 from vllm_delta.client import EngineClient, Reply
 from vllm_delta.transports.base import SentDelta, Sink, Transport, TransportOptions
-from vllm_delta.transports.store import (ObjectStore, StoreAuthError, StoreError, StoreNotFound, StoreURL,
-                                         is_store_url)
+from vllm_delta.transports.store import (
+    ObjectStore,
+    StoreAuthError,
+    StoreError,
+    StoreNotFound,
+    StoreURL,
+    is_store_url,
+)
 from vllm_delta.transports.writer import BackgroundFlushWriter
 from vllm_delta.wire import MANIFEST_NAME, FileEntry, FlushBuilder, Manifest, blocks, parse_manifest
 from vllm_delta.wire.container import ZSTD_MAGIC, Limits, SparseFile
@@ -78,8 +84,10 @@ def put_retrying(store: ObjectStore, key: str, data: bytes, *, attempts: int, ba
         except StoreError as exc:
             if i == attempts - 1:
                 raise
-            logger.warning("delta sender: upload of %s failed (%s); retry %d of %d", key, exc, i + 1, attempts - 1)
-            time.sleep(backoff_s * 2 ** i)
+            logger.warning(
+                "delta sender: upload of %s failed (%s); retry %d of %d", key, exc, i + 1, attempts - 1
+            )
+            time.sleep(backoff_s * 2**i)
 
 
 @dataclass
@@ -107,11 +115,23 @@ class S3Transport(Transport):
 
     stored = True  # every rank uploads its own flushes into the same version dir; rank 0 seals it
 
-    def __init__(self, url: str, *, planner: Any = None, throttle_bytes_per_s: float | None = None,
-                 keep: bool = False, keep_chain: int = 16, start_version: int = 0, store: ObjectStore | None = None,
-                 attempts: int = 4, backoff_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        planner: Any = None,
+        throttle_bytes_per_s: float | None = None,
+        keep: bool = False,
+        keep_chain: int = 16,
+        start_version: int = 0,
+        store: ObjectStore | None = None,
+        attempts: int = 4,
+        backoff_s: float = 1.0,
+    ) -> None:
         self.url = StoreURL.parse(url)
-        self.store = store if store is not None else ObjectStore(self.url, throttle_bytes_per_s=throttle_bytes_per_s)
+        self.store = (
+            store if store is not None else ObjectStore(self.url, throttle_bytes_per_s=throttle_bytes_per_s)
+        )
         self.planner, self.keep, self.keep_chain = planner, keep, keep_chain
         self.attempts, self.backoff_s = attempts, backoff_s
         self.sealed: dict[str, Stored] = {}
@@ -121,17 +141,24 @@ class S3Transport(Transport):
     @classmethod
     def create(cls, name: str, options: TransportOptions) -> S3Transport:
         if not str(options.delta_dir or "").startswith("s3://"):
-            raise ValueError("the s3 transport needs delta_dir='s3://BUCKET/PREFIX', "
-                             f"not {options.delta_dir!r}")
-        return cls(str(options.delta_dir), planner=options.planner, keep=options.keep,
-                   start_version=options.version, throttle_bytes_per_s=options.throttle_bytes_per_s)
+            raise ValueError(
+                f"the s3 transport needs delta_dir='s3://BUCKET/PREFIX', not {options.delta_dir!r}"
+            )
+        return cls(
+            str(options.delta_dir),
+            planner=options.planner,
+            keep=options.keep,
+            start_version=options.version,
+            throttle_bytes_per_s=options.throttle_bytes_per_s,
+        )
 
     @property
     def uploaded_bytes(self) -> int:
         return self.store.uploaded_bytes
 
     def prepare(self, name: str) -> None:
-        """Rank 0, before any rank uploads: no leftover objects (e.g. of a sender that died), manifest first."""
+        """Rank 0, before any rank uploads: no leftover objects (e.g. of a sender that died), manifest
+        first."""
         self.sealed.pop(name, None)
         self.unsealed.add(name)
         self._remove(name)  # raises: a leftover manifest must go
@@ -139,19 +166,33 @@ class S3Transport(Transport):
     def sink(self, name: str, **kwargs) -> Sink:
         dir_key = self.url.key(name)
         uploader = BackgroundFlushWriter(
-            lambda flush, data: put_retrying(self.store, f"{dir_key}/{flush}", data, attempts=self.attempts,
-                                             backoff_s=self.backoff_s), name="vllm-delta-uploader")
+            lambda flush, data: put_retrying(
+                self.store, f"{dir_key}/{flush}", data, attempts=self.attempts, backoff_s=self.backoff_s
+            ),
+            name="vllm-delta-uploader",
+        )
         return Sink(FlushBuilder(uploader.emit, **kwargs), name, writer=uploader)
 
     def seal(self, sent: SentDelta) -> None:
         """The manifest last: only now may an engine see the version."""
         m: Manifest = sent.manifest
-        put_retrying(self.store, self.url.key(sent.location, MANIFEST_NAME), m.model_dump_json(indent=1).encode(),
-                     attempts=self.attempts, backoff_s=self.backoff_s)
+        put_retrying(
+            self.store,
+            self.url.key(sent.location, MANIFEST_NAME),
+            m.model_dump_json(indent=1).encode(),
+            attempts=self.attempts,
+            backoff_s=self.backoff_s,
+        )
         self.unsealed.discard(sent.location)
         lin = m.lineage
-        self.sealed[sent.location] = Stored(sent.location, m.version, sent.kind, m.base_version,
-                                            lin.min_version if lin else None, lin.max_version if lin else None)
+        self.sealed[sent.location] = Stored(
+            sent.location,
+            m.version,
+            sent.kind,
+            m.base_version,
+            lin.min_version if lin else None,
+            lin.max_version if lin else None,
+        )
 
     def push(self, client: EngineClient, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
         return client.update({u: {"path": s.location, **body} for u, (s, body) in targets.items()})
@@ -182,7 +223,9 @@ class S3Transport(Transport):
             if v is None or v > start:  # an engine accepts no version below its own
                 return None
             reach, rest = {start: versions[:1]}, versions[1:]
-        elif start == 0 and v == 0 and status.get("run_id") is None:  # on the checkpoint, which starts the chain
+        elif (
+            start == 0 and v == 0 and status.get("run_id") is None
+        ):  # on the checkpoint, which starts the chain
             reach, rest = {0: []}, versions
         else:
             return None
@@ -229,6 +272,7 @@ class S3Transport(Transport):
 
 # ---- the engine's half ---------------------------------------------------------------------------
 
+
 def configured_store() -> ObjectStore:
     """The store of this engine's own `--delta-updates-root` (exported to the workers in the environment).
 
@@ -237,8 +281,9 @@ def configured_store() -> ObjectStore:
     """
     value = settings.updates_root()
     if not is_store_url(value):
-        raise StoreError(f"this engine's delta root is not an s3:// URL "
-                         f"({settings.UPDATES_ROOT} is {value!r})")
+        raise StoreError(
+            f"this engine's delta root is not an s3:// URL ({settings.UPDATES_ROOT} is {value!r})"
+        )
     return ObjectStore(StoreURL.parse(value))
 
 
@@ -247,8 +292,9 @@ def fetch_manifest(store: ObjectStore, prefix: str) -> tuple[Manifest, int]:
     try:
         data = store.get(f"{prefix}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES)
     except StoreNotFound:
-        raise IncompleteDeltaError(f"no manifest in the store under {prefix!r}: the delta is unfinished",
-                                   file=MANIFEST_NAME) from None
+        raise IncompleteDeltaError(
+            f"no manifest in the store under {prefix!r}: the delta is unfinished", file=MANIFEST_NAME
+        ) from None
     return parse_manifest(data), len(data)
 
 
@@ -259,17 +305,36 @@ class StoreFlushes:
     a consumer that stops early also stops the fetch thread.
     """
 
-    def __init__(self, store: ObjectStore, prefix: str, files: Sequence[FileEntry], *,
-                 manifest: Manifest | None = None, owned: Owned | None = None) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        prefix: str,
+        files: Sequence[FileEntry],
+        *,
+        manifest: Manifest | None = None,
+        owned: Owned | None = None,
+    ) -> None:
         """With `manifest` and `owned` (this rank's position ranges per param), flushes whose
         params all have post digests may be fetched sparse (see the module docstring)."""
         self.fetched_bytes = 0
         self._owned = owned
-        self._params = {} if manifest is None else {
-            f.name: [(p.name, math.prod(p.shape)) for p in manifest.params if f.name in p.files]
-            for f in manifest.files}
-        self._digested = set() if manifest is None or owned is None else {
-            f.name for f in manifest.files if all(p.post_digest for p in manifest.params if f.name in p.files)}
+        self._params = (
+            {}
+            if manifest is None
+            else {
+                f.name: [(p.name, math.prod(p.shape)) for p in manifest.params if f.name in p.files]
+                for f in manifest.files
+            }
+        )
+        self._digested = (
+            set()
+            if manifest is None or owned is None
+            else {
+                f.name
+                for f in manifest.files
+                if all(p.post_digest for p in manifest.params if f.name in p.files)
+            }
+        )
         self._gen = self._run(store, prefix, list(files))
 
     def __iter__(self) -> StoreFlushes:
@@ -287,15 +352,19 @@ class StoreFlushes:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, store: ObjectStore, prefix: str, files: list[FileEntry]
-             ) -> Iterator[tuple[str, bytes | SparseFile]]:
+    def _run(
+        self, store: ObjectStore, prefix: str, files: list[FileEntry]
+    ) -> Iterator[tuple[str, bytes | SparseFile]]:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-fetch") as pool:
-            ahead: Future[bytes | SparseFile] | None = (pool.submit(self._fetch, store, prefix, files[0])
-                                                        if files else None)
+            ahead: Future[bytes | SparseFile] | None = (
+                pool.submit(self._fetch, store, prefix, files[0]) if files else None
+            )
             try:
                 for i, entry in enumerate(files):
                     data = ahead.result()
-                    ahead = pool.submit(self._fetch, store, prefix, files[i + 1]) if i + 1 < len(files) else None
+                    ahead = (
+                        pool.submit(self._fetch, store, prefix, files[i + 1]) if i + 1 < len(files) else None
+                    )
                     yield entry.name, data
                     del data  # before the next flush arrives: two in memory at most
             finally:
@@ -311,15 +380,18 @@ class StoreFlushes:
         except StoreNotFound as exc:
             raise StoreNotFound(f"{exc.reason}: {key}", file=entry.name) from None
         except LimitError as exc:  # larger than the manifest says: not the object the sender sealed
-            raise IntegrityError(f"{key} does not match the manifest's {entry.bytes} bytes ({exc.reason})",
-                                 file=entry.name) from None
+            raise IntegrityError(
+                f"{key} does not match the manifest's {entry.bytes} bytes ({exc.reason})", file=entry.name
+            ) from None
         self.fetched_bytes += len(data)
         return data
 
     def _skips_any(self, entry: FileEntry) -> bool:
         """Whether this rank owns less than all of some param of the flush (else it reads it whole)."""
-        return any((r := self._owned.get(name)) is not None and blocks.merge(r) != [(0, numel - 1)]
-                   for name, numel in self._params[entry.name])
+        return any(
+            (r := self._owned.get(name)) is not None and blocks.merge(r) != [(0, numel - 1)]
+            for name, numel in self._params[entry.name]
+        )
 
     def _fetch_sparse(self, store: ObjectStore, key: str, entry: FileEntry) -> bytes | SparseFile:
         """The header, then the owned blocks' ranges; whole bytes where sparse would not pay. Every GET
@@ -334,7 +406,7 @@ class StoreFlushes:
             if n <= Limits().max_header_bytes and 8 + n <= size:
                 if len(head) < 8 + n:
                     head += store.get_range(key, len(head), 8 + n, etag=etag)
-                ranges = block_ranges(head[:8 + n], self._owned)
+                ranges = block_ranges(head[: 8 + n], self._owned)
         h = len(head)
         if ranges is not None and h + sum(b - a for a, b in ranges if b > h) > SPARSE_MAX_SHARE * size:
             ranges = None
@@ -362,8 +434,15 @@ def block_ranges(header: bytes, owned: Owned) -> list[tuple[int, int]] | None:
         out = []
         for p in json.loads(meta["params"]):
             numel = int(np.prod(p["shape"], dtype=object))
-            index = blocks.parse_index(p["blocks"], streams=len(p["streams"]), count=p["count"], numel=numel,
-                                       file=None, param=p["name"], implicit=p.get("width") == 0)
+            index = blocks.parse_index(
+                p["blocks"],
+                streams=len(p["streams"]),
+                count=p["count"],
+                numel=numel,
+                file=None,
+                param=p["name"],
+                implicit=p.get("width") == 0,
+            )
             ranges = owned.get(p["name"])
             mask = blocks.wanted(index, None if ranges is None else blocks.merge(ranges))
             for j, s in enumerate(p["streams"]):

@@ -20,8 +20,17 @@ from vllm_delta.wire.errors import DeltaError, LimitError
 
 SCHEME = "s3://"
 MIN_PART_BYTES = 5 << 20  # S3 refuses multipart parts below 5 MiB (all but the last)
-AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken",
-              "InvalidClientTokenId", "AuthorizationHeaderMalformed", "403", "401"}
+AUTH_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "InvalidToken",
+    "ExpiredToken",
+    "InvalidClientTokenId",
+    "AuthorizationHeaderMalformed",
+    "403",
+    "401",
+}
 MISSING_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
 
 T = TypeVar("T")
@@ -38,7 +47,7 @@ class StoreURL:
     def parse(cls, url: str) -> StoreURL:
         if not is_store_url(url):
             raise ValueError(f"not an s3:// URL: {url!r}")
-        bucket, _, prefix = url[len(SCHEME):].partition("/")
+        bucket, _, prefix = url[len(SCHEME) :].partition("/")
         if not bucket or "\\" in url or "\0" in url:
             raise ValueError(f"not an s3://BUCKET[/PREFIX] URL: {url!r}")
         prefix = prefix.strip("/")
@@ -77,21 +86,33 @@ def _client(max_concurrency: int, max_attempts: int) -> Any:
     import boto3
     from botocore.config import Config
 
-    config = Config(retries={"mode": "standard", "max_attempts": max_attempts},
-                    max_pool_connections=max(10, 2 * max_concurrency))
+    config = Config(
+        retries={"mode": "standard", "max_attempts": max_attempts},
+        max_pool_connections=max(10, 2 * max_concurrency),
+    )
     return boto3.session.Session().client("s3", config=config)
 
 
 class ObjectStore:
     """One bucket/prefix of an S3-compatible store; thread-safe, like the boto3 client under it."""
 
-    def __init__(self, url: StoreURL, *, client: Any = None, max_concurrency: int = 8, part_bytes: int = 8 << 20,
-                 max_attempts: int = 8, throttle_bytes_per_s: float | None = None) -> None:
+    def __init__(
+        self,
+        url: StoreURL,
+        *,
+        client: Any = None,
+        max_concurrency: int = 8,
+        part_bytes: int = 8 << 20,
+        max_attempts: int = 8,
+        throttle_bytes_per_s: float | None = None,
+    ) -> None:
         if part_bytes < 1 or max_concurrency < 1:
             raise ValueError("part_bytes and max_concurrency must be positive")
         self.url, self.part_bytes, self.max_concurrency = url, part_bytes, max_concurrency
         self.client = client if client is not None else _client(max_concurrency, max_attempts)
-        self.endpoint = getattr(getattr(self.client, "meta", None), "endpoint_url", None) or "the default endpoint"
+        self.endpoint = (
+            getattr(getattr(self.client, "meta", None), "endpoint_url", None) or "the default endpoint"
+        )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-delta-store")
         self._lock = threading.Lock()
         self._throttle = None
@@ -116,17 +137,25 @@ class ObjectStore:
         upload_id = upload["UploadId"]
 
         def one(n: int) -> dict[str, Any]:
-            chunk = view[n * part:(n + 1) * part]
+            chunk = view[n * part : (n + 1) * part]
             self._pace(len(chunk))
-            r = self._call(key, lambda: self.client.upload_part(Bucket=self.url.bucket, Key=key, UploadId=upload_id,
-                                                                PartNumber=n + 1, Body=bytes(chunk)))
+            r = self._call(
+                key,
+                lambda: self.client.upload_part(
+                    Bucket=self.url.bucket, Key=key, UploadId=upload_id, PartNumber=n + 1, Body=bytes(chunk)
+                ),
+            )
             self._count(len(chunk))
             return {"PartNumber": n + 1, "ETag": r["ETag"]}
 
         try:
             parts = list(self._pool.map(one, range(-(-len(view) // part))))
-            self._call(key, lambda: self.client.complete_multipart_upload(
-                Bucket=self.url.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}))
+            self._call(
+                key,
+                lambda: self.client.complete_multipart_upload(
+                    Bucket=self.url.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                ),
+            )
         except BaseException:
             try:
                 self.client.abort_multipart_upload(Bucket=self.url.bucket, Key=key, UploadId=upload_id)
@@ -138,9 +167,13 @@ class ObjectStore:
         """Delete every object whose key starts with `prefix` (end it with "/" for one directory)."""
         keys = self.list(prefix)
         for a in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = [{"Key": k} for k in keys[a:a + 1000]]
-            r = self._call(prefix, lambda: self.client.delete_objects(
-                Bucket=self.url.bucket, Delete={"Objects": batch, "Quiet": True}))
+            batch = [{"Key": k} for k in keys[a : a + 1000]]
+            r = self._call(
+                prefix,
+                lambda batch=batch: self.client.delete_objects(
+                    Bucket=self.url.bucket, Delete={"Objects": batch, "Quiet": True}
+                ),
+            )
             if errors := r.get("Errors"):
                 e = errors[0]
                 raise StoreError(f"delete failed: {e.get('Code')} ({len(errors)} objects)", file=e.get("Key"))
@@ -159,13 +192,19 @@ class ObjectStore:
         self.read_into(key, out, [(0, size)], etag=etag)
         return bytes(out)
 
-    def read_into(self, key: str, out: bytearray, ranges: list[tuple[int, int]], *, etag: str | None = None) -> int:
+    def read_into(
+        self, key: str, out: bytearray, ranges: list[tuple[int, int]], *, etag: str | None = None
+    ) -> int:
         """Bytes [start, end) of each range into the same offsets of `out`, in parallel GETs of at most
         `part_bytes` (pinned to `etag` if given); returns the bytes read."""
-        parts = [(a + i, min(b, a + i + self.part_bytes)) for a, b in ranges for i in range(0, b - a, self.part_bytes)]
+        parts = [
+            (a + i, min(b, a + i + self.part_bytes))
+            for a, b in ranges
+            for i in range(0, b - a, self.part_bytes)
+        ]
 
         def one(part: tuple[int, int]) -> None:
-            out[part[0]:part[1]] = self._get(key, *part, etag)
+            out[part[0] : part[1]] = self._get(key, *part, etag)
 
         list(self._pool.map(one, parts))
         return sum(b - a for a, b in parts)
@@ -186,20 +225,30 @@ class ObjectStore:
 
     def list(self, prefix: str) -> list[str]:
         """Every key under `prefix` (a full key prefix, e.g. `url.key("v000005") + "/"`)."""
-        pages = self._call(prefix, lambda: list(self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.url.bucket, Prefix=prefix)))
+        pages = self._call(
+            prefix,
+            lambda: list(
+                self.client.get_paginator("list_objects_v2").paginate(Bucket=self.url.bucket, Prefix=prefix)
+            ),
+        )
         return [o["Key"] for p in pages for o in p.get("Contents", [])]
 
     def check_access(self) -> None:
         """One cheap call that fails clearly on wrong credentials, a missing bucket or no store."""
-        self._call(str(self.url), lambda: self.client.list_objects_v2(
-            Bucket=self.url.bucket, Prefix=self.url.key(""), MaxKeys=1))
+        self._call(
+            str(self.url),
+            lambda: self.client.list_objects_v2(Bucket=self.url.bucket, Prefix=self.url.key(""), MaxKeys=1),
+        )
 
     # ---- internals ---------------------------------------------------------------------------
     def _get(self, key: str, start: int, end: int, etag: str | None) -> bytes:
         kw = {"IfMatch": etag} if etag else {}
-        r = self._call(key, lambda: self.client.get_object(Bucket=self.url.bucket, Key=key,
-                                                           Range=f"bytes={start}-{end - 1}", **kw))
+        r = self._call(
+            key,
+            lambda: self.client.get_object(
+                Bucket=self.url.bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kw
+            ),
+        )
         data = self._call(key, r["Body"].read)
         if len(data) != end - start:
             raise StoreError(f"short read: {len(data)} of {end - start} bytes at {start}", file=key)
@@ -215,19 +264,27 @@ class ObjectStore:
             self.uploaded_bytes += nbytes
 
     def _call(self, key: str, fn: Callable[[], T]) -> T:
-        from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, HTTPClientError, \
-            NoCredentialsError
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectionError,
+            HTTPClientError,
+            NoCredentialsError,
+        )
 
         try:
             return fn()
         except ClientError as exc:
             raise self._client_error(exc, key) from None
         except NoCredentialsError:
-            raise StoreAuthError("no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
-                                 "AWS_PROFILE)", file=key) from None
+            raise StoreAuthError(
+                "no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)",
+                file=key,
+            ) from None
         except (ConnectionError, HTTPClientError) as exc:
-            raise StoreError(f"store unreachable at {self.endpoint} ({type(exc).__name__}, after retries)",
-                             file=key) from None
+            raise StoreError(
+                f"store unreachable at {self.endpoint} ({type(exc).__name__}, after retries)", file=key
+            ) from None
         except BotoCoreError as exc:
             raise StoreError(f"store client error: {type(exc).__name__}", file=key) from None
 
@@ -235,9 +292,12 @@ class ObjectStore:
         err, meta = exc.response.get("Error", {}), exc.response.get("ResponseMetadata", {})
         code, status = str(err.get("Code", "")), meta.get("HTTPStatusCode")
         if code in AUTH_CODES or status in (401, 403):
-            return StoreAuthError(f"the store at {self.endpoint} refused our credentials ({code or status}): check "
-                                  f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE and the bucket's "
-                                  f"policy", file=key)
+            return StoreAuthError(
+                f"the store at {self.endpoint} refused our credentials ({code or status}): check "
+                f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE and the bucket's "
+                f"policy",
+                file=key,
+            )
         if code in MISSING_CODES or status == 404:
             what = "no such bucket" if code == "NoSuchBucket" else "no such object in the store"
             return StoreNotFound(f"{what} ({self.url.bucket})" if code == "NoSuchBucket" else what, file=key)

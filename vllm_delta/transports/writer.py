@@ -43,7 +43,7 @@ def throttled_write(path: Path, data: bytes, throttle: Throttle | None, chunk: i
     with open(tmp, "wb") as f:
         for a in range(0, len(view), chunk):
             throttle.wait(min(chunk, len(view) - a))
-            f.write(view[a:a + chunk])
+            f.write(view[a : a + chunk])
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -55,8 +55,9 @@ class BackgroundFlushWriter:
     raised, as it was, by the next `emit` or by `close`. Both stored transports write through one of
     these: to a file (transports/disk.py) or to an object store (transports/s3.py)."""
 
-    def __init__(self, write: Callable[[str, bytes], None], *, depth: int = 2, name: str = "vllm-delta-writer"
-                 ) -> None:
+    def __init__(
+        self, write: Callable[[str, bytes], None], *, depth: int = 2, name: str = "vllm-delta-writer"
+    ) -> None:
         self._write = write
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None

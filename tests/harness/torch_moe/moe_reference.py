@@ -9,9 +9,17 @@ import torch
 import torch.nn.functional as F
 
 
-def reference_moe(output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation, expert_map: torch.Tensor | None,
-                  apply_router_weight_on_input: bool) -> None:
+def reference_moe(
+    output: torch.Tensor,
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation,
+    expert_map: torch.Tensor | None,
+    apply_router_weight_on_input: bool,
+) -> None:
     """Write the experts' weighted sum for each token into `output` (w1 rows: gate, then up)."""
     if activation.value != "silu":
         raise NotImplementedError(f"reference MoE: activation {activation.value}")

@@ -22,7 +22,9 @@ TARGET = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 
 def _patch(module) -> None:
     # By path: a spawned worker's sys.path is its parent's, without this directory.
-    spec = importlib.util.spec_from_file_location("moe_reference", Path(__file__).with_name("moe_reference.py"))
+    spec = importlib.util.spec_from_file_location(
+        "moe_reference", Path(__file__).with_name("moe_reference.py")
+    )
     reference = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(reference)
     reference_moe = reference.reference_moe
@@ -31,11 +33,35 @@ def _patch(module) -> None:
     def process_weights_after_loading(self, layer) -> None:
         self._use_zentorch = False  # keep the loaded layout: the reference reads it as is
 
-    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
-              apply_router_weight_on_input) -> None:
-        reference_moe(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, expert_map,
-                      apply_router_weight_on_input)
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ) -> None:
+        reference_moe(
+            output,
+            hidden_states,
+            w1,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation,
+            expert_map,
+            apply_router_weight_on_input,
+        )
 
     cls.process_weights_after_loading = process_weights_after_loading
     cls.apply = apply
