@@ -9,7 +9,7 @@ PIP_TORCH_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo demo-megatron demo-s3 clean patch-vllm
+.PHONY: install lint test test-fast demo demo-megatron demo-s3 clean patch-vllm
 
 install: $(STAMP)
 
@@ -30,10 +30,15 @@ patch-vllm: install
 # Two xdist workers: one engine starts or syncs while the other worker's tests run. `loadscope` keeps a
 # module's (or a class's) tests on one worker, so a module-scoped engine starts once; modules are handed
 # out in collection order (the engine-heavy directories come before the light wire tests that fill in).
-test: install
+# ruff's lint and format check (pyproject.toml [tool.ruff]); seconds, so it runs first in every test target.
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
 	$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: lint
 	$(PY) -m pytest -m "not heavy" $(PYTEST_ARGS)
 
 demo: install
