@@ -18,7 +18,6 @@ PACKAGES = ("vllm_delta", "megatron_hook")
 MAX_FILE_LINES = 450
 # Files still over MAX_FILE_LINES, with the size they may not grow past; each entry is owed a split.
 OVERSIZE: dict[str, int] = {
-    "vllm_delta/engine/worker.py": 523,
     "vllm_delta/sender/producer.py": 487,
     "vllm_delta/transports/s3.py": 460,
 }

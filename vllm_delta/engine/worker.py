@@ -8,17 +8,12 @@ the door as a status code.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
-
-import torch
 
 from vllm_delta.engine import derived
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
@@ -39,56 +34,16 @@ from vllm_delta.engine.messages import (
     failure,
 )
 from vllm_delta.engine.model_path import local_checkpoint_dir
+from vllm_delta.engine.prepare_thread import Preparing, decode_threads, prepare_threads
 from vllm_delta.engine.replicas import moe_world
 from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE
+from vllm_delta.engine.worker_transfer import pull, receive
 from vllm_delta.kernels.warmup import warm_up
-from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta, parse_manifest
+from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta
 from vllm_delta.wire.checkpoint import Checkpoint
 from vllm_delta.wire.container import DeltaDir
 
 logger = logging.getLogger(__name__)
-
-
-def prepare_threads() -> int:
-    """Intra-op threads for a background prepare: at most half of the engine's, so generation keeps a
-    share."""
-    return max(1, min(4, torch.get_num_threads() // 2))
-
-
-def decode_threads(model: torch.nn.Module) -> int:
-    """Flushes a prepare decodes at once. A CPU engine's cores run its forward passes, so it takes the
-    prepare's share (`prepare_threads`); an accelerator's host cores are mostly idle (vLLM runs its
-    workers at one torch thread, so the intra-op count says nothing), so each local rank takes its
-    share of the cores it may run on, up to 8."""
-    device = next(model.parameters()).device
-    if device.type in ("cpu", "meta"):
-        return prepare_threads()
-    local = max(1, torch.accelerator.device_count())
-    return max(1, min(8, len(os.sched_getaffinity(0)) // local))
-
-
-@dataclass
-class _Preparing:
-    """A prepare running on a background thread with `threads` intra-op threads; `reply` is set when it
-    ends."""
-
-    request_id: str
-    threads: int
-    started: float = field(default_factory=time.perf_counter)
-    reply: dict[str, Any] | None = None
-    thread: threading.Thread | None = None
-
-    def start(self, prepare: Callable[[], dict[str, Any]]) -> None:
-        def run() -> None:
-            torch.set_num_threads(self.threads)  # this thread's OpenMP pool; the engine's own is untouched
-            try:
-                self.reply = prepare()
-            except Exception as exc:  # prepare reports input errors itself; anything else is ours
-                logger.exception("delta updates: prepare crashed")
-                self.reply = failure(500, exc)
-
-        self.thread = threading.Thread(target=run, name="delta-prepare", daemon=True)
-        self.thread.start()
 
 
 @dataclass
@@ -122,7 +77,7 @@ class DeltaState:
     fault: Fault | None = None
     last: dict[str, Any] | None = None
     staged: dict[str, StagedUpdate] = field(default_factory=dict)
-    preparing: _Preparing | None = None  # a background prepare (delta_prepare_start), until polled
+    preparing: Preparing | None = None  # a background prepare (delta_prepare_start), until polled
     # What a full verify checks, per checkpoint tensor: the whole-tensor additive digest and xxh3
     # the latest update that changed it stated (either may be None).
     after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
@@ -188,7 +143,7 @@ class DeltaWorkerExtension:
             _ = state.applier.placements  # the probe, once
         except Exception as exc:
             return failure(500, exc)
-        state.preparing = _Preparing(typed.id, prepare_threads())
+        state.preparing = Preparing(typed.id, prepare_threads())
         state.preparing.start(lambda: self.delta_prepare(typed))
         return PrepareStarted(rank=self._delta_rank(), threads=state.preparing.threads).wire()
 
@@ -216,10 +171,20 @@ class DeltaWorkerExtension:
         try:
             request = PrepareRequest.model_validate(request)
             max_staged = request.max_staged_bytes or self._delta_max_staged_bytes()
+            check = partial(self._delta_check_lineage, request=request)
             if request.transport == "collective":
-                manifest, staged = self._delta_receive(request, max_staged)
+                group = getattr(self, "_delta_group", None)
+                try:
+                    manifest, staged = receive(
+                        group, request, state.applier, state.version, max_staged, check
+                    )
+                except DeltaError:
+                    self._delta_drop_group()  # the trainer drops its end after any refusal
+                    raise
             elif request.store_path is not None:
-                manifest, staged = self._delta_pull(request, max_staged)
+                manifest, staged = pull(
+                    self._delta_s3(), request, state.applier, state.version, max_staged, check
+                )
             else:
                 # Opened again from the root's handle, through no symlink (the door checked the path).
                 delta_dir = DeltaDir.open(request.path, root=request.root)
@@ -411,74 +376,14 @@ class DeltaWorkerExtension:
             return failure(500, exc)
         return JoinedReply(rank=self._delta_rank(), group_rank=self._delta_group.rank).wire()
 
-    def _delta_receive(self, request: PrepareRequest, max_staged: int) -> tuple[Manifest, StagedUpdate]:
-        """Answer the trainer's offer (accept, or refuse before any flush moves), then decode each flush
-        as it arrives and drop it: one flush in memory at a time (transports/collective.py)."""
-        from vllm_delta.settings import collective_max_flush_bytes
-        from vllm_delta.transports.collective import CollectiveError, answer
+    def _delta_s3(self) -> Any:
+        """The store client: one (and its connection pool) for the worker's life."""
+        from vllm_delta.transports.s3 import configured_store
 
-        state = self._delta()
-        group = getattr(self, "_delta_group", None)
-        if group is None:
-            raise CollectiveError(
-                "no collective group: the trainer must POST /delta_updates/collective/init first"
-            )
-        version, base = request.version, request.base_version
-
-        def check() -> Manifest:
-            manifest = parse_manifest(json.dumps(request.manifest).encode())
-            self._delta_check_lineage(manifest, request)
-            state.applier._check_lineage(manifest, version, base, state.version)
-            return manifest
-
-        try:
-            receiver, manifest = answer(group, request.manifest, version, collective_max_flush_bytes(), check)
-            try:
-                staged = state.applier.prepare_flushes(
-                    manifest,
-                    receiver,
-                    version=version,
-                    base_version=base,
-                    current_version=state.version,
-                    chunk_bytes=max_staged,
-                )
-            except DeltaError:
-                receiver.drain()  # the flushes after a refused one, so the trainer's stream ends
-                raise
-        except DeltaError:
-            self._delta_drop_group()  # the trainer drops its end after any refusal
-            raise
-        except Exception as exc:
-            self._delta_drop_group()
-            raise CollectiveError(f"{type(exc).__name__}: {exc}") from exc
-        return manifest, staged
-
-    def _delta_pull(self, request: PrepareRequest, max_staged: int) -> tuple[Manifest, StagedUpdate]:
-        """Fetch the version from this engine's own store root (the route checked the relative path):
-        the manifest, the lineage check, then the flushes, one fetched ahead while the last decodes,
-        each sparse (only the blocks this rank decodes) where transports/s3.py says that is safe and pays."""
-        from vllm_delta.engine.request import store_version_key
-        from vllm_delta.transports.s3 import StoreFlushes, configured_store, fetch_manifest
-
-        state = self._delta()
         store = getattr(self, "_delta_store", None)
-        if store is None:  # one client (and its connection pool) for the worker's life
+        if store is None:
             store = self._delta_store = configured_store()
-        prefix = store_version_key(request.store_path, store.url)  # checked again, under this worker's root
-        manifest, manifest_bytes = fetch_manifest(store, prefix)
-        self._delta_check_lineage(manifest, request)  # before any flush is fetched
-        owned = state.applier.owned_ranges()  # what prepare_flushes decodes
-        with StoreFlushes(store, prefix, manifest.files, manifest=manifest, owned=owned) as flushes:
-            staged = state.applier.prepare_flushes(
-                manifest,
-                flushes,
-                version=request.version,
-                base_version=request.base_version,
-                current_version=state.version,
-                chunk_bytes=max_staged,
-            )
-        staged.bytes_read = manifest_bytes + flushes.fetched_bytes  # what came over the network
-        return manifest, staged
+        return store
 
     def _delta_drop_group(self) -> None:
         group, self._delta_group = getattr(self, "_delta_group", None), None
