@@ -82,7 +82,8 @@ def run(model: str, layers: int | None, densities: tuple[float, ...], work: Path
         out["healthy_s"] = time.perf_counter() - started
         while True:
             status = requests.get(f"{server.url}/delta_updates/status", headers=HEADERS, timeout=60).json()
-            if status["placement"]["ready"]:
+            # Ready to update: placement learned (and kernels compiled) and the ranks' coverage checked.
+            if status["placement"]["ready"] and status["placement"].get("coverage"):
                 break
             time.sleep(0.2)
         out["ready_s"] = time.perf_counter() - started
@@ -106,6 +107,7 @@ def run(model: str, layers: int | None, densities: tuple[float, ...], work: Path
                     "prepare_s": body.get("prepare_s"),
                     "pause_s": body.get("pause_s"),
                     "trace": body.get("trace"),
+                    "outside_trace_s": wall - (body.get("trace") or {}).get("wall_s", 0.0),
                 }
             )
         served = requests.post(
