@@ -17,10 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("vllm_delta", "megatron_hook")
 MAX_FILE_LINES = 450
 # Files still over MAX_FILE_LINES, with the size they may not grow past; each entry is owed a split.
-OVERSIZE: dict[str, int] = {
-    "vllm_delta/sender/producer.py": 487,
-    "vllm_delta/transports/s3.py": 460,
-}
+OVERSIZE: dict[str, int] = {}
 # Formatted with `ruff format` (about 12 % more lines than the hand-wrapped code it replaced). The
 # redesign's target is 13,000 hand-wrapped lines (about 14,600 formatted); lowered as the library shrinks.
 MAX_LIBRARY_LINES = 20_500

@@ -10,7 +10,8 @@ import dataclasses
 
 import torch
 
-from vllm_delta.sender.producer import Capture, Producer
+from vllm_delta.sender.capture import Capture
+from vllm_delta.sender.producer import Producer
 
 
 def staged_bytes(cap: Capture, producer: Producer, live: list[torch.Tensor]) -> int:

@@ -79,7 +79,7 @@ def test_plain_tensors_scanned_entries_pass_the_checks() -> None:
 
 def test_a_callers_positions_and_values_are_still_checked() -> None:
     """Only entries made by the scan skip the checks: a caller's, through the publisher's `_add` too."""
-    from vllm_delta.sender.producer import Entry
+    from vllm_delta.sender.capture import Entry
 
     b = FlushBuilder(lambda name, f: None, version=1, base_version=0, encoding="ulp_zstd")
     v = torch.ones(3, dtype=torch.bfloat16)

@@ -27,8 +27,9 @@ import torch
 
 from vllm_delta.client import EngineClient
 from vllm_delta.kernels.warmup import warm_up
+from vllm_delta.sender.capture import Capture
 from vllm_delta.sender.planner import EngineState, Plan, Planner
-from vllm_delta.sender.producer import Capture, Producer
+from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.publisher import Published, Publisher
 from vllm_delta.sender.ranks import Ranks
 from vllm_delta.sender.segments import Segments

@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
 import vllm_delta.sender.bucket_scan as bucket_scan
 from vllm_delta.diff import changed_positions
 from vllm_delta.sender.anchor import Anchor
+from vllm_delta.sender.capture import Advance, Bucket, BucketAdvance, Capture, Entry, ShardState
 from vllm_delta.sender.shards import Shard
 from vllm_delta.sender.snapshot_place import SNAPSHOT_PLACES, choose_place
 from vllm_delta.wire import additive, tensor_digest
@@ -36,76 +36,6 @@ from vllm_delta.wire import additive, tensor_digest
 STREAM_ELEMENTS = 1 << 24
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Entry:
-    """One shard's changes, staged for encoding. Positions are HF flat positions, sorted."""
-
-    name: str
-    full_shape: tuple[int, ...]
-    dtype: torch.dtype
-    changed: int  # positions that differ from the snapshot (the rest of `positions` is catch-up)
-    positions: torch.Tensor
-    new_values: torch.Tensor
-    old_values: torch.Tensor | None  # snapshot values there (base-relative deltas only)
-    digests: dict[str, torch.Tensor]  # additive digests: "digest" (whole, after), "pre_digest", "post_digest"
-    post_hash: str | None = None  # xxh3 of the whole tensor (`Producer(post_hash=True)`, whole shards only)
-    anchor: Anchor | None = None  # the captured values, read from the snapshot as the anchor is encoded
-    # Made by `Producer.scan` from its own diff: positions sorted and unique, new bits != old bits
-    # where old values are staged. The writer then skips re-checking that, pass by pass.
-    scanned: bool = False
-
-
-@dataclass(eq=False)
-class _Advance:
-    """What moves the snapshot to the captured version once every engine acknowledged it."""
-
-    local: torch.Tensor  # changed local positions (on the device)
-    values: torch.Tensor  # their new values (on the device)
-    digest: torch.Tensor  # the shard's additive digest after the change (on the device)
-
-
-@dataclass(eq=False)
-class _Bucket:
-    """The snapshot of one bucket (`bucket_scan.Layout`): one flat tensor over its span (each member's
-    `_State.snapshot` is a view of it), the members' digests, and the offsets sent since S."""
-
-    layout: bucket_scan.Layout
-    snapshot: torch.Tensor
-    digests: torch.Tensor  # [n, 2]; row i is member i's `_State.digest`
-    pending: torch.Tensor | None = None  # bucket offsets sent since S while an engine lags
-
-
-@dataclass(eq=False)
-class _BucketAdvance:
-    bucket: _Bucket
-    pos: torch.Tensor  # changed bucket offsets
-    values: torch.Tensor
-    digests: torch.Tensor  # [n, 2] after the change
-
-
-@dataclass(eq=False)
-class Capture:
-    """Everything a publish needs, detached from the live weights."""
-
-    entries: list[Entry] = field(default_factory=list)
-    advance: dict[str, _Advance] = field(default_factory=dict)
-    buckets: list[_BucketAdvance] = field(default_factory=list)
-    changed: int = 0
-    scan_s: float = 0.0
-    stage_s: float = 0.0
-
-
-@dataclass(eq=False)
-class _State:
-    placement: tuple  # Shard.describe() as seeded; the tensor itself is not kept
-    snapshot: torch.Tensor  # flat
-    digest: torch.Tensor  # additive digest of the snapshot's elements, int64[2] on the device
-    pending: torch.Tensor | None = None  # local positions sent since S while an engine lags
-    # A bucket member at a constant stride (a fused qkv's q rows): its 2-d view of the bucket's
-    # snapshot, which is what is kept current; `snapshot` is then a flat copy made for each anchor.
-    view: torch.Tensor | None = None
 
 
 class Producer:
@@ -118,8 +48,8 @@ class Producer:
             raise ValueError(f"snapshot must be one of {SNAPSHOT_PLACES}, not {snapshot!r}")
         self.snapshot_place, self.post_hash = snapshot, post_hash
         self.staging = torch.device(staging)
-        self._states: dict[str, _State] = {}
-        self._buckets: dict[tuple, _Bucket] = {}  # by layout key
+        self._states: dict[str, ShardState] = {}
+        self._buckets: dict[tuple, Bucket] = {}  # by layout key
         self._copy_streams: dict[torch.device, object] = {}
 
     # ---- seeding -----------------------------------------------------------------------------
@@ -141,7 +71,7 @@ class Producer:
             digest = (
                 additive.partial_sum(s.global_index(), flat) if not s.is_whole else additive.tensor_sum(flat)
             )
-            self._states[s.name] = _State(s.describe(), snap, digest)
+            self._states[s.name] = ShardState(s.describe(), snap, digest)
         self.place = place
 
     @property
@@ -164,7 +94,7 @@ class Producer:
         names = [n for n, st in self._states.items() if st.pending is not None]
         for b in self._buckets.values():
             if b.pending is not None:  # one count per bucket with a catch-up
-                names += [n for n, c in zip(b.layout.names, _pending_counts(b)) if c]
+                names += [n for n, c in zip(b.layout.names, b.pending_counts()) if c]
         return names
 
     def pending_elements(self) -> int:
@@ -220,7 +150,7 @@ class Producer:
         for layout in layouts:
             b = self._bucket(layout)
             res = bucket_scan.scan(layout, b.snapshot, b.digests, b.pending, kind)
-            cap.buckets.append(_BucketAdvance(b, res.pos, res.new, res.digest))
+            cap.buckets.append(BucketAdvance(b, res.pos, res.new, res.digest))
             cap.changed += res.pos.numel()
             staged = (
                 self._stage(res.hf),
@@ -274,9 +204,9 @@ class Producer:
             out[name] = e
         return out
 
-    def _bucket(self, layout: bucket_scan.Layout) -> _Bucket:
+    def _bucket(self, layout: bucket_scan.Layout) -> Bucket:
         """The bucket's snapshot, built the first time this layout is scanned: one flat copy of its
-        span, into which the members' snapshots move (their `_State` then hold views). Elements no
+        span, into which the members' snapshots move (their `ShardState` then hold views). Elements no
         member covers start equal to the live ones; changes there are dropped by the scan."""
         b = self._buckets.get(layout.key)
         if b is not None:
@@ -304,13 +234,13 @@ class Producer:
             )
             view.copy_((st.view if st.view is not None else st.snapshot).reshape(view.shape))
             st.snapshot, st.digest, st.view = view, digests[i], view if view.dim() == 2 else None
-        b = self._buckets[layout.key] = _Bucket(layout, snap, digests)
+        b = self._buckets[layout.key] = Bucket(layout, snap, digests)
         for st, name in zip(states, layout.names):
             if st.pending is not None:
                 self._rebucket_pending(b, name, st)
         return b
 
-    def _rebucket_pending(self, b: _Bucket, name: str, st: _State) -> None:
+    def _rebucket_pending(self, b: Bucket, name: str, st: ShardState) -> None:
         """A member's per-segment catch-up positions, as bucket offsets."""
         runs = b.layout.local_runs[b.layout.names.index(name)]
         starts = torch.tensor([0] + [n for _, n in runs], device=st.pending.device).cumsum(0)
@@ -320,7 +250,7 @@ class Producer:
         b.pending = p if b.pending is None else _union(b.pending, p)
         st.pending = None
 
-    def _unbucket_pending(self, b: _Bucket) -> None:
+    def _unbucket_pending(self, b: Bucket) -> None:
         """The bucket's catch-up positions back on its members, as local positions (before a
         per-segment scan, or when the bucket goes)."""
         if b.pending is None:
@@ -338,14 +268,14 @@ class Producer:
             st.pending = local if st.pending is None else _union(st.pending, local)
         b.pending = None
 
-    def _scan_one(self, s: Shard, st: _State, kind: str, anchor: bool, cap: Capture) -> Entry:
+    def _scan_one(self, s: Shard, st: ShardState, kind: str, anchor: bool, cap: Capture) -> Entry:
         cur = s.tensor.detach().reshape(-1)
         pos, old = self._diff(cur, st.snapshot)
         new = cur.index_select(0, pos)
         gpos = s.to_global(pos)
         pre, post = additive.partial_sum(gpos, old), additive.partial_sum(gpos, new)
         digest = st.digest.to(pre.device) - pre + post
-        cap.advance[s.name] = _Advance(pos, new, digest)
+        cap.advance[s.name] = Advance(pos, new, digest)
         cap.changed += pos.numel()
         digests = {"digest": digest}
         send, gsend, send_new, send_old = pos, gpos, new, old
@@ -473,15 +403,3 @@ def _put(snapshot: torch.Tensor, local: torch.Tensor, values: torch.Tensor) -> N
     else:
         cols = snapshot.shape[1]
         snapshot[torch.div(local, cols, rounding_mode="floor"), local % cols] = values
-
-
-def _pending_counts(b: _Bucket) -> list[int]:
-    """Catch-up positions per member of a bucket (on `meta`, which has no values: every member)."""
-    if b.pending.device.type == "meta":
-        return [1] * len(b.layout.names)
-    seg, *_ = bucket_scan.locate(tuple(t.to(b.pending.device) for t in b.layout.tables), b.pending)
-    return (
-        torch.zeros(len(b.layout.names), dtype=torch.int64, device=seg.device)
-        .index_add_(0, seg, torch.ones_like(seg))
-        .tolist()
-    )

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 
 from vllm_delta.client import EngineClient, Reply
+from vllm_delta.sender.capture import Capture, Entry
 from vllm_delta.sender.planner import Plan, Planner
-from vllm_delta.sender.producer import Capture, Entry
 from vllm_delta.sender.ranks import Ranks
 from vllm_delta.transports.base import SentDelta, Sink, Transport
 from vllm_delta.transports.spool import FlushSpool
