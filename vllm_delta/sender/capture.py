@@ -1,9 +1,6 @@
-"""What a scan leaves behind: the staged changes of each shard (`Entry`), what moves the snapshot
-once every engine holds them (`Capture`), and the per-shard and per-bucket snapshot state.
-
-Why apart from the scan (producer.py): the publisher reads captures and entries without needing
-the scan, and the state types are plain records the scan updates in place.
-"""
+"""The scan's records (producer.py): each shard's staged changes (`Entry`), what moves the snapshot once
+every engine holds them (`Capture`), and the per-shard and per-bucket snapshot state. Apart from the
+scan because the publisher reads captures and entries without it."""
 
 from __future__ import annotations
 

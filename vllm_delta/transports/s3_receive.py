@@ -83,23 +83,13 @@ class StoreFlushes:
         params all have post digests may be fetched sparse (see the module docstring)."""
         self.fetched_bytes = 0
         self._owned = owned
-        self._params = (
-            {}
-            if manifest is None
-            else {
-                f.name: [(p.name, math.prod(p.shape)) for p in manifest.params if f.name in p.files]
-                for f in manifest.files
-            }
-        )
-        self._digested = (
-            set()
-            if manifest is None or owned is None
-            else {
-                f.name
-                for f in manifest.files
-                if all(p.post_digest for p in manifest.params if f.name in p.files)
-            }
-        )
+        self._params: dict[str, list[tuple[str, int]]] = {}  # flush -> (param, numel) of its params
+        self._digested: set[str] = set()  # flushes whose params all have post digests
+        for f in manifest.files if manifest is not None else ():
+            params = [p for p in manifest.params if f.name in p.files]
+            self._params[f.name] = [(p.name, math.prod(p.shape)) for p in params]
+            if owned is not None and all(p.post_digest for p in params):
+                self._digested.add(f.name)
         self._gen = self._run(store, prefix, list(files))
 
     def __iter__(self) -> StoreFlushes:
