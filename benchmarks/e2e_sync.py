@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -39,31 +37,6 @@ KEY = "e2e-bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
-def write_deltas(base: Path, root: Path, densities: tuple[float, ...]) -> tuple[dict[str, torch.Tensor], int]:
-    """One `ulp_zstd` delta per density, each on the last (the sender's writer fed bitwise changes)."""
-    from harness.perturb import perturb_tensor
-    from safetensors.torch import load_file
-
-    from vllm_delta.wire import DeltaWriter, tensor_digest
-
-    weights: dict[str, torch.Tensor] = {}
-    for shard in sorted(base.glob("*.safetensors")):
-        weights.update(load_file(shard))
-    gen = torch.Generator().manual_seed(1)
-    for v, density in enumerate(densities, start=1):
-        with DeltaWriter(root / f"v{v}", version=v, base_version=v - 1, encoding="ulp_zstd") as writer:
-            for name, old in weights.items():
-                new = perturb_tensor(old, density, gen)
-                a, b = old.reshape(-1), new.reshape(-1)
-                width = a.element_size()
-                pos = torch.nonzero(
-                    a.view(torch.uint8).view(-1, width).ne(b.view(torch.uint8).view(-1, width)).any(1)
-                ).squeeze(1)
-                writer.add(name, pos, b[pos], a[pos], shape=tuple(old.shape), post_hash=tensor_digest(new))
-                weights[name] = new
-    return weights, len(weights)
-
-
 def run(model: str, layers: int | None, densities: tuple[float, ...], work: Path) -> dict[str, Any]:
     import requests
     from harness.fresh_load import FreshLoader, save_checkpoint
@@ -72,7 +45,8 @@ def run(model: str, layers: int | None, densities: tuple[float, ...], work: Path
     base = scale.count_true_checkpoint(model, work / "base", layers)
     root = work / "root"
     root.mkdir()
-    weights, tensors = write_deltas(base, root, densities)
+    weights = scale.write_deltas(base, root, densities)
+    tensors = len(weights)
     final = save_checkpoint(weights, like=base, out=work / "final")
     out: dict[str, Any] = {"model": model, "layers": layers, "checkpoint_tensors": tensors, "pushes": []}
     started = time.perf_counter()

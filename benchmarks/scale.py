@@ -243,6 +243,32 @@ def count_true_checkpoint(model: str, out: Path, layers: int | None = None, seed
     return out
 
 
+def write_deltas(base: Path, root: Path, densities: tuple[float, ...]) -> dict[str, torch.Tensor]:
+    """`root/v1`, `root/v2`, ...: one `ulp_zstd` delta per density, each on the last, written by the sender's
+    wire writer fed the bitwise changes (`vllm-delta diff` pays ~20 ms a tensor here); the final weights."""
+    from harness.perturb import perturb_tensor
+    from safetensors.torch import load_file
+
+    from vllm_delta.wire import DeltaWriter, tensor_digest
+
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(base.glob("*.safetensors")):
+        weights.update(load_file(shard))
+    gen = torch.Generator().manual_seed(1)
+    for v, density in enumerate(densities, start=1):
+        with DeltaWriter(root / f"v{v}", version=v, base_version=v - 1, encoding="ulp_zstd") as writer:
+            for name, old in weights.items():
+                new = perturb_tensor(old, density, gen)
+                a, b = old.reshape(-1), new.reshape(-1)
+                size = a.element_size()
+                pos = torch.nonzero(
+                    a.view(torch.uint8).view(-1, size).ne(b.view(torch.uint8).view(-1, size)).any(1)
+                ).squeeze(1)
+                writer.add(name, pos, b[pos], a[pos], shape=tuple(old.shape), post_hash=tensor_digest(new))
+                weights[name] = new
+    return weights
+
+
 def count_true_engine(
     model: str,
     work: Path,
@@ -256,34 +282,14 @@ def count_true_engine(
     /tmp/engine.lock for the engine part only (not when the caller already runs under `flock
     /tmp/engine.lock`: that would wait forever)."""
     from harness.fresh_load import save_checkpoint
-    from harness.perturb import perturb_tensor
-    from safetensors.torch import load_file
-
-    from vllm_delta.wire import DeltaWriter, tensor_digest
 
     key = "scale-bench-key"
     headers = {"Authorization": f"Bearer {key}"}
     base = count_true_checkpoint(model, work / "base", layers)
     root = work / "root"
     root.mkdir(parents=True, exist_ok=True)
-    weights = {}
-    for shard in sorted(base.glob("*.safetensors")):
-        weights.update(load_file(shard))
-    versions = []
-    gen = torch.Generator().manual_seed(1)
-    for v, density in enumerate(densities, start=1):
-        # The sender's wire writer, fed the bitwise changes (`vllm-delta diff` pays ~20 ms a tensor here).
-        with DeltaWriter(root / f"v{v}", version=v, base_version=v - 1, encoding="ulp_zstd") as writer:
-            for name, old in weights.items():
-                new = perturb_tensor(old, density, gen)
-                a, b = old.reshape(-1), new.reshape(-1)
-                size = a.element_size()
-                pos = torch.nonzero(
-                    a.view(torch.uint8).view(-1, size).ne(b.view(torch.uint8).view(-1, size)).any(1)
-                ).squeeze(1)
-                writer.add(name, pos, b[pos], a[pos], shape=tuple(old.shape), post_hash=tensor_digest(new))
-                weights[name] = new
-        versions.append((v, density))
+    weights = write_deltas(base, root, densities)
+    versions = list(enumerate(densities, start=1))
     current = save_checkpoint(weights, like=base, out=work / "final")
     with _engine_lock() if lock else contextlib.nullcontext():
         return _serve_and_sync(model, layers, base, current, root, versions, work, key, headers)
