@@ -28,7 +28,14 @@ def test_a_sync_after_warm_up_compiles_nothing():
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "VLLM_DELTA_KERNELS": "1"},
+        # The script imports the suite's harness (tests/), which only pytest puts on the path.
+        env={
+            **os.environ,
+            "VLLM_DELTA_KERNELS": "1",
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p
+            ),
+        },
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {}
