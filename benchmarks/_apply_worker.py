@@ -112,7 +112,7 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
         "path": path,
         "version": version,
         "base_version": None,
-        "chunk_bytes": chunk_bytes,
+        "max_staged_bytes": chunk_bytes,
     }
     with PeakRss() as prep:
         prepared = worker.delta_prepare(request)
@@ -125,7 +125,8 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
     if not committed.get("ok"):
         raise RuntimeError(f"delta_commit failed: {committed}")
     times = trace.seconds
-    repack = times.get("post_load", 0.0)
+    # The CPU repack: built while serving (`prebuild`, in prepare), swapped in by the commit (`post_load`).
+    repack = times.get("prebuild", 0.0) + times.get("post_load", 0.0)
     out = {
         "changed": prepared["changed"],
         "payload": _payload_bytes(prepared["changed"]),
@@ -138,7 +139,7 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
         "phases": trace.as_dict(),
         "commit_s": com.seconds,
         "repack_s": repack,
-        "scatter_s": com.seconds - repack,
+        "scatter_s": com.seconds - times.get("post_load", 0.0),
         "total_s": prep.seconds + com.seconds,
         # Peaks relative to the RSS before prepare.
         "prepare_extra": prep.extra,
@@ -203,21 +204,45 @@ def _decoded_patches(path: str):
     return patches
 
 
+def _post_load(model, param_names) -> float:
+    """vLLM's post-load steps (`quant_method.process_weights_after_loading`) of the modules owning
+    `param_names`, run in place as the engine re-runs them (`commit.refresh_touched` with nothing
+    built ahead: the step on the checkpoint-layout weights, its results copied into the live storage;
+    the bookkeeping is about 1% of the step, benchmarks/cpu_refresh.py). Without them a CPU engine
+    keeps serving its old oneDNN-packed kernels. Returns the seconds."""
+    from vllm_delta.engine.commit import refresh_touched
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        refresh_touched(model, list(param_names), {})
+    return time.perf_counter() - start
+
+
 def vllm_patch(worker, path: str, chunk_bytes: int) -> dict[str, Any]:
-    """vLLM's `load_checkpoint_weight_patches` on the delta's entries, decoded beforehand."""
+    """vLLM's `load_checkpoint_weight_patches` on the delta's entries, decoded beforehand, followed by
+    the post-load steps of the touched modules (without them a CPU engine keeps serving old kernels)."""
     from vllm.model_executor.model_loader.checkpoint_weight_patch import load_checkpoint_weight_patches
 
     model = worker.model_runner.get_model()
     patches = _decoded_patches(path)
     changed = sum(p.values.numel() for p in patches)
     with PeakRss() as m:
-        load_checkpoint_weight_patches(model, patches, max_chunk_bytes=chunk_bytes)
+        loaded = load_checkpoint_weight_patches(model, patches, max_chunk_bytes=chunk_bytes)
+        post_load_s = _post_load(model, loaded)
     del patches
-    return {"changed": changed, "payload": _payload_bytes(changed), "total_s": m.seconds, "extra": m.extra}
+    return {
+        "changed": changed,
+        "payload": _payload_bytes(changed),
+        "total_s": m.seconds,
+        "post_load_s": post_load_s,
+        "loader_s": m.seconds - post_load_s,
+        "extra": m.extra,
+    }
 
 
 def full_load(worker, model_dir: str) -> dict[str, Any]:
-    """A full `model.load_weights` of every tensor of a checkpoint, read into memory beforehand."""
+    """A full `model.load_weights` of every tensor of a checkpoint, read into memory beforehand, then
+    every module's post-load step."""
     from vllm_delta.wire.checkpoint import Checkpoint
 
     model = worker.model_runner.get_model()
@@ -226,9 +251,16 @@ def full_load(worker, model_dir: str) -> dict[str, Any]:
     tensors = [(name, t.clone()) for name, t in ckpt.iter_tensors()]
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     with torch.no_grad(), PeakRss() as m:
-        model.load_weights(iter(tensors))
+        loaded = model.load_weights(iter(tensors))
+        post_load_s = _post_load(model, loaded)
     del tensors
-    return {"total_s": m.seconds, "extra": m.extra, "checkpoint_bytes": nbytes}
+    return {
+        "total_s": m.seconds,
+        "post_load_s": post_load_s,
+        "loader_s": m.seconds - post_load_s,
+        "extra": m.extra,
+        "checkpoint_bytes": nbytes,
+    }
 
 
 def matches_checkpoint(worker, model_dir: str) -> dict[str, Any]:

@@ -369,10 +369,10 @@ class DeltaApplier:
         stage_all(stager, deltas)
         staged = stager.finish(version=version, replay=replay, start=start)
         # The commit's post-load work that can be built while serving (vLLM's CPU linear repack).
-        staged.prebuilt = commit_phase.prebuild_touched(self.model, self.targets, staged.writes)
-        # What the phases timed do not cover is the staging's own work: its loop, the checks, the copies,
-        # the prebuilt post-load work.
-        staged.decode_s = time.perf_counter() - start  # the whole prepare, the prebuild included
+        with times.phase("prebuild"):
+            staged.prebuilt = commit_phase.prebuild_touched(self.model, self.targets, staged.writes)
+        # What the phases timed do not cover is the staging's own work: its loop, the checks, the copies.
+        staged.decode_s = time.perf_counter() - start  # the whole prepare
         timed = sum(times.seconds.get(p, 0.0) for p in WORKER_PREPARE if p != "stage")
         times.add("stage", max(0.0, staged.decode_s - timed))
         return staged
