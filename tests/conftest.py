@@ -15,13 +15,15 @@ from harness.tiny_models import SPECS, make_tiny_model
 
 @pytest.fixture(autouse=True)
 def _delta_env_restored():
-    """Parsing `--enable-delta-updates` writes its flag, root and plugin allowlist into os.environ, for
+    """Parsing `--enable-delta-updates` writes its flag, root, keys and plugin allowlist into os.environ, for
     the engine `vllm serve` starts next. In a test process that would leak into every engine a later
     test starts (a "stock" server would then run with delta updates on): give them back after each test."""
     from vllm_delta.engine.cli_args import ENV_FLAG
+    from vllm_delta.settings import SIGNING_KEY_FILE, SIGNING_KEYS
     from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
-    saved = {name: os.environ.get(name) for name in (ENV_FLAG, ROOT_ENV, "VLLM_PLUGINS")}
+    names = (ENV_FLAG, ROOT_ENV, "VLLM_PLUGINS", SIGNING_KEYS, SIGNING_KEY_FILE)
+    saved = {name: os.environ.get(name) for name in names}
     yield
     for name, value in saved.items():
         if value is None:

@@ -47,3 +47,20 @@ KERNELS_ALIASES = ("VLLM_DELTA_APPLY_KERNEL", "VLLM_DELTA_SCAN_KERNEL", "VLLM_DE
 def kernels_on() -> bool:
     """The compiled kernels are not switched off (read on every call: tests and benchmarks flip it)."""
     return all(os.environ.get(v, "1") != "0" for v in (KERNELS, *KERNELS_ALIASES))
+
+
+# The keys a manifest may be signed with (wire/signing.py): comma-separated, or in a file, one a line
+# (blank lines and `#` comments skipped), read again at every use so a rotation needs no restart. The
+# first signs (a sender); any verifies (an engine). `--delta-updates-signing-key[-file]` sets them.
+SIGNING_KEYS = "VLLM_DELTA_SIGNING_KEYS"
+SIGNING_KEY_FILE = "VLLM_DELTA_SIGNING_KEY_FILE"
+
+
+def signing_keys() -> list[str]:
+    """The configured signing keys, as given ([] when none: manifests are neither signed nor checked)."""
+    path = os.environ.get(SIGNING_KEY_FILE)
+    if path:
+        with open(path, encoding="utf-8") as f:
+            lines = (line.strip() for line in f)
+            return [line for line in lines if line and not line.startswith("#")]
+    return [k.strip() for k in os.environ.get(SIGNING_KEYS, "").split(",") if k.strip()]

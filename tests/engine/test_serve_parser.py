@@ -12,6 +12,7 @@ import os
 import pytest
 from harness.s3_server import s3_env, s3_server  # noqa: F401  (fixtures: a real local store)
 
+from vllm_delta import settings
 from vllm_delta.engine import cli_args
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
@@ -25,7 +26,15 @@ def serve_parser(monkeypatch):
 
     # The parser sets the delta flags in os.environ (for the engine it starts): setenv first, so
     # monkeypatch restores each name to its state before the test, unset included.
-    for name in ("VLLM_SERVER_DEV_MODE", "VLLM_API_KEY", cli_args.ENV_FLAG, ROOT_ENV, "VLLM_PLUGINS"):
+    for name in (
+        "VLLM_SERVER_DEV_MODE",
+        "VLLM_API_KEY",
+        cli_args.ENV_FLAG,
+        ROOT_ENV,
+        "VLLM_PLUGINS",
+        settings.SIGNING_KEYS,
+        settings.SIGNING_KEY_FILE,
+    ):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
 
@@ -173,3 +182,40 @@ def test_the_staging_bound_flag_and_its_deprecated_alias(serve_parser, delta_fla
     with pytest.warns(FutureWarning, match="--delta-updates-max-staged-bytes"):
         args = serve_parser(*flags, "--delta-updates-chunk-bytes", "8192")
     assert args.delta_updates_max_staged_bytes == 8192 and not hasattr(args, "delta_updates_chunk_bytes")
+
+
+KEY_A, KEY_B = "a" * 16, "b" * 32
+
+
+def test_signing_keys_are_exported_to_the_engine_processes(serve_parser, delta_flags, tmp_path):
+    """Both doors' workers read the keys from the environment the parser sets (wire/signing.py)."""
+    args = serve_parser(*delta_flags, "--api-key", "k", "--delta-updates-signing-key", KEY_A, KEY_B)
+    assert args.delta_updates_signing_key == [KEY_A, KEY_B]
+    assert settings.signing_keys() == [KEY_A, KEY_B] and settings.SIGNING_KEY_FILE not in os.environ
+    keys = tmp_path / "keys"
+    keys.write_text(f"# comment\n{KEY_B}\n")
+    native = ["--weight-transfer-config", '{"backend": "delta"}', "--delta-updates-root", str(tmp_path)]
+    serve_parser(*native, "--delta-updates-signing-key-file", str(keys))
+    assert os.environ[settings.SIGNING_KEY_FILE] == str(keys.resolve()) and settings.signing_keys() == [KEY_B]
+    assert settings.SIGNING_KEYS not in os.environ
+
+
+SIGNING_REFUSED = {
+    "short": (["--delta-updates-signing-key", KEY_A, "short"], "key #2 is shorter than 16 bytes"),
+    "twice": (["--delta-updates-signing-key", KEY_A, KEY_A], "listed twice"),
+    "comma": (["--delta-updates-signing-key", KEY_A + "," + KEY_B], "comma"),
+    "no-file": (["--delta-updates-signing-key-file", "/nonexistent/keys"], "No such file"),
+    "both": (["--delta-updates-signing-key", KEY_A, "--delta-updates-signing-key-file", "k"], "not allowed"),
+}
+
+
+@pytest.mark.parametrize("case", SIGNING_REFUSED)
+def test_bad_signing_keys_are_refused_at_parse_time_without_printing_them(
+    serve_parser, delta_flags, capsys, case
+):
+    flags, message = SIGNING_REFUSED[case]
+    with pytest.raises(SystemExit) as exc:
+        serve_parser(*delta_flags, "--api-key", "k", *flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and KEY_A not in err

@@ -74,7 +74,39 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
              "IP addresses, networks (CIDR) or host names. Off when not given: the workers never join a "
              "group.",
     )  # fmt: skip
+    keys = group.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--delta-updates-signing-key", type=str, nargs="+", default=None, metavar="KEY", action=SigningKeys,
+        help="Apply only manifests signed (HMAC-SHA-256) with one of these keys, each at least 16 bytes; "
+             "refuse others with 403 (docs/security.md). Visible in the process list: prefer the file.",
+    )  # fmt: skip
+    keys.add_argument(
+        "--delta-updates-signing-key-file", type=str, default=None, metavar="FILE", action=SigningKeys,
+        help="The same, one key a line, read again for every update (rotate keys without a restart).",
+    )  # fmt: skip
     check_after_parsing(parser)
+
+
+class SigningKeys(argparse.Action):
+    """Check the signing keys (or their file) now and export them to the engine processes, whose
+    workers verify every manifest (`worker._delta_admit`) whichever door the update came through."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from vllm_delta.wire.signing import signing_keys
+
+        file = option_string == "--delta-updates-signing-key-file"
+        if not file and any("," in v or v != v.strip() for v in values):
+            parser.error(f"{option_string}: a key may not contain a comma or surrounding whitespace")
+        os.environ.pop(settings.SIGNING_KEY_FILE if not file else settings.SIGNING_KEYS, None)
+        os.environ[settings.SIGNING_KEY_FILE if file else settings.SIGNING_KEYS] = (
+            os.path.realpath(values) if file else ",".join(values)
+        )
+        try:
+            if not signing_keys(settings.signing_keys()):
+                raise ValueError("no key in it")
+        except (OSError, ValueError) as exc:
+            parser.error(f"{option_string}: {exc}")
+        setattr(namespace, self.dest, values)
 
 
 class DeprecatedAlias(argparse.Action):

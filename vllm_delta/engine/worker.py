@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from vllm_delta import settings
 from vllm_delta.engine import derived
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
@@ -42,6 +43,7 @@ from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta
 from vllm_delta.wire.checkpoint import Checkpoint
 from vllm_delta.wire.container import DeltaDir
+from vllm_delta.wire.signing import signing_keys, verify
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +173,7 @@ class DeltaWorkerExtension:
         try:
             request = PrepareRequest.model_validate(request)
             max_staged = request.max_staged_bytes or self._delta_max_staged_bytes()
-            check = partial(self._delta_check_lineage, request=request)
+            check = partial(self._delta_admit, request=request)
             if request.transport == "collective":
                 group = getattr(self, "_delta_group", None)
                 try:
@@ -190,7 +192,7 @@ class DeltaWorkerExtension:
                 delta_dir = DeltaDir.open(request.path, root=request.root)
                 opened = open_delta(delta_dir, files=request.files)
                 manifest = opened.manifest
-                self._delta_check_lineage(manifest, request)  # before any flush is read
+                self._delta_admit(manifest, request)  # before any flush is read
                 staged = state.applier.prepare(
                     opened,
                     version=request.version,
@@ -273,6 +275,12 @@ class DeltaWorkerExtension:
             version=state.version,
             phases=_phases(staged, WORKER_COMMIT),
         ).wire()
+
+    def _delta_admit(self, manifest: Manifest, request: PrepareRequest) -> None:
+        """The one check of a manifest before any flush is read or received, on every transport and
+        through both doors: its signature (403, with signing keys), then its lineage (409)."""
+        verify(manifest, signing_keys(settings.signing_keys()))
+        self._delta_check_lineage(manifest, request)
 
     def _delta_check_lineage(
         self, manifest: Manifest, request: PrepareRequest, anchor: bool = True

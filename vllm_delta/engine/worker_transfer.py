@@ -17,7 +17,7 @@ from vllm_delta.engine.apply import DeltaApplier, StagedUpdate
 from vllm_delta.engine.messages import PrepareRequest
 from vllm_delta.wire import DeltaError, Manifest, parse_manifest
 
-# The lineage check of the worker (engine version and run id), before anything is read.
+# The worker's check of a manifest (signature, then lineage: worker._delta_admit), before anything is read.
 CheckLineage = Callable[[Manifest], object]
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vllm_delta import settings
 from vllm_delta.client import EngineClient
 from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.sender.capture import Capture
@@ -36,6 +37,7 @@ from vllm_delta.sender.segments import Segments
 from vllm_delta.sender.shards import Shard, check_disjoint
 from vllm_delta.transports import registry as transports
 from vllm_delta.transports.base import TransportOptions
+from vllm_delta.wire.signing import signing_keys as checked_keys
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,9 @@ class DeltaSender:
     misses `max_lag_syncs` syncs in a row, or every lagging engine once the pending catch-up passes
     `max_pending_density`, is owed a full anchor and stops holding the snapshot back (`planner.py`).
     `status_wait_s`: how long `capture()` waits for the background status answer of an engine in an
-    unknown state before skipping it for that sync (`sync()` waits for the answer).
+    unknown state before skipping it for that sync (`sync()` waits for the answer). `signing_keys`: the
+    first signs every manifest (engines started with `--delta-updates-signing-key`); None reads them
+    from `VLLM_DELTA_SIGNING_KEYS` / `VLLM_DELTA_SIGNING_KEY_FILE`, where none means unsigned.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class DeltaSender:
         max_pending_density: float = 0.1,
         client: Any = None,
         status_wait_s: float = 0.0,
+        signing_keys: Sequence[str | bytes] | None = None,
     ) -> None:
         # Anything with EngineClient's `status`/`update`/`collective_init` (e.g. vLLM's weight-sync
         # clients behind the native backend, vllm_delta/weight_transfer/links.py) may stand in for HTTP.
@@ -124,8 +129,9 @@ class DeltaSender:
         self.max_pending_density = max_pending_density
         self.producer = Producer(snapshot=snapshot, post_hash=post_hash)
         self.ranks = Ranks(group)
+        keys = checked_keys(settings.signing_keys() if signing_keys is None else signing_keys)
         self.publisher = Publisher(
-            self.transport, self.client, self.planner, self.ranks, flush_bytes=flush_bytes
+            self.transport, self.client, self.planner, self.ranks, flush_bytes=flush_bytes, signing_keys=keys
         )
         self.model_elements = 0
         self.status_wait_s = status_wait_s
@@ -374,10 +380,8 @@ class DeltaSender:
         for url in plan.delta_urls + plan.anchor_urls:
             e = self.planner.engines.get(url)
             if e is not None:
-                e.acked, e.last_error = (
-                    None,
-                    {"type": "PublishFailed", "message": f"{type(error).__name__}: {error}"},
-                )
+                e.acked = None
+                e.last_error = {"type": "PublishFailed", "message": f"{type(error).__name__}: {error}"}
         self.planner.version = max(self.planner.version, plan.version)
         if self.ranks.rank == 0:
             self.planner.probe_unknown()
@@ -399,12 +403,7 @@ class DeltaSender:
         shards = [self._as_shard(x) for x in _items(named)]
         known = set(self.producer.names)
         seeded = {_alias_key(s.tensor) for s in shards if s.name in known}
-        out = []
-        for s in shards:
-            if s.name not in known and _alias_key(s.tensor) in seeded:
-                continue
-            out.append(s)
-        return out
+        return [s for s in shards if s.name in known or _alias_key(s.tensor) not in seeded]
 
     def _metrics(self, done: Published, changed: int) -> dict[str, float]:
         plan, sent, replies = done.plan, done.sent, done.replies

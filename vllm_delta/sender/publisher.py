@@ -19,6 +19,7 @@ from vllm_delta.sender.ranks import Ranks
 from vllm_delta.transports.base import SentDelta, Sink, Transport
 from vllm_delta.transports.spool import FlushSpool
 from vllm_delta.wire import FlushBuilder, Manifest, additive, merge_manifests
+from vllm_delta.wire.signing import sign
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,18 @@ def dir_name(kind: str, version: int) -> str:
 
 class Publisher:
     def __init__(
-        self, transport: Transport, client: EngineClient, planner: Planner, ranks: Ranks, *, flush_bytes: int
+        self,
+        transport: Transport,
+        client: EngineClient,
+        planner: Planner,
+        ranks: Ranks,
+        *,
+        flush_bytes: int,
+        signing_keys: list[bytes],
     ) -> None:
         self.transport, self.client, self.planner, self.ranks = transport, client, planner, ranks
         self.flush_bytes = flush_bytes
+        self.signing_keys = signing_keys  # the first signs each merged manifest (wire/signing.py)
 
     def run(self, plan: Plan, cap: Capture, model_elements: int) -> Published:
         """Every rank runs the same collectives whatever fails on it: a local failure is agreed on
@@ -175,6 +184,8 @@ class Publisher:
                 shards.setdefault(name, []).append(h)
         merged = _with_digests(merged, {n: {"digest": additive.combine(*hs)} for n, hs in shards.items()})
         merged = merged.model_copy(update={"lineage": plan.lineage(kind)})
+        if self.signing_keys:  # last: the signature covers the lineage and every digest
+            merged = sign(merged, self.signing_keys)
         out = SentDelta(
             kind,
             merged,

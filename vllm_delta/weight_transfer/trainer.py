@@ -30,6 +30,8 @@ class DeltaTrainerInitInfo(TrainerInitInfo):
     `checkpoint` seeds the snapshot from the engines' own checkpoint files; without it, from the
     source's weights at `trainer_init`, which must then equal what the engines serve. `group`: a
     torch.distributed (gloo) group of all trainer ranks, for sources split across ranks.
+    `signing_keys`: the first signs every manifest, for engines started with
+    `--delta-updates-signing-key` (None: from the environment, as `DeltaSender` reads it).
     """
 
     backend: ClassVar[str] = BACKEND
@@ -47,6 +49,7 @@ class DeltaTrainerInitInfo(TrainerInitInfo):
     collective_timeout_s: float = 120.0
     version: int = 0
     group: Any = None
+    signing_keys: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.transport == "disk" and self.delta_dir is None:
@@ -109,6 +112,7 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
             group=init_info.group,
             version=init_info.version,
             client=SyncClientLinks(clients),
+            signing_keys=init_info.signing_keys,
         )
         if init_info.checkpoint is not None:
             sender.seed_from_checkpoint(init_info.checkpoint, names=held)

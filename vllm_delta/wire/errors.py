@@ -2,7 +2,8 @@
 
 Each error names the file, the param and the reason. Its class tells the category, so a receiver can
 map it to a status without parsing messages: `http_status` is 400 for a corrupt or incomplete delta,
-409 for a base-version conflict and 422 for a delta that is well formed but does not fit the model.
+403 for a manifest whose signature the receiver requires and cannot verify, 409 for a base-version
+conflict and 422 for a delta that is well formed but does not fit the model.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class LimitError(CorruptDeltaError):
 
 class IncompleteDeltaError(CorruptDeltaError):
     """The delta is not finished: no manifest, or a file it names is missing."""
+
+
+# 403: well formed, but not vouched for by a key the receiver holds (wire/signing.py).
+class SignatureError(DeltaError):
+    """The manifest is unsigned, or its signature does not verify with any of the receiver's keys."""
+
+    http_status = 403
 
 
 # 409: valid, but not for the receiver's current weights.

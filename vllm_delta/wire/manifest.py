@@ -15,7 +15,16 @@ from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from .additive import DIGEST_ALGO, combine
 from .container import Limits, json_loads
@@ -147,6 +156,15 @@ def check_lineage(
     return lineage.run_id
 
 
+class Signature(_Strict):
+    """Who vouches for a manifest (wire/signing.py): `alg` names the scheme, so an asymmetric signature
+    can take HMAC's place in the same field; `key_id` says which of the receiver's keys checks it."""
+
+    alg: str = Field(min_length=1, max_length=32)
+    key_id: str = Field(min_length=1, max_length=64)
+    sig: str = Field(min_length=1, max_length=1024)
+
+
 class Manifest(_Strict):
     format: Literal["vllm-delta/1"] = FORMAT
     version: int
@@ -160,6 +178,17 @@ class Manifest(_Strict):
     params: list[ParamEntry] = []
     # Which weights it applies to (absent in older manifests and hand-made deltas): check_lineage.
     lineage: Lineage | None = None
+    # Set by a sender given signing keys; an unsigned manifest serializes without it (`_as_before`).
+    signature: Signature | None = None
+
+    @model_serializer(mode="wrap")
+    def _as_before(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """No `signature` key when unsigned: unsigned manifests keep their bytes, and engines that
+        predate signing (`extra="forbid"`) still read them."""
+        out = handler(self)
+        if out.get("signature", 0) is None:
+            del out["signature"]
+        return out
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
