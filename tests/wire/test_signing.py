@@ -65,6 +65,8 @@ def test_canonical_bytes_ignore_layout_and_key_order_but_not_content(delta):
     reordered = json.dumps(dict(reversed(list(raw.items()))), indent=4).encode()
     compact = m.model_dump_json().encode()
     assert {canonical_bytes(parse_manifest(b)) for b in (reordered, compact)} == {canonical_bytes(m)}
+    dumped = m.model_dump(mode="json", exclude={"signature"})  # what the models' fields stand for
+    assert canonical_bytes(m) == json.dumps(dumped, sort_keys=True, separators=(",", ":")).encode()
     assert canonical_bytes(sign(m, [NEW])) == canonical_bytes(m), "the signature is not part of it"
     other = m.model_copy(update={"version": m.version + 1})
     assert canonical_bytes(other) != canonical_bytes(m)
