@@ -57,10 +57,13 @@ SIGNING_KEY_FILE = "VLLM_DELTA_SIGNING_KEY_FILE"
 
 
 def signing_keys() -> list[str]:
-    """The configured signing keys, as given ([] when none: manifests are neither signed nor checked)."""
+    """The configured signing keys, as given ([] when none: manifests are neither signed nor checked).
+    A key file that is gone, unreadable or lists no key raises: signing stays on (fail closed)."""
     path = os.environ.get(SIGNING_KEY_FILE)
     if path:
         with open(path, encoding="utf-8") as f:
-            lines = (line.strip() for line in f)
-            return [line for line in lines if line and not line.startswith("#")]
+            keys = [line for line in map(str.strip, f) if line and not line.startswith("#")]
+        if not keys:
+            raise ValueError(f"the signing key file {path} lists no key")
+        return keys
     return [k.strip() for k in os.environ.get(SIGNING_KEYS, "").split(",") if k.strip()]

@@ -205,6 +205,7 @@ SIGNING_REFUSED = {
     "twice": (["--delta-updates-signing-key", KEY_A, KEY_A], "listed twice"),
     "comma": (["--delta-updates-signing-key", KEY_A + "," + KEY_B], "comma"),
     "no-file": (["--delta-updates-signing-key-file", "/nonexistent/keys"], "No such file"),
+    "empty-file": (["--delta-updates-signing-key-file", "/dev/null"], "lists no key"),
     "both": (["--delta-updates-signing-key", KEY_A, "--delta-updates-signing-key-file", "k"], "not allowed"),
 }
 

@@ -155,3 +155,9 @@ def test_keys_are_checked_and_read_from_the_environment_or_a_file(tmp_path, monk
     keys.write_text(f"# rotated on Monday\n{OLD.decode()}\n\n  {NEW.decode()}  \n")
     monkeypatch.setenv(settings.SIGNING_KEY_FILE, str(keys))
     assert settings.signing_keys() == [OLD.decode(), NEW.decode()], "the file wins; comments skipped"
+    keys.write_text("# emptied by mistake\n")
+    with pytest.raises(ValueError, match="lists no key"):  # fail closed: no update verifies
+        settings.signing_keys()
+    keys.unlink()
+    with pytest.raises(FileNotFoundError):
+        settings.signing_keys()

@@ -102,8 +102,7 @@ class SigningKeys(argparse.Action):
             os.path.realpath(values) if file else ",".join(values)
         )
         try:
-            if not signing_keys(settings.signing_keys()):
-                raise ValueError("no key in it")
+            signing_keys(settings.signing_keys())
         except (OSError, ValueError) as exc:
             parser.error(f"{option_string}: {exc}")
         setattr(namespace, self.dest, values)
