@@ -39,7 +39,7 @@ class NoEngine:
 def test_registered_and_dispatched_by_init_info():
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as Factory
 
-    assert DeltaTrainerInitInfo.backend == "delta" and "delta" in Factory._registry
+    assert DeltaTrainerInitInfo.backend == "vllm_delta" and "vllm_delta" in Factory._registry
     with pytest.raises(TypeError):
         DeltaTrainerInitInfo("/tmp")  # `rank` is keyword-only and required, as for every vLLM backend
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vllm_delta import settings
+from vllm_delta.backend_names import is_ours
 
 if TYPE_CHECKING:
     from vllm_delta.transports.store import StoreURL
@@ -265,7 +266,7 @@ NATIVE_DP_REFUSAL = (
 
 def check_native_args(args: argparse.Namespace) -> None:
     """Refuse the `delta` weight-transfer backend where its front end would not reach every engine."""
-    if getattr(args, "enable_delta_updates", False) or _weight_transfer_backend(args) != "delta":
+    if getattr(args, "enable_delta_updates", False) or not is_ours(_weight_transfer_backend(args)):
         return
     if (getattr(args, "data_parallel_size", None) or 1) > 1:
         raise ValueError(NATIVE_DP_REFUSAL.format(args.data_parallel_size))
@@ -289,7 +290,7 @@ def check_args(args: argparse.Namespace) -> None:
             f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
             f"it cannot be combined with --worker-extension-cls {args.worker_extension_cls}"
         )
-    if _weight_transfer_backend(args) == "delta":
+    if is_ours(_weight_transfer_backend(args)):
         raise ValueError(
             "the `delta` weight-transfer backend and --enable-delta-updates cannot serve the same "
             "engine: choose one (each door would keep its own version of the same weights)"

@@ -1,16 +1,27 @@
-"""Register `delta` in vLLM's two weight-transfer registries, from our `vllm.general_plugins` entry point.
+"""Register our backend in vLLM's two weight-transfer registries, from our `vllm.general_plugins` entry point.
 
 Why from the general plugin: vLLM loads it in every process (front end, engine core, workers)
-before any engine is created, so `--weight-transfer-config '{"backend": "delta"}'` and the offline
-`LLM(weight_transfer_config=...)` find the backend without a patch. Registration is by module
-path, so nothing of ours is imported until the backend is used.
+before any engine is created, so `--weight-transfer-config '{"backend": "vllm_delta"}'` and the
+offline `LLM(weight_transfer_config=...)` find the backend without a patch. Registration is by module
+path, so nothing of ours is imported until the backend is used. The names and who holds them:
+`backend_names.py` (`vllm_delta` refused loudly if another package holds it; `delta` kept only free).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
-BACKEND = "delta"
+from vllm_delta.backend_names import ALIAS, BACKEND, holder, is_ours, package_of
+
+logger = logging.getLogger("vllm.delta_updates")
+
+WORKER = ("vllm_delta.weight_transfer.worker_engine", "DeltaWeightTransferEngine")
+TRAINER = ("vllm_delta.weight_transfer.trainer", "DeltaTrainerWeightTransferEngine")
+
+
+class BackendNameTaken(RuntimeError):
+    """Another installed package registered `vllm_delta`: pairing with it would be silent and wrong."""
 
 
 def register_backends() -> None:
@@ -20,27 +31,40 @@ def register_backends() -> None:
         WeightTransferTrainerFactory,
     )
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "vllm_delta.weight_transfer.worker_engine", "DeltaWeightTransferEngine"
-        )
-    if BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(
-            BACKEND, "vllm_delta.weight_transfer.trainer", "DeltaTrainerWeightTransferEngine"
-        )
+    for factory, (module, cls) in (
+        (WeightTransferEngineFactory, WORKER),
+        (WeightTransferTrainerFactory, TRAINER),
+    ):
+        for name in (BACKEND, ALIAS):
+            held = holder(factory._registry, name)
+            if held is None:
+                factory.register_engine(name, module, cls)
+            elif held != module and name == BACKEND:
+                raise BackendNameTaken(
+                    f"vLLM's weight-transfer backend {BACKEND!r} is already registered by "
+                    f"{package_of(held)}; vllm-delta will not share the name (a trainer and an engine "
+                    "could then pair with different backends). Uninstall one of the two packages."
+                )
+            elif held != module:
+                logger.info(
+                    "weight-transfer backend %r belongs to %s; vllm-delta answers to %r only",
+                    name,
+                    package_of(held),
+                    BACKEND,
+                )
 
 
 def backend_configured() -> bool:
-    """Whether the vLLM config being built or loaded selects the `delta` backend."""
+    """Whether the vLLM config being built or loaded selects our backend (by either of its names)."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
     transfer = getattr(config, "weight_transfer_config", None)
-    return transfer is not None and transfer.backend == BACKEND
+    return transfer is not None and is_ours(transfer.backend)
 
 
 def keep_cpu_weights_when_configured() -> None:
-    """Observe post-load transforms (engine/transforms) for engines using `delta`, on any platform.
+    """Observe post-load transforms (engine/transforms) for engines using our backend, on any platform.
 
     The plugin cannot see the config when it loads, so the choice is made when the model's
     post-load step runs (the worker loads the model under its config): stock vLLM otherwise.

@@ -26,6 +26,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
+from vllm_delta.backend_names import is_ours
 from vllm_delta.engine.http_errors import UpdateError, bad_request
 from vllm_delta.engine.messages import Done
 from vllm_delta.engine.metrics import delta_metrics
@@ -33,7 +34,6 @@ from vllm_delta.engine.replicas import rpc_all
 from vllm_delta.engine.request import DeltaUpdateRequest, prepare_request
 from vllm_delta.engine.transaction import Sync, Transaction
 from vllm_delta.weight_transfer.errors import delta_root, parse_error
-from vllm_delta.weight_transfer.registry import BACKEND
 from vllm_delta.weight_transfer.worker_engine import WORKER_RPC
 
 logger = logging.getLogger("vllm.delta_updates")
@@ -53,12 +53,12 @@ class FinishBody(BaseModel):
 
 
 def enabled(args: Namespace | None) -> bool:
-    """`--weight-transfer-config` selects `delta` and vLLM mounts its weight routes (dev mode)."""
+    """`--weight-transfer-config` selects our backend and vLLM mounts its weight routes (dev mode)."""
     from vllm import envs
 
     config = getattr(args, "weight_transfer_config", None)
     backend = config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
-    return backend == BACKEND and envs.VLLM_SERVER_DEV_MODE
+    return bool(envs.VLLM_SERVER_DEV_MODE) and is_ours(backend)
 
 
 def attach(app: FastAPI) -> None:

@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Self
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
+from vllm_delta.backend_names import BACKEND
 from vllm_delta.weight_transfer.links import SyncClientLinks
-from vllm_delta.weight_transfer.registry import BACKEND
 
 
 @dataclass

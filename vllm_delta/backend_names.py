@@ -1,0 +1,50 @@
+"""Our names in vLLM's two weight-transfer registries, and which installed package holds a name there.
+
+Why the registry and not the name decides: another package may register `delta` too (SkyRL does), and
+vLLM's registries keep the first registrant, so whichever plugin loads first would pair its trainer
+with the other's receiver. `vllm_delta` is ours alone (taken by anyone else: refused at startup,
+naming them); `delta` is ours only while nobody else holds it. Both doors ask `is_ours` here: the
+CLI check (engine/cli_args) and the backend's front end (weight_transfer/routes). Imports nothing of
+this library, so either package may use it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from importlib.metadata import packages_distributions
+
+BACKEND = "vllm_delta"  # ours alone
+ALIAS = "delta"  # ours too while no other package registered it first
+OUR_MODULES = "vllm_delta."
+
+
+def holder(registry: Mapping[str, Callable[[], type]], name: str) -> str | None:
+    """The module of the class registered as `name`, read from vLLM's loader without importing it."""
+    loader = registry.get(name)
+    if loader is None:
+        return None
+    found = inspect.getclosurevars(loader).nonlocals
+    if "module_path" in found:  # register_engine(name, "module.path", "Class")
+        return str(found["module_path"])
+    cls = found.get("engine_cls")  # register_engine(name, Class)
+    return getattr(cls, "__module__", None) or repr(loader)
+
+
+def package_of(module: str) -> str:
+    """The installed distribution(s) a module comes from, for an error that names who to uninstall."""
+    top = module.split(".")[0]
+    dists = sorted(set(packages_distributions().get(top, [])))
+    return f"{', '.join(dists)} (module {module})" if dists else f"module {module} (no installed package)"
+
+
+def is_ours(name: str | None) -> bool:
+    """Whether vLLM's engine registry resolves `name` to our backend, once every vLLM plugin loaded."""
+    if name not in (BACKEND, ALIAS):
+        return False
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # once per process: the registry is final after it
+    module = holder(WeightTransferEngineFactory._registry, name)
+    return module is not None and module.startswith(OUR_MODULES)
