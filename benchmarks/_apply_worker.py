@@ -94,7 +94,7 @@ def learn_placement(worker) -> dict[str, Any]:
     }
 
 
-def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
+def ours(worker, path: str, version: int, max_staged_bytes: int) -> dict[str, Any]:
     """Our apply as the route runs it: `delta_prepare`, the digest check, `delta_commit`.
 
     The worker's version counter is set to `version - 1` first so the same delta directories can
@@ -112,7 +112,7 @@ def ours(worker, path: str, version: int, chunk_bytes: int) -> dict[str, Any]:
         "path": path,
         "version": version,
         "base_version": None,
-        "max_staged_bytes": chunk_bytes,
+        "max_staged_bytes": max_staged_bytes,
     }
     with PeakRss() as prep:
         prepared = worker.delta_prepare(request)

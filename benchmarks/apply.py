@@ -50,7 +50,7 @@ from vllm_delta.wire.additive import partial_sum, to_hex  # noqa: E402
 from vllm_delta.wire.manifest import write_manifest  # noqa: E402
 
 # Our default --delta-updates-max-staged-bytes (the staging bound), and vLLM's chunk cap.
-CHUNK_BYTES = 256 << 20
+BOUND_BYTES = 256 << 20
 MB = 1e6
 
 
@@ -258,10 +258,10 @@ def run_engine(base_dir: Path, new_dir: Path, deltas: dict[float, dict[str, Path
         enc = a.encoding
         d0 = min(deltas)
         print("warm-up (first calls, unscored):", flush=True)
-        step("ours", d0, "warm", W.ours, str(deltas[d0][f"{enc}_fwd"]), 1, CHUNK_BYTES)
-        step("ours", d0, "warm", W.ours, str(deltas[d0][f"{enc}_rev"]), 2, CHUNK_BYTES)
-        step("vllm", d0, "warm", W.vllm_patch, str(deltas[d0][f"{enc}_fwd"]), CHUNK_BYTES)
-        step("vllm", d0, "warm", W.vllm_patch, str(deltas[d0][f"{enc}_rev"]), CHUNK_BYTES)
+        step("ours", d0, "warm", W.ours, str(deltas[d0][f"{enc}_fwd"]), 1, BOUND_BYTES)
+        step("ours", d0, "warm", W.ours, str(deltas[d0][f"{enc}_rev"]), 2, BOUND_BYTES)
+        step("vllm", d0, "warm", W.vllm_patch, str(deltas[d0][f"{enc}_fwd"]), BOUND_BYTES)
+        step("vllm", d0, "warm", W.vllm_patch, str(deltas[d0][f"{enc}_rev"]), BOUND_BYTES)
         print("measured:", flush=True)
         for density in sorted(deltas):
             paths = deltas[density]
@@ -272,10 +272,10 @@ def run_engine(base_dir: Path, new_dir: Path, deltas: dict[float, dict[str, Path
                     W.ours,
                     (str(paths[f"{e}_fwd"]), 1),
                     (str(paths[f"{e}_rev"]), 2),
-                    CHUNK_BYTES,
+                    BOUND_BYTES,
                 )
             three(
-                "vllm", density, W.vllm_patch, str(paths[f"{enc}_fwd"]), str(paths[f"{enc}_rev"]), CHUNK_BYTES
+                "vllm", density, W.vllm_patch, str(paths[f"{enc}_fwd"]), str(paths[f"{enc}_rev"]), BOUND_BYTES
             )
         three("full", a.full_density, W.full_load, str(new_dir), str(base_dir))
         res["load_after"] = os.getloadavg()
@@ -395,7 +395,7 @@ def write_report(out: Path, res: dict, a, facts: dict, keys: dict[str, float]) -
         "- **Payload** = decoded positions (int64) + values (bf16) = 10 B per changed element.",
         "- **Memory** = peak extra RSS of the worker process during the call (VmHWM reset via "
         "`/proc/self/clear_refs` just before; baseline = RSS then, after `gc.collect()` + `malloc_trim`).",
-        f"- **Bounds:** {CHUNK_BYTES >> 20} MiB: ours bounds the whole staged update with it "
+        f"- **Bounds:** {BOUND_BYTES >> 20} MiB: ours bounds the whole staged update with it "
         "(`--delta-updates-max-staged-bytes`), vLLM's loader its chunks.",
         "",
         "## What is timed",

@@ -376,7 +376,7 @@ def section_apply(args: argparse.Namespace, ctx: dict) -> dict:
                     version=version,
                     base_version=version - 1,
                     current_version=version - 1,
-                    chunk_bytes=args.chunk_bytes,
+                    max_staged_bytes=args.max_staged_bytes,
                 ),
             )
             prepared.append(staged)
@@ -510,7 +510,7 @@ def section_apply_moe(args: argparse.Namespace, ctx: dict) -> dict:
                 version=version,
                 base_version=version - 1,
                 current_version=version - 1,
-                chunk_bytes=args.chunk_bytes,
+                max_staged_bytes=args.max_staged_bytes,
             ),
         )
         replies = [{"digests": staged.digests, "expected": staged.expected}]
@@ -684,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--ep", action="store_true", help="experts split across ranks instead of TP-sliced")
     ap.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
-    ap.add_argument("--chunk-bytes", type=int, default=256 << 20)
+    ap.add_argument("--max-staged-bytes", type=int, default=256 << 20)
     ap.add_argument(
         "--moe-layers", type=int, default=0, help="apply_moe: MoE layers (0: 16 on a GPU, 2 on cpu)"
     )

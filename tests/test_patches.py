@@ -118,7 +118,7 @@ def test_flag_on_sets_extension_env_and_allowlist(clean_env, tmp_path):
             "--enable-delta-updates",
             "--delta-updates-root",
             str(tmp_path),
-            "--delta-updates-chunk-bytes",
+            "--delta-updates-max-staged-bytes",
             "4096",
             "--host",
             "127.0.0.1",

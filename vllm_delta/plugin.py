@@ -60,6 +60,7 @@ class DeltaUpdatesEndpoint:
 
         if weight_transfer.enabled(args):
             state.delta_weight_transfer = weight_transfer.WeightTransferDoor(engine_client)
+            state.delta_weight_transfer.start_probe()
         if not getattr(args, "enable_delta_updates", False):
             return
         if engine_client is None:

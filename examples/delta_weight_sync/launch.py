@@ -80,7 +80,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--flush-bytes", type=int, default=512 << 20)
     ap.add_argument(
-        "--chunk-bytes", type=int, default=2 << 30, help="engine: --delta-updates-max-staged-bytes"
+        "--max-staged-bytes", type=int, default=2 << 30, help="engine: --delta-updates-max-staged-bytes"
     )
     ap.add_argument(
         "--api-key-env",
@@ -109,7 +109,7 @@ def rollout_command(args: argparse.Namespace) -> list[str]:
         "--delta-updates-root",
         args.delta_dir,
         "--delta-updates-max-staged-bytes",
-        str(args.chunk_bytes),
+        str(args.max_staged_bytes),
         "--api-key",
         f"${args.api_key_env}",
     ]

@@ -98,7 +98,7 @@ def apply_delta(llm, path: Path, version: int) -> list[dict]:
         "version": version,
         "base_version": version - 1,
         "files": None,
-        "chunk_bytes": 1 << 20,
+        "max_staged_bytes": 1 << 20,
     }
     prepared = llm.collective_rpc("delta_prepare", args=(request,))
     assert all(r["ok"] for r in prepared), prepared

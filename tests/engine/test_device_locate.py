@@ -101,7 +101,7 @@ def test_device_locate_on_meta_uploads_once_and_never_reads_back(chosen):
 def _stager(applier: DeltaApplier, info) -> Stager:
     """A stager of `info`'s delta on `applier`, with no bound on what it stages."""
     applier.placements  # noqa: B018 - learned (or handed over) before staging
-    return Stager(applier.routing, applier.shadows, info.manifest, chunk_bytes=1 << 40)
+    return Stager(applier.routing, applier.shadows, info.manifest, max_staged_bytes=1 << 40)
 
 
 def _stage_batch(stager: Stager, deltas) -> None:

@@ -151,8 +151,9 @@ def test_prepare_and_commit_on_meta_parameters(tmp_path, encoding, monkeypatch):
 
 
 def test_staged_update_is_int32_and_bounded_in_total(tmp_path):
-    """Offsets stage as int32 and values at their width; `chunk_bytes` bounds the whole staged update:
-    one byte under what it needs and prepare refuses (413, naming the bound) with the weights untouched."""
+    """Offsets stage as int32 and values at their width; `max_staged_bytes` bounds the whole staged
+    update: one byte under what it needs and prepare refuses (413, naming the bound by its flag) with
+    the weights untouched."""
     base = DC.random_checkpoint(CFG, "cpu", seed=0)
     new = DC.step(base, 0.3, seed=2)
     DC.write_delta(tmp_path / "d", base, new, version=1)
@@ -176,21 +177,21 @@ def test_staged_update_is_int32_and_bounded_in_total(tmp_path):
         )
         before = {n: p.clone() for n, p in model.named_parameters()}
         with pytest.raises(
-            StagingBoundError, match=f"chunk-bytes={staged.staged_bytes - 1} bytes"
+            StagingBoundError, match=f"--delta-updates-max-staged-bytes={staged.staged_bytes - 1} bytes"
         ) as refused:
             applier.prepare(
                 tmp_path / "d",
                 version=1,
                 base_version=0,
                 current_version=0,
-                chunk_bytes=staged.staged_bytes - 1,
+                max_staged_bytes=staged.staged_bytes - 1,
             )
         assert refused.value.http_status == 413
         assert all(
             torch.equal(p.view(torch.int16), before[n].view(torch.int16)) for n, p in model.named_parameters()
         )
         applier.prepare(
-            tmp_path / "d", version=1, base_version=0, current_version=0, chunk_bytes=staged.staged_bytes
+            tmp_path / "d", version=1, base_version=0, current_version=0, max_staged_bytes=staged.staged_bytes
         )  # exactly at the bound: accepted
         applier.commit(staged)
         assert not any(staged.writes.values())

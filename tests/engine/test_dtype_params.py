@@ -219,7 +219,7 @@ def test_engine_served_as_float16_matches_a_fresh_load(tiny_model_factory, tmp_p
             "version": 1,
             "base_version": 0,
             "files": None,
-            "chunk_bytes": 1 << 20,
+            "max_staged_bytes": 1 << 20,
         }
         (refused,) = llm.collective_rpc("delta_prepare", args=({**request, "id": "ulp"},))
         unchanged = llm.collective_rpc("compute_weight_checksums")

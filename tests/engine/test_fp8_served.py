@@ -79,7 +79,7 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(tmp_path, fresh_l
                 "version": version,
                 "base_version": version - 1,
                 "files": None,
-                "chunk_bytes": 1 << 20,
+                "max_staged_bytes": 1 << 20,
             }
             (prepared,) = llm.collective_rpc("delta_prepare", args=(request,))
             (committed,) = (

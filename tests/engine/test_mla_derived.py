@@ -164,7 +164,7 @@ def run(start: Path, updates: list[tuple[str, Path, int | None]], **backend) -> 
                 "version": version,
                 "base_version": base_version,
                 "files": None,
-                "chunk_bytes": 1 << 28,
+                "max_staged_bytes": 1 << 28,
             }
             prepared = llm.collective_rpc("delta_prepare", args=(request,))[0]
             assert prepared["ok"], (kind, prepared)

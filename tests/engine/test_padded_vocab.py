@@ -239,7 +239,7 @@ def test_padded_vocab_engine_matches_a_fresh_load(tied, tp, tmp_path):
                 "version": version,
                 "base_version": version - 1,
                 "files": None,
-                "chunk_bytes": 1 << 20,
+                "max_staged_bytes": 1 << 20,
             }
             prepared = llm.collective_rpc("delta_prepare", args=(request,))
             assert all(r["ok"] and r["fallback"] == [] for r in prepared), prepared

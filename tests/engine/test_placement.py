@@ -150,7 +150,7 @@ def test_apply_equals_full_load(tmp_path, encoding):
         write_delta(tmp_path / "d", old, new, encoding=encoding), version=1, base_version=0, current_version=0
     )
     assert staged.changed < staged.total_changed  # rows 0..H of shard.weight live on another rank
-    applier.commit(staged, chunk_bytes=64)
+    applier.commit(staged)
     want = loaded(new)
     for n, p in m.named_parameters():
         assert torch.equal(p.view(torch.uint8), getattr(want, n).view(torch.uint8)), n
@@ -202,7 +202,7 @@ def test_unmappable_tensor_is_served_by_replaying_its_loader(tmp_path):
         current_version=0,
     )
     assert staged.fallback_names == ["scaled.weight"]
-    applier.commit(staged, chunk_bytes=1 << 20)
+    applier.commit(staged)
     want = loaded(new)
     for n, p in m.named_parameters():
         assert torch.equal(p.view(torch.uint8), getattr(want, n).view(torch.uint8)), n

@@ -81,9 +81,12 @@ def test_a_malformed_worker_reply_is_a_500_naming_the_field(tmp_path):
     assert err.value.status == 500 and "version" in err.value.error["message"]
 
 
-def test_the_staging_bound_keeps_its_old_name_on_the_wire():
-    old = PrepareRequest.model_validate({"id": "x", "version": 1, "chunk_bytes": 64})
-    assert old.max_staged_bytes == 64 and old.wire()["max_staged_bytes"] == 64
+def test_the_staging_bound_has_one_name_on_the_wire():
+    """`max_staged_bytes` only: the old `chunk_bytes` survives as a deprecated CLI flag, never inside."""
+    request = PrepareRequest.model_validate({"id": "x", "version": 1, "max_staged_bytes": 64})
+    assert request.max_staged_bytes == 64 and request.wire()["max_staged_bytes"] == 64
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        PrepareRequest.model_validate({"id": "x", "version": 1, "chunk_bytes": 64})
     with pytest.raises(ValueError):
         StatusReply.model_validate({"version": 1, "surprise": True})
 

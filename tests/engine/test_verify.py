@@ -138,6 +138,25 @@ def test_placement_status_is_reported_before_the_first_update(tmp_path):
     assert placement["transformed"] == [] and after["last"] is None
 
 
+def test_placement_is_ready_only_once_the_coverage_check_ran(tmp_path):
+    """The startup coverage check takes the update lock after every rank probed; until it ran, `ready`
+    stays false, so a client that pushes as soon as it turns true waits for no startup work."""
+    _, _, workers, updater = setup(tmp_path)
+
+    async def probe_behind_an_update() -> tuple[dict, dict]:
+        async with updater.core.lock:  # as an update in flight: the coverage check waits for it
+            updater.start_probe()
+            while not all(w._delta().applier.probed for w in workers):
+                await asyncio.sleep(0.01)
+            probed = await updater.status()
+        await updater._probe
+        return probed, await updater.status()
+
+    probed, checked = asyncio.run(probe_behind_an_update())
+    assert not probed["placement"]["ready"] and probed["placement"]["coverage"] is None, probed
+    assert checked["placement"]["ready"] and checked["placement"]["coverage"]["ok"], checked
+
+
 def test_prepare_runs_on_a_background_thread_and_the_route_waits_for_it(tmp_path):
     """`delta_prepare_start` returns while the prepare still runs; the route polls until it ends."""
     base, models, workers, updater = setup(tmp_path)

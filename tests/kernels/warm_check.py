@@ -4,28 +4,16 @@ kernels' signatures compiled after `warm_up` as JSON (none, when it covers a syn
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from harness.kernel_signatures import signatures
 from harness.synthetic import device_check
 
 from vllm_delta.kernels.warmup import warm_up
-
-MODULES = ("digest_jit", "gaps_jit", "params_jit", "scan_jit", "scatter_jit", "ulp_jit")
-
-
-def signatures() -> dict[str, int]:
-    out = {}
-    for m in MODULES:
-        module = importlib.import_module(f"vllm_delta.kernels.{m}")
-        for name, obj in vars(module).items():
-            if hasattr(obj, "signatures") and getattr(obj, "__module__", None) == module.__name__:
-                out[f"{m}.{name}"] = len(obj.signatures)
-    return out
 
 
 def main(encoding: str) -> None:

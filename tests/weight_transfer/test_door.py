@@ -77,6 +77,26 @@ def test_update_then_finish_commits_through_the_core(setup):
     assert engine.weight_version == "again"
 
 
+def test_the_door_probes_at_startup(setup):
+    """As our route's: the placement learned, the kernels compiled and the ranks' coverage checked
+    before any update, so the first one asks for none of it."""
+    base, _, root, engine, door = setup
+
+    async def startup() -> dict:
+        door.start_probe()
+        await door._probe
+        return await door.status()
+
+    placement = asyncio.run(startup())["placement"]
+    assert engine.calls == ["probe", "coverage", "set_peers", "status"], engine.calls
+    assert placement["ready"] and placement["coverage"]["ok"], placement
+    engine.calls.clear()
+    DC.write_delta(root / "v1", base, DC.step(base, 0.3, seed=1), version=1)
+    asyncio.run(door.update({"path": "v1", "version": 1, "base_version": 0}))
+    assert asyncio.run(door.finish("1"))["version"] == 1
+    assert not {"probe", "coverage", "set_peers"} & set(engine.calls), engine.calls
+
+
 def test_a_refusal_ends_the_session_and_writes_nothing(setup):
     base, models, root, engine, door = setup
     for info, status, kind in [

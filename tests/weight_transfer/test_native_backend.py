@@ -4,16 +4,19 @@ One module, two engines (engine starts are the cost on 2 cores). The trainer's s
 test, in phases that hand trainer states on (so it passes alone and in any order); the bad-input
 test stands alone (the one-door refusal is a parse-time case in tests/engine/test_serve_parser.py):
 1. `vllm serve <HF hub id> --weight-transfer-config '{"backend": "delta"}'`, configured from the
-   environment only (no patch-only flag), the hub id resolved from a local HF cache offline. A plain
-   PyTorch trainer syncs it for 3 steps through vLLM's `WeightTransferTrainerFactory`,
-   `HTTPVLLMWeightSyncClient` and `ModuleSource`; `/metrics` and `weight_version` move each step.
+   environment only (no patch-only flag), the hub id resolved from a local HF cache offline. Its
+   placement is learned and its kernels compiled at startup: the first sync compiles none (counted
+   in the worker by a test-only worker extension). A plain PyTorch trainer syncs it for 3 steps
+   through vLLM's `WeightTransferTrainerFactory`, `HTTPVLLMWeightSyncClient` and `ModuleSource`;
+   `/metrics` and `weight_version` move each step.
    Then, while streams generate, a corrupt delta is refused and the next good ones apply, each
    prepared off the engine loop: tokens are generated during a prepare.
    Then bad input through vLLM's routes (its own test): the route's status, type and field, weights
    and greedy output untouched.
    Then 2 more steps over gloo, the engine joining the trainer's group through vLLM's init route,
    and one from a two-stage pipeline (two gloo trainer ranks, each sending the layers it holds).
-2. The offline `LLM` with the same backend, fed the same trainer states (over disk).
+2. The offline `LLM` with the same backend, fed the same trainer states (over disk); its backend's
+   init compiles the kernels, so its first sync compiles none either.
 3. The trainer's final weights, saved by transformers and loaded afresh by vLLM's own loader
    (harness/fresh_load): their digests equal both synced engines' `/weight_checker` digests.
 4. A real commit fault on the served engine (the test-only fault armed at a version only this
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -33,6 +37,7 @@ import requests
 import torch
 from harness import commit_fault, megatron_cpu
 from harness.engine_pool import FAULT_AT, FAULT_VERSION, write_anchor
+from harness.kernel_signatures import EXTENSION as KERNEL_SIGNATURES
 from harness.trainer import Trainer
 from harness.vllm_engine import VllmServer, patched_environ, start_llm
 from native_helpers import (
@@ -91,7 +96,8 @@ def served(model_dir, native_env, tmp_path_factory):
         "HF_HOME": str(tmp / "hf"),
         **commit_fault.engine_env(FAULT_VERSION, FAULT_AT),
     }  # phase 4
-    with VllmServer(HUB_ID, tmp / "serve.log", extra_args=NATIVE, env=env) as s:
+    args = [*NATIVE, "--worker-extension-cls", KERNEL_SIGNATURES]  # phase 1's count of compiled kernels
+    with VllmServer(HUB_ID, tmp / "serve.log", extra_args=args, env=env) as s:
         yield s
 
 
@@ -110,6 +116,13 @@ def status(url: str) -> dict:
     r = requests.get(f"{url}/delta_updates/status", timeout=60)
     r.raise_for_status()
     return r.json()
+
+
+def kernel_signatures(url: str) -> list[dict[str, int]]:
+    """Per worker, the signatures each kernel has compiled (harness/kernel_signatures.py)."""
+    r = requests.post(f"{url}/collective_rpc", json={"method": "kernel_signatures"}, timeout=60)
+    r.raise_for_status()
+    return r.json()["results"]
 
 
 def test_trainer_syncs_through_vllm_api_and_equals_a_fresh_engine(
@@ -140,7 +153,11 @@ def sync_over_disk(served, trainer, root: Path, run: dict) -> None:
     from vllm_delta import DeltaTrainerInitInfo
 
     version = len(run["states"]) - 1
-    assert status(served.url)["version"] == version
+    deadline = time.monotonic() + 300
+    while not (st := status(served.url))["placement"]["ready"] and time.monotonic() < deadline:
+        time.sleep(0.5)  # the door's startup probe: placement, kernels, coverage across ranks
+    assert st["version"] == version and st["placement"]["ready"], st
+    compiled = kernel_signatures(served.url)
     engine = WeightTransferTrainerFactory.trainer_init(
         DeltaTrainerInitInfo(delta_dir=str(root), flush_bytes=64 << 10, rank=0),
         client=HTTPVLLMWeightSyncClient(served.url),
@@ -157,6 +174,8 @@ def sync_over_disk(served, trainer, root: Path, run: dict) -> None:
         )
         st = status(served.url)
         assert st["version"] == step and st["weight_version"] == str(step) and st["healthy"], st
+        if step == version + 1:  # the first sync after startup compiled no kernel
+            assert kernel_signatures(served.url) == compiled
         assert requests.get(f"{served.url}/weight_info", timeout=30).json()["weight_version"] == str(step)
         m1 = metric_samples(served.url)
         assert sample(m1, "vllm_delta:weights_version") == step
@@ -468,18 +487,23 @@ def replay_offline(trainer, model_dir: Path, root: Path, run: dict) -> None:
     trainer.model.load_state_dict(states[0])
     with (
         patched_environ({ROOT_ENV: str(root)}),
-        start_llm(model_dir, weight_transfer_config={"backend": "delta"}) as llm,
+        start_llm(
+            model_dir, weight_transfer_config={"backend": "delta"}, worker_extension_cls=KERNEL_SIGNATURES
+        ) as llm,
     ):
         engine = WeightTransferTrainerFactory.trainer_init(
             DeltaTrainerInitInfo(delta_dir=str(root), checkpoint=str(model_dir), rank=0),
             client=OfflineLLMClient(llm),
             source=ModuleSource(trainer.model),
         )
+        compiled = llm.collective_rpc("kernel_signatures")  # after the backend's init
         for step, state in enumerate(states[1:], 1):
             trainer.model.load_state_dict(state)
             metrics = engine.send_weights()
             assert metrics["sender/all_acked"] == 1.0, engine.sender.engines
             assert llm.get_weight_version() == str(step)
+            if step == 1:
+                assert llm.collective_rpc("kernel_signatures") == compiled
         engine.shutdown()
         llm.start_weight_update()
         with pytest.raises(Exception, match="PathOutsideRoot"):

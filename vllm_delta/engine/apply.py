@@ -9,7 +9,7 @@ fault, reported with the tensors it may have left half-written, never a silent o
 
 The layout: placements are learned once (engine/probe.py), each tensor's way through staging is
 kept (engine/routing.py), one sync is staged by engine/stager.py into engine/staging.py's
-`StagedUpdate`, and engine/commit.py writes it. `chunk_bytes` bounds everything an update stages:
+`StagedUpdate`, and engine/commit.py writes it. `max_staged_bytes` bounds everything an update stages:
 past it, prepare refuses (413) before any weight changes. Nothing here needs vLLM except the
 fallback loader.
 """
@@ -27,7 +27,7 @@ from torch import nn
 from vllm_delta.engine import canonical_weights, derived, loaders, reach, transforms
 from vllm_delta.engine import commit as commit_phase
 from vllm_delta.engine.batched import on_device
-from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
+from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.commit import ApplyFault
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
 from vllm_delta.engine.fallback import Shadows
@@ -200,8 +200,9 @@ class DeltaApplier:
         base_version: int | None,
         current_version: int,
         files: list[str] | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
         decode_threads: int | None = None,
+        times: PhaseTimes | None = None,
     ) -> StagedUpdate:
         """Read, verify and decode the delta in a version directory; locate each entry this rank owns.
 
@@ -209,10 +210,11 @@ class DeltaApplier:
         intra-op count; the engine passes prepare_thread.decode_threads), ahead of the staging; the
         garbage collector is paused meanwhile (the decoded deltas form no cycles, and two full
         collections over a 44k-tensor update's objects cost ~20 us a tensor). `path` may be the delta already
-        opened (the worker opens it for its lineage check): its manifest is then not parsed again.
+        opened (the worker opens it for its lineage check), with `times` holding what that took: the
+        prepare's clock starts that much earlier, so its phases still add up to its seconds.
         """
-        start = time.perf_counter()
-        times = PhaseTimes()
+        times = times if times is not None else PhaseTimes()
+        start = time.perf_counter() - sum(times.seconds.values())
         with paused_gc():  # from the manifest's parse on: its per-tensor entries are young objects too
             with times.phase("receive"):
                 info = path if isinstance(path, DeltaInfo) else open_delta(path, files=files)
@@ -229,13 +231,13 @@ class DeltaApplier:
                 threads=decode_threads or torch.get_num_threads(),
                 batches=True,
             )
-            staged = self._stage(
+            staged = self.stage(
                 info.manifest,
                 deltas,
                 version=version,
                 replay=version == current_version,
                 start=start,
-                chunk_bytes=chunk_bytes,
+                max_staged_bytes=max_staged_bytes,
                 decoded=owned,
                 times=times,
             )
@@ -251,7 +253,7 @@ class DeltaApplier:
         version: int,
         base_version: int | None,
         current_version: int,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
     ) -> StagedUpdate:
         """The same as `prepare`, for flush bytes that arrived another way (a collective broadcast)."""
         start = time.perf_counter()
@@ -285,13 +287,13 @@ class DeltaApplier:
             decoder.finish()
 
         with paused_gc():
-            return self._stage(
+            return self.stage(
                 manifest,
                 deltas(),
                 version=version,
                 replay=version == current_version,
                 start=start,
-                chunk_bytes=chunk_bytes,
+                max_staged_bytes=max_staged_bytes,
                 decoded=owned,
                 times=times,
             )
@@ -334,51 +336,35 @@ class DeltaApplier:
         version: int,
         replay: bool,
         start: float,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
         decoded: Mapping | None = None,
+        times: PhaseTimes | None = None,
     ) -> StagedUpdate:
         """Locate decoded (validated) changes and sum their digests (engine/stager.py): one path,
-        whatever carried the bytes. `decoded`: the reader's `owned`."""
-        return self._stage(
-            manifest,
-            deltas,
-            version=version,
-            replay=replay,
-            start=start,
-            chunk_bytes=chunk_bytes,
-            decoded=decoded,
-            times=PhaseTimes(),
-        )
-
-    def _stage(
-        self,
-        manifest: Manifest,
-        deltas: Iterable[ParamDelta | DeltaBatch],
-        *,
-        version: int,
-        replay: bool,
-        start: float,
-        chunk_bytes: int,
-        decoded: Mapping | None,
-        times: PhaseTimes,
-    ) -> StagedUpdate:
+        whatever carried the bytes. `decoded`: the reader's `owned`; `times`: the sync's phase times
+        so far (prepare's `receive`), to which staging adds its own."""
         self.placements  # noqa: B018 - learned first (the probe, at startup)
         stager = Stager(
-            self.routing, self.shadows, manifest, chunk_bytes=chunk_bytes, decoded=decoded, times=times
+            self.routing,
+            self.shadows,
+            manifest,
+            max_staged_bytes=max_staged_bytes,
+            decoded=decoded,
+            times=times,
         )
         stage_all(stager, deltas)
         staged = stager.finish(version=version, replay=replay, start=start)
         # The commit's post-load work that can be built while serving (vLLM's CPU linear repack).
-        with times.phase("prebuild"):
+        with staged.times.phase("prebuild"):
             staged.prebuilt = commit_phase.prebuild_touched(self.model, self.targets, staged.writes)
         # What the phases timed do not cover is the staging's own work: its loop, the checks, the copies.
         staged.decode_s = time.perf_counter() - start  # the whole prepare
-        timed = sum(times.seconds.get(p, 0.0) for p in WORKER_PREPARE if p != "stage")
-        times.add("stage", max(0.0, staged.decode_s - timed))
+        timed = sum(staged.times.seconds.get(p, 0.0) for p in WORKER_PREPARE if p != "stage")
+        staged.times.add("stage", max(0.0, staged.decode_s - timed))
         return staged
 
     # ---- phase 2 -------------------------------------------------------------------------
-    def commit(self, staged: StagedUpdate, chunk_bytes: int | None = None) -> float:
+    def commit(self, staged: StagedUpdate) -> float:
         """Scatter the staged entries into the live weights and read them back (engine/commit.py);
         returns the seconds it took."""
         return commit_phase.commit(self.model, self.targets, staged)

@@ -31,7 +31,6 @@ ENV_FLAG = settings.UPDATES
 PLUGIN_NAME = "delta_updates"
 ENDPOINT_GROUP = "vllm.endpoint_plugins"
 DEFAULT_MAX_STAGED_BYTES = 256 << 20
-DEFAULT_CHUNK_BYTES = DEFAULT_MAX_STAGED_BYTES  # its old name, until engine/apply.py takes the new one
 # A request body is a small JSON document; a collective update carries its manifest (about 200 B
 # per changed tensor), so this leaves room for models with hundreds of thousands of tensors.
 DEFAULT_MAX_BODY_BYTES = 64 << 20

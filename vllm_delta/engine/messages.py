@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from vllm_delta.engine.http_errors import UpdateError
 
@@ -32,11 +32,9 @@ class PrepareRequest(Message):
     id: str
     version: int = Field(ge=0)
     base_version: int | None = None
-    # The bound on everything one update stages (413 past it). `chunk_bytes` is its old name.
-    # None: the worker's own bound (the backend's init info, else the default).
-    max_staged_bytes: int | None = Field(
-        default=None, gt=0, validation_alias=AliasChoices("max_staged_bytes", "chunk_bytes")
-    )
+    # The bound on everything one update stages (413 past it). None: the worker's own bound (the
+    # backend's init info, else the default).
+    max_staged_bytes: int | None = Field(default=None, gt=0)
     transport: Literal["disk", "collective"] = "disk"
     manifest: dict[str, Any] | None = None  # collective: the trainer's manifest
     store_path: str | None = None  # a store root: the version's path relative to it

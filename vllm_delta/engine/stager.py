@@ -69,7 +69,7 @@ class Stager:
         shadows: Shadows,
         manifest: Manifest,
         *,
-        chunk_bytes: int,
+        max_staged_bytes: int,
         decoded: Mapping | None = None,
         times: PhaseTimes | None = None,
     ) -> None:
@@ -77,7 +77,7 @@ class Stager:
         self.entries = dict(
             zip(map(attrgetter("name"), manifest.params), manifest.params)
         )  # no Python line a tensor
-        self.staging = Staging(chunk_bytes)
+        self.staging = Staging(max_staged_bytes)
         self.sums = Sums()
         self.times = times if times is not None else PhaseTimes()
         self.fallback: list[str] = []
@@ -141,7 +141,7 @@ class Stager:
             bytes_read=sum(f.bytes for f in manifest.files),
             decode_s=perf_counter() - start,
             replay=replay,
-            chunk_bytes=staging.bound,
+            max_staged_bytes=staging.bound,
             staged_bytes=staging.nbytes,
             digests=digests,
             expected=expected_digests(names, list(zip(map(_PRE, params), map(_POST, params)))),

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vllm_delta.engine.cli_args import DEFAULT_CHUNK_BYTES
+from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.trace import PhaseTimes
 from vllm_delta.kernels.digest import segment_sums
 from vllm_delta.wire import ParamDelta
@@ -50,7 +50,7 @@ class StagedUpdate:
     bytes_read: int
     decode_s: float
     replay: bool
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # the bound on everything staged
+    max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES  # the bound on everything staged
     staged_bytes: int = 0
     # This rank's counted-once partial sums [pre, post] of the changed positions, and the
     # manifest's expectations, for every param whose manifest entry carries pre/post digests.
@@ -169,7 +169,7 @@ def check_resolvable(
 
 
 class StagingBoundError(IncompatibleDeltaError):
-    """The staged update would exceed the receiver's bound (--delta-updates-chunk-bytes)."""
+    """The staged update would exceed the receiver's bound (--delta-updates-max-staged-bytes)."""
 
     http_status = 413
 
@@ -187,7 +187,7 @@ class Staging:
         self.nbytes += chunk.offsets.nbytes + chunk.values.nbytes
         if self.nbytes > self.bound:
             raise StagingBoundError(
-                f"the staged update needs more than --delta-updates-chunk-bytes={self.bound} bytes "
+                f"the staged update needs more than --delta-updates-max-staged-bytes={self.bound} bytes "
                 "(the bound on everything an update stages); send smaller updates or raise the bound",
                 param=target,
             )

@@ -122,12 +122,14 @@ def refused_of(ranks: Sequence[Reply]) -> dict[str, str]:
     return {n: reason for r in ranks for n, reason in (getattr(r, "refused", None) or {}).items()}
 
 
-def placement_summary(placements: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The ranks' placement status as one: ready when all are, the slowest probe, the largest peak."""
+def placement_summary(placements: Sequence[dict[str, Any]], peers_checked: bool) -> dict[str, Any]:
+    """The ranks' placement status as one: the slowest probe, the largest peak; ready when every rank
+    probed and the cross-rank coverage check ran (`peers_checked`): it holds the update lock, so an
+    update sent as soon as `ready` turns true waits for no startup work."""
     ready = all(p["ready"] for p in placements)
     refused = {n: why for p in placements for n, why in (p.get("refused") or {}).items()}
     return {
-        "ready": ready,
+        "ready": ready and peers_checked,
         "probe_s": max((p["probe_s"] or 0.0 for p in placements), default=None) if ready else None,
         "probe_peak_bytes": max((p["probe_peak_bytes"] or 0 for p in placements), default=None)
         if ready

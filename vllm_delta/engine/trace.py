@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 # The phases of one sync, in the order they run. Worker phases first (prepare, then commit), then
-# the door's own. A phase that did not run is absent, not zero.
+# the door's own. A phase that did not run is absent, not zero. No `hash`: each flush's xxh3 is
+# checked by the reader as it reads and decodes the flush, on the decode threads, ahead of and
+# beside the staging; `decode` is what staging waits for that reader, the hash included.
 # `prebuild`: the post-load work built while serving (vLLM's CPU linear repack), swapped in at commit.
-WORKER_PREPARE = ("receive", "hash", "decode", "locate", "digest", "stage", "prebuild")
+WORKER_PREPARE = ("receive", "decode", "locate", "digest", "stage", "prebuild")
 WORKER_COMMIT = ("scatter", "read_back", "post_load")
 # `prepare_wait` and `commit_wait`: the door's wait on the workers beyond the slowest rank's worker
 # phases (polling, RPC, a rank's untimed work), so that the phases add up to the wall time.

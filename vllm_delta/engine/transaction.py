@@ -283,7 +283,7 @@ class Transaction:
             "healthy": not dirty and agreed and self.fault is None and not self.refused,
             "dirty_reasons": dirty,
             "fault": self.fault,
-            "placement": placement_summary([r.placement for r in ranks]),
+            "placement": placement_summary([r.placement for r in ranks], self._peers_set),
             "last": self.last,
             "ranks": [r.model_dump(exclude={"status", "error"}) for r in ranks],
             "replicas": replica_status(ranks),

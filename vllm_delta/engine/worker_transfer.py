@@ -35,7 +35,7 @@ def _stage(
         version=request.version,
         base_version=request.base_version,
         current_version=current_version,
-        chunk_bytes=max_staged,
+        max_staged_bytes=max_staged,
     )
 
 

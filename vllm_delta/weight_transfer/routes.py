@@ -81,6 +81,10 @@ class WeightTransferDoor:
         self.core = Transaction(engine, backend_rpc(engine))
         self.prepared: tuple[str, Sync] | None = None  # (request id, its sync) until finished
 
+    def start_probe(self) -> None:
+        """At startup, as our route: placement, kernels and the ranks' coverage, before any update."""
+        self._probe = self.core.start_probe()
+
     async def update(self, update_info: dict[str, Any]) -> dict[str, Any]:
         """Phase 1 on every worker (nothing written); a refusal is the route's status and body.
 

@@ -97,8 +97,11 @@ class DeltaWeightTransferEngine(
         return _validated(DeltaUpdateRequest, update_dict)
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
-        """Disk: nothing to set up. Collective: this rank joins the trainer's group."""
+        """Learn the placement and compile the kernels (`delta_probe`; done already where the HTTP door
+        probed at startup), so the first update pays neither: the offline `LLM` has no door to probe.
+        Then disk needs nothing more; collective: this rank joins the trainer's group."""
         self._max_staged_bytes = init_info.max_staged_bytes
+        self.delta_probe()
         if init_info.transport == "disk":
             return
         if init_info.collective is None:
@@ -187,7 +190,9 @@ def _validated(model: type[BaseModel], data: Any) -> Any:
 
 # The worker methods the front end's core reaches (`delta_<name>`), and those that belong inside one of
 # vLLM's update sessions (start_weight_update ... finish_weight_update).
-CORE_RPCS = frozenset({"coverage", "set_peers", "prepare_start", "prepare_poll", "commit", "abort", "status"})
+CORE_RPCS = frozenset(
+    {"probe", "coverage", "set_peers", "prepare_start", "prepare_poll", "commit", "abort", "status"}
+)
 SESSION_RPCS = frozenset({"prepare_start", "commit"})
 
 
