@@ -34,8 +34,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from benchmarks.scale_configs import MODELS, shrunk  # noqa: E402
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage  # noqa: E402
+from vllm_delta.engine.intercept import storages_of  # noqa: E402
 from vllm_delta.engine.probe import PeakRss, build_placement  # noqa: E402
-from vllm_delta.engine.probe_modes import storages_of  # noqa: E402
 
 Checkpoint = dict[str, tuple[tuple[int, ...], torch.dtype]]
 LAYOUTS = {"tp8": (8, False), "tp8_ep8": (8, True)}

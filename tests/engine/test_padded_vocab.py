@@ -29,10 +29,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from vllm_delta.engine.digests import check_coverage, check_partials, coverage, mismatches
+from vllm_delta.engine.intercept import storages_of
 from vllm_delta.engine.map_check import check_map
 from vllm_delta.engine.placement import Fill
 from vllm_delta.engine.probe import build_placement
-from vllm_delta.engine.probe_modes import storages_of
 from vllm_delta.wire import load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 

@@ -21,9 +21,9 @@ import torch
 
 from vllm_delta.engine import digests
 from vllm_delta.engine.digests import Ownership, check_coverage
+from vllm_delta.engine.intercept import storages_of
 from vllm_delta.engine.map_check import check_map
 from vllm_delta.engine.probe import build_placement
-from vllm_delta.engine.probe_modes import storages_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ imports scale_configs
 _SPEC = importlib.util.spec_from_file_location(

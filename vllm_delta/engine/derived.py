@@ -8,8 +8,9 @@ tensors; DCP all-gathers `W_UK_T`. Where such a tensor is a copy, a delta to its
 it stale: prefill reads the new `kv_b_proj`, decode the old copy, and every digest passes.
 
 So with delta updates on, each of these steps (a "unit") runs under observation (`observing`):
-a dispatch mode records the storages it reads and writes, and identities show what it binds.
-Every tensor it binds or writes that is not a checkpoint parameter is derived, and is:
+the interception (`intercept.Intercept`, performing every op) records the storages it reads and
+writes, and identities show what it binds. Every tensor it binds or writes that is not a
+checkpoint parameter is derived, and is:
 
 - "view": it shares storage with a checkpoint parameter, so in-place deltas reach it;
 - "rederive" / "constant": re-running the step (`rederive`: the step runs, then every result is
@@ -33,10 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from vllm_delta.engine.canonical_weights import held_tensors
+from vllm_delta.engine.intercept import Intercept, storage_key
 
 DISCOVERY_ATTR = "_delta_derived"  # on the model: its `Discovery`
 Step = Callable[[], None]
@@ -67,35 +67,9 @@ class Discovery:
     refused: dict[str, str] = field(default_factory=dict)  # "unit.key" or unit -> why
 
 
-class _Access(TorchDispatchMode):
-    """Storages every op reads, and those it writes (its schema's mutable arguments)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.read: set[int] = set()
-        self.written: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor) and t.numel():
-                self.read.add(_storage(t))
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in tree_flatten(value)[0]:
-                    if isinstance(t, torch.Tensor) and t.numel():
-                        self.written.add(_storage(t))
-        return func(*args, **kwargs)
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 def _signature(t: torch.Tensor) -> tuple:
     """Where a tensor's bytes are: a rebound `.data` or a new object moves it."""
-    return (_storage(t) if t.numel() else 0, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (storage_key(t) if t.numel() else 0, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def _plain(obj: object) -> bool:
@@ -219,7 +193,7 @@ class _Discoverer:
         self.params()  # the checkpoint parameters as they were before this step (it may replace some)
         before = reach(unit)
         signatures = {k: (id(t), _signature(_data(t))) for k, (_, _, _, t) in before.items()}
-        access = _Access()
+        access = Intercept()  # performs everything; notes the storages each op read and wrote
         with access:
             step()
         after = _tensors(reach(unit))
@@ -227,7 +201,7 @@ class _Discoverer:
             k
             for k, t in after.items()
             if signatures.get(k) != (id(t), _signature(_data(t)))
-            or (t.numel() and _storage(t) in access.written)
+            or (t.numel() and storage_key(t) in access.written)
         ]
         try:
             derived = self._keep_checkpoint_params(before, after, outputs, signatures)
@@ -262,12 +236,12 @@ class _Discoverer:
         ckpt, params = self.checkpoint(), self.params()
         keep = reach(unit)
         now = _tensors(keep)
-        storages = {_storage(p): n for n, p in params.items() if p.numel()}
+        storages = {storage_key(p): n for n, p in params.items() if p.numel()}
         copies = []
         for key in derived:
             t = now[key]
-            if t.numel() and _storage(t) in storages:
-                self.found.tensors.append(DerivedTensor(name, key, "view", [storages[_storage(t)]]))
+            if t.numel() and storage_key(t) in storages:
+                self.found.tensors.append(DerivedTensor(name, key, "view", [storages[storage_key(t)]]))
             else:
                 copies.append(key)
         if not copies:

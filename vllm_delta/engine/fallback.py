@@ -6,13 +6,14 @@ after other tensors were already written; a loader that writes other than by one
 lets NaN into live weights; and no digest checks its result.
 
 Instead each such tensor keeps a shadow: its checkpoint-layout values on this rank's host, read
-from the checkpoint at startup. Its loader is replayed under the probe's recording mode, which
-performs no write: the recorded writes say exactly what a full load of a tensor would store
-where. At startup the replay of the shadow must reproduce the live weights bit for bit, twice,
-with no in-place arithmetic on a parameter and no overlapping writes; a loader that fails this is
-refused (`refused`). In prepare the replay of the old and the new shadow gives the live
-(offset, value) writes, checked against the live weights first, so the commit is a plain scatter
-like any other tensor's, and the shadow is digested like the checkpoint it stands for.
+from the checkpoint at startup. Its loader is replayed under the probe's sealed interception
+(`intercept.Intercept`), which performs no write into live storage: the recorded `copy_`s say
+exactly what a full load of a tensor would store where, and any other write refuses the loader.
+At startup the replay of the shadow must reproduce the live weights bit for bit, twice, with no
+overlapping writes; a loader that fails this is refused (`refused`). In prepare the replay of the
+old and the new shadow gives the live (offset, value) writes, checked against the live weights
+first, so the commit is a plain scatter like any other tensor's, and the shadow is digested like
+the checkpoint it stands for.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-from torch.overrides import TorchFunctionMode
 
+from vllm_delta.engine.intercept import Intercept, storage_key
 from vllm_delta.engine.staging import Staging, add_sum, flat_storage, plain_chunk
 from vllm_delta.wire import ParamDelta
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
@@ -50,46 +51,6 @@ def shadow_target(name: str) -> str:
     return name + SHADOW_SUFFIX
 
 
-@dataclass
-class _Recorded:
-    target: str
-    dst: torch.Tensor
-    src: torch.Tensor
-
-
-class _Recorder(TorchFunctionMode):
-    """Record (and skip) `copy_` and `__setitem__` into parameter storage; list other in-place
-    writes there."""
-
-    def __init__(self, storages: Mapping[int, str]) -> None:
-        super().__init__()
-        self.storages = storages
-        self.writes: list[_Recorded] = []
-        self.foreign: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        first = args[0] if args else None
-        target = (
-            self.storages.get(first.untyped_storage().data_ptr())
-            if isinstance(first, torch.Tensor) and first.numel()
-            else None
-        )
-        if target is None:
-            return func(*args, **kwargs)
-        if func is torch.Tensor.copy_:
-            self.writes.append(_Recorded(target, first, torch.as_tensor(args[1]).detach()))
-            return first
-        if func is torch.Tensor.__setitem__:
-            self.writes.append(_Recorded(target, first[args[1]], torch.as_tensor(args[2]).detach()))
-            return None
-        name = getattr(func, "__name__", str(func))
-        if (name.endswith("_") and not name.startswith("__")) or "out" in kwargs:
-            self.foreign.append(f"{name} on {target}")  # recorded, never performed
-            return first
-        return func(*args, **kwargs)
-
-
 def replay(
     load_weights: LoadWeights,
     storages: Mapping[int, str],
@@ -98,16 +59,20 @@ def replay(
     live: Mapping[str, torch.Tensor],
 ) -> list[Write]:
     """The writes `load_weights([(name, tensor)])` would make into `live` targets; performs none."""
-    mode = _Recorder(storages)
+    mode = Intercept(storages, inputs={storage_key(tensor)}, sealed=True)
     with torch.no_grad(), mode:
         load_weights([(name, tensor)])
-    if mode.foreign:
-        raise UnservableLoader("loader changes parameters in place: " + ", ".join(mode.foreign[:3]))
+    if any(w.target is None for w in mode.writes):
+        raise UnservableLoader("loader writes a tensor that is neither a parameter nor its own")
+    if foreign := [
+        f"{w.func} on {w.target}" for w in mode.writes if w.func is not torch.ops.aten.copy_.default
+    ]:
+        raise UnservableLoader("loader changes parameters in place: " + ", ".join(foreign[:3]))
     writes = []
     for w in mode.writes:
         dst, target = w.dst, live[w.target]
         if dst.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
-            raise UnservableLoader(f"loader writes {w.target} through a copy (advanced indexing)")
+            raise UnservableLoader(f"loader writes {w.target} beside the tensor its deltas are written to")
         offsets = torch.full((), dst.storage_offset(), dtype=torch.int64, device=target.device)
         for d, (n, stride) in enumerate(zip(dst.shape, dst.stride())):
             shape = [1] * dst.dim()

@@ -26,11 +26,9 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
+from vllm_delta.engine.intercept import Intercept, storage_key
 from vllm_delta.engine.placement import TensorPlacement
-from vllm_delta.engine.probe_modes import storage_key, written
 
 Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -50,34 +48,6 @@ def _random(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tenso
 
 def _flat_like(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() // t.element_size()
-
-
-class _Redirect(TorchDispatchMode):
-    """Run the loader for real, its writes into the checked storages done on their scratch copies
-    instead; writes into any other parameter's storage are not performed."""
-
-    def __init__(self, params: set[int], scratch: Mapping[int, torch.Tensor]) -> None:
-        super().__init__()
-        self.params, self.scratch = params, scratch
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        swap = {}
-        out = written(func, args, kwargs)
-        for w in out:
-            key = storage_key(w)
-            if key in self.scratch:
-                flat = self.scratch[key]
-                if w.dtype != flat.dtype:
-                    raise TypeError(f"loader writes a {flat.dtype} parameter as {w.dtype}")
-                swap[id(w)] = torch.as_strided(flat, w.shape, w.stride(), w.storage_offset())
-            elif key in self.params:  # another parameter (a name sharing a storage is the same one)
-                return out[0] if len(func._schema.returns) <= 1 else tuple(out)
-        if swap:
-            args, kwargs = tree_map(
-                lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs)
-            )
-        return func(*args, **kwargs)
 
 
 def live_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -103,7 +73,7 @@ def check_map(
     for target in sorted(feeding):
         if target in params:
             chosen.setdefault(structural_class(target, tuple(params[target].shape)), target)
-    storages = {storage_key(t) for t in params.values() if t.numel() > 0}
+    storages = {storage_key(t): n for n, t in params.items() if t.numel() > 0}
     by_layer: dict[str, list[str]] = {}
     for target in chosen.values():
         by_layer.setdefault(_layer_prefix(target), []).append(target)
@@ -125,7 +95,7 @@ def _layer_prefix(target: str) -> str:
 
 def _check_layer(
     load_weights,
-    storages: set[int],
+    storages: Mapping[int, str],
     params: Mapping[str, torch.Tensor],
     placements: Mapping[str, TensorPlacement],
     checkpoint: Checkpoint,
@@ -153,7 +123,9 @@ def _check_layer(
 
     scratch = {storage_key(params[t]): by_loader[t] for t in targets}
     try:
-        with torch.no_grad(), _Redirect(storages, scratch):
+        # vLLM's loader for real: its writes into the checked storages go to `by_loader`, into other
+        # parameters nowhere.
+        with torch.no_grad(), Intercept(storages, redirect=scratch, record=False):
             load_weights((name, values(i, name)) for i, name in enumerate(names))
     except Exception as exc:
         why = f"vLLM's loader failed on random values: {type(exc).__name__}: {exc}"

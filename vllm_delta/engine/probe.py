@@ -2,9 +2,8 @@
 
 Why: writing a changed element straight into the parameter slot that holds it is O(changed);
 replaying `load_weights` over a full-shape staged tensor is O(model). Rather than hand-written
-per-model tables, we run `model.load_weights` once per checkpoint tensor under a thread-local
-TorchDispatchMode (`ProbeMode`) that records, and never performs, every write into a parameter.
-Writes are found from the op schema's alias info (in-place ops, `out=` arguments), not op names.
+per-model tables, we run `model.load_weights` once per checkpoint tensor under the sealed
+interception (`intercept.Intercept`) that records, and never performs, every write into live storage.
 
 Two passes per tensor, one tensor at a time:
 - fast: the probe is a `meta` tensor (no memory). When the loader only views it (narrow, select,
@@ -34,8 +33,8 @@ from typing import Any
 
 import torch
 
+from vllm_delta.engine.intercept import Intercept, Write, storage_key
 from vllm_delta.engine.placement import Fill, Segment, TensorPlacement, refuse_overlapping_fills
-from vllm_delta.engine.probe_modes import BatchMode, ProbeMode
 
 logger = logging.getLogger(__name__)
 
@@ -77,15 +76,69 @@ def _segment(
     return seg
 
 
-def _run(load_weights, storages: Mapping[int, str], name: str, probe: torch.Tensor) -> ProbeMode:
-    mode = ProbeMode(storages, probe)
+def _sealed(storages: Mapping[int, str], probes: list[torch.Tensor]) -> Intercept:
+    """The probe's interception: nothing that existed before is written (the probes aside)."""
+    return Intercept(storages, inputs={storage_key(p): i for i, p in enumerate(probes)}, sealed=True)
+
+
+def _run(load_weights, mode: Intercept, items: list[tuple[str, torch.Tensor]]) -> Intercept:
+    """`load_weights` on the probes `items` under `mode`, its `current` the index of the one fed last."""
+
+    def feed():
+        for i, item in enumerate(items):
+            mode.current = i
+            yield item
+
     with torch.no_grad(), mode:
-        load_weights([(name, probe)])
-    if mode.refused:
-        raise UnmappableLoader(
-            "loader writes outside a plain copy: " + "; ".join(sorted(set(mode.refused))[:3])
-        )
+        load_weights(feed() if len(items) > 1 else items)
     return mode
+
+
+def _copies_and_fills(mode: Intercept) -> tuple[list[Write], list[Fill]]:
+    """One probe's writes: `copy_`s into parameters and scalar fills; UnmappableLoader for any other."""
+    copies, fills, refused = [], [], []
+    for w in mode.writes:
+        if w.target is None:
+            refused.append(f"{w.func} writes a tensor that is neither a parameter nor the loader's own")
+        elif w.func is torch.ops.aten.copy_.default:
+            copies.append(w)
+        elif (value := _fill_value(w.func, w.src)) is not None:
+            d = w.dst
+            fills.append(
+                Fill(w.target, tuple(d.shape), d.storage_offset(), tuple(d.stride()), value, str(w.func))
+            )
+        else:
+            refused.append(f"{w.func} writes parameter {w.target}")
+    if refused:
+        raise UnmappableLoader("loader writes outside a plain copy: " + "; ".join(sorted(set(refused))[:3]))
+    return copies, fills
+
+
+def _fill_value(func: Any, value: Any) -> bool | int | float | None:
+    """The scalar an op fills its destination with, or None when it is not a fill with a scalar
+    (a fill with a tensor may carry checkpoint values: refused like any other write)."""
+    if func is torch.ops.aten.zero_.default:
+        return 0
+    if func is torch.ops.aten.fill_.Scalar and type(value) in (bool, int, float):
+        return value
+    return None
+
+
+def _owner(w: Write, probes: Mapping[int, int], dtypes: list[torch.dtype]) -> int | None:
+    """The meta probe whose plain view `w` copies into a parameter, or None (the map is not proven)."""
+    src = w.src
+    if w.target is None or w.func is not torch.ops.aten.copy_.default or not isinstance(src, torch.Tensor):
+        return None
+    i = probes.get(storage_key(src))
+    if i is None or src.dtype != dtypes[i] or src.is_neg() or src.is_conj():
+        return None
+    return i
+
+
+def _view_segment(w: Write, numel: int) -> Segment:
+    """The segment of a copy of a meta probe's view: its storage offset and strides are the map."""
+    src = w.src.expand(w.dst.shape)
+    return _segment(w.target, w.dst, src.storage_offset(), tuple(src.stride()), numel)
 
 
 def _fast(
@@ -100,30 +153,20 @@ def _fast(
     """Segments from the views the loader copied, on a meta probe; _NotDirect where unproven.
     The loader's constant fills are added to `fills`."""
     probe = torch.empty(shape, dtype=dtype, device="meta")
+    key = storage_key(probe)
     try:
-        mode = _run(load_weights, storages, name, probe)
-    except UnmappableLoader:
-        raise
+        mode = _run(load_weights, _sealed(storages, [probe]), [(name, probe)])
     except Exception as exc:  # e.g. the loader reads values (`.item()`), which meta has none of
         raise _NotDirect(f"{type(exc).__name__}: {exc}") from exc
-    if mode.probe_written:
+    copies, filled = _copies_and_fills(mode)
+    if mode.input_writes:
         raise _NotDirect("loader writes into the checkpoint tensor")
-    segments = []
-    for w in mode.writes:
-        src = w.src
-        if not (
-            isinstance(src, torch.Tensor)
-            and mode.is_probe(src)
-            and src.dtype == dtype
-            and not src.is_neg()
-            and not src.is_conj()
-        ):
-            raise _NotDirect("a write is not a view of the checkpoint tensor")
-        src = src.expand(w.dst.shape)
-        segments.append(_segment(w.target, w.dst, src.storage_offset(), tuple(src.stride()), numel))
+    if any(_owner(w, mode.inputs, [dtype]) is None for w in copies):
+        raise _NotDirect("a write is not a view of the checkpoint tensor")
+    segments = [_view_segment(w, numel) for w in copies]
     if fills is not None:
-        fills.extend(mode.fills)
-    return segments, mode.read
+        fills.extend(filled)
+    return segments, key in mode.read
 
 
 def _ids_of(src: Any, dst: torch.Tensor, id_dtype: torch.dtype) -> torch.Tensor:
@@ -176,20 +219,21 @@ def _careful(
     The loader's constant fills (the same in both passes) are added to `fills`."""
     id_dtype = torch.int32 if numel <= _INT32_IDS else torch.int64
     ids = torch.arange(numel, dtype=id_dtype).reshape(shape)
-    mode = _run(load_weights, storages, name, ids)
+    mode = _run(load_weights, _sealed(storages, [ids]), [(name, ids)])
+    copies, filled = _copies_and_fills(mode)
     segments = [
-        _segment(w.target, w.dst, *_affine_fit(_ids_of(w.src, w.dst, id_dtype)), numel) for w in mode.writes
+        _segment(w.target, w.dst, *_affine_fit(_ids_of(w.src, w.dst, id_dtype)), numel) for w in copies
     ]
-    read, filled = mode.read, mode.fills
-    del mode
+    read = storage_key(ids) in mode.read
+    del mode, copies
     # A copy commutes with relabelling the ids; `w * 2`, `w + 1` or a sort does not.
     ids.bitwise_xor_(_RELABEL[id_dtype])
-    relabelled = _run(load_weights, storages, name, ids)
-    if len(relabelled.writes) != len(segments):
+    relabelled, refilled = _copies_and_fills(_run(load_weights, _sealed(storages, [ids]), [(name, ids)]))
+    if len(relabelled) != len(segments):
         raise UnmappableLoader("loader transforms values instead of copying them")
-    if relabelled.fills != filled:
+    if refilled != filled:
         raise UnmappableLoader("loader fills a parameter with values that follow the checkpoint tensor")
-    for seg, w in zip(segments, relabelled.writes):
+    for seg, w in zip(segments, relabelled):
         got = _ids_of(w.src, w.dst, id_dtype)
         want = torch.as_strided(ids.reshape(-1), got.shape, _src_strides_of(seg, w.dst), seg.src_offset)
         # The loader may have moved the ids to the parameter's device: compare there.
@@ -271,39 +315,34 @@ def _probe_batch(
     load_weights, storages: Mapping[int, str], items: list[tuple[str, tuple[tuple[int, ...], torch.dtype]]]
 ) -> tuple[dict[str, TensorPlacement] | None, int]:
     """Placements of `items` from one `load_weights` call on meta probes, or (None, index of the
-    tensor the loader was at when the batch stopped being provable)."""
+    tensor the loader was at when the batch stopped being provable).
+
+    A write is attributed to the checkpoint tensor whose probe it copies (by storage identity, not by
+    loader order); anything the fast pass would not prove - a write into a probe, a write that is not
+    a `copy_` of a probe's view, a write outside the parameters - stops the batch where it was made.
+    """
     probes = [torch.empty(shape, dtype=dtype, device="meta") for _, (shape, dtype) in items]
-    mode = BatchMode(
-        storages,
-        {p.untyped_storage()._cdata: i for i, p in enumerate(probes)},
-        [dtype for _, (_, dtype) in items],
-    )
-
-    def feed():
-        for i, ((name, _), probe) in enumerate(zip(items, probes)):
-            mode.current = i
-            yield name, probe
-
+    mode = _sealed(storages, probes)
+    keys, dtypes = mode.inputs, [dtype for _, (_, dtype) in items]
     try:
-        with torch.no_grad(), mode:
-            load_weights(feed())
+        _run(load_weights, mode, [(name, p) for (name, _), p in zip(items, probes)])
     except Exception:  # e.g. a loader that reads values; per tensor, the careful pass decides
-        mode.reject()
-    if mode.rejected is not None:
-        return None, mode.rejected
-    out = {}
-    for i, (name, (shape, dtype)) in enumerate(items):
-        numel = torch.Size(shape).numel()
-        placement = TensorPlacement(name, tuple(shape), dtype, read=i in mode.read)
+        return None, mode.current
+    owners = [_owner(w, keys, dtypes) for w in mode.writes]
+    bad = mode.input_writes + [w.at for w, i in zip(mode.writes, owners) if i is None]
+    if bad:
+        return None, min(bad)
+    read = {i for k, i in keys.items() if k in mode.read}
+    out = {
+        name: TensorPlacement(name, tuple(shape), dtype, read=i in read)
+        for i, (name, (shape, dtype)) in enumerate(items)
+    }
+    for w, i in zip(mode.writes, owners):
+        placement = out[items[i][0]]
         try:
-            for w in mode.writes.get(i, ()):
-                src = w.src.expand(w.dst.shape)
-                placement.segments.append(
-                    _segment(w.target, w.dst, src.storage_offset(), tuple(src.stride()), numel)
-                )
+            placement.segments.append(_view_segment(w, torch.Size(placement.shape).numel()))
         except UnmappableLoader:
             return None, i
-        out[name] = placement
     return out, 0
 
 
@@ -317,7 +356,7 @@ def build_placement(
 
     Why batches: one `load_weights` call per tensor pays the loader's per-call setup (vLLM builds
     `dict(named_parameters())` and walks its expert mapping) 46k times at 355B. A batch of meta
-    probes goes through one call; a batch that `BatchMode` cannot prove is split around the
+    probes goes through one call; a batch that `_probe_batch` cannot prove is split around the
     tensor it stopped at, down to `probe_tensor` alone, which decides exactly as it always did.
     """
     items = list(checkpoint.items())
