@@ -20,7 +20,9 @@ MAX_FILE_LINES = 450
 OVERSIZE: dict[str, int] = {}
 # Formatted with `ruff format` (about 12 % more lines than the hand-wrapped code it replaced). The
 # redesign's target is 13,000 hand-wrapped lines (about 14,600 formatted); lowered as the library shrinks.
-MAX_LIBRARY_LINES = 20_790  # +215: signed manifests (issue 33); +75: our own weight-transfer backend name (issue 31)
+# +215: signed manifests (issue 33); +75: our own weight-transfer backend name (issue 31); -118: one loader
+# interception (issue 30).
+MAX_LIBRARY_LINES = 20_672
 
 
 def _files() -> dict[str, Path]:
