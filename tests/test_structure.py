@@ -21,8 +21,8 @@ OVERSIZE: dict[str, int] = {}
 # Formatted with `ruff format` (about 12 % more lines than the hand-wrapped code it replaced). The
 # redesign's target is 13,000 hand-wrapped lines (about 14,600 formatted); lowered as the library shrinks.
 # +215: signed manifests (issue 33); +75: our own weight-transfer backend name (issue 31); -118: one loader
-# interception (issue 30).
-MAX_LIBRARY_LINES = 20_672
+# interception (issue 30); +73: the seed trainer's push (issue 31).
+MAX_LIBRARY_LINES = 20_745
 
 
 def _files() -> dict[str, Path]:

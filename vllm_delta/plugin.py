@@ -43,13 +43,14 @@ class DeltaUpdatesEndpoint:
     # The doors are imported when used: this module also loads, as the general plugin, in every worker.
 
     def attach_router(self, app: FastAPI) -> None:
-        from vllm_delta.engine import routes
+        from vllm_delta.engine import routes, seed_route
         from vllm_delta.weight_transfer import routes as weight_transfer
 
         args = getattr(app.state, "args", None)
         if getattr(args, "enable_delta_updates", False):
             check_args(args)
             app.include_router(routes.router)
+            app.include_router(seed_route.router)  # the seed trainer's push, onto the same updater
             routes.guard_health(app)
         if weight_transfer.enabled(args):  # vLLM's weight routes, for the `delta` backend
             weight_transfer.attach(app)
