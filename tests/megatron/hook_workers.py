@@ -232,8 +232,8 @@ def _step(model, opt, toks: torch.Tensor, scale: float = 1.0) -> bool:
     return bool(ok)
 
 
-def engine_worker(rank, world, port, hf, url, root, api_key, version, steps, out):
-    """TP=2 x EP=2: the hook pushes disk deltas to a real engine; rank 0 writes mbridge's export."""
+def engine_worker(rank, world, port, hf, url, root, api_key, signing_key, version, steps, out):
+    """TP=2 x EP=2: the hook pushes signed disk deltas to a real engine; rank 0 writes mbridge's export."""
     import shutil
     from pathlib import Path
 
@@ -248,7 +248,14 @@ def engine_worker(rank, world, port, hf, url, root, api_key, version, steps, out
     model.eval()  # MoE with TP>1 trains only with sequence parallel, which the local spec refuses
     group = dist.new_group(backend="gloo")
     sender = DeltaSender(
-        [url], "disk", root, api_key=api_key, group=group, version=version, flush_bytes=64 << 10
+        [url],
+        "disk",
+        root,
+        api_key=api_key,
+        group=group,
+        version=version,
+        flush_bytes=64 << 10,
+        signing_keys=[signing_key],  # rank 0 signs the merged manifest
     )
     synced: list[dict] = []
     handle = register(opt, [model], sender, bridge=bridge, checkpoint=hf, on_sync=synced.append)

@@ -6,7 +6,10 @@ digests must equal a fresh load, by vLLM's own loader, of the weights the traine
 (harness/fresh_load). The trainer's upload bytes per sync must equal the bytes of that one version's
 objects in the store, listed by a plain boto3 client, with 2 engines and with 1. Then engine b
 restarts on its checkpoint, a late joiner: it catches up from the versions kept in the store (no new
-anchor is uploaded) and is exact. One scenario in phases, so three engine starts serve all of it.
+anchor is uploaded) and is exact. The engines take only manifests signed with their key (the
+sender signs every one), so the kept chain replays signed too; last, a sender with another key and
+one with none write their own versions into the bucket: both are refused (403) and change nothing.
+One scenario in phases, so three engine starts serve all of it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from vllm_delta import DeltaSender
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 
 API_KEY = "s3-engine-key"
+SIGNING_KEY = "s3-engines-signing-key-0123456789"
 
 
 def start_engine(model_dir: Path, url: str, env: dict[str, str], log: Path) -> VllmServer:
@@ -32,7 +36,15 @@ def start_engine(model_dir: Path, url: str, env: dict[str, str], log: Path) -> V
         model_dir,
         log,
         env=env,
-        extra_args=["--enable-delta-updates", "--delta-updates-root", url, "--api-key", API_KEY],
+        extra_args=[
+            "--enable-delta-updates",
+            "--delta-updates-root",
+            url,
+            "--api-key",
+            API_KEY,
+            "--delta-updates-signing-key",
+            SIGNING_KEY,
+        ],
     )
 
 
@@ -57,7 +69,9 @@ def test_two_engines_and_a_late_joiner_sync_exactly_through_the_store(
     try:
         trainer = Trainer(model_dir)
         with patched_environ(env):  # the sender reads the standard AWS environment
-            sender = DeltaSender([a.url, b.url], "s3", url, api_key=API_KEY, flush_bytes=64 << 10)
+            sender = DeltaSender(
+                [a.url, b.url], "s3", url, api_key=API_KEY, flush_bytes=64 << 10, signing_keys=[SIGNING_KEY]
+            )
         sender.seed(trainer.weights())
 
         def sync_and_check(engines: list[VllmServer], version: int) -> dict[str, float]:
@@ -96,6 +110,23 @@ def test_two_engines_and_a_late_joiner_sync_exactly_through_the_store(
             "only v5 was uploaded"
         )
         sender.close()
+
+        # Writers of the bucket without the engines' key: their manifests are refused before any flush
+        # is fetched, and the engines keep the trainer's weights.
+        held = {e.url: engine_checksums(e.url, API_KEY) for e in (a, b)}
+        for keys, error in ((["another-key-of-someone-0123456789"], "not one of"), ([], "not signed")):
+            with patched_environ(env):
+                forger = DeltaSender([a.url, b.url], "s3", url, api_key=API_KEY, version=5, signing_keys=keys)
+            forger.seed(trainer.weights())
+            trainer.step()
+            forger.sync(trainer.weights())
+            for e in (a, b):
+                state = forger.engines[e.url]
+                assert state.last_status == 403 and state.last_error["type"] == "SignatureError", state
+                assert error in state.last_error["message"], state.last_error
+                assert engine_checksums(e.url, API_KEY) == held[e.url]
+                assert engine_status(e.url, API_KEY)["version"] == 5
+            forger.close()
     finally:
         a.stop()
         b.stop()
