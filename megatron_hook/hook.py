@@ -206,6 +206,15 @@ def _seed_values(segments: list[Segments], checkpoint: Path) -> tuple[list[Segme
     for s in segments:
         served = ckpt.read_runs(s.name, s.runs).to(s.tensor.device)  # only this rank's slice is read
         mine = s.tensor.detach().reshape(-1)
+        if served.dtype in (
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+        ):  # issue 32: DeltaSender's whole tensors only
+            raise TypeError(
+                f"{s.name}: served in fp8 from {checkpoint}; the Megatron hook does not quantize its bf16 "
+                "shards (a 128x128 block may straddle a TP/EP shard boundary): serve bf16, or sync whole "
+                "tensors with DeltaSender.seed_from_checkpoint, which quantizes as the checkpoint was"
+            )
         if served.dtype != mine.dtype:
             raise TypeError(f"{s.name}: the checkpoint holds {served.dtype}, the trainer {mine.dtype}")
         differ = _bits(served) != _bits(mine)

@@ -18,14 +18,18 @@ takes a base-relative delta and an overwrite delta that change fp8 codes and blo
 from __future__ import annotations
 
 import pytest
+import requests
 import torch
 from harness.cli_diff import diff
+from harness.engine_pool import API_KEY
 from harness.fp8_inspect import served_fp8
-from harness.fp8_models import make_fp8_llama, step_checkpoint
+from harness.fp8_models import llama_bf16, make_fp8_llama, quantized, step_checkpoint, write_fp8_llama
+from harness.fresh_load import save_checkpoint
 from harness.tiny_models import PROMPTS
-from harness.vllm_engine import greedy, start_llm
+from harness.vllm_engine import VllmServer, greedy, start_llm
 from safetensors.torch import load_file
 
+from vllm_delta import DeltaSender
 from vllm_delta.wire import load_manifest
 
 pytestmark = [
@@ -120,3 +124,66 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(tmp_path, fresh_l
         assert {"float8_e4m3fn", "float32"} <= changed, changed
     assert [n for n in reference if applied[n] != reference[n]] == []
     assert applied_out == reference_out
+
+
+def reference_export(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The reference quantizer's export of bf16 weights: vLLM's `per_block_cast_to_fp8` (imported)."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    return quantized(weights, lambda w: per_block_cast_to_fp8(w, [128, 128]))
+
+
+def served_outputs(url: str, headers: dict[str, str]) -> list[tuple[list[str], list[float]]]:
+    """Greedy tokens and logprobs over HTTP, one prompt per request (see `outputs`)."""
+    out = []
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "seed": 0}
+        r = requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        out.append((lp["tokens"], lp["token_logprobs"]))
+    return out
+
+
+def test_bf16_adamw_trainer_syncs_block_fp8_engine(tmp_path, engine_pool, fresh_loader):
+    """Issue 32: a bf16 AdamW trainer's `DeltaSender`, seeded from the served block-fp8 checkpoint,
+    quantizes as the reference does; after each sync the engine's digests equal a fresh load of the
+    reference's export of the trainer's weights, and its tokens and logprobs equal an engine that
+    reloads that export with vLLM's own loader."""
+    trainer = {n: torch.nn.Parameter(w.float()) for n, w in llama_bf16(seed=0).items()}
+    bf16 = lambda: {n: p.detach().to(torch.bfloat16) for n, p in trainer.items()}  # noqa: E731
+    base = write_fp8_llama(tmp_path / "base", reference_export(bf16()))
+    server = engine_pool.delta_engine(base)
+    reference = VllmServer(base, tmp_path / "reference.log")  # dev mode: reloads through /collective_rpc
+    sender = DeltaSender([server.url], "disk", engine_pool.delta_root(), api_key=API_KEY, version=0)
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        sender.seed_from_checkpoint(base)
+        opt = torch.optim.AdamW(trainer.values(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(1, 4):
+            loss = sum(
+                (p * torch.randn(p.shape, generator=gen) * (torch.rand(p.shape, generator=gen) < 0.02)).sum()
+                for p in trainer.values()
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            m = sender.sync(bf16())
+            assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] > 0, (step, sender.engines)
+            export = save_checkpoint(reference_export(bf16()), base, tmp_path / f"export{step}")
+            synced = requests.post(
+                f"{server.url}/weight_checker", json={"action": "checksum"}, headers=key, timeout=120
+            )
+            assert synced.json()["checksums"] == fresh_loader.checksums(export), step
+            r = requests.post(
+                f"{reference.url}/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(export)}},
+                timeout=600,
+            )
+            r.raise_for_status()
+            assert served_outputs(server.url, key) == served_outputs(reference.url, {}), step
+    finally:
+        sender.close()
+        reference.stop()
+        server.stop()  # an fp8 engine no other module shares

@@ -7,6 +7,7 @@ parser here checks exactly what the real command checks, without starting an eng
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -220,3 +221,33 @@ def test_bad_signing_keys_are_refused_at_parse_time_without_printing_them(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and KEY_A not in err
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_online_quantization_is_refused_at_parse_time(serve_parser, tmp_path, capsys, quantized):
+    """`--quantization fp8` on a bf16 checkpoint is quantized by vLLM at load (one scale per fused layer,
+    no bf16 kept): refused, with why, through both doors. A checkpoint that is already quantized parses."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    model = tmp_path / "model"
+    model.mkdir()
+    config = (
+        {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}} if quantized else {}
+    )
+    (model / "config.json").write_text(json.dumps(config))
+    doors = (
+        ["--enable-delta-updates", "--delta-updates-root", str(tmp_path), "--api-key", "k"],
+        ["--weight-transfer-config", '{"backend": "delta"}'],
+    )
+    for door in doors:
+        argv = [str(model), "--quantization", "fp8", *door]
+        if quantized:
+            assert make_arg_parser(FlexibleArgumentParser()).parse_args(argv).quantization == "fp8"
+            continue
+        with pytest.raises(SystemExit) as exc:
+            make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "cannot serve --quantization fp8" in err and "keeps no bf16" in err, (
+            err
+        )

@@ -59,28 +59,49 @@ def quantize_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def make_fp8_llama(out_dir: Path, seed: int = 0) -> Path:
-    """Write the tiny block-fp8 Llama checkpoint into `out_dir`."""
+def llama_bf16(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tiny Llama's weights in bf16 (random, 0.05 std): what a bf16 trainer holds."""
     from transformers import AutoModelForCausalLM
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = _config()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    tensors = {}
+    model = AutoModelForCausalLM.from_config(_config(), dtype=torch.bfloat16)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            value = torch.randn_like(param) * 0.05 if param.dim() >= 2 else param.detach()
-            if name.rsplit(".", 2)[-2] in PROJECTIONS:
-                tensors[name], tensors[name + "_scale_inv"] = quantize_block_fp8(value)
-            else:
-                tensors[name] = value.to(torch.bfloat16).contiguous()
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+        return {
+            name: (torch.randn_like(p) * 0.05 if p.dim() >= 2 else p.detach()).to(torch.bfloat16).contiguous()
+            for name, p in model.named_parameters()
+        }
+
+
+def quantized(weights: dict[str, torch.Tensor], quantize=quantize_block_fp8) -> dict[str, torch.Tensor]:
+    """The projections quantized by `quantize` (fp8 weight + `weight_scale_inv`), the rest kept bf16."""
+    tensors = {}
+    for name, value in weights.items():
+        if name.rsplit(".", 2)[-2] in PROJECTIONS:
+            tensors[name], tensors[name + "_scale_inv"] = quantize(value)
+        else:
+            tensors[name] = value
+    return tensors
+
+
+def write_fp8_llama(out_dir: Path, tensors: dict[str, torch.Tensor], seed: int = 0) -> Path:
+    """A servable block-fp8 checkpoint of `tensors`: the weights, config.json and the tokenizer."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        out_dir / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    config = _config()
     config.quantization_config = QUANTIZATION
     config.save_pretrained(out_dir)
     train_tokenizer(out_dir)
     (out_dir / "tiny_model.json").write_text(json.dumps({"family": "llama_fp8", "seed": seed}))
     return out_dir
+
+
+def make_fp8_llama(out_dir: Path, seed: int = 0) -> Path:
+    """Write the tiny block-fp8 Llama checkpoint into `out_dir`."""
+    return write_fp8_llama(out_dir, quantized(llama_bf16(seed)), seed)
 
 
 def step_fp8(q: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:

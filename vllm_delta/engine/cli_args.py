@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import warnings
 from importlib.metadata import entry_points
@@ -263,10 +264,35 @@ NATIVE_DP_REFUSAL = (
 )
 
 
+ONLINE_QUANT_REFUSAL = (
+    "delta updates cannot serve --quantization {q} of {model}, whose config.json has no "
+    "quantization_config: vLLM quantizes it at load (per tensor or channel, one scale over each fused "
+    "layer and its TP shards, or blocks of the fused weight) and keeps no bf16 copy, so a bf16 delta has "
+    "nowhere to land and no checkpoint tensor's fp8 delta reproduces that scale (docs/results/fp8.md). "
+    "Serve the bf16 checkpoint, or a "
+    "block-fp8 one (quantization_config with weight_block_size: the sender quantizes as it was)."
+)
+
+
+def check_online_quantization(args: argparse.Namespace) -> None:
+    """Refuse online quantization of a local unquantized checkpoint (a hub id is not read here)."""
+    q, model = (
+        getattr(args, "quantization", None),
+        getattr(args, "model_tag", None) or getattr(args, "model", None),
+    )
+    config = Path(str(model)) / "config.json"
+    if not q or not config.is_file():
+        return
+    cfg = json.loads(config.read_text())
+    if not (cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config")):
+        raise ValueError(ONLINE_QUANT_REFUSAL.format(q=q, model=model))
+
+
 def check_native_args(args: argparse.Namespace) -> None:
     """Refuse the `delta` weight-transfer backend where its front end would not reach every engine."""
     if getattr(args, "enable_delta_updates", False) or not is_ours(_weight_transfer_backend(args)):
         return
+    check_online_quantization(args)
     if (getattr(args, "data_parallel_size", None) or 1) > 1:
         raise ValueError(NATIVE_DP_REFUSAL.format(args.data_parallel_size))
     if (getattr(args, "api_server_count", None) or 1) > 1:
@@ -284,6 +310,7 @@ def check_args(args: argparse.Namespace) -> None:
         return
     if args.delta_updates_root is None:
         raise ValueError("--enable-delta-updates requires --delta-updates-root DIR")
+    check_online_quantization(args)
     if args.worker_extension_cls != WORKER_EXTENSION:
         raise ValueError(
             f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "

@@ -29,6 +29,8 @@ from vllm_delta import settings
 from vllm_delta.client import EngineClient
 from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.sender.capture import Capture
+from vllm_delta.sender.checkpoint_seed import checkpoint_seed
+from vllm_delta.sender.fp8_quant import BlockFp8Quantizer
 from vllm_delta.sender.planner import EngineState, Plan, Planner
 from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.publisher import Published, Publisher
@@ -134,6 +136,7 @@ class DeltaSender:
             self.transport, self.client, self.planner, self.ranks, flush_bytes=flush_bytes, signing_keys=keys
         )
         self.model_elements = 0
+        self.fp8: BlockFp8Quantizer | None = None  # a block-fp8 served checkpoint's (fp8_quant.py)
         self.status_wait_s = status_wait_s
         self.publish_failures = 0
         self.last_error: BaseException | None = None  # the last failed publish's error
@@ -186,31 +189,15 @@ class DeltaSender:
 
         With `like` (the tensors or shards this rank will pass to `capture`), each snapshot takes
         this rank's elements of the checkpoint tensor, on that tensor's device. What is read scales
-        with this rank's tensors, not with the checkpoint.
+        with this rank's tensors, not with the checkpoint. A block-fp8 checkpoint's quantized weights
+        are then captured in bf16 and quantized as it was (`fp8_quant.py`); one this sender cannot
+        produce is refused here, naming a tensor.
         """
-        from vllm_delta.wire.checkpoint import Checkpoint
-
-        ckpt = Checkpoint.open(hf_dir)
-        if like is None:
-            if names is None:
-                self.seed(ckpt.iter_tensors())
-            else:  # only the named tensors' shards are opened
-                self.seed((n, ckpt.read(n)) for n in dict.fromkeys(names) if n in ckpt)
-            return
-        shards = [self._as_shard(x) for x in _items(like)]
-        if missing := sorted({s.name for s in shards if s.name not in ckpt}):
-            raise KeyError(f"not in the checkpoint: {missing[:5]}")
-
-        def part(s: Shard | Segments) -> torch.Tensor:  # segments by their runs: no per-element index
-            got = (
-                ckpt.read_runs(s.name, s.runs)
-                if isinstance(s, Segments)
-                else ckpt.read_at(s.name, s.global_index().cpu())
-            )
-            return got.reshape(s.tensor.shape).to(s.tensor.device)
-
-        # Only the shards holding this rank's tensors are opened, and only its slices read.
-        self.seed([s.with_tensor(part(s)) for s in shards])
+        seeded, fp8 = checkpoint_seed(
+            hf_dir, names, None if like is None else list(map(self._as_shard, _items(like)))
+        )
+        self.seed(seeded)
+        self.fp8 = fp8
 
     def add_engine(self, url: str) -> None:
         """A late-joining (or restarted) engine: it gets a full anchor at the next sync (with s3, it
@@ -403,7 +390,8 @@ class DeltaSender:
         shards = [self._as_shard(x) for x in _items(named)]
         known = set(self.producer.names)
         seeded = {_alias_key(s.tensor) for s in shards if s.name in known}
-        return [s for s in shards if s.name in known or _alias_key(s.tensor) not in seeded]
+        out = [s for s in shards if s.name in known or _alias_key(s.tensor) not in seeded]
+        return self.fp8.apply(out) if self.fp8 else out
 
     def _metrics(self, done: Published, changed: int) -> dict[str, float]:
         plan, sent, replies = done.plan, done.sent, done.replies

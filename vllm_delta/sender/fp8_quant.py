@@ -1,0 +1,229 @@
+"""Block-fp8 engines fed by a bf16 trainer: quantize as the served checkpoint is quantized, per changed block.
+
+Why: rollouts are served in block fp8 (DeepSeek-V3, Qwen3-FP8, GLM-4.7-FP8: float8_e4m3fn weights, a
+float32 `weight_scale_inv` per `weight_block_size` block) while the trainer holds bf16. The sender turns
+each quantized bf16 weight into the codes and scales the engine serves, and the ordinary scan then ships
+only the codes and scales that changed. Only blocks holding a changed bf16 element are re-quantized.
+
+The rule is the reference's, bit for bit: vLLM's `vllm.utils.deep_gemm.per_block_cast_to_fp8`, DeepGEMM's
+block cast, which vLLM's online block-fp8 method quantizes with. Per block, in float32:
+`amax = max(max|x|, 1e-4)`, `scale_inv = amax / 448`, `code = float8_e4m3fn(x * (1 / scale_inv))`, edge
+blocks zero-padded. slime's `blockwise_cast_to_fp8_triton` computes the same except a 1e-10 amax floor (a
+block whose every |x| < 1e-4 differs). The tests import the reference itself; this module imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vllm_delta.sender.shards import Shard
+from vllm_delta.wire.checkpoint import Checkpoint
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
+AMAX_FLOOR = 1e-4  # the reference's clamp: an all-zero block gets a finite scale
+SCALE = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv`
+PER_TENSOR_WHY = (
+    "per-tensor / channel-wise fp8 is not delta-synced: vLLM serves a fused layer (qkv, gate_up) under one "
+    "scale it computes at load (the max of the shards' scales, re-quantized; online, the amax over the "
+    "fused weight and its TP shards), which no checkpoint tensor's delta reproduces (the bytes alone would "
+    "pay: a moved scale changes 4-5% of the codes under it, docs/results/fp8.md); serve block fp8 "
+    "(weight_block_size) or bf16"
+)
+
+
+class Fp8ConfigError(ValueError):
+    """A served quantization this sender does not produce (refused at seeding, naming a tensor)."""
+
+
+@dataclass(frozen=True)
+class BlockFp8Spec:
+    """What the served config.json's `quantization_config` asks for."""
+
+    block: tuple[int, int]
+    ignored: tuple[str, ...]  # `ignored_layers` / `modules_to_not_convert`
+
+
+def served_quantization(hf_dir: str | Path) -> dict | None:
+    """`hf_dir/config.json`'s `quantization_config` (a multimodal config's text one), if any."""
+    path = Path(hf_dir) / "config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    return cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config") or None
+
+
+def served_spec(q: dict, first_fp8: str) -> BlockFp8Spec:
+    """The block-fp8 spec of a `quantization_config`, refused if this sender cannot produce it.
+    `first_fp8` names a quantized tensor for the message."""
+    where = f"{first_fp8 or 'the checkpoint'}: served with quantization_config {q}"
+    if q.get("quant_method") != "fp8":
+        raise Fp8ConfigError(f"{where}; the sender produces only block fp8 (quant_method 'fp8')")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise Fp8ConfigError(f"{where}; the sender produces float8_e4m3fn codes only")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise Fp8ConfigError(
+            f"{where}; static activation scales (input_scale) are not the trainer's to produce"
+        )
+    if q.get("scale_fmt"):
+        raise Fp8ConfigError(f"{where}; the sender produces float32 weight_scale_inv, not {q['scale_fmt']!r}")
+    block = q.get("weight_block_size")
+    if block is None:
+        raise Fp8ConfigError(f"{where}; {PER_TENSOR_WHY}")
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise Fp8ConfigError(f"{where}; weight_block_size must be two positive ints")
+    ignored = tuple(q.get("ignored_layers") or ()) + tuple(q.get("modules_to_not_convert") or ())
+    return BlockFp8Spec((block[0], block[1]), ignored)
+
+
+def quantized_weights(meta: dict[str, tuple[tuple[int, ...], torch.dtype]], spec: BlockFp8Spec) -> list[str]:
+    """The checkpoint's block-fp8 weights, each with its float32 block scale; anything else fp8 is refused."""
+    names = []
+    for name, (shape, dtype) in meta.items():
+        if name.endswith((".weight_scale", ".input_scale")):
+            raise Fp8ConfigError(f"{name}: a per-tensor scale; {PER_TENSOR_WHY}")
+        if dtype == torch.float8_e5m2:
+            raise Fp8ConfigError(f"{name}: float8_e5m2; the sender produces float8_e4m3fn codes only")
+        if dtype != FP8:
+            continue
+        module = name.removesuffix(".weight")
+        if any(module == i or module.startswith(i + ".") or module.endswith("." + i) for i in spec.ignored):
+            raise Fp8ConfigError(f"{name}: fp8 in the checkpoint, but the config leaves {module} unquantized")
+        want = tuple(math.ceil(n / b) for n, b in zip(shape, spec.block))
+        scale = meta.get(name + SCALE)
+        if not name.endswith(".weight") or len(shape) != 2 or scale != (want, torch.float32):
+            raise Fp8ConfigError(
+                f"{name}: fp8 {list(shape)} with scale {scale}; the sender produces a 2-D weight with a "
+                f"float32 {name + SCALE} of shape {list(want)} (blocks {list(spec.block)})"
+            )
+        names.append(name)
+    return names
+
+
+def quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale_inv) of `blocks` [k, bm, bn] (bf16), the reference's arithmetic."""
+    sf = blocks.abs().float().amax(dim=(1, 2)).clamp(AMAX_FLOOR) / FP8_MAX
+    return (blocks * (1.0 / sf)[:, None, None]).to(FP8), sf
+
+
+class _Tensor:
+    """One quantized weight: the last bf16 quantized, its codes and its scales, on the weight's device."""
+
+    def __init__(self, name: str, w: torch.Tensor, block: tuple[int, int]) -> None:
+        (m, n), (bm, bn) = w.shape, block
+        self.name, self.shape, self.block = name, (m, n), block
+        self.grid = (math.ceil(m / bm), math.ceil(n / bn))
+        self.padded = (self.grid[0] * bm, self.grid[1] * bn)
+        self.prev: torch.Tensor | None = None  # nothing quantized yet: every block is "changed"
+        self.codes = torch.zeros(self.padded, dtype=FP8, device=w.device)
+        self.scale = torch.zeros(self.grid, dtype=torch.float32, device=w.device)
+
+    def _pad(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` zero-padded to whole blocks (a copy only for a shape that is not whole blocks)."""
+        if self.shape == self.padded:
+            return t
+        out = torch.zeros(self.padded, dtype=t.dtype, device=t.device)
+        out[: self.shape[0], : self.shape[1]] = t
+        return out
+
+    def _blocks(self, t: torch.Tensor) -> torch.Tensor:
+        (r, c), (bm, bn) = self.grid, self.block
+        return t.view(r, bm, c, bn)
+
+    def changed_blocks(self, w: torch.Tensor) -> torch.Tensor:
+        """Flat block indices' mask where a bf16 element's bits moved (on the device, no host sync)."""
+        if self.prev is None:
+            return torch.ones(self.grid, dtype=torch.bool, device=w.device).reshape(-1)
+        moved = w.view(torch.int16) != self.prev.view(torch.int16)
+        return self._blocks(self._pad(moved)).any(dim=3).any(dim=1).reshape(-1)
+
+    def requantize(self, w: torch.Tensor, mask: torch.Tensor, count: int) -> None:
+        """Re-quantize the `count` blocks `mask` marks: codes and scales written in place."""
+        idx = torch.nonzero_static(mask, size=count).reshape(-1)
+        rows, cols = idx // self.grid[1], idx % self.grid[1]
+        q, sf = quantize_blocks(self._blocks(self._pad(w))[rows, :, cols, :])
+        self._blocks(self.codes.view(torch.uint8))[rows, :, cols, :] = q.view(torch.uint8)  # no fp8 index_put
+        self.scale.view(-1)[idx] = sf
+        if self.prev is None:
+            self.prev = w.detach().clone()
+        else:
+            self.prev.copy_(w)
+
+    def shards(self) -> list[Shard]:
+        m, n = self.shape
+        codes = self.codes if (m, n) == self.padded else self.codes[:m, :n].contiguous()
+        return [Shard.whole(self.name, codes), Shard.whole(self.name + SCALE, self.scale)]
+
+
+class BlockFp8Quantizer:
+    """The sender's block-fp8 stage: bf16 shards of quantized weights in, their codes and scales out."""
+
+    def __init__(self, spec: BlockFp8Spec, names: list[str]) -> None:
+        self.spec, self.names = spec, set(names)
+        self._tensors: dict[str, _Tensor] = {}
+        self.blocks_requantized = 0  # over every capture: the cost that tracks the changes
+
+    @classmethod
+    def served(cls, ckpt: Checkpoint, names: list[str] | None = None) -> BlockFp8Quantizer | None:
+        """The quantizer checkpoint `ckpt` needs (None if unquantized), for all its tensors or only `names`
+        (a rank's: only their shards' headers are read)."""
+        q = served_quantization(ckpt.path)
+        if q is None:
+            return None
+        if names is None:
+            meta = ckpt.meta
+        else:  # the names, their block and per-tensor scales, and their modules' input scales
+            near = (
+                c for n in names for c in (n, n + SCALE, n + "_scale", n.rpartition(".")[0] + ".input_scale")
+            )
+            meta = {c: ckpt.info(c) for c in dict.fromkeys(near) if c in ckpt}
+        first = next((n for n, (_, d) in meta.items() if d in (FP8, torch.float8_e5m2)), "")
+        spec = served_spec(q, first)
+        return cls(spec, quantized_weights(meta, spec))
+
+    def with_scales(self, names: list[str]) -> list[str]:
+        return names + [n + SCALE for n in names if n in self.names]
+
+    def check_whole(self, shards: list[Shard]) -> None:
+        """Refuse a quantized weight held in parts: a block may straddle the parts' boundary."""
+        for s in shards:
+            if s.name in self.names and not s.is_whole:
+                raise Fp8ConfigError(
+                    f"{s.name}: block-fp8 served, held as a part {s.describe()[3][:4]} of "
+                    f"{list(s.full_shape)}; the sender quantizes whole tensors only "
+                    f"({list(self.spec.block)} blocks may straddle parts)"
+                )
+
+    def apply(self, shards: list[Shard]) -> list[Shard]:
+        """The shards with each quantized bf16 weight replaced by its current codes and scales."""
+        self.check_whole(shards)
+        todo = []
+        for s in shards:
+            if s.name in self.names:
+                if s.tensor.dtype != torch.bfloat16:
+                    raise TypeError(
+                        f"{s.name}: block-fp8 served; the trainer must pass bf16, not {s.tensor.dtype}"
+                    )
+                t = self._tensors.get(s.name) or self._tensors.setdefault(
+                    s.name, _Tensor(s.name, s.tensor, self.spec.block)
+                )
+                w = s.tensor.detach().contiguous()
+                todo.append((t, w, t.changed_blocks(w)))
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, w, _) in enumerate(todo):
+            by_device.setdefault(w.device, []).append(i)
+        counts = [0] * len(todo)
+        for ids in by_device.values():  # one host sync per device, not per tensor
+            for i, c in zip(ids, torch.stack([todo[i][2].sum() for i in ids]).tolist()):
+                counts[i] = c
+        for (t, w, mask), count in zip(todo, counts):
+            if count:
+                t.requantize(w, mask, count)
+                self.blocks_requantized += count
+        out = []
+        for s in shards:
+            out += self._tensors[s.name].shards() if s.name in self.names else [s]
+        return out
