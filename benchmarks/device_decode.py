@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from vllm_delta.wire import DeltaWriter, iter_delta, open_delta
-from vllm_delta.wire.batch_device import Destinations
+from vllm_delta.wire.batch_device import DeviceDecoder
+from vllm_delta.wire.batch_host import HOST
 from vllm_delta.wire.container import paused_gc
 
 
@@ -40,16 +41,15 @@ def write(
 def decode(path: Path, device: str | None) -> tuple[float, int, int]:
     """(seconds, changes, bytes sent to the device) of one decode of the whole delta (`device` None: the host's)."""
     info = open_delta(path)
-    owned = Destinations({}, {p.name: torch.device(device) for p in info.manifest.params}) if device else None
+    decoder = DeviceDecoder({p.name: torch.device(device) for p in info.manifest.params}) if device else HOST
     with paused_gc():
         start = time.perf_counter()
         changes = sum(
-            d.count for d in iter_delta(info, current_version=0, owned=owned, lazy=True)
+            d.count for d in iter_delta(info, current_version=0, lazy=True, decoder=decoder)
         )  # on meta: sizes
-        if owned is not None:
-            owned.verify()
+        decoder.verify()
         seconds = time.perf_counter() - start
-    return seconds, changes, owned.uploaded if owned is not None else 0
+    return seconds, changes, decoder.uploaded if isinstance(decoder, DeviceDecoder) else 0
 
 
 def main() -> None:

@@ -69,20 +69,22 @@ def parts(applier: DeltaApplier, path: Path, checkpoint) -> dict[str, float]:
         info = open_delta(path)
         out["manifest"] = time.process_time() - cpu
         cpu = time.process_time()
+        decoder = applier._decoder()
         items = list(
             iter_delta(
                 info,
                 expected=checkpoint,
                 current_version=0,
-                owned=applier._owned(),
+                owned=applier.owned_ranges(),
                 lazy=True,
                 threads=1,
                 batches=True,
+                decoder=decoder,
             )
         )
         out["decode"] = time.process_time() - cpu
         cpu = time.process_time()
-        applier.stage(info.manifest, items, version=1, replay=False, start=0.0, decoded=applier._owned())
+        applier.stage(info.manifest, items, version=1, replay=False, start=0.0, decoder=decoder)
         out["stage"] = time.process_time() - cpu
         del info, items
     return out

@@ -20,7 +20,8 @@ from vllm_delta.engine import batched
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.owned import owned_by_tensor
-from vllm_delta.wire import CorruptDeltaError, batch, batch_device, iter_delta, open_delta
+from vllm_delta.wire import CorruptDeltaError, batch_device, iter_delta, open_delta
+from vllm_delta.wire.batch_host import HOST
 
 DC = device_check()
 BF16 = torch.bfloat16
@@ -34,7 +35,7 @@ def meta_prepare(path, cfg, *, device_decode: bool = True, tp: int = 2, rank: in
         DC.SyntheticLM(cfg, rank=rank, tp=tp, device="meta"), meta, placements=placements, rank=rank
     )
     if not device_decode:
-        applier._owned = lambda: owned_by_tensor(applier.placements)
+        applier._decoder = lambda: HOST
     with OpLog() as log:
         staged = applier.prepare(path, version=1, base_version=0, current_version=0)
     decoded = sum(
@@ -123,8 +124,8 @@ def test_forced_device_decode_on_cpu_stages_what_the_host_path_stages(tmp_path, 
     DC.write_delta(tmp_path / "d", base, DC.step(base, 0.3, seed=1), version=1)
     meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
     calls = []
-    real = batch.device_decode
-    monkeypatch.setattr(batch, "device_decode", lambda *a: calls.append(1) or real(*a))
+    real = batch_device._decode
+    monkeypatch.setattr(batch_device, "_decode", lambda *a: calls.append(1) or real(*a))
 
     def staged(force: bool):
         model = DC.SyntheticLM(cfg, rank=rank, tp=tp)
@@ -179,15 +180,15 @@ def test_a_destination_fed_by_device_and_host_decoded_tensors(tmp_path, monkeypa
     model.load_weights(base.items())
     applier = DeltaApplier(model, meta)
     monkeypatch.setattr(batched, "FORCE_DEVICE_PATH", True)
-    real = applier._owned
+    real = applier._decoder
 
-    def half() -> batch_device.Destinations:
+    def half() -> batch_device.DeviceDecoder:
         devices = real().devices.items()
-        return batch_device.Destinations(
-            real(), {n: d for n, d in devices if ".experts." not in n or int(n.split(".")[5]) % 2}
+        return batch_device.DeviceDecoder(
+            {n: d for n, d in devices if ".experts." not in n or int(n.split(".")[5]) % 2}
         )
 
-    monkeypatch.setattr(applier, "_owned", half)
+    monkeypatch.setattr(applier, "_decoder", half)
     staged = applier.prepare(tmp_path / "d", version=1, base_version=0, current_version=0)
     fused = [t for t in staged.writes if "experts" in t]
     assert fused and all(len(staged.writes[t]) == 2 for t in fused)
@@ -207,9 +208,9 @@ def test_device_and_host_decoded_tensors_of_one_destination_never_meet_on_meta(t
     meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
     placements = DeltaApplier(DC.SyntheticLM(cfg), meta).placements
     applier = DeltaApplier(DC.SyntheticLM(cfg, device="meta"), meta, placements=placements)
-    real = applier._owned
-    applier._owned = lambda: batch_device.Destinations(
-        real(), {n: d for n, d in real().devices.items() if ".experts." not in n or int(n.split(".")[5]) % 2}
+    real = applier._decoder
+    applier._decoder = lambda: batch_device.DeviceDecoder(
+        {n: d for n, d in real().devices.items() if ".experts." not in n or int(n.split(".")[5]) % 2}
     )
     staged = applier.prepare(path, version=1, base_version=0, current_version=0)
     fused = [t for t in staged.writes if "experts" in t]

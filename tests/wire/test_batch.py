@@ -20,7 +20,7 @@ from vllm_delta.wire import (
     DeltaWriter,
     Limits,
     batch,
-    batch_frames,
+    batch_host,
     bytes_digest,
     container,
     flush,
@@ -349,9 +349,9 @@ def test_frames_of_every_block_kind_pass_and_trailing_bytes_do_not():
     offset = np.cumsum([0] + [len(f) for f in frames[:-1]])
     stored = np.array([len(f) for f in frames])
     decoded = np.array([len(p) for p in payloads])
-    assert batch_frames.frames(memoryview(stream), offset, stored, decoded) == b"".join(payloads)
+    assert batch_host.frames(memoryview(stream), offset, stored, decoded) == b"".join(payloads)
     padded = b"".join(f + b"\0" for f in frames)
     with pytest.raises(batch.Fallback):
-        batch_frames.frames(memoryview(padded), offset + np.arange(len(frames)), stored + 1, decoded)
+        batch_host.frames(memoryview(padded), offset + np.arange(len(frames)), stored + 1, decoded)
     with pytest.raises(batch.Fallback):  # the index says one byte more than the header
-        batch_frames.frames(memoryview(stream), offset, stored, decoded + 1)
+        batch_host.frames(memoryview(stream), offset, stored, decoded + 1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import zstandard
 
-from vllm_delta.wire import DeltaWriter, batch, batch_frames, container, read_delta
+from vllm_delta.wire import DeltaWriter, batch, batch_host, container, read_delta
 from vllm_delta.wire.deltas import DeltaBatch
 
 MAGIC = b"\x28\xb5\x2f\xfd"
@@ -58,7 +58,7 @@ def _bad_checksum(content: bytes) -> bytes:
 def _read(frames: list[bytes], decoded: list[int]) -> bytes:
     stream = b"".join(frames)
     offset = np.cumsum([0] + [len(f) for f in frames[:-1]])
-    return batch_frames.frames(
+    return batch_host.frames(
         memoryview(stream), offset, np.array([len(f) for f in frames]), np.array(decoded)
     )
 
@@ -161,7 +161,7 @@ def test_tiny_tensors_hand_no_frame_to_zstd(tmp_path, monkeypatch, changes, zstd
     per-param path's changes; larger tensors' frames (compressed blocks) still do."""
     path = _delta(tmp_path / "d", 12, changes)
     ctx = _Frames(container.decompressor())
-    monkeypatch.setattr(batch_frames, "decompressor", lambda: ctx)
+    monkeypatch.setattr(batch_host, "decompressor", lambda: ctx)
     items = read_delta(path, current_version=0, batches=True)
     monkeypatch.undo()
     assert {type(i) for i in items} == {DeltaBatch}  # the batch path read them all

@@ -230,17 +230,8 @@ def test_bad_params_still_give_the_json_paths_error():
     text = _edit(_text(), '"count":2,', '"count":0,')
     assert heads_from_text(text) is None
     with pytest.raises(FormatError, match="bad flush metadata") as got:
-        flush._iter_flush(
-            get_encoding("ulp_zstd"),
-            flush.FlushHeader("ulp_zstd", 1, 0),
-            True,
-            {},
-            {"streams": "{}", "params": text},
-            1 << 30,
-            file="f",
-            expected=None,
-            owned=None,
-        )
+        meta = {"encoding": "ulp_zstd", "current_version": "1", "base_version": "0", "params": text}
+        flush.iter_flush({}, {**meta, "format": flush.FORMAT_BLOCKS, "streams": "{}"}, 1 << 30, file="f")
     with pytest.raises(FormatError) as want:
         parse_params(json.loads(text), blocked=True, file="f")
     assert str(want.value) == str(got.value)

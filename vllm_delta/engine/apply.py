@@ -50,7 +50,8 @@ from vllm_delta.wire import (
     tensor_digest,
 )
 from vllm_delta.wire.additive import partial_sum, to_hex
-from vllm_delta.wire.batch_device import Destinations
+from vllm_delta.wire.batch_device import DeviceDecoder
+from vllm_delta.wire.batch_host import HOST, Decoder
 from vllm_delta.wire.container import paused_gc
 from vllm_delta.wire.deltas import DeltaBatch
 
@@ -220,7 +221,7 @@ class DeltaApplier:
                 info = path if isinstance(path, DeltaInfo) else open_delta(path, files=files)
                 encoding = self._check_lineage(info.manifest, version, base_version, current_version)
                 # Lazily, a param at a time, and only the blocks meeting this rank's shard.
-                owned = self._owned()
+                owned, decoder = self.owned_ranges(), self._decoder()
             deltas = iter_delta(
                 info,
                 expected=self.checkpoint,
@@ -230,6 +231,7 @@ class DeltaApplier:
                 lazy=True,
                 threads=decode_threads or torch.get_num_threads(),
                 batches=True,
+                decoder=decoder,
             )
             staged = self.stage(
                 info.manifest,
@@ -238,7 +240,7 @@ class DeltaApplier:
                 replay=version == current_version,
                 start=start,
                 max_staged_bytes=max_staged_bytes,
-                decoded=owned,
+                decoder=decoder,
                 times=times,
             )
             # Freed while the collector is still paused: else its first pass walks a few objects a tensor.
@@ -265,8 +267,9 @@ class DeltaApplier:
                 manifest,
                 expected=self.checkpoint,
                 current_version=current_version if encoding.needs_base else None,
+                decoder=(decoder := self._decoder()),
             )
-            owned = self._owned()
+            owned = self.owned_ranges()
 
         def deltas():
             # One flush at a time (a collective receives each as it is asked for): checked by name
@@ -294,7 +297,7 @@ class DeltaApplier:
                 replay=version == current_version,
                 start=start,
                 max_staged_bytes=max_staged_bytes,
-                decoded=owned,
+                decoder=decoder,
                 times=times,
             )
 
@@ -303,15 +306,14 @@ class DeltaApplier:
         self.placements  # noqa: B018 - learned first (the probe, at startup)
         return self.routing.owned_ranges()
 
-    def _owned(self) -> dict | Destinations:
-        """What the reader decodes of each tensor, and where: a batchable tensor whose destinations are all
-        on one accelerator (or `batched.FORCE_DEVICE_PATH`) is decoded there (wire/batch_device.py),
-        unless a segment holds strided ids (a column shard): its blocks span the whole tensor, so on the
-        device all their entries would cross to keep 1/TP; decoded on the host, only the owned cross."""
-        owned = self.owned_ranges()
+    def _decoder(self) -> Decoder:
+        """The reader's back end: the device's when a target is on an accelerator (or
+        `batched.FORCE_DEVICE_PATH`), for the batchable tensors whose destinations all lie on one
+        (`Routing.decode_devices`; not a column shard, whose blocks span the whole tensor: on the
+        device all their entries would cross to keep 1/TP; decoded on the host, only the owned cross)."""
         if not any(on_device(t.device) for t in self.targets.values()):
-            return owned
-        return Destinations(owned, self.routing.decode_devices())
+            return HOST
+        return DeviceDecoder(self.routing.decode_devices())
 
     @staticmethod
     def _check_lineage(manifest: Manifest, version: int, base_version: int | None, current_version: int):
@@ -337,11 +339,11 @@ class DeltaApplier:
         replay: bool,
         start: float,
         max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
-        decoded: Mapping | None = None,
+        decoder: Decoder = HOST,
         times: PhaseTimes | None = None,
     ) -> StagedUpdate:
         """Locate decoded (validated) changes and sum their digests (engine/stager.py): one path,
-        whatever carried the bytes. `decoded`: the reader's `owned`; `times`: the sync's phase times
+        whatever carried the bytes. `decoder`: the reader's back end; `times`: the sync's phase times
         so far (prepare's `receive`), to which staging adds its own."""
         self.placements  # noqa: B018 - learned first (the probe, at startup)
         stager = Stager(
@@ -349,7 +351,7 @@ class DeltaApplier:
             self.shadows,
             manifest,
             max_staged_bytes=max_staged_bytes,
-            decoded=decoded,
+            decoder=decoder,
             times=times,
         )
         stage_all(stager, deltas)

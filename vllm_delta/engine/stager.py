@@ -10,7 +10,7 @@ replaying their loader (engine/fallback.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from itertools import chain, repeat
 from operator import attrgetter, is_not, itemgetter
 from time import perf_counter
@@ -38,7 +38,7 @@ from vllm_delta.engine.staging import (
 from vllm_delta.engine.trace import PhaseTimes
 from vllm_delta.wire import Manifest, ParamDelta, get_encoding
 from vllm_delta.wire.additive import partial_sum
-from vllm_delta.wire.batch_device import Destinations
+from vllm_delta.wire.batch_host import HOST, Decoder
 from vllm_delta.wire.codecs import ulp_resolve_tensor
 from vllm_delta.wire.deltas import DeltaBatch
 
@@ -59,7 +59,7 @@ class _Planned(NamedTuple):
 class Stager:
     """One sync's staging: fed decoded items (`take`), then `finish`ed into a `StagedUpdate`.
 
-    `decoded`: the reader's `owned`; a `Destinations` has the checks of the entries decoded on a
+    `decoder`: the reader's back end; a device one has the checks of the entries decoded on a
     device, verified (one copy per device) before anything staged is returned. `times` gets the
     locate and digest seconds (engine/trace.py)."""
 
@@ -70,10 +70,10 @@ class Stager:
         manifest: Manifest,
         *,
         max_staged_bytes: int,
-        decoded: Mapping | None = None,
+        decoder: Decoder = HOST,
         times: PhaseTimes | None = None,
     ) -> None:
-        self.routing, self.shadows, self.manifest, self.decoded = routing, shadows, manifest, decoded
+        self.routing, self.shadows, self.manifest, self.decoder = routing, shadows, manifest, decoder
         self.entries = dict(
             zip(map(attrgetter("name"), manifest.params), manifest.params)
         )  # no Python line a tensor
@@ -86,7 +86,7 @@ class Stager:
         self.anchor = self._is_anchor()
         self._batch: list[ParamDelta | _Planned] = []
         self._held = 0  # bytes in `_batch`
-        self._there = decoded.decoded if isinstance(decoded, Destinations) else ()
+        self._there = decoder.decoded
         routing.new_sync()
 
     def _is_anchor(self) -> bool:
@@ -125,8 +125,7 @@ class Stager:
 
     def finish(self, *, version: int, replay: bool, start: float) -> StagedUpdate:
         self.flush()
-        if isinstance(self.decoded, Destinations):
-            self.decoded.verify()
+        self.decoder.verify()
         with self.times.phase("digest"):
             digests = self.sums.hex()
         manifest, params = self.manifest, self.manifest.params
@@ -211,7 +210,7 @@ class Stager:
 
     def flush(self) -> None:
         """Locate, digest and stage the held batch: a constant number of ops per destination (and per
-        kind of decode: on the device, or on the host, as `decoded` says)."""
+        kind of decode: on the device, or on the host, as the decoder says)."""
         batch, self._batch, self._held = self._batch, [], 0
         if not batch:
             return

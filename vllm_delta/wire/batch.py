@@ -18,15 +18,12 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_not, itemgetter
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
-from .batch_device import Destinations, narrow
-from .batch_device import decode as device_decode
-from .batch_frames import Fallback
-from .batch_host import FlushIndex, HostBatch
+from .batch_host import Decoder, Fallback, FlushIndex, HostBatch
 from .blocks import BlockIndex, merge
 from .blocks import wanted as block_wanted
 from .codecs import GAP_WIDTHS, check_numel
@@ -229,6 +226,7 @@ def decode(
     ix: FlushIndex,
     data: Mapping[str, memoryview],
     owned: Mapping | None,
+    decoder: Decoder,
     make: Callable,
     fallback: Callable[[int, int], Iterator],
     make_batch: Callable | None = None,
@@ -237,10 +235,9 @@ def decode(
     PER_PARAM_ENTRIES wanted entries, go to `fallback(p, q)` (the per-param path for params p..q-1),
     then on to the next batch.
 
-    With `owned` a `batch_device.Destinations`, the params it places on a device are decoded
-    there (batch_device.py), apart from the batch's host params and up to DEVICE_BATCH_ENTRIES,
-    whatever each param's size (the device has no per-param path to prefer); their checks are left
-    in `owned` for its `verify`.
+    `decoder`: the back end. The params it places on a device (`decoder.devices`) are decoded there,
+    apart from the batch's host params and up to DEVICE_BATCH_ENTRIES, whatever each param's size (the
+    device has no per-param path to prefer); their checks are left in `decoder` for its `verify`.
 
     `make(p, positions, values, skipped, bounds, blocks)` builds param p's delta from torch views
     (values: signed-integer steps for a base-relative encoding, else new values in the param's dtype).
@@ -255,7 +252,7 @@ def decode(
     run_start[1:] &= ~(mask[:-1] & (pid[1:] == pid[:-1]))
     per_param = np.add.reduceat(np.where(mask, ix.cnt, 0), ix.row0[:-1])
     nparams = len(ix.names)
-    devices = getattr(owned, "devices", None) or {}
+    devices = decoder.devices
     where = list(map(devices.get, ix.names)) if devices else [None] * nparams
     on_dev = np.fromiter(map(is_not, where, repeat(None)), dtype=bool, count=nparams)
     kinds = {d: i for i, d in enumerate(dict.fromkeys(compress(where, on_dev.tolist())))}
@@ -290,44 +287,33 @@ def decode(
         dev_row = on_dev[pid[rows]]
         first_dev = np.flatnonzero(on_dev[p:q])
         device = where[p + int(first_dev[0])] if first_dev.size else None
+        sizes_at = set(ix.itemsize[p:q].tolist())
         try:
-            # (positions, values) on the device (True: int64 payloads) and on the host (False: an array)
-            parts: dict[bool, tuple[torch.Tensor, Any]] = {}
+            # (positions, values by width) on the device (True) and on the host (False)
+            parts: dict[bool, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
             for there in (False, True):
                 if (on_dev[p:q] == there).any():
                     sub = HostBatch(ix, data, rows[dev_row == there], run_start)
-                    # a device param: `owned` has `devices`, so it is a Destinations
-                    parts[there] = (
-                        device_decode(sub, enc, cast(torch.device, device), cast(Destinations, owned))
-                        if there
-                        else (torch.from_numpy(sub.positions(enc)), sub.values(enc))
-                    )
+                    parts[there] = decoder.decode(sub, enc, device if there else None, sizes_at)
         except Fallback:
             yield from fallback(p, q)
             p = q
             continue
         if True in parts:
-            cast(Destinations, owned).decoded.update(ix.names[i] for i in range(p, q) if on_dev[i])
-        sizes_at = set(ix.itemsize[p:q].tolist())
-        by_size = {
-            there: narrow(vals, sizes_at)
-            if there
-            else {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in sizes_at}
-            for there, (_, vals) in parts.items()
-        }
+            decoder.decoded.update(ix.names[i] for i in range(p, q) if on_dev[i])
         sizes = per_param[p:q].tolist()
         kinds_k = on_dev[p:q].tolist()
         # Each param's views made by one split per part and value type (a Python slice costs ~2 us a
         # view, 44k tensors two each): steps stay signed integers, new values are viewed in the dtype.
         types = ix.itemsize[p:q].tolist() if enc.needs_base else [d.torch for d in ix.dtypes[p:q]]
         views = {}
-        for there, (pos, _) in parts.items():
+        for there, (pos, by_size) in parts.items():
             if make_batch is not None and True not in parts:
                 break  # a DeltaBatch takes the batch's tensors whole: no view a param
             lens = [n for n, on in zip(sizes, kinds_k) if on == there]
             split = {}
             for t in dict.fromkeys([t for t, on in zip(types, kinds_k) if on == there]):
-                vals = by_size[there][t if enc.needs_base else t.itemsize]
+                vals = by_size[t if enc.needs_base else t.itemsize]
                 split[t] = vals.split(lens) if enc.needs_base else vals.view(t).split(lens)
             views[there] = (iter(pos.split(lens)), split, iter(range(len(lens))))
         nwanted = np.add.reduceat(mask[a:b].astype(np.int64), ix.row0[p:q] - a).tolist()
@@ -336,15 +322,15 @@ def decode(
         nrows = np.diff(row0).tolist()
         count = ix.count[p:q].tolist()
         if make_batch is not None and True not in parts:  # one object for the batch (wire/flush.DeltaBatch)
-            host = by_size[False]
+            pos, host = parts[False]
             values = {
                 t: host[t] if enc.needs_base else host[t.itemsize].view(t) for t in dict.fromkeys(types)
             }
-            nbytes = parts[False][0].nbytes + int(np.dot(per_param[p:q], ix.itemsize[p:q]))
+            nbytes = pos.nbytes + int(np.dot(per_param[p:q], ix.itemsize[p:q]))
             yield make_batch(
                 p,
                 q,
-                parts[False][0],
+                pos,
                 values,
                 types,
                 sizes,

@@ -11,8 +11,8 @@ torch ops per batch, however many params (checkpoint tensors) it holds.
 
 Checks that need the decoded values (gaps and positions in range, each block's first and last
 position, the flags' count against the escape planes) cannot raise where the values are without
-a device sync. Each batch folds them into one flag, kept in `Destinations`, which the caller
-checks once (`Destinations.verify`) before any entry is used; until then positions are clamped in
+a device sync. Each batch folds them into one flag, kept in `DeviceDecoder`, which the caller
+checks once (`DeviceDecoder.verify`) before any entry is used; until then positions are clamped in
 range, so no kernel reads out of bounds. Strict increase within a run needs no check of its own:
 each gap is checked in [0, numel) and each position too, so a step adds gap + 1 >= 1 with no wrap.
 """
@@ -25,31 +25,37 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .batch_host import Decoder, HostBatch
 from .encodings import Encoding, GapPlanes, RawValues, UlpSteps, ValuePlanes
 from .errors import BoundsError
 
 _ALIGN = 8  # each stream starts 8-byte aligned in the uploaded buffer, so a whole one views as words
 
 
-class Destinations(dict):
-    """`iter_flush`'s `owned` (param -> the position ranges to decode), plus `devices`: the params
-    whose decoded entries are wanted on a device, decoded there; the others decode on the host.
+class DeviceDecoder(Decoder):
+    """The device back end: the params in `devices` decoded there (their checks kept for `verify`), the
+    others on the host. The caller must call `verify` after the last delta and before using any
+    device-decoded entry."""
 
-    The caller must call `verify` after the last delta and before using any device-decoded entry.
-    """
-
-    def __init__(self, owned: Mapping, devices: Mapping[str, torch.device]) -> None:
-        super().__init__(owned)
+    def __init__(self, devices: Mapping[str, torch.device]) -> None:
+        super().__init__()
         self.devices = dict(devices)
         self.checks: list[
             tuple[str, torch.Tensor, int]
         ] = []  # (first param, ok flag, bytes uploaded), per batch
-        self.decoded: set[str] = set()  # the params decoded on their device (the rest fell back to the host)
 
     @property
     def uploaded(self) -> int:
         """Bytes the decode copied host to device."""
         return sum(n for _, _, n in self.checks)
+
+    def decode(
+        self, batch: HostBatch, enc: Encoding, device: torch.device | None, itemsizes: set[int]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        if device is None:
+            return super().decode(batch, enc, device, itemsizes)
+        pos, values = _decode(batch, enc, device, self)
+        return pos, narrow(values, itemsizes)
 
     def verify(self) -> None:
         """Raise `BoundsError` naming a batch's first param if its device checks failed: one copy per
@@ -186,7 +192,7 @@ def _whole_words(up: _Upload, raw: np.ndarray, width: np.ndarray, cnt: np.ndarra
     )
 
 
-def _byte_planes(batch, up: _Upload, prefix: str, width: np.ndarray, sizes: np.ndarray) -> _Planes:
+def _byte_planes(batch: HostBatch, up: _Upload, prefix: str, width: np.ndarray, sizes: np.ndarray) -> _Planes:
     """Planes `prefix0..`: plane j holds the entries of the rows whose width > j (`sizes[row]` of them)."""
     top = int(width.max())
     streams = [batch.stream(f"{prefix}{j}", sizes) for j in range(top)]
@@ -198,8 +204,8 @@ def _byte_planes(batch, up: _Upload, prefix: str, width: np.ndarray, sizes: np.n
     )
 
 
-def decode(
-    batch, enc: Encoding, device: torch.device, dest: Destinations
+def _decode(
+    batch: HostBatch, enc: Encoding, device: torch.device, dest: DeviceDecoder
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 positions and int64 value payloads (bit patterns, or wrapping ULP steps) of `batch`'s
     entries, on `device`; `Fallback` (from the host's size checks) before anything is sent."""

@@ -1,8 +1,9 @@
-"""A batch of block-indexed params decoded on the host: a constant number of numpy ops per stream.
+"""The host back end of the batched decode (wire/batch.py): a batch of block-indexed params decoded with
+a constant number of numpy ops per stream, and the one interface of the back ends (`Decoder`).
 
-The rows of a batch (wire/batch.py) share one entry bookkeeping; each stream decoder gathers its
-bytes from the decompressed frames (wire/batch_frames.py). Any check that fails raises `Fallback`:
-the per-param path (wire/flush.py) then decodes those params and raises the precise error.
+The rows of a batch share one entry bookkeeping (`HostBatch`); each stream decoder gathers its bytes
+from the batch's zstd frames, decompressed together (`frames`). Any check that fails raises
+`Fallback`: the per-param path (wire/flush.py) then decodes those params and raises the precise error.
 """
 
 from __future__ import annotations
@@ -12,10 +13,16 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+import torch
+import zstandard
 
-from .batch_frames import Fallback, frames
+from .container import decompressor
 from .dtypes import DType
 from .encodings import Encoding, GapPlanes, RawValues, ValuePlanes
+
+
+class Fallback(Exception):
+    """This input is for the per-param path (it may well be valid: that path decides)."""
 
 
 @dataclass
@@ -172,3 +179,155 @@ class HostBatch:
         byte0 = np.cumsum(want) - want
         idx = np.repeat(8 * byte0 - self.estart, self.cnt) + np.arange(self.entries)
         return bits[idx].astype(bool)
+
+
+class Decoder:
+    """The batched decode's back end, chosen by the caller, never by the data: this class decodes on
+    the host (numpy, each check raised as it decodes); `batch_device.DeviceDecoder` decodes the params
+    in its `devices` there (torch), the others here, and keeps their checks for `verify`."""
+
+    def __init__(self) -> None:
+        self.devices: Mapping[str, torch.device] = {}  # none: every param on the host
+        self.decoded: set[str] = set()  # the params a device decoded (the rest fell back to the host)
+
+    def decode(
+        self, batch: HostBatch, enc: Encoding, device: torch.device | None, itemsizes: set[int]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """int64 positions and, per value width in `itemsizes`, the values as signed integers."""
+        pos, vals = torch.from_numpy(batch.positions(enc)), batch.values(enc)
+        return pos, {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in itemsizes}
+
+    def verify(self) -> None:
+        """Raise the first check left for after the last batch (the caller calls it before any use)."""
+
+
+HOST = Decoder()  # stateless on the host (`decoded` is only ever filled by a device back end)
+
+
+def frames(stream: memoryview, offset: np.ndarray, stored: np.ndarray, decoded: np.ndarray) -> bytes:
+    """The frames at `offset`/`stored` decompressed back to back, each to exactly its `decoded` size.
+
+    Each frame is held to what `container.decompress` checks (its header states exactly the size the
+    index gives; it decodes to that; no bytes follow it in its span), or `Fallback`: the header and
+    the frame's extent are read here (RFC 8878) since zstd's batch call reports neither; the output
+    buffers are sized from the index, never from a header. A frame of one stored (raw) or RLE block
+    (`_check_frames` says which) is copied out as it is: what zstd would give, with no call and no
+    Python object a frame (a tensor of a few changes has five frames of a few bytes, 220k at 44k
+    tensors). The others go through one zstd call for all of them.
+    """
+    if bool(((stored == 0) != (decoded == 0)).any()):
+        raise Fallback  # an empty frame that decodes to something (or the reverse): the per-param path says
+    keep = stored > 0
+    offset, stored, decoded = offset[keep], stored[keep], decoded[keep]
+    if not offset.size:
+        return b""
+    buf = np.frombuffer(stream, dtype=np.uint8)
+    kind, start = _check_frames(buf, offset, stored, decoded)
+    raw, rle = kind == 0, kind == 1
+    if bool(raw.all()):
+        return buf[_spans(start, decoded)].tobytes()
+    out = np.empty(int(decoded.sum()), dtype=np.uint8)
+    at = np.cumsum(decoded) - decoded
+    if bool(raw.any()):
+        out[_spans(at[raw], decoded[raw])] = buf[_spans(start[raw], decoded[raw])]
+    if bool(rle.any()):
+        out[_spans(at[rle], decoded[rle])] = np.repeat(buf[start[rle]], decoded[rle])
+    rest = kind < 0
+    if bool(rest.any()):
+        segments = np.stack((offset[rest], stored[rest]), axis=1).astype(np.uint64)
+        try:
+            got = decompressor().multi_decompress_to_buffer(
+                zstandard.BufferWithSegments(stream, segments.tobytes()),
+                decompressed_sizes=decoded[rest].astype(np.uint64).tobytes(),
+            )
+        except zstandard.ZstdError:
+            raise Fallback from None
+        # zstandard's stub omits the segments' buffer protocol and the collection's indexed iteration
+        joined = b"".join(got)  # type: ignore[arg-type]
+        out[_spans(at[rest], decoded[rest])] = np.frombuffer(joined, dtype=np.uint8)
+    return out.tobytes()
+
+
+def _spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices of the runs `starts[i]`, `lengths[i]` long, back to back."""
+    ends = np.cumsum(lengths)
+    return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if ends.size else 0)
+
+
+_DICT_ID_BYTES = np.array([0, 1, 2, 4], dtype=np.int64)
+_MAX_BLOCKS = 64  # blocks walked per frame before handing the frame to the per-param path
+_MAX_BLOCK = 1 << 17  # zstd's largest block (Block_Maximum_Size)
+
+
+def _check_frames(
+    buf: np.ndarray, offset: np.ndarray, stored: np.ndarray, decoded: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every frame is one zstd frame filling its span exactly, whose header declares `decoded` bytes.
+
+    Per frame: 0 (a stored block) or 1 (an RLE block) where it is one such block of exactly `decoded`
+    bytes in a single-segment frame with no dictionary and no checksum (zstd would give that block's
+    bytes, or its byte repeated, and check nothing more), else -1; and where that block's content starts.
+    """
+    end = offset + stored
+
+    def byte(at: np.ndarray, sel: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """The bytes at `at` of the frames `sel`, each inside its own span."""
+        if bool((at >= end[sel]).any()):
+            raise Fallback  # a header or block header runs past the span
+        return buf[at].astype(np.int64)
+
+    magic = byte(offset) | byte(offset + 1) << 8 | byte(offset + 2) << 16 | byte(offset + 3) << 24
+    fhd = byte(offset + 4)
+    if bool((magic != 0xFD2FB528).any()) or bool((fhd & 0b1000).any()):
+        raise Fallback  # a skippable or foreign frame, or the reserved bit
+    single = (fhd >> 5) & 1
+    fcs_flag = fhd >> 6
+    fcs_bytes = np.where(fcs_flag == 0, single, 1 << fcs_flag)  # 0 or 1, 2, 4, 8
+    if bool((fcs_bytes == 0).any()):
+        raise Fallback  # no content size in the header: the per-param path streams it under its cap
+    at = offset + 5 + (1 - single) + _DICT_ID_BYTES[fhd & 3]
+    declared = np.zeros(offset.size, dtype=np.int64)
+    for j in range(8):
+        sel = fcs_bytes > j
+        if j < 7:
+            declared[sel] |= byte(at[sel] + j, sel) << (8 * j)
+        elif bool(sel.any()):  # the top byte: sizes past 2^63 are never the index's
+            top = byte(at[sel] + j, sel)
+            if bool((top > 0x7F).any()):
+                raise Fallback
+            declared[sel] |= top << 56
+    declared = np.where(fcs_flag == 1, declared + 256, declared)
+    if not np.array_equal(declared, decoded):
+        raise Fallback
+    cur = at + fcs_bytes
+    start = cur + 3  # the first block's content
+    open_ = np.ones(offset.size, dtype=bool)
+    lone: np.ndarray  # both set by the first block walk (a frame's first block; `offset` is not empty)
+    size: np.ndarray
+    for i in range(_MAX_BLOCKS):
+        if not bool(open_.any()):
+            break
+        c = cur[open_]
+        head = byte(c, open_) | byte(c + 1, open_) << 8 | byte(c + 2, open_) << 16
+        kind = (head >> 1) & 3
+        if bool((kind == 3).any()):
+            raise Fallback
+        if i == 0:  # every frame's first block: the frame's kind where it is its last
+            lone, size = np.where((head & 1) == 1, kind, -1), head >> 3
+        cur[open_] = c + 3 + np.where(kind == 1, 1, head >> 3)  # an RLE block stores one byte
+        open_[np.flatnonzero(open_)[(head & 1) == 1]] = False
+    else:
+        if bool(open_.any()):
+            raise Fallback
+    checksum = (fhd >> 2) & 1
+    if not np.array_equal(cur + 4 * checksum, end):
+        raise Fallback  # bytes after the frame (or a frame longer than its span)
+    plain = (
+        ((lone == 0) | (lone == 1))
+        & (single == 1)
+        & ((fhd & 3) == 0)
+        & (checksum == 0)
+        & (size == decoded)
+        & (size <= _MAX_BLOCK)
+    )
+    return np.where(plain, lone, -1), start

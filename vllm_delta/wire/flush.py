@@ -17,9 +17,9 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from .batch import Fallback
 from .batch import decode as decode_batches
 from .batch import parse as index_flush
+from .batch_host import HOST, Decoder, Fallback
 from .blocks import BlockIndex, Ranges, merge, parse_index, runs, wanted
 from .codecs import check_numel
 from .container import ZSTD_MAGIC, Limits, decompress, paused_gc, unpack
@@ -72,13 +72,15 @@ def iter_flush(
     expected: Expected | None = None,
     owned: Owned | None = None,
     batches: bool = False,
+    decoder: Decoder = HOST,
 ) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
     """Check a flush's metadata (and block index) now; decode its params one at a time as iterated.
 
     Why lazy: a receiver then holds one param's decoded changes at a time, not a flush's. Errors
     in a param's data are raised when that param is reached. With `owned`, a block-indexed
     flush decodes only the blocks of each param that meet its owned ranges. With `batches`, a run
-    of params the batched decoder took whole comes as one `DeltaBatch`.
+    of params the batched decoder took whole comes as one `DeltaBatch`. `decoder`: the batched
+    decode's back end (wire/batch_host.py), on the host or on the params' devices.
     """
     enc = get_encoding(meta.get("encoding", ""), file=file)
     header = FlushHeader(
@@ -87,51 +89,24 @@ def iter_flush(
         meta_int(meta, "base_version", file=file, optional=True),
     )
     blocked = meta.get("format") == FORMAT_BLOCKS
-    with paused_gc():
-        return _iter_flush(
-            enc,
-            header,
-            blocked,
-            tensors,
-            meta,
-            budget,
-            file=file,
-            expected=expected,
-            owned=owned,
-            batches=batches,
-        )
-
-
-def _iter_flush(
-    enc: Encoding,
-    header: FlushHeader,
-    blocked: bool,
-    tensors,
-    meta: Mapping[str, str],
-    budget: int,
-    *,
-    file: str,
-    expected: Expected | None,
-    owned: Owned | None,
-    batches: bool = False,
-) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
-    smeta = parse_streams(meta, file=file)
-    heads = heads_from_text(meta.get("params")) if blocked else None  # the writer's text, read fast
-    if heads is None:
-        heads = parse_params(meta_json(meta, "params", file=file), blocked=blocked, file=file)
-    if sum(s.size for s in smeta.values() if s.codec == "zstd") > budget:
-        raise LimitError("streams would decompress past the declared size", file=file)
-    data: dict[str, memoryview] = {}
-    for name in smeta:
-        t = tensors.get(f"__{name}__")
-        if t is None or t.dtype.st_code != "U8" or len(t.shape) != 1:
-            raise FormatError(f"stream {name!r} missing or not a 1-D uint8 tensor", file=file)
-        data[name] = t.data
-    if blocked:
-        return header, _iter_blocked(
-            enc, smeta, data, heads, meta, file=file, expected=expected, owned=owned, batches=batches
-        )
-    return header, _iter_v1(enc, smeta, data, heads.entries(), file=file, expected=expected)
+    with paused_gc():  # a few objects per param (container.paused_gc says why)
+        smeta = parse_streams(meta, file=file)
+        heads = heads_from_text(meta.get("params")) if blocked else None  # the writer's text, read fast
+        if heads is None:
+            heads = parse_params(meta_json(meta, "params", file=file), blocked=blocked, file=file)
+        if sum(s.size for s in smeta.values() if s.codec == "zstd") > budget:
+            raise LimitError("streams would decompress past the declared size", file=file)
+        data: dict[str, memoryview] = {}
+        for name in smeta:
+            t = tensors.get(f"__{name}__")
+            if t is None or t.dtype.st_code != "U8" or len(t.shape) != 1:
+                raise FormatError(f"stream {name!r} missing or not a 1-D uint8 tensor", file=file)
+            data[name] = t.data
+        if blocked:
+            return header, _iter_blocked(
+                enc, smeta, data, heads, meta, file, expected, owned, batches, decoder
+            )
+        return header, _iter_v1(enc, smeta, data, heads.entries(), file=file, expected=expected)
 
 
 class _HeadCheck:
@@ -207,11 +182,11 @@ def _iter_blocked(
     data,
     heads: Heads,
     meta: Mapping[str, str],
-    *,
     file: str,
     expected: Expected | None,
     owned: Owned | None,
-    batches: bool = False,
+    batches: bool,
+    decoder: Decoder,
 ) -> Iterator[ParamDelta | DeltaBatch]:
     """Validate every param's block index against the streams, then decode lazily (see iter_flush).
 
@@ -266,7 +241,7 @@ def _iter_blocked(
                 plans.extend(_plan_blocked(smeta, data, entries, file=file, expected=expected))
         return _decode_blocked(enc, smeta, data, plans[i:j], file=file, owned=owned)
 
-    return decode_batches(enc, index, data, owned, make, fallback, make_batch if batches else None)
+    return decode_batches(enc, index, data, owned, decoder, make, fallback, make_batch if batches else None)
 
 
 _TORCH = attrgetter("torch")

@@ -20,6 +20,7 @@ from typing import cast
 
 import torch
 
+from .batch_host import HOST, Decoder
 from .container import DeltaDir, Limits, SparseFile, paused_gc
 from .deltas import DeltaBatch, ParamDelta
 from .digest import bytes_digest
@@ -56,7 +57,9 @@ class DeltaDecoder:
     """Validates and decodes the flushes of one delta, in any transport.
 
     Feed every file the manifest lists (in manifest order), then call `finish()`; only then is the
-    delta known to be whole. Nothing should be applied before `finish()` returns.
+    delta known to be whole. Nothing should be applied before `finish()` returns. `decoder`: the
+    batched decode's back end, `batch_host.HOST` or a `batch_device.DeviceDecoder`, whose `verify`
+    the caller calls after `finish()` and before it uses a device-decoded entry.
     """
 
     def __init__(
@@ -67,8 +70,10 @@ class DeltaDecoder:
         current_version: int | None = None,
         seed: bool = False,
         limits: Limits = Limits(),
+        decoder: Decoder = HOST,
     ):
         self.manifest, self.expected, self.seed, self.limits = manifest, expected, seed, limits
+        self.decoder = decoder
         self.encoding = get_encoding(manifest.encoding)
         if self.encoding.needs_base and current_version != manifest.base_version:
             raise VersionError(
@@ -187,7 +192,14 @@ class DeltaDecoder:
             raise FormatError(f"format {meta.get('format')!r} is not one of {FLUSH_FORMATS}", file=name)
         else:
             header, deltas = iter_flush(
-                tensors, meta, budget, file=name, expected=self.expected, owned=owned, batches=batches
+                tensors,
+                meta,
+                budget,
+                file=name,
+                expected=self.expected,
+                owned=owned,
+                batches=batches,
+                decoder=self.decoder,
             )
         m = self.manifest
         if (header.encoding, header.version) != (m.encoding, m.version) or (
@@ -366,6 +378,7 @@ def iter_delta(
     lazy: bool = False,
     threads: int = 1,
     batches: bool = False,
+    decoder: Decoder = HOST,
 ) -> Iterator[ParamDelta | DeltaBatch]:
     """Decoded changes, one flush file at a time (memory stays bounded by a flush).
 
@@ -377,10 +390,16 @@ def iter_delta(
     at once on their own threads, ahead of the one being consumed (memory: threads + 1 decoded
     flushes), and admitted in manifest order, so errors surface in the same order. `batches`: runs
     of params decoded together come as one `DeltaBatch` each (for a caller that takes them whole).
+    `decoder`: where the batched decode runs (`DeltaDecoder`).
     """
     info = delta if isinstance(delta, DeltaInfo) else open_delta(delta, files=files, limits=limits)
     dec = DeltaDecoder(
-        info.manifest, expected=expected, current_version=current_version, seed=info.seed, limits=limits
+        info.manifest,
+        expected=expected,
+        current_version=current_version,
+        seed=info.seed,
+        limits=limits,
+        decoder=decoder,
     )
     wanted = None if files is None or info.seed else set(files)
     entries = [e for e in info.manifest.files if wanted is None or e.name in wanted]
