@@ -263,11 +263,12 @@ class DeltaApplier:
         with times.phase("receive"):
             encoding = self._check_lineage(manifest, version, base_version, current_version)
             names = [f.name for f in manifest.files]
-            decoder = DeltaDecoder(
+            decoder = self._decoder()
+            reader = DeltaDecoder(
                 manifest,
                 expected=self.checkpoint,
                 current_version=current_version if encoding.needs_base else None,
-                decoder=(decoder := self._decoder()),
+                decoder=decoder,
             )
             owned = self.owned_ranges()
 
@@ -283,11 +284,11 @@ class DeltaApplier:
                         file=name,
                     )
                 n += 1
-                yield from decoder.feed_iter(name, data, owned=owned, batches=True)
+                yield from reader.feed_iter(name, data, owned=owned, batches=True)
                 del data
             if n != len(names):
                 raise IncompleteDeltaError(f"received {n} flushes, the manifest lists {len(names)}")
-            decoder.finish()
+            reader.finish()
 
         with paused_gc():
             return self.stage(
