@@ -1,10 +1,6 @@
-"""The host back end of the batched decode (wire/batch.py): a batch of block-indexed params decoded with
-a constant number of numpy ops per stream, and the one interface of the back ends (`Decoder`).
-
-The rows of a batch share one entry bookkeeping (`HostBatch`); each stream decoder gathers its bytes
-from the batch's zstd frames, decompressed together (`frames`). Any check that fails raises
-`Fallback`: the per-param path (wire/flush.py) then decodes those params and raises the precise error.
-"""
+"""The batched decode's one back-end interface (`Decoder`), and its host back end: a batch's rows
+(`HostBatch`) decoded with a constant number of numpy ops per stream, from zstd frames decompressed
+together (`frames`). A failed check raises `Fallback`: the per-param path (wire/flush.py) decides."""
 
 from __future__ import annotations
 
