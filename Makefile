@@ -9,7 +9,7 @@ PIP_TORCH_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-fast demo demo-megatron demo-s3 clean patch-vllm
+.PHONY: install lint test test-fast demo demo-megatron demo-s3 clean patch-vllm rl-venv
 
 install: $(STAMP)
 
@@ -53,5 +53,16 @@ demo-megatron: install
 demo-s3: install
 	$(PY) benchmarks/s3_sync.py
 
+# The RL frameworks' venv: verl 0.9.1 (pins transformers < 5.11, needs ray) and SkyRL 0.4.0's weight-sync
+# layer (its wheel, no deps: it asks Python >= 3.12 and its two modules we load run on 3.11), seeing the main
+# venv's packages through a .pth. tests/engine/test_verl_engine.py and test_native_backend.py's SkyRL
+# test run there (skipped without it). About 2 min; not part of `make test`: `make rl-venv test`.
+RL_VENV ?= .venv-rl
+rl-venv: install
+	test -x $(RL_VENV)/bin/python || $(PY) -m venv $(RL_VENV)
+	echo "$(abspath $(VENV))/lib/python3.11/site-packages" > $(RL_VENV)/lib/python3.11/site-packages/zz_main_venv.pth
+	$(RL_VENV)/bin/python -m pip install -q --disable-pip-version-check "verl==0.9.1" "transformers>=5.5.3,<5.11" cloudpathlib loguru
+	$(RL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --ignore-requires-python "skyrl==0.4.0"
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(RL_VENV) build *.egg-info .pytest_cache .hypothesis

@@ -25,8 +25,10 @@ test stands alone (the one-door refusal is a parse-time case in tests/engine/tes
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import time
 import uuid
 from collections import Counter
@@ -37,6 +39,7 @@ import requests
 import torch
 from harness import commit_fault, megatron_cpu
 from harness.engine_pool import FAULT_AT, FAULT_VERSION, write_anchor
+from harness.fresh_load import save_checkpoint
 from harness.kernel_signatures import EXTENSION as KERNEL_SIGNATURES
 from harness.trainer import Trainer
 from harness.vllm_engine import VllmServer, patched_environ, start_llm
@@ -545,3 +548,27 @@ def test_the_backend_refuses_eplb():
     config = SimpleNamespace(parallel_config=SimpleNamespace(worker_extension_cls=None, enable_eplb=True))
     with pytest.raises(ValueError, match="cannot run with --enable-eplb"):
         DeltaWeightTransferEngine(None, config, torch.device("cpu"), torch.nn.Module())
+
+
+RL_PYTHON = Path(__file__).resolve().parents[2] / ".venv-rl" / "bin" / "python"
+
+
+@pytest.mark.skipif(
+    not RL_PYTHON.exists(), reason="the RL frameworks' venv is made by `make rl-venv` (not in make test)"
+)
+def test_skyrl_client_and_source_drive_our_trainer_engine(served, model_dir, root, fresh_loader, tmp_path):
+    """SkyRL 0.4.0's `SkyrlWeightSyncClient` and `FsdpWeightSource`, unchanged, through our trainer engine
+    (vllm_delta/integrations/skyrl.py), in the RL venv (tests/integrations/skyrl_check.py): the served
+    weights equal a fresh load of the trainer's export."""
+    out = tmp_path / "export.safetensors"
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")])}
+    script = repo / "tests" / "integrations" / "skyrl_check.py"
+    version = str(status(served.url)["version"])
+    args = [str(RL_PYTHON), str(script), served.url, str(root), str(model_dir), version, str(out)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report["metrics"]) == 2, report
+    export = save_checkpoint(load_file(out), like=model_dir, out=tmp_path / "export")
+    assert checksums(served.url) == fresh_loader.checksums(export), report["metrics"]

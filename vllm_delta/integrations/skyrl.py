@@ -1,0 +1,106 @@
+"""SkyRL 0.4's weight sync through vllm-delta: `generator.inference_engine.weight_sync_backend=vllm_delta`.
+
+SkyRL builds its trainer engine with vLLM's `WeightTransferTrainerFactory.trainer_init(init_info,
+client=SkyrlWeightSyncClient(urls, dp), source=<its WeightSource>)` and calls `send_weights()`.
+`SkyrlDeltaTrainerEngine` is our trainer engine (weight_transfer/trainer.py) taking that client and
+source unchanged: SkyRL's one client fans out to every server and answers nothing, while our sender
+gates its snapshot on each engine's own answer, so the client is seen as one view per server
+(its URLs, its HTTP session). SkyRL's list of backends is closed (`get_transfer_strategy` maps a
+name it does not know to `nccl`), so `register()` adds `vllm_delta` to it; call it in every SkyRL
+process (driver and trainer workers), e.g. from a module the run imports first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+from vllm_delta.backend_names import BACKEND as RECEIVE_BACKEND
+from vllm_delta.weight_transfer.trainer import DeltaTrainerInitInfo, DeltaTrainerWeightTransferEngine
+
+SKYRL_NAME = "vllm_delta"  # the value of SkyRL's `weight_sync_backend`
+TRAINER_BACKEND = "vllm_delta_skyrl"  # our trainer engine for SkyRL's client, in vLLM's trainer registry
+
+
+class SkyrlServer:
+    """One server of a `SkyrlWeightSyncClient`, with vLLM's four weight-sync calls and `base_url`."""
+
+    def __init__(self, client: Any, url: str) -> None:
+        self.client, self.base_url = client, url
+
+    def _post(self, route: str, body: dict[str, Any] | None) -> None:
+        response = self.client._session.post(f"{self.base_url}{route}", json=body, timeout=None)
+        response.raise_for_status()  # the answer's status and body reach the sender (links._replied)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update", None)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post(
+            "/finish_weight_update", None if weight_version is None else {"weight_version": weight_version}
+        )
+
+
+@dataclass
+class SkyrlDeltaInitInfo(DeltaTrainerInitInfo):
+    backend: ClassVar[str] = TRAINER_BACKEND
+
+
+class SkyrlDeltaTrainerEngine(DeltaTrainerWeightTransferEngine):
+    """Our trainer engine over SkyRL's client; declares what SkyRL's worker reads off every engine."""
+
+    init_info_cls = SkyrlDeltaInitInfo
+    skyrl_handles_prefix_cache_reset = False  # SkyRL's worker resets it after the send
+    skyrl_force_disable_expandable_segments = False
+    skyrl_empty_cache_after_send = False  # nothing of ours lives on the device
+    skyrl_draft_source = None
+
+    @classmethod
+    def trainer_init(cls, init_info: DeltaTrainerInitInfo, *, client: Any, source: Any = None):
+        servers = [SkyrlServer(client, url) for url in client._urls] if hasattr(client, "_urls") else client
+        return super().trainer_init(init_info, client=servers, source=source)
+
+
+def register_trainer_engine() -> None:
+    """Our trainer engine for SkyRL's client, in vLLM's trainer registry (idempotent)."""
+    if TRAINER_BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(TRAINER_BACKEND, SkyrlDeltaTrainerEngine)
+
+
+def register() -> None:
+    """Teach SkyRL the name `vllm_delta` (idempotent): its strategy, the servers' receive backend,
+    and the trainer's init info, from SkyRL's own config (`delta_weight_sync.sync_dir` is the
+    engines' `--delta-updates-root`; the policy checkpoint seeds the snapshot)."""
+    import skyrl.backends.skyrl_train.weight_sync as sync
+    from skyrl.backends.skyrl_train.weight_sync import weight_senders
+
+    register_trainer_engine()
+    if getattr(sync.get_transfer_strategy, "vllm_delta", False):
+        return
+    strategy, build = sync.get_transfer_strategy, weight_senders._build_sender_init_info
+
+    def get_transfer_strategy(weight_sync_backend: str, colocate_all: bool) -> str:
+        return (
+            SKYRL_NAME if weight_sync_backend == SKYRL_NAME else strategy(weight_sync_backend, colocate_all)
+        )
+
+    def build_sender_init_info(*, backend: str, ie_cfg: Any, rank: int, base_model_path: Any, **kwargs: Any):
+        if backend != SKYRL_NAME:
+            return build(backend=backend, ie_cfg=ie_cfg, rank=rank, base_model_path=base_model_path, **kwargs)
+        sync_cfg = getattr(ie_cfg, "delta_weight_sync", None)
+        if sync_cfg is None or not sync_cfg.sync_dir:
+            raise ValueError("vllm_delta needs generator.inference_engine.delta_weight_sync.sync_dir")
+        return SkyrlDeltaInitInfo(delta_dir=sync_cfg.sync_dir, checkpoint=base_model_path, rank=rank), None
+
+    get_transfer_strategy.vllm_delta = True  # type: ignore[attr-defined]
+    sync.get_transfer_strategy = get_transfer_strategy
+    sync._VLLM_RECEIVE_BACKENDS[SKYRL_NAME] = RECEIVE_BACKEND
+    weight_senders._build_sender_init_info = build_sender_init_info

@@ -1,0 +1,98 @@
+"""verl's `CheckpointEngine` for vllm-delta, loaded through verl's own plugin point:
+
+    actor_rollout_ref.rollout.checkpoint_engine.backend=vllm_delta
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=vllm_delta.integrations.verl
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.vllm_delta.engines=[http://host:8000]
+    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.vllm_delta.delta_dir=/shared/deltas
+
+Why this shape: verl's other engines carry whole tensors from the actor to a rollout-side engine,
+which loads them into vLLM through its own worker extension. Here the actor's rank 0 is a
+`DeltaSender`: it diffs the tensors verl gives `send_weights` against its snapshot and pushes the
+delta to each engine's `POST /update_weights_delta` (`vllm serve --enable-delta-updates`), which
+applies it transactionally; the rollout side has nothing to receive. Other actor ranks only drain
+their generator (verl's gathers are collectives every rank takes part in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+from verl.workers.rollout.utils import ensure_async_iterator
+
+from vllm_delta.sender import DeltaSender
+
+BACKEND = "vllm_delta"
+
+
+@CheckpointEngineRegistry.register(BACKEND)
+class VllmDeltaCheckpointEngine(CheckpointEngine):
+    """`engines`: the vLLM servers' base URLs; `delta_dir`: their `--delta-updates-root`, shared;
+    `checkpoint`: the checkpoint they loaded (seeds the snapshot exactly; without it the first
+    `send_weights` seeds it and sends nothing, so the actor's weights must then equal the served ones).
+    Further keyword arguments go to `DeltaSender` (`api_key`, `encoding`, `anchor_every`, ...)."""
+
+    def __init__(
+        self,
+        bucket_size: int,
+        engines: Iterable[str] = (),
+        delta_dir: str | None = None,
+        checkpoint: str | None = None,
+        **sender_options: Any,
+    ) -> None:
+        self.bucket_size = bucket_size
+        self.engines, self.delta_dir, self.checkpoint = list(engines), delta_dir, checkpoint
+        self.sender_options = sender_options
+        self.rank: int | None = None
+        self.sender: DeltaSender | None = None
+
+    def prepare(self) -> dict[str, Any]:
+        return {}  # no transport of verl's to set up: the engines are reached over HTTP
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Only the actor ranks take part: rank 0 sends."""
+        return {"rank": list(range(actor_wg_world_size))}, {"rank": [None] * rollout_world_size}
+
+    def init_process_group(self, rank: int | None = None, **kwargs: Any) -> None:
+        self.rank = rank
+
+    def finalize(self) -> None:
+        """Kept across steps: the sender's snapshot is what the next step diffs against."""
+
+    async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, float]:
+        """One delta sync of `weights` to every engine (rank 0); the sender's metrics, which verl logs."""
+        named = [(name, t) async for name, t in _kept(ensure_async_iterator(weights), self.rank == 0)]
+        if self.rank != 0:
+            return {}
+        if self.sender is None:
+            if not self.engines or self.delta_dir is None:
+                raise ValueError(
+                    "the vllm_delta checkpoint engine needs engine_kwargs `engines` and `delta_dir`"
+                )
+            self.sender = DeltaSender(self.engines, "disk", self.delta_dir, **self.sender_options)
+            if self.checkpoint is None:
+                self.sender.seed(named)
+                return {}
+            self.sender.seed_from_checkpoint(self.checkpoint)
+        return self.sender.sync(named)
+
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Nothing: the engines applied the delta when the actor pushed it."""
+        return
+        yield
+
+
+async def _kept(
+    weights: AsyncIterator[tuple[str, torch.Tensor]], keep: bool
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """The tensors, copied to the CPU when kept: a gather's tensors are re-partitioned once it moves on."""
+    async for name, t in weights:
+        if keep:
+            yield name, t.detach().to("cpu", copy=True)
