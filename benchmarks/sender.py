@@ -434,6 +434,7 @@ def p4(model: Path, weights: dict[str, torch.Tensor], work: Path, syncs: int, tr
             step(weights, gen)
             m = sender.sync(weights)
             assert m["sender/all_acked"] == 1.0, sender.engines
+            m["engine_phases"] = engine_phases(server.url)
             seq.append(m)
             print(
                 f"sync {k + 1}: {m['perf/update_weights_time']:.2f}s "
@@ -491,6 +492,13 @@ def p4(model: Path, weights: dict[str, torch.Tensor], work: Path, syncs: int, tr
         "sender_core": sender_core,
         "engine_core": engine_core,
     }
+
+
+def engine_phases(url: str) -> dict[str, float]:
+    """The last sync's trace as the engine reports it (`/delta_updates/status`): seconds per phase."""
+    r = requests.get(f"{url}/delta_updates/status", timeout=60)
+    r.raise_for_status()
+    return r.json()["last"]["trace"]["phases"]
 
 
 def _timed(fn) -> float:
@@ -678,6 +686,11 @@ def report(res3: dict, res4: dict, params: int, out_md: Path, out_png: Path, loa
         "",
         "Per-phase medians of a delta sync:",
         "",
+        "- engine trace (`/delta_updates/status`, slowest rank per phase): "
+        + ", ".join(
+            f"{p} {statistics.median(r['engine_phases'].get(p, 0.0) for r in seq[1:]):.3f} s"
+            for p in seq[-1]["engine_phases"]
+        ),
         f"- capture (`Producer.scan`: diff, gather, digests, staging): {med('sender/capture_s'):.2f} s",
         f"- encode (`ulp_zstd`, flushes queued to the paced writer): {med('sender/encode_s'):.2f} s",
         f"- write (paced to 300 MB/s, overlaps encoding): {med('sender/write_s'):.2f} s",
