@@ -119,7 +119,15 @@ def ours(worker, path: str, version: int, max_staged_bytes: int) -> dict[str, An
         if not prepared.get("ok"):
             raise RuntimeError(f"delta_prepare failed: {prepared}")
         checked = check_partials([prepared])  # the route's check, before any write
-    trace = state.staged[request["id"]].times  # the commit adds its phases to the same trace
+    staged = state.staged[request["id"]]
+    trace = staged.times  # the commit adds its phases to the same trace
+    # The repack built ahead holds a new packed copy of each touched linear layer until the commit frees
+    # the old one: about its weight's bytes (the CPU-only part of the extra memory).
+    model = worker.model_runner.get_model()
+    prebuilt_bytes = sum(
+        p.numel() * p.element_size() for n in staged.prebuilt for p in model.get_submodule(n).parameters()
+    )
+    del staged
     with PeakRss() as com:  # the staged update (the payload) is resident at its start
         committed = worker.delta_commit(request["id"])
     if not committed.get("ok"):
@@ -145,6 +153,7 @@ def ours(worker, path: str, version: int, max_staged_bytes: int) -> dict[str, An
         "prepare_extra": prep.extra,
         "commit_extra": com.peak - prep.base,
         "staged": com.base - prep.base,
+        "prebuilt_bytes": prebuilt_bytes,
     }
     out["extra"] = max(out["prepare_extra"], out["commit_extra"])
     return out

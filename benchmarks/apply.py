@@ -355,6 +355,10 @@ def summary(res: dict, a) -> dict[str, float]:
         out[f"vs_full_{key}"] = full / ours
         out[f"vs_full_no_repack_{key}"] = full_loader / ours_no_repack
         out[f"mem_over_payload_{key}"] = med(res, "ours", d, "extra") / med(res, "ours", d, "payload")
+        # Without the CPU-only packed copies the repack built ahead holds (none on a GPU).
+        out[f"mem_no_repack_over_payload_{key}"] = (
+            med(res, "ours", d, "extra") - med(res, "ours", d, "prebuilt_bytes")
+        ) / med(res, "ours", d, "payload")
     out["probe_s"] = res["placement"]["probe_s"]
     out["probe_peak_bytes"] = res["placement"]["probe_peak_bytes"]
     return out
@@ -478,7 +482,12 @@ def write_report(out: Path, res: dict, a, facts: dict, keys: dict[str, float]) -
             )
     if "mem_over_payload_2pct" in keys:
         m = keys["mem_over_payload_2pct"]
-        lines.append(f"- **Extra memory <= 2x payload at 2%:** {'met' if m <= 2 else 'NOT met'} ({m:.2f}x).")
+        m2 = keys["mem_no_repack_over_payload_2pct"]
+        lines.append(
+            f"- **Extra memory <= 2x payload at 2%:** {'met' if m <= 2 else 'NOT met'} ({m:.2f}x); less the "
+            f"packed copies of the CPU repack built ahead (the touched linear weights' bytes; none on a GPU) "
+            f"{m2:.2f}x ({'met' if m2 <= 2 else 'NOT met'})."
+        )
     g1, g64 = res["gemm"]
     gemm = (
         f"Its cost is generation speed, measured on `{g1['layer']}` ({g1['shape']}), median of 20 calls: batch 1: "
