@@ -111,12 +111,13 @@ def prebuild(module: nn.Module, new: Mapping[str, torch.Tensor]) -> dict[str, ob
     module, which may be serving, is untouched. None where the step is not known to keep to its own
     layer, or left other than a handler: the step is then re-run at commit (`refresh`).
 
-    Why only vLLM's unquantized linear: its step reads the layer's weight, builds a handler that owns
-    its packed copy and empties the weight (a restored parameter, so nothing to copy back); other
-    steps write into shared state (a fused MoE's kernel object) that must not change while serving.
+    Why only vLLM's unquantized linear and embedding (the LM head): their step reads the layer's weight
+    and builds a handler that owns its packed copy (the linear's also empties the weight: a restored
+    parameter, so nothing to copy back); other steps write into shared state (a fused MoE's kernel
+    object) that must not change while serving.
     """
     restored: set[str] = getattr(module, RESTORED_ATTR, set())
-    if getattr(module, STASH_ATTR) or not set(new) <= restored or not _keeps_to_its_layer(module):
+    if getattr(module, STASH_ATTR) or not _keeps_to_its_layer(module):
         return None
     stand_in = object.__new__(type(module))
     stand_in.__dict__.update(vars(module))
@@ -150,9 +151,11 @@ def install(module: nn.Module, made: Mapping[str, object]) -> None:
 def _keeps_to_its_layer(module: nn.Module) -> bool:
     try:
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     except ImportError:
         return False
-    return type(getattr(module, "quant_method", None)) is UnquantizedLinearMethod
+    own_layer = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    return type(getattr(module, "quant_method", None)) in own_layer
 
 
 def refresh(modules: Iterable[nn.Module]) -> int:

@@ -97,9 +97,11 @@ def prebuild_touched(
     out = {}
     for name, module in _touched(model, writes):
         prefix = f"{name}." if name else ""
+        # Every written param of the module: a restored one (the linear's emptied weight) and a live one
+        # the step reads but keeps (the LM head's weight), which the commit's scatter writes later.
         new = {
             n: _written_copy(targets[prefix + n], writes[prefix + n])
-            for n in getattr(module, canonical_weights.RESTORED_ATTR, ())
+            for n, _ in module.named_parameters(recurse=False)
             if writes.get(prefix + n)
         }
         made = canonical_weights.prebuild(module, new)
