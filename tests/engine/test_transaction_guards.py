@@ -1,7 +1,7 @@
 """The transaction core's guards, each pinned by a test that fails if that one guard is dropped
 (docs/results/mutants.md, session 13): a refusal anywhere in a prepare stops the update before any
 write and drops what every rank staged, a commit RPC that raised faults the engine until an anchor,
-and the trace takes each phase from the slowest rank.
+and the trace takes its worker phases from the critical (slowest) rank.
 
 Two in-process TP ranks run the real worker extension (harness/synthetic.py); the engine client
 around them only injects the one event a test is about (a lost commit RPC, a slow or refusing rank,
@@ -172,13 +172,16 @@ def _committed(rank: int, version: int = 1, **phases: float) -> CommitReply:
     return CommitReply(rank=rank, dp=0, version=version, phases=phases)
 
 
-def test_the_trace_takes_each_phase_from_its_slowest_rank():
+def test_the_trace_takes_its_worker_phases_from_the_critical_rank():
+    """The prepare's phases are rank 0's (4 s in all), the commit's rank 1's: not each phase's maximum
+    (decode 3 + stage 2 = 5 s, more than any rank took, which broke the phases' sum under load)."""
     prepared = [_prepared(0, decode=3.0, stage=1.0), _prepared(1, decode=1.0, stage=2.0)]
-    committed = [_committed(0, scatter=0.5), _committed(1, scatter=0.7)]
+    committed = [_committed(0, scatter=0.5, read_back=0.1), _committed(1, scatter=0.7)]
     trace = trace_of({"agree": 0.1, "pause": 0.2}, prepared, committed, wall_s=4.0)
-    assert trace["phases"] == {"decode": 3.0, "stage": 2.0, "scatter": 0.7, "agree": 0.1, "pause": 0.2}
+    assert trace["phases"] == {"decode": 3.0, "stage": 1.0, "scatter": 0.7, "agree": 0.1, "pause": 0.2}
+    assert list(trace["phases"]) == ["decode", "stage", "scatter", "agree", "pause"]  # in PHASES order
     assert trace["ranks"][1] == {"rank": "dp0:rank1", "phases": {"decode": 1.0, "stage": 2.0, "scatter": 0.7}}
-    assert worker_seconds(prepared, commit=False) == 5.0 and worker_seconds(committed, commit=True) == 0.7
+    assert worker_seconds(prepared, commit=False) == 4.0 and worker_seconds(committed, commit=True) == 0.7
 
 
 def test_a_phase_entered_twice_is_the_sum_of_both():

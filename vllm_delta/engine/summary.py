@@ -14,7 +14,7 @@ from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.messages import CommitReply, PrepareReply, Reply, StatusReply
 from vllm_delta.engine.replicas import by_replica, digest_groups, rank_id
-from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE, slowest
+from vllm_delta.engine.trace import PHASES, WORKER_COMMIT, WORKER_PREPARE, critical
 from vllm_delta.wire.errors import DeltaError
 
 
@@ -66,19 +66,22 @@ def fault_of(failed: Sequence[Reply]) -> dict[str, Any]:
 def trace_of(
     door: dict[str, float], prepared: Sequence[PrepareReply], committed: Sequence[CommitReply], wall_s: float
 ) -> dict[str, Any]:
-    """The sync's trace: per phase the slowest rank (the door's own phases as timed), each rank's phases,
-    and the wall time they add up to."""
+    """The sync's trace: the prepare's and the commit's critical rank's phases and the door's own, which
+    add up to the wall time; each rank's phases; and the wall time."""
     ranks: list[dict[str, Any]] = [
         {"rank": rank_id(p), "phases": {**p.phases, **c.phases}} for p, c in zip(prepared, committed)
     ]
-    workers = slowest(r["phases"] for r in ranks)
-    return {"phases": slowest([workers, door]), "ranks": ranks, "wall_s": round(wall_s, 6)}
+    timed = {
+        **critical((p.phases for p in prepared), WORKER_PREPARE),
+        **critical((c.phases for c in committed), WORKER_COMMIT),
+        **door,
+    }
+    return {"phases": {p: timed[p] for p in PHASES if p in timed}, "ranks": ranks, "wall_s": round(wall_s, 6)}
 
 
 def worker_seconds(replies: Sequence[PrepareReply | CommitReply], commit: bool) -> float:
-    """The slowest rank's seconds in the worker phases of prepare (or commit): what the door waited on."""
-    phases = slowest(r.phases for r in replies)
-    return sum(phases.get(p, 0.0) for p in (WORKER_COMMIT if commit else WORKER_PREPARE))
+    """The critical rank's seconds in the worker phases of prepare (or commit): what the door waited on."""
+    return sum(critical((r.phases for r in replies), WORKER_COMMIT if commit else WORKER_PREPARE).values())
 
 
 def summarize(

@@ -19,7 +19,7 @@ from time import perf_counter
 # `prebuild`: the post-load work built while serving (vLLM's CPU linear repack), swapped in at commit.
 WORKER_PREPARE = ("receive", "decode", "locate", "digest", "stage", "prebuild")
 WORKER_COMMIT = ("scatter", "read_back", "post_load")
-# `prepare_wait` and `commit_wait`: the door's wait on the workers beyond the slowest rank's worker
+# `prepare_wait` and `commit_wait`: the door's wait on the workers beyond the critical rank's worker
 # phases (polling, RPC, a rank's untimed work), so that the phases add up to the wall time.
 DOOR = ("agree", "prepare_wait", "pause", "commit_wait", "resume")
 PHASES = (*WORKER_PREPARE, *WORKER_COMMIT, *DOOR)
@@ -48,10 +48,14 @@ class PhaseTimes:
         return {p: round(self.seconds[p], 6) for p in PHASES if p in self.seconds}
 
 
-def slowest(ranks: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """Per phase, the slowest rank's seconds: what the sync waited for, since ranks run in parallel."""
-    out: dict[str, float] = {}
+def critical(ranks: Iterable[Mapping[str, float]], phases: Iterable[str]) -> dict[str, float]:
+    """The phases (of `phases`) of the rank that spent longest in them: the ranks run in parallel, so that
+    rank is what the step waited for. One rank's phases, not each phase's maximum over ranks: those add
+    up to more than any rank took when the ranks are slow in different phases."""
+    wanted = tuple(phases)
+    best: dict[str, float] = {}
     for times in ranks:
-        for phase, seconds in times.items():
-            out[phase] = max(out.get(phase, 0.0), seconds)
-    return {p: out[p] for p in PHASES if p in out}
+        mine = {p: times[p] for p in wanted if p in times}
+        if not best or sum(mine.values()) > sum(best.values()):
+            best = mine
+    return best
