@@ -9,7 +9,7 @@ PIP_TORCH_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-fast demo demo-megatron demo-s3 clean patch-vllm rl-venv
+.PHONY: install lint test test-fast fuzz demo demo-megatron demo-s3 clean patch-vllm rl-venv
 
 install: $(STAMP)
 
@@ -40,6 +40,17 @@ test: lint
 
 test-fast: lint
 	$(PY) -m pytest -m "not heavy" $(PYTEST_ARGS)
+
+# Coverage-guided fuzzing (atheris) of each harness in tests/fuzz for FUZZ_SECONDS, at the lowest CPU
+# priority; the corpus grows in .fuzz/ across runs, and every failing input is kept in
+# tests/fuzz/regressions/ (replayed by the light suite). Each harness prints a JSON summary line.
+FUZZ_SECONDS   ?= 600
+FUZZ_HARNESSES ?= manifest flush params gaps seed
+fuzz: install
+	$(PIP) install -q -e ".[fuzz]"
+	status=0; for h in $(FUZZ_HARNESSES); do \
+		nice -n 19 $(PY) tests/fuzz/run.py $$h --seconds $(FUZZ_SECONDS) || status=1; \
+	done; exit $$status
 
 demo: install
 	$(PY) examples/delta_weight_sync/cpu_quickstart.py

@@ -85,7 +85,7 @@ def _apply(base: Checkpoint, info: DeltaInfo, out: Path | None) -> int:
 
 
 def cmd_apply(a: argparse.Namespace) -> None:
-    base, info = Checkpoint.open(a.base), open_delta(a.delta)
+    base, info = Checkpoint.open(a.base), open_delta(a.delta, allow_seed=a.allow_seed_format)
     with staged_dir(a.out) as tmp:
         base.copy_other_files(tmp)
         n = _apply(base, info, tmp)
@@ -130,7 +130,7 @@ def summarize(info: DeltaInfo) -> dict:
 
 
 def cmd_inspect(a: argparse.Namespace) -> None:
-    s = summarize(open_delta(a.delta))
+    s = summarize(open_delta(a.delta, allow_seed=a.allow_seed_format))
     if a.json:
         print(json.dumps(s, indent=1))
         return
@@ -156,7 +156,7 @@ def cmd_inspect(a: argparse.Namespace) -> None:
 
 def cmd_verify(a: argparse.Namespace) -> int:
     try:
-        info = open_delta(a.delta)
+        info = open_delta(a.delta, allow_seed=a.allow_seed_format)
         if a.base:
             _apply(Checkpoint.open(a.base), info, None)
         else:
@@ -213,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("delta", type=Path)
     v.add_argument("--base", type=Path)
     v.set_defaults(func=cmd_verify)
+    for reads in (ap, i, v):
+        reads.add_argument(
+            "--allow-seed-format",
+            action="store_true",
+            help="also read a manifest-less seed-format delta (its checksum misses swapped values)",
+        )
+
     e = sub.add_parser("encodings", help="list encodings")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_encodings)

@@ -38,6 +38,15 @@ def updates_root() -> str:
     return os.environ.get(UPDATES_ROOT, "")
 
 
+# "1": manifest-less deltas in the seed's format are accepted (`--delta-updates-allow-seed-format` sets it).
+# Off by default: the seed's checksum cannot catch swapped values or a renamed or reshaped param.
+ALLOW_SEED_FORMAT = "VLLM_DELTA_ALLOW_SEED_FORMAT"
+
+
+def allow_seed_format() -> bool:
+    return os.environ.get(ALLOW_SEED_FORMAT) == "1"
+
+
 # "0" runs the numpy/torch code in place of every compiled kernel (vllm_delta/kernels/); the per-area
 # names of earlier releases are aliases that do the same.
 KERNELS = "VLLM_DELTA_KERNELS"

@@ -141,3 +141,46 @@ def test_symlinked_flush_file_is_not_followed_even_inside_the_root(guarded, delt
     error = refused(guarded.update({"path": d.name, "version": 1, "base_version": 0}), 400, "FormatError")
     assert error["file"] == F and "symlink" in error["message"]
     assert_unchanged(guarded, baseline)
+
+
+# ---- hostile files (issue 33): each malformed input a 400 naming it, the engine unchanged ---------
+
+
+def _edit_manifest(d, edit) -> None:
+    m = json.loads((d / "manifest.json").read_text())
+    edit(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def test_a_manifest_shape_that_is_a_number_is_a_400(guarded, deltas, baseline):
+    d = good(deltas, "shape-number")
+    _edit_manifest(d, lambda m: m["params"][0].__setitem__("shape", 7))
+    refused(guarded.update({"path": d.name, "version": 1, "base_version": 0}), 400, "FormatError")
+    assert_unchanged(guarded, baseline)
+
+
+def test_deeply_nested_flush_params_are_a_400(guarded, deltas, baseline):
+    from vllm_delta.wire import Limits, bytes_digest
+    from vllm_delta.wire.container import pack, unpack
+
+    d = good(deltas, "deep-params")
+    tensors, meta = unpack((d / F).read_bytes(), file=F, limits=Limits())
+    data = pack(
+        {k: bytes(t.data) for k, t in tensors.items()}, {**meta, "params": "[" * 100_000 + "]" * 100_000}
+    )
+    (d / F).write_bytes(data)
+    _edit_manifest(d, lambda m: m["files"][0].update(bytes=len(data), hash=bytes_digest(data)))
+    error = refused(guarded.update({"path": d.name, "version": 1, "base_version": 0}), 400, "FormatError")
+    assert error["file"] == F and "not JSON" in error["message"]
+    assert_unchanged(guarded, baseline)
+
+
+def test_a_seed_format_delta_is_refused_unless_allowed(guarded, deltas, baseline):
+    """No --delta-updates-allow-seed-format on this server: a directory with no manifest is refused."""
+    d = good(deltas, "seed-not-allowed")
+    (d / "manifest.json").unlink()
+    error = refused(
+        guarded.update({"path": d.name, "version": 1, "base_version": 0}), 400, "IncompleteDeltaError"
+    )
+    assert "allow-seed-format" in error["message"]
+    assert_unchanged(guarded, baseline)

@@ -15,6 +15,7 @@ from harness.s3_server import s3_env, s3_server  # noqa: F401  (fixtures: a real
 
 from vllm_delta import settings
 from vllm_delta.engine import cli_args
+from vllm_delta.settings import ALLOW_SEED_FORMAT as SEED_ENV
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 
 
@@ -35,6 +36,7 @@ def serve_parser(monkeypatch):
         "VLLM_PLUGINS",
         settings.SIGNING_KEYS,
         settings.SIGNING_KEY_FILE,
+        SEED_ENV,
     ):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
@@ -133,6 +135,14 @@ def test_safe_command_lines_parse(serve_parser, delta_flags, monkeypatch, case):
     )
     assert args.enable_delta_updates and args.delta_updates_max_body_bytes == cli_args.DEFAULT_MAX_BODY_BYTES
     assert args.delta_updates_collective_trainers == ["10.0.0.0/8", "::1", "trainer-0"]
+
+
+def test_seed_format_is_off_unless_the_operator_allows_it(serve_parser, delta_flags):
+    """The workers read the choice from the environment the parser sets (settings.allow_seed_format)."""
+    assert not serve_parser(*delta_flags, "--api-key", "k").delta_updates_allow_seed_format
+    assert not settings.allow_seed_format()
+    assert serve_parser(*delta_flags, "--api-key", "k", "--delta-updates-allow-seed-format")
+    assert settings.allow_seed_format()
 
 
 def test_flag_off_parses_as_stock_vllm(serve_parser):

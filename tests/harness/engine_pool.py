@@ -74,9 +74,11 @@ class EnginePool:
         return self.get(model_dir, tp, args, env)
 
     def shared_llama(self, model_dir: Path) -> VllmServer:
-        """The delta engine most modules share: the tiny Llama at TP=1, plain delta flags, fault armed."""
+        """The delta engine most modules share: the tiny Llama at TP=1, plain delta flags, fault armed,
+        the seed's manifest-less format allowed (tests/engine/test_seed_push.py pushes the seed's files)."""
         return self.delta_engine(
             model_dir,
+            extra_args=["--delta-updates-allow-seed-format"],
             env={
                 **commit_fault.engine_env(FAULT_VERSION, FAULT_AT),
                 "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": KEEP_ALIVE_S,

@@ -36,7 +36,7 @@ def test_flush_content_equals_the_seed_encoders(tmp_path, encoding):
     (tmp_path / "rank0000_flush000000.safetensors").write_bytes(data)
     changes = [c for chunk in seed_case() for c in chunk]
     out = {name: old.clone() for name, old, _ in changes}
-    for pd in read_delta(tmp_path, files=["rank0000_flush000000.safetensors"]):
+    for pd in read_delta(tmp_path, allow_seed=True, files=["rank0000_flush000000.safetensors"]):
         pd.apply_(out[pd.name])
     for name, _, new in changes:
         bits = INT[new.element_size()]

@@ -124,7 +124,9 @@ def test_apply_seed_delta(tmp_path, checkpoints):
     d.mkdir()
     changes = [(k, base[k], tensors[k]) for k in tensors]
     (d / "rank0000_flush000000.safetensors").write_bytes(seed_flush_bytes(changes, encoding="deltas_zstd"))
-    assert main(["apply", str(old), str(d), str(tmp_path / "out")]) == 0
+    assert main(["apply", str(old), str(d), str(tmp_path / "refused")]) == 1  # only when allowed
+    assert not (tmp_path / "refused").exists()
+    assert main(["apply", str(old), str(d), str(tmp_path / "out"), "--allow-seed-format"]) == 0
     assert_bit_identical(load_dir(tmp_path / "out"), load_dir(new))
 
 

@@ -145,7 +145,7 @@ def resave_seed(
 
 def read_seed(tmp_path: Path, data: bytes, **kw):
     (tmp_path / F).write_bytes(data)
-    return read_delta(tmp_path, **kw)
+    return read_delta(tmp_path, allow_seed=True, **kw)
 
 
 def test_seed_positions_must_be_uint8(tmp_path):
@@ -168,7 +168,7 @@ def test_seed_param_dtype_other_than_the_models(tmp_path):
     data = seed_flush_bytes(seed_pair())
     (tmp_path / F).write_bytes(data)
     with pytest.raises(DtypeMismatchError) as e:
-        read_delta(tmp_path, expected={"w": ((64,), torch.float16)})
+        read_delta(tmp_path, allow_seed=True, expected={"w": ((64,), torch.float16)})
     assert e.value.param == "w" and e.value.http_status == 422
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import safetensors.torch
 import torch
 from wire_helpers import seed_flush_bytes
 
-from vllm_delta.wire import IntegrityError, open_delta, read_delta
+from vllm_delta.wire import IncompleteDeltaError, IntegrityError, Limits, open_delta, read_delta
+from vllm_delta.wire.container import unpack
 
 INT = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
@@ -34,10 +38,10 @@ def test_seed_directory_without_manifest_is_a_valid_delta(tmp_path, encoding, pr
     (d / "rank0001_flush000000.safetensors").write_bytes(
         seed_flush_bytes(changes[1:], encoding=encoding, version=4, promote=promote)
     )
-    info = open_delta(d)
+    info = open_delta(d, allow_seed=True)
     assert info.seed and info.manifest.version == 4 and info.manifest.changed == 7
     out = {name: old.clone() for name, old, _ in changes}
-    for pd in read_delta(d, expected={k: (v.shape, v.dtype) for k, v in out.items()}):
+    for pd in read_delta(d, allow_seed=True, expected={k: (v.shape, v.dtype) for k, v in out.items()}):
         assert pd.dtype == out[pd.name].dtype  # promoted fp32 values come back as bf16, exactly
         pd.apply_(out[pd.name])
     for name, _, new in changes:
@@ -48,7 +52,7 @@ def test_explicit_file_list_from_the_push(tmp_path):
     changes = pair()
     (tmp_path / "rank0000_flush000000.safetensors").write_bytes(seed_flush_bytes(changes, version=2))
     (tmp_path / "rank0000_flush000001.safetensors").write_bytes(b"half-written junk")
-    deltas = read_delta(tmp_path, files=["rank0000_flush000000.safetensors"])
+    deltas = read_delta(tmp_path, allow_seed=True, files=["rank0000_flush000000.safetensors"])
     assert sorted(pd.name for pd in deltas) == ["a", "b"]
 
 
@@ -57,4 +61,42 @@ def test_seed_checksum_mismatch(tmp_path):
     data[-1] ^= 0x01  # last value byte: the container stays valid, the checksum does not
     (tmp_path / "rank0000_flush000000.safetensors").write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="seed checksum"):
+        open_delta(tmp_path, allow_seed=True)
+
+
+def test_a_seed_delta_is_read_only_where_allowed(tmp_path):
+    """Manifest-less files are refused unless the caller allows the seed's format (the engine's
+    --delta-updates-allow-seed-format): its checksum misses swapped values and renamed params."""
+    (tmp_path / "rank0000_flush000000.safetensors").write_bytes(seed_flush_bytes(pair(), version=2))
+    with pytest.raises(IncompleteDeltaError, match="allow-seed-format"):
         open_delta(tmp_path)
+    with pytest.raises(IncompleteDeltaError, match="allow-seed-format"):
+        read_delta(tmp_path)
+    assert open_delta(tmp_path, allow_seed=True).seed
+
+
+def test_what_the_seed_checksum_cannot_catch(tmp_path):
+    """Why it is opt-in (docs/wire-format.md): two values swapped, or a param renamed, still pass."""
+    changes = pair()
+    data = seed_flush_bytes(changes, encoding="deltas")
+    tensors, meta = unpack(data, file=None, limits=Limits())
+    values = bytearray(tensors["__values__"].data)
+    w = tensors["__values__"].dtype.itemsize
+    values[:w], values[w : 2 * w] = values[w : 2 * w], values[:w]  # the first two values swapped
+    params = json.loads(meta["params"])
+    params[0]["name"] = "renamed"
+    meta["params"] = json.dumps(params)
+    forged = safetensors.torch.save(
+        {
+            "__positions__": torch.frombuffer(bytearray(tensors["__positions__"].data), dtype=torch.uint8),
+            "__values__": torch.frombuffer(values, dtype=tensors["__values__"].dtype.torch),
+        },
+        metadata=meta,
+    )
+    for name, blob in (("true", data), ("forged", forged)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank0000_flush000000.safetensors").write_bytes(blob)
+    true = {pd.name: pd for pd in read_delta(tmp_path / "true", allow_seed=True)}
+    got = {pd.name: pd for pd in read_delta(tmp_path / "forged", allow_seed=True)}  # no error
+    a, b = true["a"].values[:2].view(torch.int16).tolist()
+    assert "a" not in got and got["renamed"].values[:2].view(torch.int16).tolist() == [b, a] and a != b

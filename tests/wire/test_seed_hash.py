@@ -98,10 +98,10 @@ def bf16_changes(promote: bool) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
 def test_seed_file_checksummed_by_torch_hash_tensor_is_read(tmp_path, encoding, promote):
     changes = bf16_changes(promote)
     (tmp_path / "rank0000_flush000000.safetensors").write_bytes(seed_file(changes, encoding, promote))
-    info = open_delta(tmp_path)
+    info = open_delta(tmp_path, allow_seed=True)
     assert info.seed and info.manifest.version == 3
     out = {name: old.clone() for name, old, _ in changes}
-    for pd in read_delta(tmp_path, expected={k: (v.shape, v.dtype) for k, v in out.items()}):
+    for pd in read_delta(tmp_path, allow_seed=True, expected={k: (v.shape, v.dtype) for k, v in out.items()}):
         pd.apply_(out[pd.name])
     for name, _, new in changes:
         assert torch.equal(out[name].view(INT[new.dtype]), new.view(INT[new.dtype])), name
@@ -113,7 +113,7 @@ def test_one_flipped_value_bit_fails_the_torch_checksum(tmp_path, promote):
     data[-3] ^= 0x10
     (tmp_path / "rank0000_flush000000.safetensors").write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="seed checksum") as exc:
-        open_delta(tmp_path)
+        open_delta(tmp_path, allow_seed=True)
     assert exc.value.file == "rank0000_flush000000.safetensors"
 
 

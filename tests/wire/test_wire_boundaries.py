@@ -170,6 +170,6 @@ def test_seed_reader_takes_64_bit_positions_past_2_pow_31(tmp_path, encoding, wi
     (tmp_path / FLUSH).write_bytes(
         seed_flush(blob, values, encoding=encoding, shape=[1 << 17, 1 << 16], width=width)
     )
-    (pd,) = read_delta(tmp_path)
+    (pd,) = read_delta(tmp_path, allow_seed=True)
     assert pd.positions.tolist() == [5, (1 << 31) - 1, 1 << 31, (1 << 32) + 1]
     assert pd.values.view(torch.int16).tolist() == [0x3F80, 0x3F81, 0x3F82, 0x3F83]

@@ -85,6 +85,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--delta-updates-signing-key-file", type=str, default=None, metavar="FILE", action=SigningKeys,
         help="The same, one key a line, read again for every update (rotate keys without a restart).",
     )  # fmt: skip
+    group.add_argument(
+        "--delta-updates-allow-seed-format", action=AllowSeedFormat,
+        help="Also accept manifest-less deltas in the seed's format. Their checksum cannot catch two "
+             "values swapped or a param renamed or reshaped (docs/wire-format.md); off unless given.",
+    )  # fmt: skip
     check_after_parsing(parser)
 
 
@@ -107,6 +112,17 @@ class SigningKeys(argparse.Action):
         except (OSError, ValueError) as exc:
             parser.error(f"{option_string}: {exc}")
         setattr(namespace, self.dest, values)
+
+
+class AllowSeedFormat(argparse.Action):
+    """A switch the workers read from the environment (settings.allow_seed_format), set while parsing."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, True)
+        os.environ[settings.ALLOW_SEED_FORMAT] = "1"
 
 
 class DeprecatedAlias(argparse.Action):

@@ -192,7 +192,8 @@ class DeltaWorkerExtension:
                 with times.phase("receive"):
                     # Opened again from the root's handle, through no symlink (the door checked the path).
                     delta_dir = DeltaDir.open(request.path, root=request.root)
-                    opened = open_delta(delta_dir, files=request.files)
+                    seed = settings.allow_seed_format()
+                    opened = open_delta(delta_dir, files=request.files, allow_seed=seed)
                     manifest = opened.manifest
                     self._delta_admit(manifest, request)  # before any flush is read
                 staged = state.applier.prepare(

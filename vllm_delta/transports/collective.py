@@ -39,7 +39,7 @@ from vllm_delta.transports.base import SentDelta, Sink, Transport, TransportOpti
 from vllm_delta.transports.groups import BACKENDS, Group, host_group, listen
 from vllm_delta.transports.spool import DEFAULT_WINDOW_BYTES, FlushSpool
 from vllm_delta.wire import DeltaError, FlushBuilder
-from vllm_delta.wire.errors import IncompleteDeltaError, LimitError
+from vllm_delta.wire.errors import FormatError, IncompleteDeltaError, LimitError
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +135,8 @@ def answer(
     wait for the go. Raises what this rank refused with, or `Refused` when another rank refused."""
     group.seq += 1
     seq = group.seq
-    got = group.get(f"{seq}/offer")
     try:
-        flushes = _check_offer(got, manifest, version, max_flush_bytes)
+        flushes = _check_offer(group.get(f"{seq}/offer"), manifest, version, max_flush_bytes)
         checked = check()
     except Exception as exc:  # every refusal is answered, so rank 0 never waits on this rank
         group.put(
@@ -162,10 +161,13 @@ def answer(
 def _check_offer(
     got: dict[str, Any], manifest: dict[str, Any], version: int, max_flush_bytes: int
 ) -> list[tuple[str, int]]:
-    if got["manifest_sha256"] != manifest_digest(manifest) or got["version"] != version:
-        raise IncompleteDeltaError("the trainer's offer is for another manifest than this request's")
-    flushes = [(str(n), int(s)) for n, s in got["flushes"]]
-    stated = [(f["name"], int(f["bytes"])) for f in manifest.get("files", [])]
+    try:
+        if got["manifest_sha256"] != manifest_digest(manifest) or got["version"] != version:
+            raise IncompleteDeltaError("the trainer's offer is for another manifest than this request's")
+        flushes = [(str(n), int(s)) for n, s in got["flushes"]]
+        stated = [(f["name"], int(f["bytes"])) for f in manifest.get("files", [])]
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
+        raise FormatError("malformed offer, or a manifest whose files are not name and size") from None
     if flushes != stated:
         raise IncompleteDeltaError(
             f"the offer lists {len(flushes)} flushes, not the manifest's {len(stated)}"

@@ -162,6 +162,8 @@ class StoreFlushes:
                 if len(head) < 8 + n:
                     head += store.get_range(key, len(head), 8 + n, etag=etag)
                 ranges = block_ranges(head[: 8 + n], self._owned)
+        if ranges is not None and any(a < 0 or b > size for a, b in ranges):
+            ranges = None  # lengths no writer wrote (past the file, or an int64 sum that wrapped)
         h = len(head)
         if ranges is not None and h + sum(b - a for a, b in ranges if b > h) > SPARSE_MAX_SHARE * size:
             ranges = None
@@ -204,8 +206,8 @@ def block_ranges(header: bytes, owned: Owned) -> list[tuple[int, int]] | None:
                 offsets = cursor[s] + np.concatenate(([0], np.cumsum(index.stored[:, j])))
                 out += [(int(offsets[k]), int(offsets[m])) for k, m in blocks.runs(mask)]
                 cursor[s] = int(offsets[-1])
-    except (DeltaError, KeyError, TypeError, ValueError, AttributeError, IndexError):
-        return None
+    except (DeltaError, KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError):
+        return None  # not the writer's layout: fetched whole, and the decoder says what is wrong
     merged: list[tuple[int, int]] = []
     for a, b in sorted(r for r in out if r[1] > r[0]):
         if merged and a - merged[-1][1] < MERGE_GAP:

@@ -103,8 +103,10 @@ class Limits:
 
     max_header_bytes: int = 64 << 20
     max_manifest_bytes: int = 128 << 20
-    # Decompression cap when no manifest says better (seed deltas).
+    # Decompression cap of a flush when no manifest says better (seed deltas).
     max_decoded_bytes: int = 4 << 30
+    # Decoded bytes the manifest allows the flushes decoded at once (reader.iter_delta's threads) in all.
+    max_decoded_at_once: int = 4 << 30
 
 
 @dataclass(frozen=True)

@@ -353,9 +353,25 @@ def _decode_run(
     if not (
         np.array_equal(pos[heads], index.first[k:m])
         and np.array_equal(pos[heads + counts - 1], index.last[k:m])
+        and _block_flags_agree(p, index, k, m, heads, spans.get("flag"))
     ):
-        raise BoundsError("positions disagree with the block index", file=file, param=p.name)
+        raise BoundsError("positions or ULP flags disagree with the block index", file=file, param=p.name)
     return pos, payload
+
+
+def _block_flags_agree(p, index: BlockIndex, k: int, m: int, heads: np.ndarray, flags) -> bool:
+    """ULP steps: each block's flags name as many escapes as its own `esc0` holds, as a decode of that
+    block alone (another rank's, or the batched paths') requires; the run's totals alone would let a
+    flag move between blocks (found by tests/fuzz: the device decode refused what this path took)."""
+    if flags is None or "esc0" not in p.streams:
+        return True
+    f, e = p.streams.index("flag"), p.streams.index("esc0")
+    counts, nbytes = index.count[k:m], index.decoded[k:m, f]
+    if not np.array_equal(nbytes, (counts + 7) // 8):
+        return False
+    bits = np.unpackbits(np.frombuffer(flags, dtype=np.uint8))
+    at = np.repeat(8 * (np.cumsum(nbytes) - nbytes) - heads, counts) + np.arange(int(counts.sum()))
+    return np.array_equal(np.add.reduceat(bits[at].astype(np.int64), heads), index.decoded[k:m, e])
 
 
 def _run_bytes(

@@ -354,10 +354,11 @@ def _entries(params: object) -> list[ParamEntry] | None:
     if set(map(tuple, params)) != {_PARAM_FIELDS}:
         return None
     name, dtype, shape, changed, files, parts, *digests = (list(map(g, params)) for g in _COLUMNS)
+    if set(map(type, shape)) | set(map(type, files)) != {list}:
+        return None  # (before chaining them: a number is not iterable)
     dims = list(chain.from_iterable(shape))
     if (
         set(map(type, name)) | set(map(type, dtype)) != {str}
-        or set(map(type, shape)) | set(map(type, files)) != {list}
         or not set(map(type, dims)) <= {int}
         or (dims and min(dims) < 0)
         or set(map(type, changed)) != {int}

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from itertools import compress, count, islice, repeat
+from itertools import compress, count, repeat
 from operator import attrgetter, contains, gt
 from pathlib import Path
 from typing import cast
@@ -23,14 +23,13 @@ import torch
 from .batch_host import HOST, Decoder
 from .container import DeltaDir, Limits, SparseFile, paused_gc
 from .deltas import DeltaBatch, ParamDelta
-from .digest import bytes_digest
 from .dtypes import by_name
 from .encodings import Encoding, get_encoding
 from .errors import BoundsError, DeltaError, FormatError, IncompleteDeltaError, IntegrityError, VersionError
 from .flush import Owned, iter_flush, open_flush
 from .flush_meta import FLUSH_FORMATS, Expected, check_expected
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, parse_manifest
-from .seed_format import decode_seed_flush, is_seed
+from .seed_format import decode_seed_flush, seed_manifest
 
 FLUSH_GLOB = "rank*_flush*.safetensors"
 
@@ -299,55 +298,19 @@ class DeltaDecoder:
                 raise BoundsError(f"{seen} changes, manifest says {p.changed}", param=p.name)
 
 
-def _synthesize_seed_manifest(d: DeltaDir, names: Sequence[str], limits: Limits) -> Manifest:
-    """Describe a manifest-less seed delta by decoding its files once."""
-    files, versions, encodings = [], set(), set()
-    params: dict[str, dict] = {}
-    for name in names:
-        data = d.read(name, cap=limits.max_decoded_bytes)
-        tensors, meta, _ = open_flush(data, file=name, limits=limits)
-        if not is_seed(meta):
-            raise IncompleteDeltaError("no manifest: the delta is unfinished", file=MANIFEST_NAME)
-        header, deltas = decode_seed_flush(tensors, meta, file=name)
-        versions.add(header.version)
-        encodings.add(header.encoding)
-        files.append(
-            FileEntry(
-                name=name, bytes=len(data), hash=bytes_digest(data), changed=sum(pd.count for pd in deltas)
-            )
-        )
-        for pd in deltas:
-            e = params.setdefault(
-                pd.name,
-                {
-                    "name": pd.name,
-                    "dtype": str(pd.dtype).removeprefix("torch."),
-                    "shape": list(pd.shape),
-                    "changed": 0,
-                    "files": [],
-                },
-            )
-            e["changed"] += pd.count
-            if name not in e["files"]:
-                e["files"].append(name)
-    if len(versions) != 1 or len(encodings) != 1:
-        raise FormatError("seed flush files disagree on version or encoding")
-    return Manifest(
-        version=versions.pop(),
-        encoding=encodings.pop(),
-        files=files,
-        params=[ParamEntry(**e) for e in params.values() if e["changed"]],
-    )
-
-
 def open_delta(
-    path: str | os.PathLike | DeltaDir, *, files: Sequence[str] | None = None, limits: Limits = Limits()
+    path: str | os.PathLike | DeltaDir,
+    *,
+    files: Sequence[str] | None = None,
+    limits: Limits = Limits(),
+    allow_seed: bool = False,
 ) -> DeltaInfo:
-    """Open a version directory: with a manifest, or a seed delta (flush files, no manifest).
+    """Open a version directory: with a manifest, or (`allow_seed`) a seed delta (flush files, no manifest).
 
     `path` may be a `DeltaDir` already opened under a root (the engine's workers do that). `files`
     names the seed delta's files explicitly (the seed pushed a file list); with a manifest it is
-    ignored here and restricts reading in `iter_delta`.
+    ignored here and restricts reading in `iter_delta`. A seed delta is refused unless allowed: its
+    checksum misses swapped values and renamed or reshaped params (docs/wire-format.md, "Seed format").
     """
     d = path if isinstance(path, DeltaDir) else DeltaDir.open(path)
     if d.has(MANIFEST_NAME):
@@ -360,11 +323,17 @@ def open_delta(
                 raise IncompleteDeltaError("file named by the manifest is missing", file=f.name)
         return DeltaInfo(d.path, m, seed=False, dir=d)
     names = list(files) if files is not None else sorted(n for n in d.names() if fnmatch(n, FLUSH_GLOB))
+    if names and not allow_seed:
+        raise IncompleteDeltaError(
+            "no manifest: the delta is unfinished, or in the seed's manifest-less format, which is "
+            "read only where allowed (--delta-updates-allow-seed-format)",
+            file=MANIFEST_NAME,
+        )
     if not names:
         raise IncompleteDeltaError(
             "no manifest and no flush files: the delta is unfinished", file=MANIFEST_NAME
         )
-    return DeltaInfo(d.path, _synthesize_seed_manifest(d, names, limits), seed=True, dir=d)
+    return DeltaInfo(d.path, seed_manifest(d, names, limits), seed=True, dir=d)
 
 
 def iter_delta(
@@ -379,6 +348,7 @@ def iter_delta(
     threads: int = 1,
     batches: bool = False,
     decoder: Decoder = HOST,
+    allow_seed: bool = False,
 ) -> Iterator[ParamDelta | DeltaBatch]:
     """Decoded changes, one flush file at a time (memory stays bounded by a flush).
 
@@ -391,8 +361,13 @@ def iter_delta(
     flushes), and admitted in manifest order, so errors surface in the same order. `batches`: runs
     of params decoded together come as one `DeltaBatch` each (for a caller that takes them whole).
     `decoder`: where the batched decode runs (`DeltaDecoder`).
+    `allow_seed`: see `open_delta`.
     """
-    info = delta if isinstance(delta, DeltaInfo) else open_delta(delta, files=files, limits=limits)
+    info = (
+        delta
+        if isinstance(delta, DeltaInfo)
+        else open_delta(delta, files=files, limits=limits, allow_seed=allow_seed)
+    )
     dec = DeltaDecoder(
         info.manifest,
         expected=expected,
@@ -422,25 +397,42 @@ def _decoded_ahead(
     threads: int,
     batches: bool = False,
 ) -> Iterator[ParamDelta | DeltaBatch]:
-    """Flushes decoded `threads` at a time on a pool (zstd, numpy and the file hash release the GIL)."""
+    """Flushes decoded `threads` at a time on a pool (zstd, numpy and the file hash release the GIL).
+
+    Memory: a flush starts only while the decoded bytes the manifest lets the flushes in flight
+    (and the one being consumed) decompress, its own included, stay within `max_decoded_at_once`
+    (or when none is held), so concurrent decodes hold at most that, whatever the thread count.
+    """
+    cap = dec.limits.max_decoded_at_once
+    # A seed delta's manifest states no decoded sizes: each of its flushes may decompress the per-flush cap.
+    allows = {e.name: dec.limits.max_decoded_bytes if dec.seed else e.decoded_bytes for e in entries}
 
     def decode(entry: FileEntry) -> list[ParamDelta | DeltaBatch]:
         data = info.dir.read(entry.name, size=entry.bytes, cap=entry.bytes)
         return list(dec.decode(entry.name, data, owned=owned, batches=batches))
 
     pool = ThreadPoolExecutor(threads, thread_name_prefix="delta-decode")
-    try:
-        ahead: deque[tuple[FileEntry, Future]] = deque()
-        todo = iter(entries)
-        for entry in islice(todo, threads):
+    ahead: deque[tuple[FileEntry, Future]] = deque()
+    todo = deque(entries)
+    held = 0  # decoded bytes the manifest allows the flushes started and not yet consumed
+
+    def start() -> None:
+        nonlocal held
+        while todo and len(ahead) < threads and (held == 0 or held + allows[todo[0].name] <= cap):
+            entry = todo.popleft()
+            held += allows[entry.name]
             ahead.append((entry, pool.submit(decode, entry)))
+
+    try:
+        start()
         while ahead:
             entry, future = ahead.popleft()
             decoded = future.result()  # a file's error, raised in manifest order
-            if (following := next(todo, None)) is not None:
-                ahead.append((following, pool.submit(decode, following)))
+            start()
             yield from dec.admit(entry.name, decoded)
             del decoded
+            held -= allows[entry.name]
+            start()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

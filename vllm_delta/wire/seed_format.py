@@ -9,17 +9,21 @@ list of {name, dtype, shape, pos_start, pos_end, pos_width, val_start, val_end}:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .codecs import check_numel, decode_gaps, decode_indices, gaps_from_bytes
+from .container import DeltaDir, Limits
 from .deltas import ParamDelta
+from .digest import bytes_digest
 from .dtypes import DType, by_name, from_bits, to_bits
-from .errors import FormatError, IntegrityError, UnknownEncodingError
+from .errors import FormatError, IncompleteDeltaError, IntegrityError, UnknownEncodingError
+from .flush import open_flush
 from .flush_meta import Expected, FlushHeader, check_expected, meta_int, meta_json
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry
 
 SEED_ENCODINGS = ("indices", "deltas", "deltas_zstd")
 _MASK64 = (1 << 64) - 1
@@ -132,3 +136,44 @@ def _narrow(bits: np.ndarray, vd: DType, d: DType, *, file: str, param: str) -> 
     if not np.array_equal(to_bits(narrow.to(vd.torch)), bits):
         raise FormatError(f"{vd.name} values are not exact in {d.name}", file=file, param=param)
     return narrow
+
+
+def seed_manifest(d: DeltaDir, names: Sequence[str], limits: Limits) -> Manifest:
+    """Describe a manifest-less seed delta by decoding its files once."""
+    files, versions, encodings = [], set(), set()
+    params: dict[str, dict] = {}
+    for name in names:
+        data = d.read(name, cap=limits.max_decoded_bytes)
+        tensors, meta, _ = open_flush(data, file=name, limits=limits)
+        if not is_seed(meta):
+            raise IncompleteDeltaError("no manifest: the delta is unfinished", file=MANIFEST_NAME)
+        header, deltas = decode_seed_flush(tensors, meta, file=name)
+        versions.add(header.version)
+        encodings.add(header.encoding)
+        files.append(
+            FileEntry(
+                name=name, bytes=len(data), hash=bytes_digest(data), changed=sum(pd.count for pd in deltas)
+            )
+        )
+        for pd in deltas:
+            e = params.setdefault(
+                pd.name,
+                {
+                    "name": pd.name,
+                    "dtype": str(pd.dtype).removeprefix("torch."),
+                    "shape": list(pd.shape),
+                    "changed": 0,
+                    "files": [],
+                },
+            )
+            e["changed"] += pd.count
+            if name not in e["files"]:
+                e["files"].append(name)
+    if len(versions) != 1 or len(encodings) != 1:
+        raise FormatError("seed flush files disagree on version or encoding")
+    return Manifest(
+        version=versions.pop(),
+        encoding=encodings.pop(),
+        files=files,
+        params=[ParamEntry(**e) for e in params.values() if e["changed"]],
+    )
