@@ -31,6 +31,9 @@ def child(harness: str, corpus: Path, artifacts: Path, seconds: int, rss_mb: int
     with atheris.instrument_imports(include=["vllm_delta"]):
         import fuzz_harnesses
 
+    from fuzz_corpus import seeds
+
+    fuzz_harnesses.warm_up({harness: seeds()[harness]})
     target = fuzz_harnesses.HARNESSES[harness]
     atheris.Setup(
         [
