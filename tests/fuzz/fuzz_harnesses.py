@@ -35,7 +35,7 @@ from vllm_delta.wire import (
     parse_manifest,
 )
 from vllm_delta.wire.batch import Fallback
-from vllm_delta.wire.batch_device import Destinations
+from vllm_delta.wire.batch_device import DeviceDecoder
 from vllm_delta.wire.codecs import decode_gaps, gaps_from_bytes
 from vllm_delta.wire.container import Limits, json_loads
 from vllm_delta.wire.flush import open_flush
@@ -178,9 +178,11 @@ def flush_file(data: bytes) -> None:
     body = data[4:]
     m = _manifest_for(encoding, body, decoded)
 
-    def run(owned_arg=owned) -> list:
-        dec = DeltaDecoder(m, expected=EXPECTED, current_version=0)
-        out = list(dec.feed_iter(FILE, body, owned=owned_arg))
+    def run(decoder=None) -> list:
+        dec = DeltaDecoder(
+            m, expected=EXPECTED, current_version=0, **({} if decoder is None else {"decoder": decoder})
+        )
+        out = list(dec.feed_iter(FILE, body, owned=owned))
         dec.finish()
         return out
 
@@ -193,9 +195,9 @@ def flush_file(data: bytes) -> None:
             flush.index_flush = was
 
     def device() -> list:
-        dest = Destinations(owned or {}, {n: torch.device("cpu") for n in MODEL})
-        out = run(dest)
-        dest.verify()
+        decoder = DeviceDecoder({n: torch.device("cpu") for n in MODEL})
+        out = run(decoder)
+        decoder.verify()
         return out
 
     with bounded(allowed(decoded, len(body))):
