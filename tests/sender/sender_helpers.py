@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from vllm_delta.wire import DeltaError, VersionError, check_lineage, get_encoding, open_delta, read_delta
+from vllm_delta.wire import DeltaError, check_lineage, check_versions, get_encoding, open_delta, read_delta
 
 
 class FakeEngine:
     """The engine route's version and lineage rules on a dict of tensors, served over real HTTP.
 
-    The lineage rule is the engine workers' own function (`wire.check_lineage`), not a copy.
+    The version and lineage rule is the engine workers' own (`wire.lineage`), not a copy.
 
     `fail_versions`: versions it answers with a 500 before applying (a real engine error's shape).
     `lose_reply_versions`: versions it applies and then answers 503, as a proxy that lost the reply would.
@@ -62,14 +62,13 @@ class FakeEngine:
             info = open_delta(self.root / body["path"])
             enc = get_encoding(info.manifest.encoding)
             v, cur = body["version"], self.version
-            if body.get("base_version") is not None and body["base_version"] != cur:
-                raise VersionError("base")
-            if v < cur or (v == cur and not enc.idempotent):
-                raise VersionError("order")
             listed = {p.name: p.changed for p in info.manifest.params}
             anchor = enc.idempotent and all(listed.get(k) == t.numel() for k, t in self.weights.items())
             run_id = check_lineage(
                 info.manifest.lineage, version=v, engine_version=cur, engine_run_id=self.run_id, anchor=anchor
+            )
+            check_versions(
+                info.manifest, version=v, base_version=body.get("base_version"), engine_version=cur
             )
             deltas = read_delta(info, current_version=cur if enc.needs_base else None)
         except DeltaError as exc:

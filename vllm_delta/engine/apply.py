@@ -43,8 +43,6 @@ from vllm_delta.wire import (
     IncompleteDeltaError,
     Manifest,
     ParamDelta,
-    VersionError,
-    get_encoding,
     iter_delta,
     open_delta,
     tensor_digest,
@@ -54,6 +52,7 @@ from vllm_delta.wire.batch_device import DeviceDecoder
 from vllm_delta.wire.batch_host import HOST, Decoder
 from vllm_delta.wire.container import paused_gc
 from vllm_delta.wire.deltas import DeltaBatch
+from vllm_delta.wire.lineage import check_versions
 
 __all__ = ["ApplyFault", "DeltaApplier", "StagedUpdate"]
 
@@ -219,7 +218,9 @@ class DeltaApplier:
         with paused_gc():  # from the manifest's parse on: its per-tensor entries are young objects too
             with times.phase("receive"):
                 info = path if isinstance(path, DeltaInfo) else open_delta(path, files=files)
-                encoding = self._check_lineage(info.manifest, version, base_version, current_version)
+                encoding = check_versions(
+                    info.manifest, version=version, base_version=base_version, engine_version=current_version
+                )
                 # Lazily, a param at a time, and only the blocks meeting this rank's shard.
                 owned, decoder = self.owned_ranges(), self._decoder()
             deltas = iter_delta(
@@ -263,7 +264,9 @@ class DeltaApplier:
         start = time.perf_counter()
         times = PhaseTimes()
         with times.phase("receive"):
-            encoding = self._check_lineage(manifest, version, base_version, current_version)
+            encoding = check_versions(
+                manifest, version=version, base_version=base_version, engine_version=current_version
+            )
             names = [f.name for f in manifest.files]
             decoder = self._decoder()
             reader = DeltaDecoder(
@@ -317,21 +320,6 @@ class DeltaApplier:
         if not any(on_device(t.device) for t in self.targets.values()):
             return HOST
         return DeviceDecoder(self.routing.decode_devices())
-
-    @staticmethod
-    def _check_lineage(manifest: Manifest, version: int, base_version: int | None, current_version: int):
-        encoding = get_encoding(manifest.encoding)
-        if manifest.version != version:
-            raise VersionError(f"request says version {version}, the delta is version {manifest.version}")
-        if base_version is not None and base_version != current_version:
-            raise VersionError(f"base_version {base_version} != engine version {current_version}")
-        replay = version == current_version
-        if version < current_version or (replay and not encoding.idempotent):
-            raise VersionError(
-                f"version {version} cannot be applied at engine version {current_version}"
-                + (" (a base-relative delta applies exactly once)" if replay else "")
-            )
-        return encoding
 
     def stage(
         self,

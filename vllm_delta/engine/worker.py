@@ -40,7 +40,7 @@ from vllm_delta.engine.replicas import moe_world
 from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE, PhaseTimes
 from vllm_delta.engine.worker_transfer import pull, receive
 from vllm_delta.kernels.warmup import warm_up
-from vllm_delta.wire import DeltaError, Manifest, check_lineage, open_delta
+from vllm_delta.wire import DeltaError, Manifest, check_lineage, check_versions, open_delta
 from vllm_delta.wire.checkpoint import Checkpoint
 from vllm_delta.wire.container import DeltaDir
 from vllm_delta.wire.signing import signing_keys, verify
@@ -73,7 +73,7 @@ class DeltaState:
     applier: DeltaApplier
     version: int = 0
     # The sender run whose lineage the weights are on (None: the base checkpoint, or weights no run
-    # vouches for); see wire.manifest.check_lineage. Set by a commit, from its prepare.
+    # vouches for); see wire.lineage.check_lineage. Set by a commit, from its prepare.
     run_id: str | None = None
     staged_run: dict[str, str | None] = field(default_factory=dict)
     fault: Fault | None = None
@@ -289,19 +289,15 @@ class DeltaWorkerExtension:
     def _delta_check_lineage(
         self, manifest: Manifest, request: PrepareRequest, anchor: bool = True
     ) -> str | None:
-        """Refuse (409 `LineageError`) a delta for other weights than ours; the run id after it applies.
-
-        Called before anything is read with `anchor=True` (only the range and run can be judged),
-        then once prepare knows whether the delta overwrites every tensor.
-        """
+        """Refuse (409) a delta for other weights than ours (`wire.lineage`); the run id after it applies.
+        Called before anything is read with `anchor=True`, then once prepare knows the anchor."""
         state = self._delta()
-        return check_lineage(
-            manifest.lineage,
-            version=request.version,
-            engine_version=state.version,
-            engine_run_id=state.run_id,
-            anchor=anchor,
+        v, current = request.version, state.version
+        run_id = check_lineage(
+            manifest.lineage, version=v, engine_version=current, engine_run_id=state.run_id, anchor=anchor
         )
+        check_versions(manifest, version=v, base_version=request.base_version, engine_version=current)
+        return run_id
 
     def delta_coverage(self) -> dict[str, Any]:
         """Which checkpoint elements this rank holds (source lattices per tensor), for its peers."""

@@ -57,12 +57,11 @@ def receive(
         raise CollectiveError(
             "no collective group: the trainer must POST /delta_updates/collective/init first"
         )
-    version, base = request.version, request.base_version
+    version = request.version
 
     def check() -> Manifest:
         manifest = parse_manifest(json.dumps(request.manifest).encode())
-        check_lineage(manifest)
-        applier._check_lineage(manifest, version, base, current_version)
+        check_lineage(manifest)  # the worker's versions and run (wire.lineage), before any flush moves
         return manifest
 
     try:

@@ -25,6 +25,7 @@ from .errors import (
     VersionError,
 )
 from .flush_encode import EncodedFlush, encode_flush
+from .lineage import check_lineage, check_versions
 from .manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -32,7 +33,6 @@ from .manifest import (
     LineageError,
     Manifest,
     ParamEntry,
-    check_lineage,
     load_manifest,
     merge_manifests,
     parse_manifest,
@@ -77,6 +77,7 @@ __all__ = [
     "VersionError",
     "bytes_digest",
     "check_lineage",
+    "check_versions",
     "encode_flush",
     "file_entry",
     "flush_name",

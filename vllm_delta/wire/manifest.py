@@ -113,49 +113,6 @@ class Lineage(_Strict):
         return self.min_version is None
 
 
-def check_lineage(
-    lineage: Lineage | None, *, version: int, engine_version: int, engine_run_id: str | None, anchor: bool
-) -> str | None:
-    """Refuse (`LineageError`) an update whose lineage does not hold this engine's weights; the run id
-    the engine is on once it applies the update.
-
-    The one rule, shared by the engine's workers and the sender tests' fake engine:
-    - no lineage (older manifests, hand-made deltas): the version checks alone decide, and the engine
-      leaves any run's lineage (`None`): a later ranged update must anchor it first;
-    - an anchor (no range) must overwrite every tensor (`anchor`); it is valid on any weights;
-    - otherwise the engine must be on `run_id` at a version in the range, or at the update's own
-      `version` (a replay; whether the encoding allows one is the version checks' call). An engine on
-      no run at version 0 holds the base checkpoint, version 0 of every run seeded from it.
-    """
-    if lineage is None:
-        return None
-    if lineage.any_version:
-        if not anchor:
-            raise LineageError(
-                f"run {lineage.run_id!r}: an update valid on any weights must be a full anchor"
-            )
-        return lineage.run_id
-    lo, hi = lineage.min_version, lineage.max_version
-    assert lo is not None and hi is not None  # a ranged lineage has both (`Lineage._range`)
-    if engine_run_id is None:
-        if engine_version != 0 or not lo <= 0 <= hi:
-            raise LineageError(
-                f"engine is on no run's lineage at version {engine_version}; the update needs run "
-                f"{lineage.run_id!r} at versions {lineage.min_version}..{lineage.max_version}"
-            )
-        return lineage.run_id
-    if engine_run_id != lineage.run_id:
-        raise LineageError(
-            f"engine holds run {engine_run_id!r}'s weights; the update is for run {lineage.run_id!r}"
-        )
-    if not (lo <= engine_version <= hi or engine_version == version):
-        raise LineageError(
-            f"engine is at version {engine_version}; the update applies at versions "
-            f"{lineage.min_version}..{lineage.max_version} of run {lineage.run_id!r}"
-        )
-    return lineage.run_id
-
-
 class Signature(_Strict):
     """Who vouches for a manifest (wire/signing.py): `alg` names the scheme, so an asymmetric signature
     can take HMAC's place in the same field; `key_id` says which of the receiver's keys checks it."""

@@ -25,9 +25,10 @@ from .container import DeltaDir, Limits, SparseFile, paused_gc
 from .deltas import DeltaBatch, ParamDelta
 from .dtypes import by_name
 from .encodings import Encoding, get_encoding
-from .errors import BoundsError, DeltaError, FormatError, IncompleteDeltaError, IntegrityError, VersionError
+from .errors import BoundsError, DeltaError, FormatError, IncompleteDeltaError, IntegrityError
 from .flush import Owned, iter_flush, open_flush
 from .flush_meta import FLUSH_FORMATS, Expected, check_expected
+from .lineage import check_base
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, parse_manifest
 from .seed_format import decode_seed_flush, seed_manifest
 
@@ -73,12 +74,7 @@ class DeltaDecoder:
     ):
         self.manifest, self.expected, self.seed, self.limits = manifest, expected, seed, limits
         self.decoder = decoder
-        self.encoding = get_encoding(manifest.encoding)
-        if self.encoding.needs_base and current_version != manifest.base_version:
-            raise VersionError(
-                f"encoding {self.encoding.name!r} applies only on version "
-                f"{manifest.base_version}, not {current_version}"
-            )
+        self.encoding = check_base(manifest, current_version)
         self._files = {f.name: f for f in manifest.files}
         # What admit compares and counts, made once per param (its lookups, not the manifest's
         # pydantic attributes, are what admit pays per tensor): the param's (shape, dtype), its files,
