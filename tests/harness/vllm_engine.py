@@ -116,7 +116,9 @@ class VllmServer:
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 600.0,
+        launcher: list[str] | None = None,
     ) -> None:
+        """`launcher`: what runs in place of `vllm serve MODEL` (e.g. `trl vllm-serve --model MODEL`)."""
         self.log_path = log_path
         full_env = {**os.environ, **engine_env(tp), **(env or {})}
         for attempt in range(PORT_ATTEMPTS):
@@ -125,7 +127,7 @@ class VllmServer:
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             cmd = [
-                str(VENV_BIN / "vllm"), "serve", str(model_dir),
+                *(launcher or [str(VENV_BIN / "vllm"), "serve", str(model_dir)]),
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
                 "--tensor-parallel-size", str(tp),
