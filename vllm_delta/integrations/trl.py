@@ -4,7 +4,7 @@ vllm_mode="server")` ships deltas after one call, `use_delta(delta_dir)`, made b
 Why a subclass: TRL's server mode builds its client in `VLLMGeneration` and syncs with
 `update_named_params(metadata, iterator)` over an NCCL group that needs CUDA. Everything else
 (generation, `/server_info`, `/reset_prefix_cache`) stays TRL's. The server is either vLLM's
-weight-transfer API with our backend (`trl vllm-serve MODEL --weight-transfer-config
+weight-transfer API with our backend (`trl vllm-serve --model MODEL --weight-transfer-config
 '{"backend": "vllm_delta"}' --delta-updates-root DIR`) or our route (`vllm serve MODEL
 --enable-delta-updates --delta-updates-root DIR`, with `VLLM_SERVER_DEV_MODE=1` for TRL's routes);
 the client reads which from the server's config.
