@@ -112,6 +112,7 @@ def run_grpo(
     trainer.vllm_generation.sync_weights()  # the last step's weights reach the engine too
     deltas = [s for s in syncs if not s["anchor"]]
     client.update_named_params = sync
+    failed = client.failures  # the loop's own; `then` may add its own
     if then is not None:
         then(client)
     client.close_communicator()
@@ -120,7 +121,7 @@ def run_grpo(
         "syncs": len(syncs),
         "exact_after_every_sync": all(s["exact"] for s in syncs),
         "all_acked": all(s["acked"] for s in syncs),
-        "failed_syncs": client.failures,
+        "failed_syncs": failed,
         "full_sync_bytes": full_sync,
         "delta_bytes_per_sync": [s["wire_bytes"] for s in deltas],
         "bytes_vs_full": [round(s["wire_bytes"] / full_sync, 5) for s in deltas],
