@@ -52,7 +52,12 @@ def run_grpo(
 
     from vllm_delta.integrations.trl import use_delta
 
-    use_delta(str(delta_root), api_key=api_key)  # the one line a TRL user adds
+    # The one line a TRL user adds. The versions start above the engine's: a shared test engine may have
+    # synced before (from a run that restarts against a live engine, as a resumed trainer would).
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    engine = requests.get(f"{url}/delta_updates/status", headers=headers, timeout=60)
+    engine.raise_for_status()
+    use_delta(str(delta_root), api_key=api_key, version=engine.json()["version"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     full_sync = sum(p.numel() * p.element_size() for p in model.parameters())  # what TRL's NCCL sync ships
