@@ -35,6 +35,9 @@ def engine_env(tp: int = 1, dev_mode: bool = True) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # vLLM's own default: importing TRL sets os.environ's VLLM_LOGGING_LEVEL to ERROR (trl/_compat.py),
+        # and every engine started later in that pytest worker would log no INFO line (startup, plugins).
+        "VLLM_LOGGING_LEVEL": "INFO",
     }
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
