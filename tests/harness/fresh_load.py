@@ -70,6 +70,9 @@ def _serve(conn: Connection) -> None:
     from vllm.plugins import load_general_plugins
     from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
+    from harness import fp8_kernel
+
+    fp8_kernel.install()  # block-fp8 checkpoints load on CPUs without AMX too (its docstring)
     load_general_plugins()
     _set_torch_accelerator_to_noop()  # what vLLM's CPU model runner does before it loads
     while True:
