@@ -23,7 +23,9 @@ from typing import Literal
 import torch
 
 from megatron_hook.bindings import Bindings, RebindError
-from megatron_hook.hf_map import chunk_segments
+from megatron_hook.hf_map import Parallel, chunk_segments
+from vllm_delta.sender.checkpoint_seed import checkpoint_seed
+from vllm_delta.sender.fp8_quant import BlockFp8Quantizer, Fp8ConfigError
 from vllm_delta.sender.segments import Segments
 
 logger = logging.getLogger(__name__)
@@ -163,6 +165,18 @@ def register(
     `seed_mismatch="warn"` logs it instead (e.g. the engines serve an older checkpoint on purpose).
     Without a checkpoint nothing can be checked, so that takes an explicit `seed_from_trainer=True`
     (the snapshot is then the trainer's current weights). Every rank of the sender's group must call this.
+
+    A block-fp8 served `checkpoint` (`weight_block_size` in its `quantization_config`): each rank quantizes
+    its own shard of each quantized weight as the checkpoint was (`vllm_delta/sender/fp8_quant.py`, bit-equal
+    to vLLM's `per_block_cast_to_fp8`), re-quantizing only blocks with a changed bf16 element, and ships the
+    changed codes and `weight_scale_inv` values of its blocks; the seed check compares those with the served
+    ones. A shard whose elements (in HF coordinates, after the qkv / gate-up reordering) cut a block is
+    refused here on every rank, naming the tensor, the rows and columns this rank holds and its TP rank.
+    Refused, not gathered: a cut block's scale needs both ranks' elements, so every sync would add a
+    collective among TP ranks on the capture path and a rule for which rank ships the shared block, for
+    layouts that block-fp8 models do not train in (a 128-wide query group and widths that are multiples of
+    128 x TP never cut one: DeepSeek-V3, Qwen3-FP8, GLM-4.x-FP8), and that vLLM refuses in its own TP shards.
+    Block fp8 needs `checkpoint=`: `seed_from_trainer` does not know the served quantization.
     """
     if every < 1:
         raise ValueError("every must be >= 1")
@@ -175,11 +189,17 @@ def register(
             "with nothing checked, seed_from_trainer=True; not both"
         )
     segments = [s for chunk in model_chunks for s in chunk_segments(bridge, _unwrap(chunk))]
-    report = SeedReport()
+    report, fp8 = SeedReport(), None
     if checkpoint is None:
         seeded = [s.with_tensor(s.tensor.detach().reshape(-1).clone()) for s in segments]
     else:
-        seeded, report = _seed_values(segments, Path(checkpoint))
+        error = None
+        try:  # a refusal on one rank ends register() on every rank, before the sender's collectives
+            seeded, fp8, report = _seed_values(segments, Path(checkpoint))
+        except (Fp8ConfigError, TypeError, KeyError) as e:
+            error = e
+        if sender.ranks.any(error is not None):
+            raise error or RuntimeError("register() was refused on another rank of the sender's group")
         report.total = sender.ranks.all_sum(sum(p.numel() for p in report.mismatches.values()))
         if not report.ok:
             mine = {n: p[:5].tolist() for n, p in list(report.mismatches.items())[:5]} or "none"
@@ -191,39 +211,39 @@ def register(
                 raise SeedMismatchError(msg + "; pass seed_mismatch='warn' to sync anyway")
             logger.error("megatron_hook: %s", msg)
     sender.seed(seeded)
+    sender.fp8 = fp8  # each capture quantizes this rank's blocks (None: nothing served in fp8)
     handle = HookHandle(optimizer, model_chunks, sender, segments, every, on_sync)
     handle.seed_report = report
     return handle
 
 
-def _seed_values(segments: list[Segments], checkpoint: Path) -> tuple[list[Segments], SeedReport]:
-    """Each segment over the checkpoint's bytes at its placement, and where the trainer differs."""
-    from vllm_delta.wire.checkpoint import Checkpoint
-
-    ckpt = Checkpoint.open(checkpoint)
+def _seed_values(
+    segments: list[Segments], checkpoint: Path
+) -> tuple[list[Segments], BlockFp8Quantizer | None, SeedReport]:
+    """This rank's parts of the checkpoint (its block scales too, if block-fp8), the quantizer, and
+    where the trainer's weights, quantized as the checkpoint is, differ from it."""
+    try:
+        seeded, fp8 = checkpoint_seed(checkpoint, None, segments)
+        mine = fp8.apply(segments) if fp8 else segments
+    except Fp8ConfigError as e:
+        par = Parallel.current()
+        raise Fp8ConfigError(
+            f"{e} (this rank: TP {par.tp_rank} of {par.tp_size}, expert TP {par.etp_rank} of {par.etp_size})"
+        ) from e
+    served = {s.name: s.tensor.reshape(-1) for s in seeded}
     report = SeedReport()
-    seeded = []
-    for s in segments:
-        served = ckpt.read_runs(s.name, s.runs).to(s.tensor.device)  # only this rank's slice is read
-        mine = s.tensor.detach().reshape(-1)
-        if served.dtype in (
-            torch.float8_e4m3fn,
-            torch.float8_e5m2,
-        ):  # issue 32: DeltaSender's whole tensors only
+    for s in mine:
+        ours = s.tensor.detach().reshape(-1)
+        if served[s.name].dtype != ours.dtype:
             raise TypeError(
-                f"{s.name}: served in fp8 from {checkpoint}; the Megatron hook does not quantize its bf16 "
-                "shards (a 128x128 block may straddle a TP/EP shard boundary): serve bf16, or sync whole "
-                "tensors with DeltaSender.seed_from_checkpoint, which quantizes as the checkpoint was"
+                f"{s.name}: the checkpoint holds {served[s.name].dtype}, the trainer {ours.dtype}"
             )
-        if served.dtype != mine.dtype:
-            raise TypeError(f"{s.name}: the checkpoint holds {served.dtype}, the trainer {mine.dtype}")
-        differ = _bits(served) != _bits(mine)
+        differ = _bits(served[s.name]) != _bits(ours)
         if bool(differ.any()):  # positions only where something differs: no int64 per element otherwise
             prev = report.mismatches.get(s.name)
             pos = s.global_index()[differ].cpu()
             report.mismatches[s.name] = pos if prev is None else torch.cat([prev, pos])
-        seeded.append(s.with_tensor(served))
-    return seeded, report
+    return seeded, fp8, report
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

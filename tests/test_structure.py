@@ -25,7 +25,7 @@ OVERSIZE: dict[str, int] = {}
 # refusals (issue 32); -3: one Decoder interface (issue 30); +205: verl and SkyRL integrations (issue 31);
 # +14: the trace's critical rank and the LM head's repack built ahead (issue 30); +93: hostile files
 # (issue 33); +14: one lineage module (issue 30); +170: TRL (issue 31).
-MAX_LIBRARY_LINES = 21_544
+MAX_LIBRARY_LINES = 21_648
 
 
 def _files() -> dict[str, Path]:

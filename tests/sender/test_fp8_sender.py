@@ -171,31 +171,3 @@ def test_tensors_the_sender_does_not_produce_are_refused(tmp_path):
     assert msg.startswith("a.gate.weight_scale: a per-tensor scale"), msg
     msg = refused(tmp_path, served, {**QUANT, "ignored_layers": ["a.q_proj"]})
     assert "leaves a.q_proj unquantized" in msg, msg
-
-
-def test_a_quantized_weight_held_in_parts_is_refused(tmp_path):
-    """A TP shard of a quantized weight: a block may straddle the shard boundary, so it is refused."""
-    ckpt = write_checkpoint(tmp_path / "ckpt", exported(bf16_weights(0)))
-    part = Shard.narrow("a.q_proj.weight", torch.zeros(100, 384, dtype=torch.bfloat16), (256, 384), 0, 0)
-    sender = DeltaSender([], "disk", tmp_path / "d")
-    try:
-        with pytest.raises(Fp8ConfigError, match=r"a.q_proj.weight: block-fp8 served, held as a part"):
-            sender.seed_from_checkpoint(ckpt, like=[part])
-    finally:
-        sender.close()
-
-
-def test_the_megatron_hook_refuses_an_fp8_served_checkpoint(tmp_path):
-    """The hook's seeding (what `register(checkpoint=...)` runs on each rank) names the first fp8 tensor:
-    it holds TP/EP shards, and a block may straddle a shard boundary, so it does not quantize."""
-    from megatron_hook.hook import _seed_values
-    from vllm_delta.sender.segments import Segments
-
-    ckpt = write_checkpoint(tmp_path / "ckpt", exported(bf16_weights(0)))
-    rows = Segments(
-        "a.q_proj.weight", torch.zeros(64 * 384, dtype=torch.bfloat16), (256, 384), ((0, 64 * 384),)
-    )
-    with pytest.raises(
-        TypeError, match=r"a.q_proj.weight: served in fp8 .* the Megatron hook does not quantize"
-    ):
-        _seed_values([rows], ckpt)

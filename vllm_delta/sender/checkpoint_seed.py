@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_delta.sender.fp8_quant import SCALE, BlockFp8Quantizer
+from vllm_delta.sender.fp8_quant import BlockFp8Quantizer
 from vllm_delta.sender.segments import Segments
 from vllm_delta.sender.shards import Shard
 
@@ -34,10 +34,8 @@ def checkpoint_seed(
         return ((n, ckpt.read(n)) for n in (fp8.with_scales(wanted) if fp8 else wanted) if n in ckpt), fp8
     if missing := sorted({s.name for s in like if s.name not in ckpt}):
         raise KeyError(f"not in the checkpoint: {missing[:5]}")
-    scales, fp8 = [], BlockFp8Quantizer.served(ckpt, [s.name for s in like])
-    if fp8:
-        fp8.check_whole(like)
-        scales = [Shard.whole(s.name + SCALE, ckpt.read(s.name + SCALE)) for s in like if s.name in fp8.names]
+    fp8 = BlockFp8Quantizer.served(ckpt, [s.name for s in like])
+    scales = fp8.scale_parts(like) if fp8 else []  # this rank's blocks' scales
 
     def part(s: Shard | Segments) -> torch.Tensor:  # segments by their runs: no per-element index
         got = (
@@ -47,7 +45,4 @@ def checkpoint_seed(
         )
         return got.reshape(s.tensor.shape).to(s.tensor.device)
 
-    devices = {s.name: s.tensor.device for s in like}
-    return [s.with_tensor(part(s)) for s in like] + [
-        s.with_tensor(s.tensor.to(devices[s.name.removesuffix(SCALE)])) for s in scales
-    ], fp8
+    return [s.with_tensor(part(s)) for s in like + scales], fp8

@@ -5,6 +5,11 @@ float32 `weight_scale_inv` per `weight_block_size` block) while the trainer hold
 each quantized bf16 weight into the codes and scales the engine serves, and the ordinary scan then ships
 only the codes and scales that changed. Only blocks holding a changed bf16 element are re-quantized.
 
+A rank may hold part of a weight (a TP row or column slice, the Megatron hook's segments): it quantizes its
+part alone when the part's `weight_block_size` tiles are whole blocks of the HF weight, so no block's amax
+needs another rank's elements; a part that cuts a block is refused at seeding, naming the tensor and the
+rows and columns this rank holds (vLLM refuses the same of its own TP shards: `validate_fp8_block_shape`).
+
 The rule is the reference's, bit for bit: vLLM's `vllm.utils.deep_gemm.per_block_cast_to_fp8`, DeepGEMM's
 block cast, which vLLM's online block-fp8 method quantizes with. Per block, in float32:
 `amax = max(max|x|, 1e-4)`, `scale_inv = amax / 448`, `code = float8_e4m3fn(x * (1 / scale_inv))`, edge
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_delta.sender.segments import Segments
 from vllm_delta.sender.shards import Shard
 from vllm_delta.wire.checkpoint import Checkpoint
 
@@ -109,17 +115,100 @@ def quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (blocks * (1.0 / sf)[:, None, None]).to(FP8), sf
 
 
-class _Tensor:
-    """One quantized weight: the last bf16 quantized, its codes and its scales, on the weight's device."""
+Part = Shard | Segments
 
-    def __init__(self, name: str, w: torch.Tensor, block: tuple[int, int]) -> None:
-        (m, n), (bm, bn) = w.shape, block
-        self.name, self.shape, self.block = name, (m, n), block
+
+@dataclass(frozen=True)
+class _Layout:
+    """A part of a quantized weight as a local matrix whose block tiles are whole blocks of the HF weight."""
+
+    local: tuple[int, int]  # the local matrix: `part.tensor` in its flat order, reshaped
+    scales: Part  # where the part's block scales sit in the HF `weight_scale_inv` (over an empty tensor)
+
+
+def _spans(part: Part) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None:
+    """(row spans, column spans) of the HF weight whose product, row-major, is the part's flat order;
+    None for a part that is no such product."""
+    m, n = part.full_shape
+    if isinstance(part, Shard):
+        return (part.spans, ((0, n),)) if part.dim == 0 else (((0, m),), part.spans)
+    runs: list[tuple[int, int]] = []
+    for a, k in part.runs:  # merged where consecutive: a rank's q rows over its query groups are one range
+        if runs and runs[-1][0] + runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], runs[-1][1] + k)
+        else:
+            runs.append((a, k))
+    (a0, k0), (r0, c0) = runs[0], divmod(runs[0][0], n)
+    if len(runs) == 1 and c0 == 0 and k0 % n == 0:
+        return ((r0, k0 // n),), ((0, n),)
+    if c0 + k0 <= n and all(k == k0 and a == a0 + i * n for i, (a, k) in enumerate(runs)):
+        return ((r0, len(runs)),), ((c0, k0),)
+    return None
+
+
+def _aligned(spans: tuple[tuple[int, int], ...], full: int, b: int) -> bool:
+    """Every span starts on a block and ends on one, or at the tensor's end as the last span."""
+    last = len(spans) - 1
+    return all(
+        a % b == 0 and ((a + k) % b == 0 or (a + k == full and i == last)) for i, (a, k) in enumerate(spans)
+    )
+
+
+def block_layout(part: Part, block: tuple[int, int]) -> _Layout:
+    """The part's layout, or `Fp8ConfigError` naming the tensor and what this rank holds of it."""
+    (m, n), (bm, bn) = part.full_shape, block
+    grid = (math.ceil(m / bm), math.ceil(n / bn))
+    spans = _spans(part)
+    where = f"{part.name}: block-fp8 served ({bm}x{bn} blocks of {[m, n]})"
+    if spans is None:
+        raise Fp8ConfigError(
+            f"{where}; this rank holds flat runs {part.runs[:4]} that are no row/column slice"
+        )
+    rows, cols = spans
+    if not (_aligned(rows, m, bm) and _aligned(cols, n, bn)):
+        held = " + ".join(f"[{a}, {a + k})" for a, k in rows), " + ".join(f"[{a}, {a + k})" for a, k in cols)
+        raise Fp8ConfigError(
+            f"{where}; this rank holds rows {held[0]} x columns {held[1]}, so a block straddles a shard "
+            "boundary and its scale would need another rank's elements: use a layout whose shards are whole "
+            "blocks (vLLM requires the same of its own TP shards)"
+        )
+    local = (sum(k for _, k in rows), sum(k for _, k in cols))
+    block_rows = tuple((a // bm, math.ceil(k / bm)) for a, k in rows)
+    block_cols = tuple((a // bn, math.ceil(k / bn)) for a, k in cols)
+    nr, nc = sum(k for _, k in block_rows), sum(k for _, k in block_cols)
+    empty = torch.empty((nr, nc), dtype=torch.float32, device=part.tensor.device)
+    if isinstance(part, Shard):
+        scales: Part = Shard(
+            part.name + SCALE, empty, grid, part.dim, block_rows if part.dim == 0 else block_cols
+        )
+    else:
+        ((br, _),), ((bc, _),) = block_rows, block_cols
+        runs = (
+            ((br * grid[1], nr * grid[1]),)
+            if nc == grid[1]
+            else tuple(((br + i) * grid[1] + bc, nc) for i in range(nr))
+        )
+        scales = Segments(part.name + SCALE, empty.reshape(-1), grid, runs)
+    return _Layout(local, scales)
+
+
+class _Tensor:
+    """A quantized weight (or a rank's part of it): the last bf16 quantized, its codes and its scales."""
+
+    def __init__(self, part: Part, block: tuple[int, int]) -> None:
+        layout = block_layout(part, block)
+        (m, n), (bm, bn) = layout.local, block
+        self.scales, self.shape, self.block = layout.scales, (m, n), block
         self.grid = (math.ceil(m / bm), math.ceil(n / bn))
         self.padded = (self.grid[0] * bm, self.grid[1] * bn)
         self.prev: torch.Tensor | None = None  # nothing quantized yet: every block is "changed"
-        self.codes = torch.zeros(self.padded, dtype=FP8, device=w.device)
-        self.scale = torch.zeros(self.grid, dtype=torch.float32, device=w.device)
+        device = part.tensor.device
+        self.codes = torch.zeros(self.padded, dtype=FP8, device=device)
+        self.scale = torch.zeros(self.grid, dtype=torch.float32, device=device)
+
+    def local(self, part: Part) -> torch.Tensor:
+        """The part's values as the local matrix (a copy: the trainer may change them once captured)."""
+        return part.tensor.detach().contiguous().reshape(self.shape)
 
     def _pad(self, t: torch.Tensor) -> torch.Tensor:
         """`t` zero-padded to whole blocks (a copy only for a shape that is not whole blocks)."""
@@ -152,10 +241,11 @@ class _Tensor:
         else:
             self.prev.copy_(w)
 
-    def shards(self) -> list[Shard]:
+    def shards(self, part: Part) -> list[Part]:
+        """The codes where `part` sits in the weight, the scales where its blocks sit in the scale tensor."""
         m, n = self.shape
         codes = self.codes if (m, n) == self.padded else self.codes[:m, :n].contiguous()
-        return [Shard.whole(self.name, codes), Shard.whole(self.name + SCALE, self.scale)]
+        return [part.with_tensor(codes.reshape(part.tensor.shape)), self.scales.with_tensor(self.scale)]
 
 
 class BlockFp8Quantizer:
@@ -187,30 +277,24 @@ class BlockFp8Quantizer:
     def with_scales(self, names: list[str]) -> list[str]:
         return names + [n + SCALE for n in names if n in self.names]
 
-    def check_whole(self, shards: list[Shard]) -> None:
-        """Refuse a quantized weight held in parts: a block may straddle the parts' boundary."""
-        for s in shards:
-            if s.name in self.names and not s.is_whole:
-                raise Fp8ConfigError(
-                    f"{s.name}: block-fp8 served, held as a part {s.describe()[3][:4]} of "
-                    f"{list(s.full_shape)}; the sender quantizes whole tensors only "
-                    f"({list(self.spec.block)} blocks may straddle parts)"
-                )
+    def scale_parts(self, parts: list[Part]) -> list[Part]:
+        """Where the block scales of `parts`' quantized weights sit (what seeding reads); a part that is not
+        bf16 or cuts a block (`block_layout`) is refused, naming the tensor."""
+        out = []
+        for s in parts:
+            if s.name in self.names:
+                _check_bf16(s)
+                out.append(block_layout(s, self.spec.block).scales)
+        return out
 
-    def apply(self, shards: list[Shard]) -> list[Shard]:
+    def apply(self, shards: list[Part]) -> list[Part]:
         """The shards with each quantized bf16 weight replaced by its current codes and scales."""
-        self.check_whole(shards)
         todo = []
         for s in shards:
             if s.name in self.names:
-                if s.tensor.dtype != torch.bfloat16:
-                    raise TypeError(
-                        f"{s.name}: block-fp8 served; the trainer must pass bf16, not {s.tensor.dtype}"
-                    )
-                t = self._tensors.get(s.name) or self._tensors.setdefault(
-                    s.name, _Tensor(s.name, s.tensor, self.spec.block)
-                )
-                w = s.tensor.detach().contiguous()
+                _check_bf16(s)
+                t = self._tensors.get(s.name) or self._tensors.setdefault(s.name, _Tensor(s, self.spec.block))
+                w = t.local(s)
                 todo.append((t, w, t.changed_blocks(w)))
         by_device: dict[torch.device, list[int]] = {}
         for i, (_, w, _) in enumerate(todo):
@@ -225,5 +309,10 @@ class BlockFp8Quantizer:
                 self.blocks_requantized += count
         out = []
         for s in shards:
-            out += self._tensors[s.name].shards() if s.name in self.names else [s]
+            out += self._tensors[s.name].shards(s) if s.name in self.names else [s]
         return out
+
+
+def _check_bf16(s: Part) -> None:
+    if s.tensor.dtype != torch.bfloat16:
+        raise TypeError(f"{s.name}: block-fp8 served; the trainer must pass bf16, not {s.tensor.dtype}")
