@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import tempfile
+import uuid
 from pathlib import Path
 
+import requests
 import torch
 import torch.distributed as dist
 from harness import megatron_cpu
-from harness.tiny_models import VOCAB_SIZE
+from harness.tiny_models import PROMPTS, VOCAB_SIZE, train_tokenizer
 from hook_workers import LR, tokens
 from safetensors.torch import load_file, save_file
 
@@ -67,8 +69,9 @@ def reference_export(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-def write_pair(root: Path, heads: dict, seed: int = 0) -> tuple[Path, Path]:
-    """(the trainer's bf16 checkpoint, the served block-fp8 one: the reference's export of it)."""
+def write_pair(root: Path, heads: dict, tokenizer: bool = False, seed: int = 0) -> tuple[Path, Path]:
+    """(the trainer's bf16 checkpoint, the served block-fp8 one: the reference's export of it, with a
+    tokenizer if an engine will serve it)."""
     from transformers import AutoModelForCausalLM
 
     cfg = _config(heads)
@@ -88,15 +91,25 @@ def write_pair(root: Path, heads: dict, seed: int = 0) -> tuple[Path, Path]:
         if data.get("quantization_config") is None:
             data.pop("quantization_config", None)
         (path / "config.json").write_text(json.dumps(data))
+    if tokenizer:
+        train_tokenizer(dirs[1])
     return dirs
 
 
 def fp8_worker(
-    rank, world, port, straddling: tuple[str, str], aligned: tuple[str, str], steps: int, out: str
+    rank,
+    world,
+    port,
+    straddling: tuple[str, str],
+    aligned: tuple[str, str],
+    engine: dict,
+    steps: int,
+    out: str,
 ):
     """At TP=2: registering on the straddling checkpoint is refused on every rank, naming k_proj and the rows
-    this rank holds; on the aligned one, `steps` real steps each ship, from every rank, the changed codes and
-    scales (and bf16 tensors) of its shard. Rank 0 writes each step's shipped entries and mbridge's export."""
+    this rank holds. On the aligned one, `steps` real steps each push the changed codes and scales (and bf16
+    tensors) of every rank's shard to the engine (`engine`: url, root, api_key, version). After each, rank 0
+    writes the shipped entries, mbridge's export and what the engine serves (digests, greedy outputs)."""
     import pytest
 
     from megatron_hook import register
@@ -117,24 +130,53 @@ def fp8_worker(
         assert "step" not in vars(opt), "a refused register() must leave the optimizer alone"
         sender.close()
 
-        model, opt, gpt, bridge = megatron_cpu.build_from_hf(aligned[0], lr=LR)
-        sender = DeltaSender([], "disk", root, group=group)  # no engine: the entries are checked by the test
-        handle = register(opt, [model], sender, bridge=bridge, checkpoint=aligned[1])
-        assert handle.seed_report.ok, handle.seed_report  # the trainer, quantized here, is the served export
-        assert {s.name for s in handle.segments} >= {"model.layers.0.self_attn.k_proj.weight"}
-        for step in range(steps):
-            megatron_cpu.train_step(model, opt, tokens(step))
-            handle.flush()
-            mine = [(e.name, e.positions, _bits(e.new_values)) for e in handle.last_capture.entries]
-            every = [None] * world
-            dist.all_gather_object(every, mine)
-            export = megatron_cpu.export_hf(bridge, gpt)  # mbridge's gather of the bf16 weights, not our map
-            if rank == 0:
-                torch.save(
-                    {"entries": [e for part in every for e in part], "export": export}, f"{out}/{step}.pt"
-                )
-        handle.remove()
-        sender.close()
+    model, opt, gpt, bridge = megatron_cpu.build_from_hf(aligned[0], lr=LR)
+    url, key = engine["url"], engine["api_key"]
+    sender = DeltaSender([url], "disk", engine["root"], api_key=key, group=group, version=engine["version"])
+    synced: list[dict] = []
+    handle = register(opt, [model], sender, bridge=bridge, checkpoint=aligned[1], on_sync=synced.append)
+    assert handle.seed_report.ok, handle.seed_report  # the trainer, quantized here, is the served export
+    for step in range(steps):
+        megatron_cpu.train_step(model, opt, tokens(step))
+        handle.flush()
+        assert synced[-1]["sender/all_acked"] == 1.0, synced[-1]
+        mine = [(e.name, e.positions, _bits(e.new_values)) for e in handle.last_capture.entries]
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        export = megatron_cpu.export_hf(bridge, gpt)  # mbridge's gather of the bf16 weights, not our map
+        if rank == 0:
+            headers = {"Authorization": f"Bearer {key}"}
+            torch.save(
+                {
+                    "entries": [e for part in every for e in part],
+                    "export": export,
+                    "checksums": checksums(url, headers),
+                    "outputs": served_greedy(url, headers),
+                },
+                f"{out}/{step}.pt",
+            )
+    handle.remove()
+    sender.close()
+
+
+def checksums(url: str, headers: dict[str, str]) -> dict[str, str]:
+    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, headers=headers, timeout=120)
+    r.raise_for_status()
+    return r.json()["checksums"]
+
+
+def served_greedy(url: str, headers: dict[str, str]) -> list[tuple[list[str], list[float]]]:
+    """Each prompt's greedy tokens and logprobs, one prompt per request (vLLM's CPU kernels round by batch
+    shape), under a fresh cache salt (no prefix cached under other weights is read)."""
+    out = []
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "seed": 0}
+        body["cache_salt"] = uuid.uuid4().hex
+        r = requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        out.append((lp["tokens"], lp["token_logprobs"]))
+    return out
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,25 @@
-"""The hook into block-fp8 engines from a bf16 trainer at TP=2 (real megatron-core under gloo).
+"""End to end: the hook at TP=2 (real megatron-core under gloo, a bf16 trainer) syncs a real CPU
+`vllm serve` of a block-fp8 checkpoint for 3 steps.
 
-After each of 3 steps, every rank's shipped codes, `weight_scale_inv` values and bf16 tensors, written
-into the reference's export of the previous weights, equal the reference quantizer (vLLM's own
-`per_block_cast_to_fp8`) applied to mbridge's export of the trainer's new bf16 weights, bit for bit;
-each changed code and scale is shipped exactly once, and nothing else. Each rank quantized only its own
-shard (the aligned layout's shards are whole 128x128 blocks), so this checks the per-rank blocks against
-the reference's whole-tensor ones. A layout whose shard cuts a block is refused at `register()`.
+After each step:
+- every rank's shipped codes, `weight_scale_inv` values and bf16 tensors, written into the reference's
+  export of the previous weights, equal the reference quantizer (vLLM's own `per_block_cast_to_fp8`)
+  applied to mbridge's export of the trainer's new bf16 weights, bit for bit; each changed code and
+  scale is shipped exactly once, and nothing else. Each rank quantized only its own shard (the aligned
+  layout's TP shards are whole 128x128 blocks), so this holds its blocks to the reference's whole-tensor
+  ones;
+- the engine's `/weight_checker` digests equal a fresh load (vLLM's own loader, another process) of that
+  reference export, and its greedy tokens and logprobs equal its own after vLLM's `reload_weights` of the
+  export (done once the sync is over, per step; the digests cover every live tensor the matmuls read, the
+  VNNI-packed weights included, so the reload adds the outputs' check: another engine would cost a start).
+Before that, a layout whose TP shard cuts a block is refused at `register()` on every rank.
+The engine runs vLLM's CPU block-fp8 kernel through `harness.fp8_engine` (CPUs without AMX too).
 """
 
 from __future__ import annotations
 
 import pytest
+import requests
 import torch
 from fp8_hook_workers import (
     ALIGNED,
@@ -19,11 +28,14 @@ from fp8_hook_workers import (
     load_checkpoint,
     quantized,
     reference_export,
+    served_greedy,
     write_pair,
 )
-from harness import megatron_cpu
+from harness import fp8_engine, megatron_cpu
+from harness.engine_pool import API_KEY, HEADERS, status
+from harness.fresh_load import save_checkpoint
 
-pytestmark = [pytest.mark.megatron, pytest.mark.heavy]
+pytestmark = [pytest.mark.megatron, pytest.mark.engine, pytest.mark.heavy]
 STEPS = 3
 
 
@@ -31,32 +43,54 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def test_tp2_hook_ships_the_reference_quantization_of_each_step(tmp_path):
+def test_tp2_hook_syncs_a_block_fp8_engine_as_the_reference_quantizes(tmp_path, engine_pool, fresh_loader):
     straddling = write_pair(tmp_path / "straddling", STRADDLING)
-    aligned = write_pair(tmp_path / "aligned", ALIGNED)
+    bf16, served = write_pair(tmp_path / "aligned", ALIGNED, tokenizer=True)
     out = tmp_path / "steps"
     out.mkdir()
-    megatron_cpu.spawn(
-        fp8_worker, 2, *map(lambda p: tuple(map(str, p)), (straddling, aligned)), STEPS, str(out), timeout=400
-    )
-    prev = {n: _bits(t) for n, t in load_checkpoint(aligned[1]).items()}
-    shipped: set[str] = set()
-    for step in range(STEPS):
-        got = torch.load(out / f"{step}.pt")
-        want = {n: _bits(t) for n, t in reference_export(got["export"]).items()}
-        assert want.keys() == prev.keys()
-        applied = {n: t.clone().reshape(-1) for n, t in prev.items()}
-        sent = {n: torch.zeros(t.numel(), dtype=torch.int32) for n, t in prev.items()}
-        for name, pos, vals in got["entries"]:
-            applied[name][pos] = _bits(vals)
-            sent[name][pos] += 1
-        bad = [n for n in want if not torch.equal(applied[n], want[n].reshape(-1))]
-        assert not bad, f"step {step}: shipped entries do not reproduce the reference's export: {bad[:5]}"
-        for n in want:
-            moved = prev[n].reshape(-1) != want[n].reshape(-1)
-            assert torch.equal(sent[n] > 0, moved) and int(sent[n].max()) <= 1, (step, n)
-        shipped |= {n for n, s in sent.items() if int(s.sum())}
-        prev = want
+    server = fp8_engine.delta_server(engine_pool, served)
+    try:
+        engine = {
+            "url": server.url,
+            "root": str(engine_pool.delta_root()),
+            "api_key": API_KEY,
+            "version": status(server.url)["version"],
+        }
+        pair = (str(bf16), str(served))
+        megatron_cpu.spawn(
+            fp8_worker, 2, tuple(map(str, straddling)), pair, engine, STEPS, str(out), timeout=600
+        )
+        prev = {n: _bits(t) for n, t in load_checkpoint(served).items()}
+        shipped: set[str] = set()
+        for step in range(STEPS):
+            got = torch.load(out / f"{step}.pt")
+            export = reference_export(got["export"])
+            want = {n: _bits(t) for n, t in export.items()}
+            assert want.keys() == prev.keys()
+            applied = {n: t.clone().reshape(-1) for n, t in prev.items()}
+            sent = {n: torch.zeros(t.numel(), dtype=torch.int32) for n, t in prev.items()}
+            for name, pos, vals in got["entries"]:
+                applied[name][pos] = _bits(vals)
+                sent[name][pos] += 1
+            bad = [n for n in want if not torch.equal(applied[n], want[n].reshape(-1))]
+            assert not bad, f"step {step}: shipped entries do not reproduce the reference's export: {bad[:5]}"
+            for n in want:
+                moved = prev[n].reshape(-1) != want[n].reshape(-1)
+                assert torch.equal(sent[n] > 0, moved) and int(sent[n].max()) <= 1, (step, n)
+            shipped |= {n for n, s in sent.items() if int(s.sum())}
+            prev = want
+            path = save_checkpoint(export, served, tmp_path / f"export{step}")
+            assert got["checksums"] == fresh_loader.checksums(path), step
+            r = requests.post(
+                f"{server.url}/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+                headers=HEADERS,
+                timeout=600,
+            )
+            r.raise_for_status()
+            assert served_greedy(server.url, HEADERS) == got["outputs"], step
+    finally:
+        server.stop()  # an engine on this module's checkpoint: no other module shares it
     codes = {n for n in shipped if quantized(n)}
     assert codes and {n + "_scale_inv" for n in codes} & shipped, sorted(shipped)
     assert any(n.endswith("k_proj.weight") for n in codes)  # both ranks' halves of a split projection
