@@ -218,3 +218,37 @@ def test_glm_355b_worst_rank_registers_in_rows_not_elements():
     assert got["runs"] == layers * per_layer_runs + 2
     assert got["shipped_elements"] == seen["elements"]  # TP rank 0 of the stage ships all it holds
     assert seen["rows"] == cfg["vocab_size"] // tp and seen["largest"] == tp * seen["rows"]  # lm_head, merged
+
+
+@pytest.mark.parametrize("family", ["glm-4.7-355b-a32b", "qwen3-235b-a22b"])
+def test_block_fp8_families_shard_into_whole_blocks(family):
+    """Why the hook refuses a shard that cuts a 128x128 block instead of gathering it: the block-fp8
+    models (GLM-4.7-FP8, Qwen3-235B-A22B-FP8) at full shape in the launcher's TP4 EP16 layout never cut
+    one. Every projection segment of the first stage's first 4 layers (GLM's dense and MoE layers, both
+    models' attention, experts and shared experts) on TP rank 0 is whole blocks (the other TP ranks'
+    slices are the same size), as `register()` checks it."""
+    from megatron_hook.hf_map import probe
+    from vllm_delta.sender.fp8_quant import block_layout
+
+    cfg = _module("benchmarks/scale_configs.py").MODELS[family]
+    bench = _module("benchmarks/scale_trainer.py")
+    layout = bench.launcher_layout()
+    if cfg["num_hidden_layers"] % layout["pp"]:  # Qwen3-235B's 94 layers: two stages
+        layout = {**layout, "pp": 2, "world": layout["world"] // layout["pp"] * 2}
+    checked: list[str] = []
+
+    def aligned(bridge, gpt, par):
+        segs = bench._on_first_layers(probe, 4)(bridge, gpt, par)
+        for s in segs:
+            if s.name.endswith("_proj.weight"):
+                block_layout(s, (128, 128))  # raises, naming the tensor and the rows and columns held
+                checked.append(s.name)
+        return segs
+
+    bench.register_rank(cfg, layout, 0, probe=aligned)
+    kinds = {
+        k for k in ("q_proj", "k_proj", "o_proj", "experts", "shared_expert") if any(k in n for n in checked)
+    }
+    assert kinds == {"q_proj", "k_proj", "o_proj", "experts"} | (
+        {"shared_expert"} if "glm" in family else set()
+    )
