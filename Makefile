@@ -7,9 +7,17 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 TORCH_INDEX ?=
 PIP_TORCH_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 STAMP  := $(VENV)/.installed
+# verl and SkyRL, for tests/integrations' checks only: installed beside the venv, not in it, and put on the
+# path only of the processes that use them (harness/rl_frameworks.py). Neither installs into this venv whole:
+# verl pins transformers < 5.11 and needs ray (vLLM imports ray whenever it is found, in every engine);
+# SkyRL 0.4.0 asks Python >= 3.12 and its wheel brings top-level `tests` and `scripts` packages. So: the
+# pinned wheels without their dependencies, plus the few modules that verl's imported modules import.
+RL_SITE := $(VENV)/rl-frameworks
+RL_PACKAGES := verl==0.9.1 skyrl==0.4.0 ray==2.60.0 msgpack==1.2.4 tensordict==0.10.0 pyvers==0.2.3 \
+	omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install lint test test-fast fuzz demo demo-megatron demo-s3 demo-trl clean patch-vllm rl-venv
+.PHONY: install lint test test-fast fuzz demo demo-megatron demo-s3 demo-trl clean patch-vllm
 
 install: $(STAMP)
 
@@ -22,6 +30,8 @@ $(STAMP): pyproject.toml Makefile patches/vllm-dist-alias/pyproject.toml $(wildc
 	# PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break transformers.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) patches/apply.py
+	rm -rf $(RL_SITE)
+	$(PIP) install -q --no-compile --no-deps --ignore-requires-python --target $(RL_SITE) $(RL_PACKAGES)
 	touch $(STAMP)
 
 patch-vllm: install
@@ -69,16 +79,5 @@ demo-trl: install
 demo-s3: install
 	$(PY) benchmarks/s3_sync.py
 
-# The RL frameworks' venv: verl 0.9.1 (pins transformers < 5.11, needs ray) and SkyRL 0.4.0's weight-sync
-# layer (its wheel, no deps: it asks Python >= 3.12 and its two modules we load run on 3.11), seeing the main
-# venv's packages through a .pth. tests/engine/test_verl_engine.py and test_native_backend.py's SkyRL
-# test run there (skipped without it). About 2 min; not part of `make test`: `make rl-venv test`.
-RL_VENV ?= .venv-rl
-rl-venv: install
-	test -x $(RL_VENV)/bin/python || $(PY) -m venv $(RL_VENV)
-	echo "$(abspath $(VENV))/lib/python3.11/site-packages" > $(RL_VENV)/lib/python3.11/site-packages/zz_main_venv.pth
-	$(RL_VENV)/bin/python -m pip install -q --disable-pip-version-check "verl==0.9.1" "transformers>=5.5.3,<5.11" cloudpathlib loguru
-	$(RL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps --ignore-requires-python "skyrl==0.4.0"
-
 clean:
-	rm -rf $(VENV) $(RL_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

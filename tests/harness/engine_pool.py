@@ -121,7 +121,21 @@ def reset_to_checkpoint(server: VllmServer, root: Path, model_dir: Path) -> int:
     return version
 
 
-def status(url: str) -> dict:
-    r = requests.get(f"{url}/delta_updates/status", headers=HEADERS, timeout=60)
+def _auth(api_key: str | None = API_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def status(url: str, api_key: str | None = API_KEY) -> dict:
+    """The engine's `/delta_updates/status` (the pool's key by default; `None` for an engine without one)."""
+    r = requests.get(f"{url}/delta_updates/status", headers=_auth(api_key), timeout=60)
     r.raise_for_status()
     return r.json()
+
+
+def checksums(url: str, api_key: str | None = API_KEY) -> dict[str, str]:
+    """vLLM's own per-parameter digests of the served weights (`/weight_checker`)."""
+    r = requests.post(
+        f"{url}/weight_checker", json={"action": "checksum"}, headers=_auth(api_key), timeout=120
+    )
+    r.raise_for_status()
+    return r.json()["checksums"]

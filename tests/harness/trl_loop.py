@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import requests
 import torch
 
+from harness.engine_pool import checksums, status
 from harness.tiny_models import PROMPTS
 
 Digests = Callable[[Path], dict[str, str]]
@@ -24,13 +24,6 @@ Digests = Callable[[Path], dict[str, str]]
 def reward_vowels(completions: list[str], **_: Any) -> list[float]:
     """Deterministic: the share of vowels in the completion (GRPO needs the rewards of a group to differ)."""
     return [sum(ch in "aeiou" for ch in c) / max(1, len(c)) for c in completions]
-
-
-def engine_digests(url: str, api_key: str | None) -> dict[str, str]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, headers=headers, timeout=120)
-    r.raise_for_status()
-    return r.json()["checksums"]
 
 
 def run_grpo(
@@ -54,10 +47,7 @@ def run_grpo(
 
     # The one line a TRL user adds. The versions start above the engine's: a shared test engine may have
     # synced before (from a run that restarts against a live engine, as a resumed trainer would).
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    engine = requests.get(f"{url}/delta_updates/status", headers=headers, timeout=60)
-    engine.raise_for_status()
-    use_delta(str(delta_root), api_key=api_key, version=engine.json()["version"])
+    use_delta(str(delta_root), api_key=api_key, version=status(url, api_key)["version"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     full_sync = sum(p.numel() * p.element_size() for p in model.parameters())  # what TRL's NCCL sync ships
@@ -107,7 +97,7 @@ def run_grpo(
                 "full_sync_bytes": full_sync,
                 "density": m.get("perf/update_weights_density", 0.0),
                 "acked": m.get("sender/all_acked") == 1.0,
-                "exact": engine_digests(url, api_key) == digests_of(saved),
+                "exact": checksums(url, api_key) == digests_of(saved),
             }
         )
         shutil.rmtree(saved)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness.engine_pool import API_KEY, reset_to_checkpoint
+from harness.engine_pool import API_KEY, checksums, reset_to_checkpoint
 
 pytest.importorskip("trl")
 pytestmark = [pytest.mark.heavy, pytest.mark.engine]
 
 
 def test_grpo_syncs_deltas_exactly(engine_pool, tiny_model_factory, fresh_loader, tmp_path):
-    from harness.trl_loop import engine_digests, run_grpo
+    from harness.trl_loop import run_grpo
 
     model_dir = tiny_model_factory("llama")
     server = engine_pool.shared_llama(model_dir)
@@ -23,9 +23,9 @@ def test_grpo_syncs_deltas_exactly(engine_pool, tiny_model_factory, fresh_loader
 
     def bad_sync(client) -> None:
         """A sync the sender refuses (a tensor the model does not have) is recorded, never raised."""
-        before = engine_digests(server.url, API_KEY)
+        before = checksums(server.url)
         client.update_named_params([], iter([("not.a.param", torch.zeros(2))]))
-        seen.update(client.status(), unchanged=engine_digests(server.url, API_KEY) == before)
+        seen.update(client.status(), unchanged=checksums(server.url) == before)
 
     out = run_grpo(
         server.url, root, model_dir, tmp_path, 2, fresh_loader.checksums, api_key=API_KEY, then=bad_sync

@@ -1,9 +1,9 @@
-"""Run by test_verl_engine.py with the verl venv's interpreter (`make rl-venv`): our engine through
-verl 0.9.1's own plugin loader, registry and base class, then two real syncs to a running engine.
+"""Run by test_verl.py in a child process with verl on its path (harness/rl_frameworks.py): our engine
+through verl 0.9.1's own plugin loader, registry and base class, then two real syncs to a running engine.
 
 argv: engine URL, the engine's delta root, its checkpoint dir, API key, its version (the sender starts
-there: the root is shared), output file (the trainer's
-export of the weights it synced last, as safetensors).
+there: the root is shared), output file (the trainer's export of the weights it synced last, as
+safetensors).
 """
 
 from __future__ import annotations

@@ -25,10 +25,8 @@ test stands alone (the one-door refusal is a parse-time case in tests/engine/tes
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import time
 import uuid
 from collections import Counter
@@ -37,7 +35,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from harness import commit_fault, megatron_cpu
+from harness import commit_fault, megatron_cpu, rl_frameworks
 from harness.engine_pool import FAULT_AT, FAULT_VERSION, write_anchor
 from harness.fresh_load import save_checkpoint
 from harness.kernel_signatures import EXTENSION as KERNEL_SIGNATURES
@@ -550,25 +548,43 @@ def test_the_backend_refuses_eplb():
         DeltaWeightTransferEngine(None, config, torch.device("cpu"), torch.nn.Module())
 
 
-RL_PYTHON = Path(__file__).resolve().parents[2] / ".venv-rl" / "bin" / "python"
-
-
-@pytest.mark.skipif(
-    not RL_PYTHON.exists(), reason="the RL frameworks' venv is made by `make rl-venv` (not in make test)"
-)
+@rl_frameworks.installed
 def test_skyrl_client_and_source_drive_our_trainer_engine(served, model_dir, root, fresh_loader, tmp_path):
-    """SkyRL 0.4.0's `SkyrlWeightSyncClient` and `FsdpWeightSource`, unchanged, through our trainer engine
-    (vllm_delta/integrations/skyrl.py), in the RL venv (tests/integrations/skyrl_check.py): the served
+    """SkyRL 0.4.0's own `SkyrlWeightSyncClient` and `FsdpWeightSource`, unchanged (from its wheel, as
+    `make install` puts it: harness/rl_frameworks.py), drive our trainer engine
+    (vllm_delta/integrations/skyrl.py) through vLLM's trainer factory: two syncs, then the served
     weights equal a fresh load of the trainer's export."""
-    out = tmp_path / "export.safetensors"
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")])}
-    script = repo / "tests" / "integrations" / "skyrl_check.py"
-    version = str(status(served.url)["version"])
-    args = [str(RL_PYTHON), str(script), served.url, str(root), str(model_dir), version, str(out)]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report["metrics"]) == 2, report
-    export = save_checkpoint(load_file(out), like=model_dir, out=tmp_path / "export")
-    assert checksums(served.url) == fresh_loader.checksums(export), report["metrics"]
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from vllm_delta.integrations.skyrl import SkyrlDeltaInitInfo, register_trainer_engine
+
+    control, sources = (
+        rl_frameworks.skyrl_module("control_plane.py"),
+        rl_frameworks.skyrl_module("sources.py"),
+    )
+    register_trainer_engine()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    client = control.SkyrlWeightSyncClient([served.url], 1)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        SkyrlDeltaInitInfo(
+            delta_dir=str(root), checkpoint=str(model_dir), version=status(served.url)["version"], rank=0
+        ),
+        client=client,
+        source=sources.FsdpWeightSource(model, torch.bfloat16),
+    )
+    assert engine.skyrl_handles_prefix_cache_reset is False  # SkyRL's worker reads it off every engine
+    metrics = []
+    for step in (1, 2):
+        gen = torch.Generator().manual_seed(10 + step)
+        with torch.no_grad():
+            for p in model.parameters():
+                bits = p.view(-1).view(torch.int16)
+                bits[torch.rand(bits.shape, generator=gen) < 0.02] += 1
+        metrics.append(engine.send_weights())
+    engine.shutdown()
+    client.close()
+    assert len(metrics) == 2, metrics
+    weights = {n: t.detach().clone().contiguous() for n, t in model.state_dict().items()}
+    export = save_checkpoint(weights, like=model_dir, out=tmp_path / "export")
+    assert checksums(served.url) == fresh_loader.checksums(export), metrics
