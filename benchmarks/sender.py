@@ -42,8 +42,9 @@ from vllm_delta.diff import changed_positions  # noqa: E402
 from vllm_delta.sender import Shard  # noqa: E402
 from vllm_delta.sender.producer import Producer  # noqa: E402
 from vllm_delta.sender.publisher import _add  # noqa: E402
-from vllm_delta.transports.writer import Throttle, throttled_write  # noqa: E402
+from vllm_delta.transports.writer import Throttle  # noqa: E402
 from vllm_delta.wire import FlushBuilder, additive  # noqa: E402
+from vllm_delta.wire.manifest import write_atomic  # noqa: E402
 
 LINK = 300e6  # bytes per second
 DENSITY = 0.02
@@ -469,7 +470,7 @@ def p4(model: Path, weights: dict[str, torch.Tensor], work: Path, syncs: int, tr
                 shutil.copy2(f, full_dir / f.name)
         data = (model / "model.safetensors").read_bytes()
         write = [
-            _timed(lambda: throttled_write(full_dir / "model.safetensors", data, Throttle(LINK)))
+            _timed(lambda: write_atomic(full_dir / "model.safetensors", data, Throttle(LINK).wait))
             for _ in range(REPEATS)
         ]
         del data

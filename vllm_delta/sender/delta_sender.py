@@ -222,12 +222,7 @@ class DeltaSender:
             if self.last_error is None
             else f"{type(self.last_error).__name__}: {self.last_error}",
             "engines": {
-                u: {
-                    "acked": e.acked,
-                    "needs_anchor": e.needs_anchor,
-                    "skipped": e.skipped,
-                    "last_error": e.last_error,
-                }
+                u: {k: getattr(e, k) for k in ("acked", "needs_anchor", "skipped", "last_error")}
                 for u, e in self.planner.engines.items()
             },
         }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm_delta.client import EngineClient, Reply
 from vllm_delta.sender.capture import Capture, Entry
@@ -186,15 +186,8 @@ class Publisher:
         merged = merged.model_copy(update={"lineage": plan.lineage(kind)})
         if self.signing_keys:  # last: the signature covers the lineage and every digest
             merged = sign(merged, self.signing_keys)
-        out = SentDelta(
-            kind,
-            merged,
-            len(b.files),
-            sum(p[2] for p in parts),
-            sum(p[3] for p in parts),
-            location=sink.location,
-            spool=sink.spool,
-        )
+        wire, pre = sum(p[2] for p in parts), sum(p[3] for p in parts)
+        out = replace(mine, manifest=merged, wire_bytes=wire, pre_compress_bytes=pre)
         try:
             self.transport.seal(out)
         except Exception as exc:

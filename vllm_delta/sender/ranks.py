@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 class Ranks:
@@ -19,26 +20,16 @@ class Ranks:
 
     @property
     def rank(self) -> int:
-        if self.group is None:
-            return 0
-        import torch.distributed as dist
-
-        return dist.get_rank(self.group)
+        return 0 if self.group is None else dist.get_rank(self.group)
 
     @property
     def size(self) -> int:
-        if self.group is None:
-            return 1
-        import torch.distributed as dist
-
-        return dist.get_world_size(self.group)
+        return 1 if self.group is None else dist.get_world_size(self.group)
 
     def bcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
         if self.group is None:
             return obj
-        import torch.distributed as dist
-
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
@@ -47,17 +38,9 @@ class Ranks:
         """Every rank's `obj` on rank 0 (an empty list elsewhere)."""
         if self.group is None:
             return [obj]
-        import torch.distributed as dist
-
         out = [None] * self.size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
         return out if self.rank == 0 else []
-
-    def barrier(self) -> None:
-        if self.group is not None:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
 
     def any(self, flag: bool) -> bool:
         """Whether any rank's `flag` is set: every rank calls it at the same point, whatever happened
@@ -68,24 +51,18 @@ class Ranks:
     def all_sum(self, n: int) -> int:
         if self.group is None:
             return n
-        import torch.distributed as dist
-
         t = torch.tensor([n], dtype=torch.int64)
         dist.all_reduce(t, group=self.group)
         return int(t[0])
 
     def send_bytes(self, data: bytes, dst: int) -> None:
         """Point-to-point bytes to group rank `dst` (its size first), for `recv_bytes`."""
-        import torch.distributed as dist
-
         peer = dist.get_global_rank(self.group, dst)
         dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=self.group)
         dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), peer, group=self.group)
 
     def recv_bytes(self, src: int) -> bytes:
         """What group rank `src` sent with `send_bytes`."""
-        import torch.distributed as dist
-
         peer = dist.get_global_rank(self.group, src)
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, peer, group=self.group)

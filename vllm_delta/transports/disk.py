@@ -16,32 +16,9 @@ from pathlib import Path
 
 from vllm_delta.client import EngineClient, Reply
 from vllm_delta.transports.base import SentDelta, Sink, Transport, TransportOptions
-from vllm_delta.transports.writer import BackgroundFlushWriter, Throttle, throttled_write
-from vllm_delta.wire import MANIFEST_NAME, FlushBuilder, Manifest, write_manifest
-
-
-def file_writer(directory: Path, throttle: Throttle | None = None) -> BackgroundFlushWriter:
-    """Flush files in `directory`, each written atomically (and paced through `throttle`)."""
-    return BackgroundFlushWriter(lambda name, data: throttled_write(Path(directory) / name, data, throttle))
-
-
-def prepare_version_dir(path: Path) -> Path:
-    """An empty version directory; a leftover one (e.g. from a sender that died) is replaced."""
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    return path
-
-
-def seal(path: Path, manifest: Manifest) -> int:
-    """Write the manifest last; returns its size in bytes."""
-    return write_manifest(path, manifest).stat().st_size
-
-
-def remove_version_dir(path: Path) -> None:
-    """Delete a delivered version directory, manifest first so no reader sees it as finished."""
-    (path / MANIFEST_NAME).unlink(missing_ok=True)
-    shutil.rmtree(path, ignore_errors=True)
+from vllm_delta.transports.writer import BackgroundFlushWriter, Throttle
+from vllm_delta.wire import MANIFEST_NAME, FlushBuilder, write_manifest
+from vllm_delta.wire.manifest import write_atomic
 
 
 class DiskTransport(Transport):
@@ -64,21 +41,28 @@ class DiskTransport(Transport):
         )
 
     def prepare(self, name: str) -> None:
-        """Rank 0, before any rank writes: an empty version directory."""
-        prepare_version_dir(self.delta_dir / name)
+        """Rank 0, before any rank writes: an empty version directory (a leftover one, e.g. from a
+        sender that died, is replaced)."""
+        path = self.delta_dir / name
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
 
     def sink(self, name: str, **kwargs) -> Sink:
-        throttle = Throttle(self.throttle_bytes_per_s) if self.throttle_bytes_per_s else None
-        writer = file_writer(self.delta_dir / name, throttle)
-        return Sink(FlushBuilder(writer.emit, **kwargs), str(self.delta_dir / name), writer=writer)
+        path = self.delta_dir / name
+        pace = Throttle(self.throttle_bytes_per_s).wait if self.throttle_bytes_per_s else None
+        writer = BackgroundFlushWriter(lambda file, data: write_atomic(path / file, data, pace))
+        return Sink(FlushBuilder(writer.emit, **kwargs), str(path), writer=writer)
 
     def seal(self, sent: SentDelta) -> None:
-        seal(Path(sent.location), sent.manifest)
+        write_manifest(Path(sent.location), sent.manifest)
 
     def push(self, client: EngineClient, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
         return client.update({u: {"path": Path(s.location).name, **body} for u, (s, body) in targets.items()})
 
     def cleanup(self, sent: list[SentDelta]) -> None:
+        """Delete the delivered version directories, manifest first so no reader sees one as finished."""
         if not self.keep:
             for s in sent:
-                remove_version_dir(Path(s.location))
+                (Path(s.location) / MANIFEST_NAME).unlink(missing_ok=True)
+                shutil.rmtree(s.location, ignore_errors=True)

@@ -20,17 +20,8 @@ from vllm_delta.wire.errors import DeltaError, LimitError
 
 SCHEME = "s3://"
 MIN_PART_BYTES = 5 << 20  # S3 refuses multipart parts below 5 MiB (all but the last)
-AUTH_CODES = {
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "AccessDenied",
-    "InvalidToken",
-    "ExpiredToken",
-    "InvalidClientTokenId",
-    "AuthorizationHeaderMalformed",
-    "403",
-    "401",
-}
+AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken"}
+AUTH_CODES |= {"InvalidClientTokenId", "AuthorizationHeaderMalformed", "403", "401"}
 MISSING_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
 
 T = TypeVar("T")

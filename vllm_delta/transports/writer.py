@@ -7,15 +7,12 @@ same `Throttle` paces a file write, an upload (`store.py`) and the benchmarks' m
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from vllm_delta.wire import EncodedFlush
-from vllm_delta.wire.manifest import write_atomic
 
 
 class Throttle:
@@ -31,22 +28,6 @@ class Throttle:
         ahead = self.sent / self.rate - (time.perf_counter() - self.start)
         if ahead > 0:
             time.sleep(ahead)
-
-
-def throttled_write(path: Path, data: bytes, throttle: Throttle | None, chunk: int = 4 << 20) -> None:
-    """`write_atomic`, with the bytes paced through `throttle` if one is given."""
-    if throttle is None:
-        write_atomic(path, data)
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    view = memoryview(data)
-    with open(tmp, "wb") as f:
-        for a in range(0, len(view), chunk):
-            throttle.wait(min(chunk, len(view) - a))
-            f.write(view[a : a + chunk])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class BackgroundFlushWriter:

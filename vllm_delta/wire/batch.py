@@ -27,6 +27,7 @@ from .batch_host import Decoder, Fallback, FlushIndex, HostBatch
 from .blocks import BlockIndex, merge
 from .blocks import wanted as block_wanted
 from .codecs import GAP_WIDTHS, check_numel
+from .deltas import DeltaBatch, ParamDelta
 from .dtypes import DType, by_name
 from .encodings import Encoding, GapPlanes, Gaps, RawValues, UlpSteps, ValuePlanes
 from .errors import DeltaError
@@ -227,10 +228,9 @@ def decode(
     data: Mapping[str, memoryview],
     owned: Mapping | None,
     decoder: Decoder,
-    make: Callable,
     fallback: Callable[[int, int], Iterator],
-    make_batch: Callable | None = None,
-) -> Iterator:
+    batches: bool = False,
+) -> Iterator[ParamDelta | DeltaBatch]:
     """Decode the params a batch at a time; a batch this path does not take, and a param of at least
     PER_PARAM_ENTRIES wanted entries, go to `fallback(p, q)` (the per-param path for params p..q-1),
     then on to the next batch.
@@ -239,15 +239,13 @@ def decode(
     apart from the batch's host params and up to DEVICE_BATCH_ENTRIES, whatever each param's size (the
     device has no per-param path to prefer); their checks are left in `decoder` for its `verify`.
 
-    `make(p, positions, values, skipped, bounds, blocks)` builds param p's delta from torch views
-    (values: signed-integer steps for a base-relative encoding, else new values in the param's dtype).
-    With `make_batch(p, q, positions, values, types, sizes, skipped, first, last, blocks, nbytes)`, a batch
-    decoded on the host alone is yielded as one object, with no call or view a param: every entry's
-    positions in one tensor, values in one tensor per value type (`types`: each param's, a key of
-    `values`), and lists over params p..q-1 (`sizes`: each param's entries, in order).
+    Each param comes as a `ParamDelta` of torch views (values: signed-integer steps for a base-relative
+    encoding, else new values in its dtype); with `batches`, a batch decoded on the host alone comes as
+    one `DeltaBatch`, with no call or view a param.
     """
     mask = wanted(ix, owned)
-    pid = ix.pid
+    pid, names, shapes, needs_base = ix.pid, ix.names, ix.shapes, enc.needs_base
+    dtypes = list(map(attrgetter("torch"), ix.dtypes))
     run_start = mask.copy()  # a wanted row whose predecessor in its param is not wanted
     run_start[1:] &= ~(mask[:-1] & (pid[1:] == pid[:-1]))
     per_param = np.add.reduceat(np.where(mask, ix.cnt, 0), ix.row0[:-1])
@@ -305,10 +303,10 @@ def decode(
         kinds_k = on_dev[p:q].tolist()
         # Each param's views made by one split per part and value type (a Python slice costs ~2 us a
         # view, 44k tensors two each): steps stay signed integers, new values are viewed in the dtype.
-        types = ix.itemsize[p:q].tolist() if enc.needs_base else [d.torch for d in ix.dtypes[p:q]]
+        types = ix.itemsize[p:q].tolist() if needs_base else dtypes[p:q]
         views = {}
         for there, (pos, by_size) in parts.items():
-            if make_batch is not None and True not in parts:
+            if batches and True not in parts:
                 break  # a DeltaBatch takes the batch's tensors whole: no view a param
             lens = [n for n, on in zip(sizes, kinds_k) if on == there]
             split = {}
@@ -321,19 +319,22 @@ def decode(
         first, last = ix.first[row0[:-1]].tolist(), ix.last[row0[1:] - 1].tolist()
         nrows = np.diff(row0).tolist()
         count = ix.count[p:q].tolist()
-        if make_batch is not None and True not in parts:  # one object for the batch (wire/flush.DeltaBatch)
+        if batches and True not in parts:  # one object for the batch (wire/flush.DeltaBatch)
             pos, host = parts[False]
             values = {
                 t: host[t] if enc.needs_base else host[t.itemsize].view(t) for t in dict.fromkeys(types)
             }
             nbytes = pos.nbytes + int(np.dot(per_param[p:q], ix.itemsize[p:q]))
-            yield make_batch(
-                p,
-                q,
+            yield DeltaBatch(
+                names[p:q],
+                shapes[p:q],
+                dtypes[p:q],
                 pos,
                 values,
                 types,
                 sizes,
+                needs_base,
+                count,
                 list(map(int.__sub__, count, sizes)),
                 first,
                 last,
@@ -344,10 +345,13 @@ def decode(
             continue
         for k in range(q - p):  # made as consumed, so few params live at once
             pos, split, at = views[kinds_k[k]]
-            yield make(
-                p + k,
+            yield ParamDelta(
+                names[p + k],
+                shapes[p + k],
+                dtypes[p + k],
                 next(pos),
                 split[types[k]][next(at)],
+                needs_base,
                 count[k] - sizes[k],
                 (first[k], last[k]),
                 (nwanted[k], nrows[k]),

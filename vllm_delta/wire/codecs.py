@@ -201,31 +201,28 @@ def _int(d: DType) -> np.dtype:
     return np.dtype(f"<i{d.itemsize}")
 
 
-def _sign_bit(d: DType):
-    return d.uint.type(1 << (8 * d.itemsize - 1))
+def _key(b, d: DType, *, inverse: bool = False):
+    """The order key of bit patterns `b` viewed as same-width signed integers (numpy or torch: `>>`
+    is arithmetic in both, and their wrapping adds equal the unsigned ones), or with `inverse` the
+    bits of a key. Floats: negatives are bit-flipped, positives get the sign bit set (-0 and +0 are
+    neighbours). Signed ints: flip the sign bit. Unsigned: identity. All bijections, so 1 ULP is a
+    step of 1."""
+    top = 8 * d.itemsize - 1
+    sign = -(1 << top)  # the sign bit as a signed integer of this width
+    if d.name == "uint8":
+        return b
+    if not d.is_float:
+        return b ^ sign
+    return b ^ (((~b if inverse else b) >> top) | sign)
 
 
 def order_key(bits: np.ndarray, d: DType) -> np.ndarray:
-    """Map bit patterns to unsigned keys that sort like the values, so 1 ULP is a step of 1.
-
-    Floats: negatives are bit-flipped, positives get the sign bit set (-0 and +0 are neighbours).
-    Signed ints: flip the sign bit. Unsigned: identity. All bijections on bit patterns.
-    """
-    sb = _sign_bit(d)
-    if d.is_float:  # xor with all ones for negatives, with the sign bit for positives
-        return bits ^ ((bits.view(_int(d)) >> (8 * d.itemsize - 1)).view(d.uint) | sb)
-    if d.name == "uint8":
-        return bits.copy()
-    return bits ^ sb
+    """Map bit patterns to unsigned keys that sort like the values (`_key`)."""
+    return _key(bits.view(_int(d)), d).view(d.uint)
 
 
 def from_order_key(key: np.ndarray, d: DType) -> np.ndarray:
-    sb = _sign_bit(d)
-    if d.is_float:
-        return key ^ (~(key.view(_int(d)) >> (8 * d.itemsize - 1)).view(d.uint) | sb)
-    if d.name == "uint8":
-        return key.copy()
-    return key ^ sb
+    return _key(key.view(_int(d)), d, inverse=True).view(d.uint)
 
 
 def ulp_steps(new_bits: np.ndarray, old_bits: np.ndarray, d: DType) -> np.ndarray:
@@ -241,9 +238,7 @@ def ulp_resolve_tensor(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """`ulp_resolve` in torch integer ops where `old` lives: new values of `old`'s dtype.
 
     Why torch: the receiver resolves against weights on the GPU; a numpy round trip would copy
-    them to the host. Same bijection as `order_key`, on same-width signed views, whose wrapping
-    add equals the unsigned one; `>>` on signed torch ints is arithmetic, as numpy's is there.
-    `steps` are same-width signed integers on `old`'s device.
+    them to the host. `steps` are same-width signed integers on `old`'s device.
     """
     d = by_torch(old.dtype)
     if steps.device != old.device or steps.numel() != old.numel() or steps.element_size() != d.itemsize:
@@ -251,23 +246,8 @@ def ulp_resolve_tensor(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
             f"{steps.numel()} {steps.dtype} steps on {steps.device} for "
             f"{old.numel()} {old.dtype} values on {old.device}"
         )
-    bits = old.reshape(-1).view(d.int_view)
-    top = 8 * d.itemsize - 1
-    sign = -(1 << top)  # the sign bit as a signed integer of this width
-    if d.is_float:
-        key = bits ^ ((bits >> top) | sign)
-    elif d.name == "uint8":
-        key = bits
-    else:
-        key = bits ^ sign
-    key = key + steps.reshape(-1).view(d.int_view)
-    if d.is_float:
-        new = key ^ (~(key >> top) | sign)
-    elif d.name == "uint8":
-        new = key
-    else:
-        new = key ^ sign
-    return new.view(d.torch)
+    key = _key(old.reshape(-1).view(d.int_view), d) + steps.reshape(-1).view(d.int_view)
+    return _key(key, d, inverse=True).view(d.torch)
 
 
 def encode_steps(steps: np.ndarray, d: DType) -> tuple[bytes, bytes, np.ndarray]:

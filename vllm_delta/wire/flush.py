@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from operator import attrgetter
 
 import numpy as np
 import torch
@@ -201,36 +200,6 @@ def _iter_blocked(
         plan = _plan_blocked(smeta, data, _entries(meta, file=file), file=file, expected=expected)
         return _decode_blocked(enc, smeta, data, plan, file=file, owned=owned)
 
-    names, shapes, dtypes, needs_base = (
-        index.names,
-        index.shapes,
-        list(map(_TORCH, index.dtypes)),
-        enc.needs_base,
-    )
-
-    def make(i: int, pos: torch.Tensor, values: torch.Tensor, skipped: int, bounds, nblocks) -> ParamDelta:
-        return ParamDelta(names[i], shapes[i], dtypes[i], pos, values, needs_base, skipped, bounds, nblocks)
-
-    def make_batch(
-        p: int, q: int, pos, values, types, sizes, skipped, first, last, nblocks, nbytes: int
-    ) -> DeltaBatch:
-        return DeltaBatch(
-            names[p:q],
-            shapes[p:q],
-            dtypes[p:q],
-            pos,
-            values,
-            types,
-            sizes,
-            needs_base,
-            index.count[p:q].tolist(),
-            skipped,
-            first,
-            last,
-            nblocks,
-            nbytes,
-        )
-
     del heads
     plans: list = []
 
@@ -241,10 +210,7 @@ def _iter_blocked(
                 plans.extend(_plan_blocked(smeta, data, entries, file=file, expected=expected))
         return _decode_blocked(enc, smeta, data, plans[i:j], file=file, owned=owned)
 
-    return decode_batches(enc, index, data, owned, decoder, make, fallback, make_batch if batches else None)
-
-
-_TORCH = attrgetter("torch")
+    return decode_batches(enc, index, data, owned, decoder, fallback, batches)
 
 
 def _entries(meta: Mapping[str, str], *, file: str) -> list:

@@ -133,14 +133,7 @@ class FlushBuilder:
             or not (_from_scan or bool((positions[1:] > positions[:-1]).all()))
         ):
             raise ValueError(f"{name}: positions must be strictly increasing and inside {list(shape)}")
-        self._params[name] = {
-            "name": name,
-            "dtype": d.name,
-            "shape": list(shape),
-            "changed": n,
-            "files": [],
-            "post_hash": post_hash,
-        }
+        self._param(name, d.name, shape, post_hash)["changed"] = n
         per_elem = 8 + 2 * d.itemsize
         chunk = max(1, self.flush_bytes // per_elem)
         for a in range(0, n, chunk):
@@ -206,14 +199,7 @@ class FlushBuilder:
                 continue
             if d is None:
                 d = by_torch(values.dtype)
-                self._params[name] = {
-                    "name": name,
-                    "dtype": d.name,
-                    "shape": list(shape),
-                    "changed": 0,
-                    "files": [],
-                    "post_hash": post_hash,
-                }
+                self._param(name, d.name, shape, post_hash)
             self._params[name]["changed"] += n
             a = 0
             while a < n:
@@ -230,6 +216,12 @@ class FlushBuilder:
                     self.flush()
             end = start + n
         queue()
+
+    def _param(self, name: str, dtype: str, shape, post_hash: str | None) -> dict:
+        """The manifest entry of a param being added."""
+        entry = {"name": name, "dtype": dtype, "shape": list(shape), "changed": 0, "files": []}
+        self._params[name] = {**entry, "post_hash": post_hash}
+        return self._params[name]
 
     def flush(self) -> None:
         """Encode and emit what is queued (a no-op when nothing is)."""
