@@ -1,10 +1,5 @@
-"""The sender: any trainer hands over its HF-named weights (whole, or this rank's shards) after a step.
-
-Cut along its seams: `planner` (who gets a delta, a catch-up or an anchor), `producer` (the scan:
-diff, gather, digest, staging, where the parameters live), `publisher` (encode, move, seal, push,
-acks), `ranks` (multi-rank plumbing), `shards` (where a rank's elements sit in the HF tensor), and
-`delta_sender` (`DeltaSender`, which ties them together with capture/publish).
-"""
+"""The sender: any trainer hands over its HF-named weights (whole, or this rank's shards) after a step
+(docs/architecture.md lists its modules)."""
 
 from vllm_delta.sender.delta_sender import DeltaSender
 from vllm_delta.sender.planner import EngineState, Plan

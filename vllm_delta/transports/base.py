@@ -1,12 +1,6 @@
 """What every transport is: the `Transport` interface the publisher drives, the options a sender gives
-it, and `SentDelta`, what one delta put on the wire.
-
-Flushes are built by `vllm_delta.wire.FlushBuilder`, whose encoded bytes go to a callback (a
-background file writer, an uploader, or a spool for a broadcast: the transport's `Sink`), so
-encoding the next flush overlaps moving the previous one. Each transport module (`disk`, `s3`,
-`collective`) holds both halves of its path: the sender's (this interface) and the engine's receive
-side.
-"""
+it, and `SentDelta`, what one delta put on the wire. A `Sink` takes each flush `FlushBuilder` encodes
+as it comes, so encoding the next flush overlaps moving the previous one."""
 
 from __future__ import annotations
 
@@ -70,9 +64,8 @@ class Transport(ABC):
     # engine (a broadcast moves the bytes once per engine).
     stored: bool
 
-    @classmethod
     @abstractmethod
-    def create(cls, name: str, options: TransportOptions) -> Transport:
+    def __init__(self, name: str, options: TransportOptions) -> None:
         """The transport registered as `name`, built from the sender's options (ValueError if they
         do not fit it)."""
 

@@ -291,24 +291,17 @@ class CollectiveTransport(Transport):
 
     stored = False  # flushes live in rank 0's spool; other ranks send theirs there
 
-    def __init__(
-        self,
-        backend: str,
-        *,
-        master_addr: str = "127.0.0.1",
-        timeout_s: float = 120.0,
-        window_bytes: int = DEFAULT_WINDOW_BYTES,
-    ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
-        self.backend, self.master_addr, self.timeout_s = backend, master_addr, timeout_s
-        self.window_bytes = window_bytes
-        self._links: dict[str, CollectiveLink] = {}
-
-    @classmethod
-    def create(cls, name: str, options: TransportOptions) -> CollectiveTransport:
+    def __init__(self, name: str, options: TransportOptions) -> None:
         """`name` is the backend: "gloo" or "nccl"."""
-        return cls(name, master_addr=options.master_addr, timeout_s=options.collective_timeout_s)
+        if name not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {name!r}")
+        self.backend, self.master_addr, self.timeout_s = (
+            name,
+            options.master_addr,
+            options.collective_timeout_s,
+        )
+        self.window_bytes = DEFAULT_WINDOW_BYTES
+        self._links: dict[str, CollectiveLink] = {}
 
     def sink(self, name: str, **kwargs) -> Sink:
         spool = FlushSpool(self.window_bytes)

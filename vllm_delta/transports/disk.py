@@ -26,19 +26,11 @@ class DiskTransport(Transport):
 
     stored = True  # every rank writes into the same directory; rank 0 seals it
 
-    def __init__(
-        self, delta_dir: Path, *, throttle_bytes_per_s: float | None = None, keep: bool = False
-    ) -> None:
-        self.delta_dir, self.keep = Path(delta_dir), keep
-        self.throttle_bytes_per_s = throttle_bytes_per_s
-
-    @classmethod
-    def create(cls, name: str, options: TransportOptions) -> DiskTransport:
+    def __init__(self, name: str, options: TransportOptions) -> None:
         if options.delta_dir is None:
             raise ValueError("the disk transport needs delta_dir")
-        return cls(
-            Path(options.delta_dir), throttle_bytes_per_s=options.throttle_bytes_per_s, keep=options.keep
-        )
+        self.delta_dir, self.keep = Path(options.delta_dir), options.keep
+        self.throttle_bytes_per_s = options.throttle_bytes_per_s
 
     def prepare(self, name: str) -> None:
         """Rank 0, before any rank writes: an empty version directory (a leftover one, e.g. from a

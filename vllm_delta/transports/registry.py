@@ -30,7 +30,7 @@ def create(name: str, options: TransportOptions) -> Transport:
         raise ValueError(f"transport must be one of {names()}, not {name!r}")
     module, class_name = _REGISTRY[name]
     cls: type[Transport] = getattr(importlib.import_module(module), class_name)
-    return cls.create(name, options)
+    return cls(name, options)
 
 
 register("disk", "vllm_delta.transports.disk", "DiskTransport")

@@ -78,42 +78,19 @@ class S3Transport(Transport):
 
     stored = True  # every rank uploads its own flushes into the same version dir; rank 0 seals it
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        planner: Any = None,
-        throttle_bytes_per_s: float | None = None,
-        keep: bool = False,
-        keep_chain: int = 16,
-        start_version: int = 0,
-        store: ObjectStore | None = None,
-        attempts: int = 4,
-        backoff_s: float = 1.0,
-    ) -> None:
-        self.url = StoreURL.parse(url)
-        self.store = (
-            store if store is not None else ObjectStore(self.url, throttle_bytes_per_s=throttle_bytes_per_s)
-        )
-        self.planner, self.keep, self.keep_chain = planner, keep, keep_chain
-        self.attempts, self.backoff_s = attempts, backoff_s
-        self.sealed: dict[str, Stored] = {}
-        self.unsealed: set[str] = set()  # prepared, never sealed (a failed sync): deleted at the next cleanup
-        self.checkpoint_chain = start_version == 0  # version 0 is the checkpoint every engine starts from
-
-    @classmethod
-    def create(cls, name: str, options: TransportOptions) -> S3Transport:
-        if not str(options.delta_dir or "").startswith("s3://"):
+    def __init__(self, name: str, options: TransportOptions) -> None:
+        url = str(options.delta_dir or "")
+        if not url.startswith("s3://"):
             raise ValueError(
                 f"the s3 transport needs delta_dir='s3://BUCKET/PREFIX', not {options.delta_dir!r}"
             )
-        return cls(
-            str(options.delta_dir),
-            planner=options.planner,
-            keep=options.keep,
-            start_version=options.version,
-            throttle_bytes_per_s=options.throttle_bytes_per_s,
-        )
+        self.url = StoreURL.parse(url)
+        self.store = ObjectStore(self.url, throttle_bytes_per_s=options.throttle_bytes_per_s)
+        self.planner, self.keep, self.keep_chain = options.planner, options.keep, 16
+        self.attempts, self.backoff_s = 4, 1.0  # per object, on top of botocore's own retries
+        self.sealed: dict[str, Stored] = {}
+        self.unsealed: set[str] = set()  # prepared, never sealed (a failed sync): deleted at the next cleanup
+        self.checkpoint_chain = options.version == 0  # version 0 is the checkpoint every engine starts from
 
     @property
     def uploaded_bytes(self) -> int:

@@ -29,8 +29,8 @@ from vllm_delta.transports.store import ObjectStore, StoreError, StoreNotFound, 
 from vllm_delta.wire import MANIFEST_NAME, FileEntry, Manifest, blocks, parse_manifest
 from vllm_delta.wire.container import ZSTD_MAGIC, Limits, SparseFile
 from vllm_delta.wire.errors import DeltaError, IncompleteDeltaError, IntegrityError, LimitError
-from vllm_delta.wire.flush import Owned
-from vllm_delta.wire.flush_meta import FORMAT_BLOCKS
+from vllm_delta.wire.flush import Owned, plan_blocked
+from vllm_delta.wire.flush_meta import FORMAT_BLOCKS, parse_streams
 
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is ~200 B per changed tensor: room for 300k tensors
 HEAD_BYTES = 64 << 10  # the first GET of a sparse fetch: the size field and, mostly, the whole header
@@ -180,32 +180,24 @@ def block_ranges(header: bytes, owned: Owned) -> list[tuple[int, int]] | None:
     """[start, end) file byte ranges of the blocks `owned` selects in a `vllm-delta/2` flush whose
     first bytes (size field and JSON header) are `header`, merged across gaps under MERGE_GAP;
     None when it is not such a flush or its header does not parse (the whole file is fetched, and
-    the decoder says what is wrong)."""
+    the decoder says what is wrong). The block index is the reader's own (`flush.plan_blocked`)."""
     try:
         table = json.loads(header[8:])
         meta = table["__metadata__"]
         if meta.get("format") != FORMAT_BLOCKS:
             return None
-        body = len(header)
-        cursor = {s: body + int(table[f"__{s}__"]["data_offsets"][0]) for s in json.loads(meta["streams"])}
+        smeta = parse_streams(meta, file="")
+        at = {s: [int(x) for x in table[f"__{s}__"]["data_offsets"]] for s in smeta}
+        sizes = {s: range(b - a) for s, (a, b) in at.items()}  # `plan_blocked` reads lengths only
         out = []
-        for p in json.loads(meta["params"]):
-            numel = int(np.prod(p["shape"], dtype=object))
-            index = blocks.parse_index(
-                p["blocks"],
-                streams=len(p["streams"]),
-                count=p["count"],
-                numel=numel,
-                file=None,
-                param=p["name"],
-                implicit=p.get("width") == 0,
-            )
-            ranges = owned.get(p["name"])
+        for p, _, _, _, index, starts in plan_blocked(smeta, sizes, meta, file="", expected=None):
+            ranges = owned.get(p.name)
             mask = blocks.wanted(index, None if ranges is None else blocks.merge(ranges))
-            for j, s in enumerate(p["streams"]):
-                offsets = cursor[s] + np.concatenate(([0], np.cumsum(index.stored[:, j])))
+            for j, s in enumerate(p.streams):
+                offsets = (
+                    len(header) + at[s][0] + starts[s] + np.concatenate(([0], np.cumsum(index.stored[:, j])))
+                )
                 out += [(int(offsets[k]), int(offsets[m])) for k, m in blocks.runs(mask)]
-                cursor[s] = int(offsets[-1])
     except (DeltaError, KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError):
         return None  # not the writer's layout: fetched whole, and the decoder says what is wrong
     merged: list[tuple[int, int]] = []

@@ -11,7 +11,7 @@ at a time (wire/batch.py) where it can be; the per-param path here takes the res
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sized
 
 import numpy as np
 import torch
@@ -197,7 +197,7 @@ def _iter_blocked(
     try:
         index = index_flush(enc, smeta, data, heads, file=file, expected=expected)
     except Fallback:
-        plan = _plan_blocked(smeta, data, _entries(meta, file=file), file=file, expected=expected)
+        plan = plan_blocked(smeta, data, meta, file=file, expected=expected)
         return _decode_blocked(enc, smeta, data, plan, file=file, owned=owned)
 
     del heads
@@ -205,23 +205,19 @@ def _iter_blocked(
 
     def fallback(i: int, j: int) -> Iterator[ParamDelta]:
         if not plans:
-            with paused_gc():
-                entries = _entries(meta, file=file)
-                plans.extend(_plan_blocked(smeta, data, entries, file=file, expected=expected))
+            plans.extend(plan_blocked(smeta, data, meta, file=file, expected=expected))
         return _decode_blocked(enc, smeta, data, plans[i:j], file=file, owned=owned)
 
     return decode_batches(enc, index, data, owned, decoder, fallback, batches)
 
 
-def _entries(meta: Mapping[str, str], *, file: str) -> list:
-    """A block-indexed flush's params a param at a time, parsed from the JSON (the columns may have
-    been read from the text, with no `blocks` lists; or dropped, see `_iter_blocked`)."""
+def plan_blocked(smeta, data: Mapping[str, Sized], meta: Mapping[str, str], *, file: str, expected) -> list:
+    """The per-param path's checks of every param's head and block index, and its decode plans
+    `(param, dtype, shape, numel, index, each stream's start)`; `data`: the streams (only their lengths
+    are read). The params are parsed again from the JSON, a param at a time (the columns may have been
+    read from the text, with no `blocks` lists; or dropped, see `_iter_blocked`)."""
     with paused_gc():
-        return parse_params(meta_json(meta, "params", file=file), blocked=True, file=file).entries()
-
-
-def _plan_blocked(smeta, data, pmeta, *, file: str, expected: Expected | None) -> list:
-    """The per-param path's checks of every param's head and block index, and its decode plans."""
+        pmeta = parse_params(meta_json(meta, "params", file=file), blocked=True, file=file).entries()
     cursor = {s: 0 for s in smeta}  # each stream holds the params' blocks back to back
     decoded = {s: 0 for s in smeta}
     plans = []
