@@ -115,7 +115,7 @@ def test_batched_equals_per_param_path_and_the_new_weights(
         owned = {"big": [(100, 900), (2000, 2100), (3000, 4095)], "e0": [], "e1": [(0, 40)], "norm": None}
         owned.update({f"e{i}": [(64 * i, 511)] for i in range(2, 12)})
     with monkeypatch.context() as m:  # the batched path, and it alone
-        m.setattr(flush, "_plan_blocked", lambda *a, **k: pytest.fail("fell back to the per-param path"))
+        m.setattr(flush, "plan_blocked", lambda *a, **k: pytest.fail("fell back to the per-param path"))
         fast = decode(path, owned)
     per_param_path(monkeypatch)
     slow = decode(path, owned)
@@ -135,7 +135,7 @@ def test_batches_and_a_param_past_a_batch(tmp_path, monkeypatch):
     new = step(old, 0.1, seed=4)
     path = write(tmp_path / "d", old, new, "ulp_zstd")
     slow_params, plans = [], []
-    real_decode, real_plan = flush._decode_blocked, flush._plan_blocked
+    real_decode, real_plan = flush._decode_blocked, flush.plan_blocked
     with monkeypatch.context() as m:
         m.setattr(batch, "BATCH_ENTRIES", 40)
         m.setattr(
@@ -145,7 +145,7 @@ def test_batches_and_a_param_past_a_batch(tmp_path, monkeypatch):
                 slow_params.extend(x[0].name for x in p) or real_decode(enc, s, d, p, **k)
             ),
         )
-        m.setattr(flush, "_plan_blocked", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
+        m.setattr(flush, "plan_blocked", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
         fast = decode(path)
     per_param_path(monkeypatch)
     slow = decode(path)

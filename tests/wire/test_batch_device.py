@@ -44,7 +44,7 @@ def on_device(path, owned=None, names=None) -> tuple[list, DeviceDecoder]:
     info = open_delta(path)
     dest = DeviceDecoder({p.name: CPU for p in info.manifest.params if names is None or p.name in names})
     with pytest.MonkeyPatch.context() as m:  # the device decoder, and it alone
-        m.setattr(flush, "_plan_blocked", lambda *a, **k: pytest.fail("fell back to the per-param path"))
+        m.setattr(flush, "plan_blocked", lambda *a, **k: pytest.fail("fell back to the per-param path"))
         out = list(iter_delta(info, current_version=0, owned=owned, lazy=True, decoder=dest))
     dest.verify()
     return out, dest
