@@ -1,7 +1,7 @@
 """A block-fp8 checkpoint served as it is, updated by deltas in its own dtypes, bit-exact.
 
 What vLLM 0.32's CPU build does with it (established here on the real engine, `harness/fp8_inspect`):
-`Fp8LinearMethod` picks `CPUFp8BlockScaledMMKernel` (W8A16 on AMX), whose post-load step
+`Fp8LinearMethod` picks `CPUFp8BlockScaledMMKernel` (W8A16), whose post-load step
 - VNNI-packs the float8_e4m3fn weight (`convert_weight_packed`): the same shape, stride and bytes,
   permuted, re-registered as a plain `Parameter` (`replace_parameter`);
 - re-registers `weight_scale_inv` as a plain `Parameter` around the same float32 bytes.
@@ -10,120 +10,151 @@ So the scales are the checkpoint's bytes (deltas land in place), and the weight 
 Both replaced Parameters lost their loaders; `engine/loaders.py` gives the probe vLLM's recorded
 model-format ones (it refused every projection before).
 
-The engine starts on FINAL (the reference: its fresh load's digests, equal to vLLM's own load in
-another process, and greedy tokens and logprobs), reloads BASE with vLLM's `reload_weights`, then
-takes a base-relative delta and an overwrite delta that change fp8 codes and block scales.
+On a CPU without AMX tiles vLLM refuses that kernel (its `is_supported` asks for AMX) and with it
+the model. There the engine runs the test-only stand-in of `harness/fp8_kernel.py`: the same class
+with the AMX gate replaced by a check that its op computes vLLM's torch reference on this CPU. The
+weights, loaders, post-load steps (the VNNI pack included), the matmul itself and our delta apply
+are all vLLM's and ours; only the gate differs.
+
+One engine serves the module (an engine start is the suite's largest cost): a pooled `vllm serve
+--enable-delta-updates` in dev mode, started on FINAL. What it serves at start is the reference of the
+first test (its digests equal a fresh load by vLLM's own loader in another process). Each test then
+puts the engine on its own starting weights with vLLM's `reload_weights`, and syncs through our route.
 """
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 import requests
 import torch
+from harness import fp8_engine, fp8_kernel
 from harness.cli_diff import diff
-from harness.engine_pool import API_KEY
-from harness.fp8_inspect import served_fp8
+from harness.engine_pool import API_KEY, HEADERS, checksums, status
+from harness.fp8_inspect import digest, sorted_digest
 from harness.fp8_models import llama_bf16, make_fp8_llama, quantized, step_checkpoint, write_fp8_llama
 from harness.fresh_load import save_checkpoint
-from harness.tiny_models import PROMPTS
-from harness.vllm_engine import VllmServer, greedy, start_llm
+from harness.vllm_engine import VllmServer, served_greedy
 from safetensors.torch import load_file
 
 from vllm_delta import DeltaSender
 from vllm_delta.wire import load_manifest
 
-pytestmark = [
-    pytest.mark.heavy,
-    pytest.mark.engine,
-    pytest.mark.skipif(
-        not torch.cpu._is_amx_tile_supported(),
-        reason="vLLM 0.32's CPU block-fp8 kernels (CPUFp8BlockScaledMMKernel, "
-        "CPUFp8W8A8BlockScaledMMKernel) need AMX tiles; this CPU's vLLM refuses the model",
-    ),
-]
+pytestmark = [pytest.mark.heavy, pytest.mark.engine]
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def checkpoint_bytes(ckpt: dict[str, torch.Tensor], module: str, suffix: str) -> bytes:
-    """The checkpoint's bytes of a served module's tensor, fused as vLLM fuses qkv and gate_up (dim 0)."""
+@dataclass(frozen=True)
+class Engine:
+    """The module's engine, the chain it was started on the end of, and what it served at start."""
+
+    server: VllmServer
+    base: Path
+    mid: Path
+    final: Path
+    checksums: dict[str, str]
+    outputs: list[tuple[list[str], list[float]]]
+    served: dict[str, dict]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, engine_pool):
+    root = tmp_path_factory.mktemp("fp8_chain")
+    base = make_fp8_llama(root / "base")
+    mid = step_checkpoint(base, root / "mid", density=0.03, seed=1)
+    final = step_checkpoint(mid, root / "final", density=0.03, seed=2)
+    server = fp8_engine.delta_server(engine_pool, final)
+    try:
+        yield Engine(
+            server,
+            base,
+            mid,
+            final,
+            checksums(server.url),
+            served_greedy(server.url, HEADERS),
+            rpc(server, "fp8_served"),
+        )
+    finally:
+        server.stop()  # an fp8 engine no other module shares
+
+
+def rpc(server: VllmServer, method: str, **kwargs) -> object:
+    """A worker method through vLLM's dev-mode `/collective_rpc`: rank 0's answer."""
+    r = requests.post(
+        f"{server.url}/collective_rpc",
+        json={"method": method, "kwargs": kwargs},
+        headers=HEADERS,
+        timeout=600,
+    )
+    r.raise_for_status()
+    return r.json()["results"][0] if r.content else None
+
+
+def checkpoint_tensor(ckpt: dict[str, torch.Tensor], module: str, suffix: str) -> torch.Tensor:
+    """A served module's tensor in the checkpoint, fused as vLLM fuses qkv and gate_up (dim 0)."""
     prefix, _, leaf = module.rpartition(".")
-    parts = [f"{prefix}.{p}.{suffix}" for p in FUSED.get(leaf, (leaf,))]
-    return torch.cat([ckpt[p] for p in parts]).contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    return torch.cat([ckpt[f"{prefix}.{p}.{suffix}"] for p in FUSED.get(leaf, (leaf,))])
 
 
-def outputs(llm) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and logprobs, one prompt per call: vLLM's CPU fp8 kernel rounds by batch shape, and the
-    three prompts are not batched alike in every call (a stock engine with unchanged weights moved prompt 0's
-    first logprob -4.488667 -> -4.487775 between calls, KV caches zeroed or not); alone, each is the same."""
-    return [greedy(llm, [p])[0] for p in PROMPTS]
-
-
-def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(tmp_path, fresh_loader):
-    base = make_fp8_llama(tmp_path / "base")
-    mid = step_checkpoint(base, tmp_path / "mid", density=0.03, seed=1)
-    final = step_checkpoint(mid, tmp_path / "final", density=0.03, seed=2)
+def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(engine, engine_pool, fresh_loader):
+    """BASE reloaded, then a base-relative delta and an overwrite delta that change fp8 codes and block
+    scales, through our route: the engine ends on FINAL exactly, as it served FINAL at start."""
+    server = engine.server
+    rpc(server, "reload_weights", weights_path=str(engine.base))
+    base_sums = checksums(server.url)
+    v0 = status(server.url)["version"]
+    root = engine_pool.delta_root()
+    tag = uuid.uuid4().hex[:8]
     chain = [
-        diff(base, mid, tmp_path / "d1", "ulp_zstd", 1, 0),
-        diff(mid, final, tmp_path / "d2", "deltas_zstd", 2, 1),
+        diff(engine.base, engine.mid, root / f"fp8-{tag}-1", "ulp_zstd", v0 + 1, v0),
+        diff(engine.mid, engine.final, root / f"fp8-{tag}-2", "deltas_zstd", v0 + 2, v0 + 1),
     ]
-    with start_llm(final, delta=True) as llm:
-        reference, reference_out = llm.collective_rpc("compute_weight_checksums")[0], outputs(llm)
-        (served,) = llm.collective_rpc(served_fp8)
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(base)})
-        base_sums = llm.collective_rpc("compute_weight_checksums")[0]
-        (probe,) = llm.collective_rpc("delta_probe")
-        (coverage,) = llm.collective_rpc("delta_coverage")
-        llm.collective_rpc("delta_set_peers", args=([coverage],))
-        replies = []
-        for version, path in enumerate(chain, start=1):
-            request = {
-                "id": f"v{version}",
-                "path": str(path),
-                "version": version,
-                "base_version": version - 1,
-                "files": None,
-                "max_staged_bytes": 1 << 20,
-            }
-            (prepared,) = llm.collective_rpc("delta_prepare", args=(request,))
-            (committed,) = (
-                llm.collective_rpc("delta_commit", args=(request["id"],)) if prepared["ok"] else (None,)
-            )
-            replies.append((prepared, committed))
-        applied, applied_out = llm.collective_rpc("compute_weight_checksums")[0], outputs(llm)
-    fresh = fresh_loader.checksums(final)
+    replies = []
+    for version, path in enumerate(chain, start=v0 + 1):
+        r = requests.post(
+            f"{server.url}/update_weights_delta",
+            json={"path": path.name, "version": version},
+            headers=HEADERS,
+            timeout=300,
+        )
+        replies.append((r.status_code, r.json()))
+    applied, applied_out = checksums(server.url), served_greedy(server.url, HEADERS)
+    served, placement = rpc(server, "fp8_served"), status(server.url)["placement"]
 
-    # What the CPU fp8 kernel's post-load step did, against the checkpoint's bytes.
-    ckpt = load_file(final / "model.safetensors")
-    assert len(served) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
-    for module, s in served.items():
-        assert s["kernel"] == "CPUFp8BlockScaledMMKernel", (module, s["kernel"])
+    # What the CPU fp8 kernel's post-load step did at start, against the checkpoint's bytes.
+    ckpt = load_file(engine.final / "model.safetensors")
+    assert len(engine.served) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    for module, s in engine.served.items():
+        assert s["kernel"] == fp8_kernel.served_kernel(), (module, s["kernel"])
         assert (s["weight_class"], s["scale_class"]) == ("Parameter", "Parameter"), (
             module
         )  # replace_parameter
         assert (s["kind"], s["changed"]) == ("rerun", ["weight"]), module
-        weight, scale = (
-            checkpoint_bytes(ckpt, module, "weight"),
-            checkpoint_bytes(ckpt, module, "weight_scale_inv"),
-        )
-        assert s["live_scale"] == scale, module  # the scales are served as the checkpoint's bytes
-        assert s["canonical_weight"] == weight, module  # deltas go to the checkpoint-layout copy
-        assert s["live_weight"] != weight and sorted(s["live_weight"]) == sorted(weight), (
+        weight = checkpoint_tensor(ckpt, module, "weight")
+        assert s["live_scale"] == digest(checkpoint_tensor(ckpt, module, "weight_scale_inv")), (
             module
-        )  # re-laid bytes
+        )  # in place
+        assert s["canonical_weight"] == digest(weight), module  # deltas go to the checkpoint-layout copy
+        assert s["live_weight"] != digest(weight), module  # re-laid (VNNI) ...
+        assert s["live_weight_sorted"] == sorted_digest(weight), module  # ... the same bytes
     # The probe maps every tensor with the model's loaders: nothing falls back, nothing is refused.
-    assert probe["ready"] and probe["fallback"] == {} and probe["refused"] == {}, probe
-    assert coverage["map_errors"] == {} and coverage["fallback"] == [], coverage
-    # The chain changed fp8 codes and scales, applied through the map, and ends on FINAL exactly.
-    assert reference == fresh and base_sums != reference
-    for path, (prepared, committed) in zip(chain, replies):
-        assert prepared["ok"] and prepared["fallback"] == [] and committed["ok"], (prepared, committed)
+    assert placement["ready"] and placement["fallback"] == [] and placement["refused"] == {}, placement
+    # The chain changed fp8 codes and scales, applied through the map, and ends on FINAL exactly: the
+    # digests, the tokens and logprobs, and every layer's live and checkpoint-layout bytes.
+    assert engine.checksums == fresh_loader.checksums(engine.final) and base_sums != engine.checksums
+    for path, (code, reply) in zip(chain, replies):
+        assert code == 200 and reply["fallback"] == [], reply
         changed = {
             p.dtype for p in load_manifest(path).params if p.changed
         }  # every fp8 weight and scale moved
         assert {"float8_e4m3fn", "float32"} <= changed, changed
-    assert [n for n in reference if applied[n] != reference[n]] == []
-    assert applied_out == reference_out
+    assert [n for n in engine.checksums if applied[n] != engine.checksums[n]] == []
+    assert applied_out == engine.outputs
+    assert served == engine.served
 
 
 def reference_export(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -133,30 +164,21 @@ def reference_export(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return quantized(weights, lambda w: per_block_cast_to_fp8(w, [128, 128]))
 
 
-def served_outputs(url: str, headers: dict[str, str]) -> list[tuple[list[str], list[float]]]:
-    """Greedy tokens and logprobs over HTTP, one prompt per request (see `outputs`)."""
-    out = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "seed": 0}
-        r = requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
-        r.raise_for_status()
-        lp = r.json()["choices"][0]["logprobs"]
-        out.append((lp["tokens"], lp["token_logprobs"]))
-    return out
-
-
-def test_bf16_adamw_trainer_syncs_block_fp8_engine(tmp_path, engine_pool, fresh_loader):
+def test_bf16_adamw_trainer_syncs_block_fp8_engine(engine, engine_pool, fresh_loader, tmp_path):
     """Issue 32: a bf16 AdamW trainer's `DeltaSender`, seeded from the served block-fp8 checkpoint,
-    quantizes as the reference does; after each sync the engine's digests equal a fresh load of the
-    reference's export of the trainer's weights, and its tokens and logprobs equal an engine that
-    reloads that export with vLLM's own loader."""
+    quantizes as the reference does. After each sync the engine's digests equal a fresh load (vLLM's
+    loader, another process) of the reference's export of the trainer's weights, and its tokens and
+    logprobs equal its own after vLLM's `reload_weights` of that export. The digests cover every live
+    tensor the matmuls read (the VNNI-packed weights, the scales), so the reload adds the outputs'
+    check, not a second weight check; a separate reference engine would cost another start."""
     trainer = {n: torch.nn.Parameter(w.float()) for n, w in llama_bf16(seed=0).items()}
     bf16 = lambda: {n: p.detach().to(torch.bfloat16) for n, p in trainer.items()}  # noqa: E731
     base = write_fp8_llama(tmp_path / "base", reference_export(bf16()))
-    server = engine_pool.delta_engine(base)
-    reference = VllmServer(base, tmp_path / "reference.log")  # dev mode: reloads through /collective_rpc
-    sender = DeltaSender([server.url], "disk", engine_pool.delta_root(), api_key=API_KEY, version=0)
-    key = {"Authorization": f"Bearer {API_KEY}"}
+    server = engine.server
+    rpc(server, "reload_weights", weights_path=str(base))
+    sender = DeltaSender(
+        [server.url], "disk", engine_pool.delta_root(), api_key=API_KEY, version=status(server.url)["version"]
+    )
     try:
         sender.seed_from_checkpoint(base)
         opt = torch.optim.AdamW(trainer.values(), lr=1e-3)
@@ -172,18 +194,9 @@ def test_bf16_adamw_trainer_syncs_block_fp8_engine(tmp_path, engine_pool, fresh_
             m = sender.sync(bf16())
             assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] > 0, (step, sender.engines)
             export = save_checkpoint(reference_export(bf16()), base, tmp_path / f"export{step}")
-            synced = requests.post(
-                f"{server.url}/weight_checker", json={"action": "checksum"}, headers=key, timeout=120
-            )
-            assert synced.json()["checksums"] == fresh_loader.checksums(export), step
-            r = requests.post(
-                f"{reference.url}/collective_rpc",
-                json={"method": "reload_weights", "kwargs": {"weights_path": str(export)}},
-                timeout=600,
-            )
-            r.raise_for_status()
-            assert served_outputs(server.url, key) == served_outputs(reference.url, {}), step
+            assert checksums(server.url) == fresh_loader.checksums(export), step
+            synced = served_greedy(server.url, HEADERS)
+            rpc(server, "reload_weights", weights_path=str(export))
+            assert served_greedy(server.url, HEADERS) == synced, step
     finally:
         sender.close()
-        reference.stop()
-        server.stop()  # an fp8 engine no other module shares

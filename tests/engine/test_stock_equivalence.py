@@ -16,28 +16,15 @@ from __future__ import annotations
 
 import pytest
 import requests
-from harness.engine_pool import API_KEY
+from harness.engine_pool import API_KEY, HEADERS
 from harness.perturb import perturb_checkpoint
-from harness.vllm_engine import VllmServer
+from harness.vllm_engine import VllmServer, served_greedy
 
 from vllm_delta import DeltaSender
 from vllm_delta.wire.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 PROMPTS = ["The quick brown fox", "Once upon a time", "1, 2, 3, 4,"]
-
-
-def outputs(url: str, key: str | None) -> list[tuple[list[str], list[float]]]:
-    """Greedy tokens and their logprobs for each prompt."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    out = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1, "seed": 0}
-        r = requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
-        r.raise_for_status()
-        lp = r.json()["choices"][0]["logprobs"]
-        out.append((lp["tokens"], lp["token_logprobs"]))
-    return out
 
 
 def assert_flag_off_is_stock(server: VllmServer, child_environ) -> None:
@@ -60,16 +47,16 @@ def test_synced_delta_engine_generates_like_stock_vllm_on_that_checkpoint(
     base = tiny_model_factory("llama")
     new = perturb_checkpoint(base, tmp_path / "new", density=0.2, seed=5)
     server = delta_server  # the shared Llama engine, on `base`
-    before = outputs(server.url, API_KEY)
+    before = served_greedy(server.url, HEADERS, PROMPTS, 12)
     sender = DeltaSender(
         [server.url], "disk", server.root, api_key=API_KEY, version=server.status()["version"]
     )
     sender.seed_from_checkpoint(base)
     m = sender.sync(Checkpoint.open(new).iter_tensors())
     assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] > 0
-    synced = outputs(server.url, API_KEY)
+    synced = served_greedy(server.url, HEADERS, PROMPTS, 12)
     with VllmServer(new, tmp_path / "stock.log", env={"VLLM_PLUGINS": "delta_updates"}) as stock:
-        want = outputs(stock.url, None)
+        want = served_greedy(stock.url, None, PROMPTS, 12)
         assert_flag_off_is_stock(stock, child_environ)
     assert synced != before, "the perturbed checkpoint must change what the model says"
     for (tokens, lps), (want_tokens, want_lps) in zip(synced, want, strict=True):

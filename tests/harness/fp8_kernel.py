@@ -12,10 +12,8 @@ weights, loaders, post-load step (the VNNI pack our `transforms` re-runs, the sc
 matmul and our delta apply are vLLM's and ours. On a CPU with AMX nothing is added and vLLM picks
 its kernel unchanged.
 
-Tests start such engines with `harness.fp8_engine`. Underneath: `engine_env()` is an engine's
-environment (its `sitecustomize` runs `install()` in every process of that engine), `install()`
-patches the current process (an in-process `LLM`'s engine core is forked from it; the fresh
-loader's child calls it too).
+Tests start such engines with `harness.fp8_engine`, whose site runs `install()` in every process
+of the engine; the fresh loader's child calls it too.
 """
 
 from __future__ import annotations
@@ -23,22 +21,12 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
 TARGET = "vllm.model_executor.kernels.linear"
-SITE = Path(__file__).with_name("fp8_kernel_site")
 STAND_IN = "NoAmxCPUFp8BlockScaledMMKernel"
 VLLM_KERNEL = "CPUFp8BlockScaledMMKernel"
-
-
-def engine_env() -> dict[str, str]:
-    """The environment of an engine that serves block fp8 on any CPU: this module's site first on its
-    PYTHONPATH (with tests/, so the site imports this module)."""
-    tests = str(Path(__file__).parent.parent)
-    return {"PYTHONPATH": os.pathsep.join(p for p in (str(SITE), tests, os.environ.get("PYTHONPATH")) if p)}
 
 
 def served_kernel() -> str:

@@ -13,7 +13,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -208,6 +209,33 @@ def start_servers(*starts: Callable[[], VllmServer]) -> list[VllmServer]:
                 f.result().stop()
         raise errors[0]
     return [f.result() for f in futures]
+
+
+def served_greedy(
+    url: str, headers: dict[str, str] | None = None, prompts: Sequence[str] | None = None, max_tokens: int = 8
+) -> list[tuple[list[str], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs from a server, one prompt per request (the bit-exactness
+    checks' output half over HTTP). One at a time: vLLM's CPU kernels round by batch shape (its fp8 kernel
+    moved a stock engine's first logprob -4.488667 -> -4.487775 between calls that batched the prompts
+    differently); alone, each is computed alike. A fresh cache salt per request: nothing is read from a
+    prefix cached under other weights."""
+    from harness.tiny_models import PROMPTS
+
+    out = []
+    for prompt in prompts or PROMPTS:
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "seed": 0,
+            "cache_salt": uuid.uuid4().hex,
+        }
+        r = requests.post(f"{url}/v1/completions", json=body, headers=headers or {}, timeout=120)
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        out.append((lp["tokens"], lp["token_logprobs"]))
+    return out
 
 
 def greedy(llm, prompts: list[str] | None = None) -> list[tuple[list[int], list[float]]]:
