@@ -35,7 +35,14 @@ from harness import fp8_engine, fp8_kernel
 from harness.cli_diff import diff
 from harness.engine_pool import API_KEY, HEADERS, checksums, status
 from harness.fp8_inspect import digest, sorted_digest
-from harness.fp8_models import llama_bf16, make_fp8_llama, quantized, step_checkpoint, write_fp8_llama
+from harness.fp8_models import (
+    adamw_step,
+    llama_bf16,
+    make_fp8_llama,
+    quantized,
+    step_checkpoint,
+    write_fp8_llama,
+)
 from harness.fresh_load import save_checkpoint
 from harness.vllm_engine import VllmServer, served_greedy
 from safetensors.torch import load_file
@@ -171,9 +178,9 @@ def test_bf16_adamw_trainer_syncs_block_fp8_engine(engine, engine_pool, fresh_lo
     logprobs equal its own after vLLM's `reload_weights` of that export. The digests cover every live
     tensor the matmuls read (the VNNI-packed weights, the scales), so the reload adds the outputs'
     check, not a second weight check; a separate reference engine would cost another start."""
-    trainer = {n: torch.nn.Parameter(w.float()) for n, w in llama_bf16(seed=0).items()}
-    bf16 = lambda: {n: p.detach().to(torch.bfloat16) for n, p in trainer.items()}  # noqa: E731
-    base = write_fp8_llama(tmp_path / "base", reference_export(bf16()))
+    start = llama_bf16(seed=0)
+    trainer = {n: torch.nn.Parameter(w.float()) for n, w in start.items()}
+    base = write_fp8_llama(tmp_path / "base", reference_export(start))
     server = engine.server
     rpc(server, "reload_weights", weights_path=str(base))
     sender = DeltaSender(
@@ -184,16 +191,10 @@ def test_bf16_adamw_trainer_syncs_block_fp8_engine(engine, engine_pool, fresh_lo
         opt = torch.optim.AdamW(trainer.values(), lr=1e-3)
         gen = torch.Generator().manual_seed(1)
         for step in range(1, 4):
-            loss = sum(
-                (p * torch.randn(p.shape, generator=gen) * (torch.rand(p.shape, generator=gen) < 0.02)).sum()
-                for p in trainer.values()
-            )
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            m = sender.sync(bf16())
+            weights = adamw_step(opt, trainer, gen, density=0.02)
+            m = sender.sync(weights)
             assert m["sender/all_acked"] == 1.0 and m["sender/changed_elements"] > 0, (step, sender.engines)
-            export = save_checkpoint(reference_export(bf16()), base, tmp_path / f"export{step}")
+            export = save_checkpoint(reference_export(weights), base, tmp_path / f"export{step}")
             assert checksums(server.url) == fresh_loader.checksums(export), step
             synced = served_greedy(server.url, HEADERS)
             rpc(server, "reload_weights", weights_path=str(export))

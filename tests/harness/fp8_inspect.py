@@ -31,7 +31,8 @@ def sorted_digest(t: torch.Tensor) -> str:
 
 
 def served_fp8(worker) -> dict[str, dict]:
-    """{module: its fp8 layer's classes, transform, and the live / checkpoint-layout bytes' digests}."""
+    """{module: its fp8 layer's classes, transform, live pointers, and the live / checkpoint-layout bytes'
+    digests}."""
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
     from vllm_delta.engine import canonical_weights, transforms
@@ -50,6 +51,7 @@ def served_fp8(worker) -> dict[str, dict]:
             "scale_class": type(scale).__name__,
             "kind": t and t.kind,
             "changed": t and t.changed,
+            "pointers": [weight.data_ptr(), scale.data_ptr()],  # what a captured graph reads
             "live_weight": digest(weight),
             "live_weight_sorted": sorted_digest(weight),
             "live_scale": digest(scale),

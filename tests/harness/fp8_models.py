@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from harness.tiny_models import VOCAB_SIZE, train_tokenizer
+from harness.tiny_models import _common, train_tokenizer
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -33,21 +33,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def _config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    return LlamaConfig(**{**_common(), "hidden_size": 256, "head_dim": 64}, intermediate_size=512)
 
 
 def quantize_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +67,21 @@ def quantized(weights: dict[str, torch.Tensor], quantize=quantize_block_fp8) -> 
         else:
             tensors[name] = value
     return tensors
+
+
+def adamw_step(
+    opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter], gen: torch.Generator, density: float
+) -> dict[str, torch.Tensor]:
+    """One optimizer step on a sparse random gradient (about `density` of the elements): it moves some bf16
+    elements and some blocks' amax. Returns the bf16 weights the trainer then holds."""
+    loss = sum(
+        (p * torch.randn(p.shape, generator=gen) * (torch.rand(p.shape, generator=gen) < density)).sum()
+        for p in params.values()
+    )
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
 
 
 def write_fp8_llama(out_dir: Path, tensors: dict[str, torch.Tensor], seed: int = 0) -> Path:

@@ -15,6 +15,7 @@ import json
 
 import pytest
 import torch
+from harness.fp8_models import adamw_step
 from safetensors.torch import save_file
 from sender_helpers import FakeEngine
 
@@ -106,15 +107,7 @@ def test_bf16_adamw_trainer_syncs_block_fp8_engine_bit_exact(tmp_path):
         gen = torch.Generator().manual_seed(4)
         previous, shipped_by_step = served, []
         for step in range(1, 5):
-            # A sparse gradient (10% of elements): a step moves some bf16 elements, and some blocks' amax.
-            loss = sum(
-                (p * torch.randn(p.shape, generator=gen) * (torch.rand(p.shape, generator=gen) < 0.1)).sum()
-                for p in params.values()
-            )
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            trainer = {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
+            trainer = adamw_step(opt, params, gen, density=0.1)
             sender.sync(trainer)
             want = exported(trainer)
             assert all(torch.equal(bits(engine.weights[k]), bits(want[k])) for k in want), step
