@@ -39,7 +39,7 @@ import vllm_delta  # noqa: E402
 from benchmarks import scale  # noqa: E402
 from benchmarks.device_check import write_delta  # noqa: E402
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
-from vllm_delta.engine.owned import owned_by_tensor  # noqa: E402
+from vllm_delta.engine.placement import owned_by_tensor  # noqa: E402
 from vllm_delta.wire import iter_delta, open_delta  # noqa: E402
 from vllm_delta.wire.container import paused_gc  # noqa: E402
 from vllm_delta.wire.deltas import DeltaBatch  # noqa: E402

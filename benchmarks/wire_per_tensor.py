@@ -32,7 +32,7 @@ import device_check as dc  # noqa: E402
 
 import vllm_delta  # noqa: E402
 from vllm_delta.engine.apply import DeltaApplier  # noqa: E402
-from vllm_delta.engine.owned import owned_by_tensor  # noqa: E402
+from vllm_delta.engine.placement import owned_by_tensor  # noqa: E402
 from vllm_delta.wire import get_encoding, iter_delta, open_delta  # noqa: E402
 
 

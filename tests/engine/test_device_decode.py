@@ -19,7 +19,7 @@ from wire.test_batch import _Z, _retouched
 from vllm_delta.engine import batched
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import check_partials
-from vllm_delta.engine.owned import owned_by_tensor
+from vllm_delta.engine.placement import owned_by_tensor
 from vllm_delta.wire import CorruptDeltaError, batch_device, iter_delta, open_delta
 from vllm_delta.wire.batch_host import HOST
 

@@ -13,8 +13,7 @@ from harness.synthetic import device_check, loaded, same_bits, tp_ranks
 
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import Ownership, check_partials, coverage
-from vllm_delta.engine.owned import owned_by_tensor, owned_ranges
-from vllm_delta.engine.placement import Segment, TensorPlacement
+from vllm_delta.engine.placement import Segment, TensorPlacement, owned_by_tensor, owned_ranges
 from vllm_delta.wire import iter_delta, load_manifest
 from vllm_delta.wire.blocks import Policy
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from vllm_delta.engine import probe as P
-from vllm_delta.engine.placement import Segment
+from vllm_delta.engine.placement import Segment, TensorPlacement
 from vllm_delta.engine.probe import PeakRss, build_placement, probe_tensor
 
 N = 8
@@ -153,10 +153,10 @@ def test_provable_loaders_map_exactly(probed):
 def test_views_are_mapped_by_the_fast_pass_without_ids():
     """A narrow/transpose chain is read from the view's strides on a meta probe: no careful pass."""
     m = HoleModule()
-    segments, read = P._fast(m.load_weights, storages(m), "rows", (2 * N, N), torch.float32, 2 * N * N)
-    assert read and segments == [Segment("rows", (N, N), N * N, (N, 1), 0, (1, N))]
+    P._fast(m.load_weights, storages(m), placement := TensorPlacement("rows", (2 * N, N), torch.float32))
+    assert placement.read and placement.segments == [Segment("rows", (N, N), N * N, (N, 1), 0, (1, N))]
     with pytest.raises(P._NotDirect):  # `.item()` has no value on meta
-        P._fast(m.load_weights, storages(m), "via_item", (N, N), torch.float32, N * N)
+        P._fast(m.load_weights, storages(m), TensorPlacement("via_item", (N, N), torch.float32))
 
 
 class BigShard(nn.Module):

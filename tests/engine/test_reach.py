@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_delta.engine import reach
 from vllm_delta.engine.apply import DeltaApplier
+from vllm_delta.engine.placement import derived_params
 
 H = 8
 
@@ -107,7 +107,7 @@ def test_derived_parameter_names():
         ("model.layers.0.attn", "impl.attr:_w_uk_packed"),
         ("", "param:lm_head_sum"),
     ]
-    assert reach.derived_params(keys) == {
+    assert derived_params(keys) == {
         "model.layers.0.attn.W_UV",
         "model.layers.0.attn.kv_b_proj.weight",
         "lm_head_sum",

@@ -32,8 +32,7 @@ from vllm_delta.engine.digests import (
     lattice,
     segment_chunks,
 )
-from vllm_delta.engine.owned import owned_ranges
-from vllm_delta.engine.placement import Segment, TensorPlacement
+from vllm_delta.engine.placement import Segment, TensorPlacement, owned_ranges
 from vllm_delta.wire import ENCODINGS, DeltaWriter, load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, to_hex
 

@@ -92,7 +92,7 @@ def test_the_native_backend_is_refused_where_its_front_end_misses_engines(serve_
 
 def test_the_native_backend_parses_on_one_engine(serve_parser):
     args = serve_parser("--weight-transfer-config", '{"backend": "delta"}')
-    assert cli_args._weight_transfer_backend(args) == "delta"
+    assert cli_args.weight_transfer_backend(args) == "delta"
 
 
 @pytest.mark.parametrize("case", REFUSED)

@@ -146,7 +146,7 @@ def test_a_failed_pause_drops_what_every_rank_staged(rig):
 def test_an_empty_delta_whose_commit_fails_does_not_run_the_door_s_finish(rig):
     base, _, root, engine, updater = rig
     DC.write_delta(root / "v1", base, base, version=1)
-    core, sync, finished = updater.core, Sync(), []
+    core, sync, finished = updater, Sync(), []
     request = DeltaUpdateRequest(path="v1", version=1, base_version=0)
 
     async def run() -> None:

@@ -144,7 +144,7 @@ def test_placement_is_ready_only_once_the_coverage_check_ran(tmp_path):
     _, _, workers, updater = setup(tmp_path)
 
     async def probe_behind_an_update() -> tuple[dict, dict]:
-        async with updater.core.lock:  # as an update in flight: the coverage check waits for it
+        async with updater.lock:  # as an update in flight: the coverage check waits for it
             updater.start_probe()
             while not all(w._delta().applier.probed for w in workers):
                 await asyncio.sleep(0.01)

@@ -1,17 +1,9 @@
 """Two-phase in-place apply of a delta on one rank: prepare (read, verify, decode, locate, digest),
 then commit (scatter into the live parameters).
 
-Why two phases: everything that can fail on bad input (I/O, hashes, bounds, names, shapes,
-dtypes, lineage, the additive digests of the changed positions) fails in `prepare`, before any
-weight changes and while the engine still serves. `commit` only scatters precomputed (offset,
-value) chunks, so the engine is held for the scatter alone and a failure there is an engine
-fault, reported with the tensors it may have left half-written, never a silent one.
-
-The layout: placements are learned once (engine/probe.py), each tensor's way through staging is
-kept (engine/routing.py), one sync is staged by engine/stager.py into engine/staging.py's
-`StagedUpdate`, and engine/commit.py writes it. `max_staged_bytes` bounds everything an update stages:
-past it, prepare refuses (413) before any weight changes. Nothing here needs vLLM except the
-fallback loader.
+Why two phases: everything that can fail on bad input fails in `prepare`, before any weight
+changes and while the engine serves; `commit` only scatters precomputed chunks, so the engine is
+held for the scatter alone, and a failure there is a reported engine fault, never a silent one.
 """
 
 from __future__ import annotations
@@ -24,14 +16,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vllm_delta.engine import canonical_weights, derived, loaders, reach, transforms
+from vllm_delta.engine import canonical_weights, derived, loaders, transforms
 from vllm_delta.engine import commit as commit_phase
 from vllm_delta.engine.batched import on_device
 from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.commit import ApplyFault
 from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
 from vllm_delta.engine.fallback import Shadows
-from vllm_delta.engine.placement import TensorPlacement
+from vllm_delta.engine.placement import TensorPlacement, derived_params, unreached
 from vllm_delta.engine.probe import PeakRss, build_placement
 from vllm_delta.engine.routing import Routing
 from vllm_delta.engine.stager import Stager, stage_all
@@ -146,7 +138,7 @@ class DeltaApplier:
         """The destinations the reach check holds to their size: those the loader said it loaded (all,
         if it said nothing; a parameter it never loads keeps vLLM's default, like fp8's `k_scale`),
         except the parameters a post-load step derived."""
-        made = reach.derived_params((t.unit, t.key) for t in derived.discovery(self.model).tensors)
+        made = derived_params((t.unit, t.key) for t in derived.discovery(self.model).tensors)
         named = {
             n: storages.get(t.untyped_storage().data_ptr())
             for n, (t, _) in canonical_weights.canonical_tensors(self.model).items()
@@ -166,7 +158,7 @@ class DeltaApplier:
         read = None if self._read is None else (lambda n: self._read(n).to(placements[n].dtype).contiguous())
         replayed = self.shadows.plan(unmapped, read)
         if not self.refused:  # a refused tensor explains the destinations it leaves unreached
-            self.refused.update(reach.unreached(placements, self._reach_checked(self._storages()), replayed))
+            self.refused.update(unreached(placements, self._reach_checked(self._storages()), replayed))
         if self.refused:
             logger.error("delta updates: refused, loaders that cannot be served exactly: %s", self.refused)
 

@@ -113,24 +113,13 @@ def locate(
 ) -> Located:
     """Destination offsets of all pieces' entries, in a constant number of ops.
 
-    A per-piece number that is the same for every piece (a destination fed by one tensor, or
-    equal strides) stays a Python int and broadcasts, so a dense model pays no per-entry table.
-
-    With `device` None, everything runs on the positions' device (the host path). With a
-    `device`, the host keeps only what this rank owns (one mask and a host `nonzero`, when a
-    segment holds part of a tensor: no device sync, and a smaller copy); then the owned positions
-    (int32 where every tensor has < 2^31 elements), values and one table of the per-piece numbers
-    that differ cross once, non-blocking, and the offsets are computed there.
-
-    With positions decoded on `device` (`there`; by default: they are on it; wire/batch_device.py),
-    the ownership mask is made there too; its compaction needs the owned count on the host, so with `defer` it
-    is left
-    in `keep` for `compact` (the caller reads every destination's count in one copy: `owned_counts`),
-    and without, compacted here with a device `nonzero`.
-
-    `entries`: the pieces' positions, values and entry counts already concatenated (in piece order),
-    for pieces made without their own (a decoded batch's, engine/apply.py `_Plan`). `known`: what an
-    earlier locate of these same pieces worked out (`Known`; filled here where it is not yet).
+    A per-piece number every piece shares stays a Python int and broadcasts. With `device` None,
+    everything runs where the positions are. With a `device`, the host keeps only the owned entries
+    (a host mask and `nonzero`: no device sync), which cross once, non-blocking, with one table of the
+    per-piece numbers that differ. With positions decoded on `device` (`there`), the ownership mask is
+    made there; with `defer` it is left in `keep` for `compact` (counts read in one copy by
+    `owned_counts`), else compacted here. `entries`: the pieces' entries already concatenated, for
+    pieces without their own (a decoded batch's plan). `known`: an earlier locate's `Known` of these pieces.
     """
     if entries is None:
         counts = [p.positions.numel() for p in pieces]

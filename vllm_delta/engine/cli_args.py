@@ -306,7 +306,7 @@ def check_online_quantization(args: argparse.Namespace) -> None:
 
 def check_native_args(args: argparse.Namespace) -> None:
     """Refuse the `delta` weight-transfer backend where its front end would not reach every engine."""
-    if getattr(args, "enable_delta_updates", False) or not is_ours(_weight_transfer_backend(args)):
+    if getattr(args, "enable_delta_updates", False) or not is_ours(weight_transfer_backend(args)):
         return
     check_online_quantization(args)
     if (getattr(args, "data_parallel_size", None) or 1) > 1:
@@ -332,7 +332,7 @@ def check_args(args: argparse.Namespace) -> None:
             f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
             f"it cannot be combined with --worker-extension-cls {args.worker_extension_cls}"
         )
-    if is_ours(_weight_transfer_backend(args)):
+    if is_ours(weight_transfer_backend(args)):
         raise ValueError(
             "the `delta` weight-transfer backend and --enable-delta-updates cannot serve the same "
             "engine: choose one (each door would keep its own version of the same weights)"
@@ -368,7 +368,7 @@ def check_store(args: argparse.Namespace) -> None:
         raise ValueError(f"--delta-updates-root {root}: {type(exc).__name__}: {exc.reason}") from None
 
 
-def _weight_transfer_backend(args: argparse.Namespace) -> str | None:
+def weight_transfer_backend(args: argparse.Namespace) -> str | None:
     """`--weight-transfer-config`'s backend, as parsed (a dict or vLLM's config object) or None."""
     config = getattr(args, "weight_transfer_config", None)
     return config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)

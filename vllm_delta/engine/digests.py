@@ -11,6 +11,7 @@ compares with the manifest. Everything here is torch on the weights' own device;
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -69,31 +70,16 @@ def refuse_uncovered(report: Mapping[str, Any] | None) -> None:
         raise CoverageError(f"placement coverage check failed at startup: {why}", param=name)
 
 
-def _dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    expected = 1
-    for n, s in reversed(list(zip(sizes, strides))):
-        if n > 1 and s != expected:
-            return False
-        expected *= n
-    return True
-
-
 def _intervals(lat: Lattice, max_intervals: int) -> torch.Tensor | None:
     """The lattice's ids as sorted half-open [start, end) runs (k x 2), or None if too many."""
     offset, sizes, strides = lat
     if not sizes:
         return torch.tensor([[offset, offset + 1]])
-    if _dense(sizes, strides):
-        numel = 1
-        for n in sizes:
-            numel *= n
-        return torch.tensor([[offset, offset + numel]])
+    if Segment("", sizes, offset, strides, 0, ()).src_dense:
+        return torch.tensor([[offset, offset + math.prod(sizes)]])
     run = sizes[-1] if strides[-1] == 1 else 1
     outer_sizes = sizes[:-1] if run > 1 else sizes
-    count = 1
-    for n in outer_sizes:
-        count *= n
-    if count > max_intervals:
+    if math.prod(outer_sizes) > max_intervals:
         return None
     starts = torch.tensor(offset, dtype=torch.int64)
     for n, s in zip(outer_sizes, strides):
@@ -126,14 +112,8 @@ def _union(runs: Sequence[torch.Tensor]) -> torch.Tensor:
 def _rank_depth_by_runs(
     per_rank: Sequence[Sequence[Lattice]], max_intervals: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    unions = []
-    for lats in per_rank:
-        runs = [_intervals(lat, max_intervals) for lat in lats]
-        if any(r is None for r in runs):
-            return None
-        if runs:
-            unions.append(_union(runs))
-    return _depth_runs(unions)
+    unions = [_runs_of(lats, max_intervals) for lats in per_rank if lats]
+    return None if any(u is None for u in unions) else _depth_runs(unions)
 
 
 def _coverage_error(
@@ -198,16 +178,11 @@ def check_coverage(
 ) -> dict[str, Any]:
     """Whether every element of every checkpoint tensor is held by the ranks that should hold it.
 
-    Why: an empty placement on one rank means "another rank holds it" - or "the probe missed
-    it". Only all ranks together can tell. Each element must be held by at least one rank, and
-    every element of a tensor by the same number of ranks: all of them (replicated), one
-    (split), or an even share (kv heads replicated past the kv-head count). A tensor that no
-    rank's loader even read is one vLLM ignores (`ignored`); a fallback tensor goes through
-    vLLM's loader and is not checked here. `replies` are the ranks' `delta_coverage` replies;
-    their `map_errors` (a rank's map against its loader) are errors too, named by destination.
-    The verdict is a pure function of a tensor's size and the ranks' lattices, so it is worked
-    out once per structural class (every expert of a layer shape, every layer) and looked up for
-    the rest: startup pays O(tensors) lookups plus O(classes x runs) torch, not O(tensors x rows).
+    Why: an empty placement on one rank means "another rank holds it" or "the probe missed it"; only
+    all ranks together tell. Every element of a tensor must be held by the same number of ranks (all,
+    one, or an even share). A tensor no rank's loader read is one vLLM ignores (`ignored`); fallbacks
+    are not checked; the ranks' `map_errors` are errors too. The verdict depends only on a tensor's size
+    and the ranks' lattices, so it is worked out once per structural class.
     Returns {"ok", "errors": {name: why}, "ignored": [names]}.
     """
     errors: dict[str, str] = {}
@@ -330,10 +305,7 @@ def segment_chunks(
     if not seg.sizes:
         yield (torch.tensor([seg.src_offset], device=flat.device), flat[seg.dst_offset : seg.dst_offset + 1])
         return
-    inner = 1
-    for n in seg.sizes[1:]:
-        inner *= n
-    rows = max(1, max_elements // max(inner, 1))
+    rows = max(1, max_elements // max(math.prod(seg.sizes[1:]), 1))
     for r0 in range(0, seg.sizes[0], rows):
         sizes = (min(rows, seg.sizes[0] - r0), *seg.sizes[1:])
         values = torch.as_strided(flat, sizes, seg.dst_strides, seg.dst_offset + r0 * seg.dst_strides[0])

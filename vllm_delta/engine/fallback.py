@@ -1,19 +1,12 @@
 """Checkpoint tensors whose loader the probe cannot map (it scales, or writes non-affinely), served exactly.
 
-Why not vLLM's `load_checkpoint_weight_patches`: it stages a full-shape NaN-masked tensor and runs
-the loader on the live weights at commit, so its checks (and its loader-contract failures) come
-after other tensors were already written; a loader that writes other than by one final `copy_`
-lets NaN into live weights; and no digest checks its result.
-
-Instead each such tensor keeps a shadow: its checkpoint-layout values on this rank's host, read
-from the checkpoint at startup. Its loader is replayed under the probe's sealed interception
-(`intercept.Intercept`), which performs no write into live storage: the recorded `copy_`s say
-exactly what a full load of a tensor would store where, and any other write refuses the loader.
-At startup the replay of the shadow must reproduce the live weights bit for bit, twice, with no
-overlapping writes; a loader that fails this is refused (`refused`). In prepare the replay of the
-old and the new shadow gives the live (offset, value) writes, checked against the live weights
-first, so the commit is a plain scatter like any other tensor's, and the shadow is digested like
-the checkpoint it stands for.
+Why not vLLM's `load_checkpoint_weight_patches`: it runs the loader on the live weights at commit, so
+its failures come after other tensors were written, a loader writing other than by one final `copy_`
+lets its NaN mask into live weights, and no digest checks the result. Instead each such tensor keeps
+a host shadow in checkpoint layout, and its loader is replayed under the sealed interception: the
+recorded `copy_`s are exactly what a load would store where. At startup the replay must reproduce
+the live weights bit for bit, twice, with no overlapping writes (else `refused`); in prepare the
+replays of the old and new shadow give plain (offset, value) writes, checked against live first.
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ route, by a worker while decoding, or by the scatter.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class UpdateError(Exception):
@@ -68,3 +70,11 @@ def bad_request(exc: ValidationError) -> UpdateError:
     """A 400 naming each invalid field of the request body."""
     problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
     return UpdateError(400, "InvalidRequest", problems)
+
+
+def validated(model: type[M], data: Any) -> M:
+    """`data` (JSON bytes, or already parsed) as `model`; invalid, a 400 naming each invalid field."""
+    try:
+        return model.model_validate_json(data) if isinstance(data, bytes) else model.model_validate(data)
+    except ValidationError as exc:
+        raise bad_request(exc) from None

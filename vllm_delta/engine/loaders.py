@@ -1,22 +1,12 @@
 """The model's own loaders for parameters a post-load step replaced, so the probe can replay them.
 
-Why: vLLM's block-fp8, Marlin and GPTQ methods call `replace_parameter` in their post-load step
-(on the CPU, `CPUFp8BlockScaledMMKernel` re-registers the VNNI-packed weight and the block scales
-as plain `Parameter`s). The model-format class (`ModelWeightParameter`, `BlockQuantScaleParameter`)
-and its attributes - `weight_loader`, `output_dim`, the TP rank - are gone from the live parameter,
-so `load_weights` raises on it, or, where the model falls back to `default_weight_loader`, copies
-whole tensors where the real loader would slice them.
-
-vLLM itself keeps what is needed: `record_metadata_for_reloading` stores each layer's parameters in
-model format (class and attributes, on `meta`) when the model is built, for `reload_weights`.
-`model_format(model, load_weights)` wraps a loader so that, for the duration of each call, every
-replaced parameter is registered as a stand-in: the recorded class and attributes around the live
-tensor's own data. Same storage, so the probe's and the fallback replay's storage maps find it,
-and the loader's offsets are the live tensor's. That is exact only where the live tensor has the
-recorded shape, stride and dtype (the bytes may be re-laid inside: `transforms` maps or re-runs
-that step on its checkpoint-layout copy). Anywhere else the stand-in's `weight_loader` raises
-`ReplacedLayout`, naming the module: the probe cannot map it and the engine refuses the tensor at
-startup, never in a prepare.
+Why: vLLM's block-fp8, Marlin and GPTQ methods call `replace_parameter` after loading, which drops
+the model-format class and its `weight_loader`, so `load_weights` raises on the live parameter or
+copies whole tensors where it would slice. vLLM records each layer's model-format parameters
+(`record_metadata_for_reloading`, on `meta`) for `reload_weights`; `model_format` registers, for each
+call, stand-ins with that class and those attributes around the live tensor's data (same storage,
+so the storage maps find it). Exact only where the live tensor kept the recorded shape, stride and
+dtype; elsewhere the stand-in's loader raises `ReplacedLayout` and the tensor is refused at startup.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The placement map checked at startup against vLLM's own loader, independently of the map.
 
-Why: the probe learns the map from the views a loader copies; everything after it (locate, the
-digests, the commit, a full verify) goes through that map, so a map that is wrong the same way
-everywhere passes every later check. Here, per structural class of destination parameter (one
-layer's fused `w13_weight`, one layer's `qkv_proj`, ...), the first destination of the class gets
-two scratch copies of its storage, filled with the same seeded random bytes. Every checkpoint
-tensor that lands in it is given seeded random values; vLLM's loader runs on them for real, its
-writes into parameters redirected into the first copy; the map's segments scatter the same
-values into the second. Any difference - a wrong offset, a missed or extra write, a transformed
-value - is a wrong map, and the engine refuses updates naming the destination. The map's constant
-fills (vLLM's vocab padding, `placement.Fill`) are applied to the second copy too, so a padding fill
-that is not the constant the probe saw is a difference like any other.
-
-Cost: one loader pass per layer that holds a checked destination (values made on the destinations'
-device, one tensor at a time), and two scratch copies of that layer's checked destinations there (at
-GLM-4.7 TP=8, an MoE layer's: about 2 x 1 GB, freed after the layer). On the 44k-tensor GLM-4.7 model at
-tiny widths on this CPU: 18 classes, 3 passes (layer 0, layer 3, the tensors outside layers), 0.24 s (it was
-19 s as one pass per class). It runs in `delta_coverage`,
-inside vLLM's `collective_rpc`, so it holds the engine loop for that long (not measured at full size).
+Why: everything after the probe (locate, digests, commit, verify) goes through its map, so a map
+wrong the same way everywhere passes every later check. Per structural class of destination (one
+layer's `w13_weight`, `qkv_proj`, ...), two scratch copies of the first destination get the same
+seeded random bytes; vLLM's loader runs for real on seeded random checkpoint values, its writes
+redirected into one copy, while the map's segments (and its constant fills) write the other. Any
+difference is a wrong map, and the engine refuses updates naming the destination. One loader pass
+per layer holding a checked destination (0.24 s on the 44k-tensor GLM-4.7 model at tiny widths);
+it runs inside `delta_coverage`, so it holds the engine loop that long.
 """
 
 from __future__ import annotations

@@ -7,10 +7,16 @@ collector when several API servers run, in which case prometheus_client writes t
 
 from __future__ import annotations
 
+import logging
 from threading import Lock
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from vllm_delta.engine.http_errors import UpdateError
+
+logger = logging.getLogger("vllm.delta_updates")
 
 SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SIZES = tuple(float(4**k) for k in range(4, 19))  # 256 .. 2^36
@@ -84,3 +90,28 @@ def delta_metrics() -> DeltaMetrics:
         if _metrics is None:
             _metrics = DeltaMetrics()
         return _metrics
+
+
+def observed(result: dict[str, Any], what: str) -> dict[str, Any]:
+    """A successful sync's answer, recorded and logged (every door)."""
+    delta_metrics().observe(result)
+    logger.info(
+        "delta %s to version %d: %d changed, decode %.3fs, apply %.3fs, paused %.3fs",
+        *(
+            what,
+            result["version"],
+            result["changed"],
+            result["decode_s"],
+            result["apply_s"],
+            result["pause_s"],
+        ),
+    )
+    return result
+
+
+def refused(err: UpdateError, what: str, count: bool = True) -> UpdateError:
+    """A door's refusal, logged, and counted when it is an update's."""
+    logger.warning("delta %s refused (%d): %s", what, err.status, err.error["message"])
+    if count:
+        delta_metrics().failed(err.status)
+    return err

@@ -9,10 +9,14 @@ checkpoint element, a delta never changes them, and they keep what vLLM's load p
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+from vllm_delta.wire.blocks import merge
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,22 @@ class TensorPlacement:
         return self.whole_target() is not None
 
 
+def owned_ranges(placement: TensorPlacement) -> list[tuple[int, int]] | None:
+    """Inclusive checkpoint position ranges this rank holds any element of (None: it needs all), so a
+    rank decodes only the blocks of a block-indexed delta (wire/blocks.py) that meet its shard.
+
+    Each segment contributes its [first, last] id span, a superset of the ids it holds (a column
+    shard spans nearly the whole tensor, so only row-like shards skip). A fallback needs every position.
+    """
+    if placement.fallback_reason:
+        return None
+    return merge([(s.src_offset, s.src_last) for s in placement.segments])
+
+
+def owned_by_tensor(placements: Mapping[str, TensorPlacement]) -> dict[str, list[tuple[int, int]] | None]:
+    return {name: owned_ranges(p) for name, p in placements.items()}
+
+
 def _runs(
     offset: int, sizes: Iterable[int], strides: Iterable[int], limit: int = 1 << 22
 ) -> torch.Tensor | None:
@@ -198,3 +218,52 @@ def refuse_overlapping_fills(placements: Mapping[str, TensorPlacement]) -> None:
                 f"loader writes outside a plain copy: {fill.op} writes parameter {fill.target} ({why})"
             )
             break
+
+
+# Every element of every destination is reached by the map: the check from the parameters' side.
+# Why: the coverage check looks from the checkpoint's side, where a tensor no rank's loader reads is
+# "ignored" (as vLLM ignores rotary `inv_freq`). A probe that misses a loader's writes turns a real
+# tensor into an ignored one, and its deltas are then dropped while the commit answers ok (found once:
+# after vLLM's `reload_weights` its recorded loaders load nothing). From the parameters' side that is
+# a destination fewer elements reach than it holds: segment and fill sizes are summed per destination
+# (O(segments)); one a fallback replay writes counts as reached; any other shortfall refuses updates at
+# startup. Only destinations `load_weights` says it loaded are held to it (fp8's `k_scale` keeps vLLM's
+# default, and no delta can name it).
+
+
+def unreached(
+    placements: Mapping[str, TensorPlacement],
+    destinations: Mapping[str, torch.Tensor],
+    replayed: Iterable[str] = (),
+) -> dict[str, str]:
+    """{destination: why} for each destination (probe name -> the tensor deltas are written into) that
+    the segments and fills reach fewer elements of than it holds; destinations in `replayed` (written
+    by a fallback's loader replay) are not counted here."""
+    reached: Counter[str] = Counter()
+    for placement in placements.values():
+        for seg in placement.segments:
+            reached[seg.target] += seg.numel
+        for fill in placement.fills:
+            reached[fill.target] += math.prod(fill.sizes)
+    skip = set(replayed)
+    return {
+        name: (
+            f"the map reaches {reached[name]} of its {t.numel()} elements: some loader write was not "
+            "seen at startup, so deltas to the tensors behind it would be dropped"
+        )
+        for name, t in destinations.items()
+        if name not in skip and reached[name] < t.numel()
+    }
+
+
+def derived_params(keys: Iterable[tuple[str, str]]) -> set[str]:
+    """Full names of the parameters among derived tensors ((unit, key) as `derived.DerivedTensor` holds
+    them: "param:W_UV", "kv_b_proj.param:weight"): a post-load step made them, no checkpoint element
+    reaches them, and `derived` keeps them exact instead."""
+    out = set()
+    for unit, key in keys:
+        path, _, leaf = key.rpartition(".")
+        kind, _, attr = leaf.partition(":")
+        if kind == "param":
+            out.add(".".join(p for p in (unit, path, attr) if p))
+    return out

@@ -1,33 +1,20 @@
 """Learning placements: where each checkpoint element lives on this rank, from the model's own loaders.
 
-Why: writing a changed element straight into the parameter slot that holds it is O(changed);
-replaying `load_weights` over a full-shape staged tensor is O(model). Rather than hand-written
-per-model tables, we run `model.load_weights` once per checkpoint tensor under the sealed
-interception (`intercept.Intercept`) that records, and never performs, every write into live storage.
-
-Two passes per tensor, one tensor at a time:
-- fast: the probe is a `meta` tensor (no memory). When the loader only views it (narrow, select,
-  transpose, reshape) and `copy_`s the view into a parameter, the view's storage offset and
-  strides *are* the map from checkpoint ids to the destination.
-- careful, only where the fast pass cannot prove the map: real element ids (int32 when they fit)
-  are loaded, and a second pass with the ids XOR-relabelled tells a copy (which commutes with any
-  relabelling) from arithmetic that happens to look affine, such as `w * 2` or `w + 1`.
-
-Each map becomes a compact `Segment` when it is an affine lattice (TP slicing, qkv / gate_up
-packing, fused-MoE expert slots). Anything else - a write into a parameter that is not a plain
-copy, an advanced-index write, a write into live state outside the parameters - makes the
-tensor fall back to vLLM's loader, with the reason.
-
-One exception, a `Fill`: vLLM pads the vocab to a multiple of 64 and its embedding loader fills
-the padding rows with a constant. A fill with a scalar (the same in the careful pass's two runs,
-so not derived from the checkpoint) is allowed where no segment of any checkpoint tensor reaches
-the filled elements (`refuse_overlapping_fills`, once every tensor is probed): those elements
-are no checkpoint element, a delta never changes them, and they keep what vLLM's load put there.
+Why: writing a changed element straight into its parameter slot is O(changed); replaying
+`load_weights` over a full-shape staged tensor is O(model). Instead of per-model tables, each
+checkpoint tensor's loader runs once under the sealed interception (`intercept.Intercept`), which
+records and never performs writes into live storage. The fast pass feeds a `meta` probe: a loader
+that only views it and `copy_`s the view maps ids by the view's offset and strides. Where that
+proves nothing, the careful pass loads real ids, then XOR-relabelled ids, which tells a copy from
+arithmetic that looks affine (`w * 2`). Affine maps become `Segment`s; anything else falls back to
+vLLM's loader, with the reason. A scalar `Fill` (vLLM's vocab padding) is allowed where no
+checkpoint element reaches it (`refuse_overlapping_fills`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -141,32 +128,22 @@ def _view_segment(w: Write, numel: int) -> Segment:
     return _segment(w.target, w.dst, src.storage_offset(), tuple(src.stride()), numel)
 
 
-def _fast(
-    load_weights,
-    storages: Mapping[int, str],
-    name: str,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    numel: int,
-    fills: list[Fill] | None = None,
-) -> tuple[list[Segment], bool]:
-    """Segments from the views the loader copied, on a meta probe; _NotDirect where unproven.
-    The loader's constant fills are added to `fills`."""
-    probe = torch.empty(shape, dtype=dtype, device="meta")
-    key = storage_key(probe)
+def _fast(load_weights, storages: Mapping[int, str], placement: TensorPlacement) -> None:
+    """`placement`'s segments (and the loader's constant fills) from the views the loader copied, on a
+    meta probe; _NotDirect where unproven."""
+    probe = torch.empty(placement.shape, dtype=placement.dtype, device="meta")
     try:
-        mode = _run(load_weights, _sealed(storages, [probe]), [(name, probe)])
+        mode = _run(load_weights, _sealed(storages, [probe]), [(placement.name, probe)])
     except Exception as exc:  # e.g. the loader reads values (`.item()`), which meta has none of
         raise _NotDirect(f"{type(exc).__name__}: {exc}") from exc
     copies, filled = _copies_and_fills(mode)
     if mode.input_writes:
         raise _NotDirect("loader writes into the checkpoint tensor")
-    if any(_owner(w, mode.inputs, [dtype]) is None for w in copies):
+    if any(_owner(w, mode.inputs, [placement.dtype]) is None for w in copies):
         raise _NotDirect("a write is not a view of the checkpoint tensor")
-    segments = [_view_segment(w, numel) for w in copies]
-    if fills is not None:
-        fills.extend(filled)
-    return segments, key in mode.read
+    placement.segments = [_view_segment(w, math.prod(placement.shape)) for w in copies]
+    placement.read = storage_key(probe) in mode.read
+    placement.fills.extend(filled)
 
 
 def _ids_of(src: Any, dst: torch.Tensor, id_dtype: torch.dtype) -> torch.Tensor:
@@ -207,16 +184,10 @@ def _affine_fit(ids: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     return offset, tuple(strides)
 
 
-def _careful(
-    load_weights,
-    storages: Mapping[int, str],
-    name: str,
-    shape: tuple[int, ...],
-    numel: int,
-    fills: list[Fill] | None = None,
-) -> tuple[list[Segment], bool]:
-    """Segments from element ids the loader copied, checked against a relabelled second pass.
-    The loader's constant fills (the same in both passes) are added to `fills`."""
+def _careful(load_weights, storages: Mapping[int, str], placement: TensorPlacement) -> None:
+    """`placement`'s segments from element ids the loader copied, checked against a relabelled second
+    pass, and the loader's constant fills (the same in both passes)."""
+    name, shape, numel = placement.name, placement.shape, math.prod(placement.shape)
     id_dtype = torch.int32 if numel <= _INT32_IDS else torch.int64
     ids = torch.arange(numel, dtype=id_dtype).reshape(shape)
     mode = _run(load_weights, _sealed(storages, [ids]), [(name, ids)])
@@ -243,9 +214,8 @@ def _careful(
             or not torch.equal(got, want.to(got.device))
         ):
             raise UnmappableLoader("loader transforms values instead of copying them")
-    if fills is not None:
-        fills.extend(filled)
-    return segments, read
+    placement.segments, placement.read = segments, read
+    placement.fills.extend(filled)
 
 
 def _src_strides_of(seg: Segment, dst: torch.Tensor) -> tuple[int, ...]:
@@ -263,17 +233,12 @@ def probe_tensor(
 ) -> TensorPlacement:
     """Learn the placement of one checkpoint tensor by replaying its loader on a probe."""
     placement = TensorPlacement(name, tuple(shape), dtype)
-    numel = torch.Size(shape).numel()
     try:
         try:
-            placement.segments, placement.read = _fast(
-                load_weights, storages, name, tuple(shape), dtype, numel, placement.fills
-            )
+            _fast(load_weights, storages, placement)
         except _NotDirect as why:
             logger.debug("delta updates: %s needs the careful probe (%s)", name, why)
-            placement.segments, placement.read = _careful(
-                load_weights, storages, name, tuple(shape), numel, placement.fills
-            )
+            _careful(load_weights, storages, placement)
     except UnmappableLoader as exc:
         placement.segments, placement.fills = [], []
         placement.fallback_reason = str(exc)

@@ -1,25 +1,15 @@
 """The data-parallel replicas behind one API server: one RPC that reaches every engine core, its
 replies tagged with their DP index, and the per-replica grouping the route checks digests by.
 
-Why not `AsyncLLM.collective_rpc`: under `--data-parallel-size N` with vLLM's internal load balancer
-the client is `DPLBAsyncMPClient`, whose `call_utility_async` sends a utility call to every engine
-core but returns only the first engine's replies (vllm/v1/engine/core_client.py:1699,
-`DPLBAsyncMPClient.call_utility_async`: `(await self.call_utility_all_async(...))[0]`), so another
-replica's refusal or failed commit would be lost. `call_utility_all_async` answers one list of
-worker replies per engine, in the order of `engine_ranks_managed` (each engine's DP rank).
+Why not `AsyncLLM.collective_rpc`: under DP with vLLM's internal load balancer, `DPLBAsyncMPClient`
+sends a utility call to every engine but returns only the first engine's replies
+(`call_utility_async`), so another replica's refusal or failed commit would be lost.
 
-Each dense DP replica is an engine of its own (vLLM runs it as DP=1 in its own TP world,
-`ParallelConfig.reconfigure_for_independent_dp_rank`) holding the whole model, so its ranks'
-counted-once digests must add up to the manifest on their own: a replica that diverged is then
-refused, not hidden behind another replica's copy.
-
-The DP engines of a MoE model are one world (vLLM keeps `data_parallel_size > 1` inside the engine
-only for MoE, `DPEngineCoreProc`): `FusedMoEParallelConfig.make` splits the experts across all
-DP x TP ranks (EP, or the experts' TP flattened across DP) while attention and the dense weights are
-replicated on every engine. So each tensor is checked by the group that holds it whole: a tensor
-every engine holds whole, per engine as under dense DP (a drifted replica's copy is still seen); a
-tensor split across the engines (`across_dp`), counted once over the whole world, ranks ordered
-(dp, rank), and checked against the manifest as one group.
+A dense DP replica is an engine of its own holding the whole model, so its ranks' counted-once
+digests must add up on their own (a diverged replica is refused, not hidden by another's copy).
+The DP engines of a MoE model are one world (`FusedMoEParallelConfig.make` splits the experts over
+DP x TP): a tensor every engine holds whole is checked per engine, one split across them
+(`across_dp`) over the whole world, ranks ordered (dp, rank).
 """
 
 from __future__ import annotations

@@ -10,21 +10,20 @@ middleware guards only the `/v1`-style prefixes.
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_delta.engine.cli_args import DEFAULT_MAX_BODY_BYTES
 from vllm_delta.engine.digests import mismatches
-from vllm_delta.engine.http_errors import UpdateError, bad_request
+from vllm_delta.engine.http_errors import M, UpdateError, validated
 from vllm_delta.engine.messages import JoinedReply, StatusReply, VerifyReply
-from vllm_delta.engine.metrics import delta_metrics
+from vllm_delta.engine.metrics import delta_metrics, observed, refused
 from vllm_delta.engine.replicas import by_replica, digest_groups, rpc_all
 from vllm_delta.engine.request import (
     CollectiveInitRequest,
@@ -37,21 +36,12 @@ from vllm_delta.engine.summary import first_failed, refusal
 from vllm_delta.engine.transaction import Sync, Transaction
 from vllm_delta.transports.store import StoreURL
 
-logger = logging.getLogger("vllm.delta_updates")
 router = APIRouter()
 
 
-def worker_extension_rpc(engine: Any):
-    """The core's `Rpc` through our worker extension: `delta_<name>` on every worker of every DP replica."""
-
-    def rpc(name: str, args: tuple):
-        return rpc_all(engine, f"delta_{name}", args)
-
-    return rpc
-
-
-class DeltaUpdater:
-    """Our route's side of the core: the request checks, and the answers."""
+class DeltaUpdater(Transaction):
+    """Our route's door over the core: the request checks, and the answers; it reaches `delta_<name>`
+    of our worker extension on every worker of every DP replica."""
 
     def __init__(
         self,
@@ -63,38 +53,17 @@ class DeltaUpdater:
         collective_trainers: list[str] | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
-        self.core = Transaction(engine, worker_extension_rpc(engine))
-        self.root = root
-        self.max_staged_bytes = max_staged_bytes
+        super().__init__(engine, lambda name, args: rpc_all(engine, f"delta_{name}", args))
+        self.root, self.max_staged_bytes, self.max_body_bytes = root, max_staged_bytes, max_body_bytes
         self.collective_trainers = collective_trainers
-        self.max_body_bytes = max_body_bytes
         # vLLM's own bearer-key check (sha256 digests, constant-time compare); its middleware itself
         # guards only the `/v1` prefix, so these routes call it.
         self._auth = AuthenticationMiddleware(None, tokens) if tokens else None
-
-    @property
-    def engine(self) -> Any:
-        return self.core.engine
-
-    @property
-    def fault(self) -> dict[str, Any] | None:
-        return self.core.fault
-
-    @property
-    def refused(self) -> dict[str, str]:
-        return self.core.refused
-
-    @refused.setter
-    def refused(self, refused: dict[str, str]) -> None:
-        self.core.refused = refused
 
     def authorize(self, request: Request) -> None:
         """Refuse (401) a request without a valid `Authorization: Bearer` key, if keys are set."""
         if self._auth is not None and not self._auth.verify_token(request.headers):
             raise UpdateError(401, "Unauthorized", "missing or wrong API key")
-
-    def start_probe(self) -> None:
-        self._probe = self.core.start_probe()
 
     async def update(self, body: DeltaUpdateRequest) -> dict[str, Any]:
         if body.transport == "collective":
@@ -103,19 +72,19 @@ class DeltaUpdater:
         if self.refused:
             raise UpdateError(500, "UnservableLoader", f"delta updates refused at startup: {self.refused}")
         sync = Sync()
-        async with self.core.lock:
-            await self.core.prepare(request, sync)
-            committed, pause_s = await self.core.commit(request.id, sync)
-        return self.core.answer(sync, committed, pause_s)
+        async with self.lock:
+            await self.prepare(request, sync)
+            committed, pause_s = await self.commit(request.id, sync)
+        return self.answer(sync, committed, pause_s)
 
     async def verify(self) -> dict[str, Any]:
         """Full verify of the served weights against the digests and hashes of the updates so far."""
-        async with self.core.lock:
-            await self.core.ensure_peers()
-            typed = await self.core.call("verify", reply=VerifyReply)
+        async with self.lock:
+            await self.ensure_peers()
+            typed = await self.call("verify", reply=VerifyReply)
         replies = [r.model_dump(exclude_none=True) for r in typed]
         groups = digest_groups(
-            replies, self.core.across_dp
+            replies, self.across_dp
         )  # each replica, then (MoE) the tensors split across DP
         replicas = []
         for (_, group), (dp, ranks) in zip(groups, by_replica(replies).items()):
@@ -129,7 +98,7 @@ class DeltaUpdater:
                 }
             )
         extra: dict[str, Any] = {}
-        if self.core.across_dp:  # a MoE model's tensors split across the DP engines, against all of them
+        if self.across_dp:  # a MoE model's tensors split across the DP engines, against all of them
             checked, bad = mismatches(groups[-1][1])
             extra["across_dp"] = {"digests_checked": checked, "digest_mismatched": [b[0] for b in bad]}
         checks = [*replicas, *extra.values()]
@@ -149,7 +118,7 @@ class DeltaUpdater:
     async def collective_init(self, body: CollectiveInitRequest) -> dict[str, Any]:
         """Every worker joins the trainer's group (each worker is rank `rank_offset + its rank`)."""
         check_collective(body.master_addr, self.collective_trainers)
-        ranks = await self.core.call("status", reply=StatusReply)
+        ranks = await self.call("status", reply=StatusReply)
         if len(by_replica(ranks)) > 1:  # each worker would join as rank_offset + its rank in its own replica
             raise UpdateError(
                 400,
@@ -163,14 +132,11 @@ class DeltaUpdater:
                 "InvalidRequest",
                 f"world_size {body.world_size} != rank_offset {body.rank_offset} + {len(ranks)} engine ranks",
             )
-        async with self.core.lock:
-            joined = await self.core.call("collective_init", body.model_dump(), reply=JoinedReply)
+        async with self.lock:
+            joined = await self.call("collective_init", body.model_dump(), reply=JoinedReply)
         if (failed := first_failed(joined)) is not None:
             raise refusal(failed)
         return {"ranks": [r.group_rank for r in joined], "world_size": body.world_size}
-
-    async def status(self) -> dict[str, Any]:
-        return await self.core.status()
 
 
 def _updater(request: Request) -> DeltaUpdater:
@@ -179,56 +145,49 @@ def _updater(request: Request) -> DeltaUpdater:
     return updater
 
 
-async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
+async def _body(request: Request, model: type[M]) -> M:
     """The request body as `model`; a malformed one is a 400, one past the size cap a 413."""
+    return validated(model, await read_body(request, request.app.state.delta_updater.max_body_bytes))
+
+
+async def _answer(
+    request: Request, action: Callable[[DeltaUpdater], Awaitable[Any]], what: str = "", count: bool = True
+) -> JSONResponse:
+    """`action`'s answer, or its refusal's (logged, and counted with `count`, when `what` names it)."""
     try:
-        return model.model_validate_json(
-            await read_body(request, request.app.state.delta_updater.max_body_bytes)
-        )
-    except ValidationError as exc:
-        raise bad_request(exc) from None
+        return JSONResponse(await action(_updater(request)))
+    except UpdateError as err:
+        return (refused(err, what, count) if what else err).response()
 
 
 @router.post("/update_weights_delta")
 async def update_weights_delta(request: Request) -> JSONResponse:
-    try:
-        updater = _updater(request)
-        result = await updater.update(await _body(request, DeltaUpdateRequest))
-    except UpdateError as err:
-        logger.warning("delta update refused (%d): %s", err.status, err.error["message"])
-        delta_metrics().failed(err.status)
-        return err.response()
-    except EngineDeadError:
-        delta_metrics().failed(500)
-        raise
-    delta_metrics().observe(result)
-    logger.info(
-        "delta update to version %d: %d changed, decode %.3fs, apply %.3fs, paused %.3fs",
-        result["version"],
-        result["changed"],
-        result["decode_s"],
-        result["apply_s"],
-        result["pause_s"],
-    )
-    return JSONResponse(result)
+    async def update(updater: DeltaUpdater) -> dict[str, Any]:
+        try:
+            return observed(await updater.update(await _body(request, DeltaUpdateRequest)), "update")
+        except EngineDeadError:
+            delta_metrics().failed(500)
+            raise
+
+    return await _answer(request, update, "update")
 
 
 @router.post("/delta_updates/collective/init")
 async def delta_collective_init(request: Request) -> JSONResponse:
-    try:
-        updater = _updater(request)
-        return JSONResponse(await updater.collective_init(await _body(request, CollectiveInitRequest)))
-    except UpdateError as err:
-        logger.warning("collective init refused (%d): %s", err.status, err.error["message"])
-        return err.response()
+    async def init(updater: DeltaUpdater) -> dict[str, Any]:
+        return await updater.collective_init(await _body(request, CollectiveInitRequest))
+
+    return await _answer(request, init, "collective init", count=False)
 
 
 @router.post("/delta_updates/verify")
 async def delta_updates_verify(request: Request) -> JSONResponse:
-    try:
-        return JSONResponse(await _updater(request).verify())
-    except UpdateError as err:
-        return err.response()
+    return await _answer(request, DeltaUpdater.verify)
+
+
+@router.get("/delta_updates/status")
+async def delta_updates_status(request: Request) -> JSONResponse:
+    return await _answer(request, DeltaUpdater.status)
 
 
 def guard_health(app: FastAPI) -> None:
@@ -249,11 +208,3 @@ def guard_health(app: FastAPI) -> None:
                 refused=updater.refused,
             ).response()
         return await call_next(request)
-
-
-@router.get("/delta_updates/status")
-async def delta_updates_status(request: Request) -> JSONResponse:
-    try:
-        return JSONResponse(await _updater(request).status())
-    except UpdateError as err:
-        return err.response()

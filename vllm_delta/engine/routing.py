@@ -16,8 +16,7 @@ import torch
 
 from vllm_delta.engine.batched import Known, Landing, Piece, on_device
 from vllm_delta.engine.digests import Ownership
-from vllm_delta.engine.owned import owned_by_tensor
-from vllm_delta.engine.placement import Segment, TensorPlacement
+from vllm_delta.engine.placement import Segment, TensorPlacement, owned_by_tensor
 from vllm_delta.engine.staging import Named, check_resolvable, flat_storage
 from vllm_delta.engine.transforms import OffsetMap
 from vllm_delta.wire.deltas import DeltaBatch
@@ -226,7 +225,7 @@ class Routing:
         return plan if plan.whole else None
 
     def owned_ranges(self) -> dict[str, list[tuple[int, int]] | None]:
-        """Each tensor's checkpoint ranges this rank decodes (`owned.owned_by_tensor`), worked out once:
+        """Each tensor's checkpoint ranges this rank decodes (`placement.owned_by_tensor`), worked out once:
         redoing it cost ~2 us a tensor every prepare."""
         if self._owned_ranges is None:
             self._owned_ranges = owned_by_tensor(self.placements)

@@ -161,18 +161,9 @@ class Stager:
             return None
         listed = list(map(self.entries.__getitem__, names))
         pres, posts = list(map(_PRE, listed)), list(map(_POST, listed))
-        # A pre_digest is summed on served values cast back: checked where a segment's dtype differs.
-        targets, placements = self.routing.targets, self.routing.placements
         for i in plan.odd:
             if pres[i] is not None:
-                for seg in placements[names[i]].segments:
-                    check_resolvable(
-                        seg.target,
-                        targets[seg.target].dtype,
-                        Named(names[i], item.dtypes[i]),
-                        "its pre_digest",
-                        "checked",
-                    )
+                self._check_pre_digest(names[i], item.dtypes[i])
         flags = list(zip(map(is_not, pres, repeat(None)), map(is_not, posts, repeat(None))))
         self.sums.names.update(
             zip(names, flags)
@@ -192,12 +183,8 @@ class Stager:
         if want[0] or want[1]:
             self.sums.names[name] = want
         route = self.routing.routes()[name]
-        # The pre_digest is summed on served values cast back (checked where a segment's dtype differs).
         if want[0] and route.kind != FALLBACK and not route.landed.same:
-            for seg in self.routing.placements[name].segments:
-                check_resolvable(
-                    seg.target, self.routing.targets[seg.target].dtype, delta, "its pre_digest", "checked"
-                )
+            self._check_pre_digest(name, delta.dtype)
         if route.kind == FALLBACK:
             self.fallback.append(name)
             acc: list[torch.Tensor | None] | None = [None, None] if any(want) else None
@@ -207,6 +194,12 @@ class Stager:
             self._hold(delta, delta.positions.nbytes + delta.values.nbytes)
         else:
             self._masked(delta, want)
+
+    def _check_pre_digest(self, name: str, dtype: torch.dtype) -> None:
+        """A pre_digest is summed on served values cast back: refused where a segment's dtype cannot be."""
+        for seg in self.routing.placements[name].segments:
+            served = self.routing.targets[seg.target].dtype
+            check_resolvable(seg.target, served, Named(name, dtype), "its pre_digest", "checked")
 
     def flush(self) -> None:
         """Locate, digest and stage the held batch: a constant number of ops per destination (and per

@@ -64,6 +64,7 @@ class StagedUpdate:
     prebuilt: dict[str, dict[str, object]] = field(default_factory=dict)
     # Seconds per phase on this rank: prepare's, then the commit adds its own (engine/trace.py).
     times: PhaseTimes = field(default_factory=PhaseTimes)
+    run_id: str | None = None  # the sender run whose lineage the weights are on once committed
 
     @property
     def fallback_names(self) -> list[str]:

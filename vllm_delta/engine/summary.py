@@ -95,11 +95,8 @@ def summarize(
         )
     ranks = [
         {
-            k: v
-            for k, v in {
-                **p.model_dump(exclude_none=True, exclude={"ok", "done", "phases"}),
-                **c.model_dump(exclude_none=True, exclude={"ok", "phases"}),
-            }.items()
+            **p.model_dump(exclude_none=True, exclude={"ok", "done", "phases"}),
+            **c.model_dump(exclude_none=True, exclude={"ok", "phases"}),
         }
         for p, c in zip(prepared, committed)
     ]
@@ -149,12 +146,6 @@ def replica_status(ranks: Sequence[StatusReply]) -> list[dict[str, Any]]:
     out = []
     for dp, group in by_replica(ranks).items():
         versions = {r.version for r in group}
-        out.append(
-            {
-                "dp": dp,
-                "version": versions.pop() if len(versions) == 1 else None,
-                "dirty": any(r.dirty for r in group),
-                "ranks": len(group),
-            }
-        )
+        version = versions.pop() if len(versions) == 1 else None
+        out.append({"dp": dp, "version": version, "dirty": any(r.dirty for r in group), "ranks": len(group)})
     return out

@@ -44,8 +44,8 @@ class PhaseTimes:
         finally:
             self.add(phase, perf_counter() - started)
 
-    def as_dict(self) -> dict[str, float]:
-        return {p: round(self.seconds[p], 6) for p in PHASES if p in self.seconds}
+    def as_dict(self, phases: Iterable[str] = PHASES) -> dict[str, float]:
+        return {p: round(self.seconds[p], 6) for p in phases if p in self.seconds}
 
 
 def critical(ranks: Iterable[Mapping[str, float]], phases: Iterable[str]) -> dict[str, float]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, TypeVar
@@ -70,8 +71,14 @@ class Sync:
     tokens_during_prepare: float | None = None
     prepared: list[PrepareReply] = field(default_factory=list)
 
-    def timed(self, started: float) -> None:
-        self.wall_s += perf_counter() - started
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        """Add the block's seconds to the wall time, whatever it raises."""
+        started = perf_counter()
+        try:
+            yield
+        finally:
+            self.wall_s += perf_counter() - started
 
 
 class Transaction:
@@ -114,23 +121,25 @@ class Transaction:
     async def prepare(self, request: PrepareRequest, sync: Sync) -> list[PrepareReply]:
         """Phase 1 on every rank, then their agreement; on any refusal (or the client going away) every
         rank drops what it staged. The caller holds `lock`."""
-        started = perf_counter()
-        try:
-            with sync.door.phase("agree"):
-                await self.ensure_peers()
-            tokens_before, polled = generation_tokens(), perf_counter()
-            sync.prepared = prepared = await self._prepare(request)
-            sync.prepare_s, tokens_after = perf_counter() - polled, generation_tokens()
-            if tokens_before is not None and tokens_after is not None:
-                sync.tokens_during_prepare = tokens_after - tokens_before
-            sync.door.add("prepare_wait", max(0.0, sync.prepare_s - worker_seconds(prepared, commit=False)))
-            with sync.door.phase("agree"):
-                agree(prepared, self.across_dp)  # partial digests of the changed positions, before any write
-        except BaseException:
-            await self.abort(request.id)
-            sync.timed(started)
-            raise
-        sync.timed(started)
+        with sync.timing():
+            try:
+                with sync.door.phase("agree"):
+                    await self.ensure_peers()
+                tokens_before, polled = generation_tokens(), perf_counter()
+                sync.prepared = prepared = await self._prepare(request)
+                sync.prepare_s, tokens_after = perf_counter() - polled, generation_tokens()
+                if tokens_before is not None and tokens_after is not None:
+                    sync.tokens_during_prepare = tokens_after - tokens_before
+                sync.door.add(
+                    "prepare_wait", max(0.0, sync.prepare_s - worker_seconds(prepared, commit=False))
+                )
+                with sync.door.phase("agree"):
+                    agree(
+                        prepared, self.across_dp
+                    )  # partial digests of the changed positions, before any write
+            except BaseException:
+                await self.abort(request.id)
+                raise
         return prepared
 
     async def _prepare(self, request: PrepareRequest) -> list[PrepareReply]:
@@ -157,50 +166,42 @@ class Transaction:
         If any rank fails, generation stays paused and `fault` is set: partly written weights are
         never served. A later anchor that commits on every rank clears it and resumes.
         """
-        started = perf_counter()
-        try:
-            return await self._commit(request_id, sync, then)
-        finally:
-            sync.timed(started)
-
-    async def _commit(
-        self, request_id: str, sync: Sync, then: Callable[[], Awaitable[None]] | None
-    ) -> tuple[list[CommitReply], float]:
-        prepared = sync.prepared
-        if not prepared[0].total_changed:
-            committed = await self._scatter(request_id, sync)
-            if then is not None and first_failed(committed) is None:
-                await then()
-            return _committed(committed), 0.0
-        started = perf_counter()
-        if self.fault is None:  # a faulted engine is paused already
+        with sync.timing():
+            prepared = sync.prepared
+            if not prepared[0].total_changed:
+                committed = await self._scatter(request_id, sync)
+                if then is not None and first_failed(committed) is None:
+                    await then()
+                return _committed(committed), 0.0
+            started = perf_counter()
+            if self.fault is None:  # a faulted engine is paused already
+                try:
+                    with sync.door.phase("pause"):
+                        await while_alive(
+                            self.engine, self.engine.pause_generation(mode="keep", clear_cache=True)
+                        )
+                except EngineDeadError:
+                    raise
+                except Exception as exc:
+                    await self.abort(request_id)
+                    raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
+            committed = []  # the RPC may raise before any reply
             try:
-                with sync.door.phase("pause"):
-                    await while_alive(
-                        self.engine, self.engine.pause_generation(mode="keep", clear_cache=True)
-                    )
-            except EngineDeadError:
-                raise
-            except Exception as exc:
-                await self.abort(request_id)
-                raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
-        committed = []  # the RPC may raise before any reply
-        try:
-            committed = await self._scatter(request_id, sync)
-            if then is not None and first_failed(committed) is None:
-                await then()
-        finally:
-            failed = [r for r in committed if not r.ok] if committed else [Done(ok=False)]  # the RPC raised
-            if failed:
-                self.fault = fault_of(failed)
-                logger.error("delta updates: commit failed; generation stays paused: %s", self.fault)
-            else:
-                if all(r.anchor for r in prepared):
-                    self.fault = None
-                if self.fault is None:
-                    with sync.door.phase("resume"):
-                        await while_alive(self.engine, self.engine.resume_generation())
-        return _committed(committed), perf_counter() - started
+                committed = await self._scatter(request_id, sync)
+                if then is not None and first_failed(committed) is None:
+                    await then()
+            finally:
+                failed = [r for r in committed if not r.ok] if committed else [Done(ok=False)]  # RPC raised
+                if failed:
+                    self.fault = fault_of(failed)
+                    logger.error("delta updates: commit failed; generation stays paused: %s", self.fault)
+                else:
+                    if all(r.anchor for r in prepared):
+                        self.fault = None
+                    if self.fault is None:
+                        with sync.door.phase("resume"):
+                            await while_alive(self.engine, self.engine.resume_generation())
+            return _committed(committed), perf_counter() - started
 
     async def _scatter(self, request_id: str, sync: Sync) -> list[CommitReply]:
         started = perf_counter()
@@ -257,7 +258,7 @@ class Transaction:
             )
         self._peers_set = True
 
-    def start_probe(self) -> asyncio.Task:
+    def start_probe(self) -> None:
         """Learn the placement on every rank now, in the background, before any update needs it."""
 
         async def probe() -> None:
@@ -268,7 +269,7 @@ class Transaction:
             except (UpdateError, EngineDeadError):
                 pass  # call() logged it; the first update probes again and reports the error
 
-        return asyncio.get_running_loop().create_task(probe())
+        self._probe = asyncio.get_running_loop().create_task(probe())  # held: a task only weakly held may go
 
     async def status(self) -> dict[str, Any]:
         """`/delta_updates/status`: the ranks' version and lineage, health, placement and the last sync."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -57,14 +57,6 @@ class Fault:
     failed_at: str | None  # the tensor being written when it failed
     suspect: list[str]  # tensors that may be partly written (live names)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "reason": self.reason,
-            "failed_at": self.failed_at,
-            "suspect": self.suspect,
-        }
-
 
 @dataclass
 class DeltaState:
@@ -75,7 +67,6 @@ class DeltaState:
     # The sender run whose lineage the weights are on (None: the base checkpoint, or weights no run
     # vouches for); see wire.lineage.check_lineage. Set by a commit, from its prepare.
     run_id: str | None = None
-    staged_run: dict[str, str | None] = field(default_factory=dict)
     fault: Fault | None = None
     last: dict[str, Any] | None = None
     staged: dict[str, StagedUpdate] = field(default_factory=dict)
@@ -219,10 +210,10 @@ class DeltaWorkerExtension:
                     f"engine is dirty since a failed commit of version {state.fault.version} "
                     "(only a full anchor or a restart repairs it)"
                 ),
-                fault=state.fault.as_dict(),
+                fault=asdict(state.fault),
             )
+        staged.run_id = run_id
         state.staged = {request.id: staged}
-        state.staged_run = {request.id: run_id}
         return PrepareReply(
             rank=self._delta_rank(),
             changed=staged.changed,
@@ -236,7 +227,7 @@ class DeltaWorkerExtension:
             staged_bytes=staged.staged_bytes,
             # the expectations are the same on every rank; send them once
             expected=staged.expected if self._delta_rank() == 0 else None,
-            phases=_phases(staged, WORKER_PREPARE),
+            phases=staged.times.as_dict(WORKER_PREPARE),
         ).wire()
 
     def delta_commit(self, request_id: str) -> dict[str, Any]:
@@ -245,7 +236,6 @@ class DeltaWorkerExtension:
         if request_id not in state.staged:
             return failure(409, KeyError(f"no prepared update {request_id!r}"))
         staged = state.staged.pop(request_id)
-        run_id = state.staged_run.pop(request_id, None)
         try:
             apply_s = state.applier.commit(staged)
         except ApplyFault as exc:
@@ -256,28 +246,19 @@ class DeltaWorkerExtension:
                 exc.suspect,
                 traceback.format_exc(),
             )
-            return {**failure(500, exc, fault=state.fault.as_dict()), "rank": self._delta_rank()}
+            return {**failure(500, exc, fault=asdict(state.fault)), "rank": self._delta_rank()}
         if staged.anchor:
             state.fault = None
             state.after = {}
         state.after.update(staged.after)
-        state.version, state.run_id = staged.version, run_id
-        state.last = {
-            "version": staged.version,
-            "changed": staged.changed,
-            "bytes_read": staged.bytes_read,
-            "decode_s": staged.decode_s,
-            "apply_s": apply_s,
-            "replay": staged.replay,
-            "staged_bytes": staged.staged_bytes,
-            "max_staged_bytes": staged.max_staged_bytes,
-            "time": time.time(),
-        }
+        state.version, state.run_id = staged.version, staged.run_id
+        last = ("version", "changed", "bytes_read", "decode_s", "replay", "staged_bytes", "max_staged_bytes")
+        state.last = {**{k: getattr(staged, k) for k in last}, "apply_s": apply_s, "time": time.time()}
         return CommitReply(
             rank=self._delta_rank(),
             apply_s=apply_s,
             version=state.version,
-            phases=_phases(staged, WORKER_COMMIT),
+            phases=staged.times.as_dict(WORKER_COMMIT),
         ).wire()
 
     def _delta_admit(self, manifest: Manifest, request: PrepareRequest) -> None:
@@ -411,7 +392,6 @@ class DeltaWorkerExtension:
             self._delta_join_prepare()  # let it finish, then drop what it staged
         else:
             self._delta().staged.pop(request_id, None)
-            self._delta().staged_run.pop(request_id, None)
         return Done(rank=self._delta_rank()).wire()
 
     def delta_status(self) -> dict[str, Any]:
@@ -422,15 +402,8 @@ class DeltaWorkerExtension:
             run_id=state.run_id,
             dirty=state.fault is not None,
             dirty_reason=state.fault and state.fault.reason,
-            fault=state.fault and state.fault.as_dict(),
+            fault=state.fault and asdict(state.fault),
             last=state.last,
             placement=state.applier.placement_status(),
             fallback=state.applier.fallback_tensors if state.applier.probed else None,
         ).model_dump(exclude={"status", "error", "dp"})
-
-
-def _phases(staged: StagedUpdate, names: tuple[str, ...]) -> dict[str, float]:
-    """This rank's seconds in the phases `names`, from what prepare and commit recorded on `staged`."""
-    times = getattr(staged, "times", None)
-    recorded = times.as_dict() if times is not None else {}
-    return {p: s for p, s in recorded.items() if p in names}

@@ -56,6 +56,13 @@ class DeltaTrainerInitInfo(TrainerInitInfo):
             raise ValueError("the disk transport needs delta_dir (the engines' --delta-updates-root)")
 
 
+# The init info's fields that are `DeltaSender`'s options of the same name.
+SENDER_OPTIONS = (
+    *("transport", "delta_dir", "encoding", "overwrite_encoding", "flush_bytes", "anchor_every", "keep"),
+    *("post_hash", "master_addr", "collective_timeout_s", "group", "version", "signing_keys"),
+)
+
+
 class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerInitInfo]):
     """One `send_weights()` = one delta sync of the source to every engine; returns the sender's metrics."""
 
@@ -97,23 +104,8 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         if init_info.is_sender and init_info.transport == "disk":
             for c in clients.values():
                 c.init_weight_transfer_engine({"transport": "disk"})
-        sender = DeltaSender(
-            list(clients),
-            transport=init_info.transport,
-            delta_dir=init_info.delta_dir,
-            encoding=init_info.encoding,
-            overwrite_encoding=init_info.overwrite_encoding,
-            flush_bytes=init_info.flush_bytes,
-            anchor_every=init_info.anchor_every,
-            keep=init_info.keep,
-            post_hash=init_info.post_hash,
-            master_addr=init_info.master_addr,
-            collective_timeout_s=init_info.collective_timeout_s,
-            group=init_info.group,
-            version=init_info.version,
-            client=SyncClientLinks(clients),
-            signing_keys=init_info.signing_keys,
-        )
+        options = {k: getattr(init_info, k) for k in SENDER_OPTIONS}
+        sender = DeltaSender(list(clients), client=SyncClientLinks(clients), **options)
         if init_info.checkpoint is not None:
             sender.seed_from_checkpoint(init_info.checkpoint, names=held)
         else:

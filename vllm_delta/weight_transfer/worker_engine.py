@@ -1,33 +1,31 @@
 """The worker half of the `delta` backend: vLLM's `WeightTransferEngine`, over our worker extension.
 
 Why our worker extension underneath: an update through vLLM's API is the same prepare/commit as
-through our route, so `DeltaWeightTransferEngine` is a `DeltaWorkerExtension` (same state,
-lineage, placement and fault) that speaks vLLM's lifecycle. Two callers drive it:
+through our route, so this engine is a `DeltaWorkerExtension` (same state, lineage, placement and
+fault) speaking vLLM's lifecycle. Two callers drive it:
 
-- the HTTP front end (weight_transfer/routes.py), through the transaction core: vLLM resolves
-  `collective_rpc` names on the worker, not on its weight-transfer engine, so `install_worker_rpc`
-  gives vLLM's worker one method, `delta_weight_transfer(name, *args)` (`worker_rpc`), reaching
-  the same `delta_<name>` methods our route's core calls. It prepares on a background thread
-  while the engine generates; the core agrees, pauses and commits; vLLM's `finish_weight_update`
-  then only closes the session and sets `weight_version`. These RPCs return dicts and never
-  raise: in vLLM 0.32 an RPC that raises on several ranks reads only the first rank's failure,
-  so the other ranks' replies answer the next RPC (at TP >= 2 every later call is off by one).
-- the offline `LLM` (`OfflineLLMClient`), whose caller cannot generate meanwhile: it prepares
-  inside `update_weights` on the engine loop, the ranks agree over vLLM's CPU world group (the
-  core's `agree`, on gathered replies), and `finish_weight_update` commits, raising on a refusal.
+- the HTTP front end, through the core: `collective_rpc` resolves names on vLLM's worker, so
+  `install_worker_rpc` gives it one method, `delta_weight_transfer(name, *args)`, reaching the same
+  `delta_<name>` methods. These return dicts and never raise: in vLLM 0.32 an RPC raising on
+  several ranks reads only the first rank's failure, and the others answer the next RPC.
+- the offline `LLM`, whose caller cannot generate meanwhile: it prepares inside `update_weights`,
+  the ranks agree over vLLM's CPU world group, and `finish_weight_update` commits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+from vllm.distributed.parallel_state import get_world_group
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vllm_delta.engine.cli_args import EPLB_REFUSAL, WORKER_EXTENSION
-from vllm_delta.engine.http_errors import UpdateError, bad_request
+from vllm_delta.engine.http_errors import UpdateError, validated
 from vllm_delta.engine.messages import PrepareReply, PrepareRequest, failure
 from vllm_delta.engine.request import CollectiveInitRequest, DeltaUpdateRequest, prepare_request
 from vllm_delta.engine.summary import agree
@@ -82,8 +80,6 @@ class DeltaWeightTransferEngine(
         return self.model
 
     def _delta_rank(self) -> int:
-        from vllm.distributed.parallel_state import get_world_group
-
         return get_world_group().rank_in_group
 
     def _delta_max_staged_bytes(self) -> int:
@@ -91,10 +87,12 @@ class DeltaWeightTransferEngine(
 
     # ---- vLLM's lifecycle -----------------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> DeltaInitInfo:
-        return _validated(DeltaInitInfo, init_dict)
+        with _raised():
+            return validated(DeltaInitInfo, init_dict)
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> DeltaUpdateRequest:
-        return _validated(DeltaUpdateRequest, update_dict)
+        with _raised():
+            return validated(DeltaUpdateRequest, update_dict)
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
         """Learn the placement and compile the kernels (`delta_probe`; done already where the HTTP door
@@ -107,7 +105,7 @@ class DeltaWeightTransferEngine(
         if init_info.collective is None:
             raise DeltaTransferError(400, "InvalidRequest", "a collective init needs `collective`")
         config = init_info.collective
-        ranks = _world_size()
+        ranks = get_world_group().world_size
         if config.world_size != config.rank_offset + ranks:
             raise DeltaTransferError(
                 400,
@@ -138,20 +136,19 @@ class DeltaWeightTransferEngine(
 
     def _request(self, body: DeltaUpdateRequest) -> PrepareRequest:
         """The workers' request, the path resolved under the backend's root exactly as the route does."""
-        try:
+        with _raised():
             return prepare_request(body, delta_root(), self._max_staged_bytes)
-        except UpdateError as err:
-            raise DeltaTransferError.of(err) from None
 
     def _agree(self, request_id: str | None, result: dict[str, Any]) -> None:
         """Check the ranks' prepare results and partial digests together, as the core does; if anything
         is refused, every rank drops the update and raises the same error."""
-        try:
-            agree([PrepareReply.model_validate(r) for r in _all_ranks(result)])
-        except UpdateError as err:
-            if self._delta_state is not None and request_id is not None:  # else refused before any state
-                self.delta_abort(request_id)
-            raise DeltaTransferError.of(err) from None
+        with _raised():
+            try:
+                agree([PrepareReply.model_validate(r) for r in _all_ranks(result)])
+            except UpdateError:
+                if self._delta_state is not None and request_id is not None:  # else refused before any state
+                    self.delta_abort(request_id)
+                raise
         self._staged_id = request_id
 
     def finish_weight_update(self) -> None:
@@ -178,14 +175,15 @@ class DeltaWeightTransferEngine(
         if self._delta_state is not None:
             self._delta_join_prepare()
             self._delta_state.staged.clear()
-            self._delta_state.staged_run.clear()
 
 
-def _validated(model: type[BaseModel], data: Any) -> Any:
+@contextlib.contextmanager
+def _raised() -> Iterator[None]:
+    """A refusal raised for vLLM to relay, its status and body in its text (weight_transfer/errors.py)."""
     try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise DeltaTransferError.of(bad_request(exc)) from None
+        yield
+    except UpdateError as err:
+        raise DeltaTransferError.of(err) from None
 
 
 # The worker methods the front end's core reaches (`delta_<name>`), and those that belong inside one of
@@ -246,16 +244,8 @@ def _raise_failed(result: dict[str, Any]) -> None:
         raise DeltaTransferError.of(UpdateError.from_worker(result))
 
 
-def _world_size() -> int:
-    from vllm.distributed.parallel_state import get_world_group
-
-    return get_world_group().world_size
-
-
 def _all_ranks(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's prepare result (over vLLM's CPU world group), so all ranks decide alike."""
-    from vllm.distributed.parallel_state import get_world_group
-
     group = get_world_group()
     if group.world_size == 1:
         return [result]
