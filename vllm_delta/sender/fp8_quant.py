@@ -207,7 +207,7 @@ class _Tensor:
         self.scale = torch.zeros(self.grid, dtype=torch.float32, device=device)
 
     def local(self, part: Part) -> torch.Tensor:
-        """The part's values as the local matrix (a copy: the trainer may change them once captured)."""
+        """The part's values as the local matrix (a view if contiguous: read within the capture only)."""
         return part.tensor.detach().contiguous().reshape(self.shape)
 
     def _pad(self, t: torch.Tensor) -> torch.Tensor:
