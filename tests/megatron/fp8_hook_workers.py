@@ -17,6 +17,7 @@ import requests
 import torch
 import torch.distributed as dist
 from harness import megatron_cpu
+from harness.engine_pool import checksums
 from harness.tiny_models import PROMPTS, VOCAB_SIZE, train_tokenizer
 from hook_workers import LR, tokens
 from safetensors.torch import load_file, save_file
@@ -150,19 +151,13 @@ def fp8_worker(
                 {
                     "entries": [e for part in every for e in part],
                     "export": export,
-                    "checksums": checksums(url, headers),
+                    "checksums": checksums(url, key),
                     "outputs": served_greedy(url, headers),
                 },
                 f"{out}/{step}.pt",
             )
     handle.remove()
     sender.close()
-
-
-def checksums(url: str, headers: dict[str, str]) -> dict[str, str]:
-    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, headers=headers, timeout=120)
-    r.raise_for_status()
-    return r.json()["checksums"]
 
 
 def served_greedy(url: str, headers: dict[str, str]) -> list[tuple[list[str], list[float]]]:
