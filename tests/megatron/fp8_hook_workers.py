@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import tempfile
-import uuid
 from pathlib import Path
 
-import requests
 import torch
 import torch.distributed as dist
 from harness import megatron_cpu
 from harness.engine_pool import checksums
-from harness.tiny_models import PROMPTS, VOCAB_SIZE, train_tokenizer
+from harness.tiny_models import VOCAB_SIZE, train_tokenizer
+from harness.vllm_engine import served_greedy
 from hook_workers import LR, tokens
 from safetensors.torch import load_file, save_file
 
@@ -158,20 +157,6 @@ def fp8_worker(
             )
     handle.remove()
     sender.close()
-
-
-def served_greedy(url: str, headers: dict[str, str]) -> list[tuple[list[str], list[float]]]:
-    """Each prompt's greedy tokens and logprobs, one prompt per request (vLLM's CPU kernels round by batch
-    shape), under a fresh cache salt (no prefix cached under other weights is read)."""
-    out = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1, "seed": 0}
-        body["cache_salt"] = uuid.uuid4().hex
-        r = requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
-        r.raise_for_status()
-        lp = r.json()["choices"][0]["logprobs"]
-        out.append((lp["tokens"], lp["token_logprobs"]))
-    return out
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

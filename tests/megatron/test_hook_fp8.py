@@ -28,12 +28,12 @@ from fp8_hook_workers import (
     load_checkpoint,
     quantized,
     reference_export,
-    served_greedy,
     write_pair,
 )
 from harness import fp8_engine, megatron_cpu
 from harness.engine_pool import API_KEY, HEADERS, status
 from harness.fresh_load import save_checkpoint
+from harness.vllm_engine import served_greedy
 
 pytestmark = [pytest.mark.megatron, pytest.mark.engine, pytest.mark.heavy]
 STEPS = 3
