@@ -125,7 +125,9 @@ def ours(worker, path: str, version: int, max_staged_bytes: int) -> dict[str, An
     # the old one: about its weight's bytes (the CPU-only part of the extra memory).
     model = worker.model_runner.get_model()
     prebuilt_bytes = sum(
-        p.numel() * p.element_size() for n in staged.prebuilt for p in model.get_submodule(n).parameters()
+        p.numel() * p.element_size()
+        for n in staged.prebuilt.modules
+        for p in model.get_submodule(n).parameters()
     )
     del staged
     with PeakRss() as com:  # the staged update (the payload) is resident at its start
@@ -220,10 +222,11 @@ def _post_load(model, param_names) -> float:
     the bookkeeping is about 1% of the step, benchmarks/cpu_refresh.py). Without them a CPU engine
     keeps serving its old oneDNN-packed kernels. Returns the seconds."""
     from vllm_delta.engine.commit import refresh_touched
+    from vllm_delta.engine.stand_in import Prebuilt
 
     start = time.perf_counter()
     with torch.no_grad():
-        refresh_touched(model, list(param_names), {})
+        refresh_touched(model, list(param_names), Prebuilt())
     return time.perf_counter() - start
 
 

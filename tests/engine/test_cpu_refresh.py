@@ -263,7 +263,7 @@ def test_the_repack_is_built_in_prepare_and_only_swapped_in_at_commit(monkeypatc
     staged = _staged_delta(model, w1, seed=1)
     targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
     staged.prebuilt = commit.prebuild_touched(model, targets, staged.writes)
-    assert sorted(staged.prebuilt) == sorted(SHAPES)
+    assert sorted(staged.prebuilt.modules) == sorted(SHAPES)
     assert {k: m.cpu_linear for k, m in model.items()} == handlers
     assert all(torch.equal(m.weight.view(torch.int16), before[k].view(torch.int16)) for k, m in model.items())
     assert differing(outputs(model), served0) == []
@@ -309,7 +309,7 @@ def test_the_lm_heads_repack_is_built_in_prepare_too(monkeypatch):
     staged = _staged_delta(model, w1, seed=1)
     targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
     staged.prebuilt = commit.prebuild_touched(model, targets, staged.writes)
-    assert sorted(staged.prebuilt) == ["lm_head"]
+    assert sorted(staged.prebuilt.modules) == ["lm_head"]
     assert torch.equal(model["lm_head"](x), served0)  # prepare changed nothing served
 
     built = []

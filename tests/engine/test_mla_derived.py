@@ -146,6 +146,11 @@ def state(llm) -> dict:
     }
 
 
+def verify(llm) -> dict:
+    """The worker's full verify: whole-tensor digests and xxh3 of every tensor updates wrote."""
+    return llm.collective_rpc("delta_verify")[0]
+
+
 def run(start: Path, updates: list[tuple[str, Path, int | None]], **backend) -> dict:
     """An engine started on `start`: its fresh load's output and state, then the state after each update."""
     with start_llm(start, delta=True, worker_extension_cls=EXTENSION, **backend) as llm:
@@ -156,6 +161,8 @@ def run(start: Path, updates: list[tuple[str, Path, int | None]], **backend) -> 
             "probe": llm.collective_rpc("delta_probe")[0],
             "fresh_out": greedy(llm),
             "states": [state(llm)],
+            "prepared": [],
+            "commits": [],
         }
         for version, (kind, path, base_version) in enumerate(updates, start=1):
             request = {
@@ -166,10 +173,15 @@ def run(start: Path, updates: list[tuple[str, Path, int | None]], **backend) -> 
                 "files": None,
                 "max_staged_bytes": 1 << 28,
             }
+            if version == len(updates):  # a prepare that fails after building on stand-ins changes nothing
+                failed = llm.collective_rpc("mla_prepare_failing", args=(request,))[0]
+                out["failed"] = {"reply": failed, "state": state(llm), "verify": verify(llm)}
             prepared = llm.collective_rpc("delta_prepare", args=(request,))[0]
             assert prepared["ok"], (kind, prepared)
-            committed = llm.collective_rpc("delta_commit", args=(request["id"],))[0]
-            assert committed["ok"], (kind, committed)
+            out["prepared"].append({"phases": prepared["phases"], "state": state(llm)})
+            committed = llm.collective_rpc("mla_commit_logged", args=(request["id"],))[0]
+            assert committed["reply"]["ok"], (kind, committed)
+            out["commits"].append({"ops": committed["ops"], "steps": committed["steps"]})
             out["states"].append(state(llm))
             if version == 1:
                 out["after_first"] = greedy(llm)
@@ -248,6 +260,34 @@ def test_pointers_stable_across_updates(cpu_mla):
             assert ptrs == first, (i, sorted(k for k in first if ptrs.get(k) != first[k]))
 
 
+def test_rederived_copies_are_built_in_prepare_and_only_copied_at_commit(cpu_mla):
+    """Layer 0's W_UV / W_UK_T (copies) are derived in prepare, on a stand-in of the serving attention layer
+    (its step ran then, in the `prebuild` phase, and the live tensors were untouched until the commit); the
+    commit runs no MLA step and its only ops on those tensors are one `copy_` each (same data_ptr:
+    test_pointers_stable_across_updates). Before, the step re-ran inside the pause."""
+    for r in cpu_mla:
+        assert LAYER0 not in r["status"]["placement"]["in_pause"], r["status"]["placement"]["in_pause"]
+        assert len(r["commits"]) == len(r["prepared"]) >= 3
+        for before, prepared, commit in zip(r["states"], r["prepared"], r["commits"]):
+            assert "prebuild" in prepared["phases"], prepared["phases"]
+            assert prepared["state"] == before  # prepared, not yet committed: what serves is unchanged
+            assert commit == {"ops": ["copy_", "copy_"], "steps": 0}, commit
+
+
+def test_failed_prepare_leaves_weights_and_derived_copies_untouched(cpu_mla):
+    """A prepare that fails after its stand-ins ran: every parameter's digest, every derived tensor's bits
+    and every data_ptr() are as before it, and the full verify is clean."""
+    for r in cpu_mla:
+        failed = r["failed"]
+        assert not failed["reply"]["ok"] and "injected" in str(failed["reply"]), failed["reply"]
+        assert failed["state"] == r["states"][-2]
+        v = failed["verify"]
+        assert v["ok"] and v["hash_mismatched"] == [], v
+        assert v["digests"] == v["expected"], sorted(
+            n for n in v["expected"] if v["digests"][n] != v["expected"][n]
+        )
+
+
 @pytest.mark.skipif(
     not torch.cpu._is_amx_tile_supported(), reason="vLLM picks its AMX MLA backend only on AMX hosts"
 )
@@ -317,7 +357,7 @@ def _observed(module: torch.nn.Module):
         module.kv_b_proj.weight.copy_(torch.randn(32, 64))
     found = derived._Discoverer(model, {n for n, _ in model.named_parameters()})
     weight = module.kv_b_proj.weight
-    found.observe("0", module, module.process_weights_after_loading)
+    found.observe("0", module, type(module).process_weights_after_loading)
     setattr(model, derived.DISCOVERY_ATTR, found.found)
     return model, found.found, weight
 
@@ -336,10 +376,56 @@ def test_amx_shaped_step_rederived_in_place():
     packed_ptr = attn.impl.packed.data_ptr()
     with torch.no_grad():
         weight.add_(1)
-    assert derived.rederive_touched(model, ["0.kv_b_proj.weight"]) == 1
-    assert derived.rederive_touched(model, ["0.other.weight"]) == 0
+    assert derived.touched(model, ["0.other.weight"]) == []
+    (unit,) = derived.touched(model, ["0.kv_b_proj.weight"])
+    derived.rederive(unit.module, unit.step)  # what the commit does where no stand-in could run the step
     assert attn.impl.packed.data_ptr() == packed_ptr and attn.kv_b_proj.weight is weight
     assert torch.equal(attn.impl.packed, weight.detach().t().float())
+
+
+def test_amx_shaped_step_built_on_a_stand_in_then_copied_in_place():
+    """In prepare the step runs on a stand-in holding the new weight: the live module (its weight, its impl
+    and the packed copy there) is untouched; the commit's install is one `copy_` into the packed copy's
+    storage, which then holds what the step derives from the new weight."""
+    from harness.dispatch_log import OpLog
+
+    from vllm_delta.engine import derived
+
+    model, found, weight = _observed(_AmxLikeAttention())
+    attn, (unit,) = model[0], found.units
+    impl, packed = attn.impl, attn.impl.packed
+    kept, new = packed.clone(), weight.detach() + 1
+    built = derived.prebuild(model, unit, {"0.kv_b_proj.weight": new})
+    assert attn.impl is impl and impl.packed is packed and torch.equal(packed, kept)
+    assert attn.kv_b_proj.weight is weight and not torch.equal(weight, new)
+    with torch.no_grad():
+        weight.copy_(new)  # the commit's scatter
+    with OpLog() as log:
+        built.install()
+    assert [op.name for op in log.ops] == ["copy_"]
+    assert impl.packed is packed and torch.equal(packed, new.t().float())
+
+
+_SHARED = torch.zeros(4)  # state outside the unit that its step writes
+
+
+class _WritesShared(_AmxLikeAttention):
+    def process_weights_after_loading(self) -> None:
+        super().process_weights_after_loading()
+        _SHARED.add_(1)
+
+
+def test_step_writing_outside_its_module_is_not_run_on_a_stand_in():
+    """A step that writes a tensor its module does not hold cannot run on a stand-in: nothing it would
+    write is written, and the commit re-runs it in the pause (named in `in_pause`)."""
+    from vllm_delta.engine import derived
+    from vllm_delta.engine.stand_in import NotStandIn
+
+    model, found, weight = _observed(_WritesShared())
+    shared, packed = _SHARED.clone(), model[0].impl.packed.clone()
+    with pytest.raises(NotStandIn, match="writes 1 tensor"):
+        derived.prebuild(model, found.units[0], {"0.kv_b_proj.weight": weight.detach() + 1})
+    assert torch.equal(_SHARED, shared) and torch.equal(model[0].impl.packed, packed)
 
 
 def test_step_that_changes_a_checkpoint_parameter_is_refused():

@@ -27,6 +27,7 @@ EXTENSION = "harness.post_load_steps_mla_worker.MlaStepsWorkerExtension"
 COPIED = "model.layers.0."  # the dense layer's MLA keeps copies; layer 1's (MoE) keeps vLLM's views
 MODEL_STEP_ENV = "DELTA_TEST_MODEL_STEP"
 MODEL_TENSOR = "lm_head_sum"
+STEP_CALLS = [0]  # MLA post-load steps run in this worker (the patched step counts itself)
 
 
 def _patch() -> None:
@@ -37,6 +38,7 @@ def _patch() -> None:
     stock = MLAAttention.process_weights_after_loading
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        STEP_CALLS[0] += 1
         stock(self, act_dtype)
         if self.layer_name.startswith(COPIED) and hasattr(self, "W_UV"):  # (AMX keeps its own packed copies)
             for name in ("W_UV", "W_UK_T"):
@@ -76,6 +78,43 @@ class MlaStepsWorkerExtension(DeltaWorkerExtension):
         for t in derived.discovery(model).tensors:
             out[f"derived:{t.unit}.{t.key}"] = derived.reach(model.get_submodule(t.unit))[t.key][3].data_ptr()
         return out
+
+    def mla_commit_logged(self, request_id: str) -> dict:
+        """`delta_commit`, with the ops it dispatched that wrote into (or viewed) a re-derived tensor
+        (harness/dispatch_log.OpLog) and how many MLA post-load steps ran during it."""
+        from harness.dispatch_log import OpLog
+        from vllm_delta.engine.intercept import storage_key
+
+        model = self.model_runner.get_model()
+        storages = {
+            storage_key(derived.reach(model.get_submodule(t.unit))[t.key][3])
+            for t in derived.discovery(model).tensors
+            if t.kind == "rederive"
+        }
+        steps = STEP_CALLS[0]
+        with OpLog() as log:
+            reply = self.delta_commit(request_id)
+        touching = [
+            op.name for op in log.ops if any(t.numel() and storage_key(t) in storages for t in op.outputs)
+        ]
+        return {"reply": reply, "ops": touching, "steps": STEP_CALLS[0] - steps}
+
+    def mla_prepare_failing(self, request: dict) -> dict:
+        """`delta_prepare` failing right after the post-load work was built on stand-ins (the last thing a
+        prepare does before it replies): a fault injected into this worker only."""
+        from vllm_delta.engine import commit
+
+        built = commit.prebuild_touched
+
+        def then_fail(*args, **kwargs):
+            built(*args, **kwargs)
+            raise ValueError("injected: the prepare fails after its prebuild")
+
+        commit.prebuild_touched = then_fail
+        try:
+            return self.delta_prepare(request)
+        finally:
+            commit.prebuild_touched = built
 
     def mla_derived_digests(self) -> dict[str, str]:
         """xxh3 of every derived tensor's bits (what prefill and decode read besides the parameters)."""

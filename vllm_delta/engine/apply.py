@@ -181,6 +181,7 @@ class DeltaApplier:
             "refused": self.refused if ready else None,
             "coverage": self.coverage,
             "transformed": sorted(transforms.transformed(self.model)),
+            "in_pause": getattr(self.model, commit_phase.IN_PAUSE_ATTR, {}),  # the last commit's re-runs
         }
 
     # ---- phase 1 -------------------------------------------------------------------------

@@ -18,7 +18,7 @@ through `refresh`, the same path a delta takes.
 
 A linear layer's step (vLLM's CPU oneDNN / sgl repack) is built ahead instead (`prebuild`): run on a
 stand-in holding the new canonical weights while the engine serves, its result (the layer's new
-`cpu_linear` handler) is only swapped in at commit (`install`), so the pause holds copies only.
+`cpu_linear` handler) is only swapped in at commit (`stand_in.Built.install`), so the pause holds copies only.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
+
+from vllm_delta.engine import stand_in
+from vllm_delta.engine.stand_in import Built, NotStandIn, held_tensors, put_back
 
 STASH_ATTR = "_delta_canonical"  # {param name: checkpoint-layout tensor} on "rerun" modules
 RESTORED_ATTR = "_delta_restored"  # param names whose canonical tensor is the live parameter
@@ -101,14 +104,10 @@ def needs_refresh(module: nn.Module) -> bool:
     return hasattr(module, STASH_ATTR)
 
 
-_OWN_STATE = ("_parameters", "_buffers", "_modules")
-_UNSET = object()
-
-
-def prebuild(module: nn.Module, new: Mapping[str, torch.Tensor]) -> dict[str, object] | None:
-    """The attributes the module's post-load step sets when run from the `new` canonical weights (param
-    name -> checkpoint-layout tensor, the others as they are): computed on a stand-in, so the live
-    module, which may be serving, is untouched. None where the step is not known to keep to its own
+def prebuild(module: nn.Module, new: Mapping[str, torch.Tensor]) -> Built | None:
+    """What the module's post-load step makes when run from the `new` canonical weights (param name ->
+    checkpoint-layout tensor, the others as they are): computed on a stand-in (`stand_in.run`), so the
+    live module, which may be serving, is untouched. None where the step is not known to keep to its own
     layer, or left other than a handler: the step is then re-run at commit (`refresh`).
 
     Why only vLLM's unquantized linear and embedding (the LM head): their step reads the layer's weight
@@ -116,36 +115,22 @@ def prebuild(module: nn.Module, new: Mapping[str, torch.Tensor]) -> dict[str, ob
     parameter, so nothing to copy back); other steps write into shared state (a fused MoE's kernel
     object) that must not change while serving.
     """
-    restored: set[str] = getattr(module, RESTORED_ATTR, set())
     if getattr(module, STASH_ATTR) or not _keeps_to_its_layer(module):
         return None
-    stand_in = object.__new__(type(module))
-    stand_in.__dict__.update(vars(module))
-    stand_in._parameters = {
-        n: None if p is None else nn.Parameter(new.get(n, p.data), requires_grad=False)
-        for n, p in module._parameters.items()
-    }
-    stand_in._buffers, stand_in._modules = dict(module._buffers), {}
-    kept, before = _kept(stand_in, restored), dict(vars(stand_in))
-    post_load_step(stand_in)()
-    if _kept(stand_in, restored) != kept:
+    restored: set[str] = getattr(module, RESTORED_ATTR, set())
+    swap = {f"param:{n}": t for n, t in new.items()}
+    kept = {k: swap.get(k, t) for k, (kind, n, t) in held_tensors(module).items() if n not in restored}
+    try:
+        after, built, _ = stand_in.run(module, lambda m: post_load_step(m)(), swap)
+    except NotStandIn:
         return None
-    made = {k: v for k, v in vars(stand_in).items() if k not in _OWN_STATE and before.get(k, _UNSET) is not v}
-    return None if any(isinstance(v, (torch.Tensor, nn.Module)) for v in made.values()) else made
+    moved = [k for k, t in kept.items() if k not in after or _where(after[k][3]) != _where(t)]
+    handlers = all(not isinstance(v, (torch.Tensor, nn.Module)) for _, _, v in built.swaps)
+    return built if handlers and not moved and not built.copies else None
 
 
-def _kept(module: nn.Module, restored: set[str]) -> dict[str, tuple | None]:
-    """Where the module's tensors other than its restored parameters live: a step that moves one of
-    them did more than build a handler."""
-    held = {f"param:{n}": p for n, p in module._parameters.items() if n not in restored}
-    held.update({f"buffer:{n}": b for n, b in module._buffers.items()})
-    return {k: None if t is None else (t.data_ptr(), t.dtype, t.shape) for k, t in held.items()}
-
-
-def install(module: nn.Module, made: Mapping[str, object]) -> None:
-    """Swap in what `prebuild` made (an attribute assignment each: the old handler is released)."""
-    for key, value in made.items():
-        object.__setattr__(module, key, value)
+def _where(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, t.shape
 
 
 def _keeps_to_its_layer(module: nn.Module) -> bool:
@@ -199,20 +184,11 @@ def refresh(modules: Iterable[nn.Module]) -> int:
                     )
                 old.copy_(new)
         for kind, name, obj in held.values():
-            _put_back(module, kind, name, obj)
+            put_back(module, kind, name, obj)
         for n, data in stashed_data.items():
             module._parameters[n].data = data
         count += 1
     return count
-
-
-def held_tensors(module: nn.Module) -> dict[str, tuple[str, str, torch.Tensor]]:
-    """Every tensor object the module holds itself: parameters, buffers and plain tensor attributes,
-    keyed "param:name", "buffer:name", "attr:name", with (kind, name, object)."""
-    out = {f"param:{n}": ("param", n, p) for n, p in module.named_parameters(recurse=False)}
-    out.update({f"buffer:{n}": ("buffer", n, b) for n, b in module.named_buffers(recurse=False)})
-    out.update({f"attr:{n}": ("attr", n, v) for n, v in vars(module).items() if isinstance(v, torch.Tensor)})
-    return out
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -220,15 +196,6 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
         return t.storage_offset(), t.shape, t.stride(), t.dtype
 
     return view(a) == view(b)
-
-
-def _put_back(module: nn.Module, kind: str, name: str, obj: torch.Tensor) -> None:
-    if kind == "param":
-        module._parameters[name] = obj
-    elif kind == "buffer":
-        module._buffers[name] = obj
-    else:
-        object.__setattr__(module, name, obj)
 
 
 def install_reload_hooks() -> None:

@@ -1,8 +1,9 @@
-"""Phase 2 of an apply: scatter the staged chunks into the live weights, read them back, then swap in
-what post-load steps derive from the touched weights.
+"""Phase 2 of an apply: scatter the staged chunks into the live weights, read them back, then install
+what prepare built of the post-load steps of the touched modules (`prebuild_touched`, engine/stand_in.py).
 
 Why its own module: the commit is the only code that runs while the engine is paused; everything it
-does is a copy, a read-back, or the post-load work (engine/canonical_weights.py, engine/derived.py).
+does is a copy, a read-back, or a handler swap; only a step that cannot run on a stand-in is re-run
+here (engine/canonical_weights.py, engine/derived.py), named in the status' `in_pause`.
 A failure part-way is an engine fault naming the tensors it may have left half-written.
 """
 
@@ -17,9 +18,11 @@ from torch import nn
 from vllm_delta.engine import canonical_weights, derived
 from vllm_delta.engine.fallback import bits
 from vllm_delta.engine.staging import Chunk, StagedUpdate, flat_storage, gather
+from vllm_delta.engine.stand_in import NotStandIn, Prebuilt
 from vllm_delta.kernels import scatter as scatter_kernel
 from vllm_delta.wire.codecs import ulp_resolve_tensor
 
+IN_PAUSE_ATTR = "_delta_in_pause"  # on the model: {module: why} whose post-load step the last commit re-ran
 # Entries the compiled CPU commit writes, then reads back, at a time (`_blocks`): ~1.6 MB of weights at 2%.
 CPU_BLOCK = 1 << 14
 
@@ -90,40 +93,68 @@ def commit(model: nn.Module, targets: Mapping[str, torch.Tensor], staged: Staged
 
 def prebuild_touched(
     model: nn.Module, targets: Mapping[str, torch.Tensor], writes: Mapping[str, Iterable[Chunk]]
-) -> dict[str, dict[str, object]]:
-    """In prepare, while the engine serves: the post-load results of every touched module whose step
-    can be built ahead (canonical_weights.prebuild), from a copy of its canonical weights with the
-    staged writes applied; the live weights and handlers are untouched until `refresh_touched`."""
-    out = {}
+) -> Prebuilt:
+    """In prepare, while the engine serves: the post-load results of every touched module and derived
+    unit whose step runs on a stand-in (canonical_weights.prebuild, derived.prebuild), from copies of
+    the written tensors with the staged writes applied; the live weights, handlers and derived tensors
+    are untouched until `refresh_touched`. The rest is named, with why, in `in_pause`."""
+    out, copies = Prebuilt(), {}
+
+    def written(name: str) -> torch.Tensor:
+        if name not in copies:
+            copies[name] = _written_copy(targets[name], writes[name])
+        return copies[name]
+
     for name, module in _touched(model, writes):
         prefix = f"{name}." if name else ""
         # Every written param of the module: a restored one (the linear's emptied weight) and a live one
         # the step reads but keeps (the LM head's weight), which the commit's scatter writes later.
         new = {
-            n: _written_copy(targets[prefix + n], writes[prefix + n])
+            n: written(prefix + n)
             for n, _ in module.named_parameters(recurse=False)
             if writes.get(prefix + n)
         }
-        made = canonical_weights.prebuild(module, new)
-        if made is not None:
-            out[name] = made
+        built = canonical_weights.prebuild(module, new)
+        if built is None:
+            out.in_pause[name] = "its post-load step is not known to keep to its own layer"
+        else:
+            out.modules[name] = built
+    for unit in derived.touched(model, writes):
+        try:
+            moved = [n for n in unit.sources if writes.get(n) and not _is_live(model, n, targets[n])]
+            if moved:
+                raise NotStandIn(f"its sources {moved} are re-laid by their own post-load step")
+            new = {n: written(n) for n in unit.sources if writes.get(n)}
+            out.units[unit.name] = derived.prebuild(model, unit, new)
+        except NotStandIn as exc:
+            out.in_pause[unit.name or "<model>"] = f"its post-load step cannot run on a stand-in: {exc}"
     return out
 
 
-def refresh_touched(
-    model: nn.Module, writes: Iterable[str], prebuilt: Mapping[str, Mapping[str, object]]
-) -> None:
-    """Swap in what prepare built of every touched module's post-load work (`prebuilt`), re-run the
-    rest's, then re-derive what attention / model steps derive."""
+def refresh_touched(model: nn.Module, writes: Iterable[str], prebuilt: Prebuilt) -> None:
+    """Install what prepare built of every touched module's and derived unit's post-load work
+    (`prebuilt`: copies into live tensors, handler swaps); re-run the rest's in place."""
+    writes = list(writes)
     rerun = []
     for name, module in _touched(model, writes):
-        if name in prebuilt:
-            canonical_weights.install(module, prebuilt[name])
+        if name in prebuilt.modules:
+            prebuilt.modules[name].install()
         else:
             rerun.append(module)
     if rerun:
         canonical_weights.refresh(rerun)
-    derived.rederive_touched(model, writes)
+    for unit in derived.touched(model, writes):
+        if unit.name in prebuilt.units:
+            prebuilt.units[unit.name].install()
+        else:
+            derived.rederive(unit.module, unit.step)
+    setattr(model, IN_PAUSE_ATTR, dict(prebuilt.in_pause))
+
+
+def _is_live(model: nn.Module, name: str, target: torch.Tensor) -> bool:
+    """Whether deltas to `name` are written into the live parameter itself (not a canonical stash)."""
+    live = model.get_parameter(name)
+    return live.numel() > 0 and live.untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
 
 
 def _touched(model: nn.Module, writes: Iterable[str]) -> list[tuple[str, nn.Module]]:

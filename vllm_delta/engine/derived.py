@@ -17,8 +17,10 @@ checkpoint parameter is derived, and is:
   `copy_`-ed into the storage the engine already reads and every object is put back)
   reproduces it bit for bit, and then again after each checkpoint parameter the step read is
   filled with other values and restored; the parameters whose change changed it are its sources
-  (none: a constant, such as default scales). After a commit writes a source, the unit is
-  re-derived in place (`rederive_touched`), so `data_ptr()`s never move (CUDA graphs, RFC #48312);
+  (none: a constant, such as default scales). When an update writes a source, prepare runs the
+  step on a stand-in (`prebuild`, engine/stand_in.py) and the commit copies its results in place;
+  where it cannot, the commit re-derives the unit in place (`rederive`). Either way `data_ptr()`s
+  never move (CUDA graphs, RFC #48312);
 - refused: anything else (not reproducible, a new shape, a checkpoint parameter the step
   changed other than by emptying it), named with its module in `refused`: every update is
   refused from startup. A checkpoint parameter the step empties (AMX: `kv_b_proj.weight`) gets
@@ -29,17 +31,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from vllm_delta.engine.canonical_weights import held_tensors
+from vllm_delta.engine import stand_in
 from vllm_delta.engine.intercept import Intercept, storage_key
+from vllm_delta.engine.stand_in import Held, NotStandIn, reach
 
 DISCOVERY_ATTR = "_delta_derived"  # on the model: its `Discovery`
-Step = Callable[[], None]
+Step = Callable[[nn.Module], None]  # a unit's step, run on the module given (the unit or its stand-in)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Unit:
     module: nn.Module
     step: Step
     sources: set[str]  # re-derive when a commit writes any of these
+    derived: dict[str, str] = field(default_factory=dict)  # key -> kind of each tensor it derives
 
 
 @dataclass
@@ -72,47 +76,8 @@ def _signature(t: torch.Tensor) -> tuple:
     return (storage_key(t) if t.numel() else 0, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def _plain(obj: object) -> bool:
-    """An object whose tensor attributes a module's step may set: its attention impl, quant method."""
-    return (
-        hasattr(obj, "__dict__")
-        and not isinstance(obj, (nn.Module, torch.Tensor, type))
-        and not callable(obj)
-    )
-
-
-Held = dict[str, tuple[object, str, str, torch.Tensor]]  # key -> (owner, kind, attribute, tensor)
-
-
-def reach(unit: nn.Module) -> Held:
-    """Every tensor the unit, its submodules and their plain attribute objects hold, by relative key."""
-    out: Held = {}
-    for sub, m in unit.named_modules():
-        pre = f"{sub}." if sub else ""
-        out.update({pre + key: (m, kind, n, t) for key, (kind, n, t) in held_tensors(m).items()})
-        for attr, obj in vars(m).items():
-            if _plain(obj):
-                out.update(
-                    {
-                        f"{pre}{attr}.attr:{a}": (obj, "attr", a, t)
-                        for a, t in vars(obj).items()
-                        if isinstance(t, torch.Tensor)
-                    }
-                )
-    return out
-
-
 def _tensors(held: Held) -> dict[str, torch.Tensor]:
     return {k: t for k, (_, _, _, t) in held.items()}
-
-
-def _put_back(owner: object, kind: str, name: str, obj: torch.Tensor) -> None:
-    if kind == "param":
-        owner._parameters[name] = obj  # type: ignore[attr-defined]
-    elif kind == "buffer":
-        owner._buffers[name] = obj  # type: ignore[attr-defined]
-    else:
-        object.__setattr__(owner, name, obj)
 
 
 def rederive(unit: nn.Module, step: Step, keep: Held | None = None) -> None:
@@ -123,12 +88,12 @@ def rederive(unit: nn.Module, step: Step, keep: Held | None = None) -> None:
     raises), and objects it replaced (AMX's emptied `kv_b_proj.weight`) are put back.
     """
     held = keep if keep is not None else reach(unit)
-    data = {k: _data(t) for k, (_, _, _, t) in held.items()}
+    data = {k: stand_in.data(t) for k, (_, _, _, t) in held.items()}
     with torch.no_grad():
-        step()
+        step(unit)
         after = _tensors(reach(unit))
         for key, (owner, kind, name, old) in held.items():
-            new = _data(after.get(key, old))
+            new = stand_in.data(after.get(key, old))
             target = data[key]
             if _signature(new) != _signature(target):
                 if not (
@@ -142,24 +107,12 @@ def rederive(unit: nn.Module, step: Step, keep: Held | None = None) -> None:
                         )
                     target.copy_(new)
             if after.get(key) is not old:
-                _put_back(owner, kind, name, old)
+                stand_in.put_back(owner, kind, name, old)
             if isinstance(old, nn.Parameter) and old.data.data_ptr() != target.data_ptr():
                 old.data = target  # the step rebound .data of a held Parameter: back to its own storage
         added = after.keys() - held.keys()
         if added:
             raise RuntimeError(f"re-running the step added {sorted(added)}")
-
-
-def _data(t: torch.Tensor) -> torch.Tensor:
-    return t.data if isinstance(t, nn.Parameter) else t
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
-    )
 
 
 def _other_values(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -192,15 +145,15 @@ class _Discoverer:
     def observe(self, name: str, unit: nn.Module, step: Step) -> None:
         self.params()  # the checkpoint parameters as they were before this step (it may replace some)
         before = reach(unit)
-        signatures = {k: (id(t), _signature(_data(t))) for k, (_, _, _, t) in before.items()}
+        signatures = {k: (id(t), _signature(stand_in.data(t))) for k, (_, _, _, t) in before.items()}
         access = Intercept()  # performs everything; notes the storages each op read and wrote
         with access:
-            step()
+            step(unit)
         after = _tensors(reach(unit))
         outputs = [
             k
             for k, t in after.items()
-            if signatures.get(k) != (id(t), _signature(_data(t)))
+            if signatures.get(k) != (id(t), _signature(stand_in.data(t)))
             or (t.numel() and storage_key(t) in access.written)
         ]
         try:
@@ -226,8 +179,14 @@ class _Discoverer:
             if old is None or id(old) not in ckpt:
                 derived.append(key)
                 continue
-            if after[key].numel() == 0 and old.numel() and _signature(_data(old)) == signatures[key][1]:
-                _put_back(owner, kind, name, old)  # AMX: its packed copies are derived, the weight emptied
+            if (
+                after[key].numel() == 0
+                and old.numel()
+                and _signature(stand_in.data(old)) == signatures[key][1]
+            ):
+                stand_in.put_back(
+                    owner, kind, name, old
+                )  # AMX: its packed copies are derived, the weight emptied
                 continue
             raise RuntimeError(f"it changes checkpoint parameter {ckpt[id(old)]} ({key})")
         return derived
@@ -265,7 +224,7 @@ class _Discoverer:
                 rederive(unit, step, keep)
                 probed = _tensors(reach(unit))
                 for k in copies:
-                    if not _same(probed[k], reference[k]):
+                    if not stand_in.same_bits(probed[k], reference[k]):
                         sources[k].append(n)
             finally:
                 with torch.no_grad():
@@ -278,11 +237,12 @@ class _Discoverer:
             )
         used = {n for k in copies for n in sources[k]}
         if used:
-            self.found.units.append(Unit(name, unit, step, used))
+            kinds = {t.key: t.kind for t in self.found.tensors if t.unit == name}
+            self.found.units.append(Unit(name, unit, step, used, kinds))
 
     def _expect(self, name: str, unit: nn.Module, reference: dict[str, torch.Tensor], what: str) -> None:
         now = _tensors(reach(unit))
-        wrong = [k for k, want in reference.items() if not _same(now[k], want)]
+        wrong = [k for k, want in reference.items() if not stand_in.same_bits(now[k], want)]
         for k in wrong:
             self.found.refused[f"{name}.{k}" if name else k] = (
                 f"derived by the post-load step of {name or 'the model'}; {what} it bit for bit"
@@ -310,11 +270,11 @@ def observing(model: nn.Module) -> Iterator[Discovery]:
     shadowed: list[nn.Module] = []
 
     def shadow(name: str, module: nn.Module) -> None:
-        real = module.process_weights_after_loading
+        real = type(module).process_weights_after_loading
 
         @functools.wraps(real)
         def observed(*args, **kwargs) -> None:
-            found.observe(name, module, functools.partial(real, *args, **kwargs))
+            found.observe(name, module, lambda m: real(m, *args, **kwargs))
 
         module.process_weights_after_loading = observed  # type: ignore[method-assign]
         shadowed.append(module)
@@ -340,12 +300,35 @@ def refused(model: nn.Module) -> dict[str, str]:
     return dict(discovery(model).refused)
 
 
-def rederive_touched(model: nn.Module, written: Iterable[str]) -> int:
-    """Re-derive, in place, every unit a commit wrote a source of; returns how many."""
+def touched(model: nn.Module, written: Iterable[str]) -> list[Unit]:
+    """The units a commit writing `written` re-derives: those it writes a source of."""
     names = set(written)
-    count = 0
-    for unit in discovery(model).units:
-        if unit.sources & names:
-            rederive(unit.module, unit.step)
-            count += 1
-    return count
+    return [unit for unit in discovery(model).units if unit.sources & names]
+
+
+def prebuild(model: nn.Module, unit: Unit, written: Mapping[str, torch.Tensor]) -> stand_in.Built:
+    """In prepare: the unit's step run on a stand-in whose written sources hold `written` (the post-delta
+    values of the live tensors the commit scatters into) and whose derived tensors are scratch copies;
+    the new bits of each tensor it re-derives, for the commit to copy in place. Raises `NotStandIn` where
+    the step reads a source other than through its module, or cannot run on a stand-in."""
+    held = reach(unit.module)
+    live = {id(model.get_parameter(n)): n for n in unit.sources if n in written}
+    swap: dict[str, torch.Tensor] = {}
+    for key, (_, _, _, t) in held.items():
+        if id(t) in live:
+            swap[key] = written[live.pop(id(t))]
+        elif key in unit.derived:
+            swap[key] = stand_in.data(t).clone()
+    if live:
+        raise NotStandIn(f"it reads {sorted(live.values())} other than through its module")
+    after, built, read = stand_in.run(unit.module, unit.step, swap)
+    stale = {storage_key(model.get_parameter(n)) for n in unit.sources if n in written} & read
+    if stale or after.keys() != held.keys():
+        raise NotStandIn("it reads a live source or adds tensors")
+    for key, kind in unit.derived.items():
+        new, old = stand_in.data(after[key][3]), stand_in.data(held[key][3])
+        if kind == "rederive":
+            if new.shape != old.shape or new.dtype != old.dtype:
+                raise NotStandIn(f"it makes {key} {tuple(new.shape)} {new.dtype}, not {tuple(old.shape)}")
+            built.copies.append((old, new))
+    return built

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
+from vllm_delta.engine.stand_in import Prebuilt
 from vllm_delta.engine.trace import PhaseTimes
 from vllm_delta.kernels.digest import segment_sums
 from vllm_delta.wire import ParamDelta
@@ -60,8 +61,8 @@ class StagedUpdate:
     after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     anchor: bool = False  # overwrites every element of every checkpoint tensor
     blocks: tuple[int, int] = (0, 0)  # position blocks (decoded, in the delta) of block-indexed flushes
-    # Per touched module, the post-load results built in prepare, swapped in at commit (engine/commit.py).
-    prebuilt: dict[str, dict[str, object]] = field(default_factory=dict)
+    # The post-load results built in prepare, installed at commit (engine/commit.py, engine/stand_in.py).
+    prebuilt: Prebuilt = field(default_factory=Prebuilt)
     # Seconds per phase on this rank: prepare's, then the commit adds its own (engine/trace.py).
     times: PhaseTimes = field(default_factory=PhaseTimes)
     run_id: str | None = None  # the sender run whose lineage the weights are on once committed

@@ -137,6 +137,7 @@ def placement_summary(placements: Sequence[dict[str, Any]], peers_checked: bool)
         "fallback": sorted({n for p in placements for n in (p["fallback"] or {})}) if ready else None,
         "refused": refused if ready else None,
         "transformed": sorted({n for p in placements for n in p["transformed"]}),
+        "in_pause": {n: why for p in placements for n, why in (p.get("in_pause") or {}).items()},
         "coverage": placements[0].get("coverage"),
     }  # the same check on every rank
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from vllm_delta.engine import canonical_weights, derived
+from vllm_delta.engine.stand_in import held_tensors, same_bits
 
 TRANSFORM_ATTR = "_delta_transform"  # the module's `Transform`
 StepOf = Callable[[nn.Module], Callable[[], None] | None]
@@ -125,11 +126,8 @@ class Snapshot:
 
 
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor the module holds itself (`canonical_weights.held_tensors`), parameters detached."""
-    return {
-        k: t.detach() if kind == "param" else t
-        for k, (kind, _, t) in canonical_weights.held_tensors(module).items()
-    }
+    """Every tensor the module holds itself (`stand_in.held_tensors`), parameters detached."""
+    return {k: t.detach() if kind == "param" else t for k, (kind, _, t) in held_tensors(module).items()}
 
 
 def _state(module: nn.Module) -> dict[str, int]:
@@ -144,16 +142,6 @@ def snapshot(module: nn.Module) -> Snapshot:
         {k: t.detach().clone() for k, t in _tensors(module).items()},
         dict(module.named_parameters(recurse=False)),
         _state(module),
-    )
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
 
 
@@ -191,7 +179,7 @@ def _inverse_permutation(
     if not torch.equal(perm.sort().values, torch.arange(n, dtype=torch.float64, device=perm.device)):
         return None
     perm = perm.to(torch.int64)
-    if not _same(after.reshape(-1), before.reshape(-1)[perm]):  # the real bits moved the same way
+    if not same_bits(after.reshape(-1), before.reshape(-1)[perm]):  # the real bits moved the same way
         return None
     return _compact(perm, after.shape[-1] if after.dim() else 1)
 
@@ -217,7 +205,7 @@ def classify(
     """Classify what the step did to `module` (it has just run) and prepare deltas for it."""
     after = {k: t.clone() for k, t in _tensors(module).items()}
     differs = sorted(
-        k for k in before.tensors.keys() | after.keys() if not _same(before.tensors.get(k), after.get(k))
+        k for k in before.tensors.keys() | after.keys() if not same_bits(before.tensors.get(k), after.get(k))
     )
     now = _state(module)
     state = sorted(n for n in now if before.state.get(n) != now[n])
@@ -245,7 +233,7 @@ def classify(
             f"({type(exc).__name__}: {exc})"
         ) from exc
     again = _tensors(module)
-    if again.keys() != after.keys() or not all(_same(again[k], after[k]) for k in after):
+    if again.keys() != after.keys() or not all(same_bits(again[k], after[k]) for k in after):
         raise UnsupportedTransform(
             f"{name}: its post-load step changes {differs + state}, is not a permutation, "
             "and re-running it from the checkpoint layout does not reproduce its result"
