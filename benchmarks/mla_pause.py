@@ -37,7 +37,14 @@ def main() -> None:
     rows = []
     with start_llm(ckpts[0], delta=True, worker_extension_cls=EXTENSION, **BACKEND) as llm:
         for v, path in enumerate(deltas, start=1):
-            request = {"id": f"v{v}", "path": str(path), "version": v, "base_version": v - 1, "files": None}
+            request = {
+                "id": f"v{v}",
+                "path": str(path),
+                "version": v,
+                "base_version": v - 1,
+                "files": None,
+                "max_staged_bytes": 1 << 28,
+            }
             prepared = llm.collective_rpc("delta_prepare", args=(request,))[0]
             committed = llm.collective_rpc("delta_commit", args=(request["id"],))[0]
             assert prepared["ok"] and committed["ok"], (prepared, committed)
