@@ -36,16 +36,10 @@ def _kind(dtype: torch.dtype) -> int | None:
     """How `scatter_jit._resolve` keys this dtype (wire.codecs.order_key), or None: not resolved here."""
     from vllm_delta.kernels import scatter_jit as J
 
-    if dtype.itemsize > 4 or dtype == torch.bool:
-        return None
     if dtype.is_floating_point:
-        return J.FLOAT
-    return (
-        J.UNSIGNED
-        if dtype == torch.uint8
-        else J.SIGNED
-        if dtype in (torch.int8, torch.int16, torch.int32)
-        else None
+        return J.FLOAT if dtype.itemsize <= 4 else None
+    return {torch.uint8: J.UNSIGNED, torch.int8: J.SIGNED, torch.int16: J.SIGNED, torch.int32: J.SIGNED}.get(
+        dtype
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -76,23 +77,16 @@ class Anchor:
 def _runs(placement: tuple) -> Iterator[Run]:
     """Runs of a placement in HF order: flat runs (`Segments`, dim None) or slices of one dim (`Shard`)."""
     _, full, dim, spans = placement
+    starts = list(accumulate((n for _, n in spans), initial=0))  # each span's local start, then the total
     if dim is None:
-        starts, at = [], 0
-        for _, n in spans:
-            starts.append(at)
-            at += n
         yield from sorted(((loc, hf, n) for loc, (hf, n) in zip(starts, spans)), key=lambda r: r[1])
         return
     if not full:  # a scalar
         yield 0, 0, 1
         return
     inner, outer = math.prod(full[dim + 1 :]), math.prod(full[:dim])
-    local_len = sum(n for _, n in spans)
-    offsets, at = [], 0
-    for _, n in spans:
-        offsets.append(at)
-        at += n
-    ordered = sorted(zip(spans, offsets))  # along `dim` in HF order, with each span's local offset
+    local_len = starts[-1]
+    ordered = sorted(zip(spans, starts))  # along `dim` in HF order, with each span's local offset
     for o in range(outer):
         for (a, n), loc in ordered:
             yield (o * local_len + loc) * inner, (o * full[dim] + a) * inner, n * inner

@@ -2,34 +2,13 @@
 
 Why the snapshot moves only on a full ack: the seed advanced it before the engines applied, so a
 failed apply was never re-sent and that engine drifted for good. Here the snapshot stays at S, the
-last version every engine acknowledged. While some engine lags, the sender remembers the positions
-it sent since S (the producer's `pending`) and sends everyone an *overwrite* catch-up: current
-values at diff(current, S) ∪ pending. Any engine whose weights are some version in [S, N-1] of
-this lineage ends exactly at N after applying it (a position that differs between its version and
-N was changed since S, so it is in one of the two sets), and an overwrite delta is safe to replay.
-Engines outside the lineage (restarted at version 0, pushed ahead by someone else, newly added)
-get a full anchor, or, where the transport keeps a chain (the S3 store: the latest anchor and the
-versions after it), replay that chain up to N-1 first (`Plan.replay`) and then take this plan's
-update like any engine at N-1. In the steady state (every engine at S) the configured,
-base-relative encoding (`ulp_zstd`) is used. docs/sender.md has the state machine.
-
-Lag is bounded: an engine that misses `max_lag_syncs` syncs in a row (or every lagging engine, when
-the pending catch-up passes the sender's density cap) drops to "needs anchor". It no longer holds
-the snapshot back, so the others return to base-relative deltas, and it gets a full anchor as soon
-as it answers again: its weights never depend on the snapshot's lineage after that.
-
-Status is asked off the training thread (`prober.py`): an engine becomes unknown when an update to
-it fails, and its probe starts then, on a thread of its own; the plan takes the answers that are in
-(waiting at most `wait_s`) and skips, for this sync, an engine still being asked.
-
-Every update names its lineage (`wire.manifest.Lineage`): this sender's run id and the engine
-versions it applies on ([S, S] for a delta, [S, N-1] for a catch-up, any for an anchor). An
-engine on other weights (restarted on the checkpoint after acking v > S, fed by another sender)
-refuses it with a 409 `LineageError` and changes nothing; the next plan asks its status, sees
-another run id (or version 0 of none, while S > 0), and anchors it. A sender started at
-`version` > 0 claims the engines hold its seed at that version: its first plan asks their status
-and resumes the run they report, if those at that version report one run (else it keeps its own
-id, and anchors them).
+last version every engine acknowledged; while some engine lags, everyone gets an overwrite catch-up
+(current values at diff(current, S) ∪ the positions sent since S), which takes any engine at a
+version in [S, N-1] of this lineage exactly to N and is safe to replay. Engines outside the lineage
+get a full anchor, or replay the transport's kept chain first (`Plan.replay`). Lag is bounded
+(`max_lag_syncs`, the sender's density cap); status is asked off the training thread (`prober.py`);
+every update names its lineage (`wire.manifest.Lineage`), which engines check before applying.
+docs/sender.md has the state machine, the correctness argument and the lineage rules.
 """
 
 from __future__ import annotations

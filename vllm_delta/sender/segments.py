@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -68,17 +69,7 @@ class Segments:
 
     def to_global(self, local: torch.Tensor) -> torch.Tensor:
         """HF flat positions of local flat positions (int64, on their device)."""
-        if len(self.runs) == 1:
-            return local + self.runs[0][0]
-        lengths = [n for _, n in self.runs]
-        starts = [0]
-        for n in lengths[:-1]:
-            starts.append(starts[-1] + n)
-        bounds = torch.tensor(starts[1:], dtype=local.dtype, device=local.device)
-        shifts = torch.tensor(
-            [a - s for (a, _), s in zip(self.runs, starts)], dtype=local.dtype, device=local.device
-        )
-        return local + shifts[torch.bucketize(local, bounds, right=True)]
+        return shifted(local, self.runs)
 
     def global_index(self) -> torch.Tensor:
         """Every local element's HF flat position (O(shard) memory: seeding and checks only)."""
@@ -90,6 +81,18 @@ class Segments:
 
     def describe(self) -> tuple[str, tuple[int, ...], None, tuple[tuple[int, int], ...]]:
         return self.name, self.full_shape, None, self.runs
+
+
+def shifted(local: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """`local` (indices into the runs `(start, length)` laid end to end) mapped into each run's start."""
+    if len(runs) == 1:
+        return local + runs[0][0]
+    ends = list(accumulate(n for _, n in runs))
+    bounds = torch.tensor(ends[:-1], dtype=local.dtype, device=local.device)
+    shifts = torch.tensor(
+        [a - e + n for (a, n), e in zip(runs, ends)], dtype=local.dtype, device=local.device
+    )
+    return local + shifts[torch.bucketize(local, bounds, right=True)]
 
 
 def runs_of(positions: torch.Tensor) -> tuple[tuple[int, int], ...]:

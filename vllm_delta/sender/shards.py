@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_delta.sender.segments import shifted
+
 
 @dataclass(frozen=True, eq=False)
 class Shard:
@@ -88,19 +90,7 @@ class Shard:
         outer_idx = torch.div(local, local_len * inner, rounding_mode="floor")
         rest = local - outer_idx * (local_len * inner)  # position inside one outer row, in local units
         row = torch.div(rest, inner, rounding_mode="floor")  # index along `dim`, local
-        if len(self.spans) == 1:
-            shift = self.spans[0][0]
-            along = row + shift
-        else:
-            starts_local = [0]
-            for _, n in self.spans[:-1]:
-                starts_local.append(starts_local[-1] + n)
-            bounds = torch.tensor(starts_local[1:], dtype=local.dtype, device=local.device)
-            which = torch.bucketize(row, bounds, right=True)
-            shifts = torch.tensor(
-                [a - s for (a, _), s in zip(self.spans, starts_local)], dtype=local.dtype, device=local.device
-            )
-            along = row + shifts[which]
+        along = shifted(row, self.spans)
         return outer_idx * (self.full_shape[self.dim] * inner) + along * inner + (rest - row * inner)
 
     def global_index(self) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import final
 
 import torch
@@ -118,6 +118,7 @@ class ParamDelta:
 
 
 @final  # `type(item) is DeltaBatch` then tells it from a ParamDelta, for mypy too
+@dataclass(eq=False, slots=True)
 class DeltaBatch:
     """Receiver side: decoded, validated changes of a run of whole params of one flush, as columns.
 
@@ -131,50 +132,27 @@ class DeltaBatch:
     (`iter_delta(batches=True)`); `deltas()` gives the same changes as `ParamDelta`s.
     """
 
-    __slots__ = (
-        "names",
-        "shapes",
-        "dtypes",
-        "positions",
-        "values",
-        "types",
-        "sizes",
-        "needs_base",
-        "counts",
-        "skipped",
-        "first",
-        "last",
-        "nblocks",
-        "total",
-        "blocks",
-        "nbytes",
-    )
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[torch.dtype]
+    positions: torch.Tensor
+    values: dict[object, torch.Tensor]
+    types: list
+    sizes: list[int]
+    needs_base: bool
+    counts: list[int]  # entries on the wire, per param
+    skipped: list[int]
+    first: list[int]
+    last: list[int]
+    nblocks: list[tuple[int, int]]  # per param: (decoded, indexed) blocks
+    nbytes: int  # of positions and values
+    total: int = field(init=False)  # entries on the wire, decoded or skipped (`ParamDelta.total`, summed)
+    blocks: tuple[int, int] = field(init=False)
 
-    def __init__(
-        self,
-        names: list[str],
-        shapes: list[tuple[int, ...]],
-        dtypes: list[torch.dtype],
-        positions: torch.Tensor,
-        values: dict[object, torch.Tensor],
-        types: list,
-        sizes: list[int],
-        needs_base: bool,
-        counts: list[int],
-        skipped: list[int],
-        first: list[int],
-        last: list[int],
-        nblocks: list[tuple[int, int]],
-        nbytes: int,
-    ) -> None:
-        self.names, self.shapes, self.dtypes, self.needs_base = names, shapes, dtypes, needs_base
-        self.positions, self.values, self.types, self.sizes = positions, values, types, sizes
-        self.counts, self.skipped, self.first, self.last = counts, skipped, first, last  # counts: on the wire
-        self.nblocks = nblocks  # per param: (decoded, indexed) blocks
-        self.total = sum(counts)  # entries on the wire, decoded or skipped (`ParamDelta.total`, summed)
-        decoded, indexed = zip(*nblocks) if nblocks else ((), ())
+    def __post_init__(self) -> None:
+        self.total = sum(self.counts)
+        decoded, indexed = zip(*self.nblocks) if self.nblocks else ((), ())
         self.blocks = (sum(decoded), sum(indexed))
-        self.nbytes = nbytes  # of positions and values
 
     def __len__(self) -> int:
         return len(self.names)

@@ -209,12 +209,6 @@ class Encoding:
         streams.update(self.values.encode(new, old, d))
         return width, streams
 
-    def encode_dense(self, new: np.ndarray, old: np.ndarray | None, d: DType) -> Streams:
-        """Value streams only, for a dense range: its positions are implicit (width 0)."""
-        if self.needs_base and old is None:
-            raise ValueError(f"encoding {self.name!r} needs the old values")
-        return self.values.encode(new, old, d)
-
     def decode_param(
         self,
         spans: Spans,
@@ -230,13 +224,6 @@ class Encoding:
         """Positions (int64, validated) and the value payload (new bits, or steps if needs_base)."""
         pos = self.positions.decode(spans, count, width, numel, prev=prev, file=file, param=param)
         return pos, self.values.decode(spans, count, d, file=file, param=param)
-
-    def decode_dense(
-        self, spans: Spans, first: int, last: int, d: DType, *, file: str | None, param: str | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Positions `first..last` (the block index, already checked in range) and the value payload."""
-        pos = np.arange(first, last + 1, dtype=np.int64)
-        return pos, self.values.decode(spans, pos.size, d, file=file, param=param)
 
     def describe(self) -> dict:
         return {

@@ -271,12 +271,10 @@ def _decode_blocked(
             }
 
         if p.width == 0:  # implicit positions: each dense block on its own (counts need not be x8)
-            parts = [
-                enc.decode_dense(
-                    spans(k, k + 1), int(index.first[k]), int(index.last[k]), d, file=file, param=p.name
-                )
-                for k in np.flatnonzero(mask).tolist()
-            ]
+            parts = []
+            for k in np.flatnonzero(mask).tolist():  # positions first..last (the index, checked in range)
+                pos = np.arange(index.first[k], index.last[k] + 1, dtype=np.int64)
+                parts.append((pos, enc.values.decode(spans(k, k + 1), pos.size, d, file=file, param=p.name)))
         else:
             parts = [
                 _decode_run(enc, p, d, numel, index, k, m, spans(k, m), file=file) for k, m in runs(mask)

@@ -98,7 +98,7 @@ def _blocks(
                 first,
                 a,
                 a + n,
-                encoding.encode_dense(new[a : a + n], None if old is None else old[a : a + n], d),
+                encoding.values.encode(new[a : a + n], None, d),  # no base: add_dense refuses one
             )
         return
     starts = cuts(pos, policy)
