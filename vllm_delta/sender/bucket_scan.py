@@ -31,7 +31,7 @@ from vllm_delta.kernels import scan as scan_kernel
 from vllm_delta.kernels.digest import segment_sums
 from vllm_delta.kernels.scan_buffers import ScanBuffers
 from vllm_delta.sender.segments import Segments
-from vllm_delta.sender.shards import Shard
+from vllm_delta.sender.shards import Shard, flat_runs
 
 # Elements compared per op on an accelerator: a 256 M-element bool mask (256 MiB) at most, so a
 # multi-GB bucket is a few dozen chunks. The CPU diff chunks (and threads) internally.
@@ -102,15 +102,9 @@ def hf_runs(s: Shard | Segments) -> tuple[tuple[int, int], ...] | None:
     """`(HF flat start, length)` runs covering the local elements in order."""
     if isinstance(s, Segments):
         return s.runs
-    full, dim = s.full_shape, s.dim
-    if not full:
-        return ((0, 1),)
-    inner, outer = math.prod(full[dim + 1 :]), math.prod(full[:dim])
-    if outer * len(s.spans) > MAX_RUNS:
+    if math.prod(s.full_shape[: s.dim]) * len(s.spans) > MAX_RUNS:
         return None
-    return tuple(
-        (o * full[dim] * inner + a * inner, n * inner) for o in range(outer) for a, n in s.spans if n
-    )
+    return flat_runs(s.full_shape, s.dim, s.spans)
 
 
 def _merge(buf: list[tuple[int, int]], hf: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:

@@ -1,17 +1,10 @@
 """`DeltaSender`: diff against a snapshot, encode, move, and advance only when every engine acknowledged.
 
-A sync is two halves. `capture(named)` plans the version, diffs every tensor where it lives and
-stages the changes (O(changed) bytes) on the host; it returns once the optimizer may touch the
-weights again. `publish()` encodes, writes or broadcasts, pushes and collects the acks on a
-background thread and returns a future, so it overlaps the next training step. The next
-`capture()` waits only if that publish is still running (a queue of one), then moves the
-snapshot (every engine acked) or remembers what is pending (some did not). `sync()` is capture,
-publish and wait. docs/sender.md has the state machine and the planning rules (`planner.py`).
-
-A sync never stops training: a failed publish is recorded (metrics `sender/publish_failed`, the
-`status()` dict, the log), every rank agrees on it and keeps its snapshot, and the engines it was
-meant for are asked their status (in the background, `prober.py`) before anything else is sent to
-them. Only `sync()`, the blocking call, raises it afterwards.
+A sync is two halves: `capture(named)` diffs and stages the changes (O(changed) bytes) and returns
+once the optimizer may touch the weights again; `publish()` encodes, moves, pushes and collects the
+acks on a background thread, overlapping the next step (docs/sender.md). A sync never stops
+training: a failed publish is recorded (metrics, `status()`, the log), agreed on by every rank, and
+its engines' status is asked in the background; only `sync()`, the blocking call, raises it.
 """
 
 from __future__ import annotations

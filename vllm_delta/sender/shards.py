@@ -126,7 +126,7 @@ def check_disjoint(
         (shape,) = shapes
         if any(p[1] is None for p in parts):  # flat runs (segments.py): compare everything flat
             flat = (math.prod(shape),)
-            parts = [(flat, 0, p[2] if p[1] is None else _flat_runs(shape, p[1], p[2])) for p in parts]
+            parts = [(flat, 0, p[2] if p[1] is None else flat_runs(shape, p[1], p[2])) for p in parts]
             shape = flat
         if len(parts) > 1 and len({p[1] for p in parts}) != 1:
             raise ValueError(f"{name}: ranks cut it along different dims; they would overlap")
@@ -141,10 +141,11 @@ def check_disjoint(
     return coverage
 
 
-def _flat_runs(
+def flat_runs(
     shape: tuple[int, ...], dim: int, spans: tuple[tuple[int, int], ...]
 ) -> tuple[tuple[int, int], ...]:
-    """A `Shard` placement as flat (start, length) runs, to compare with `Segments`."""
-    inner = math.prod(shape[dim + 1 :])
-    outer = math.prod(shape[:dim])
-    return tuple((o * shape[dim] * inner + a * inner, n * inner) for o in range(outer) for a, n in spans)
+    """A `Shard` placement as flat (HF start, length) runs covering its elements in local order."""
+    if not shape:
+        return ((0, 1),)
+    inner, outer = math.prod(shape[dim + 1 :]), math.prod(shape[:dim])
+    return tuple((o * shape[dim] * inner + a * inner, n * inner) for o in range(outer) for a, n in spans if n)

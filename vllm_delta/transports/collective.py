@@ -18,9 +18,6 @@ receives, and an engine must not receive a delta it would refuse. An engine rank
 decoding keeps receiving (and dropping) the rest, so the stream always ends.
 
 Keys, under the group's store, per update `seq`: `<seq>/offer`, `<seq>/answer/<rank>`, `<seq>/go`.
-
-Both halves live here: the trainer's (`CollectiveTransport`, `offer`, `stream`) and an engine
-rank's (`answer`, `Receiver`); `groups.py` builds the groups both join.
 """
 
 from __future__ import annotations

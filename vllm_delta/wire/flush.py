@@ -85,7 +85,7 @@ def iter_flush(
     header = FlushHeader(
         enc.name,
         meta_int(meta, "current_version", file=file),
-        meta_int(meta, "base_version", file=file, optional=True),
+        None if meta.get("base_version") in (None, "") else meta_int(meta, "base_version", file=file),
     )
     blocked = meta.get("format") == FORMAT_BLOCKS
     with paused_gc():  # a few objects per param (container.paused_gc says why)

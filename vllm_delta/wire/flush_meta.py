@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from dataclasses import field as dc_field
 from itertools import chain
 from operator import itemgetter
-from typing import Literal, NamedTuple, overload
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -142,18 +142,9 @@ def meta_json(meta: Mapping[str, str], key: str, *, file: str):
         raise FormatError(f"metadata {key!r} is missing or not JSON", file=file) from None
 
 
-@overload
-def meta_int(meta: Mapping[str, str], key: str, *, file: str, optional: Literal[False] = False) -> int: ...
-@overload
-def meta_int(meta: Mapping[str, str], key: str, *, file: str, optional: bool) -> int | None: ...
-
-
-def meta_int(meta: Mapping[str, str], key: str, *, file: str, optional: bool = False) -> int | None:
-    v = meta.get(key, "")
-    if optional and v in (None, ""):
-        return None
+def meta_int(meta: Mapping[str, str], key: str, *, file: str) -> int:
     try:
-        return int(v)
+        return int(meta.get(key, ""))
     except (TypeError, ValueError):
         raise FormatError(f"metadata {key!r} is not an integer", file=file) from None
 
