@@ -125,14 +125,8 @@ class S3Transport(Transport):
         )
         self.unsealed.discard(sent.location)
         lin = m.lineage
-        self.sealed[sent.location] = Stored(
-            sent.location,
-            m.version,
-            sent.kind,
-            m.base_version,
-            lin.min_version if lin else None,
-            lin.max_version if lin else None,
-        )
+        lo, hi = (lin.min_version, lin.max_version) if lin else (None, None)
+        self.sealed[sent.location] = Stored(sent.location, m.version, sent.kind, m.base_version, lo, hi)
 
     def push(self, client: EngineClient, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
         return client.update({u: {"path": s.location, **body} for u, (s, body) in targets.items()})

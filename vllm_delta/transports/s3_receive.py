@@ -63,7 +63,7 @@ def fetch_manifest(store: ObjectStore, prefix: str) -> tuple[Manifest, int]:
     return parse_manifest(data), len(data)
 
 
-class StoreFlushes:
+class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
     """(name, bytes) of each flush the manifest lists, in its order, one fetched ahead on a thread.
 
     `fetched_bytes` counts what came from the store. Close it (or use it as a context manager) so
@@ -91,9 +91,6 @@ class StoreFlushes:
             if owned is not None and all(p.post_digest for p in params):
                 self._digested.add(f.name)
         self._gen = self._run(store, prefix, list(files))
-
-    def __iter__(self) -> StoreFlushes:
-        return self
 
     def __next__(self) -> tuple[str, bytes | SparseFile]:
         return next(self._gen)

@@ -221,7 +221,8 @@ class DeltaDecoder:
                 if self._admitted(name, item):
                     yield item
                     continue
-                yield from self._admit_each(name, item.deltas())
+                self._done.discard(name)  # marked fed again by the per-param checks
+                yield from self.admit(name, item.deltas())
                 continue
             pd = item
             param = pd.name
@@ -245,11 +246,6 @@ class DeltaDecoder:
                     f"more than the {changed} changes the manifest lists", file=name, param=param
                 )
             yield pd
-
-    def _admit_each(self, name: str, deltas: Iterator[ParamDelta]) -> Iterator[ParamDelta | DeltaBatch]:
-        """`admit`'s checks a param at a time, for a file already marked fed (admit marks it again)."""
-        self._done.discard(name)
-        return self.admit(name, deltas)
 
     def _admitted(self, name: str, batch: DeltaBatch) -> bool:
         """`admit`'s checks of a batch's params as columns, and its bookkeeping, when they all pass
