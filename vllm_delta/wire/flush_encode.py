@@ -53,17 +53,7 @@ def encode_flush(
                 sizes[s] = sizes.get(s, 0) + len(raw)
                 lengths += [len(blob), len(raw)]
             rows.append([first, first + b - a - 1 if pos is None else int(pos[b - 1]), b - a, lengths])
-        params.append(
-            {
-                "name": ch.name,
-                "dtype": d.name,
-                "shape": list(ch.shape),
-                "count": len(new),
-                "width": width,
-                "streams": names,
-                "blocks": rows,
-            }
-        )
+        params.append({**_head(ch, d, len(new), width), "streams": names, "blocks": rows})
     meta = _header(
         encoding,
         version,
@@ -132,6 +122,11 @@ def _arrays(changes: Sequence[ParamChange], *, explicit: bool = False):
         yield ch, d, numel, pos, new, old
 
 
+def _head(ch: ParamChange, d, count: int, width: int) -> dict:
+    """A param's metadata fields shared by both layouts, in the order the format writes them."""
+    return {"name": ch.name, "dtype": d.name, "shape": list(ch.shape), "count": count, "width": width}
+
+
 def _header(
     encoding: Encoding, version: int, base_version: int | None, fmt: str, params: list, streams: dict
 ) -> dict[str, str]:
@@ -159,16 +154,7 @@ def _encode_v1(
             streams.setdefault(s, []).append(blob)
             sizes[s] = start + len(blob)
             spans[s] = [start, start + len(blob)]
-        params.append(
-            {
-                "name": ch.name,
-                "dtype": d.name,
-                "shape": list(ch.shape),
-                "count": len(pos),
-                "width": width,
-                "spans": spans,
-            }
-        )
+        params.append({**_head(ch, d, len(pos), width), "spans": spans})
     raw = {s: b"".join(parts) for s, parts in streams.items()}
     per_stream = encoding.compression == "streams"
     blobs = {f"__{s}__": compress(b, encoding.zstd_level) if per_stream else b for s, b in raw.items()}
