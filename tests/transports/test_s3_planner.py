@@ -89,6 +89,12 @@ def test_one_upload_and_a_late_joiner_replays_from_the_checkpoint(world, s3_env,
     assert late.version == 4 and same(late.weights, fake_weights)
     assert all(e.version == 4 and same(e.weights, fake_weights) for e in engines)
     assert m["perf/update_weights_upload_bytes"] == stored(s3_env, url)["v000004"]
+    sender.remove_engine(late.url)  # the sender no longer drives it: not pushed, not waited for
+    adam_like_step(fake_weights, gen)
+    m = sender.sync(fake_weights)
+    assert m["sender/all_acked"] == 1.0 and len(late.requests) == 4 and late.version == 4
+    assert all(e.version == 5 and same(e.weights, fake_weights) for e in engines)
+    assert m["perf/update_weights_upload_bytes"] == stored(s3_env, url)["v000005"]
     sender.close()
 
 
