@@ -100,7 +100,12 @@ def collective_init(server, **overrides) -> requests.Response:
     )
 
 
-@pytest.mark.parametrize("addr", ["10.1.2.3", "::ffff:10.1.2.3", "trainer.example.evil", "attacker"])
+# An id without "::" for the IPv4-mapped address: xdist's `loadscope` cuts a node id at its last "::" to
+# find the module, so that case was a scope of its own, sent to the other worker to start this engine again.
+@pytest.mark.parametrize(
+    "addr",
+    ["10.1.2.3", pytest.param("::ffff:10.1.2.3", id="ipv4-mapped"), "trainer.example.evil", "attacker"],
+)
 def test_collective_init_refuses_trainers_outside_the_allowlist(guarded, baseline, addr):
     error = refused(collective_init(guarded, master_addr=addr), 403, "TrainerNotAllowed")
     assert addr in error["message"]
