@@ -211,16 +211,12 @@ class DeltaApplier:
         with paused_gc():  # from the manifest's parse on: its per-tensor entries are young objects too
             with times.phase("receive"):
                 info = path if isinstance(path, DeltaInfo) else open_delta(path, files=files)
-                encoding = check_versions(
-                    info.manifest, version=version, base_version=base_version, engine_version=current_version
-                )
-                # Lazily, a param at a time, and only the blocks meeting this rank's shard.
-                owned, decoder = self.owned_ranges(), self._decoder()
-            deltas = iter_delta(
+                base, decoder, owned = self._begin(info.manifest, version, base_version, current_version)
+            deltas = iter_delta(  # lazily, a param at a time, and only the blocks meeting this rank's shard
                 info,
                 expected=self.checkpoint,
                 files=files,
-                current_version=current_version if encoding.needs_base else None,
+                current_version=base,
                 owned=owned,
                 lazy=True,
                 threads=decode_threads or torch.get_num_threads(),
@@ -257,18 +253,9 @@ class DeltaApplier:
         start = time.perf_counter()
         times = PhaseTimes()
         with times.phase("receive"):
-            encoding = check_versions(
-                manifest, version=version, base_version=base_version, engine_version=current_version
-            )
+            base, decoder, owned = self._begin(manifest, version, base_version, current_version)
             names = [f.name for f in manifest.files]
-            decoder = self._decoder()
-            reader = DeltaDecoder(
-                manifest,
-                expected=self.checkpoint,
-                current_version=current_version if encoding.needs_base else None,
-                decoder=decoder,
-            )
-            owned = self.owned_ranges()
+            reader = DeltaDecoder(manifest, expected=self.checkpoint, current_version=base, decoder=decoder)
 
         def deltas():
             # One flush at a time (a collective receives each as it is asked for): checked by name
@@ -299,6 +286,17 @@ class DeltaApplier:
                 decoder=decoder,
                 times=times,
             )
+
+    def _begin(
+        self, manifest: Manifest, version: int, base_version: int | None, current_version: int
+    ) -> tuple[int | None, Decoder, dict[str, list[tuple[int, int]] | None]]:
+        """A prepare's start: the versions checked; the version steps resolve on (None: no base needed),
+        the reader's back end and the ranges this rank decodes."""
+        encoding = check_versions(
+            manifest, version=version, base_version=base_version, engine_version=current_version
+        )
+        owned = self.owned_ranges()  # first: the probe, if it has not run, before the decoder's routes
+        return (current_version if encoding.needs_base else None), self._decoder(), owned
 
     def owned_ranges(self) -> dict[str, list[tuple[int, int]] | None]:
         """Each tensor's checkpoint ranges this rank decodes (`owned.owned_by_tensor`), worked out once."""

@@ -1,14 +1,11 @@
 """One pass per (batch, destination): locate and digest every checkpoint tensor feeding a destination at once.
 
-Why: a fused MoE parameter (w13, w2) is fed by hundreds of expert tensors, and a per-tensor
-Python loop of locate, digest and staging cost about 1.5 ms per checkpoint tensor (70 s at 46k
-tensors) and one scatter each at commit. Here the entries of all the tensors behind one
-destination are concatenated and go through a constant number of tensor ops: a per-entry
-table of their segments' affine maps (gathered by piece id), one ownership mask, one
-compaction, and digests summed per tensor (`kernels.digest.segment_sums`). The op count grows with the
-destinations and batches, never with the checkpoint tensors. For a destination off the CPU the
-ownership filter stays on the host (where the positions are) and the rest runs on the device,
-so no device `nonzero` or read-back is needed and only owned entries cross.
+Why: a fused MoE parameter (w13, w2) is fed by hundreds of expert tensors, and a per-tensor Python
+loop of locate, digest and staging cost about 1.5 ms a checkpoint tensor (70 s at 46k) and one
+scatter each at commit. Here a destination's entries go through a constant number of tensor ops
+(per-entry affine maps gathered by piece id, one ownership mask, one compaction, digests per tensor
+by `kernels.digest.segment_sums`), growing with destinations and batches, never with tensors. Off
+the CPU the ownership filter stays on the host, so only owned entries cross and nothing syncs.
 """
 
 from __future__ import annotations
@@ -123,8 +120,8 @@ def locate(
     """
     if entries is None:
         counts = [p.positions.numel() for p in pieces]
-        positions = _cat([p.positions for p in pieces]).to(torch.int64)
-        values = _cat([p.values for p in pieces])
+        positions = cat([p.positions for p in pieces]).to(torch.int64)
+        values = cat([p.values for p in pieces])
     else:
         positions, values, counts = entries
         positions = positions.to(torch.int64)
@@ -349,7 +346,7 @@ def _located(
     return Located(positions, offsets, values, slots)
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 

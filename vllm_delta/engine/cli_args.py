@@ -45,7 +45,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "delta updates", "Apply sparse weight deltas in place through POST /update_weights_delta."
     )
     group.add_argument(
-        "--enable-delta-updates", action=EnableDeltaUpdates,
+        "--enable-delta-updates", action=EnableDeltaUpdates, nargs=0, default=False,
         help="Serve /update_weights_delta and /delta_updates/status; needs --delta-updates-root.",
     )  # fmt: skip
     group.add_argument(
@@ -86,7 +86,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="The same, one key a line, read again for every update (rotate keys without a restart).",
     )  # fmt: skip
     group.add_argument(
-        "--delta-updates-allow-seed-format", action=AllowSeedFormat,
+        "--delta-updates-allow-seed-format", action=AllowSeedFormat, nargs=0, default=False,
         help="Also accept manifest-less deltas in the seed's format. Their checksum cannot catch two "
              "values swapped or a param renamed or reshaped (docs/wire-format.md); off unless given.",
     )  # fmt: skip
@@ -117,9 +117,6 @@ class SigningKeys(argparse.Action):
 class AllowSeedFormat(argparse.Action):
     """A switch the workers read from the environment (settings.allow_seed_format), set while parsing."""
 
-    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
-
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, True)
         os.environ[settings.ALLOW_SEED_FORMAT] = "1"
@@ -140,9 +137,6 @@ class DeprecatedAlias(argparse.Action):
 
 class EnableDeltaUpdates(argparse.Action):
     """Turn delta updates on: our worker extension, the workers' env flag, our route allowlisted."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         current = getattr(namespace, "worker_extension_cls", "")

@@ -1,12 +1,9 @@
 """Counted-once additive digests of what one rank holds, and their check across ranks.
 
-Why counted once: the manifest's `pre_digest` / `post_digest` / `digest` sum every checkpoint
-element of a tensor exactly once (wire/additive.py), but under tensor parallelism several ranks
-hold the same element (norms, replicated weights, kv heads replicated past the kv-head count).
-Each rank therefore sums only the elements that no lower rank holds, learned once from the
-source lattices of every rank's placement segments; the route adds the ranks' partials and
-compares with the manifest. Everything here is torch on the weights' own device; only the two
-64-bit lane sums per tensor leave it.
+Why counted once: a manifest digest sums each checkpoint element once (wire/additive.py), but under
+tensor parallelism several ranks hold the same element (norms, replicated kv heads). Each rank sums
+only the elements no lower rank holds, learned once from every rank's segment lattices; the door
+adds the ranks' partials and compares. Only two 64-bit lane sums per tensor leave the device.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_delta.engine.intercept import Intercept, storage_key
-from vllm_delta.engine.staging import Staging, add_sum, flat_storage, plain_chunk
+from vllm_delta.engine.staging import Staging, add_sum, chunk, flat_storage
 from vllm_delta.wire import ParamDelta
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 from vllm_delta.wire.codecs import ulp_resolve_tensor
@@ -44,38 +44,6 @@ def shadow_target(name: str) -> str:
     return name + SHADOW_SUFFIX
 
 
-def replay(
-    load_weights: LoadWeights,
-    storages: Mapping[int, str],
-    name: str,
-    tensor: torch.Tensor,
-    live: Mapping[str, torch.Tensor],
-) -> list[Write]:
-    """The writes `load_weights([(name, tensor)])` would make into `live` targets; performs none."""
-    mode = Intercept(storages, inputs={storage_key(tensor)}, sealed=True)
-    with torch.no_grad(), mode:
-        load_weights([(name, tensor)])
-    if any(w.target is None for w in mode.writes):
-        raise UnservableLoader("loader writes a tensor that is neither a parameter nor its own")
-    if foreign := [
-        f"{w.func} on {w.target}" for w in mode.writes if w.func is not torch.ops.aten.copy_.default
-    ]:
-        raise UnservableLoader("loader changes parameters in place: " + ", ".join(foreign[:3]))
-    writes = []
-    for w in mode.writes:
-        dst, target = w.dst, live[w.target]
-        if dst.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
-            raise UnservableLoader(f"loader writes {w.target} beside the tensor its deltas are written to")
-        offsets = torch.full((), dst.storage_offset(), dtype=torch.int64, device=target.device)
-        for d, (n, stride) in enumerate(zip(dst.shape, dst.stride())):
-            shape = [1] * dst.dim()
-            shape[d] = n
-            offsets = offsets + (torch.arange(n, device=target.device) * stride).reshape(shape)
-        values = w.src.to(target.device).broadcast_to(dst.shape).to(dst.dtype)  # what copy_ would store
-        writes.append(Write(w.target, offsets.reshape(-1), values.reshape(-1)))
-    return writes
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of `t`, so equality is bit equality (NaN == NaN, -0.0 != 0.0)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
@@ -87,33 +55,6 @@ def differs(live: Mapping[str, torch.Tensor], writes: list[Write]) -> str | None
         if not torch.equal(bits(flat_storage(live[w.target])[w.offsets]), bits(w.values)):
             return w.target
     return None
-
-
-def check_servable(
-    load_weights: LoadWeights,
-    storages: Mapping[int, str],
-    name: str,
-    shadow: torch.Tensor,
-    live: Mapping[str, torch.Tensor],
-) -> set[str]:
-    """Refuse (`UnservableLoader`) a loader whose replay does not reproduce the loaded weights exactly;
-    returns the targets the replay writes."""
-    first = replay(load_weights, storages, name, shadow, live)
-    again = replay(load_weights, storages, name, shadow, live)
-    if not same_layout(first, again) or any(
-        not torch.equal(bits(a.values), bits(b.values)) for a, b in zip(first, again)
-    ):
-        raise UnservableLoader("loader is not deterministic")
-    for target in {w.target for w in first}:
-        offsets = torch.cat([w.offsets for w in first if w.target == target])
-        if offsets.unique().numel() != offsets.numel():
-            raise UnservableLoader(f"loader writes some elements of {target} more than once")
-    if (target := differs(live, first)) is not None:
-        raise UnservableLoader(
-            f"replaying the loader on the checkpoint does not give the loaded {target} "
-            "(a post-load step changed it, or the loader reads other state)"
-        )
-    return {w.target for w in first}
 
 
 def same_layout(a: list[Write], b: list[Write]) -> bool:
@@ -137,6 +78,53 @@ class Shadows:
         self.tensors: dict[str, torch.Tensor] = {}
         self.refused: dict[str, str] = {}
 
+    def replay(self, storages: Mapping[int, str], name: str, tensor: torch.Tensor) -> list[Write]:
+        """The writes `load_weights([(name, tensor)])` would make into the live targets; performs none."""
+        mode = Intercept(storages, inputs={storage_key(tensor)}, sealed=True)
+        with torch.no_grad(), mode:
+            self.load_weights([(name, tensor)])
+        if any(w.target is None for w in mode.writes):
+            raise UnservableLoader("loader writes a tensor that is neither a parameter nor its own")
+        if foreign := [
+            f"{w.func} on {w.target}" for w in mode.writes if w.func is not torch.ops.aten.copy_.default
+        ]:
+            raise UnservableLoader("loader changes parameters in place: " + ", ".join(foreign[:3]))
+        writes = []
+        for w in mode.writes:
+            dst, target = w.dst, self.targets[w.target]
+            if dst.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
+                raise UnservableLoader(
+                    f"loader writes {w.target} beside the tensor its deltas are written to"
+                )
+            offsets = torch.full((), dst.storage_offset(), dtype=torch.int64, device=target.device)
+            for d, (n, stride) in enumerate(zip(dst.shape, dst.stride())):
+                shape = [1] * dst.dim()
+                shape[d] = n
+                offsets = offsets + (torch.arange(n, device=target.device) * stride).reshape(shape)
+            values = w.src.to(target.device).broadcast_to(dst.shape).to(dst.dtype)  # what copy_ would store
+            writes.append(Write(w.target, offsets.reshape(-1), values.reshape(-1)))
+        return writes
+
+    def _check_servable(self, storages: Mapping[int, str], name: str, shadow: torch.Tensor) -> set[str]:
+        """Refuse (`UnservableLoader`) a loader whose replay does not reproduce the loaded weights exactly;
+        returns the targets the replay writes."""
+        first = self.replay(storages, name, shadow)
+        again = self.replay(storages, name, shadow)
+        if not same_layout(first, again) or any(
+            not torch.equal(bits(a.values), bits(b.values)) for a, b in zip(first, again)
+        ):
+            raise UnservableLoader("loader is not deterministic")
+        for target in {w.target for w in first}:
+            offsets = torch.cat([w.offsets for w in first if w.target == target])
+            if offsets.unique().numel() != offsets.numel():
+                raise UnservableLoader(f"loader writes some elements of {target} more than once")
+        if (target := differs(self.targets, first)) is not None:
+            raise UnservableLoader(
+                f"replaying the loader on the checkpoint does not give the loaded {target} "
+                "(a post-load step changed it, or the loader reads other state)"
+            )
+        return {w.target for w in first}
+
     def plan(self, unmapped: Mapping[str, str], read: Callable[[str], torch.Tensor] | None) -> set[str]:
         """Keep a shadow of every unmapped tensor (name -> why the probe could not map it) whose loader
         replays exactly, as a target of its own; refuse the rest. Returns the targets the replays reach."""
@@ -147,7 +135,7 @@ class Shadows:
                 continue
             shadow = read(name)
             try:
-                replayed |= check_servable(self.load_weights, storages, name, shadow, self.targets)
+                replayed |= self._check_servable(storages, name, shadow)
             except UnservableLoader as exc:
                 self.refused[name] = f"{why}; its loader cannot be replayed exactly: {exc}"
                 continue
@@ -193,8 +181,8 @@ class Shadows:
         updated = shadow.clone()
         updated.view(-1)[positions] = new
         storages = self.storages()
-        before = replay(self.load_weights, storages, name, shadow, self.targets)
-        after = replay(self.load_weights, storages, name, updated, self.targets)
+        before = self.replay(storages, name, shadow)
+        after = self.replay(storages, name, updated)
         del updated
         if not same_layout(before, after):
             raise IncompatibleDeltaError("its loader writes other elements for the new values", param=name)
@@ -205,9 +193,9 @@ class Shadows:
         for b, a in zip(before, after):
             base = flat_storage(self.targets[a.target])[a.offsets] if anchor else b.values
             moved = torch.nonzero(bits(a.values) != bits(base)).squeeze(1)
-            staging.add(a.target, plain_chunk(self.targets[a.target], a.offsets[moved], a.values[moved]))
+            staging.add(a.target, chunk(self.targets[a.target], a.offsets[moved], a.values[moved]))
         target = shadow_target(name)
-        staging.add(target, plain_chunk(self.targets[target], positions, new), counted=False)
+        staging.add(target, chunk(self.targets[target], positions, new), counted=False)
 
     def partial(self, name: str) -> str | None:
         """A replayed tensor's share of its digest: rank 0 counts its shadow; a rank whose live weights
@@ -215,6 +203,6 @@ class Shadows:
         shadow = self.tensors.get(name)
         if shadow is None:
             return None
-        drift = differs(self.targets, replay(self.load_weights, self.storages(), name, shadow, self.targets))
+        drift = differs(self.targets, self.replay(self.storages(), name, shadow))
         copies = int(self.rank == 0) + int(drift is not None)
         return to_hex(tensor_sum(shadow) * copies) if copies else None

@@ -26,24 +26,16 @@ class DeltaMetrics:
     """The series one successful or failed update moves."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        def seconds(name: str, doc: str) -> Histogram:
-            return Histogram(f"vllm_delta:{name}_seconds", doc, buckets=SECONDS, registry=registry)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = SECONDS) -> Histogram:
+            return Histogram(f"vllm_delta:{name}", doc, buckets=buckets, registry=registry)
 
-        self.decode = seconds("decode", "Reading, verifying and decoding a delta (not paused; slowest rank).")
-        self.apply = seconds("apply", "Scattering a delta into the live weights (slowest rank).")
-        self.pause = seconds("pause", "Generation paused for one update.")
-        self.bytes_read = Histogram(
-            "vllm_delta:bytes_read",
-            "Delta bytes read by one update (largest rank).",
-            buckets=SIZES,
-            registry=registry,
+        self.decode = histogram(
+            "decode_seconds", "Reading, verifying and decoding a delta (not paused; slowest rank)."
         )
-        self.changed = Histogram(
-            "vllm_delta:changed_elements",
-            "Changed checkpoint elements per update.",
-            buckets=SIZES,
-            registry=registry,
-        )
+        self.apply = histogram("apply_seconds", "Scattering a delta into the live weights (slowest rank).")
+        self.pause = histogram("pause_seconds", "Generation paused for one update.")
+        self.bytes_read = histogram("bytes_read", "Delta bytes read by one update (largest rank).", SIZES)
+        self.changed = histogram("changed_elements", "Changed checkpoint elements per update.", SIZES)
         self.version = Gauge(
             "vllm_delta:weights_version",
             "Weight version the engine serves.",

@@ -37,10 +37,7 @@ class Segment:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return math.prod(self.sizes)
 
     @property
     def src_last(self) -> int:
@@ -162,10 +159,7 @@ def _runs(
     run = 1
     while dims and dims[-1][1] == run:  # trailing dims contiguous in storage make one run
         run *= dims.pop()[0]
-    count = 1
-    for n, _ in dims:
-        count *= n
-    if count > limit:
+    if math.prod(n for n, _ in dims) > limit:
         return None
     starts = torch.tensor(offset, dtype=torch.int64)
     for n, s in dims:

@@ -21,9 +21,6 @@ from vllm_delta.engine.digests import Ownership, check_coverage
 
 DP_KEY = "dp"
 R = TypeVar("R")
-ACROSS_DP = (
-    "across_dp"  # a set_peers reply's tensors split across DP engines (rank 0 of each engine sends it)
-)
 
 
 async def rpc_all(engine: Any, method: str, args: tuple = ()) -> list[Any]:
@@ -117,7 +114,7 @@ def moe_world(
 def across_dp(replies: Sequence[Mapping[str, Any]]) -> frozenset[str] | None:
     """The tensors split across DP engines, from `delta_set_peers` replies (None: each replica holds the
     whole model). Every engine must have worked out the same set."""
-    sets = {tuple(r[ACROSS_DP]) for r in replies if r.get(ACROSS_DP) is not None}
+    sets = {tuple(r["across_dp"]) for r in replies if r.get("across_dp") is not None}  # each engine's rank 0
     if len(sets) > 1:
         raise ValueError("DP engines disagree on which tensors are split across them")
     return frozenset(sets.pop()) if sets else None

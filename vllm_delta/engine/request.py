@@ -85,6 +85,15 @@ class CollectiveInitRequest(BaseModel):
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: StrictInt | StrictFloat = Field(default=120, gt=0, le=MAX_COLLECTIVE_TIMEOUT_S)
 
+    def check_ranks(self, ranks: int) -> None:
+        """Refuse (400) a group that is not the trainer's ranks and every engine rank."""
+        if self.world_size != self.rank_offset + ranks:
+            raise UpdateError(
+                400,
+                "InvalidRequest",
+                f"world_size {self.world_size} != rank_offset {self.rank_offset} + {ranks} engine ranks",
+            )
+
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The request body, refused (413) past `max_bytes`, before it is all held in memory."""

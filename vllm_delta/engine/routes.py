@@ -83,24 +83,14 @@ class DeltaUpdater(Transaction):
             await self.ensure_peers()
             typed = await self.call("verify", reply=VerifyReply)
         replies = [r.model_dump(exclude_none=True) for r in typed]
-        groups = digest_groups(
-            replies, self.across_dp
-        )  # each replica, then (MoE) the tensors split across DP
+        # Each replica against the digests of what it holds whole, then (a MoE model) the tensors split
+        # across the DP engines against all of them.
+        groups = digest_groups(replies, self.across_dp)
         replicas = []
         for (_, group), (dp, ranks) in zip(groups, by_replica(replies).items()):
-            checked, bad = mismatches(group)  # each replica against the digests of what it holds whole
-            replicas.append(
-                {
-                    "dp": dp,
-                    "digests_checked": checked,
-                    "digest_mismatched": [b[0] for b in bad],
-                    "hash_mismatched": sorted({n for r in ranks for n in r["hash_mismatched"]}),
-                }
-            )
-        extra: dict[str, Any] = {}
-        if self.across_dp:  # a MoE model's tensors split across the DP engines, against all of them
-            checked, bad = mismatches(groups[-1][1])
-            extra["across_dp"] = {"digests_checked": checked, "digest_mismatched": [b[0] for b in bad]}
+            hashes = sorted({n for r in ranks for n in r["hash_mismatched"]})
+            replicas.append({"dp": dp, **_digests_checked(group), "hash_mismatched": hashes})
+        extra = {"across_dp": _digests_checked(groups[-1][1])} if self.across_dp else {}
         checks = [*replicas, *extra.values()]
         digest_bad = sorted({n for r in checks for n in r["digest_mismatched"]})
         hash_bad = sorted({n for r in replicas for n in r["hash_mismatched"]})
@@ -126,17 +116,17 @@ class DeltaUpdater(Transaction):
                 "the collective transport cannot serve data-parallel "
                 "replicas: their workers would take the same group ranks; use a disk or store root",
             )
-        if body.world_size != body.rank_offset + len(ranks):
-            raise UpdateError(
-                400,
-                "InvalidRequest",
-                f"world_size {body.world_size} != rank_offset {body.rank_offset} + {len(ranks)} engine ranks",
-            )
+        body.check_ranks(len(ranks))
         async with self.lock:
             joined = await self.call("collective_init", body.model_dump(), reply=JoinedReply)
         if (failed := first_failed(joined)) is not None:
             raise refusal(failed)
         return {"ranks": [r.group_rank for r in joined], "world_size": body.world_size}
+
+
+def _digests_checked(group: list[dict[str, Any]]) -> dict[str, Any]:
+    checked, bad = mismatches(group)
+    return {"digests_checked": checked, "digest_mismatched": [b[0] for b in bad]}
 
 
 def _updater(request: Request) -> DeltaUpdater:

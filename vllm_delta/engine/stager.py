@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_delta.engine.batched import Known, Piece, compact, locate, on_device, owned_counts
+from vllm_delta.engine.batched import Known, Piece, cat, compact, locate, on_device, owned_counts
 from vllm_delta.engine.fallback import Shadows
 from vllm_delta.engine.routing import BATCH, FALLBACK, GroupKey, Plan, Routing
 from vllm_delta.engine.staging import (
@@ -29,6 +29,7 @@ from vllm_delta.engine.staging import (
     Sums,
     add_sum,
     check_resolvable,
+    chunk,
     expected_digests,
     flat_storage,
     gather,
@@ -247,8 +248,8 @@ class Stager:
                 None
                 if got is None
                 else (
-                    _cat([r[0] for r in got]),
-                    _cat([r[1] for r in got]),
+                    cat([r[0] for r in got]),
+                    cat([r[1] for r in got]),
                     list(chain.from_iterable(map(itemgetter(2), got))),
                 )
             )
@@ -331,19 +332,11 @@ class Stager:
             self._digest(delta, located, acc, *want)
             self.sums.add_tensor(delta.name, acc)
             self.times.add("digest", perf_counter() - started)
+        base = delta.dtype if delta.needs_base else None
         for target, idx, offsets in located:
             if idx.numel():
-                canon = routing.targets[target]
-                flat = flat_storage(canon)
                 values = delta.values[_run(idx)]
-                self.staging.add(
-                    target,
-                    Chunk(
-                        offsets.to(index_dtype(flat)).to(flat.device),
-                        (values if delta.needs_base else values.to(canon.dtype)).to(flat.device),
-                        delta.dtype if delta.needs_base else None,
-                    ),
-                )
+                self.staging.add(target, chunk(routing.targets[target], offsets, values, base))
 
     def _digest(
         self,
@@ -405,10 +398,6 @@ def stage_all(stager: Stager, deltas: Iterable[ParamDelta | DeltaBatch]) -> None
         if item is None:
             return
         stager.take(item)
-
-
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _run(idx: torch.Tensor) -> torch.Tensor | slice:

@@ -79,15 +79,10 @@ def flat_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,))
 
 
-def same_device(*tensors: torch.Tensor) -> None:
-    """Refuse mixed devices explicitly: some kernels (indexing on meta, CPU indices on CUDA) accept them."""
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise RuntimeError(f"tensors on different devices: {sorted(str(d) for d in devices)}")
-
-
 def gather(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    same_device(flat, offsets)
+    """Mixed devices refused explicitly: some kernels (indexing on meta, CPU indices on CUDA) accept them."""
+    if flat.device != offsets.device:
+        raise RuntimeError(f"tensors on different devices: {sorted([str(flat.device), str(offsets.device)])}")
     return flat.index_select(0, offsets)
 
 
@@ -96,10 +91,14 @@ def index_dtype(flat: torch.Tensor) -> torch.dtype:
     return torch.int32 if flat.numel() < 1 << 31 else torch.int64
 
 
-def plain_chunk(canon: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> Chunk:
-    """New values (the destination's dtype) at flat storage offsets of `canon`, on its device."""
+def chunk(
+    canon: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, base: torch.dtype | None = None
+) -> Chunk:
+    """New values (cast to the destination's dtype), or with `base` ULP steps in that dtype, at flat
+    storage offsets of `canon`, on its device."""
     flat = flat_storage(canon)
-    return Chunk(offsets.to(index_dtype(flat)).to(flat.device), values.to(flat.device, flat.dtype))
+    values = values if base is not None else values.to(canon.dtype)
+    return Chunk(offsets.to(index_dtype(flat)).to(flat.device), values.to(flat.device), base)
 
 
 def stage_sums(

@@ -38,7 +38,7 @@ from vllm_delta.engine.model_path import local_checkpoint_dir
 from vllm_delta.engine.prepare_thread import Preparing, decode_threads, prepare_threads
 from vllm_delta.engine.replicas import moe_world
 from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE, PhaseTimes
-from vllm_delta.engine.worker_transfer import pull, receive
+from vllm_delta.engine.worker_transfer import Arriving, pull, receive
 from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, check_versions, open_delta
 from vllm_delta.wire.checkpoint import Checkpoint
@@ -99,17 +99,11 @@ class DeltaWorkerExtension:
     def _delta_rank(self) -> int:
         return int(getattr(self, "rank", 0))
 
-    def _delta_dp(self) -> int:
-        """vLLM's `data_parallel_index`: this engine's DP rank (unlike `data_parallel_rank`, kept for dense
-        models)."""
-        return int(getattr(getattr(self.vllm_config, "parallel_config", None), "data_parallel_index", 0))
-
-    def _delta_moe_dp(self) -> bool:
-        """Whether this engine is one of a MoE model's DP engines: vLLM keeps `data_parallel_size > 1`
-        inside an engine only then (`DPEngineCoreProc`; a dense DP rank is reconfigured to DP=1,
-        v1/engine/core.py `run_engine_core`), and `FusedMoEParallelConfig.make` splits the experts
-        across the DP x TP ranks."""
-        return int(getattr(getattr(self.vllm_config, "parallel_config", None), "data_parallel_size", 1)) > 1
+    def _delta_parallel(self, key: str, default: int) -> int:
+        """`data_parallel_index` (this engine's DP rank; unlike `data_parallel_rank`, kept for dense models)
+        or `data_parallel_size`, which vLLM keeps above 1 inside an engine only for a MoE model's DP
+        engines (a dense DP rank is reconfigured to DP=1, v1/engine/core.py `run_engine_core`)."""
+        return int(getattr(getattr(self.vllm_config, "parallel_config", None), key, default))
 
     def _delta_max_staged_bytes(self) -> int:
         """The staging bound of a request that names none (the backend's init info may set it)."""
@@ -164,20 +158,16 @@ class DeltaWorkerExtension:
         try:
             request = PrepareRequest.model_validate(request)
             max_staged = request.max_staged_bytes or self._delta_max_staged_bytes()
-            check = partial(self._delta_admit, request=request)
+            admit = partial(self._delta_admit, request=request)
+            job = Arriving(request, state.applier, state.version, max_staged, admit)
             if request.transport == "collective":
-                group = getattr(self, "_delta_group", None)
                 try:
-                    manifest, staged = receive(
-                        group, request, state.applier, state.version, max_staged, check
-                    )
+                    manifest, staged = receive(getattr(self, "_delta_group", None), job)
                 except DeltaError:
                     self._delta_drop_group()  # the trainer drops its end after any refusal
                     raise
             elif request.store_path is not None:
-                manifest, staged = pull(
-                    self._delta_s3(), request, state.applier, state.version, max_staged, check
-                )
+                manifest, staged = pull(self._delta_s3(), job)
             else:
                 times = PhaseTimes()  # the manifest's parse: tenths of a second at 10k tensors
                 with times.phase("receive"):
@@ -214,19 +204,13 @@ class DeltaWorkerExtension:
             )
         staged.run_id = run_id
         state.staged = {request.id: staged}
+        same = ("changed", "total_changed", "bytes_read", "decode_s", "replay", "anchor", "digests")
         return PrepareReply(
+            **{k: getattr(staged, k) for k in same},
             rank=self._delta_rank(),
-            changed=staged.changed,
-            total_changed=staged.total_changed,
-            bytes_read=staged.bytes_read,
-            decode_s=staged.decode_s,
             fallback=staged.fallback_names,
-            replay=staged.replay,
-            anchor=staged.anchor,
-            digests=staged.digests,
             staged_bytes=staged.staged_bytes,
-            # the expectations are the same on every rank; send them once
-            expected=staged.expected if self._delta_rank() == 0 else None,
+            expected=staged.expected if self._delta_rank() == 0 else None,  # the same on every rank
             phases=staged.times.as_dict(WORKER_PREPARE),
         ).wire()
 
@@ -305,10 +289,10 @@ class DeltaWorkerExtension:
         applier = self._delta().applier
         shapes = {n: shape for n, (shape, _) in applier.checkpoint.items()}
         groups = {int(dp): group for dp, group in replicas or ()}
-        if groups and self._delta_moe_dp():
+        if groups and self._delta_parallel("data_parallel_size", 1) > 1:
             try:
                 applier.ownership, applier.coverage, across = moe_world(
-                    groups, self._delta_dp(), self._delta_rank(), shapes
+                    groups, self._delta_parallel("data_parallel_index", 0), self._delta_rank(), shapes
                 )
             except ValueError as exc:  # refuses every update, as a hole would
                 applier.coverage = {"ok": False, "errors": {"(data parallel)": str(exc)}, "ignored": []}
@@ -320,7 +304,7 @@ class DeltaWorkerExtension:
                 across_dp=across if self._delta_rank() == 0 else None,
             ).wire()
         if groups:
-            coverages = groups[self._delta_dp()]
+            coverages = groups[self._delta_parallel("data_parallel_index", 0)]
         ordered = [c["coverage"] for c in sorted(coverages, key=lambda c: c["rank"])]
         applier.ownership = Ownership.from_coverages(ordered, self._delta_rank())
         # Holes or overlaps across ranks refuse every update (prepare) and show in the status.

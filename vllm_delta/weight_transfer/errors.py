@@ -23,13 +23,8 @@ class DeltaTransferError(UpdateError):
 
     @classmethod
     def of(cls, err: UpdateError) -> DeltaTransferError:
-        return cls(
-            err.status,
-            err.error["type"],
-            err.error["message"],
-            file=err.error["file"],
-            param=err.error["param"],
-        )
+        e = err.error
+        return cls(err.status, e["type"], e["message"], file=e["file"], param=e["param"])
 
     def __str__(self) -> str:
         return f"{self.error['type']}: {self.error['message']} {error_text(self.status, self.error)}"

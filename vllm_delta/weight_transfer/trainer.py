@@ -20,6 +20,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from vllm_delta.backend_names import BACKEND
 from vllm_delta.weight_transfer.links import SyncClientLinks
+from vllm_delta.weight_transfer.registry import register_backends
 
 
 @dataclass
@@ -163,11 +164,4 @@ def held_tensors(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor.detach()
 
 
-def _register() -> None:
-    """A trainer process need not load vLLM's plugins: using our init info makes `delta` known."""
-    from vllm_delta.weight_transfer.registry import register_backends
-
-    register_backends()
-
-
-_register()
+register_backends()  # a trainer process need not load vLLM's plugins: our init info makes `delta` known

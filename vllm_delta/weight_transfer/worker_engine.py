@@ -104,15 +104,9 @@ class DeltaWeightTransferEngine(
             return
         if init_info.collective is None:
             raise DeltaTransferError(400, "InvalidRequest", "a collective init needs `collective`")
-        config = init_info.collective
-        ranks = get_world_group().world_size
-        if config.world_size != config.rank_offset + ranks:
-            raise DeltaTransferError(
-                400,
-                "InvalidRequest",
-                f"world_size {config.world_size} != rank_offset {config.rank_offset} + {ranks} engine ranks",
-            )
-        _raise_failed(self.delta_collective_init(config.model_dump()))
+        with _raised():
+            init_info.collective.check_ranks(get_world_group().world_size)
+        _raise_failed(self.delta_collective_init(init_info.collective.model_dump()))
 
     def start_weight_update(self) -> None:
         self._drop_staged()  # an earlier session that never finished
