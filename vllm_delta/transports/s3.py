@@ -2,21 +2,10 @@
 the manifest last, then one HTTP push per engine naming the version dir (as with disk).
 
 Why the store: between datacenters there is no shared filesystem and no collective, but there is an
-object store, and it does the fan-out: the trainer uploads one delta whatever the number of engines,
-and each engine pulls it. A version without its manifest is invisible (engines refuse it), so a
-sender that dies or loses the store mid-upload never shows a half version: each object is retried
-with backoff (botocore's own retries, then a bounded retry of the whole object), and the manifest
-is PUT only after every flush is in.
-
-Lifecycle: versions stay in the store until every engine has acknowledged them (or a later one), so
-a slow engine's pull is never cut short. The latest anchor and the versions after it (the "chain",
-at most `keep_chain` of them) are kept as well: an engine that joins late or restarts replays the
-chain from the store (`catch_up`, used by the planner) instead of costing the trainer a new anchor
-upload. Without an anchor yet, the chain starts at the checkpoint (version 0), which every engine
-loads at startup. A longer chain is dropped; the next engine that needs it gets a new anchor, which
-starts a new chain.
-
-The engine's half (the pull of a version from the store) is transports/s3_receive.py.
+object store, and it does the fan-out. A version without its manifest is invisible, so a sender that
+dies mid-upload never shows a half version. Versions stay until every engine acknowledged them, plus
+the chain late joiners replay (`catch_up`); docs/sender.md has the layout, faults and lifecycle. The
+engine's half is transports/s3_receive.py.
 """
 
 from __future__ import annotations
