@@ -12,6 +12,41 @@ from pathlib import Path
 import pytest
 from harness.tiny_models import SPECS, make_tiny_model
 
+# The modules that serve from the pool's shared Llama (harness/engine_pool.py `shared_llama`). Under
+# `make test` they are one xdist scope, so one worker starts that engine for all of them; as separate
+# module scopes both workers started it (~35 s of a worker each). A module missing here still works:
+# it starts the engine on its own worker.
+SHARED_LLAMA_MODULES = frozenset(
+    f"tests/{m}.py"
+    for m in (
+        "integrations/test_trl",
+        "integrations/test_verl",
+        "engine/test_prepare_while_serving",
+        "engine/test_seed_push",
+        "engine/test_server_bad_input",
+        "engine/test_stock_equivalence",
+        "reliability/test_soak",
+        "sender/test_sender_engine",
+        "sender/test_sharded_engine",
+    )
+)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` with the shared-Llama modules as one scope, and a node id's scope read before its
+    parameters (loadscope cuts at the last "::", which a parameter id may contain)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = nodeid.split("[", 1)[0].rsplit("::", 1)[0]
+            return "shared-llama" if scope.split("::", 1)[0] in SHARED_LLAMA_MODULES else scope
+
+    return Scopes(config, log)
+
 
 @pytest.fixture(autouse=True)
 def _delta_env_restored():
