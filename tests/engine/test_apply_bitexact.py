@@ -22,17 +22,14 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
-from harness.cli_diff import diff
+from harness.cli_diff import add_digests, diff
 from harness.perturb import perturb_checkpoint
 from harness.post_load_steps import DERIVED, EXTENSION, MOE_PERMUTED_MODULE, PERMUTED
 from harness.tiny_models import PROMPTS
 from harness.vllm_engine import greedy, start_llm
-from safetensors.torch import load_file
 
 from vllm_delta.engine.digests import check_partials, mismatches
-from vllm_delta.wire import load_manifest, write_manifest
-from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
+from vllm_delta.wire import load_manifest
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
 
@@ -60,35 +57,6 @@ def make_chain(base: Path, root: Path) -> tuple[list[Path], Path]:
         deltas.append(out)
         current = new
     return deltas, current
-
-
-def add_digests(delta: Path, old_dir: Path, new_dir: Path) -> None:
-    """The additive digests a sender states, from the two full checkpoints (not from the engine)."""
-    old, new = load_checkpoint(old_dir), load_checkpoint(new_dir)
-    manifest = load_manifest(delta)
-    params = []
-    for p in manifest.params:
-        a, b = old[p.name].reshape(-1), new[p.name].reshape(-1)
-        pos = torch.nonzero(
-            a.view(torch.uint8).reshape(a.numel(), -1).ne(b.view(torch.uint8).reshape(b.numel(), -1)).any(1)
-        ).squeeze(1)
-        params.append(
-            p.model_copy(
-                update={
-                    "pre_digest": to_hex(partial_sum(pos, a[pos])),
-                    "post_digest": to_hex(partial_sum(pos, b[pos])),
-                    "digest": to_hex(tensor_sum(b)),
-                }
-            )
-        )
-    write_manifest(delta, manifest.model_copy(update={"params": params}))
-
-
-def load_checkpoint(model_dir: Path) -> dict:
-    out = {}
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        out.update(load_file(shard))
-    return out
 
 
 def apply_delta(llm, path: Path, version: int) -> list[dict]:

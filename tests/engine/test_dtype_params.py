@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.cli_diff import diff
+from harness.cli_diff import add_digests, diff
 from harness.perturb import perturb_checkpoint
 from harness.vllm_engine import greedy, start_llm
 from torch import nn
@@ -150,30 +150,6 @@ def test_an_overwrite_converts_as_the_loader_does(tmp_path, dtypes):
     assert same_bits(m, loaded(new, *dtypes)) == []
 
 
-def with_digests(path: Path, old, new) -> Path:
-    """The manifest with additive pre/post digests of the changed positions, from the checkpoints."""
-    from vllm_delta.wire import load_manifest, write_manifest
-    from vllm_delta.wire.additive import partial_sum, to_hex
-
-    manifest = load_manifest(path)
-    params = []
-    for p in manifest.params:
-        a, b = old[p.name].reshape(-1), new[p.name].reshape(-1)
-        pos = torch.nonzero(
-            a.view(torch.uint8).view(a.numel(), -1).ne(b.view(torch.uint8).view(b.numel(), -1)).any(1)
-        ).squeeze(1)
-        params.append(
-            p.model_copy(
-                update={
-                    "pre_digest": to_hex(partial_sum(pos, a[pos])),
-                    "post_digest": to_hex(partial_sum(pos, b[pos])),
-                }
-            )
-        )
-    write_manifest(path, manifest.model_copy(update={"params": params}))
-    return path
-
-
 @pytest.mark.parametrize("w_dtype,ok", [(torch.float32, True), (torch.float16, False)], ids=["fp32", "fp16"])
 def test_a_pre_digest_is_checked_only_where_the_served_values_convert_back(tmp_path, w_dtype, ok):
     """fp16 rounds bf16's small values: a pre_digest summed on them would call the engine off its base."""
@@ -183,7 +159,7 @@ def test_a_pre_digest_is_checked_only_where_the_served_values_convert_back(tmp_p
     old["w"].view(-1)[::7] = torch.tensor(3e-6).to(torch.bfloat16)  # below fp16's normal range: rounded there
     new = stepped(old)
     m = loaded(old, torch.int32, w_dtype)
-    delta = with_digests(write(tmp_path / "d", old, new, ["ids", "w"], "indices"), old, new)
+    delta = add_digests(write(tmp_path / "d", old, new, ["ids", "w"], "indices"), old, new)
     applier = DeltaApplier(m, CHECKPOINT)
     if not ok:
         with pytest.raises(DtypeMismatchError, match="pre_digest cannot be checked") as err:

@@ -32,7 +32,7 @@ import pytest
 import requests
 import torch
 from harness import fp8_engine, fp8_kernel
-from harness.cli_diff import diff
+from harness.cli_diff import add_digests, diff
 from harness.engine_pool import API_KEY, HEADERS, checksums, status
 from harness.fp8_inspect import digest, sorted_digest
 from harness.fp8_models import (
@@ -131,23 +131,34 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(engine, engine_po
         replies.append((r.status_code, r.json()))
     applied, applied_out = checksums(server.url), served_greedy(server.url, HEADERS)
     served, placement = rpc(server, "fp8_served"), status(server.url)["placement"]
+    # BASE's delta again, stating BASE's digests (as a sender does), now on FINAL: refused by them.
+    stale = diff(engine.base, engine.mid, root / f"fp8-{tag}-3", "ulp_zstd", v0 + 3, v0 + 2)
+    add_digests(stale, engine.base, engine.mid)
+    r = requests.post(
+        f"{server.url}/update_weights_delta",
+        json={"path": stale.name, "version": v0 + 3},
+        headers=HEADERS,
+        timeout=300,
+    )
+    refused = (r.status_code, r.json(), checksums(server.url), rpc(server, "fp8_served"))
 
     # What the CPU fp8 kernel's post-load step did at start, against the checkpoint's bytes.
     ckpt = load_file(engine.final / "model.safetensors")
     assert len(engine.served) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
     for module, s in engine.served.items():
         assert s["kernel"] == fp8_kernel.served_kernel(), (module, s["kernel"])
-        assert (s["weight_class"], s["scale_class"]) == ("Parameter", "Parameter"), (
-            module
-        )  # replace_parameter
-        assert (s["kind"], s["changed"]) == ("rerun", ["weight"]), module
-        weight = checkpoint_tensor(ckpt, module, "weight")
-        assert s["live_scale"] == digest(checkpoint_tensor(ckpt, module, "weight_scale_inv")), (
-            module
-        )  # in place
+        # replace_parameter: both plain Parameters; only the weight is re-laid, so only it is re-run
+        assert (s["weight_class"], s["scale_class"], s["kind"], s["changed"]) == (
+            "Parameter", "Parameter", "rerun", ["weight"]
+        ), module  # fmt: skip
+        weight, scale = (
+            checkpoint_tensor(ckpt, module, "weight"),
+            checkpoint_tensor(ckpt, module, "weight_scale_inv"),
+        )
+        assert s["live_scale"] == digest(scale), module  # the scales are served as the checkpoint's bytes
         assert s["canonical_weight"] == digest(weight), module  # deltas go to the checkpoint-layout copy
-        assert s["live_weight"] != digest(weight), module  # re-laid (VNNI) ...
-        assert s["live_weight_sorted"] == sorted_digest(weight), module  # ... the same bytes
+        assert s["live_weight"] != digest(weight), module  # the live weight is re-laid (VNNI) ...
+        assert s["live_weight_sorted"] == sorted_digest(weight), module  # ... from the same bytes
     # The probe maps every tensor with the model's loaders: nothing falls back, nothing is refused.
     assert placement["ready"] and placement["fallback"] == [] and placement["refused"] == {}, placement
     # The chain changed fp8 codes and scales, applied through the map, and ends on FINAL exactly: the
@@ -162,6 +173,11 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(engine, engine_po
     assert [n for n in engine.checksums if applied[n] != engine.checksums[n]] == []
     assert applied_out == engine.outputs
     assert served == engine.served
+    # Refused before any write (re-packs are built in prepare): no weight, scale, checkpoint-layout copy
+    # or pointer moved.
+    code, reply, after_sums, after_served = refused
+    assert code == 400 and reply["error"]["type"] == "IntegrityError", reply
+    assert after_sums == applied and after_served == served
 
 
 def reference_export(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness.cli_diff import diff
+from harness.cli_diff import add_digests, diff
 from harness.fresh_load import save_checkpoint
 from harness.perturb import perturb_checkpoint
 from harness.tiny_models import _common, train_tokenizer
@@ -33,8 +33,7 @@ from vllm_delta.engine.intercept import storages_of
 from vllm_delta.engine.map_check import check_map
 from vllm_delta.engine.placement import Fill
 from vllm_delta.engine.probe import build_placement
-from vllm_delta.wire import load_manifest, write_manifest
-from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
+from vllm_delta.wire import load_manifest
 
 VOCAB = 500  # served as 512: 12 padding rows (TP=2: rank 1 holds 244 rows and 12 of padding)
 HIDDEN = 128
@@ -189,29 +188,9 @@ def make_chain(root: Path, tied: bool) -> tuple[Path, list[Path], Path]:
     ):
         out = root / f"delta_v{version}"
         diff(old, new, out, encoding, version, version - 1)
-        add_digests(out, load_file(old / "model.safetensors"), load_file(new / "model.safetensors"))
+        add_digests(out, old, new)
         deltas.append(out)
     return base, deltas, final
-
-
-def add_digests(delta: Path, old: dict, new: dict) -> None:
-    """The additive digests a sender states (changed positions before / after, whole tensor after),
-    from the two checkpoints: what prepare and a full verify must reproduce from the padded weights."""
-    manifest = load_manifest(delta)
-    params = []
-    for p in manifest.params:
-        a, b = old[p.name].reshape(-1), new[p.name].reshape(-1)
-        pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
-        params.append(
-            p.model_copy(
-                update={
-                    "pre_digest": to_hex(partial_sum(pos, a[pos])),
-                    "post_digest": to_hex(partial_sum(pos, b[pos])),
-                    "digest": to_hex(tensor_sum(b)),
-                }
-            )
-        )
-    write_manifest(delta, manifest.model_copy(update={"params": params}))
 
 
 @pytest.mark.heavy
