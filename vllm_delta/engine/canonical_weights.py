@@ -16,9 +16,7 @@ modules that copy would hit the emptied/canonical mismatch and leave the stash s
 `install_reload_hooks` makes the reload load into the canonical tensors and re-run the step
 through `refresh`, the same path a delta takes.
 
-A linear layer's step (vLLM's CPU oneDNN / sgl repack) is built ahead instead (`prebuild`): run on a
-stand-in holding the new canonical weights while the engine serves, its result (the layer's new
-`cpu_linear` handler) is only swapped in at commit (`stand_in.Built.install`), so the pause holds copies only.
+Linear layers' steps (CPU oneDNN repack, fp8 VNNI pack) are built ahead (`prebuild`), on a stand-in.
 """
 
 from __future__ import annotations
@@ -106,27 +104,34 @@ def needs_refresh(module: nn.Module) -> bool:
 
 def prebuild(module: nn.Module, new: Mapping[str, torch.Tensor]) -> Built | None:
     """What the module's post-load step makes when run from the `new` canonical weights (param name ->
-    checkpoint-layout tensor, the others as they are): computed on a stand-in (`stand_in.run`), so the
-    live module, which may be serving, is untouched. None where the step is not known to keep to its own
-    layer, or left other than a handler: the step is then re-run at commit (`refresh`).
-
-    Why only vLLM's unquantized linear and embedding (the LM head): their step reads the layer's weight
-    and builds a handler that owns its packed copy (the linear's also empties the weight: a restored
-    parameter, so nothing to copy back); other steps write into shared state (a fused MoE's kernel
-    object) that must not change while serving.
+    checkpoint-layout tensor with the staged writes; the others as they are): computed on a stand-in
+    (`stand_in.run`): the live module is untouched until the commit copies the result of each stashed
+    parameter into the live one (fp8's VNNI-packed weight) and swaps in the handlers (oneDNN's
+    `cpu_linear`). None where the step is not known to keep to its own layer (vLLM's unquantized linear,
+    embedding and fp8 linear do; a fused MoE's writes its kernel object), or moved another tensor: the
+    step is then re-run at commit (`refresh`).
     """
-    if getattr(module, STASH_ATTR) or not _keeps_to_its_layer(module):
+    if not _keeps_to_its_layer(module):
         return None
     restored: set[str] = getattr(module, RESTORED_ATTR, set())
-    swap = {f"param:{n}": t for n, t in new.items()}
-    kept = {k: swap.get(k, t) for k, (kind, n, t) in held_tensors(module).items() if n not in restored}
+    stash: dict[str, torch.Tensor] = getattr(module, STASH_ATTR)
+    swap = {f"param:{n}": new[n] if n in new else c.clone() for n, c in stash.items()}
+    swap.update({f"param:{n}": t for n, t in new.items()})
+    kept = {
+        k: swap.get(k, t) for k, (_, n, t) in held_tensors(module).items() if n not in restored | set(stash)
+    }
     try:
         after, built, _ = stand_in.run(module, lambda m: post_load_step(m)(), swap)
     except NotStandIn:
         return None
+    for n in stash:
+        live, result = module._parameters[n].data, after.get(f"param:{n}", (0, 0, 0, None))[3]
+        if result is None or result.shape != live.shape or result.dtype != live.dtype:
+            return None
+        built.copies.append((live, result.data))
     moved = [k for k, t in kept.items() if k not in after or _where(after[k][3]) != _where(t)]
     handlers = all(not isinstance(v, (torch.Tensor, nn.Module)) for _, _, v in built.swaps)
-    return built if handlers and not moved and not built.copies else None
+    return built if handlers and not moved else None
 
 
 def _where(t: torch.Tensor) -> tuple:
@@ -136,10 +141,11 @@ def _where(t: torch.Tensor) -> tuple:
 def _keeps_to_its_layer(module: nn.Module) -> bool:
     try:
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
     except ImportError:
         return False
-    own_layer = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    own_layer = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod, Fp8LinearMethod)
     return type(getattr(module, "quant_method", None)) in own_layer
 
 
@@ -151,10 +157,6 @@ def refresh(modules: Iterable[nn.Module]) -> int:
     tensor attribute has the `data_ptr()` it had before: a captured CUDA graph keeps reading live
     weights (what vLLM RFC #48312 asks of weight reloads). Only opaque kernel state (a closure
     over a packed copy) is rebuilt, as the step rebuilds it.
-
-    Cost: a weight the step emptied (vLLM's CPU linear, oneDNN) is its canonical tensor, so the
-    step reads it directly, uncopied; the refresh is then vLLM's own repack, and the bookkeeping
-    here is about 1% of it (benchmarks/cpu_refresh.py, docs/results/apply.md).
     """
     count = 0
     for module in modules:

@@ -94,10 +94,9 @@ def commit(model: nn.Module, targets: Mapping[str, torch.Tensor], staged: Staged
 def prebuild_touched(
     model: nn.Module, targets: Mapping[str, torch.Tensor], writes: Mapping[str, Iterable[Chunk]]
 ) -> Prebuilt:
-    """In prepare, while the engine serves: the post-load results of every touched module and derived
-    unit whose step runs on a stand-in (canonical_weights.prebuild, derived.prebuild), from copies of
-    the written tensors with the staged writes applied; the live weights, handlers and derived tensors
-    are untouched until `refresh_touched`. The rest is named, with why, in `in_pause`."""
+    """In prepare, while serving: the post-load results of every touched module and derived unit whose step
+    runs on a stand-in (canonical_weights.prebuild, derived.prebuild), from copies of the written tensors
+    with the staged writes applied; nothing live changes before `refresh_touched`. The rest: `in_pause`."""
     out, copies = Prebuilt(), {}
 
     def written(name: str) -> torch.Tensor:
@@ -107,15 +106,14 @@ def prebuild_touched(
 
     for name, module in _touched(model, writes):
         prefix = f"{name}." if name else ""
-        # Every written param of the module: a restored one (the linear's emptied weight) and a live one
-        # the step reads but keeps (the LM head's weight), which the commit's scatter writes later.
+        # Every written param of the module: restored (the linear's emptied weight), stashed (fp8's packed
+        # one) or live (the LM head's, which the step reads but keeps and the commit's scatter writes).
         new = {
             n: written(prefix + n)
             for n, _ in module.named_parameters(recurse=False)
             if writes.get(prefix + n)
         }
-        built = canonical_weights.prebuild(module, new)
-        if built is None:
+        if (built := canonical_weights.prebuild(module, new)) is None:
             out.in_pause[name] = "its post-load step is not known to keep to its own layer"
         else:
             out.modules[name] = built
@@ -137,8 +135,8 @@ def refresh_touched(model: nn.Module, writes: Iterable[str], prebuilt: Prebuilt)
     writes = list(writes)
     rerun = []
     for name, module in _touched(model, writes):
-        if name in prebuilt.modules:
-            prebuilt.modules[name].install()
+        if (built := prebuilt.modules.get(name)) is not None:
+            built.install()
         else:
             rerun.append(module)
     if rerun:

@@ -307,10 +307,9 @@ def touched(model: nn.Module, written: Iterable[str]) -> list[Unit]:
 
 
 def prebuild(model: nn.Module, unit: Unit, written: Mapping[str, torch.Tensor]) -> stand_in.Built:
-    """In prepare: the unit's step run on a stand-in whose written sources hold `written` (the post-delta
-    values of the live tensors the commit scatters into) and whose derived tensors are scratch copies;
-    the new bits of each tensor it re-derives, for the commit to copy in place. Raises `NotStandIn` where
-    the step reads a source other than through its module, or cannot run on a stand-in."""
+    """In prepare: the unit's step run on a stand-in whose written sources hold `written` (post-delta values)
+    and whose derived tensors are scratch copies; the new bits of each tensor it re-derives, for the commit
+    to copy in place. `NotStandIn` where the step reads a source other than through its module."""
     held = reach(unit.module)
     live = {id(model.get_parameter(n)): n for n in unit.sources if n in written}
     swap: dict[str, torch.Tensor] = {}

@@ -2,15 +2,13 @@
 copies and attribute swaps only (issue 30: the pause holds copies only).
 
 Why: vLLM's post-load steps rebind attributes of the module they are given and write into its tensors in
-place (`replace_parameter(..., prefer_copy=True)`, `_k_scale.fill_`): run on a module that serves, they
-would change what it serves before the commit, and a prepare that fails later would leave it changed.
-A stand-in is a copy of the module's tree that shares no dict with it (each module's parameter, buffer
-and module dicts, and its plain attribute objects such as an attention impl, one level deep); its
-tensors are the live ones except those the caller swaps in: copies holding the staged writes for the
-parameters the step reads, scratch copies of the tensors it derives. The step runs under a sealed
-`Intercept`, so a write into any other storage that existed before it (a live tensor) is not performed;
-the live tree's attributes are compared before and after, and put back. Either gives the stand-in up
-(`NotStandIn`): the caller then re-runs the step in the pause, as before.
+place (`replace_parameter(..., prefer_copy=True)`, `_k_scale.fill_`): run on a serving module, they would
+change what it serves before the commit, or after a prepare that failed. A stand-in is a copy of the
+module's tree sharing no dict with it (modules' parameter, buffer and module dicts, their plain attribute
+objects such as an attention impl); its tensors are the live ones but those the caller swaps in (copies
+with the staged writes, scratch copies of what the step derives). The step runs under a sealed
+`Intercept` (no write into a storage that existed before it is performed) and the live tree's attributes
+are compared after it; either gives the stand-in up (`NotStandIn`), and the step is re-run in the pause.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ class Built:
 
 @dataclass
 class Prebuilt:
-    """A prepare's post-load work built while serving: per touched module (`canonical_weights.prebuild`),
-    per derived unit (`derived.prebuild`), and why the rest is re-run in the pause."""
+    """A prepare's post-load work: per module, per derived unit, and why the rest is re-run in the pause."""
 
     modules: dict[str, Built] = field(default_factory=dict)
     units: dict[str, Built] = field(default_factory=dict)
@@ -176,10 +173,14 @@ def _copy(obj: object, copies: dict[int, object]) -> object:
 
 
 def _objects(unit: nn.Module) -> Iterator[tuple[int, object]]:
-    """The live tree's modules and their plain attribute objects (those a stand-in copies), by id."""
+    """The live tree's modules, their plain attribute objects (those a stand-in copies) and theirs (shared
+    with the stand-in: a quant method's kernel), by id."""
     for m in unit.modules():
         yield id(m), m
-        yield from ((id(v), v) for v in vars(m).values() if plain(v))
+        for v in vars(m).values():
+            if plain(v):
+                yield id(v), v
+                yield from ((id(w), w) for w in vars(v).values() if plain(w))
 
 
 def _state(obj: object) -> dict[str, object]:
