@@ -12,7 +12,7 @@ times, per kind and for all 112, in rounds whose order alternates:
   copy), each replacing the module's previous handler as the step does;
 - prebuild: `canonical_weights.prebuild` from a copy of each weight, what a prepare now runs for every
   touched linear (while the engine serves);
-- swap: `canonical_weights.install` of those handlers, what the commit now runs in their place;
+- swap: `stand_in.Built.install` of those handlers, what the commit now runs in their place;
 - memcpy: `copy_` of the same bytes into preallocated tensors, the floor of any full repack;
 - clone: what the generic path's `canon.clone()` would cost if it ran for these layers.
 
@@ -70,14 +70,14 @@ def variants(mods: list[nn.Module]) -> dict[str, Callable[[], object]]:
             handler = ops.create_onednn_mm(m.weight.t(), 32)
             m.cpu_linear = lambda x, weight, bias, h=handler: ops.onednn_mm(h, x, bias)
 
-    made: list[dict[str, object] | None] = []
+    made: list = []  # canonical_weights.prebuild's stand_in.Built per module
 
     def prebuild() -> None:
         made[:] = [canonical_weights.prebuild(m, {"weight": m.weight.clone()}) for m in mods]
 
     def swap() -> None:
-        for m, attrs in zip(mods, made):
-            canonical_weights.install(m, attrs)
+        for built in made:
+            built.install()
 
     return {
         "refresh": lambda: canonical_weights.refresh(mods),
