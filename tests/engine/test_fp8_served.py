@@ -161,7 +161,7 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(engine, engine_po
         assert s["live_weight_sorted"] == sorted_digest(weight), module  # ... from the same bytes
     # The probe maps every tensor with the model's loaders: nothing falls back, nothing is refused.
     assert placement["ready"] and placement["fallback"] == [] and placement["refused"] == {}, placement
-    # Each fp8 linear's post-load step (its VNNI pack) ran in prepare on a stand-in: none was re-run in the pause.
+    # Each fp8 linear's post-load step (its VNNI pack) ran in prepare on a stand-in, none in the pause.
     assert not set(engine.served) & set(placement["in_pause"]), placement["in_pause"]
     # The chain changed fp8 codes and scales, applied through the map, and ends on FINAL exactly: the
     # digests, the tokens and logprobs, and every layer's live and checkpoint-layout bytes.
