@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from harness import megatron_cpu
 from harness.engine_pool import checksums
-from harness.tiny_models import VOCAB_SIZE, train_tokenizer
+from harness.tiny_models import _common, train_tokenizer
 from harness.vllm_engine import served_greedy
 from hook_workers import LR, tokens
 from safetensors.torch import load_file, save_file
@@ -36,20 +36,7 @@ STRADDLING = {"num_attention_heads": 4, "head_dim": 64}
 def _config(heads: dict):
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        torch_dtype="bfloat16",
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        **heads,
-    )
+    return LlamaConfig(**{**_common(), "hidden_size": 256, "intermediate_size": 512, **heads})
 
 
 def quantized(name: str) -> bool:
