@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("digest_jit", "gaps_jit", "params_jit", "scan_jit", "scatter_jit", "ulp_jit")
+MODULES = ("digest_jit", "params_jit", "scan_jit", "scatter_jit", "ulp_jit")
 EXTENSION = "harness.kernel_signatures.KernelSignatures"
 
 

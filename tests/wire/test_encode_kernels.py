@@ -1,11 +1,10 @@
-"""The one-pass stream builders (`codecs.gap_planes`, `ulp_streams`: kernels/gaps_jit.py, ulp_jit.py)
-write exactly the numpy codecs' bytes.
+"""The one-pass ULP stream builder (`codecs.ulp_streams`: kernels/ulp_jit.py) writes exactly the numpy
+codecs' bytes.
 
 The numpy codecs (`codecs.encode_gaps` + `to_planes`, `codecs.encode_steps(ulp_steps(...))`) are
 the reference: they are what the wire goldens were made with. Cases: every float width, counts
 around a packed byte's edge, steps of every class (0, +-1, escapes, the most negative step, every
-sign and NaN pattern), gap widths 1 to 8, a block's `prev`, and the fallback where the kernel
-does not apply.
+sign and NaN pattern), and the fallback where the kernel does not apply.
 """
 
 from __future__ import annotations
@@ -23,11 +22,6 @@ pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba (the cpu-sc
 def _numpy_ulp(new: np.ndarray, old: np.ndarray, d) -> dict[str, bytes]:
     sign, flag, esc = codecs.encode_steps(codecs.ulp_steps(new, old, d), d)
     return {"sign": sign, "flag": flag, **{f"esc{j}": p for j, p in enumerate(codecs.to_planes(esc))}}
-
-
-def _numpy_gaps(pos: np.ndarray, prev: int, width: int | None) -> tuple[int, list[bytes]]:
-    w, gaps = codecs.encode_gaps(pos, prev=prev, width=width)
-    return w, codecs.to_planes(gaps)
 
 
 def _steps_case(d, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,33 +56,12 @@ def test_the_most_negative_step_and_every_step_class_are_coded_as_numpy_does() -
     assert codecs.ulp_streams(new, old, d) == _numpy_ulp(new, old, d)
 
 
-@pytest.mark.parametrize("top", [3000, 60_000, 1 << 30, 1 << 40])
-@pytest.mark.parametrize("prev", [-1, 0, 2])
-@pytest.mark.parametrize("width", [None, 8])
-def test_gap_planes_and_width_equal_the_numpy_codecs(top: int, prev: int, width: int | None) -> None:
-    rng = np.random.default_rng(top)
-    for n in (1, 2, 9, 3000):
-        pos = np.sort(rng.choice(top, n, replace=False)).astype(np.int64) + 3
-        assert codecs.gap_planes(pos, prev=prev, width=width) == _numpy_gaps(pos, prev, width)
-        assert codecs.gap_width(pos, prev=prev) == codecs.encode_gaps(pos, prev=prev)[0]
-
-
-@pytest.mark.parametrize("top", [255, 256, 65_535 + 1, 65_536 + 1, (1 << 32) + 1])
-def test_gap_width_at_each_width_edge(top: int) -> None:
-    """Largest gaps of 2^8 - 1, 2^8, 2^16 - 1, 2^16, 2^32: the width steps exactly where numpy's does."""
-    pos = np.array([5, 5 + top, 6 + top], dtype=np.int64)
-    assert codecs.gap_width(pos) == codecs.encode_gaps(pos)[0]
-    assert codecs.gap_planes(pos) == _numpy_gaps(pos, -1, None)
-
-
 def test_where_the_kernel_does_not_apply_the_numpy_codecs_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Integer dtypes, empty blocks and the environment's switch take the numpy codecs."""
+    """Integer dtypes and the environment's switch take the numpy codecs."""
     rng = np.random.default_rng(0)
     d = by_name("int16")
     new, old = rng.integers(0, 1 << 16, 50, dtype=np.uint16), rng.integers(0, 1 << 16, 50, dtype=np.uint16)
     assert codecs.ulp_streams(new, old, d) == _numpy_ulp(new, old, d)
-    empty = np.zeros(0, dtype=np.int64)
-    assert codecs.gap_planes(empty) == _numpy_gaps(empty, -1, None)
     monkeypatch.setenv("VLLM_DELTA_KERNELS", "0")
     assert not switch.on()
     f = by_name("bfloat16")

@@ -1,16 +1,6 @@
-"""Compile every kernel before a first sync needs it.
-
-Why: numba compiles a kernel on its first call for each signature (its arguments' types): 11-17 s
-for an engine's first apply on one core here with a cold cache, over 1 s with a cached one (numba's
-import and first dispatch; docs/results/kernels.md). A user's first sync paid that (6.8 s against
-1.8 s for the same push once compiled). The engine calls `warm_up` in its startup placement probe
-(engine/worker.py `delta_probe`), off the serving path, and the sender when it takes its snapshot
-(`DeltaSender.seed`). numba's cache (`jit.kernel`) lets a later start load the kernels instead.
-
-Each call below passes the argument types a sync passes (element width, int32 offsets, read-only
-buffers decoded from a file), so a sync of those types compiles nothing: tests/kernels/test_warmup.py
-checks that a sender's scan and encode and an engine's apply after `warm_up` add no signature.
-"""
+"""Compile every kernel before a first sync needs it: numba compiles on a signature's first call (11-17 s
+cold, docs/results/kernels.md), so the engine's startup probe and `DeltaSender.seed` call `warm_up` with
+the argument types a sync passes (tests/kernels/test_warmup.py: a sync after it compiles nothing)."""
 
 from __future__ import annotations
 
@@ -23,7 +13,6 @@ import torch
 from vllm_delta.kernels import switch
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-GAP_WIDTHS = (1, 2, 4, 8)  # `wire.codecs.GAP_WIDTHS`: what a delta's gaps may be coded in, whatever the dtype
 
 
 def warm_up(
@@ -48,20 +37,10 @@ def warm_up(
     return time.perf_counter() - start
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
-    """As `np.frombuffer` gives arrays over bytes: a signature of its own to numba."""
-    a.flags.writeable = False
-    return a
-
-
 def _engine(widths: list[int]) -> None:
-    from vllm_delta.kernels import gaps_jit, params_jit, scatter_jit
+    from vllm_delta.kernels import params_jit, scatter_jit
 
     params_jit.scan(np.frombuffer(b"[]", dtype=np.uint8), params_jit.KEYS)  # a flush's params text
-
-    for w in GAP_WIDTHS:  # decoded gaps: read-only over a file's bytes, writable once decompressed
-        for gaps in (np.zeros(1, _UINT[w]), _read_only(np.zeros(1, _UINT[w]))):
-            gaps_jit.positions(gaps, 2, -1, np.empty(1, np.int64))
     for w in widths:
         u = _UINT[w]
         flat, offsets, values = np.zeros(2, u), np.zeros(1, np.int32), np.zeros(1, u)
@@ -72,7 +51,7 @@ def _engine(widths: list[int]) -> None:
 
 
 def _sender(widths: list[int]) -> None:
-    from vllm_delta.kernels import gaps_jit, scan, ulp_jit
+    from vllm_delta.kernels import scan, ulp_jit
 
     tables = tuple(np.array([v], np.int64) for v in (0, 32, 0, 0))
     for w in widths:
@@ -85,7 +64,3 @@ def _sender(widths: list[int]) -> None:
             ulp_jit.write_ulp_streams(
                 np.zeros(1, u), np.ones(1, u), one, one.copy(), np.zeros((w, 1), np.uint8)
             )
-    pos = np.arange(2, dtype=np.int64)
-    gaps_jit.max_gap(pos, -1)
-    for w in GAP_WIDTHS:
-        gaps_jit.write_gap_planes(pos, -1, np.empty((w, 2), np.uint8))

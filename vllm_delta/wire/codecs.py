@@ -97,14 +97,9 @@ def _narrowest(top: int) -> int:
 
 
 def gap_width(pos: np.ndarray, *, prev: int = -1) -> int:
-    """The width `encode_gaps` picks, from the largest gap alone (one pass, nothing kept; compiled
-    where the kernels are on, without numpy's int64 temporary)."""
+    """The width `encode_gaps` picks, from the largest gap alone."""
     if not pos.size:
         return GAP_WIDTHS[0]
-    if switch.on() and pos.size > 1 and pos.dtype == np.int64:
-        from vllm_delta.kernels.gaps_jit import max_gap
-
-        return _narrowest(int(max_gap(pos, prev)))
     top = int(pos[0]) - prev - 1
     if pos.size > 1:
         top = max(top, int(np.subtract(pos[1:], pos[:-1], dtype=np.int64).max()) - 1)
@@ -120,31 +115,11 @@ def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) ->
     """
     if gaps.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if switch.on() and gaps.dtype.kind == "u":
-        return _decode_gaps_kernel(gaps, numel, prev, file=file, param=param)
     if int(gaps.max()) >= numel or not -1 <= prev < numel:
         raise BoundsError(f"gap exceeds the tensor's {numel} elements", file=file, param=param)
     pos = np.cumsum(gaps.astype(np.int64) + 1)
     pos += prev
     check_positions(pos, numel, file=file, param=param)
-    return pos
-
-
-def _decode_gaps_kernel(gaps: np.ndarray, numel: int, prev: int, *, file, param) -> np.ndarray:
-    """`decode_gaps` in one compiled pass (kernels/gaps_jit.py), with the same checks and errors:
-    numpy's version makes five passes and three int64 temporaries over a param's changes."""
-    from vllm_delta.kernels.gaps_jit import GAP, ORDER, RANGE, positions
-
-    if not -1 <= prev < numel:
-        raise BoundsError(f"gap exceeds the tensor's {numel} elements", file=file, param=param)
-    pos = np.empty(gaps.size, dtype=np.int64)
-    found = positions(gaps, numel, prev, pos)
-    if found == GAP:
-        raise BoundsError(f"gap exceeds the tensor's {numel} elements", file=file, param=param)
-    if found == RANGE:
-        raise BoundsError(f"position out of range [0, {numel})", file=file, param=param)
-    if found == ORDER:
-        raise BoundsError("positions are not strictly increasing", file=file, param=param)
     return pos
 
 
@@ -165,17 +140,9 @@ def to_planes(arr: np.ndarray) -> list[bytes]:
 
 
 def gap_planes(pos: np.ndarray, *, prev: int = -1, width: int | None = None) -> tuple[int, list[bytes]]:
-    """(width, byte planes) as `encode_gaps` then `to_planes` give them: written in one compiled pass
-    where the kernels are on (kernels/gaps_jit.py), without the ~5 passes and int64 temporaries."""
-    if not (switch.on() and pos.size and pos.dtype == np.int64):
-        w, gaps = encode_gaps(pos, prev=prev, width=width)
-        return w, to_planes(gaps)
-    from vllm_delta.kernels.gaps_jit import write_gap_planes
-
-    w = gap_width(pos, prev=prev) if width is None else width
-    out = np.empty((w, pos.size), np.uint8)
-    write_gap_planes(pos, prev, out)
-    return w, [bytes(row.data) for row in out]
+    """(width, byte planes): `encode_gaps` then `to_planes`."""
+    w, gaps = encode_gaps(pos, prev=prev, width=width)
+    return w, to_planes(gaps)
 
 
 def from_planes(planes: list[memoryview], count: int, width: int, what: str, *, file, param) -> np.ndarray:
