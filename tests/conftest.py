@@ -32,10 +32,16 @@ SHARED_LLAMA_MODULES = frozenset(
 )
 
 
+# The modules that share the pool's fp8 engine (harness/fp8_engine.py `shared_server`): one xdist scope for
+# the same reason. test_hook_fp8 comes last in collection order and stops the engine.
+FP8_ENGINE_MODULES = frozenset({"tests/engine/test_fp8_served.py", "tests/megatron/test_hook_fp8.py"})
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadscope` with the shared-Llama modules as one scope, and a node id's scope read before its
-    parameters (loadscope cuts at the last "::", which a parameter id may contain)."""
+    """`--dist loadscope` with the shared-Llama modules as one scope and the fp8 engine's as another, and a
+    node id's scope read before its parameters (loadscope cuts at the last "::", which a parameter id may
+    contain)."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -43,7 +49,10 @@ def pytest_xdist_make_scheduler(config, log):
     class Scopes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = nodeid.split("[", 1)[0].rsplit("::", 1)[0]
-            return "shared-llama" if scope.split("::", 1)[0] in SHARED_LLAMA_MODULES else scope
+            module = scope.split("::", 1)[0]
+            if module in SHARED_LLAMA_MODULES:
+                return "shared-llama"
+            return "fp8-engine" if module in FP8_ENGINE_MODULES else scope
 
     return Scopes(config, log)
 

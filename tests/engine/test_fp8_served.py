@@ -16,10 +16,12 @@ with the AMX gate replaced by a check that its op computes vLLM's torch referenc
 weights, loaders, post-load steps (the VNNI pack included), the matmul itself and our delta apply
 are all vLLM's and ours; only the gate differs.
 
-One engine serves the module (an engine start is the suite's largest cost): a pooled `vllm serve
---enable-delta-updates` in dev mode, started on FINAL. What it serves at start is the reference of the
-first test (its digests equal a fresh load by vLLM's own loader in another process). Each test then
-puts the engine on its own starting weights with vLLM's `reload_weights`, and syncs through our route.
+One engine serves the module and tests/megatron/test_hook_fp8.py (an engine start is the suite's largest
+cost): the pooled `vllm serve --enable-delta-updates` in dev mode of `fp8_engine.shared_server`. The
+module puts it on FINAL with vLLM's `reload_weights` (the whole checkpoint through the model's loaders
+and post-load steps, the VNNI pack included); what it serves then is the reference of the first test
+(its digests equal a fresh load by vLLM's own loader in another process). Each test then puts the
+engine on its own starting weights with vLLM's `reload_weights`, and syncs through our route.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 @dataclass(frozen=True)
 class Engine:
-    """The module's engine, the chain it was started on the end of, and what it served at start."""
+    """The module's engine, the chain it was put on the end of, and what it served then."""
 
     server: VllmServer
     base: Path
@@ -74,19 +76,17 @@ def engine(tmp_path_factory, engine_pool):
     base = make_fp8_llama(root / "base")
     mid = step_checkpoint(base, root / "mid", density=0.03, seed=1)
     final = step_checkpoint(mid, root / "final", density=0.03, seed=2)
-    server = fp8_engine.delta_server(engine_pool, final)
-    try:
-        yield Engine(
-            server,
-            base,
-            mid,
-            final,
-            checksums(server.url),
-            served_greedy(server.url, HEADERS),
-            rpc(server, "fp8_served"),
-        )
-    finally:
-        server.stop()  # an fp8 engine no other module shares
+    server = fp8_engine.shared_server(engine_pool)  # the pool stops it (test_hook_fp8 may use it next)
+    rpc(server, "reload_weights", weights_path=str(final))
+    return Engine(
+        server,
+        base,
+        mid,
+        final,
+        checksums(server.url),
+        served_greedy(server.url, HEADERS),
+        rpc(server, "fp8_served"),
+    )
 
 
 def rpc(server: VllmServer, method: str, **kwargs) -> object:
@@ -109,7 +109,7 @@ def checkpoint_tensor(ckpt: dict[str, torch.Tensor], module: str, suffix: str) -
 
 def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(engine, engine_pool, fresh_loader):
     """BASE reloaded, then a base-relative delta and an overwrite delta that change fp8 codes and block
-    scales, through our route: the engine ends on FINAL exactly, as it served FINAL at start."""
+    scales, through our route: the engine ends on FINAL exactly, as it served after a full load of FINAL."""
     server = engine.server
     rpc(server, "reload_weights", weights_path=str(engine.base))
     base_sums = checksums(server.url)
@@ -142,7 +142,7 @@ def test_block_fp8_engine_takes_fp8_and_scale_deltas_bit_exact(engine, engine_po
     )
     refused = (r.status_code, r.json(), checksums(server.url), rpc(server, "fp8_served"))
 
-    # What the CPU fp8 kernel's post-load step did at start, against the checkpoint's bytes.
+    # What the CPU fp8 kernel's post-load step did to FINAL, against the checkpoint's bytes.
     ckpt = load_file(engine.final / "model.safetensors")
     assert len(engine.served) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
     for module, s in engine.served.items():

@@ -30,3 +30,16 @@ def delta_server(
 ) -> VllmServer:
     """The pool's `vllm serve --enable-delta-updates` on `model_dir`, in dev mode (`/collective_rpc`)."""
     return pool.delta_engine(model_dir, tp, extra_args, env=engine_env())
+
+
+def shared_server(pool: EnginePool) -> VllmServer:
+    """The fp8 engine the fp8 modules share (one start instead of one a module; tests/conftest.py puts them
+    in one xdist scope): started on the tiny fp8 Llama of `harness.fp8_models`. What it holds when a module
+    gets it is whatever ran before, so each module first puts its own weights on it with vLLM's
+    `reload_weights` (same geometry, `fp8_models.HEADS`)."""
+    from harness.fp8_models import make_fp8_llama
+
+    start = pool.workdir / "fp8_llama"
+    if not (start / "tiny_model.json").exists():  # written last
+        make_fp8_llama(start)
+    return delta_server(pool, start)

@@ -30,10 +30,17 @@ QUANTIZATION = {
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _config():
+# 2 heads of 128 (2 KV groups): every TP=2 shard of q/k/v holds whole 128x128 blocks, as the hook's
+# test needs (tests/megatron/fp8_hook_workers.py). Every fp8 module serves this geometry, so all of them
+# share one pooled engine (harness/fp8_engine.py `shared_server`); each puts its own weights on it.
+HEADS = {"num_attention_heads": 2, "head_dim": 128}
+
+
+def config(heads: dict | None = None):
+    """The tiny fp8 Llama's config: 256 wide, 512-wide MLPs, `heads` (HEADS by default)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(**{**_common(), "hidden_size": 256, "head_dim": 64}, intermediate_size=512)
+    return LlamaConfig(**{**_common(), "hidden_size": 256, "intermediate_size": 512, **(heads or HEADS)})
 
 
 def quantize_block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +57,7 @@ def llama_bf16(seed: int = 0) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config(), dtype=torch.bfloat16)
     with torch.no_grad():
         return {
             name: (torch.randn_like(p) * 0.05 if p.dim() >= 2 else p.detach()).to(torch.bfloat16).contiguous()
@@ -92,9 +99,9 @@ def write_fp8_llama(out_dir: Path, tensors: dict[str, torch.Tensor], seed: int =
         out_dir / "model.safetensors",
         metadata={"format": "pt"},
     )
-    config = _config()
-    config.quantization_config = QUANTIZATION
-    config.save_pretrained(out_dir)
+    cfg = config()
+    cfg.quantization_config = QUANTIZATION
+    cfg.save_pretrained(out_dir)
     train_tokenizer(out_dir)
     (out_dir / "tiny_model.json").write_text(json.dumps({"family": "llama_fp8", "seed": seed}))
     return out_dir

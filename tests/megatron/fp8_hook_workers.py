@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from harness import megatron_cpu
 from harness.engine_pool import checksums
-from harness.tiny_models import _common, train_tokenizer
+from harness.fp8_models import HEADS, config
+from harness.tiny_models import train_tokenizer
 from harness.vllm_engine import served_greedy
 from hook_workers import LR, tokens
 from safetensors.torch import load_file, save_file
@@ -29,14 +30,8 @@ QUANTIZATION = {
     "weight_block_size": BLOCK,
 }
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ALIGNED = {"num_attention_heads": 2, "head_dim": 128}
+ALIGNED = HEADS  # the geometry every fp8 engine module serves: they share one engine (harness/fp8_engine)
 STRADDLING = {"num_attention_heads": 4, "head_dim": 64}
-
-
-def _config(heads: dict):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**{**_common(), "hidden_size": 256, "intermediate_size": 512, **heads})
 
 
 def quantized(name: str) -> bool:
@@ -61,7 +56,7 @@ def write_pair(root: Path, heads: dict, tokenizer: bool = False, seed: int = 0) 
     tokenizer if an engine will serve it)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = _config(heads)
+    cfg = config(heads)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -13,10 +13,13 @@ After each step:
   export (done once the sync is over, per step; the digests cover every live tensor the matmuls read, the
   VNNI-packed weights included, so the reload adds the outputs' check: another engine would cost a start).
 Before that, a layout whose TP shard cuts a block is refused at `register()` on every rank.
-The engine runs vLLM's CPU block-fp8 kernel through `harness.fp8_engine` (CPUs without AMX too).
+The engine runs vLLM's CPU block-fp8 kernel through `harness.fp8_engine` (CPUs without AMX too): the
+fp8 modules' shared engine, put on the served checkpoint by vLLM's `reload_weights` first.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import requests
@@ -43,13 +46,25 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
+def reload(url: str, checkpoint: Path) -> None:
+    """vLLM's in-place full load of `checkpoint` (dev-mode `/collective_rpc`)."""
+    r = requests.post(
+        f"{url}/collective_rpc",
+        json={"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}},
+        headers=HEADERS,
+        timeout=600,
+    )
+    r.raise_for_status()
+
+
 def test_tp2_hook_syncs_a_block_fp8_engine_as_the_reference_quantizes(tmp_path, engine_pool, fresh_loader):
     straddling = write_pair(tmp_path / "straddling", STRADDLING)
     bf16, served = write_pair(tmp_path / "aligned", ALIGNED, tokenizer=True)
     out = tmp_path / "steps"
     out.mkdir()
-    server = fp8_engine.delta_server(engine_pool, served)
+    server = fp8_engine.shared_server(engine_pool)  # test_fp8_served's engine, if it ran first here
     try:
+        reload(server.url, served)  # the trainer's quantized weights, which register() seeds from
         engine = {
             "url": server.url,
             "root": str(engine_pool.delta_root()),
@@ -81,16 +96,10 @@ def test_tp2_hook_syncs_a_block_fp8_engine_as_the_reference_quantizes(tmp_path, 
             prev = want
             path = save_checkpoint(export, served, tmp_path / f"export{step}")
             assert got["checksums"] == fresh_loader.checksums(path), step
-            r = requests.post(
-                f"{server.url}/collective_rpc",
-                json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-                headers=HEADERS,
-                timeout=600,
-            )
-            r.raise_for_status()
+            reload(server.url, path)
             assert served_greedy(server.url, HEADERS) == got["outputs"], step
     finally:
-        server.stop()  # an engine on this module's checkpoint: no other module shares it
+        server.stop()  # the last module of the fp8 scope (tests/conftest.py): nothing uses it after
     codes = {n for n in shipped if quantized(n)}
     assert codes and {n + "_scale_inv" for n in codes} & shipped, sorted(shipped)
     assert any(n.endswith("k_proj.weight") for n in codes)  # both ranks' halves of a split projection
