@@ -302,7 +302,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, port, errq, args):
+# What every megatron rank imports before the shim (`import_mbridge`: mbridge pulls in megatron-core and
+# transformers), about 6 s of CPU a rank here. `spawn` starts ranks from a forkserver that imported these
+# once (the first `spawn` of a pytest process starts it), so each rank forks with them loaded instead of
+# importing them again: the suite spawns about 30 megatron ranks. Imports only, no patch: the shim is
+# installed in each rank (`init_distributed`), as before.
+PRELOAD = [
+    "harness.megatron_cpu",
+    "mbridge",
+    "mbridge.models.deepseek_v3",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "megatron_hook",
+    "vllm_delta",
+]
+
+
+def _entry(rank, fn, world_size, port, errq, args, environ):
+    # The forkserver's environment is the one it started with: give the rank the caller's, as a spawned
+    # process would have it.
+    os.environ.clear()
+    os.environ.update(environ)
     try:
         fn(rank, world_size, port, *args)
     except BaseException:
@@ -314,13 +333,16 @@ def _entry(rank, fn, world_size, port, errq, args):
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 300) -> None:
-    """Run fn(rank, world_size, port, *args) in `world_size` fresh processes (fn must be
-    importable, i.e. module-level). Any worker failure raises here with its traceback."""
-    ctx = mp.get_context("spawn")
+    """Run fn(rank, world_size, port, *args) in `world_size` new processes (fn must be importable,
+    i.e. module-level), forked from a process that holds only `PRELOAD`'s imports. Any worker failure
+    raises here with its traceback."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the forkserver starts (this process's first spawn)
     errq = ctx.SimpleQueue()
     port = _free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(r, fn, world_size, port, errq, args), daemon=True)
+        ctx.Process(target=_entry, args=(r, fn, world_size, port, errq, args, environ), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
