@@ -22,7 +22,7 @@ from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest, OutsideRootError, store_version_key
 from vllm_delta.engine.routes import DeltaUpdater
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
-from vllm_delta.transports.s3_receive import StoreFlushes, fetch_manifest
+from vllm_delta.transports.s3 import StoreFlushes, fetch_manifest
 from vllm_delta.transports.store import ObjectStore, StoreNotFound, StoreURL
 from vllm_delta.wire import DeltaWriter, FileEntry, Lineage, load_manifest
 from vllm_delta.wire.errors import IncompleteDeltaError

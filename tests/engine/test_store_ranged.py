@@ -24,7 +24,7 @@ from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.request import DeltaUpdateRequest
 from vllm_delta.engine.routes import DeltaUpdater
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
-from vllm_delta.transports import s3_receive
+from vllm_delta.transports import s3
 from vllm_delta.transports.store import ObjectStore, StoreURL
 from vllm_delta.wire import DeltaDecoder, DeltaWriter, load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, to_hex
@@ -95,8 +95,8 @@ def setup(tmp_path, s3_env, monkeypatch):
     """(make, base, new): make(digests) uploads version 1 under a fresh prefix and returns two TP
     ranks on the checkpoint with an updater rooted there."""
     # Tiny flushes: the 64 KiB defaults would read the whole file in the first GET and merge all ranges.
-    monkeypatch.setattr(s3_receive, "HEAD_BYTES", 8)  # the size field, then the header in a second GET
-    monkeypatch.setattr(s3_receive, "MERGE_GAP", 0)
+    monkeypatch.setattr(s3, "HEAD_BYTES", 8)  # the size field, then the header in a second GET
+    monkeypatch.setattr(s3, "MERGE_GAP", 0)
     base = DC.random_checkpoint(CFG, "cpu", seed=0)
     new = dict(base)
     for k, name in enumerate(CHANGED):
@@ -161,12 +161,12 @@ def test_each_rank_fetches_only_its_blocks_and_applies_exactly(setup):
         assert result["ranks"][rank]["bytes_read"] == w._delta_store.got  # every GET byte counted
     assert is_new(models, new)
     # The same delta fetched whole (sparse never pays above a share of 0) gives the same bits.
-    s3_receive.SPARSE_MAX_SHARE, share = 0.0, s3_receive.SPARSE_MAX_SHARE
+    s3.SPARSE_MAX_SHARE, share = 0.0, s3.SPARSE_MAX_SHARE
     try:
         whole, whole_models, whole_workers, _ = make()
         pull(whole)
     finally:
-        s3_receive.SPARSE_MAX_SHARE = share
+        s3.SPARSE_MAX_SHARE = share
     assert [w._delta_store.got for w in whole_workers] == [sum(sizes.values())] * 2
     assert all(same_bits(a, b) == [] for a, b in zip(models, whole_models))
 
@@ -243,7 +243,7 @@ def test_an_anchor_flush_of_implicit_positions_is_fetched_by_its_blocks(tmp_path
     data = (tmp_path / flush).read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     owned = {name: [(0, 511)]}
-    ranges = s3_receive.block_ranges(data[: 8 + n], owned)
+    ranges = s3.block_ranges(data[: 8 + n], owned)
     assert ranges is not None  # not "fetch the whole file"
     sparse = SparseFile(len(data))
     sparse[: 8 + n] = data[: 8 + n]

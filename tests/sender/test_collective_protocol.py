@@ -13,9 +13,8 @@ import signal
 
 import pytest
 
-from vllm_delta.transports.collective import Refused, answer, manifest_digest, offer, stream
+from vllm_delta.transports.collective import FlushSpool, Refused, answer, manifest_digest, offer, stream
 from vllm_delta.transports.groups import host_group, join_group, listen
-from vllm_delta.transports.spool import FlushSpool
 from vllm_delta.wire.errors import IncompleteDeltaError, LimitError
 
 FLUSHES = [
@@ -32,7 +31,7 @@ def test_spool_keeps_a_bounded_window_in_memory_and_reads_back_every_flush(tmp_p
         spool.add(name, data)
     assert spool.held_bytes == 3700 <= 4000 and spool.spilled_bytes == 5000  # the 5000 B one did not fit
     assert list(spool) == FLUSHES and spool.names == [n for n, _ in FLUSHES]
-    assert [spool.size(n) for n, _ in FLUSHES] == [len(d) for _, d in FLUSHES]
+    assert [len(spool.read(n)) for n, _ in FLUSHES] == [len(d) for _, d in FLUSHES]
     assert not list(tmp_path.iterdir()), "the spill file is unlinked at once"
     with pytest.raises(ValueError, match="already spooled"):
         spool.add(FLUSHES[0][0], b"x")

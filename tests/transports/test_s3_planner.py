@@ -175,7 +175,6 @@ def test_a_failed_upload_leaves_no_version_and_its_objects_go_at_the_next_sync(w
     a = engine()
     sender = make(url, [a])
     sender.transport.store = ObjectStore(sender.transport.url, max_attempts=1)  # fail fast, not in minutes
-    sender.transport.attempts = 1
     sender.seed(fake_weights)
     gen = torch.Generator().manual_seed(5)
     adam_like_step(fake_weights, gen)

@@ -351,7 +351,7 @@ class DeltaWorkerExtension:
 
     def _delta_s3(self) -> Any:
         """The store client: one (and its connection pool) for the worker's life."""
-        from vllm_delta.transports.s3_receive import configured_store
+        from vllm_delta.transports.s3 import configured_store
 
         store = getattr(self, "_delta_store", None)
         if store is None:

@@ -77,9 +77,9 @@ def receive(group: Any, job: Arriving) -> tuple[Manifest, StagedUpdate]:
 def pull(store: Any, job: Arriving) -> tuple[Manifest, StagedUpdate]:
     """Fetch the version from this engine's own store root (the route checked the relative path):
     the manifest, the lineage check, then the flushes, one fetched ahead while the last decodes,
-    each sparse (only the blocks this rank decodes) where s3_receive.py says that is safe and pays."""
+    each sparse (only the blocks this rank decodes) where transports/s3.py says that is safe and pays."""
     from vllm_delta.engine.request import store_version_key
-    from vllm_delta.transports.s3_receive import StoreFlushes, fetch_manifest
+    from vllm_delta.transports.s3 import StoreFlushes, fetch_manifest
 
     prefix = store_version_key(job.request.store_path, store.url)  # checked again, under this worker's root
     manifest, manifest_bytes = fetch_manifest(store, prefix)

@@ -17,7 +17,7 @@ from vllm_delta.sender.capture import Capture, Entry
 from vllm_delta.sender.planner import Plan, Planner
 from vllm_delta.sender.ranks import Ranks
 from vllm_delta.transports.base import SentDelta, Sink, Transport
-from vllm_delta.transports.spool import FlushSpool
+from vllm_delta.transports.collective import FlushSpool
 from vllm_delta.wire import FlushBuilder, Manifest, additive, merge_manifests
 from vllm_delta.wire.signing import sign
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_delta.transports.spool import FlushSpool
 from vllm_delta.transports.writer import BackgroundFlushWriter
 from vllm_delta.wire import FlushBuilder, Manifest
 
 if TYPE_CHECKING:  # the client needs aiohttp, which the transports' engine halves do not
     from vllm_delta.client import EngineClient, Reply
+    from vllm_delta.transports.collective import FlushSpool
 
 
 @dataclass

@@ -1,23 +1,13 @@
-"""Collective transport: the same flush bytes as on disk, broadcast to each engine's own group.
+"""Collective transport: the same flush bytes as on disk, broadcast to each engine's own group
+(`groups.py`: the trainer's rank 0 plus that engine's workers), so a refused, stalled or killed engine
+breaks only its own group, dropped and rebuilt at the next sync; engines are served on a thread each.
 
-Why one group per engine (the trainer's rank 0 plus that engine's workers; `groups.py`): a refused,
-stalled or killed engine breaks only its own group, which is dropped and rebuilt at the next sync,
-and the trainer's default process group is never touched. Engines are served concurrently, one
-thread each, so one slow or refusing engine does not hold back the others.
-
-The sender holds the encoded flushes in a spool whose memory is bounded (`spool.py`); the engine
-decodes each flush as it arrives and drops it, so neither side needs the whole delta in memory, and
-no total-size cap stops a large anchor (each flush is capped, and the manifest states the total).
-
-Per update and engine, a handshake: the HTTP request carries the manifest; rank 0 offers the update
-on the group's control plane (version, the manifest's digest and size, each flush's name and size);
-every engine rank checks that against the manifest it got over HTTP and answers; only if all accept
-does rank 0 say "go" and stream, one flush at a time. Why before any bulk byte: an engine that
-refuses (lineage, version, sizes) must never leave the trainer blocked in a broadcast nobody
-receives, and an engine must not receive a delta it would refuse. An engine rank that fails while
-decoding keeps receiving (and dropping) the rest, so the stream always ends.
-
-Keys, under the group's store, per update `seq`: `<seq>/offer`, `<seq>/answer/<rank>`, `<seq>/go`.
+Per update and engine, a handshake before any bulk byte: the HTTP request carries the manifest; rank 0
+offers the update on the group's store (version, the manifest's digest, each flush's name and size);
+every engine rank checks it against its manifest and answers; only if all accept does rank 0 say "go"
+and stream one flush at a time. So a refusing engine never leaves the trainer blocked in a broadcast,
+and an engine rank that fails while decoding keeps receiving (and dropping) the rest. Keys, per update
+`seq`: `<seq>/offer`, `<seq>/answer/<rank>`, `<seq>/go`. The sender's flushes wait in a `FlushSpool`.
 """
 
 from __future__ import annotations
@@ -25,6 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,13 +27,73 @@ from typing import Any, TypeVar
 from vllm_delta.client import Reply
 from vllm_delta.transports.base import SentDelta, Sink, Transport, TransportOptions
 from vllm_delta.transports.groups import BACKENDS, Group, host_group, listen
-from vllm_delta.transports.spool import DEFAULT_WINDOW_BYTES, FlushSpool
 from vllm_delta.wire import DeltaError, FlushBuilder
 from vllm_delta.wire.errors import FormatError, IncompleteDeltaError, LimitError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+DEFAULT_WINDOW_BYTES = 256 << 20
+
+
+class FlushSpool:
+    """Encoded flushes by name, in arrival order: in memory up to `window_bytes`, the rest in an unlinked
+    temporary file. Why: the handshake needs the whole manifest before the first broadcast, so every flush
+    is encoded first, and an anchor is the whole model. `os.pread` lets the engines' send threads share it."""
+
+    def __init__(self, window_bytes: int = DEFAULT_WINDOW_BYTES, directory: str | None = None) -> None:
+        self.window_bytes, self.directory = window_bytes, directory
+        self._memory: dict[str, bytes] = {}
+        self._disk: dict[str, tuple[int, int]] = {}  # name -> (offset, size) in the temp file
+        self.names: list[str] = []
+        self._fd: int | None = None
+        self.spilled_bytes = 0  # the temp file's size
+        self.held_bytes = 0  # in memory, at most `window_bytes`
+        self._lock = threading.Lock()
+
+    def add(self, name: str, data: bytes) -> None:
+        with self._lock:
+            if name in self._memory or name in self._disk:
+                raise ValueError(f"flush {name!r} is already spooled")
+            self.names.append(name)
+            if self.held_bytes + len(data) <= self.window_bytes:
+                self._memory[name] = bytes(data)
+                self.held_bytes += len(data)
+                return
+            if self._fd is None:
+                fd, path = tempfile.mkstemp(prefix="vllm-delta-spool-", dir=self.directory)
+                os.unlink(path)  # gone with the last descriptor, whatever happens to this process
+                self._fd = fd
+            view, written = memoryview(data), 0
+            while written < len(view):
+                written += os.pwrite(self._fd, view[written:], self.spilled_bytes + written)
+            self._disk[name] = (self.spilled_bytes, len(data))
+            self.spilled_bytes += len(data)
+
+    def read(self, name: str) -> bytes:
+        if name in self._memory:
+            return self._memory[name]
+        offset, size = self._disk[name]
+        out = bytearray(size)
+        view, got = memoryview(out), 0
+        while got < size:
+            n = os.preadv(self._fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise OSError(f"spool file ended at {offset + got}, flush {name!r} needs {size} B")
+            got += n
+        return bytes(out)
+
+    def __iter__(self) -> Iterator[tuple[str, bytes]]:
+        for name in list(self.names):
+            yield name, self.read(name)
+
+    def close(self) -> None:
+        with self._lock:
+            self._memory.clear()
+            self.held_bytes = 0
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:

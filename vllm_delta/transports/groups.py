@@ -1,24 +1,10 @@
-"""One engine's collective group: vLLM's `StatelessProcessGroup` for the rendezvous and the control
-plane, and a bulk channel for flush bytes (a gloo group on CPU, vLLM's `PyNcclCommunicator` on CUDA).
-
-Why these pieces (as vLLM's RLHF examples, verl and OpenRLHF use them): a stateless group never
-touches `torch.distributed`'s default group, so the trainer's own (Megatron, FSDP) stays as it is,
-and each engine gets a group of its own that can be dropped alone. `PyNcclCommunicator` calls NCCL
-directly, with no torch watchdog that would kill the trainer on a timeout; a stuck broadcast is
-waited on with a deadline and then aborted (`ncclCommAbort`). The control plane carries JSON through
-the group's store (never pickle: an engine must not unpickle what a trainer wrote).
-
-Setting up the bulk channel has a deadline too: an engine rank that joined the store and then died
-or stopped would otherwise hold the trainer in `ncclCommInitRank` (which has none) or in gloo's
-connect. It is built on a daemon thread and waited on for the group's timeout; past it the caller
-gets `GroupTimeout`, and a communicator that completes later is aborted then (a blocking NCCL init
-in progress cannot be aborted from outside; only that thread waits on it).
-
-NCCL bytes move through staging buffers of `NCCL_CHUNK_BYTES` (pinned host and device), at most
-`NCCL_STAGING_SLOTS` pairs at once in this process whatever the number of engines, allocated per
-flush on the caller's stream and dropped after it, so the training's allocator gets them back.
-
-Nothing here needs CUDA unless the backend is "nccl".
+"""One engine's collective group: vLLM's `StatelessProcessGroup` for the rendezvous and a JSON control
+plane on its store (never pickle), and a bulk channel for flush bytes (gloo on CPU, vLLM's
+`PyNcclCommunicator` on CUDA). As in vLLM's RLHF examples, verl and OpenRLHF: the trainer's default
+group is never touched, and NCCL runs without torch's watchdog: a broadcast is waited on with a deadline,
+then aborted. The bulk channel is set up on a daemon thread with the same deadline (a peer that joined
+and died would hold `ncclCommInitRank` forever). NCCL bytes move through at most `NCCL_STAGING_SLOTS`
+staging pairs of `NCCL_CHUNK_BYTES` in this process, freed after each flush.
 """
 
 from __future__ import annotations

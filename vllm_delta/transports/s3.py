@@ -1,45 +1,43 @@
 """S3 transport: flush objects under `s3://BUCKET/PREFIX/<version dir>/`, uploaded as they are encoded,
-the manifest last, then one HTTP push per engine naming the version dir (as with disk).
+the manifest last (a version without one is invisible), then one HTTP push per engine naming the
+version dir; and the engine's half, which fetches them from the store it was started with.
 
 Why the store: between datacenters there is no shared filesystem and no collective, but there is an
-object store, and it does the fan-out. A version without its manifest is invisible, so a sender that
-dies mid-upload never shows a half version. Versions stay until every engine acknowledged them, plus
-the chain late joiners replay (`catch_up`); docs/sender.md has the layout, faults and lifecycle. The
-engine's half is transports/s3_receive.py.
+object store, and it does the fan-out. Versions stay until every engine acknowledged them, plus the
+chain late joiners replay (`catch_up`); docs/sender.md has the layout, faults and lifecycle.
+
+The engine fetches one flush ahead of the one it decodes (memory: two flushes). Where the manifest
+gives every param of a `vllm-delta/2` flush a post digest, it reads only the header and the blocks
+this rank decodes (`SparseFile`): the file hash cannot be checked then, the ranks' partial digests are.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import time
+import math
+import struct
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm_delta.client import EngineClient, Reply
+import numpy as np
+
+from vllm_delta import settings
 from vllm_delta.transports.base import SentDelta, Sink, Transport, TransportOptions
-from vllm_delta.transports.store import ObjectStore, StoreAuthError, StoreError, StoreNotFound, StoreURL
+from vllm_delta.transports.store import ObjectStore, StoreError, StoreNotFound, StoreURL, is_store_url
 from vllm_delta.transports.writer import BackgroundFlushWriter
-from vllm_delta.wire import MANIFEST_NAME, FlushBuilder, Manifest
+from vllm_delta.wire import MANIFEST_NAME, FileEntry, FlushBuilder, Manifest, blocks, parse_manifest
+from vllm_delta.wire.container import ZSTD_MAGIC, Limits, SparseFile
+from vllm_delta.wire.errors import DeltaError, IncompleteDeltaError, IntegrityError, LimitError
+from vllm_delta.wire.flush import Owned, plan_blocked
+from vllm_delta.wire.flush_meta import FORMAT_BLOCKS, parse_streams
+
+if TYPE_CHECKING:  # the client needs aiohttp, which the engine's half does not
+    from vllm_delta.client import EngineClient, Reply
 
 logger = logging.getLogger(__name__)
-
-
-def put_retrying(store: ObjectStore, key: str, data: bytes, *, attempts: int, backoff_s: float) -> None:
-    """PUT one object, retrying the whole object with exponential backoff on store errors; wrong
-    credentials or a missing bucket are not retried (they would not heal by waiting)."""
-    for i in range(attempts):
-        try:
-            store.put(key, data)
-            return
-        except (StoreAuthError, StoreNotFound):
-            raise
-        except StoreError as exc:
-            if i == attempts - 1:
-                raise
-            logger.warning(
-                "delta sender: upload of %s failed (%s); retry %d of %d", key, exc, i + 1, attempts - 1
-            )
-            time.sleep(backoff_s * 2**i)
 
 
 @dataclass
@@ -76,7 +74,6 @@ class S3Transport(Transport):
         self.url = StoreURL.parse(url)
         self.store = ObjectStore(self.url, throttle_bytes_per_s=options.throttle_bytes_per_s)
         self.planner, self.keep, self.keep_chain = options.planner, options.keep, 16
-        self.attempts, self.backoff_s = 4, 1.0  # per object, on top of botocore's own retries
         self.sealed: dict[str, Stored] = {}
         self.unsealed: set[str] = set()  # prepared, never sealed (a failed sync): deleted at the next cleanup
         self.checkpoint_chain = options.version == 0  # version 0 is the checkpoint every engine starts from
@@ -93,28 +90,18 @@ class S3Transport(Transport):
         self._remove(name)  # raises: a leftover manifest must go
 
     def sink(self, name: str, **kwargs) -> Sink:
-        dir_key = self.url.key(name)
+        key = self.url.key(name)
         uploader = BackgroundFlushWriter(
-            lambda flush, data: put_retrying(
-                self.store, f"{dir_key}/{flush}", data, attempts=self.attempts, backoff_s=self.backoff_s
-            ),
-            name="vllm-delta-uploader",
+            lambda f, data: self.store.put(f"{key}/{f}", data), name="vllm-delta-uploader"
         )
         return Sink(FlushBuilder(uploader.emit, **kwargs), name, writer=uploader)
 
     def seal(self, sent: SentDelta) -> None:
         """The manifest last: only now may an engine see the version."""
         m: Manifest = sent.manifest
-        put_retrying(
-            self.store,
-            self.url.key(sent.location, MANIFEST_NAME),
-            m.model_dump_json(indent=1).encode(),
-            attempts=self.attempts,
-            backoff_s=self.backoff_s,
-        )
+        self.store.put(self.url.key(sent.location, MANIFEST_NAME), m.model_dump_json(indent=1).encode())
         self.unsealed.discard(sent.location)
-        lin = m.lineage
-        lo, hi = (lin.min_version, lin.max_version) if lin else (None, None)
+        lo, hi = (m.lineage.min_version, m.lineage.max_version) if m.lineage else (None, None)
         self.sealed[sent.location] = Stored(sent.location, m.version, sent.kind, m.base_version, lo, hi)
 
     def push(self, client: EngineClient, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
@@ -191,3 +178,170 @@ class S3Transport(Transport):
             logger.warning("delta sender: could not delete %s from the store (%s); retrying later", name, exc)
             return False
         return True
+
+
+# ---- the engine's half ----------------------------------------------------------------------
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest is ~200 B per changed tensor: room for 300k tensors
+HEAD_BYTES = 64 << 10  # the first GET of a sparse fetch: the size field and, mostly, the whole header
+MERGE_GAP = 64 << 10  # owned ranges closer than this are fetched as one: fewer GETs for a few bytes more
+SPARSE_MAX_SHARE = 0.7  # above this share of a file's bytes, fetch it whole (and check its hash)
+
+
+def configured_store() -> ObjectStore:
+    """The store of this engine's own `--delta-updates-root` (where it reads is the operator's choice at
+    startup; a request only names a path under it)."""
+    value = settings.updates_root()
+    if not is_store_url(value):
+        raise StoreError(
+            f"this engine's delta root is not an s3:// URL ({settings.UPDATES_ROOT} is {value!r})"
+        )
+    return ObjectStore(StoreURL.parse(value))
+
+
+def fetch_manifest(store: ObjectStore, prefix: str) -> tuple[Manifest, int]:
+    """The parsed manifest under `prefix` and its size in bytes; a version without one is unfinished."""
+    try:
+        data = store.get(f"{prefix}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES)
+    except StoreNotFound:
+        raise IncompleteDeltaError(
+            f"no manifest in the store under {prefix!r}: the delta is unfinished", file=MANIFEST_NAME
+        ) from None
+    return parse_manifest(data), len(data)
+
+
+class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
+    """(name, bytes) of each flush listed, in order, one fetched ahead on a thread; `fetched_bytes`
+    counts what came from the store. Close it (or use `with`): a consumer that stops early stops the fetch."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        prefix: str,
+        files: Sequence[FileEntry],
+        *,
+        manifest: Manifest | None = None,
+        owned: Owned | None = None,
+    ) -> None:
+        self.fetched_bytes = 0
+        self._owned = owned
+        self._params: dict[str, list[tuple[str, int]]] = {}  # flush -> (param, numel) of its params
+        self._digested: set[str] = set()  # flushes whose params all have post digests
+        for f in manifest.files if manifest is not None else ():
+            params = [p for p in manifest.params if f.name in p.files]
+            self._params[f.name] = [(p.name, math.prod(p.shape)) for p in params]
+            if owned is not None and all(p.post_digest for p in params):
+                self._digested.add(f.name)
+        self._gen = self._run(store, prefix, list(files))
+
+    def __next__(self) -> tuple[str, bytes | SparseFile]:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def __enter__(self) -> StoreFlushes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(
+        self, store: ObjectStore, prefix: str, files: list[FileEntry]
+    ) -> Iterator[tuple[str, bytes | SparseFile]]:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-fetch") as pool:
+            ahead: Future[bytes | SparseFile] | None = (
+                pool.submit(self._fetch, store, prefix, files[0]) if files else None
+            )
+            try:
+                for i, entry in enumerate(files):
+                    data = ahead.result()
+                    ahead = (
+                        pool.submit(self._fetch, store, prefix, files[i + 1]) if i + 1 < len(files) else None
+                    )
+                    yield entry.name, data
+                    del data  # before the next flush arrives: two in memory at most
+            finally:
+                if ahead is not None:
+                    ahead.cancel()  # not started yet: never runs; running: the pool waits for it
+
+    def _fetch(self, store: ObjectStore, prefix: str, entry: FileEntry) -> bytes | SparseFile:
+        key = f"{prefix}/{entry.name}"
+        try:
+            if entry.name in self._digested and self._owned is not None and self._skips_any(entry):
+                return self._fetch_sparse(store, key, entry)
+            data = store.get(key, max_bytes=entry.bytes)
+        except StoreNotFound as exc:
+            raise StoreNotFound(f"{exc.reason}: {key}", file=entry.name) from None
+        except LimitError as exc:  # larger than the manifest says: not the object the sender sealed
+            raise IntegrityError(
+                f"{key} does not match the manifest's {entry.bytes} bytes ({exc.reason})", file=entry.name
+            ) from None
+        self.fetched_bytes += len(data)
+        return data
+
+    def _skips_any(self, entry: FileEntry) -> bool:
+        """Whether this rank owns less than all of some param of the flush (else it reads it whole)."""
+        return any(
+            (r := self._owned.get(name)) is not None and blocks.merge(r) != [(0, numel - 1)]
+            for name, numel in self._params[entry.name]
+        )
+
+    def _fetch_sparse(self, store: ObjectStore, key: str, entry: FileEntry) -> bytes | SparseFile:
+        """The header, then the owned blocks' ranges; whole bytes where sparse would not pay. Every GET
+        is pinned to the ETag of the first, so a file replaced mid-fetch is refused, never mixed."""
+        size, etag = store.head(key)
+        if size != entry.bytes:
+            raise IntegrityError(f"{key} is {size} bytes, the manifest says {entry.bytes}", file=entry.name)
+        head = store.get_range(key, 0, min(size, HEAD_BYTES), etag=etag)
+        ranges = None
+        if len(head) >= 8 and head[:4] != ZSTD_MAGIC:
+            (n,) = struct.unpack("<Q", head[:8])
+            if n <= Limits().max_header_bytes and 8 + n <= size:
+                if len(head) < 8 + n:
+                    head += store.get_range(key, len(head), 8 + n, etag=etag)
+                ranges = block_ranges(head[: 8 + n], self._owned)
+        if ranges is not None and any(a < 0 or b > size for a, b in ranges):
+            ranges = None  # lengths no writer wrote (past the file, or an int64 sum that wrapped)
+        h = len(head)
+        if ranges is not None and h + sum(b - a for a, b in ranges if b > h) > SPARSE_MAX_SHARE * size:
+            ranges = None
+        wanted = [(h, size)] if ranges is None else [(max(a, h), b) for a, b in ranges if b > h]
+        out = bytearray(size) if ranges is None else SparseFile(size)
+        out[:h] = head
+        self.fetched_bytes += h + store.read_into(key, out, wanted, etag=etag)
+        if ranges is None:
+            return bytes(out)  # whole: the decoder checks its hash
+        return out
+
+
+def block_ranges(header: bytes, owned: Owned) -> list[tuple[int, int]] | None:
+    """[start, end) file byte ranges of the blocks `owned` selects in a `vllm-delta/2` flush whose
+    first bytes (size field and JSON header) are `header`, merged across gaps under MERGE_GAP;
+    None when it is not such a flush or its header does not parse (the whole file is fetched, and
+    the decoder says what is wrong). The block index is the reader's own (`flush.plan_blocked`)."""
+    try:
+        table = json.loads(header[8:])
+        meta = table["__metadata__"]
+        if meta.get("format") != FORMAT_BLOCKS:
+            return None
+        smeta = parse_streams(meta, file="")
+        at = {s: [int(x) for x in table[f"__{s}__"]["data_offsets"]] for s in smeta}
+        sizes = {s: range(b - a) for s, (a, b) in at.items()}  # `plan_blocked` reads lengths only
+        out = []
+        for p, _, _, _, index, starts in plan_blocked(smeta, sizes, meta, file="", expected=None):
+            ranges = owned.get(p.name)
+            mask = blocks.wanted(index, None if ranges is None else blocks.merge(ranges))
+            for j, s in enumerate(p.streams):
+                offsets = (
+                    len(header) + at[s][0] + starts[s] + np.concatenate(([0], np.cumsum(index.stored[:, j])))
+                )
+                out += [(int(offsets[k]), int(offsets[m])) for k, m in blocks.runs(mask)]
+    except (DeltaError, KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError):
+        return None  # not the writer's layout: fetched whole, and the decoder says what is wrong
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in out if r[1] > r[0]):
+        if merged and a - merged[-1][1] < MERGE_GAP:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged

@@ -1,12 +1,7 @@
-"""An S3-compatible object store: the few calls the sender and the engines need, with clear errors.
-
-Why a layer of our own over boto3: every caller needs the same things done the same way (large
-objects in parallel parts, botocore's standard retries for 503 SlowDown and dropped connections,
-store errors mapped to `DeltaError`s that name the object and never the credentials), and boto3
-must stay an optional import so `vllm_delta.wire` works without it. Endpoint, region and
-credentials come from the standard AWS environment and config files (botocore reads
-`AWS_ENDPOINT_URL`/`AWS_ENDPOINT_URL_S3` itself); nothing here reads or prints a secret.
-"""
+"""An S3-compatible object store: the few calls the sender and the engines need, done one way (large
+objects in parallel parts, botocore's standard retries, the only ones, for SlowDown and dropped
+connections, errors as `DeltaError`s naming the object, never a credential); boto3 imported lazily.
+Endpoint and credentials come from the standard AWS environment and config files."""
 
 from __future__ import annotations
 
@@ -73,17 +68,6 @@ class StoreAuthError(StoreError):
     """The store refused our credentials (401/403)."""
 
 
-def _client(max_concurrency: int, max_attempts: int) -> Any:
-    import boto3
-    from botocore.config import Config
-
-    config = Config(
-        retries={"mode": "standard", "max_attempts": max_attempts},
-        max_pool_connections=max(10, 2 * max_concurrency),
-    )
-    return boto3.session.Session().client("s3", config=config)
-
-
 class ObjectStore:
     """One bucket/prefix of an S3-compatible store; thread-safe, like the boto3 client under it."""
 
@@ -100,7 +84,14 @@ class ObjectStore:
         if part_bytes < 1 or max_concurrency < 1:
             raise ValueError("part_bytes and max_concurrency must be positive")
         self.url, self.part_bytes, self.max_concurrency = url, part_bytes, max_concurrency
-        self.client = client if client is not None else _client(max_concurrency, max_attempts)
+        if client is None:
+            import boto3
+            from botocore.config import Config
+
+            retries = {"mode": "standard", "max_attempts": max_attempts}
+            config = Config(retries=retries, max_pool_connections=max(10, 2 * max_concurrency))
+            client = boto3.session.Session().client("s3", config=config)
+        self.client = client
         self.endpoint = (
             getattr(getattr(self.client, "meta", None), "endpoint_url", None) or "the default endpoint"
         )
@@ -113,7 +104,6 @@ class ObjectStore:
             self._throttle = Throttle(throttle_bytes_per_s)
         self.uploaded_bytes = 0  # bytes PUT so far (every request that succeeded)
 
-    # ---- writes ------------------------------------------------------------------------------
     def put(self, key: str, data: bytes) -> None:
         """One object; above `part_bytes` (at least S3's 5 MiB minimum) a multipart upload of
         parallel parts, aborted if any part fails so no partial object is left behind."""
@@ -170,7 +160,6 @@ class ObjectStore:
                 raise StoreError(f"delete failed: {e.get('Code')} ({len(errors)} objects)", file=e.get("Key"))
         return len(keys)
 
-    # ---- reads -------------------------------------------------------------------------------
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """A whole object, in parallel ranged GETs of `part_bytes` pinned to one ETag (an object
         replaced mid-read is an error, never a mix). Above `max_bytes`: LimitError, nothing read."""
@@ -211,9 +200,6 @@ class ObjectStore:
         head = self._call(key, lambda: self.client.head_object(Bucket=self.url.bucket, Key=key))
         return int(head["ContentLength"]), head.get("ETag")
 
-    def size(self, key: str) -> int:
-        return self.head(key)[0]
-
     def list(self, prefix: str) -> list[str]:
         """Every key under `prefix` (a full key prefix, e.g. `url.key("v000005") + "/"`)."""
         pages = self._call(
@@ -231,7 +217,6 @@ class ObjectStore:
             lambda: self.client.list_objects_v2(Bucket=self.url.bucket, Prefix=self.url.key(""), MaxKeys=1),
         )
 
-    # ---- internals ---------------------------------------------------------------------------
     def _get(self, key: str, start: int, end: int, etag: str | None) -> bytes:
         kw = {"IfMatch": etag} if etag else {}
         r = self._call(
