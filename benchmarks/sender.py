@@ -42,7 +42,7 @@ from vllm_delta.diff import changed_positions  # noqa: E402
 from vllm_delta.sender import Shard  # noqa: E402
 from vllm_delta.sender.producer import Producer  # noqa: E402
 from vllm_delta.sender.publisher import _add  # noqa: E402
-from vllm_delta.transports.writer import Throttle  # noqa: E402
+from vllm_delta.transports.base import Throttle  # noqa: E402
 from vllm_delta.wire import FlushBuilder, additive  # noqa: E402
 from vllm_delta.wire.manifest import write_atomic  # noqa: E402
 

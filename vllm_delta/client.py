@@ -1,13 +1,8 @@
-"""HTTP client for the engine's delta routes (aiohttp): one concurrent request per engine.
+"""HTTP client for the engine's delta routes (aiohttp): one concurrent request per engine, async for async
+callers, sync wrappers for the rest (inside a running event loop they run on a private loop in a thread).
 
-Async callers (Ray async actors, async rollout loops) await `update_async` / `status_async` /
-`collective_init_async`. The sync methods wrap them; inside a running event loop they run the
-request on a private loop in a worker thread, because `asyncio.run` refuses to start there.
-
-Why retries only on some errors: a connection error or a 502/503/504 means the request did not
-reach the engine's update logic, so sending it again is safe. Any other answer (4xx, or a 500 from
-the engine, which may mean a half-applied, dirty engine) is final and goes back to the sender,
-which decides what the engine needs next.
+Retries only where the request cannot have reached the update logic (no connection, 502/503/504); any
+other answer, a 500 included (a possibly dirty engine), is final and goes back to the sender.
 """
 
 from __future__ import annotations
@@ -78,9 +73,8 @@ class EngineClient:
         route: str,
         body: Mapping[str, Any] | None,
     ) -> Reply:
-        attempt, last = 0, Reply(url, 0, {"error": {"type": "NotSent", "message": "no attempt made"}})
-        while attempt <= self.retries:
-            attempt += 1
+        last = Reply(url, 0, {"error": {"type": "NotSent", "message": "no attempt made"}})
+        for attempt in range(1, self.retries + 2):
             try:
                 data = None if body is None else json.dumps(body).encode()
                 async with session.request(
@@ -121,8 +115,6 @@ class EngineClient:
             asyncio.get_running_loop()
         except RuntimeError:
             return asyncio.run(coro)
-        # A loop runs here (we were called from a coroutine): it cannot be re-entered, so the
-        # request gets its own loop in a worker thread while this caller waits.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-client") as pool:
             return pool.submit(asyncio.run, coro).result()
 
@@ -134,18 +126,12 @@ class EngineClient:
         """`GET /delta_updates/status` of each engine, concurrently."""
         return await self._many("GET", STATUS_ROUTE, {u: None for u in urls})
 
-    async def collective_init_async(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
-        """`POST /delta_updates/collective/init` to each engine (url -> body), concurrently."""
-        return await self._many("POST", COLLECTIVE_INIT_ROUTE, bodies)
-
     def update(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
-        """Sync `update_async`."""
         return self._run(self.update_async(bodies))
 
     def status(self, urls: Sequence[str]) -> dict[str, Reply]:
-        """Sync `status_async`."""
         return self._run(self.status_async(urls))
 
     def collective_init(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
-        """Sync `collective_init_async`."""
-        return self._run(self.collective_init_async(bodies))
+        """`POST /delta_updates/collective/init` to each engine (url -> body), concurrently."""
+        return self._run(self._many("POST", COLLECTIVE_INIT_ROUTE, bodies))

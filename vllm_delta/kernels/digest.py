@@ -1,12 +1,9 @@
-"""The additive digest's arithmetic: each element's term, and the terms' sums per segment.
+"""The additive digest's arithmetic: each element's term, and the terms' sums per segment (`segment_sums`,
+the one entry point of every digest: the wire's, the engine's staged entries, the sender's scan).
 
-H(t) = sum_i mix(key(i, bits_i)) mod 2^64, in two lanes with independent mixers (wire/additive.py
-says why a digest is additive and what it detects). Every caller sums terms through `segment_sums`:
-the wire's whole-tensor and partial digests, the engine's digests of the entries it stages and the
-sender's of the changes it scans. On CPU tensors, with the kernels on, the sums run compiled
-(`digest_jit`, one pass per run of a segment, tested equal to the torch code here); elsewhere in
-plain torch integer ops where the values live (int64 wraps mod 2^64 on every backend), so only the
-sums ever leave the device.
+H(t) = sum_i mix(key(i, bits_i)) mod 2^64 in two lanes (wire/additive.py says why). On CPU tensors with
+the kernels on, the sums run compiled (`digest_jit`); elsewhere in torch integer ops where the values
+live (int64 wraps mod 2^64 on every backend), so only the sums leave the device.
 """
 
 from __future__ import annotations

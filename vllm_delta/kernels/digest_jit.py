@@ -1,9 +1,5 @@
-"""`digest`'s terms and sums as numba functions: `segment_sums` for every CPU digest, and the two
-lanes and `range_sums` for the fused kernels that sum as they go (`scan_jit`).
-
-The constants are `lanes.LANES`' (frozen into the compiled code when it compiles), so there is
-one definition of the mix; the tests compare these sums with the torch code's.
-"""
+"""`digest`'s terms and sums as numba functions (`segment_sums`, and the lanes and `range_sums` that
+`scan_jit` sums with as it goes), with `lanes.LANES`' constants frozen in at compile time."""
 
 from __future__ import annotations
 

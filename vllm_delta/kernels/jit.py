@@ -1,10 +1,5 @@
-"""The decorator of every kernel: numba's `njit(nogil=True)`, cached on disk where numba can write.
-
-numba caches a compiled kernel beside its source (`__pycache__`), else under the user's cache
-directory (or `NUMBA_CACHE_DIR`). Where none of them is writable (a read-only install in a
-container without a writable home), `cache=True` makes the decorator itself raise, so importing a
-kernel would fail; there the kernel is compiled each process instead (`warmup.warm_up` at startup).
-"""
+"""The decorator of every kernel: numba's `njit(nogil=True)`, cached on disk where numba can write, else
+(a read-only install with no writable home, where `cache=True` raises at import) compiled per process."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The numba scan of a block-indexed flush's `params` JSON in the writer's form.
-
-`wire.flush_meta.heads_from_text`'s kernel; its reference is `flush_meta.parse_params` of the parsed
-JSON, which it is tested equal to (tests/wire/test_params_columns.py). Imported on first use (numba
-costs ~0.3 s to import). It accepts only the exact bytes `json.dumps(params, separators=(",", ":"))`
-writes for `wire.flush_encode.encode_flush`'s entries, ASCII with no escapes; for anything else it
-returns -1 and the caller parses the JSON.
+"""The numba scan of a block-indexed flush's `params` JSON as the writer writes it (`heads_from_text`),
+tested equal to `flush_meta.parse_params` (tests/wire/test_params_columns.py). It accepts only the exact
+bytes `json.dumps(params, separators=(",", ":"))` writes for `encode_flush`'s entries, ASCII, no escapes;
+for anything else it returns -1 and the caller parses the JSON.
 """
 
 from __future__ import annotations
@@ -148,18 +145,10 @@ def _strings(buf, at):
 
 @kernel
 def scan(buf, keys):
-    """(params, rows, frames, spans, distinct, counts, heads, frame_at, lens) of the params JSON in `buf`,
-    or params -1.
-
-    `keys`: the byte strings `{"name":`, `,"dtype":`, `,"shape":`, `,"count":`, `,"width":`,
-    `,"streams":`, `,"blocks":`. Per param, `spans` holds the columns above: its name's span (without
-    the quotes) and its dtype, shape and streams as ids of `distinct[0]`, `[1]` and `[2]`'s spans (a
-    dtype's without its quotes; a shape's and a stream list's with their brackets), `counts[field]`
-    of each. Per block row, `heads` holds its
-    first, last and count, and `frame_at` where its frame lengths start in `lens` (frame_at[rows]:
-    the end). The arrays are sized by what the bytes can hold; only the first `params`/`rows`/`frames`
-    entries are meant.
-    """
+    """(params, rows, frames, spans, distinct, counts, heads, frame_at, lens) of the params JSON in `buf`
+    (`KEYS`), or params -1. Per param, `spans`: its name's span and its dtype, shape and streams as ids of
+    `distinct[0..2]`' spans (`counts` of each). Per block row, `heads`: first, last, count, and
+    `frame_at`: where its frame lengths start in `lens`. Only the first params/rows/frames are meant."""
     n_max = buf.size // 60 + 1
     r_max = buf.size // 10 + 1
     spans = np.empty((n_max, 8), dtype=np.int64)

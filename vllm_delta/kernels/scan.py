@@ -1,15 +1,8 @@
-"""The bucket scan's diff, gather, HF map and additive digests fused into one pass, for CPU weights.
-
-Why: the torch/numpy path (`bucket_scan.torch_diff_digest`, the reference this is tested equal
-to) makes a mask, its nonzero, two gathers, the HF map and ~30 elementwise int64 passes for the
-digest terms: 10-12x a memcpy of the weights on one CPU thread. This kernel reads each side once
-(xor of a small chunk into an L1 scratch, then a word-wise skip of the unchanged elements) and, per
-change, writes its offset, HF position, old and new bits and adds its four digest terms
-(`digest`'s, compiled: `digest_jit.range_sums`) to its member's row. Elements no run covers
-(padding, unregistered params) are never looked at, which is the torch path's "drop uncovered changes".
-
-numba is optional: without it (or for a dtype other than 16 or 32 bits, or off the CPU) the torch
-path runs, as it does with the kernels switched off (`switch.on`: A/B runs, tests).
+"""The bucket scan's diff, gather, HF map and additive digests fused into one pass over CPU weights
+(`scan_jit`), tested equal to `bucket_scan.torch_diff_digest`: the torch path makes a mask, its nonzero,
+two gathers and ~30 int64 passes for the digest terms, 6-7x the kernel (docs/results/kernels.md).
+Elements no run covers (padding, unregistered params) are never read. Without numba, for other widths than
+16 and 32 bits, off the CPU or with the kernels off (`switch.on`), the torch path runs.
 """
 
 from __future__ import annotations
@@ -79,13 +72,9 @@ def scan_bits(
     pool: Executor | None = None,
     buffers: ScanBuffers | None = None,
 ) -> tuple[np.ndarray, ...]:
-    """(offsets, HF positions, old bits, new bits, runs, sums [n, 4] uint64: pre lane 0, pre lane 1,
-    post 0, post 1) of `cur` against `old_bits` (`bits` of the span and its snapshot) inside the runs
-    (`numpy_tables`). Numpy in and out: a tensor op costs ~1 us of Python, and a plain tensor is a
-    bucket of its own, so the per-bucket cost is what a model of many small tensors pays. With a
-    pool, the span is cut into `workers` windows. The changes are written into `buffers`' sets
-    (reused once nothing holds them), else fresh arrays. For a plain tensor (one run at shift 0) the
-    HF positions are the offsets array itself."""
+    """(offsets, HF positions, old bits, new bits, runs, sums [n, 4]: pre lanes 0, 1, post 0, 1) of `cur`
+    against `old_bits` inside the runs, in `workers` windows with a pool, into `buffers`' sets if given.
+    Numpy in and out: a tensor op costs ~1 us of Python, which a model of many small tensors pays."""
     from vllm_delta.kernels.scan_jit import CHUNK, capacity, outputs, scan_runs
 
     starts, ends, shifts, segs = tables

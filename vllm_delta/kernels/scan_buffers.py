@@ -1,23 +1,9 @@
-"""The fused CPU scan's output arrays, handed out again from one scan of a bucket to the next once
-nothing but this pool holds them.
-
-Why: a scan writes each change's offset, HF position, old and new bits (20 B; 28 with the run
-index) into its output arrays, and fresh arrays cost a 4 KiB page fault per page written: ~0.11 s
-of a 1 GB / 10 M-change scan on one core (docs/results/sender.md), a third of the scan. Reused
-ones are already resident. But a capture holds views of them until its publish is done, and
-longer: its entries, its snapshot advance, a deferred catch-up (`_Bucket.pending`), the hook's
-`last_capture`. So a set is reused only when the reference counts of all its arrays show this
-pool alone holds them (and no weak reference could make a new one). That is proof by construction:
-every numpy view, every `torch.from_numpy` tensor and every torch view of one keeps its array
-alive, so anything that can still read a set's memory shows in that count.
-
-Memory, per window of a bucket (one `ScanBuffers` per `bucket_scan.Layout`): at most two sets.
-The one the last scan wrote, and the one before only if something still held it when the last
-scan ended (a caller that keeps the previous capture while it scans the next, as the hook does;
-it is then what the scan after reuses). Each set is at most `scan_jit.capacity` (1/32 of the
-window's elements) or, if a denser scan grew it, twice the changes that scan wrote; a set larger
-than twice its last scan's changes is dropped. So beyond what live captures hold, the pool pins
-at most two scans' outputs (with that slack), one while a caller keeps its last capture.
+"""The fused CPU scan's output arrays, handed out again from one scan of a bucket to the next once nothing
+but this pool holds them. Why: fresh arrays page-fault on every page written, a third of a 1 GB scan
+(docs/results/sender.md). A set is reused only when the reference counts of all its arrays (and no weak
+reference) show this pool alone holds it: every numpy view and `torch.from_numpy` tensor of one keeps it
+alive, so a capture still read always shows. At most two sets per window: the last scan's, and the one
+before while something still holds it (its size kept at most twice its changes).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The numba kernels of `scan_kernel` (imported on first use: numba costs ~0.3 s to import).
-
-Per chunk of a run: the changed elements' indices, 16 lanes at a time with a compress store
-(branch-free: at 2% density a per-element or per-word branch mispredicts on every change; CPUs
-without AVX-512 skip zero 64-bit words instead),
-then per change its outputs; per run, over its outputs, the digest terms of each change's old and
-new bits (`digest_jit.range_sums`), summed mod 2^64 and added to the run's member.
+"""The numba kernels of `scan`: per chunk of a run, the changed elements' indices, 16 lanes at a time with
+a compress store (branch-free: at 2% density a branch mispredicts on every change; CPUs without AVX-512
+skip zero 64-bit words instead), then per change its outputs; per run the digest terms of each change's
+old and new bits (`digest_jit.range_sums`), added to the run's member.
 """
 
 from __future__ import annotations
@@ -62,13 +59,9 @@ def _grow(a, n):
 
 @intrinsic
 def _changed16(typingctx, x, y, start, out, at):
-    """The lanes `i` of x[start:start + 16] != y[start:start + 16], as int32 `start + i`, stored
-    one after another at out[at:]; returns how many. Branch-free, so the unpredictable "is this
-    element changed" costs no mispredictions. With AVX-512: `vpcompressd` into a register and a
-    full 16-lane store (out[at:at + 16] must exist; the lanes past the count are garbage, written
-    over next), not the memory form `llvm.masked.compressstore` emits, which AMD Zen 4 microcodes:
-    2.5x slower than `find_words` there. Elsewhere (never called: `find_words` runs) the generic
-    compress store, which LLVM scalarises."""
+    """The lanes `i` of x[start:start + 16] != y[start:start + 16] as int32 `start + i` at out[at:]; how
+    many. With AVX-512: `vpcompressd` into a register and a full 16-lane store (out[at:at + 16] must
+    exist), not the memory form, which AMD Zen 4 microcodes; elsewhere the generic compress store."""
     sig = types.int64(x, y, types.int64, out, types.int64)
 
     def codegen(context, builder, signature, args):
@@ -150,15 +143,10 @@ def find_words(x, y, at, d, words):
 def scan_runs(
     cur, snap, starts, ends, shifts, segs, lo, hi, nseg, want_run, same_hf, pos, hfs, old, new, run
 ):
-    """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF
-    positions, old bits, new bits, runs, sums[nseg, 4] = pre lane 0, pre lane 1, post 0, post 1).
-    `same_hf`: every HF position equals its offset (one run, shift 0: a plain tensor), so `hfs`
-    is left unwritten (8 of the 20 B a change) and the offsets stand for both.
-    The changes go into `pos`, `hfs`, `old`, `new`, `run` (`outputs`, or a reused set); past their
-    size, into grown copies (then those are returned). Per chunk of a run: the changed elements'
-    chunk-local indices (`find_compress`, or `find_words` without AVX-512), then their outputs;
-    per run, the digest terms of its outputs (`range_sums`: a loop of its own, which LLVM vectorises,
-    where summing in the per-change store loop does not)."""
+    """Changes of `cur` vs `snap` inside the runs, clipped to [lo, hi): (count, offsets, HF positions, old
+    bits, new bits, runs, sums[nseg, 4]), into `pos`..`run` or, past their size, grown copies. `same_hf`
+    (a plain tensor): `hfs` is left unwritten, the offsets stand for both. The digest terms are summed
+    per run in a loop of their own (`range_sums`), which LLVM vectorises."""
     sums = np.zeros((nseg, 4), np.uint64)
     at = np.empty(CHUNK, np.int32)  # a chunk's changed indices
     d = np.zeros(CHUNK, cur.dtype)  # find_words' scratch

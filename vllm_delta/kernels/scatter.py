@@ -1,13 +1,8 @@
-"""The commit's scatter (with the ULP resolve) and read-back on CPU weights, as compiled loops.
-
-Why: the torch path (`engine/apply.py`'s `scatter` and `read_back`, the reference these are
-tested equal to, tests/kernels/test_scatter.py) pays int32 -> int64 offset copies, `index_copy_`
-and a gathered copy of every written value for the read-back. Each loop here reads and writes
-each entry once (`scatter_jit`). The read-back stays its own pass over the live weights after the
-writes, in its own compiled function, so it checks the write instead of repeating it.
-
-numba is optional (a vLLM dependency; the `cpu-scan` extra): without it, off the CPU, for a dtype
-conversion in the same step, or with the kernels switched off (`switch.on`), the torch path runs.
+"""The commit's scatter (with the ULP resolve) and read-back on CPU weights as compiled loops
+(`scatter_jit`), tested equal to the torch path in `engine/commit.py` (tests/engine/test_apply_kernel.py):
+each entry read and written once, without torch's int64 offset copies and gathered read-back copy. The
+read-back stays a pass of its own after the writes, so it checks them. Off the CPU, for a dtype
+conversion or with the kernels off (`switch.on`), the torch path runs.
 """
 
 from __future__ import annotations

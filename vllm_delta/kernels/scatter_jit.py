@@ -1,10 +1,6 @@
-"""The numba kernels of `scatter` (imported on first use: numba costs ~0.3 s to import).
-
-All work on bit patterns as unsigned integers of the element's width (uint8/16/32, and uint64 for
-the plain write and read-back), with int32 or int64 storage offsets, and check every offset
-against the storage (numba does not: an unchecked offset would write outside the weights).
-The ULP resolve is `wire.codecs.ulp_resolve`'s order-key bijection, branch-free on the sign bit
-(weights' signs are random: a branch would mispredict half the time).
+"""The numba kernels of `scatter`, on bit patterns as unsigned ints of the element's width, with int32 or
+int64 offsets each checked against the storage (numba does not check: it would write outside the
+weights). The ULP resolve is `wire.codecs.ulp_resolve`'s order-key bijection, branch-free on the sign bit.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""`ulp_zstd`'s value streams of a block in one pass (numba, imported on first use: numba costs
-~0.3 s to import): `wire.codecs.ulp_streams`' kernel, tested byte-equal to the numpy codecs.
-
-Written so LLVM vectorises it: the per-change arithmetic in flat loops over native widths, the
-bit packing and the escapes' compaction in loops of their own.
-"""
+"""`ulp_zstd`'s value streams of a block in one pass (`wire.codecs.ulp_streams`' kernel), tested
+byte-equal to the numpy codecs; flat loops over native widths, so that LLVM vectorises them."""
 
 from __future__ import annotations
 

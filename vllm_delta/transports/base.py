@@ -1,16 +1,19 @@
 """What every transport is: the `Transport` interface the publisher drives, the options a sender gives
-it, and `SentDelta`, what one delta put on the wire. A `Sink` takes each flush `FlushBuilder` encodes
-as it comes, so encoding the next flush overlaps moving the previous one."""
+it, `SentDelta` (what one delta put on the wire), and the background writer of the stored transports.
+A `Sink` takes each flush `FlushBuilder` encodes as it comes, so encoding the next overlaps moving it."""
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_delta.transports.writer import BackgroundFlushWriter
-from vllm_delta.wire import FlushBuilder, Manifest
+from vllm_delta.wire import EncodedFlush, FlushBuilder, Manifest
 
 if TYPE_CHECKING:  # the client needs aiohttp, which the transports' engine halves do not
     from vllm_delta.client import EngineClient, Reply
@@ -103,3 +106,61 @@ class Transport(ABC):
     def uploaded_bytes(self) -> int | None:
         """Bytes this transport has uploaded so far, where it counts them (the object store)."""
         return None
+
+
+class Throttle:
+    """Caps the write rate (bytes per second): a slower link, for disk and s3 writes and the benchmarks."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.rate, self.start, self.sent = float(bytes_per_s), None, 0
+
+    def wait(self, nbytes: int) -> None:
+        if self.start is None:
+            self.start = time.perf_counter()
+        self.sent += nbytes
+        ahead = self.sent / self.rate - (time.perf_counter() - self.start)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+class BackgroundFlushWriter:
+    """Hands each flush to `write(name, data)` on a thread (a file for disk, an object for s3), so the
+    sender encodes the next meanwhile; `emit` blocks only if `depth` are queued. The first error stops
+    the writes and is raised by the next `emit` or by `close`."""
+
+    def __init__(
+        self, write: Callable[[str, bytes], None], *, depth: int = 2, name: str = "vllm-delta-writer"
+    ) -> None:
+        self._write = write
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self.write_s = 0.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue
+            name, data = item
+            try:
+                t = time.perf_counter()
+                self._write(name, data)
+                self.write_s += time.perf_counter() - t
+            except BaseException as exc:  # reported by emit() or close()
+                self._error = exc
+
+    def emit(self, name: str, flush: EncodedFlush) -> None:
+        if self._error is not None:
+            raise self._error
+        self._q.put((name, flush.data))
+
+    def close(self) -> None:
+        """Wait until every queued flush is written; raise the writer's error if it had one."""
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error

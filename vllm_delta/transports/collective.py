@@ -299,11 +299,8 @@ class CollectiveLink:
         self.group = group
 
     def send(self, sent: SentDelta, body: dict[str, Any]) -> Reply:
-        """One update: the HTTP request, the offer, and (if every rank accepts) the flushes.
-
-        The engine's HTTP reply is the result; a broken or refused group is dropped (rebuilt at the
-        next sync), whatever the engine said.
-        """
+        """One update: the HTTP request, the offer, and (if every rank accepts) the flushes; the engine's
+        reply is the result. A broken or refused group is dropped (rebuilt at the next sync)."""
         if self.group is None:
             raise ConnectionError(f"{self.url}: not connected")
         group = self.group

@@ -1,12 +1,7 @@
-"""Disk transport: flush files in a version directory, written by a background thread, manifest last.
-
-Why this order: each flush is written atomically (`.tmp`, fsync, rename) while the sender encodes
-the next one; the manifest is written only after every flush is on disk, so a sender that dies
-mid-write leaves a directory without a manifest, which every engine refuses (IncompleteDeltaError).
-Multi-rank senders write their own flush files and rank 0 writes the merged manifest.
-
-The engine's half is the wire format's own reader (`wire.open_delta` over a `DeltaDir` opened under
-the engine's `--delta-updates-root`): the files are already where the engine reads them.
+"""Disk transport: flush files in a version directory, each written atomically by a background thread
+while the next is encoded, the merged manifest last (rank 0): a sender that dies mid-write leaves a
+directory without one, which every engine refuses. The engine's half is the wire's own reader
+(`wire.open_delta` under the engine's `--delta-updates-root`): the files are where it reads them.
 """
 
 from __future__ import annotations
@@ -15,8 +10,14 @@ import shutil
 from pathlib import Path
 
 from vllm_delta.client import EngineClient, Reply
-from vllm_delta.transports.base import SentDelta, Sink, Transport, TransportOptions
-from vllm_delta.transports.writer import BackgroundFlushWriter, Throttle
+from vllm_delta.transports.base import (
+    BackgroundFlushWriter,
+    SentDelta,
+    Sink,
+    Throttle,
+    Transport,
+    TransportOptions,
+)
 from vllm_delta.wire import MANIFEST_NAME, FlushBuilder, write_manifest
 from vllm_delta.wire.manifest import write_atomic
 

@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vllm_delta import settings
-from vllm_delta.transports.base import SentDelta, Sink, Transport, TransportOptions
+from vllm_delta.transports.base import BackgroundFlushWriter, SentDelta, Sink, Transport, TransportOptions
 from vllm_delta.transports.store import ObjectStore, StoreError, StoreNotFound, StoreURL, is_store_url
-from vllm_delta.transports.writer import BackgroundFlushWriter
 from vllm_delta.wire import MANIFEST_NAME, FileEntry, FlushBuilder, Manifest, blocks, parse_manifest
 from vllm_delta.wire.container import ZSTD_MAGIC, Limits, SparseFile
 from vllm_delta.wire.errors import DeltaError, IncompleteDeltaError, IntegrityError, LimitError

@@ -99,7 +99,7 @@ class ObjectStore:
         self._lock = threading.Lock()
         self._throttle = None
         if throttle_bytes_per_s:
-            from vllm_delta.transports.writer import Throttle
+            from vllm_delta.transports.base import Throttle
 
             self._throttle = Throttle(throttle_bytes_per_s)
         self.uploaded_bytes = 0  # bytes PUT so far (every request that succeeded)
