@@ -111,35 +111,25 @@ class ObjectStore:
         view = memoryview(data)
         if len(view) <= part:
             self._pace(len(view))
-            self._call(key, lambda: self.client.put_object(Bucket=self.url.bucket, Key=key, Body=bytes(view)))
+            self._s3(key, "put_object", Key=key, Body=bytes(view))
             self._count(len(view))
             return
-        upload = self._call(key, lambda: self.client.create_multipart_upload(Bucket=self.url.bucket, Key=key))
-        upload_id = upload["UploadId"]
+        upload_id = self._s3(key, "create_multipart_upload", Key=key)["UploadId"]
+        ids = {"Key": key, "UploadId": upload_id}
 
         def one(n: int) -> dict[str, Any]:
             chunk = view[n * part : (n + 1) * part]
             self._pace(len(chunk))
-            r = self._call(
-                key,
-                lambda: self.client.upload_part(
-                    Bucket=self.url.bucket, Key=key, UploadId=upload_id, PartNumber=n + 1, Body=bytes(chunk)
-                ),
-            )
+            r = self._s3(key, "upload_part", **ids, PartNumber=n + 1, Body=bytes(chunk))
             self._count(len(chunk))
             return {"PartNumber": n + 1, "ETag": r["ETag"]}
 
         try:
             parts = list(self._pool.map(one, range(-(-len(view) // part))))
-            self._call(
-                key,
-                lambda: self.client.complete_multipart_upload(
-                    Bucket=self.url.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
-                ),
-            )
+            self._s3(key, "complete_multipart_upload", **ids, MultipartUpload={"Parts": parts})
         except BaseException:
             try:
-                self.client.abort_multipart_upload(Bucket=self.url.bucket, Key=key, UploadId=upload_id)
+                self.client.abort_multipart_upload(Bucket=self.url.bucket, **ids)
             except Exception:  # the store is down: its own lifecycle rules reap the parts
                 pass
             raise
@@ -149,12 +139,7 @@ class ObjectStore:
         keys = self.list(prefix)
         for a in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = [{"Key": k} for k in keys[a : a + 1000]]
-            r = self._call(
-                prefix,
-                lambda batch=batch: self.client.delete_objects(
-                    Bucket=self.url.bucket, Delete={"Objects": batch, "Quiet": True}
-                ),
-            )
+            r = self._s3(prefix, "delete_objects", Delete={"Objects": batch, "Quiet": True})
             if errors := r.get("Errors"):
                 e = errors[0]
                 raise StoreError(f"delete failed: {e.get('Code')} ({len(errors)} objects)", file=e.get("Key"))
@@ -197,7 +182,7 @@ class ObjectStore:
 
     def head(self, key: str) -> tuple[int, str | None]:
         """An object's size and ETag (StoreNotFound if absent)."""
-        head = self._call(key, lambda: self.client.head_object(Bucket=self.url.bucket, Key=key))
+        head = self._s3(key, "head_object", Key=key)
         return int(head["ContentLength"]), head.get("ETag")
 
     def list(self, prefix: str) -> list[str]:
@@ -212,19 +197,11 @@ class ObjectStore:
 
     def check_access(self) -> None:
         """One cheap call that fails clearly on wrong credentials, a missing bucket or no store."""
-        self._call(
-            str(self.url),
-            lambda: self.client.list_objects_v2(Bucket=self.url.bucket, Prefix=self.url.key(""), MaxKeys=1),
-        )
+        self._s3(str(self.url), "list_objects_v2", Prefix=self.url.key(""), MaxKeys=1)
 
     def _get(self, key: str, start: int, end: int, etag: str | None) -> bytes:
         kw = {"IfMatch": etag} if etag else {}
-        r = self._call(
-            key,
-            lambda: self.client.get_object(
-                Bucket=self.url.bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kw
-            ),
-        )
+        r = self._s3(key, "get_object", Key=key, Range=f"bytes={start}-{end - 1}", **kw)
         data = self._call(key, r["Body"].read)
         if len(data) != end - start:
             raise StoreError(f"short read: {len(data)} of {end - start} bytes at {start}", file=key)
@@ -238,6 +215,10 @@ class ObjectStore:
     def _count(self, nbytes: int) -> None:
         with self._lock:
             self.uploaded_bytes += nbytes
+
+    def _s3(self, key: str, op: str, **kwargs: Any) -> Any:
+        """The client's `op` on this bucket, its errors as `StoreError`s naming `key`."""
+        return self._call(key, lambda: getattr(self.client, op)(Bucket=self.url.bucket, **kwargs))
 
     def _call(self, key: str, fn: Callable[[], T]) -> T:
         from botocore.exceptions import (
