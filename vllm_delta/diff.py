@@ -7,6 +7,7 @@ on the device), numpy over chunks on every CPU core on the host.
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,17 +20,12 @@ from vllm_delta.wire.dtypes import by_torch
 # Compare in chunks small enough that the boolean mask is reused from the allocator's free list
 # instead of being mapped (and page-faulted) afresh: 2-3x faster than one large mask on CPU.
 CHUNK_ELEMENTS = 1 << 22
-_pool: ThreadPoolExecutor | None = None
 
 
+@functools.cache
 def _cpu_pool() -> ThreadPoolExecutor:
     """numpy releases the GIL in comparisons and flatnonzero, so threads use every core."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(
-            max_workers=max(1, torch.get_num_threads()), thread_name_prefix="vllm-delta-diff"
-        )
-    return _pool
+    return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="vllm-delta-diff")
 
 
 @dataclass(frozen=True, eq=False)
