@@ -138,20 +138,17 @@ def cmd_inspect(a: argparse.Namespace) -> None:
     from rich.table import Table
 
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    head = Table.grid(padding=(0, 2))
+    head, files = Table.grid(padding=(0, 2)), Table("file", "bytes", "changed", "B / changed", title="files")
     for k in ("path", "format", "version", "base_version", "encoding", "idempotent", "needs_base", "params"):
         head.add_row(k, str(s[k]))
     head.add_row("changed / elements", f"{s['changed']:,} / {s['elements']:,} ({s['elements_scope']})")
     head.add_row("density", f"{s['density']:.4%}")
-    files = Table(title="files")
-    for col in ("file", "bytes", "changed", "B / changed"):
-        files.add_column(col, justify="left" if col == "file" else "right")
+    for col in files.columns[1:]:
+        col.justify = "right"
     for f in s["files"]:
         files.add_row(f["name"], f"{f['bytes']:,}", f"{f['changed']:,}", fmt(f["bytes_per_changed"]))
     files.add_row("total", f"{s['bytes']:,}", f"{s['changed']:,}", fmt(s["bytes_per_changed"]), style="bold")
-    console = Console()
-    console.print(head)
-    console.print(files)
+    Console().print(head, files)
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
@@ -178,13 +175,10 @@ def cmd_encodings(a: argparse.Namespace) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    t = Table()
-    for col in ("name", "idempotent", "needs_base", "compression", "description"):
-        t.add_column(col)
+    cols = ("name", "idempotent", "needs_base", "compression", "description")
+    t = Table(*cols)
     for r in rows:
-        t.add_row(
-            *(escape(str(r[c])) for c in ("name", "idempotent", "needs_base", "compression", "description"))
-        )
+        t.add_row(*(escape(str(r[c])) for c in cols))
     Console().print(t)
 
 
