@@ -171,7 +171,6 @@ def host_group(
     the engine refused: `ConnectionError`), then build the bulk channel with them."""
     from vllm.distributed.utils import StatelessProcessGroup, create_tcp_store
 
-    _check_backend(backend)
     host, port = sock.getsockname()[:2]
     store = create_tcp_store(
         host,
@@ -197,7 +196,6 @@ def join_group(
     """An engine rank: connect to the trainer's store, say so, then build the bulk channel."""
     from vllm.distributed.utils import StatelessProcessGroup
 
-    _check_backend(backend)
     spg = StatelessProcessGroup.create(
         master_addr, master_port, rank, world_size, store_timeout=max(1, int(timeout_s))
     )
@@ -248,8 +246,3 @@ def _build_bulk(group: Group) -> Any:
     if comm.disabled:
         raise RuntimeError("NCCL is not available to PyNcclCommunicator here")
     return comm
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
