@@ -332,9 +332,8 @@ class CollectiveLink:
 
 
 class CollectiveTransport(Transport):
-    """The same flush bytes, broadcast to each engine's group; the manifest goes over HTTP. Nothing to
-    prepare, finish or seal: each rank's builder spools its flushes, and the manifest travels in the
-    update request."""
+    """The same flush bytes, broadcast to each engine's group; the manifest goes in the HTTP request, so
+    there is nothing to prepare, finish or seal."""
 
     stored = False  # flushes live in rank 0's spool; other ranks send theirs there
 
@@ -342,11 +341,8 @@ class CollectiveTransport(Transport):
         """`name` is the backend: "gloo" or "nccl"."""
         if name not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {name!r}")
-        self.backend, self.master_addr, self.timeout_s = (
-            name,
-            options.master_addr,
-            options.collective_timeout_s,
-        )
+        self.backend, self.master_addr = name, options.master_addr
+        self.timeout_s = options.collective_timeout_s
         self.window_bytes = DEFAULT_WINDOW_BYTES
         self._links: dict[str, CollectiveLink] = {}
 
