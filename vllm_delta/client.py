@@ -29,7 +29,6 @@ class Reply:
     url: str
     status: int
     body: dict[str, Any] = field(default_factory=dict)
-    attempts: int = 1
 
     @property
     def ok(self) -> bool:
@@ -51,12 +50,11 @@ class EngineClient:
         api_key: str | None = None,
         *,
         timeout_s: float = 600.0,
-        connect_timeout_s: float = 10.0,
         retries: int = 3,
         backoff_s: float = 0.5,
     ) -> None:
         self.api_key = api_key
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
         self.retries, self.backoff_s = retries, backoff_s
 
     def headers(self) -> dict[str, str]:
@@ -84,15 +82,13 @@ class EngineClient:
                         payload = await resp.json(content_type=None)
                     except (ValueError, aiohttp.ContentTypeError):
                         payload = {"error": {"type": "HTTPError", "message": (await resp.text())[:500]}}
-                    last = Reply(
-                        url, resp.status, payload if isinstance(payload, dict) else {"body": payload}, attempt
-                    )
+                    payload = payload if isinstance(payload, dict) else {"body": payload}
+                    last = Reply(url, resp.status, payload)
                     if resp.status not in RETRY_STATUSES:
                         return last
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                last = Reply(
-                    url, 0, {"error": {"type": type(exc).__name__, "message": str(exc) or repr(exc)}}, attempt
-                )
+                error = {"type": type(exc).__name__, "message": str(exc) or repr(exc)}
+                last = Reply(url, 0, {"error": error})
                 if isinstance(exc, asyncio.TimeoutError):
                     return last  # the engine may still be applying: do not send it twice
             await asyncio.sleep(self.backoff_s * attempt)
