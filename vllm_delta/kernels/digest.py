@@ -8,6 +8,7 @@ live (int64 wraps mod 2^64 on every backend), so only the sums leave the device.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_delta.kernels import switch
@@ -27,6 +28,12 @@ def mix_(x: torch.Tensor, lane: int) -> torch.Tensor:
         if i < 2:
             x *= mults[i]
     return x
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bits as a flat unsigned numpy view of a CPU tensor (no copy): what the kernels take."""
+    size = t.element_size()
+    return t.detach().reshape(-1).view(_INT[size]).numpy().view(f"u{size}")
 
 
 def element_bits(values: torch.Tensor) -> torch.Tensor:
@@ -92,8 +99,6 @@ def _compiled(
     from vllm_delta.kernels.digest_jit import NO_SEGMENTS
     from vllm_delta.kernels.digest_jit import segment_sums as sums
 
-    size = values.element_size()
-    bits = values.detach().reshape(-1).view(_INT[size]).numpy().view(f"u{size}")
     pos = positions.detach().reshape(-1).to(torch.int64).numpy()
     if isinstance(segments, int):
         if not 0 <= segments < n:
@@ -101,4 +106,4 @@ def _compiled(
         seg, one = NO_SEGMENTS, segments
     else:
         seg, one = segments.detach().reshape(-1).to(torch.int64).numpy(), 0
-    return torch.from_numpy(sums(pos, bits, seg, one, n).view("i8"))
+    return torch.from_numpy(sums(pos, bits(values), seg, one, n).view("i8"))

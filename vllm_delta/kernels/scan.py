@@ -13,9 +13,8 @@ import numpy as np
 import torch
 
 from vllm_delta.kernels import switch
+from vllm_delta.kernels.digest import bits
 from vllm_delta.kernels.scan_buffers import ScanBuffers
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
 def applies(base: torch.Tensor, snap: torch.Tensor) -> bool:
@@ -110,18 +109,6 @@ def scan_bits(
 def numpy_tables(tables: tuple[torch.Tensor, ...]) -> tuple[np.ndarray, ...]:
     """The run table's start, end, HF shift and member columns as the kernel takes them (CPU, no copy)."""
     return tuple(t.numpy() for t in tables[:4])
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bits as a flat unsigned numpy view (no copy)."""
-    size = t.element_size()
-    return (
-        t.detach()
-        .reshape(-1)
-        .view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[size])
-        .numpy()
-        .view(_UINT[size])
-    )
 
 
 def values(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

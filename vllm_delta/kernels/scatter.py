@@ -7,24 +7,16 @@ conversion or with the kernels off (`switch.on`), the torch path runs.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from vllm_delta.kernels import switch
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from vllm_delta.kernels.digest import bits
 
 
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: all on the CPU (a mixed-device call goes the torch
     way, which refuses it), and switched on."""
     return switch.on() and all(t.device.type == "cpu" for t in tensors)
-
-
-def _bits(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bits as an unsigned numpy view (no copy)."""
-    return t.detach().reshape(-1).view(_SIGNED[t.element_size()]).numpy().view(_UINT[t.element_size()])
 
 
 def _kind(dtype: torch.dtype) -> int | None:
@@ -48,7 +40,7 @@ def scatter(
             return None
         from vllm_delta.kernels.scatter_jit import write
 
-        write(_bits(flat), offsets.numpy(), _bits(values))
+        write(bits(flat), offsets.numpy(), bits(values))
         return values
     kind = _kind(base)
     if base != flat.dtype or kind is None or values.element_size() != flat.element_size():
@@ -56,7 +48,7 @@ def scatter(
     from vllm_delta.kernels.scatter_jit import write_resolved
 
     out = torch.empty(values.numel(), dtype=flat.dtype)
-    write_resolved(_bits(flat), offsets.numpy(), _bits(values), kind, _bits(out))
+    write_resolved(bits(flat), offsets.numpy(), bits(values), kind, bits(out))
     return out
 
 
@@ -67,4 +59,4 @@ def missed(flat: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> t
     """A bool tensor: some live flat[offsets] differ bitwise from `values` (read after the writes)."""
     from vllm_delta.kernels.scatter_jit import mismatches
 
-    return _FLAG[mismatches(_bits(flat), offsets.numpy(), _bits(values)) > 0]
+    return _FLAG[mismatches(bits(flat), offsets.numpy(), bits(values)) > 0]
