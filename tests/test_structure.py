@@ -31,8 +31,8 @@ OVERSIZE: dict[str, int] = {}
 # placement helpers, dense codecs, DeltaBatch dataclass (issue 30); -38: reader/s3/flush_encode (issue 30);
 # -104: a not-on-disk prepare as one typed object, the fallback replay as Shadows methods, one chunk builder
 # (issue 30); -132: gaps_jit, which did not pay at the users' scale (issue 30); -286: transports one
-# module each (s3_receive, spool, writer merged), one S3 retry path, docstrings (issue 30); -16: one
-# bits view for the kernels, dead client options (issue 30).
+# module each (s3_receive, spool, writer merged), one S3 retry path, docstrings, dead client options
+# (issue 30); -16: one bits view for the kernels (issue 30).
 MAX_LIBRARY_LINES = 20_639
 
 
