@@ -65,7 +65,7 @@ ASSUMED = {
     "hbm_bytes_per_s": 3.0e12,  # of H200's 4.8 TB/s peak, for gathers and scatters at 2% density
     "device_bytes_per_change": 256,  # a 32 B sector read + written per scatter/gather (4 passes) + staged arrays
     "pcie_bytes_per_s": 25e9,  # pinned host -> device, one GPU's link
-    # Decode threads per rank: what prepare_thread.decode_threads gives each of 8 local GPUs on a node
+    # Decode threads per rank: what worker_transfer.decode_threads gives each of 8 local GPUs on a node
     # with >= 64 usable cores; the decode is measured here at one thread and assumed to scale across
     # flushes.
     "host_threads": 8,

@@ -19,7 +19,7 @@ CHECKED = [
     "vllm_delta/engine/transaction.py",
     "vllm_delta/engine/messages.py",
     "vllm_delta/engine/trace.py",
-    "vllm_delta/engine/summary.py",
+    "vllm_delta/engine/replicas.py",
     "vllm_delta/kernels",
 ]
 

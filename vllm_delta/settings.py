@@ -1,8 +1,5 @@
-"""Every `VLLM_DELTA_*` environment variable: its name, and the one function that reads it.
-
-Why one module: a variable read in several places drifts (defaults, what counts as "off"), and an
-operator should find every knob in one file. Nothing here imports more than the standard library,
-so the codec, the sender and the engine's processes all read the same values the same way.
+"""Every `VLLM_DELTA_*` environment variable: its name, and the one function that reads it, so no two
+readers drift (defaults, what counts as "off"). Standard library only: every process may import it.
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ def updates_enabled() -> bool:
     return os.environ.get(UPDATES) == "1"
 
 
-# The largest single flush an engine takes over a collective (it holds one at a time while decoding);
-# the total is what the manifest states, uncapped, so a whole-model anchor streams in flushes.
+# The largest single flush an engine takes over a collective (it holds one at a time while decoding).
 COLLECTIVE_MAX_FLUSH_BYTES = "VLLM_DELTA_COLLECTIVE_MAX_FLUSH_BYTES"
 DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES = 1 << 30
 
@@ -28,8 +24,7 @@ def collective_max_flush_bytes() -> int:
     return int(os.environ.get(COLLECTIVE_MAX_FLUSH_BYTES) or DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES)
 
 
-# The only directory (or s3:// prefix) the engine reads deltas from, as its processes see it;
-# `--delta-updates-root` exports it to the workers (set it by hand without the CLI patch).
+# The only directory (or s3:// prefix) the engine reads deltas from; `--delta-updates-root` exports it.
 UPDATES_ROOT = "VLLM_DELTA_UPDATES_ROOT"
 
 
@@ -38,8 +33,7 @@ def updates_root() -> str:
     return os.environ.get(UPDATES_ROOT, "")
 
 
-# "1": manifest-less deltas in the seed's format are accepted (`--delta-updates-allow-seed-format` sets it).
-# Off by default: the seed's checksum cannot catch swapped values or a renamed or reshaped param.
+# "1": manifest-less deltas in the seed's format are accepted (`--delta-updates-allow-seed-format`).
 ALLOW_SEED_FORMAT = "VLLM_DELTA_ALLOW_SEED_FORMAT"
 
 
@@ -58,16 +52,15 @@ def kernels_on() -> bool:
     return all(os.environ.get(v, "1") != "0" for v in (KERNELS, *KERNELS_ALIASES))
 
 
-# The keys a manifest may be signed with (wire/signing.py): comma-separated, or in a file, one a line
-# (blank lines and `#` comments skipped), read again at every use so a rotation needs no restart. The
-# first signs (a sender); any verifies (an engine). `--delta-updates-signing-key[-file]` sets them.
+# The keys a manifest may be signed with (wire/signing.py): comma-separated, or a file of one a line (`#`
+# comments), read at every use so a rotation needs no restart. The first signs; any verifies.
 SIGNING_KEYS = "VLLM_DELTA_SIGNING_KEYS"
 SIGNING_KEY_FILE = "VLLM_DELTA_SIGNING_KEY_FILE"
 
 
 def signing_keys() -> list[str]:
-    """The configured signing keys, as given ([] when none: manifests are neither signed nor checked).
-    A key file that is gone, unreadable or lists no key raises: signing stays on (fail closed)."""
+    """The configured signing keys ([]: manifests are neither signed nor checked); a key file that is
+    gone, unreadable or lists no key raises (fail closed)."""
     path = os.environ.get(SIGNING_KEY_FILE)
     if path:
         with open(path, encoding="utf-8") as f:

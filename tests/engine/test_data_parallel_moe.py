@@ -390,7 +390,7 @@ def test_real_dp2_ep_engine_learns_the_world_and_checks_digests_across_it(tiny_m
         ]
         # A delta that changes weights: the pause runs the DP engines' dummy MoE batch, which raises on
         # this build and kills both engine cores. The request must end (vLLM's EngineDeadError handler,
-        # then its shutdown), not hang until the server is killed, as it did before liveness.while_alive.
+        # then its shutdown), not hang until the server is killed, as it did before transaction.while_alive.
         r = requests.post(
             f"{url}/update_weights_delta",
             json={"path": "kills", "version": 2, "base_version": 1},

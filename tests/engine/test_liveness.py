@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from vllm_delta.engine import liveness
+from vllm_delta.engine import transaction
 
 
 def client(dead: bool = False) -> SimpleNamespace:
@@ -23,7 +23,7 @@ def client(dead: bool = False) -> SimpleNamespace:
 
 @pytest.fixture(autouse=True)
 def fast_poll(monkeypatch):
-    monkeypatch.setattr(liveness, "POLL_S", 0.01)
+    monkeypatch.setattr(transaction, "POLL_S", 0.01)
 
 
 def test_a_call_that_answers_returns_its_value():
@@ -31,7 +31,7 @@ def test_a_call_that_answers_returns_its_value():
         await asyncio.sleep(0.03)
         return 7
 
-    assert asyncio.run(liveness.while_alive(client(), answer())) == 7
+    assert asyncio.run(transaction.while_alive(client(), answer())) == 7
 
 
 async def never(cancelled: asyncio.Event) -> None:
@@ -47,7 +47,7 @@ def test_a_pending_call_is_cancelled_when_the_engine_dies():
     engine, cancelled = client(), asyncio.Event()
 
     async def scenario():
-        call = asyncio.ensure_future(liveness.while_alive(engine, never(cancelled)))
+        call = asyncio.ensure_future(transaction.while_alive(engine, never(cancelled)))
         await asyncio.sleep(0.05)
         assert not call.done()
         engine.engine_core.resources.engine_dead = True
@@ -66,7 +66,7 @@ def test_a_dead_engine_is_not_called():
         started.append(1)
 
     with pytest.raises(EngineDeadError):
-        asyncio.run(liveness.while_alive(client(dead=True), call()))
+        asyncio.run(transaction.while_alive(client(dead=True), call()))
     assert started == []
 
 
@@ -74,7 +74,7 @@ def test_a_cancelled_caller_cancels_the_call():
     cancelled = asyncio.Event()
 
     async def scenario():
-        call = asyncio.ensure_future(liveness.while_alive(client(), never(cancelled)))
+        call = asyncio.ensure_future(transaction.while_alive(client(), never(cancelled)))
         await asyncio.sleep(0.05)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -89,4 +89,4 @@ def test_a_client_without_the_flag_is_alive():
     async def answer():
         return "ok"
 
-    assert asyncio.run(liveness.while_alive(SimpleNamespace(), answer())) == "ok"
+    assert asyncio.run(transaction.while_alive(SimpleNamespace(), answer())) == "ok"

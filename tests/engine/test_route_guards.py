@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from vllm_delta.engine.cli_args import WORKER_EXTENSION, api_keys, existing_dir
+from vllm_delta.engine.http_errors import DeltaTransferError, parse_error
 from vllm_delta.engine.request import (
     DeltaUpdateRequest,
     NotADeltaDirError,
@@ -30,7 +31,6 @@ from vllm_delta.engine.request import (
 from vllm_delta.engine.routes import DeltaUpdater
 from vllm_delta.plugin import DeltaUpdatesEndpoint
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
-from vllm_delta.weight_transfer.errors import DeltaTransferError, parse_error
 from vllm_delta.weight_transfer.worker_engine import DeltaWeightTransferEngine
 
 KEY = "route-guard-key"

@@ -18,9 +18,9 @@ from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, 
 
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.messages import CommitReply, PrepareReply
+from vllm_delta.engine.replicas import summarize, trace_of, worker_seconds
 from vllm_delta.engine.request import DeltaUpdateRequest, prepare_request
 from vllm_delta.engine.routes import DeltaUpdater
-from vllm_delta.engine.summary import summarize, trace_of, worker_seconds
 from vllm_delta.engine.trace import PhaseTimes
 from vllm_delta.engine.transaction import Sync
 from vllm_delta.wire import DeltaWriter

@@ -15,7 +15,7 @@ import torch
 from harness.seed_inputs import seed_case
 from harness.seed_trainer import content_digest, flush_bytes
 
-from vllm_delta.engine.seed_route import SeedPush
+from vllm_delta.engine.routes import SeedPush
 from vllm_delta.wire import read_delta
 
 SEED_ENCODER = {

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from native_helpers import HUB_ID, hub_cache
 
-from vllm_delta.engine.model_path import local_checkpoint_dir
+from vllm_delta.engine.worker import local_checkpoint_dir
 
 
 def config(model: str, download_dir: str | None = None) -> SimpleNamespace:

@@ -482,7 +482,7 @@ def replay_offline(trainer, model_dir: Path, root: Path, run: dict) -> None:
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
     from vllm_delta import DeltaTrainerInitInfo
-    from vllm_delta.weight_transfer.links import OfflineLLMClient
+    from vllm_delta.weight_transfer.trainer import OfflineLLMClient
 
     states = run["states"]
     trainer.model.load_state_dict(states[0])

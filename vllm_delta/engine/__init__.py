@@ -1,4 +1,1 @@
-"""vLLM side of vllm-delta: plugin entry points, HTTP routes, worker method, placement and apply.
-
-Only this subpackage imports vLLM, and it does so lazily inside functions where it can.
-"""
+"""vLLM side of vllm-delta: the plugin's doors, the transaction core, the worker side, placement and apply."""

@@ -200,7 +200,7 @@ class DeltaApplier:
         """Read, verify and decode the delta in a version directory; locate each entry this rank owns.
 
         Flushes are read and decoded on `decode_threads` threads (default: this thread's torch
-        intra-op count; the engine passes prepare_thread.decode_threads), ahead of the staging; the
+        intra-op count; the engine passes worker_transfer.decode_threads), ahead of the staging; the
         garbage collector is paused meanwhile (the decoded deltas form no cycles, and two full
         collections over a 44k-tensor update's objects cost ~20 us a tensor). `path` may be the delta already
         opened (the worker opens it for its lineage check), with `times` holding what that took: the

@@ -1,13 +1,9 @@
 """`vllm.cli_args_plugins` entry point: the `--enable-delta-updates` flags of `vllm serve`.
 
-Why an argparse Action: the flag has to take effect while the command line is parsed. The API
-server turns the parsed args into engine args and starts the engine processes before any route
-plugin runs, so the worker extension and the environment the workers read are set here.
-Argparse has no post-parse hook, so what can only be judged on the whole command line (the root
-is given, no later `--worker-extension-cls` replaced ours, the server is not open to anyone who
-reaches its port, one API server, every DP engine behind it) is checked by `check_args`. It runs as soon as
-the command line is parsed (see `check_after_parsing`), so a bad one stops `vllm serve` before any
-engine starts; the route plugin checks again when the app is built.
+Why at parse time: the API server starts the engine processes before any route plugin runs, so the
+worker extension and the environment the workers read (settings.py) are set, and a command line that
+cannot be served safely is refused, as soon as it is parsed: argparse has no post-parse hook, so
+`check_after_parsing` wraps the parser's own `parse_known_args`. The route plugin checks again.
 """
 
 from __future__ import annotations
@@ -30,13 +26,9 @@ if TYPE_CHECKING:
 WORKER_EXTENSION = "vllm_delta.engine.worker.DeltaWorkerExtension"
 ENV_FLAG = settings.UPDATES
 PLUGIN_NAME = "delta_updates"
-ENDPOINT_GROUP = "vllm.endpoint_plugins"
 DEFAULT_MAX_STAGED_BYTES = 256 << 20
-# A request body is a small JSON document; a collective update carries its manifest (about 200 B
-# per changed tensor), so this leaves room for models with hundreds of thousands of tensors.
+# A collective update's body carries its manifest (about 200 B a changed tensor).
 DEFAULT_MAX_BODY_BYTES = 64 << 20
-LOOPBACK_NAMES = frozenset({"localhost"})
-STARTUP_CHECK_ATTEMPTS = 2  # the store access check at startup: one retry, then a clear refusal
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -45,20 +37,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "delta updates", "Apply sparse weight deltas in place through POST /update_weights_delta."
     )
     group.add_argument(
-        "--enable-delta-updates", action=EnableDeltaUpdates, nargs=0, default=False,
+        "--enable-delta-updates", action="store_true",
         help="Serve /update_weights_delta and /delta_updates/status; needs --delta-updates-root.",
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-root", type=delta_root, default=None, metavar="DIR|s3://BUCKET/PREFIX",
-        action=DeltaUpdatesRoot,
-        help="The only directory deltas may be read from (also by the `delta` weight-transfer backend), or "
-             "the object-store prefix the engine pulls them from (credentials from the standard AWS "
-             "environment).",
+        help="The only directory (or object-store prefix, AWS credentials from the environment) deltas may "
+             "be read from, through either door.",
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-max-staged-bytes", type=positive_int, default=DEFAULT_MAX_STAGED_BYTES, metavar="N",
-        help="The bound on everything one update stages on the receiver (offsets and values), in bytes; "
-             "a larger update is refused (413) before any weight changes.",
+        help="The bound on everything one update stages, in bytes; a larger update is refused (413).",
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-chunk-bytes", type=positive_int, dest="delta_updates_max_staged_bytes", metavar="N",
@@ -71,55 +60,25 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-collective-trainers", type=trainer_address, nargs="+", default=None, metavar="ADDR",
-        help="Turn on POST /delta_updates/collective/init, for trainers whose master_addr is one of these "
-             "IP addresses, networks (CIDR) or host names. Off when not given: the workers never join a "
-             "group.",
+        help="Turn on POST /delta_updates/collective/init for trainers whose master_addr is one of these "
+             "IP addresses, networks (CIDR) or host names; off when not given.",
     )  # fmt: skip
     keys = group.add_mutually_exclusive_group()
     keys.add_argument(
-        "--delta-updates-signing-key", type=str, nargs="+", default=None, metavar="KEY", action=SigningKeys,
+        "--delta-updates-signing-key", type=str, nargs="+", default=None, metavar="KEY",
         help="Apply only manifests signed (HMAC-SHA-256) with one of these keys, each at least 16 bytes; "
              "refuse others with 403 (docs/security.md). Visible in the process list: prefer the file.",
     )  # fmt: skip
     keys.add_argument(
-        "--delta-updates-signing-key-file", type=str, default=None, metavar="FILE", action=SigningKeys,
+        "--delta-updates-signing-key-file", type=str, default=None, metavar="FILE",
         help="The same, one key a line, read again for every update (rotate keys without a restart).",
     )  # fmt: skip
     group.add_argument(
-        "--delta-updates-allow-seed-format", action=AllowSeedFormat, nargs=0, default=False,
-        help="Also accept manifest-less deltas in the seed's format. Their checksum cannot catch two "
-             "values swapped or a param renamed or reshaped (docs/wire-format.md); off unless given.",
+        "--delta-updates-allow-seed-format", action="store_true",
+        help="Also accept manifest-less deltas in the seed's format, whose checksum cannot catch swapped "
+             "values or a renamed or reshaped param (docs/wire-format.md).",
     )  # fmt: skip
     check_after_parsing(parser)
-
-
-class SigningKeys(argparse.Action):
-    """Check the signing keys (or their file) now and export them to the engine processes, whose
-    workers verify every manifest (`worker._delta_admit`) whichever door the update came through."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from vllm_delta.wire.signing import signing_keys
-
-        file = option_string == "--delta-updates-signing-key-file"
-        if not file and any("," in v or v != v.strip() for v in values):
-            parser.error(f"{option_string}: a key may not contain a comma or surrounding whitespace")
-        os.environ.pop(settings.SIGNING_KEY_FILE if not file else settings.SIGNING_KEYS, None)
-        os.environ[settings.SIGNING_KEY_FILE if file else settings.SIGNING_KEYS] = (
-            os.path.realpath(values) if file else ",".join(values)
-        )
-        try:
-            signing_keys(settings.signing_keys())
-        except (OSError, ValueError) as exc:
-            parser.error(f"{option_string}: {exc}")
-        setattr(namespace, self.dest, values)
-
-
-class AllowSeedFormat(argparse.Action):
-    """A switch the workers read from the environment (settings.allow_seed_format), set while parsing."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, True)
-        os.environ[settings.ALLOW_SEED_FORMAT] = "1"
 
 
 class DeprecatedAlias(argparse.Action):
@@ -135,68 +94,25 @@ class DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-class EnableDeltaUpdates(argparse.Action):
-    """Turn delta updates on: our worker extension, the workers' env flag, our route allowlisted."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        current = getattr(namespace, "worker_extension_cls", "")
-        if current and current != WORKER_EXTENSION:
-            parser.error(
-                f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
-                f"it cannot be combined with --worker-extension-cls {current}"
-            )
-        namespace.worker_extension_cls = WORKER_EXTENSION
-        setattr(namespace, self.dest, True)
-        os.environ[ENV_FLAG] = "1"
-        os.environ["VLLM_PLUGINS"] = ",".join(plugin_allowlist(os.environ.get("VLLM_PLUGINS")))
-
-
-class DeltaUpdatesRoot(argparse.Action):
-    """Store the root and export it to the engine processes, where the `delta` weight-transfer
-    backend (`--weight-transfer-config '{"backend": "delta"}'`) reads it; allowlist our endpoint
-    plugin, which answers vLLM's weight routes for that backend."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values)
-        os.environ[settings.UPDATES_ROOT] = str(values)
-        os.environ["VLLM_PLUGINS"] = ",".join(plugin_allowlist(os.environ.get("VLLM_PLUGINS")))
-
-
-def plugin_allowlist(current: str | None) -> list[str]:
-    """`VLLM_PLUGINS` with our name added, loading every other plugin exactly as before.
-
-    Endpoint plugins load only when named in `VLLM_PLUGINS`, but setting it narrows every other
-    plugin group to the names it lists. When it is unset, list every plugin that would load anyway.
-    """
-    if current is not None:
-        names = current.split(",")
-    else:
-        eps = entry_points()
-        names = sorted(
-            {
-                ep.name
-                for group in eps.groups
-                if group.startswith("vllm.") and group != ENDPOINT_GROUP
-                for ep in eps.select(group=group)
-            }
-        )
-    return names if PLUGIN_NAME in names else [*names, PLUGIN_NAME]
-
-
 def check_after_parsing(parser: argparse.ArgumentParser) -> None:
-    """Run `check_args` on every namespace `parser` produces, turning a refusal into a usage error.
-
-    Why wrap this parser's own `parse_known_args`: argparse has no post-parse hook, and `vllm serve`
-    parses its subcommand through exactly this method (argparse's subparser action calls it), before
-    it starts anything.
-    """
+    """Export and check every namespace `parser` produces, a refusal being a usage error (`vllm serve`
+    parses its subcommand through exactly this method, before it starts anything)."""
     parse = parser.parse_known_args
 
     def parse_known_args(args=None, namespace=None):
         namespace, rest = parse(args, namespace)
         try:
+            export(namespace)
             check_args(namespace)
-            check_api_server_default(namespace)
+            dp = data_parallel_size(namespace)  # vLLM starts one API server a DP rank unless told
+            one = getattr(namespace, "api_server_count", None) or getattr(namespace, "headless", False)
+            if namespace.enable_delta_updates and dp > 1 and not one:
+                raise ValueError(
+                    f"--enable-delta-updates with --data-parallel-size {dp}: pass --api-server-count 1 "
+                    f"(vLLM would start {dp} API servers; "
+                    + API_SERVERS_REFUSAL.format(dp).split(": ", 1)[1]
+                    + ")"
+                )
             check_store(namespace)
         except ValueError as exc:
             parser.error(str(exc))
@@ -205,18 +121,55 @@ def check_after_parsing(parser: argparse.ArgumentParser) -> None:
     parser.parse_known_args = parse_known_args
 
 
+def export(args: argparse.Namespace) -> None:
+    """Our worker extension, and what the engine processes read from the environment (settings.py):
+    the flag, the root (the `delta` backend reads it too), the seed-format switch, the signing keys;
+    our endpoint plugin allowlisted, which serves our route and vLLM's weight routes for `delta`."""
+    if args.enable_delta_updates:
+        args.worker_extension_cls = getattr(args, "worker_extension_cls", "") or WORKER_EXTENSION
+        os.environ[ENV_FLAG] = "1"
+    if args.delta_updates_root is not None:
+        os.environ[settings.UPDATES_ROOT] = str(args.delta_updates_root)
+    if args.enable_delta_updates or args.delta_updates_root is not None:
+        os.environ["VLLM_PLUGINS"] = ",".join(plugin_allowlist(os.environ.get("VLLM_PLUGINS")))
+    if args.delta_updates_allow_seed_format:
+        os.environ[settings.ALLOW_SEED_FORMAT] = "1"
+    keys, file = args.delta_updates_signing_key, args.delta_updates_signing_key_file
+    if keys is None and file is None:
+        return
+    from vllm_delta.wire.signing import signing_keys
+
+    flag = "--delta-updates-signing-key-file" if file else "--delta-updates-signing-key"
+    if keys and any("," in k or k != k.strip() for k in keys):
+        raise ValueError(f"{flag}: a key may not contain a comma or surrounding whitespace")
+    os.environ.pop(settings.SIGNING_KEYS if file else settings.SIGNING_KEY_FILE, None)
+    os.environ[settings.SIGNING_KEY_FILE if file else settings.SIGNING_KEYS] = (
+        os.path.realpath(file) if file else ",".join(keys)
+    )
+    try:
+        signing_keys(settings.signing_keys())  # the workers verify every manifest, through either door
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
+def plugin_allowlist(current: str | None) -> list[str]:
+    """`VLLM_PLUGINS` with our name added. Endpoint plugins load only when named there, but setting it
+    narrows every other plugin group to the names it lists: when unset, list every plugin that loads."""
+    if current is not None:
+        names = current.split(",")
+    else:
+        eps = entry_points()
+        groups = [g for g in eps.groups if g.startswith("vllm.") and g != "vllm.endpoint_plugins"]
+        names = sorted({ep.name for group in groups for ep in eps.select(group=group)})
+    return names if PLUGIN_NAME in names else [*names, PLUGIN_NAME]
+
+
 # Shared by both doors (this CLI check and the `delta` backend's worker engine).
 EPLB_REFUSAL = (
     "delta updates cannot run with --enable-eplb: EPLB moves experts between physical slots "
     "while the engine serves, and the placement learned at startup would then write an expert's "
     "changes into another expert's slot. Run without EPLB."
 )
-
-
-# Why one API server: the kernel hands each connection to any of them (one shared listening socket),
-# and each holds its own update lock, version, fault and startup-refusal state (engine/routes.py
-# DeltaUpdater), so two updates could interleave on the workers (each prepare replaces the staged one),
-# and one server's resume could un-pause another's failed commit on every engine.
 API_SERVERS_REFUSAL = (
     "--enable-delta-updates cannot run with --api-server-count {}: each API server process "
     "holds its own update lock, version and fault state while connections reach any of them, "
@@ -224,47 +177,14 @@ API_SERVERS_REFUSAL = (
     "another's failed commit. Use --api-server-count 1."
 )
 # The load-balancing modes in which a server reaches only some DP engines (vllm/entrypoints/cli/serve.py).
-DP_LB_FLAGS = {
-    "data_parallel_external_lb": "--data-parallel-external-lb",
-    "data_parallel_hybrid_lb": "--data-parallel-hybrid-lb",
-    "data_parallel_multi_port_external_lb": "--data-parallel-multi-port-external-lb",
-    "data_parallel_rank": "--data-parallel-rank",
-    "data_parallel_start_rank": "--data-parallel-start-rank",
-}
-
-
-def check_data_parallel(args: argparse.Namespace) -> None:
-    """`--data-parallel-size N` only with vLLM's internal load balancer, where our one API server reaches
-    every DP engine (engine/replicas.py); in the other modes each server manages a subset of them."""
-    if (getattr(args, "data_parallel_size", None) or 1) <= 1:
-        return
-    given = [flag for dest, flag in DP_LB_FLAGS.items() if getattr(args, dest, None) not in (None, False)]
-    if given:
-        raise ValueError(
-            f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size} needs vLLM's "
-            f"internal load balancer, not {given[0]}: there each API server reaches only its own DP "
-            "engines, so an update would leave the other replicas on old weights (untested)"
-        )
-
-
-def check_api_server_default(args: argparse.Namespace) -> None:
-    """At parse time: with --data-parallel-size N and no --api-server-count, vLLM starts N API servers
-    (vllm/entrypoints/cli/serve.py defaults api_server_count to data_parallel_size); ask for one."""
-    if not getattr(args, "enable_delta_updates", False) or getattr(args, "headless", False):
-        return
-    if (getattr(args, "data_parallel_size", None) or 1) > 1 and getattr(
-        args, "api_server_count", None
-    ) is None:
-        raise ValueError(
-            f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size}: pass "
-            f"--api-server-count 1 (vLLM would start {args.data_parallel_size} API servers; "
-            + API_SERVERS_REFUSAL.format(args.data_parallel_size).split(": ", 1)[1]
-            + ")"
-        )
-
-
-# The `delta` weight-transfer backend's front end (vllm_delta/weight_transfer/routes.py) calls vLLM's engine
-# client, whose DP client answers a utility call with the first engine's replies only.
+DP_LB_FLAGS = (
+    "data_parallel_external_lb",
+    "data_parallel_hybrid_lb",
+    "data_parallel_multi_port_external_lb",
+    "data_parallel_rank",
+    "data_parallel_start_rank",
+)
+# vLLM's DP engine client answers a utility call with the first engine's replies only.
 NATIVE_DP_REFUSAL = (
     "the `delta` weight-transfer backend cannot run with --data-parallel-size {}: vLLM 0.32's "
     "DP engine client answers its weight-update calls with the first engine's replies only "
@@ -272,8 +192,6 @@ NATIVE_DP_REFUSAL = (
     "replica's refusal or failed commit would go unseen. Use --enable-delta-updates "
     "(POST /update_weights_delta), which calls every DP engine."
 )
-
-
 ONLINE_QUANT_REFUSAL = (
     "delta updates cannot serve --quantization {q} of {model}, whose config.json has no "
     "quantization_config: vLLM quantizes it at load (per tensor or channel, one scale over each fused "
@@ -284,12 +202,14 @@ ONLINE_QUANT_REFUSAL = (
 )
 
 
+def data_parallel_size(args: argparse.Namespace) -> int:
+    return getattr(args, "data_parallel_size", None) or 1
+
+
 def check_online_quantization(args: argparse.Namespace) -> None:
     """Refuse online quantization of a local unquantized checkpoint (a hub id is not read here)."""
-    q, model = (
-        getattr(args, "quantization", None),
-        getattr(args, "model_tag", None) or getattr(args, "model", None),
-    )
+    q = getattr(args, "quantization", None)
+    model = getattr(args, "model_tag", None) or getattr(args, "model", None)
     config = Path(str(model)) / "config.json"
     if not q or not config.is_file():
         return
@@ -303,7 +223,7 @@ def check_native_args(args: argparse.Namespace) -> None:
     if getattr(args, "enable_delta_updates", False) or not is_ours(weight_transfer_backend(args)):
         return
     check_online_quantization(args)
-    if (getattr(args, "data_parallel_size", None) or 1) > 1:
+    if data_parallel_size(args) > 1:
         raise ValueError(NATIVE_DP_REFUSAL.format(args.data_parallel_size))
     if (getattr(args, "api_server_count", None) or 1) > 1:
         raise ValueError(
@@ -333,7 +253,14 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if (getattr(args, "api_server_count", None) or 1) > 1:
         raise ValueError(API_SERVERS_REFUSAL.format(args.api_server_count))
-    check_data_parallel(args)
+    # With DP, only vLLM's internal load balancer lets our one API server reach every DP engine.
+    given = [d for d in DP_LB_FLAGS if getattr(args, d, None) not in (None, False)]
+    if data_parallel_size(args) > 1 and given:
+        raise ValueError(
+            f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size} needs vLLM's "
+            f"internal load balancer, not --{given[0].replace('_', '-')}: there each API server reaches "
+            "only its own DP engines, so an update would leave the other replicas on old weights (untested)"
+        )
     if getattr(args, "enable_eplb", False):
         raise ValueError(EPLB_REFUSAL)
     if not api_keys(args) and not dev_mode() and not loopback_only(args):
@@ -345,19 +272,15 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_store(args: argparse.Namespace) -> None:
-    """Refuse a store root this server cannot read (wrong credentials, no bucket, no store), once.
-
-    Why at parse time: before any engine loads the model, so a bad credential stops `vllm serve`
-    in seconds with the store's own reason, instead of a first sync failing much later. Few
-    attempts, so an unreachable store is refused promptly rather than retried for minutes.
-    """
+    """Refuse a store root this server cannot read (credentials, no bucket), in seconds and before any
+    engine loads the model, rather than on a first sync much later: one retry, then the store's reason."""
     from vllm_delta.transports.store import ObjectStore, StoreError, StoreURL
 
-    root = getattr(args, "delta_updates_root", None)
-    if not getattr(args, "enable_delta_updates", False) or not isinstance(root, StoreURL):
+    root = args.delta_updates_root
+    if not args.enable_delta_updates or not isinstance(root, StoreURL):
         return
     try:
-        ObjectStore(root, max_concurrency=1, max_attempts=STARTUP_CHECK_ATTEMPTS).check_access()
+        ObjectStore(root, max_concurrency=1, max_attempts=2).check_access()
     except StoreError as exc:
         raise ValueError(f"--delta-updates-root {root}: {type(exc).__name__}: {exc.reason}") from None
 
@@ -383,17 +306,12 @@ def dev_mode() -> bool:
 
 
 def loopback_only(args: argparse.Namespace) -> bool:
-    """Whether the server listens on a Unix socket or a loopback address only (no `--host`: all
-    interfaces)."""
-    if getattr(args, "uds", None):
-        return True
+    """Whether the server listens on a Unix socket or a loopback address only (no `--host`: all)."""
     host = getattr(args, "host", None)
-    if not host:
-        return False
-    if host.lower() in LOOPBACK_NAMES:
+    if getattr(args, "uds", None) or (host or "").lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return bool(host) and ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # another host name: it may resolve to anything
 

@@ -1,24 +1,25 @@
 """Every failure of the delta routes as one JSON shape with its HTTP status.
 
 Why one place: a client (and the trainer's sender) branches on the status and reads the same
-`{"error": {"type", "message", "file", "param"}}` body whether the request was refused by the
-route, by a worker while decoding, or by the scatter.
+`{"error": {"type", "message", "file", "param"}}` body whether the request was refused by a door,
+by a worker while decoding, or by the scatter, whichever door it came through.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
+MARKER = "[vllm-delta-error "
 
 
 class UpdateError(Exception):
-    """A failed update: the status to answer and the error body. Every refusal is one, whoever made it:
-    the door, a worker (`reply()` is how a worker sends it, `from_worker` how the door reads it back),
-    or the wire format's own errors (`of`). `extra` adds context to the body (`fault`, `refused`)."""
+    """A failed update: the status to answer and the error body, whoever refused (a worker sends it as
+    `reply()`, the door reads it back with `from_worker`); `extra` adds context (`fault`, `refused`)."""
 
     def __init__(
         self,
@@ -33,18 +34,6 @@ class UpdateError(Exception):
         super().__init__(message)
         self.status = status
         self.error = {"type": type_, "message": message, "file": file, "param": param, **extra}
-
-    @classmethod
-    def of(cls, status: int, exc: BaseException, **extra: Any) -> UpdateError:
-        """`exc` as a refusal: its type, its reason (a `DeltaError`'s) or text, and its file and param."""
-        return cls(
-            status,
-            type(exc).__name__,
-            str(getattr(exc, "reason", exc)),
-            file=getattr(exc, "file", None),
-            param=getattr(exc, "param", None),
-            **extra,
-        )
 
     @classmethod
     def from_worker(cls, result: dict[str, Any]) -> UpdateError:
@@ -66,15 +55,31 @@ class UpdateError(Exception):
         return JSONResponse(status_code=self.status, content={"error": self.error})
 
 
-def bad_request(exc: ValidationError) -> UpdateError:
-    """A 400 naming each invalid field of the request body."""
-    problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
-    return UpdateError(400, "InvalidRequest", problems)
-
-
 def validated(model: type[M], data: Any) -> M:
     """`data` (JSON bytes, or already parsed) as `model`; invalid, a 400 naming each invalid field."""
     try:
         return model.model_validate_json(data) if isinstance(data, bytes) else model.model_validate(data)
     except ValidationError as exc:
-        raise bad_request(exc) from None
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise UpdateError(400, "InvalidRequest", problems) from None
+
+
+class DeltaTransferError(UpdateError):
+    """An `UpdateError` whose text carries its status and body: vLLM relays a failed worker call of the
+    `delta` backend only as text, which `parse_error` turns back into the answer our route would give."""
+
+    def __str__(self) -> str:
+        payload = json.dumps({"status": self.status, "error": self.error})
+        return f"{self.error['type']}: {self.error['message']} {MARKER}{payload}]"
+
+
+def parse_error(text: str) -> UpdateError | None:
+    """The `UpdateError` a worker raised, from the text vLLM relayed; None if it is not ours."""
+    at = text.find(MARKER)
+    if at < 0:
+        return None
+    try:
+        payload, _ = json.JSONDecoder().raw_decode(text, at + len(MARKER))
+        return UpdateError.from_worker({"status": payload["status"], "error": payload["error"]})
+    except (ValueError, KeyError, TypeError):
+        return None

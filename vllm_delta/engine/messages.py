@@ -1,10 +1,8 @@
 """The typed messages between the API server (either door) and the workers.
 
-Why pydantic at both ends: `collective_rpc` carries plain dicts (vLLM's msgpack layer would refuse
-our classes), so each side validates what it receives: a worker its request (`PrepareRequest`),
-the transaction core every reply (`Workers.call`). A renamed or missing field then fails at the
-boundary with its name, not later as a `KeyError` deep in a summary. Nested payloads whose shape
-another module owns (digests, coverage lattices, placement status) stay `dict[str, Any]` here.
+Why pydantic at both ends: `collective_rpc` carries plain dicts, so each side validates what it
+receives (a worker its request, the core every reply) and a renamed field fails at the boundary with
+its name. Payloads whose shape another module owns (digests, coverage, placement) stay dicts.
 """
 
 from __future__ import annotations
@@ -17,12 +15,11 @@ from vllm_delta.engine.http_errors import UpdateError
 
 
 class Message(BaseModel):
-    """Unknown fields are refused: a field one side renamed must not pass silently."""
+    """A message or request body: a field one side renamed is refused, not passed over silently."""
 
     model_config = ConfigDict(extra="forbid")
 
     def wire(self) -> dict[str, Any]:
-        """As `collective_rpc` carries it: a dict without the fields left unset."""
         return self.model_dump(exclude_none=True)
 
 
@@ -32,8 +29,7 @@ class PrepareRequest(Message):
     id: str
     version: int = Field(ge=0)
     base_version: int | None = None
-    # The bound on everything one update stages (413 past it). None: the worker's own bound (the
-    # backend's init info, else the default).
+    # The bound on everything one update stages (413 past it); None: the worker's own.
     max_staged_bytes: int | None = Field(default=None, gt=0)
     transport: Literal["disk", "collective"] = "disk"
     manifest: dict[str, Any] | None = None  # collective: the trainer's manifest
@@ -54,8 +50,8 @@ class ErrorBody(Message):
 
 
 class Reply(Message):
-    """What every worker reply carries. `dp` and `rank` are set by `replicas.rpc_all` where the worker
-    does not name itself; `status` only on a refusal."""
+    """What every worker reply carries (`dp`, and `rank` where the worker does not name itself, are set
+    by `replicas.rpc_all`)."""
 
     ok: bool = True
     status: int | None = None
@@ -63,14 +59,11 @@ class Reply(Message):
     dp: int | None = None
     rank: int | None = None
 
-    @property
-    def http_status(self) -> int:
-        return self.status or (200 if self.ok else 500)
-
 
 def failure(status: int, exc: BaseException, **extra: Any) -> dict[str, Any]:
-    """A refusal as a worker sends it: the exception's type, reason, file and param."""
-    return UpdateError.of(status, exc, **extra).reply()
+    """A refusal as a worker sends it: the exception's type, reason (a `DeltaError`'s) or text, and where."""
+    where = {"file": getattr(exc, "file", None), "param": getattr(exc, "param", None)}
+    return UpdateError(status, type(exc).__name__, str(getattr(exc, "reason", exc)), **where, **extra).reply()
 
 
 class PrepareStarted(Reply):
@@ -81,11 +74,8 @@ class PrepareStarted(Reply):
 
 
 class PrepareReply(Reply):
-    """`delta_prepare` / `delta_prepare_poll`: this rank's verified, decoded and located update.
-
-    `digests` are this rank's counted-once partial digests of the changed positions; `expected`
-    (rank 0 only) the manifest's; `phases` this rank's seconds per prepare phase (engine/trace.py).
-    """
+    """`delta_prepare_poll`: this rank's verified, decoded and located update, its counted-once partial
+    `digests` of the changed positions (rank 0: the manifest's `expected`) and its `phases`."""
 
     done: bool = True
     prepare_s: float | None = None

@@ -1,20 +1,18 @@
-"""Prometheus series for delta updates, served on vLLM's own `/metrics`.
-
-Why on the default registry: vLLM's `/metrics` exports it directly, or through the multiprocess
-collector when several API servers run, in which case prometheus_client writes these values to
-`PROMETHEUS_MULTIPROC_DIR` like vLLM's own. They are created once per process, on first use.
+"""Prometheus series for delta updates, on the default registry that vLLM's own `/metrics` exports, and
+each door's one record of a sync or a refusal.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from threading import Lock
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import Any
 
+from fastapi.responses import JSONResponse
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-if TYPE_CHECKING:
-    from vllm_delta.engine.http_errors import UpdateError
+from vllm_delta.engine.http_errors import UpdateError
 
 logger = logging.getLogger("vllm.delta_updates")
 
@@ -49,12 +47,8 @@ class DeltaMetrics:
             buckets=SECONDS,
             registry=registry,
         )
-        self.failures = Counter(
-            "vllm_delta:update_failures",
-            "Refused or failed updates, by HTTP status.",
-            ["status"],
-            registry=registry,
-        )
+        doc = "Refused or failed updates, by HTTP status."
+        self.failures = Counter("vllm_delta:update_failures", doc, ["status"], registry=registry)
 
     def observe(self, result: dict[str, Any]) -> None:
         """Record a successful sync's answer (the route's 200, the backend's finish)."""
@@ -71,17 +65,9 @@ class DeltaMetrics:
         self.failures.labels(str(status)).inc()
 
 
-_metrics: DeltaMetrics | None = None
-_lock = Lock()
-
-
+@functools.cache  # registered once per process, on first use (every caller is on the event loop)
 def delta_metrics() -> DeltaMetrics:
-    """The process's metrics, registered on first call."""
-    global _metrics
-    with _lock:
-        if _metrics is None:
-            _metrics = DeltaMetrics()
-        return _metrics
+    return DeltaMetrics()
 
 
 def observed(result: dict[str, Any], what: str) -> dict[str, Any]:
@@ -89,14 +75,8 @@ def observed(result: dict[str, Any], what: str) -> dict[str, Any]:
     delta_metrics().observe(result)
     logger.info(
         "delta %s to version %d: %d changed, decode %.3fs, apply %.3fs, paused %.3fs",
-        *(
-            what,
-            result["version"],
-            result["changed"],
-            result["decode_s"],
-            result["apply_s"],
-            result["pause_s"],
-        ),
+        what,
+        *(result[k] for k in ("version", "changed", "decode_s", "apply_s", "pause_s")),
     )
     return result
 
@@ -107,3 +87,12 @@ def refused(err: UpdateError, what: str, count: bool = True) -> UpdateError:
     if count:
         delta_metrics().failed(err.status)
     return err
+
+
+async def answered(action: Awaitable[Any], what: str = "", count: bool = True) -> JSONResponse:
+    """A door's answer: `action`'s, or its refusal's (logged, and counted with `count`, when `what`
+    names it)."""
+    try:
+        return JSONResponse(await action)
+    except UpdateError as err:
+        return (refused(err, what, count) if what else err).response()

@@ -1,15 +1,11 @@
-"""The data-parallel replicas behind one API server: one RPC that reaches every engine core, its
-replies tagged with their DP index, and the per-replica grouping the route checks digests by.
+"""The ranks and DP replicas behind one API server: one RPC reaching every engine core, and what the
+core makes of their typed replies (one answer, one refusal, one fault, one trace).
 
-Why not `AsyncLLM.collective_rpc`: under DP with vLLM's internal load balancer, `DPLBAsyncMPClient`
-sends a utility call to every engine but returns only the first engine's replies
-(`call_utility_async`), so another replica's refusal or failed commit would be lost.
-
-A dense DP replica is an engine of its own holding the whole model, so its ranks' counted-once
-digests must add up on their own (a diverged replica is refused, not hidden by another's copy).
-The DP engines of a MoE model are one world (`FusedMoEParallelConfig.make` splits the experts over
-DP x TP): a tensor every engine holds whole is checked per engine, one split across them
-(`across_dp`) over the whole world, ranks ordered (dp, rank).
+Why not `AsyncLLM.collective_rpc`: under DP, vLLM's `DPLBAsyncMPClient.call_utility_async` returns
+only the first engine's replies, so another replica's refusal or failed commit would be lost. A dense
+DP replica holds the whole model, so its ranks' counted-once digests must add up on their own; the DP
+engines of a MoE model are one world (experts split over DP x TP): a tensor every engine holds whole
+is checked per engine, one split across them (`across_dp`) over the whole world, ranks in (dp, rank).
 """
 
 from __future__ import annotations
@@ -17,16 +13,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from vllm_delta.engine.digests import Ownership, check_coverage
+from vllm_delta.engine.digests import Ownership, check_coverage, check_partials
+from vllm_delta.engine.http_errors import UpdateError
+from vllm_delta.engine.messages import CommitReply, PrepareReply, Reply, StatusReply
+from vllm_delta.engine.trace import PHASES, WORKER_COMMIT, WORKER_PREPARE, critical
+from vllm_delta.wire.errors import DeltaError
 
 DP_KEY = "dp"
 R = TypeVar("R")
 
 
 async def rpc_all(engine: Any, method: str, args: tuple = ()) -> list[Any]:
-    """`method` on every worker of every engine core this server manages; each dict reply tagged `dp` and
-    `rank`."""
-    core = getattr(engine, "engine_core", None)
+    """`method` on every worker of every engine core this server manages, each dict reply tagged."""
+    core: Any = getattr(engine, "engine_core", None)
     ranks = list(getattr(core, "engine_ranks_managed", None) or [0])
     if len(ranks) == 1:
         per_engine = [await engine.collective_rpc(method, args=args)]
@@ -34,8 +33,7 @@ async def rpc_all(engine: Any, method: str, args: tuple = ()) -> list[Any]:
         per_engine = await core.call_utility_all_async("collective_rpc", method, None, args, None)
     if len(per_engine) != len(ranks):
         raise RuntimeError(f"{method}: {len(per_engine)} engines answered, {len(ranks)} are managed")
-    # collective_rpc answers in the engine's rank order; a reply that does not name its rank (an
-    # error reply) is named by its place, so a refusal says which worker refused.
+    # collective_rpc answers in rank order: a reply is named by its place, so a refusal says who refused.
     return [
         {DP_KEY: dp, "rank": rank, **reply} if isinstance(reply, dict) else reply
         for dp, replies in zip(ranks, per_engine)
@@ -44,13 +42,13 @@ async def rpc_all(engine: Any, method: str, args: tuple = ()) -> list[Any]:
 
 
 def _field(reply: Any, key: str, default: Any = None) -> Any:
-    """A field of a reply, typed (engine/messages.py) or still a dict; `default` where unset."""
+    """A field of a reply, typed or still a dict; `default` where unset."""
     value = reply.get(key) if isinstance(reply, Mapping) else getattr(reply, key, None)
     return default if value is None else value
 
 
 def by_replica(replies: Sequence[R]) -> dict[int, list[R]]:
-    """Replies grouped by DP index (each group in its workers' order)."""
+    """Replies grouped by DP index, in order."""
     groups: dict[int, list[R]] = {}
     for reply in replies:
         groups.setdefault(int(_field(reply, DP_KEY, 0)), []).append(reply)
@@ -69,14 +67,10 @@ def _restricted(coverage: Mapping[str, Any], keep: Callable[[str], bool]) -> dic
 def moe_world(
     groups: Mapping[int, Sequence[Mapping[str, Any]]], dp: int, rank: int, shapes: Mapping[str, Sequence[int]]
 ) -> tuple[Ownership, dict[str, Any], list[str]]:
-    """This rank's counted-once ownership, the coverage verdict and the tensors split across DP
-    engines, for the DP engines of a MoE model (`groups`: each DP index's `delta_coverage` replies).
-
-    A tensor that every engine's ranks hold whole is owned within the engine (each engine is checked
-    on its own); any other is owned across the world, ranks in (dp, rank) order, and its coverage
-    (no element held by no rank, or unevenly) is judged over the whole world, as is that of a tensor
-    no rank holds (a hole where some rank's loader read it; one vLLM ignores where none did).
-    """
+    """This rank's counted-once ownership, the coverage verdict and the tensors split across the DP
+    engines of a MoE model (`groups`: each DP index's `delta_coverage` replies). A tensor every engine
+    holds whole is owned and checked within each engine; any other, and one no rank holds, over the
+    whole world in (dp, rank) order."""
     if sorted(groups) != list(range(len(groups))) or dp not in groups:
         raise ValueError(
             f"DP engines {sorted(groups)} answered, DP rank {dp} expected among 0..{len(groups) - 1}"
@@ -112,8 +106,8 @@ def moe_world(
 
 
 def across_dp(replies: Sequence[Mapping[str, Any]]) -> frozenset[str] | None:
-    """The tensors split across DP engines, from `delta_set_peers` replies (None: each replica holds the
-    whole model). Every engine must have worked out the same set."""
+    """The tensors split across DP engines, which every engine must have worked out alike, from
+    `delta_set_peers` replies (None: each replica holds the whole model)."""
     sets = {tuple(r["across_dp"]) for r in replies if r.get("across_dp") is not None}  # each engine's rank 0
     if len(sets) > 1:
         raise ValueError("DP engines disagree on which tensors are split across them")
@@ -123,9 +117,8 @@ def across_dp(replies: Sequence[Mapping[str, Any]]) -> frozenset[str] | None:
 def digest_groups(
     replies: Sequence[dict[str, Any]], split: frozenset[str] | None
 ) -> list[tuple[str, list[dict[str, Any]]]]:
-    """(label, replies) groups whose partial digests must each add up to the manifest: every replica on
-    its own, for the tensors it holds whole; and, where `split` names tensors split across the DP
-    engines, all ranks together for those. The first reply of a group carries its `expected`."""
+    """(label, replies) groups whose partial digests must each add up to the manifest (the first reply
+    carries `expected`): each replica for what it holds whole, and all ranks for the `split` tensors."""
     replicas = by_replica(replies)
     label = (lambda dp: f"dp{dp}: ") if len(replicas) > 1 else (lambda dp: "")
     if not split:
@@ -137,3 +130,135 @@ def digest_groups(
 
     groups = [(label(dp), only(group, lambda n: n not in split)) for dp, group in replicas.items()]
     return [*groups, ("across DP engines: ", only(list(replies), split.__contains__))]
+
+
+def refusal(reply: Reply) -> UpdateError:
+    return UpdateError.from_worker(reply.model_dump(include={"status", "error"}))
+
+
+def first_failed(replies: Sequence[Reply]) -> Reply | None:
+    return next((r for r in replies if not r.ok), None)
+
+
+def with_ranks(err: UpdateError, replies: Sequence[Reply]) -> UpdateError:
+    """`err` with every rank's outcome (`dp<i>:rank<r>` -> ok, status): which replica refused."""
+    err.error["ranks"] = {
+        rank_id(r): {"ok": r.ok, "status": r.status or (200 if r.ok else 500)} for r in replies
+    }
+    return err
+
+
+def agree(prepared: Sequence[PrepareReply], split: frozenset[str] | None = None) -> None:
+    """The ranks' prepares agree: none refused, and the partial digests add up (`digest_groups`); else
+    the refusal, naming the replica, with every rank's outcome."""
+    if (failed := first_failed(prepared)) is not None:
+        raise with_ranks(refusal(failed), prepared)
+    partials = [r.model_dump(include={"dp", "rank", "digests", "expected"}) for r in prepared]
+    for where, group in digest_groups(partials, split):
+        try:
+            check_partials(group)
+        except DeltaError as exc:
+            raise with_ranks(
+                UpdateError(exc.http_status, type(exc).__name__, where + exc.reason, param=exc.param),
+                prepared,
+            ) from None
+
+
+def fault_of(failed: Sequence[Reply]) -> dict[str, Any]:
+    """One fault record from the failed ranks' commit replies: the version, where, what is suspect."""
+    faults = [(r.error.fault if r.error else None) or {} for r in failed]
+    return {
+        "version": next((f["version"] for f in faults if "version" in f), None),
+        "failed_at": next((f["failed_at"] for f in faults if f.get("failed_at")), None),
+        "suspect": sorted({n for f in faults for n in f.get("suspect", [])}),
+        "ranks": [r.rank for r in failed],
+        "rank_ids": [rank_id(r) for r in failed],
+    }
+
+
+def trace_of(
+    door: dict[str, float], prepared: Sequence[PrepareReply], committed: Sequence[CommitReply], wall_s: float
+) -> dict[str, Any]:
+    """The sync's trace: the critical rank's prepare and commit phases and the door's own, which add up
+    to the wall time; each rank's phases; the wall time."""
+    ranks: list[dict[str, Any]] = [
+        {"rank": rank_id(p), "phases": {**p.phases, **c.phases}} for p, c in zip(prepared, committed)
+    ]
+    timed = {
+        **critical((p.phases for p in prepared), WORKER_PREPARE),
+        **critical((c.phases for c in committed), WORKER_COMMIT),
+        **door,
+    }
+    return {"phases": {p: timed[p] for p in PHASES if p in timed}, "ranks": ranks, "wall_s": round(wall_s, 6)}
+
+
+def worker_seconds(replies: Sequence[PrepareReply | CommitReply], commit: bool) -> float:
+    """The critical rank's seconds in the worker phases of prepare (or commit)."""
+    return sum(critical((r.phases for r in replies), WORKER_COMMIT if commit else WORKER_PREPARE).values())
+
+
+def summarize(
+    prepared: Sequence[PrepareReply], committed: Sequence[CommitReply], pause_s: float
+) -> dict[str, Any]:
+    """One answer for all ranks: the slowest rank's times, the largest read, the union of fallbacks."""
+    versions = {r.version for r in committed}
+    if len(versions) != 1:
+        raise UpdateError(
+            500, "EngineError", f"ranks committed different versions: {sorted(versions, key=str)}"
+        )
+    ranks = [
+        {
+            **p.model_dump(exclude_none=True, exclude={"ok", "done", "phases"}),
+            **c.model_dump(exclude_none=True, exclude={"ok", "phases"}),
+        }
+        for p, c in zip(prepared, committed)
+    ]
+    return {
+        "version": versions.pop(),
+        "changed": prepared[0].total_changed,
+        "bytes_read": max(r.bytes_read for r in prepared),
+        "decode_s": max(r.decode_s for r in prepared),
+        "apply_s": max(r.apply_s for r in committed),
+        "pause_s": pause_s,
+        "replay": all(r.replay for r in prepared),
+        "fallback": sorted({name for r in prepared for name in r.fallback}),
+        "ranks": ranks,
+        "replicas": [
+            {"dp": dp, "version": group[0].version, "ranks": len(group)}
+            for dp, group in by_replica(committed).items()
+        ],
+    }
+
+
+def refused_of(ranks: Sequence[Reply]) -> dict[str, str]:
+    """Tensors whose loader a rank cannot serve exactly (engine/fallback.py), with the reason."""
+    return {n: reason for r in ranks for n, reason in (getattr(r, "refused", None) or {}).items()}
+
+
+def placement_summary(placements: Sequence[dict[str, Any]], peers_checked: bool) -> dict[str, Any]:
+    """The ranks' placement status as one: the slowest probe, the largest peak; ready once every rank
+    probed and the coverage check ran (`peers_checked`), so an update then waits for no startup work."""
+    ready = all(p["ready"] for p in placements)
+    refused = {n: why for p in placements for n, why in (p.get("refused") or {}).items()}
+    return {
+        "ready": ready and peers_checked,
+        "probe_s": max((p["probe_s"] or 0.0 for p in placements), default=None) if ready else None,
+        "probe_peak_bytes": max((p["probe_peak_bytes"] or 0 for p in placements), default=None)
+        if ready
+        else None,
+        "fallback": sorted({n for p in placements for n in (p["fallback"] or {})}) if ready else None,
+        "refused": refused if ready else None,
+        "transformed": sorted({n for p in placements for n in p["transformed"]}),
+        "in_pause": {n: why for p in placements for n, why in (p.get("in_pause") or {}).items()},
+        "coverage": placements[0].get("coverage"),
+    }  # the same check on every rank
+
+
+def replica_status(ranks: Sequence[StatusReply]) -> list[dict[str, Any]]:
+    """Per DP replica: its version (None if its ranks disagree) and whether it is clean."""
+    out = []
+    for dp, group in by_replica(ranks).items():
+        versions = {r.version for r in group}
+        version = versions.pop() if len(versions) == 1 else None
+        out.append({"dp": dp, "version": version, "dirty": any(r.dirty for r in group), "ranks": len(group)})
+    return out

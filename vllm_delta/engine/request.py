@@ -1,10 +1,9 @@
 """The bodies of the delta routes, their size cap, the collective allowlist, and the containment of
 paths under the root (a directory, or an object-store prefix).
 
-Why here and not in the workers: a path outside `--delta-updates-root` must be refused before any
-engine process opens a file, and symlinks are resolved so a link cannot lead out of the root. The
-workers then open the files again from a handle of the root without following links
-(`vllm_delta.wire.container.DeltaDir`), so nothing swapped in after this check is read.
+Why at the door: a path outside `--delta-updates-root` (symlinks resolved) is refused before any engine
+process opens a file; the workers then open it from a handle of the root without following links
+(`wire.container.DeltaDir`), so nothing swapped in after this check is read.
 """
 
 from __future__ import annotations
@@ -17,17 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from starlette.requests import Request
-
-from vllm_delta.engine.http_errors import UpdateError
-from vllm_delta.engine.messages import PrepareRequest
-
-if TYPE_CHECKING:
-    from vllm_delta.transports.store import StoreURL
-
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     StrictFloat,
     StrictInt,
@@ -35,19 +24,24 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from starlette.requests import Request
+
+from vllm_delta import settings
+from vllm_delta.engine.http_errors import UpdateError
+from vllm_delta.engine.messages import Message, PrepareRequest
+
+if TYPE_CHECKING:
+    from vllm_delta.transports.store import StoreURL
 
 
-class DeltaUpdateRequest(BaseModel):
+class DeltaUpdateRequest(Message):
     """One delta to apply: its version directory and the version lineage it claims."""
-
-    model_config = ConfigDict(extra="forbid")
 
     path: StrictStr | None = Field(default=None, min_length=1)
     version: StrictInt = Field(ge=0)
     base_version: StrictInt | None = Field(default=None, ge=0)
     files: list[StrictStr] | None = None
-    # "collective": the flushes arrive by broadcast on the group set up by the collective init
-    # route; the manifest comes in the request instead of a version directory.
+    # "collective": the flushes arrive on the group the collective init joined; the manifest comes here.
     transport: Literal["disk", "collective"] = "disk"
     manifest: dict[str, Any] | None = None
 
@@ -68,15 +62,12 @@ class DeltaUpdateRequest(BaseModel):
         return files
 
 
-# The longest a worker may wait for the trainer's group (rendezvous, then each broadcast): a stalled
-# or hostile trainer holds the workers no longer than this.
+# The longest a stalled or hostile trainer may hold the workers (rendezvous, then each broadcast).
 MAX_COLLECTIVE_TIMEOUT_S = 600
 
 
-class CollectiveInitRequest(BaseModel):
+class CollectiveInitRequest(Message):
     """`POST /delta_updates/collective/init`: join the trainer's group (the trainer is rank 0)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     master_addr: StrictStr = Field(min_length=1)
     master_port: StrictInt = Field(gt=0, lt=65536)
@@ -109,12 +100,9 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def check_collective(master_addr: str | None, allowed: Sequence[str] | None) -> None:
-    """Refuse (403) collective transfers unless turned on, and trainers outside the allowlist.
-
-    Entries are IP addresses or networks (an address matches by value, so `::ffff:` forms of an
-    IPv4 address do not slip past) or host names (matched as written, never resolved here).
-    `master_addr=None` asks only whether the collective path is on.
-    """
+    """Refuse (403) collective transfers unless turned on (`master_addr=None` asks only that), and
+    trainers outside the allowlist: IP addresses or networks, matched by value (so `::ffff:` forms do not
+    slip past), or host names, matched as written, never resolved."""
     if not allowed:
         raise UpdateError(
             403,
@@ -152,11 +140,8 @@ class NotADeltaDirError(Exception):
 
 
 def resolve_version_dir(path: str, root: Path) -> Path:
-    """The real path of a version directory, relative to `root` or absolute under it.
-
-    Every entry of the directory must also resolve under `root`: a flush file or manifest that is
-    a symlink to elsewhere would otherwise be read by the workers.
-    """
+    """The real path of a version directory, relative to `root` or absolute under it; every entry must
+    resolve under `root` too (a flush file linking elsewhere would otherwise be read)."""
     if "\0" in path:
         raise NotADeltaDirError("the path contains a NUL byte")
     resolved = Path(os.path.realpath(root / path))
@@ -178,10 +163,8 @@ _STORE_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 def store_version_key(path: str, root: StoreURL) -> str:
     """The key prefix of a version under a store root, for a store-relative `path` only.
 
-    Why so strict: the engine fetches what this names with its own credentials, so a request must
-    not reach another bucket, another prefix or a URL of its choosing (no server-side request
-    forgery). Keys are strings, not paths, so nothing resolves `..` for us: it is refused, as are
-    absolute paths, empty segments, backslashes, NUL and any scheme.
+    Why so strict: the engine fetches it with its own credentials, so a request must not reach another
+    bucket, prefix or URL (no server-side request forgery); keys are not paths, so `..` is refused.
     """
     if "\0" in path or "\\" in path:
         raise OutsideRootError(f"{path!r} contains a NUL byte or a backslash")
@@ -233,3 +216,16 @@ def prepare_request(
     except NotADeltaDirError as exc:
         raise UpdateError(400, "NotADeltaDirectory", str(exc)) from None
     return request.model_copy(update={"path": str(path), "root": str(root), "files": body.files})
+
+
+def delta_root() -> Path:
+    """The `delta` backend's root, as `--delta-updates-root` exported it (resolved, as containment
+    compares real paths)."""
+    value = settings.updates_root()
+    if not value:
+        raise UpdateError(
+            500,
+            "NotConfigured",
+            f"the delta backend needs a root: --delta-updates-root or {settings.UPDATES_ROOT}",
+        )
+    return Path(os.path.realpath(value))

@@ -1,30 +1,30 @@
 """Our route, one door over the transaction core: `POST /update_weights_delta`, `GET /delta_updates/status`,
-`POST /delta_updates/verify` and `POST /delta_updates/collective/init`.
+`POST /delta_updates/verify`, `POST /delta_updates/collective/init`, and the seed trainer's push
+`POST /update_weights_from_disk` onto the same updater.
 
-Why a thin door: the update itself (prepare while serving, agreement, pause, commit, fault) is the
-core's (engine/transaction.py); this module checks the request (authentication, its path under
-the root, the collective allowlist) and answers. The routes exist only when `vllm serve` got
-`--enable-delta-updates`, and they obey `--api-key` themselves, because vLLM's authentication
-middleware guards only the `/v1`-style prefixes.
+The update itself is the core's (engine/transaction.py); this module checks the request (authentication,
+its path under the root, the collective allowlist) and answers. The routes obey `--api-key` themselves:
+vLLM's authentication middleware guards only the `/v1`-style prefixes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, StrictStr
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_delta.engine.cli_args import DEFAULT_MAX_BODY_BYTES
 from vllm_delta.engine.digests import mismatches
-from vllm_delta.engine.http_errors import M, UpdateError, validated
-from vllm_delta.engine.messages import JoinedReply, StatusReply, VerifyReply
-from vllm_delta.engine.metrics import delta_metrics, observed, refused
-from vllm_delta.engine.replicas import by_replica, digest_groups, rpc_all
+from vllm_delta.engine.http_errors import UpdateError, validated
+from vllm_delta.engine.messages import JoinedReply, Message, StatusReply, VerifyReply
+from vllm_delta.engine.metrics import answered, delta_metrics, observed, refused
+from vllm_delta.engine.replicas import by_replica, digest_groups, first_failed, refusal, rpc_all
 from vllm_delta.engine.request import (
     CollectiveInitRequest,
     DeltaUpdateRequest,
@@ -32,7 +32,6 @@ from vllm_delta.engine.request import (
     prepare_request,
     read_body,
 )
-from vllm_delta.engine.summary import first_failed, refusal
 from vllm_delta.engine.transaction import Sync, Transaction
 from vllm_delta.transports.store import StoreURL
 
@@ -40,8 +39,8 @@ router = APIRouter()
 
 
 class DeltaUpdater(Transaction):
-    """Our route's door over the core: the request checks, and the answers; it reaches `delta_<name>`
-    of our worker extension on every worker of every DP replica."""
+    """Our route's door over the core: it reaches `delta_<name>` of our worker extension on every
+    worker of every DP replica."""
 
     def __init__(
         self,
@@ -56,8 +55,7 @@ class DeltaUpdater(Transaction):
         super().__init__(engine, lambda name, args: rpc_all(engine, f"delta_{name}", args))
         self.root, self.max_staged_bytes, self.max_body_bytes = root, max_staged_bytes, max_body_bytes
         self.collective_trainers = collective_trainers
-        # vLLM's own bearer-key check (sha256 digests, constant-time compare); its middleware itself
-        # guards only the `/v1` prefix, so these routes call it.
+        # vLLM's own bearer-key check (sha256 digests, constant-time compare).
         self._auth = AuthenticationMiddleware(None, tokens) if tokens else None
 
     def authorize(self, request: Request) -> None:
@@ -129,55 +127,81 @@ def _digests_checked(group: list[dict[str, Any]]) -> dict[str, Any]:
     return {"digests_checked": checked, "digest_mismatched": [b[0] for b in bad]}
 
 
-def _updater(request: Request) -> DeltaUpdater:
+async def _on_updater(
+    request: Request, method: Callable[..., Awaitable[dict[str, Any]]], model: type[BaseModel] | None = None
+) -> dict[str, Any]:
+    """`method` on the updater once the request's key is checked, given the body as `model` (a malformed
+    one is a 400, one past the size cap a 413)."""
     updater: DeltaUpdater = request.app.state.delta_updater
     updater.authorize(request)
-    return updater
-
-
-async def _body(request: Request, model: type[M]) -> M:
-    """The request body as `model`; a malformed one is a 400, one past the size cap a 413."""
-    return validated(model, await read_body(request, request.app.state.delta_updater.max_body_bytes))
-
-
-async def _answer(
-    request: Request, action: Callable[[DeltaUpdater], Awaitable[Any]], what: str = "", count: bool = True
-) -> JSONResponse:
-    """`action`'s answer, or its refusal's (logged, and counted with `count`, when `what` names it)."""
-    try:
-        return JSONResponse(await action(_updater(request)))
-    except UpdateError as err:
-        return (refused(err, what, count) if what else err).response()
+    if model is None:
+        return await method(updater)
+    return await method(updater, validated(model, await read_body(request, updater.max_body_bytes)))
 
 
 @router.post("/update_weights_delta")
 async def update_weights_delta(request: Request) -> JSONResponse:
-    async def update(updater: DeltaUpdater) -> dict[str, Any]:
+    async def update(updater: DeltaUpdater, body: DeltaUpdateRequest) -> dict[str, Any]:
         try:
-            return observed(await updater.update(await _body(request, DeltaUpdateRequest)), "update")
+            return observed(await updater.update(body), "update")
         except EngineDeadError:
             delta_metrics().failed(500)
             raise
 
-    return await _answer(request, update, "update")
+    return await answered(_on_updater(request, update, DeltaUpdateRequest), "update")
 
 
 @router.post("/delta_updates/collective/init")
 async def delta_collective_init(request: Request) -> JSONResponse:
-    async def init(updater: DeltaUpdater) -> dict[str, Any]:
-        return await updater.collective_init(await _body(request, CollectiveInitRequest))
-
-    return await _answer(request, init, "collective init", count=False)
+    init = _on_updater(request, DeltaUpdater.collective_init, CollectiveInitRequest)
+    return await answered(init, "collective init", count=False)
 
 
 @router.post("/delta_updates/verify")
 async def delta_updates_verify(request: Request) -> JSONResponse:
-    return await _answer(request, DeltaUpdater.verify)
+    return await answered(_on_updater(request, DeltaUpdater.verify))
 
 
 @router.get("/delta_updates/status")
 async def delta_updates_status(request: Request) -> JSONResponse:
-    return await _answer(request, DeltaUpdater.status)
+    return await answered(_on_updater(request, DeltaUpdater.status))
+
+
+class SeedPush(Message):
+    """The seed trainer's push (slime's `update_weights_from_disk(load_format="delta")`): the files of
+    `DIR/weight_v{N:06d}/`, a version possibly in several parts (its encodings overwrite, so a re-applied
+    version is idempotent); the trainer reads only the HTTP status of an SGLang-shaped answer."""
+
+    model_path: StrictStr = Field(min_length=1)
+    load_format: Literal["delta"]
+    weight_version: StrictStr = Field(pattern=r"^[0-9]{1,18}$")
+    files: list[StrictStr] = Field(min_length=1)  # the seed's receiver needs them too
+
+    def as_update(self) -> DeltaUpdateRequest:
+        """Our request for the same directory, files and version (a bad file name: a 400, as ours)."""
+        body = {"path": self.model_path, "version": int(self.weight_version), "files": self.files}
+        return validated(DeltaUpdateRequest, body)
+
+
+def _seed_answer(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse(
+        {"success": status == 200, "message": message, "num_paused_requests": 0, **extra}, status_code=status
+    )
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> JSONResponse:
+    async def push(updater: DeltaUpdater, body: SeedPush) -> dict[str, Any]:
+        return observed(await updater.update(body.as_update()), "seed push")
+
+    try:
+        result = await _on_updater(request, push, SeedPush)
+    except UpdateError as err:
+        refused(err, "seed push")
+        return _seed_answer(err.status, f"{err.error['type']}: {err.error['message']}", error=err.error)
+    return _seed_answer(
+        200, f"applied version {result['version']}: {result['changed']} changed", delta=result
+    )
 
 
 def guard_health(app: FastAPI) -> None:

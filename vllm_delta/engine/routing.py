@@ -1,9 +1,6 @@
-"""How each checkpoint tensor goes through staging on this rank, worked out once and kept.
-
-Why: the placements are fixed after startup, so a tensor's way through `stage` (replayed, batched
-or masked), its segments with what locate asks of each, and how a decoded batch's tensors group by
-destination are the same every sync. Asking per tensor cost method calls and lookups a tensor
-every prepare; here they are made once per ownership (the other ranks' coverage) and kept.
+"""How each checkpoint tensor goes through staging on this rank, worked out once per ownership (the
+other ranks' coverage) and kept: placements are fixed after startup, so a tensor's route (replayed,
+batched or masked), its segments' landings and a batch's grouping by destination are the same every sync.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ GroupKey = tuple[str, torch.dtype, bool, bool]
 
 @dataclass(frozen=True)
 class Landed:
-    """A tensor's element count, its segments with what locate asks of each, and whether every
-    segment's target is served in the checkpoint's dtype (so no `check_resolvable`)."""
+    """A tensor's element count, its segments' landings, and whether every target is served in the
+    checkpoint's dtype (so no `check_resolvable`)."""
 
     numel: int
     landings: tuple[tuple[Segment, Landing], ...]
@@ -48,9 +45,8 @@ class Route:
 
 @dataclass(frozen=True)
 class Plan:
-    """A decoded batch's tensors grouped as the stager groups them, worked out once for a run of
-    tensors: per destination key, the tensors behind it in slot order and its `Piece`s (no tensors of
-    their own), and for all pieces in group order the param each takes its entries from; and the
+    """A decoded batch's tensors grouped as the stager groups them, once for a run of tensors: per
+    destination key its tensors in slot order and `Piece`s, each piece's param, and the
     `check_resolvable` calls its base-relative steps need."""
 
     dtypes: list[torch.dtype]
@@ -104,9 +100,8 @@ class Plan:
         )
 
     def add(self, item: DeltaBatch, groups: dict, runs: dict, known: dict) -> None:
-        """Put the batch's pieces and entries into the stager's groups: one gather of the batch's
-        positions and values per group, whatever the tensors behind it. `known[key]`: the group's
-        `Known` where this plan alone gives its pieces (its own piece list), else None."""
+        """Put the batch's pieces and entries into the stager's groups, one gather per group; `known[key]`:
+        the group's `Known` where this plan alone gives its pieces, else None."""
         for target, served, name, dtype in self.checks:
             check_resolvable(target, served, Named(name, dtype))
         sizes = np.array(item.sizes, dtype=np.int64)
@@ -150,8 +145,7 @@ class Plan:
 
 @dataclass
 class Routing:
-    """Routes, landings and plans of one rank's tensors, kept across syncs; routes and what they
-    decide are made again when the ownership (the other ranks' coverage) is replaced."""
+    """Routes, landings and plans of one rank's tensors, kept across syncs until the ownership changes."""
 
     checkpoint: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
     targets: Mapping[str, torch.Tensor]
@@ -172,8 +166,7 @@ class Routing:
     _owned_ranges: dict[str, list[tuple[int, int]] | None] | None = None
 
     def _batchable(self, name: str) -> bool:
-        """Every element of `name` this rank holds is held once here and by no lower rank, so its
-        counted-once share is simply every entry it locates (no per-element mask)."""
+        """Every element of `name` held here is held once and by no lower rank: no per-element mask."""
         known = self._disjoint.get(name)
         if known is None:
             spans = sorted((s.src_offset, s.src_last) for s in self.placements[name].segments)
@@ -211,9 +204,8 @@ class Routing:
             self._last_plans, self._plans = self._plans, {}
 
     def plan(self, item: DeltaBatch) -> Plan | None:
-        """How a decoded batch's tensors group by destination (None: some are not batched): kept for
-        the next sync (the same flush layout brings the same runs), so a sync pays a `Piece` a (tensor,
-        segment), not its grouping."""
+        """How a decoded batch's tensors group by destination (None: some are not batched), kept for the
+        next sync, which brings the same runs."""
         routes = self.routes()
         if self._plans_for is not routes:  # a new ownership re-routes: its plans go too
             self._plans_for, self._last_plans, self._plans = routes, {}, {}
@@ -225,15 +217,13 @@ class Routing:
         return plan if plan.whole else None
 
     def owned_ranges(self) -> dict[str, list[tuple[int, int]] | None]:
-        """Each tensor's checkpoint ranges this rank decodes (`placement.owned_by_tensor`), worked out once:
-        redoing it cost ~2 us a tensor every prepare."""
+        """Each tensor's checkpoint ranges this rank decodes (`placement.owned_by_tensor`), once."""
         if self._owned_ranges is None:
             self._owned_ranges = owned_by_tensor(self.placements)
         return self._owned_ranges
 
     def decode_devices(self) -> dict[str, torch.device]:
-        """Batchable tensors whose destinations are all on one accelerator and dense (no strided ids of a
-        column shard, whose blocks span the whole tensor): decoded there. Once per ownership."""
+        """Batchable tensors whose destinations are all dense on one accelerator: decoded there."""
         if self._decode_devices is None or self._decode_for is not self.ownership:
             devices = {}
             for name, route in self.routes().items():

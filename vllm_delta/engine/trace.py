@@ -1,8 +1,5 @@
-"""Where one sync's time goes: seconds per phase, per rank, and how they combine across ranks.
-
-Why its own module: the workers time the phases they run (read, decode, scatter, ...) and the
-door times the ones only it sees (agreement, pause, resume); both speak this one shape, and the
-response, `/delta_updates/status` and the Prometheus histogram all read it. No vLLM import.
+"""Where one sync's time goes: seconds per phase, per rank, and how they combine across ranks; the
+workers' phases and the door's in one shape, which the answer, the status and the metrics read.
 """
 
 from __future__ import annotations
@@ -12,11 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
 
-# The phases of one sync, in the order they run. Worker phases first (prepare, then commit), then
-# the door's own. A phase that did not run is absent, not zero. No `hash`: each flush's xxh3 is
-# checked by the reader as it reads and decodes the flush, on the decode threads, ahead of and
-# beside the staging; `decode` is what staging waits for that reader, the hash included.
-# `prebuild`: the post-load work built while serving (vLLM's CPU linear repack), swapped in at commit.
+# The phases of one sync, in order; one that did not run is absent. `decode` is what staging waits for
+# the reader, each flush's xxh3 check included; `prebuild` the post-load work built while serving.
 WORKER_PREPARE = ("receive", "decode", "locate", "digest", "stage", "prebuild")
 WORKER_COMMIT = ("scatter", "read_back", "post_load")
 # `prepare_wait` and `commit_wait`: the door's wait on the workers beyond the critical rank's worker
@@ -49,9 +43,8 @@ class PhaseTimes:
 
 
 def critical(ranks: Iterable[Mapping[str, float]], phases: Iterable[str]) -> dict[str, float]:
-    """The phases (of `phases`) of the rank that spent longest in them: the ranks run in parallel, so that
-    rank is what the step waited for. One rank's phases, not each phase's maximum over ranks: those add
-    up to more than any rank took when the ranks are slow in different phases."""
+    """The phases (of `phases`) of the rank that spent longest in them, which the step waited for: one
+    rank's, as per-phase maxima would add up to more than any rank took."""
     wanted = tuple(phases)
     best: dict[str, float] = {}
     for times in ranks:

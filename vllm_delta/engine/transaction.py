@@ -1,13 +1,10 @@
 """The one update transaction under both doors: our route and vLLM's weight-transfer backend.
 
-Why one core: an update is the same steps whichever door it came through. Every rank prepares on
-a background thread while the engine keeps generating (the core polls between engine steps); the
-ranks' prepares must agree (no refusal, each replica's partial digests add up to the manifest)
-before any rank writes; generation pauses only around the commit of a non-empty delta; a commit
-that fails part-way leaves generation paused and the engine faulted until an anchor commits on
-every rank. One update runs at a time (`lock`). There is one such core, so one fault, per engine.
-The doors differ only in how they reach the workers (`Rpc`: our worker extension's methods, or
-the backend's one RPC method) and in what they answer; nothing here imports a door.
+Every rank prepares on a background thread while the engine generates (polled between engine steps);
+the ranks must agree (no refusal, partial digests add up) before any rank writes; generation pauses
+only around the commit of a non-empty delta; a commit that fails part-way leaves it paused and the
+engine faulted until an anchor commits everywhere. One update at a time (`lock`), one fault per
+engine. The doors differ only in how they reach the workers (`Rpc`) and what they answer.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from pydantic import ValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_delta.engine.http_errors import UpdateError
-from vllm_delta.engine.liveness import while_alive
 from vllm_delta.engine.messages import (
     CommitReply,
     CoverageReply,
@@ -38,12 +34,14 @@ from vllm_delta.engine.messages import (
     Reply,
     StatusReply,
 )
-from vllm_delta.engine.replicas import across_dp, by_replica, rank_id
-from vllm_delta.engine.summary import (
+from vllm_delta.engine.replicas import (
+    across_dp,
     agree,
+    by_replica,
     fault_of,
     first_failed,
     placement_summary,
+    rank_id,
     refusal,
     refused_of,
     replica_status,
@@ -56,7 +54,9 @@ from vllm_delta.engine.trace import PhaseTimes
 
 logger = logging.getLogger("vllm.delta_updates")  # under vLLM's logger, beside its own lines
 PREPARE_POLL_S = 0.05  # between polls of a background prepare: short next to any real prepare
+POLL_S = 0.5  # how often a pending engine call looks at the engine's liveness flag
 R = TypeVar("R", bound=Reply)
+T = TypeVar("T")
 # `(name, args)` -> every worker's raw reply; name is the worker method without its `delta_` prefix.
 Rpc = Callable[[str, tuple], Awaitable[list[Any]]]
 
@@ -73,7 +73,6 @@ class Sync:
 
     @contextmanager
     def timing(self) -> Iterator[None]:
-        """Add the block's seconds to the wall time, whatever it raises."""
         started = perf_counter()
         try:
             yield
@@ -91,11 +90,9 @@ class Transaction:
         self._peers_set = False
         # Tensors split across the DP engines of a MoE model, checked over all of them (set with the peers).
         self.across_dp: frozenset[str] | None = None
-        # Set when a commit failed part-way: generation stays paused and /health fails until an
-        # anchor commits on every rank (or the server restarts).
+        # A commit failed part-way: generation stays paused and /health fails until an anchor commits.
         self.fault: dict[str, Any] | None = None
-        # Set by the startup probe: tensors whose loader cannot be served exactly. Updates are
-        # refused and /health fails, as a refusal to start would (the probe runs after startup).
+        # The startup probe's tensors whose loader cannot be served exactly: updates refused, /health fails.
         self.refused: dict[str, str] = {}
         self.last: dict[str, Any] | None = None  # the last successful sync's answer, with its trace
 
@@ -120,7 +117,7 @@ class Transaction:
     # ---- the update -----------------------------------------------------------------------------
     async def prepare(self, request: PrepareRequest, sync: Sync) -> list[PrepareReply]:
         """Phase 1 on every rank, then their agreement; on any refusal (or the client going away) every
-        rank drops what it staged. The caller holds `lock`."""
+        rank drops what it staged."""
         with sync.timing():
             try:
                 with sync.door.phase("agree"):
@@ -134,17 +131,14 @@ class Transaction:
                     "prepare_wait", max(0.0, sync.prepare_s - worker_seconds(prepared, commit=False))
                 )
                 with sync.door.phase("agree"):
-                    agree(
-                        prepared, self.across_dp
-                    )  # partial digests of the changed positions, before any write
+                    agree(prepared, self.across_dp)
             except BaseException:
                 await self.abort(request.id)
                 raise
         return prepared
 
     async def _prepare(self, request: PrepareRequest) -> list[PrepareReply]:
-        """Every rank prepares on a background thread; the polls are cheap RPCs between engine steps,
-        and the sleeps between them hand the engine core back to the scheduler."""
+        """The polls are cheap RPCs between engine steps; the sleeps hand the engine core back."""
         started = await self.call("prepare_start", request.wire(), reply=PrepareStarted)
         if (failed := first_failed(started)) is not None:
             return [PrepareReply(**failed.model_dump(include={"ok", "status", "error", "dp", "rank"}))]
@@ -160,21 +154,12 @@ class Transaction:
     async def commit(
         self, request_id: str, sync: Sync, then: Callable[[], Awaitable[None]] | None = None
     ) -> tuple[list[CommitReply], float]:
-        """Phase 2: scatter what every rank staged, pausing generation (and dropping the now stale prefix
-        cache) around it when anything changed; `then` runs after a successful commit, before the resume.
-
-        If any rank fails, generation stays paused and `fault` is set: partly written weights are
-        never served. A later anchor that commits on every rank clears it and resumes.
-        """
+        """Phase 2: scatter what every rank staged, pausing generation (and dropping the stale prefix
+        cache) when anything changed; `then` runs after a successful commit, before the resume. If a
+        rank fails, generation stays paused and `fault` is set until an anchor commits everywhere."""
         with sync.timing():
-            prepared = sync.prepared
-            if not prepared[0].total_changed:
-                committed = await self._scatter(request_id, sync)
-                if then is not None and first_failed(committed) is None:
-                    await then()
-                return _committed(committed), 0.0
-            started = perf_counter()
-            if self.fault is None:  # a faulted engine is paused already
+            changed, started = bool(sync.prepared[0].total_changed), perf_counter()
+            if changed and self.fault is None:  # a faulted engine is paused already
                 try:
                     with sync.door.phase("pause"):
                         await while_alive(
@@ -185,23 +170,23 @@ class Transaction:
                 except Exception as exc:
                     await self.abort(request_id)
                     raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
-            committed = []  # the RPC may raise before any reply
+            committed: list[CommitReply] = []  # the RPC may raise before any reply
             try:
                 committed = await self._scatter(request_id, sync)
                 if then is not None and first_failed(committed) is None:
                     await then()
             finally:
                 failed = [r for r in committed if not r.ok] if committed else [Done(ok=False)]  # RPC raised
-                if failed:
+                if changed and failed:
                     self.fault = fault_of(failed)
                     logger.error("delta updates: commit failed; generation stays paused: %s", self.fault)
-                else:
-                    if all(r.anchor for r in prepared):
+                elif changed:
+                    if all(r.anchor for r in sync.prepared):
                         self.fault = None
                     if self.fault is None:
                         with sync.door.phase("resume"):
                             await while_alive(self.engine, self.engine.resume_generation())
-            return _committed(committed), perf_counter() - started
+            return _committed(committed), perf_counter() - started if changed else 0.0
 
     async def _scatter(self, request_id: str, sync: Sync) -> list[CommitReply]:
         started = perf_counter()
@@ -211,8 +196,7 @@ class Transaction:
         return committed
 
     def answer(self, sync: Sync, committed: list[CommitReply], pause_s: float) -> dict[str, Any]:
-        """The door's 200: one summary for all ranks, the prepare's cost and the sync's trace; kept as
-        `last`."""
+        """The door's 200: one summary for all ranks, the prepare's cost and the trace; kept as `last`."""
         result = {
             **summarize(sync.prepared, committed, pause_s),
             "prepare_s": sync.prepare_s,
@@ -231,9 +215,8 @@ class Transaction:
 
     # ---- placement and peers --------------------------------------------------------------------
     async def ensure_peers(self) -> None:
-        """Once: every rank learns which elements lower ranks hold, so digests count each once: per
-        replica where each DP replica holds the whole model (dense), and over all DP engines for the
-        tensors a MoE model splits across them (engine/replicas.py)."""
+        """Once: every rank learns which elements lower ranks hold, so digests count each once (per DP
+        replica, and over all DP engines for the tensors a MoE model splits across them)."""
         if self._peers_set:
             return
         coverages = [
@@ -304,3 +287,31 @@ def _committed(committed: list[CommitReply]) -> list[CommitReply]:
     if (failed := first_failed(committed)) is not None:
         raise with_ranks(refusal(failed), committed)
     return committed
+
+
+def engine_dead(engine: Any) -> bool:
+    """Whether vLLM's client has seen an engine core die (False for clients without the flag)."""
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
+
+
+async def while_alive(engine: Any, call: Awaitable[T]) -> T:
+    """`await call`, unless an engine core dies first: then the call is cancelled and vLLM's own
+    `EngineDeadError` raised (vLLM answers it and shuts down). Why: vLLM 0.32's async client never
+    fails a pending utility call when an engine core dies, so the request would hang forever."""
+    if engine_dead(engine):
+        if asyncio.iscoroutine(call):
+            call.close()
+        raise EngineDeadError()
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=POLL_S)
+            if done:
+                return task.result()
+            if engine_dead(engine):
+                task.cancel()
+                raise EngineDeadError()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise

@@ -1,14 +1,14 @@
-"""`DeltaWorkerExtension`: the worker methods the HTTP route reaches through `collective_rpc`.
+"""`DeltaWorkerExtension`: the worker methods the transaction core reaches through `collective_rpc`.
 
-Why a worker extension: it is vLLM's own way (`--worker-extension-cls`) to add RPC methods to
-every TP/EP worker, so each rank decodes and writes only the entries it owns. Methods return
-the typed messages of engine/messages.py as dicts (never raising), so one rank's bad input reaches
-the door as a status code.
+Why a worker extension: vLLM's own way (`--worker-extension-cls`) to add RPC methods to every TP/EP
+worker, so each rank decodes and writes only what it owns. Methods return the typed messages of
+engine/messages.py as dicts, never raising, so one rank's bad input reaches the door as a status.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -34,11 +34,9 @@ from vllm_delta.engine.messages import (
     VerifyReply,
     failure,
 )
-from vllm_delta.engine.model_path import local_checkpoint_dir
-from vllm_delta.engine.prepare_thread import Preparing, decode_threads, prepare_threads
 from vllm_delta.engine.replicas import moe_world
 from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE, PhaseTimes
-from vllm_delta.engine.worker_transfer import Arriving, pull, receive
+from vllm_delta.engine.worker_transfer import Preparing, decode_threads, prepare_threads, pull, receive
 from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, check_versions, open_delta
 from vllm_delta.wire.checkpoint import Checkpoint
@@ -64,20 +62,36 @@ class DeltaState:
 
     applier: DeltaApplier
     version: int = 0
-    # The sender run whose lineage the weights are on (None: the base checkpoint, or weights no run
-    # vouches for); see wire.lineage.check_lineage. Set by a commit, from its prepare.
+    # The sender run whose lineage the weights are on (None: the checkpoint, or no run vouches for them).
     run_id: str | None = None
     fault: Fault | None = None
     last: dict[str, Any] | None = None
     staged: dict[str, StagedUpdate] = field(default_factory=dict)
     preparing: Preparing | None = None  # a background prepare (delta_prepare_start), until polled
-    # What a full verify checks, per checkpoint tensor: the whole-tensor additive digest and xxh3
-    # the latest update that changed it stated (either may be None).
+    # What a full verify checks, per tensor: the whole-tensor digest and xxh3 its latest update stated.
     after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+
+
+def local_checkpoint_dir(vllm_config: Any) -> str:
+    """The served checkpoint's directory (deltas are checked against its safetensors headers): the model
+    path, or a hub id's snapshot in the local HF cache, where vLLM fetched it before any worker ran."""
+    model_config = vllm_config.model_config
+    if os.path.isdir(model_config.model):
+        return model_config.model
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(
+        model_config.model,
+        revision=model_config.revision,
+        cache_dir=vllm_config.load_config.download_dir,
+        local_files_only=True,
+    )
 
 
 class DeltaWorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker."""
+
+    _delta_max_staged: int | None = None  # the staging bound of a request that names none (backend init)
 
     def _delta(self) -> DeltaState:
         state = getattr(self, "_delta_state", None)
@@ -88,7 +102,6 @@ class DeltaWorkerExtension:
                     self._delta_model(), checkpoint.meta, rank=self._delta_rank(), read=checkpoint.read
                 )
             )
-            # Derived tensors no commit can keep exact refuse every update, as unservable loaders do.
             state.applier.refused.update(derived.refused(self._delta_model()))
             self._delta_state = state
         return state
@@ -100,26 +113,15 @@ class DeltaWorkerExtension:
         return int(getattr(self, "rank", 0))
 
     def _delta_parallel(self, key: str, default: int) -> int:
-        """`data_parallel_index` (this engine's DP rank; unlike `data_parallel_rank`, kept for dense models)
-        or `data_parallel_size`, which vLLM keeps above 1 inside an engine only for a MoE model's DP
-        engines (a dense DP rank is reconfigured to DP=1, v1/engine/core.py `run_engine_core`)."""
+        """`data_parallel_index` (this engine's DP rank, kept for dense models) or `data_parallel_size`
+        (above 1 inside an engine only for a MoE model's DP engines: a dense one is reconfigured to 1)."""
         return int(getattr(getattr(self.vllm_config, "parallel_config", None), key, default))
 
-    def _delta_max_staged_bytes(self) -> int:
-        """The staging bound of a request that names none (the backend's init info may set it)."""
-        return DEFAULT_MAX_STAGED_BYTES
-
     def delta_prepare_start(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Start `delta_prepare` on a background thread and return at once.
-
-        Why: `collective_rpc` runs inside the engine core's busy loop, so a prepare run here would
-        stop generation for the whole read, decode and digest. On a thread it only shares the
-        cores; the route polls `delta_prepare_poll` and pauses generation for the commit alone.
-        Prepare reads live weights but never writes one, and commits are serialized behind it
-        (the route's update lock), so what it reads is consistent. The placement is learned here,
-        on the engine's own thread, if the startup probe has not finished it (the probe runs the
-        model's loaders, which must not race a forward).
-        """
+        """Start `delta_prepare` on a background thread and return at once, so generation goes on
+        (prepare never writes a live weight; commits wait behind the core's lock). The placement is
+        learned first, here on the engine's thread, if the startup probe has not (loaders must not race
+        a forward)."""
         state = self._delta()
         self._delta_join_prepare()  # a prepare a cancelled request left behind
         try:
@@ -157,17 +159,20 @@ class DeltaWorkerExtension:
         state = self._delta()
         try:
             request = PrepareRequest.model_validate(request)
-            max_staged = request.max_staged_bytes or self._delta_max_staged_bytes()
+            max_staged = request.max_staged_bytes or self._delta_max_staged or DEFAULT_MAX_STAGED_BYTES
             admit = partial(self._delta_admit, request=request)
-            job = Arriving(request, state.applier, state.version, max_staged, admit)
+            same = {"version": request.version, "base_version": request.base_version}
+            same |= {"current_version": state.version, "max_staged_bytes": max_staged}
+            stage = partial(state.applier.prepare_flushes, **same)
             if request.transport == "collective":
                 try:
-                    manifest, staged = receive(getattr(self, "_delta_group", None), job)
+                    manifest, staged = receive(getattr(self, "_delta_group", None), request, admit, stage)
                 except DeltaError:
                     self._delta_drop_group()  # the trainer drops its end after any refusal
                     raise
             elif request.store_path is not None:
-                manifest, staged = pull(self._delta_s3(), job)
+                owned = state.applier.owned_ranges()
+                manifest, staged = pull(self._delta_s3(), request.store_path, admit, owned, stage)
             else:
                 times = PhaseTimes()  # the manifest's parse: tenths of a second at 10k tensors
                 with times.phase("receive"):
@@ -177,15 +182,9 @@ class DeltaWorkerExtension:
                     opened = open_delta(delta_dir, files=request.files, allow_seed=seed)
                     manifest = opened.manifest
                     self._delta_admit(manifest, request)  # before any flush is read
+                threads = decode_threads(state.applier.model)
                 staged = state.applier.prepare(
-                    opened,
-                    version=request.version,
-                    base_version=request.base_version,
-                    current_version=state.version,
-                    files=request.files,
-                    max_staged_bytes=max_staged,
-                    decode_threads=decode_threads(state.applier.model),
-                    times=times,
+                    opened, files=request.files, decode_threads=threads, times=times, **same
                 )
             refuse_uncovered(state.applier.coverage)  # after a collective receive, so a trainer never blocks
             run_id = self._delta_check_lineage(manifest, request, anchor=staged.anchor)
@@ -246,16 +245,15 @@ class DeltaWorkerExtension:
         ).wire()
 
     def _delta_admit(self, manifest: Manifest, request: PrepareRequest) -> None:
-        """The one check of a manifest before any flush is read or received, on every transport and
-        through both doors: its signature (403, with signing keys), then its lineage (409)."""
+        """The one check of a manifest before any flush is read or received, whatever the transport or
+        door: its signature (403, with signing keys), then its lineage (409)."""
         verify(manifest, signing_keys(settings.signing_keys()))
         self._delta_check_lineage(manifest, request)
 
     def _delta_check_lineage(
         self, manifest: Manifest, request: PrepareRequest, anchor: bool = True
     ) -> str | None:
-        """Refuse (409) a delta for other weights than ours (`wire.lineage`); the run id after it applies.
-        Called before anything is read with `anchor=True`, then once prepare knows the anchor."""
+        """Refuse (409) a delta for other weights than ours (`wire.lineage`); the run id after it applies."""
         state = self._delta()
         v, current = request.version, state.version
         run_id = check_lineage(
@@ -281,11 +279,9 @@ class DeltaWorkerExtension:
     def delta_set_peers(
         self, coverages: list[dict[str, Any]], replicas: list | None = None
     ) -> dict[str, Any]:
-        """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`).
-
-        `replicas`: under data parallelism, [dp index, its ranks' replies] pairs. A dense model's
-        replica holds the whole model, so this rank takes its own replica's and each is checked on
-        its own; the DP engines of a MoE model are one world (engine/replicas.py `moe_world`)."""
+        """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`); under DP,
+        `replicas` pairs each dp index with its ranks' replies: a dense replica is checked on its own, the
+        DP engines of a MoE model as one world (`replicas.moe_world`)."""
         applier = self._delta().applier
         shapes = {n: shape for n, (shape, _) in applier.checkpoint.items()}
         groups = {int(dp): group for dp, group in replicas or ()}
@@ -297,7 +293,6 @@ class DeltaWorkerExtension:
             except ValueError as exc:  # refuses every update, as a hole would
                 applier.coverage = {"ok": False, "errors": {"(data parallel)": str(exc)}, "ignored": []}
                 across = []
-            # the same on every rank; each engine's rank 0 sends it
             return PeersReply(
                 rank=self._delta_rank(),
                 coverage=applier.coverage,
@@ -331,8 +326,7 @@ class DeltaWorkerExtension:
         ).wire()
 
     def delta_collective_init(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Join the trainer's group for collective deltas (rank 0 is the trainer); an older group is
-        dropped."""
+        """Join the trainer's group (the trainer is rank 0), dropping an older one."""
         from vllm_delta.transports.groups import join_group
 
         self._delta_drop_group()
@@ -364,8 +358,7 @@ class DeltaWorkerExtension:
             group.close()
 
     def delta_probe(self) -> dict[str, Any]:
-        """Learn the placement and compile the kernels now (each door asks at startup, the backend's
-        init too, so the first update pays neither)."""
+        """Learn the placement and compile the kernels now, so the first update pays neither."""
         applier = self._delta().applier
         warm_up({p.dtype for p in applier.placements.values()} | {t.dtype for t in applier.targets.values()})
         return applier.placement_status()

@@ -1,51 +1,74 @@
-"""How a worker's prepare gets a delta that is not on its disk: received from the trainer's
-collective group, or pulled from the engine's object store.
-
-Why apart from the worker: both are the same three steps around `DeltaApplier.prepare_flushes`
-(manifest, lineage check before any flush moves, flushes decoded as they arrive), with the
-transport's own setup and teardown; the worker only holds the group and the store client.
-The transports are imported when used, so an engine that uses neither never loads them.
+"""How a worker's prepare runs: on a background thread (`collective_rpc` runs inside the engine core's
+busy loop, so the core polls it), and, for a delta not on disk, received from the trainer's collective
+group or pulled from the object store: the manifest, the admission check, flushes decoded as they come.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import threading
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_delta.engine.apply import DeltaApplier, StagedUpdate
-from vllm_delta.engine.messages import PrepareRequest
+import torch
+
+from vllm_delta.engine.apply import StagedUpdate
+from vllm_delta.engine.messages import PrepareRequest, failure
 from vllm_delta.wire import DeltaError, Manifest, parse_manifest
+
+logger = logging.getLogger(__name__)
+Stage = Callable[[Manifest, Iterable[Any]], StagedUpdate]  # the applier's prepare_flushes, for one update
+
+
+def prepare_threads() -> int:
+    """Intra-op threads for a background prepare: at most half of the engine's, so generation keeps a
+    share."""
+    return max(1, min(4, torch.get_num_threads() // 2))
+
+
+def decode_threads(model: torch.nn.Module) -> int:
+    """Flushes a prepare decodes at once: on CPU the prepare's share (the cores run the forward passes);
+    an accelerator's host cores are mostly idle, so each local rank takes its share of them, up to 8."""
+    device = next(model.parameters()).device
+    if device.type in ("cpu", "meta"):
+        return prepare_threads()
+    local = max(1, torch.accelerator.device_count())
+    return max(1, min(8, len(os.sched_getaffinity(0)) // local))
 
 
 @dataclass
-class Arriving:
-    """One prepare of a delta that is not on disk: its request, this rank's applier, version and staging
-    bound, and the worker's check of a manifest (signature, then lineage: worker._delta_admit)."""
+class Preparing:
+    """A prepare running on a background thread with `threads` intra-op threads; `reply` is set when it
+    ends."""
 
-    request: PrepareRequest
-    applier: DeltaApplier
-    current_version: int
-    max_staged: int
-    admit: Callable[[Manifest], object]
+    request_id: str
+    threads: int
+    started: float = field(default_factory=time.perf_counter)
+    reply: dict[str, Any] | None = None
+    thread: threading.Thread | None = None
 
-    def stage(self, manifest: Manifest, flushes: Iterable[Any]) -> StagedUpdate:
-        r = self.request
-        return self.applier.prepare_flushes(
-            manifest,
-            flushes,
-            version=r.version,
-            base_version=r.base_version,
-            current_version=self.current_version,
-            max_staged_bytes=self.max_staged,
-        )
+    def start(self, prepare: Callable[[], dict[str, Any]]) -> None:
+        def run() -> None:
+            torch.set_num_threads(self.threads)  # this thread's OpenMP pool; the engine's own is untouched
+            try:
+                self.reply = prepare()
+            except Exception as exc:  # prepare reports input errors itself; anything else is ours
+                logger.exception("delta updates: prepare crashed")
+                self.reply = failure(500, exc)
+
+        self.thread = threading.Thread(target=run, name="delta-prepare", daemon=True)
+        self.thread.start()
 
 
-def receive(group: Any, job: Arriving) -> tuple[Manifest, StagedUpdate]:
-    """Answer the trainer's offer (accept, or refuse before any flush moves), then decode each flush
-    as it arrives and drop it: one flush in memory at a time (transports/collective.py). Any failure
-    is a `DeltaError`, after which the caller drops the group (the trainer drops its end)."""
+def receive(
+    group: Any, request: PrepareRequest, admit: Callable[[Manifest], object], stage: Stage
+) -> tuple[Manifest, StagedUpdate]:
+    """Answer the trainer's offer (refused before any flush moves), then decode each flush as it arrives,
+    one in memory at a time. Any failure is a `DeltaError`, after which the caller drops the group."""
     from vllm_delta.settings import collective_max_flush_bytes
     from vllm_delta.transports.collective import CollectiveError, answer
 
@@ -53,17 +76,17 @@ def receive(group: Any, job: Arriving) -> tuple[Manifest, StagedUpdate]:
         raise CollectiveError(
             "no collective group: the trainer must POST /delta_updates/collective/init first"
         )
-    offered = job.request.manifest
+    offered = request.manifest
 
     def check() -> Manifest:
         manifest = parse_manifest(json.dumps(offered).encode())
-        job.admit(manifest)  # the worker's versions and run (wire.lineage), before any flush moves
+        admit(manifest)  # the worker's versions and run (wire.lineage), before any flush moves
         return manifest
 
     try:
-        receiver, manifest = answer(group, offered, job.request.version, collective_max_flush_bytes(), check)
+        receiver, manifest = answer(group, offered, request.version, collective_max_flush_bytes(), check)
         try:
-            staged = job.stage(manifest, receiver)
+            staged = stage(manifest, receiver)
         except DeltaError:
             receiver.drain()  # the flushes after a refused one, so the trainer's stream ends
             raise
@@ -74,18 +97,18 @@ def receive(group: Any, job: Arriving) -> tuple[Manifest, StagedUpdate]:
     return manifest, staged
 
 
-def pull(store: Any, job: Arriving) -> tuple[Manifest, StagedUpdate]:
-    """Fetch the version from this engine's own store root (the route checked the relative path):
-    the manifest, the lineage check, then the flushes, one fetched ahead while the last decodes,
-    each sparse (only the blocks this rank decodes) where transports/s3.py says that is safe and pays."""
+def pull(
+    store: Any, path: str, admit: Callable[[Manifest], object], owned: Any, stage: Stage
+) -> tuple[Manifest, StagedUpdate]:
+    """Fetch the version at `path` under this engine's own store root (checked again here), a flush
+    fetched ahead while the last decodes, sparse (the `owned` blocks) where transports/s3.py says it pays."""
     from vllm_delta.engine.request import store_version_key
     from vllm_delta.transports.s3 import StoreFlushes, fetch_manifest
 
-    prefix = store_version_key(job.request.store_path, store.url)  # checked again, under this worker's root
+    prefix = store_version_key(path, store.url)
     manifest, manifest_bytes = fetch_manifest(store, prefix)
-    job.admit(manifest)  # before any flush is fetched
-    owned = job.applier.owned_ranges()  # what prepare_flushes decodes
+    admit(manifest)  # before any flush is fetched
     with StoreFlushes(store, prefix, manifest.files, manifest=manifest, owned=owned) as flushes:
-        staged = job.stage(manifest, flushes)
+        staged = stage(manifest, flushes)
     staged.bytes_read = manifest_bytes + flushes.fetched_bytes  # what came over the network
     return manifest, staged

@@ -75,7 +75,7 @@ class DeltaVLLMClient(VLLMClient):
         if backend in (BACKEND, ALIAS):
             from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-            from vllm_delta.weight_transfer.links import SyncClientLinks
+            from vllm_delta.weight_transfer.trainer import SyncClientLinks
 
             engine = HTTPVLLMWeightSyncClient(self.base_url)
             if self.sender_options.get("transport", "disk") == "disk":

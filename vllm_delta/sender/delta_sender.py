@@ -95,7 +95,7 @@ class DeltaSender:
         signing_keys: Sequence[str | bytes] | None = None,
     ) -> None:
         # Anything with EngineClient's `status`/`update`/`collective_init` (e.g. vLLM's weight-sync
-        # clients behind the native backend, vllm_delta/weight_transfer/links.py) may stand in for HTTP.
+        # clients behind the native backend, vllm_delta/weight_transfer/trainer.py) may stand in for HTTP.
         self.client = (
             client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)
         )

@@ -1,10 +1,6 @@
-"""Register our backend in vLLM's two weight-transfer registries, from our `vllm.general_plugins` entry point.
-
-Why from the general plugin: vLLM loads it in every process (front end, engine core, workers)
-before any engine is created, so `--weight-transfer-config '{"backend": "vllm_delta"}'` and the
-offline `LLM(weight_transfer_config=...)` find the backend without a patch. Registration is by module
-path, so nothing of ours is imported until the backend is used. The names and who holds them:
-`backend_names.py` (`vllm_delta` refused loudly if another package holds it; `delta` kept only free).
+"""Register our backend in vLLM's two weight-transfer registries, from our `vllm.general_plugins` entry
+point, which vLLM loads in every process before any engine exists; by module path, so nothing of ours
+is imported until used. Who holds which name: `backend_names.py`.
 """
 
 from __future__ import annotations
@@ -64,11 +60,8 @@ def backend_configured() -> bool:
 
 
 def keep_cpu_weights_when_configured() -> None:
-    """Observe post-load transforms (engine/transforms) for engines using our backend, on any platform.
-
-    The plugin cannot see the config when it loads, so the choice is made when the model's
-    post-load step runs (the worker loads the model under its config): stock vLLM otherwise.
-    """
+    """Observe post-load transforms (engine/transforms) for engines using our backend; decided when the
+    post-load step runs (under the worker's config, which the plugin cannot see), stock vLLM otherwise."""
     from vllm.model_executor.model_loader import base_loader
 
     from vllm_delta.engine import transforms

@@ -1,12 +1,10 @@
 """Front end of the `delta` backend, one door over the transaction core: vLLM's own `/update_weights` and
 `/finish_weight_update`, answered the way `POST /update_weights_delta` answers.
 
-Why replace vLLM's two routes (same paths and bodies): vLLM's turn every worker error into a 500
-and cannot hold generation around a commit. Here `/update_weights` is the core's prepare (while the
-engine generates) and `/finish_weight_update` its commit, after which vLLM's own
-`finish_weight_update` closes the session and sets `weight_version`; a refusal or failed commit
-ends the session as vLLM does when its `update_weights` raises. Mounted only when
-`--weight-transfer-config` selects `delta`, in dev mode (where vLLM mounts its routes).
+Why replace vLLM's two routes (same paths and bodies): vLLM's turn every worker error into a 500 and
+cannot hold generation around a commit. Here `/update_weights` is the core's prepare and
+`/finish_weight_update` its commit, then vLLM's own `finish_weight_update` (session, `weight_version`);
+a refusal ends the session as vLLM does. Mounted only for `delta`, in dev mode (as vLLM's are).
 """
 
 from __future__ import annotations
@@ -19,32 +17,27 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictStr
+from pydantic import StrictStr
 
 from vllm_delta.backend_names import is_ours
 from vllm_delta.engine.cli_args import dev_mode, weight_transfer_backend
-from vllm_delta.engine.http_errors import UpdateError, validated
-from vllm_delta.engine.messages import Done
-from vllm_delta.engine.metrics import observed, refused
+from vllm_delta.engine.http_errors import UpdateError, parse_error, validated
+from vllm_delta.engine.messages import Done, Message
+from vllm_delta.engine.metrics import answered, observed
 from vllm_delta.engine.replicas import rpc_all
-from vllm_delta.engine.request import DeltaUpdateRequest, prepare_request
+from vllm_delta.engine.request import DeltaUpdateRequest, delta_root, prepare_request
 from vllm_delta.engine.transaction import Sync, Transaction
-from vllm_delta.weight_transfer.errors import delta_root, parse_error
 from vllm_delta.weight_transfer.worker_engine import WORKER_RPC
 
 logger = logging.getLogger("vllm.delta_updates")
 router = APIRouter()
 
 
-class UpdateBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class UpdateBody(Message):
     update_info: dict[str, Any]
 
 
-class FinishBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FinishBody(Message):
     weight_version: StrictStr | None = None
 
 
@@ -92,8 +85,14 @@ class WeightTransferDoor(Transaction):
         async with self.lock:
             prepared, self.prepared = self.prepared, None
 
-            async def vllm_finish() -> None:  # our engine has nothing left to commit; the session ends
-                await _engine_call(self.engine.finish_weight_update(weight_version))
+            async def vllm_finish() -> None:  # vLLM's session ends; a worker's error comes back as text
+                try:
+                    await self.engine.finish_weight_update(weight_version)
+                except UpdateError:
+                    raise
+                except Exception as exc:
+                    logger.warning("delta backend: %s", exc)
+                    raise parse_error(str(exc)) or UpdateError(500, "EngineError", str(exc)) from exc
 
             with weight_operation_metrics().record("finish"):
                 if prepared is None:
@@ -115,42 +114,30 @@ class WeightTransferDoor(Transaction):
             await self.call("end_session", reply=Done)
 
 
-async def _engine_call(call) -> None:
-    """Await an engine-client call; a worker's error comes back as the route's `UpdateError`."""
-    try:
-        await call
-    except UpdateError:
-        raise
-    except Exception as exc:
-        logger.warning("delta backend: %s", exc)
-        raise parse_error(str(exc)) or UpdateError(500, "EngineError", str(exc)) from exc
-
-
-async def _answer(request: Request, action, what: str = "") -> JSONResponse:
-    """`action` on the door and the request's body; a refusal's answer (logged and counted as `what`'s)."""
-    try:
-        return JSONResponse(await action(request.app.state.delta_weight_transfer, await request.body()))
-    except UpdateError as err:
-        return (refused(err, what) if what else err).response()
+def _door(request: Request) -> WeightTransferDoor:
+    return request.app.state.delta_weight_transfer
 
 
 @router.post("/update_weights")
 async def update_weights(request: Request) -> JSONResponse:
-    async def update(door: WeightTransferDoor, raw: bytes) -> dict[str, Any]:
-        return {"message": "Weights updated", **await door.update(validated(UpdateBody, raw).update_info)}
+    async def update() -> dict[str, Any]:
+        body = validated(UpdateBody, await request.body())
+        return {"message": "Weights updated", **await _door(request).update(body.update_info)}
 
-    return await _answer(request, update, "update")
+    return await answered(update(), "update")
 
 
 @router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> JSONResponse:
-    async def finish(door: WeightTransferDoor, raw: bytes) -> dict[str, Any]:
-        result = await door.finish(validated(FinishBody, raw or b"{}").weight_version)
+    async def finish() -> dict[str, Any]:
+        result = await _door(request).finish(
+            validated(FinishBody, await request.body() or b"{}").weight_version
+        )
         return {"message": "Weight update finished", "delta": result and observed(result, "commit")}
 
-    return await _answer(request, finish, "commit")
+    return await answered(finish(), "commit")
 
 
 @router.get("/delta_updates/status")
 async def delta_updates_status(request: Request) -> JSONResponse:
-    return await _answer(request, lambda door, _: door.status())
+    return await answered(_door(request).status())

@@ -1,17 +1,14 @@
 """The trainer side of the `delta` backend: `WeightTransferTrainerFactory.trainer_init(...)` ->
-`send_weights()`.
-
-Why a `DeltaSender` underneath: the snapshot, the ack gating (the snapshot advances only when every
-engine holds the new version), overwrite catch-ups for a lagging engine and anchors are all there;
-this class only adapts its inputs (a `WeightSource`) and its outputs (vLLM's weight-sync clients,
-through `SyncClientLinks`). Every trainer rank calls `trainer_init` and `send_weights`; with a
-`group`, each rank diffs what it holds (`held_names`: PP stages, EP experts) and rank 0 talks to
-the engines.
+`send_weights()`, a `DeltaSender` (snapshot, ack gating, catch-ups, anchors) adapted to a `WeightSource`
+and to vLLM's weight-sync clients (`SyncClientLinks`: "apply this version" is `start_weight_update`,
+`update_weights`, `finish_weight_update(weight_version=str(version))`; "which version" is vLLM's
+`weight_version`). With a `group`, each trainer rank diffs what it holds; rank 0 talks to the engines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -19,21 +16,16 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
 from vllm_delta.backend_names import BACKEND
-from vllm_delta.weight_transfer.links import SyncClientLinks
+from vllm_delta.client import Reply
+from vllm_delta.engine.http_errors import parse_error
 from vllm_delta.weight_transfer.registry import register_backends
 
 
 @dataclass
 class DeltaTrainerInitInfo(TrainerInitInfo):
-    """`DeltaSender`'s options, plus vLLM's keyword-only `rank` (0 talks to the engines).
-
-    `delta_dir` (disk transport) is the directory every engine serves as `--delta-updates-root`.
-    `checkpoint` seeds the snapshot from the engines' own checkpoint files; without it, from the
-    source's weights at `trainer_init`, which must then equal what the engines serve. `group`: a
-    torch.distributed (gloo) group of all trainer ranks, for sources split across ranks.
-    `signing_keys`: the first signs every manifest, for engines started with
-    `--delta-updates-signing-key` (None: from the environment, as `DeltaSender` reads it).
-    """
+    """`DeltaSender`'s options, plus vLLM's keyword-only `rank` (0 talks to the engines). `delta_dir`:
+    the engines' `--delta-updates-root` (disk). `checkpoint` seeds the snapshot from the served files;
+    without it, from the source at `trainer_init`. `group`: all trainer ranks' gloo group."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -65,7 +57,7 @@ SENDER_OPTIONS = (
 
 
 class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerInitInfo]):
-    """One `send_weights()` = one delta sync of the source to every engine; returns the sender's metrics."""
+    """One `send_weights()`: one delta sync of the source to every engine; the sender's metrics."""
 
     init_info_cls = DeltaTrainerInitInfo
 
@@ -81,10 +73,7 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
     def trainer_init(
         cls, init_info: DeltaTrainerInitInfo, *, client: Any, source: WeightSource | None = None
     ) -> Self:
-        """Check every engine runs the `delta` backend, then seed the snapshot.
-
-        `client` is one `VLLMWeightSyncClient` per engine: one, or a list for several engines.
-        """
+        """Seed the snapshot; `client`: one `VLLMWeightSyncClient` per engine (or a list of them)."""
         from vllm_delta.sender import DeltaSender
 
         if source is None:
@@ -162,6 +151,123 @@ def held_tensors(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in source:
         if tensor is not None and (held is None or name in held):
             yield name, tensor.detach()
+
+
+class SyncClientLinks:
+    """The interface `DeltaSender` uses (`update`, `status`, `collective_init`), over vLLM clients."""
+
+    def __init__(self, clients: Mapping[str, Any]) -> None:
+        self.clients = dict(clients)
+
+    def update(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
+        return self._each(bodies, self._update)
+
+    def status(self, names: Sequence[str]) -> dict[str, Reply]:
+        return self._each({n: {} for n in names}, self._status)
+
+    def collective_init(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
+        return self._each(bodies, self._collective_init)
+
+    def _each(self, bodies: Mapping[str, Mapping[str, Any]], call) -> dict[str, Reply]:
+        with ThreadPoolExecutor(
+            max_workers=len(bodies), thread_name_prefix="vllm-delta-weight-transfer"
+        ) as pool:
+            futures = {n: pool.submit(_replied, n, call, self.clients[n], b) for n, b in bodies.items()}
+            return {n: f.result() for n, f in futures.items()}
+
+    @staticmethod
+    def _update(client: Any, body: Mapping[str, Any]) -> dict[str, Any]:
+        client.start_weight_update()
+        client.update_weights(dict(body))
+        client.finish_weight_update(weight_version=str(body["version"]))
+        return {"version": body["version"]}
+
+    @staticmethod
+    def _status(client: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+        """The engine's `weight_version` as our version (anything else: unknown, anchor it); the run is
+        unknown (None), as vLLM's protocol carries none."""
+        raw = weight_version(client)
+        version = int(raw) if raw.isdigit() else -1
+        return {"version": version, "run_id": None, "healthy": True, "ranks": list(range(world_size(client)))}
+
+    @staticmethod
+    def _collective_init(client: Any, body: Mapping[str, Any]) -> dict[str, Any]:
+        client.init_weight_transfer_engine({"transport": "collective", "collective": dict(body)})
+        return {}
+
+
+def _replied(name: str, call, client: Any, body: Mapping[str, Any]) -> Reply:
+    """A `Reply` as the sender's HTTP client gives one: the engine's status and error body."""
+    try:
+        return Reply(name, 200, call(client, body))
+    except Exception as exc:  # the engine's answer, whatever the client raised it as
+        response = getattr(exc, "response", None)
+        if response is not None:
+            try:
+                payload = response.json()
+            except ValueError:
+                payload = {"error": {"type": "HTTPError", "message": response.text[:500]}}
+            return Reply(
+                name, response.status_code, payload if isinstance(payload, dict) else {"body": payload}
+            )
+        err = parse_error(str(exc))  # an in-process client relays the worker's error as text
+        if err is not None:
+            return Reply(name, err.status, {"error": err.error})
+        return Reply(name, 500, {"error": {"type": type(exc).__name__, "message": str(exc)}})
+
+
+def weight_version(client: Any) -> str:
+    """vLLM's `weight_version` through the client: an `LLM`-like one, or vLLM's HTTP route."""
+    if hasattr(client, "get_weight_version"):
+        return str(client.get_weight_version())
+    return str(_get(client, "weight_info")["weight_version"])
+
+
+def world_size(client: Any) -> int:
+    """The engine's worker count (TP x PP), each of which joins a collective group."""
+    if hasattr(client, "get_world_size"):
+        return int(client.get_world_size())
+    return int(_get(client, "get_world_size?include_dp=false")["world_size"])
+
+
+def _get(client: Any, route: str) -> dict[str, Any]:
+    import requests
+
+    base = getattr(client, "base_url", None)
+    if base is None:
+        raise TypeError(f"{type(client).__name__} offers neither get_weight_version nor a base_url")
+    response = requests.get(f"{base}/{route}", timeout=getattr(client, "timeout", 60))
+    response.raise_for_status()
+    return response.json()
+
+
+class OfflineLLMClient:
+    """vLLM's offline `LLM` as a `VLLMWeightSyncClient` (vLLM ships HTTP and Ray clients only); it
+    prepares on the engine loop, as nothing generates while its caller waits for an update anyway."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def get_weight_version(self) -> str:
+        return self.llm.get_weight_version()
+
+    def get_world_size(self) -> int:
+        return self.llm.llm_engine.vllm_config.parallel_config.world_size
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
 
 
 register_backends()  # a trainer process need not load vLLM's plugins: our init info makes `delta` known
