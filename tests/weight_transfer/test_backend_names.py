@@ -14,7 +14,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from vllm_delta.backend_names import ALIAS, BACKEND, holder, is_ours
-from vllm_delta.engine.cli_args import check_native_args
+from vllm_delta.engine.cli_args import check_args
 from vllm_delta.weight_transfer.registry import TRAINER, WORKER, BackendNameTaken, register_backends
 
 RIVAL = """
@@ -98,6 +98,6 @@ def test_the_cli_checks_only_what_is_ours(registries):
     load_rival()
     register_backends()
     args = lambda name: Namespace(weight_transfer_config={"backend": name}, data_parallel_size=2)  # noqa: E731
-    check_native_args(args(ALIAS))
+    check_args(args(ALIAS))
     with pytest.raises(ValueError, match="--data-parallel-size 2"):
-        check_native_args(args(BACKEND))
+        check_args(args(BACKEND))

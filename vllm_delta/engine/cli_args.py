@@ -206,47 +206,38 @@ def data_parallel_size(args: argparse.Namespace) -> int:
     return getattr(args, "data_parallel_size", None) or 1
 
 
-def check_online_quantization(args: argparse.Namespace) -> None:
-    """Refuse online quantization of a local unquantized checkpoint (a hub id is not read here)."""
-    q = getattr(args, "quantization", None)
-    model = getattr(args, "model_tag", None) or getattr(args, "model", None)
-    config = Path(str(model)) / "config.json"
-    if not q or not config.is_file():
-        return
-    cfg = json.loads(config.read_text())
-    if not (cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config")):
-        raise ValueError(ONLINE_QUANT_REFUSAL.format(q=q, model=model))
-
-
-def check_native_args(args: argparse.Namespace) -> None:
-    """Refuse the `delta` weight-transfer backend where its front end would not reach every engine."""
-    if getattr(args, "enable_delta_updates", False) or not is_ours(weight_transfer_backend(args)):
-        return
-    check_online_quantization(args)
-    if data_parallel_size(args) > 1:
-        raise ValueError(NATIVE_DP_REFUSAL.format(args.data_parallel_size))
-    if (getattr(args, "api_server_count", None) or 1) > 1:
-        raise ValueError(
-            API_SERVERS_REFUSAL.format(args.api_server_count).replace(
-                "--enable-delta-updates", "the `delta` weight-transfer backend", 1
-            )
-        )
-
-
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse a command line that enabled delta updates but cannot serve them safely."""
-    check_native_args(args)
-    if not getattr(args, "enable_delta_updates", False):
+    """Refuse a command line whose door (our route, or the `delta` backend) cannot serve updates safely."""
+    ours, native = getattr(args, "enable_delta_updates", False), is_ours(weight_transfer_backend(args))
+    if not ours and not native:
         return
-    if args.delta_updates_root is None:
+    if ours and args.delta_updates_root is None:
         raise ValueError("--enable-delta-updates requires --delta-updates-root DIR")
-    check_online_quantization(args)
+    q, model = (
+        getattr(args, "quantization", None),
+        getattr(args, "model_tag", None) or getattr(args, "model", None),
+    )
+    config = Path(str(model)) / "config.json"  # a local checkpoint (a hub id is not read here)
+    if q and config.is_file():
+        cfg = json.loads(config.read_text())
+        if not (cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config")):
+            raise ValueError(ONLINE_QUANT_REFUSAL.format(q=q, model=model))
+    if not ours:  # the backend's front end must reach every engine
+        if data_parallel_size(args) > 1:
+            raise ValueError(NATIVE_DP_REFUSAL.format(args.data_parallel_size))
+        if (getattr(args, "api_server_count", None) or 1) > 1:
+            raise ValueError(
+                API_SERVERS_REFUSAL.format(args.api_server_count).replace(
+                    "--enable-delta-updates", "the `delta` weight-transfer backend", 1
+                )
+            )
+        return
     if args.worker_extension_cls != WORKER_EXTENSION:
         raise ValueError(
             f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
             f"it cannot be combined with --worker-extension-cls {args.worker_extension_cls}"
         )
-    if is_ours(weight_transfer_backend(args)):
+    if native:
         raise ValueError(
             "the `delta` weight-transfer backend and --enable-delta-updates cannot serve the same "
             "engine: choose one (each door would keep its own version of the same weights)"

@@ -172,7 +172,10 @@ class Transaction:
                     raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
             committed: list[CommitReply] = []  # the RPC may raise before any reply
             try:
-                committed = await self._scatter(request_id, sync)
+                called = perf_counter()
+                committed = await self.call("commit", request_id, reply=CommitReply)
+                waited = perf_counter() - called - worker_seconds(committed, commit=True)
+                sync.door.add("commit_wait", max(0.0, waited))
                 if then is not None and first_failed(committed) is None:
                     await then()
             finally:
@@ -186,14 +189,9 @@ class Transaction:
                     if self.fault is None:
                         with sync.door.phase("resume"):
                             await while_alive(self.engine, self.engine.resume_generation())
-            return _committed(committed), perf_counter() - started if changed else 0.0
-
-    async def _scatter(self, request_id: str, sync: Sync) -> list[CommitReply]:
-        started = perf_counter()
-        committed = await self.call("commit", request_id, reply=CommitReply)
-        waited = perf_counter() - started
-        sync.door.add("commit_wait", max(0.0, waited - worker_seconds(committed, commit=True)))
-        return committed
+            if (refused := first_failed(committed)) is not None:
+                raise with_ranks(refusal(refused), committed)
+            return committed, perf_counter() - started if changed else 0.0
 
     def answer(self, sync: Sync, committed: list[CommitReply], pause_s: float) -> dict[str, Any]:
         """The door's 200: one summary for all ranks, the prepare's cost and the trace; kept as `last`."""
@@ -280,13 +278,6 @@ def generation_tokens() -> float | None:
         if metric.name == "vllm:generation_tokens":
             return sum(s.value for s in metric.samples if s.name.endswith("_total"))
     return None
-
-
-def _committed(committed: list[CommitReply]) -> list[CommitReply]:
-    """The ranks' commit replies, or the first refusal with every rank's outcome."""
-    if (failed := first_failed(committed)) is not None:
-        raise with_ranks(refusal(failed), committed)
-    return committed
 
 
 def engine_dead(engine: Any) -> bool:

@@ -171,8 +171,12 @@ class DeltaWorkerExtension:
                     self._delta_drop_group()  # the trainer drops its end after any refusal
                     raise
             elif request.store_path is not None:
+                from vllm_delta.transports.s3 import configured_store
+
+                if getattr(self, "_delta_store", None) is None:  # one client, and its pool, for life
+                    self._delta_store = configured_store()
                 owned = state.applier.owned_ranges()
-                manifest, staged = pull(self._delta_s3(), request.store_path, admit, owned, stage)
+                manifest, staged = pull(self._delta_store, request.store_path, admit, owned, stage)
             else:
                 times = PhaseTimes()  # the manifest's parse: tenths of a second at 10k tensors
                 with times.phase("receive"):
@@ -342,15 +346,6 @@ class DeltaWorkerExtension:
         except Exception as exc:
             return failure(500, exc)
         return JoinedReply(rank=self._delta_rank(), group_rank=self._delta_group.rank).wire()
-
-    def _delta_s3(self) -> Any:
-        """The store client: one (and its connection pool) for the worker's life."""
-        from vllm_delta.transports.s3 import configured_store
-
-        store = getattr(self, "_delta_store", None)
-        if store is None:
-            store = self._delta_store = configured_store()
-        return store
 
     def _delta_drop_group(self) -> None:
         group, self._delta_group = getattr(self, "_delta_group", None), None

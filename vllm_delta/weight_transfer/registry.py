@@ -50,18 +50,10 @@ def register_backends() -> None:
                 )
 
 
-def backend_configured() -> bool:
-    """Whether the vLLM config being built or loaded selects our backend (by either of its names)."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    transfer = getattr(config, "weight_transfer_config", None)
-    return transfer is not None and is_ours(transfer.backend)
-
-
 def keep_cpu_weights_when_configured() -> None:
     """Observe post-load transforms (engine/transforms) for engines using our backend; decided when the
     post-load step runs (under the worker's config, which the plugin cannot see), stock vLLM otherwise."""
+    from vllm.config import get_current_vllm_config_or_none
     from vllm.model_executor.model_loader import base_loader
 
     from vllm_delta.engine import transforms
@@ -74,7 +66,9 @@ def keep_cpu_weights_when_configured() -> None:
 
     @functools.wraps(stock)
     def process(model, model_config, target_device) -> None:
-        (keeping if backend_configured() else stock)(model, model_config, target_device)
+        transfer = getattr(get_current_vllm_config_or_none(), "weight_transfer_config", None)
+        ours = transfer is not None and is_ours(transfer.backend)  # the config the model loads under
+        (keeping if ours else stock)(model, model_config, target_device)
 
     process._delta_wrapped = True  # type: ignore[attr-defined]
     base_loader.process_weights_after_loading = process
