@@ -35,13 +35,24 @@ SHARED_LLAMA_MODULES = frozenset(
 # The modules that share the pool's fp8 engine (harness/fp8_engine.py `shared_server`): one xdist scope for
 # the same reason. test_hook_fp8 comes last in collection order and stops the engine.
 FP8_ENGINE_MODULES = frozenset({"tests/engine/test_fp8_served.py", "tests/megatron/test_hook_fp8.py"})
+# The modules that serve from the session's engine pair (harness/engine_pair.py), one xdist scope for the
+# same reason: one worker starts the pair (~50 s of a worker) for all of them.
+ENGINE_PAIR_MODULES = frozenset(
+    f"tests/{m}.py"
+    for m in ("engine/test_security", "reliability/test_faults", "sender/test_collective_engine")
+)
+SHARED_SCOPES = {
+    **dict.fromkeys(SHARED_LLAMA_MODULES, "shared-llama"),
+    **dict.fromkeys(FP8_ENGINE_MODULES, "fp8-engine"),
+    **dict.fromkeys(ENGINE_PAIR_MODULES, "engine-pair"),
+}
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadscope` with the shared-Llama modules as one scope and the fp8 engine's as another, and a
-    node id's scope read before its parameters (loadscope cuts at the last "::", which a parameter id may
-    contain)."""
+    """`--dist loadscope` with the shared-Llama modules as one scope, the fp8 engine's as another and the
+    engine-pair modules as a third, and a node id's scope read before its parameters (loadscope cuts at
+    the last "::", which a parameter id may contain)."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -49,12 +60,20 @@ def pytest_xdist_make_scheduler(config, log):
     class Scopes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = nodeid.split("[", 1)[0].rsplit("::", 1)[0]
-            module = scope.split("::", 1)[0]
-            if module in SHARED_LLAMA_MODULES:
-                return "shared-llama"
-            return "fp8-engine" if module in FP8_ENGINE_MODULES else scope
+            return SHARED_SCOPES.get(scope.split("::", 1)[0], scope)
 
     return Scopes(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Stop the engine pair once the worker's next test does not use it: a session fixture, it would
+    hold two engines' memory to the session's end (the worker's other scopes start engines of their
+    own). A later test that uses it starts it again."""
+    yield
+    pair = (getattr(item, "funcargs", None) or {}).get("engine_pair")
+    if pair is not None and (nextitem is None or "engine_pair" not in getattr(nextitem, "fixturenames", ())):
+        pair.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -115,3 +134,13 @@ def engine_pool(tmp_path_factory: pytest.TempPathFactory):
     pool = EnginePool(tmp_path_factory.mktemp("engine_pool"))
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def engine_pair(tiny_model_factory, tmp_path_factory: pytest.TempPathFactory):
+    """Two tiny-Llama delta engines shared by the engine-pair modules (harness/engine_pair.py)."""
+    from harness.engine_pair import EnginePair
+
+    pair = EnginePair(tiny_model_factory("llama"), tmp_path_factory.mktemp("engine_pair"))
+    yield pair
+    pair.close()

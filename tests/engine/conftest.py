@@ -8,10 +8,8 @@ checkpoint when they start.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,20 +192,12 @@ class DeltaFactory:
         return out
 
 
-@contextlib.contextmanager
-def serve_deltas(
-    model_dir: Path, root: Path, log: Path, extra_args: Sequence[str] = ()
-) -> Iterator[DeltaServer]:
-    """`vllm serve` with delta updates under `root`, the API key, and any further flags."""
-    args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY, *extra_args]
-    with VllmServer(model_dir, log, extra_args=args) as server:
-        yield DeltaServer(server, root)
-
-
-@pytest.fixture(name="serve_deltas", scope="session")
-def serve_deltas_fixture():
-    """`serve_deltas(model_dir, root, log, extra_args)`: a module's own server, when it needs other flags."""
-    return serve_deltas
+@pytest.fixture(scope="module")
+def paired_server(engine_pair) -> DeltaServer:
+    """The first engine of the session's engine pair (harness/engine_pair.py: a body cap, a collective
+    allowlist), back on its checkpoint, for a module that needs those flags. Its root is the pair's:
+    such a module takes `delta_root` from the pair too."""
+    return DeltaServer(engine_pair.on_checkpoint()[0], engine_pair.root)
 
 
 @pytest.fixture(name="child_environ", scope="session")

@@ -11,6 +11,7 @@ against this reset).
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -101,8 +102,8 @@ def write_anchor(path: Path, weights: Iterable[tuple[str, torch.Tensor]], versio
 def reset_to_checkpoint(server: VllmServer, root: Path, model_dir: Path) -> int:
     """Put `server` back on `model_dir`'s weights, as a fresh engine on that checkpoint would be apart
     from its version: a full anchor (stating no digests, so a later full verify checks only what the
-    module's own updates state) at its next version. An engine that has committed nothing and is
-    healthy is left alone. Returns the version it is at."""
+    module's own updates state) at its next version, deleted once applied. An engine that has committed
+    nothing and is healthy is left alone. Returns the version it is at."""
     st = status(server.url)
     if st["version"] == 0 and st["healthy"]:
         return 0
@@ -118,6 +119,7 @@ def reset_to_checkpoint(server: VllmServer, root: Path, model_dir: Path) -> int:
     )
     assert r.status_code == 200, r.text
     assert status(server.url)["version"] == version
+    shutil.rmtree(path)  # applied; a pooled root outlives many modules (the engine pair's is a small tmpfs)
     return version
 
 

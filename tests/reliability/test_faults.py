@@ -14,8 +14,9 @@ weights: both engines' vLLM `/weight_checker` digests equal those of the trainer
 afresh by vLLM's own loader (harness/fresh_load: code other than our apply path), and each engine's
 full verify against the trainer's whole-tensor digests passes.
 
-The engines are shared by the module; every test starts by anchoring both on the trainer's current
-weights (`fleet.fresh_sender`), so each passes alone and in any order.
+The engines are the session's engine pair (harness/engine_pair.py, shared with other modules); every
+test starts by anchoring both on the trainer's current weights (`fleet.fresh_sender`), so each passes
+alone and in any order, and a restart goes through the pair, so the modules after this one find it whole.
 """
 
 from __future__ import annotations
@@ -32,22 +33,21 @@ import sys
 import threading
 import time
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import requests
 import torch
-from harness import vllm_engine
+from harness.engine_pair import EnginePair
+from harness.engine_pool import API_KEY
+from harness.engine_pool import HEADERS as HDR
 from harness.fresh_load import save_checkpoint
 from harness.perturb import perturb_tensor
-from harness.vllm_engine import VllmServer, start_servers
+from harness.vllm_engine import VllmServer
 
 from vllm_delta import DeltaSender
 from vllm_delta.wire.checkpoint import Checkpoint
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
-API_KEY = "faults-test-key"
-HDR = {"Authorization": f"Bearer {API_KEY}"}
 
 
 class Gate:
@@ -130,22 +130,26 @@ def verify(url: str) -> dict:
 
 
 class Fleet:
-    """Two engines (b behind a `Gate`), the trainer's weights, and a sender factory."""
+    """The pair's two engines (b behind a `Gate`), the trainer's weights, and a sender factory."""
 
-    def __init__(self, model_dir: Path, root: Path, logs: Path, fresh_loader) -> None:
-        self.model_dir, self.root, self.logs, self.fresh_loader = model_dir, root, logs, fresh_loader
-        self.args = ["--enable-delta-updates", "--delta-updates-root", str(root), "--api-key", API_KEY]
-        self.a, self.b = start_servers(
-            lambda: VllmServer(model_dir, logs / "a0.log", extra_args=self.args),
-            lambda: VllmServer(model_dir, logs / "b.log", extra_args=self.args),
-        )
+    def __init__(self, pair: EnginePair, logs: Path, fresh_loader) -> None:
+        self.pair, self.model_dir, self.root = pair, pair.model_dir, pair.root
+        self.logs, self.fresh_loader = logs, fresh_loader
+        pair.live()
         self.gate = Gate(self.b.port)
-        self.starts = 0
-        self.checkpoint = dict(Checkpoint.open(model_dir).iter_tensors())
+        self.checkpoint = dict(Checkpoint.open(self.model_dir).iter_tensors())
         self.weights = {n: t.clone() for n, t in self.checkpoint.items()}  # the trainer's
         self.gen = torch.Generator().manual_seed(0)
-        self.base_digests = fresh_loader.checksums(model_dir)  # the checkpoint's, loaded by vLLM alone
+        self.base_digests = fresh_loader.checksums(self.model_dir)  # the checkpoint's, loaded by vLLM alone
         self.saved = 0
+
+    @property
+    def a(self) -> VllmServer:
+        return self.pair.engines[0]
+
+    @property
+    def b(self) -> VllmServer:
+        return self.pair.engines[1]
 
     def step(self, density: float = 0.02) -> None:
         for n, t in self.weights.items():
@@ -167,13 +171,7 @@ class Fleet:
     def restart_a(self, kill: bool = False) -> None:
         """Stop engine a (SIGKILL to its process group, or a clean stop) and start it on the same port."""
         port = self.a.port
-        if kill:
-            os.killpg(self.a.proc.pid, signal.SIGKILL)
-            self.a.proc.wait()
-        self.a.stop()
-        self.starts += 1
-        with mock.patch.object(vllm_engine, "free_port", lambda: port):
-            self.a = VllmServer(self.model_dir, self.logs / f"a{self.starts}.log", extra_args=self.args)
+        self.pair.restart(0, kill=kill)
         assert self.a.url.endswith(f":{port}")
 
     def assert_converged(self) -> None:
@@ -191,28 +189,18 @@ class Fleet:
 
     def close(self) -> None:
         self.gate.close()
-        self.a.stop()
-        self.b.stop()
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    """The delta root on a 16 MiB tmpfs (so a test can fill it), or a plain directory if mounting fails."""
-    path = Path(os.path.realpath(tmp_path_factory.mktemp("faults_root")))
-    mounted = (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True
-        ).returncode
-        == 0
-    )
-    yield path
-    if mounted:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+def root(engine_pair) -> Path:
+    """The pair's delta root: a 16 MiB tmpfs (so a test can fill it), or a plain directory if mounting
+    failed."""
+    return engine_pair.root
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_factory, root, tmp_path_factory, fresh_loader):
-    f = Fleet(tiny_model_factory("llama"), root, tmp_path_factory.mktemp("faults_logs"), fresh_loader)
+def fleet(engine_pair, tmp_path_factory, fresh_loader):
+    f = Fleet(engine_pair, tmp_path_factory.mktemp("faults_logs"), fresh_loader)
     try:
         yield f
     finally:

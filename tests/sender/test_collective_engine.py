@@ -1,69 +1,53 @@
 """The collective (gloo) transport against two real `vllm serve --enable-delta-updates` engines.
 
-Both engines take at most CAP bytes per flush (the engine's per-flush cap), so a whole-model anchor
-streams as many flushes; there is no total cap. Each test starts from engines that hold the module
-trainer's weights and leaves them so (an engine a test knocks off is anchored back), so every test
-runs alone or in any order. Bit-exactness is checked against a fresh engine loaded from the
-trainer's weights (`/weight_checker` digests), besides each update's own post-apply hashes.
+The engines are the session's engine pair (harness/engine_pair.py, shared with other modules), put
+back on the checkpoint when this module starts. Both take at most CAP bytes per flush (the engine's
+per-flush cap), so a whole-model anchor streams as many flushes; there is no total cap. Each test starts
+from engines that hold the module trainer's weights and leaves them so (an engine a test knocks off is
+restarted through the pair and anchored back), so every test runs alone or in any order. Bit-exactness
+is checked against a fresh load of the trainer's weights by vLLM's own loader (`/weight_checker`
+digests, harness/fresh_load), besides each update's own post-apply hashes.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 from pathlib import Path
-from unittest import mock
 
-import harness.vllm_engine as vllm_engine
 import pytest
 import torch
 from harness import megatron_cpu
+from harness.engine_pair import COLLECTIVE_FLUSH_CAP as CAP
+from harness.engine_pair import EnginePair
+from harness.engine_pool import API_KEY
+from harness.fresh_load import save_checkpoint
 from harness.trainer import Trainer
-from harness.vllm_engine import VllmServer, start_servers
 from sender_helpers import adam_like_step, engine_checksums, engine_status
 
-from vllm_delta import DeltaSender, settings
+from vllm_delta import DeltaSender
 from vllm_delta.transports import collective
 
 pytestmark = [pytest.mark.engine, pytest.mark.heavy]
-API_KEY = "collective-test-key"
-CAP = 64 << 10  # each engine's per-flush cap
-FLUSH = 16 << 10  # the sender's flush target, under the cap
-
-
-def serve(model_dir: Path, log: Path) -> VllmServer:
-    args = [
-        "--enable-delta-updates",
-        "--delta-updates-root",
-        str(log.parent),
-        "--api-key",
-        API_KEY,
-        "--delta-updates-collective-trainers",
-        "127.0.0.1",
-    ]
-    server = VllmServer(model_dir, log, extra_args=args, env={settings.COLLECTIVE_MAX_FLUSH_BYTES: str(CAP)})
-    server.root = log.parent
-    return server
+FLUSH = 16 << 10  # the sender's flush target, under the engines' per-flush cap
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama")
+def model_dir(engine_pair: EnginePair) -> Path:
+    return engine_pair.model_dir
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir, tmp_path_factory):
-    """Two engines (a list, so a test that restarts one can put the new one in its place)."""
-    servers: list[VllmServer] = []
-    try:
-        logs = [tmp_path_factory.mktemp(f"engine_{name}") / "serve.log" for name in ("a", "b")]
-        servers = start_servers(*(lambda log=log: serve(model_dir, log) for log in logs))
-        servers[0].base_digests = engine_checksums(servers[0].url, API_KEY)  # the checkpoint's
-        yield servers
-    finally:
-        for s in servers:
-            s.stop()
+def engines(engine_pair: EnginePair):
+    """The pair's two engines on the checkpoint (the pair's list: a test that restarts one through the
+    pair finds the new one in its place)."""
+    return engine_pair.on_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def base_digests(model_dir, fresh_loader) -> dict[str, str]:
+    """The checkpoint's digests, loaded by vLLM alone."""
+    return fresh_loader.checksums(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -110,17 +94,7 @@ def until_acked(sender: DeltaSender, trainer: Trainer, tries: int = 3) -> list[d
     return ms
 
 
-def save_weights(model_dir: Path, weights: dict[str, torch.Tensor], out: Path) -> Path:
-    from safetensors.torch import save_file
-
-    for f in model_dir.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, out / f.name)
-    save_file({n: t.contiguous() for n, t in weights.items()}, out / "model.safetensors")
-    return out
-
-
-def test_two_engines_sync_concurrently(engines, trainer):
+def test_two_engines_sync_concurrently(engines, trainer, base_digests):
     a, b = engines
     sender = sender_for(engines)
     sender.seed(trainer.weights())
@@ -132,11 +106,11 @@ def test_two_engines_sync_concurrently(engines, trainer):
         assert status(a)["version"] == status(b)["version"] == start + step
         links = [sender.transport.link(s.url, None) for s in engines]
         assert all(link.group is not None and link.bytes_sent > 0 for link in links)  # kept for the next sync
-    assert checksums(a) == checksums(b) != a.base_digests
+    assert checksums(a) == checksums(b) != base_digests
     sender.close()
 
 
-def test_refusal_leaves_that_engine_unchanged_and_updates_the_other(engines, trainer):
+def test_refusal_leaves_that_engine_unchanged_and_updates_the_other(engine_pair, engines, trainer):
     """Engine b moves on behind the sender's back (another sender of the same run writes other weights
     into it at the next version, over disk, so the sender's group to b stays up): the sender's next
     delta is outside b's lineage, b refuses it in the handshake, no bulk byte goes to b, a is updated
@@ -148,7 +122,12 @@ def test_refusal_leaves_that_engine_unchanged_and_updates_the_other(engines, tra
     m = sender.sync(trainer.weights())
     assert every_engine_acked(sender, m), sender.engines
     other = DeltaSender(
-        [b.url], "disk", b.root, api_key=API_KEY, flush_bytes=FLUSH, version=int(m["sender/version"])
+        [b.url],
+        "disk",
+        engine_pair.root,
+        api_key=API_KEY,
+        flush_bytes=FLUSH,
+        version=int(m["sender/version"]),
     )
     other.seed(trainer.weights())
     foreign = dict(trainer.state())
@@ -200,11 +179,11 @@ def test_flush_over_the_engine_cap_is_refused_before_any_byte_moves(engines, tra
 
 
 def test_engine_killed_mid_broadcast_tears_down_only_its_group(
-    engines, trainer, model_dir, tmp_path, monkeypatch
+    engine_pair, engines, trainer, model_dir, fresh_loader, tmp_path, monkeypatch
 ):
-    """b is SIGKILLed after its first flush: the sender survives, a is updated on its own group, and
-    b, restarted on the same port from the trainer's weights (a fresh load), has a's digests; the
-    next sync anchors b (a fresh engine at version 0) and both end on the trainer's weights."""
+    """b is SIGKILLed after its first flush: the sender survives, a is updated on its own group and has
+    the digests of a fresh load of the trainer's weights; b, restarted on the same port (on the
+    checkpoint, at version 0), is anchored by the next sync and both end on the trainer's weights."""
     a, b = engines
     sender = sender_for(engines)
     sender.seed(trainer.weights())
@@ -232,10 +211,10 @@ def test_engine_killed_mid_broadcast_tears_down_only_its_group(
     assert sender.transport.link(b.url, None).group is None
     assert sender.transport.link(a.url, None).group is not None
 
-    out = save_weights(model_dir, trainer.state(), tmp_path)
-    with mock.patch.object(vllm_engine, "free_port", return_value=b.port):
-        engines[1] = b = serve(out, tmp_path / "restarted.log")
-    assert checksums(b) == checksums(a), "the synced engine equals a fresh load of the trainer's weights"
+    want = fresh_loader.checksums(save_checkpoint(trainer.state(), model_dir, tmp_path / "trained"))
+    assert checksums(a) == want, "the synced engine equals a fresh load of the trainer's weights"
+    b = engine_pair.restart(1)  # the pair's list now holds it: the modules after this one find a pair
+    assert status(b)["version"] == 0
 
     trainer.step()
     ms = until_acked(sender, trainer)
