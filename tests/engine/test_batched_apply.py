@@ -123,9 +123,18 @@ SEGMENTS = [
 ]
 
 
+def _brute_locate(seg: Segment, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices into `positions` the segment holds, their storage offsets), from every id it holds."""
+    ids = torch.as_strided(torch.arange(48), seg.sizes, seg.src_strides, seg.src_offset).reshape(-1)
+    dst = torch.as_strided(torch.arange(1000), seg.sizes, seg.dst_strides, seg.dst_offset).reshape(-1)
+    where = dict(zip(ids.tolist(), dst.tolist()))
+    idx = [i for i, p in enumerate(positions.tolist()) if p in where]
+    return torch.tensor(idx, dtype=torch.int64), torch.tensor([where[positions[i].item()] for i in idx])
+
+
 @pytest.mark.parametrize("chosen", [[0], [1], [0, 1], [2], [3, 4], [5], [6], [0, 5], [0, 1, 2, 3, 4, 5, 6]])
 def test_batched_locate_equals_each_segments_own(chosen):
-    """Independent reference: Segment.locate, one piece at a time."""
+    """Independent reference: every id each segment holds, enumerated, one piece at a time."""
     g = torch.Generator().manual_seed(len(chosen))
     pieces, want_pos, want_off, want_slot = [], [], [], []
     for slot, k in enumerate(chosen):
@@ -133,7 +142,7 @@ def test_batched_locate_equals_each_segments_own(chosen):
         values = torch.randn(positions.numel(), generator=g).to(BF16)
         seg = SEGMENTS[k]
         pieces.append(Piece(slot, positions, values, seg, 48))
-        idx, offsets = seg.locate(positions)
+        idx, offsets = _brute_locate(seg, positions)
         want_pos.append(positions[idx])
         want_off.append(offsets)
         want_slot.append(torch.full_like(idx, slot))

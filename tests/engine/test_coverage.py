@@ -140,17 +140,15 @@ def test_uneven_replication_is_an_overlap():
     assert "ranks overlap" in report["errors"]["rows.weight"]
 
 
-def test_fragmented_lattices_are_checked_element_by_element():
-    """Every other column on each of two ranks: too many runs, so counted in blocks of ids."""
+def test_fragmented_lattices_are_checked():
+    """Every other column on each of two ranks: a run per element."""
     shape = (R, C)
     even = (0, (R, C // 2), (C, 2))
     odd = (1, (R, C // 2), (C, 2))
     ok = [{"coverage": {"w": [even]}}, {"coverage": {"w": [odd]}}]
-    assert digests._coverage_error("w", R * C, [[even], [odd]], max_intervals=1, block=7) is None
-    assert "held by no rank" in digests._coverage_error("w", R * C, [[even], []], max_intervals=1, block=7)
-    assert "ranks overlap" in digests._coverage_error(
-        "w", R * C, [[even, odd], [odd]], max_intervals=1, block=7
-    )
+    assert digests._coverage_error("w", R * C, [[even], [odd]]) is None
+    assert "held by no rank" in digests._coverage_error("w", R * C, [[even], []])
+    assert "ranks overlap" in digests._coverage_error("w", R * C, [[even, odd], [odd]])
     assert check_coverage(ok, {"w": shape})["ok"]
 
 

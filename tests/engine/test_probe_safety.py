@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vllm_delta.engine import probe as P
+from vllm_delta.engine.batched import Piece, locate
 from vllm_delta.engine.placement import Segment, TensorPlacement
 from vllm_delta.engine.probe import PeakRss, build_placement, probe_tensor
 
@@ -144,9 +145,9 @@ def test_provable_loaders_map_exactly(probed):
         positions = torch.arange(ckpt[n].numel())
         held = 0
         for seg in placements[n].segments:
-            idx, dst = seg.locate(positions)
-            assert torch.equal(flat[dst], ckpt[n].reshape(-1)[idx]), n
-            held += idx.numel()
+            got = locate([Piece(0, positions, ckpt[n].reshape(-1), seg, N * N)])
+            assert torch.equal(flat[got.offsets], got.values), n
+            held += got.positions.numel()
         assert held == N * N, n
 
 

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from vllm_delta.engine import stand_in
-from vllm_delta.engine.stand_in import Built, NotStandIn, held_tensors, put_back
+from vllm_delta.engine import derived, stand_in
+from vllm_delta.engine.stand_in import Built, NotStandIn, held_tensors
 
 STASH_ATTR = "_delta_canonical"  # {param name: checkpoint-layout tensor} on "rerun" modules
 RESTORED_ATTR = "_delta_restored"  # param names whose canonical tensor is the live parameter
@@ -149,55 +149,14 @@ def _keeps_to_its_layer(module: nn.Module) -> bool:
     return type(getattr(module, "quant_method", None)) in own_layer
 
 
-def refresh(modules: Iterable[nn.Module]) -> int:
-    """Re-run the post-load step of touched modules from their canonical tensors, in place.
-
-    The step builds its results in new tensors; they are copied into the storage the engine
-    already reads and every object is put back, so after a refresh each parameter, buffer and
-    tensor attribute has the `data_ptr()` it had before: a captured CUDA graph keeps reading live
-    weights (what vLLM RFC #48312 asks of weight reloads). Only opaque kernel state (a closure
-    over a packed copy) is rebuilt, as the step rebuilds it.
-    """
-    count = 0
+def refresh(modules: Iterable[nn.Module]) -> None:
+    """Re-run the post-load step of touched modules from their canonical tensors, its results copied into
+    the storage the engine reads (`derived.rederive`: every `data_ptr()` stays, RFC #48312). The step runs
+    on copies of the canonical tensors: steps may write into the parameter they get (vLLM's fused MoE)."""
     for module in modules:
         stash: dict[str, torch.Tensor] = getattr(module, STASH_ATTR)
-        held = held_tensors(module)
-        stashed_data = {n: module._parameters[n].data for n in stash}
-        for n, canon in stash.items():
-            # The step runs from the checkpoint layout, on a copy: steps may write into the parameter
-            # they get (vLLM's unquantized fused MoE: `w13_weight.data.copy_(...)`; test_cpu_refresh).
-            module._parameters[n].data = canon.clone()
-        post_load_step(module)()
-        results = held_tensors(module)
-        restored: set[str] = getattr(module, RESTORED_ATTR)
-        for key, (kind, name, old) in held.items():
-            if kind == "param" and name in restored:
-                continue  # its canonical tensor is the live one; the step's emptied stand-in is dropped
-            new = results.get(key, (kind, name, old))[2]
-            if kind == "param":
-                new, old = new.data, stashed_data.get(name, old.data)
-            moved = new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
-            if moved or not _same_view(new, old):
-                if new.shape != old.shape or new.dtype != old.dtype:
-                    raise RuntimeError(
-                        f"re-running the post-load step changed {key} from {tuple(old.shape)} "
-                        f"{old.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be "
-                        "refreshed in place"
-                    )
-                old.copy_(new)
-        for kind, name, obj in held.values():
-            put_back(module, kind, name, obj)
-        for n, data in stashed_data.items():
-            module._parameters[n].data = data
-        count += 1
-    return count
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    def view(t: torch.Tensor) -> tuple:
-        return t.storage_offset(), t.shape, t.stride(), t.dtype
-
-    return view(a) == view(b)
+        inputs = {n: canon.clone() for n, canon in stash.items()}
+        derived.rederive(module, lambda m: post_load_step(m)(), inputs=inputs)
 
 
 def install_reload_hooks() -> None:

@@ -29,8 +29,6 @@ checkpoint parameter is derived, and is:
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -80,8 +78,11 @@ def _tensors(held: Held) -> dict[str, torch.Tensor]:
     return {k: t for k, (_, _, _, t) in held.items()}
 
 
-def rederive(unit: nn.Module, step: Step, keep: Held | None = None) -> None:
-    """Run the step again and put its results into the storage the engine reads, in place.
+def rederive(
+    unit: nn.Module, step: Step, keep: Held | None = None, inputs: Mapping[str, torch.Tensor] | None = None
+) -> None:
+    """Run the step again (from `inputs`: param name -> data, where given) and put its results into the
+    storage the engine reads, in place.
 
     Every tensor object the unit holds before is held after, with the same storage: a result
     the step bound anew is `copy_`-ed into the old tensor (same shape and dtype, or this
@@ -90,22 +91,22 @@ def rederive(unit: nn.Module, step: Step, keep: Held | None = None) -> None:
     held = keep if keep is not None else reach(unit)
     data = {k: stand_in.data(t) for k, (_, _, _, t) in held.items()}
     with torch.no_grad():
+        for n, t in (inputs or {}).items():
+            unit._parameters[n].data = t
         step(unit)
         after = _tensors(reach(unit))
         for key, (owner, kind, name, old) in held.items():
             new = stand_in.data(after.get(key, old))
             target = data[key]
-            if _signature(new) != _signature(target):
-                if not (
-                    kind == "param" and new.numel() == 0 and target.numel()
-                ):  # not an emptied param we keep
-                    if new.shape != target.shape or new.dtype != target.dtype:
-                        raise RuntimeError(
-                            f"re-running the step changed {key} from {tuple(target.shape)} "
-                            f"{target.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be "
-                            "re-derived in place"
-                        )
-                    target.copy_(new)
+            emptied = kind == "param" and new.numel() == 0 and target.numel()  # a param we keep
+            if _signature(new) != _signature(target) and not emptied:
+                if new.shape != target.shape or new.dtype != target.dtype:
+                    raise RuntimeError(
+                        f"re-running the step changed {key} from {tuple(target.shape)} "
+                        f"{target.dtype} to {tuple(new.shape)} {new.dtype}: it cannot be "
+                        "re-derived in place"
+                    )
+                target.copy_(new)
             if after.get(key) is not old:
                 stand_in.put_back(owner, kind, name, old)
             if isinstance(old, nn.Parameter) and old.data.data_ptr() != target.data_ptr():
@@ -255,40 +256,21 @@ class _Refused(Exception):
     """Raised after recording refusals, to stop classifying the unit."""
 
 
-def _units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def observe_units(model: nn.Module) -> Iterator[tuple[nn.Module, Callable[..., None]]]:
+    """Each attention layer and the model itself, with its post-load step observed (`_Discoverer`); the
+    discovery lands on the model once the caller has run them all (`discovery`)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    for name, module in model.named_modules():
-        if is_deferred_attention_layer(module):
-            yield name, module
-
-
-@contextlib.contextmanager
-def observing(model: nn.Module) -> Iterator[Discovery]:
-    """Observe each attention layer's and the model's own post-load step while vLLM runs them."""
     found = _Discoverer(model, {n for n, _ in model.named_parameters()})
-    shadowed: list[nn.Module] = []
-
-    def shadow(name: str, module: nn.Module) -> None:
+    setattr(model, DISCOVERY_ATTR, found.found)
+    units = [(n, m) for n, m in model.named_modules() if is_deferred_attention_layer(m)]
+    for name, module in units + ([("", model)] if hasattr(model, "process_weights_after_loading") else []):
         real = type(module).process_weights_after_loading
 
-        @functools.wraps(real)
-        def observed(*args, **kwargs) -> None:
+        def observed(*args, name=name, module=module, real=real, **kwargs) -> None:
             found.observe(name, module, lambda m: real(m, *args, **kwargs))
 
-        module.process_weights_after_loading = observed  # type: ignore[method-assign]
-        shadowed.append(module)
-
-    for name, module in _units(model):
-        shadow(name, module)
-    if hasattr(model, "process_weights_after_loading"):
-        shadow("", model)
-    try:
-        yield found.found
-    finally:
-        for module in shadowed:
-            vars(module).pop("process_weights_after_loading", None)
-        setattr(model, DISCOVERY_ATTR, found.found)
+        yield module, observed
 
 
 def discovery(model: nn.Module) -> Discovery:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vllm_delta.engine.placement import Segment, TensorPlacement
+from vllm_delta.engine.placement import Segment, TensorPlacement, depth, runs, union
 from vllm_delta.wire.additive import combine
 from vllm_delta.wire.errors import DeltaError, IntegrityError
 
@@ -67,97 +67,28 @@ def refuse_uncovered(report: Mapping[str, Any] | None) -> None:
         raise CoverageError(f"placement coverage check failed at startup: {why}", param=name)
 
 
-def _intervals(lat: Lattice, max_intervals: int) -> torch.Tensor | None:
-    """The lattice's ids as sorted half-open [start, end) runs (k x 2), or None if too many."""
-    offset, sizes, strides = lat
-    if not sizes:
-        return torch.tensor([[offset, offset + 1]])
-    if Segment("", sizes, offset, strides, 0, ()).src_dense:
-        return torch.tensor([[offset, offset + math.prod(sizes)]])
-    run = sizes[-1] if strides[-1] == 1 else 1
-    outer_sizes = sizes[:-1] if run > 1 else sizes
-    if math.prod(outer_sizes) > max_intervals:
-        return None
-    starts = torch.tensor(offset, dtype=torch.int64)
-    for n, s in zip(outer_sizes, strides):
-        starts = starts.unsqueeze(-1) + torch.arange(n) * s
-    starts = starts.reshape(-1)
-    return torch.stack([starts, starts + run], dim=1)
+def _held(lats: Sequence[Lattice]) -> torch.Tensor:
+    """One rank's ids of a tensor as merged [start, end) runs (held twice here, held once)."""
+    return union([runs(*lat) for lat in lats])
 
 
-def _depth_runs(runs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For [start, end) runs: (breakpoints, depth on [breakpoints[i], breakpoints[i + 1]))."""
-    runs_cat = torch.cat(list(runs))
-    points = torch.cat([runs_cat[:, 0], runs_cat[:, 1]])
-    steps = torch.cat(
-        [torch.ones(len(runs_cat), dtype=torch.int64), -torch.ones(len(runs_cat), dtype=torch.int64)]
-    )
-    points, order = torch.sort(points, stable=True)
-    depth = torch.cumsum(steps[order], 0)
-    last = torch.ones_like(points, dtype=torch.bool)  # the final depth at each distinct point
-    last[:-1] = points[1:] != points[:-1]
-    return points[last], depth[last]
-
-
-def _union(runs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One rank's runs merged (a rank holding an element twice still holds it once)."""
-    points, depth = _depth_runs(runs)
-    covered = depth[:-1] > 0
-    return torch.stack([points[:-1][covered], points[1:][covered]], dim=1)
-
-
-def _rank_depth_by_runs(
-    per_rank: Sequence[Sequence[Lattice]], max_intervals: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    unions = [_runs_of(lats, max_intervals) for lats in per_rank if lats]
-    return None if any(u is None for u in unions) else _depth_runs(unions)
-
-
-def _coverage_error(
-    name: str,
-    numel: int,
-    per_rank: Sequence[Sequence[Lattice]],
-    max_intervals: int = 1 << 22,
-    block: int = 1 << 20,
-) -> str | None:
+def _coverage_error(name: str, numel: int, per_rank: Sequence[Sequence[Lattice]]) -> str | None:
     """Why the ranks' lattices do not hold every element of a tensor the same number of times."""
-    by_runs = _rank_depth_by_runs(per_rank, max_intervals)
-    if by_runs is not None:
-        points, depth = by_runs
-        if int(points[0]) != 0:
-            return f"{name}: elements [0, {int(points[0])}) are held by no rank"
-        if int(points[-1]) != numel:
-            return f"{name}: elements [{int(points[-1])}, {numel}) are held by no rank"
-        pieces = depth[:-1]
-        if bool((pieces == 0).any()):
-            i = int(torch.nonzero(pieces == 0)[0])
-            return f"{name}: elements [{int(points[i])}, {int(points[i + 1])}) are held by no rank"
-        if int(pieces.min()) != int(pieces.max()):
-            i = int(torch.nonzero(pieces != pieces[0])[0])
-            return (
-                f"{name}: elements [{int(points[i])}, {int(points[i + 1])}) are held by {int(pieces[i])} "
-                f"ranks, elements from 0 by {int(pieces[0])}: ranks overlap"
-            )
-        return None
-    # Lattices too fragmented for runs: count holders per element, a block of ids at a time.
-    want = None
-    for a in range(0, numel, block):
-        pos = torch.arange(a, min(numel, a + block))
-        depth = torch.zeros(pos.shape, dtype=torch.int32)
-        for lats in per_rank:
-            held = torch.zeros(pos.shape, dtype=torch.bool)
-            for lat in lats:
-                held |= contains(lattice_parts(lat), pos)
-            depth += held
-        if bool((depth == 0).any()):
-            return f"{name}: element {int(pos[torch.nonzero(depth == 0)[0]])} is held by no rank"
-        want = int(depth[0]) if want is None else want
-        if bool((depth != want).any()):
-            i = int(torch.nonzero(depth != want)[0])
-            return (
-                f"{name}: element {int(pos[i])} is held by {int(depth[i])} ranks, element 0 by {want}: "
-                "ranks overlap"
-            )
+    points, level = depth([_held(lats) for lats in per_rank if lats])
+    if int(points[0]) != 0:
+        return f"{name}: elements [0, {int(points[0])}) are held by no rank"
+    if int(points[-1]) != numel:
+        return f"{name}: elements [{int(points[-1])}, {numel}) are held by no rank"
+    pieces = level[:-1]
+    if bool((pieces == 0).any()):
+        i = int(torch.nonzero(pieces == 0)[0])
+        return f"{name}: elements [{int(points[i])}, {int(points[i + 1])}) are held by no rank"
+    if int(pieces.min()) != int(pieces.max()):
+        i = int(torch.nonzero(pieces != pieces[0])[0])
+        return (
+            f"{name}: elements [{int(points[i])}, {int(points[i + 1])}) are held by {int(pieces[i])} "
+            f"ranks, elements from 0 by {int(pieces[0])}: ranks overlap"
+        )
     return None
 
 
@@ -213,22 +144,11 @@ def check_coverage(
     return {"ok": not errors, "errors": errors, "ignored": sorted(ignored)}
 
 
-def _runs_of(lats: Sequence[Lattice], max_intervals: int = 1 << 22) -> torch.Tensor | None:
-    """One rank's held ids of a tensor as merged [start, end) runs (None: too fragmented)."""
-    runs = [_intervals(lat, max_intervals) for lat in lats]
-    if any(r is None for r in runs):
-        return None
-    return _union(runs)
-
-
 def _share(mine: Sequence[Lattice], lower: Sequence[Lattice]) -> str:
     """ "all", "none" or "some": how much of what this rank holds no lower rank holds."""
-    held, below = _runs_of(mine), _runs_of(lower)
-    if held is None or below is None:
-        return "some"  # counted per position, as before
-    points, depth = _depth_runs([held, below])
-    lengths = points[1:] - points[:-1]
-    both = int(lengths[depth[:-1] == 2].sum())
+    held = _held(mine)
+    points, level = depth([held, _held(lower)])
+    both = int((points[1:] - points[:-1])[level[:-1] == 2].sum())
     if both == 0:
         return "all"
     return "none" if both == int((held[:, 1] - held[:, 0]).sum()) else "some"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +25,7 @@ class Segment:
 
     Checkpoint flat id = src_offset + sum(i[d] * src_strides[d]); it lands at storage offset
     dst_offset + sum(i[d] * dst_strides[d]) of `target`, for 0 <= i[d] < sizes[d]. Dims are
-    ordered by decreasing src stride, which `locate` relies on to invert ids uniquely.
+    ordered by decreasing src stride, so ids invert uniquely (`batched.locate`).
     """
 
     target: str
@@ -54,43 +54,6 @@ class Segment:
                 return False
             expected *= n
         return True
-
-    def locate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For sorted int64 checkpoint positions: (indices into `positions` this segment owns,
-        their destination storage offsets)."""
-        lo = int(torch.searchsorted(positions, self.src_offset))
-        hi = int(torch.searchsorted(positions, self.src_last, right=True))
-        if lo >= hi:
-            empty = positions.new_empty(0)
-            return empty, empty
-        window = positions[lo:hi]
-        if self.src_dense:
-            # Every id from src_offset to src_last is in the segment: no ownership mask needed.
-            idx = torch.arange(lo, hi, dtype=positions.dtype, device=positions.device)
-            if self.dst_strides == self.src_strides:
-                return idx, window + (self.dst_offset - self.src_offset)
-            rest = window - self.src_offset
-            dst = torch.full_like(window, self.dst_offset)
-            for n, s_src, s_dst in zip(self.sizes, self.src_strides, self.dst_strides):
-                if n == 1:
-                    continue
-                i = torch.div(rest, s_src, rounding_mode="floor")
-                rest -= i * s_src
-                dst += i * s_dst
-            return idx, dst
-        rest = window - self.src_offset
-        dst = torch.full_like(window, self.dst_offset)
-        owned = torch.ones_like(window, dtype=torch.bool)
-        for n, s_src, s_dst in zip(self.sizes, self.src_strides, self.dst_strides):
-            if s_src == 0:
-                continue
-            i = torch.div(rest, s_src, rounding_mode="floor")
-            owned &= i < n
-            rest -= i * s_src
-            dst += i * s_dst
-        owned &= rest == 0
-        idx = torch.nonzero(owned).squeeze(1) + lo
-        return idx, dst[owned]
 
 
 @dataclass(frozen=True)
@@ -150,17 +113,13 @@ def owned_by_tensor(placements: Mapping[str, TensorPlacement]) -> dict[str, list
     return {name: owned_ranges(p) for name, p in placements.items()}
 
 
-def _runs(
-    offset: int, sizes: Iterable[int], strides: Iterable[int], limit: int = 1 << 22
-) -> torch.Tensor | None:
-    """The storage offsets of a strided region as sorted [start, end) runs (k x 2), or None past
-    `limit` runs."""
+def runs(offset: int, sizes: Iterable[int], strides: Iterable[int]) -> torch.Tensor:
+    """The ids offset + sum(i[d] * strides[d]) of a lattice (a segment's ids or storage offsets) as
+    sorted [start, end) runs (k x 2); trailing dims contiguous in storage make one run."""
     dims = sorted(((n, s) for n, s in zip(sizes, strides) if n > 1), key=lambda d: -d[1])
     run = 1
-    while dims and dims[-1][1] == run:  # trailing dims contiguous in storage make one run
+    while dims and dims[-1][1] == run:
         run *= dims.pop()[0]
-    if math.prod(n for n, _ in dims) > limit:
-        return None
     starts = torch.tensor(offset, dtype=torch.int64)
     for n, s in dims:
         starts = starts.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
@@ -168,17 +127,23 @@ def _runs(
     return torch.stack([starts, starts + run], dim=1)
 
 
-def _reached(runs: list[torch.Tensor], region: torch.Tensor) -> bool:
-    """Whether any [start, end) run of `region` meets any of `runs`."""
-    if not runs:
-        return False
-    held = torch.cat(runs)
-    held = held[torch.argsort(held[:, 0])]
-    ends = torch.cummax(held[:, 1], 0).values  # the furthest end among the runs starting so far
-    last = (
-        torch.searchsorted(held[:, 0].contiguous(), region[:, 1].contiguous()) - 1
-    )  # last run starting before each end
-    return bool(((last >= 0) & (ends[last.clamp(min=0)] > region[:, 0])).any())
+def depth(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For [start, end) runs: (breakpoints, how many runs hold [breakpoints[i], breakpoints[i + 1]))."""
+    held = torch.cat(list(parts))
+    points = torch.cat([held[:, 0], held[:, 1]])
+    steps = torch.ones(len(held), dtype=torch.int64)
+    points, order = torch.sort(points, stable=True)
+    level = torch.cumsum(torch.cat([steps, -steps])[order], 0)
+    last = torch.ones_like(points, dtype=torch.bool)  # the final depth at each distinct point
+    last[:-1] = points[1:] != points[:-1]
+    return points[last], level[last]
+
+
+def union(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Runs merged: what any of them holds, once."""
+    points, level = depth(parts)
+    covered = level[:-1] > 0
+    return torch.stack([points[:-1][covered], points[1:][covered]], dim=1)
 
 
 def refuse_overlapping_fills(placements: Mapping[str, TensorPlacement]) -> None:
@@ -192,24 +157,21 @@ def refuse_overlapping_fills(placements: Mapping[str, TensorPlacement]) -> None:
     filled = {f.target for p in placements.values() for f in p.fills}
     if not filled:
         return
-    held: dict[str, list[torch.Tensor | None]] = {t: [] for t in filled}
+    held: dict[str, list[torch.Tensor]] = {t: [] for t in filled}
     for p in placements.values():
         for seg in p.segments:
             if seg.target in held:
-                held[seg.target].append(_runs(seg.dst_offset, seg.sizes, seg.dst_strides))
+                held[seg.target].append(runs(seg.dst_offset, seg.sizes, seg.dst_strides))
+    reached = {t: union(r) for t, r in held.items() if r}
     for p in placements.values():
         for fill in p.fills:
-            region = _runs(fill.dst_offset, fill.sizes, fill.dst_strides)
-            runs = held[fill.target]
-            if region is None or any(r is None for r in runs):
-                why = "too fragmented to check against the checkpoint's elements"
-            elif _reached(runs, region):
-                why = "elements that checkpoint elements reach"
-            else:
+            region = union([runs(fill.dst_offset, fill.sizes, fill.dst_strides)])
+            if fill.target not in reached or not bool((depth([reached[fill.target], region])[1] == 2).any()):
                 continue
             p.segments, p.fills = [], []
             p.fallback_reason = (
-                f"loader writes outside a plain copy: {fill.op} writes parameter {fill.target} ({why})"
+                f"loader writes outside a plain copy: {fill.op} writes parameter {fill.target} (elements "
+                "that checkpoint elements reach)"
             )
             break
 

@@ -18,7 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_delta.engine.batched import Known, Piece, cat, compact, locate, on_device, owned_counts
+from vllm_delta.engine.batched import Known, Located, Piece, cat, compact, locate, on_device, owned_counts
+from vllm_delta.engine.digests import Lattice, contains, lattice
 from vllm_delta.engine.fallback import Shadows
 from vllm_delta.engine.routing import BATCH, FALLBACK, GroupKey, Plan, Routing
 from vllm_delta.engine.staging import (
@@ -27,20 +28,15 @@ from vllm_delta.engine.staging import (
     StagedUpdate,
     Staging,
     Sums,
-    add_sum,
     check_resolvable,
-    chunk,
     expected_digests,
     flat_storage,
-    gather,
     index_dtype,
     stage_sums,
 )
 from vllm_delta.engine.trace import PhaseTimes
 from vllm_delta.wire import Manifest, ParamDelta, get_encoding
-from vllm_delta.wire.additive import partial_sum
 from vllm_delta.wire.batch_host import HOST, Decoder
-from vllm_delta.wire.codecs import ulp_resolve_tensor
 from vllm_delta.wire.deltas import DeltaBatch
 
 # Decoded tensors are located and staged together once they hold this many bytes (engine/batched.py).
@@ -194,7 +190,7 @@ class Stager:
         elif route.kind == BATCH:
             self._hold(delta, delta.positions.nbytes + delta.values.nbytes)
         else:
-            self._masked(delta, want)
+            self._masked(delta)
 
     def _check_pre_digest(self, name: str, dtype: torch.dtype) -> None:
         """A pre_digest is summed on served values cast back: refused where a segment's dtype cannot be."""
@@ -273,9 +269,16 @@ class Stager:
             self._stage_located(target, dtype, needs_base, names, located)
 
     def _stage_located(
-        self, target: str, dtype: torch.dtype, needs_base: bool, names: list[str], located
+        self,
+        target: str,
+        dtype: torch.dtype,
+        needs_base: bool,
+        names: list[str],
+        located: Located,
+        counted: torch.Tensor | None = None,
     ) -> None:
-        """Digest and stage one destination group's located entries (one chunk)."""
+        """Digest and stage one destination group's located entries (one chunk); the digests sum only
+        the `counted` entries, where given."""
         noted = list(map(self.sums.names.get, names))  # what `_take_whole`/`_one` noted of each tensor
         if None in noted:  # a tensor without digests, or a batch staged other than by `take`
             noted = [
@@ -299,8 +302,12 @@ class Stager:
                 if isinstance(located.slots, int)
                 else located.slots.to(device, non_blocking=True)
             )
+            summed = (offsets, positions, values)
+            if counted is not None:  # one tensor (slot 0) whose entries may be counted elsewhere
+                keep = torch.nonzero(counted).squeeze(1).to(device)
+                summed = tuple(t.index_select(0, keep) for t in summed)
             pre_sums, post_sums = stage_sums(
-                flat, offsets, positions, values, slots, len(names), dtype, needs_base, any(pre), any(post)
+                flat, *summed, slots, len(names), dtype, needs_base, any(pre), any(post)
             )
             if any(pre):
                 self.sums.add_rows(names, 0, pre, pre_sums)
@@ -312,78 +319,23 @@ class Stager:
             Chunk(offsets, values if needs_base else values.to(canon.dtype), dtype if needs_base else None),
         )
 
-    def _masked(self, delta: ParamDelta, want: tuple[bool, bool]) -> None:
-        """A tensor whose elements may be counted twice: located per segment, its digests masked."""
-        routing = self.routing
-        started = perf_counter()
-        located = [
-            (seg.target, idx, routing.permuted(seg.target, offsets))
-            for seg in routing.placements[delta.name].segments
-            for idx, offsets in [seg.locate(delta.positions)]
-        ]
-        self.times.add("locate", perf_counter() - started)
-        if delta.needs_base:
-            for target, idx, _ in located:
-                if idx.numel():
-                    check_resolvable(target, routing.targets[target].dtype, delta)
-        if any(want):
+    def _masked(self, delta: ParamDelta) -> None:
+        """A tensor whose elements this rank may count twice: located a segment at a time, its digests
+        summed over the elements no earlier segment and no lower rank holds (as `whole_partial`'s)."""
+        routing, name = self.routing, delta.name
+        landed = routing.routes()[name].landed
+        earlier: list[Lattice] = []
+        for seg, landing in landed.landings:
             started = perf_counter()
-            acc: list[torch.Tensor | None] = [None, None]
-            self._digest(delta, located, acc, *want)
-            self.sums.add_tensor(delta.name, acc)
-            self.times.add("digest", perf_counter() - started)
-        base = delta.dtype if delta.needs_base else None
-        for target, idx, offsets in located:
-            if idx.numel():
-                values = delta.values[_run(idx)]
-                self.staging.add(target, chunk(routing.targets[target], offsets, values, base))
-
-    def _digest(
-        self,
-        delta: ParamDelta,
-        located: list[tuple[str, torch.Tensor, torch.Tensor]],
-        acc: list[torch.Tensor | None],
-        pre: bool,
-        post: bool,
-    ) -> None:
-        """Add this rank's counted-once terms of the changed positions, before and after, on the device.
-
-        In slices of about the staging bound of device memory (offsets, values and the int64 mixing
-        temporaries come to about 64 B per entry).
-        """
-        held = [(target, idx, offsets) for target, idx, offsets in located if idx.numel()]
-        # Masks only where an element can be counted twice: held twice here, or by a lower rank.
-        seen = torch.zeros(delta.count, dtype=torch.bool) if len(held) > 1 else None
-        ownership = self.routing.ownership
-        lower = bool(ownership.lower.get(delta.name))
-        step = max(1, self.staging.bound // 64)
-        for target, idx, offsets in held:
-            if seen is not None or lower:
-                keep = (
-                    ownership.counted(delta.name, delta.positions[idx])
-                    if lower
-                    else torch.ones(idx.numel(), dtype=torch.bool)
-                )
-                if seen is not None:
-                    keep &= ~seen[idx]
-                    seen[idx] = True
-                idx, offsets = idx[keep], offsets[keep]
-            flat = flat_storage(self.routing.targets[target])
-            for lo in range(0, idx.numel(), step):
-                part = _run(idx[lo : lo + step])
-                pos = delta.positions[part].to(flat.device)
-                old = None
-                if pre or delta.needs_base:
-                    old = gather(flat, offsets[lo : lo + step].to(flat.device)).to(delta.dtype)
-                if pre:
-                    add_sum(acc, 0, partial_sum(pos, old))
-                if post:
-                    values = delta.values[part].to(flat.device)
-                    add_sum(
-                        acc,
-                        1,
-                        partial_sum(pos, ulp_resolve_tensor(old, values) if delta.needs_base else values),
-                    )
+            located = locate([Piece(0, delta.positions, delta.values, seg, landed.numel, landing)])
+            counted = routing.ownership.counted(name, located.positions)
+            for lat in earlier:  # an element this rank holds twice counts once
+                counted &= ~contains(lat, located.positions)
+            earlier.append(lattice(seg))
+            self.times.add("locate", perf_counter() - started)
+            if delta.needs_base and located.positions.numel():
+                check_resolvable(seg.target, routing.targets[seg.target].dtype, delta)
+            self._stage_located(seg.target, delta.dtype, delta.needs_base, [name], located, counted)
 
 
 def stage_all(stager: Stager, deltas: Iterable[ParamDelta | DeltaBatch]) -> None:
@@ -398,10 +350,3 @@ def stage_all(stager: Stager, deltas: Iterable[ParamDelta | DeltaBatch]) -> None
         if item is None:
             return
         stager.take(item)
-
-
-def _run(idx: torch.Tensor) -> torch.Tensor | slice:
-    """Increasing indices as a slice when they are consecutive (a dense segment's): a view, not a gather."""
-    if idx.numel() and int(idx[-1]) - int(idx[0]) + 1 == idx.numel():
-        return slice(int(idx[0]), int(idx[-1]) + 1)
-    return idx

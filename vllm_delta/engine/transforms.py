@@ -279,7 +279,8 @@ def run_post_load(
 
 @contextlib.contextmanager
 def observing(model: nn.Module) -> Iterator[None]:
-    """Observe and classify each quant method's step when vLLM's own post-load loop runs it."""
+    """Observe each post-load step while vLLM's own loop runs it: quant methods' steps classified here,
+    attention layers' and the model's own discovered by `derived`."""
     names = {id(m): n for n, m in model.named_modules()}
     shadowed = []
     for module in model.modules():
@@ -294,13 +295,15 @@ def observing(model: nn.Module) -> Iterator[None]:
             with _unshadowed(method):  # re-runs while classifying use the real step
                 classify(names[id(layer)], layer, before)
 
-        method.process_weights_after_loading = observed
-        shadowed.append(method)
+        shadowed.append((method, observed))
+    shadowed += derived.observe_units(model)
+    for owner, observed in shadowed:
+        owner.process_weights_after_loading = observed
     try:
         yield
     finally:
-        for method in shadowed:
-            vars(method).pop("process_weights_after_loading", None)
+        for owner, _ in shadowed:
+            vars(owner).pop("process_weights_after_loading", None)
 
 
 @contextlib.contextmanager
@@ -323,7 +326,7 @@ def install() -> None:
 
     @functools.wraps(original)
     def process_observed(model: nn.Module, model_config, target_device) -> None:
-        with observing(model), derived.observing(model):
+        with observing(model):
             original(model, model_config, target_device)
 
     process_observed._delta_wrapped = True  # type: ignore[attr-defined]
