@@ -1,11 +1,9 @@
-"""One pass per (batch, destination): locate and digest every checkpoint tensor feeding a destination at once.
+"""One pass per (batch, destination): locate every checkpoint tensor feeding a destination at once.
 
-Why: a fused MoE parameter (w13, w2) is fed by hundreds of expert tensors, and a per-tensor Python
-loop of locate, digest and staging cost about 1.5 ms a checkpoint tensor (70 s at 46k) and one
-scatter each at commit. Here a destination's entries go through a constant number of tensor ops
-(per-entry affine maps gathered by piece id, one ownership mask, one compaction, digests per tensor
-by `kernels.digest.segment_sums`), growing with destinations and batches, never with tensors. Off
-the CPU the ownership filter stays on the host, so only owned entries cross and nothing syncs.
+Why: a fused MoE parameter is fed by hundreds of expert tensors, and a per-tensor loop cost ~1.5 ms
+a tensor (70 s at 46k). Here a destination's entries go through a constant number of tensor ops
+(per-piece affine maps gathered by piece id, one ownership mask, one compaction). Off the CPU the
+ownership filter stays on the host, so only owned entries cross and nothing syncs.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ _NO_DIM = 1 << 62
 
 @dataclass(frozen=True)
 class Landing:
-    """What locate asks of a (tensor, segment) pair: worked out once per placement (`Landing.of`) and
-    kept with it, not per sync, since at 44k tensors a few microseconds a piece add up."""
+    """What locate asks of a (tensor, segment) pair, worked out once per placement (`Landing.of`)."""
 
     whole: bool  # the segment holds every id of its tensor: every decoded entry lands
     dense: bool  # it holds every id from src_offset to src_last (a range)
@@ -49,10 +46,8 @@ class Piece:
 
 
 class Known:
-    """What `locate` works out of a list of pieces alone (what holds for all of them, their per-piece
-    numbers and host tables of those), kept by a caller whose pieces do not change between syncs
-    (a decoded batch's plan, engine/apply.py `_Plan`), so a later sync does not work it out again.
-    Only for the very pieces it was made with: their entry counts are never part of it."""
+    """What `locate` works out of a list of pieces alone (their kinds, per-piece numbers, host tables),
+    kept by a caller whose pieces do not change between syncs (a decoded batch's `routing.Plan`)."""
 
     __slots__ = ("kinds", "numbers", "tables")
 
@@ -74,8 +69,7 @@ class Located:
 
 
 def _kinds(pieces: list[Piece]) -> Landing:
-    """What holds for every piece (each piece's `Landing` kept by the caller or made here), in C-level
-    passes: a destination is fed by hundreds of pieces, 44k of them a sync at GLM-4.7's count."""
+    """What holds for every piece (each piece's `Landing` kept by the caller or made here)."""
     landings = list(map(_LANDING, pieces))
     if None in landings:
         landings = [p.landing or Landing.of(p.seg, p.numel) for p in pieces]
@@ -110,13 +104,10 @@ def locate(
 ) -> Located:
     """Destination offsets of all pieces' entries, in a constant number of ops.
 
-    A per-piece number every piece shares stays a Python int and broadcasts. With `device` None,
-    everything runs where the positions are. With a `device`, the host keeps only the owned entries
-    (a host mask and `nonzero`: no device sync), which cross once, non-blocking, with one table of the
-    per-piece numbers that differ. With positions decoded on `device` (`there`), the ownership mask is
-    made there; with `defer` it is left in `keep` for `compact` (counts read in one copy by
-    `owned_counts`), else compacted here. `entries`: the pieces' entries already concatenated, for
-    pieces without their own (a decoded batch's plan). `known`: an earlier locate's `Known` of these pieces.
+    `device` None: everything runs where the positions are. Else the host keeps only the owned entries
+    (no device sync), which cross once with one table of the per-piece numbers that differ; positions
+    decoded on `device` (`there`) are masked there, the mask left in `keep` with `defer` (`compact`).
+    `entries`: the pieces' entries already concatenated (a plan's). `known`: an earlier locate's.
     """
     if entries is None:
         counts = [p.positions.numel() for p in pieces]
@@ -162,8 +153,7 @@ def locate(
 
 
 def _needed(pieces: list[Piece], kinds: Landing, *, owned: bool) -> list[str]:
-    """The per-piece numbers the offsets (and with `owned`, the ownership mask) ask for: those that
-    differ cross to the device, in one table."""
+    """The per-piece numbers the offsets (and with `owned`, the ownership mask) ask for."""
     if kinds.shifted:
         keys = ["slot", "shift"]
     else:
@@ -177,10 +167,8 @@ def _needed(pieces: list[Piece], kinds: Landing, *, owned: bool) -> list[str]:
 
 
 def owned_counts(located: list[Located]) -> list[int]:
-    """How many entries each deferred `locate` keeps: one device-to-host copy per device, for all of them.
-
-    On `meta` (no values) every entry counts, so shapes stay an upper bound there.
-    """
+    """How many entries each deferred `locate` keeps: one device-to-host copy per device (on `meta`,
+    every entry)."""
     out = [0] * len(located)
     by_device: dict[torch.device, list[int]] = {}
     for i, loc in enumerate(located):
@@ -195,8 +183,8 @@ def owned_counts(located: list[Located]) -> list[int]:
 
 
 def compact(located: Located, count: int) -> Located:
-    """Only the owned entries (`count` of them, from `owned_counts`): no device sync (nonzero_static runs on
-    CUDA since torch 2.6; an empty input crashed it there before 2.9, so none is passed)."""
+    """Only the owned entries (`count` of them, from `owned_counts`): no device sync (nonzero_static; an
+    empty input crashed it on CUDA before torch 2.9, so none is passed)."""
     keep = (
         torch.nonzero_static(located.keep, size=count).squeeze(1)
         if count
@@ -209,10 +197,8 @@ def compact(located: Located, count: int) -> Located:
 
 
 class _Columns:
-    """Per-piece numbers as per-entry columns: an int where every piece agrees, else a per-piece
-    table gathered by the entries' piece ids. With `upload` (the device path: the keys it will
-    ask for), every one of those numbers that differs crosses in one non-blocking upload (a row
-    each, with the pieces' entry counts); otherwise each is made where first asked for."""
+    """Per-piece numbers as per-entry columns: an int where every piece agrees, else a per-piece table
+    gathered by piece id. With `upload` (the device path's keys), those that differ cross in one upload."""
 
     def __init__(
         self,
@@ -223,14 +209,8 @@ class _Columns:
         upload: list[str] | None = None,
         known: Known | None = None,
     ) -> None:
-        self.pieces, self.counts, self.total, self.device, self.upload = (
-            pieces,
-            counts,
-            sum(counts),
-            device,
-            upload,
-        )
-        # The pieces' numbers (and, on the host, their tables) from an earlier sync's locate of them.
+        self.pieces, self.counts, self.device, self.upload = pieces, counts, device, upload
+        self.total = sum(counts)
         self.numbers: dict[str, list[int]] = {} if known is None else known.numbers
         self.tables: dict[str, torch.Tensor] | None = (
             None if known is None or device.type != "cpu" else known.tables
@@ -289,22 +269,12 @@ def _dim(p: Piece, d: int) -> tuple[int, int, int]:
     return p.seg.sizes[d], p.seg.src_strides[d], p.seg.dst_strides[d]
 
 
-_SLOT, _DST_OFFSET, _SRC_OFFSET = (
-    attrgetter("slot"),
-    attrgetter("seg.dst_offset"),
-    attrgetter("seg.src_offset"),
-)
-
-
 def _number(pieces: list[Piece], key: str) -> list[int]:
-    """One per-piece number the locate may need: the slot, the segment's bounds or its affine map
-    (`size3`, `src3`, `dst3`: dim 3's size and strides)."""
-    if key == "slot":
-        return list(map(_SLOT, pieces))
+    """One per-piece number: the slot, the segment's bounds or its affine map (`size3`: dim 3's size)."""
     if key == "shift":
-        return list(map(sub, map(_DST_OFFSET, pieces), map(_SRC_OFFSET, pieces)))
-    if key in ("src_offset", "src_last", "dst_offset"):
-        return list(map(attrgetter(f"seg.{key}"), pieces))
+        return list(map(sub, _number(pieces, "dst_offset"), _number(pieces, "src_offset")))
+    if key in ("slot", "src_offset", "src_last", "dst_offset"):
+        return list(map(attrgetter(key if key == "slot" else f"seg.{key}"), pieces))
     kind, d = key[:-1], int(key[-1])
     return [_dim(p, d)[("size", "src", "dst").index(kind)] for p in pieces]
 
@@ -353,8 +323,8 @@ def cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _affine(
     pieces: list[Piece], positions: torch.Tensor, column: _Columns, *, owned: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The general strided map (Segment.locate's), with each dim's size and strides gathered per entry;
-    with `owned`, also the mask of the entries it holds."""
+    """The general strided map, each dim's size and strides gathered per entry; with `owned`, also the
+    mask of the entries it holds."""
     rest = positions - column("src_offset")
     offsets = torch.zeros_like(rest) + column("dst_offset")
     mask = rest >= 0 if owned else None

@@ -1,9 +1,8 @@
 """Counted-once additive digests of what one rank holds, and their check across ranks.
 
-Why counted once: a manifest digest sums each checkpoint element once (wire/additive.py), but under
-tensor parallelism several ranks hold the same element (norms, replicated kv heads). Each rank sums
-only the elements no lower rank holds, learned once from every rank's segment lattices; the door
-adds the ranks' partials and compares. Only two 64-bit lane sums per tensor leave the device.
+Why counted once: a manifest digest sums each checkpoint element once, but under TP several ranks
+hold some elements (norms, replicated kv heads): each rank sums those no lower rank holds, and the
+door adds the ranks' partials and compares.
 """
 
 from __future__ import annotations
@@ -27,11 +26,8 @@ def lattice(seg: Segment) -> Lattice:
 
 
 def contains(lat: Lattice, positions: torch.Tensor) -> torch.Tensor:
-    """Whether each flat checkpoint position is one of the lattice's ids (any order, any device).
-
-    Dims come by decreasing stride, each stride above the span of the smaller ones, so the
-    greedy decomposition is the only one.
-    """
+    """Whether each flat checkpoint position is one of the lattice's ids (dims by decreasing stride, each
+    above the span of the smaller ones, so the greedy decomposition is the only one)."""
     offset, sizes, strides = lattice_parts(lat)
     rest = positions.to(torch.int64) - offset
     inside = rest >= 0
@@ -92,27 +88,15 @@ def _coverage_error(name: str, numel: int, per_rank: Sequence[Sequence[Lattice]]
     return None
 
 
-# The name a memoised coverage verdict is computed under, replaced by each tensor's own.
-_NAME = "\x00tensor\x00"
-
-
-def _signature(numel: int, per_rank: Sequence[Sequence[Lattice]]) -> tuple:
-    """What a tensor's coverage verdict depends on: its size and every rank's lattices, as sets."""
-    return numel, tuple(tuple(sorted(lats)) for lats in per_rank)
+_NAME = "\x00tensor\x00"  # the name a memoised coverage verdict is computed under
 
 
 def check_coverage(
     replies: Sequence[Mapping[str, Any]], shapes: Mapping[str, Sequence[int]]
 ) -> dict[str, Any]:
-    """Whether every element of every checkpoint tensor is held by the ranks that should hold it.
-
-    Why: an empty placement on one rank means "another rank holds it" or "the probe missed it"; only
-    all ranks together tell. Every element of a tensor must be held by the same number of ranks (all,
-    one, or an even share). A tensor no rank's loader read is one vLLM ignores (`ignored`); fallbacks
-    are not checked; the ranks' `map_errors` are errors too. The verdict depends only on a tensor's size
-    and the ranks' lattices, so it is worked out once per structural class.
-    Returns {"ok", "errors": {name: why}, "ignored": [names]}.
-    """
+    """Whether every element of every checkpoint tensor is held by the same number of ranks (only all
+    ranks together tell a tensor another rank holds from one the probe missed): {"ok", "errors": {name:
+    why}, "ignored": [names no rank's loader read]}. Verdicts are memoised by size and lattices."""
     errors: dict[str, str] = {}
     ignored = []
     fallback = {n for r in replies for n in r.get("fallback") or ()}
@@ -136,7 +120,7 @@ def check_coverage(
             continue
         if not numel:
             continue
-        key = _signature(numel, per_rank)
+        key = (numel, tuple(tuple(sorted(lats)) for lats in per_rank))
         if key not in verdicts:
             verdicts[key] = _coverage_error(_NAME, numel, per_rank)
         if (why := verdicts[key]) is not None:
@@ -155,13 +139,8 @@ def _share(mine: Sequence[Lattice], lower: Sequence[Lattice]) -> str:
 
 
 class Ownership:
-    """Which held elements this rank counts: those no lower rank holds.
-
-    Decided at startup per checkpoint tensor (`share`): "all" (no lower rank holds any of this
-    rank's elements: a TP shard), "none" (lower ranks hold all of them: a replicated norm) or
-    "some" (a per-position mask, `counted`). Why: a mask per position costs ~0.4 us per changed
-    entry, minutes per sync at 355B, where almost every tensor is "all" or "none".
-    """
+    """Which held elements this rank counts: those no lower rank holds, decided per tensor at startup
+    (`share`: "all", "none", or "some" with a per-position mask): a mask costs ~0.4 us an entry."""
 
     def __init__(
         self, lower: Mapping[str, list[Lattice]] | None = None, shares: Mapping[str, str] | None = None
@@ -171,8 +150,7 @@ class Ownership:
 
     @classmethod
     def from_coverages(cls, coverages: Sequence[Mapping[str, list[Lattice]]], rank: int) -> Ownership:
-        """From every rank's `coverage`, in rank order: each tensor's share for `rank`, and the
-        lower ranks' lattices only where a mask is needed. One analysis per structural class."""
+        """From every rank's `coverage`, in rank order (memoised per structural class)."""
         mine = coverages[rank] if rank < len(coverages) else {}
         lower: dict[str, list[Lattice]] = {}
         for cov in coverages[:rank]:
@@ -191,7 +169,6 @@ class Ownership:
         )
 
     def share(self, name: str) -> str:
-        """ "all", "none" or "some" (only "some" needs `counted`, O(lower lattices) per position)."""
         return self.shares.get(name, "some" if self.lower.get(name) else "all")
 
     @property
@@ -215,10 +192,7 @@ class Ownership:
 def segment_chunks(
     seg: Segment, flat: torch.Tensor, max_elements: int = 1 << 22
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(checkpoint positions, held values) of a segment, a block of leading rows at a time.
-
-    Why blocks: a full verify must not allocate int64 temporaries the size of the embedding.
-    """
+    """(checkpoint positions, held values) of a segment, a block of rows at a time (bounded temporaries)."""
     if not seg.sizes:
         yield (torch.tensor([seg.src_offset], device=flat.device), flat[seg.dst_offset : seg.dst_offset + 1])
         return
@@ -233,11 +207,8 @@ def segment_chunks(
 
 
 def mismatches(replies: Sequence[Mapping[str, Any]]) -> tuple[int, list[tuple[str, str, str, str]]]:
-    """Add the ranks' partial digests per tensor and compare with rank 0's expectations.
-
-    Each reply has `digests`: {name: [pre, post]} (hex or None); rank 0's also has `expected` in
-    the same shape, from the manifest. Returns (digests checked, [(name, "pre"|"post", got, want)]).
-    """
+    """The ranks' partial `digests` ({name: [pre, post]}) added per tensor, against rank 0's `expected`:
+    (digests checked, [(name, "pre"|"post", got, want)])."""
     expected: Mapping[str, Sequence[str | None]] = replies[0].get("expected") or {}
     checked, bad = 0, []
     for name, wants in expected.items():

@@ -1,14 +1,10 @@
 """Learning placements: where each checkpoint element lives on this rank, from the model's own loaders.
 
-Why: writing a changed element straight into its parameter slot is O(changed); replaying
-`load_weights` over a full-shape staged tensor is O(model). Instead of per-model tables, each
-checkpoint tensor's loader runs once under the sealed interception (`intercept.Intercept`), which
-records and never performs writes into live storage. The fast pass feeds a `meta` probe: a loader
-that only views it and `copy_`s the view maps ids by the view's offset and strides. Where that
-proves nothing, the careful pass loads real ids, then XOR-relabelled ids, which tells a copy from
-arithmetic that looks affine (`w * 2`). Affine maps become `Segment`s; anything else falls back to
-vLLM's loader, with the reason. A scalar `Fill` (vLLM's vocab padding) is allowed where no
-checkpoint element reaches it (`refuse_overlapping_fills`).
+Why: writing a changed element into its slot is O(changed), replaying `load_weights` O(model). Each
+tensor's loader runs once under the sealed interception (`intercept.Intercept`): on a `meta` probe a
+`copy_` of a view maps ids by the view's offset and strides; where that proves nothing, real ids and
+then XOR-relabelled ids tell a copy from arithmetic. Affine maps become `Segment`s, anything else a
+fallback with its reason; a scalar `Fill` only where no checkpoint element reaches it.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from vllm_delta.engine.placement import Fill, Segment, TensorPlacement, refuse_o
 
 logger = logging.getLogger(__name__)
 
-# The careful pass's ids: int32 while every relabelled id fits, else int64.
-_INT32_IDS = 1 << 30
+_INT32_IDS = 1 << 30  # the careful pass's ids: int32 while every relabelled id fits
 _RELABEL = {torch.int32: 0x2AAAAAAA, torch.int64: 0x2AAAAAAAAAAAAAAA}
 # Rows compared at a time by the careful pass (bounds its int64 temporaries).
 _FIT_BLOCK = 1 << 20
@@ -43,7 +38,7 @@ class _NotDirect(Exception):
 def _segment(
     target: str, dst: torch.Tensor, src_offset: int, src_strides: tuple[int, ...], numel: int
 ) -> Segment:
-    """The segment for `dst` receiving ids src_offset + sum(i[d] * src_strides[d]), or raise."""
+    """The segment for `dst` receiving ids src_offset + sum(i[d] * src_strides[d]), or UnmappableLoader."""
     dims = [d for d in range(dst.dim()) if dst.shape[d] > 1]
     if any(src_strides[d] <= 0 for d in dims):
         raise UnmappableLoader("loader repeats or reverses checkpoint elements")
@@ -102,8 +97,7 @@ def _copies_and_fills(mode: Intercept) -> tuple[list[Write], list[Fill]]:
 
 
 def _fill_value(func: Any, value: Any) -> bool | int | float | None:
-    """The scalar an op fills its destination with, or None when it is not a fill with a scalar
-    (a fill with a tensor may carry checkpoint values: refused like any other write)."""
+    """The scalar an op fills its destination with, or None (a fill with a tensor may carry values)."""
     if func is torch.ops.aten.zero_.default:
         return 0
     if func is torch.ops.aten.fill_.Scalar and type(value) in (bool, int, float):
@@ -129,8 +123,8 @@ def _view_segment(w: Write, numel: int) -> Segment:
 
 
 def _fast(load_weights, storages: Mapping[int, str], placement: TensorPlacement) -> None:
-    """`placement`'s segments (and the loader's constant fills) from the views the loader copied, on a
-    meta probe; _NotDirect where unproven."""
+    """`placement`'s segments and fills from the views the loader copied of a meta probe; _NotDirect where
+    unproven."""
     probe = torch.empty(placement.shape, dtype=placement.dtype, device="meta")
     try:
         mode = _run(load_weights, _sealed(storages, [probe]), [(placement.name, probe)])
@@ -155,10 +149,8 @@ def _ids_of(src: Any, dst: torch.Tensor, id_dtype: torch.dtype) -> torch.Tensor:
 
 
 def _affine_fit(ids: torch.Tensor) -> tuple[int, tuple[int, ...]]:
-    """Offset and per-dim strides such that ids == offset + sum(i[d] * stride[d]), or raise.
-
-    Compared a block of leading rows at a time, so temporaries stay bounded.
-    """
+    """Offset and per-dim strides such that ids == offset + sum(i[d] * stride[d]), or raise (checked a
+    block of rows at a time, so temporaries stay bounded)."""
     if ids.numel() == 0:
         raise UnmappableLoader("empty write")
     if ids.dim() == 0:
@@ -185,8 +177,7 @@ def _affine_fit(ids: torch.Tensor) -> tuple[int, tuple[int, ...]]:
 
 
 def _careful(load_weights, storages: Mapping[int, str], placement: TensorPlacement) -> None:
-    """`placement`'s segments from element ids the loader copied, checked against a relabelled second
-    pass, and the loader's constant fills (the same in both passes)."""
+    """`placement`'s segments and fills from element ids the loader copied, checked by a relabelled pass."""
     name, shape, numel = placement.name, placement.shape, math.prod(placement.shape)
     id_dtype = torch.int32 if numel <= _INT32_IDS else torch.int64
     ids = torch.arange(numel, dtype=id_dtype).reshape(shape)
@@ -249,11 +240,8 @@ def probe_tensor(
 
 
 class PeakRss:
-    """Extra resident memory at the peak of a block (Linux: the kernel's high-water mark, reset first).
-
-    Why RSS: the probe's temporaries are CPU tensors, which no torch allocator statistic covers.
-    `extra` stays None where /proc does not allow the reset.
-    """
+    """Extra resident memory at the peak of a block (the kernel's high-water mark, reset first; None
+    where /proc does not allow it). RSS: the probe's temporaries are CPU tensors no allocator counts."""
 
     extra: int | None = None
 
@@ -279,13 +267,8 @@ class PeakRss:
 def _probe_batch(
     load_weights, storages: Mapping[int, str], items: list[tuple[str, tuple[tuple[int, ...], torch.dtype]]]
 ) -> tuple[dict[str, TensorPlacement] | None, int]:
-    """Placements of `items` from one `load_weights` call on meta probes, or (None, index of the
-    tensor the loader was at when the batch stopped being provable).
-
-    A write is attributed to the checkpoint tensor whose probe it copies (by storage identity, not by
-    loader order); anything the fast pass would not prove - a write into a probe, a write that is not
-    a `copy_` of a probe's view, a write outside the parameters - stops the batch where it was made.
-    """
+    """Placements of `items` from one `load_weights` call on meta probes (a write is the tensor's whose
+    probe it copies), or (None, index of the tensor the loader was at where a write proves nothing)."""
     probes = [torch.empty(shape, dtype=dtype, device="meta") for _, (shape, dtype) in items]
     mode = _sealed(storages, probes)
     keys, dtypes = mode.inputs, [dtype for _, (_, dtype) in items]
@@ -319,10 +302,8 @@ def build_placement(
 ) -> dict[str, TensorPlacement]:
     """Probe every checkpoint tensor once; log the ones that fall back to vLLM's loader.
 
-    Why batches: one `load_weights` call per tensor pays the loader's per-call setup (vLLM builds
-    `dict(named_parameters())` and walks its expert mapping) 46k times at 355B. A batch of meta
-    probes goes through one call; a batch that `_probe_batch` cannot prove is split around the
-    tensor it stopped at, down to `probe_tensor` alone, which decides exactly as it always did.
+    Why batches: each `load_weights` call pays vLLM's setup (46k times at 355B); a batch that
+    `_probe_batch` cannot prove is split around the tensor it stopped at, down to `probe_tensor`.
     """
     items = list(checkpoint.items())
     found: dict[str, TensorPlacement] = {}

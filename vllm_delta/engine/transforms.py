@@ -1,22 +1,11 @@
 """Post-load transforms: modules whose post-load step re-lays or derives weights.
 
-Why: the placement probe sees `load_weights`, not the post-load step that runs after it. A step
-that swaps the halves of a fused w13 (FlashInfer-CUTLASS MoE) or derives `W_UV` from
-`kv_b_proj` (MLA) makes an in-place delta land in the wrong slot, or leaves the derived tensor
-stale: silently wrong weights. So, with delta updates on (any platform), every module's
-post-load step runs under observation as vLLM runs it (`install`: each quant method's step is
-observed inside vLLM's own loop, one module at a time) and is classified:
-
-- unchanged: nothing to do;
-- `permutation`: only parameters changed, each keeps its shape and dtype and its new contents
-  are a permutation of the old (proven by re-running the step with the parameter holding
-  element ids, then checked on the real bits): deltas are written through the inverse map
-  (`OffsetMap`: one entry per row where the step moves whole rows, else one per element);
-- `rerun`: anything else (a derived tensor, a repack, or new non-tensor state such as the CPU
-  kernels' `cpu_linear` closure that may hold a packed copy): re-running the step from the
-  checkpoint-layout tensors reproduces the first result bit for bit, so deltas go to a canonical
-  copy (`canonical_weights`) and the step is re-run on touched modules after each commit and reload;
-- neither: `UnsupportedTransform`, naming the module, so the engine refuses to start.
+Why: the probe sees `load_weights`, not the step after it; a step that swaps a fused w13's halves or
+derives `W_UV` would make an in-place delta land in the wrong slot or leave a stale copy. So each
+step is observed as vLLM runs it (`install`) and classified: unchanged; `permutation` (parameters
+only, their contents permuted, proven with element ids: deltas go through the inverse `OffsetMap`);
+`rerun` (re-running the step from the checkpoint layout reproduces it bit for bit: deltas go to a
+canonical copy, `canonical_weights`); else `UnsupportedTransform`, and the engine refuses to start.
 """
 
 from __future__ import annotations
@@ -53,21 +42,13 @@ class Transform:
     # permutation: param name -> inverse map (loaded position -> position after the step), start 0
     inverse: dict[str, OffsetMap] = field(default_factory=dict)
 
-    @property
-    def relayout(self) -> bool:
-        """Whether tensors changed (reported in the status), not only opaque kernel state."""
-        return bool(self.changed or self.derived)
-
 
 @dataclass(frozen=True)
 class OffsetMap:
     """Where a permuting step moved a parameter's elements: loaded storage offset -> live one.
 
-    Why rows: a step that moves whole rows (runs of the last dim: FlashInfer-CUTLASS's w13 half
-    swap, TRT-LLM's row reorder) is kept as one entry per row, O(rows); an int32 per element
-    would be twice a bf16 weight (a 355B MoE's w13 would not fit beside itself on a GPU). Any
-    other permutation keeps one entry per element (`row_len` 1). The table stays on the
-    parameter's device and mapping is a few elementwise ops there: no host sync.
+    Why rows: a step moving whole rows (w13 half swap, row reorder) keeps one entry a row; an int32
+    an element would be twice a bf16 weight. Other permutations keep one an element (`row_len` 1).
     """
 
     start: int  # the parameter's storage offset
@@ -100,9 +81,7 @@ class OffsetMap:
 
 def _compact(perm: torch.Tensor, row_len: int) -> OffsetMap:
     """The inverse of `perm` (`perm[i]`: the loaded flat index the step put at i), per row where it moves
-    whole rows."""
-    # Each row a run of consecutive loaded elements: `perm` being a bijection, the runs then tile
-    # the loaded tensor, so each starts at a row boundary.
+    whole rows (each row a run of consecutive loaded elements)."""
     rows = perm.view(-1, row_len) if row_len > 1 else None
     whole_rows = rows is not None and torch.equal(
         rows - rows[:, :1], torch.arange(row_len, device=perm.device).expand_as(rows)
@@ -157,11 +136,8 @@ def _rerun(module: nn.Module, step_of: StepOf, before: Snapshot, changed: list[s
 def _inverse_permutation(
     module: nn.Module, step_of: StepOf, name: str, before: torch.Tensor, after: torch.Tensor
 ) -> OffsetMap | None:
-    """Inverse map of a step that permutes parameter `name`, or None if it does not.
-
-    The step runs on the module itself with `name` holding its element ids (float64, exact to
-    2**53): a pure permutation moves the ids and nothing else. The caller restores the module.
-    """
+    """Inverse map of a step that permutes parameter `name` (run on its element ids, float64), or None.
+    The caller restores the module."""
     if before.shape != after.shape or before.dtype != after.dtype or not after.is_contiguous():
         return None
     n = before.numel()
@@ -185,12 +161,8 @@ def _inverse_permutation(
 
 
 def _prefix_layout(canon: torch.Tensor, live: torch.Tensor) -> bool:
-    """Whether every element of the checkpoint-layout `canon` sits at the same storage offset in `live`.
-
-    The probe learns offsets from the loader writing into the live parameter, and deltas are then
-    written at those offsets into `canon` (the stash): right when the layouts agree, or when the
-    step only appended (padded rows at the end, the CPU fused MoE); anything else is refused.
-    """
+    """Whether every element of the checkpoint-layout `canon` sits at the same storage offset in `live`
+    (offsets the probe learns on `live` address `canon`): the same layout, or rows appended."""
     return (
         canon.dim() == live.dim()
         and canon.stride() == live.stride()
@@ -213,8 +185,7 @@ def classify(
         return None
     changed = [k.split(":", 1)[1] for k in differs if k.startswith("param:") and k in before.tensors]
     derived = [k.split(":", 1)[1] for k in differs if k not in before.tensors or not k.startswith("param:")]
-    # A step may consume parameters (fp8 KV-cache scales are deleted once folded into `_k_scale`...):
-    # never a permutation, and re-run from the restored originals like any derived state.
+    # A step may consume parameters (fp8 KV-cache scales folded into `_k_scale`): never a permutation.
     consumed = [n for n in changed if f"param:{n}" not in after]
     inverse: dict[str, OffsetMap | None] = {}
     try:
@@ -260,10 +231,7 @@ def classify(
 def run_post_load(
     model: nn.Module, step_of: StepOf = canonical_weights.post_load_step
 ) -> dict[str, Transform]:
-    """Run every module's post-load step under observation (no vLLM loop: synthetic models, tools).
-
-    Raises `UnsupportedTransform` naming the first module that can be served neither way.
-    """
+    """Run and classify every module's post-load step (no vLLM loop: synthetic models, tools)."""
     found: dict[str, Transform] = {}
     for name, module in model.named_modules():
         step = step_of(module)
@@ -316,8 +284,7 @@ def _unshadowed(method: object) -> Iterator[None]:
 
 
 def install() -> None:
-    """Wrap vLLM's post-load processing so every module's step is observed (flag on, any platform):
-    quant methods' steps here, attention layers' and the model's own in `derived`."""
+    """Wrap vLLM's post-load processing so every module's step is observed (flag on, any platform)."""
     from vllm.model_executor.model_loader import base_loader
 
     original = base_loader.process_weights_after_loading
@@ -348,12 +315,11 @@ def offset_maps(model: nn.Module) -> dict[str, OffsetMap]:
 
 
 def transformed(model: nn.Module) -> dict[str, str]:
-    """{module: "permutation" | "rerun" | "rederive"} for the status: modules whose step changed or
-    derived tensors ("rederive": an attention layer's or the model's own step, `derived`)."""
+    """{module: "permutation" | "rerun" | "rederive" (`derived`'s units)} for the status."""
     out = {
         name: t.kind
         for name, m in model.named_modules()
-        if (t := getattr(m, TRANSFORM_ATTR, None)) is not None and t.relayout
+        if (t := getattr(m, TRANSFORM_ATTR, None)) is not None and (t.changed or t.derived)
     }
     out.update({u.name: "rederive" for u in derived.discovery(model).units})
     return out
