@@ -1,9 +1,8 @@
-"""Two-phase in-place apply of a delta on one rank: prepare (read, verify, decode, locate, digest),
-then commit (scatter into the live parameters).
+"""Two-phase in-place apply of a delta on one rank: prepare (read, verify, decode, locate, digest,
+stage) while the engine serves, then commit (scatter into the live parameters) in the pause.
 
-Why two phases: everything that can fail on bad input fails in `prepare`, before any weight
-changes and while the engine serves; `commit` only scatters precomputed chunks, so the engine is
-held for the scatter alone, and a failure there is a reported engine fault, never a silent one.
+Why two phases: everything that can fail on bad input fails before any weight changes; the commit
+only scatters precomputed chunks, and a failure there is a reported engine fault.
 """
 
 from __future__ import annotations
@@ -78,8 +77,7 @@ class DeltaApplier:
         self.probe_s: float | None = None
         self.probe_peak_bytes: int | None = None
         self.rank = rank
-        # Tensors the probe could not map: their checkpoint values (read with `read`), kept to
-        # replay their loader exactly (engine/fallback.py), or why that loader is refused.
+        # Tensors the probe could not map: their loaders replayed on shadows read with `read` (fallback.py).
         self._read = read
         self.shadows = Shadows(self._load_weights, self._storages, self.targets, rank)
         self._shadows_planned = False
@@ -127,17 +125,15 @@ class DeltaApplier:
         return self._placements
 
     def _noting_loaded(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
-        """The model's `load_weights`, noting the parameters it says it loaded (vLLM's models return
-        their names; None: the loader says nothing, and every destination is held to the reach check)."""
+        """The model's `load_weights`, noting the parameters it says it loaded (vLLM's return their names)."""
         loaded = self._load_weights(weights)
         if isinstance(loaded, (set, frozenset, list, tuple)):
             self._claimed = (self._claimed or set()) | {n for n in loaded if isinstance(n, str)}
         return loaded
 
     def _reach_checked(self, storages: Mapping[int, str]) -> dict[str, torch.Tensor]:
-        """The destinations the reach check holds to their size: those the loader said it loaded (all,
-        if it said nothing; a parameter it never loads keeps vLLM's default, like fp8's `k_scale`),
-        except the parameters a post-load step derived."""
+        """The destinations the reach check holds to their size: those the loader said it loaded (all, if
+        it said nothing; fp8's `k_scale` keeps vLLM's default), but those a post-load step derived."""
         made = derived_params((t.unit, t.key) for t in derived.discovery(self.model).tensors)
         named = {
             n: storages.get(t.untyped_storage().data_ptr())
@@ -197,14 +193,9 @@ class DeltaApplier:
         decode_threads: int | None = None,
         times: PhaseTimes | None = None,
     ) -> StagedUpdate:
-        """Read, verify and decode the delta in a version directory; locate each entry this rank owns.
-
-        Flushes are read and decoded on `decode_threads` threads (default: this thread's torch
-        intra-op count; the engine passes worker_transfer.decode_threads), ahead of the staging; the
-        garbage collector is paused meanwhile (the decoded deltas form no cycles, and two full
-        collections over a 44k-tensor update's objects cost ~20 us a tensor). `path` may be the delta already
-        opened (the worker opens it for its lineage check), with `times` holding what that took: the
-        prepare's clock starts that much earlier, so its phases still add up to its seconds.
+        """Read, verify and decode the delta in a version directory (or the `DeltaInfo` the worker opened,
+        `times` holding what that took); locate, digest and stage each entry this rank owns. Decoded on
+        `decode_threads` threads ahead of the staging, the garbage collector paused (~20 us a tensor).
         """
         times = times if times is not None else PhaseTimes()
         start = time.perf_counter() - sum(times.seconds.values())
@@ -233,9 +224,7 @@ class DeltaApplier:
                 decoder=decoder,
                 times=times,
             )
-            # Freed while the collector is still paused: else its first pass walks a few objects a tensor.
-            del info, deltas
-        # The frees and the collector's restart are staging's too: the phases add up to the prepare.
+            del info, deltas  # freed while the collector is still paused
         times.add("stage", max(0.0, time.perf_counter() - start - sum(times.seconds.values())))
         return staged
 
@@ -249,7 +238,7 @@ class DeltaApplier:
         current_version: int,
         max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
     ) -> StagedUpdate:
-        """The same as `prepare`, for flush bytes that arrived another way (a collective broadcast)."""
+        """`prepare` for flush bytes that arrived another way (a collective broadcast), checked by name."""
         start = time.perf_counter()
         times = PhaseTimes()
         with times.phase("receive"):
@@ -258,8 +247,6 @@ class DeltaApplier:
             reader = DeltaDecoder(manifest, expected=self.checkpoint, current_version=base, decoder=decoder)
 
         def deltas():
-            # One flush at a time (a collective receives each as it is asked for): checked by name
-            # as it comes, decoded, then dropped.
             n = 0
             for name, data in flushes:
                 if n >= len(names) or name != names[n]:
@@ -290,8 +277,7 @@ class DeltaApplier:
     def _begin(
         self, manifest: Manifest, version: int, base_version: int | None, current_version: int
     ) -> tuple[int | None, Decoder, dict[str, list[tuple[int, int]] | None]]:
-        """A prepare's start: the versions checked; the version steps resolve on (None: no base needed),
-        the reader's back end and the ranges this rank decodes."""
+        """The versions checked: (the version steps resolve on, the reader's back end, owned ranges)."""
         encoding = check_versions(
             manifest, version=version, base_version=base_version, engine_version=current_version
         )
@@ -299,15 +285,13 @@ class DeltaApplier:
         return (current_version if encoding.needs_base else None), self._decoder(), owned
 
     def owned_ranges(self) -> dict[str, list[tuple[int, int]] | None]:
-        """Each tensor's checkpoint ranges this rank decodes (`owned.owned_by_tensor`), worked out once."""
+        """Each tensor's checkpoint ranges this rank decodes, worked out once."""
         self.placements  # noqa: B018 - learned first (the probe, at startup)
         return self.routing.owned_ranges()
 
     def _decoder(self) -> Decoder:
-        """The reader's back end: the device's when a target is on an accelerator (or
-        `batched.FORCE_DEVICE_PATH`), for the batchable tensors whose destinations all lie on one
-        (`Routing.decode_devices`; not a column shard, whose blocks span the whole tensor: on the
-        device all their entries would cross to keep 1/TP; decoded on the host, only the owned cross)."""
+        """The reader's back end: the device's when a target is on an accelerator (`on_device`), for the
+        tensors `Routing.decode_devices` names."""
         if not any(on_device(t.device) for t in self.targets.values()):
             return HOST
         return DeviceDecoder(self.routing.decode_devices())
@@ -324,9 +308,8 @@ class DeltaApplier:
         decoder: Decoder = HOST,
         times: PhaseTimes | None = None,
     ) -> StagedUpdate:
-        """Locate decoded (validated) changes and sum their digests (engine/stager.py): one path,
-        whatever carried the bytes. `decoder`: the reader's back end; `times`: the sync's phase times
-        so far (prepare's `receive`), to which staging adds its own."""
+        """Locate, digest and stage decoded changes (stager.py), whatever carried the bytes; build the
+        post-load work of what they touch (commit.prebuild_touched)."""
         self.placements  # noqa: B018 - learned first (the probe, at startup)
         stager = Stager(
             self.routing,
@@ -338,10 +321,9 @@ class DeltaApplier:
         )
         stage_all(stager, deltas)
         staged = stager.finish(version=version, replay=replay, start=start)
-        # The commit's post-load work that can be built while serving (vLLM's CPU linear repack).
         with staged.times.phase("prebuild"):
             staged.prebuilt = commit_phase.prebuild_touched(self.model, self.targets, staged.writes)
-        # What the phases timed do not cover is the staging's own work: its loop, the checks, the copies.
+        # What the phases timed do not cover is the staging's own work.
         staged.decode_s = time.perf_counter() - start  # the whole prepare
         timed = sum(staged.times.seconds.get(p, 0.0) for p in WORKER_PREPARE if p != "stage")
         staged.times.add("stage", max(0.0, staged.decode_s - timed))
@@ -349,16 +331,12 @@ class DeltaApplier:
 
     # ---- phase 2 -------------------------------------------------------------------------
     def commit(self, staged: StagedUpdate) -> float:
-        """Scatter the staged entries into the live weights and read them back (engine/commit.py);
-        returns the seconds it took."""
+        """Scatter the staged entries and read them back (commit.py): the seconds it took."""
         return commit_phase.commit(self.model, self.targets, staged)
 
     # ---- full verify, on demand ----------------------------------------------------------
     def rebuild(self, name: str) -> torch.Tensor | None:
-        """The full checkpoint tensor as this rank holds it, or None if it holds only part.
-
-        Each segment is a strided block on both sides, so this is one strided copy per segment.
-        """
+        """The full checkpoint tensor as this rank holds it (a strided copy a segment), or None."""
         placement = self.placements[name]
         whole = None if placement.fallback_reason else placement.whole_target()
         if whole is None:

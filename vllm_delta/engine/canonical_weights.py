@@ -1,22 +1,11 @@
 """Canonical (checkpoint-layout) weights of modules whose post-load step re-lays or derives them.
 
-Why: a post-load step may repack a weight (on the CPU, oneDNN / sgl kernels keep their own
-packed copy and replace `layer.weight` with an empty tensor; fused MoE prepacks `w13_weight` /
-`w2_weight`) or derive other tensors from it. An in-place delta written to the live tensor would
-never reach such a kernel. For every module that `transforms` classifies as "rerun" we keep the
-checkpoint-layout tensor of each parameter the step changed, write deltas there, and re-run the
-module's own post-load step after a commit touched it (`refresh`, which copies the results into
-the existing storage). Parameters the step emptied get their canonical tensor back as the live
-parameter, so vLLM's `/weight_checker` digests see real weights; that happens once, inside the
-post-load loop, before any CUDA graph is captured.
-
-vLLM's in-place reload (`reload_weights`, `model_loader/reload/layerwise.py`) re-runs each
-layer's step on a freshly loaded copy and copies the result into the live tensors; for these
-modules that copy would hit the emptied/canonical mismatch and leave the stash stale. So
-`install_reload_hooks` makes the reload load into the canonical tensors and re-run the step
-through `refresh`, the same path a delta takes.
-
-Linear layers' steps (CPU oneDNN repack, fp8 VNNI pack) are built ahead (`prebuild`), on a stand-in.
+Why: a step may repack a weight (CPU oneDNN keeps its own packed copy and empties `layer.weight`;
+fused MoE prepacks w13/w2) or derive tensors from it, which an in-place delta would never reach. For
+a "rerun" module (`transforms`) deltas go to a checkpoint-layout copy of each parameter the step
+changed, and the step is built again from it (`prebuild`, on a stand-in) or re-run in place
+(`refresh`). An emptied parameter gets its canonical tensor back, so `/weight_checker` sees real
+weights. `install_reload_hooks` makes vLLM's `reload_weights` load into the canonical tensors too.
 """
 
 from __future__ import annotations
@@ -37,12 +26,8 @@ RESTORED_ATTR = "_delta_restored"  # param names whose canonical tensor is the l
 def post_load_step(module: nn.Module) -> Callable[[], None] | None:
     """The module's post-load step, as it can be run again after the first load.
 
-    vLLM's unquantized fused MoE treats a second `process_weights_after_loading` as a weight
-    update: it converts the weights to its kernel's format (FlashInfer-CUTLASS's w13 half swap,
-    TRT-LLM's row reorder, ...) and copies them into the existing storage, but skips its experts'
-    own step (the CPU prepack). So for it the re-run is both, in the first call's order: then a
-    re-run from the checkpoint layout does what the first call did, and the permutation probe and
-    the "rerun" path see the conversion. Quantized MoE methods re-run every stage on each call.
+    vLLM's unquantized fused MoE treats a second call as a weight update that skips its experts' own
+    step (the CPU prepack): for it the re-run is both, in the first call's order.
     """
     method = getattr(module, "quant_method", None)
     step = getattr(method, "process_weights_after_loading", None)
@@ -103,13 +88,10 @@ def needs_refresh(module: nn.Module) -> bool:
 
 
 def prebuild(module: nn.Module, new: Mapping[str, torch.Tensor]) -> Built | None:
-    """What the module's post-load step makes when run from the `new` canonical weights (param name ->
-    checkpoint-layout tensor with the staged writes; the others as they are): computed on a stand-in
-    (`stand_in.run`): the live module is untouched until the commit copies the result of each stashed
-    parameter into the live one (fp8's VNNI-packed weight) and swaps in the handlers (oneDNN's
-    `cpu_linear`). None where the step is not known to keep to its own layer (vLLM's unquantized linear,
-    embedding and fp8 linear do; a fused MoE's writes its kernel object), or moved another tensor: the
-    step is then re-run at commit (`refresh`).
+    """The module's post-load step run on a stand-in from the `new` canonical weights (param name ->
+    tensor with the staged writes): copies into each stashed parameter and handler swaps (`cpu_linear`)
+    for the commit. None where the step is not known to keep to its own layer (vLLM's linear, embedding
+    and fp8 linear do) or moved another tensor: it is then re-run at commit (`refresh`).
     """
     if not _keeps_to_its_layer(module):
         return None
@@ -174,7 +156,7 @@ def install_reload_hooks() -> None:
         # vLLM's own step on the reloaded copy is skipped: the loaded values go to the canonical
         # tensors (below) and the step re-runs from there, exactly as after a delta.
         method = layer.quant_method
-        method.process_weights_after_loading = _skip_step
+        method.process_weights_after_loading = lambda layer: None
         try:
             process(layer, info)
         finally:
@@ -193,7 +175,3 @@ def install_reload_hooks() -> None:
     process_from_canonical._delta_wrapped = True  # type: ignore[attr-defined]
     layerwise._layerwise_process = process_from_canonical
     layerwise._copy_and_restore_kernel_tensors = copy_into_canonical
-
-
-def _skip_step(layer: nn.Module) -> None:
-    """Stands in for a "rerun" module's step while vLLM reloads it (see `install_reload_hooks`)."""

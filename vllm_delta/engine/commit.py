@@ -1,10 +1,9 @@
-"""Phase 2 of an apply: scatter the staged chunks into the live weights, read them back, then install
-what prepare built of the post-load steps of the touched modules (`prebuild_touched`, engine/stand_in.py).
+"""Phase 2 of an apply, in the pause: scatter the staged chunks into the live weights, read them back,
+then install what prepare built of the touched modules' post-load steps (`prebuild_touched`).
 
-Why its own module: the commit is the only code that runs while the engine is paused; everything it
-does is a copy, a read-back, or a handler swap; only a step that cannot run on a stand-in is re-run
-here (engine/canonical_weights.py, engine/derived.py), named in the status' `in_pause`.
-A failure part-way is an engine fault naming the tensors it may have left half-written.
+Everything here is a copy, a read-back or a handler swap; only a step that cannot run on a stand-in
+is re-run here, named in the status' `in_pause`. A failure part-way is an engine fault naming the
+tensors it may have left half-written.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from vllm_delta.kernels import scatter as scatter_kernel
 from vllm_delta.wire.codecs import ulp_resolve_tensor
 
 IN_PAUSE_ATTR = "_delta_in_pause"  # on the model: {module: why} whose post-load step the last commit re-ran
-# Entries the compiled CPU commit writes, then reads back, at a time (`_blocks`): ~1.6 MB of weights at 2%.
+# Entries the compiled CPU commit writes, then reads back, at a time (`_blocks`).
 CPU_BLOCK = 1 << 14
 
 
@@ -37,15 +36,9 @@ class ApplyFault(Exception):
 
 
 def commit(model: nn.Module, targets: Mapping[str, torch.Tensor], staged: StagedUpdate) -> float:
-    """Scatter the staged entries into the live weights, read them back, and return the seconds it took.
-
-    Each destination's staged chunks (a handful: one per batch) are scattered on the current
-    stream. Then every written offset is gathered from the live weights and compared bit for
-    bit with what was staged, whose post-digests the route checked against the manifest: a
-    write that did not land is a fault, not a silent difference. The time includes a device
-    synchronize, so it is the pause on an accelerator too. `staged.times` gets scatter (with the
-    synchronize), read_back and post_load.
-    """
+    """Scatter the staged entries into the live weights, read every written offset back (a write that did
+    not land is a fault, not a silent difference), install the post-load work; the seconds it took
+    (with a device synchronize)."""
     start = perf_counter()
     times = staged.times
     written: list[str] = []
@@ -94,9 +87,8 @@ def commit(model: nn.Module, targets: Mapping[str, torch.Tensor], staged: Staged
 def prebuild_touched(
     model: nn.Module, targets: Mapping[str, torch.Tensor], writes: Mapping[str, Iterable[Chunk]]
 ) -> Prebuilt:
-    """In prepare, while serving: the post-load results of every touched module and derived unit whose step
-    runs on a stand-in (canonical_weights.prebuild, derived.prebuild), from copies of the written tensors
-    with the staged writes applied; nothing live changes before `refresh_touched`. The rest: `in_pause`."""
+    """In prepare: the post-load results of every touched module and derived unit whose step runs on a
+    stand-in, from copies of the written tensors with the staged writes; the rest is named `in_pause`."""
     out, copies = Prebuilt(), {}
 
     def written(name: str) -> torch.Tensor:
@@ -106,8 +98,6 @@ def prebuild_touched(
 
     for name, module in _touched(model, writes):
         prefix = f"{name}." if name else ""
-        # Every written param of the module: restored (the linear's emptied weight), stashed (fp8's packed
-        # one) or live (the LM head's, which the step reads but keeps and the commit's scatter writes).
         new = {
             n: written(prefix + n)
             for n, _ in module.named_parameters(recurse=False)
@@ -133,14 +123,11 @@ def refresh_touched(model: nn.Module, writes: Iterable[str], prebuilt: Prebuilt)
     """Install what prepare built of every touched module's and derived unit's post-load work
     (`prebuilt`: copies into live tensors, handler swaps); re-run the rest's in place."""
     writes = list(writes)
-    rerun = []
     for name, module in _touched(model, writes):
         if (built := prebuilt.modules.get(name)) is not None:
             built.install()
         else:
-            rerun.append(module)
-    if rerun:
-        canonical_weights.refresh(rerun)
+            canonical_weights.refresh([module])
     for unit in derived.touched(model, writes):
         if unit.name in prebuilt.units:
             prebuilt.units[unit.name].install()
@@ -156,9 +143,7 @@ def _is_live(model: nn.Module, name: str, target: torch.Tensor) -> bool:
 
 
 def _touched(model: nn.Module, writes: Iterable[str]) -> list[tuple[str, nn.Module]]:
-    """The modules a write landed under whose post-load step is re-run after one (`needs_refresh`)."""
-    # A module is touched when a write lands anywhere under it: a derived tensor (MLA's W_UV
-    # on the attention module) comes from a child's weight (kv_b_proj).
+    """The "rerun" modules a write landed anywhere under."""
     names = {t.rsplit(".", i)[0] for t in writes for i in range(1, t.count(".") + 1)}
     return [(n, m) for n, m in model.named_modules() if n in names and canonical_weights.needs_refresh(m)]
 
@@ -172,11 +157,8 @@ def _written_copy(canon: torch.Tensor, chunks: Iterable[Chunk]) -> torch.Tensor:
 
 
 def _blocks(flat: torch.Tensor, chunk: Chunk) -> Iterator[Chunk]:
-    """The chunk in blocks of `CPU_BLOCK` entries where the compiled commit takes it, else whole.
-
-    Why: each block is read back (a separate pass over the live weights, kernels/scatter.py)
-    right after its writes, while the lines it wrote are still in cache: at 2% density on a 1 GB
-    model about a third less time than a write pass and then a read-back pass over the whole chunk."""
+    """The chunk in blocks of `CPU_BLOCK` entries where the compiled commit takes it, else whole: each
+    block is read back while the lines it wrote are in cache (a third less time at 2% on 1 GB)."""
     n = chunk.offsets.numel()
     if n <= CPU_BLOCK or not scatter_kernel.takes(flat, chunk.offsets, chunk.values):
         yield chunk
@@ -186,11 +168,8 @@ def _blocks(flat: torch.Tensor, chunk: Chunk) -> Iterator[Chunk]:
 
 
 def scatter(flat: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    """Write one staged chunk into a flat storage view (resolving ULP steps there); returns the values
-    written.
-
-    CPU tensors go through the compiled loop (kernels/scatter.py) where it applies; this torch
-    path is its reference, and what every other device runs."""
+    """Write one staged chunk into a flat storage view (resolving ULP steps there): the values written
+    (the compiled loop on the CPU where it applies; this torch path is its reference)."""
     if scatter_kernel.takes(flat, chunk.offsets, chunk.values):
         new = scatter_kernel.scatter(flat, chunk.offsets, chunk.values, chunk.base)
         if new is not None:
@@ -208,8 +187,7 @@ def scatter(flat: torch.Tensor, chunk: Chunk) -> torch.Tensor:
 
 
 def read_back(flat: torch.Tensor, offsets: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """A bool tensor on flat's device: some live flat[offsets] differ bitwise from `new`. A read of
-    the weights after the writes, never the values the scatter computed on its way."""
+    """A bool tensor on flat's device: some live flat[offsets] differ bitwise from `new` (read after)."""
     if scatter_kernel.takes(flat, offsets, new):
         return scatter_kernel.missed(flat, offsets, new)
     return (bits(gather(flat, offsets.to(flat.device))) != bits(new)).any()
@@ -223,7 +201,7 @@ def synchronize(devices: Iterable[torch.device]) -> None:
 
 
 def _read_back(checks: list[tuple[str, torch.Tensor]]) -> list[str]:
-    """Targets whose read-back differed: one device-to-host copy per device (meta holds no values to read)."""
+    """Targets whose read-back differed: one device-to-host copy per device (none on meta)."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for target, flag in checks:
         if flag.device.type != "meta":

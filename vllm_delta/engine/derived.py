@@ -1,30 +1,11 @@
 """Derived tensors: what attention layers' and the model's own post-load steps make from weights.
 
-Why: besides the quant methods' steps (`transforms`), vLLM runs each attention layer's
-`process_weights_after_loading(act_dtype)` and the model's own `process_weights_after_loading()`.
-MLA derives `W_UV` / `W_UK_T` from `kv_b_proj` there; the AMX backend keeps VNNI-packed copies
-on its impl and empties `kv_b_proj.weight`; a quantized `kv_b_proj` is dequantized into new
-tensors; DCP all-gathers `W_UK_T`. Where such a tensor is a copy, a delta to its source leaves
-it stale: prefill reads the new `kv_b_proj`, decode the old copy, and every digest passes.
-
-So with delta updates on, each of these steps (a "unit") runs under observation (`observing`):
-the interception (`intercept.Intercept`, performing every op) records the storages it reads and
-writes, and identities show what it binds. Every tensor it binds or writes that is not a
-checkpoint parameter is derived, and is:
-
-- "view": it shares storage with a checkpoint parameter, so in-place deltas reach it;
-- "rederive" / "constant": re-running the step (`rederive`: the step runs, then every result is
-  `copy_`-ed into the storage the engine already reads and every object is put back)
-  reproduces it bit for bit, and then again after each checkpoint parameter the step read is
-  filled with other values and restored; the parameters whose change changed it are its sources
-  (none: a constant, such as default scales). When an update writes a source, prepare runs the
-  step on a stand-in (`prebuild`, engine/stand_in.py) and the commit copies its results in place;
-  where it cannot, the commit re-derives the unit in place (`rederive`). Either way `data_ptr()`s
-  never move (CUDA graphs, RFC #48312);
-- refused: anything else (not reproducible, a new shape, a checkpoint parameter the step
-  changed other than by emptying it), named with its module in `refused`: every update is
-  refused from startup. A checkpoint parameter the step empties (AMX: `kv_b_proj.weight`) gets
-  its loaded tensor back, so deltas land in it and re-derivation reads it.
+Why: MLA derives `W_UV` / `W_UK_T` from `kv_b_proj` in such a step (AMX keeps VNNI-packed copies and
+empties `kv_b_proj.weight`); a delta to the source would leave a copy stale while every digest passes.
+Each step (a "unit") is observed as vLLM runs it (`observe_units`); every tensor it binds or writes
+that is not a checkpoint parameter is a "view" (shares a parameter's storage), "rederive" or
+"constant" (re-running the step reproduces it bit for bit, also after its sources are changed and
+restored: `prebuild` on a stand-in in prepare, else `rederive` in place at commit), or refused.
 """
 
 from __future__ import annotations
@@ -81,13 +62,9 @@ def _tensors(held: Held) -> dict[str, torch.Tensor]:
 def rederive(
     unit: nn.Module, step: Step, keep: Held | None = None, inputs: Mapping[str, torch.Tensor] | None = None
 ) -> None:
-    """Run the step again (from `inputs`: param name -> data, where given) and put its results into the
-    storage the engine reads, in place.
-
-    Every tensor object the unit holds before is held after, with the same storage: a result
-    the step bound anew is `copy_`-ed into the old tensor (same shape and dtype, or this
-    raises), and objects it replaced (AMX's emptied `kv_b_proj.weight`) are put back.
-    """
+    """Run the step again (from `inputs`: param name -> data, where given), its results `copy_`-ed into
+    the tensors the unit held before (same shape and dtype, or this raises) and every object put back:
+    no `data_ptr()` moves (CUDA graphs, RFC #48312)."""
     held = keep if keep is not None else reach(unit)
     data = {k: stand_in.data(t) for k, (_, _, _, t) in held.items()}
     with torch.no_grad():
@@ -172,8 +149,8 @@ class _Discoverer:
     def _keep_checkpoint_params(
         self, before: Held, after: dict[str, torch.Tensor], outputs: list[str], signatures: dict[str, tuple]
     ) -> list[str]:
-        """Outputs that are not checkpoint parameters. A checkpoint parameter the step emptied gets its
-        loaded bytes back (deltas land there and re-derivation reads them); any other change refuses."""
+        """Outputs that are not checkpoint parameters; a checkpoint parameter the step emptied gets its
+        loaded bytes back, any other change refuses."""
         ckpt, derived = self.checkpoint(), []
         for key in outputs:
             owner, kind, name, old = before.get(key, (None, "", "", None))
@@ -206,8 +183,7 @@ class _Discoverer:
                 copies.append(key)
         if not copies:
             return
-        # Candidate sources: checkpoint parameters the step read, and those a layer unit holds (the
-        # model's own step holds every parameter: probing each would cost a re-run per parameter).
+        # Candidate sources: parameters the step read, and those a layer unit holds (not the model's: all).
         candidates = {n for s, n in storages.items() if s in read}
         if name:
             candidates |= {ckpt[id(t)] for t in now.values() if id(t) in ckpt}
@@ -289,9 +265,8 @@ def touched(model: nn.Module, written: Iterable[str]) -> list[Unit]:
 
 
 def prebuild(model: nn.Module, unit: Unit, written: Mapping[str, torch.Tensor]) -> stand_in.Built:
-    """In prepare: the unit's step run on a stand-in whose written sources hold `written` (post-delta values)
-    and whose derived tensors are scratch copies; the new bits of each tensor it re-derives, for the commit
-    to copy in place. `NotStandIn` where the step reads a source other than through its module."""
+    """In prepare: the unit's step on a stand-in holding the `written` sources and scratch copies of what
+    it derives: the new bits for the commit to copy in place (`NotStandIn` where it cannot)."""
     held = reach(unit.module)
     live = {id(model.get_parameter(n)): n for n in unit.sources if n in written}
     swap: dict[str, torch.Tensor] = {}

@@ -1,12 +1,11 @@
 """Checkpoint tensors whose loader the probe cannot map (it scales, or writes non-affinely), served exactly.
 
-Why not vLLM's `load_checkpoint_weight_patches`: it runs the loader on the live weights at commit, so
-its failures come after other tensors were written, a loader writing other than by one final `copy_`
-lets its NaN mask into live weights, and no digest checks the result. Instead each such tensor keeps
-a host shadow in checkpoint layout, and its loader is replayed under the sealed interception: the
-recorded `copy_`s are exactly what a load would store where. At startup the replay must reproduce
-the live weights bit for bit, twice, with no overlapping writes (else `refused`); in prepare the
-replays of the old and new shadow give plain (offset, value) writes, checked against live first.
+Why not vLLM's `load_checkpoint_weight_patches`: it runs the loader on live weights at commit, after
+other tensors were written, and no digest checks the result. Each such tensor keeps a host shadow in
+checkpoint layout, and its loader is replayed under the sealed interception: the recorded `copy_`s
+are what a load would store where. At startup the replay must reproduce the live weights bit for bit,
+twice, with no overlapping writes (else `refused`); in prepare the replays of the old and new shadow
+give plain (offset, value) writes, checked against live first.
 """
 
 from __future__ import annotations
@@ -64,8 +63,7 @@ def same_layout(a: list[Write], b: list[Write]) -> bool:
 
 
 class Shadows:
-    """The shadows of this rank's unmapped tensors (`tensors`), and the tensors whose loader is refused
-    with why (`refused`): planned once at startup, then staged and digested by replaying the loader."""
+    """The shadows of this rank's unmapped tensors (`tensors`), and why the others' loaders are refused."""
 
     def __init__(
         self,
@@ -106,8 +104,7 @@ class Shadows:
         return writes
 
     def _check_servable(self, storages: Mapping[int, str], name: str, shadow: torch.Tensor) -> set[str]:
-        """Refuse (`UnservableLoader`) a loader whose replay does not reproduce the loaded weights exactly;
-        returns the targets the replay writes."""
+        """The targets the replay writes, or `UnservableLoader` where it does not reproduce the weights."""
         first = self.replay(storages, name, shadow)
         again = self.replay(storages, name, shadow)
         if not same_layout(first, again) or any(
@@ -126,8 +123,8 @@ class Shadows:
         return {w.target for w in first}
 
     def plan(self, unmapped: Mapping[str, str], read: Callable[[str], torch.Tensor] | None) -> set[str]:
-        """Keep a shadow of every unmapped tensor (name -> why the probe could not map it) whose loader
-        replays exactly, as a target of its own; refuse the rest. Returns the targets the replays reach."""
+        """Keep a shadow of every unmapped tensor (name -> why) whose loader replays exactly; refuse the
+        rest. Returns the targets the replays reach."""
         storages, replayed = self.storages(), set()
         for name, why in unmapped.items():
             if read is None:
@@ -154,12 +151,8 @@ class Shadows:
         want: tuple[bool, bool],
         anchor: bool,
     ) -> None:
-        """Stage a tensor the probe could not map by replaying its loader on its shadow, old and new.
-
-        Every rank holds the whole shadow, so rank 0 alone counts its digests. The live weights
-        must equal the replay of the old shadow (unless an anchor overwrites them); the writes are
-        the elements the new replay changes.
-        """
+        """Stage a tensor by replaying its loader on its shadow, old and new: the elements the new replay
+        changes (live must equal the old replay, unless an anchor overwrites). Rank 0 counts its digests."""
         name = delta.name
         if name in self.refused:
             raise IncompatibleDeltaError(
@@ -198,8 +191,8 @@ class Shadows:
         staging.add(target, chunk(self.targets[target], positions, new), counted=False)
 
     def partial(self, name: str) -> str | None:
-        """A replayed tensor's share of its digest: rank 0 counts its shadow; a rank whose live weights
-        differ from the shadow's replay counts the shadow once more, so the sum across ranks cannot match."""
+        """A replayed tensor's share of its digest: rank 0 counts its shadow, and a rank whose live weights
+        differ from its replay counts it once more (so the sum cannot match)."""
         shadow = self.tensors.get(name)
         if shadow is None:
             return None

@@ -1,15 +1,11 @@
 """The one interception of a model's loaders and post-load steps: what they read, and what they write
 where, with writes into live storage recorded or redirected instead of performed.
 
-Why one TorchDispatchMode: writes are found from the op schema's alias info (in-place ops, `out=`
-arguments), not op names, so every way a loader writes is seen, the same way by every user:
-- the placement probe (`probe.py`) and the fallback replay (`fallback.py`) run `load_weights` with
-  `sealed=True`: no write into a storage that existed before it started is performed (its inputs'
-  aside), each is a `Write` they read afterwards (a copy of a probe's view is a map; the rest refuses);
-- the map check (`map_check.py`) runs vLLM's loader for real, its writes into the checked storages
-  done on scratch copies (`redirect`), those into other parameters dropped (`record=False`);
-- derived-state discovery (`derived.py`) performs everything and reads which storages a post-load
-  step read and wrote (`read`, `written`).
+Why one TorchDispatchMode, finding writes from each op schema's alias info (not op names): every way
+a loader writes is seen the same way by every user. Sealed (`sealed=True`), nothing that existed
+before is written: the probe and the fallback replay read the recorded `Write`s, a stand-in's step
+must make none; the map check redirects writes into scratch copies; derived discovery performs
+everything and reads which storages a step read and wrote.
 """
 
 from __future__ import annotations
@@ -74,11 +70,8 @@ def _fresh_outputs(func: Any, result: Any) -> list[torch.Tensor]:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """The key of a tensor's storage in every map here.
-
-    Why two kinds: meta tensors (the probe's, the full-shape harness's) have no data pointer, so they
-    are keyed by their storage object, negated so it never meets a real address.
-    """
+    """The key of a tensor's storage in every map here (meta tensors have no data pointer: their storage
+    object's, negated so it never meets a real address)."""
     storage = t.untyped_storage()
     return -storage._cdata if t.device.type == "meta" else storage.data_ptr()
 
@@ -94,13 +87,9 @@ def storages_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
 
 class Intercept(TorchDispatchMode):
     """Run code with its writes into `params` (storage key -> name) not performed: each is a `Write`
-    (`record`), or done on the flat scratch copy `redirect` holds for its storage instead.
-
-    `inputs` (storage keys of what the caller hands in) may be written: noted in `input_writes`.
-    `sealed`: any other storage that existed before the mode is guarded like a parameter (target None);
-    else such writes are performed. `read` and `written` hold the storage keys of every op's arguments
-    and of what it wrote.
-    """
+    (`record`), or done on the flat scratch copy `redirect` holds for its storage instead. Writes into
+    `inputs` are noted in `input_writes`; `sealed` guards every other storage that existed before (target
+    None). `read` and `written` hold the storage keys every op read and wrote."""
 
     def __init__(
         self,

@@ -1,12 +1,10 @@
 """The model's own loaders for parameters a post-load step replaced, so the probe can replay them.
 
-Why: vLLM's block-fp8, Marlin and GPTQ methods call `replace_parameter` after loading, which drops
-the model-format class and its `weight_loader`, so `load_weights` raises on the live parameter or
-copies whole tensors where it would slice. vLLM records each layer's model-format parameters
-(`record_metadata_for_reloading`, on `meta`) for `reload_weights`; `model_format` registers, for each
-call, stand-ins with that class and those attributes around the live tensor's data (same storage,
-so the storage maps find it). Exact only where the live tensor kept the recorded shape, stride and
-dtype; elsewhere the stand-in's loader raises `ReplacedLayout` and the tensor is refused at startup.
+Why: vLLM's block-fp8, Marlin and GPTQ methods `replace_parameter` after loading, dropping the
+model-format class and its `weight_loader`. vLLM records each layer's model-format parameters (on
+`meta`) for `reload_weights`; `model_format` registers, for each call, stand-ins with that class and
+those attributes around the live tensor's data. Exact only where the live tensor kept the recorded
+layout; elsewhere the stand-in's loader raises `ReplacedLayout` and the tensor is refused at startup.
 """
 
 from __future__ import annotations
@@ -34,18 +32,16 @@ class _Replaced:
 
 
 def _recorded(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's model-format parameters as vLLM recorded them at construction (meta), or {}.
-
-    Read from vLLM's module only if it is loaded: it is whenever vLLM built a model in this process
-    (`initialize_model` records them); a synthetic model has none and needs no import of vLLM."""
+    """The module's model-format parameters as vLLM recorded them at construction (meta), or {} (read
+    only if vLLM's module is loaded: a synthetic model needs no import of vLLM)."""
     layerwise = sys.modules.get("vllm.model_executor.model_loader.reload.layerwise")
     info = None if layerwise is None else layerwise.LAYERWISE_INFO.get(module)
     return {} if info is None else info.restore_metadata[0]
 
 
 def _model_format(recorded: torch.Tensor) -> dict[str, object]:
-    """The recorded attributes, loaders unwrapped: a `reload_weights` registers the recorded tensors
-    themselves and wraps their loaders (`online_process_loader`, which loads nothing outside a reload)."""
+    """The recorded attributes, loaders unwrapped (a `reload_weights` wraps them in `online_process_loader`,
+    which loads nothing outside a reload)."""
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     attrs = dict(vars(recorded))
@@ -62,8 +58,7 @@ def _model_format(recorded: torch.Tensor) -> dict[str, object]:
 
 def _lost_format(live: torch.Tensor, recorded: torch.Tensor, attrs: dict[str, object]) -> bool:
     """Whether the live parameter lost its model-format class or its loader (what `replace_parameter`
-    drops). A live parameter that kept both is loaded as it is, as before (a CPU repack that pads a
-    fused expert keeps its loader, and its layout is checked by `transforms`)."""
+    drops); one that kept both is loaded as it is."""
     lost_loader = "weight_loader" in attrs and "weight_loader" not in vars(live)
     return type(live) is not type(recorded) or lost_loader
 
@@ -128,14 +123,9 @@ def standing_in(found: list[_Replaced]) -> Iterator[None]:
 
 
 def model_format(model: nn.Module, load_weights: LoadWeights | None = None) -> LoadWeights:
-    """`load_weights` (the model's own by default) run with model-format stand-ins in place.
-
-    The stand-ins are found once and kept while the live objects they stand for are still the
-    registered ones (a refresh and vLLM's reload put the same objects back); a changed one makes
-    the next call look again. So a call costs O(replaced parameters), not a walk of the model (a
-    fallback tensor's replay calls it in every prepare). A forward running meanwhile (a prepare
-    runs beside generation) reads the same storage through a stand-in.
-    """
+    """`load_weights` (the model's own by default) run with model-format stand-ins in place, found once
+    and kept while the live objects they stand for are still registered (a call costs O(replaced), not a
+    walk of the model: a fallback's replay calls it in every prepare)."""
     load = load_weights or model.load_weights
     found: list[_Replaced] | None = None
     live: list[torch.Tensor] = []

@@ -1,13 +1,10 @@
 """The placement map checked at startup against vLLM's own loader, independently of the map.
 
-Why: everything after the probe (locate, digests, commit, verify) goes through its map, so a map
-wrong the same way everywhere passes every later check. Per structural class of destination (one
-layer's `w13_weight`, `qkv_proj`, ...), two scratch copies of the first destination get the same
-seeded random bytes; vLLM's loader runs for real on seeded random checkpoint values, its writes
-redirected into one copy, while the map's segments (and its constant fills) write the other. Any
-difference is a wrong map, and the engine refuses updates naming the destination. One loader pass
-per layer holding a checked destination (0.24 s on the 44k-tensor GLM-4.7 model at tiny widths);
-it runs inside `delta_coverage`, so it holds the engine loop that long.
+Why: everything after the probe goes through its map, so a map wrong the same way everywhere passes
+every later check. Per structural class of destination, two scratch copies of its first destination
+get the same random bytes; vLLM's loader runs for real on random checkpoint values, its writes
+redirected into one copy, while the map's segments and fills write the other. Any difference refuses
+updates naming the destination. One loader pass per layer (0.24 s at GLM-4.7's tensor count).
 """
 
 from __future__ import annotations
@@ -54,10 +51,8 @@ def check_map(
     checkpoint: Checkpoint,
     seed: int = 0,
 ) -> dict[str, str]:
-    """{destination: why} for each class whose map disagrees with the loader (empty: all agree).
-
-    `params` are the live parameters by the names the segments target (never written here).
-    """
+    """{destination: why} for each class whose map disagrees with the loader (`params`: the live
+    parameters by the names the segments target, never written here)."""
     feeding = {s.target for p in placements.values() if not p.fallback_reason for s in p.segments}
     chosen: dict[tuple, str] = {}
     for target in sorted(feeding):
@@ -95,8 +90,7 @@ def _check_layer(
 ) -> dict[str, str]:
     """{target: why} for the checked destinations of one layer, from one pass of its tensors."""
     device = params[targets[0]].device
-    # Made on the destinations' device: at 355B a layer's values are gigabytes, generated in milliseconds
-    # there.
+    # Made on the destinations' device: at 355B a layer's values are gigabytes.
     by_loader, by_map = {}, {}
     for i, target in enumerate(targets):
         live = params[target]
@@ -113,8 +107,6 @@ def _check_layer(
 
     scratch = {storage_key(params[t]): by_loader[t] for t in targets}
     try:
-        # vLLM's loader for real: its writes into the checked storages go to `by_loader`, into other
-        # parameters nowhere.
         with torch.no_grad(), Intercept(storages, redirect=scratch, record=False):
             load_weights((name, values(i, name)) for i, name in enumerate(names))
     except Exception as exc:
@@ -133,8 +125,7 @@ def _check_layer(
                 errors.setdefault(
                     seg.target, f"{seg.target}: the placement map of {name} is out of bounds: {exc}"
                 )
-        # The constants the probe saw filled into padding (no checkpoint element reaches them): a
-        # loader whose fill follows the checkpoint's values differs from them on these random values.
+        # The probe's constant fills: a loader whose fill follows the values differs on random ones.
         for fill in placements[name].fills:
             if fill.target in by_map:
                 torch.as_strided(by_map[fill.target], fill.sizes, fill.dst_strides, fill.dst_offset).fill_(

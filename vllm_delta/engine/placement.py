@@ -1,10 +1,8 @@
 """What a placement is: where each checkpoint element lives on this rank (learned by `probe.py`).
 
-A `Segment` is an affine block of one checkpoint tensor copied into one destination; a `Fill` is a
-loader's constant fill of a destination region (vLLM's vocab padding rows); a `TensorPlacement`
-holds all of one tensor's. Fills are allowed only where no segment of any checkpoint tensor reaches
-the filled elements (`refuse_overlapping_fills`, once every tensor is probed): those elements are no
-checkpoint element, a delta never changes them, and they keep what vLLM's load put there.
+A `Segment` is an affine block of one checkpoint tensor copied into one destination, a `Fill` a
+loader's constant fill of a destination region (vocab padding), allowed only where no segment
+reaches (`refuse_overlapping_fills`); a `TensorPlacement` holds all of one tensor's.
 """
 
 from __future__ import annotations
@@ -21,12 +19,9 @@ from vllm_delta.wire.blocks import merge
 
 @dataclass(frozen=True)
 class Segment:
-    """An affine block of one checkpoint tensor copied into one destination tensor.
-
-    Checkpoint flat id = src_offset + sum(i[d] * src_strides[d]); it lands at storage offset
-    dst_offset + sum(i[d] * dst_strides[d]) of `target`, for 0 <= i[d] < sizes[d]. Dims are
-    ordered by decreasing src stride, so ids invert uniquely (`batched.locate`).
-    """
+    """Checkpoint flat id src_offset + sum(i[d] * src_strides[d]) lands at storage offset dst_offset +
+    sum(i[d] * dst_strides[d]) of `target`, for 0 <= i[d] < sizes[d]; dims by decreasing src stride,
+    so ids invert uniquely (`batched.locate`)."""
 
     target: str
     sizes: tuple[int, ...]
@@ -58,8 +53,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class Fill:
-    """A loader's fill of a destination region with a constant: storage offset dst_offset +
-    sum(i[d] * dst_strides[d]) of `target`, for 0 <= i[d] < sizes[d], all set to `value`."""
+    """A loader's fill of a destination region (laid out as a `Segment`'s) with a constant `value`."""
 
     target: str
     sizes: tuple[int, ...]
@@ -78,10 +72,7 @@ class TensorPlacement:
     dtype: torch.dtype
     segments: list[Segment] = field(default_factory=list)
     fallback_reason: str | None = None
-    # Whether the loader read the tensor at all on this rank (False: it skips it here, e.g. an
-    # expert another EP rank holds, or a tensor vLLM ignores such as rotary `inv_freq`).
-    read: bool = True
-    # Constant fills of elements no checkpoint element reaches (vLLM's vocab padding rows).
+    read: bool = True  # whether the loader read it on this rank (not: another EP rank's expert, `inv_freq`)
     fills: list[Fill] = field(default_factory=list)
 
     def whole_target(self) -> tuple[str, list[Segment]] | None:
@@ -98,12 +89,8 @@ class TensorPlacement:
 
 
 def owned_ranges(placement: TensorPlacement) -> list[tuple[int, int]] | None:
-    """Inclusive checkpoint position ranges this rank holds any element of (None: it needs all), so a
-    rank decodes only the blocks of a block-indexed delta (wire/blocks.py) that meet its shard.
-
-    Each segment contributes its [first, last] id span, a superset of the ids it holds (a column
-    shard spans nearly the whole tensor, so only row-like shards skip). A fallback needs every position.
-    """
+    """Inclusive checkpoint position ranges spanning what this rank holds (None: it needs all), so it
+    decodes only the blocks of a block-indexed delta that meet its shard."""
     if placement.fallback_reason:
         return None
     return merge([(s.src_offset, s.src_last) for s in placement.segments])
@@ -147,13 +134,8 @@ def union(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def refuse_overlapping_fills(placements: Mapping[str, TensorPlacement]) -> None:
-    """Turn into a fallback (refused, as any in-place write is) each tensor whose loader fills
-    elements that a segment of any checkpoint tensor reaches: only padding may be filled.
-
-    Why after every tensor is probed: a fill can meet another tensor's rows (a packed qkv's), and
-    only the whole map says which elements checkpoint elements reach. Startup only, and only for
-    the destinations filled (an embedding, an lm_head).
-    """
+    """Turn into a fallback each tensor whose loader fills elements a segment of any checkpoint tensor
+    reaches (only padding may be filled; a fill can meet another tensor's rows, so after every probe)."""
     filled = {f.target for p in placements.values() for f in p.fills}
     if not filled:
         return
@@ -176,15 +158,10 @@ def refuse_overlapping_fills(placements: Mapping[str, TensorPlacement]) -> None:
             break
 
 
-# Every element of every destination is reached by the map: the check from the parameters' side.
-# Why: the coverage check looks from the checkpoint's side, where a tensor no rank's loader reads is
-# "ignored" (as vLLM ignores rotary `inv_freq`). A probe that misses a loader's writes turns a real
-# tensor into an ignored one, and its deltas are then dropped while the commit answers ok (found once:
-# after vLLM's `reload_weights` its recorded loaders load nothing). From the parameters' side that is
-# a destination fewer elements reach than it holds: segment and fill sizes are summed per destination
-# (O(segments)); one a fallback replay writes counts as reached; any other shortfall refuses updates at
-# startup. Only destinations `load_weights` says it loaded are held to it (fp8's `k_scale` keeps vLLM's
-# default, and no delta can name it).
+# Why the check from the parameters' side: a probe that misses a loader's writes turns a real tensor
+# into an ignored one (as after vLLM's `reload_weights`, whose recorded loaders load nothing), and its
+# deltas would be dropped while the commit answers ok. Only destinations `load_weights` says it
+# loaded are held to it (fp8's `k_scale` keeps vLLM's default).
 
 
 def unreached(
@@ -192,9 +169,8 @@ def unreached(
     destinations: Mapping[str, torch.Tensor],
     replayed: Iterable[str] = (),
 ) -> dict[str, str]:
-    """{destination: why} for each destination (probe name -> the tensor deltas are written into) that
-    the segments and fills reach fewer elements of than it holds; destinations in `replayed` (written
-    by a fallback's loader replay) are not counted here."""
+    """{destination: why} for each destination that the segments and fills reach fewer elements of than it
+    holds (but those a fallback's loader replay writes)."""
     reached: Counter[str] = Counter()
     for placement in placements.values():
         for seg in placement.segments:
@@ -214,8 +190,7 @@ def unreached(
 
 def derived_params(keys: Iterable[tuple[str, str]]) -> set[str]:
     """Full names of the parameters among derived tensors ((unit, key) as `derived.DerivedTensor` holds
-    them: "param:W_UV", "kv_b_proj.param:weight"): a post-load step made them, no checkpoint element
-    reaches them, and `derived` keeps them exact instead."""
+    them): no checkpoint element reaches them, and `derived` keeps them exact."""
     out = set()
     for unit, key in keys:
         path, _, leaf = key.rpartition(".")

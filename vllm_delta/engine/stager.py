@@ -1,11 +1,9 @@
-"""Staging one sync: decoded (validated) changes located, digested and staged, whatever carried the bytes.
+"""Staging one sync: decoded changes located, digested and staged, whatever carried the bytes.
 
-Decoded tensors are gathered into batches of about `BATCH_BYTES`; each batch is located,
-digested and staged with a constant number of ops per destination (engine/batched.py). Tensors
-whose elements this rank may count twice (held twice here, or also by a lower rank) keep their own
-counted-once masks, a tensor at a time. A `DeltaBatch` (wire/deltas.py) is taken whole where all
-of its tensors are batched, else a tensor at a time. Tensors the probe could not map are staged by
-replaying their loader (engine/fallback.py).
+Decoded tensors are gathered into batches of about `BATCH_BYTES`, each located and digested with a
+constant number of ops per destination (batched.py; a `DeltaBatch` whole where all its tensors are
+batched). A tensor this rank may count twice is masked alone; one the probe could not map is staged
+by replaying its loader (fallback.py).
 """
 
 from __future__ import annotations
@@ -54,11 +52,8 @@ class _Planned(NamedTuple):
 
 
 class Stager:
-    """One sync's staging: fed decoded items (`take`), then `finish`ed into a `StagedUpdate`.
-
-    `decoder`: the reader's back end; a device one has the checks of the entries decoded on a
-    device, verified (one copy per device) before anything staged is returned. `times` gets the
-    locate and digest seconds (engine/trace.py)."""
+    """One sync's staging: fed decoded items (`take`), then `finish`ed into a `StagedUpdate` (after the
+    device decoder's checks are verified)."""
 
     def __init__(
         self,
@@ -150,8 +145,8 @@ class Stager:
         )
 
     def _take_whole(self, item: DeltaBatch) -> Plan | None:
-        """Note a decoded batch's wanted digests and its plan, when every tensor of it is batched and
-        decoded on the host (with the checks of each tensor's pre_digest); None (nothing noted)."""
+        """A decoded batch's plan, its wanted digests noted, when all its tensors are batched and decoded
+        on the host; else None (nothing noted)."""
         names = item.names
         plan = self.routing.plan(item)
         if plan is None or (self._there and not self._there.isdisjoint(names)):
@@ -206,11 +201,9 @@ class Stager:
             return
         started = perf_counter()
         routing, there = self.routing, self._there
-        # Per destination, dtype and decode: its pieces, and the tensors behind them (a piece's slot
-        # indexes these).
+        # Per destination, dtype and decode: its pieces, and the tensors their slots index.
         groups: dict[GroupKey, tuple[list[Piece], list[str]]] = {}
-        # A group a decoded batch feeds: its entries as runs (positions, values, entries a piece), in
-        # piece order.
+        # A group a decoded batch feeds: its entries as runs (positions, values, entries a piece).
         runs: dict[GroupKey, list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = {}
         routes = routing.routes()
         known: dict[GroupKey, Known | None] = {}  # a group one plan alone gives
@@ -249,8 +242,7 @@ class Stager:
                     list(chain.from_iterable(map(itemgetter(2), got))),
                 )
             )
-            # Off the CPU, located on the device: only the owned positions and values cross (batched.py).
-            # Positions decoded there already leave their ownership mask for one count read below.
+            # Off the CPU, located on the device (only owned entries cross), compacted below.
             located_all.append(
                 locate(
                     pieces,
@@ -339,8 +331,8 @@ class Stager:
 
 
 def stage_all(stager: Stager, deltas: Iterable[ParamDelta | DeltaBatch]) -> None:
-    """Feed `deltas` to the stager, timing the waits for the next decoded item as `decode` (the
-    reader decodes on its own threads ahead; what the calling thread waits for is what it costs)."""
+    """Feed `deltas` to the stager, timing the waits for the next decoded item as `decode` (the reader
+    decodes ahead on its own threads)."""
     times = stager.times
     it = iter(deltas)
     while True:

@@ -1,7 +1,5 @@
-"""What a prepare stages and how it is bounded: chunks of (offset, value) writes per destination,
-the digest sums of the changed positions, and the checks that refuse before any weight changes.
-
-Why its own module: the stager fills these and the commit consumes them; neither needs the other.
+"""What a prepare stages and how it is bounded: chunks of (offset, value) writes per destination, the
+digest sums of the changed positions, and the checks that refuse before any weight changes.
 """
 
 from __future__ import annotations
@@ -27,12 +25,8 @@ from vllm_delta.wire.errors import DtypeMismatchError, IncompatibleDeltaError
 
 @dataclass
 class Chunk:
-    """Writes to one destination, staged on its device: one per batch of tensors feeding it.
-
-    `offsets` index the destination's flat storage (int32 where it has < 2^31 elements). `values`
-    are new values in the destination's dtype, or, when `base` is set, signed ULP steps to apply
-    in dtype `base` to the current values, resolved on the device at commit.
-    """
+    """Writes to one destination's flat storage, staged on its device: new values in its dtype, or with
+    `base`, signed ULP steps in dtype `base` resolved on the current values at commit."""
 
     offsets: torch.Tensor
     values: torch.Tensor
@@ -53,15 +47,13 @@ class StagedUpdate:
     replay: bool
     max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES  # the bound on everything staged
     staged_bytes: int = 0
-    # This rank's counted-once partial sums [pre, post] of the changed positions, and the
-    # manifest's expectations, for every param whose manifest entry carries pre/post digests.
+    # This rank's counted-once partial sums [pre, post] of the changed positions, and the manifest's.
     digests: dict[str, list[str | None]] = field(default_factory=dict)
     expected: dict[str, list[str | None]] = field(default_factory=dict)
     # What a later full verify checks: whole-tensor additive digest / xxh3 after this update.
     after: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     anchor: bool = False  # overwrites every element of every checkpoint tensor
     blocks: tuple[int, int] = (0, 0)  # position blocks (decoded, in the delta) of block-indexed flushes
-    # The post-load results built in prepare, installed at commit (engine/commit.py, engine/stand_in.py).
     prebuilt: Prebuilt = field(default_factory=Prebuilt)
     # Seconds per phase on this rank: prepare's, then the commit adds its own (engine/trace.py).
     times: PhaseTimes = field(default_factory=PhaseTimes)
@@ -80,22 +72,21 @@ def flat_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Mixed devices refused explicitly: some kernels (indexing on meta, CPU indices on CUDA) accept them."""
+    """`flat[offsets]`, mixed devices refused (indexing on meta, CPU indices on CUDA accept them)."""
     if flat.device != offsets.device:
         raise RuntimeError(f"tensors on different devices: {sorted([str(flat.device), str(offsets.device)])}")
     return flat.index_select(0, offsets)
 
 
 def index_dtype(flat: torch.Tensor) -> torch.dtype:
-    """Offsets into `flat` as int32 where it has < 2^31 elements (half the staged bytes), else int64."""
+    """Offsets into `flat` as int32 where it has < 2^31 elements (half the bytes), else int64."""
     return torch.int32 if flat.numel() < 1 << 31 else torch.int64
 
 
 def chunk(
     canon: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, base: torch.dtype | None = None
 ) -> Chunk:
-    """New values (cast to the destination's dtype), or with `base` ULP steps in that dtype, at flat
-    storage offsets of `canon`, on its device."""
+    """A `Chunk` at flat storage offsets of `canon`, on its device."""
     flat = flat_storage(canon)
     values = values if base is not None else values.to(canon.dtype)
     return Chunk(offsets.to(index_dtype(flat)).to(flat.device), values.to(flat.device), base)
@@ -126,8 +117,7 @@ def stage_sums(
 def expected_digests(
     names: list[str], pairs: list[tuple[str | None, str | None]]
 ) -> dict[str, list[str | None]]:
-    """`StagedUpdate.expected`: each tensor's (pre, post) digests as a list, where it has either; made
-    without a Python loop a tensor (one was ~0.5 us a tensor at 44k)."""
+    """`StagedUpdate.expected`: each tensor's (pre, post) digests, where it has either (no loop a tensor)."""
     return dict(compress(zip(names, map(list, pairs)), map((None, None).__ne__, pairs)))
 
 
@@ -146,14 +136,8 @@ def check_resolvable(
     done: str = "resolved",
 ) -> None:
     """Refuse (422, before any write) a base-relative step, or a pre_digest, on served values that do
-    not convert back to the checkpoint's exactly.
-
-    Why: the step is resolved (the pre_digest summed) on the served value cast to the delta's
-    dtype. That recovers the checkpoint's bits only where the served dtype holds every value of the
-    checkpoint's exactly: the same dtype, or a float at least as precise with at least its range
-    (bf16 or fp16 served as float32). Not for bf16 <-> fp16 (fp16 rounds bf16's small values), a
-    narrower float, or any integer of another dtype.
-    """
+    not convert back to the checkpoint's exactly: only the same dtype, or a float at least as precise
+    with at least its range (bf16 served as float32; not bf16 <-> fp16)."""
     sent = delta.dtype
     if served == sent:
         return
@@ -198,8 +182,7 @@ class Staging:
 
 
 class Sums:
-    """This rank's digest lane sums per tensor, kept on the device as batched rows until one copy
-    at the end."""
+    """This rank's digest lane sums per tensor, kept on the device as rows until one copy at the end."""
 
     def __init__(self) -> None:
         self.names: dict[str, tuple[bool, bool]] = {}
@@ -215,8 +198,7 @@ class Sums:
                 self.rows.append(([name], lane, t.reshape(1, 2)))
 
     def hex(self) -> dict[str, list[str | None]]:
-        """Hex digests, with one device-to-host copy per device and no Python object per row (so a
-        6k-tensor update does not set off the garbage collector: 0.25 s with a list per row)."""
+        """Hex digests: one device-to-host copy per device, no Python object per row (GC: 0.25 s at 6k)."""
         ids = dict(zip(self.names, count()))
         row_of = {**ids, None: -1}  # a row's name: None where its tensor has no such digest
         total = np.zeros((len(ids), 2, 2), dtype=np.uint64)  # tensor, pre/post, the digest's two lanes

@@ -1,14 +1,11 @@
 """A post-load step run in prepare on a stand-in of a serving module, its results installed at commit by
-copies and attribute swaps only (issue 30: the pause holds copies only).
+copies and attribute swaps only (the pause holds copies only).
 
-Why: vLLM's post-load steps rebind attributes of the module they are given and write into its tensors in
-place (`replace_parameter(..., prefer_copy=True)`, `_k_scale.fill_`): run on a serving module, they would
-change what it serves before the commit, or after a prepare that failed. A stand-in is a copy of the
-module's tree sharing no dict with it (modules' parameter, buffer and module dicts, their plain attribute
-objects such as an attention impl); its tensors are the live ones but those the caller swaps in (copies
-with the staged writes, scratch copies of what the step derives). The step runs under a sealed
-`Intercept` (no write into a storage that existed before it is performed) and the live tree's attributes
-are compared after it; either gives the stand-in up (`NotStandIn`), and the step is re-run in the pause.
+Why: vLLM's steps rebind attributes and write into tensors in place; run on a serving module they
+would change what it serves before the commit. A stand-in is a copy of the module's tree sharing no
+dict with it, its tensors the live ones but those the caller swaps in. The step runs under a sealed
+`Intercept`, and the live tree's attributes are compared after it; either gives the stand-in up
+(`NotStandIn`), and the step is re-run in the pause.
 """
 
 from __future__ import annotations
@@ -65,8 +62,7 @@ def plain(obj: object) -> bool:
 
 
 def held_tensors(module: nn.Module) -> dict[str, tuple[str, str, torch.Tensor]]:
-    """Every tensor object the module holds itself: parameters, buffers and plain tensor attributes,
-    keyed "param:name", "buffer:name", "attr:name", with (kind, name, object)."""
+    """Every tensor the module holds itself, keyed "param:n", "buffer:n", "attr:n": (kind, n, tensor)."""
     out = {f"param:{n}": ("param", n, p) for n, p in module.named_parameters(recurse=False)}
     out.update({f"buffer:{n}": ("buffer", n, b) for n, b in module.named_buffers(recurse=False)})
     out.update({f"attr:{n}": ("attr", n, v) for n, v in vars(module).items() if isinstance(v, torch.Tensor)})
@@ -117,8 +113,8 @@ def data(t: torch.Tensor) -> torch.Tensor:
 def run(
     unit: nn.Module, step: Callable[[nn.Module], None], swap: Mapping[str, torch.Tensor]
 ) -> tuple[Held, Built, set[int]]:
-    """Run `step` on a stand-in of `unit` whose tensors at the `reach` keys `swap` names are those given:
-    (the stand-in's tensors after it, the attribute swaps it asks of the live tree, the storages it read)."""
+    """Run `step` on a stand-in of `unit` holding `swap`'s tensors at those `reach` keys: (its tensors after,
+    the attribute swaps it asks of the live tree, the storages it read)."""
     copies: dict[int, object] = {}
     root = _copy(unit, copies)
     held = reach(root)  # type: ignore[arg-type]
@@ -173,8 +169,7 @@ def _copy(obj: object, copies: dict[int, object]) -> object:
 
 
 def _objects(unit: nn.Module) -> Iterator[tuple[int, object]]:
-    """The live tree's modules, their plain attribute objects (those a stand-in copies) and theirs (shared
-    with the stand-in: a quant method's kernel), by id."""
+    """The live tree's modules, their plain attribute objects and theirs (a quant method's kernel), by id."""
     for m in unit.modules():
         yield id(m), m
         for v in vars(m).values():
