@@ -166,24 +166,8 @@ def _needed(pieces: list[Piece], kinds: Landing, *, owned: bool) -> list[str]:
     return keys
 
 
-def owned_counts(located: list[Located]) -> list[int]:
-    """How many entries each deferred `locate` keeps: one device-to-host copy per device (on `meta`,
-    every entry)."""
-    out = [0] * len(located)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, loc in enumerate(located):
-        if loc.keep.device.type == "meta":
-            out[i] = loc.keep.numel()
-        else:
-            by_device.setdefault(loc.keep.device, []).append(i)
-    for ids in by_device.values():
-        for i, n in zip(ids, torch.stack([located[i].keep.sum() for i in ids]).cpu().tolist()):
-            out[i] = n
-    return out
-
-
 def compact(located: Located, count: int) -> Located:
-    """Only the owned entries (`count` of them, from `owned_counts`): no device sync (nonzero_static; an
+    """Only the owned entries (`count` of them): no device sync (nonzero_static; an
     empty input crashed it on CUDA before torch 2.9, so none is passed)."""
     keep = (
         torch.nonzero_static(located.keep, size=count).squeeze(1)

@@ -16,7 +16,7 @@ from torch import nn
 
 from vllm_delta.engine import canonical_weights, derived
 from vllm_delta.engine.fallback import bits
-from vllm_delta.engine.staging import Chunk, StagedUpdate, flat_storage, gather
+from vllm_delta.engine.staging import Chunk, StagedUpdate, flat_storage, gather, host_values
 from vllm_delta.engine.stand_in import NotStandIn, Prebuilt
 from vllm_delta.kernels import scatter as scatter_kernel
 from vllm_delta.wire.codecs import ulp_resolve_tensor
@@ -72,7 +72,8 @@ def commit(model: nn.Module, targets: Mapping[str, torch.Tensor], staged: Staged
             suspect=written,
         ) from exc
     checked = perf_counter()
-    wrong = _read_back(checks)
+    # Targets whose read-back differed (meta holds no values to read).
+    wrong = [t for (t, _), bad in zip(checks, host_values([f for _, f in checks])) if bad]
     times.add("read_back", perf_counter() - checked + checking)
     if wrong:
         raise ApplyFault(
@@ -198,17 +199,3 @@ def synchronize(devices: Iterable[torch.device]) -> None:
     for device in devices:
         if device.type not in ("cpu", "meta"):
             torch.accelerator.synchronize(device)
-
-
-def _read_back(checks: list[tuple[str, torch.Tensor]]) -> list[str]:
-    """Targets whose read-back differed: one device-to-host copy per device (none on meta)."""
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for target, flag in checks:
-        if flag.device.type != "meta":
-            by_device.setdefault(flag.device, []).append((target, flag))
-    wrong = []
-    for items in by_device.values():
-        for (target, _), bad in zip(items, torch.stack([f for _, f in items]).cpu().tolist()):
-            if bad:
-                wrong.append(target)
-    return wrong

@@ -31,10 +31,6 @@ class UnmappableLoader(Exception):
     """The loader's writes for a tensor are not an exact affine copy of the checkpoint."""
 
 
-class _NotDirect(Exception):
-    """The fast pass cannot prove the map from views alone (the careful pass decides)."""
-
-
 def _segment(
     target: str, dst: torch.Tensor, src_offset: int, src_strides: tuple[int, ...], numel: int
 ) -> Segment:
@@ -84,11 +80,8 @@ def _copies_and_fills(mode: Intercept) -> tuple[list[Write], list[Fill]]:
             refused.append(f"{w.func} writes a tensor that is neither a parameter nor the loader's own")
         elif w.func is torch.ops.aten.copy_.default:
             copies.append(w)
-        elif (value := _fill_value(w.func, w.src)) is not None:
-            d = w.dst
-            fills.append(
-                Fill(w.target, tuple(d.shape), d.storage_offset(), tuple(d.stride()), value, str(w.func))
-            )
+        elif (fill := _fill(w)) is not None:
+            fills.append(fill)
         else:
             refused.append(f"{w.func} writes parameter {w.target}")
     if refused:
@@ -96,13 +89,18 @@ def _copies_and_fills(mode: Intercept) -> tuple[list[Write], list[Fill]]:
     return copies, fills
 
 
-def _fill_value(func: Any, value: Any) -> bool | int | float | None:
-    """The scalar an op fills its destination with, or None (a fill with a tensor may carry values)."""
-    if func is torch.ops.aten.zero_.default:
-        return 0
-    if func is torch.ops.aten.fill_.Scalar and type(value) in (bool, int, float):
-        return value
-    return None
+def _fill(w: Write) -> Fill | None:
+    """The write as a fill of a parameter with a scalar, or None (a fill with a tensor may carry values)."""
+    if w.target is None:
+        return None
+    if w.func is torch.ops.aten.zero_.default:
+        value = 0
+    elif w.func is torch.ops.aten.fill_.Scalar and type(w.src) in (bool, int, float):
+        value = w.src
+    else:
+        return None
+    d = w.dst
+    return Fill(w.target, tuple(d.shape), d.storage_offset(), tuple(d.stride()), value, str(w.func))
 
 
 def _owner(w: Write, probes: Mapping[int, int], dtypes: list[torch.dtype]) -> int | None:
@@ -120,24 +118,6 @@ def _view_segment(w: Write, numel: int) -> Segment:
     """The segment of a copy of a meta probe's view: its storage offset and strides are the map."""
     src = w.src.expand(w.dst.shape)
     return _segment(w.target, w.dst, src.storage_offset(), tuple(src.stride()), numel)
-
-
-def _fast(load_weights, storages: Mapping[int, str], placement: TensorPlacement) -> None:
-    """`placement`'s segments and fills from the views the loader copied of a meta probe; _NotDirect where
-    unproven."""
-    probe = torch.empty(placement.shape, dtype=placement.dtype, device="meta")
-    try:
-        mode = _run(load_weights, _sealed(storages, [probe]), [(placement.name, probe)])
-    except Exception as exc:  # e.g. the loader reads values (`.item()`), which meta has none of
-        raise _NotDirect(f"{type(exc).__name__}: {exc}") from exc
-    copies, filled = _copies_and_fills(mode)
-    if mode.input_writes:
-        raise _NotDirect("loader writes into the checkpoint tensor")
-    if any(_owner(w, mode.inputs, [placement.dtype]) is None for w in copies):
-        raise _NotDirect("a write is not a view of the checkpoint tensor")
-    placement.segments = [_view_segment(w, math.prod(placement.shape)) for w in copies]
-    placement.read = storage_key(probe) in mode.read
-    placement.fills.extend(filled)
 
 
 def _ids_of(src: Any, dst: torch.Tensor, id_dtype: torch.dtype) -> torch.Tensor:
@@ -223,13 +203,12 @@ def probe_tensor(
     dtype: torch.dtype,
 ) -> TensorPlacement:
     """Learn the placement of one checkpoint tensor by replaying its loader on a probe."""
+    found, _ = _probe_batch(load_weights, storages, [(name, (tuple(shape), dtype))])
+    if found is not None:
+        return found[name]
     placement = TensorPlacement(name, tuple(shape), dtype)
     try:
-        try:
-            _fast(load_weights, storages, placement)
-        except _NotDirect as why:
-            logger.debug("delta updates: %s needs the careful probe (%s)", name, why)
-            _careful(load_weights, storages, placement)
+        _careful(load_weights, storages, placement)
     except UnmappableLoader as exc:
         placement.segments, placement.fills = [], []
         placement.fallback_reason = str(exc)
@@ -267,31 +246,34 @@ class PeakRss:
 def _probe_batch(
     load_weights, storages: Mapping[int, str], items: list[tuple[str, tuple[tuple[int, ...], torch.dtype]]]
 ) -> tuple[dict[str, TensorPlacement] | None, int]:
-    """Placements of `items` from one `load_weights` call on meta probes (a write is the tensor's whose
-    probe it copies), or (None, index of the tensor the loader was at where a write proves nothing)."""
+    """Placements of `items` from one `load_weights` call on meta probes (a copy is the tensor's whose
+    probe it views, a scalar fill the one the loader was at), or (None, index of the tensor the loader
+    was at where a write proves nothing: the careful pass decides)."""
     probes = [torch.empty(shape, dtype=dtype, device="meta") for _, (shape, dtype) in items]
     mode = _sealed(storages, probes)
     keys, dtypes = mode.inputs, [dtype for _, (_, dtype) in items]
     try:
         _run(load_weights, mode, [(name, p) for (name, _), p in zip(items, probes)])
-    except Exception:  # e.g. a loader that reads values; per tensor, the careful pass decides
+    except Exception:  # e.g. a loader that reads values (`.item()`), which meta has none of
         return None, mode.current
-    owners = [_owner(w, keys, dtypes) for w in mode.writes]
-    bad = mode.input_writes + [w.at for w, i in zip(mode.writes, owners) if i is None]
-    if bad:
-        return None, min(bad)
     read = {i for k, i in keys.items() if k in mode.read}
-    out = {
-        name: TensorPlacement(name, tuple(shape), dtype, read=i in read)
+    out = [
+        TensorPlacement(name, tuple(shape), dtype, read=i in read)
         for i, (name, (shape, dtype)) in enumerate(items)
-    }
-    for w, i in zip(mode.writes, owners):
-        placement = out[items[i][0]]
+    ]
+    bad = list(mode.input_writes)
+    for w in mode.writes:
+        if (i := _owner(w, keys, dtypes)) is None:
+            if (fill := _fill(w)) is None:
+                bad.append(w.at)
+            else:
+                out[w.at].fills.append(fill)
+            continue
         try:
-            placement.segments.append(_view_segment(w, torch.Size(placement.shape).numel()))
+            out[i].segments.append(_view_segment(w, math.prod(out[i].shape)))
         except UnmappableLoader:
-            return None, i
-    return out, 0
+            bad.append(i)
+    return (None, min(bad)) if bad else ({p.name: p for p in out}, 0)
 
 
 def build_placement(

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_delta.engine.batched import Known, Located, Piece, cat, compact, locate, on_device, owned_counts
+from vllm_delta.engine.batched import Known, Located, Piece, cat, compact, locate, on_device
 from vllm_delta.engine.digests import Lattice, contains, lattice
 from vllm_delta.engine.fallback import Shadows
 from vllm_delta.engine.routing import BATCH, FALLBACK, GroupKey, Plan, Routing
@@ -29,6 +29,7 @@ from vllm_delta.engine.staging import (
     check_resolvable,
     expected_digests,
     flat_storage,
+    host_values,
     index_dtype,
     stage_sums,
 )
@@ -254,8 +255,10 @@ class Stager:
                 )
             )
         deferred = [i for i, loc in enumerate(located_all) if loc.keep is not None]
-        for i, n in zip(deferred, owned_counts([located_all[i] for i in deferred])):
-            located_all[i] = compact(located_all[i], n)
+        # How many entries each keeps: one device-to-host copy per device (on meta, every entry).
+        counts = host_values([located_all[i].keep.sum() for i in deferred])
+        for i, n in zip(deferred, counts):
+            located_all[i] = compact(located_all[i], located_all[i].keep.numel() if n is None else n)
         self.times.add("locate", perf_counter() - started)
         for ((target, dtype, needs_base, _), (_, names)), located in zip(groups.items(), located_all):
             self._stage_located(target, dtype, needs_base, names, located)

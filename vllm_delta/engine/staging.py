@@ -78,6 +78,19 @@ def gather(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, offsets)
 
 
+def host_values(scalars: list[torch.Tensor]) -> list:
+    """Each 0-d tensor's value, with one device-to-host copy per device (None on meta, which holds none)."""
+    out: list = [None] * len(scalars)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(scalars):
+        if t.device.type != "meta":
+            by_device.setdefault(t.device, []).append(i)
+    for ids in by_device.values():
+        for i, value in zip(ids, torch.stack([scalars[i] for i in ids]).cpu().tolist()):
+            out[i] = value
+    return out
+
+
 def index_dtype(flat: torch.Tensor) -> torch.dtype:
     """Offsets into `flat` as int32 where it has < 2^31 elements (half the bytes), else int64."""
     return torch.int32 if flat.numel() < 1 << 31 else torch.int64
