@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness.synthetic import vllm_loop
 from torch import nn
 
 from vllm_delta.engine import canonical_weights, transforms
@@ -45,14 +46,14 @@ def _model(kv_cache_dtype: str, k: float, v: float) -> nn.Module:
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_a_step_that_deletes_its_scales_is_served_by_rerunning_it(kv_cache_dtype):
     model = _model(kv_cache_dtype, 0.5, 0.25)
-    found = transforms.run_post_load(model)
-    assert found["attn"].kind == "rerun" and sorted(found["attn"].changed) == sorted(SCALES)
+    assert vllm_loop(model) == {"attn": "rerun"}
+    assert sorted(getattr(model.attn, transforms.TRANSFORM_ATTR).changed) == sorted(SCALES)
     # A delta to k_scale lands in the tensor the placement sees, and the step derives from it again.
     live, canonical = canonical_weights.canonical_tensors(model)["attn.k_scale"]
     canonical.fill_(0.125)
     canonical_weights.refresh([model.attn])
     fresh = _model(kv_cache_dtype, 0.125, 0.25)
-    transforms.run_post_load(fresh)
+    vllm_loop(fresh)
     for n in ("_k_scale", "_v_scale", "_q_scale", "_k_scale_cpu", "_v_scale_cpu"):
         assert torch.equal(getattr(model.attn, n), getattr(fresh.attn, n)), n
     assert model.attn._k_scale_float == fresh.attn._k_scale_float

@@ -443,11 +443,13 @@ class _ReStride:
 
 
 def test_stash_whose_layout_the_live_param_does_not_extend_is_refused():
-    from vllm_delta.engine.transforms import UnsupportedTransform, run_post_load
+    from harness.synthetic import vllm_loop
+
+    from vllm_delta.engine.transforms import UnsupportedTransform
 
     layer = torch.nn.Linear(3, 4, bias=False)
     layer.quant_method = _ReStride()
     with pytest.raises(
         UnsupportedTransform, match=r"re-lays weight from \(4, 3\) \(3, 1\) to \(4, 3\) \(1, 4\)"
     ):
-        run_post_load(torch.nn.Sequential(layer))
+        vllm_loop(torch.nn.Sequential(layer))

@@ -5,11 +5,10 @@ permutation: deltas must go through it), a derived tensor is what MLA's `W_UV` i
 re-run after a delta touches its source), and a step whose second run differs is what neither
 can serve (the engine must refuse to start, naming the module). Each case applies a real delta
 and compares with an independent reference: a fresh rank that loaded the new checkpoint, with
-each step then called once directly (`direct`), as after any load, so neither `run_post_load`
-nor `observing` builds what they are checked against. Every
-case runs both through `run_post_load` and through `observing`, the wrapper engine start puts
-around vLLM's own post-load loop (emulated here by `vllm_loop`, which calls each quant method's
-step the way `model_loader.utils.process_weights_after_loading` does).
+each step then called once directly (`direct`), as after any load, so `observing` builds none of
+what it is checked against. Every case runs through `observing`, the wrapper engine start puts
+around vLLM's own post-load loop (emulated by `harness.synthetic.vllm_loop`, which calls each quant
+method's step the way `model_loader.utils.process_weights_after_loading` does).
 """
 
 from __future__ import annotations
@@ -19,16 +18,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from harness.dispatch_log import OpLog
-from harness.synthetic import device_check, same_bits
+from harness.synthetic import device_check, same_bits, vllm_loop
 
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.transforms import (
     OffsetMap,
     UnsupportedTransform,
-    observing,
     offset_maps,
-    run_post_load,
     transformed,
 )
 
@@ -73,25 +70,7 @@ class PackedCopy:
         layer.packed_weight = lambda: packed
 
 
-def vllm_loop(model: torch.nn.Module) -> dict[str, str]:
-    """Engine start: vLLM's loop calls each quant method's step, observed by `observing`."""
-    with observing(model):
-        for module in model.modules():
-            method = getattr(module, "quant_method", None)
-            if method is not None:
-                method.process_weights_after_loading(module)
-    return {
-        name: m._delta_transform.kind for name, m in model.named_modules() if hasattr(m, "_delta_transform")
-    }
-
-
-def by_run_post_load(model: torch.nn.Module) -> dict[str, str]:
-    return {n: t.kind for n, t in run_post_load(model).items()}
-
-
-POST_LOAD = pytest.mark.parametrize(
-    "post_load", [by_run_post_load, vllm_loop], ids=["run_post_load", "observing"]
-)
+POST_LOAD = pytest.mark.parametrize("post_load", [vllm_loop], ids=["observing"])
 
 
 def model_with_steps(checkpoint: dict[str, torch.Tensor], steps: dict[str, object]) -> torch.nn.Module:

@@ -88,3 +88,18 @@ def same_bits(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     return [
         n for n, p in a.named_parameters() if not torch.equal(p.view(torch.uint8), got[n].view(torch.uint8))
     ]
+
+
+def vllm_loop(model: torch.nn.Module) -> dict[str, str]:
+    """Engine start's post-load loop: each quant method's step called the way vLLM's
+    `process_weights_after_loading` does, under `transforms.observing`; {module: transform kind}."""
+    from vllm_delta.engine.transforms import TRANSFORM_ATTR, observing
+
+    with observing(model):
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+    return {
+        n: t.kind for n, m in model.named_modules() if (t := getattr(m, TRANSFORM_ATTR, None)) is not None
+    }

@@ -9,9 +9,8 @@ layout; elsewhere the stand-in's loader raises `ReplacedLayout` and the tensor i
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -109,19 +108,6 @@ def replaced(model: nn.Module) -> list[_Replaced]:
     return out
 
 
-@contextlib.contextmanager
-def standing_in(found: list[_Replaced]) -> Iterator[None]:
-    """Register the stand-ins for the block, then the live parameters again (also on error)."""
-    live = [(r.module, r.name, r.module._parameters[r.name]) for r in found]
-    for r in found:
-        r.module._parameters[r.name] = r.stand_in
-    try:
-        yield
-    finally:
-        for module, name, param in live:
-            module._parameters[name] = param
-
-
 def model_format(model: nn.Module, load_weights: LoadWeights | None = None) -> LoadWeights:
     """`load_weights` (the model's own by default) run with model-format stand-ins in place, found once
     and kept while the live objects they stand for are still registered (a call costs O(replaced), not a
@@ -135,9 +121,12 @@ def model_format(model: nn.Module, load_weights: LoadWeights | None = None) -> L
         if found is None or any(r.module._parameters.get(r.name) is not p for r, p in zip(found, live)):
             found = replaced(model)
             live = [r.module._parameters[r.name] for r in found]
-        if not found:
+        for r in found:  # the stand-ins registered for the call, then the live parameters again
+            r.module._parameters[r.name] = r.stand_in
+        try:
             return load(weights)
-        with standing_in(found):
-            return load(weights)
+        finally:
+            for r, param in zip(found, live):
+                r.module._parameters[r.name] = param
 
     return load_in_model_format

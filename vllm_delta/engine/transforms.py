@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +23,6 @@ from vllm_delta.engine import canonical_weights, derived
 from vllm_delta.engine.stand_in import held_tensors, same_bits
 
 TRANSFORM_ATTR = "_delta_transform"  # the module's `Transform`
-StepOf = Callable[[nn.Module], Callable[[], None] | None]
 
 
 class UnsupportedTransform(RuntimeError):
@@ -124,17 +123,17 @@ def snapshot(module: nn.Module) -> Snapshot:
     )
 
 
-def _rerun(module: nn.Module, step_of: StepOf, before: Snapshot, changed: list[str]) -> None:
+def _rerun(module: nn.Module, before: Snapshot, changed: list[str]) -> None:
     """The step again, from the checkpoint-layout values of `changed` in their original Parameters."""
     for n in changed:
         param = before.params[n]
         param.data = before.tensors[f"param:{n}"].clone()
         module._parameters[n] = param
-    step_of(module)()
+    canonical_weights.post_load_step(module)()
 
 
 def _inverse_permutation(
-    module: nn.Module, step_of: StepOf, name: str, before: torch.Tensor, after: torch.Tensor
+    module: nn.Module, name: str, before: torch.Tensor, after: torch.Tensor
 ) -> OffsetMap | None:
     """Inverse map of a step that permutes parameter `name` (run on its element ids, float64), or None.
     The caller restores the module."""
@@ -145,7 +144,7 @@ def _inverse_permutation(
         before.shape
     )
     try:
-        step_of(module)()
+        canonical_weights.post_load_step(module)()
     except Exception:
         return None
     ids = module._parameters.get(name)
@@ -171,9 +170,7 @@ def _prefix_layout(canon: torch.Tensor, live: torch.Tensor) -> bool:
     )
 
 
-def classify(
-    name: str, module: nn.Module, before: Snapshot, step_of: StepOf = canonical_weights.post_load_step
-) -> Transform | None:
+def classify(name: str, module: nn.Module, before: Snapshot) -> Transform | None:
     """Classify what the step did to `module` (it has just run) and prepare deltas for it."""
     after = {k: t.clone() for k, t in _tensors(module).items()}
     differs = sorted(
@@ -190,14 +187,12 @@ def classify(
     inverse: dict[str, OffsetMap | None] = {}
     try:
         for n in changed if not derived and not state and not consumed else []:
-            inverse[n] = _inverse_permutation(
-                module, step_of, n, before.tensors[f"param:{n}"], after[f"param:{n}"]
-            )
-            _rerun(module, step_of, before, changed)  # back from the id probe
+            inverse[n] = _inverse_permutation(module, n, before.tensors[f"param:{n}"], after[f"param:{n}"])
+            _rerun(module, before, changed)  # back from the id probe
             if inverse[n] is None:
                 break
         if not inverse:
-            _rerun(module, step_of, before, changed)
+            _rerun(module, before, changed)
     except Exception as exc:
         raise UnsupportedTransform(
             f"{name}: its post-load step changes {differs + state} and cannot be re-run "
@@ -226,23 +221,6 @@ def classify(
         )
     setattr(module, TRANSFORM_ATTR, transform)
     return transform
-
-
-def run_post_load(
-    model: nn.Module, step_of: StepOf = canonical_weights.post_load_step
-) -> dict[str, Transform]:
-    """Run and classify every module's post-load step (no vLLM loop: synthetic models, tools)."""
-    found: dict[str, Transform] = {}
-    for name, module in model.named_modules():
-        step = step_of(module)
-        if step is None:
-            continue
-        before = snapshot(module)
-        step()
-        transform = classify(name, module, before, step_of)
-        if transform is not None:
-            found[name] = transform
-    return found
 
 
 @contextlib.contextmanager
