@@ -180,7 +180,6 @@ class DeltaApplier:
             "in_pause": getattr(self.model, commit_phase.IN_PAUSE_ATTR, {}),  # the last commit's re-runs
         }
 
-    # ---- phase 1 -------------------------------------------------------------------------
     def prepare(
         self,
         path: str | Path | DeltaInfo,
@@ -329,12 +328,10 @@ class DeltaApplier:
         staged.times.add("stage", max(0.0, staged.decode_s - timed))
         return staged
 
-    # ---- phase 2 -------------------------------------------------------------------------
     def commit(self, staged: StagedUpdate) -> float:
         """Scatter the staged entries and read them back (commit.py): the seconds it took."""
         return commit_phase.commit(self.model, self.targets, staged)
 
-    # ---- full verify, on demand ----------------------------------------------------------
     def rebuild(self, name: str) -> torch.Tensor | None:
         """The full checkpoint tensor as this rank holds it (a strided copy a segment), or None."""
         placement = self.placements[name]

@@ -157,14 +157,9 @@ class _Discoverer:
             if old is None or id(old) not in ckpt:
                 derived.append(key)
                 continue
-            if (
-                after[key].numel() == 0
-                and old.numel()
-                and _signature(stand_in.data(old)) == signatures[key][1]
-            ):
-                stand_in.put_back(
-                    owner, kind, name, old
-                )  # AMX: its packed copies are derived, the weight emptied
+            emptied = after[key].numel() == 0 and old.numel()
+            if emptied and _signature(stand_in.data(old)) == signatures[key][1]:
+                stand_in.put_back(owner, kind, name, old)  # AMX: the weight emptied, its copies derived
                 continue
             raise RuntimeError(f"it changes checkpoint parameter {ckpt[id(old)]} ({key})")
         return derived

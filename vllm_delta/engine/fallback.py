@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_delta.engine.intercept import Intercept, storage_key
-from vllm_delta.engine.staging import Staging, add_sum, chunk, flat_storage
+from vllm_delta.engine.staging import Staging, Sums, chunk, flat_storage
 from vllm_delta.wire import ParamDelta
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 from vllm_delta.wire.codecs import ulp_resolve_tensor
@@ -147,7 +147,7 @@ class Shadows:
         self,
         delta: ParamDelta,
         staging: Staging,
-        acc: list[torch.Tensor | None] | None,
+        sums: Sums,
         want: tuple[bool, bool],
         anchor: bool,
     ) -> None:
@@ -166,11 +166,9 @@ class Shadows:
             if delta.needs_base
             else delta.values.to(shadow)
         )
-        if acc is not None and self.rank == 0:
-            if want[0]:
-                add_sum(acc, 0, partial_sum(positions, old))
-            if want[1]:
-                add_sum(acc, 1, partial_sum(positions, new))
+        for lane, values in enumerate((old, new)):
+            if want[lane] and self.rank == 0:
+                sums.add_rows([name], lane, [True], partial_sum(positions, values).reshape(1, 2))
         updated = shadow.clone()
         updated.view(-1)[positions] = new
         storages = self.storages()

@@ -14,8 +14,10 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from vllm_delta.engine.fallback import bits
 from vllm_delta.engine.intercept import Intercept, storage_key
 from vllm_delta.engine.placement import TensorPlacement
+from vllm_delta.engine.staging import flat_storage
 
 Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -31,10 +33,6 @@ def _random(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tenso
     return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=gen, device=gen.device).view(
         dtype
     )
-
-
-def _flat_like(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes() // t.element_size()
 
 
 def live_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -91,13 +89,13 @@ def _check_layer(
     """{target: why} for the checked destinations of one layer, from one pass of its tensors."""
     device = params[targets[0]].device
     # Made on the destinations' device: at 355B a layer's values are gigabytes.
-    by_loader, by_map = {}, {}
-    for i, target in enumerate(targets):
-        live = params[target]
-        by_loader[target] = _random(
-            _flat_like(live), live.dtype, torch.Generator(device).manual_seed(seed + i)
+    by_loader = {
+        t: _random(
+            flat_storage(params[t]).numel(), params[t].dtype, torch.Generator(device).manual_seed(seed + i)
         )
-        by_map[target] = by_loader[target].clone()
+        for i, t in enumerate(targets)
+    }
+    by_map = {t: v.clone() for t, v in by_loader.items()}
 
     def values(i: int, name: str) -> torch.Tensor:
         """Tensor `i`'s seeded random values, made again for each pass (one tensor in memory at a time)."""
@@ -132,11 +130,7 @@ def _check_layer(
                     fill.value
                 )
     for target in targets:
-        size = params[target].element_size()
-        bad = torch.ne(
-            by_loader[target].view(torch.uint8).view(-1, size),
-            by_map[target].view(torch.uint8).view(-1, size),
-        ).any(1)
+        bad = bits(by_loader[target]) != bits(by_map[target])
         if target not in errors and bool(bad.any()):
             first = int(torch.nonzero(bad)[0])
             errors[target] = (

@@ -158,19 +158,14 @@ def refuse_overlapping_fills(placements: Mapping[str, TensorPlacement]) -> None:
             break
 
 
-# Why the check from the parameters' side: a probe that misses a loader's writes turns a real tensor
-# into an ignored one (as after vLLM's `reload_weights`, whose recorded loaders load nothing), and its
-# deltas would be dropped while the commit answers ok. Only destinations `load_weights` says it
-# loaded are held to it (fp8's `k_scale` keeps vLLM's default).
-
-
 def unreached(
     placements: Mapping[str, TensorPlacement],
     destinations: Mapping[str, torch.Tensor],
     replayed: Iterable[str] = (),
 ) -> dict[str, str]:
-    """{destination: why} for each destination that the segments and fills reach fewer elements of than it
-    holds (but those a fallback's loader replay writes)."""
+    """{destination: why} for each destination the segments and fills reach fewer elements of than it holds
+    (but those a fallback's replay writes). Why: a probe that misses a loader's writes (as after vLLM's
+    `reload_weights`) turns a real tensor into an ignored one, whose deltas would be dropped silently."""
     reached: Counter[str] = Counter()
     for placement in placements.values():
         for seg in placement.segments:

@@ -180,9 +180,7 @@ class Stager:
             self._check_pre_digest(name, delta.dtype)
         if route.kind == FALLBACK:
             self.fallback.append(name)
-            acc: list[torch.Tensor | None] | None = [None, None] if any(want) else None
-            self.shadows.stage(delta, self.staging, acc, want, self.anchor)
-            self.sums.add_tensor(name, acc)
+            self.shadows.stage(delta, self.staging, self.sums, want, self.anchor)
         elif route.kind == BATCH:
             self._hold(delta, delta.positions.nbytes + delta.values.nbytes)
         else:

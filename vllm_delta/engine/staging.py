@@ -205,11 +205,6 @@ class Sums:
         """Row i is tensor `names[i]`'s where `wanted[i]`, else no tensor's (None)."""
         self.rows.append((list(map(getitem, zip(repeat(None), names), wanted)), lane, sums))
 
-    def add_tensor(self, name: str, acc: list[torch.Tensor | None] | None) -> None:
-        for lane, t in enumerate(acc or ()):
-            if t is not None:
-                self.rows.append(([name], lane, t.reshape(1, 2)))
-
     def hex(self) -> dict[str, list[str | None]]:
         """Hex digests: one device-to-host copy per device, no Python object per row (GC: 0.25 s at 6k)."""
         ids = dict(zip(self.names, count()))
@@ -237,8 +232,3 @@ class Sums:
         for i, lane in zip(*np.nonzero(~held)):  # a digest not summed here
             out[names[i]][lane] = None
         return out
-
-
-def add_sum(acc: list[torch.Tensor | None], i: int, part: torch.Tensor) -> None:
-    """Add digest lane sums `part` into slot `i` of a tensor's [pre, post] accumulator."""
-    acc[i] = part if acc[i] is None else acc[i] + part.to(acc[i].device)
