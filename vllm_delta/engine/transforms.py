@@ -238,8 +238,11 @@ def observing(model: nn.Module) -> Iterator[None]:
         def observed(layer: nn.Module, method=method, real=real) -> None:
             before = snapshot(layer)
             real(layer)
-            with _unshadowed(method):  # re-runs while classifying use the real step
+            shadow = vars(method).pop("process_weights_after_loading")  # re-runs use the real step
+            try:
                 classify(names[id(layer)], layer, before)
+            finally:
+                method.process_weights_after_loading = shadow
 
         shadowed.append((method, observed))
     shadowed += derived.observe_units(model)
@@ -250,15 +253,6 @@ def observing(model: nn.Module) -> Iterator[None]:
     finally:
         for owner, _ in shadowed:
             vars(owner).pop("process_weights_after_loading", None)
-
-
-@contextlib.contextmanager
-def _unshadowed(method: object) -> Iterator[None]:
-    shadow = vars(method).pop("process_weights_after_loading")
-    try:
-        yield
-    finally:
-        method.process_weights_after_loading = shadow  # type: ignore[attr-defined]
 
 
 def install() -> None:
