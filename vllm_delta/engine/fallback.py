@@ -94,11 +94,9 @@ class Shadows:
                 raise UnservableLoader(
                     f"loader writes {w.target} beside the tensor its deltas are written to"
                 )
-            offsets = torch.full((), dst.storage_offset(), dtype=torch.int64, device=target.device)
-            for d, (n, stride) in enumerate(zip(dst.shape, dst.stride())):
-                shape = [1] * dst.dim()
-                shape[d] = n
-                offsets = offsets + (torch.arange(n, device=target.device) * stride).reshape(shape)
+            offsets = torch.tensor(dst.storage_offset(), dtype=torch.int64, device=target.device)
+            for n, stride in zip(dst.shape, dst.stride()):
+                offsets = offsets.unsqueeze(-1) + torch.arange(n, device=target.device) * stride
             values = w.src.to(target.device).broadcast_to(dst.shape).to(dst.dtype)  # what copy_ would store
             writes.append(Write(w.target, offsets.reshape(-1), values.reshape(-1)))
         return writes
