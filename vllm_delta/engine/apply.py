@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -182,7 +182,8 @@ class DeltaApplier:
 
     def prepare(
         self,
-        path: str | Path | DeltaInfo,
+        source: str | Path | DeltaInfo | Manifest,
+        flushes: Iterable[tuple[str, bytes]] | None = None,
         *,
         version: int,
         base_version: int | None,
@@ -192,29 +193,39 @@ class DeltaApplier:
         decode_threads: int | None = None,
         times: PhaseTimes | None = None,
     ) -> StagedUpdate:
-        """Read, verify and decode the delta in a version directory (or the `DeltaInfo` the worker opened,
-        `times` holding what that took); locate, digest and stage each entry this rank owns. Decoded on
-        `decode_threads` threads ahead of the staging, the garbage collector paused (~20 us a tensor).
+        """Read, verify and decode a delta: a version directory, the `DeltaInfo` the worker opened (`times`
+        holding what that took), or a `Manifest` whose `flushes` arrive another way (a collective, checked
+        by name); locate, digest and stage each entry this rank owns. Decoded on `decode_threads` threads
+        ahead of the staging, the garbage collector paused (~20 us a tensor).
         """
         times = times if times is not None else PhaseTimes()
         start = time.perf_counter() - sum(times.seconds.values())
         with paused_gc():  # from the manifest's parse on: its per-tensor entries are young objects too
             with times.phase("receive"):
-                info = path if isinstance(path, DeltaInfo) else open_delta(path, files=files)
-                base, decoder, owned = self._begin(info.manifest, version, base_version, current_version)
-            deltas = iter_delta(  # lazily, a param at a time, and only the blocks meeting this rank's shard
-                info,
-                expected=self.checkpoint,
-                files=files,
-                current_version=base,
-                owned=owned,
-                lazy=True,
-                threads=decode_threads or torch.get_num_threads(),
-                batches=True,
-                decoder=decoder,
-            )
+                info = (
+                    source if isinstance(source, (DeltaInfo, Manifest)) else open_delta(source, files=files)
+                )
+                manifest = info if isinstance(info, Manifest) else info.manifest
+                base, decoder, owned = self._begin(manifest, version, base_version, current_version)
+            if flushes is not None:
+                reader = DeltaDecoder(
+                    manifest, expected=self.checkpoint, current_version=base, decoder=decoder
+                )
+                deltas = _received(reader, flushes, owned)
+            else:  # lazily, a param at a time, and only the blocks meeting this rank's shard
+                deltas = iter_delta(
+                    info,
+                    expected=self.checkpoint,
+                    files=files,
+                    current_version=base,
+                    owned=owned,
+                    lazy=True,
+                    threads=decode_threads or torch.get_num_threads(),
+                    batches=True,
+                    decoder=decoder,
+                )
             staged = self.stage(
-                info.manifest,
+                manifest,
                 deltas,
                 version=version,
                 replay=version == current_version,
@@ -226,52 +237,6 @@ class DeltaApplier:
             del info, deltas  # freed while the collector is still paused
         times.add("stage", max(0.0, time.perf_counter() - start - sum(times.seconds.values())))
         return staged
-
-    def prepare_flushes(
-        self,
-        manifest: Manifest,
-        flushes: Iterable[tuple[str, bytes]],
-        *,
-        version: int,
-        base_version: int | None,
-        current_version: int,
-        max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
-    ) -> StagedUpdate:
-        """`prepare` for flush bytes that arrived another way (a collective broadcast), checked by name."""
-        start = time.perf_counter()
-        times = PhaseTimes()
-        with times.phase("receive"):
-            base, decoder, owned = self._begin(manifest, version, base_version, current_version)
-            names = [f.name for f in manifest.files]
-            reader = DeltaDecoder(manifest, expected=self.checkpoint, current_version=base, decoder=decoder)
-
-        def deltas():
-            n = 0
-            for name, data in flushes:
-                if n >= len(names) or name != names[n]:
-                    raise IncompleteDeltaError(
-                        f"flush {n} is {name!r}, the manifest lists "
-                        f"{names[n] if n < len(names) else 'no more'}",
-                        file=name,
-                    )
-                n += 1
-                yield from reader.feed_iter(name, data, owned=owned, batches=True)
-                del data
-            if n != len(names):
-                raise IncompleteDeltaError(f"received {n} flushes, the manifest lists {len(names)}")
-            reader.finish()
-
-        with paused_gc():
-            return self.stage(
-                manifest,
-                deltas(),
-                version=version,
-                replay=version == current_version,
-                start=start,
-                max_staged_bytes=max_staged_bytes,
-                decoder=decoder,
-                times=times,
-            )
 
     def _begin(
         self, manifest: Manifest, version: int, base_version: int | None, current_version: int
@@ -385,3 +350,23 @@ class DeltaApplier:
             if tensor_digest(tensor) != expected:
                 bad.append(name)
         return checked, bad
+
+
+def _received(
+    reader: DeltaDecoder, flushes: Iterable[tuple[str, bytes]], owned: dict[str, list[tuple[int, int]] | None]
+) -> Iterator[ParamDelta | DeltaBatch]:
+    """Each flush decoded as it arrives, checked by name against the manifest, then dropped."""
+    names = [f.name for f in reader.manifest.files]
+    n = 0
+    for name, data in flushes:
+        if n >= len(names) or name != names[n]:
+            raise IncompleteDeltaError(
+                f"flush {n} is {name!r}, the manifest lists {names[n] if n < len(names) else 'no more'}",
+                file=name,
+            )
+        n += 1
+        yield from reader.feed_iter(name, data, owned=owned, batches=True)
+        del data
+    if n != len(names):
+        raise IncompleteDeltaError(f"received {n} flushes, the manifest lists {len(names)}")
+    reader.finish()

@@ -163,7 +163,7 @@ class DeltaWorkerExtension:
             admit = partial(self._delta_admit, request=request)
             same = {"version": request.version, "base_version": request.base_version}
             same |= {"current_version": state.version, "max_staged_bytes": max_staged}
-            stage = partial(state.applier.prepare_flushes, **same)
+            stage = partial(state.applier.prepare, **same)
             if request.transport == "collective":
                 try:
                     manifest, staged = receive(getattr(self, "_delta_group", None), request, admit, stage)
