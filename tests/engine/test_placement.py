@@ -87,8 +87,8 @@ def test_probe_maps_packing_slicing_and_transpose():
     (k,) = placements["k.weight"].segments
     assert (k.target, k.src_offset, k.dst_offset, k.numel) == ("qkv", 0, H * H, H // 2 * H)
     assert placements["shard.weight"].segments[0].src_offset == H * H  # rows H.. of the checkpoint
-    assert not placements["shard.weight"].covers_whole_tensor
-    assert placements["t.weight"].covers_whole_tensor
+    assert placements["shard.weight"].whole_target() is None
+    assert placements["t.weight"].whole_target() is not None
     assert placements["scaled.weight"].fallback_reason and not placements["scaled.weight"].segments
     assert "writes parameter filled" in placements["filled.weight"].fallback_reason
     assert all(

@@ -205,7 +205,7 @@ def test_a_tensor_the_loader_skips_is_unread_not_a_fallback():
     )
     skipped = placements["rotary.inv_freq"]
     assert not skipped.read and skipped.segments == [] and skipped.fallback_reason is None
-    assert placements["p"].read and placements["p"].covers_whole_tensor
+    assert placements["p"].read and placements["p"].whole_target() is not None
 
 
 def test_careful_pass_ids_are_the_smallest_integer_dtype():
@@ -225,5 +225,5 @@ def test_careful_pass_ids_are_the_smallest_integer_dtype():
 
     m = ReadsValues()
     placement = probe_tensor(m.load_weights, storages(m), "p", (N, N), torch.bfloat16)
-    assert placement.covers_whole_tensor and placement.fallback_reason is None
+    assert placement.whole_target() is not None and placement.fallback_reason is None
     assert seen == [torch.bfloat16, torch.int32, torch.int32]

@@ -83,10 +83,6 @@ class TensorPlacement:
             by_target.setdefault(seg.target, []).append(seg)
         return next(((t, segs) for t, segs in by_target.items() if sum(s.numel for s in segs) == numel), None)
 
-    @property
-    def covers_whole_tensor(self) -> bool:
-        return self.whole_target() is not None
-
 
 def owned_ranges(placement: TensorPlacement) -> list[tuple[int, int]] | None:
     """Inclusive checkpoint position ranges spanning what this rank holds (None: it needs all), so it
