@@ -111,13 +111,10 @@ def prebuild(module: nn.Module, new: Mapping[str, torch.Tensor]) -> Built | None
         if result is None or result.shape != live.shape or result.dtype != live.dtype:
             return None
         built.copies.append((live, result.data))
-    moved = [k for k, t in kept.items() if k not in after or _where(after[k][3]) != _where(t)]
+    where = derived.location
+    moved = [k for k, t in kept.items() if k not in after or where(after[k][3]) != where(t)]
     handlers = all(not isinstance(v, (torch.Tensor, nn.Module)) for _, _, v in built.swaps)
     return built if handlers and not moved else None
-
-
-def _where(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), t.dtype, t.shape
 
 
 def _keeps_to_its_layer(module: nn.Module) -> bool:

@@ -50,7 +50,7 @@ class Discovery:
     refused: dict[str, str] = field(default_factory=dict)  # "unit.key" or unit -> why
 
 
-def _signature(t: torch.Tensor) -> tuple:
+def location(t: torch.Tensor) -> tuple:
     """Where a tensor's bytes are: a rebound `.data` or a new object moves it."""
     return (storage_key(t) if t.numel() else 0, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
@@ -76,7 +76,7 @@ def rederive(
             new = stand_in.data(after.get(key, old))
             target = data[key]
             emptied = kind == "param" and new.numel() == 0 and target.numel()  # a param we keep
-            if _signature(new) != _signature(target) and not emptied:
+            if location(new) != location(target) and not emptied:
                 if new.shape != target.shape or new.dtype != target.dtype:
                     raise RuntimeError(
                         f"re-running the step changed {key} from {tuple(target.shape)} "
@@ -123,7 +123,7 @@ class _Discoverer:
     def observe(self, name: str, unit: nn.Module, step: Step) -> None:
         self.params()  # the checkpoint parameters as they were before this step (it may replace some)
         before = reach(unit)
-        signatures = {k: (id(t), _signature(stand_in.data(t))) for k, (_, _, _, t) in before.items()}
+        signatures = {k: (id(t), location(stand_in.data(t))) for k, (_, _, _, t) in before.items()}
         access = Intercept()  # performs everything; notes the storages each op read and wrote
         with access:
             step(unit)
@@ -131,7 +131,7 @@ class _Discoverer:
         outputs = [
             k
             for k, t in after.items()
-            if signatures.get(k) != (id(t), _signature(stand_in.data(t)))
+            if signatures.get(k) != (id(t), location(stand_in.data(t)))
             or (t.numel() and storage_key(t) in access.written)
         ]
         try:
@@ -158,7 +158,7 @@ class _Discoverer:
                 derived.append(key)
                 continue
             emptied = after[key].numel() == 0 and old.numel()
-            if emptied and _signature(stand_in.data(old)) == signatures[key][1]:
+            if emptied and location(stand_in.data(old)) == signatures[key][1]:
                 stand_in.put_back(owner, kind, name, old)  # AMX: the weight emptied, its copies derived
                 continue
             raise RuntimeError(f"it changes checkpoint parameter {ckpt[id(old)]} ({key})")
