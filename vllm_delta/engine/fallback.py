@@ -23,7 +23,6 @@ from vllm_delta.wire.codecs import ulp_resolve_tensor
 from vllm_delta.wire.errors import IncompatibleDeltaError, IntegrityError
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
-SHADOW_SUFFIX = "#checkpoint"  # the shadow's target name: `{name}#checkpoint`
 
 
 class UnservableLoader(Exception):
@@ -37,10 +36,6 @@ class Write:
     target: str
     offsets: torch.Tensor
     values: torch.Tensor
-
-
-def shadow_target(name: str) -> str:
-    return name + SHADOW_SUFFIX
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -138,7 +133,7 @@ class Shadows:
                 self.refused[name] = f"{why}; its loader fails on replay: {type(exc).__name__}: {exc}"
                 continue
             self.tensors[name] = shadow
-            self.targets[shadow_target(name)] = shadow
+            self.targets[name + "#checkpoint"] = shadow  # the shadow is a target of its own
         return replayed
 
     def stage(
@@ -183,7 +178,7 @@ class Shadows:
             base = flat_storage(self.targets[a.target])[a.offsets] if anchor else b.values
             moved = torch.nonzero(bits(a.values) != bits(base)).squeeze(1)
             staging.add(a.target, chunk(self.targets[a.target], a.offsets[moved], a.values[moved]))
-        target = shadow_target(name)
+        target = name + "#checkpoint"
         staging.add(target, chunk(self.targets[target], positions, new), counted=False)
 
     def partial(self, name: str) -> str | None:

@@ -114,12 +114,6 @@ def _owner(w: Write, probes: Mapping[int, int], dtypes: list[torch.dtype]) -> in
     return i
 
 
-def _view_segment(w: Write, numel: int) -> Segment:
-    """The segment of a copy of a meta probe's view: its storage offset and strides are the map."""
-    src = w.src.expand(w.dst.shape)
-    return _segment(w.target, w.dst, src.storage_offset(), tuple(src.stride()), numel)
-
-
 def _ids_of(src: Any, dst: torch.Tensor, id_dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(src, torch.Tensor):
         raise UnmappableLoader("loader writes a constant")
@@ -269,8 +263,11 @@ def _probe_batch(
             else:
                 out[w.at].fills.append(fill)
             continue
+        src = w.src.expand(w.dst.shape)  # a view of the meta probe: its offset and strides are the map
         try:
-            out[i].segments.append(_view_segment(w, math.prod(out[i].shape)))
+            out[i].segments.append(
+                _segment(w.target, w.dst, src.storage_offset(), tuple(src.stride()), math.prod(out[i].shape))
+            )
         except UnmappableLoader:
             bad.append(i)
     return (None, min(bad)) if bad else ({p.name: p for p in out}, 0)
