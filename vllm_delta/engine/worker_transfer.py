@@ -21,7 +21,7 @@ from vllm_delta.engine.messages import PrepareRequest, failure
 from vllm_delta.wire import DeltaError, Manifest, parse_manifest
 
 logger = logging.getLogger(__name__)
-Stage = Callable[[Manifest, Iterable[Any]], StagedUpdate]  # the applier's prepare (a manifest, its flushes), for one update
+Stage = Callable[[Manifest, Iterable[Any]], StagedUpdate]  # the applier's prepare, for one update
 
 
 def prepare_threads() -> int:
