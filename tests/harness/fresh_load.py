@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from harness.vllm_engine import MAX_MODEL_LEN, engine_env, free_port
+from harness.vllm_engine import MAX_MODEL_LEN, engine_env, free_port, patched_environ, with_engine_site
 from vllm_delta.engine.cli_args import ENV_FLAG
 
 # What a TP=1 worker prefixes its digests with (vLLM's `Worker._weight_checksum_prefix`).
@@ -45,7 +45,8 @@ class FreshLoader:
     def __init__(self) -> None:
         self._conn, child = mp.get_context("spawn").Pipe()
         self._proc = mp.get_context("spawn").Process(target=_serve, args=(child,), daemon=True)
-        self._proc.start()
+        with patched_environ({"PYTHONPATH": with_engine_site(os.environ.get("PYTHONPATH"))}):
+            self._proc.start()  # the child starts as an engine's processes do (harness/engine_site)
         child.close()
 
     def checksums(self, model_dir: Path | str) -> dict[str, str]:
