@@ -37,7 +37,7 @@ from vllm_delta.wire import (
 from vllm_delta.wire import flush as flush_mod
 from vllm_delta.wire.container import json_loads, pack, unpack
 from vllm_delta.wire.deltas import DeltaBatch
-from vllm_delta.wire.flush_meta import parse_params
+from vllm_delta.wire.flush_meta import HeadCheck, parse_params
 
 MINE = {"reader.py", "flush.py", "flush_meta.py", "deltas.py", "manifest.py", "container.py"}  # the reader's
 # Python calls a tensor, as measured when this was written (26 in the whole package before session 7, 8
@@ -249,17 +249,17 @@ def test_cached_heads_still_check_each_param_against_the_model(tmp_path):
         len(read_delta(d, expected={**expected, "layer.2.w": ([8, 8], torch.bfloat16)}, current_version=0))
         == 3
     )
-    heads = flush_mod._HeadCheck({**expected, "layer.2.w": ((4, 16), torch.bfloat16)}, file="f")
+    heads = HeadCheck({**expected, "layer.2.w": ((4, 16), torch.bfloat16)}, file="f")
     info = open_delta(d)
     tensors, meta = unpack(
         (d / info.manifest.files[0].name).read_bytes(), file="f", limits=flush_mod.Limits()
     )
     params = parse_params(json.loads(meta["params"]), blocked=True, file="f").entries()
-    heads(params[1])
+    heads(*params[1][:4])
     with pytest.raises(ShapeMismatchError, match=r"shape \[8, 8\] != model's \[4, 16\]"):
-        heads(params[2])
+        heads(*params[2][:4])
     with pytest.raises(FormatError, match="65 changes in 64 elements"):
-        heads(params[1]._replace(count=65))
+        heads(*params[1]._replace(count=65)[:4])
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,9 @@
 """Additive per-tensor digest: H(t) = sum_i mix(i, bits_i) mod 2^64, in two independent lanes.
 
-Why additive: a sender that changes k elements updates H in O(k) (subtract the old terms, add the
-new ones), ranks holding disjoint shards of one tensor add their partial sums, and a receiver can
-check the k elements it is about to overwrite against the sender's expectation before writing
-anything. xxh3 over the whole tensor (`tensor_digest`) can do none of these.
-
-The terms and their sums are `kernels/digest.py`'s (compiled on the CPU, plain torch integer ops
-elsewhere, where the tensor lives); this module is the digest as the wire carries it.
-
-What it detects: any wrong value or wrong position among the summed elements, except with
-probability about 2^-64 per lane for an adversary-free fault (the lanes use independent mixers,
-so both must collide: ~2^-128). It is not a MAC: anyone who can write a delta can also write a
-matching digest. Integrity against tampering comes from the file hashes and route auth.
+Why additive: a sender updates H in O(changed), shards add their partial sums, and a receiver checks
+the elements it is about to overwrite before writing. The terms are `kernels/digest.py`'s; this is the
+digest as the wire carries it. Not a MAC (~2^-128 for an adversary-free fault): tampering is the file
+hashes' and route auth's job.
 """
 
 from __future__ import annotations

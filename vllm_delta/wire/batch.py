@@ -1,15 +1,8 @@
 """Decoding a block-indexed flush's params together: a fixed number of numpy calls per batch of params.
 
-Why: at a production tensor count (44k checkpoint tensors of a few dozen changes each) the
-per-param path (flush._plan_blocked / _decode_blocked) spends about 0.3 ms a tensor on index
-parsing, numpy calls and zstd frames, whatever the number of changes. Here every param's block
-index is parsed as one array, frames are decompressed with one reused context, and each stream
-of a batch of params is decoded with a constant number of numpy ops.
-
-A fast path only: input it does not expect (an encoding without a batched decoder, implicit
-positions, raw streams, a frame whose header does not state its exact size, any failing check,
-any zstd error) raises `Fallback`, and the caller decodes from there on the per-param path, which
-raises the precise error. So each check of that path holds here too, or a stricter one does.
+Why: at 44k checkpoint tensors of a few changes each, the per-param path (flush.py) pays ~0.3 ms a
+tensor in index parsing, numpy calls and zstd frames. A fast path only: input it does not expect
+raises `Fallback`, and the per-param path decodes from there on (and raises the precise error).
 """
 
 from __future__ import annotations
@@ -34,13 +27,9 @@ from .errors import DeltaError
 from .flush_meta import Heads, Rows
 
 BATCH_ENTRIES = 1 << 19  # decoded entries per batch: bounds its temporaries (about 100 B an entry)
-# A param with this many wanted entries decodes on the per-param path: there its per-param cost is
-# paid back, and its contiguous views decode a change 3-6x cheaper than the batch's gathers
-# (2 M changes in 24 params: ulp_zstd 17 vs 50-57 ns a change, deltas_zstd 27 vs 153-168 ns).
+# Past this many wanted entries a param decodes 3-6x cheaper a change on the per-param path.
 PER_PARAM_ENTRIES = 1 << 13
-# Entries of a batch's device part (batch_device.py): its ~86 ops (ulp_zstd) are launches on a GPU, so a
-# batch holds more there (its int64 temporaries, about 120 B an entry, in device memory: ~0.5 GB).
-DEVICE_BATCH_ENTRIES = 1 << 22
+DEVICE_BATCH_ENTRIES = 1 << 22  # a device batch's ~86 ops are launches: more entries (~0.5 GB of int64)
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -73,12 +62,8 @@ def parse(
     file: str,
     expected: Mapping | None,
 ) -> FlushIndex:
-    """Validate every param's head and block index against the streams at once (or `Fallback`: the
-    per-param path then raises the precise error, or decodes what this path does not take).
-
-    `meta`: the params' metadata. The heads' checks (flush._HeadCheck's) as columns: each distinct (dtype,
-    shape) once; the model's shape and dtype for every param in one comparison; the change counts in
-    one array comparison."""
+    """Validate every param's head and block index against the streams at once, as columns (each distinct
+    (dtype, shape) once, the model's heads in one comparison), or `Fallback`."""
     if not _supported(enc) or any(s.codec != "zstd" for s in smeta.values()) or not meta.name:
         raise Fallback
     columns = {s: j for j, s in enumerate(smeta)}
@@ -93,7 +78,7 @@ def parse(
     except DeltaError:
         raise Fallback from None
     got = list(map(known.__getitem__, keys))
-    dtypes = list(map(itemgetter(0), got))  # no Python loop a param (session 9)
+    dtypes = list(map(itemgetter(0), got))
     numel = list(map(itemgetter(1), got))
     torch_dtypes = list(map(attrgetter("torch"), dtypes))
     # The model's (shape, dtype) of every param in one comparison (a torch.Size equals its tuple).
@@ -197,7 +182,7 @@ def wanted(ix: FlushIndex, owned: Mapping | None) -> np.ndarray:
     lo = np.zeros(len(ix.names), dtype=np.int64)
     hi = ix.numel - 1
     got: list[Any] = list(map(owned.get, ix.names))  # each param's ranges, or None
-    given = list(map(is_not, got, repeat(None)))  # as columns: no Python loop a param (session 9)
+    given = list(map(is_not, got, repeat(None)))
     at = np.flatnonzero(np.array(given, dtype=bool))
     ranges = np.fromiter(map(len, compress(got, given)), dtype=np.int64, count=at.size)
     one = at[ranges == 1]  # merged, a range is itself
@@ -231,17 +216,11 @@ def decode(
     fallback: Callable[[int, int], Iterator],
     batches: bool = False,
 ) -> Iterator[ParamDelta | DeltaBatch]:
-    """Decode the params a batch at a time; a batch this path does not take, and a param of at least
-    PER_PARAM_ENTRIES wanted entries, go to `fallback(p, q)` (the per-param path for params p..q-1),
-    then on to the next batch.
+    """Decode the params a batch at a time; a batch this path does not take, and a host param of at least
+    PER_PARAM_ENTRIES wanted entries, go to `fallback(p, q)` (the per-param path for params p..q-1).
 
-    `decoder`: the back end. The params it places on a device (`decoder.devices`) are decoded there,
-    apart from the batch's host params and up to DEVICE_BATCH_ENTRIES, whatever each param's size (the
-    device has no per-param path to prefer); their checks are left in `decoder` for its `verify`.
-
-    Each param comes as a `ParamDelta` of torch views (values: signed-integer steps for a base-relative
-    encoding, else new values in its dtype); with `batches`, a batch decoded on the host alone comes as
-    one `DeltaBatch`, with no call or view a param.
+    The params `decoder.devices` places are decoded there (their checks left for `decoder.verify`). Each
+    param comes as a `ParamDelta`; with `batches`, a batch decoded on the host alone as one `DeltaBatch`.
     """
     mask = wanted(ix, owned)
     pid, names, shapes, needs_base = ix.pid, ix.names, ix.shapes, enc.needs_base
@@ -298,62 +277,38 @@ def decode(
             p = q
             continue
         if True in parts:
-            decoder.decoded.update(ix.names[i] for i in range(p, q) if on_dev[i])
+            decoder.decoded.update(compress(names[p:q], on_dev[p:q]))
         sizes = per_param[p:q].tolist()
         kinds_k = on_dev[p:q].tolist()
-        # Each param's views made by one split per part and value type (a Python slice costs ~2 us a
-        # view, 44k tensors two each): steps stay signed integers, new values are viewed in the dtype.
         types = ix.itemsize[p:q].tolist() if needs_base else dtypes[p:q]
-        views = {}
-        for there, (pos, by_size) in parts.items():
-            if batches and True not in parts:
-                break  # a DeltaBatch takes the batch's tensors whole: no view a param
-            lens = [n for n, on in zip(sizes, kinds_k) if on == there]
-            split = {}
-            for t in dict.fromkeys([t for t, on in zip(types, kinds_k) if on == there]):
-                vals = by_size[t if enc.needs_base else t.itemsize]
-                split[t] = vals.split(lens) if enc.needs_base else vals.view(t).split(lens)
-            views[there] = (iter(pos.split(lens)), split, iter(range(len(lens))))
-        nwanted = np.add.reduceat(mask[a:b].astype(np.int64), ix.row0[p:q] - a).tolist()
         row0 = ix.row0[p : q + 1]
-        first, last = ix.first[row0[:-1]].tolist(), ix.last[row0[1:] - 1].tolist()
-        nrows = np.diff(row0).tolist()
-        count = ix.count[p:q].tolist()
-        if batches and True not in parts:  # one object for the batch (wire/flush.DeltaBatch)
-            pos, host = parts[False]
-            values = {
-                t: host[t] if enc.needs_base else host[t.itemsize].view(t) for t in dict.fromkeys(types)
-            }
-            nbytes = pos.nbytes + int(np.dot(per_param[p:q], ix.itemsize[p:q]))
-            yield DeltaBatch(
-                names[p:q],
-                shapes[p:q],
-                dtypes[p:q],
-                pos,
-                values,
-                types,
-                sizes,
-                needs_base,
-                count,
-                list(map(int.__sub__, count, sizes)),
-                first,
-                last,
-                list(zip(nwanted, nrows)),
-                nbytes,
-            )
-            p = q
-            continue
-        for k in range(q - p):  # made as consumed, so few params live at once
-            pos, split, at = views[kinds_k[k]]
-            yield ParamDelta(
-                names[p + k],
-                shapes[p + k],
-                dtypes[p + k],
-                next(pos),
-                split[types[k]][next(at)],
-                needs_base,
-                count[k] - sizes[k],
-                (first[k], last[k]),
-                (nwanted[k], nrows[k]),
+        nwanted = np.add.reduceat(mask[a:b].astype(np.int64), row0[:-1] - a).tolist()
+        cols = [
+            names[p:q],
+            shapes[p:q],
+            dtypes[p:q],
+            types,
+            sizes,
+            ix.count[p:q].tolist(),
+            ix.first[row0[:-1]].tolist(),
+            ix.last[row0[1:] - 1].tolist(),
+            list(zip(nwanted, np.diff(row0).tolist())),
+            ix.itemsize[p:q].tolist(),
+        ]
+        made = {}  # one DeltaBatch a part: its params' views come from one split per value type
+        for there, (pos, by_size) in parts.items():
+            keep = list(map(bool.__eq__, kinds_k, repeat(there)))
+            n, sh, dt, ty, sz, ct, fi, la, nb, isz = (list(compress(c, keep)) for c in cols)
+            values = {t: by_size[t] if needs_base else by_size[t.itemsize].view(t) for t in dict.fromkeys(ty)}
+            skipped = list(map(int.__sub__, ct, sz))
+            nbytes = pos.nbytes + int(np.dot(sz, isz))
+            made[there] = DeltaBatch(
+                n, sh, dt, pos, values, ty, sz, needs_base, ct, skipped, fi, la, nb, nbytes
             )
         p = q
+        if batches and True not in made:
+            yield made[False]
+            continue
+        each = {there: batch.deltas() for there, batch in made.items()}
+        for on in kinds_k:  # in flush order, made as consumed, so few params live at once
+            yield next(each[on])

@@ -1,20 +1,11 @@
 """A batch of block-indexed params decoded on its destination's device: the host decompresses, the device
 decodes.
 
-Why: with the weights on an accelerator, the host's share of prepare per change was numpy work
-(byte planes into words, bits unpacked, the gap cumsum) and the int64 positions it made, which
-then crossed PCIe (4 B a change narrowed, plus the values). Here the host only checks the block
-index's sizes and decompresses (wire/batch.py), the streams cross as decompressed from the wire
-(a gap byte or two, a sign and a flag bit, the rare escapes: 1-3 B a change), with one table of
-per-row numbers, and positions and value payloads are rebuilt there in a constant number of
-torch ops per batch, however many params (checkpoint tensors) it holds.
-
-Checks that need the decoded values (gaps and positions in range, each block's first and last
-position, the flags' count against the escape planes) cannot raise where the values are without
-a device sync. Each batch folds them into one flag, kept in `DeviceDecoder`, which the caller
-checks once (`DeviceDecoder.verify`) before any entry is used; until then positions are clamped in
-range, so no kernel reads out of bounds. Strict increase within a run needs no check of its own:
-each gap is checked in [0, numel) and each position too, so a step adds gap + 1 >= 1 with no wrap.
+Why: with the weights on an accelerator, the streams cross as decompressed from the wire (1-3 B a
+change) with one table of per-row numbers, not the host's int64 positions, and are rebuilt there in a
+constant number of torch ops per batch. Checks of decoded values cannot raise without a device sync:
+each batch folds them into one flag, checked once by `DeviceDecoder.verify` before any entry is used;
+until then positions are clamped in range.
 """
 
 from __future__ import annotations
@@ -40,9 +31,7 @@ class DeviceDecoder(Decoder):
     def __init__(self, devices: Mapping[str, torch.device]) -> None:
         super().__init__()
         self.devices = dict(devices)
-        self.checks: list[
-            tuple[str, torch.Tensor, int]
-        ] = []  # (first param, ok flag, bytes uploaded), per batch
+        self.checks: list[tuple[str, torch.Tensor, int]] = []  # per batch: first param, ok flag, bytes sent
 
     @property
     def uploaded(self) -> int:
@@ -216,9 +205,7 @@ def _decode(
         )
     pid = ix.pid[rows]
     width, isz, numel = ix.width[pid], ix.itemsize[pid], ix.numel[pid]
-    heads = np.flatnonzero(batch.run_start)  # rows (in the batch) where a run of blocks starts
-    r = rows[heads]
-    prev = np.where(r == ix.row0[ix.pid[r]], -1, ix.last[np.maximum(r - 1, 0)])
+    heads, prev = batch.heads
     up = _Upload(rows.size)
     c_cnt, c_estart = up.column(cnt), up.column(batch.estart)
     c_numel, c_first, c_last = up.column(numel), up.column(ix.first[rows]), up.column(ix.last[rows])
@@ -284,11 +271,9 @@ def _bit(d: _Device, src: torch.Tensor, base_col: int) -> torch.Tensor:
 
 def narrow(values: torch.Tensor, itemsizes: Iterable[int]) -> dict[int, torch.Tensor]:
     """int64 payloads as the signed integers of each width (their low bytes, as numpy's astype wraps)."""
-    out = {}
-    for i in itemsizes:
-        out[i] = (
-            values
-            if i == 8
-            else values.view(getattr(torch, f"int{8 * i}")).reshape(-1, 8 // i)[:, 0].contiguous()
-        )
-    return out
+    return {
+        i: values
+        if i == 8
+        else values.view(getattr(torch, f"int{8 * i}")).reshape(-1, 8 // i)[:, 0].contiguous()
+        for i in itemsizes
+    }

@@ -62,8 +62,11 @@ class HostBatch:
         return np.repeat(np.arange(self.rows.size), self.cnt)
 
     @cached_property
-    def pid_e(self) -> np.ndarray:
-        return self.ix.pid[self.rows][self.row_of]
+    def heads(self) -> tuple[np.ndarray, np.ndarray]:
+        """The rows (in the batch) where a run of blocks starts, and the position before each run."""
+        ix, at = self.ix, np.flatnonzero(self.run_start)
+        r = self.rows[at]
+        return at, np.where(r == ix.row0[ix.pid[r]], -1, ix.last[np.maximum(r - 1, 0)])
 
     def stream(self, name: str, want: np.ndarray) -> np.ndarray:
         """Stream `name`'s decoded bytes for the rows that list it; each must decode to `want` bytes."""
@@ -121,18 +124,15 @@ class HostBatch:
             gaps = self.planes("pos", width, width[self.row_of], self.cnt, self.entries)
         else:
             gaps = self.gather("positions", width)
-        numel_e = ix.numel[self.pid_e]
+        numel_e = ix.numel[ix.pid[rows][self.row_of]]
         if not self.entries:
             return np.zeros(0, dtype=np.int64)
         if not bool((gaps < numel_e.astype(np.uint64)).all()):
             raise Fallback
         cs = np.cumsum(gaps.astype(np.int64) + 1)
-        first_rows = np.flatnonzero(self.run_start)  # rows (in the batch) where a run starts
+        first_rows, prev = self.heads
         starts = self.estart[first_rows]
         before = np.where(starts > 0, cs[np.maximum(starts - 1, 0)], 0)
-        r = rows[first_rows]
-        is_head = r == ix.row0[ix.pid[r]]
-        prev = np.where(is_head, -1, ix.last[np.maximum(r - 1, 0)])
         run_len = np.diff(np.concatenate((starts, [self.entries])))
         pos = cs + np.repeat(prev - before, run_len)
         inside = np.ones(self.entries, dtype=bool)
@@ -201,15 +201,11 @@ HOST = Decoder()  # stateless on the host (`decoded` is only ever filled by a de
 
 
 def frames(stream: memoryview, offset: np.ndarray, stored: np.ndarray, decoded: np.ndarray) -> bytes:
-    """The frames at `offset`/`stored` decompressed back to back, each to exactly its `decoded` size.
+    """The frames at `offset`/`stored` decompressed back to back, each to exactly its `decoded` size, held
+    to `container.decompress`'s checks (headers read here, RFC 8878: zstd's batch call checks neither).
 
-    Each frame is held to what `container.decompress` checks (its header states exactly the size the
-    index gives; it decodes to that; no bytes follow it in its span), or `Fallback`: the header and
-    the frame's extent are read here (RFC 8878) since zstd's batch call reports neither; the output
-    buffers are sized from the index, never from a header. A frame of one stored (raw) or RLE block
-    (`_check_frames` says which) is copied out as it is: what zstd would give, with no call and no
-    Python object a frame (a tensor of a few changes has five frames of a few bytes, 220k at 44k
-    tensors). The others go through one zstd call for all of them.
+    Why: a raw or RLE single-block frame (most of a small tensor's five frames: 220k at 44k tensors) is
+    copied out with no call a frame; the others go through one zstd call for all of them.
     """
     if bool(((stored == 0) != (decoded == 0)).any()):
         raise Fallback  # an empty frame that decodes to something (or the reverse): the per-param path says
@@ -260,9 +256,8 @@ def _check_frames(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every frame is one zstd frame filling its span exactly, whose header declares `decoded` bytes.
 
-    Per frame: 0 (a stored block) or 1 (an RLE block) where it is one such block of exactly `decoded`
-    bytes in a single-segment frame with no dictionary and no checksum (zstd would give that block's
-    bytes, or its byte repeated, and check nothing more), else -1; and where that block's content starts.
+    Per frame: 0 (raw) or 1 (RLE) where it is one such block of exactly `decoded` bytes in a single-segment
+    frame with no dictionary or checksum, else -1; and where that block's content starts.
     """
     end = offset + stored
 

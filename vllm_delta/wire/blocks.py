@@ -1,20 +1,14 @@
 """Seekable position blocks: a param's changes cut into blocks a receiver can skip undecoded.
 
-Why: under tensor parallelism a rank holds only part of a tensor (a row block, say), yet every
-rank used to decompress and decode every change. A block records the first and last position it
-holds and the byte length of each of its streams (one zstd frame per stream per block), so a rank
-decodes only the blocks whose position range meets what it owns.
+Why: under tensor parallelism a rank holds part of a tensor. A block records its first and last
+position and each stream's byte lengths (one zstd frame per stream), so a rank decodes only the
+blocks meeting what it owns.
 
-Block choice: a new block may start where positions cross a multiple of `SPAN` elements (2^20,
-so row shards of power-of-two tensors align with block edges), once the current block holds at
-least `MIN_ENTRIES`; no block holds more than `MAX_ENTRIES`. Every block but a param's last holds
-a multiple of 8 entries, so packed bit streams concatenate; gaps continue across blocks, so a run
-of consecutive blocks decodes as one. The cost is measured in docs/results/codec.md.
-
-Implicit positions (a param's `width` 0, what anchors write): every block is a dense range, its
-positions exactly `first..last`, so it stores no position bytes. Dense runs are cut where positions
-cross a multiple of `max_entries` (so blocks align as above); such a block is decoded on its own,
-so its count need not be a multiple of 8.
+A block may start where positions cross a multiple of 2^`SPAN_BITS` (row shards of power-of-two
+tensors align), once it holds `MIN_ENTRIES`; none holds more than `MAX_ENTRIES`. Every block but a
+param's last holds a multiple of 8 entries (packed bits concatenate); gaps continue across blocks.
+Implicit positions (`width` 0, anchors): each block is the dense range `first..last`, cut at
+multiples of `max_entries`, decoded on its own (any count).
 """
 
 from __future__ import annotations
@@ -106,10 +100,8 @@ def parse_index(
     param: str,
     implicit: bool = False,
 ) -> BlockIndex:
-    """Check a param's `blocks` metadata: [[first, last, count, [stored, decoded] * streams], ...].
-
-    `implicit` (width 0): every block must be dense (count = last - first + 1); blocks are decoded
-    one by one, so counts need not be multiples of 8."""
+    """Check a param's `blocks` metadata: [[first, last, count, [stored, decoded] * streams], ...];
+    `implicit` (width 0): every block dense, counts any."""
     if (
         not isinstance(rows, list)
         or not rows

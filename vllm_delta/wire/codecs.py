@@ -1,8 +1,8 @@
 """Vectorized position and value codecs on numpy arrays (and the receiver's ULP resolve in torch).
 
-Positions are sorted, unique int64 flat indices. Values are bit patterns as unsigned integers of
-the param's own width. Every decoder validates what it returns, so a hostile byte string yields a
-`DeltaError`, never an out-of-range index or a wrapped sum.
+Positions are sorted, unique int64 flat indices; values are bit patterns as unsigned integers of the
+param's width. Every decoder validates what it returns: a hostile byte string yields a `DeltaError`.
+Gaps: d[k] = idx[k] - idx[k-1] - 1, idx[-1] = -1. Byte planes: plane j holds byte j of every entry.
 """
 
 from __future__ import annotations
@@ -46,14 +46,6 @@ def _frombuffer(buf: memoryview, dtype: np.dtype, count: int, what: str, *, file
     return np.frombuffer(buf, dtype=dtype, count=count)
 
 
-# ---- absolute indices -------------------------------------------------------------------------
-
-
-def index_width(numel: int) -> int:
-    """int32 while every index fits, int64 beyond 2^31 elements."""
-    return 4 if numel <= 1 << 31 else 8
-
-
 def encode_indices(pos: np.ndarray, width: int) -> bytes:
     return pos.astype(f"<i{width}").tobytes()
 
@@ -71,15 +63,9 @@ def decode_indices(
     return pos
 
 
-# ---- gaps: d[k] = idx[k] - idx[k-1] - 1, idx[-1] = -1 ------------------------------------------
-
-
 def encode_gaps(pos: np.ndarray, *, prev: int = -1, width: int | None = None) -> tuple[int, np.ndarray]:
-    """Gaps in the narrowest unsigned width that holds the largest one (or in `width`).
-
-    `prev` is the position before `pos[0]` (-1 at a param's start): a block of a param continues
-    its gaps, so consecutive blocks decode as one run.
-    """
+    """Gaps in the narrowest unsigned width that holds the largest one (or in `width`); `prev`: the position
+    before `pos[0]` (-1 at a param's start: a block continues its param's gaps)."""
     pos = pos.astype(np.int64, copy=False)
     gaps = np.empty(pos.size, dtype=np.int64)  # np.diff(pos, prepend=prev) - 1, in two passes instead of four
     if pos.size:
@@ -107,12 +93,8 @@ def gap_width(pos: np.ndarray, *, prev: int = -1) -> int:
 
 
 def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) -> np.ndarray:
-    """Prefix-sum gaps back to positions without any chance of a wrapped sum going unnoticed.
-
-    Every gap is checked below numel (< 2^62) first, so each term fits int64 and a wrap in the
-    prefix sum would show as a decrease, which `check_positions` rejects. `prev` (-1 <= prev <
-    numel) is the position before the first one.
-    """
+    """Prefix-sum gaps back to positions: every gap is checked below numel (< 2^62) first, so a wrap in
+    the prefix sum would show as a decrease, which `check_positions` rejects."""
     if gaps.size == 0:
         return np.zeros(0, dtype=np.int64)
     if int(gaps.max()) >= numel or not -1 <= prev < numel:
@@ -127,9 +109,6 @@ def gaps_from_bytes(buf: memoryview, count: int, width: int, *, file, param) -> 
     if width not in GAP_WIDTHS:
         raise FormatError(f"gap width {width} is not one of {GAP_WIDTHS}", file=file, param=param)
     return _frombuffer(buf, _uint(width), count, "gaps", file=file, param=param)
-
-
-# ---- byte planes: plane j holds byte j of every entry, so mostly-zero high bytes compress away --
 
 
 def to_planes(arr: np.ndarray) -> list[bytes]:
@@ -152,16 +131,6 @@ def from_planes(planes: list[memoryview], count: int, width: int, what: str, *, 
             plane, np.dtype(np.uint8), count, f"{what} plane {j}", file=file, param=param
         )
     return grid.view(_uint(width)).reshape(count)
-
-
-# ---- raw values -------------------------------------------------------------------------------
-
-
-def values_from_bytes(buf: memoryview, count: int, d: DType, *, file, param) -> np.ndarray:
-    return _frombuffer(buf, d.uint, count, "values", file=file, param=param).copy()
-
-
-# ---- ULP steps: the new value as a signed step from the old one, in a monotone integer key ------
 
 
 def _int(d: DType) -> np.dtype:
@@ -202,11 +171,8 @@ def ulp_resolve(old_bits: np.ndarray, steps: np.ndarray, d: DType) -> np.ndarray
 
 
 def ulp_resolve_tensor(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """`ulp_resolve` in torch integer ops where `old` lives: new values of `old`'s dtype.
-
-    Why torch: the receiver resolves against weights on the GPU; a numpy round trip would copy
-    them to the host. `steps` are same-width signed integers on `old`'s device.
-    """
+    """`ulp_resolve` in torch integer ops where `old` lives (a GPU's weights never cross to the host);
+    `steps` are same-width signed integers on `old`'s device."""
     d = by_torch(old.dtype)
     if steps.device != old.device or steps.numel() != old.numel() or steps.element_size() != d.itemsize:
         raise ValueError(
@@ -218,11 +184,8 @@ def ulp_resolve_tensor(old: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def encode_steps(steps: np.ndarray, d: DType) -> tuple[bytes, bytes, np.ndarray]:
-    """Split steps into packed sign bits, packed `|step| > 1` flags and escapes `|step| - 2`.
-
-    About 9 in 10 Adam-step changes move one ULP, so signs cost a bit each, flags well under a bit
-    after zstd, and escapes are rare.
-    """
+    """Split steps into packed sign bits, packed `|step| > 1` flags and escapes `|step| - 2` (about 9 in
+    10 Adam-step changes move one ULP, so escapes are rare)."""
     signed = steps.view(_int(d))
     neg = signed < 0  # the sign bit
     mag = np.abs(signed).view(d.uint)  # 0 - step where negative; the most negative maps to itself, as there
@@ -230,19 +193,9 @@ def encode_steps(steps: np.ndarray, d: DType) -> tuple[bytes, bytes, np.ndarray]
     return np.packbits(neg).tobytes(), np.packbits(big).tobytes(), mag[big] - d.uint.type(2)
 
 
-def bits_len(count: int) -> int:
-    return (count + 7) // 8
-
-
 def unpack_bits(buf: memoryview, count: int, what: str, *, file, param) -> np.ndarray:
-    raw = _frombuffer(buf, np.dtype(np.uint8), bits_len(count), what, file=file, param=param)
+    raw = _frombuffer(buf, np.dtype(np.uint8), (count + 7) // 8, what, file=file, param=param)
     return np.unpackbits(raw, count=count).astype(bool)
-
-
-def decode_steps(neg: np.ndarray, big: np.ndarray, escapes: np.ndarray, d: DType) -> np.ndarray:
-    mag = np.ones(neg.size, dtype=d.uint)
-    mag[big] = escapes + d.uint.type(2)
-    return np.where(neg, d.uint.type(0) - mag, mag)
 
 
 def ulp_streams(new: np.ndarray, old: np.ndarray, d: DType) -> dict[str, bytes]:
@@ -263,7 +216,7 @@ def ulp_streams(new: np.ndarray, old: np.ndarray, d: DType) -> dict[str, bytes]:
     from vllm_delta.kernels.ulp_jit import write_ulp_streams
 
     n = new.size
-    signs, flags = np.zeros(bits_len(n), np.uint8), np.zeros(bits_len(n), np.uint8)
+    signs, flags = np.zeros((n + 7) // 8, np.uint8), np.zeros((n + 7) // 8, np.uint8)
     esc = np.empty((d.itemsize, n), np.uint8)
     count = write_ulp_streams(new, old, signs, flags, esc)
     out = {"sign": bytes(signs.data), "flag": bytes(flags.data)}

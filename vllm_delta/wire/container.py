@@ -1,9 +1,7 @@
 """Bounded reading and writing of the byte-level layers: files in a version directory, safetensors, zstd.
 
-Written with the `safetensors` library; read with a strict parser of the safetensors layout, so
-that a header size, every offset and every decompressed size is checked against a limit before
-any allocation happens. Files are opened through `DeltaDir`, relative to a directory handle and
-never through a symlink, so what was checked is what is read.
+Written with the `safetensors` library; read with a strict parser, so every header size, offset and
+decompressed size is checked against a limit before any allocation. Files are opened through `DeltaDir`.
 """
 
 from __future__ import annotations
@@ -39,11 +37,8 @@ _gc_was_enabled = False  # collection's state when the first of them entered
 
 
 def decompressor() -> zstandard.ZstdDecompressor:
-    """This thread's zstd decompression context, made once and reused for every frame.
-
-    Why: making a context costs about 15 us, and a flush of a production tensor count holds
-    hundreds of thousands of tiny frames; a context is not thread-safe, hence one per thread.
-    """
+    """This thread's zstd decompression context: making one costs ~15 us, and a flush holds hundreds of
+    thousands of tiny frames at 44k tensors."""
     d = getattr(_local, "dctx", None)
     if d is None:
         d = _local.dctx = zstandard.ZstdDecompressor()
@@ -54,11 +49,8 @@ def decompressor() -> zstandard.ZstdDecompressor:
 def paused_gc() -> Iterator[None]:
     """No cyclic garbage collection inside: for parsing a flush's or a manifest's metadata.
 
-    Why: that JSON holds a few small lists per tensor; at 44k tensors their allocation starts
-    hundreds of collections, each walking every object the process holds (a 6k-tensor flush's
-    metadata parsed in 20 ms with collection paused, 150 ms without). They form no cycles.
-    The pause is counted across threads (decodes run several at once): the first holder records
-    whether collection was on, the last one restores that, so no interleaving leaves it off.
+    Why: its few small lists per tensor start hundreds of collections at 44k tensors, each walking the
+    whole heap (6k tensors: 20 ms paused, 150 ms not). Counted across threads: the last holder restores.
     """
     global _gc_holders, _gc_was_enabled
     with _gc_lock:
@@ -76,16 +68,9 @@ def paused_gc() -> Iterator[None]:
 
 
 def json_loads(text: str | bytes) -> Any:
-    """`json.loads`, the same values and the same errors, about 1.5x faster on the reader's metadata.
-
-    Why: a flush's and a manifest's JSON hold a few small objects per checkpoint tensor, a measured
-    share of the reader's per-tensor cost at 44k tensors. pydantic-core's parser builds the same
-    objects; what it refuses (all that `json.loads` refuses, and also lone surrogates and nesting
-    past its depth limit, which `json.loads` accepts) is parsed by `json.loads`, so nothing is
-    accepted or refused that was not before, and every error is `json.loads`'s own. Only keys are
-    cached: a manifest's values (names, digests) are nearly all distinct (44k entries: 1.8 -> 1.1 us each).
-    One exception: nesting too deep for `json.loads` (its RecursionError) is a `JSONDecodeError` here,
-    so every caller refuses it as malformed input.
+    """`json.loads`, the same values and errors, ~1.5x faster on the reader's metadata (pydantic-core's
+    parser; what it refuses goes to `json.loads`). Only keys are cached: a manifest's values are nearly
+    all distinct. Nesting too deep for `json.loads` (its RecursionError) is a `JSONDecodeError` here.
     """
     try:
         return pydantic_core.from_json(text, cache_strings="keys")
@@ -117,11 +102,8 @@ class RawTensor:
 
 
 class DeltaDir:
-    """An open version directory. Its files are opened relative to its handle, never through a
-    symlink, and only when they are regular files whose size is known before a byte is read.
-
-    Why: the API server checks a path, but the workers open files later. Holding the directory
-    open (from a handle of the root, component by component, with `O_NOFOLLOW`) means a symlink
+    """An open version directory: files are opened relative to its handle, never through a symlink, and
+    only when regular files. Why: the API server checks a path, the workers open files later; a symlink
     swapped in after the check is refused, and a FIFO or device cannot block or flood a read.
     """
 
@@ -210,12 +192,8 @@ class DeltaDir:
 
 
 class SparseFile(bytearray):
-    """A file's bytes of which only some ranges were fetched; every other byte is zero.
-
-    Why a type of its own: the decoder cannot check such a file's hash, so it must know it was
-    given one (see `DeltaDecoder.feed_iter`); it reads only the ranges a decode of its owned
-    blocks touches, which is how they were chosen.
-    """
+    """A file's bytes of which only some ranges were fetched (the rest zero): its own type, since the
+    decoder cannot check its hash (`DeltaDecoder.feed_iter`)."""
 
 
 def _open_dir(name: str, dir_fd: int | None, *, follow: bool, shown: Path) -> int:
@@ -239,12 +217,10 @@ def pack(blobs: dict[str, bytes], metadata: dict[str, str]) -> bytes:
 
 
 def _sorted_metadata(data: bytes) -> bytes:
-    """`data` with the header's `__metadata__` keys in sorted order.
+    """`data` with the header's `__metadata__` keys sorted, in the same space (offsets unchanged).
 
-    Why: safetensors writes `__metadata__` from a hash map, in an order that differs from process to
-    process, so the same delta would get another file hash (and, under whole-file zstd, another size)
-    each time it is encoded. The header is re-emitted as compact JSON, as safetensors writes it, in the
-    same space (padded with spaces, as safetensors pads), so the tensors' offsets are unchanged.
+    Why: safetensors writes `__metadata__` from a hash map, in an order that differs between processes,
+    so the same delta would get another file hash each time it is encoded.
     """
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
@@ -297,12 +273,8 @@ def unpack(
 
 
 def compressor(level: int) -> zstandard.ZstdCompressor:
-    """This thread's zstd compression context at `level`, made once and reused for every frame.
-
-    Why: making a context costs about 17 us, and a flush holds one frame per stream per block (a
-    10 M-change sync: 2,000 frames); `compress` resets the context's session each call, so its
-    frames are byte-identical to a fresh context's. Not thread-safe, hence one per thread.
-    """
+    """This thread's zstd compression context at `level`: making one costs ~17 us a frame; `compress`
+    resets its session each call, so its frames are byte-identical to a fresh context's."""
     made = getattr(_local, "cctx", None)
     if made is None:
         made = _local.cctx = {}
@@ -316,21 +288,6 @@ def compress(data: bytes, level: int) -> bytes:
     return compressor(level).compress(data)
 
 
-def frame_size(
-    data: bytes | bytearray | memoryview,
-    *,
-    file: str | None = None,
-    what: str = "payload",
-    param: str | None = None,
-) -> int:
-    """The decoded size a zstd frame declares in its header, or -1 when it does not say."""
-    try:
-        declared = zstandard.get_frame_parameters(data[:18]).content_size
-    except zstandard.ZstdError as e:
-        raise FormatError(f"{what}: not a zstd frame: {e}", file=file, param=param) from None
-    return -1 if declared == zstandard.CONTENTSIZE_UNKNOWN else declared
-
-
 def decompress(
     data: bytes | bytearray | memoryview,
     cap: int,
@@ -340,12 +297,13 @@ def decompress(
     what: str = "payload",
     param: str | None = None,
 ) -> bytes | bytearray:
-    """Decompress one zstd frame, never producing more than `cap` bytes (zstd-bomb safe).
-
-    Why one-shot when the frame states its size: the output is allocated once at exactly that
-    size (checked against `cap` and `exact` first), rather than grown chunk by chunk.
-    """
-    declared = frame_size(data, file=file, what=what, param=param)
+    """Decompress one zstd frame, never producing more than `cap` bytes (zstd-bomb safe); one-shot when
+    the frame states its size (checked against `cap` and `exact` first)."""
+    try:
+        declared = zstandard.get_frame_parameters(data[:18]).content_size
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{what}: not a zstd frame: {e}", file=file, param=param) from None
+    declared = -1 if declared == zstandard.CONTENTSIZE_UNKNOWN else declared
     if declared > cap:
         raise LimitError(f"{what}: zstd frame declares {declared} B, limit {cap} B", file=file, param=param)
     if exact is not None and declared not in (-1, exact):

@@ -13,12 +13,9 @@ from .codecs import ulp_resolve_tensor
 
 @dataclass(frozen=True, eq=False)
 class ParamChange:
-    """Sender side: the changes of one param (or one chunk of it).
-
-    With `ranges` (sorted, disjoint `(start, length)` runs) and `positions` None, the changes are
-    every position of the runs, in order: written with implicit positions (width 0), no position
-    bytes. Why: an anchor re-sends whole shards, and an int64 per element would be 4x its bf16 values.
-    """
+    """Sender side: the changes of one param (or one chunk of it). With `ranges` (sorted, disjoint
+    `(start, length)` runs) and `positions` None, every position of the runs: written with implicit
+    positions (an anchor re-sends whole shards; an int64 per element would be 4x its bf16 values)."""
 
     name: str
     shape: tuple[int, ...]
@@ -30,12 +27,8 @@ class ParamChange:
 
 @dataclass(frozen=True, eq=False, init=False)
 class ParamDelta:
-    """Receiver side: decoded, validated changes of one param (or one chunk of it).
-
-    `values` holds the new values in `dtype` for overwrite encodings. For base-relative encodings
-    (`needs_base`) it holds signed-integer ULP steps of the same width; call `resolve` with the
-    receiver's current values at `positions` to get the new values.
-    """
+    """Receiver side: decoded, validated changes of one param (or one chunk of it). `values`: new values
+    in `dtype`, or with `needs_base` signed-integer ULP steps of its width (`resolve` gives the values)."""
 
     name: str
     shape: tuple[int, ...]
@@ -43,8 +36,8 @@ class ParamDelta:
     positions: torch.Tensor
     values: torch.Tensor
     needs_base: bool
-    # Entries of this chunk in blocks left undecoded (outside the receiver's owned ranges), the
-    # chunk's first and last position counting those, and (decoded, indexed) blocks.
+    # Entries in blocks left undecoded (not owned), first and last position counting those, (decoded,
+    # indexed) blocks.
     skipped: int = 0
     bounds: tuple[int, int] | None = None
     blocks: tuple[int, int] = (0, 0)
@@ -61,9 +54,7 @@ class ParamDelta:
         bounds: tuple[int, int] | None = None,
         blocks: tuple[int, int] = (0, 0),
     ) -> None:
-        # Why not the dataclass's own __init__: a frozen one sets each field with its own
-        # object.__setattr__ call, 2.3 us an object; one __dict__ for all is 0.8 us, and a flush of
-        # a production tensor count makes tens of thousands. Still frozen: assignment raises.
+        # Not the dataclass's own: a frozen one sets each field with its own call (2.3 vs 0.8 us a delta).
         object.__setattr__(
             self,
             "__dict__",
@@ -98,10 +89,7 @@ class ParamDelta:
         return self.bounds[1] if self.bounds is not None else int(self.positions[-1])
 
     def resolve(self, old: torch.Tensor | None = None) -> torch.Tensor:
-        """New values at `positions`: exact integer ops on bit patterns, where `old` lives.
-
-        Only the steps (the delta's own payload) move to `old`'s device; the weights never leave it.
-        """
+        """New values at `positions`: exact integer ops on bit patterns, where `old` lives."""
         if not self.needs_base:
             return self.values
         if old is None or old.dtype != self.dtype or old.numel() != self.count:
@@ -120,16 +108,11 @@ class ParamDelta:
 @final  # `type(item) is DeltaBatch` then tells it from a ParamDelta, for mypy too
 @dataclass(eq=False, slots=True)
 class DeltaBatch:
-    """Receiver side: decoded, validated changes of a run of whole params of one flush, as columns.
+    """Receiver side: decoded, validated changes of a run of whole params of one flush, as columns:
+    positions in one tensor (`sizes` each), values in one tensor per value type (`values[types[i]]`).
 
-    Why: at a production tensor count (44k tensors of a few changes each) a `ParamDelta` a tensor,
-    and the per-tensor checks and bookkeeping done on it, were most of prepare's fixed cost. The
-    batched decoder (wire/batch.py) gives a run of params as one object instead: every entry's
-    positions in one tensor (param after param, `sizes` each), the values in one tensor per value
-    type (`values[types[i]]`: the same entries, viewed in param i's dtype, or its signed steps), and
-    lists over the params. The reader checks it a run at a time (`DeltaDecoder.admit`), the engine
-    stages it so (`DeltaApplier.stage`). Only readers that ask for it get one
-    (`iter_delta(batches=True)`); `deltas()` gives the same changes as `ParamDelta`s.
+    Why: at 44k tensors of a few changes each, a `ParamDelta` a tensor and the checks on it were most
+    of prepare's fixed cost. `deltas()` gives the same changes as `ParamDelta`s.
     """
 
     names: list[str]

@@ -9,26 +9,24 @@ param's metadata records its byte span in each stream it uses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import numpy as np
 
 from .codecs import (
     GAP_WIDTHS,
+    _frombuffer,
     decode_gaps,
     decode_indices,
-    decode_steps,
     encode_gaps,
     encode_indices,
     from_planes,
     gap_planes,
     gap_width,
     gaps_from_bytes,
-    index_width,
     to_planes,
     ulp_streams,
     unpack_bits,
-    values_from_bytes,
 )
 from .dtypes import DType
 from .errors import FormatError, UnknownEncodingError
@@ -47,34 +45,17 @@ def _planes(spans: Spans, prefix: str, width: int, *, file, param) -> list[memor
     return [_need(spans, f"{prefix}{j}", file=file, param=param) for j in range(width)]
 
 
-class PositionCodec(Protocol):
-    """`prev` is the position before the first one (-1 at a param's start; a block's predecessor
-    otherwise), `width` a param-wide width, so the blocks of a param concatenate into one stream."""
-
-    def width(self, pos: np.ndarray, numel: int) -> int: ...
-    def encode(
-        self, pos: np.ndarray, numel: int, *, prev: int = -1, width: int | None = None
-    ) -> tuple[int, Streams]: ...
-    def decode(
-        self, spans: Spans, count: int, width: int, numel: int, *, prev: int = -1, file, param
-    ) -> np.ndarray: ...
-
-
-class ValueCodec(Protocol):
-    relative: bool
-
-    def encode(self, new: np.ndarray, old: np.ndarray | None, d: DType) -> Streams: ...
-    def decode(self, spans: Spans, count: int, d: DType, *, file, param) -> np.ndarray: ...
-
-
 class Indices:
-    """Absolute flat positions, int32 or int64 when the tensor has more than 2^31 elements."""
+    """Absolute flat positions, int32 or int64 when the tensor has more than 2^31 elements.
+
+    Position codecs: `prev` is the position before the first (-1 at a param's start), `width` is
+    param-wide, so the blocks of a param concatenate into one stream."""
 
     def width(self, pos, numel):
-        return index_width(numel)
+        return 4 if numel <= 1 << 31 else 8
 
     def encode(self, pos, numel, *, prev=-1, width=None):
-        w = index_width(numel)
+        w = self.width(pos, numel)
         return w, {"positions": encode_indices(pos, w)}
 
     def decode(self, spans, count, width, numel, *, prev=-1, file, param):
@@ -126,7 +107,7 @@ class RawValues:
 
     def decode(self, spans, count, d, *, file, param):
         buf = _need(spans, "values", file=file, param=param)
-        return values_from_bytes(buf, count, d, file=file, param=param)
+        return _frombuffer(buf, d.uint, count, "values", file=file, param=param).copy()
 
 
 class ValuePlanes:
@@ -163,8 +144,9 @@ class UlpSteps:
             _need(spans, "flag", file=file, param=param), count, "flags", file=file, param=param
         )
         planes = _planes(spans, "esc", d.itemsize, file=file, param=param)
-        esc = from_planes(planes, int(big.sum()), d.itemsize, "escapes", file=file, param=param)
-        return decode_steps(neg, big, esc, d)
+        mag = np.ones(count, dtype=d.uint)
+        mag[big] = from_planes(planes, int(big.sum()), d.itemsize, "escapes", file=file, param=param) + 2
+        return np.where(neg, d.uint.type(0) - mag, mag)
 
 
 Compression = Literal["none", "file", "streams"]
@@ -175,8 +157,8 @@ class Encoding:
     """One named way to put a param's changes on the wire."""
 
     name: str
-    positions: PositionCodec
-    values: ValueCodec
+    positions: Indices | Gaps | GapPlanes
+    values: RawValues | ValuePlanes | UlpSteps
     compression: Compression
     description: str
     zstd_level: int = 1

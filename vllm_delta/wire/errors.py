@@ -1,9 +1,6 @@
-"""One exception hierarchy for everything that can be wrong with a delta.
-
-Each error names the file, the param and the reason. Its class tells the category, so a receiver can
-map it to a status without parsing messages: `http_status` is 400 for a corrupt or incomplete delta,
-403 for a manifest whose signature the receiver requires and cannot verify, 409 for a base-version
-conflict and 422 for a delta that is well formed but does not fit the model.
+"""One exception hierarchy for everything that can be wrong with a delta: each names the file, param and
+reason; its class maps to a status (`http_status`): 400 corrupt or incomplete, 403 unverified
+signature, 409 base-version conflict, 422 well formed but does not fit the model.
 """
 
 from __future__ import annotations

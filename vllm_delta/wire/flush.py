@@ -1,16 +1,13 @@
-"""Decoding one flush (its bytes a file on disk or a buffer broadcast over a collective).
+"""Decoding one flush (a file on disk or a buffer broadcast over a collective): one 1-D uint8 tensor
+`__<stream>__` per stream, and the metadata of wire/flush_meta.py.
 
-Layout: one 1-D uint8 tensor `__<stream>__` per stream, and the metadata of wire/flush_meta.py.
-Two flush formats are read. `vllm-delta/1`: per param its byte spans in each decoded stream
-(streams compressed whole, or the whole file). `vllm-delta/2` (written by default): per param a
-seekable block index (wire/blocks.py), each block one zstd frame per stream, so a receiver can
-decode only the blocks whose positions it owns. A block-indexed flush is decoded a batch of params
-at a time (wire/batch.py) where it can be; the per-param path here takes the rest.
+`vllm-delta/1` gives each param's byte spans in the decoded streams; `vllm-delta/2` (the default) a
+seekable block index (wire/blocks.py), so a receiver decodes only the blocks it owns. A block-indexed
+flush is decoded in batches (wire/batch.py) where it can be; the per-param path here takes the rest.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sized
 
 import numpy as np
@@ -20,19 +17,18 @@ from .batch import decode as decode_batches
 from .batch import parse as index_flush
 from .batch_host import HOST, Decoder, Fallback
 from .blocks import BlockIndex, Ranges, merge, parse_index, runs, wanted
-from .codecs import check_numel
 from .container import ZSTD_MAGIC, Limits, decompress, paused_gc, unpack
 from .deltas import DeltaBatch, ParamDelta
 from .digest import bytes_digest
-from .dtypes import by_name, from_bits
+from .dtypes import from_bits
 from .encodings import Encoding, get_encoding
 from .errors import BoundsError, FormatError, IntegrityError, LimitError
 from .flush_meta import (
     FORMAT_BLOCKS,
     Expected,
     FlushHeader,
+    HeadCheck,
     Heads,
-    check_expected,
     heads_from_text,
     meta_int,
     meta_json,
@@ -73,14 +69,9 @@ def iter_flush(
     batches: bool = False,
     decoder: Decoder = HOST,
 ) -> tuple[FlushHeader, Iterator[ParamDelta | DeltaBatch]]:
-    """Check a flush's metadata (and block index) now; decode its params one at a time as iterated.
-
-    Why lazy: a receiver then holds one param's decoded changes at a time, not a flush's. Errors
-    in a param's data are raised when that param is reached. With `owned`, a block-indexed
-    flush decodes only the blocks of each param that meet its owned ranges. With `batches`, a run
-    of params the batched decoder took whole comes as one `DeltaBatch`. `decoder`: the batched
-    decode's back end (wire/batch_host.py), on the host or on the params' devices.
-    """
+    """Check a flush's metadata (and block index) now; decode its params lazily, so a receiver holds one
+    param's changes at a time (a param's data errors when it is reached). `owned`: decode only the blocks
+    meeting these ranges; `batches`: a run the batched decoder took whole comes as one `DeltaBatch`."""
     enc = get_encoding(meta.get("encoding", ""), file=file)
     header = FlushHeader(
         enc.name,
@@ -108,41 +99,6 @@ def iter_flush(
         return header, _iter_v1(enc, smeta, data, heads.entries(), file=file, expected=expected)
 
 
-class _HeadCheck:
-    """A flush's param heads checked: `(dtype, shape, numel)` of each, made once per flush.
-
-    Why a cache: what depends only on a head's dtype and shape (the dtype's name, the element
-    count's bound) is the same for the thousands of expert tensors of one shape, so it is checked
-    once per distinct head; the param's own checks (against the model, its change count) run for
-    each, in the order `check_expected`, then the count, as they always have.
-    """
-
-    def __init__(self, expected: Expected | None, *, file: str) -> None:
-        self.expected, self.file = expected, file
-        self._known: dict[tuple[str, tuple[int, ...]], tuple] = {}
-
-    def __call__(self, p) -> tuple:
-        shape = tuple(p.shape)
-        known = self._known.get((p.dtype, shape))
-        d = by_name(p.dtype, file=self.file, param=p.name) if known is None else known[0]
-        if self.expected is not None:
-            want = self.expected.get(p.name)  # the common case in one comparison; else the precise check
-            if (
-                want is None
-                or want[1] != d.torch
-                or type(want[0]) not in (tuple, torch.Size)
-                or want[0] != shape
-            ):
-                check_expected(p.name, shape, d.torch, self.expected, file=self.file)
-        if known is None:
-            numel = math.prod(shape)
-            check_numel(numel, param=p.name)
-            known = self._known[(p.dtype, shape)] = (d, shape, numel)
-        if p.count > known[2]:
-            raise FormatError(f"{p.count} changes in {known[2]} elements", file=self.file, param=p.name)
-        return known
-
-
 def _delta(enc: Encoding, name: str, shape, d, pos: np.ndarray, payload: np.ndarray, **extra) -> ParamDelta:
     values = (
         torch.from_numpy(np.ascontiguousarray(payload).view(f"<i{d.itemsize}"))
@@ -163,8 +119,8 @@ def _iter_v1(
             raise FormatError(f"stream {name!r}: {len(data[name])} B, declared {s.size} B", file=file)
         else:
             streams[name] = data[name]
-    heads = _HeadCheck(expected, file=file)
-    shapes = [heads(p) for p in pmeta]
+    heads = HeadCheck(expected, file=file)
+    shapes = [heads(p.name, p.dtype, p.shape, p.count) for p in pmeta]
     for p in pmeta:
         for s, (a, b) in p.spans.items():
             if s not in streams or not a <= b <= len(streams[s]):
@@ -187,13 +143,9 @@ def _iter_blocked(
     batches: bool,
     decoder: Decoder,
 ) -> Iterator[ParamDelta | DeltaBatch]:
-    """Validate every param's block index against the streams, then decode lazily (see iter_flush).
-
-    The batched path (wire/batch.py) first; whatever it does not take goes to the per-param path,
-    from the param it stopped at, which raises the precise error if there is one. Once the batched
-    path has its arrays, the parsed metadata (a few objects per param) is dropped, so it never
-    lives long enough to make the garbage collector walk the whole heap; a fallback parses it again.
-    """
+    """Validate every param's block index against the streams, then decode lazily: the batched path
+    first, the per-param path from where it stops. The parsed metadata is dropped once the batched path
+    has its arrays (so the collector never walks it); a fallback parses it again."""
     try:
         index = index_flush(enc, smeta, data, heads, file=file, expected=expected)
     except Fallback:
@@ -213,17 +165,15 @@ def _iter_blocked(
 
 def plan_blocked(smeta, data: Mapping[str, Sized], meta: Mapping[str, str], *, file: str, expected) -> list:
     """The per-param path's checks of every param's head and block index, and its decode plans
-    `(param, dtype, shape, numel, index, each stream's start)`; `data`: the streams (only their lengths
-    are read). The params are parsed again from the JSON, a param at a time (the columns may have been
-    read from the text, with no `blocks` lists; or dropped, see `_iter_blocked`)."""
+    `(param, dtype, shape, numel, index, each stream's start)`; only `data`'s lengths are read."""
     with paused_gc():
         pmeta = parse_params(meta_json(meta, "params", file=file), blocked=True, file=file).entries()
     cursor = {s: 0 for s in smeta}  # each stream holds the params' blocks back to back
     decoded = {s: 0 for s in smeta}
     plans = []
-    heads = _HeadCheck(expected, file=file)
+    heads = HeadCheck(expected, file=file)
     for p in pmeta:
-        d, shape, numel = heads(p)
+        d, shape, numel = heads(p.name, p.dtype, p.shape, p.count)
         if len(set(p.streams)) != len(p.streams) or any(s not in smeta for s in p.streams):
             raise FormatError(f"unknown or repeated streams {p.streams}", file=file, param=p.name)
         raw = [smeta[s].codec == "raw" for s in p.streams]
@@ -321,8 +271,7 @@ def _decode_run(
 
 def _block_flags_agree(p, index: BlockIndex, k: int, m: int, heads: np.ndarray, flags) -> bool:
     """ULP steps: each block's flags name as many escapes as its own `esc0` holds, as a decode of that
-    block alone (another rank's, or the batched paths') requires; the run's totals alone would let a
-    flag move between blocks (found by tests/fuzz: the device decode refused what this path took)."""
+    block alone (another rank's, or the batched paths') requires (found by tests/fuzz)."""
     if flags is None or "esc0" not in p.streams:
         return True
     f, e = p.streams.index("flag"), p.streams.index("esc0")
@@ -346,8 +295,7 @@ def _run_bytes(
     file: str,
     param: str,
 ) -> memoryview:
-    """Decoded bytes of stream column `j` for blocks k..m-1 (`offsets`: the blocks' byte offsets in the
-    stream, and its end), in one buffer of exactly their size."""
+    """Decoded bytes of stream column `j` for blocks k..m-1 (`offsets`: the blocks' starts and end)."""
     a, b = int(offsets[k]), int(offsets[m])
     if codec == "raw":
         return stream[a:b]

@@ -1,17 +1,16 @@
 """A flush's metadata: its formats, header, streams and the one parser of its `params`.
 
-Metadata keys: `format`, `encoding`, `current_version`, `base_version`, `streams` (JSON: codec and
-decoded size per stream) and `params` (JSON: one entry a param). `vllm-delta/1` entries give each
-param's byte `spans` in the decoded streams; `vllm-delta/2` entries its `streams` and block index
-(`blocks`, wire/blocks.py). The params are read as columns (`Heads`): at a production tensor count
-(44k tensors a flush) a validated object a param was most of the reader's fixed cost, so every
-entry is checked with a few set and type passes over the columns, and only input they refuse is
-walked entry by entry, for an error that names the first param at fault.
+Keys: `format`, `encoding`, `current_version`, `base_version`, `streams` (JSON: codec and decoded size
+per stream) and `params` (JSON: per param its byte `spans` (`vllm-delta/1`) or its `streams` and block
+index `blocks` (`vllm-delta/2`)). Params are read as columns (`Heads`), checked with a few set and type
+passes (a validated object a param was most of the reader's cost at 44k tensors); only input they
+refuse is walked entry by entry, for an error naming the first param at fault.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
@@ -24,7 +23,9 @@ import torch
 
 from vllm_delta.kernels import switch
 
+from .codecs import check_numel
 from .container import json_loads
+from .dtypes import by_name
 from .errors import DtypeMismatchError, FormatError, ShapeMismatchError, UnknownParamError
 from .manifest import FORMAT
 
@@ -114,8 +115,7 @@ class Rows:
 
     @classmethod
     def of(cls, lists: tuple) -> Rows | None:
-        """From the parsed JSON's `blocks` lists, checked as sets, not a generator resumed a row; or
-        None (a row not of that form, or an int past int64: the per-param path's to refuse)."""
+        """From the parsed JSON's `blocks` lists, checked as sets; or None (for the per-param path)."""
         nrows = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
         rows = list(chain.from_iterable(lists))
         if not set(map(type, rows)) <= {list} or not set(map(len, rows)) <= {4}:
@@ -248,16 +248,11 @@ def _check_entry(i: int, p: object, fields: tuple[str, ...], *, file: str) -> No
 
 
 def heads_from_text(text: object) -> Heads | None:
-    """A block-indexed flush's `params` columns read straight from the text the writer writes, or None
-    (the caller then parses the JSON: `parse_params`).
+    """A block-indexed flush's `params` columns read straight from the writer's text by one compiled scan
+    (kernels/params_jit.py), or None (anything else, or kernels off: the caller uses `parse_params`).
 
-    Why: parsed as JSON, a flush's params are ~17 Python objects a checkpoint tensor, then walked as
-    columns: 34 vs 26 us a tensor of prepare at GLM-4.7's count (44k tensors a flush; benchmarks/
-    reader_per_tensor.py, CPU time, medians of 3). One compiled scan (kernels/params_jit.py) reads
-    `flush_encode`'s bytes (compact JSON, ASCII, no escape, the keys in its order) into arrays; a
-    tensor then costs its name and three short strings looked up in small tables. Anything else
-    (other spacing or key order, escapes, floats, ints past 18 digits, values `parse_params` refuses),
-    and everything with the kernels switched off (`kernels.switch`), gives None.
+    Why: as JSON, ~17 Python objects a tensor: 34 vs 26 us a tensor of prepare at 44k tensors
+    (benchmarks/reader_per_tensor.py, medians of 3).
     """
     if type(text) is not str or not switch.on():
         return None
@@ -308,6 +303,37 @@ def _lists(texts: list[str]) -> list[tuple] | None:
     """Each distinct text's JSON list as a tuple: one object for all its params."""
     values = list(map(json_loads, texts))
     return list(map(tuple, values)) if all(type(v) is list for v in values) else None
+
+
+class HeadCheck:
+    """Param heads checked: `(dtype, shape, numel)` of each. Why a cache: what depends only on a head's
+    dtype and shape is the same for the thousands of expert tensors of one shape, so it is checked once;
+    each param is checked against the model (`check_expected`), then its change count."""
+
+    def __init__(self, expected: Expected | None, *, file: str) -> None:
+        self.expected, self.file = expected, file
+        self._known: dict[tuple[str, tuple[int, ...]], tuple] = {}
+
+    def __call__(self, name: str, dtype: str, shape: Sequence[int], count: int = 0) -> tuple:
+        shape = tuple(shape)
+        known = self._known.get((dtype, shape))
+        d = by_name(dtype, file=self.file, param=name) if known is None else known[0]
+        if self.expected is not None:
+            want = self.expected.get(name)  # the common case in one comparison; else the precise check
+            if (
+                want is None
+                or want[1] != d.torch
+                or type(want[0]) not in (tuple, torch.Size)
+                or want[0] != shape
+            ):
+                check_expected(name, shape, d.torch, self.expected, file=self.file)
+        if known is None:
+            numel = math.prod(shape)
+            check_numel(numel, param=name)
+            known = self._known[(dtype, shape)] = (d, shape, numel)
+        if count > known[2]:
+            raise FormatError(f"{count} changes in {known[2]} elements", file=self.file, param=name)
+        return known
 
 
 def check_expected(

@@ -1,8 +1,5 @@
-"""The manifest: written last and atomically, it is what makes a version directory a delta.
-
-It lists every flush file with its size and hash, and every changed param with its dtype, shape,
-change count, the files that hold its changes (in order) and, where the sender knows it, the hash
-of the whole tensor after apply.
+"""The manifest: written last and atomically, it is what makes a version directory a delta. It lists
+every flush file (size, hash) and every changed param (dtype, shape, count, files in order, digests).
 """
 
 from __future__ import annotations
@@ -65,12 +62,11 @@ class ParamEntry(_Strict):
     shape: list[NonNeg]
     changed: Annotated[int, Field(ge=1)]
     files: list[str] = Field(min_length=1)
-    # Set when several writers (e.g. ranks holding shards) contributed: a partition of `files`,
-    # each part in position order on its own. The reader checks that parts never overlap.
+    # Several writers (ranks holding shards): a partition of `files`, each part in position order.
     parts: list[list[str]] | None = None
     post_hash: str | None = None  # xxh3 of the whole tensor after apply (one writer only)
-    # Additive digests (wire/additive.py), 32 hex digits: of the whole tensor after apply, and of
-    # the listed positions before (base-relative deltas only) and after apply. Shards add up.
+    # Additive digests (wire/additive.py): of the whole tensor after, and of the listed positions
+    # before (base-relative deltas only) and after apply. Shards add up.
     digest: str | None = None
     pre_digest: str | None = None
     post_digest: str | None = None
@@ -87,13 +83,10 @@ class LineageError(VersionError):
 
 
 class Lineage(_Strict):
-    """Which weights an update may be applied to: version `min_version`..`max_version` of run `run_id`.
+    """Which weights an update may be applied to: versions `min_version`..`max_version` of run `run_id`.
 
-    Why: version numbers alone do not say whose weights an engine holds. An engine restarted on the
-    base checkpoint (version 0) would accept an overwrite catch-up meant for versions [S, N-1] and end
-    with wrong weights; one fed by another sender is at "the same" version with other weights. Both
-    bounds None: a full anchor, valid on any weights (it overwrites every element); it puts the
-    engine on `run_id`'s lineage.
+    Why: a version number alone does not say whose weights an engine holds (a restarted engine, another
+    sender). Both bounds None: a full anchor, valid on any weights; it puts the engine on `run_id`.
     """
 
     run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
@@ -115,8 +108,7 @@ class Lineage(_Strict):
 
 
 class Signature(_Strict):
-    """Who vouches for a manifest (wire/signing.py): `alg` names the scheme, so an asymmetric signature
-    can take HMAC's place in the same field; `key_id` says which of the receiver's keys checks it."""
+    """Who vouches for a manifest (wire/signing.py); `key_id` says which of the receiver's keys checks it."""
 
     alg: str = Field(min_length=1, max_length=32)
     key_id: str = Field(min_length=1, max_length=64)
@@ -141,8 +133,7 @@ class Manifest(_Strict):
 
     @model_serializer(mode="wrap")
     def _as_before(self, handler: SerializerFunctionWrapHandler) -> dict:
-        """No `signature` key when unsigned: unsigned manifests keep their bytes, and engines that
-        predate signing (`extra="forbid"`) still read them."""
+        """No `signature` key when unsigned: unsigned manifests keep their bytes, older engines read them."""
         out = handler(self)
         if out.get("signature", 0) is None:
             del out["signature"]
@@ -178,12 +169,9 @@ class Manifest(_Strict):
 
 
 def merge_manifests(parts: list[Manifest]) -> Manifest:
-    """One manifest from several writers' partial ones (e.g. one per rank) of the same delta.
-
-    A param that several writers hold shards of becomes one entry: counts and additive digests
-    add up, each writer's files form one part. Whole-tensor xxh3 hashes cannot be combined, so a
-    param with several writers must not carry one.
-    """
+    """One manifest from several writers' partial ones (one per rank) of the same delta: a param several
+    writers hold shards of becomes one entry (counts and additive digests add up, each writer's files a
+    part); whole-tensor xxh3 hashes cannot be combined, so such a param must not carry one."""
     first = parts[0]
     for p in parts[1:]:
         if (p.version, p.base_version, p.encoding, p.lineage) != (
@@ -239,8 +227,8 @@ def _merge_entries(entries: list[ParamEntry]) -> ParamEntry:
 
 
 def write_atomic(path: Path, data: bytes, pace: Callable[[int], None] | None = None) -> None:
-    """Write to `.tmp`, fsync, rename, fsync the directory: readers see all of it or nothing.
-    `pace(n)` is called before each 4 MiB written (a `Throttle` modelling a slower link)."""
+    """Write to `.tmp`, fsync, rename, fsync the directory: readers see all of it or nothing. `pace(n)`
+    is called before each 4 MiB written (a `Throttle` modelling a slower link)."""
     tmp = path.with_name(path.name + ".tmp")
     view, chunk = memoryview(data), 4 << 20
     with open(tmp, "wb") as f:
@@ -276,12 +264,8 @@ def load_manifest(directory: str | os.PathLike, *, limits: Limits = Limits()) ->
 
 
 def parse_manifest(data: bytes) -> Manifest:
-    """Validate manifest JSON (e.g. one received over HTTP for a collective transfer).
-
-    Its params are checked as columns where their schema would take every entry as it is
-    (`_entries`); anything else, and any error, is the model's to decide: the same manifest or the
-    same error as a validation of the whole JSON.
-    """
+    """Validate manifest JSON: its params as columns where the schema would take every entry as it is
+    (`_entries`); anything else is the model's to decide, with the same result."""
     try:
         raw = json_loads(data)
         entries = _entries(raw.get("params")) if type(raw) is dict else None
@@ -302,15 +286,11 @@ _setattr = object.__setattr__
 
 
 def _entries(params: object) -> list[ParamEntry] | None:
-    """A manifest's params as `ParamEntry`s made without a validation each, when every entry is a
-    dict of exactly the model's fields in its order (as `write_manifest` writes them), of exact
-    types its schema takes as they are: str name and dtype, a list of ints >= 0, an int >= 1, a
-    non-empty list of str, parts None or lists of str, the rest None or str.
-    None for anything else: `ParamEntry`'s own validation then decides (it may coerce, or refuse).
+    """A manifest's params as `ParamEntry`s made without a validation each (what `model_validate` would
+    make), when every entry is a dict of exactly the model's fields in `write_manifest`'s order, of exact
+    types its schema takes as they are; else None, and pydantic decides.
 
-    Why: one pydantic model validated a checkpoint tensor was ~2.1 us of prepare's fixed cost at
-    44k tensors (docs/results/scale.md, session 8). Each instance is what `model_validate` makes of
-    that dict: its fields as `__dict__` (the JSON's own values), all of them set, no extra, no private.
+    Why: one validated model a tensor was ~2.1 us of prepare's fixed cost at 44k tensors.
     """
     if type(params) is not list or not params or set(map(type, params)) != {dict}:
         return None
@@ -335,8 +315,7 @@ def _entries(params: object) -> list[ParamEntry] | None:
         return None
     n = len(params)
     made = list(map(object.__new__, repeat(ParamEntry, n)))
-    # One fields-set for the manifest's entries (a set of 10 names was 0.7 us an entry): pydantic never
-    # changes a frozen model's in place (model_copy and copy change a copy of it).
+    # One fields-set shared by the entries: pydantic never changes a frozen model's in place.
     for attr, value in (
         ("__dict__", params),
         ("__pydantic_fields_set__", repeat(set(_PARAM_FIELDS), n)),
@@ -348,8 +327,7 @@ def _entries(params: object) -> list[ParamEntry] | None:
 
 
 def _lists_of_str(parts: object) -> bool:
-    """`parts` is None or lists of str, as its schema takes it (that they partition the files is the
-    model validator's check, which pydantic runs on each instance given too)."""
+    """`parts` is None or lists of str (that they partition the files is the model validator's check)."""
     return parts is None or (
         type(parts) is list
         and set(map(type, parts)) <= {list}

@@ -1,9 +1,5 @@
-"""Reading a delta: open and check its manifest, then decode it one flush at a time.
-
-`DeltaDecoder` holds the checks that span files (every file and param the manifest names, chunk
-order, change counts, base version); the disk path (`iter_delta`) and a collective transport
-(which receives flush bytes plus the manifest) both feed flush bytes to it.
-"""
+"""Reading a delta: open and check its manifest, then decode it one flush at a time (`DeltaDecoder`
+holds the checks that span files; every transport feeds it flush bytes)."""
 
 from __future__ import annotations
 
@@ -27,9 +23,9 @@ from .dtypes import by_name
 from .encodings import Encoding, get_encoding
 from .errors import BoundsError, DeltaError, FormatError, IncompleteDeltaError, IntegrityError
 from .flush import Owned, iter_flush, open_flush
-from .flush_meta import FLUSH_FORMATS, Expected, check_expected
+from .flush_meta import FLUSH_FORMATS, Expected, HeadCheck
 from .lineage import check_base
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, parse_manifest
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from .seed_format import decode_seed_flush, seed_manifest
 
 FLUSH_GLOB = "rank*_flush*.safetensors"
@@ -37,11 +33,7 @@ FLUSH_GLOB = "rank*_flush*.safetensors"
 
 @dataclass(frozen=True)
 class DeltaInfo:
-    """An opened delta: its directory, its manifest, and whether it is in the seed's format.
-
-    For a seed delta (no manifest) the manifest is synthesized from the flush files. `dir` is the
-    open directory its files are read from.
-    """
+    """An opened delta: its open directory, its manifest (a seed delta's made from its flush files)."""
 
     path: Path
     manifest: Manifest
@@ -54,13 +46,9 @@ class DeltaInfo:
 
 
 class DeltaDecoder:
-    """Validates and decodes the flushes of one delta, in any transport.
-
-    Feed every file the manifest lists (in manifest order), then call `finish()`; only then is the
-    delta known to be whole. Nothing should be applied before `finish()` returns. `decoder`: the
-    batched decode's back end, `batch_host.HOST` or a `batch_device.DeviceDecoder`, whose `verify`
-    the caller calls after `finish()` and before it uses a device-decoded entry.
-    """
+    """Validates and decodes the flushes of one delta, in any transport: feed every file the manifest
+    lists (in its order), then `finish()`; apply nothing before it returns. `decoder`: the batched
+    decode's back end (`batch_host.HOST` or a `DeviceDecoder`, whose `verify` the caller calls)."""
 
     def __init__(
         self,
@@ -76,12 +64,10 @@ class DeltaDecoder:
         self.decoder = decoder
         self.encoding = check_base(manifest, current_version)
         self._files = {f.name: f for f in manifest.files}
-        # What admit compares and counts, made once per param (its lookups, not the manifest's
-        # pydantic attributes, are what admit pays per tensor): the param's (shape, dtype), its files,
-        # whether it has parts (several writers, each part in position order on its own; each file's
-        # part is in `_part`) and its change count.
-        # As columns: each dtype name looked up once, the model's shapes and dtypes compared in one
-        # comparison; where either does not pass, a param at a time (`_check_heads`) for the precise error.
+        # What admit compares and counts, as columns by manifest position (`_index`): each param's
+        # (shape, dtype), files, whether it has parts (several writers: each file's part in `_part`) and
+        # its change count. Each dtype name looked up once, the model's heads compared in one comparison;
+        # where either does not pass, a param at a time (`HeadCheck`) for the precise error.
         params = manifest.params
         self._names = names = list(map(attrgetter("name"), params))
         self._changed = list(map(attrgetter("changed"), params))
@@ -89,13 +75,14 @@ class DeltaDecoder:
         dnames = list(map(attrgetter("dtype"), params))
         try:
             known = {n: by_name(n).torch for n in set(dnames)}
+            heads = list(zip(shapes, map(known.__getitem__, dnames)))
+            fits = expected is None or list(map(expected.get, names)) == heads
         except DeltaError:
-            known = self._check_heads(params, expected)
-        heads = list(zip(shapes, map(known.__getitem__, dnames)))
-        if expected is not None and list(map(expected.get, names)) != heads:
-            self._check_heads(params, expected)
+            fits = False
+        if not fits:
+            check = HeadCheck(expected, file=MANIFEST_NAME)
+            deque(map(check, names, dnames, shapes), 0)
         parts = list(map(attrgetter("parts"), params))
-        # As columns by manifest position (`_index`), not a tuple a param: 44k tuples were ~0.7 us a tensor.
         self._index = dict(zip(names, count()))
         self._heads, self._listed, self._has_parts = (
             heads,
@@ -114,27 +101,6 @@ class DeltaDecoder:
         self._last: dict[tuple[str, int], int] = {}
         self._done: set[str] = set()
 
-    @staticmethod
-    def _check_heads(params: list[ParamEntry], expected: Expected | None) -> dict[str, torch.dtype]:
-        """Each param's dtype name and its (shape, dtype) against the model's, in order: the first that
-        fails raises its precise error. The dtypes by name."""
-        dtypes: dict[str, torch.dtype] = {}
-        for p in params:
-            d = dtypes.get(p.dtype)
-            if d is None:
-                d = dtypes[p.dtype] = by_name(p.dtype, param=p.name).torch
-            shape = tuple(p.shape)
-            if expected is not None:
-                want = expected.get(p.name)  # the common case in one comparison; else the precise check
-                if (
-                    want is None
-                    or want[1] != d
-                    or type(want[0]) not in (tuple, torch.Size)
-                    or want[0] != shape
-                ):
-                    check_expected(p.name, shape, d, expected, file=MANIFEST_NAME)
-        return dtypes
-
     def feed(self, name: str, data: bytes | memoryview, *, owned: Owned | None = None) -> list[ParamDelta]:
         """Decode one flush's bytes; all of its checks pass before anything is returned."""
         return cast("list[ParamDelta]", list(self.feed_iter(name, data, owned=owned)))  # no batches asked
@@ -142,15 +108,9 @@ class DeltaDecoder:
     def feed_iter(
         self, name: str, data: bytes | memoryview, *, owned: Owned | None = None, batches: bool = False
     ) -> Iterator[ParamDelta | DeltaBatch]:
-        """Decode one flush's bytes a param at a time (see `flush.iter_flush`).
-
-        The file's hash, header and block index are checked before the first param; a param's
-        data when it is reached. `owned`: per param, the position ranges to decode; blocks of a
-        block-indexed flush outside them are skipped (their entries still count). A `SparseFile`
-        (only the owned blocks' bytes fetched) skips the file hash; the caller's cross-rank check of
-        the post digests, which every param of the file must have, verifies what it decodes.
-        `batches`: runs of params decoded together come as one `DeltaBatch` each (`iter_flush`).
-        """
+        """Decode one flush's bytes a param at a time (`flush.iter_flush`): hash, header and block index
+        checked first. A `SparseFile` skips the file hash: the caller's cross-rank check of the post
+        digests, which every param of the file must then have, verifies what it decodes."""
         if name in self._done:
             raise FormatError("file fed twice", file=name)
         return self.admit(name, self.decode(name, data, owned=owned, batches=batches))
@@ -158,11 +118,8 @@ class DeltaDecoder:
     def decode(
         self, name: str, data: bytes | memoryview, *, owned: Owned | None = None, batches: bool = False
     ) -> Iterator[ParamDelta | DeltaBatch]:
-        """`feed_iter`'s checks of this file alone, then its params, lazily, not yet admitted.
-
-        Why apart from `admit`: it reads no state that other files change, so flushes can be
-        decoded on several threads (`iter_delta(threads=)`) and admitted in manifest order.
-        """
+        """`feed_iter`'s checks of this file alone, then its params, lazily, not yet admitted: it reads no
+        state other files change, so flushes decode on several threads and are admitted in order."""
         entry = self._files.get(name)
         if entry is None:
             raise FormatError("file is not in the manifest", file=name)
@@ -206,11 +163,8 @@ class DeltaDecoder:
     def admit(
         self, name: str, deltas: Iterable[ParamDelta | DeltaBatch]
     ) -> Iterator[ParamDelta | DeltaBatch]:
-        """The checks across files (order, overlaps, counts) of one decoded flush, in manifest order.
-
-        One loop per flush with its lookups bound once (a flush holds thousands of tensors). A
-        `DeltaBatch` is checked whole (`_admitted`), or, where that does not decide, a param at a time.
-        """
+        """The checks across files (order, overlaps, counts) of one decoded flush, in manifest order; a
+        `DeltaBatch` checked whole (`_admitted`), or, where that does not decide, a param at a time."""
         if name in self._done:
             raise FormatError("file fed twice", file=name)
         self._done.add(name)
@@ -248,10 +202,9 @@ class DeltaDecoder:
             yield pd
 
     def _admitted(self, name: str, batch: DeltaBatch) -> bool:
-        """`admit`'s checks of a batch's params as columns, and its bookkeeping, when they all pass
-        and no param needs more than them: each listed for this file with this shape and dtype, of
-        one writer, met for the first time (so nothing to order or overlap) and within its count.
-        False, with nothing recorded: the per-param checks decide (and raise the precise error)."""
+        """`admit`'s checks of a batch as columns, and its bookkeeping, when each param is listed for this
+        file with this head, of one writer, met for the first time and within its count; else False,
+        nothing recorded, and the per-param checks decide."""
         names = batch.names
         found = list(map(self._index.get, names))
         if None in found or len(set(found)) != len(found):
@@ -297,13 +250,8 @@ def open_delta(
     limits: Limits = Limits(),
     allow_seed: bool = False,
 ) -> DeltaInfo:
-    """Open a version directory: with a manifest, or (`allow_seed`) a seed delta (flush files, no manifest).
-
-    `path` may be a `DeltaDir` already opened under a root (the engine's workers do that). `files`
-    names the seed delta's files explicitly (the seed pushed a file list); with a manifest it is
-    ignored here and restricts reading in `iter_delta`. A seed delta is refused unless allowed: its
-    checksum misses swapped values and renamed or reshaped params (docs/wire-format.md, "Seed format").
-    """
+    """Open a version directory: with a manifest, or (`allow_seed`) a seed delta (flush files, no manifest;
+    its checksum misses swapped values and renamed params). `files`: a seed delta's files."""
     d = path if isinstance(path, DeltaDir) else DeltaDir.open(path)
     if d.has(MANIFEST_NAME):
         text = d.read(MANIFEST_NAME, cap=limits.max_manifest_bytes)
@@ -342,18 +290,11 @@ def iter_delta(
     decoder: Decoder = HOST,
     allow_seed: bool = False,
 ) -> Iterator[ParamDelta | DeltaBatch]:
-    """Decoded changes, one flush file at a time (memory stays bounded by a flush).
+    """Decoded changes, one flush file at a time (a param may come in chunks, in position order).
 
-    A param may come in several chunks, in position order. Errors in a file are raised before
-    any of its changes are yielded (with `lazy`, a param's data errors when that param is
-    reached, so memory is bounded by a param); count checks across files run after the last
-    one, so apply nothing until the iterator is exhausted (or use `read_delta`). `owned`: see
-    `DeltaDecoder.feed_iter`. `threads` > 1: that many flushes are read, hash-checked and decoded
-    at once on their own threads, ahead of the one being consumed (memory: threads + 1 decoded
-    flushes), and admitted in manifest order, so errors surface in the same order. `batches`: runs
-    of params decoded together come as one `DeltaBatch` each (for a caller that takes them whole).
-    `decoder`: where the batched decode runs (`DeltaDecoder`).
-    `allow_seed`: see `open_delta`.
+    A file's errors are raised before any of its changes (with `lazy`, a param's when it is reached);
+    count checks across files run after the last, so apply nothing until it is exhausted. `threads` > 1:
+    that many flushes decode ahead on their own threads, admitted in manifest order.
     """
     info = (
         delta
@@ -389,12 +330,8 @@ def _decoded_ahead(
     threads: int,
     batches: bool = False,
 ) -> Iterator[ParamDelta | DeltaBatch]:
-    """Flushes decoded `threads` at a time on a pool (zstd, numpy and the file hash release the GIL).
-
-    Memory: a flush starts only while the decoded bytes the manifest lets the flushes in flight
-    (and the one being consumed) decompress, its own included, stay within `max_decoded_at_once`
-    (or when none is held), so concurrent decodes hold at most that, whatever the thread count.
-    """
+    """Flushes decoded `threads` at a time on a pool (zstd, numpy and hashing release the GIL); one starts
+    only while the decoded bytes the manifest allows those in flight stay within `max_decoded_at_once`."""
     cap = dec.limits.max_decoded_at_once
     # A seed delta's manifest states no decoded sizes: each of its flushes may decompress the per-flush cap.
     allows = {e.name: dec.limits.max_decoded_bytes if dec.seed else e.decoded_bytes for e in entries}

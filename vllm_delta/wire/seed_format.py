@@ -31,12 +31,8 @@ _HASH_CHUNK = 1 << 22  # elements widened at a time, so hashing a large flush st
 
 
 def seed_hash(data: bytes | memoryview, d: DType) -> int:
-    """`torch.hash_tensor(t)` (mode 0) of the 1-D tensor of dtype `d` whose bytes are `data`.
-
-    `torch.hash_tensor` widens every element to its 64-bit float (floats) or integer (ints; sign-
-    or zero-extended) equivalent, bit-casts that to uint64 and XORs the results. This is the same
-    computation with torch's own conversions, so it does not depend on the installed torch having
-    `torch.hash_tensor`; tests/wire/test_seed_hash.py holds it equal to `torch.hash_tensor`.
+    """`torch.hash_tensor(t)` (mode 0) of the 1-D tensor of dtype `d` whose bytes are `data`: each element
+    widened to float64 or int64, bit-cast to uint64, XORed (torch's own conversions, so any torch works).
     """
     bits = np.frombuffer(data, dtype=d.uint)
     wide = torch.float64 if d.is_float else torch.int64

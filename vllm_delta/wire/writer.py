@@ -18,11 +18,8 @@ from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, write_atom
 
 
 class UnchangedValueError(ValueError):
-    """A base-relative encoding was given a position whose new value equals the old one.
-
-    Why refuse: `ulp_zstd` codes a step of 0 like +1 ULP (only `|step| > 1` is flagged), so the
-    receiver would move a value that did not change.
-    """
+    """A base-relative encoding was given a position whose new value equals the old one: `ulp_zstd`
+    codes a step of 0 like +1 ULP, so the receiver would move a value that did not change."""
 
     def __init__(self, param: str, positions: list[int], encoding: str) -> None:
         self.param, self.positions, self.encoding = param, positions, encoding
@@ -49,12 +46,9 @@ def file_entry(name: str, flush: EncodedFlush) -> FileEntry:
 
 
 class FlushBuilder:
-    """Queue changes with `add`; each bucket of about `flush_bytes` raw bytes is encoded and handed
-    to `emit(name, flush)`; `manifest()` describes everything emitted.
-
-    Why a callback: the same bytes go to a version directory (`DeltaWriter`), to a background
-    file writer, or to a buffer for a broadcast. A param larger than a flush is split into
-    chunks in position order.
+    """Queue changes with `add`; each bucket of about `flush_bytes` raw bytes is encoded and handed to
+    `emit(name, flush)` (a version directory, a background writer, a broadcast buffer); `manifest()`
+    describes everything emitted. A param larger than a flush is split into chunks in position order.
     """
 
     def __init__(
@@ -98,14 +92,9 @@ class FlushBuilder:
         post_hash: str | None = None,
         _from_scan: bool = False,
     ) -> None:
-        """Queue one param's changes: sorted unique int64 flat `positions` and the values there.
-
-        `old_values` (the snapshot's values at `positions`) is required by base-relative
-        encodings. A param with no changes writes nothing. `_from_scan` is internal: the publisher
-        sets it for `Producer.scan`'s own entries only (`Entry.scanned`), whose positions come out
-        of a bitwise diff, sorted and unique, so new bits differ from old ones by construction; the
-        two passes over every change that check this are skipped for them (tested in
-        tests/sender/test_scanned_entries.py). Never for positions a caller supplies.
+        """Queue one param's changes: sorted unique int64 flat `positions` and the values there
+        (`old_values` for base-relative encodings). `_from_scan`: only for `Producer.scan`'s own entries,
+        whose positions come out of a bitwise diff, sorted and unique: their two checking passes skipped.
         """
         if name in self._params:
             raise ValueError(f"param {name!r} added twice")
@@ -159,13 +148,9 @@ class FlushBuilder:
         shape: tuple[int, ...] | torch.Size,
         post_hash: str | None = None,
     ) -> None:
-        """Queue every element of dense ranges of one param, streamed from `pieces`: `(first flat
-        position, 1-D new values)` in increasing, disjoint position order (an anchor's shard, read a
-        piece at a time).
-
-        Why: these go out with implicit positions (no position bytes), and flushes are emitted as
-        they fill while `pieces` is read, so the builder holds about a flush of values whatever the
-        param's size. New values only: a base-relative encoding is refused.
+        """Queue every element of dense ranges of one param from `pieces`: `(first flat position, 1-D new
+        values)` in increasing, disjoint order (an anchor's shard). They go out with implicit positions,
+        and flushes are emitted as they fill, so the builder holds about a flush of values.
         """
         if name in self._params:
             raise ValueError(f"param {name!r} added twice")
@@ -240,8 +225,6 @@ class FlushBuilder:
         self.emit(name, enc)
         self.files.append(entry)
         self.wire_bytes += entry.bytes
-        # Before compression: the decoded streams (per-stream zstd), the container (whole-file
-        # zstd), or the bytes themselves (no compression).
         self.pre_compress_bytes += enc.decoded_bytes if self.encoding.compression != "none" else entry.bytes
         for ch in self._pending:
             files = self._params[ch.name]["files"]
@@ -263,12 +246,8 @@ class FlushBuilder:
 
 
 class DeltaWriter(FlushBuilder):
-    """Writes flush files into a version directory; `close` seals it with the manifest.
-
-    Each flush file is written atomically (`.tmp`, fsync, rename). Until `close()` writes the
-    manifest, readers treat the directory as unfinished. Several writers (ranks) may share a
-    directory: give each its `rank`, call `close(seal=False)` and write `merge_manifests(...)`
-    once with `write_manifest`.
+    """Writes flush files (each atomically) into a version directory; `close` seals it with the manifest.
+    Several writers (ranks) may share a directory: each `close(seal=False)`, then `merge_manifests`.
     """
 
     def __init__(self, out_dir: str | os.PathLike, **kwargs) -> None:
