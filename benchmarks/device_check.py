@@ -440,7 +440,7 @@ def section_apply(args: argparse.Namespace, ctx: dict) -> dict:
 def _prepare_on_device(applier: DeltaApplier, seen: list, path: Path, **kwargs):
     """`prepare` with the delta decoded on the parameters' device (wire/batch_device.py): on a GPU as
     the engine does; on the CPU forced (`batched.FORCE_DEVICE_PATH`), so a CPU run exercises the same
-    torch cumsum and plane assembly. `seen` gets the reader's `DeviceDecoder` (its batches and bytes)."""
+    torch cumsum and plane assembly. `seen` gets the reader's `Decoder` (its batches and bytes)."""
     real = applier._decoder
     applier._decoder = lambda: seen.append(real()) or seen[-1]
     forced, batched.FORCE_DEVICE_PATH = batched.FORCE_DEVICE_PATH, True

@@ -1,6 +1,6 @@
-"""The reader's decode on the host (numpy) against the device decode (wire/batch_device.py) run on the CPU.
+"""The reader's decode on the host against the device decode (wire/batch_device.py) run on the CPU.
 
-Why: a CPU engine keeps the host decode unless the torch one is as fast there; on an accelerator the
+Why: both run the same torch ops (the host on the CPU, checked per batch); on an accelerator the
 device decode's gain is in what crosses PCIe, counted here as bytes per change. Same changes as
 docs/results/apply.md's reader check: 2 M changes in 24 [4096, 1024] bf16 params (2%). Decoded "on"
 `meta` the device work costs nothing, so that row is the host's share of a device decode
@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from vllm_delta.wire import DeltaWriter, iter_delta, open_delta
-from vllm_delta.wire.batch_device import DeviceDecoder
-from vllm_delta.wire.batch_host import HOST
+from vllm_delta.wire.batch_device import HOST, Decoder
 from vllm_delta.wire.container import paused_gc
 
 
@@ -41,7 +40,7 @@ def write(
 def decode(path: Path, device: str | None) -> tuple[float, int, int]:
     """(seconds, changes, bytes sent to the device) of one decode of the whole delta (`device` None: the host's)."""
     info = open_delta(path)
-    decoder = DeviceDecoder({p.name: torch.device(device) for p in info.manifest.params}) if device else HOST
+    decoder = Decoder({p.name: torch.device(device) for p in info.manifest.params}) if device else HOST
     with paused_gc():
         start = time.perf_counter()
         changes = sum(
@@ -49,7 +48,7 @@ def decode(path: Path, device: str | None) -> tuple[float, int, int]:
         )  # on meta: sizes
         decoder.verify()
         seconds = time.perf_counter() - start
-    return seconds, changes, decoder.uploaded if isinstance(decoder, DeviceDecoder) else 0
+    return seconds, changes, decoder.uploaded
 
 
 def main() -> None:
@@ -67,7 +66,7 @@ def main() -> None:
                 runs = [decode(path, device) for _ in range(args.repeats)]
                 changes, sent = runs[0][1], runs[0][2]
                 label = {
-                    None: "host numpy",
+                    None: "host",
                     "cpu": "torch (device decode, on CPU)",
                     "meta": "device decode on meta: the host's share",
                 }[device]

@@ -21,7 +21,7 @@ from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.placement import owned_by_tensor
 from vllm_delta.wire import CorruptDeltaError, batch_device, iter_delta, open_delta
-from vllm_delta.wire.batch_host import HOST
+from vllm_delta.wire.batch_device import HOST
 
 DC = device_check()
 BF16 = torch.bfloat16
@@ -124,8 +124,13 @@ def test_forced_device_decode_on_cpu_stages_what_the_host_path_stages(tmp_path, 
     DC.write_delta(tmp_path / "d", base, DC.step(base, 0.3, seed=1), version=1)
     meta = {n: (s, BF16) for n, s in DC.checkpoint_shapes(cfg).items()}
     calls = []
-    real = batch_device._decode
-    monkeypatch.setattr(batch_device, "_decode", lambda *a: calls.append(1) or real(*a))
+    real = batch_device.Decoder.decode
+
+    def counted(self, batch, enc, device, itemsizes):  # the batches decoded for a device (not the host's)
+        calls.extend([1] if device is not None else [])
+        return real(self, batch, enc, device, itemsizes)
+
+    monkeypatch.setattr(batch_device.Decoder, "decode", counted)
 
     def staged(force: bool):
         model = DC.SyntheticLM(cfg, rank=rank, tp=tp)
@@ -182,9 +187,9 @@ def test_a_destination_fed_by_device_and_host_decoded_tensors(tmp_path, monkeypa
     monkeypatch.setattr(batched, "FORCE_DEVICE_PATH", True)
     real = applier._decoder
 
-    def half() -> batch_device.DeviceDecoder:
+    def half() -> batch_device.Decoder:
         devices = real().devices.items()
-        return batch_device.DeviceDecoder(
+        return batch_device.Decoder(
             {n: d for n, d in devices if ".experts." not in n or int(n.split(".")[5]) % 2}
         )
 
@@ -209,7 +214,7 @@ def test_device_and_host_decoded_tensors_of_one_destination_never_meet_on_meta(t
     placements = DeltaApplier(DC.SyntheticLM(cfg), meta).placements
     applier = DeltaApplier(DC.SyntheticLM(cfg, device="meta"), meta, placements=placements)
     real = applier._decoder
-    applier._decoder = lambda: batch_device.DeviceDecoder(
+    applier._decoder = lambda: batch_device.Decoder(
         {n: d for n, d in real().devices.items() if ".experts." not in n or int(n.split(".")[5]) % 2}
     )
     staged = applier.prepare(path, version=1, base_version=0, current_version=0)

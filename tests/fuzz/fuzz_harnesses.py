@@ -34,7 +34,7 @@ from vllm_delta.wire import (
     parse_manifest,
 )
 from vllm_delta.wire.batch import Fallback
-from vllm_delta.wire.batch_device import DeviceDecoder
+from vllm_delta.wire.batch_device import Decoder
 from vllm_delta.wire.codecs import decode_gaps, gaps_from_bytes
 from vllm_delta.wire.container import Limits, json_loads
 from vllm_delta.wire.flush import open_flush
@@ -193,7 +193,7 @@ def flush_file(data: bytes) -> None:
             flush.index_flush = was
 
     def device() -> list:
-        decoder = DeviceDecoder({n: torch.device("cpu") for n in MODEL})
+        decoder = Decoder({n: torch.device("cpu") for n in MODEL})
         out = run(decoder)
         decoder.verify()
         return out

@@ -1,6 +1,6 @@
 """The device decode of block-indexed batches (wire/batch_device.py) against the host's per-param path.
 
-Why on the CPU: CI has no GPU; a `DeviceDecoder` naming the CPU as the device runs the very torch
+Why on the CPU: CI has no GPU; a `Decoder` naming the CPU as the device runs the very torch
 ops a GPU would, so the two decoders compare bit for bit. The reference is the per-param numpy
 path (flush._decode_blocked), never the device code. On `meta` (tests/engine/test_device_decode.py)
 the whole prepare shows where each op ran and what crossed.
@@ -24,7 +24,7 @@ from vllm_delta.wire import (
     iter_delta,
     open_delta,
 )
-from vllm_delta.wire.batch_device import DeviceDecoder
+from vllm_delta.wire.batch_device import Decoder
 from vllm_delta.wire.blocks import Policy
 from vllm_delta.wire.container import pack, unpack
 
@@ -39,10 +39,10 @@ RANGES = {
 }  # one range, several, none, and a param whole
 
 
-def on_device(path, owned=None, names=None) -> tuple[list, DeviceDecoder]:
+def on_device(path, owned=None, names=None) -> tuple[list, Decoder]:
     """Decoded with every param (or `names`) placed on the CPU "device"; the checks verified."""
     info = open_delta(path)
-    dest = DeviceDecoder({p.name: CPU for p in info.manifest.params if names is None or p.name in names})
+    dest = Decoder({p.name: CPU for p in info.manifest.params if names is None or p.name in names})
     with pytest.MonkeyPatch.context() as m:  # the device decoder, and it alone
         m.setattr(flush, "plan_blocked", lambda *a, **k: pytest.fail("fell back to the per-param path"))
         out = list(iter_delta(info, current_version=0, owned=owned, lazy=True, decoder=dest))
@@ -157,7 +157,7 @@ def test_bytes_that_disagree_with_the_block_index_fail_before_use(tmp_path, stre
     _retouched(path, "e3", stream, frame)
     with pytest.raises(CorruptDeltaError) as host_error:
         host(path)
-    dest = DeviceDecoder({f"e{i}": CPU for i in range(6)} | {"norm": CPU, "big": CPU})
+    dest = Decoder({f"e{i}": CPU for i in range(6)} | {"norm": CPU, "big": CPU})
     with pytest.raises(CorruptDeltaError) as device_error:
         list(iter_delta(open_delta(path), current_version=0, lazy=True, decoder=dest))
         dest.verify()

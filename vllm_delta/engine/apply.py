@@ -39,8 +39,7 @@ from vllm_delta.wire import (
     tensor_digest,
 )
 from vllm_delta.wire.additive import partial_sum, to_hex
-from vllm_delta.wire.batch_device import DeviceDecoder
-from vllm_delta.wire.batch_host import HOST, Decoder
+from vllm_delta.wire.batch_device import HOST, Decoder
 from vllm_delta.wire.container import paused_gc
 from vllm_delta.wire.deltas import DeltaBatch
 from vllm_delta.wire.lineage import check_versions
@@ -258,7 +257,7 @@ class DeltaApplier:
         tensors `Routing.decode_devices` names."""
         if not any(on_device(t.device) for t in self.targets.values()):
             return HOST
-        return DeviceDecoder(self.routing.decode_devices())
+        return Decoder(self.routing.decode_devices())
 
     def stage(
         self,

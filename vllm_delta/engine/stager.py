@@ -35,7 +35,7 @@ from vllm_delta.engine.staging import (
 )
 from vllm_delta.engine.trace import PhaseTimes
 from vllm_delta.wire import Manifest, ParamDelta, get_encoding
-from vllm_delta.wire.batch_host import HOST, Decoder
+from vllm_delta.wire.batch_device import HOST, Decoder
 from vllm_delta.wire.deltas import DeltaBatch
 
 # Decoded tensors are located and staged together once they hold this many bytes (engine/batched.py).

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batch_host import Decoder, Fallback, FlushIndex, HostBatch
+from .batch_device import Decoder
+from .batch_host import Fallback, FlushIndex, HostBatch
 from .blocks import BlockIndex, merge
 from .blocks import wanted as block_wanted
 from .codecs import GAP_WIDTHS, check_numel

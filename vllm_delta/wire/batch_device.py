@@ -1,11 +1,10 @@
-"""A batch of block-indexed params decoded on its destination's device: the host decompresses, the device
-decodes.
+"""The batched decode (`Decoder`): a batch of block-indexed params rebuilt from their streams in a constant
+number of torch ops per batch, on the host or on the params' device.
 
-Why: with the weights on an accelerator, the streams cross as decompressed from the wire (1-3 B a
-change) with one table of per-row numbers, not the host's int64 positions, and are rebuilt there in a
-constant number of torch ops per batch. Checks of decoded values cannot raise without a device sync:
-each batch folds them into one flag, checked once by `DeviceDecoder.verify` before any entry is used;
-until then positions are clamped in range.
+Why torch on a device: with the weights on an accelerator, the streams cross as decompressed from the
+wire (1-3 B a change) with one table of per-row numbers, not int64 positions. Checks of decoded values
+fold into one flag per batch: the host raises it at once; a device keeps it for `Decoder.verify` (no
+sync a batch), with positions clamped in range until then.
 """
 
 from __future__ import annotations
@@ -16,21 +15,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .batch_host import Decoder, HostBatch
+from .batch_host import Fallback, HostBatch
 from .encodings import Encoding, GapPlanes, RawValues, UlpSteps, ValuePlanes
 from .errors import BoundsError
 
-_ALIGN = 8  # each stream starts 8-byte aligned in the uploaded buffer, so a whole one views as words
 
+class Decoder:
+    """The batched decode's back end, chosen by the caller, never by the data: the params in `devices`
+    decode there, their checks kept for `verify`; the others on the host (the same torch ops on the
+    CPU), each batch's checks raised at once as `Fallback`. The caller calls `verify` after the last
+    delta and before using any device-decoded entry."""
 
-class DeviceDecoder(Decoder):
-    """The device back end: the params in `devices` decoded there (their checks kept for `verify`), the
-    others on the host. The caller must call `verify` after the last delta and before using any
-    device-decoded entry."""
-
-    def __init__(self, devices: Mapping[str, torch.device]) -> None:
-        super().__init__()
-        self.devices = dict(devices)
+    def __init__(self, devices: Mapping[str, torch.device] | None = None) -> None:
+        self.devices = dict(devices or {})
+        self.decoded: set[str] = set()  # the params a device decoded (the rest fell back to the host)
         self.checks: list[tuple[str, torch.Tensor, int]] = []  # per batch: first param, ok flag, bytes sent
 
     @property
@@ -41,9 +39,12 @@ class DeviceDecoder(Decoder):
     def decode(
         self, batch: HostBatch, enc: Encoding, device: torch.device | None, itemsizes: set[int]
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        if device is None:
-            return super().decode(batch, enc, device, itemsizes)
-        pos, values = _decode(batch, enc, device, self)
+        """int64 positions and, per value width in `itemsizes`, the values as signed integers."""
+        pos, values, ok, sent = _decode(batch, enc, device or _CPU)
+        if device is None and not bool(ok):
+            raise Fallback
+        if device is not None and batch.rows.size:
+            self.checks.append((batch.ix.names[int(batch.ix.pid[batch.rows[0]])], ok, sent))
         return pos, narrow(values, itemsizes)
 
     def verify(self) -> None:
@@ -63,6 +64,10 @@ class DeviceDecoder(Decoder):
                     )
 
 
+HOST = Decoder()  # no state on the host: `decoded` and `checks` are only filled for devices
+_CPU = torch.device("cpu")
+
+
 def _exclusive(a: np.ndarray) -> np.ndarray:
     return np.cumsum(a) - a
 
@@ -74,7 +79,6 @@ class _Upload:
         self.rows = rows
         self.columns: list[np.ndarray] = []
         self.parts: list[np.ndarray] = []
-        self.at = 0
 
     def column(self, values: np.ndarray) -> int:
         col = np.zeros(self.rows, dtype=np.int64)
@@ -82,24 +86,22 @@ class _Upload:
         self.columns.append(col)
         return len(self.columns) - 1
 
-    def stream(self, raw: np.ndarray) -> tuple[int, int]:
-        """(offset, size) of `raw` in the uploaded buffer."""
-        pad = -self.at % _ALIGN
-        if pad:
-            self.parts.append(np.zeros(pad, dtype=np.uint8))
+    def stream(self, raw: np.ndarray) -> int:
+        """`raw`'s index among the uploaded streams."""
         self.parts.append(raw)
-        self.at += pad
-        start, self.at = self.at, self.at + raw.size
-        return start, raw.size
+        return len(self.parts) - 1
 
-    def send(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def send(self, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        """The table and each stream on `device` (one copy each, the streams split by one op there)."""
         table = np.stack(self.columns)
         if -(1 << 31) <= int(table.min()) and int(table.max()) < 1 << 31:  # the usual case: half the bytes
             table = table.astype(np.int32)
         buf = torch.from_numpy(np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.uint8))
         sent = table.nbytes + buf.nbytes
         sent_table = torch.from_numpy(table).to(device, non_blocking=True).to(torch.int64)
-        return sent_table, buf.to(device, non_blocking=True), sent
+        sizes = [p.size for p in self.parts]
+        streams = list(buf.to(device, non_blocking=True).split(sizes)) if sizes else []
+        return sent_table, streams, sent
 
 
 @dataclass
@@ -109,7 +111,7 @@ class _Planes:
     row's byte count; `every[j]`: every row has byte j. `whole`: words stored whole (byte j of entry e
     at base + local * width + j, one base column) rather than in planes (at base_j + local)."""
 
-    spans: list[tuple[int, int] | None]
+    spans: list[int | None]
     bases: list[int]
     width: int
     every: list[bool]
@@ -120,9 +122,9 @@ class _Device:
     """The uploaded table and bytes, and the per-entry row ids every field's gathers share."""
 
     def __init__(
-        self, table: torch.Tensor, buf: torch.Tensor, cnt_col: int, estart_col: int, entries: int
+        self, table: torch.Tensor, streams: list[torch.Tensor], cnt_col: int, estart_col: int, entries: int
     ) -> None:
-        self.table, self.buf, self.n = table, buf, entries
+        self.table, self.streams, self.n = table, streams, entries
         dev = table.device
         self.row_of = torch.repeat_interleave(
             torch.arange(table.shape[1], device=dev), table[cnt_col], output_size=entries
@@ -133,22 +135,19 @@ class _Device:
     def per_entry(self, col: int) -> torch.Tensor:
         return self.table[col].index_select(0, self.row_of)
 
-    def span(self, span: tuple[int, int]) -> torch.Tensor:
-        return self.buf[span[0] : span[0] + span[1]]
-
     def field(
         self, planes: _Planes, local: torch.Tensor | None = None, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """int64 words from `planes`; `local` each entry's index in its row's share (default: its
         place in the row); `mask` (0/1) the entries that have a word at all (default: every one)."""
-        out = torch.zeros(self.n, dtype=torch.int64, device=self.buf.device)
+        out = torch.zeros(self.n, dtype=torch.int64, device=self.table.device)
         natural = local is None
         local = self.local if local is None else local
         width = None if all(planes.every) and not planes.whole else self.per_entry(planes.width)
         for j, span in enumerate(planes.spans):
             if span is None:
                 continue
-            src = self.span(span)
+            src = self.streams[span]
             if planes.whole:
                 assert width is not None  # read whenever words are whole
                 at = self.per_entry(planes.bases[0]) + local * width + j
@@ -194,15 +193,15 @@ def _byte_planes(batch: HostBatch, up: _Upload, prefix: str, width: np.ndarray, 
 
 
 def _decode(
-    batch: HostBatch, enc: Encoding, device: torch.device, dest: DeviceDecoder
-) -> tuple[torch.Tensor, torch.Tensor]:
+    batch: HostBatch, enc: Encoding, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """int64 positions and int64 value payloads (bit patterns, or wrapping ULP steps) of `batch`'s
-    entries, on `device`; `Fallback` (from the host's size checks) before anything is sent."""
+    entries on `device`, the flag of their checks and the bytes sent; `Fallback` (from the host's size
+    checks) before anything is sent."""
     ix, rows, cnt, n = batch.ix, batch.rows, batch.cnt, batch.entries
     if not n:
-        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(
-            0, dtype=torch.int64, device=device
-        )
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, empty, torch.ones((), dtype=torch.bool, device=device), 0
     pid = ix.pid[rows]
     width, isz, numel = ix.width[pid], ix.itemsize[pid], ix.numel[pid]
     heads, prev = batch.heads
@@ -230,17 +229,17 @@ def _decode(
         claimed = ix.decoded[rows, ix.columns["esc0"]]  # every row lists esc0 (batch.parse checked the lists)
         c_claimed = up.column(claimed)
         vals = _byte_planes(batch, up, "esc", isz, claimed)  # the flags' counts are checked on the device
-    table, buf, sent = up.send(device)
-    d = _Device(table, buf, c_cnt, c_estart, n)
+    table, streams, sent = up.send(device)
+    d = _Device(table, streams, c_cnt, c_estart, n)
     row_of = d.row_of
     last_e = d.estart + table[c_cnt] - 1
     g = d.field(gaps)
     numel_e = d.per_entry(c_numel)
     checks = [((g >= 0) & (g < numel_e)).all()]
     cs = torch.cumsum(g + 1, 0)
-    hstart = table[c_hstart][: heads.size]
+    hstart = table[c_hstart]  # (rows past the heads: zero, never indexed by a run id)
     before = torch.where(hstart > 0, cs.index_select(0, (hstart - 1).clamp(min=0)), 0)
-    pos = cs + (table[c_prev][: heads.size] - before).index_select(0, table[c_run]).index_select(0, row_of)
+    pos = cs + (table[c_prev] - before).index_select(0, table[c_run]).index_select(0, row_of)
     checks += [
         ((pos >= 0) & (pos < numel_e)).all(),
         (pos.index_select(0, d.estart) == table[c_first]).all(),
@@ -250,7 +249,7 @@ def _decode(
     if not ulp:
         values = d.field(vals)
     else:
-        neg, big = (_bit(d, d.span(s), c_bits) for s in (sign, flag))
+        neg, big = (_bit(d, d.streams[s], c_bits) for s in (sign, flag))
         incl = torch.cumsum(big, 0)
         excl = incl - big
         at_start = excl.index_select(0, d.estart)
@@ -258,8 +257,7 @@ def _decode(
         esc = d.field(vals, excl - at_start.index_select(0, row_of), big)
         mag = torch.where(big.bool(), esc + 2, 1)
         values = torch.where(neg.bool(), -mag, mag)  # wraps as the host's uint64 0 - mag
-    dest.checks.append((ix.names[int(pid[0])], torch.stack(checks).all(), sent))
-    return pos, values
+    return pos, values, torch.stack(checks).all(), sent
 
 
 def _bit(d: _Device, src: torch.Tensor, base_col: int) -> torch.Tensor:
@@ -274,6 +272,6 @@ def narrow(values: torch.Tensor, itemsizes: Iterable[int]) -> dict[int, torch.Te
     return {
         i: values
         if i == 8
-        else values.view(getattr(torch, f"int{8 * i}")).reshape(-1, 8 // i)[:, 0].contiguous()
+        else values.view(getattr(torch, f"int{8 * i}")).reshape(-1, 8 // i).select(1, 0).contiguous()
         for i in itemsizes
     }

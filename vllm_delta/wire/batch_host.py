@@ -1,6 +1,6 @@
-"""The batched decode's one back-end interface (`Decoder`), and its host back end: a batch's rows
-(`HostBatch`) decoded with a constant number of numpy ops per stream, from zstd frames decompressed
-together (`frames`). A failed check raises `Fallback`: the per-param path (wire/flush.py) decides."""
+"""The host's share of the batched decode: a flush's validated block index (`FlushIndex`), a batch's
+rows (`HostBatch`) and their streams from zstd frames decompressed together (`frames`). A failed check
+raises `Fallback`: the per-param path (wire/flush.py) decides."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-import torch
 import zstandard
 
 from .container import decompressor
 from .dtypes import DType
-from .encodings import Encoding, GapPlanes, RawValues, ValuePlanes
 
 
 class Fallback(Exception):
@@ -57,11 +55,6 @@ class HostBatch:
         self.run_start = run_start[rows]
 
     @cached_property
-    def row_of(self) -> np.ndarray:
-        """Each entry's row (in the batch): the host path's, never made for a device decode."""
-        return np.repeat(np.arange(self.rows.size), self.cnt)
-
-    @cached_property
     def heads(self) -> tuple[np.ndarray, np.ndarray]:
         """The rows (in the batch) where a run of blocks starts, and the position before each run."""
         ix, at = self.ix, np.flatnonzero(self.run_start)
@@ -81,123 +74,6 @@ class HostBatch:
         return np.frombuffer(
             frames(self.data[name], ix.offset[r, j], ix.stored[r, j], ix.decoded[r, j]), dtype=np.uint8
         )
-
-    def planes(
-        self, prefix: str, width: np.ndarray, width_e: np.ndarray, want: np.ndarray, count: int
-    ) -> np.ndarray:
-        """Byte planes `prefix0..` of `count` entries into uint64 (plane j: entries whose width > j).
-
-        `width` per row: every plane a row lists is read and its size checked, even with no entries in it.
-        """
-        out = np.zeros(count, dtype=np.uint64)
-        for j in range(int(width.max()) if width.size else 0):
-            raw = self.stream(f"{prefix}{j}", want)
-            sel = width_e > j
-            if raw.size != int(sel.sum()):
-                raise Fallback
-            if j == 0 and bool(sel.all()):
-                out |= raw.astype(np.uint64)
-            else:
-                out[sel] |= raw.astype(np.uint64) << np.uint64(8 * j)
-        return out
-
-    def gather(self, name: str, bytes_per_entry: np.ndarray) -> np.ndarray:
-        """Stream `name` (every row lists it), `bytes_per_entry[row]` bytes an entry: each entry's bytes,
-        little-endian, into uint64."""
-        want = self.cnt * bytes_per_entry
-        raw = self.stream(name, want)
-        if raw.size != int(want.sum()):
-            raise Fallback
-        w_e = bytes_per_entry[self.row_of]
-        out = np.zeros(self.entries, dtype=np.uint64)
-        base = np.cumsum(w_e) - w_e  # each entry's first byte
-        for j in range(int(w_e.max()) if self.entries else 0):
-            sel = w_e > j
-            out[sel] |= raw[base[sel] + j].astype(np.uint64) << np.uint64(8 * j)
-        return out
-
-    def positions(self, enc: Encoding) -> np.ndarray:
-        """Validated int64 positions (gaps continue within a run of blocks; `codecs.decode_gaps`)."""
-        ix, rows = self.ix, self.rows
-        width = ix.width[ix.pid[rows]]
-        if isinstance(enc.positions, GapPlanes):
-            gaps = self.planes("pos", width, width[self.row_of], self.cnt, self.entries)
-        else:
-            gaps = self.gather("positions", width)
-        numel_e = ix.numel[ix.pid[rows][self.row_of]]
-        if not self.entries:
-            return np.zeros(0, dtype=np.int64)
-        if not bool((gaps < numel_e.astype(np.uint64)).all()):
-            raise Fallback
-        cs = np.cumsum(gaps.astype(np.int64) + 1)
-        first_rows, prev = self.heads
-        starts = self.estart[first_rows]
-        before = np.where(starts > 0, cs[np.maximum(starts - 1, 0)], 0)
-        run_len = np.diff(np.concatenate((starts, [self.entries])))
-        pos = cs + np.repeat(prev - before, run_len)
-        inside = np.ones(self.entries, dtype=bool)
-        inside[starts] = False
-        ok = (
-            bool((pos >= 0).all())
-            and bool((pos < numel_e).all())
-            and bool((pos[1:][inside[1:]] > pos[:-1][inside[1:]]).all())
-            and np.array_equal(pos[self.estart], ix.first[rows])
-            and np.array_equal(pos[self.estart + self.cnt - 1], ix.last[rows])
-        )
-        if not ok:
-            raise Fallback
-        return pos
-
-    def values(self, enc: Encoding) -> np.ndarray:
-        """Value payloads as uint64 (new bits, or wrapping ULP steps), one per entry."""
-        ix, rows = self.ix, self.rows
-        isz = ix.itemsize[ix.pid[rows]]
-        if isinstance(enc.values, RawValues):
-            return self.gather("values", isz)
-        isz_e = isz[self.row_of]
-        if isinstance(enc.values, ValuePlanes):
-            return self.planes("val", isz, isz_e, self.cnt, self.entries)
-        neg = self.bits("sign")
-        big = self.bits("flag")
-        nbig = np.add.reduceat(big.astype(np.int64), self.estart) if self.entries else self.cnt
-        esc = self.planes("esc", isz, isz_e[big], nbig, int(nbig.sum()))
-        mag = np.ones(self.entries, dtype=np.uint64)
-        mag[big] = esc + np.uint64(2)
-        return np.where(neg, np.uint64(0) - mag, mag)
-
-    def bits(self, name: str) -> np.ndarray:
-        """A packed bit stream (a block's bytes hold its entries' bits, padded at the param's end)."""
-        want = (self.cnt + 7) // 8
-        raw = self.stream(name, want)
-        if raw.size != int(want.sum()):
-            raise Fallback
-        bits = np.unpackbits(raw)
-        byte0 = np.cumsum(want) - want
-        idx = np.repeat(8 * byte0 - self.estart, self.cnt) + np.arange(self.entries)
-        return bits[idx].astype(bool)
-
-
-class Decoder:
-    """The batched decode's back end, chosen by the caller, never by the data: this class decodes on
-    the host (numpy, each check raised as it decodes); `batch_device.DeviceDecoder` decodes the params
-    in its `devices` there (torch), the others here, and keeps their checks for `verify`."""
-
-    def __init__(self) -> None:
-        self.devices: Mapping[str, torch.device] = {}  # none: every param on the host
-        self.decoded: set[str] = set()  # the params a device decoded (the rest fell back to the host)
-
-    def decode(
-        self, batch: HostBatch, enc: Encoding, device: torch.device | None, itemsizes: set[int]
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """int64 positions and, per value width in `itemsizes`, the values as signed integers."""
-        pos, vals = torch.from_numpy(batch.positions(enc)), batch.values(enc)
-        return pos, {i: torch.from_numpy(vals.astype(f"<u{i}").view(f"<i{i}")) for i in itemsizes}
-
-    def verify(self) -> None:
-        """Raise the first check left for after the last batch (the caller calls it before any use)."""
-
-
-HOST = Decoder()  # stateless on the host (`decoded` is only ever filled by a device back end)
 
 
 def frames(stream: memoryview, offset: np.ndarray, stored: np.ndarray, decoded: np.ndarray) -> bytes:

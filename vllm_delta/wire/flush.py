@@ -15,7 +15,8 @@ import torch
 
 from .batch import decode as decode_batches
 from .batch import parse as index_flush
-from .batch_host import HOST, Decoder, Fallback
+from .batch_device import HOST, Decoder
+from .batch_host import Fallback
 from .blocks import BlockIndex, Ranges, merge, parse_index, runs, wanted
 from .container import ZSTD_MAGIC, Limits, decompress, paused_gc, unpack
 from .deltas import DeltaBatch, ParamDelta

@@ -16,7 +16,7 @@ from typing import cast
 
 import torch
 
-from .batch_host import HOST, Decoder
+from .batch_device import HOST, Decoder
 from .container import DeltaDir, Limits, SparseFile, paused_gc
 from .deltas import DeltaBatch, ParamDelta
 from .dtypes import by_name
@@ -48,7 +48,7 @@ class DeltaInfo:
 class DeltaDecoder:
     """Validates and decodes the flushes of one delta, in any transport: feed every file the manifest
     lists (in its order), then `finish()`; apply nothing before it returns. `decoder`: the batched
-    decode's back end (`batch_host.HOST` or a `DeviceDecoder`, whose `verify` the caller calls)."""
+    decode's back end (`batch_device.HOST`, or a `Decoder` of devices, whose `verify` the caller calls)."""
 
     def __init__(
         self,
