@@ -106,10 +106,9 @@ class _Upload:
 
 @dataclass
 class _Planes:
-    """Where one multi-byte field's bytes lie in the uploaded buffer and table: per byte j, its stream's
-    span (None: no bytes) and the table column of each row's base in it; `width` the column of each
-    row's byte count; `every[j]`: every row has byte j. `whole`: words stored whole (byte j of entry e
-    at base + local * width + j, one base column) rather than in planes (at base_j + local)."""
+    """Where one multi-byte field's bytes lie: per byte j its stream (None: no bytes) and the table column
+    of each row's base; `width` the column of each row's byte count; `every[j]`: every row has byte j;
+    `whole`: words stored whole (one base column), not in planes."""
 
     spans: list[int | None]
     bases: list[int]

@@ -119,8 +119,7 @@ class Checkpoint:
         return self._handle(shard).get_tensor(name)
 
     def read_at(self, name: str, flat: torch.Tensor) -> torch.Tensor:
-        """`read(name).reshape(-1)[flat]` (int64 CPU positions), reading only the block of rows,
-        and for a matrix of columns, that `flat` spans: a TP shard reads its own slice."""
+        """`read(name).reshape(-1)[flat]`, reading only the rows (and a matrix's columns) `flat` spans."""
         shape, dtype = self.info(name)
         if flat.numel() == 0:
             return torch.empty(0, dtype=dtype)
@@ -136,8 +135,8 @@ class Checkpoint:
         return part[r0:r1, c0:c1].reshape(-1)[(flat // row - r0) * (c1 - c0) + col - c0]
 
     def read_runs(self, name: str, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """The flat runs `(start, length)` of `read(name).reshape(-1)`, concatenated in order. Reads
-        the block `read_at` would, and holds no per-element index (a rank's shard can be billions)."""
+        """The flat runs `(start, length)` of `read(name).reshape(-1)`, concatenated: the block `read_at`
+        would read, with no per-element index (a rank's shard can be billions)."""
         shape, dtype = self.info(name)
         if not runs:
             return torch.empty(0, dtype=dtype)

@@ -1,6 +1,5 @@
-"""Does an update apply on the weights an engine holds: the one rule, its version half and its run half,
-called by every receiver (the workers both, before any flush moves and again once the anchor is known;
-the applier the versions; the reader the base-version rule)."""
+"""Does an update apply on the weights an engine holds: the one rule (its version half and its run half),
+called by every receiver."""
 
 from __future__ import annotations
 
