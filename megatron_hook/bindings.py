@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_hook.hf_map import local_tensors
-from vllm_delta.sender.segments import Segments
+from vllm_delta.sender.shards import Segments
 
 
 class RebindError(RuntimeError):

@@ -27,7 +27,7 @@ import torch
 from megatron_hook.block_ids import BlockIds
 from megatron_hook.families import refuse_unsupported, tied_copy, with_model_vocab
 from megatron_hook.names import TENamed
-from vllm_delta.sender.segments import Segments
+from vllm_delta.sender.shards import Segments
 
 _EXPERT_KEY = ".mlp.experts.linear_fc"
 
@@ -123,13 +123,13 @@ def probe(bridge, global_name: str, t: torch.Tensor, rank: int, size: int) -> li
         local, hf_pos = local[order], blocks[order] * w
         out.append(
             Segments(
-                hf_name, _view(flat, _runs(local, w), global_name), tuple(hf_ids.shape), _runs(hf_pos, w)
+                hf_name, _view(flat, runs_of(local, w), global_name), tuple(hf_ids.shape), runs_of(hf_pos, w)
             )
         )
     return out
 
 
-def _runs(starts: torch.Tensor, width: int) -> tuple[tuple[int, int], ...]:
+def runs_of(starts: torch.Tensor, width: int = 1) -> tuple[tuple[int, int], ...]:
     """Blocks of `width` at `starts` (in order) merged into `(start, length)` runs of consecutive elements."""
     breaks = torch.nonzero(starts[1:] - starts[:-1] != width).reshape(-1) + 1
     first = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])

@@ -24,9 +24,9 @@ import torch
 
 from megatron_hook.bindings import Bindings, RebindError
 from megatron_hook.hf_map import Parallel, chunk_segments
-from vllm_delta.sender.checkpoint_seed import checkpoint_seed
+from vllm_delta.sender.delta_sender import checkpoint_seed
 from vllm_delta.sender.fp8_quant import BlockFp8Quantizer, Fp8ConfigError
-from vllm_delta.sender.segments import Segments
+from vllm_delta.sender.shards import Segments
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_delta.sender.segments import Segments, runs_of
+from megatron_hook.hf_map import runs_of
+from vllm_delta.sender.shards import Segments
 
 
 def full_probe(bridge, global_name: str, t: torch.Tensor, rank: int, size: int) -> list[Segments]:
@@ -30,9 +31,7 @@ def full_probe(bridge, global_name: str, t: torch.Tensor, rank: int, size: int) 
         local, positions = local[order], positions[order]
         if local.numel():
             out.append(
-                Segments.from_positions(
-                    hf_name, _view(flat, local, global_name), tuple(hf_ids.shape), positions
-                )
+                Segments(hf_name, _view(flat, local, global_name), tuple(hf_ids.shape), runs_of(positions))
             )
     return out
 

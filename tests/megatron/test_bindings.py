@@ -14,7 +14,7 @@ import torch
 from harness.dispatch_log import OpCount
 
 from megatron_hook.bindings import Bindings, RebindError
-from vllm_delta.sender.segments import Segments
+from vllm_delta.sender.shards import Segments
 
 
 def model_and_segments() -> tuple[torch.nn.Module, list[Segments]]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_delta.sender.segments import Segments, runs_of
-from vllm_delta.sender.shards import Shard, check_disjoint
+from megatron_hook.hf_map import runs_of
+from vllm_delta.sender.shards import Segments, Shard, check_disjoint
 
 pytestmark = [pytest.mark.megatron]
 
@@ -74,11 +74,11 @@ def test_qkv_fc1_and_padded_vocab_at_tp2(tiny_model_factory, rank):
 def test_segments_map_and_disjointness():
     full = torch.arange(24).view(4, 6)
     pos = torch.tensor([6, 7, 8, 18, 19, 2])  # three runs, local order
-    seg = Segments.from_positions("w", full.view(-1)[pos], (4, 6), pos)
+    seg = Segments("w", full.view(-1)[pos], (4, 6), runs_of(pos))
     assert seg.runs == ((6, 3), (18, 2), (2, 1)) and runs_of(pos) == seg.runs
     assert torch.equal(seg.to_global(torch.arange(6)), pos)
     assert torch.equal(full.view(-1)[seg.global_index()], seg.tensor)
-    other = Segments.from_positions("w", torch.zeros(2), (4, 6), torch.tensor([9, 10]))
+    other = Segments("w", torch.zeros(2), (4, 6), runs_of(torch.tensor([9, 10])))
     row = Shard.narrow("w", torch.zeros(1, 6), (4, 6), 0, 3)  # row 3 = flat 18..23: overlaps seg
     assert check_disjoint([seg.describe(), other.describe()]) == {"w": 8 / 24}
     with pytest.raises(ValueError, match="both hold"):

@@ -12,7 +12,7 @@ from harness.capture_bytes import staged_bytes
 
 from vllm_delta.sender import Shard
 from vllm_delta.sender.producer import Producer
-from vllm_delta.sender.segments import Segments
+from vllm_delta.sender.shards import Segments
 from vllm_delta.wire import DeltaDecoder, FlushBuilder
 
 _BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -142,7 +142,7 @@ def test_anchor_of_a_tensor_past_2_31_elements_streams_in_about_a_flush():
     captured values (the snapshot's 7 except the changes), the others by the blocks holding changes
     (decoding 2^31 int64 positions would dominate the test); the peak RSS grows by a few flushes,
     decoding included, not by the tensor (2 GiB; before: 9 B per element staged)."""
-    from vllm_delta.sender.anchor import Anchor
+    from vllm_delta.sender.capture import Anchor
     from vllm_delta.wire import Limits
     from vllm_delta.wire.container import unpack
     from vllm_delta.wire.flush import iter_flush, open_flush

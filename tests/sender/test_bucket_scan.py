@@ -12,7 +12,7 @@ from harness.dispatch_log import OpCount
 import vllm_delta.diff as diff
 from vllm_delta.sender import Shard, bucket_scan
 from vllm_delta.sender.producer import Producer
-from vllm_delta.sender.segments import Segments
+from vllm_delta.sender.shards import Segments
 from vllm_delta.wire import additive
 
 PAD = 7  # elements of padding after every param, as Megatron's buffer aligns params
@@ -236,7 +236,7 @@ def test_chunked_diff_over_chunk_edges() -> None:
 def test_auto_placement_counts_optimizer_state_and_a_margin() -> None:
     """At registration Adam's moments do not exist yet: a snapshot that fits in today's free memory
     but not beside them (and the margin) goes to the host, and the reason says why."""
-    from vllm_delta.sender.snapshot_place import place_snapshot
+    from vllm_delta.sender.producer import place_snapshot
 
     gib = 1 << 30
     params = 5 * gib  # bf16: a 10 GiB snapshot

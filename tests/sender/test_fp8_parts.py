@@ -15,10 +15,9 @@ import torch
 from test_fp8_sender import bits, reference, write_checkpoint
 
 from vllm_delta import DeltaSender
-from vllm_delta.sender.checkpoint_seed import checkpoint_seed
+from vllm_delta.sender.delta_sender import checkpoint_seed
 from vllm_delta.sender.fp8_quant import BlockFp8Quantizer, BlockFp8Spec, Fp8ConfigError
-from vllm_delta.sender.segments import Segments
-from vllm_delta.sender.shards import Shard
+from vllm_delta.sender.shards import Segments, Shard
 
 NAME, SHAPE = "a.q_proj.weight", (384, 300)  # three block rows, an edge block column (300 = 2 x 128 + 44)
 M, N = SHAPE

@@ -180,7 +180,7 @@ def test_tied_weight_is_sent_once_under_the_checkpoint_name(fake_engines, fake_w
 def test_seed_from_checkpoint_takes_this_ranks_elements(kind, tmp_path) -> None:
     from safetensors.torch import save_file
 
-    from vllm_delta.sender.segments import Segments
+    from vllm_delta.sender.shards import Segments
 
     full = torch.randn(6, 4).to(torch.bfloat16)
     save_file({"w": full}, tmp_path / "model.safetensors")

@@ -16,7 +16,7 @@ from vllm_delta.kernels import scan as scan_kernel
 from vllm_delta.kernels import switch
 from vllm_delta.sender import Shard, bucket_scan
 from vllm_delta.sender.producer import Producer
-from vllm_delta.sender.segments import Segments
+from vllm_delta.sender.shards import Segments
 from vllm_delta.wire import additive
 
 pytestmark = pytest.mark.skipif(not switch.HAVE_NUMBA, reason="numba is not installed")

@@ -23,8 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from vllm_delta import DeltaSender
 from vllm_delta.cli import main
-from vllm_delta.sender.segments import Segments
-from vllm_delta.sender.shards import Shard
+from vllm_delta.sender.shards import Segments, Shard
 from vllm_delta.wire.checkpoint import INDEX_NAME, Checkpoint
 
 SHARDS, PER_SHARD = 4, 30

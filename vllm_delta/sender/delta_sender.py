@@ -1,10 +1,8 @@
 """`DeltaSender`: diff against a snapshot, encode, move, and advance only when every engine acknowledged.
 
-A sync is two halves: `capture(named)` diffs and stages the changes (O(changed) bytes) and returns
-once the optimizer may touch the weights again; `publish()` encodes, moves, pushes and collects the
-acks on a background thread, overlapping the next step (docs/sender.md). A sync never stops
-training: a failed publish is recorded (metrics, `status()`, the log), agreed on by every rank, and
-its engines' status is asked in the background; only `sync()`, the blocking call, raises it.
+`capture(named)` diffs and stages the changes and returns once the optimizer may touch the weights
+again; `publish()` encodes, moves, pushes and collects the acks on a background thread. A failed
+publish never stops training: it is recorded and agreed on by every rank; only `sync()` raises it.
 """
 
 from __future__ import annotations
@@ -22,16 +20,15 @@ from vllm_delta import settings
 from vllm_delta.client import EngineClient
 from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.sender.capture import Capture
-from vllm_delta.sender.checkpoint_seed import checkpoint_seed
 from vllm_delta.sender.fp8_quant import BlockFp8Quantizer
 from vllm_delta.sender.planner import EngineState, Plan, Planner
 from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.publisher import Published, Publisher
 from vllm_delta.sender.ranks import Ranks
-from vllm_delta.sender.segments import Segments
-from vllm_delta.sender.shards import Shard, check_disjoint
+from vllm_delta.sender.shards import Segments, Shard, check_disjoint
 from vllm_delta.transports import registry as transports
 from vllm_delta.transports.base import TransportOptions
+from vllm_delta.wire.checkpoint import Checkpoint
 from vllm_delta.wire.signing import signing_keys as checked_keys
 
 logger = logging.getLogger(__name__)
@@ -43,29 +40,46 @@ def _items(named: NamedTensors) -> Iterator[tuple[str, torch.Tensor] | Shard]:
     return iter(named.items()) if isinstance(named, Mapping) else iter(named)
 
 
+def checkpoint_seed(
+    hf_dir: str | Path, names: Iterable[str] | None, like: list[Shard | Segments] | None
+) -> tuple[Iterable, BlockFp8Quantizer | None]:
+    """(what to seed, the block-fp8 quantizer or None): whole tensors (all, or the named ones and their
+    block scales), or with `like` each shard's elements of the checkpoint, on that shard's device."""
+    ckpt = Checkpoint.open(hf_dir)
+    if like is None:
+        if names is None:
+            return ckpt.iter_tensors(), BlockFp8Quantizer.served(ckpt)
+        wanted = list(dict.fromkeys(names))  # only the named tensors' shards are opened
+        fp8 = BlockFp8Quantizer.served(ckpt, [n for n in wanted if n in ckpt])
+        return ((n, ckpt.read(n)) for n in (fp8.with_scales(wanted) if fp8 else wanted) if n in ckpt), fp8
+    if missing := sorted({s.name for s in like if s.name not in ckpt}):
+        raise KeyError(f"not in the checkpoint: {missing[:5]}")
+    fp8 = BlockFp8Quantizer.served(ckpt, [s.name for s in like])
+    scales = fp8.scale_parts(like) if fp8 else []  # this rank's blocks' scales
+
+    def part(s: Shard | Segments) -> torch.Tensor:  # segments by their runs: no per-element index
+        got = (
+            ckpt.read_runs(s.name, s.runs)
+            if isinstance(s, Segments)
+            else ckpt.read_at(s.name, s.global_index().cpu())
+        )
+        return got.reshape(s.tensor.shape).to(s.tensor.device)
+
+    return [s.with_tensor(part(s)) for s in like + scales], fp8
+
+
+def _as_shard(x: tuple[str, torch.Tensor] | Shard | Segments) -> Shard | Segments:
+    return x if isinstance(x, (Shard, Segments)) else Shard.whole(x[0], x[1].detach())
+
+
 def _alias_key(t: torch.Tensor) -> tuple:
     return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
 
 class DeltaSender:
-    """Diff against a snapshot, encode, move, and advance only when every engine acknowledged.
-
-    `engines` are base URLs. With `transport="disk"`, each engine's `--delta-updates-root` must be
-    `delta_dir` (as the engine mounts it): requests name version directories relative to it. With
-    `"s3"`, `delta_dir` is `s3://BUCKET/PREFIX`, each engine's root is the same URL, and endpoint and
-    credentials come from the standard AWS environment and config (`transports/s3.py`). With
-    `"gloo"`/`"nccl"`, each engine joins a small process group with this process as rank 0.
-    `group` (a torch.distributed gloo group of its own, see `ranks.py`) makes this a multi-rank
-    sender (disk or s3): each rank passes the tensors or `Shard`s it holds; shards of one tensor
-    on several ranks must be disjoint (checked at seed); rank 0 merges and talks to the engines.
-    `snapshot` is "device", "host" or "auto" (see `producer.py`). Lag is bounded: an engine that
-    misses `max_lag_syncs` syncs in a row, or every lagging engine once the pending catch-up passes
-    `max_pending_density`, is owed a full anchor and stops holding the snapshot back (`planner.py`).
-    `status_wait_s`: how long `capture()` waits for the background status answer of an engine in an
-    unknown state before skipping it for that sync (`sync()` waits for the answer). `signing_keys`: the
-    first signs every manifest (engines started with `--delta-updates-signing-key`); None reads them
-    from `VLLM_DELTA_SIGNING_KEYS` / `VLLM_DELTA_SIGNING_KEY_FILE`, where none means unsigned.
-    """
+    """The trainer's side of delta sync; docs/sender.md describes every argument. `group` (a gloo
+    group of the sender's own, `ranks.py`) makes it multi-rank: each rank passes what it holds, rank 0
+    talks to the engines. `signing_keys` None reads them from the environment (`settings.py`)."""
 
     def __init__(
         self,
@@ -94,8 +108,7 @@ class DeltaSender:
         status_wait_s: float = 0.0,
         signing_keys: Sequence[str | bytes] | None = None,
     ) -> None:
-        # Anything with EngineClient's `status`/`update`/`collective_init` (e.g. vLLM's weight-sync
-        # clients behind the native backend, vllm_delta/weight_transfer/trainer.py) may stand in for HTTP.
+        # Anything with EngineClient's `status`/`update`/`collective_init` may stand in for HTTP.
         self.client = (
             client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)
         )
@@ -140,7 +153,6 @@ class DeltaSender:
         self._capture_metrics: dict[str, float] = {}
         self.last_wait_s = 0.0  # how long the last capture() waited for the previous publish
 
-    # ---- state that callers and tests read ------------------------------------------------------
     @property
     def engines(self) -> dict[str, EngineState]:
         return self.planner.engines
@@ -157,10 +169,9 @@ class DeltaSender:
     def rank(self) -> int:
         return self.ranks.rank
 
-    # ---- setup ------------------------------------------------------------------------------
     def seed(self, named: NamedTensors) -> None:
         """The snapshot: the engines' weights at `version`, for the tensors or shards this rank holds."""
-        shards = [self._as_shard(x) for x in _items(named)]
+        shards = [_as_shard(x) for x in _items(named)]
         warm_up({s.tensor.dtype for s in shards}, engine=False, sender=True)  # no compile in the first sync
         self.producer.seed(shards)
         placements = self.ranks.gather(self.producer.placements())
@@ -178,16 +189,10 @@ class DeltaSender:
     def seed_from_checkpoint(
         self, hf_dir: str | Path, names: Iterable[str] | None = None, like: NamedTensors | None = None
     ) -> None:
-        """Seed from the engines' own HF checkpoint bytes (exact even if the trainer's round trip isn't).
-
-        With `like` (the tensors or shards this rank will pass to `capture`), each snapshot takes
-        this rank's elements of the checkpoint tensor, on that tensor's device. What is read scales
-        with this rank's tensors, not with the checkpoint. A block-fp8 checkpoint's quantized weights
-        are then captured in bf16 and quantized as it was (`fp8_quant.py`); one this sender cannot
-        produce is refused here, naming a tensor.
-        """
+        """Seed from the engines' own HF checkpoint bytes (exact even if the trainer's round trip isn't);
+        with `like` (what this rank will capture), only this rank's elements are read."""
         seeded, fp8 = checkpoint_seed(
-            hf_dir, names, None if like is None else list(map(self._as_shard, _items(like)))
+            hf_dir, names, None if like is None else list(map(_as_shard, _items(like)))
         )
         self.seed(seeded)
         self.fp8 = fp8
@@ -220,7 +225,6 @@ class DeltaSender:
             },
         }
 
-    # ---- one sync ---------------------------------------------------------------------------
     def capture(self, named: NamedTensors) -> Capture:
         """Diff and stage the changes; the weights may change again when this returns."""
         return self._capture(named, self.status_wait_s)
@@ -279,14 +283,23 @@ class DeltaSender:
         self._executor.shutdown()
         self.transport.close()
 
-    # ---- internals ----------------------------------------------------------------------------
     def _publish(
         self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]
     ) -> dict[str, float]:
-        """The publish thread: its metrics, or the error it ended with (never raised, so a trainer's
-        `future.result()` cannot throw it into the training loop)."""
+        """The publish thread: its metrics; an error is kept for `_collect`, never raised, so a
+        trainer's `future.result()` cannot throw it into the training loop."""
         try:
-            return self._publish_once(plan, cap, changed, captured)
+            uploaded = self.transport.uploaded_bytes
+            done = self.publisher.run(plan, cap, self.model_elements)
+            metrics = {**self._metrics(done, changed), **captured}
+            if uploaded is not None:  # every object this sync PUT, from every rank: one delta's bytes
+                metrics["perf/update_weights_upload_bytes"] = float(
+                    self.ranks.all_sum(self.transport.uploaded_bytes - uploaded)
+                )
+            metrics["perf/update_weights_time"] = captured["sender/capture_s"] + done.publish_s
+            metrics["perf/delta_encode_time"] = captured["sender/scan_s"] + done.encode_s
+            metrics["sender/publish_failed"] = 0.0
+            return metrics
         except Exception as exc:  # one publish runs at a time: `_collect` takes it from here
             self._publish_error = exc
             return {
@@ -295,21 +308,6 @@ class DeltaSender:
                 "sender/all_acked": 0.0,
                 "sender/version": float(plan.version),
             }
-
-    def _publish_once(
-        self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]
-    ) -> dict[str, float]:
-        uploaded = self.transport.uploaded_bytes
-        done = self.publisher.run(plan, cap, self.model_elements)
-        metrics = {**self._metrics(done, changed), **captured}
-        if uploaded is not None:  # every object this sync PUT, from every rank: one delta's bytes
-            metrics["perf/update_weights_upload_bytes"] = float(
-                self.ranks.all_sum(self.transport.uploaded_bytes - uploaded)
-            )
-        metrics["perf/update_weights_time"] = captured["sender/capture_s"] + done.publish_s
-        metrics["perf/delta_encode_time"] = captured["sender/scan_s"] + done.encode_s
-        metrics["sender/publish_failed"] = 0.0
-        return metrics
 
     def _collect(self) -> dict[str, float]:
         if self._inflight is None:
@@ -369,13 +367,10 @@ class DeltaSender:
             "sender/version": float(plan.version),
         }
 
-    def _as_shard(self, x: tuple[str, torch.Tensor] | Shard | Segments) -> Shard | Segments:
-        return x if isinstance(x, (Shard, Segments)) else Shard.whole(x[0], x[1].detach())
-
     def _given(self, named: NamedTensors) -> list[Shard]:
         """The shards to scan; a tensor tied to a seeded one under another name (lm_head and
         embed_tokens) is the same bytes and is sent once, under the checkpoint's name."""
-        shards = [self._as_shard(x) for x in _items(named)]
+        shards = [_as_shard(x) for x in _items(named)]
         known = set(self.producer.names)
         seeded = {_alias_key(s.tensor) for s in shards if s.name in known}
         out = [s for s in shards if s.name in known or _alias_key(s.tensor) not in seeded]

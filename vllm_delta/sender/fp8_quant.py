@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_delta.sender.segments import Segments
-from vllm_delta.sender.shards import Shard
+from vllm_delta.sender.shards import Segments, Shard
 from vllm_delta.wire.checkpoint import Checkpoint
 
 FP8 = torch.float8_e4m3fn

@@ -1,26 +1,22 @@
 """Which engine gets what: a base-relative delta, an overwrite catch-up, or a full anchor.
 
-Why the snapshot moves only on a full ack: the seed advanced it before the engines applied, so a
-failed apply was never re-sent and that engine drifted for good. Here the snapshot stays at S, the
-last version every engine acknowledged; while some engine lags, everyone gets an overwrite catch-up
-(current values at diff(current, S) ∪ the positions sent since S), which takes any engine at a
-version in [S, N-1] of this lineage exactly to N and is safe to replay. Engines outside the lineage
-get a full anchor, or replay the transport's kept chain first (`Plan.replay`). Lag is bounded
-(`max_lag_syncs`, the sender's density cap); status is asked off the training thread (`prober.py`);
-every update names its lineage (`wire.manifest.Lineage`), which engines check before applying.
-docs/sender.md has the state machine, the correctness argument and the lineage rules.
+The snapshot stays at S, the last version every engine acknowledged; while some engine lags, everyone
+gets an overwrite catch-up (values at diff(current, S) and the positions sent since S), which takes an
+engine at any version in [S, N-1] of this lineage exactly to N and is safe to replay. docs/sender.md has
+the state machine, the correctness argument and the lineage rules.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_delta.client import EngineClient, Reply
-from vllm_delta.sender.prober import Prober
 from vllm_delta.wire import Lineage, get_encoding
 
 logger = logging.getLogger(__name__)
@@ -230,3 +226,54 @@ class Planner:
             self.drop(e, why)
         self.snapshot_version = version
         return [e.url for e in lagging]
+
+
+class Prober:
+    """Engine status asked in the background, at most one probe in flight per engine, so the training
+    thread never waits on a dead or hung engine: the planner takes the answers that are in and skips
+    the engines still being asked."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self._probes: dict[str, Future] = {}
+
+    def start(self, urls: Iterable[str]) -> None:
+        """Ask each engine's status unless a probe of it is already out."""
+        with self._lock:
+            for url in urls:
+                if url in self._probes:
+                    continue
+                future: Future = Future()
+                self._probes[url] = future
+                threading.Thread(
+                    target=self._probe, args=(url, future), name="vllm-delta-probe", daemon=True
+                ).start()
+
+    def _probe(self, url: str, future: Future) -> None:
+        try:
+            future.set_result(self.client.status([url])[url])
+        except BaseException as exc:  # a client error is an answer too: unreachable
+            future.set_result(Reply(url, 0, {"error": {"type": type(exc).__name__, "message": str(exc)}}))
+
+    def take(self, urls: Iterable[str], wait_s: float | None, *, fresh: bool = False) -> dict[str, Reply]:
+        """The answers of `urls` in after waiting at most `wait_s` (None: until all are), each taken once.
+        `fresh`: a new probe for each, since an answer or a probe in flight may predate the question (a
+        probe begun while the engine was down answers "unreachable" after it came back)."""
+        urls = list(urls)
+        if fresh:
+            with self._lock:
+                for u in urls:
+                    self._probes.pop(u, None)  # an older probe still running sets a future no one reads
+        self.start(urls)
+        with self._lock:
+            futures = {u: self._probes[u] for u in urls}
+        if futures and wait_s != 0:
+            wait(futures.values(), timeout=wait_s)
+        out = {}
+        with self._lock:
+            for url, future in futures.items():
+                if future.done():
+                    out[url] = future.result()
+                    del self._probes[url]
+        return out

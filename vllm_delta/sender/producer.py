@@ -1,39 +1,33 @@
 """The scan: diff each shard against its snapshot where it lives, gather the changes, digest them,
-and stage only O(changed) bytes on the host.
+and stage only O(changed) bytes on the host (through pinned buffers on a side stream on a GPU).
 
-Why here and not in the encoder: on a GPU trainer the diff, the gather of changed values and the
-additive digest are device kernels over data already there; copying every parameter to the host
-to compare it (what the first sender did) costs a full device-to-host copy per sync. Only the
-changed positions and values cross the bus, through pinned buffers on a side stream, so the copy
-of one tensor's changes overlaps the scan of the next.
-
-The snapshot holds the values every engine acknowledged (version S), per shard:
-- `snapshot="device"`: a copy beside the parameter (fastest; one parameter's worth of memory);
-- `snapshot="host"`: a pinned host copy; the live weights come to the host chunk by chunk and are
-  compared there (nothing is copied to the device; only O(changed) positions go back);
-- `"auto"`: the device only when the snapshot, the optimizer state still to be allocated and a
-  safety margin fit in its free memory (`snapshot_place.py`), else the host. The choice and its
-  reason are logged at seeding and kept in `Producer.place_reason`.
+The snapshot holds the values every engine acknowledged (version S), per shard, on the "device" (beside
+the parameter: fastest, one parameter's worth of memory) or the "host" (pinned; live weights come over
+chunk by chunk). "auto" takes the device only when the snapshot, the optimizer state still to be
+allocated and a margin fit in its free memory (`place_snapshot`), and says why in `place_reason`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
 import vllm_delta.sender.bucket_scan as bucket_scan
 from vllm_delta.diff import changed_positions
-from vllm_delta.sender.anchor import Anchor
-from vllm_delta.sender.capture import Advance, Bucket, BucketAdvance, Capture, Entry, ShardState
+from vllm_delta.sender.capture import Advance, Anchor, Bucket, BucketAdvance, Capture, Entry, ShardState
 from vllm_delta.sender.shards import Shard
-from vllm_delta.sender.snapshot_place import SNAPSHOT_PLACES, choose_place
 from vllm_delta.wire import additive, tensor_digest
 
 # Host-snapshot compares bring this many live elements at a time to the host.
 STREAM_ELEMENTS = 1 << 24
+SNAPSHOT_PLACES = ("auto", "device", "host")
+# "auto": registration comes before the first step, so Adam's two fp32 moments (8 B per param; not
+# DP-sharded: the worst case) do not exist yet; activations and fragmentation get a margin.
+OPTIMIZER_BYTES_PER_PARAM = 8
+MARGIN_FRACTION = 0.15
 
 logger = logging.getLogger(__name__)
 
@@ -403,3 +397,30 @@ def _put(snapshot: torch.Tensor, local: torch.Tensor, values: torch.Tensor) -> N
     else:
         cols = snapshot.shape[1]
         snapshot[torch.div(local, cols, rounding_mode="floor"), local % cols] = values
+
+
+def choose_place(mode: str, shards: Sequence[Shard]) -> tuple[str, str]:
+    """("device" or "host", why) for the snapshot of `shards` under `mode` (one of SNAPSHOT_PLACES)."""
+    if mode != "auto":
+        return mode, "chosen explicitly"
+    devices = {s.tensor.device for s in shards}
+    if not any(d.type == "cuda" for d in devices):
+        return "device", "the weights are not on a GPU (the two places are the same memory)"
+    need = sum(s.tensor.numel() * s.tensor.element_size() for s in shards)
+    params = sum(s.tensor.numel() for s in shards)
+    free, total = (min(x) for x in zip(*(torch.cuda.mem_get_info(d) for d in devices if d.type == "cuda")))
+    return place_snapshot(need, params, free, total)
+
+
+def place_snapshot(snapshot_bytes: int, params: int, free: int, total: int) -> tuple[str, str]:
+    """The "auto" rule: the device only if the snapshot, the optimizer state not yet allocated
+    (OPTIMIZER_BYTES_PER_PARAM) and a margin (MARGIN_FRACTION of the device) fit in its free memory."""
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * params
+    margin = int(MARGIN_FRACTION * total)
+    fits = snapshot_bytes + optimizer + margin <= free
+    gib = 1 << 30
+    why = (
+        f"snapshot {snapshot_bytes / gib:.1f} GiB + optimizer state {optimizer / gib:.1f} GiB + margin "
+        f"{margin / gib:.1f} GiB {'<=' if fits else '>'} free {free / gib:.1f} GiB"
+    )
+    return ("device" if fits else "host"), why

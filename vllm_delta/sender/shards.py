@@ -1,11 +1,7 @@
 """A rank's part of an HF tensor, and where its elements sit in the whole one.
 
-Why: a TP/EP/FSDP trainer holds slices of each weight. Gathering whole tensors before a diff is
-exactly the traffic delta sync exists to avoid, so each rank diffs its own slice and maps the
-changed local positions to flat positions of the full HF tensor. The map is affine per span:
-the local tensor is the concatenation, along one dim, of a few slices of the full tensor (a TP row
-or column slice is one span; a rank's query groups of a fused qkv, or an EP rank's experts, are
-several). No per-element table is kept.
+Why: gathering whole tensors before a diff is the traffic delta sync avoids, so each rank diffs its own
+part and maps changed local positions to HF flat positions, affinely per span or run (no element tables).
 """
 
 from __future__ import annotations
@@ -13,10 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
-
-from vllm_delta.sender.segments import shifted
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,10 +37,7 @@ class Shard:
                 f"{self.name}: local shape {list(self.tensor.shape)} is not {list(full)} "
                 f"with dim {self.dim} cut to {local_len}"
             )
-        ends = sorted(spans)
-        if any(a < 0 or n < 0 or (full and a + n > full[self.dim]) for a, n in spans) or any(
-            a1 + n1 > a2 for (a1, n1), (a2, _) in zip(ends, ends[1:])
-        ):
+        if _bad(spans, full[self.dim] if full else None, 0):
             raise ValueError(
                 f"{self.name}: spans {list(spans)} overlap or leave dim {self.dim} of {list(full)}"
             )
@@ -106,15 +98,76 @@ class Shard:
         return self.name, self.full_shape, self.dim, self.spans
 
 
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """`tensor.reshape(-1)[k]` is `full.reshape(-1)[to_global(k)]`: runs `(hf_start, length)` cover the
+    local elements in order. For layouts that are no slices of one dim (a Megatron rank's fused qkv rows,
+    `[gate_r; up_r]`, a padded vocab shard); `describe()` gives dim None (flat)."""
+
+    name: str
+    tensor: torch.Tensor
+    full_shape: tuple[int, ...]
+    runs: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        full = tuple(int(n) for n in self.full_shape)
+        runs = tuple((int(a), int(n)) for a, n in self.runs)
+        object.__setattr__(self, "full_shape", full)
+        object.__setattr__(self, "runs", runs)
+        if sum(n for _, n in runs) != self.tensor.numel():
+            raise ValueError(
+                f"{self.name}: runs cover {sum(n for _, n in runs)} elements, the tensor has "
+                f"{self.tensor.numel()}"
+            )
+        if _bad(runs, math.prod(full), 1):
+            raise ValueError(f"{self.name}: runs overlap, are empty or leave the {list(full)} tensor")
+
+    @property
+    def is_whole(self) -> bool:
+        return (
+            len(self.runs) == 1
+            and self.runs[0] == (0, math.prod(self.full_shape))
+            and tuple(self.tensor.shape) == self.full_shape
+        )
+
+    numel = Shard.numel
+    global_index = Shard.global_index
+
+    def to_global(self, local: torch.Tensor) -> torch.Tensor:
+        return shifted(local, self.runs)
+
+    def with_tensor(self, tensor: torch.Tensor) -> Segments:
+        return Segments(self.name, tensor, self.full_shape, self.runs)
+
+    def describe(self) -> tuple[str, tuple[int, ...], None, tuple[tuple[int, int], ...]]:
+        return self.name, self.full_shape, None, self.runs
+
+
+def _bad(runs: tuple[tuple[int, int], ...], end: int | None, min_len: int) -> bool:
+    """Some run starts below 0, is shorter than `min_len`, passes `end`, or overlaps another."""
+    ends = sorted(runs)
+    return any(a < 0 or n < min_len or (end is not None and a + n > end) for a, n in runs) or any(
+        a1 + n1 > a2 for (a1, n1), (a2, _) in zip(ends, ends[1:])
+    )
+
+
+def shifted(local: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """`local` (indices into the runs `(start, length)` laid end to end) mapped into each run's start."""
+    if len(runs) == 1:
+        return local + runs[0][0]
+    ends = list(accumulate(n for _, n in runs))
+    bounds = torch.tensor(ends[:-1], dtype=local.dtype, device=local.device)
+    shifts = torch.tensor(
+        [a - e + n for (a, n), e in zip(runs, ends)], dtype=local.dtype, device=local.device
+    )
+    return local + shifts[torch.bucketize(local, bounds, right=True)]
+
+
 def check_disjoint(
     placements: Iterable[tuple[str, tuple[int, ...], int, tuple[tuple[int, int], ...]]],
 ) -> dict[str, float]:
-    """Raise if two placements of one tensor overlap; return each tensor's covered fraction.
-
-    Placements are compared span by span (no element tables): two spans on the same dim overlap
-    iff their ranges do; spans on different dims of one tensor always share elements. Dim `None`
-    means flat runs (`Segments`); a tensor with any such part is compared flat.
-    """
+    """Raise if two placements of one tensor overlap; return each tensor's covered fraction. Spans on
+    one dim overlap iff their ranges do; on different dims they always do; flat runs compare flat."""
     by_name: dict[str, list[tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]]] = {}
     for name, shape, dim, spans in placements:
         by_name.setdefault(name, []).append((tuple(shape), dim, tuple(spans)))
@@ -124,7 +177,7 @@ def check_disjoint(
         if len(shapes) != 1:
             raise ValueError(f"{name}: ranks disagree on the full shape: {sorted(shapes)}")
         (shape,) = shapes
-        if any(p[1] is None for p in parts):  # flat runs (segments.py): compare everything flat
+        if any(p[1] is None for p in parts):  # flat runs (Segments): compare everything flat
             flat = (math.prod(shape),)
             parts = [(flat, 0, p[2] if p[1] is None else flat_runs(shape, p[1], p[2])) for p in parts]
             shape = flat
