@@ -1,11 +1,8 @@
-"""Which live weight each segment views, checked every sync (a `data_ptr` compare per weight).
+"""Which live weight each segment views, checked every sync (a `data_ptr` compare per weight, no device sync).
 
-Why: a segment holds a view of a weight taken at `register()`. A trainer that later rebinds
-`param.data` (CPU offload and onload, re-wrapping) or replaces the parameter leaves that view on a
-dead copy: the diff sees no change, every engine acks, and the served weights freeze. So each
-sync reads every weight again through its module attribute. A weight that moved with its layout
-intact (shape, strides, dtype, device) gets its views re-derived at the same offsets; anything
-else raises, naming the weight. The check reads host-side tensor metadata only: no device sync.
+Why: a trainer that rebinds `param.data` (CPU offload, re-wrapping) leaves a segment's view on a dead
+copy: no change is seen and the served weights freeze. A weight that moved with its layout intact
+gets its views re-derived at the same offsets; anything else raises, naming the weight.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Id tensors held one id per block of consecutive last-dim elements, for probing mbridge's conversion.
 
-Why: the HF map comes from running id tensors through mbridge's own TP merge and HF conversion.
-With one int64 id per element that is O(elements) host memory and time: at 355B about 6 B local
-elements per rank, TP-fold when merged (issue 18, "Why 1"). mbridge's rules only cat, chunk, split,
-slice, view and reshape, and along the last dim they move whole rows or whole per-rank column
-blocks. So `BlockIds` stores, for every block of `width` consecutive last-dim elements, the id of its
-first element (the rest follow, +1 each), and does each op on those starts. An op that cuts finer
-than a block first refines the blocks (splits each into equal parts): always exact, only the memory
-grows. An op it does not know raises, naming itself: a rule mbridge adds is refused, never guessed.
+Why: one int64 id per element is O(elements) (at 355B ~6 B per rank, TP-fold merged). mbridge's rules
+only cat, chunk, split, slice, view and reshape, moving whole rows or per-rank column blocks, so each
+op runs on the blocks' first ids; one that cuts finer refines the blocks first (exact, more memory).
+An op it does not know raises, naming itself: never guessed.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """What the map must know about a model chunk that mbridge's tables do not say.
 
-Why each rule:
-- Vocab padding: mbridge trims the padded embedding / output rows only when it built the model
-  itself (`make_vocab_size_divisible_by`). Megatron-LM and slime pad to a multiple of 128 x TP on
-  their own and hand mbridge a bridge that knows nothing of it, so the padding is read from the
-  model's real tensor shapes, whoever built it.
-- Tied copies: an MTP stage that is not the first pipeline stage holds its own copy of the word
-  embeddings, tied to the first stage's (megatron all-reduces their gradients and ties them in its
-  checkpoints). The first stage ships those elements, under every HF name mbridge gives them; the
-  copy ships nothing, so no element is shipped twice.
-- Refusals, at registration and naming the module: legacy `GroupedMLP` (`experts.weight1/2`: one
-  tensor for all local experts, each expert's matrix transposed), which mbridge's tables do not
-  name; and expert tensor parallelism with TP = 1, where mbridge's `_weight_merge_across_tp` keeps
-  only one shard (ETP > 1 with TP > 1 goes through mbridge's expert merge rules as usual).
+- Vocab padding: mbridge trims padded rows only when it built the model; Megatron-LM and slime pad on
+  their own, so the padding is read from the model's real tensor shapes.
+- Tied copies: a later stage's MTP copy of the word embeddings ships nothing; the first stage ships them.
+- Refused at registration, naming the module: legacy `GroupedMLP` (no mbridge name table), and expert
+  TP with TP = 1 (mbridge's `_weight_merge_across_tp` then keeps one shard).
 """
 
 from __future__ import annotations

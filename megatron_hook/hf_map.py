@@ -1,19 +1,11 @@
 """Where each element of a rank's Megatron weights sits in the HF checkpoint, from mbridge's own code.
 
-Why: a trainer rank must diff its own shard and name the changed elements in HF coordinates
-without gathering weights. Hand-written per-family layout tables drift from the converter that
-exported the served checkpoint; instead each local tensor is probed through mbridge's conversion
-itself. For a param split across R tensor-parallel ranks, R id tensors (rank k's ids are k * numel +
-arange) go through `_weight_merge_across_tp` and `_weight_to_hf_format`, exactly as `export_weights`
-moves real values; the ids of this rank that come out in HF tensor `h` at flat position j say that
-local element i is `h[j]`. Ids that vanish (padded vocab rows) have no HF position and are never
-shipped. The ids are `BlockIds` (one int64 per row, or per coarser block mbridge's rules keep whole),
-so registration costs O(rows), not O(elements), and the map is compressed at once into `Segments`.
-
-Exactly one replica ships each element: a rank holds a tensor only if it is this rank's part of
-a partitioned param, or TP rank 0 of a replicated one, and only DP rank 0 (expert-DP rank 0 for
-experts) ships at all. Each PP stage and EP rank probes only what it holds.
-
+Why: hand-written layout tables drift from the converter that exported the served checkpoint. So each
+local tensor is probed through mbridge's conversion: for a param split over R TP ranks, R id tensors
+(rank k's ids are k * numel + arange, as `BlockIds`: O(rows)) go through `_weight_merge_across_tp` and
+`_weight_to_hf_format`; where this rank's ids land in HF tensor `h` names each local element's position.
+Vanished ids (padded vocab rows) are never shipped. Exactly one replica ships each element: this rank's
+part of a partitioned param, or TP rank 0 of a replicated one, on (expert-)DP rank 0 only.
 The private mbridge methods used are pinned with `mbridge==0.15.1` (pyproject.toml).
 """
 
@@ -58,8 +50,7 @@ class Parallel:
 
 
 def local_tensors(gpt: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What the engine serves from this chunk: its parameters, plus the MoE `expert_bias`
-    buffers (updated outside the optimizer; mbridge exports them the same way)."""
+    """What the engine serves from this chunk: its parameters and the MoE `expert_bias` buffers."""
     out = dict(gpt.named_parameters())
     for name, t in gpt.state_dict(keep_vars=True).items():
         if name.endswith("expert_bias") and name not in out:
@@ -97,9 +88,8 @@ def shipped(
 
 
 def probe(bridge, global_name: str, t: torch.Tensor, rank: int, size: int) -> list[Segments]:
-    """Run block ids through mbridge's TP merge and HF conversion; one `Segments` per HF tensor.
-
-    O(rows) memory and time: a 2-D or larger tensor starts as one block per row."""
+    """Run block ids (one block per row) through mbridge's TP merge and HF conversion; one `Segments`
+    per HF tensor."""
     n = t.numel()
     width = t.shape[-1] if t.dim() > 1 else 1
     ids = [BlockIds.arange(k * n, t.shape, width) for k in range(size)]
@@ -139,8 +129,7 @@ def runs_of(starts: torch.Tensor, width: int = 1) -> tuple[tuple[int, int], ...]
 
 def _view(flat: torch.Tensor, runs: tuple[tuple[int, int], ...], name: str) -> torch.Tensor:
     """A view of `flat` over the sorted local runs: one range, or equal runs at a constant stride (a
-    rank's q, k or v rows across its query groups). Anything else would need a copy that does not
-    follow the live weights, so it is refused."""
+    rank's q rows across its query groups). A copy would not follow the live weights: refused."""
     if len(runs) == 1:
         a, length = runs[0]
         return flat[a : a + length]

@@ -1,14 +1,9 @@
 """`register(optimizer, model_chunks, sender, bridge=...)`: sync the engines after each real optimizer step.
 
-Why a wrapper: megatron-core has no post-step hook, and the inner torch optimizer's
-`register_step_post_hook` fires before the fp32 -> bf16 copy (nothing has changed yet). So the
-top-level `MegatronOptimizer.step` is wrapped on this instance. It returns
-`(update_successful, grad_norm, num_zeros)`; a step the loss scaler skipped (inf/NaN grads)
-changed no weight and fires nothing. With the distributed optimizer and `overlap_param_gather`,
-only this DP rank's shard is current after `step()`; the hook finishes the all-gather first
-(`start_param_sync(force_sync=True)`, what Megatron-LM's `force_param_sync` does). It then
-captures (the diff, on the weights' device) and publishes in the background, so the push
-overlaps the next training step; the next capture waits only if that push is still running.
+Why a wrapper: megatron-core has no post-step hook, and the inner optimizer's post-step hooks fire before
+the fp32 -> bf16 copy. So this instance's `MegatronOptimizer.step` is wrapped: a step the loss scaler
+skipped fires nothing; with `overlap_param_gather` the all-gather is finished first (as Megatron-LM's
+`force_param_sync`); then it captures and publishes in the background, overlapping the next step.
 """
 
 from __future__ import annotations
@@ -35,9 +30,7 @@ logger = logging.getLogger(__name__)
 class SeedReport:
     """Elements where the trainer's weights differ from the served checkpoint at registration."""
 
-    mismatches: dict[str, torch.Tensor] = field(
-        default_factory=dict
-    )  # HF name -> HF flat positions (this rank)
+    mismatches: dict[str, torch.Tensor] = field(default_factory=dict)  # HF name -> flat positions (this rank)
     total: int = 0  # over every sender rank
 
     @property
@@ -128,11 +121,6 @@ class HookHandle:
         if self.on_sync is not None:
             self.on_sync(metrics)
 
-    @property
-    def status(self) -> dict:
-        """The sender's failed publishes and engine states (a publish error never leaves `step()`)."""
-        return self.sender.status()
-
     def remove(self) -> None:
         """Stop syncing: wait for the last publish and restore the optimizer's `step`."""
         self.flush()
@@ -154,29 +142,16 @@ def register(
     every: int = 1,
     on_sync: Callable[[dict[str, float]], None] | None = None,
 ) -> HookHandle:
-    """Sync `sender`'s engines after every `every`-th optimizer step that updated the weights.
+    """Sync `sender`'s engines after every `every`-th optimizer step that updated the weights; every rank
+    of the sender's group calls this. `model_chunks`: the DDP-wrapped chunks given to the optimizer;
+    `bridge`: the model's mbridge bridge (its conversion code gives the HF map).
 
-    `model_chunks` are the DDP-wrapped chunks given to the optimizer (one per virtual stage);
-    `bridge` is the mbridge bridge of the model (its conversion code gives the HF map).
-    `checkpoint` is the HF directory the engines loaded: the snapshot is seeded from its bytes
-    and every element where the trainer's weights differ is found (`handle.seed_report`), so a
-    wrong map or checkpoint shows at step 0 instead of shipping wrong positions from step 1. A
-    mismatch raises `SeedMismatchError` on every rank, naming the first elements;
-    `seed_mismatch="warn"` logs it instead (e.g. the engines serve an older checkpoint on purpose).
-    Without a checkpoint nothing can be checked, so that takes an explicit `seed_from_trainer=True`
-    (the snapshot is then the trainer's current weights). Every rank of the sender's group must call this.
-
-    A block-fp8 served `checkpoint` (`weight_block_size` in its `quantization_config`): each rank quantizes
-    its own shard of each quantized weight as the checkpoint was (`vllm_delta/sender/fp8_quant.py`, bit-equal
-    to vLLM's `per_block_cast_to_fp8`), re-quantizing only blocks with a changed bf16 element, and ships the
-    changed codes and `weight_scale_inv` values of its blocks; the seed check compares those with the served
-    ones. A shard whose elements (in HF coordinates, after the qkv / gate-up reordering) cut a block is
-    refused here on every rank, naming the tensor, the rows and columns this rank holds and its TP rank.
-    Refused, not gathered: a cut block's scale needs both ranks' elements, so every sync would add a
-    collective among TP ranks on the capture path and a rule for which rank ships the shared block, for
-    layouts that block-fp8 models do not train in (a 128-wide query group and widths that are multiples of
-    128 x TP never cut one: DeepSeek-V3, Qwen3-FP8, GLM-4.x-FP8), and that vLLM refuses in its own TP shards.
-    Block fp8 needs `checkpoint=`: `seed_from_trainer` does not know the served quantization.
+    `checkpoint` (the HF directory the engines loaded) seeds the snapshot from its bytes and finds every
+    element where the trainer's weights differ (`handle.seed_report`), so a wrong map or checkpoint
+    raises `SeedMismatchError` at step 0 (`seed_mismatch="warn"` logs it). Without one nothing is checked,
+    which takes an explicit `seed_from_trainer=True`. A block-fp8 served checkpoint is quantized per rank
+    (`fp8_quant.py`); a shard that cuts a block is refused on every rank, naming what this rank holds:
+    gathering would put a TP collective on the capture path, for layouts block-fp8 models do not train in.
     """
     if every < 1:
         raise ValueError("every must be >= 1")

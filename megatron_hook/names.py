@@ -1,14 +1,9 @@
-"""Megatron parameter names as mbridge's tables spell them.
+"""Megatron parameter names as mbridge's tables spell them (the Transformer-Engine layer spec).
 
-Why: mbridge's name tables follow the Transformer-Engine layer spec, where a norm is fused into
-the one linear that reads it (`layer_norm_weight`): the attention norm into `linear_qkv`, a dense
-layer's MLP norm into `linear_fc1`, and MLA's q/kv LoRA norms into `linear_q_up_proj` /
-`linear_kv_up_proj`. A norm with two readers stays its own module: MLA's `input_layernorm`
-(read by the q and kv down-projections) and a MoE layer's `pre_mlp_layernorm` (router and
-experts). The experts of a layer are one grouped module (`experts.linear_fc1.weight{e}`). A
-model built from megatron-core's local (non-TE) spec holds the same tensors under other names.
-Names that are already TE names pass through unchanged, so this is the identity on a TE-spec
-model. The same rules apply inside an MTP layer (`mtp.layers.{k}.transformer_layer`).
+Why: in the TE spec a norm read by one linear is fused into it (`layer_norm_weight`: the attention norm
+into `linear_qkv`, a dense MLP norm into `linear_fc1`, MLA's q/kv LoRA norms into their up-projections)
+and a layer's experts are one grouped module; a norm with two readers stays its own. A local-spec model
+holds the same tensors under other names; TE names pass through unchanged (MTP layers alike).
 """
 
 from __future__ import annotations
@@ -50,11 +45,8 @@ def to_te_names(names: Iterable[str]) -> dict[str, str]:
 
 
 class TENamed:
-    """A local-spec GPTModel as mbridge expects to see it: the same tensors under TE names.
-
-    mbridge reads a model only through `named_parameters()`, `state_dict()` and
-    `decoder.layers`; its `load_weights` writes through the state dict's tensors, which share
-    storage with the parameters."""
+    """A local-spec GPTModel under TE names, as mbridge reads a model: `named_parameters()`,
+    `state_dict()` (whose tensors share storage with the parameters) and `decoder.layers`."""
 
     def __init__(self, gpt) -> None:
         self.gpt = gpt

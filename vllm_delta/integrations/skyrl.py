@@ -1,13 +1,9 @@
 """SkyRL 0.4's weight sync through vllm-delta: `generator.inference_engine.weight_sync_backend=vllm_delta`.
 
-SkyRL builds its trainer engine with vLLM's `WeightTransferTrainerFactory.trainer_init(init_info,
-client=SkyrlWeightSyncClient(urls, dp), source=<its WeightSource>)` and calls `send_weights()`.
-`SkyrlDeltaTrainerEngine` is our trainer engine (weight_transfer/trainer.py) taking that client and
-source unchanged: SkyRL's one client fans out to every server and answers nothing, while our sender
-gates its snapshot on each engine's own answer, so the client is seen as one view per server
-(its URLs, its HTTP session). SkyRL's list of backends is closed (`get_transfer_strategy` maps a
-name it does not know to `nccl`), so `register()` adds `vllm_delta` to it; call it in every SkyRL
-process (driver and trainer workers), e.g. from a module the run imports first.
+SkyRL builds its trainer engine through vLLM's `WeightTransferTrainerFactory` with one client that fans
+out to every server; our sender gates its snapshot on each engine's own answer, so that client is seen
+as one view per server. SkyRL's backend list is closed (an unknown name becomes `nccl`), so `register()`
+adds `vllm_delta`; call it in every SkyRL process, e.g. from a module the run imports first.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """TRL's `VLLMClient` with its weight sync through `DeltaSender`: `GRPOTrainer(use_vllm=True,
 vllm_mode="server")` ships deltas after one call, `use_delta(delta_dir)`, made before the trainer.
 
-Why a subclass: TRL's server mode builds its client in `VLLMGeneration` and syncs with
-`update_named_params(metadata, iterator)` over an NCCL group that needs CUDA. Everything else
-(generation, `/server_info`, `/reset_prefix_cache`) stays TRL's. The server is either vLLM's
-weight-transfer API with our backend (`trl vllm-serve --model MODEL --weight-transfer-config
-'{"backend": "vllm_delta"}' --delta-updates-root DIR`) or our route (`vllm serve MODEL
---enable-delta-updates --delta-updates-root DIR`, with `VLLM_SERVER_DEV_MODE=1` for TRL's routes);
-the client reads which from the server's config.
-
-The first sync seeds the snapshot from the trainer's weights and sends them whole (an anchor), so
-the engine may start from any checkpoint; every later sync is a delta. ZeRO-3 and FSDP hand out
-gathered parameters that are re-partitioned when the iterator advances: those are copied into
-buffers kept across syncs (`copy=None` asks accelerate whether the model is sharded). A failed sync
-never stops training: it is logged, counted in `status()` and `last_metrics`, and the next sync
-sends what the engine lacks.
+Why a subclass: TRL's server mode syncs with `update_named_params` over an NCCL group that needs CUDA;
+everything else stays TRL's. The server runs our weight-transfer backend or our route (the client reads
+which from its config). The first sync sends an anchor, so the engine may start from any checkpoint.
+ZeRO-3/FSDP parameters are gathered and freed as the iterator advances, so they are copied into buffers
+kept across syncs. A failed sync is logged and counted, never raised into training.
 """
 
 from __future__ import annotations
@@ -34,10 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def use_delta(delta_dir: str | None = None, **options: Any) -> None:
-    """Every `VLLMClient` TRL builds from now on syncs through `DeltaSender(delta_dir=..., **options)`.
-
-    `options`: `DeltaSender`'s (transport, encoding, api_key, ...) and `copy` (see `DeltaVLLMClient`).
-    """
+    """Every `VLLMClient` TRL builds from now on syncs through `DeltaSender(delta_dir=..., **options)`
+    (`options`: `DeltaSender`'s, and `copy`, see `DeltaVLLMClient`)."""
     vllm_generation.VLLMClient = functools.partial(DeltaVLLMClient, delta_dir=delta_dir, **options)
 
 
@@ -133,7 +122,7 @@ def take(
     named_params: Iterable[tuple[str, torch.Tensor]], kept: dict[str, torch.Tensor], copy: bool
 ) -> list[tuple[str, torch.Tensor]]:
     """The tensors to diff, each read before the iterator moves on (and undoes a gather): with `copy`,
-    into `kept`'s buffers (reused across syncs, so the sender sees the same storage every time)."""
+    into `kept`'s buffers, reused so the sender sees the same storage every time."""
     out = []
     with torch.no_grad():
         for name, tensor in named_params:

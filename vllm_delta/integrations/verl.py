@@ -5,12 +5,9 @@
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.vllm_delta.engines=[http://host:8000]
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.vllm_delta.delta_dir=/shared/deltas
 
-Why this shape: verl's other engines carry whole tensors from the actor to a rollout-side engine,
-which loads them into vLLM through its own worker extension. Here the actor's rank 0 is a
-`DeltaSender`: it diffs the tensors verl gives `send_weights` against its snapshot and pushes the
-delta to each engine's `POST /update_weights_delta` (`vllm serve --enable-delta-updates`), which
-applies it transactionally; the rollout side has nothing to receive. Other actor ranks only drain
-their generator (verl's gathers are collectives every rank takes part in).
+Why this shape: verl's other engines carry whole tensors to a rollout-side receiver. Here the actor's
+rank 0 is a `DeltaSender` pushing to each engine's `POST /update_weights_delta`, so the rollout side
+receives nothing; other actor ranks only drain their generator (verl's gathers are collectives).
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """One pass over a contiguous bucket of weights: the diff, the gather, the HF map and the digests of
 every shard in it, in a bounded number of torch ops per bucket, whatever its number of shards.
 
-Why: with Megatron's distributed optimizer every bf16 param is a view into one contiguous buffer
-(`ParamAndGradBuffer.param_data`), and a rank holds about 1000 HF segments. Diffing them one by one
-launches ~85 small kernels and 1-3 host syncs per segment. Here the shards that share a storage
-(and dtype and device) form a bucket; the bucket's span of that storage is diffed against one flat
-snapshot in large chunks, and the changed offsets are mapped to (segment, HF position) afterwards
-through a table of runs (`searchsorted` over run starts). Additive digests of all segments come out
-of one segmented sum (`kernels.digest.segment_sums`) into an `[n_segments, 2]` table. A plain
-tensor (its own storage) is a bucket of one: the same code, so both senders share one tested path.
-
-The per-segment scan in `producer.py` is the reference this is tested bit-exact against. On CPU
-weights the diff, gathers, HF map and digests run fused in one pass (`kernels/scan.py`, numba): the
-torch ops here (`torch_diff_digest`) cost ~10x a memcpy there; they stay the path on every other
-device, and the kernel's tested reference.
+Why: with Megatron's distributed optimizer every param is a view into one buffer and a rank holds
+~1000 HF segments; diffing them one by one costs ~85 small kernels and 1-3 host syncs each. Shards
+sharing a storage (and dtype and device) form a bucket whose span is diffed against one flat
+snapshot; changed offsets map to (segment, HF position) through a table of runs. The per-segment
+scan in `producer.py` is the reference this is tested bit-exact against; on CPU weights
+`kernels/scan.py` runs the whole pass fused (the torch ops here cost ~10x a memcpy there).
 """
 
 from __future__ import annotations
@@ -48,20 +41,17 @@ class Layout:
     key: tuple
     names: tuple[str, ...]  # members, in order of their first element in the bucket
     base: torch.Tensor  # flat view of the live storage over the bucket's span
-    local_runs: tuple[tuple[tuple[int, int], ...], ...]  # per member: (bucket offset, length) in local order,
+    local_runs: tuple[tuple[tuple[int, int], ...], ...]  # per member: (bucket offset, length), local order:
     # one run or equal runs at a constant stride (so the member's snapshot is a view of the bucket's)
     rows: tuple[tuple[int, int, int, int], ...]  # runs (bucket offset, HF start, length, member), sorted
     tables: tuple[torch.Tensor, ...]  # `run_tables(rows)` on the weights' device
     in_order: bool  # bucket order is already (member, HF) order: no sort of the changes
     gaps: bool  # the span holds elements no member covers (padding, unregistered params)
-    buffers: ScanBuffers = field(default_factory=ScanBuffers, repr=False)  # the CPU kernel's outputs, reused
-    kernel_views: tuple | None = field(
-        default=None, repr=False
-    )  # `kernel_args`' last answer and its snapshot
+    buffers: ScanBuffers = field(default_factory=ScanBuffers, repr=False)  # the CPU kernel's outputs
+    kernel_views: tuple | None = field(default=None, repr=False)  # `kernel_args`' answer and its snapshot
 
     def kernel_args(self, snap: torch.Tensor) -> tuple:
-        """(`base`'s bits, `snap`'s bits, run-table columns) as numpy views for `scan_kernel.scan_bits`,
-        made again only for another snapshot tensor: each costs a few tensor calls, paid per bucket."""
+        """(`base`'s bits, `snap`'s bits, run-table columns) as numpy views, made once per snapshot."""
         if self.kernel_views is None or self.kernel_views[0] is not snap:
             self.kernel_views = (
                 snap,
@@ -73,8 +63,8 @@ class Layout:
 
 
 def storage_runs(t: torch.Tensor) -> list[tuple[int, int]] | None:
-    """`(storage offset, length)` runs of `t`'s elements in row-major order, or None if its innermost
-    stride is not 1 or it breaks into more than MAX_RUNS pieces."""
+    """`(storage offset, length)` runs of `t`'s elements in row-major order; None past MAX_RUNS or for
+    an inner stride that is not 1."""
     dims = [(n, s) for n, s in zip(t.shape, t.stride()) if n != 1]
     merged: list[list[int]] = []
     for n, s in reversed(dims):  # coalesce from the inside out
@@ -121,17 +111,15 @@ def _merge(buf: list[tuple[int, int]], hf: tuple[tuple[int, int], ...]) -> list[
 
 
 def storage_key(t: torch.Tensor) -> tuple:
-    """Tensors that share a storage, dtype and device can be scanned as one span. The StorageImpl's
-    address identifies the storage on every device (on meta, every `data_ptr()` is 0)."""
+    """What tensors scanned as one span share (the StorageImpl's address: on meta every data_ptr is 0)."""
     return t.device, t.dtype, t.untyped_storage()._cdata
 
 
 def plan(
     shards: list[Shard | Segments], known: dict[tuple, Layout] | None = None
 ) -> tuple[list[Layout], list[Shard | Segments]]:
-    """Group shards into buckets; return the layouts (those in `known` reused: no torch op) and the
-    shards the per-segment scan must take (too many runs, a non-unit inner stride, or elements shared
-    with another shard). Python work only, O(runs)."""
+    """The buckets' layouts (those in `known` reused) and the shards the per-segment scan must take (too
+    many runs, a non-unit inner stride, or elements shared with another shard). O(runs), no torch op."""
     groups: dict[tuple, list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]] = {}
     rest = []
     for s in shards:
@@ -186,8 +174,7 @@ def _layout(
 
 
 def run_tables(rows: tuple[tuple[int, int, int, int], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """int64 per run, on `device` (made once per layout): start, end, HF shift (HF position minus
-    bucket offset), member, and rank in (member, HF) order."""
+    """int64 per run: start, end, HF shift (minus the offset), member, rank in (member, HF) order."""
     t = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).t().contiguous()
     rank = torch.empty_like(t[0])
     rank[
@@ -212,9 +199,8 @@ class BucketScan:
 def scan(
     layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: torch.Tensor | None, kind: str
 ) -> BucketScan:
-    """Diff the bucket's live span against `snap` (same span, flat) and digest every member.
-    `digests` is `[n, 2]`: each member's additive digest of `snap`. Runs where `snap` lives; with a
-    host snapshot of device weights the live span comes to the host chunk by chunk."""
+    """Diff the bucket's live span against `snap` (same span, flat; `digests`: each member's [n, 2]) and
+    digest every member, where `snap` lives (a host snapshot's live span comes over chunk by chunk)."""
     n = len(layout.names)
     catchup = kind == "catchup" and pending is not None
     if scan_kernel.applies(layout.base, snap):  # CPU: one fused pass (numba), tested equal to the torch path
@@ -244,8 +230,8 @@ def scan(
 
 
 def _kernel_scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, n: int) -> BucketScan:
-    """`scan` of a bucket in (member, HF) order with nothing owed, on the CPU kernel, its bookkeeping
-    in numpy: one plain tensor is one bucket, so these few microseconds are paid per tensor."""
+    """`scan` on the CPU kernel of a bucket in (member, HF) order with nothing owed, its bookkeeping in
+    numpy: a plain tensor is a bucket of one, so these microseconds are paid per tensor."""
     cur, snap_bits, tables = layout.kernel_args(snap)
     pos, hf, old, new, _, sums = scan_kernel.scan_bits(
         cur, snap_bits, tables, n, False, *_kernel_workers(), layout.buffers
@@ -287,8 +273,8 @@ def _np_count(tables: tuple[np.ndarray, ...], n: int, pos: np.ndarray) -> np.nda
 def torch_diff_digest(
     layout: Layout, tables: tuple[torch.Tensor, ...], snap: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, ...]:
-    """(offsets, old, new, HF positions, runs, pre [n, 2], post [n, 2]) of the changes inside the
-    runs, in torch ops on any device: the reference for `scan_kernel.diff_digest`."""
+    """(offsets, old, new, HF positions, runs, pre [n, 2], post [n, 2]) of the changes inside the runs,
+    in torch ops on any device: the reference for `scan_kernel.diff_digest`."""
     pos, old, new = _diff(layout.base, snap)
     seg, hf, keep, run = _map(layout, tables, pos)
     # drop changes no member covers (one check first: gathering six arrays costs more; meta can't say)
@@ -335,8 +321,7 @@ def locate(
 def _map(
     layout: Layout, tables: tuple[torch.Tensor, ...], pos: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`locate`, or for a bucket of one run (a plain tensor, a whole param) just an offset: no
-    member index is needed then (`seg` None)."""
+    """`locate`, or for a bucket of one run just an offset (`seg` None: one member)."""
     if len(layout.rows) == 1:
         start, hf, _, _ = layout.rows[0]
         return None, pos + (hf - start) if hf != start else pos, None, None
@@ -344,8 +329,7 @@ def _map(
 
 
 def _count(tables: tuple[torch.Tensor, ...], n: int, pos: torch.Tensor) -> torch.Tensor:
-    """Positions per member. `pos` is sorted and inside the runs, so each run's count is the
-    difference of two `searchsorted`s over the (few) run bounds, summed per member."""
+    """Positions per member: `pos` is sorted and inside the runs, so two `searchsorted`s per run."""
     if tables[0].numel() == 1:  # one run: a plain tensor or a whole param
         return pos.new_full((1,), pos.numel())
     start, end, _, run_seg, _ = tables

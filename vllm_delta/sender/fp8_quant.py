@@ -1,20 +1,13 @@
 """Block-fp8 engines fed by a bf16 trainer: quantize as the served checkpoint is quantized, per changed block.
 
-Why: rollouts are served in block fp8 (DeepSeek-V3, Qwen3-FP8, GLM-4.7-FP8: float8_e4m3fn weights, a
-float32 `weight_scale_inv` per `weight_block_size` block) while the trainer holds bf16. The sender turns
-each quantized bf16 weight into the codes and scales the engine serves, and the ordinary scan then ships
-only the codes and scales that changed. Only blocks holding a changed bf16 element are re-quantized.
+Rollouts are served in block fp8 (DeepSeek-V3, Qwen3-FP8, GLM-4.7-FP8) while the trainer holds bf16: each
+capture re-quantizes only the blocks holding a changed bf16 element, and the scan ships the codes and
+scales that changed. A rank's part of a weight is quantized alone when its tiles are whole blocks of the
+HF weight; a part that cuts a block is refused at seeding (as vLLM refuses in its own TP shards).
 
-A rank may hold part of a weight (a TP row or column slice, the Megatron hook's segments): it quantizes its
-part alone when the part's `weight_block_size` tiles are whole blocks of the HF weight, so no block's amax
-needs another rank's elements; a part that cuts a block is refused at seeding, naming the tensor and the
-rows and columns this rank holds (vLLM refuses the same of its own TP shards: `validate_fp8_block_shape`).
-
-The rule is the reference's, bit for bit: vLLM's `vllm.utils.deep_gemm.per_block_cast_to_fp8`, DeepGEMM's
-block cast, which vLLM's online block-fp8 method quantizes with. Per block, in float32:
+The rule is vLLM's `per_block_cast_to_fp8` (DeepGEMM's block cast) bit for bit; per block, in float32:
 `amax = max(max|x|, 1e-4)`, `scale_inv = amax / 448`, `code = float8_e4m3fn(x * (1 / scale_inv))`, edge
-blocks zero-padded. slime's `blockwise_cast_to_fp8_triton` computes the same except a 1e-10 amax floor (a
-block whose every |x| < 1e-4 differs). The tests import the reference itself; this module imports no vLLM.
+blocks zero-padded. The tests import the reference; this module imports no vLLM.
 """
 
 from __future__ import annotations
@@ -52,13 +45,6 @@ class BlockFp8Spec:
 
     block: tuple[int, int]
     ignored: tuple[str, ...]  # `ignored_layers` / `modules_to_not_convert`
-
-
-def served_quantization(hf_dir: str | Path) -> dict | None:
-    """`hf_dir/config.json`'s `quantization_config` (a multimodal config's text one), if any."""
-    path = Path(hf_dir) / "config.json"
-    cfg = json.loads(path.read_text()) if path.is_file() else {}
-    return cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config") or None
 
 
 def served_spec(q: dict, first_fp8: str) -> BlockFp8Spec:
@@ -117,14 +103,6 @@ def quantize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 Part = Shard | Segments
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """A part of a quantized weight as a local matrix whose block tiles are whole blocks of the HF weight."""
-
-    local: tuple[int, int]  # the local matrix: `part.tensor` in its flat order, reshaped
-    scales: Part  # where the part's block scales sit in the HF `weight_scale_inv` (over an empty tensor)
-
-
 def _spans(part: Part) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None:
     """(row spans, column spans) of the HF weight whose product, row-major, is the part's flat order;
     None for a part that is no such product."""
@@ -153,8 +131,10 @@ def _aligned(spans: tuple[tuple[int, int], ...], full: int, b: int) -> bool:
     )
 
 
-def block_layout(part: Part, block: tuple[int, int]) -> _Layout:
-    """The part's layout, or `Fp8ConfigError` naming the tensor and what this rank holds of it."""
+def block_layout(part: Part, block: tuple[int, int]) -> tuple[tuple[int, int], Part]:
+    """(the local matrix `part.tensor` reshapes to, whose tiles are whole blocks of the HF weight; where
+    its block scales sit in `weight_scale_inv`, over an empty tensor), or `Fp8ConfigError` naming the
+    tensor and what this rank holds of it."""
     (m, n), (bm, bn) = part.full_shape, block
     grid = (math.ceil(m / bm), math.ceil(n / bn))
     spans = _spans(part)
@@ -188,16 +168,15 @@ def block_layout(part: Part, block: tuple[int, int]) -> _Layout:
             else tuple(((br + i) * grid[1] + bc, nc) for i in range(nr))
         )
         scales = Segments(part.name + SCALE, empty.reshape(-1), grid, runs)
-    return _Layout(local, scales)
+    return local, scales
 
 
 class _Tensor:
-    """A quantized weight (or a rank's part of it): the last bf16 quantized, its codes and its scales."""
+    """A quantized weight (or a rank's part of it): the last bf16 quantized, its codes and scales."""
 
     def __init__(self, part: Part, block: tuple[int, int]) -> None:
-        layout = block_layout(part, block)
-        (m, n), (bm, bn) = layout.local, block
-        self.scales, self.shape, self.block = layout.scales, (m, n), block
+        (m, n), self.scales = block_layout(part, block)
+        (bm, bn), self.shape, self.block = block, (m, n), block
         self.grid = (math.ceil(m / bm), math.ceil(n / bn))
         self.padded = (self.grid[0] * bm, self.grid[1] * bn)
         self.prev: torch.Tensor | None = None  # nothing quantized yet: every block is "changed"
@@ -259,8 +238,10 @@ class BlockFp8Quantizer:
     def served(cls, ckpt: Checkpoint, names: list[str] | None = None) -> BlockFp8Quantizer | None:
         """The quantizer checkpoint `ckpt` needs (None if unquantized), for all its tensors or only `names`
         (a rank's: only their shards' headers are read)."""
-        q = served_quantization(ckpt.path)
-        if q is None:
+        path = Path(ckpt.path) / "config.json"
+        cfg = json.loads(path.read_text()) if path.is_file() else {}
+        q = cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config")
+        if not q:
             return None
         if names is None:
             meta = ckpt.meta
@@ -283,7 +264,7 @@ class BlockFp8Quantizer:
         for s in parts:
             if s.name in self.names:
                 _check_bf16(s)
-                out.append(block_layout(s, self.spec.block).scales)
+                out.append(block_layout(s, self.spec.block)[1])
         return out
 
     def apply(self, shards: list[Part]) -> list[Part]:

@@ -88,12 +88,11 @@ class Planner:
         self.version = version  # last version sent
         self.snapshot_version = version  # S: every engine acknowledged it
         self.anchor_next = False
-        # This sender's lineage: engines acked on it hold its versions' weights. Random per sender, so
-        # a new sender anchors engines it cannot vouch for, unless it resumes their run (see above).
+        # This sender's lineage, random per sender: a new one anchors engines it cannot vouch for,
+        # unless it resumes their run.
         self.run_id = run_id or uuid.uuid4().hex
         self.resume = run_id is None and version > 0
-        # (engine status, version to reach) -> the pushes that replay a kept chain up to it, or None
-        # (the transport's `catch_up`): an engine that needs an anchor replays that instead.
+        # The transport's (engine status, version to reach) -> pushes replaying a kept chain, or None.
         self.catch_up: Callable[[dict[str, Any], int], list[dict[str, Any]] | None] | None = None
 
     def add_engine(self, url: str) -> None:
@@ -118,10 +117,8 @@ class Planner:
             replies = self.prober.take([e.url for e in unknown], wait_s, fresh=wait_s is None)
             for e in unknown:
                 if e.url not in replies:  # still being asked: not sent to this sync
-                    e.skipped, e.last_error = (
-                        True,
-                        {"type": "StatusPending", "message": "status probe in flight"},
-                    )
+                    e.skipped = True
+                    e.last_error = {"type": "StatusPending", "message": "status probe in flight"}
             if self.resume:
                 self._resume(replies)
             for url, r in replies.items():
@@ -131,10 +128,8 @@ class Planner:
                     continue
                 v = r.body.get("version")
                 if not r.body.get("healthy") or v is None:
-                    e.skipped, e.last_error = (
-                        True,
-                        {"type": "Unhealthy", "message": str(r.body.get("dirty_reasons"))},
-                    )
+                    e.skipped = True
+                    e.last_error = {"type": "Unhealthy", "message": str(r.body.get("dirty_reasons"))}
                 elif not e.needs_anchor and S <= v <= self.version and self.on_lineage(r.body, v):
                     e.acked = v
                 else:
@@ -199,7 +194,8 @@ class Planner:
         self.version = plan.version
         if plan.anchor_urls and all(u in plan.anchor_urls for u in self.engines):
             self.anchor_next = False
-        all_acked = self.holders_acked(plan.version)
+        # every engine that depends on the snapshot's lineage (all but those owed an anchor) is at it
+        all_acked = all(e.acked == plan.version for e in self.engines.values() if not e.needs_anchor)
         if all_acked:
             self.snapshot_version = plan.version
             self.anchor_next = False
@@ -208,11 +204,6 @@ class Planner:
     def probe_unknown(self) -> None:
         """Start asking every engine in an unknown state, so its answer is in by the next plan."""
         self.prober.start([e.url for e in self.engines.values() if e.acked is None])
-
-    def holders_acked(self, version: int) -> bool:
-        """Every engine that depends on the snapshot's lineage (all but those owed an anchor) is at
-        `version`."""
-        return all(e.acked == version for e in self.engines.values() if not e.needs_anchor)
 
     def drop(self, e: EngineState, why: str) -> None:
         """Stop holding the snapshot back for `e`; it gets a full anchor when it answers again."""

@@ -4,7 +4,7 @@ and stage only O(changed) bytes on the host (through pinned buffers on a side st
 The snapshot holds the values every engine acknowledged (version S), per shard, on the "device" (beside
 the parameter: fastest, one parameter's worth of memory) or the "host" (pinned; live weights come over
 chunk by chunk). "auto" takes the device only when the snapshot, the optimizer state still to be
-allocated and a margin fit in its free memory (`place_snapshot`), and says why in `place_reason`.
+allocated and a margin fit in its free memory (`place_snapshot`), and logs why.
 """
 
 from __future__ import annotations
@@ -46,14 +46,13 @@ class Producer:
         self._buckets: dict[tuple, Bucket] = {}  # by layout key
         self._copy_streams: dict[torch.device, object] = {}
 
-    # ---- seeding -----------------------------------------------------------------------------
     def seed(self, shards: Iterable[Shard]) -> None:
         shards = list(shards)
         names = [s.name for s in shards]
         if len(set(names)) != len(names):
             raise ValueError("a param was given twice")
-        place, self.place_reason = choose_place(self.snapshot_place, shards)
-        logger.info("vllm-delta snapshot on the %s: %s", place, self.place_reason)
+        place, why = choose_place(self.snapshot_place, shards)
+        logger.info("vllm-delta snapshot on the %s: %s", place, why)
         self._states, self._buckets = {}, {}
         for s in shards:
             flat = s.tensor.detach().reshape(-1)
@@ -66,7 +65,6 @@ class Producer:
                 additive.partial_sum(s.global_index(), flat) if not s.is_whole else additive.tensor_sum(flat)
             )
             self._states[s.name] = ShardState(s.describe(), snap, digest)
-        self.place = place
 
     @property
     def names(self) -> list[str]:
@@ -97,7 +95,6 @@ class Producer:
             b.pending.numel() for b in self._buckets.values() if b.pending is not None
         )
 
-    # ---- one scan ------------------------------------------------------------------------------
     def scan(self, shards: Iterable[Shard], *, kind: str, anchor: bool) -> Capture:
         """Diff every shard; stage what a `kind` delta ("delta", "catchup", "") and, with `anchor`,
         a full anchor need. Returns once the weights may change again."""
@@ -130,13 +127,14 @@ class Producer:
             raise ValueError("an anchor needs every param; some were not given")
         cap.scan_s = time.perf_counter() - start
         t = time.perf_counter()
-        self._wait_staged()
+        for stream in self._copy_streams.values():
+            stream.synchronize()
         cap.stage_s = time.perf_counter() - t
         return cap
 
     def _scan_buckets(self, shards: list[Shard], kind: str, cap: Capture) -> list[Entry]:
-        """The one-pass scan: a bounded number of ops per bucket, then one host transfer of every
-        bucket's digests and counts; entries come back in the order the shards were given."""
+        """A bounded number of ops per bucket, then one host transfer of every bucket's digests and
+        counts; entries in the order the shards were given."""
         layouts, rest = bucket_scan.plan(shards, {k: b.layout for k, b in self._buckets.items()})
         by_name = {s.name: s for s in shards}
         entries = {s.name: self._scan_one(s, self._states[s.name], kind, False, cap) for s in rest}
@@ -154,7 +152,8 @@ class Producer:
             scans.append((layout, res, staged))
         if scans:  # every bucket's digests and counts, in one transfer
             summary = torch.cat([res.summary for _, res, _ in scans]).to(self.staging)
-            rows, values = summary.view(-1, 2).unbind(0), _host_values(summary)
+            rows = summary.view(-1, 2).unbind(0)
+            values = None if summary.device.type == "meta" else summary.tolist()  # meta has no values
             at = 0
             for layout, _, staged in scans:
                 n = len(layout.names)
@@ -199,9 +198,8 @@ class Producer:
         return out
 
     def _bucket(self, layout: bucket_scan.Layout) -> Bucket:
-        """The bucket's snapshot, built the first time this layout is scanned: one flat copy of its
-        span, into which the members' snapshots move (their `ShardState` then hold views). Elements no
-        member covers start equal to the live ones; changes there are dropped by the scan."""
+        """The bucket's snapshot, built the first time its layout is scanned: a flat copy of its span into
+        which the members' snapshots move (their states then hold views; uncovered elements start live)."""
         b = self._buckets.get(layout.key)
         if b is not None:
             return b
@@ -245,8 +243,7 @@ class Producer:
         st.pending = None
 
     def _unbucket_pending(self, b: Bucket) -> None:
-        """The bucket's catch-up positions back on its members, as local positions (before a
-        per-segment scan, or when the bucket goes)."""
+        """The bucket's catch-up positions back on its members, as local positions."""
         if b.pending is None:
             return
         seg, *_ = bucket_scan.locate(tuple(t.to(b.pending.device) for t in b.layout.tables), b.pending)
@@ -307,9 +304,8 @@ class Producer:
         return entry
 
     def _wants_post_hash(self, s: Shard) -> bool:
-        """xxh3 of a whole tensor, only when asked for (`post_hash=True`). Why opt-in: it reads every
-        changed tensor whole (on a GPU, to the host), a per-sync cost O(model bytes) where the additive
-        digests that verify every apply cost O(changed); the engine checks it on demand (`/verify`)."""
+        """xxh3 of a whole tensor, opt-in: it reads every changed tensor whole, O(model bytes) per sync
+        where the additive digests cost O(changed)."""
         return self.post_hash and s.is_whole
 
     def _diff(self, cur: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,11 +338,6 @@ class Producer:
             t.record_stream(stream)
         return host
 
-    def _wait_staged(self) -> None:
-        for stream in self._copy_streams.values():
-            stream.synchronize()
-
-    # ---- after the engines answered ----------------------------------------------------------------
     def advance(self, cap: Capture) -> None:
         """Every engine holds the captured version: the snapshot becomes it."""
         for name, a in cap.advance.items():
@@ -378,15 +369,8 @@ class Producer:
 _union = bucket_scan.union
 
 
-def _host_values(summary: torch.Tensor) -> list[int] | None:
-    """The host copy of every bucket's summary as ints, for the counts; None on `meta`, which has no
-    values."""
-    return None if summary.device.type == "meta" else summary.tolist()
-
-
 def _meta_counts(n: int, total: int) -> list[int]:
-    """(changed, sent) per member on `meta`: every change is given to the first member (meta checks
-    devices, not counts)."""
+    """(changed, sent) per member on `meta` (which checks devices, not counts): all on the first."""
     return [total] + [0] * (n - 1) + [total] + [0] * (n - 1)
 
 

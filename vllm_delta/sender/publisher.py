@@ -1,10 +1,6 @@
-"""Publishing one capture: encode, write or broadcast, seal, push, and record the acks.
-
-Runs on a background thread (one at a time) so it overlaps the trainer's next step. Multi-rank:
-every rank encodes its own entries into its own flush files; rank 0 merges the manifests (shards
-of one tensor become one entry whose counts and additive digests add up), seals, and pushes. With
-a collective transport the other ranks' encoded flushes are first sent to rank 0, which broadcasts.
-"""
+"""Publishing one capture: encode, write or broadcast, seal, push, and record the acks, on a background
+thread. Every rank encodes its own entries; rank 0 merges the manifests (a tensor's shards become one
+entry whose counts and additive digests add up), seals and pushes."""
 
 from __future__ import annotations
 
@@ -56,9 +52,8 @@ class Publisher:
         self.signing_keys = signing_keys  # the first signs each merged manifest (wire/signing.py)
 
     def run(self, plan: Plan, cap: Capture, model_elements: int) -> Published:
-        """Every rank runs the same collectives whatever fails on it: a local failure is agreed on
-        (`Ranks.any`) and raised on every rank at the same point, and rank 0's
-        failures (seal, push) travel in the outcome it broadcasts, so no rank is left waiting."""
+        """Every rank runs the same collectives whatever fails on it: a local failure is agreed on and
+        raised on every rank at one point; rank 0's (seal, push) travel in the outcome it broadcasts."""
         start = time.perf_counter()
         kinds = []
         if plan.delta_urls and plan.kind:
@@ -76,7 +71,7 @@ class Publisher:
         sent: list[SentDelta] = []
         sinks: list[Sink] = []
         failure: BaseException | None = None
-        cleaned = False
+        replies, all_acked = {}, False
         try:
             for kind, base, encoding in kinds:
                 sink = self.transport.sink(
@@ -95,21 +90,24 @@ class Publisher:
                 failure = failure or err
             encode_s = time.perf_counter() - start
             pushed = time.perf_counter()
-            replies, all_acked = {}, False
             if self.ranks.rank == 0 and failure is None:
                 try:
-                    try:
-                        replies = self._push(plan, sent)
-                    finally:
-                        cleaned = self._cleanup(sinks, sent)
-                    all_acked = self.planner.settle(plan, replies)
-                    self.planner.probe_unknown()
+                    replies = self._push(plan, sent)
                 except Exception as exc:
                     failure = exc
-            push_s = time.perf_counter() - pushed
-        finally:
-            if not cleaned:
-                self._cleanup(sinks, sent)
+        finally:  # rank 0 drops what this publish put on the wire; a sink never sent closes its spool
+            if self.ranks.rank == 0:
+                self.transport.cleanup(sent)
+            for sink in sinks[len(sent) :]:
+                if sink.spool is not None:
+                    sink.spool.close()
+        if self.ranks.rank == 0 and failure is None:
+            try:
+                all_acked = self.planner.settle(plan, replies)
+                self.planner.probe_unknown()
+            except Exception as exc:
+                failure = exc
+        push_s = time.perf_counter() - pushed
         # Rank 0 knows the engines; every rank's snapshot moves on its word, or none does.
         replies, all_acked, error = self.ranks.bcast((replies, all_acked, _describe(failure)))
         if failure is not None:  # rank 0's own error, as it was
@@ -122,16 +120,6 @@ class Publisher:
         return Published(
             plan, sent, replies, all_acked, encode_s, write_s, push_s, time.perf_counter() - start
         )
-
-    def _cleanup(self, sinks: list[Sink], sent: list[SentDelta]) -> bool:
-        """Rank 0 drops what this publish put on the wire; a sink that never became a
-        `SentDelta` (its encode failed) only has its spool closed."""
-        if self.ranks.rank == 0:
-            self.transport.cleanup(sent)
-        for s in sinks[len(sent) :]:
-            if s.spool is not None:
-                s.spool.close()
-        return True
 
     def _agreed(self, step, what: str):
         """`step()` on this rank, then agree: if it failed on any rank, every rank raises at this point."""
@@ -159,8 +147,8 @@ class Publisher:
     def _finish(
         self, kind: str, sink: Sink, manifest: Manifest, cap: Capture, plan: Plan
     ) -> tuple[SentDelta, BaseException | None]:
-        """This rank's flushes are out; rank 0 gets the merged manifest with whole-tensor digests and
-        the lineage the engines check before applying it, and seals it (its failure is returned)."""
+        """Rank 0 merges the manifests, adds whole-tensor digests and the lineage, signs and seals (its
+        failure is returned)."""
         full = {e.name: additive.to_hex(e.digests["digest"]) for e in cap.entries}
         b = sink.builder
         parts = self.ranks.gather((manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes, full))
@@ -195,11 +183,8 @@ class Publisher:
         return out, None
 
     def _gather_flushes(self, spool: FlushSpool, parts: list) -> None:
-        """Collective transports: every other rank's flushes go to rank 0, which broadcasts them.
-
-        Only encoded flushes move (changed entries, never whole weights), one flush in flight at a
-        time, over the sender's own group; rank 0 keeps them in its bounded spool.
-        """
+        """Collective transports: the other ranks' encoded flushes go to rank 0's bounded spool, one at a
+        time over the sender's own group, for rank 0 to broadcast."""
         if self.ranks.size == 1:
             return
         if self.ranks.rank == 0:
@@ -228,8 +213,7 @@ class Publisher:
         )
 
     def _replay(self, replay: dict[str, list[dict]]) -> None:
-        """Late joiners first replay the store's kept chain, version by version, up to the last version
-        sent; one that refuses a step stops there, and this plan's push tells where it stands."""
+        """Late joiners replay the store's kept chain version by version; one that refuses a step stops."""
         pending = {u: list(steps) for u, steps in replay.items() if steps}
         while pending:
             replies = self.client.update({u: steps[0] for u, steps in pending.items()})
