@@ -3,7 +3,6 @@
 handle = megatron_hook.register(optimizer, model_chunks, sender, bridge=bridge, checkpoint=hf_dir)
 """
 
-from megatron_hook.bindings import RebindError
-from megatron_hook.hook import HookHandle, SeedMismatchError, SeedReport, register
+from megatron_hook.hook import HookHandle, RebindError, SeedMismatchError, SeedReport, register
 
 __all__ = ["HookHandle", "RebindError", "SeedMismatchError", "SeedReport", "register"]

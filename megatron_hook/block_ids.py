@@ -61,10 +61,6 @@ class BlockIds:
 
     detach = clone = contiguous
 
-    def materialize(self) -> torch.Tensor:
-        """The per-element ids (O(elements): tests and tiny tensors only)."""
-        return (self.starts.unsqueeze(-1) + torch.arange(self.width)).reshape(self.shape)
-
     # ------------------------------------------------------------------ ops
     def refine(self, width: int) -> BlockIds:
         """The same ids in blocks of `width` (a divisor of the current width)."""

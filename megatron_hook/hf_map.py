@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_hook.block_ids import BlockIds
-from megatron_hook.families import refuse_unsupported, tied_copy, with_model_vocab
-from megatron_hook.names import TENamed
+from megatron_hook.families import TENamed, refuse_unsupported, tied_copy, with_model_vocab
 from vllm_delta.sender.shards import Segments
 
 _EXPERT_KEY = ".mlp.experts.linear_fc"

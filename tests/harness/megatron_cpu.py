@@ -400,7 +400,7 @@ def build_from_hf(
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from transformers import AutoConfig
 
-    from megatron_hook.names import TENamed
+    from megatron_hook.families import TENamed
 
     cfg = AutoConfig.from_pretrained(hf_dir)
     if not hasattr(cfg, "rope_theta"):
@@ -539,7 +539,7 @@ def mbridge_mla_compat() -> None:
 
 def export_hf(bridge, gpt) -> dict[str, torch.Tensor]:
     """mbridge's own full HF export (every rank must call it; every rank gets every tensor)."""
-    from megatron_hook.names import TENamed
+    from megatron_hook.families import TENamed
 
     return {n: t.detach().clone() for n, t in bridge.export_weights([TENamed(gpt)])}
 

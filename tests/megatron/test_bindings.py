@@ -13,7 +13,7 @@ import pytest
 import torch
 from harness.dispatch_log import OpCount
 
-from megatron_hook.bindings import Bindings, RebindError
+from megatron_hook.hook import Bindings, RebindError
 from vllm_delta.sender.shards import Segments
 
 

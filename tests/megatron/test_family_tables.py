@@ -45,7 +45,7 @@ def _megatron_remap(gpt, bridge) -> dict[str, str]:
 
 
 def test_mla_and_mtp_norms_are_renamed_as_megatron_remaps_them():
-    from megatron_hook.names import to_te_names
+    from megatron_hook.families import to_te_names
 
     with meta_chunk(tiny_deepseek_v3_config(layers=2, mtp_layers=1)) as (gpt, bridge):
         want = _megatron_remap(gpt, bridge)

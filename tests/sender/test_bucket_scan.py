@@ -5,6 +5,8 @@ TorchDispatchMode), every op on `meta`, and the offset map past 2^31 elements.""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from harness.dispatch_log import OpCount
@@ -105,10 +107,10 @@ def _run(segs, buf, gen_seed: int) -> list[dict]:
         out.append(_entries(cap))
         if anchor:  # the anchor, read from the snapshot views, is the live weights in HF order
             for e, s in zip(cap.entries, segs):
-                got = torch.zeros(s.numel, dtype=torch.int16)
+                got = torch.zeros(math.prod(s.full_shape), dtype=torch.int16)
                 for hf, piece in e.anchor.pieces(64):
                     got[hf : hf + piece.numel()] = piece.view(torch.int16)
-                want = torch.zeros(s.numel, dtype=torch.int16)
+                want = torch.zeros(math.prod(s.full_shape), dtype=torch.int16)
                 want[s.global_index()] = s.tensor.reshape(-1).view(torch.int16)
                 assert torch.equal(got, want), s.name
         (producer.advance if ack else producer.defer)(cap)

@@ -218,7 +218,9 @@ def scan(
     if catchup:
         sent = union(pending, pos)
         send_seg, send_hf, _, send_run = _map(layout, tables, sent)
-        send_new, send_old = take(layout.base, sent), None
+        base = layout.base  # the live weights may be on another device than the snapshot
+        send_new = base[sent] if base.device == sent.device else base[sent.to(base.device)].to(sent.device)
+        send_old = None
         post = segment_sums(send_hf, send_new, 0 if send_seg is None else send_seg, n)
     if not layout.in_order:  # runs interleave (a fused qkv): stable by run rank is (member, HF) order
         order = torch.argsort(tables[4][send_run], stable=True)
@@ -239,7 +241,11 @@ def _kernel_scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, n: i
     sums = sums.view(np.int64)  # int64 wraps mod 2^64 as the torch path's sums do
     pre, post = sums[:, :2], sums[:, 2:]
     digest = digests.numpy() - pre + post
-    counts = np.array([pos.size]) if n == 1 else _np_count(tables, n, pos)
+    counts = np.array([pos.size])
+    if n > 1:  # changes per member, from the sorted offsets and the run bounds
+        starts, ends, _, segs = tables
+        counts = np.zeros(n, np.int64)
+        np.add.at(counts, segs, np.searchsorted(pos, ends) - np.searchsorted(pos, starts))
     summary = torch.from_numpy(
         np.concatenate([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts, counts])
     )
@@ -260,14 +266,6 @@ def _kernel_workers() -> tuple[int, Executor | None]:
     """The CPU kernel's windows and their pool: one per torch thread, and no pool on one."""
     workers = torch.get_num_threads() if _CPUS != 1 else 1
     return workers, _cpu_pool() if workers > 1 else None
-
-
-def _np_count(tables: tuple[np.ndarray, ...], n: int, pos: np.ndarray) -> np.ndarray:
-    """`_count` in numpy: changes per member, from the sorted offsets and the run bounds."""
-    starts, ends, _, segs = tables
-    out = np.zeros(n, np.int64)
-    np.add.at(out, segs, np.searchsorted(pos, ends) - np.searchsorted(pos, starts))
-    return out
 
 
 def torch_diff_digest(
@@ -335,13 +333,6 @@ def _count(tables: tuple[torch.Tensor, ...], n: int, pos: torch.Tensor) -> torch
     start, end, _, run_seg, _ = tables
     per_run = torch.searchsorted(pos, end) - torch.searchsorted(pos, start)
     return torch.zeros(n, dtype=torch.int64, device=pos.device).index_add_(0, run_seg, per_run)
-
-
-def take(base: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """`base[idx]` returned where `idx` lives (the live weights may be on another device)."""
-    if base.device == idx.device:
-        return base[idx]
-    return base[idx.to(base.device)].to(idx.device)
 
 
 def union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,7 @@ from vllm_delta.sender.capture import Capture
 from vllm_delta.sender.fp8_quant import BlockFp8Quantizer
 from vllm_delta.sender.planner import EngineState, Plan, Planner
 from vllm_delta.sender.producer import Producer
-from vllm_delta.sender.publisher import Published, Publisher
-from vllm_delta.sender.ranks import Ranks
+from vllm_delta.sender.publisher import Published, Publisher, Ranks
 from vllm_delta.sender.shards import Segments, Shard, check_disjoint
 from vllm_delta.transports import registry as transports
 from vllm_delta.transports.base import TransportOptions
@@ -78,7 +77,7 @@ def _alias_key(t: torch.Tensor) -> tuple:
 
 class DeltaSender:
     """The trainer's side of delta sync; docs/sender.md describes every argument. `group` (a gloo
-    group of the sender's own, `ranks.py`) makes it multi-rank: each rank passes what it holds, rank 0
+    group of the sender's own, `publisher.Ranks`) makes it multi-rank: each rank passes what it holds, rank 0
     talks to the engines. `signing_keys` None reads them from the environment (`settings.py`)."""
 
     def __init__(

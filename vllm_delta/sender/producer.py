@@ -152,50 +152,39 @@ class Producer:
             scans.append((layout, res, staged))
         if scans:  # every bucket's digests and counts, in one transfer
             summary = torch.cat([res.summary for _, res, _ in scans]).to(self.staging)
-            rows = summary.view(-1, 2).unbind(0)
+            rows = summary.view(-1, 2).unbind(0)  # per member: digest, pre and post rows
             values = None if summary.device.type == "meta" else summary.tolist()  # meta has no values
             at = 0
             for layout, _, staged in scans:
                 n = len(layout.names)
-                counts = (
-                    values[at + 6 * n : at + 8 * n]
-                    if values is not None
-                    else _meta_counts(n, staged[0].numel())
+                if values is not None:
+                    changed, sent = values[at + 6 * n : at + 7 * n], values[at + 7 * n : at + 8 * n]
+                else:  # meta checks devices, not counts: every change on the first member
+                    changed = sent = [staged[0].numel()] + [0] * (n - 1)
+                hf, new, old = (
+                    (t,) if n == 1 else t.split(sent) if t is not None else [None] * n for t in staged
                 )
-                entries.update(
-                    self._bucket_entries(
-                        layout, by_name, rows[at // 2 : at // 2 + 3 * n], counts, staged, kind
+                for i, name in enumerate(layout.names):
+                    s = by_name[name]
+                    digests = {"digest": rows[at // 2 + i], "post_digest": rows[at // 2 + 2 * n + i]}
+                    if kind == "delta":
+                        digests["pre_digest"] = rows[at // 2 + n + i]
+                    e = Entry(
+                        name,
+                        s.full_shape,
+                        s.tensor.dtype,
+                        changed[i],
+                        hf[i],
+                        new[i],
+                        old[i],
+                        digests,
+                        scanned=True,
                     )
-                )
+                    if sent[i] and kind and self._wants_post_hash(s):
+                        e.post_hash = tensor_digest(s.tensor)
+                    entries[name] = e
                 at += 8 * n
         return [entries[s.name] for s in shards]
-
-    def _bucket_entries(
-        self,
-        layout: bucket_scan.Layout,
-        by_name: dict[str, Shard],
-        rows: tuple[torch.Tensor, ...],
-        counts: list[int],
-        staged: tuple,
-        kind: str,
-    ) -> dict[str, Entry]:
-        """`rows`: the members' digest, pre and post rows (int64[2] each); `counts`: changed, then sent."""
-        n = len(layout.names)
-        changed, sent = counts[:n], counts[n:]
-        hf, new, old = ((t,) if n == 1 else t.split(sent) if t is not None else [None] * n for t in staged)
-        out = {}
-        for i, name in enumerate(layout.names):
-            s = by_name[name]
-            digests = {"digest": rows[i], "post_digest": rows[2 * n + i]}
-            if kind == "delta":
-                digests["pre_digest"] = rows[n + i]
-            e = Entry(
-                name, s.full_shape, s.tensor.dtype, changed[i], hf[i], new[i], old[i], digests, scanned=True
-            )
-            if sent[i] and kind and self._wants_post_hash(s):
-                e.post_hash = tensor_digest(s.tensor)
-            out[name] = e
-        return out
 
     def _bucket(self, layout: bucket_scan.Layout) -> Bucket:
         """The bucket's snapshot, built the first time its layout is scanned: a flat copy of its span into
@@ -367,11 +356,6 @@ class Producer:
 
 
 _union = bucket_scan.union
-
-
-def _meta_counts(n: int, total: int) -> list[int]:
-    """(changed, sent) per member on `meta` (which checks devices, not counts): all on the first."""
-    return [total] + [0] * (n - 1) + [total] + [0] * (n - 1)
 
 
 def _put(snapshot: torch.Tensor, local: torch.Tensor, values: torch.Tensor) -> None:

@@ -7,11 +7,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from vllm_delta.client import EngineClient, Reply
 from vllm_delta.sender.capture import Capture, Entry
 from vllm_delta.sender.planner import Plan, Planner
-from vllm_delta.sender.ranks import Ranks
 from vllm_delta.transports.base import SentDelta, Sink, Transport
 from vllm_delta.transports.collective import FlushSpool
 from vllm_delta.wire import FlushBuilder, Manifest, additive, merge_manifests
@@ -267,3 +270,64 @@ def _add(b: FlushBuilder, e: Entry, kind: str) -> dict[str, str]:
 def _with_digests(m: Manifest, digests: dict[str, dict[str, str]]) -> Manifest:
     """The manifest with digests set on the entries it lists."""
     return m.model_copy(update={"params": [p.model_copy(update=digests.get(p.name, {})) for p in m.params]})
+
+
+class Ranks:
+    """Multi-rank plumbing (no-ops for one rank) on a group of the sender's own: a publish runs its
+    collectives on a background thread while the trainer's run on the main one, and two threads on one
+    group can interleave differently on different ranks."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def bcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list:
+        """Every rank's `obj` on rank 0 (an empty list elsewhere)."""
+        if self.group is None:
+            return [obj]
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return out if self.rank == 0 else []
+
+    def any(self, flag: bool) -> bool:
+        """Whether any rank's `flag` is set: every rank calls it at the same point, whatever happened
+        on it, so a step that failed on one rank ends on all of them instead of leaving the others
+        waiting in the next collective."""
+        return self.all_sum(int(bool(flag))) > 0
+
+    def all_sum(self, n: int) -> int:
+        if self.group is None:
+            return n
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, group=self.group)
+        return int(t[0])
+
+    def send_bytes(self, data: bytes, dst: int) -> None:
+        """Point-to-point bytes to group rank `dst` (its size first), for `recv_bytes`."""
+        peer = dist.get_global_rank(self.group, dst)
+        dist.send(torch.tensor([len(data)], dtype=torch.int64), peer, group=self.group)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), peer, group=self.group)
+
+    def recv_bytes(self, src: int) -> bytes:
+        """What group rank `src` sent with `send_bytes`."""
+        peer = dist.get_global_rank(self.group, src)
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, peer, group=self.group)
+        out = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.recv(out, peer, group=self.group)
+        return out.numpy().tobytes()

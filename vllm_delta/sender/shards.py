@@ -69,10 +69,6 @@ class Shard:
     def is_whole(self) -> bool:
         return tuple(self.tensor.shape) == self.full_shape
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.full_shape)
-
     def to_global(self, local: torch.Tensor) -> torch.Tensor:
         """HF flat positions of local flat positions (int64, computed on their device)."""
         if self.is_whole:
@@ -130,7 +126,6 @@ class Segments:
             and tuple(self.tensor.shape) == self.full_shape
         )
 
-    numel = Shard.numel
     global_index = Shard.global_index
 
     def to_global(self, local: torch.Tensor) -> torch.Tensor:
