@@ -226,7 +226,7 @@ def scan(
         order = torch.argsort(tables[4][send_run], stable=True)
         send_hf, send_new = send_hf[order], send_new[order]
         send_old = send_old[order] if send_old is not None else None
-    counts = torch.cat([_count(tables, n, pos), _count(tables, n, sent)])
+    counts = torch.cat([count(tables, n, pos), count(tables, n, sent)])
     summary = torch.cat([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts.reshape(-1)])
     return BucketScan(pos, new, send_hf, send_new, send_old, digest, summary)
 
@@ -326,7 +326,7 @@ def _map(
     return locate(tables, pos)
 
 
-def _count(tables: tuple[torch.Tensor, ...], n: int, pos: torch.Tensor) -> torch.Tensor:
+def count(tables: tuple[torch.Tensor, ...], n: int, pos: torch.Tensor) -> torch.Tensor:
     """Positions per member: `pos` is sorted and inside the runs, so two `searchsorted`s per run."""
     if tables[0].numel() == 1:  # one run: a plain tensor or a whole param
         return pos.new_full((1,), pos.numel())

@@ -4,7 +4,6 @@ Apart from the scan because the publisher reads them without it."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -12,6 +11,7 @@ from itertools import accumulate
 import torch
 
 import vllm_delta.sender.bucket_scan as bucket_scan
+from vllm_delta.sender.shards import flat_runs
 
 Run = tuple[int, int, int]  # (local flat start, HF flat start, length)
 
@@ -75,19 +75,9 @@ class Anchor:
 def _runs(placement: tuple) -> Iterator[Run]:
     """Runs of a placement in HF order: flat runs (`Segments`, dim None) or slices of one dim (`Shard`)."""
     _, full, dim, spans = placement
-    starts = list(accumulate((n for _, n in spans), initial=0))  # each span's local start, then the total
-    if dim is None:
-        yield from sorted(((loc, hf, n) for loc, (hf, n) in zip(starts, spans)), key=lambda r: r[1])
-        return
-    if not full:  # a scalar
-        yield 0, 0, 1
-        return
-    inner, outer = math.prod(full[dim + 1 :]), math.prod(full[:dim])
-    local_len = starts[-1]
-    ordered = sorted(zip(spans, starts))  # along `dim` in HF order, with each span's local offset
-    for o in range(outer):
-        for (a, n), loc in ordered:
-            yield (o * local_len + loc) * inner, (o * full[dim] + a) * inner, n * inner
+    runs = spans if dim is None else flat_runs(full, dim, spans)
+    starts = accumulate((n for _, n in runs), initial=0)  # each run's local start
+    yield from sorted(((loc, hf, n) for loc, (hf, n) in zip(starts, runs)), key=lambda r: r[1])
 
 
 @dataclass(eq=False)
@@ -132,14 +122,8 @@ class Bucket:
         """Catch-up positions per member (on `meta`, which has no values: every member)."""
         if self.pending.device.type == "meta":
             return [1] * len(self.layout.names)
-        seg, *_ = bucket_scan.locate(
-            tuple(t.to(self.pending.device) for t in self.layout.tables), self.pending
-        )
-        return (
-            torch.zeros(len(self.layout.names), dtype=torch.int64, device=seg.device)
-            .index_add_(0, seg, torch.ones_like(seg))
-            .tolist()
-        )
+        tables = tuple(t.to(self.pending.device) for t in self.layout.tables)
+        return bucket_scan.count(tables, len(self.layout.names), self.pending).tolist()
 
 
 @dataclass(eq=False)

@@ -51,13 +51,9 @@ class Plan:
         """Which engine weights the `kind` update of this plan applies to."""
         if kind == "anchor":
             return Lineage(run_id=self.run_id)
-        if kind == "catchup":  # every version this run sent since S (versions are never reused)
-            return Lineage(
-                run_id=self.run_id, min_version=self.snapshot_version, max_version=self.version - 1
-            )
-        return Lineage(
-            run_id=self.run_id, min_version=self.snapshot_version, max_version=self.snapshot_version
-        )
+        # a catch-up: every version this run sent since S (versions are never reused)
+        top = self.version - 1 if kind == "catchup" else self.snapshot_version
+        return Lineage(run_id=self.run_id, min_version=self.snapshot_version, max_version=top)
 
 
 class Planner:
