@@ -37,7 +37,6 @@ class BlockIds:
         starts = torch.arange(math.prod(shape) // width, dtype=torch.int64) * width + first
         return cls(starts.view(*shape[:-1], shape[-1] // width), width)
 
-    # ------------------------------------------------------------------ what mbridge reads
     @property
     def shape(self) -> torch.Size:
         return torch.Size((*self.starts.shape[:-1], self.starts.shape[-1] * self.width))
@@ -61,7 +60,6 @@ class BlockIds:
 
     detach = clone = contiguous
 
-    # ------------------------------------------------------------------ ops
     def refine(self, width: int) -> BlockIds:
         """The same ids in blocks of `width` (a divisor of the current width)."""
         if width == self.width:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from vllm_delta.backend_names import BACKEND as RECEIVE_BACKEND
@@ -20,29 +21,16 @@ SKYRL_NAME = "vllm_delta"  # the value of SkyRL's `weight_sync_backend`
 TRAINER_BACKEND = "vllm_delta_skyrl"  # our trainer engine for SkyRL's client, in vLLM's trainer registry
 
 
-class SkyrlServer:
-    """One server of a `SkyrlWeightSyncClient`, with vLLM's four weight-sync calls and `base_url`."""
+class SkyrlServer(HTTPVLLMWeightSyncClient):
+    """One server of a `SkyrlWeightSyncClient`: vLLM's weight-sync calls over SkyRL's HTTP session."""
 
     def __init__(self, client: Any, url: str) -> None:
-        self.client, self.base_url = client, url
+        super().__init__(url)
+        self.client = client
 
-    def _post(self, route: str, body: dict[str, Any] | None) -> None:
-        response = self.client._session.post(f"{self.base_url}{route}", json=body, timeout=None)
+    def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+        response = self.client._session.post(f"{self.base_url}/{path}", json=json, timeout=None)
         response.raise_for_status()  # the answer's status and body reach the sender (links._replied)
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._post("/init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self._post("/start_weight_update", None)
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._post("/update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._post(
-            "/finish_weight_update", None if weight_version is None else {"weight_version": weight_version}
-        )
 
 
 @dataclass

@@ -164,10 +164,6 @@ class DeltaSender:
     def snapshot_version(self) -> int:
         return self.planner.snapshot_version
 
-    @property
-    def rank(self) -> int:
-        return self.ranks.rank
-
     def seed(self, named: NamedTensors) -> None:
         """The snapshot: the engines' weights at `version`, for the tensors or shards this rank holds."""
         shards = [_as_shard(x) for x in _items(named)]
@@ -393,8 +389,6 @@ class DeltaSender:
             "perf/update_weights_disk_bytes_pre_compress": float(pre),
             "perf/update_weights_disk_bytes_post_compress": float(post),
             "perf/update_weights_compression_ratio": pre / max(1, post),
-            "perf/update_weights_time": done.publish_s,
-            "perf/delta_encode_time": done.encode_s,
             "sender/encode_s": done.encode_s,
             "sender/write_s": done.write_s,
             "sender/push_s": done.push_s,
