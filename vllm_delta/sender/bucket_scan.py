@@ -110,11 +110,6 @@ def _merge(buf: list[tuple[int, int]], hf: tuple[tuple[int, int], ...]) -> list[
     return out
 
 
-def storage_key(t: torch.Tensor) -> tuple:
-    """What tensors scanned as one span share (the StorageImpl's address: on meta every data_ptr is 0)."""
-    return t.device, t.dtype, t.untyped_storage()._cdata
-
-
 def plan(
     shards: list[Shard | Segments], known: dict[tuple, Layout] | None = None
 ) -> tuple[list[Layout], list[Shard | Segments]]:
@@ -128,7 +123,8 @@ def plan(
         if buf is None or hf is None or t.numel() == 0 or not strided(buf):
             rest.append(s)
             continue
-        groups.setdefault(storage_key(t), []).append((s, buf, _merge(buf, hf)))
+        key = t.device, t.dtype, t.untyped_storage()._cdata  # the StorageImpl (on meta data_ptr is 0)
+        groups.setdefault(key, []).append((s, buf, _merge(buf, hf)))
     layouts = []
     for key, members in groups.items():
         flat = sorted((b, b + n) for _, buf, _ in members for b, n in buf)

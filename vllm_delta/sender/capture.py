@@ -32,9 +32,12 @@ class Anchor:
     ready: object | None = None  # a CUDA event after which the snapshot may be read
 
     def runs(self) -> Iterator[Run]:
-        """The shard's elements as runs in HF order, adjacent ones merged (O(1) memory)."""
+        """The shard's elements as runs in HF order, adjacent ones merged."""
+        _, full, dim, spans = self.placement
+        flat = spans if dim is None else flat_runs(full, dim, spans)
+        starts = accumulate((n for _, n in flat), initial=0)  # each run's local start
         prev: list[int] | None = None
-        for local, hf, n in _runs(self.placement):
+        for local, (hf, n) in sorted(zip(starts, flat), key=lambda r: r[1][0]):
             if prev is not None and prev[0] + prev[2] == local and prev[1] + prev[2] == hf:
                 prev[2] += n
                 continue
@@ -70,14 +73,6 @@ class Anchor:
         if hi > lo:  # the capture's changes inside this piece
             piece[(self.positions[lo:hi] - hf).to(piece.device)] = self.values[lo:hi].to(piece.device)
         return piece
-
-
-def _runs(placement: tuple) -> Iterator[Run]:
-    """Runs of a placement in HF order: flat runs (`Segments`, dim None) or slices of one dim (`Shard`)."""
-    _, full, dim, spans = placement
-    runs = spans if dim is None else flat_runs(full, dim, spans)
-    starts = accumulate((n for _, n in runs), initial=0)  # each run's local start
-    yield from sorted(((loc, hf, n) for loc, (hf, n) in zip(starts, runs)), key=lambda r: r[1])
 
 
 @dataclass(eq=False)

@@ -23,7 +23,7 @@ from vllm_delta.sender.capture import Capture
 from vllm_delta.sender.fp8_quant import BlockFp8Quantizer
 from vllm_delta.sender.planner import EngineState, Plan, Planner
 from vllm_delta.sender.producer import Producer
-from vllm_delta.sender.publisher import Published, Publisher, Ranks
+from vllm_delta.sender.publisher import Published, Publisher, Ranks, describe
 from vllm_delta.sender.shards import Segments, Shard, check_disjoint
 from vllm_delta.transports import registry as transports
 from vllm_delta.transports.base import TransportOptions
@@ -211,9 +211,7 @@ class DeltaSender:
         """What went wrong lately, for a trainer's logs: failed publishes and each engine's state."""
         return {
             "publish_failures": self.publish_failures,
-            "last_error": None
-            if self.last_error is None
-            else f"{type(self.last_error).__name__}: {self.last_error}",
+            "last_error": describe(self.last_error),
             "engines": {
                 u: {k: getattr(e, k) for k in ("acked", "needs_anchor", "skipped", "last_error")}
                 for u, e in self.planner.engines.items()
@@ -349,7 +347,7 @@ class DeltaSender:
             e = self.planner.engines.get(url)
             if e is not None:
                 e.acked = None
-                e.last_error = {"type": "PublishFailed", "message": f"{type(error).__name__}: {error}"}
+                e.last_error = {"type": "PublishFailed", "message": describe(error)}
         self.planner.version = max(self.planner.version, plan.version)
         if self.ranks.rank == 0:
             self.planner.probe_unknown()

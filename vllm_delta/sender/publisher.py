@@ -112,7 +112,7 @@ class Publisher:
                 failure = exc
         push_s = time.perf_counter() - pushed
         # Rank 0 knows the engines; every rank's snapshot moves on its word, or none does.
-        replies, all_acked, error = self.ranks.bcast((replies, all_acked, _describe(failure)))
+        replies, all_acked, error = self.ranks.bcast((replies, all_acked, describe(failure)))
         if failure is not None:  # rank 0's own error, as it was
             raise failure
         if error is not None:
@@ -238,7 +238,7 @@ class PublishError(RuntimeError):
     """A publish failed on some sender rank; every rank raised it at the same point."""
 
 
-def _describe(exc: BaseException | None) -> str | None:
+def describe(exc: BaseException | None) -> str | None:
     return None if exc is None else f"{type(exc).__name__}: {exc}"
 
 
