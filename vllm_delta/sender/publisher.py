@@ -74,7 +74,7 @@ class Publisher:
         sent: list[SentDelta] = []
         sinks: list[Sink] = []
         failure: BaseException | None = None
-        replies, all_acked = {}, False
+        cleaned = False
         try:
             for kind, base, encoding in kinds:
                 sink = self.transport.sink(
@@ -93,24 +93,21 @@ class Publisher:
                 failure = failure or err
             encode_s = time.perf_counter() - start
             pushed = time.perf_counter()
+            replies, all_acked = {}, False
             if self.ranks.rank == 0 and failure is None:
-                try:
-                    replies = self._push(plan, sent)
+                try:  # a failed push or cleanup is rank 0's outcome, broadcast below
+                    try:
+                        replies = self._push(plan, sent)
+                    finally:
+                        cleaned = self._cleanup(sinks, sent)
+                    all_acked = self.planner.settle(plan, replies)
+                    self.planner.probe_unknown()
                 except Exception as exc:
                     failure = exc
-        finally:  # rank 0 drops what this publish put on the wire; a sink never sent closes its spool
-            if self.ranks.rank == 0:
-                self.transport.cleanup(sent)
-            for sink in sinks[len(sent) :]:
-                if sink.spool is not None:
-                    sink.spool.close()
-        if self.ranks.rank == 0 and failure is None:
-            try:
-                all_acked = self.planner.settle(plan, replies)
-                self.planner.probe_unknown()
-            except Exception as exc:
-                failure = exc
-        push_s = time.perf_counter() - pushed
+            push_s = time.perf_counter() - pushed
+        finally:
+            if not cleaned:
+                self._cleanup(sinks, sent)
         # Rank 0 knows the engines; every rank's snapshot moves on its word, or none does.
         replies, all_acked, error = self.ranks.bcast((replies, all_acked, describe(failure)))
         if failure is not None:  # rank 0's own error, as it was
@@ -123,6 +120,15 @@ class Publisher:
         return Published(
             plan, sent, replies, all_acked, encode_s, write_s, push_s, time.perf_counter() - start
         )
+
+    def _cleanup(self, sinks: list[Sink], sent: list[SentDelta]) -> bool:
+        """Rank 0 drops what this publish put on the wire; a sink never sent only closes its spool."""
+        if self.ranks.rank == 0:
+            self.transport.cleanup(sent)
+        for s in sinks[len(sent) :]:
+            if s.spool is not None:
+                s.spool.close()
+        return True
 
     def _agreed(self, step, what: str):
         """`step()` on this rank, then agree: if it failed on any rank, every rank raises at this point."""
