@@ -1,4 +1,4 @@
-"""`megatron_hook.bindings`: the per-sync check that each segment still views its live weight.
+"""`megatron_hook.hook.Bindings`: the per-sync check that each segment still views its live weight.
 
 Why: a trainer that rebinds `param.data` after `register()` (offload/onload) left the hook diffing
 a dead copy, so nothing was ever shipped again. The real-megatron case is test_hook_rebind.py;

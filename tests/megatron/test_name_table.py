@@ -1,4 +1,4 @@
-"""The hook's Megatron -> HF naming (megatron_hook.names, then mbridge's tables, as `chunk_segments`
+"""The hook's Megatron -> HF naming (megatron_hook.families, then mbridge's tables, as `chunk_segments`
 runs them) against a table written out by hand, for the local (non-TE) spec that the CPU tests
 build and for the Transformer-Engine spec names mbridge's tables use.
 

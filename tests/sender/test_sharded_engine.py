@@ -55,7 +55,7 @@ def _worker(
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    group = dist.new_group(backend="gloo")  # the sender's own group (see vllm_delta/sender/publisher.py: Ranks)
+    group = dist.new_group(backend="gloo")  # the sender's own group (sender/publisher.py: Ranks)
     full = load_file(Path(state_dir) / "model.safetensors")
     shards = []
     for name, t in full.items():
