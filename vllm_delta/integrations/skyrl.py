@@ -30,7 +30,7 @@ class SkyrlServer(HTTPVLLMWeightSyncClient):
 
     def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
         response = self.client._session.post(f"{self.base_url}/{path}", json=json, timeout=None)
-        response.raise_for_status()  # the answer's status and body reach the sender (links._replied)
+        response.raise_for_status()  # the answer's status and body reach the sender (trainer._replied)
 
 
 @dataclass
