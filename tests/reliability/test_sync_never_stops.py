@@ -196,10 +196,12 @@ def test_a_stopped_engine_is_skipped_while_hung_and_anchored_once_it_answers(wor
 
 def test_a_publish_that_fails_is_recorded_and_the_loop_goes_on(world):
     """A real write failure: the delta root is replaced by a file for one sync, then restored. The
-    next sync skips the engine (its status is being asked after the failure); then it catches up."""
+    engine's status is asked after the failure (in the background: `status_wait_s` bounds how long the
+    next capture waits for the answer, so the catch-up does not depend on the box's load); then it
+    catches up."""
     weights, root, healthy, _ = world
     client = RecordingClient(timeout_s=5, retries=0)
-    sender = _sender([healthy.url], root, client)
+    sender = _sender([healthy.url], root, client, status_wait_s=30.0)
     sender.seed(weights)
     sender.sync(weights)
     root.rename(root.with_name("kept"))
