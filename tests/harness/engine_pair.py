@@ -18,9 +18,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from unittest import mock
 
-from harness import vllm_engine
 from harness.engine_pool import API_KEY, reset_to_checkpoint
 from harness.vllm_engine import VllmServer, start_servers
 from vllm_delta import settings
@@ -55,9 +53,9 @@ class EnginePair:
         self._starts = itertools.count(1)  # one log per start; the pair's two start in two threads
         self.engines: list[VllmServer] = start_servers(self._serve, self._serve)
 
-    def _serve(self) -> VllmServer:
+    def _serve(self, port: int | None = None) -> VllmServer:
         log = self.workdir / f"engine{next(self._starts):02d}.log"
-        return VllmServer(self.model_dir, log, extra_args=self.args, env=self.env)
+        return VllmServer(self.model_dir, log, extra_args=self.args, env=self.env, port=port)
 
     def restart(self, i: int, kill: bool = False) -> VllmServer:
         """Stop engine `i` (SIGKILL to its process group, or a clean stop) and start it again on its port,
@@ -67,9 +65,7 @@ class EnginePair:
             os.killpg(old.proc.pid, signal.SIGKILL)
             old.proc.wait()
         old.stop()
-        with mock.patch.object(vllm_engine, "free_port", lambda: old.port):
-            self.engines[i] = self._serve()
-        assert self.engines[i].port == old.port
+        self.engines[i] = self._serve(old.port)
         return self.engines[i]
 
     def live(self) -> list[VllmServer]:

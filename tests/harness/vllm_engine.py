@@ -130,15 +130,17 @@ class VllmServer:
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 600.0,
         launcher: list[str] | None = None,
+        port: int | None = None,
     ) -> None:
-        """`launcher`: what runs in place of `vllm serve MODEL` (e.g. `trl vllm-serve --model MODEL`)."""
+        """`launcher`: what runs in place of `vllm serve MODEL` (e.g. `trl vllm-serve --model MODEL`);
+        `port`: the port to serve on (an engine restarted in place), else a free one."""
         self.log_path = log_path
         full_env = {**os.environ, **engine_env(tp), **(env or {})}
         full_env["PYTHONPATH"] = with_engine_site(full_env.get("PYTHONPATH"))
         for attempt in range(PORT_ATTEMPTS):
             # A free port can be taken before vLLM binds it (the kernel hands ephemeral ports to
             # other processes' client sockets too): that start is retried on another port.
-            self.port = free_port()
+            self.port = port or free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             cmd = [
                 *(launcher or [str(VENV_BIN / "vllm"), "serve", str(model_dir)]),
