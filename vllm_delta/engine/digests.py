@@ -1,19 +1,17 @@
-"""Counted-once additive digests of what one rank holds, and their check across ranks.
-
-Why counted once: a manifest digest sums each checkpoint element once, but under TP several ranks
-hold some elements (norms, replicated kv heads): each rank sums those no lower rank holds, and the
-door adds the ranks' partials and compares.
-"""
+"""Counted-once additive digests of what one rank holds, and their check across ranks. Why counted once:
+under TP several ranks hold some elements (norms, replicated kv heads), so each sums those no lower rank
+holds, and the door adds the ranks' partials against the manifest's digest."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from vllm_delta.engine.placement import Segment, TensorPlacement, depth, runs, union
+from vllm_delta.engine.placement import Segment, TensorPlacement, depth, grid, runs, union
 from vllm_delta.wire.additive import combine
 from vllm_delta.wire.errors import DeltaError, IntegrityError
 
@@ -28,7 +26,7 @@ def lattice(seg: Segment) -> Lattice:
 def contains(lat: Lattice, positions: torch.Tensor) -> torch.Tensor:
     """Whether each flat checkpoint position is one of the lattice's ids (dims by decreasing stride, each
     above the span of the smaller ones, so the greedy decomposition is the only one)."""
-    offset, sizes, strides = lattice_parts(lat)
+    offset, sizes, strides = lat
     rest = positions.to(torch.int64) - offset
     inside = rest >= 0
     for n, s in zip(sizes, strides):
@@ -70,11 +68,8 @@ def _held(lats: Sequence[Lattice]) -> torch.Tensor:
 
 def _coverage_error(name: str, numel: int, per_rank: Sequence[Sequence[Lattice]]) -> str | None:
     """Why the ranks' lattices do not hold every element of a tensor the same number of times."""
-    points, level = depth([_held(lats) for lats in per_rank if lats])
-    if int(points[0]) != 0:
-        return f"{name}: elements [0, {int(points[0])}) are held by no rank"
-    if int(points[-1]) != numel:
-        return f"{name}: elements [{int(points[-1])}, {numel}) are held by no rank"
+    ends = torch.tensor([[0, 0], [numel, numel]])  # empty runs: breakpoints at both ends of the tensor
+    points, level = depth([ends, *(_held(lats) for lats in per_rank if lats)])
     pieces = level[:-1]
     if bool((pieces == 0).any()):
         i = int(torch.nonzero(pieces == 0)[0])
@@ -138,15 +133,13 @@ def _share(mine: Sequence[Lattice], lower: Sequence[Lattice]) -> str:
     return "none" if both == int((held[:, 1] - held[:, 0]).sum()) else "some"
 
 
+@dataclass(eq=False)  # one per handover: routing.py keeps routes while it `is` the same
 class Ownership:
     """Which held elements this rank counts: those no lower rank holds, decided per tensor at startup
     (`share`: "all", "none", or "some" with a per-position mask): a mask costs ~0.4 us an entry."""
 
-    def __init__(
-        self, lower: Mapping[str, list[Lattice]] | None = None, shares: Mapping[str, str] | None = None
-    ) -> None:
-        self.lower = {name: [lattice_parts(lat) for lat in lats] for name, lats in (lower or {}).items()}
-        self.shares = dict(shares or {})
+    lower: dict[str, list[Lattice]] = field(default_factory=dict)  # what lower ranks hold of a tensor
+    shares: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_coverages(cls, coverages: Sequence[Mapping[str, list[Lattice]]], rank: int) -> Ownership:
@@ -171,20 +164,10 @@ class Ownership:
     def share(self, name: str) -> str:
         return self.shares.get(name, "some" if self.lower.get(name) else "all")
 
-    @property
-    def masked(self) -> list[str]:
-        return sorted(n for n in self.lower if self.share(n) == "some")
-
-    @property
-    def uncounted(self) -> list[str]:
-        return sorted(n for n, v in self.shares.items() if v == "none")
-
     def counted(self, name: str, positions: torch.Tensor) -> torch.Tensor:
         share = self.share(name)
-        if share != "some":
-            return torch.full(positions.shape, share == "all", dtype=torch.bool, device=positions.device)
-        mask = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
-        for lat in self.lower.get(name, ()):
+        mask = torch.full(positions.shape, share != "none", dtype=torch.bool, device=positions.device)
+        for lat in self.lower.get(name, ()) if share == "some" else ():
             mask &= ~contains(lat, positions)
         return mask
 
@@ -200,9 +183,7 @@ def segment_chunks(
     for r0 in range(0, seg.sizes[0], rows):
         sizes = (min(rows, seg.sizes[0] - r0), *seg.sizes[1:])
         values = torch.as_strided(flat, sizes, seg.dst_strides, seg.dst_offset + r0 * seg.dst_strides[0])
-        pos = torch.tensor(seg.src_offset + r0 * seg.src_strides[0], device=flat.device)
-        for n, s in zip(sizes, seg.src_strides):
-            pos = pos.unsqueeze(-1) + torch.arange(n, device=flat.device) * s
+        pos = grid(seg.src_offset + r0 * seg.src_strides[0], sizes, seg.src_strides, flat.device)
         yield pos.reshape(-1), values.reshape(-1)
 
 

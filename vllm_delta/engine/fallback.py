@@ -1,32 +1,22 @@
-"""Checkpoint tensors whose loader the probe cannot map (it scales, or writes non-affinely), served exactly.
-
-Why not vLLM's `load_checkpoint_weight_patches`: it runs the loader on live weights at commit, after
-other tensors were written, and no digest checks the result. Each such tensor keeps a host shadow in
-checkpoint layout, and its loader is replayed under the sealed interception: the recorded `copy_`s
-are what a load would store where. At startup the replay must reproduce the live weights bit for bit,
-twice, with no overlapping writes (else `refused`); in prepare the replays of the old and new shadow
-give plain (offset, value) writes, checked against live first.
-"""
+"""Tensors whose loader the probe cannot map, served exactly: a host shadow in checkpoint layout whose
+loader, replayed sealed, must reproduce the live weights bit for bit at startup; in prepare the replays
+of the old and new shadow give the writes (unlike vLLM's patches, checked, and staged before the pause)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-from vllm_delta.engine.intercept import Intercept, storage_key
+from vllm_delta.engine.intercept import Intercept, LoadWeights, storage_key
+from vllm_delta.engine.placement import grid
+from vllm_delta.engine.probe import UnmappableLoader, copies_and_fills
 from vllm_delta.engine.staging import Staging, Sums, chunk, flat_storage
 from vllm_delta.wire import ParamDelta
 from vllm_delta.wire.additive import partial_sum, tensor_sum, to_hex
 from vllm_delta.wire.codecs import ulp_resolve_tensor
 from vllm_delta.wire.errors import IncompatibleDeltaError, IntegrityError
-
-LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
-
-
-class UnservableLoader(Exception):
-    """The loader of a tensor cannot be replayed exactly; the engine refuses delta updates."""
 
 
 @dataclass
@@ -51,65 +41,56 @@ def differs(live: Mapping[str, torch.Tensor], writes: list[Write]) -> str | None
     return None
 
 
-def same_layout(a: list[Write], b: list[Write]) -> bool:
+def same(a: list[Write], b: list[Write], values: bool = False) -> bool:
+    """Whether two replays write the same elements (and, with `values`, the same bits)."""
     return len(a) == len(b) and all(
-        x.target == y.target and torch.equal(x.offsets, y.offsets) for x, y in zip(a, b)
+        x.target == y.target
+        and torch.equal(x.offsets, y.offsets)
+        and (not values or torch.equal(bits(x.values), bits(y.values)))
+        for x, y in zip(a, b)
     )
 
 
+@dataclass(eq=False)
 class Shadows:
     """The shadows of this rank's unmapped tensors (`tensors`), and why the others' loaders are refused."""
 
-    def __init__(
-        self,
-        load_weights: LoadWeights,
-        storages: Callable[[], dict[int, str]],
-        targets: dict[str, torch.Tensor],
-        rank: int,
-    ) -> None:
-        self.load_weights, self.storages, self.targets, self.rank = load_weights, storages, targets, rank
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.refused: dict[str, str] = {}
+    load_weights: LoadWeights
+    storages: Callable[[], dict[int, str]]  # live parameter storages -> names, as now
+    targets: dict[str, torch.Tensor]
+    rank: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
 
     def replay(self, storages: Mapping[int, str], name: str, tensor: torch.Tensor) -> list[Write]:
         """The writes `load_weights([(name, tensor)])` would make into the live targets; performs none."""
-        mode = Intercept(storages, inputs={storage_key(tensor)}, sealed=True)
-        with torch.no_grad(), mode:
-            self.load_weights([(name, tensor)])
-        if any(w.target is None for w in mode.writes):
-            raise UnservableLoader("loader writes a tensor that is neither a parameter nor its own")
-        if foreign := [
-            f"{w.func} on {w.target}" for w in mode.writes if w.func is not torch.ops.aten.copy_.default
-        ]:
-            raise UnservableLoader("loader changes parameters in place: " + ", ".join(foreign[:3]))
+        fed = [(name, tensor)]
+        copies, _ = copies_and_fills(
+            Intercept.sealed_on(storages, fed).run(self.load_weights, fed), fills=False
+        )
         writes = []
-        for w in mode.writes:
+        for w in copies:
             dst, target = w.dst, self.targets[w.target]
-            if dst.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
-                raise UnservableLoader(
+            if storage_key(dst) != storage_key(target):
+                raise UnmappableLoader(
                     f"loader writes {w.target} beside the tensor its deltas are written to"
                 )
-            offsets = torch.tensor(dst.storage_offset(), dtype=torch.int64, device=target.device)
-            for n, stride in zip(dst.shape, dst.stride()):
-                offsets = offsets.unsqueeze(-1) + torch.arange(n, device=target.device) * stride
+            offsets = grid(dst.storage_offset(), dst.shape, dst.stride(), target.device).reshape(-1)
             values = w.src.to(target.device).broadcast_to(dst.shape).to(dst.dtype)  # what copy_ would store
-            writes.append(Write(w.target, offsets.reshape(-1), values.reshape(-1)))
+            writes.append(Write(w.target, offsets, values.reshape(-1)))
         return writes
 
     def _check_servable(self, storages: Mapping[int, str], name: str, shadow: torch.Tensor) -> set[str]:
-        """The targets the replay writes, or `UnservableLoader` where it does not reproduce the weights."""
+        """The targets the replay writes, or `UnmappableLoader` where it does not reproduce the weights."""
         first = self.replay(storages, name, shadow)
-        again = self.replay(storages, name, shadow)
-        if not same_layout(first, again) or any(
-            not torch.equal(bits(a.values), bits(b.values)) for a, b in zip(first, again)
-        ):
-            raise UnservableLoader("loader is not deterministic")
+        if not same(first, self.replay(storages, name, shadow), values=True):
+            raise UnmappableLoader("loader is not deterministic")
         for target in {w.target for w in first}:
             offsets = torch.cat([w.offsets for w in first if w.target == target])
             if offsets.unique().numel() != offsets.numel():
-                raise UnservableLoader(f"loader writes some elements of {target} more than once")
+                raise UnmappableLoader(f"loader writes some elements of {target} more than once")
         if (target := differs(self.targets, first)) is not None:
-            raise UnservableLoader(
+            raise UnmappableLoader(
                 f"replaying the loader on the checkpoint does not give the loaded {target} "
                 "(a post-load step changed it, or the loader reads other state)"
             )
@@ -126,23 +107,17 @@ class Shadows:
             shadow = read(name)
             try:
                 replayed |= self._check_servable(storages, name, shadow)
-            except UnservableLoader as exc:
+            except UnmappableLoader as exc:
                 self.refused[name] = f"{why}; its loader cannot be replayed exactly: {exc}"
-                continue
             except Exception as exc:  # e.g. a quant method's replace_parameter left a loader that now fails
                 self.refused[name] = f"{why}; its loader fails on replay: {type(exc).__name__}: {exc}"
-                continue
-            self.tensors[name] = shadow
-            self.targets[name + "#checkpoint"] = shadow  # the shadow is a target of its own
+            else:
+                self.tensors[name] = shadow
+                self.targets[name + "#checkpoint"] = shadow  # the shadow is a target of its own
         return replayed
 
     def stage(
-        self,
-        delta: ParamDelta,
-        staging: Staging,
-        sums: Sums,
-        want: tuple[bool, bool],
-        anchor: bool,
+        self, delta: ParamDelta, staging: Staging, sums: Sums, want: tuple[bool, bool], anchor: bool
     ) -> None:
         """Stage a tensor by replaying its loader on its shadow, old and new: the elements the new replay
         changes (live must equal the old replay, unless an anchor overwrites). Rank 0 counts its digests."""
@@ -162,13 +137,10 @@ class Shadows:
         for lane, values in enumerate((old, new)):
             if want[lane] and self.rank == 0:
                 sums.add_rows([name], lane, [True], partial_sum(positions, values).reshape(1, 2))
-        updated = shadow.clone()
-        updated.view(-1)[positions] = new
         storages = self.storages()
         before = self.replay(storages, name, shadow)
-        after = self.replay(storages, name, updated)
-        del updated
-        if not same_layout(before, after):
+        after = self.replay(storages, name, shadow.reshape(-1).index_put((positions,), new).view_as(shadow))
+        if not same(before, after):
             raise IncompatibleDeltaError("its loader writes other elements for the new values", param=name)
         if not anchor and (target := differs(self.targets, before)) is not None:
             raise IntegrityError(

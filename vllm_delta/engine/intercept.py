@@ -1,22 +1,17 @@
-"""The one interception of a model's loaders and post-load steps: what they read, and what they write
-where, with writes into live storage recorded or redirected instead of performed.
-
-Why one TorchDispatchMode, finding writes from each op schema's alias info (not op names): every way
-a loader writes is seen the same way by every user. Sealed (`sealed=True`), nothing that existed
-before is written: the probe and the fallback replay read the recorded `Write`s, a stand-in's step
-must make none; the map check redirects writes into scratch copies; derived discovery performs
-everything and reads which storages a step read and wrote.
-"""
+"""The one interception of loaders and post-load steps: what they read and write where. One
+TorchDispatchMode reading each op schema's alias info (not op names), so every user sees writes alike."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
 
 @dataclass(frozen=True)
@@ -36,42 +31,18 @@ _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 def written(func: Any, args: tuple, kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
     """Tensors the op writes, from its schema's alias info (in-place `self`, `out=` and the like)."""
     writes = _WRITES.get(func)
-    if writes is None:  # the schema's written arguments, looked up once per op
+    if writes is None:  # looked up once per op
         writes = _WRITES[func] = tuple(
             (i, arg.name)
             for i, arg in enumerate(func._schema.arguments)
             if arg.alias_info is not None and arg.alias_info.is_write
         )
-    out = []
-    for i, name in writes:
-        value = args[i] if i < len(args) else kwargs.get(name)
-        out.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    return out
-
-
-def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> Iterator[torch.Tensor]:
-    """The tensors among an op's arguments (aten arguments nest at most one list deep)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (t for t in value if isinstance(t, torch.Tensor))
-
-
-def _fresh_outputs(func: Any, result: Any) -> list[torch.Tensor]:
-    """Outputs the op allocated (no alias info on the return): scratch the loader may write."""
-    returns = func._schema.returns
-    results = result if isinstance(result, (tuple, list)) and len(returns) > 1 else (result,)
-    fresh = []
-    for ret, value in zip(returns, results):
-        if ret.alias_info is None or func is torch.ops.aten.lift_fresh.default:
-            fresh.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    return fresh
+    values = (args[i] if i < len(args) else kwargs.get(name) for i, name in writes)
+    return [t for value in values for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """The key of a tensor's storage in every map here (meta tensors have no data pointer: their storage
-    object's, negated so it never meets a real address)."""
+    """A tensor's storage key in every map here (a meta tensor's storage object, negated)."""
     storage = t.untyped_storage()
     return -storage._cdata if t.device.type == "meta" else storage.data_ptr()
 
@@ -87,9 +58,8 @@ def storages_of(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
 
 class Intercept(TorchDispatchMode):
     """Run code with its writes into `params` (storage key -> name) not performed: each is a `Write`
-    (`record`), or done on the flat scratch copy `redirect` holds for its storage instead. Writes into
-    `inputs` are noted in `input_writes`; `sealed` guards every other storage that existed before (target
-    None). `read` and `written` hold the storage keys every op read and wrote."""
+    (`record`), or done on the flat scratch copy `redirect` holds for its storage. Writes into `inputs`
+    are noted in `input_writes`; `sealed` guards every other storage that existed before (target None)."""
 
     def __init__(
         self,
@@ -106,13 +76,30 @@ class Intercept(TorchDispatchMode):
         self.scratch: set[int] = set()  # storages the code allocated while sealed
         self.writes: list[Write] = []
         self.input_writes: list[int] = []  # `current` at each write into an input
-        self.read: set[int] = set()
+        self.read: set[int] = set()  # the storage keys every op read, and wrote
         self.written: set[int] = set()
-        self.current = 0  # set by a caller feeding several inputs, to attribute writes
+        self.current = 0  # the index of the input the loader was fed last
+
+    @classmethod
+    def sealed_on(cls, params: Mapping[int, str], inputs: list[tuple[str, torch.Tensor]]) -> Intercept:
+        """Sealed around a loader fed `inputs` (their storage keys -> their index)."""
+        return cls(params, inputs={storage_key(t): i for i, (_, t) in enumerate(inputs)}, sealed=True)
+
+    def run(self, load_weights: LoadWeights, items: Iterable[tuple[str, torch.Tensor]]) -> Intercept:
+        """`load_weights(items)` under this mode, `current` the index of the item fed last."""
+
+        def feed() -> Iterator[tuple[str, torch.Tensor]]:
+            for i, item in enumerate(items):
+                self.current = i
+                yield item
+
+        with torch.no_grad(), self:
+            load_weights(items if isinstance(items, list) and len(items) == 1 else feed())
+        return self
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.read.update(storage_key(t) for t in _tensors(args, kwargs))
+        self.read.update(storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         blocked, swap = False, {}
         for w in written(func, args, kwargs):
             key = storage_key(w)
@@ -142,3 +129,16 @@ class Intercept(TorchDispatchMode):
         if self.sealed:
             self.scratch.update(storage_key(t) for t in _fresh_outputs(func, result))
         return result
+
+
+def _fresh_outputs(func: Any, result: Any) -> list[torch.Tensor]:
+    """Outputs the op allocated (no alias info on the return): scratch the loader may write."""
+    returns = func._schema.returns
+    results = result if isinstance(result, (tuple, list)) and len(returns) > 1 else (result,)
+    return [
+        t
+        for ret, value in zip(returns, results)
+        if ret.alias_info is None or func is torch.ops.aten.lift_fresh.default
+        for t in tree_leaves(value)
+        if isinstance(t, torch.Tensor)
+    ]

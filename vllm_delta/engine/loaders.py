@@ -1,41 +1,19 @@
-"""The model's own loaders for parameters a post-load step replaced, so the probe can replay them.
-
-Why: vLLM's block-fp8, Marlin and GPTQ methods `replace_parameter` after loading, dropping the
-model-format class and its `weight_loader`. vLLM records each layer's model-format parameters (on
-`meta`) for `reload_weights`; `model_format` registers, for each call, stand-ins with that class and
-those attributes around the live tensor's data. Exact only where the live tensor kept the recorded
-layout; elsewhere the stand-in's loader raises `ReplacedLayout` and the tensor is refused at startup.
-"""
+"""Loaders for parameters a post-load step replaced (vLLM's fp8/Marlin/GPTQ `replace_parameter` drops
+the model format's class and `weight_loader`): stand-ins with the class and attributes vLLM recorded for
+`reload_weights`, around the live data; a changed layout's loader raises `ReplacedLayout`."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+from vllm_delta.engine.intercept import LoadWeights
 
 
 class ReplacedLayout(RuntimeError):
     """A replaced parameter whose live layout is not its model-format one: no loader addresses it."""
-
-
-@dataclass(frozen=True)
-class _Replaced:
-    module: nn.Module
-    name: str
-    stand_in: torch.Tensor
-
-
-def _recorded(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's model-format parameters as vLLM recorded them at construction (meta), or {} (read
-    only if vLLM's module is loaded: a synthetic model needs no import of vLLM)."""
-    layerwise = sys.modules.get("vllm.model_executor.model_loader.reload.layerwise")
-    info = None if layerwise is None else layerwise.LAYERWISE_INFO.get(module)
-    return {} if info is None else info.restore_metadata[0]
 
 
 def _model_format(recorded: torch.Tensor) -> dict[str, object]:
@@ -55,27 +33,18 @@ def _model_format(recorded: torch.Tensor) -> dict[str, object]:
     return attrs
 
 
-def _lost_format(live: torch.Tensor, recorded: torch.Tensor, attrs: dict[str, object]) -> bool:
-    """Whether the live parameter lost its model-format class or its loader (what `replace_parameter`
-    drops); one that kept both is loaded as it is."""
-    lost_loader = "weight_loader" in attrs and "weight_loader" not in vars(live)
-    return type(live) is not type(recorded) or lost_loader
-
-
 def _stand_in(
-    module_name: str,
-    name: str,
-    module: nn.Module,
-    live: torch.Tensor,
-    recorded: torch.Tensor,
-    attrs: dict[str, object],
-) -> torch.Tensor:
-    """The recorded class and attributes around `live`'s data, or a plain one whose loader refuses."""
+    module_name: str, name: str, module: nn.Module, live: torch.Tensor, recorded: torch.Tensor
+) -> torch.Tensor | None:
+    """The recorded class and attributes around `live`'s data, a plain one whose loader refuses (layout
+    changed), or None where `live` kept its model-format class and loader (it loads as it is)."""
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
-    same = (live.shape, live.stride(), live.dtype) == (recorded.shape, recorded.stride(), recorded.dtype)
+    attrs = _model_format(recorded)
+    if type(live) is type(recorded) and ("weight_loader" not in attrs or "weight_loader" in vars(live)):
+        return None
     t = live.data.detach()
-    if not same:
+    if (live.shape, live.stride(), live.dtype) != (recorded.shape, recorded.stride(), recorded.dtype):
         why = (
             f"{module_name}: its post-load step replaced {name}, model format {tuple(recorded.shape)} "
             f"{recorded.stride()} {recorded.dtype}, served as {tuple(live.shape)} {live.stride()} "
@@ -93,40 +62,39 @@ def _stand_in(
     return restore_layer_refs(t, module)
 
 
-def replaced(model: nn.Module) -> list[_Replaced]:
-    """Every live parameter that lost its model format, with its stand-in."""
+def replaced(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, name, stand-in) for every live parameter that lost its model format (read only where
+    vLLM's module is loaded: a synthetic model needs no import of vLLM)."""
+    layerwise = sys.modules.get("vllm.model_executor.model_loader.reload.layerwise")
     out = []
     for module_name, module in model.named_modules():
-        recorded = _recorded(module)
+        info = None if layerwise is None else layerwise.LAYERWISE_INFO.get(module)
+        recorded = {} if info is None else info.restore_metadata[0]
         for name, live in module._parameters.items():
-            rec = recorded.get(name)
-            if live is None or rec is None:
-                continue
-            attrs = _model_format(rec)
-            if _lost_format(live, rec, attrs):
-                out.append(_Replaced(module, name, _stand_in(module_name, name, module, live, rec, attrs)))
+            if live is not None and (rec := recorded.get(name)) is not None:
+                if (t := _stand_in(module_name, name, module, live, rec)) is not None:
+                    out.append((module, name, t))
     return out
 
 
-def model_format(model: nn.Module, load_weights: LoadWeights | None = None) -> LoadWeights:
-    """`load_weights` (the model's own by default) run with model-format stand-ins in place, found once
-    and kept while the live objects they stand for are still registered (a call costs O(replaced), not a
-    walk of the model: a fallback's replay calls it in every prepare)."""
-    load = load_weights or model.load_weights
-    found: list[_Replaced] | None = None
+def model_format(model: nn.Module) -> LoadWeights:
+    """The model's `load_weights` run with the stand-ins in place, found once and kept while the live
+    parameters are registered (a fallback's replay calls it in every prepare)."""
+    load = model.load_weights
+    found: list[tuple[nn.Module, str, torch.Tensor]] | None = None
     live: list[torch.Tensor] = []
 
-    def load_in_model_format(weights: Iterable[tuple[str, torch.Tensor]]) -> object:
+    def load_in_model_format(weights):
         nonlocal found, live
-        if found is None or any(r.module._parameters.get(r.name) is not p for r, p in zip(found, live)):
+        if found is None or any(m._parameters.get(n) is not p for (m, n, _), p in zip(found, live)):
             found = replaced(model)
-            live = [r.module._parameters[r.name] for r in found]
-        for r in found:  # the stand-ins registered for the call, then the live parameters again
-            r.module._parameters[r.name] = r.stand_in
+            live = [m._parameters[n] for m, n, _ in found]
+        for module, name, stand_in in found:  # the stand-ins registered for the call, then the live again
+            module._parameters[name] = stand_in
         try:
             return load(weights)
         finally:
-            for r, param in zip(found, live):
-                r.module._parameters[r.name] = param
+            for (module, name, _), param in zip(found, live):
+                module._parameters[name] = param
 
     return load_in_model_format

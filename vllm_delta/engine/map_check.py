@@ -1,38 +1,28 @@
-"""The placement map checked at startup against vLLM's own loader, independently of the map.
-
-Why: everything after the probe goes through its map, so a map wrong the same way everywhere passes
-every later check. Per structural class of destination, two scratch copies of its first destination
-get the same random bytes; vLLM's loader runs for real on random checkpoint values, its writes
-redirected into one copy, while the map's segments and fills write the other. Any difference refuses
-updates naming the destination. One loader pass per layer (0.24 s at GLM-4.7's tensor count).
-"""
+"""The placement map checked at startup against vLLM's own loader (a map wrong everywhere alike passes
+every later check): per structural class of destination, the loader's writes of random values into one
+scratch copy against the map's into another. One loader pass per layer (0.24 s at GLM-4.7's count)."""
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 
 from vllm_delta.engine.fallback import bits
-from vllm_delta.engine.intercept import Intercept, storage_key
+from vllm_delta.engine.intercept import Intercept, LoadWeights, storage_key, storages_of
 from vllm_delta.engine.placement import TensorPlacement
 from vllm_delta.engine.staging import flat_storage
 
 Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def structural_class(target: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
-    """Destinations that differ only in their layer (or other) index and share a shape."""
-    return re.sub(r"\.\d+(?=\.|$)", ".#", target), tuple(shape)
-
-
-def _random(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Seeded random bits of `dtype` on the generator's device (bit patterns: NaNs compare as bytes)."""
+def _random(numel: int, dtype: torch.dtype, seed: int, device: torch.device) -> torch.Tensor:
+    """Seeded random bits of `dtype` (bit patterns: NaNs compare as bytes)."""
     size = torch.empty(0, dtype=dtype).element_size()
-    return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=gen, device=gen.device).view(
-        dtype
-    )
+    gen = torch.Generator(device).manual_seed(seed)
+    return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=gen, device=device).view(dtype)
 
 
 def live_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -42,42 +32,37 @@ def live_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: live for name, (live, _) in canonical_weights.canonical_tensors(model).items()}
 
 
-def check_map(
-    load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
-    params: Mapping[str, torch.Tensor],
-    placements: Mapping[str, TensorPlacement],
-    checkpoint: Checkpoint,
-    seed: int = 0,
-) -> dict[str, str]:
-    """{destination: why} for each class whose map disagrees with the loader (`params`: the live
-    parameters by the names the segments target, never written here)."""
-    feeding = {s.target for p in placements.values() if not p.fallback_reason for s in p.segments}
-    chosen: dict[tuple, str] = {}
-    for target in sorted(feeding):
-        if target in params:
-            chosen.setdefault(structural_class(target, tuple(params[target].shape)), target)
-    storages = {storage_key(t): n for n, t in params.items() if t.numel() > 0}
-    by_layer: dict[str, list[str]] = {}
-    for target in chosen.values():
-        by_layer.setdefault(_layer_prefix(target), []).append(target)
-    errors = {}
-    for prefix, targets in by_layer.items():
-        # Every tensor of the layer goes through the loader once, so one the map forgot is seen too.
-        names = [n for n, p in placements.items() if not p.fallback_reason and _layer_prefix(n) == prefix]
-        errors.update(
-            _check_layer(load_weights, storages, params, placements, checkpoint, targets, names, seed)
-        )
-    return errors
-
-
-def _layer_prefix(target: str) -> str:
+def _layer(target: str) -> str:
     """`model.layers.5.` for a destination under layer 5; "" for one outside any numbered layer."""
     match = re.match(r"(.*?\.\d+\.)", target)
     return match.group(1) if match else ""
 
 
+def check_map(
+    load_weights: LoadWeights,
+    params: Mapping[str, torch.Tensor],
+    placements: Mapping[str, TensorPlacement],
+    checkpoint: Checkpoint,
+    seed: int = 0,
+) -> dict[str, str]:
+    """{destination: why} for each class whose map disagrees with the loader (`params` are never written)."""
+    mapped = {n: p for n, p in placements.items() if not p.fallback_reason}
+    chosen: dict[tuple, str] = {}
+    for target in sorted({s.target for p in mapped.values() for s in p.segments} & params.keys()):
+        chosen.setdefault((re.sub(r"\.\d+(?=\.|$)", ".#", target), tuple(params[target].shape)), target)
+    by_layer: dict[str, list[str]] = {}
+    for target in chosen.values():
+        by_layer.setdefault(_layer(target), []).append(target)
+    storages, errors = storages_of(params.items()), {}
+    for prefix, targets in by_layer.items():
+        # Every tensor of the layer goes through the loader once, so one the map forgot is seen too.
+        names = [n for n in mapped if _layer(n) == prefix]
+        errors.update(_check_layer(load_weights, storages, params, mapped, checkpoint, targets, names, seed))
+    return errors
+
+
 def _check_layer(
-    load_weights,
+    load_weights: LoadWeights,
     storages: Mapping[int, str],
     params: Mapping[str, torch.Tensor],
     placements: Mapping[str, TensorPlacement],
@@ -87,12 +72,9 @@ def _check_layer(
     seed: int,
 ) -> dict[str, str]:
     """{target: why} for the checked destinations of one layer, from one pass of its tensors."""
-    device = params[targets[0]].device
-    # Made on the destinations' device: at 355B a layer's values are gigabytes.
+    device = params[targets[0]].device  # made there: at 355B a layer's values are gigabytes
     by_loader = {
-        t: _random(
-            flat_storage(params[t]).numel(), params[t].dtype, torch.Generator(device).manual_seed(seed + i)
-        )
+        t: _random(flat_storage(params[t]).numel(), params[t].dtype, seed + i, device)
         for i, t in enumerate(targets)
     }
     by_map = {t: v.clone() for t, v in by_loader.items()}
@@ -100,13 +82,13 @@ def _check_layer(
     def values(i: int, name: str) -> torch.Tensor:
         """Tensor `i`'s seeded random values, made again for each pass (one tensor in memory at a time)."""
         shape, dtype = checkpoint[name]
-        g = torch.Generator(device).manual_seed(seed * 1_000_003 + i + 1)
-        return _random(torch.Size(shape).numel(), dtype, g).reshape(shape)
+        return _random(math.prod(shape), dtype, seed * 1_000_003 + i + 1, device).reshape(shape)
 
     scratch = {storage_key(params[t]): by_loader[t] for t in targets}
     try:
-        with torch.no_grad(), Intercept(storages, redirect=scratch, record=False):
-            load_weights((name, values(i, name)) for i, name in enumerate(names))
+        Intercept(storages, redirect=scratch, record=False).run(
+            load_weights, ((name, values(i, name)) for i, name in enumerate(names))
+        )
     except Exception as exc:
         why = f"vLLM's loader failed on random values: {type(exc).__name__}: {exc}"
         return {t: f"{t}: {why}" for t in targets}
@@ -124,18 +106,16 @@ def _check_layer(
                     seg.target, f"{seg.target}: the placement map of {name} is out of bounds: {exc}"
                 )
         # The probe's constant fills: a loader whose fill follows the values differs on random ones.
-        for fill in placements[name].fills:
-            if fill.target in by_map:
-                torch.as_strided(by_map[fill.target], fill.sizes, fill.dst_strides, fill.dst_offset).fill_(
-                    fill.value
-                )
+        for fill in (f for f in placements[name].fills if f.target in by_map):
+            torch.as_strided(by_map[fill.target], fill.sizes, fill.dst_strides, fill.dst_offset).fill_(
+                fill.value
+            )
     for target in targets:
         bad = bits(by_loader[target]) != bits(by_map[target])
         if target not in errors and bool(bad.any()):
-            first = int(torch.nonzero(bad)[0])
             errors[target] = (
                 f"{target}: the placement map disagrees with vLLM's loader at {int(bad.sum())} of "
-                f"{bad.numel()} storage elements (first at offset {first}), loading {len(names)} "
-                "tensors"
+                f"{bad.numel()} storage elements (first at offset {int(torch.nonzero(bad)[0])}), loading "
+                f"{len(names)} tensors"
             )
     return errors

@@ -1,9 +1,6 @@
-"""What a placement is: where each checkpoint element lives on this rank (learned by `probe.py`).
-
-A `Segment` is an affine block of one checkpoint tensor copied into one destination, a `Fill` a
-loader's constant fill of a destination region (vocab padding), allowed only where no segment
-reaches (`refuse_overlapping_fills`); a `TensorPlacement` holds all of one tensor's.
-"""
+"""Where each checkpoint element lives on this rank (learned by `probe.py`): a `Segment` is an affine
+block of one checkpoint tensor copied into one destination, a `Fill` a loader's constant fill of a
+region no segment reaches (vocab padding); a `TensorPlacement` holds all of one tensor's."""
 
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,15 +38,8 @@ class Segment:
 
     @property
     def src_dense(self) -> bool:
-        """Whether the segment holds every id from src_offset to src_last (row-major, no gaps)."""
-        expected = 1
-        for n, s in reversed(list(zip(self.sizes, self.src_strides))):
-            if n == 1:
-                continue
-            if s != expected:
-                return False
-            expected *= n
-        return True
+        """Whether it holds every id from src_offset to src_last (its ids are distinct: see above)."""
+        return self.src_last - self.src_offset + 1 == self.numel
 
 
 @dataclass(frozen=True)
@@ -96,17 +87,22 @@ def owned_by_tensor(placements: Mapping[str, TensorPlacement]) -> dict[str, list
     return {name: owned_ranges(p) for name, p in placements.items()}
 
 
+def grid(offset: int, sizes: Iterable[int], strides: Iterable[int], device: Any = None) -> torch.Tensor:
+    """offset + sum(i[d] * strides[d]) at every index i of `sizes`, shaped `sizes` (int64)."""
+    out = torch.tensor(offset, dtype=torch.int64, device=device)
+    for n, s in zip(sizes, strides):
+        out = out.unsqueeze(-1) + torch.arange(n, device=device) * s
+    return out
+
+
 def runs(offset: int, sizes: Iterable[int], strides: Iterable[int]) -> torch.Tensor:
-    """The ids offset + sum(i[d] * strides[d]) of a lattice (a segment's ids or storage offsets) as
-    sorted [start, end) runs (k x 2); trailing dims contiguous in storage make one run."""
+    """A lattice's ids (a segment's ids or storage offsets) as sorted [start, end) runs (k x 2);
+    trailing dims contiguous in storage make one run."""
     dims = sorted(((n, s) for n, s in zip(sizes, strides) if n > 1), key=lambda d: -d[1])
     run = 1
     while dims and dims[-1][1] == run:
         run *= dims.pop()[0]
-    starts = torch.tensor(offset, dtype=torch.int64)
-    for n, s in dims:
-        starts = starts.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
-    starts = torch.sort(starts.reshape(-1)).values
+    starts = torch.sort(grid(offset, (n for n, _ in dims), (s for _, s in dims)).reshape(-1)).values
     return torch.stack([starts, starts + run], dim=1)
 
 
@@ -132,14 +128,9 @@ def union(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 def refuse_overlapping_fills(placements: Mapping[str, TensorPlacement]) -> None:
     """Turn into a fallback each tensor whose loader fills elements a segment of any checkpoint tensor
     reaches (only padding may be filled; a fill can meet another tensor's rows, so after every probe)."""
-    filled = {f.target for p in placements.values() for f in p.fills}
-    if not filled:
-        return
-    held: dict[str, list[torch.Tensor]] = {t: [] for t in filled}
-    for p in placements.values():
-        for seg in p.segments:
-            if seg.target in held:
-                held[seg.target].append(runs(seg.dst_offset, seg.sizes, seg.dst_strides))
+    held: dict[str, list[torch.Tensor]] = {f.target: [] for p in placements.values() for f in p.fills}
+    for seg in (s for p in placements.values() for s in p.segments if s.target in held):
+        held[seg.target].append(runs(seg.dst_offset, seg.sizes, seg.dst_strides))
     reached = {t: union(r) for t, r in held.items() if r}
     for p in placements.values():
         for fill in p.fills:
@@ -163,11 +154,8 @@ def unreached(
     (but those a fallback's replay writes). Why: a probe that misses a loader's writes (as after vLLM's
     `reload_weights`) turns a real tensor into an ignored one, whose deltas would be dropped silently."""
     reached: Counter[str] = Counter()
-    for placement in placements.values():
-        for seg in placement.segments:
-            reached[seg.target] += seg.numel
-        for fill in placement.fills:
-            reached[fill.target] += math.prod(fill.sizes)
+    for part in (part for p in placements.values() for part in (*p.segments, *p.fills)):
+        reached[part.target] += math.prod(part.sizes)
     skip = set(replayed)
     return {
         name: (
@@ -185,7 +173,6 @@ def derived_params(keys: Iterable[tuple[str, str]]) -> set[str]:
     out = set()
     for unit, key in keys:
         path, _, leaf = key.rpartition(".")
-        kind, _, attr = leaf.partition(":")
-        if kind == "param":
-            out.add(".".join(p for p in (unit, path, attr) if p))
+        if leaf.startswith("param:"):
+            out.add(".".join(p for p in (unit, path, leaf.removeprefix("param:")) if p))
     return out

@@ -1,12 +1,6 @@
-"""The ranks and DP replicas behind one API server: one RPC reaching every engine core, and what the
-core makes of their typed replies (one answer, one refusal, one fault, one trace).
-
-Why not `AsyncLLM.collective_rpc`: under DP, vLLM's `DPLBAsyncMPClient.call_utility_async` returns
-only the first engine's replies, so another replica's refusal or failed commit would be lost. A dense
-DP replica holds the whole model, so its ranks' counted-once digests must add up on their own; the DP
-engines of a MoE model are one world (experts split over DP x TP): a tensor every engine holds whole
-is checked per engine, one split across them (`across_dp`) over the whole world, ranks in (dp, rank).
-"""
+"""The ranks and DP replicas behind one API server: one RPC reaching every engine core (vLLM's DP client
+answers only the first engine's), and their replies made one. A MoE model's DP engines are one world for
+the tensors split across them (`across_dp`); each dense replica's digests add up on their own."""
 
 from __future__ import annotations
 
@@ -41,23 +35,22 @@ async def rpc_all(engine: Any, method: str, args: tuple = ()) -> list[Any]:
     ]
 
 
-def _field(reply: Any, key: str, default: Any = None) -> Any:
-    """A field of a reply, typed or still a dict; `default` where unset."""
-    value = reply.get(key) if isinstance(reply, Mapping) else getattr(reply, key, None)
-    return default if value is None else value
+def _dp(reply: Any) -> int:
+    """A reply's DP index, typed or still a dict."""
+    return (reply.get(DP_KEY) if isinstance(reply, Mapping) else reply.dp) or 0
 
 
 def by_replica(replies: Sequence[R]) -> dict[int, list[R]]:
     """Replies grouped by DP index, in order."""
     groups: dict[int, list[R]] = {}
     for reply in replies:
-        groups.setdefault(int(_field(reply, DP_KEY, 0)), []).append(reply)
+        groups.setdefault(int(_dp(reply)), []).append(reply)
     return groups
 
 
-def rank_id(reply: Any) -> str:
+def rank_id(reply: Reply) -> str:
     """A worker's name across replicas: its DP index and its rank in that replica's world."""
-    return f"dp{_field(reply, DP_KEY, 0)}:rank{_field(reply, 'rank')}"
+    return f"dp{_dp(reply)}:rank{reply.rank}"
 
 
 def _restricted(coverage: Mapping[str, Any], keep: Callable[[str], bool]) -> dict[str, Any]:
@@ -67,10 +60,9 @@ def _restricted(coverage: Mapping[str, Any], keep: Callable[[str], bool]) -> dic
 def moe_world(
     groups: Mapping[int, Sequence[Mapping[str, Any]]], dp: int, rank: int, shapes: Mapping[str, Sequence[int]]
 ) -> tuple[Ownership, dict[str, Any], list[str]]:
-    """This rank's counted-once ownership, the coverage verdict and the tensors split across the DP
-    engines of a MoE model (`groups`: each DP index's `delta_coverage` replies). A tensor every engine
-    holds whole is owned and checked within each engine; any other, and one no rank holds, over the
-    whole world in (dp, rank) order."""
+    """This rank's ownership, the coverage verdict and the tensors split across a MoE model's DP engines
+    (`groups`: each DP index's `delta_coverage` replies): a tensor every engine holds whole is owned and
+    checked per engine; any other, and one no rank holds, over the whole world."""
     if sorted(groups) != list(range(len(groups))) or dp not in groups:
         raise ValueError(
             f"DP engines {sorted(groups)} answered, DP rank {dp} expected among 0..{len(groups) - 1}"
@@ -94,20 +86,18 @@ def moe_world(
     ownership = Ownership({**whole.lower, **spread.lower}, {**whole.shares, **spread.shares})
     nowhere = shapes.keys() - set().union(*held)  # a hole if any rank's loader read it, else ignored by vLLM
     report = check_coverage(world, {n: shapes[n] for n in (*across, *sorted(nowhere))})
-    mine = check_coverage(
-        engines[dp], {n: s for n, s in shapes.items() if n not in split and n not in nowhere}
+    mine = check_coverage(engines[dp], {n: s for n, s in shapes.items() if n not in split | nowhere})
+    errors = {**mine["errors"], **report["errors"]}
+    return (
+        ownership,
+        {"ok": not errors, "errors": errors, "ignored": sorted({*report["ignored"], *mine["ignored"]})},
+        across,
     )
-    report = {
-        "ok": report["ok"] and mine["ok"],
-        "errors": {**mine["errors"], **report["errors"]},
-        "ignored": sorted({*report["ignored"], *mine["ignored"]}),
-    }
-    return ownership, report, across
 
 
 def across_dp(replies: Sequence[Mapping[str, Any]]) -> frozenset[str] | None:
-    """The tensors split across DP engines, which every engine must have worked out alike, from
-    `delta_set_peers` replies (None: each replica holds the whole model)."""
+    """The tensors split across DP engines, which every engine must have worked out alike (None: each
+    replica holds the whole model)."""
     sets = {tuple(r["across_dp"]) for r in replies if r.get("across_dp") is not None}  # each engine's rank 0
     if len(sets) > 1:
         raise ValueError("DP engines disagree on which tensors are split across them")
@@ -239,15 +229,15 @@ def placement_summary(placements: Sequence[dict[str, Any]], peers_checked: bool)
     """The ranks' placement status as one: the slowest probe, the largest peak; ready once every rank
     probed and the coverage check ran (`peers_checked`), so an update then waits for no startup work."""
     ready = all(p["ready"] for p in placements)
-    refused = {n: why for p in placements for n, why in (p.get("refused") or {}).items()}
+    probed = {
+        "probe_s": max(p["probe_s"] or 0.0 for p in placements),
+        "probe_peak_bytes": max(p["probe_peak_bytes"] or 0 for p in placements),
+        "fallback": sorted({n for p in placements for n in (p["fallback"] or {})}),
+        "refused": {n: why for p in placements for n, why in (p.get("refused") or {}).items()},
+    }
     return {
         "ready": ready and peers_checked,
-        "probe_s": max((p["probe_s"] or 0.0 for p in placements), default=None) if ready else None,
-        "probe_peak_bytes": max((p["probe_peak_bytes"] or 0 for p in placements), default=None)
-        if ready
-        else None,
-        "fallback": sorted({n for p in placements for n in (p["fallback"] or {})}) if ready else None,
-        "refused": refused if ready else None,
+        **(probed if ready else dict.fromkeys(probed)),
         "transformed": sorted({n for p in placements for n in p["transformed"]}),
         "in_pause": {n: why for p in placements for n, why in (p.get("in_pause") or {}).items()},
         "coverage": placements[0].get("coverage"),
