@@ -40,8 +40,10 @@ OVERSIZE: dict[str, int] = {}
 # decode for host and device, codec helpers inlined, docstrings (issue 30); -3: wire docstrings (issue 30);
 # -448: sender and megatron_hook modules merged (segments, anchor, prober, ranks, snapshot_place,
 # checkpoint_seed, names, bindings), one-caller helpers inlined, docstrings (issue 30); -180: one sealed
-# loader run and copy reading for probe/careful pass/fallback replay, placement.grid, docstrings (issue 30).
-MAX_LIBRARY_LINES = 18_307
+# loader run and copy reading for probe/careful pass/fallback replay, placement.grid, docstrings (issue 30);
+# -259: wire's write side: flush_encode merged into writer (one encode loop for both layouts), the
+# manifest's params validated by pydantic alone, safetensors packed by hand (issue 30).
+MAX_LIBRARY_LINES = 18_048
 
 
 def _files() -> dict[str, Path]:

@@ -22,8 +22,8 @@ from vllm_delta.wire.container import Limits
 from vllm_delta.wire.deltas import ParamChange
 from vllm_delta.wire.encodings import get_encoding
 from vllm_delta.wire.flush import open_flush
-from vllm_delta.wire.flush_encode import encode_flush
 from vllm_delta.wire.flush_meta import Heads, Rows, heads_from_text, parse_params
+from vllm_delta.wire.writer import encode_flush
 
 GOLDEN = Path(__file__).parent / "golden"
 

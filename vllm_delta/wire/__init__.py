@@ -24,7 +24,6 @@ from .errors import (
     UnknownParamError,
     VersionError,
 )
-from .flush_encode import EncodedFlush, encode_flush
 from .lineage import check_lineage, check_versions
 from .manifest import (
     MANIFEST_NAME,
@@ -39,4 +38,4 @@ from .manifest import (
     write_manifest,
 )
 from .reader import DeltaDecoder, DeltaInfo, iter_delta, open_delta, read_delta
-from .writer import DeltaWriter, FlushBuilder, file_entry, flush_name
+from .writer import DeltaWriter, EncodedFlush, FlushBuilder, encode_flush, file_entry, flush_name

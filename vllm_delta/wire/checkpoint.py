@@ -1,7 +1,5 @@
-"""HF checkpoint directories (sharded with `model.safetensors.index.json`, or single files).
-
-Used by the offline tools: `vllm-delta diff` reads two of them, `apply` writes one.
-"""
+"""HF checkpoint directories (sharded with `model.safetensors.index.json`, or single files), read by the
+offline tools (`vllm-delta diff`, `apply`), seeding and the engine's placement."""
 
 from __future__ import annotations
 
@@ -24,15 +22,16 @@ INDEX_NAME = "model.safetensors.index.json"
 
 class Checkpoint:
     """An HF checkpoint directory. Each shard is opened, and its header parsed, at most once and only
-    when one of its tensors is first needed; a tensor's shard is a dict lookup.
+    when one of its tensors is first needed. Why: the offline tools and seeding touch every tensor (37k
+    in a 94-layer, 128-expert MoE), a trainer rank only its own tensors' shards."""
 
-    Why: the offline tools and seeding touch every tensor (37k in a 94-layer, 128-expert MoE), and a
-    trainer rank needs only its own tensors' shards. Reopening a shard per tensor made a diff
-    quadratic in the tensor count.
-    """
-
-    def __init__(self, path: Path, where: dict[str, str] | None, files: list[str]) -> None:
-        self.path = path
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        index = self.path / INDEX_NAME
+        where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+        files = sorted({*where.values()} if where else (p.name for p in self.path.glob("*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"{path}: no safetensors checkpoint found")
         self._handles: dict[str, object] = {}  # shard file -> open safe_open handle
         self._meta: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}  # shard -> its header
         self._all: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # `meta`, once built
@@ -48,17 +47,7 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Checkpoint:
-        path = Path(path)
-        index = path / INDEX_NAME
-        where = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-        files = (
-            sorted(set(where.values()))
-            if where is not None
-            else sorted(p.name for p in path.glob("*.safetensors"))
-        )
-        if not files:
-            raise FileNotFoundError(f"{path}: no safetensors checkpoint found")
-        return cls(path, where, files)
+        return cls(path)
 
     def _handle(self, shard: str):
         h = self._handles.get(shard)

@@ -1,8 +1,5 @@
-"""Bounded reading and writing of the byte-level layers: files in a version directory, safetensors, zstd.
-
-Written with the `safetensors` library; read with a strict parser, so every header size, offset and
-decompressed size is checked against a limit before any allocation. Files are opened through `DeltaDir`.
-"""
+"""The byte layers of a delta, bounded: files in a version directory (`DeltaDir`), safetensors, zstd.
+Every header size, offset and decompressed size is checked against a limit before any allocation."""
 
 from __future__ import annotations
 
@@ -10,6 +7,7 @@ import errno
 import gc
 import io
 import json
+import math
 import os
 import stat
 import struct
@@ -21,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pydantic_core
-import safetensors.numpy
 import zstandard
 
 from .dtypes import DType, by_st_code
@@ -37,8 +33,7 @@ _gc_was_enabled = False  # collection's state when the first of them entered
 
 
 def decompressor() -> zstandard.ZstdDecompressor:
-    """This thread's zstd decompression context: making one costs ~15 us, and a flush holds hundreds of
-    thousands of tiny frames at 44k tensors."""
+    """This thread's zstd context: making one costs ~15 us, and a flush at 44k tensors holds ~100k frames."""
     d = getattr(_local, "dctx", None)
     if d is None:
         d = _local.dctx = zstandard.ZstdDecompressor()
@@ -68,10 +63,8 @@ def paused_gc() -> Iterator[None]:
 
 
 def json_loads(text: str | bytes) -> Any:
-    """`json.loads`, the same values and errors, ~1.5x faster on the reader's metadata (pydantic-core's
-    parser; what it refuses goes to `json.loads`). Only keys are cached: a manifest's values are nearly
-    all distinct. Nesting too deep for `json.loads` (its RecursionError) is a `JSONDecodeError` here.
-    """
+    """`json.loads`'s values and errors, ~1.5x faster (pydantic-core's parser; what it refuses goes to
+    `json.loads`, whose RecursionError is a `JSONDecodeError` here)."""
     try:
         return pydantic_core.from_json(text, cache_strings="keys")
     except ValueError:
@@ -102,10 +95,8 @@ class RawTensor:
 
 
 class DeltaDir:
-    """An open version directory: files are opened relative to its handle, never through a symlink, and
-    only when regular files. Why: the API server checks a path, the workers open files later; a symlink
-    swapped in after the check is refused, and a FIFO or device cannot block or flood a read.
-    """
+    """An open version directory: files opened relative to its handle, never through a symlink, only when
+    regular. Why: a symlink swapped in after the API server's check is refused; a FIFO cannot block a read."""
 
     def __init__(self, fd: int, path: Path) -> None:
         self.fd, self.path = fd, path
@@ -113,8 +104,8 @@ class DeltaDir:
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, root: str | os.PathLike | None = None) -> DeltaDir:
-        """Open `path`; with `root`, `path` (relative, or absolute under `root`) is walked from
-        the root's handle and no component of it may be a symlink."""
+        """With `root`, `path` (relative, or absolute under `root`) is walked from the root's handle and no
+        component of it may be a symlink."""
         path = Path(path)
         if root is None:
             return cls(_open_dir(os.fspath(path), None, follow=True, shown=path), path)
@@ -192,8 +183,7 @@ class DeltaDir:
 
 
 class SparseFile(bytearray):
-    """A file's bytes of which only some ranges were fetched (the rest zero): its own type, since the
-    decoder cannot check its hash (`DeltaDecoder.feed_iter`)."""
+    """A file of which only some ranges were fetched (the rest zero): the decoder cannot check its hash."""
 
 
 def _open_dir(name: str, dir_fd: int | None, *, follow: bool, shown: Path) -> int:
@@ -211,25 +201,17 @@ def _open_dir(name: str, dir_fd: int | None, *, follow: bool, shown: Path) -> in
 
 
 def pack(blobs: dict[str, bytes], metadata: dict[str, str]) -> bytes:
-    """A safetensors file of 1-D uint8 tensors, the same bytes for the same input in every process."""
-    arrays = {k: np.frombuffer(v, dtype=np.uint8) for k, v in blobs.items()}
-    return _sorted_metadata(safetensors.numpy.save(arrays, metadata=metadata))
-
-
-def _sorted_metadata(data: bytes) -> bytes:
-    """`data` with the header's `__metadata__` keys sorted, in the same space (offsets unchanged).
-
-    Why: safetensors writes `__metadata__` from a hash map, in an order that differs between processes,
-    so the same delta would get another file hash each time it is encoded.
-    """
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    if "__metadata__" in header:
-        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    """A safetensors file of 1-D uint8 tensors, laid out as the `safetensors` library lays it out, but
+    with the `__metadata__` keys sorted (the library writes them from a hash map, in an order that differs
+    between processes): the same delta gives the same bytes, and file hash, in every process."""
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))}
+    names, at = sorted(blobs), 0
+    for k in names:
+        header[k] = {"dtype": "U8", "shape": [len(blobs[k])], "data_offsets": [at, at + len(blobs[k])]}
+        at += len(blobs[k])
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    if len(text) > n:  # cannot happen: the same keys and values in another order
-        raise FormatError(f"re-ordered safetensors header of {len(text)} B exceeds its {n} B")
-    return data[:8] + text.ljust(n, b" ") + data[8 + n :]
+    text += b" " * (-len(text) % 8)
+    return b"".join([struct.pack("<Q", len(text)), text, *(blobs[k] for k in names)])
 
 
 def unpack(
@@ -266,15 +248,15 @@ def unpack(
         d = by_st_code(code, file=file)
         if not begin <= end <= len(body):
             raise FormatError(f"tensor {name!r} lies outside the file (truncated?)", file=file)
-        if end - begin != int(np.prod(shape, dtype=object)) * d.itemsize:
+        if end - begin != math.prod(shape) * d.itemsize:
             raise FormatError(f"tensor {name!r}: byte span does not match its shape", file=file)
         tensors[name] = RawTensor(d, shape, body[begin:end])
     return tensors, metadata
 
 
 def compressor(level: int) -> zstandard.ZstdCompressor:
-    """This thread's zstd compression context at `level`: making one costs ~17 us a frame; `compress`
-    resets its session each call, so its frames are byte-identical to a fresh context's."""
+    """This thread's zstd context at `level` (~17 us to make); each `compress` starts a fresh frame, the
+    bytes of a fresh context's."""
     made = getattr(_local, "cctx", None)
     if made is None:
         made = _local.cctx = {}

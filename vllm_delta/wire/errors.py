@@ -1,7 +1,6 @@
 """One exception hierarchy for everything that can be wrong with a delta: each names the file, param and
 reason; its class maps to a status (`http_status`): 400 corrupt or incomplete, 403 unverified
-signature, 409 base-version conflict, 422 well formed but does not fit the model.
-"""
+signature, 409 base-version conflict, 422 well formed but does not fit the model."""
 
 from __future__ import annotations
 
@@ -12,14 +11,11 @@ class DeltaError(Exception):
     http_status = 400
 
     def __init__(self, reason: str, *, file: str | None = None, param: str | None = None):
-        self.reason = reason
-        self.file = file
-        self.param = param
+        self.reason, self.file, self.param = reason, file, param
         where = ", ".join(f"{k}={v!r}" for k, v in (("file", file), ("param", param)) if v is not None)
         super().__init__(f"{reason} ({where})" if where else reason)
 
 
-# 400: the bytes are not a valid delta.
 class CorruptDeltaError(DeltaError):
     """The delta's bytes are malformed, damaged or fail a check."""
 
@@ -44,21 +40,18 @@ class IncompleteDeltaError(CorruptDeltaError):
     """The delta is not finished: no manifest, or a file it names is missing."""
 
 
-# 403: well formed, but not vouched for by a key the receiver holds (wire/signing.py).
 class SignatureError(DeltaError):
     """The manifest is unsigned, or its signature does not verify with any of the receiver's keys."""
 
     http_status = 403
 
 
-# 409: valid, but not for the receiver's current weights.
 class VersionError(DeltaError):
     """A base-relative delta was offered to weights at another version."""
 
     http_status = 409
 
 
-# 422: valid, but does not fit the model it is applied to.
 class IncompatibleDeltaError(DeltaError):
     """The delta names params, shapes or dtypes the receiver does not have."""
 

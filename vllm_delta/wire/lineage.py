@@ -39,17 +39,13 @@ def check_base(manifest: Manifest, engine_version: int | None) -> Encoding:
 def check_lineage(
     lineage: Lineage | None, *, version: int, engine_version: int, engine_run_id: str | None, anchor: bool
 ) -> str | None:
-    """The run half (`LineageError`): the run id the engine is on once it applies the update.
-    - no lineage (older manifests, hand-made deltas): the version checks alone decide, and the engine
-      leaves any run's lineage (`None`): a later ranged update must anchor it first;
-    - an anchor (no range) must overwrite every tensor (`anchor`); it is valid on any weights;
-    - otherwise the engine must be on `run_id` at a version in the range, or at the update's own
-      `version` (a replay; whether the encoding allows one is the version checks' call). An engine on
-      no run at version 0 holds the base checkpoint, version 0 of every run seeded from it.
-    """
+    """The run half (`LineageError`): the run id the engine is on once it applies the update. No lineage
+    (older manifests): the version checks decide and the engine leaves any run (`None`). An anchor (no
+    range) must overwrite every tensor (`anchor`). Else the engine must be on `run_id` at a version in the
+    range or at `version` (a replay); one on no run at version 0 holds version 0 of every run."""
     if lineage is None:
         return None
-    if lineage.any_version:
+    if lineage.min_version is None:
         if not anchor:
             raise LineageError(
                 f"run {lineage.run_id!r}: an update valid on any weights must be a full anchor"

@@ -6,26 +6,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections import deque
 from collections.abc import Callable
-from itertools import chain, repeat
-from operator import attrgetter, itemgetter
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    ValidationError,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .additive import DIGEST_ALGO, combine
-from .container import Limits, json_loads
+from .container import Limits
 from .digest import HASH_ALGO
 from .errors import FormatError, IncompleteDeltaError, LimitError, VersionError
 
@@ -102,10 +92,6 @@ class Lineage(_Strict):
             raise ValueError(f"lineage: min_version {self.min_version} > max_version {self.max_version}")
         return self
 
-    @property
-    def any_version(self) -> bool:
-        return self.min_version is None
-
 
 class Signature(_Strict):
     """Who vouches for a manifest (wire/signing.py); `key_id` says which of the receiver's keys checks it."""
@@ -128,16 +114,8 @@ class Manifest(_Strict):
     params: list[ParamEntry] = []
     # Which weights it applies to (absent in older manifests and hand-made deltas): check_lineage.
     lineage: Lineage | None = None
-    # Set by a sender given signing keys; an unsigned manifest serializes without it (`_as_before`).
-    signature: Signature | None = None
-
-    @model_serializer(mode="wrap")
-    def _as_before(self, handler: SerializerFunctionWrapHandler) -> dict:
-        """No `signature` key when unsigned: unsigned manifests keep their bytes, older engines read them."""
-        out = handler(self)
-        if out.get("signature", 0) is None:
-            del out["signature"]
-        return out
+    # Set by a sender given signing keys; unsigned manifests keep their bytes (no key).
+    signature: Signature | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -172,28 +150,14 @@ def merge_manifests(parts: list[Manifest]) -> Manifest:
     """One manifest from several writers' partial ones (one per rank) of the same delta: a param several
     writers hold shards of becomes one entry (counts and additive digests add up, each writer's files a
     part); whole-tensor xxh3 hashes cannot be combined, so such a param must not carry one."""
-    first = parts[0]
-    for p in parts[1:]:
-        if (p.version, p.base_version, p.encoding, p.lineage) != (
-            first.version,
-            first.base_version,
-            first.encoding,
-            first.lineage,
-        ):
-            raise ValueError("manifests disagree on version, base_version, encoding or lineage")
+    if len({(p.version, p.base_version, p.encoding, p.lineage) for p in parts}) > 1:
+        raise ValueError("manifests disagree on version, base_version, encoding or lineage")
     by_name: dict[str, list[ParamEntry]] = {}
-    for p in parts:
-        for e in p.params:
-            by_name.setdefault(e.name, []).append(e)
-    return Manifest(
-        version=first.version,
-        base_version=first.base_version,
-        encoding=first.encoding,
-        model_elements=first.model_elements,
-        files=[f for p in parts for f in p.files],
-        params=[_merge_entries(es) for es in by_name.values()],
-        lineage=first.lineage,
-    )
+    for e in (e for p in parts for e in p.params):
+        by_name.setdefault(e.name, []).append(e)
+    files = [f for p in parts for f in p.files]
+    params = [_merge_entries(es) for es in by_name.values()]
+    return Manifest(**{**parts[0].__dict__, "files": files, "params": params, "signature": None})
 
 
 def _merge_entries(entries: list[ParamEntry]) -> ParamEntry:
@@ -214,15 +178,13 @@ def _merge_entries(entries: list[ParamEntry]) -> ParamEntry:
         return combine(*values)
 
     return ParamEntry(
-        name=first.name,
-        dtype=first.dtype,
-        shape=first.shape,
-        changed=sum(e.changed for e in entries),
-        files=[f for e in entries for f in e.files],
-        parts=[f for e in entries for f in (e.parts or [e.files])],
-        digest=added("digest"),
-        pre_digest=added("pre_digest"),
-        post_digest=added("post_digest"),
+        **{
+            **first.__dict__,
+            "changed": sum(e.changed for e in entries),
+            "files": [f for e in entries for f in e.files],
+            "parts": [f for e in entries for f in (e.parts or [e.files])],
+            **{k: added(k) for k in ("digest", "pre_digest", "post_digest")},
+        }
     )
 
 
@@ -264,72 +226,7 @@ def load_manifest(directory: str | os.PathLike, *, limits: Limits = Limits()) ->
 
 
 def parse_manifest(data: bytes) -> Manifest:
-    """Validate manifest JSON: its params as columns where the schema would take every entry as it is
-    (`_entries`); anything else is the model's to decide, with the same result."""
     try:
-        raw = json_loads(data)
-        entries = _entries(raw.get("params")) if type(raw) is dict else None
-        if entries is not None:
-            try:
-                return Manifest.model_validate({**raw, "params": entries})
-            except ValidationError:
-                pass  # the error names the JSON's own entries: the model's validation of it raises it
-        return Manifest.model_validate(raw)
-    except (ValueError, ValidationError) as e:
+        return Manifest.model_validate_json(data)
+    except ValidationError as e:
         raise FormatError(f"invalid manifest: {e}", file=MANIFEST_NAME) from None
-
-
-_PARAM_FIELDS = tuple(ParamEntry.model_fields)  # in the order write_manifest writes them (model_dump)
-_COLUMNS = tuple(map(itemgetter, _PARAM_FIELDS))
-_NONE = type(None)
-_setattr = object.__setattr__
-
-
-def _entries(params: object) -> list[ParamEntry] | None:
-    """A manifest's params as `ParamEntry`s made without a validation each (what `model_validate` would
-    make), when every entry is a dict of exactly the model's fields in `write_manifest`'s order, of exact
-    types its schema takes as they are; else None, and pydantic decides.
-
-    Why: one validated model a tensor was ~2.1 us of prepare's fixed cost at 44k tensors.
-    """
-    if type(params) is not list or not params or set(map(type, params)) != {dict}:
-        return None
-    if set(map(tuple, params)) != {_PARAM_FIELDS}:
-        return None
-    name, dtype, shape, changed, files, parts, *digests = (list(map(g, params)) for g in _COLUMNS)
-    if set(map(type, shape)) | set(map(type, files)) != {list}:
-        return None  # (before chaining them: a number is not iterable)
-    dims = list(chain.from_iterable(shape))
-    if (
-        set(map(type, name)) | set(map(type, dtype)) != {str}
-        or not set(map(type, dims)) <= {int}
-        or (dims and min(dims) < 0)
-        or set(map(type, changed)) != {int}
-        or min(changed) < 1
-        or min(map(len, files)) < 1
-        or set(map(type, chain.from_iterable(files))) != {str}
-        or not set(map(type, chain.from_iterable(digests))) <= {str, _NONE}
-    ):
-        return None
-    if set(map(type, parts)) != {_NONE} and not all(map(_lists_of_str, parts)):
-        return None
-    n = len(params)
-    made = list(map(object.__new__, repeat(ParamEntry, n)))
-    # One fields-set shared by the entries: pydantic never changes a frozen model's in place.
-    for attr, value in (
-        ("__dict__", params),
-        ("__pydantic_fields_set__", repeat(set(_PARAM_FIELDS), n)),
-        ("__pydantic_extra__", repeat(None, n)),
-        ("__pydantic_private__", repeat(None, n)),
-    ):
-        deque(map(_setattr, made, repeat(attr), value), 0)
-    return made
-
-
-def _lists_of_str(parts: object) -> bool:
-    """`parts` is None or lists of str (that they partition the files is the model validator's check)."""
-    return parts is None or (
-        type(parts) is list
-        and set(map(type, parts)) <= {list}
-        and set(map(type, chain.from_iterable(parts))) <= {str}
-    )

@@ -1,11 +1,5 @@
-"""Reader for flush files in the seed's published layout, so seed-built trainers can push to us.
-
-Layout: tensors `__positions__` (uint8 blob of every param's packed positions) and `__values__`
-(the values, concatenated in one dtype; the seed promoted mixed bf16/fp32 to fp32). Metadata:
-`encoding` (indices | deltas | deltas_zstd), `current_version`, `checksum`, and `params`, a JSON
-list of {name, dtype, shape, pos_start, pos_end, pos_width, val_start, val_end}: byte offsets into
-`__positions__`, element offsets into `__values__`. The file may be one zstd frame as a whole.
-"""
+"""Reader for flush files in the seed's published layout (docs/wire-format.md, "Seed format"), so
+seed-built trainers can push to us."""
 
 from __future__ import annotations
 
@@ -13,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .codecs import check_numel, decode_gaps, decode_indices, gaps_from_bytes
 from .container import DeltaDir, Limits
@@ -23,7 +17,7 @@ from .dtypes import DType, by_name, from_bits, to_bits
 from .errors import FormatError, IncompleteDeltaError, IntegrityError, UnknownEncodingError
 from .flush import open_flush
 from .flush_meta import Expected, FlushHeader, check_expected, meta_int, meta_json
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, NonNeg, ParamEntry
 
 SEED_ENCODINGS = ("indices", "deltas", "deltas_zstd")
 _MASK64 = (1 << 64) - 1
@@ -50,19 +44,14 @@ def seed_checksum(positions: bytes | memoryview, values: bytes | memoryview, val
 
 
 class _SeedParam(BaseModel):
-    model_config = ConfigDict(extra="ignore")
     name: str
     dtype: str
-    shape: list[int]
-    pos_start: int
-    pos_end: int
+    shape: list[NonNeg]
+    pos_start: NonNeg
+    pos_end: NonNeg
     pos_width: int
-    val_start: int
-    val_end: int
-
-
-def is_seed(meta: Mapping[str, str]) -> bool:
-    return "format" not in meta and meta.get("encoding") in SEED_ENCODINGS
+    val_start: NonNeg
+    val_end: NonNeg
 
 
 def decode_seed_flush(
@@ -94,16 +83,11 @@ def decode_seed_flush(
     for p in params:
         d = by_name(p.dtype, file=file, param=p.name)
         shape = tuple(p.shape)
-        if any(s < 0 for s in shape):
-            raise FormatError("negative dimension", file=file, param=p.name)
         check_expected(p.name, shape, d.torch, expected, file=file)
         numel = int(np.prod(shape, dtype=object))
         check_numel(numel, param=p.name)
         count = p.val_end - p.val_start
-        if not (
-            0 <= p.pos_start <= p.pos_end <= len(pos_t.data)
-            and 0 <= p.val_start <= p.val_end <= all_values.size
-        ):
+        if not (p.pos_start <= p.pos_end <= len(pos_t.data) and p.val_start <= p.val_end <= all_values.size):
             raise FormatError("param spans lie outside the blobs", file=file, param=p.name)
         if count > numel:
             raise FormatError(f"{count} changes in {numel} elements", file=file, param=p.name)
@@ -136,40 +120,27 @@ def _narrow(bits: np.ndarray, vd: DType, d: DType, *, file: str, param: str) -> 
 
 def seed_manifest(d: DeltaDir, names: Sequence[str], limits: Limits) -> Manifest:
     """Describe a manifest-less seed delta by decoding its files once."""
-    files, versions, encodings = [], set(), set()
+    files, heads = [], set()
     params: dict[str, dict] = {}
     for name in names:
         data = d.read(name, cap=limits.max_decoded_bytes)
         tensors, meta, _ = open_flush(data, file=name, limits=limits)
-        if not is_seed(meta):
+        if "format" in meta or meta.get("encoding") not in SEED_ENCODINGS:
             raise IncompleteDeltaError("no manifest: the delta is unfinished", file=MANIFEST_NAME)
         header, deltas = decode_seed_flush(tensors, meta, file=name)
-        versions.add(header.version)
-        encodings.add(header.encoding)
-        files.append(
-            FileEntry(
-                name=name, bytes=len(data), hash=bytes_digest(data), changed=sum(pd.count for pd in deltas)
-            )
-        )
-        for pd in deltas:
-            e = params.setdefault(
-                pd.name,
-                {
-                    "name": pd.name,
-                    "dtype": str(pd.dtype).removeprefix("torch."),
-                    "shape": list(pd.shape),
-                    "changed": 0,
-                    "files": [],
-                },
-            )
+        heads.add((header.version, header.encoding))
+        changed = sum(pd.count for pd in deltas)
+        files.append(FileEntry(name=name, bytes=len(data), hash=bytes_digest(data), changed=changed))
+        for pd in deltas:  # each with changes (`decode_seed_flush`)
+            dtype = str(pd.dtype).removeprefix("torch.")
+            new = dict(name=pd.name, dtype=dtype, shape=list(pd.shape), changed=0, files=[])
+            e = params.setdefault(pd.name, new)
             e["changed"] += pd.count
             if name not in e["files"]:
                 e["files"].append(name)
-    if len(versions) != 1 or len(encodings) != 1:
+    if len(heads) != 1:
         raise FormatError("seed flush files disagree on version or encoding")
+    ((version, encoding),) = heads
     return Manifest(
-        version=versions.pop(),
-        encoding=encodings.pop(),
-        files=files,
-        params=[ParamEntry(**e) for e in params.values() if e["changed"]],
+        version=version, encoding=encoding, files=files, params=[ParamEntry(**e) for e in params.values()]
     )

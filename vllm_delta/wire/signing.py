@@ -1,10 +1,8 @@
 """Signed manifests: HMAC-SHA-256 over a manifest's canonical bytes, checked before any flush is read.
 
-Why the manifest alone: it lists every flush's hash and every param's digests, so a signature over it
-binds every byte an engine applies. Why a field (`Manifest.signature`), not a sidecar: the manifest
-travels whole through every transport. Canonical bytes: every field but `signature`, as sorted-key
-compact ASCII JSON. The first key of a list signs; a receiver accepts any of its list (rotation).
-"""
+The manifest lists every flush's hash and every param's digests, so signing it binds every byte applied;
+a field, not a sidecar, since the manifest travels whole through every transport. The first key of a
+list signs; a receiver accepts any of its list (rotation)."""
 
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ import hashlib
 import hmac
 import json
 from collections.abc import Sequence
-
-from pydantic import BaseModel
+from operator import attrgetter
 
 from .errors import SignatureError
 from .manifest import MANIFEST_NAME, Manifest, Signature
@@ -23,18 +20,13 @@ MIN_KEY_BYTES = 16  # 128 bits, as given; a random key of 32 hex digits or more
 
 
 def canonical_bytes(manifest: Manifest) -> bytes:
-    """What is signed: the manifest's content, whatever its serialization on the wire (the models' own
-    fields, all JSON types once validated: ~5x faster than `model_dump` at 44k params)."""
+    """What is signed: every field but `signature`, as sorted-key compact ASCII JSON, whatever the wire's
+    serialization (the models' own fields, JSON types once validated: ~5x faster than `model_dump`)."""
     content = {k: v for k, v in manifest.__dict__.items() if k != "signature"}
+    fields = attrgetter("__dict__")  # of the nested models, the only non-JSON values
     return json.dumps(
-        content, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=_fields
+        content, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=fields
     ).encode()
-
-
-def _fields(value: object) -> dict:
-    if isinstance(value, BaseModel):
-        return value.__dict__
-    raise TypeError(f"{type(value).__name__} in a manifest")
 
 
 def key_id(key: bytes) -> str:

@@ -1,32 +1,37 @@
-"""Writing a delta to a version directory: flush files first, the manifest last."""
+"""Writing a delta: changes queued into flushes of about `flush_bytes`, each encoded (the byte layout:
+flush_meta.py, docs/wire-format.md) and emitted as it fills; the manifest last."""
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
-from .blocks import Policy
+from .blocks import Policy, cuts, dense_cuts
+from .container import compress, pack
 from .deltas import ParamChange
 from .digest import bytes_digest
-from .dtypes import by_torch
-from .encodings import DEFAULT_ENCODING, get_encoding
-from .flush_encode import EncodedFlush, encode_flush
+from .dtypes import DType, by_torch, to_bits
+from .encodings import DEFAULT_ENCODING, Encoding, get_encoding
+from .flush_meta import FORMAT, FORMAT_BLOCKS
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, write_atomic, write_manifest
 
 
 class UnchangedValueError(ValueError):
-    """A base-relative encoding was given a position whose new value equals the old one: `ulp_zstd`
-    codes a step of 0 like +1 ULP, so the receiver would move a value that did not change."""
+    """`ulp_zstd` codes a step of 0 like +1 ULP: an unchanged position would move on the receiver."""
 
     def __init__(self, param: str, positions: list[int], encoding: str) -> None:
         self.param, self.positions, self.encoding = param, positions, encoding
+        more = " ..." if len(positions) > 8 else ""
         super().__init__(
             f"{param}: {encoding!r} cannot carry unchanged positions "
-            f"(new bits equal old bits at positions {positions[:8]}"
-            f"{' ...' if len(positions) > 8 else ''})"
+            f"(new bits equal old bits at positions {positions[:8]}{more})"
         )
 
 
@@ -41,8 +46,108 @@ def file_entry(name: str, flush: EncodedFlush) -> FileEntry:
         bytes=len(flush.data),
         hash=bytes_digest(flush.data),
         decoded_bytes=flush.decoded_bytes,
-        changed=sum(n for _, n in flush.counts),
+        changed=flush.changed,
     )
+
+
+@dataclass(frozen=True)
+class EncodedFlush:
+    data: bytes
+    decoded_bytes: int  # what reading it may decompress: the manifest's `FileEntry.decoded_bytes`
+    changed: int
+
+
+def encode_flush(
+    changes: Sequence[ParamChange],
+    *,
+    encoding: Encoding,
+    version: int,
+    base_version: int | None,
+    blocked: bool = True,
+    policy: Policy = Policy(),
+) -> EncodedFlush:
+    """A bucket of changes as one flush: `vllm-delta/2` (each block's streams their own zstd frames), or
+    with `blocked=False` `vllm-delta/1` (a span a param and stream; the streams or the file compressed)."""
+    per_block = blocked and encoding.compression != "none"
+    per_stream = not blocked and encoding.compression == "streams"
+    streams: dict[str, list[bytes]] = {}
+    sizes: dict[str, int] = {}  # decoded bytes of each stream
+    params: list[dict[str, Any]] = []
+    for ch in changes:
+        d = by_torch(ch.new_values.dtype)
+        numel = int(np.prod(ch.shape, dtype=np.int64))
+        pos = (
+            None if ch.positions is None else ch.positions.detach().cpu().numpy().astype(np.int64, copy=False)
+        )
+        if pos is None and not blocked:  # `vllm-delta/1` has no implicit positions
+            assert ch.ranges is not None  # no positions: the change is its ranges (`ParamChange`)
+            pos = np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in ch.ranges])
+        new = to_bits(ch.new_values.detach().cpu().contiguous())
+        old = None if ch.old_values is None else to_bits(ch.old_values.detach().cpu().contiguous())
+        if blocked:
+            width = 0 if pos is None else encoding.positions.width(pos, numel)  # one pass per param
+            blocks = _blocks(ch, encoding, d, numel, pos, new, old, policy, width)
+        else:
+            assert pos is not None
+            width, parts = encoding.encode_param(pos, numel, new, old, d)
+            blocks = iter([(0, 0, len(pos), parts)])
+        names: list[str] | None = None
+        rows, spans = [], {}
+        for first, a, b, parts in blocks:
+            names = names or list(parts)
+            lengths = []
+            for s in names:
+                raw, at = parts[s], sizes.get(s, 0)
+                blob = compress(raw, encoding.zstd_level) if per_block and raw else raw
+                streams.setdefault(s, []).append(blob)
+                sizes[s], spans[s] = at + len(raw), [at, at + len(raw)]
+                lengths += [len(blob), len(raw)]
+            rows.append([first, first + b - a - 1 if pos is None else int(pos[b - 1]), b - a, lengths])
+        head = {"name": ch.name, "dtype": d.name, "shape": list(ch.shape), "count": len(new), "width": width}
+        params.append({**head, "streams": names, "blocks": rows} if blocked else {**head, "spans": spans})
+    blobs = {f"__{s}__": b"".join(parts) for s, parts in streams.items()}
+    if per_stream:
+        blobs = {k: compress(b, encoding.zstd_level) for k, b in blobs.items()}
+    codec = "zstd" if per_block or per_stream else "raw"
+    meta = {
+        "format": FORMAT_BLOCKS if blocked else FORMAT,
+        "encoding": encoding.name,
+        "current_version": str(version),
+        "base_version": "" if base_version is None else str(base_version),
+        "streams": json.dumps({s: {"codec": codec, "size": n} for s, n in sizes.items()}),
+        "params": json.dumps(params, separators=(",", ":")),
+    }
+    data = pack(blobs, meta)
+    decoded = sum(sizes.values()) if codec == "zstd" else 0
+    if not blocked and encoding.compression == "file":
+        data, decoded = compress(data, encoding.zstd_level), len(data)
+    return EncodedFlush(data, decoded, sum(p["count"] for p in params))
+
+
+def _blocks(
+    ch: ParamChange,
+    encoding: Encoding,
+    d: DType,
+    numel: int,
+    pos: np.ndarray | None,
+    new: np.ndarray,
+    old: np.ndarray | None,
+    policy: Policy,
+    width: int,
+):
+    """(first position, entry offset, end offset, streams) of each block of one param (`width`: the
+    param-wide position width), made as the caller consumes them."""
+    if pos is None:  # implicit positions: dense blocks, value streams only (add_dense refuses a base)
+        assert ch.ranges is not None
+        for first, a, n in dense_cuts(ch.ranges, policy):
+            yield first, a, a + n, encoding.values.encode(new[a : a + n], None, d)
+        return
+    starts = cuts(pos, policy)
+    for a, b in zip(starts, [*starts[1:], len(pos)]):
+        prev = int(pos[a - 1]) if a else -1
+        part_old = None if old is None else old[a:b]
+        _, parts = encoding.encode_param(pos[a:b], numel, new[a:b], part_old, d, prev=prev, width=width)
+        yield int(pos[a]), a, b, parts
 
 
 class FlushBuilder:
@@ -93,9 +198,8 @@ class FlushBuilder:
         _from_scan: bool = False,
     ) -> None:
         """Queue one param's changes: sorted unique int64 flat `positions` and the values there
-        (`old_values` for base-relative encodings). `_from_scan`: only for `Producer.scan`'s own entries,
-        whose positions come out of a bitwise diff, sorted and unique: their two checking passes skipped.
-        """
+        (`old_values` for base-relative encodings). `_from_scan`: `Producer.scan`'s own entries, sorted and
+        unique out of a bitwise diff, skip those two checks."""
         if name in self._params:
             raise ValueError(f"param {name!r} added twice")
         n = positions.numel()
@@ -108,13 +212,11 @@ class FlushBuilder:
         if n == 0:
             return
         d = by_torch(new_values.dtype)
-        # bitwise, on the values' own device (`needs_base` has `old_values`: checked above)
-        if self.encoding.needs_base and old_values is not None and not _from_scan:
+        if self.encoding.needs_base and old_values is not None and not _from_scan:  # bitwise
             same = new_values.detach().view(d.int_view) == old_values.detach().view(d.int_view)
             if bool(same.any()):
-                raise UnchangedValueError(
-                    name, positions[same.to(positions.device)].tolist(), self.encoding.name
-                )
+                at = positions[same.to(positions.device)].tolist()
+                raise UnchangedValueError(name, at, self.encoding.name)
         numel = int(torch.Size(shape).numel())
         if (
             int(positions[0]) < 0
@@ -126,17 +228,10 @@ class FlushBuilder:
         per_elem = 8 + 2 * d.itemsize
         chunk = max(1, self.flush_bytes // per_elem)
         for a in range(0, n, chunk):
-            b = min(n, a + chunk)
-            self._pending.append(
-                ParamChange(
-                    name,
-                    tuple(shape),
-                    positions[a:b],
-                    new_values[a:b],
-                    None if old_values is None else old_values[a:b],
-                )
-            )
-            self._pending_bytes += (b - a) * per_elem
+            old = None if old_values is None else old_values[a : a + chunk]
+            ch = ParamChange(name, tuple(shape), positions[a : a + chunk], new_values[a : a + chunk], old)
+            self._pending.append(ch)
+            self._pending_bytes += ch.new_values.numel() * per_elem
             if self._pending_bytes >= self.flush_bytes:
                 self.flush()
 
