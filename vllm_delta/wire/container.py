@@ -257,13 +257,10 @@ def unpack(
 def compressor(level: int) -> zstandard.ZstdCompressor:
     """This thread's zstd context at `level` (~17 us to make); each `compress` starts a fresh frame, the
     bytes of a fresh context's."""
-    made = getattr(_local, "cctx", None)
-    if made is None:
-        made = _local.cctx = {}
-    c = made.get(level)
-    if c is None:
-        c = made[level] = zstandard.ZstdCompressor(level=level)
-    return c
+    made = _local.__dict__.setdefault("cctx", {})
+    if level not in made:
+        made[level] = zstandard.ZstdCompressor(level=level)
+    return made[level]
 
 
 def compress(data: bytes, level: int) -> bytes:

@@ -15,13 +15,13 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .additive import DIGEST_ALGO, combine
-from .container import Limits
+from .container import DeltaDir, Limits
 from .digest import HASH_ALGO
-from .errors import FormatError, IncompleteDeltaError, LimitError, VersionError
+from .errors import FormatError, VersionError
 
 MANIFEST_NAME = "manifest.json"
-FORMAT: Final = "vllm-delta/1"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+FORMAT: Final = "vllm-delta/1"
 
 NonNeg = Annotated[int, Field(ge=0)]
 
@@ -85,11 +85,11 @@ class Lineage(_Strict):
 
     @model_validator(mode="after")
     def _range(self) -> Lineage:
-        if (self.min_version is None) != (self.max_version is None):
-            raise ValueError("lineage: give both min_version and max_version, or neither (an anchor)")
         lo, hi = self.min_version, self.max_version
+        if (lo is None) != (hi is None):
+            raise ValueError("lineage: give both min_version and max_version, or neither (an anchor)")
         if lo is not None and hi is not None and lo > hi:
-            raise ValueError(f"lineage: min_version {self.min_version} > max_version {self.max_version}")
+            raise ValueError(f"lineage: min_version {lo} > max_version {hi}")
         return self
 
 
@@ -215,14 +215,8 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
 
 
 def load_manifest(directory: str | os.PathLike, *, limits: Limits = Limits()) -> Manifest:
-    path = Path(directory) / MANIFEST_NAME
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise IncompleteDeltaError("no manifest: the delta is unfinished", file=MANIFEST_NAME) from None
-    if size > limits.max_manifest_bytes:
-        raise LimitError(f"manifest of {size} B exceeds {limits.max_manifest_bytes} B", file=MANIFEST_NAME)
-    return parse_manifest(path.read_bytes())
+    with DeltaDir.open(directory) as d:
+        return parse_manifest(d.read(MANIFEST_NAME, cap=limits.max_manifest_bytes))
 
 
 def parse_manifest(data: bytes) -> Manifest:

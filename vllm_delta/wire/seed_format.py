@@ -3,6 +3,7 @@ seed-built trainers can push to us."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -84,7 +85,7 @@ def decode_seed_flush(
         d = by_name(p.dtype, file=file, param=p.name)
         shape = tuple(p.shape)
         check_expected(p.name, shape, d.torch, expected, file=file)
-        numel = int(np.prod(shape, dtype=object))
+        numel = math.prod(shape)
         check_numel(numel, param=p.name)
         count = p.val_end - p.val_start
         if not (p.pos_start <= p.pos_end <= len(pos_t.data) and p.val_start <= p.val_end <= all_values.size):

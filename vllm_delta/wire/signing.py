@@ -10,7 +10,6 @@ import hashlib
 import hmac
 import json
 from collections.abc import Sequence
-from operator import attrgetter
 
 from .errors import SignatureError
 from .manifest import MANIFEST_NAME, Manifest, Signature
@@ -22,11 +21,8 @@ MIN_KEY_BYTES = 16  # 128 bits, as given; a random key of 32 hex digits or more
 def canonical_bytes(manifest: Manifest) -> bytes:
     """What is signed: every field but `signature`, as sorted-key compact ASCII JSON, whatever the wire's
     serialization (the models' own fields, JSON types once validated: ~5x faster than `model_dump`)."""
-    content = {k: v for k, v in manifest.__dict__.items() if k != "signature"}
-    fields = attrgetter("__dict__")  # of the nested models, the only non-JSON values
-    return json.dumps(
-        content, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=fields
-    ).encode()
+    content = {k: v for k, v in manifest.__dict__.items() if k != "signature"}  # nested models: `vars`
+    return json.dumps(content, sort_keys=True, separators=(",", ":"), default=vars).encode()  # ASCII
 
 
 def key_id(key: bytes) -> str:

@@ -17,7 +17,7 @@ from .blocks import Policy, cuts, dense_cuts
 from .container import compress, pack
 from .deltas import ParamChange
 from .digest import bytes_digest
-from .dtypes import DType, by_torch, to_bits
+from .dtypes import by_torch, to_bits
 from .encodings import DEFAULT_ENCODING, Encoding, get_encoding
 from .flush_meta import FORMAT, FORMAT_BLOCKS
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, ParamEntry, write_atomic, write_manifest
@@ -76,24 +76,29 @@ def encode_flush(
     for ch in changes:
         d = by_torch(ch.new_values.dtype)
         numel = int(np.prod(ch.shape, dtype=np.int64))
-        pos = (
-            None if ch.positions is None else ch.positions.detach().cpu().numpy().astype(np.int64, copy=False)
-        )
+        t = ch.positions
+        pos = None if t is None else t.detach().cpu().numpy().astype(np.int64, copy=False)
         if pos is None and not blocked:  # `vllm-delta/1` has no implicit positions
             assert ch.ranges is not None  # no positions: the change is its ranges (`ParamChange`)
             pos = np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in ch.ranges])
         new = to_bits(ch.new_values.detach().cpu().contiguous())
         old = None if ch.old_values is None else to_bits(ch.old_values.detach().cpu().contiguous())
-        if blocked:
-            width = 0 if pos is None else encoding.positions.width(pos, numel)  # one pass per param
-            blocks = _blocks(ch, encoding, d, numel, pos, new, old, policy, width)
-        else:
-            assert pos is not None
-            width, parts = encoding.encode_param(pos, numel, new, old, d)
-            blocks = iter([(0, 0, len(pos), parts)])
+        if pos is None:  # implicit positions: dense blocks (`vllm-delta/2` only)
+            assert ch.ranges is not None
+            width, blocks = 0, [(f, f + n - 1, a, a + n) for f, a, n in dense_cuts(ch.ranges, policy)]
+        else:  # blocks cut by the policy (`vllm-delta/1`: one block)
+            width, starts = encoding.positions.width(pos, numel), cuts(pos, policy) if blocked else [0]
+            blocks = [(int(pos[a]), int(pos[b - 1]), a, b) for a, b in zip(starts, [*starts[1:], len(pos)])]
         names: list[str] | None = None
         rows, spans = [], {}
-        for first, a, b, parts in blocks:
+        for first, last, a, b in blocks:
+            if pos is None:  # value streams only (add_dense refuses a base-relative encoding)
+                parts = encoding.values.encode(new[a:b], None, d)
+            else:  # `width` param-wide and gaps from the previous block's last, so blocks concatenate
+                prev, part_old = int(pos[a - 1]) if a else -1, None if old is None else old[a:b]
+                _, parts = encoding.encode_param(
+                    pos[a:b], numel, new[a:b], part_old, d, prev=prev, width=width
+                )
             names = names or list(parts)
             lengths = []
             for s in names:
@@ -102,7 +107,7 @@ def encode_flush(
                 streams.setdefault(s, []).append(blob)
                 sizes[s], spans[s] = at + len(raw), [at, at + len(raw)]
                 lengths += [len(blob), len(raw)]
-            rows.append([first, first + b - a - 1 if pos is None else int(pos[b - 1]), b - a, lengths])
+            rows.append([first, last, b - a, lengths])
         head = {"name": ch.name, "dtype": d.name, "shape": list(ch.shape), "count": len(new), "width": width}
         params.append({**head, "streams": names, "blocks": rows} if blocked else {**head, "spans": spans})
     blobs = {f"__{s}__": b"".join(parts) for s, parts in streams.items()}
@@ -122,32 +127,6 @@ def encode_flush(
     if not blocked and encoding.compression == "file":
         data, decoded = compress(data, encoding.zstd_level), len(data)
     return EncodedFlush(data, decoded, sum(p["count"] for p in params))
-
-
-def _blocks(
-    ch: ParamChange,
-    encoding: Encoding,
-    d: DType,
-    numel: int,
-    pos: np.ndarray | None,
-    new: np.ndarray,
-    old: np.ndarray | None,
-    policy: Policy,
-    width: int,
-):
-    """(first position, entry offset, end offset, streams) of each block of one param (`width`: the
-    param-wide position width), made as the caller consumes them."""
-    if pos is None:  # implicit positions: dense blocks, value streams only (add_dense refuses a base)
-        assert ch.ranges is not None
-        for first, a, n in dense_cuts(ch.ranges, policy):
-            yield first, a, a + n, encoding.values.encode(new[a : a + n], None, d)
-        return
-    starts = cuts(pos, policy)
-    for a, b in zip(starts, [*starts[1:], len(pos)]):
-        prev = int(pos[a - 1]) if a else -1
-        part_old = None if old is None else old[a:b]
-        _, parts = encoding.encode_param(pos[a:b], numel, new[a:b], part_old, d, prev=prev, width=width)
-        yield int(pos[a]), a, b, parts
 
 
 class FlushBuilder:
