@@ -10,7 +10,6 @@ import sys
 from argparse import Namespace
 from typing import TYPE_CHECKING, Any
 
-from vllm_delta import settings
 from vllm_delta.engine.cli_args import PLUGIN_NAME, api_keys, check_args
 
 if TYPE_CHECKING:
@@ -29,18 +28,12 @@ def request_amx_permission() -> bool:
 
 
 def register() -> None:
-    """`vllm.general_plugins`: our backend registered; post-load transforms observed with our route on,
-    or for engines whose weight-transfer backend is `delta`."""
+    """`vllm.general_plugins`: our backend registered, post-load steps observed where a door is ours."""
     request_amx_permission()
-    from vllm_delta.weight_transfer.registry import keep_cpu_weights_when_configured, register_backends
+    from vllm_delta.weight_transfer.registry import observe_post_load_steps, register_backends
 
     register_backends()  # the `delta` weight-transfer backend (vLLM's own RL API)
-    if not settings.updates_enabled():  # set by --enable-delta-updates before workers start
-        keep_cpu_weights_when_configured()
-        return
-    from vllm_delta.engine import transforms
-
-    transforms.install()  # observe every module's post-load step (any platform)
+    observe_post_load_steps()
 
 
 class DeltaUpdatesEndpoint:

@@ -8,24 +8,29 @@ import os
 
 # "1": delta updates are on (`--enable-delta-updates` sets it before vLLM starts its workers).
 UPDATES = "VLLM_DELTA_UPDATES"
+# The largest single flush an engine takes over a collective (it holds one at a time while decoding).
+COLLECTIVE_MAX_FLUSH_BYTES = "VLLM_DELTA_COLLECTIVE_MAX_FLUSH_BYTES"
+DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES = 1 << 30
+# The only directory (or s3:// prefix) the engine reads deltas from; `--delta-updates-root` exports it.
+UPDATES_ROOT = "VLLM_DELTA_UPDATES_ROOT"
+# "1": manifest-less deltas in the seed's format are accepted (`--delta-updates-allow-seed-format`).
+ALLOW_SEED_FORMAT = "VLLM_DELTA_ALLOW_SEED_FORMAT"
+# "0" runs the numpy/torch code in place of every compiled kernel (vllm_delta/kernels/); the per-area
+# names of earlier releases are aliases that do the same.
+KERNELS = "VLLM_DELTA_KERNELS"
+KERNELS_ALIASES = ("VLLM_DELTA_APPLY_KERNEL", "VLLM_DELTA_SCAN_KERNEL", "VLLM_DELTA_ENCODE_KERNEL")
+# The keys a manifest may be signed with (wire/signing.py): comma-separated, or a file of one a line (`#`
+# comments), read at every use so a rotation needs no restart. The first signs; any verifies.
+SIGNING_KEYS = "VLLM_DELTA_SIGNING_KEYS"
+SIGNING_KEY_FILE = "VLLM_DELTA_SIGNING_KEY_FILE"
 
 
 def updates_enabled() -> bool:
     return os.environ.get(UPDATES) == "1"
 
 
-# The largest single flush an engine takes over a collective (it holds one at a time while decoding).
-COLLECTIVE_MAX_FLUSH_BYTES = "VLLM_DELTA_COLLECTIVE_MAX_FLUSH_BYTES"
-DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES = 1 << 30
-
-
 def collective_max_flush_bytes() -> int:
-    """This engine's per-flush cap over a collective (1 GiB unless set)."""
     return int(os.environ.get(COLLECTIVE_MAX_FLUSH_BYTES) or DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES)
-
-
-# The only directory (or s3:// prefix) the engine reads deltas from; `--delta-updates-root` exports it.
-UPDATES_ROOT = "VLLM_DELTA_UPDATES_ROOT"
 
 
 def updates_root() -> str:
@@ -33,29 +38,13 @@ def updates_root() -> str:
     return os.environ.get(UPDATES_ROOT, "")
 
 
-# "1": manifest-less deltas in the seed's format are accepted (`--delta-updates-allow-seed-format`).
-ALLOW_SEED_FORMAT = "VLLM_DELTA_ALLOW_SEED_FORMAT"
-
-
 def allow_seed_format() -> bool:
     return os.environ.get(ALLOW_SEED_FORMAT) == "1"
-
-
-# "0" runs the numpy/torch code in place of every compiled kernel (vllm_delta/kernels/); the per-area
-# names of earlier releases are aliases that do the same.
-KERNELS = "VLLM_DELTA_KERNELS"
-KERNELS_ALIASES = ("VLLM_DELTA_APPLY_KERNEL", "VLLM_DELTA_SCAN_KERNEL", "VLLM_DELTA_ENCODE_KERNEL")
 
 
 def kernels_on() -> bool:
     """The compiled kernels are not switched off (read on every call: tests and benchmarks flip it)."""
     return all(os.environ.get(v, "1") != "0" for v in (KERNELS, *KERNELS_ALIASES))
-
-
-# The keys a manifest may be signed with (wire/signing.py): comma-separated, or a file of one a line (`#`
-# comments), read at every use so a rotation needs no restart. The first signs; any verifies.
-SIGNING_KEYS = "VLLM_DELTA_SIGNING_KEYS"
-SIGNING_KEY_FILE = "VLLM_DELTA_SIGNING_KEY_FILE"
 
 
 def signing_keys() -> list[str]:

@@ -20,18 +20,14 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
-from vllm_delta.engine.cli_args import WORKER_EXTENSION, api_keys, existing_dir
-from vllm_delta.engine.http_errors import DeltaTransferError, parse_error
-from vllm_delta.engine.request import (
-    DeltaUpdateRequest,
-    NotADeltaDirError,
-    OutsideRootError,
-    resolve_version_dir,
-)
+from vllm_delta.engine.cli_args import WORKER_EXTENSION, api_keys, delta_root
+from vllm_delta.engine.http_errors import DeltaTransferError, UpdateError, parse_error
+from vllm_delta.engine.request import DeltaUpdateRequest, prepare_request, resolve_version_dir
+from vllm_delta.engine.request import delta_root as backend_root
 from vllm_delta.engine.routes import DeltaUpdater
 from vllm_delta.plugin import DeltaUpdatesEndpoint
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
-from vllm_delta.weight_transfer.worker_engine import DeltaWeightTransferEngine
+from vllm_delta.weight_transfer import worker_engine
 
 KEY = "route-guard-key"
 OTHER_KEY = "second-key"
@@ -63,7 +59,7 @@ class UnreachedEngine:
 def root(tmp_path) -> Path:
     """A resolved root (as `--delta-updates-root` stores it) with one valid-looking version directory."""
     (tmp_path / "root").mkdir()
-    root = existing_dir(str(tmp_path / "root"))
+    root = delta_root(str(tmp_path / "root"))
     (root / "v1").mkdir()
     (root / "v1" / "manifest.json").write_text("{}")
     return root
@@ -238,8 +234,9 @@ def test_a_relative_path_is_taken_under_the_root_never_the_working_directory(roo
     monkeypatch.chdir(outside.parent)  # the working directory holds `escaped` and a decoy `v1`
     (outside.parent / "v1").mkdir(exist_ok=True)
     assert resolve_version_dir("v1", root) == root / "v1"
-    with pytest.raises(NotADeltaDirError):
+    with pytest.raises(UpdateError, match="is not a directory") as err:
         resolve_version_dir(outside.name, root)  # exists in the working directory, not under the root
+    assert err.value.error["type"] == "NotADeltaDirectory"
 
 
 def test_paths_that_stay_under_the_root_resolve_to_their_real_directory(root):
@@ -262,10 +259,10 @@ def test_the_root_is_compared_by_component_not_by_prefix(root):
     """`/x/root-evil` starts with `/x/root` as a string but is not under it."""
     sibling = root.parent / f"{root.name}-evil"
     sibling.mkdir()
-    with pytest.raises(OutsideRootError):
-        resolve_version_dir(str(sibling), root)
-    with pytest.raises(OutsideRootError):
-        resolve_version_dir(f"../{sibling.name}", root)
+    for path in (str(sibling), f"../{sibling.name}"):
+        with pytest.raises(UpdateError) as err:
+            resolve_version_dir(path, root)
+        assert err.value.error["type"] == "PathOutsideRoot"
 
 
 # ---- the `delta` weight-transfer backend: the same confinement on the worker side -----------------
@@ -275,13 +272,12 @@ def test_native_backend_confines_paths_to_its_root(root, outside, monkeypatch):
     """The worker resolves `update_info.path` under `VLLM_DELTA_UPDATES_ROOT` before anything opens it,
     and its refusal's text comes back to the front end as the same 403."""
     monkeypatch.setenv(ROOT_ENV, str(root))
-    worker = object.__new__(DeltaWeightTransferEngine)  # `_request` uses no worker state
-    for case, path in escaping_paths(root, outside).items():
-        with pytest.raises(DeltaTransferError) as exc:
-            worker._request(DeltaUpdateRequest(path=path, version=1, base_version=0))
+    for case, path in escaping_paths(root, outside).items():  # the worker's request, as it raises it
+        with pytest.raises(DeltaTransferError) as exc, worker_engine._raised():
+            prepare_request(DeltaUpdateRequest(path=path, version=1, base_version=0), backend_root(), None)
         relayed = parse_error(f"RPC failed: {exc.value}")  # as vLLM relays a worker's exception
         assert relayed is not None and relayed.status == 403, (case, str(exc.value))
         assert relayed.error["type"] == "PathOutsideRoot", case
-    request = worker._request(DeltaUpdateRequest(path="v1", version=1, base_version=0))
+    request = prepare_request(DeltaUpdateRequest(path="v1", version=1, base_version=0), backend_root(), None)
     assert request.path == str(root / "v1") and request.root == str(root)
     assert os.path.realpath(request.path) == request.path

@@ -19,7 +19,7 @@ from harness.s3_server import s3_env, s3_server  # noqa: F401  (fixtures: a real
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
 
 from vllm_delta.engine.http_errors import UpdateError
-from vllm_delta.engine.request import DeltaUpdateRequest, OutsideRootError, store_version_key
+from vllm_delta.engine.request import DeltaUpdateRequest, store_version_key
 from vllm_delta.engine.routes import DeltaUpdater
 from vllm_delta.settings import UPDATES_ROOT as ROOT_ENV
 from vllm_delta.transports.s3 import StoreFlushes, fetch_manifest
@@ -72,8 +72,9 @@ def test_a_store_relative_path_becomes_a_key_under_the_root(path):
 
 @pytest.mark.parametrize("path", OUTSIDE)
 def test_anything_else_is_outside_the_store_root(path):
-    with pytest.raises(OutsideRootError):
+    with pytest.raises(UpdateError) as err:
         store_version_key(path, ROOT)
+    assert err.value.error["type"] == "PathOutsideRoot"
 
 
 class UnreachedEngine:

@@ -22,7 +22,6 @@ from vllm_delta.engine.replicas import summarize, trace_of, worker_seconds
 from vllm_delta.engine.request import DeltaUpdateRequest, prepare_request
 from vllm_delta.engine.routes import DeltaUpdater
 from vllm_delta.engine.trace import PhaseTimes
-from vllm_delta.engine.transaction import Sync
 from vllm_delta.wire import DeltaWriter
 
 DC = device_check()
@@ -146,18 +145,17 @@ def test_a_failed_pause_drops_what_every_rank_staged(rig):
 def test_an_empty_delta_whose_commit_fails_does_not_run_the_door_s_finish(rig):
     base, _, root, engine, updater = rig
     DC.write_delta(root / "v1", base, base, version=1)
-    core, sync, finished = updater, Sync(), []
+    core, finished = updater, []
     request = DeltaUpdateRequest(path="v1", version=1, base_version=0)
 
     async def run() -> None:
-        prepared = prepare_request(request, root, 1 << 20)
-        await core.prepare(prepared, sync)
+        sync = await core.prepare(prepare_request(request, root, 1 << 20))
         engine.workers[1]._delta().staged.clear()  # rank 1 lost what it staged: its commit refuses
 
         async def then() -> None:
             finished.append(True)
 
-        await core.commit(prepared.id, sync, then=then)
+        await core.commit(sync, then=then)
 
     with pytest.raises(UpdateError) as err:
         asyncio.run(run())

@@ -1,9 +1,6 @@
-"""`vllm.cli_args_plugins` entry point: the `--enable-delta-updates` flags of `vllm serve`.
-
-Why at parse time: the API server starts the engine processes before any route plugin runs, so the
-worker extension and the environment the workers read (settings.py) are set, and a command line that
-cannot be served safely is refused, as soon as it is parsed: argparse has no post-parse hook, so
-`check_after_parsing` wraps the parser's own `parse_known_args`. The route plugin checks again.
+"""`vllm.cli_args_plugins` entry point: the delta flags of `vllm serve`, exported and checked as they are
+parsed (the API server starts the engines before any route plugin runs; argparse has no post-parse hook,
+so `check_after_parsing` wraps `parse_known_args`). The route plugin checks again.
 """
 
 from __future__ import annotations
@@ -41,9 +38,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Serve /update_weights_delta and /delta_updates/status; needs --delta-updates-root.",
     )  # fmt: skip
     group.add_argument(
-        "--delta-updates-root", type=delta_root, default=None, metavar="DIR|s3://BUCKET/PREFIX",
-        help="The only directory (or object-store prefix, AWS credentials from the environment) deltas may "
-             "be read from, through either door.",
+        "--delta-updates-root", type=delta_root, metavar="DIR|s3://BUCKET/PREFIX",
+        help="The one directory (or s3:// prefix; AWS credentials from the environment) to read deltas from.",
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-max-staged-bytes", type=positive_int, default=DEFAULT_MAX_STAGED_BYTES, metavar="N",
@@ -59,24 +55,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="The largest request body the delta routes read; larger ones get 413.",
     )  # fmt: skip
     group.add_argument(
-        "--delta-updates-collective-trainers", type=trainer_address, nargs="+", default=None, metavar="ADDR",
-        help="Turn on POST /delta_updates/collective/init for trainers whose master_addr is one of these "
-             "IP addresses, networks (CIDR) or host names; off when not given.",
+        "--delta-updates-collective-trainers", type=trainer_address, nargs="+", metavar="ADDR",
+        help="Allow collective updates from trainers at these IP addresses, networks (CIDR) or host names.",
     )  # fmt: skip
     keys = group.add_mutually_exclusive_group()
     keys.add_argument(
-        "--delta-updates-signing-key", type=str, nargs="+", default=None, metavar="KEY",
-        help="Apply only manifests signed (HMAC-SHA-256) with one of these keys, each at least 16 bytes; "
-             "refuse others with 403 (docs/security.md). Visible in the process list: prefer the file.",
+        "--delta-updates-signing-key", nargs="+", metavar="KEY",
+        help="Apply only manifests signed with one of these keys (docs/security.md); prefer the file.",
     )  # fmt: skip
     keys.add_argument(
-        "--delta-updates-signing-key-file", type=str, default=None, metavar="FILE",
+        "--delta-updates-signing-key-file", metavar="FILE",
         help="The same, one key a line, read again for every update (rotate keys without a restart).",
     )  # fmt: skip
     group.add_argument(
         "--delta-updates-allow-seed-format", action="store_true",
-        help="Also accept manifest-less deltas in the seed's format, whose checksum cannot catch swapped "
-             "values or a renamed or reshaped param (docs/wire-format.md).",
+        help="Also accept the seed's manifest-less deltas, with their weaker checks (docs/wire-format.md).",
     )  # fmt: skip
     check_after_parsing(parser)
 
@@ -86,11 +79,8 @@ class DeprecatedAlias(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         new = "--" + self.dest.replace("_", "-")
-        warnings.warn(
-            f"{option_string} is deprecated and will be removed in the next release: use {new}",
-            FutureWarning,
-            stacklevel=2,
-        )
+        message = f"{option_string} is deprecated and will be removed in the next release: use {new}"
+        warnings.warn(message, FutureWarning, stacklevel=2)
         setattr(namespace, self.dest, values)
 
 
@@ -109,9 +99,7 @@ def check_after_parsing(parser: argparse.ArgumentParser) -> None:
             if namespace.enable_delta_updates and dp > 1 and not one:
                 raise ValueError(
                     f"--enable-delta-updates with --data-parallel-size {dp}: pass --api-server-count 1 "
-                    f"(vLLM would start {dp} API servers; "
-                    + API_SERVERS_REFUSAL.format(dp).split(": ", 1)[1]
-                    + ")"
+                    f"(vLLM would start {dp} API servers, each with its own update lock and fault state)"
                 )
             check_store(namespace)
         except ValueError as exc:
@@ -122,9 +110,8 @@ def check_after_parsing(parser: argparse.ArgumentParser) -> None:
 
 
 def export(args: argparse.Namespace) -> None:
-    """Our worker extension, and what the engine processes read from the environment (settings.py):
-    the flag, the root (the `delta` backend reads it too), the seed-format switch, the signing keys;
-    our endpoint plugin allowlisted, which serves our route and vLLM's weight routes for `delta`."""
+    """Our worker extension, and what the engine processes read (settings.py); our endpoint plugin
+    allowlisted (it serves our route, and vLLM's weight routes for `delta`)."""
     if args.enable_delta_updates:
         args.worker_extension_cls = getattr(args, "worker_extension_cls", "") or WORKER_EXTENSION
         os.environ[ENV_FLAG] = "1"
@@ -166,15 +153,12 @@ def plugin_allowlist(current: str | None) -> list[str]:
 
 # Shared by both doors (this CLI check and the `delta` backend's worker engine).
 EPLB_REFUSAL = (
-    "delta updates cannot run with --enable-eplb: EPLB moves experts between physical slots "
-    "while the engine serves, and the placement learned at startup would then write an expert's "
-    "changes into another expert's slot. Run without EPLB."
+    "delta updates cannot run with --enable-eplb: EPLB moves experts between slots while the engine "
+    "serves, so the placement learned at startup would write into another expert's slot"
 )
 API_SERVERS_REFUSAL = (
-    "--enable-delta-updates cannot run with --api-server-count {}: each API server process "
-    "holds its own update lock, version and fault state while connections reach any of them, "
-    "so two updates could interleave on the workers and one server's resume could un-pause "
-    "another's failed commit. Use --api-server-count 1."
+    "{} cannot run with --api-server-count {}: each API server holds its own update lock, version and "
+    "fault state, so two updates could interleave on the workers. Use --api-server-count 1."
 )
 # The load-balancing modes in which a server reaches only some DP engines (vllm/entrypoints/cli/serve.py).
 DP_LB_FLAGS = (
@@ -184,21 +168,15 @@ DP_LB_FLAGS = (
     "data_parallel_rank",
     "data_parallel_start_rank",
 )
-# vLLM's DP engine client answers a utility call with the first engine's replies only.
 NATIVE_DP_REFUSAL = (
     "the `delta` weight-transfer backend cannot run with --data-parallel-size {}: vLLM 0.32's "
-    "DP engine client answers its weight-update calls with the first engine's replies only "
-    "(vllm/v1/engine/core_client.py, DPLBAsyncMPClient.call_utility_async), so another "
-    "replica's refusal or failed commit would go unseen. Use --enable-delta-updates "
-    "(POST /update_weights_delta), which calls every DP engine."
+    "DPLBAsyncMPClient.call_utility_async answers with the first engine's replies only, so another "
+    "replica's refusal would go unseen. Use --enable-delta-updates, which calls every DP engine."
 )
 ONLINE_QUANT_REFUSAL = (
     "delta updates cannot serve --quantization {q} of {model}, whose config.json has no "
-    "quantization_config: vLLM quantizes it at load (per tensor or channel, one scale over each fused "
-    "layer and its TP shards, or blocks of the fused weight) and keeps no bf16 copy, so a bf16 delta has "
-    "nowhere to land and no checkpoint tensor's fp8 delta reproduces that scale (docs/results/fp8.md). "
-    "Serve the bf16 checkpoint, or a "
-    "block-fp8 one (quantization_config with weight_block_size: the sender quantizes as it was)."
+    "quantization_config: vLLM quantizes it at load and keeps no bf16 copy, so no delta reproduces "
+    "its scales (docs/results/fp8.md). Serve the bf16 checkpoint, or a block-fp8 one."
 )
 
 
@@ -213,10 +191,8 @@ def check_args(args: argparse.Namespace) -> None:
         return
     if ours and args.delta_updates_root is None:
         raise ValueError("--enable-delta-updates requires --delta-updates-root DIR")
-    q, model = (
-        getattr(args, "quantization", None),
-        getattr(args, "model_tag", None) or getattr(args, "model", None),
-    )
+    q = getattr(args, "quantization", None)
+    model = getattr(args, "model_tag", None) or getattr(args, "model", None)
     config = Path(str(model)) / "config.json"  # a local checkpoint (a hub id is not read here)
     if q and config.is_file():
         cfg = json.loads(config.read_text())
@@ -227,9 +203,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(NATIVE_DP_REFUSAL.format(args.data_parallel_size))
         if (getattr(args, "api_server_count", None) or 1) > 1:
             raise ValueError(
-                API_SERVERS_REFUSAL.format(args.api_server_count).replace(
-                    "--enable-delta-updates", "the `delta` weight-transfer backend", 1
-                )
+                API_SERVERS_REFUSAL.format("the `delta` weight-transfer backend", args.api_server_count)
             )
         return
     if args.worker_extension_cls != WORKER_EXTENSION:
@@ -243,7 +217,7 @@ def check_args(args: argparse.Namespace) -> None:
             "engine: choose one (each door would keep its own version of the same weights)"
         )
     if (getattr(args, "api_server_count", None) or 1) > 1:
-        raise ValueError(API_SERVERS_REFUSAL.format(args.api_server_count))
+        raise ValueError(API_SERVERS_REFUSAL.format("--enable-delta-updates", args.api_server_count))
     # With DP, only vLLM's internal load balancer lets our one API server reach every DP engine.
     given = [d for d in DP_LB_FLAGS if getattr(args, d, None) not in (None, False)]
     if data_parallel_size(args) > 1 and given:
@@ -263,8 +237,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_store(args: argparse.Namespace) -> None:
-    """Refuse a store root this server cannot read (credentials, no bucket), in seconds and before any
-    engine loads the model, rather than on a first sync much later: one retry, then the store's reason."""
+    """Refuse a store root this server cannot read (credentials, no bucket) before any engine loads the
+    model, rather than on a first sync much later."""
     from vllm_delta.transports.store import ObjectStore, StoreError, StoreURL
 
     root = args.delta_updates_root
@@ -290,7 +264,7 @@ def api_keys(args: argparse.Namespace) -> list[str]:
 
 
 def dev_mode() -> bool:
-    """vLLM's development mode, under which it serves its own weight routes unauthenticated too."""
+    """vLLM's development mode, in which it serves its own weight routes unauthenticated."""
     from vllm import envs
 
     return bool(envs.VLLM_SERVER_DEV_MODE)
@@ -320,30 +294,22 @@ def trainer_address(value: str) -> str:
 
 
 def delta_root(value: str) -> Path | StoreURL:
-    """An `s3://BUCKET[/PREFIX]` store root (nothing local to check), else an existing directory."""
+    """An `s3://BUCKET[/PREFIX]` store root, else an existing directory, fully resolved (containment
+    checks compare real paths)."""
     from vllm_delta.transports.store import StoreURL, is_store_url
 
     if not is_store_url(value):
-        return existing_dir(value)
+        if not (path := Path(os.path.realpath(value))).is_dir():
+            raise argparse.ArgumentTypeError(f"{value!r} is not an existing directory")
+        return path
     try:
         return StoreURL.parse(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def existing_dir(value: str) -> Path:
-    """An existing directory, fully resolved (so later containment checks compare real paths)."""
-    path = Path(os.path.realpath(value))
-    if not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{value!r} is not an existing directory")
-    return path
-
-
 def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    number = int(value)  # a ValueError: argparse's "invalid positive_int value"
     if number <= 0:
         raise argparse.ArgumentTypeError(f"{value!r} must be positive")
     return number

@@ -1,8 +1,5 @@
-"""Every failure of the delta routes as one JSON shape with its HTTP status.
-
-Why one place: a client (and the trainer's sender) branches on the status and reads the same
-`{"error": {"type", "message", "file", "param"}}` body whether the request was refused by a door,
-by a worker while decoding, or by the scatter, whichever door it came through.
+"""Every failure of the delta routes as one JSON body, `{"error": {"type", "message", "file", "param"}}`,
+with its HTTP status, whoever refused (a door, a worker, the scatter) and whichever door it came through.
 """
 
 from __future__ import annotations
@@ -19,33 +16,20 @@ MARKER = "[vllm-delta-error "
 
 class UpdateError(Exception):
     """A failed update: the status to answer and the error body, whoever refused (a worker sends it as
-    `reply()`, the door reads it back with `from_worker`); `extra` adds context (`fault`, `refused`)."""
+    `reply()`, the door reads it back with `from_worker`); `extra`: where (`file`, `param`) and context."""
 
-    def __init__(
-        self,
-        status: int,
-        type_: str,
-        message: str,
-        *,
-        file: str | None = None,
-        param: str | None = None,
-        **extra: Any,
-    ) -> None:
+    def __init__(self, status: int, type_: str, message: str, **extra: Any) -> None:
         super().__init__(message)
         self.status = status
-        self.error = {"type": type_, "message": message, "file": file, "param": param, **extra}
+        self.error = {"type": type_, "message": message, "file": None, "param": None, **extra}
 
     @classmethod
     def from_worker(cls, result: dict[str, Any]) -> UpdateError:
         """From a rank's `{"ok": False, "status": ..., "error": {...}}` answer."""
         error = result.get("error") or {}
-        return cls(
-            int(result.get("status") or 500),
-            str(error.get("type", "EngineError")),
-            str(error.get("message", "the worker gave no reason")),
-            file=error.get("file"),
-            param=error.get("param"),
-        )
+        status, type_ = int(result.get("status") or 500), str(error.get("type", "EngineError"))
+        message = str(error.get("message", "the worker gave no reason"))
+        return cls(status, type_, message, file=error.get("file"), param=error.get("param"))
 
     def reply(self) -> dict[str, Any]:
         """As a worker answers an RPC with it (RPCs never raise: see weight_transfer/worker_engine.py)."""

@@ -1,8 +1,6 @@
-"""The typed messages between the API server (either door) and the workers.
-
-Why pydantic at both ends: `collective_rpc` carries plain dicts, so each side validates what it
-receives (a worker its request, the core every reply) and a renamed field fails at the boundary with
-its name. Payloads whose shape another module owns (digests, coverage, placement) stay dicts.
+"""The typed messages between the API server (either door) and the workers. `collective_rpc` carries
+plain dicts, so each side validates what it receives and a renamed field fails at the boundary; payloads
+whose shape another module owns (digests, coverage, placement) stay dicts.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ class ErrorBody(Message):
 
 
 class Reply(Message):
-    """What every worker reply carries (`dp`, and `rank` where the worker does not name itself, are set
-    by `replicas.rpc_all`)."""
+    """What every worker reply carries (`replicas.rpc_all` sets `dp`, and `rank` where it is missing)."""
 
     ok: bool = True
     status: int | None = None
@@ -66,16 +63,9 @@ def failure(status: int, exc: BaseException, **extra: Any) -> dict[str, Any]:
     return UpdateError(status, type(exc).__name__, str(getattr(exc, "reason", exc)), **where, **extra).reply()
 
 
-class PrepareStarted(Reply):
-    """`delta_prepare_start`: the background prepare runs (or was refused before it could)."""
-
-    threads: int | None = None
-    done: bool = False
-
-
 class PrepareReply(Reply):
-    """`delta_prepare_poll`: this rank's verified, decoded and located update, its counted-once partial
-    `digests` of the changed positions (rank 0: the manifest's `expected`) and its `phases`."""
+    """`delta_prepare_start` (not `done`), then `delta_prepare_poll`: this rank's staged update, its
+    counted-once partial `digests` (rank 0: the manifest's `expected`) and its `phases`."""
 
     done: bool = True
     prepare_s: float | None = None
@@ -101,18 +91,13 @@ class CommitReply(Reply):
 
 
 class CoverageReply(Reply):
-    """`delta_coverage`: which checkpoint elements this rank holds, for its peers."""
+    """`delta_coverage`: which checkpoint elements this rank holds, for its peers; `delta_set_peers`: the
+    coverage verdict, and (MoE under DP) the tensors split across engines."""
 
     coverage: dict[str, Any] = Field(default_factory=dict)
     unread: list[str] = Field(default_factory=list)
     fallback: list[str] = Field(default_factory=list)
     map_errors: Any = None
-
-
-class PeersReply(Reply):
-    """`delta_set_peers`: the coverage verdict, and (MoE under DP) the tensors split across engines."""
-
-    coverage: dict[str, Any] = Field(default_factory=dict)
     across_dp: list[str] | None = None
 
 
@@ -120,7 +105,6 @@ class ProbeReply(Reply):
     """`delta_probe`: the placement status once learned (apply.DeltaApplier.placement_status)."""
 
     model_config = ConfigDict(extra="allow")  # the placement status' own keys
-
     refused: dict[str, str] | None = None
 
 

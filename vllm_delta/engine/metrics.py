@@ -1,6 +1,5 @@
-"""Prometheus series for delta updates, on the default registry that vLLM's own `/metrics` exports, and
-each door's one record of a sync or a refusal.
-"""
+"""Prometheus series for delta updates (on the registry vLLM's `/metrics` exports), and each door's one
+record of a sync or a refusal."""
 
 from __future__ import annotations
 
@@ -24,29 +23,21 @@ class DeltaMetrics:
     """The series one successful or failed update moves."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] = SECONDS) -> Histogram:
-            return Histogram(f"vllm_delta:{name}", doc, buckets=buckets, registry=registry)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = SECONDS, *labels: str) -> Histogram:
+            return Histogram(f"vllm_delta:{name}", doc, labels, buckets=buckets, registry=registry)
 
-        self.decode = histogram(
-            "decode_seconds", "Reading, verifying and decoding a delta (not paused; slowest rank)."
-        )
+        doc = "Reading, verifying and decoding a delta (not paused; slowest rank)."
+        self.decode = histogram("decode_seconds", doc)
         self.apply = histogram("apply_seconds", "Scattering a delta into the live weights (slowest rank).")
         self.pause = histogram("pause_seconds", "Generation paused for one update.")
         self.bytes_read = histogram("bytes_read", "Delta bytes read by one update (largest rank).", SIZES)
         self.changed = histogram("changed_elements", "Changed checkpoint elements per update.", SIZES)
+        doc = "Weight version the engine serves."
         self.version = Gauge(
-            "vllm_delta:weights_version",
-            "Weight version the engine serves.",
-            multiprocess_mode="mostrecent",
-            registry=registry,
+            "vllm_delta:weights_version", doc, multiprocess_mode="mostrecent", registry=registry
         )
-        self.phases = Histogram(
-            "vllm_delta:sync_phase_seconds",
-            "Seconds one sync spent in each phase (slowest rank; engine/trace.py names them).",
-            ["phase"],
-            buckets=SECONDS,
-            registry=registry,
-        )
+        doc = "Seconds one sync spent in each phase (slowest rank; engine/trace.py names them)."
+        self.phases = histogram("sync_phase_seconds", doc, SECONDS, "phase")
         doc = "Refused or failed updates, by HTTP status."
         self.failures = Counter("vllm_delta:update_failures", doc, ["status"], registry=registry)
 

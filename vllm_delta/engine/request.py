@@ -1,9 +1,6 @@
 """The bodies of the delta routes, their size cap, the collective allowlist, and the containment of
-paths under the root (a directory, or an object-store prefix).
-
-Why at the door: a path outside `--delta-updates-root` (symlinks resolved) is refused before any engine
-process opens a file; the workers then open it from a handle of the root without following links
-(`wire.container.DeltaDir`), so nothing swapped in after this check is read.
+paths under the root (a directory or a store prefix), checked before any engine process opens a file;
+the workers then open it from the root's handle without following links (`wire.container.DeltaDir`).
 """
 
 from __future__ import annotations
@@ -16,14 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import (
-    Field,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 from starlette.requests import Request
 
 from vllm_delta import settings
@@ -79,11 +69,8 @@ class CollectiveInitRequest(Message):
     def check_ranks(self, ranks: int) -> None:
         """Refuse (400) a group that is not the trainer's ranks and every engine rank."""
         if self.world_size != self.rank_offset + ranks:
-            raise UpdateError(
-                400,
-                "InvalidRequest",
-                f"world_size {self.world_size} != rank_offset {self.rank_offset} + {ranks} engine ranks",
-            )
+            message = f"world_size {self.world_size} != rank_offset {self.rank_offset} + {ranks} engine ranks"
+            raise UpdateError(400, "InvalidRequest", message)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -104,17 +91,11 @@ def check_collective(master_addr: str | None, allowed: Sequence[str] | None) -> 
     trainers outside the allowlist: IP addresses or networks, matched by value (so `::ffff:` forms do not
     slip past), or host names, matched as written, never resolved."""
     if not allowed:
-        raise UpdateError(
-            403,
-            "CollectiveDisabled",
-            "collective updates are off: start the server with "
-            "--delta-updates-collective-trainers ADDR to allow a trainer",
-        )
-    if master_addr is None or any(_matches(master_addr, entry) for entry in allowed):
-        return
-    raise UpdateError(
-        403, "TrainerNotAllowed", f"master_addr {master_addr!r} is not in --delta-updates-collective-trainers"
-    )
+        message = "collective updates are off: start the server with --delta-updates-collective-trainers ADDR"
+        raise UpdateError(403, "CollectiveDisabled", message)
+    if master_addr is not None and not any(_matches(master_addr, entry) for entry in allowed):
+        message = f"master_addr {master_addr!r} is not in --delta-updates-collective-trainers"
+        raise UpdateError(403, "TrainerNotAllowed", message)
 
 
 def _matches(addr: str, entry: str) -> bool:
@@ -128,30 +109,28 @@ def _matches(addr: str, entry: str) -> bool:
         return False
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    return ip.version == network.version and ip in network
+    return ip in network  # False across IP versions
 
 
-class OutsideRootError(Exception):
-    """A path that resolves outside `--delta-updates-root` (403)."""
-
-
-class NotADeltaDirError(Exception):
-    """A path under the root that is not a directory (400)."""
+def outside(message: str) -> UpdateError:
+    return UpdateError(403, "PathOutsideRoot", message)
 
 
 def resolve_version_dir(path: str, root: Path) -> Path:
     """The real path of a version directory, relative to `root` or absolute under it; every entry must
     resolve under `root` too (a flush file linking elsewhere would otherwise be read)."""
     if "\0" in path:
-        raise NotADeltaDirError("the path contains a NUL byte")
+        raise UpdateError(400, "NotADeltaDirectory", "the path contains a NUL byte")
     resolved = Path(os.path.realpath(root / path))
     if not _inside(resolved, root):
-        raise OutsideRootError(f"{path!r} resolves outside the delta-updates root")
+        raise outside(f"{path!r} resolves outside the delta-updates root")
     if not resolved.is_dir():
-        raise NotADeltaDirError(f"{path!r} is not a directory under the delta-updates root")
+        raise UpdateError(
+            400, "NotADeltaDirectory", f"{path!r} is not a directory under the delta-updates root"
+        )
     for entry in resolved.iterdir():
         if not _inside(Path(os.path.realpath(entry)), root):
-            raise OutsideRootError(f"{entry.name!r} in {path!r} links outside the delta-updates root")
+            raise outside(f"{entry.name!r} in {path!r} links outside the delta-updates root")
     return resolved
 
 
@@ -161,24 +140,19 @@ _STORE_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def store_version_key(path: str, root: StoreURL) -> str:
-    """The key prefix of a version under a store root, for a store-relative `path` only.
-
-    Why so strict: the engine fetches it with its own credentials, so a request must not reach another
-    bucket, prefix or URL (no server-side request forgery); keys are not paths, so `..` is refused.
-    """
+    """The key prefix of a version under a store root, for a store-relative `path` only: the engine
+    fetches with its own credentials, so no other bucket, prefix or URL (no request forgery)."""
     if "\0" in path or "\\" in path:
-        raise OutsideRootError(f"{path!r} contains a NUL byte or a backslash")
+        raise outside(f"{path!r} contains a NUL byte or a backslash")
     if ":" in path:
-        raise OutsideRootError(f"{path!r} names a URL or scheme; the engine reads only under {root}")
+        raise outside(f"{path!r} names a URL or scheme; the engine reads only under {root}")
     if path.startswith("/"):
-        raise OutsideRootError(f"{path!r} is absolute; give a path relative to {root}")
+        raise outside(f"{path!r} is absolute; give a path relative to {root}")
     for segment in path.split("/"):
         if segment in ("", ".", ".."):
-            raise OutsideRootError(f"{path!r} has an empty, '.' or '..' segment")
+            raise outside(f"{path!r} has an empty, '.' or '..' segment")
         if not _STORE_SEGMENT.fullmatch(segment):
-            raise OutsideRootError(
-                f"{path!r}: segment {segment!r} is not made of letters, digits, '.', '_' or '-'"
-            )
+            raise outside(f"{path!r}: segment {segment!r} is not made of letters, digits, '.', '_' or '-'")
     return root.key(path)
 
 
@@ -191,41 +165,24 @@ def prepare_request(
 ) -> PrepareRequest:
     """The workers' request for `body`, its path checked under `root` (403 outside, 400 not a version
     directory). A store root sends only the checked relative path: the workers fetch from their own."""
-    request = PrepareRequest(
-        id=uuid.uuid4().hex,
-        version=body.version,
-        base_version=body.base_version,
-        max_staged_bytes=max_staged_bytes,
-    )
+    same = body.model_dump(include={"version", "base_version", "transport", "manifest"})
+    request = PrepareRequest(id=uuid.uuid4().hex, max_staged_bytes=max_staged_bytes, **same)
     if body.transport == "collective":
-        return request.model_copy(update={"transport": "collective", "manifest": body.manifest})
-    try:
-        if not isinstance(root, Path):
-            store_version_key(body.path, root)
-            if body.files is not None:
-                raise UpdateError(
-                    400,
-                    "InvalidRequest",
-                    "`files` selects flushes of a disk delta; a store "
-                    "delta is read whole, as its manifest lists it",
-                )
-            return request.model_copy(update={"store_path": body.path})
+        return request
+    if isinstance(root, Path):
         path = resolve_version_dir(body.path, root)
-    except OutsideRootError as exc:
-        raise UpdateError(403, "PathOutsideRoot", str(exc)) from None
-    except NotADeltaDirError as exc:
-        raise UpdateError(400, "NotADeltaDirectory", str(exc)) from None
-    return request.model_copy(update={"path": str(path), "root": str(root), "files": body.files})
+        return request.model_copy(update={"path": str(path), "root": str(root), "files": body.files})
+    store_version_key(body.path, root)
+    if body.files is not None:
+        raise UpdateError(
+            400, "InvalidRequest", "`files` selects flushes of a disk delta; a store delta is read whole"
+        )
+    return request.model_copy(update={"store_path": body.path})
 
 
 def delta_root() -> Path:
-    """The `delta` backend's root, as `--delta-updates-root` exported it (resolved, as containment
-    compares real paths)."""
-    value = settings.updates_root()
-    if not value:
-        raise UpdateError(
-            500,
-            "NotConfigured",
-            f"the delta backend needs a root: --delta-updates-root or {settings.UPDATES_ROOT}",
-        )
+    """The `delta` backend's root, as `--delta-updates-root` exported it, resolved."""
+    if not (value := settings.updates_root()):
+        message = f"the delta backend needs a root: --delta-updates-root or {settings.UPDATES_ROOT}"
+        raise UpdateError(500, "NotConfigured", message)
     return Path(os.path.realpath(value))

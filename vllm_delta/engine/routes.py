@@ -1,10 +1,6 @@
-"""Our route, one door over the transaction core: `POST /update_weights_delta`, `GET /delta_updates/status`,
-`POST /delta_updates/verify`, `POST /delta_updates/collective/init`, and the seed trainer's push
-`POST /update_weights_from_disk` onto the same updater.
-
-The update itself is the core's (engine/transaction.py); this module checks the request (authentication,
-its path under the root, the collective allowlist) and answers. The routes obey `--api-key` themselves:
-vLLM's authentication middleware guards only the `/v1`-style prefixes.
+"""Our door over the transaction core: `POST /update_weights_delta`, `/delta_updates/{status,verify,
+collective/init}` and the seed trainer's `POST /update_weights_from_disk`. It checks each request (its
+key: vLLM's middleware guards only `/v1`-style paths; its path; the collective allowlist) and answers.
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ from vllm_delta.engine.request import (
     prepare_request,
     read_body,
 )
-from vllm_delta.engine.transaction import Sync, Transaction
+from vllm_delta.engine.transaction import Transaction
 from vllm_delta.transports.store import StoreURL
 
 router = APIRouter()
@@ -69,11 +65,8 @@ class DeltaUpdater(Transaction):
         request = prepare_request(body, self.root, self.max_staged_bytes)
         if self.refused:
             raise UpdateError(500, "UnservableLoader", f"delta updates refused at startup: {self.refused}")
-        sync = Sync()
         async with self.lock:
-            await self.prepare(request, sync)
-            committed, pause_s = await self.commit(request.id, sync)
-        return self.answer(sync, committed, pause_s)
+            return await self.commit(await self.prepare(request))
 
     async def verify(self) -> dict[str, Any]:
         """Full verify of the served weights against the digests and hashes of the updates so far."""
@@ -108,12 +101,8 @@ class DeltaUpdater(Transaction):
         check_collective(body.master_addr, self.collective_trainers)
         ranks = await self.call("status", reply=StatusReply)
         if len(by_replica(ranks)) > 1:  # each worker would join as rank_offset + its rank in its own replica
-            raise UpdateError(
-                400,
-                "InvalidRequest",
-                "the collective transport cannot serve data-parallel "
-                "replicas: their workers would take the same group ranks; use a disk or store root",
-            )
+            why = "the collective transport cannot serve data-parallel replicas: use a disk or store root"
+            raise UpdateError(400, "InvalidRequest", why)
         body.check_ranks(len(ranks))
         async with self.lock:
             joined = await self.call("collective_init", body.model_dump(), reply=JoinedReply)
@@ -210,15 +199,12 @@ def guard_health(app: FastAPI) -> None:
     @app.middleware("http")
     async def delta_health(request: Request, call_next):
         updater = getattr(request.app.state, "delta_updater", None)
-        if request.url.path == "/health" and updater is not None and updater.fault is not None:
-            return UpdateError(
-                503, "DeltaCommitFault", "a delta commit failed; weights are suspect", fault=updater.fault
-            ).response()
-        if request.url.path == "/health" and updater is not None and updater.refused:
-            return UpdateError(
-                503,
-                "UnservableLoader",
-                "delta updates cannot be served exactly for some tensors",
-                refused=updater.refused,
-            ).response()
+        if request.url.path != "/health" or updater is None:
+            return await call_next(request)
+        if updater.fault is not None:
+            why = "a delta commit failed; weights are suspect"
+            return UpdateError(503, "DeltaCommitFault", why, fault=updater.fault).response()
+        if updater.refused:
+            why = "delta updates cannot be served exactly for some tensors"
+            return UpdateError(503, "UnservableLoader", why, refused=updater.refused).response()
         return await call_next(request)

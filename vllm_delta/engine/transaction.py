@@ -1,10 +1,6 @@
-"""The one update transaction under both doors: our route and vLLM's weight-transfer backend.
-
-Every rank prepares on a background thread while the engine generates (polled between engine steps);
-the ranks must agree (no refusal, partial digests add up) before any rank writes; generation pauses
-only around the commit of a non-empty delta; a commit that fails part-way leaves it paused and the
-engine faulted until an anchor commits everywhere. One update at a time (`lock`), one fault per
-engine. The doors differ only in how they reach the workers (`Rpc`) and what they answer.
+"""The one update transaction under both doors: ranks prepare while the engine serves, agree before any
+write, and generation pauses only around a non-empty commit; a commit failing part-way leaves the
+engine paused and faulted until an anchor commits everywhere. The doors differ only in their `Rpc`.
 """
 
 from __future__ import annotations
@@ -21,34 +17,17 @@ from prometheus_client import REGISTRY
 from pydantic import ValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from vllm_delta.engine import replicas
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.messages import (
     CommitReply,
     CoverageReply,
     Done,
-    PeersReply,
     PrepareReply,
     PrepareRequest,
-    PrepareStarted,
     ProbeReply,
     Reply,
     StatusReply,
-)
-from vllm_delta.engine.replicas import (
-    across_dp,
-    agree,
-    by_replica,
-    fault_of,
-    first_failed,
-    placement_summary,
-    rank_id,
-    refusal,
-    refused_of,
-    replica_status,
-    summarize,
-    trace_of,
-    with_ranks,
-    worker_seconds,
 )
 from vllm_delta.engine.trace import PhaseTimes
 
@@ -66,6 +45,7 @@ class Sync:
     """One update through the core: the door's phase times and what the ranks answered."""
 
     door: PhaseTimes = field(default_factory=PhaseTimes)
+    id: str = ""  # the workers' request id
     wall_s: float = 0.0
     prepare_s: float = 0.0
     tokens_during_prepare: float | None = None
@@ -114,10 +94,10 @@ class Transaction:
             logger.exception("delta updates: %s failed on a worker", name)
             raise UpdateError(500, "EngineError", f"delta_{name} failed on a worker: {exc}") from exc
 
-    # ---- the update -----------------------------------------------------------------------------
-    async def prepare(self, request: PrepareRequest, sync: Sync) -> list[PrepareReply]:
+    async def prepare(self, request: PrepareRequest) -> Sync:
         """Phase 1 on every rank, then their agreement; on any refusal (or the client going away) every
         rank drops what it staged."""
+        sync = Sync(id=request.id)
         with sync.timing():
             try:
                 with sync.door.phase("agree"):
@@ -128,20 +108,20 @@ class Transaction:
                 if tokens_before is not None and tokens_after is not None:
                     sync.tokens_during_prepare = tokens_after - tokens_before
                 sync.door.add(
-                    "prepare_wait", max(0.0, sync.prepare_s - worker_seconds(prepared, commit=False))
+                    "prepare_wait", max(0.0, sync.prepare_s - replicas.worker_seconds(prepared, commit=False))
                 )
                 with sync.door.phase("agree"):
-                    agree(prepared, self.across_dp)
+                    replicas.agree(prepared, self.across_dp)
             except BaseException:
                 await self.abort(request.id)
                 raise
-        return prepared
+        return sync
 
     async def _prepare(self, request: PrepareRequest) -> list[PrepareReply]:
         """The polls are cheap RPCs between engine steps; the sleeps hand the engine core back."""
-        started = await self.call("prepare_start", request.wire(), reply=PrepareStarted)
-        if (failed := first_failed(started)) is not None:
-            return [PrepareReply(**failed.model_dump(include={"ok", "status", "error", "dp", "rank"}))]
+        started = await self.call("prepare_start", request.wire(), reply=PrepareReply)
+        if failed := [r for r in started if not r.ok]:
+            return failed[:1]
         replies: dict[int, PrepareReply] = {}
         while True:
             for i, reply in enumerate(await self.call("prepare_poll", request.id, reply=PrepareReply)):
@@ -151,12 +131,11 @@ class Transaction:
                 return [replies[i] for i in range(len(started))]
             await asyncio.sleep(PREPARE_POLL_S)
 
-    async def commit(
-        self, request_id: str, sync: Sync, then: Callable[[], Awaitable[None]] | None = None
-    ) -> tuple[list[CommitReply], float]:
+    async def commit(self, sync: Sync, then: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
         """Phase 2: scatter what every rank staged, pausing generation (and dropping the stale prefix
         cache) when anything changed; `then` runs after a successful commit, before the resume. If a
-        rank fails, generation stays paused and `fault` is set until an anchor commits everywhere."""
+        rank fails, generation stays paused and `fault` is set until an anchor commits everywhere.
+        Returns the door's 200 (one summary for all ranks and the trace), kept as `last`."""
         with sync.timing():
             changed, started = bool(sync.prepared[0].total_changed), perf_counter()
             if changed and self.fault is None:  # a faulted engine is paused already
@@ -168,20 +147,20 @@ class Transaction:
                 except EngineDeadError:
                     raise
                 except Exception as exc:
-                    await self.abort(request_id)
+                    await self.abort(sync.id)
                     raise UpdateError(500, "EngineError", f"could not pause generation: {exc}") from exc
             committed: list[CommitReply] = []  # the RPC may raise before any reply
             try:
                 called = perf_counter()
-                committed = await self.call("commit", request_id, reply=CommitReply)
-                waited = perf_counter() - called - worker_seconds(committed, commit=True)
+                committed = await self.call("commit", sync.id, reply=CommitReply)
+                waited = perf_counter() - called - replicas.worker_seconds(committed, commit=True)
                 sync.door.add("commit_wait", max(0.0, waited))
-                if then is not None and first_failed(committed) is None:
+                if then is not None and replicas.first_failed(committed) is None:
                     await then()
             finally:
                 failed = [r for r in committed if not r.ok] if committed else [Done(ok=False)]  # RPC raised
                 if changed and failed:
-                    self.fault = fault_of(failed)
+                    self.fault = replicas.fault_of(failed)
                     logger.error("delta updates: commit failed; generation stays paused: %s", self.fault)
                 elif changed:
                     if all(r.anchor for r in sync.prepared):
@@ -189,17 +168,14 @@ class Transaction:
                     if self.fault is None:
                         with sync.door.phase("resume"):
                             await while_alive(self.engine, self.engine.resume_generation())
-            if (refused := first_failed(committed)) is not None:
-                raise with_ranks(refusal(refused), committed)
-            return committed, perf_counter() - started if changed else 0.0
-
-    def answer(self, sync: Sync, committed: list[CommitReply], pause_s: float) -> dict[str, Any]:
-        """The door's 200: one summary for all ranks, the prepare's cost and the trace; kept as `last`."""
+            if (refused := replicas.first_failed(committed)) is not None:
+                raise replicas.with_ranks(replicas.refusal(refused), committed)
+            pause_s = perf_counter() - started if changed else 0.0
         result = {
-            **summarize(sync.prepared, committed, pause_s),
+            **replicas.summarize(sync.prepared, committed, pause_s),
             "prepare_s": sync.prepare_s,
             "tokens_during_prepare": sync.tokens_during_prepare,
-            "trace": trace_of(sync.door.as_dict(), sync.prepared, committed, sync.wall_s),
+            "trace": replicas.trace_of(sync.door.as_dict(), sync.prepared, committed, sync.wall_s),
         }
         self.last = {k: v for k, v in result.items() if k not in ("ranks", "replicas")}
         return result
@@ -211,30 +187,24 @@ class Transaction:
         except (UpdateError, EngineDeadError):
             pass  # call() logged it, or there is nothing left to abort
 
-    # ---- placement and peers --------------------------------------------------------------------
     async def ensure_peers(self) -> None:
         """Once: every rank learns which elements lower ranks hold, so digests count each once (per DP
         replica, and over all DP engines for the tensors a MoE model splits across them)."""
         if self._peers_set:
             return
-        coverages = [
-            c.model_dump(exclude_none=True) for c in await self.call("coverage", reply=CoverageReply)
-        ]
-        replicas = by_replica(coverages)
-        if len(replicas) == 1:
-            checked = await self.call("set_peers", next(iter(replicas.values())), reply=PeersReply)
-        else:
-            checked = await self.call(
-                "set_peers", [], [[dp, group] for dp, group in replicas.items()], reply=PeersReply
-            )
+        coverages = await self.call("coverage", reply=CoverageReply)
+        groups = replicas.by_replica([c.model_dump(exclude_none=True) for c in coverages])
+        pairs = [[dp, group] for dp, group in groups.items()]
+        args = [pairs[0][1]] if len(pairs) == 1 else [[], pairs]  # under DP, each replica's ranks apart
+        checked = await self.call("set_peers", *args, reply=CoverageReply)
         try:
-            self.across_dp = across_dp([c.model_dump(exclude_none=True) for c in checked])
+            self.across_dp = replicas.across_dp([c.model_dump(exclude_none=True) for c in checked])
         except ValueError as exc:
             raise UpdateError(500, "CoverageError", str(exc)) from None
         for bad in (c for c in checked if not c.coverage["ok"]):
             logger.error(
                 "delta updates: placement coverage check failed on %s; updates are refused: %s",
-                rank_id(bad),
+                replicas.rank_id(bad),
                 bad.coverage["errors"],
             )
         self._peers_set = True
@@ -244,7 +214,7 @@ class Transaction:
 
         async def probe() -> None:
             try:
-                self.refused = refused_of(await self.call("probe", reply=ProbeReply))
+                self.refused = replicas.refused_of(await self.call("probe", reply=ProbeReply))
                 async with self.lock:  # then check, across ranks, that every element is held
                     await self.ensure_peers()
             except (UpdateError, EngineDeadError):
@@ -265,10 +235,10 @@ class Transaction:
             "healthy": not dirty and agreed and self.fault is None and not self.refused,
             "dirty_reasons": dirty,
             "fault": self.fault,
-            "placement": placement_summary([r.placement for r in ranks], self._peers_set),
+            "placement": replicas.placement_summary([r.placement for r in ranks], self._peers_set),
             "last": self.last,
             "ranks": [r.model_dump(exclude={"status", "error"}) for r in ranks],
-            "replicas": replica_status(ranks),
+            "replicas": replicas.replica_status(ranks),
         }
 
 

@@ -1,8 +1,6 @@
-"""`DeltaWorkerExtension`: the worker methods the transaction core reaches through `collective_rpc`.
-
-Why a worker extension: vLLM's own way (`--worker-extension-cls`) to add RPC methods to every TP/EP
-worker, so each rank decodes and writes only what it owns. Methods return the typed messages of
-engine/messages.py as dicts, never raising, so one rank's bad input reaches the door as a status.
+"""`DeltaWorkerExtension` (vLLM's `--worker-extension-cls`): the methods the core reaches on every TP/EP
+worker through `collective_rpc`. They return engine/messages.py's messages as dicts and never raise, so
+one rank's bad input reaches the door as a status.
 """
 
 from __future__ import annotations
@@ -10,8 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -26,17 +23,15 @@ from vllm_delta.engine.messages import (
     CoverageReply,
     Done,
     JoinedReply,
-    PeersReply,
     PrepareReply,
     PrepareRequest,
-    PrepareStarted,
     StatusReply,
     VerifyReply,
     failure,
 )
 from vllm_delta.engine.replicas import moe_world
 from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE, PhaseTimes
-from vllm_delta.engine.worker_transfer import Preparing, decode_threads, prepare_threads, pull, receive
+from vllm_delta.engine.worker_transfer import Preparing, decode_threads, pull, receive
 from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.wire import DeltaError, Manifest, check_lineage, check_versions, open_delta
 from vllm_delta.wire.checkpoint import Checkpoint
@@ -47,16 +42,6 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Fault:
-    """A commit that failed part-way: the engine must not serve until an anchor or a restart."""
-
-    version: int  # the version whose commit failed
-    reason: str
-    failed_at: str | None  # the tensor being written when it failed
-    suspect: list[str]  # tensors that may be partly written (live names)
-
-
-@dataclass
 class DeltaState:
     """Per-worker lineage and health."""
 
@@ -64,7 +49,8 @@ class DeltaState:
     version: int = 0
     # The sender run whose lineage the weights are on (None: the checkpoint, or no run vouches for them).
     run_id: str | None = None
-    fault: Fault | None = None
+    # A commit that failed part-way (version, reason, failed_at, suspect): no serving until an anchor.
+    fault: dict[str, Any] | None = None
     last: dict[str, Any] | None = None
     staged: dict[str, StagedUpdate] = field(default_factory=dict)
     preparing: Preparing | None = None  # a background prepare (delta_prepare_start), until polled
@@ -75,17 +61,13 @@ class DeltaState:
 def local_checkpoint_dir(vllm_config: Any) -> str:
     """The served checkpoint's directory (deltas are checked against its safetensors headers): the model
     path, or a hub id's snapshot in the local HF cache, where vLLM fetched it before any worker ran."""
-    model_config = vllm_config.model_config
-    if os.path.isdir(model_config.model):
-        return model_config.model
+    config = vllm_config.model_config
+    if os.path.isdir(config.model):
+        return config.model
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(
-        model_config.model,
-        revision=model_config.revision,
-        cache_dir=vllm_config.load_config.download_dir,
-        local_files_only=True,
-    )
+    cache = vllm_config.load_config.download_dir
+    return snapshot_download(config.model, revision=config.revision, cache_dir=cache, local_files_only=True)
 
 
 class DeltaWorkerExtension:
@@ -94,16 +76,11 @@ class DeltaWorkerExtension:
     _delta_max_staged: int | None = None  # the staging bound of a request that names none (backend init)
 
     def _delta(self) -> DeltaState:
-        state = getattr(self, "_delta_state", None)
-        if state is None:
-            checkpoint = Checkpoint.open(local_checkpoint_dir(self.vllm_config))
-            state = DeltaState(
-                DeltaApplier(
-                    self._delta_model(), checkpoint.meta, rank=self._delta_rank(), read=checkpoint.read
-                )
-            )
-            state.applier.refused.update(derived.refused(self._delta_model()))
-            self._delta_state = state
+        if (state := getattr(self, "_delta_state", None)) is None:
+            model, checkpoint = self._delta_model(), Checkpoint.open(local_checkpoint_dir(self.vllm_config))
+            applier = DeltaApplier(model, checkpoint.meta, rank=self._delta_rank(), read=checkpoint.read)
+            applier.refused.update(derived.refused(model))
+            state = self._delta_state = DeltaState(applier)
         return state
 
     def _delta_model(self) -> Any:
@@ -118,10 +95,9 @@ class DeltaWorkerExtension:
         return int(getattr(getattr(self.vllm_config, "parallel_config", None), key, default))
 
     def delta_prepare_start(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Start `delta_prepare` on a background thread and return at once, so generation goes on
-        (prepare never writes a live weight; commits wait behind the core's lock). The placement is
-        learned first, here on the engine's thread, if the startup probe has not (loaders must not race
-        a forward)."""
+        """Start `delta_prepare` on a background thread and return at once, so generation goes on. The
+        placement is learned first, on the engine's thread, if the startup probe has not (loaders must
+        not race a forward)."""
         state = self._delta()
         self._delta_join_prepare()  # a prepare a cancelled request left behind
         try:
@@ -132,25 +108,24 @@ class DeltaWorkerExtension:
             _ = state.applier.placements  # the probe, once
         except Exception as exc:
             return failure(500, exc)
-        state.preparing = Preparing(typed.id, prepare_threads())
-        state.preparing.start(lambda: self.delta_prepare(typed))
-        return PrepareStarted(rank=self._delta_rank(), threads=state.preparing.threads).wire()
+        state.preparing = Preparing(typed.id, lambda: self.delta_prepare(typed))
+        return PrepareReply(done=False, rank=self._delta_rank()).wire()
 
     def delta_prepare_poll(self, request_id: str) -> dict[str, Any]:
         """`{"done": False}` while the background prepare runs, then its reply (with `prepare_s`)."""
         preparing = self._delta().preparing
         if preparing is None or preparing.request_id != request_id:
             return failure(409, KeyError(f"no prepare running for {request_id!r}"))
-        if preparing.thread.is_alive():
+        if preparing.is_alive():
             return PrepareReply(done=False, rank=self._delta_rank()).wire()
         self._delta().preparing = None
-        return {**preparing.reply, "done": True, "prepare_s": time.perf_counter() - preparing.started}
+        return {**preparing.reply, "done": True, "prepare_s": time.perf_counter() - preparing.began}
 
     def _delta_join_prepare(self) -> None:
         """Wait for a background prepare nobody polls any more and drop what it staged."""
         preparing = self._delta().preparing
         if preparing is not None:
-            preparing.thread.join()
+            preparing.join()
             self._delta().preparing = None
             self.delta_abort(preparing.request_id)
 
@@ -197,14 +172,9 @@ class DeltaWorkerExtension:
         except (OSError, ValueError) as exc:
             return failure(400, exc)
         if state.fault is not None and not staged.anchor:
-            return failure(
-                500,
-                RuntimeError(
-                    f"engine is dirty since a failed commit of version {state.fault.version} "
-                    "(only a full anchor or a restart repairs it)"
-                ),
-                fault=asdict(state.fault),
-            )
+            why = f"engine is dirty since a failed commit of version {state.fault['version']} "
+            why += "(only a full anchor or a restart repairs it)"
+            return failure(500, RuntimeError(why), fault=state.fault)
         staged.run_id = run_id
         state.staged = {request.id: staged}
         same = ("changed", "total_changed", "bytes_read", "decode_s", "replay", "anchor", "digests")
@@ -226,14 +196,13 @@ class DeltaWorkerExtension:
         try:
             apply_s = state.applier.commit(staged)
         except ApplyFault as exc:
-            state.fault = Fault(staged.version, str(exc), exc.failed_at, exc.suspect)
-            logger.error(
-                "delta updates: commit of version %d failed; suspect tensors %s\n%s",
-                staged.version,
-                exc.suspect,
-                traceback.format_exc(),
+            state.fault = dict(
+                version=staged.version, reason=str(exc), failed_at=exc.failed_at, suspect=exc.suspect
             )
-            return {**failure(500, exc, fault=asdict(state.fault)), "rank": self._delta_rank()}
+            logger.exception(
+                "delta updates: commit of version %d failed; suspect %s", staged.version, exc.suspect
+            )
+            return {**failure(500, exc, fault=state.fault), "rank": self._delta_rank()}
         if staged.anchor:
             state.fault = None
             state.after = {}
@@ -241,11 +210,9 @@ class DeltaWorkerExtension:
         state.version, state.run_id = staged.version, staged.run_id
         last = ("version", "changed", "bytes_read", "decode_s", "replay", "staged_bytes", "max_staged_bytes")
         state.last = {**{k: getattr(staged, k) for k in last}, "apply_s": apply_s, "time": time.time()}
+        phases = staged.times.as_dict(WORKER_COMMIT)
         return CommitReply(
-            rank=self._delta_rank(),
-            apply_s=apply_s,
-            version=state.version,
-            phases=staged.times.as_dict(WORKER_COMMIT),
+            rank=self._delta_rank(), apply_s=apply_s, version=state.version, phases=phases
         ).wire()
 
     def _delta_admit(self, manifest: Manifest, request: PrepareRequest) -> None:
@@ -270,14 +237,13 @@ class DeltaWorkerExtension:
         """Which checkpoint elements this rank holds (source lattices per tensor), for its peers."""
         applier = self._delta().applier
         placements = applier.placements
+        errors = check_map(applier._load_weights, live_params(applier.model), placements, applier.checkpoint)
         return CoverageReply(
             rank=self._delta_rank(),
             coverage=coverage(placements),
             unread=[n for n, p in placements.items() if not p.read],
             fallback=[n for n, p in placements.items() if p.fallback_reason],
-            map_errors=check_map(
-                applier._load_weights, live_params(applier.model), placements, applier.checkpoint
-            ),
+            map_errors=errors,
         ).wire()
 
     def delta_set_peers(
@@ -297,10 +263,9 @@ class DeltaWorkerExtension:
             except ValueError as exc:  # refuses every update, as a hole would
                 applier.coverage = {"ok": False, "errors": {"(data parallel)": str(exc)}, "ignored": []}
                 across = []
-            return PeersReply(
-                rank=self._delta_rank(),
-                coverage=applier.coverage,
-                across_dp=across if self._delta_rank() == 0 else None,
+            across_dp = across if self._delta_rank() == 0 else None
+            return CoverageReply(
+                rank=self._delta_rank(), coverage=applier.coverage, across_dp=across_dp
             ).wire()
         if groups:
             coverages = groups[self._delta_parallel("data_parallel_index", 0)]
@@ -308,18 +273,15 @@ class DeltaWorkerExtension:
         applier.ownership = Ownership.from_coverages(ordered, self._delta_rank())
         # Holes or overlaps across ranks refuse every update (prepare) and show in the status.
         applier.coverage = check_coverage(coverages, shapes)
-        return PeersReply(rank=self._delta_rank(), coverage=applier.coverage).wire()
+        return CoverageReply(rank=self._delta_rank(), coverage=applier.coverage).wire()
 
     def delta_verify(self) -> dict[str, Any]:
         """Full verify of the current weights: counted-once whole-tensor digests, xxh3 where held whole."""
-        state = self._delta()
-        applier = state.applier
-        start = time.perf_counter()
-        digests = {n: [None, applier.whole_partial(n)] for n, (d, _) in state.after.items() if d is not None}
-        hash_checked, hash_bad = applier.post_hash_mismatches(
-            {n: h for n, (_, h) in state.after.items() if h is not None}
-        )
-        expected = {n: [None, d] for n, (d, _) in state.after.items() if d is not None}
+        state, start = self._delta(), time.perf_counter()
+        applier, after = state.applier, state.after
+        digests = {n: [None, applier.whole_partial(n)] for n, (d, _) in after.items() if d is not None}
+        hash_checked, hash_bad = applier.post_hash_mismatches({n: h for n, (_, h) in after.items() if h})
+        expected = {n: [None, d] for n, (d, _) in after.items() if d is not None}
         return VerifyReply(
             rank=self._delta_rank(),
             digests=digests,
@@ -373,8 +335,8 @@ class DeltaWorkerExtension:
             version=state.version,
             run_id=state.run_id,
             dirty=state.fault is not None,
-            dirty_reason=state.fault and state.fault.reason,
-            fault=state.fault and asdict(state.fault),
+            dirty_reason=state.fault and state.fault["reason"],
+            fault=state.fault,
             last=state.last,
             placement=state.applier.placement_status(),
             fallback=state.applier.fallback_tensors if state.applier.probed else None,

@@ -1,6 +1,6 @@
 """How a worker's prepare runs: on a background thread (`collective_rpc` runs inside the engine core's
-busy loop, so the core polls it), and, for a delta not on disk, received from the trainer's collective
-group or pulled from the object store: the manifest, the admission check, flushes decoded as they come.
+busy loop, so the core polls it), and for a delta not on disk, received from the trainer's collective
+group or pulled from the object store, admitted before any flush moves.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,8 +24,7 @@ Stage = Callable[[Manifest, Iterable[Any]], StagedUpdate]  # the applier's prepa
 
 
 def prepare_threads() -> int:
-    """Intra-op threads for a background prepare: at most half of the engine's, so generation keeps a
-    share."""
+    """Intra-op threads for a background prepare: at most half the engine's, so generation keeps a share."""
     return max(1, min(4, torch.get_num_threads() // 2))
 
 
@@ -40,28 +38,22 @@ def decode_threads(model: torch.nn.Module) -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) // local))
 
 
-@dataclass
-class Preparing:
-    """A prepare running on a background thread with `threads` intra-op threads; `reply` is set when it
-    ends."""
+class Preparing(threading.Thread):
+    """A prepare on a background thread with its share of intra-op threads; `reply` is set when it ends."""
 
-    request_id: str
-    threads: int
-    started: float = field(default_factory=time.perf_counter)
-    reply: dict[str, Any] | None = None
-    thread: threading.Thread | None = None
+    def __init__(self, request_id: str, prepare: Callable[[], dict[str, Any]]) -> None:
+        super().__init__(name="delta-prepare", daemon=True)
+        self.request_id, self.prepare, self.threads = request_id, prepare, prepare_threads()
+        self.began, self.reply = time.perf_counter(), {}
+        self.start()
 
-    def start(self, prepare: Callable[[], dict[str, Any]]) -> None:
-        def run() -> None:
-            torch.set_num_threads(self.threads)  # this thread's OpenMP pool; the engine's own is untouched
-            try:
-                self.reply = prepare()
-            except Exception as exc:  # prepare reports input errors itself; anything else is ours
-                logger.exception("delta updates: prepare crashed")
-                self.reply = failure(500, exc)
-
-        self.thread = threading.Thread(target=run, name="delta-prepare", daemon=True)
-        self.thread.start()
+    def run(self) -> None:
+        torch.set_num_threads(self.threads)  # this thread's OpenMP pool; the engine's own is untouched
+        try:
+            self.reply = self.prepare()
+        except Exception as exc:  # prepare reports input errors itself; anything else is ours
+            logger.exception("delta updates: prepare crashed")
+            self.reply = failure(500, exc)
 
 
 def receive(

@@ -1,6 +1,5 @@
-"""Register our backend in vLLM's two weight-transfer registries, from our `vllm.general_plugins` entry
-point, which vLLM loads in every process before any engine exists; by module path, so nothing of ours
-is imported until used. Who holds which name: `backend_names.py`.
+"""Our backend in vLLM's two weight-transfer registries (by module path: nothing of ours is imported until
+used), from the general plugin, which vLLM loads in every process. Who holds which name: backend_names.py.
 """
 
 from __future__ import annotations
@@ -8,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 
+from vllm_delta import settings
 from vllm_delta.backend_names import ALIAS, BACKEND, holder, is_ours, package_of
 
 logger = logging.getLogger("vllm.delta_updates")
@@ -50,9 +50,9 @@ def register_backends() -> None:
                 )
 
 
-def keep_cpu_weights_when_configured() -> None:
-    """Observe post-load transforms (engine/transforms) for engines using our backend; decided when the
-    post-load step runs (under the worker's config, which the plugin cannot see), stock vLLM otherwise."""
+def observe_post_load_steps() -> None:
+    """Observe post-load steps (engine/transforms) with our route on, or in engines whose weight-transfer
+    backend is ours: decided when the step runs, under the worker's config; stock vLLM otherwise."""
     from vllm.config import get_current_vllm_config_or_none
     from vllm.model_executor.model_loader import base_loader
 
@@ -62,6 +62,8 @@ def keep_cpu_weights_when_configured() -> None:
         return
     stock = base_loader.process_weights_after_loading
     transforms.install()
+    if settings.updates_enabled():  # set by --enable-delta-updates before the workers start
+        return
     keeping = base_loader.process_weights_after_loading
 
     @functools.wraps(stock)

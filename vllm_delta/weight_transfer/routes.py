@@ -1,10 +1,6 @@
-"""Front end of the `delta` backend, one door over the transaction core: vLLM's own `/update_weights` and
-`/finish_weight_update`, answered the way `POST /update_weights_delta` answers.
-
-Why replace vLLM's two routes (same paths and bodies): vLLM's turn every worker error into a 500 and
-cannot hold generation around a commit. Here `/update_weights` is the core's prepare and
-`/finish_weight_update` its commit, then vLLM's own `finish_weight_update` (session, `weight_version`);
-a refusal ends the session as vLLM does. Mounted only for `delta`, in dev mode (as vLLM's are).
+"""Front end of the `delta` backend, a door over the core: vLLM's `/update_weights` (the core's prepare)
+and `/finish_weight_update` (its commit, then vLLM's own finish), replaced because vLLM's make every
+worker error a 500 and cannot pause around a commit. Mounted only for `delta`, in dev mode (as vLLM's).
 """
 
 from __future__ import annotations
@@ -52,16 +48,10 @@ class WeightTransferDoor(Transaction):
 
     def __init__(self, engine: Any) -> None:
         super().__init__(engine, lambda name, args: rpc_all(engine, WORKER_RPC, (name, *args)))
-        self.prepared: tuple[str, Sync] | None = None  # (request id, its sync) until finished
+        self.prepared: Sync | None = None  # until finished
 
     async def update(self, update_info: dict[str, Any]) -> dict[str, Any]:
-        """Phase 1 on every worker (nothing written); a refusal is the route's status and body.
-
-        Shielded: a client that goes away mid-prepare does not leave vLLM's session open.
-        """
-        return await asyncio.shield(self._update(update_info))
-
-    async def _update(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """Phase 1 on every worker (nothing written); a refusal is the route's status and body."""
         from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
 
         async with self.lock:
@@ -70,12 +60,11 @@ class WeightTransferDoor(Transaction):
                 try:
                     body = validated(DeltaUpdateRequest, update_info)
                     request = prepare_request(body, delta_root(), None)  # the bound: the workers' init info
-                    sync = Sync()
-                    await self.prepare(request, sync)
+                    sync = await self.prepare(request)
                 except UpdateError:
                     await self._end_session()
                     raise
-            self.prepared = (request.id, sync)
+            self.prepared = sync
             return {"prepare_s": sync.prepare_s, "tokens_during_prepare": sync.tokens_during_prepare}
 
     async def finish(self, weight_version: str | None) -> dict[str, Any] | None:
@@ -98,13 +87,11 @@ class WeightTransferDoor(Transaction):
                 if prepared is None:
                     await vllm_finish()
                     return None
-                request_id, sync = prepared
                 try:
-                    committed, pause_s = await self.commit(request_id, sync, then=vllm_finish)
+                    result = await self.commit(prepared, then=vllm_finish)
                 except UpdateError:
                     await self._end_session()
                     raise
-            result = self.answer(sync, committed, pause_s)
         return {k: v for k, v in result.items() if k not in ("replay", "fallback", "ranks", "replicas")}
 
     async def _end_session(self) -> None:
@@ -122,7 +109,8 @@ def _door(request: Request) -> WeightTransferDoor:
 async def update_weights(request: Request) -> JSONResponse:
     async def update() -> dict[str, Any]:
         body = validated(UpdateBody, await request.body())
-        return {"message": "Weights updated", **await _door(request).update(body.update_info)}
+        # Shielded: a client that goes away mid-prepare does not leave vLLM's session open.
+        return {"message": "Weights updated", **await asyncio.shield(_door(request).update(body.update_info))}
 
     return await answered(update(), "update")
 
@@ -130,9 +118,8 @@ async def update_weights(request: Request) -> JSONResponse:
 @router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> JSONResponse:
     async def finish() -> dict[str, Any]:
-        result = await _door(request).finish(
-            validated(FinishBody, await request.body() or b"{}").weight_version
-        )
+        body = validated(FinishBody, await request.body() or b"{}")
+        result = await _door(request).finish(body.weight_version)
         return {"message": "Weight update finished", "delta": result and observed(result, "commit")}
 
     return await answered(finish(), "commit")

@@ -1,15 +1,13 @@
-"""The trainer side of the `delta` backend: `WeightTransferTrainerFactory.trainer_init(...)` ->
-`send_weights()`, a `DeltaSender` (snapshot, ack gating, catch-ups, anchors) adapted to a `WeightSource`
-and to vLLM's weight-sync clients (`SyncClientLinks`: "apply this version" is `start_weight_update`,
-`update_weights`, `finish_weight_update(weight_version=str(version))`; "which version" is vLLM's
-`weight_version`). With a `group`, each trainer rank diffs what it holds; rank 0 talks to the engines.
+"""The trainer side of the `delta` backend: a `DeltaSender` behind `trainer_init` and `send_weights()`,
+over vLLM's weight-sync clients (`SyncClientLinks`). With a `group`, each trainer rank diffs what it
+holds; rank 0 talks to the engines.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Self
 
 import torch
@@ -49,13 +47,6 @@ class DeltaTrainerInitInfo(TrainerInitInfo):
             raise ValueError("the disk transport needs delta_dir (the engines' --delta-updates-root)")
 
 
-# The init info's fields that are `DeltaSender`'s options of the same name.
-SENDER_OPTIONS = (
-    *("transport", "delta_dir", "encoding", "overwrite_encoding", "flush_bytes", "anchor_every", "keep"),
-    *("post_hash", "master_addr", "collective_timeout_s", "group", "version", "signing_keys"),
-)
-
-
 class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerInitInfo]):
     """One `send_weights()`: one delta sync of the source to every engine; the sender's metrics."""
 
@@ -84,29 +75,24 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
                 "this rank holds part of the model (held_names): pass group=, the trainer ranks' "
                 "gloo group, so every rank sends what it holds"
             )
-        clients = engine_clients(client)
+        clients, sender = engine_clients(client), None
         if not init_info.is_sender and init_info.group is None:  # rank 0 sends everything
             if init_info.checkpoint is None:
                 drain(source)  # rank 0's seeding pass may be a collective (FSDP gathers)
-            return cls(
-                client=client, source=source, is_sender=False, sender=None, transport=init_info.transport
-            )
-        if init_info.is_sender and init_info.transport == "disk":
-            for c in clients.values():
-                c.init_weight_transfer_engine({"transport": "disk"})
-        options = {k: getattr(init_info, k) for k in SENDER_OPTIONS}
-        sender = DeltaSender(list(clients), client=SyncClientLinks(clients), **options)
-        if init_info.checkpoint is not None:
-            sender.seed_from_checkpoint(init_info.checkpoint, names=held)
         else:
-            sender.seed(held_tensors(source))
-        return cls(
-            client=client,
-            source=source,
-            is_sender=init_info.is_sender,
-            sender=sender,
-            transport=init_info.transport,
-        )
+            if init_info.is_sender and init_info.transport == "disk":
+                for c in clients.values():
+                    c.init_weight_transfer_engine({"transport": "disk"})
+            # Every init info field but these two is the `DeltaSender` option of its name.
+            options = {f.name: getattr(init_info, f.name) for f in fields(init_info)}
+            options = {k: v for k, v in options.items() if k not in ("rank", "checkpoint")}
+            sender = DeltaSender(list(clients), client=SyncClientLinks(clients), **options)
+            if init_info.checkpoint is not None:
+                sender.seed_from_checkpoint(init_info.checkpoint, names=held)
+            else:
+                sender.seed(held_tensors(source))
+        is_sender, transport = init_info.is_sender, init_info.transport
+        return cls(client=client, source=source, is_sender=is_sender, sender=sender, transport=transport)
 
     def send_weights(self) -> dict[str, float]:
         """Diff, encode, move and apply (prepare, then commit) on every engine; ack-gated."""
@@ -169,9 +155,7 @@ class SyncClientLinks:
         return self._each(bodies, self._collective_init)
 
     def _each(self, bodies: Mapping[str, Mapping[str, Any]], call) -> dict[str, Reply]:
-        with ThreadPoolExecutor(
-            max_workers=len(bodies), thread_name_prefix="vllm-delta-weight-transfer"
-        ) as pool:
+        with ThreadPoolExecutor(len(bodies), thread_name_prefix="vllm-delta-weight-transfer") as pool:
             futures = {n: pool.submit(_replied, n, call, self.clients[n], b) for n, b in bodies.items()}
             return {n: f.result() for n, f in futures.items()}
 
@@ -186,9 +170,9 @@ class SyncClientLinks:
     def _status(client: Any, _: Mapping[str, Any]) -> dict[str, Any]:
         """The engine's `weight_version` as our version (anything else: unknown, anchor it); the run is
         unknown (None), as vLLM's protocol carries none."""
-        raw = weight_version(client)
-        version = int(raw) if raw.isdigit() else -1
-        return {"version": version, "run_id": None, "healthy": True, "ranks": list(range(world_size(client)))}
+        raw = str(engine_info(client, "weight_version", "weight_info"))
+        ranks = list(range(int(engine_info(client, "world_size", "get_world_size?include_dp=false"))))
+        return {"version": int(raw) if raw.isdigit() else -1, "run_id": None, "healthy": True, "ranks": ranks}
 
     @staticmethod
     def _collective_init(client: Any, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -216,29 +200,18 @@ def _replied(name: str, call, client: Any, body: Mapping[str, Any]) -> Reply:
         return Reply(name, 500, {"error": {"type": type(exc).__name__, "message": str(exc)}})
 
 
-def weight_version(client: Any) -> str:
-    """vLLM's `weight_version` through the client: an `LLM`-like one, or vLLM's HTTP route."""
-    if hasattr(client, "get_weight_version"):
-        return str(client.get_weight_version())
-    return str(_get(client, "weight_info")["weight_version"])
-
-
-def world_size(client: Any) -> int:
-    """The engine's worker count (TP x PP), each of which joins a collective group."""
-    if hasattr(client, "get_world_size"):
-        return int(client.get_world_size())
-    return int(_get(client, "get_world_size?include_dp=false")["world_size"])
-
-
-def _get(client: Any, route: str) -> dict[str, Any]:
+def engine_info(client: Any, name: str, route: str) -> Any:
+    """`get_<name>()` of an `LLM`-like client, else `name` in the answer of vLLM's HTTP `route`."""
+    if hasattr(client, f"get_{name}"):
+        return getattr(client, f"get_{name}")()
     import requests
 
     base = getattr(client, "base_url", None)
     if base is None:
-        raise TypeError(f"{type(client).__name__} offers neither get_weight_version nor a base_url")
+        raise TypeError(f"{type(client).__name__} offers neither get_{name} nor a base_url")
     response = requests.get(f"{base}/{route}", timeout=getattr(client, "timeout", 60))
     response.raise_for_status()
-    return response.json()
+    return response.json()[name]
 
 
 class OfflineLLMClient:
@@ -248,26 +221,17 @@ class OfflineLLMClient:
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
+    def __getattr__(self, name: str) -> Any:  # the session calls, `get_weight_version`: the LLM's own
+        return getattr(self.llm, name)
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
-
-    def get_weight_version(self) -> str:
-        return self.llm.get_weight_version()
-
     def get_world_size(self) -> int:
         return self.llm.llm_engine.vllm_config.parallel_config.world_size
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
 
 
 register_backends()  # a trainer process need not load vLLM's plugins: our init info makes `delta` known

@@ -1,8 +1,6 @@
-"""The worker half of the `delta` backend: vLLM's `WeightTransferEngine`, as our worker extension (same
-state, lineage, placement and fault) speaking vLLM's lifecycle. Two callers drive it: the HTTP front end,
-through the core and one worker method `delta_weight_transfer(name, *args)` (`worker_rpc`); and the
-offline `LLM`, which prepares inside `update_weights`, agrees over vLLM's CPU world group, and commits
-in `finish_weight_update`.
+"""The worker half of the `delta` backend: our worker extension speaking vLLM's `WeightTransferEngine`
+lifecycle. The HTTP front end drives it through the core and one worker method (`worker_rpc`); the
+offline `LLM` prepares in `update_weights`, agrees over vLLM's CPU world group, commits at the finish.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vllm_delta.engine.cli_args import EPLB_REFUSAL, WORKER_EXTENSION
 from vllm_delta.engine.http_errors import DeltaTransferError, UpdateError, validated
-from vllm_delta.engine.messages import Message, PrepareReply, PrepareRequest, failure
+from vllm_delta.engine.messages import Message, PrepareReply, failure
 from vllm_delta.engine.replicas import agree
 from vllm_delta.engine.request import CollectiveInitRequest, DeltaUpdateRequest, delta_root, prepare_request
 from vllm_delta.engine.worker import DeltaState, DeltaWorkerExtension
@@ -49,10 +47,8 @@ class DeltaWeightTransferEngine(
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         if vllm_config.parallel_config.worker_extension_cls == WORKER_EXTENSION:
-            raise ValueError(
-                "the `delta` weight-transfer backend and --enable-delta-updates (our worker extension) "
-                "cannot serve the same engine: choose one"
-            )
+            why = "the `delta` backend and --enable-delta-updates cannot serve the same engine"
+            raise ValueError(f"{why}: choose one")
         if vllm_config.parallel_config.enable_eplb:
             raise ValueError(EPLB_REFUSAL)
         super().__init__(config, vllm_config, device, model)
@@ -103,8 +99,8 @@ class DeltaWeightTransferEngine(
             self.delta_set_peers(_all_ranks(self.delta_coverage()))
             self._peers_set = True
         request_id = None
-        try:
-            request = self._request(update_info)
+        try:  # the path resolved under the backend's root exactly as the route does
+            request = prepare_request(update_info, delta_root(), self._delta_max_staged)
             request_id = request.id
             result = self.delta_prepare(request)
         except UpdateError as err:  # every rank refuses alike, and all of them still agree below
@@ -117,11 +113,6 @@ class DeltaWeightTransferEngine(
                     self.delta_abort(request_id)
                 raise
         self._staged_id = request_id
-
-    def _request(self, body: DeltaUpdateRequest) -> PrepareRequest:
-        """The workers' request, the path resolved under the backend's root exactly as the route does."""
-        with _raised():
-            return prepare_request(body, delta_root(), self._delta_max_staged)
 
     def finish_weight_update(self) -> None:
         """Commit what `update_weights` prepared (nothing if it prepared nothing)."""
@@ -152,9 +143,7 @@ def _raised() -> Iterator[None]:
 
 
 # The worker methods the core reaches (`delta_<name>`), and those that belong inside a vLLM update session.
-CORE_RPCS = frozenset(
-    {"probe", "coverage", "set_peers", "prepare_start", "prepare_poll", "commit", "abort", "status"}
-)
+CORE_RPCS = frozenset("probe coverage set_peers prepare_start prepare_poll commit abort status".split())
 SESSION_RPCS = frozenset({"prepare_start", "commit"})
 
 
@@ -174,13 +163,11 @@ def worker_rpc(worker: Any, name: str, *args: Any) -> dict[str, Any]:
     rank's failure and the others answer the next RPC; so a call outside a session is a 409 here."""
     engine = getattr(worker, "weight_transfer_engine", None)
     if not isinstance(engine, DeltaWeightTransferEngine):
-        return UpdateError(
-            500, "NotConfigured", f"this worker's weight-transfer engine is not `delta` ({engine!r})"
-        ).reply()
+        why = f"this worker's weight-transfer engine is not `delta` ({engine!r})"
+        return UpdateError(500, "NotConfigured", why).reply()
     if name in SESSION_RPCS and not worker._weight_update_active:
-        return UpdateError(
-            409, "NoUpdateSession", "no weight update in progress: call start_weight_update first"
-        ).reply()
+        why = "no weight update in progress: call start_weight_update first"
+        return UpdateError(409, "NoUpdateSession", why).reply()
     try:
         if name == "end_session":
             engine._drop_staged()
