@@ -61,13 +61,13 @@ def _payload_bytes(changed: int) -> int:
 
 def info(worker) -> dict[str, Any]:
     """Model facts: params, threads, what vLLM's CPU post-load step transformed."""
-    from vllm_delta.engine import canonical_weights
+    from vllm_delta.engine import derived
 
     model = worker.model_runner.get_model()
     stashed, restored = [], []
-    for name, module in model.named_modules():
-        stashed += [f"{name}.{n}" for n in getattr(module, canonical_weights.STASH_ATTR, {})]
-        restored += [f"{name}.{n}" for n in getattr(module, canonical_weights.RESTORED_ATTR, set())]
+    for unit in derived.discovery(model).units:
+        stashed += [f"{unit.name}.{n}" for n in unit.canonical]
+        restored += [f"{unit.name}.{k[6:]}" for k, kind in unit.derived.items() if kind == "emptied"]
     return {
         "torch_threads": torch.get_num_threads(),
         "rss": _status_kib("VmRSS") << 10,
@@ -126,7 +126,7 @@ def ours(worker, path: str, version: int, max_staged_bytes: int) -> dict[str, An
     model = worker.model_runner.get_model()
     prebuilt_bytes = sum(
         p.numel() * p.element_size()
-        for n in staged.prebuilt.modules
+        for n, _ in staged.prebuilt.built
         for p in model.get_submodule(n).parameters()
     )
     del staged

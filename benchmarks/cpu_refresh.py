@@ -1,16 +1,16 @@
-"""Where `canonical_weights.refresh` spends its time on vLLM's real CPU linear layers (the oneDNN repack).
+"""Where a "rerun" unit's re-run (`derived.Unit.rederive`) spends its time on vLLM's real CPU linear layers (the oneDNN repack).
 
 Builds the 0.5 B Llama's 112 linear layers of benchmarks/apply.py (28 layers x qkv [2048, 1024],
 o [1024, 1024], gate_up [8192, 1024], down [1024, 4096], bf16) as vLLM unquantized linear layers,
 runs vLLM's post-load step under our observation (as an engine with delta updates on does), then
 times, per kind and for all 112, in rounds whose order alternates:
 
-- refresh: `canonical_weights.refresh`, what a commit runs for every touched module;
+- refresh: `derived.Unit.rederive`, what a commit runs for every touched module;
 - step: vLLM's step alone (`dispatch_cpu_unquantized_gemm`) with the weight put back, the floor
   of any refresh that re-runs vLLM's step;
 - create: `create_onednn_mm` alone on the canonical tensor (the oneDNN reorder into its packed
   copy), each replacing the module's previous handler as the step does;
-- prebuild: `canonical_weights.prebuild` from a copy of each weight, what a prepare now runs for every
+- prebuild: `derived.prebuild` from a copy of each weight, what a prepare now runs for every
   touched linear (while the engine serves);
 - swap: `stand_in.Built.install` of those handlers, what the commit now runs in their place;
 - memcpy: `copy_` of the same bytes into preallocated tensors, the floor of any full repack;
@@ -33,7 +33,7 @@ from torch import nn
 SHAPES = {"qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (8192, 1024), "down": (1024, 4096)}
 
 
-def build(layers: int) -> dict[str, list[nn.Module]]:
+def build(layers: int) -> tuple[nn.Module, dict[str, list[nn.Module]]]:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     from vllm_delta.engine import transforms
@@ -48,14 +48,14 @@ def build(layers: int) -> dict[str, list[nn.Module]]:
     with transforms.observing(model):
         for m in model.values():
             m.quant_method.process_weights_after_loading(m)
-    return {kind: [m for name, m in model.items() if name.endswith(f"_{kind}")] for kind in SHAPES}
+    return model, {kind: [m for name, m in model.items() if name.endswith(f"_{kind}")] for kind in SHAPES}
 
 
-def variants(mods: list[nn.Module]) -> dict[str, Callable[[], object]]:
+def variants(model: nn.Module, mods: list[nn.Module]) -> dict[str, Callable[[], object]]:
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    from vllm_delta.engine import canonical_weights
+    from vllm_delta.engine import derived, transforms
 
     outs = [torch.empty_like(m.weight) for m in mods]
 
@@ -70,17 +70,18 @@ def variants(mods: list[nn.Module]) -> dict[str, Callable[[], object]]:
             handler = ops.create_onednn_mm(m.weight.t(), 32)
             m.cpu_linear = lambda x, weight, bias, h=handler: ops.onednn_mm(h, x, bias)
 
-    made: list = []  # canonical_weights.prebuild's stand_in.Built per module
+    made: list = []  # derived.prebuild's stand_in.Built per module
 
     def prebuild() -> None:
-        made[:] = [canonical_weights.prebuild(m, {"weight": m.weight.clone()}) for m in mods]
+        units = [transforms.rerun_unit(m) for m in mods]
+        made[:] = [derived.prebuild(model, u, {f"{u.name}.weight": u.module.weight.clone()}) for u in units]
 
     def swap() -> None:
         for built in made:
             built.install()
 
     return {
-        "refresh": lambda: canonical_weights.refresh(mods),
+        "refresh": lambda: [transforms.rerun_unit(m).rederive() for m in mods],
         "prebuild": prebuild,
         "swap": swap,
         "step": step,
@@ -104,12 +105,12 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    by_kind = build(a.layers)
+    model, by_kind = build(a.layers)
     groups = {**by_kind, "all": [m for ms in by_kind.values() for m in ms]}
     samples: dict[str, dict[str, list[tuple[float, float]]]] = {g: {} for g in groups}
     for r in range(a.rounds):
         for group, mods in groups.items():
-            vs = list(variants(mods).items())
+            vs = list(variants(model, mods).items())
             for name, fn in vs if r % 2 == 0 else vs[::-1]:
                 fn()  # warm: the first call after another group's allocates, later ones reuse
                 samples[group].setdefault(name, []).append(timed(fn))

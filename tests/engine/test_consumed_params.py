@@ -14,7 +14,7 @@ import torch
 from harness.synthetic import vllm_loop
 from torch import nn
 
-from vllm_delta.engine import canonical_weights, transforms
+from vllm_delta.engine import transforms
 
 SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale")
 
@@ -49,9 +49,9 @@ def test_a_step_that_deletes_its_scales_is_served_by_rerunning_it(kv_cache_dtype
     assert vllm_loop(model) == {"attn": "rerun"}
     assert sorted(getattr(model.attn, transforms.TRANSFORM_ATTR).changed) == sorted(SCALES)
     # A delta to k_scale lands in the tensor the placement sees, and the step derives from it again.
-    live, canonical = canonical_weights.canonical_tensors(model)["attn.k_scale"]
+    live, canonical = transforms.canonical_tensors(model)["attn.k_scale"]
     canonical.fill_(0.125)
-    canonical_weights.refresh([model.attn])
+    transforms.rerun_unit(model.attn).rederive()
     fresh = _model(kv_cache_dtype, 0.125, 0.25)
     vllm_loop(fresh)
     for n in ("_k_scale", "_v_scale", "_q_scale", "_k_scale_cpu", "_v_scale_cpu"):

@@ -1,5 +1,5 @@
-"""`canonical_weights.refresh` on vLLM's real CPU linear layers (the oneDNN repack) and on a step that writes
-into its input.
+"""A "rerun" unit's re-run (`derived.Unit.rederive`) on vLLM's real CPU linear layers (the oneDNN
+repack) and on a step that writes into its input.
 
 Why: on an x86 CPU with AMX, vLLM's post-load step for an unquantized linear layer hands the
 weight to oneDNN (`create_onednn_mm`), which serves from its own packed copy, and empties
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_delta.engine import canonical_weights, commit, transforms
+from vllm_delta.engine import commit, transforms
 from vllm_delta.engine.staging import Chunk, StagedUpdate
 
 pytest.importorskip("vllm")
@@ -65,8 +65,14 @@ def started(w: dict[str, torch.Tensor]) -> nn.ModuleDict:
     return model
 
 
+def rerun(modules) -> None:
+    """What a commit does for each touched "rerun" module no stand-in could build: its step re-run."""
+    for m in modules:
+        transforms.rerun_unit(m).rederive()
+
+
 def fresh(w: dict[str, torch.Tensor]) -> nn.ModuleDict:
-    """The reference: layers built from `w` by vLLM's step alone (no transforms, no canonical_weights)."""
+    """The reference: layers built from `w` by vLLM's step alone (no transforms)."""
     model = nn.ModuleDict({k: Linear(t) for k, t in w.items()})
     for m in model.values():
         m.quant_method.process_weights_after_loading(m)
@@ -85,7 +91,7 @@ def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[st
 def delta(model: nn.ModuleDict, new: dict[str, torch.Tensor], seed: int) -> None:
     """Step 2% of each weight by one ULP in `new` (the trainer's new checkpoint) and write those
     values in place into the tensors deltas target, at flat offsets, as a commit does."""
-    targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
+    targets = {n: canon for n, (_, canon) in transforms.canonical_tensors(model).items()}
     gen = torch.Generator().manual_seed(seed)
     for k, values in new.items():
         bits = values.view(-1).view(torch.int16)
@@ -127,7 +133,7 @@ def test_a_refreshed_linear_computes_like_a_fresh_one_and_only_after_the_refresh
     delta(model, w1, seed=1)
     # oneDNN serves from its own packed copy: the write has not reached the kernel.
     assert differing(outputs(model), served0) == []
-    canonical_weights.refresh(list(model.values()))
+    rerun(model.values())
     served1 = outputs(fresh(w1))
     assert differing(served1, served0) == list(SHAPES)  # the delta does change every layer's output
     assert differing(outputs(model), served1) == []
@@ -140,7 +146,7 @@ def test_a_refreshed_linear_computes_like_a_fresh_one_and_only_after_the_refresh
     w2 = {k: t.clone() for k, t in w1.items()}
     delta(model, w2, seed=2)
     assert differing(outputs(model), served1) == []
-    canonical_weights.refresh(list(model.values()))
+    rerun(model.values())
     assert differing(outputs(model), outputs(fresh(w2))) == []
     assert {k: m.weight.data_ptr() for k, m in model.items()} == pointers
 
@@ -169,7 +175,7 @@ def test_refreshing_a_linear_packs_once_and_copies_nothing(monkeypatch):
 
     monkeypatch.setattr(ops, "create_onednn_mm", counted)
     with OpCount() as count:
-        canonical_weights.refresh(list(model.values()))
+        rerun(model.values())
     assert len(built) == len(SHAPES)
     assert {w.data_ptr() for w in built} == {
         m.weight.data_ptr() for m in model.values()
@@ -213,11 +219,11 @@ def test_a_step_that_writes_into_its_input_runs_on_a_copy_of_the_canonical_tenso
         model["m"].quant_method.process_weights_after_loading(model["m"])
     m = model["m"]
     assert getattr(m, transforms.TRANSFORM_ATTR).kind == "rerun"
-    canon = getattr(m, canonical_weights.STASH_ATTR)["weight"]
+    canon = transforms.rerun_unit(m).canonical["weight"]
     for step in range(1, 3):
         canon[step % 8, 0] = float(step)
         w[step % 8, 0] = float(step)
-        canonical_weights.refresh([m])
+        rerun([m])
         assert torch.equal(canon, w)
         assert torch.equal(m.weight.data, w * 2) and torch.equal(m.kernel, (w * 2).t())
 
@@ -225,7 +231,7 @@ def test_a_step_that_writes_into_its_input_runs_on_a_copy_of_the_canonical_tenso
 def _staged_delta(model: nn.ModuleDict, new: dict[str, torch.Tensor], seed: int) -> StagedUpdate:
     """`delta`'s 2% one-ULP steps as a prepare stages them (flat offsets and new values per weight), in
     `new` and not yet in the model."""
-    targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
+    targets = {n: canon for n, (_, canon) in transforms.canonical_tensors(model).items()}
     gen = torch.Generator().manual_seed(seed)
     writes = {}
     for k, values in new.items():
@@ -261,9 +267,9 @@ def test_the_repack_is_built_in_prepare_and_only_swapped_in_at_commit(monkeypatc
     before = {k: m.weight.clone() for k, m in model.items()}
     w1 = {k: t.clone() for k, t in w0.items()}
     staged = _staged_delta(model, w1, seed=1)
-    targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
+    targets = {n: canon for n, (_, canon) in transforms.canonical_tensors(model).items()}
     staged.prebuilt = commit.prebuild_touched(model, targets, staged.writes)
-    assert sorted(staged.prebuilt.modules) == sorted(SHAPES)
+    assert sorted(n for n, _ in staged.prebuilt.built) == sorted(SHAPES)
     assert {k: m.cpu_linear for k, m in model.items()} == handlers
     assert all(torch.equal(m.weight.view(torch.int16), before[k].view(torch.int16)) for k, m in model.items())
     assert differing(outputs(model), served0) == []
@@ -302,14 +308,14 @@ def test_the_lm_heads_repack_is_built_in_prepare_too(monkeypatch):
     model = nn.ModuleDict({"lm_head": LMHead(w0["lm_head"])})
     with transforms.observing(model):
         model["lm_head"].quant_method.process_weights_after_loading(model["lm_head"])
-    assert canonical_weights.needs_refresh(model["lm_head"])
+    assert transforms.rerun_unit(model["lm_head"]) is not None
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     served0 = model["lm_head"](x)
     w1 = {"lm_head": w0["lm_head"].clone()}
     staged = _staged_delta(model, w1, seed=1)
-    targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
+    targets = {n: canon for n, (_, canon) in transforms.canonical_tensors(model).items()}
     staged.prebuilt = commit.prebuild_touched(model, targets, staged.writes)
-    assert sorted(staged.prebuilt.modules) == ["lm_head"]
+    assert sorted(n for n, _ in staged.prebuilt.built) == ["lm_head"]
     assert torch.equal(model["lm_head"](x), served0)  # prepare changed nothing served
 
     built = []

@@ -355,11 +355,11 @@ def _observed(module: torch.nn.Module):
     model = torch.nn.Sequential(module)
     with torch.no_grad():
         module.kv_b_proj.weight.copy_(torch.randn(32, 64))
-    found = derived._Discoverer(model, {n for n, _ in model.named_parameters()})
+    found = derived.Discovery()
+    setattr(model, derived.DISCOVERY_ATTR, found)
     weight = module.kv_b_proj.weight
-    found.observe("0", module, type(module).process_weights_after_loading)
-    setattr(model, derived.DISCOVERY_ATTR, found.found)
-    return model, found.found, weight
+    derived._Discoverer(model, found).observe("0", module, type(module).process_weights_after_loading)
+    return model, found, weight
 
 
 def test_amx_shaped_step_rederived_in_place():

@@ -19,9 +19,15 @@ import pytest
 import torch
 from torch import nn
 
-from vllm_delta.engine import canonical_weights
 from vllm_delta.engine.staging import flat_storage
-from vllm_delta.engine.transforms import observing, offset_maps, transformed
+from vllm_delta.engine.transforms import (
+    canonical_tensors,
+    install_reload_hooks,
+    observing,
+    offset_maps,
+    rerun_unit,
+    transformed,
+)
 
 pytest.importorskip("vllm")
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: E402
@@ -128,7 +134,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 def hooks(monkeypatch):
     """The reload hooks engine start installs (transforms.install), undone after the test."""
     stock(monkeypatch)
-    canonical_weights.install_reload_hooks()
+    install_reload_hooks()
 
 
 def stock(monkeypatch) -> None:
@@ -139,12 +145,19 @@ def stock(monkeypatch) -> None:
 
 def commit(model: Model, weights: dict[str, torch.Tensor]) -> None:
     """Write `weights` as a commit writes a delta: to the canonical targets, through a permutation's map."""
-    targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
+    targets = {n: canon for n, (_, canon) in canonical_tensors(model).items()}
     maps = offset_maps(model)
     for name, values in weights.items():
         flat = flat_storage(targets[name])
         at = torch.arange(values.numel()) + targets[name].storage_offset()
         flat[maps[name].live(at) if name in maps else at] = values.view(-1)
+
+
+def rerun(model: nn.Module) -> None:
+    """The touched "rerun" modules' steps re-run in place, as a commit does where no stand-in built them."""
+    for m in model.modules():
+        if (unit := rerun_unit(m)) is not None:
+            unit.rederive()
 
 
 def test_reload_then_delta_is_bitexact_with_a_fresh_load(hooks):
@@ -157,9 +170,7 @@ def test_reload_then_delta_is_bitexact_with_a_fresh_load(hooks):
         "layers.repack": "rerun",
     }
     live_before = dict(model.named_parameters())
-    stash_before = {
-        k: getattr(model.layers[k], canonical_weights.STASH_ATTR, {}).get("weight") for k in KINDS
-    }
+    stash_before = {k: (u := rerun_unit(model.layers[k])) and u.canonical.get("weight") for k in KINDS}
 
     reload(model, base)
     assert same(served(model), served(started(base))) == []
@@ -167,13 +178,13 @@ def test_reload_then_delta_is_bitexact_with_a_fresh_load(hooks):
     assert all(p is live_before[n] for n, p in model.named_parameters())
     for k, stash in stash_before.items():
         if stash is not None:
-            assert getattr(model.layers[k], canonical_weights.STASH_ATTR)["weight"] is stash
+            assert rerun_unit(model.layers[k]).canonical["weight"] is stash
             assert torch.equal(stash, base[f"layers.{k}.weight"])
 
     # A delta after the reload, written as a commit writes it: to the canonical targets, through
     # the permutation's map, then the touched "rerun" modules re-run their step.
     commit(model, final)
-    canonical_weights.refresh([m for m in model.modules() if canonical_weights.needs_refresh(m)])
+    rerun(model)
     assert same(served(model), served(started(final))) == []
     assert torch.equal(
         model.layers["repack"].weight, final["layers.repack.weight"]
@@ -208,7 +219,7 @@ def test_a_refresh_keeps_every_tensor_where_it_was(hooks):
     before, objects = pointers(model), {n: p for n, p in model.named_parameters()}
     final = checkpoint(1)
     commit(model, final)
-    canonical_weights.refresh([m for m in model.modules() if canonical_weights.needs_refresh(m)])
+    rerun(model)
     assert same(served(model), served(started(final))) == []
     assert pointers(model) == before
     assert all(p is objects[n] for n, p in model.named_parameters())

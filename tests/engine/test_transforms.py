@@ -234,7 +234,7 @@ def test_permutation_maps_are_per_row_where_rows_move_and_both_forms_agree(tmp_p
     assert post_load(model) == {MOE: "permutation"}
     found = offset_maps(model)[W13]
     # Counted: 4 B a row (O(rows)) where whole rows move, 4 B an element otherwise.
-    assert found.row_len == row_len and found.nbytes == 4 * E * ROWS * COLS // row_len
+    assert found.row_len == row_len and found.table.nbytes == 4 * E * ROWS * COLS // row_len
     per_element = OffsetMap(found.start, moved(step).to(torch.int32))
     every = torch.arange(E * ROWS * COLS) + found.start
     assert torch.equal(found.live(every), per_element.live(every))
@@ -314,7 +314,7 @@ def test_vllm_flashinfer_cutlass_w13_swap_is_a_row_permutation(tmp_path, post_lo
     assert post_load(model) == {MOE: "permutation"}
     assert model.get_parameter(W13) is w13  # the probe and re-run left the loaded Parameter in place
     found = offset_maps(model)[W13]
-    assert found.row_len == COLS and found.nbytes == 4 * E * ROWS
+    assert found.row_len == COLS and found.table.nbytes == 4 * E * ROWS
     apply(model, tmp_path, base, new)
     want = direct(new, {})  # the reference: a load, then FlashInfer-CUTLASS's [w1; w3] -> [w3; w1] by hand
     half = ROWS // 2

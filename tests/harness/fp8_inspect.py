@@ -35,7 +35,7 @@ def served_fp8(worker) -> dict[str, dict]:
     digests}."""
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
-    from vllm_delta.engine import canonical_weights, transforms
+    from vllm_delta.engine import transforms
 
     model = worker.model_runner.get_model()
     out = {}
@@ -43,7 +43,8 @@ def served_fp8(worker) -> dict[str, dict]:
         if not isinstance(getattr(module, "quant_method", None), Fp8LinearMethod):
             continue
         t = getattr(module, transforms.TRANSFORM_ATTR, None)
-        stash = getattr(module, canonical_weights.STASH_ATTR, {})
+        unit = transforms.rerun_unit(module)
+        stash = unit.canonical if unit is not None else {}
         weight, scale = module.weight, module.weight_scale_inv
         out[name] = {
             "kernel": type(module.quant_method.fp8_linear).__name__,

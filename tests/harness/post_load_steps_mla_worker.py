@@ -67,7 +67,7 @@ class MlaStepsWorkerExtension(DeltaWorkerExtension):
         found = derived.discovery(self.model_runner.get_model())
         return {
             "tensors": [(t.unit, t.key, t.kind, t.sources) for t in found.tensors],
-            "units": {u.name: sorted(u.sources) for u in found.units},
+            "units": {u.name: sorted(u.sources) for u in found.units if u.kind == "rederive"},
             "refused": found.refused,
         }
 

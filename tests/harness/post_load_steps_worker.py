@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from harness.post_load_steps import DERIVED, MOE_PERMUTED, PERMUTED
-from vllm_delta.engine import canonical_weights, transforms
+from vllm_delta.engine import transforms
+from vllm_delta.engine.stand_in import held_tensors
 from vllm_delta.engine.worker import DeltaWorkerExtension
 
 
@@ -179,7 +180,7 @@ class StepsWorkerExtension(DeltaWorkerExtension):
         return {
             f"{name}.{key}": t.data_ptr()
             for name, m in model.named_modules()
-            for key, (_, _, t) in canonical_weights.held_tensors(m).items()
+            for key, (_, _, t) in held_tensors(m).items()
             if t.numel()
         }
 
@@ -193,7 +194,7 @@ class StepsWorkerExtension(DeltaWorkerExtension):
         return {
             name: {
                 "row_len": m.row_len,
-                "nbytes": m.nbytes,
+                "nbytes": m.table.nbytes,
                 "numel": m.numel,
                 "changed": transform(name).changed,
             }

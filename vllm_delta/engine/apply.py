@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vllm_delta.engine import canonical_weights, derived, loaders, transforms
 from vllm_delta.engine import commit as commit_phase
+from vllm_delta.engine import derived, loaders, transforms
 from vllm_delta.engine.batched import on_device
 from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.commit import ApplyFault
@@ -68,7 +68,7 @@ class DeltaApplier:
         self.checkpoint = dict(checkpoint)
         # Parameters a post-load step replaced are loaded through their model format (engine/loaders.py).
         self._load_weights = load_weights or loaders.model_format(model)
-        self.targets = {n: canon for n, (_, canon) in canonical_weights.canonical_tensors(model).items()}
+        self.targets = {n: canon for n, (_, canon) in transforms.canonical_tensors(model).items()}
         # Parameters a post-load step permuted: deltas located in the loaded layout go through these.
         self.offset_maps = transforms.offset_maps(model)
         self.routing = Routing(self.checkpoint, self.targets, self.offset_maps)
@@ -100,7 +100,7 @@ class DeltaApplier:
         """Live parameter storages -> their names: what the probe and the fallback replay record into."""
         return {
             live.untyped_storage().data_ptr(): name
-            for name, (live, _) in canonical_weights.canonical_tensors(self.model).items()
+            for name, (live, _) in transforms.canonical_tensors(self.model).items()
             if live.numel() > 0
         }
 
@@ -136,7 +136,7 @@ class DeltaApplier:
         made = derived_params((t.unit, t.key) for t in derived.discovery(self.model).tensors)
         named = {
             n: storages.get(t.untyped_storage().data_ptr())
-            for n, (t, _) in canonical_weights.canonical_tensors(self.model).items()
+            for n, (t, _) in transforms.canonical_tensors(self.model).items()
             if t.numel()
         }
         wanted = (

@@ -14,10 +14,10 @@ from time import perf_counter
 import torch
 from torch import nn
 
-from vllm_delta.engine import canonical_weights, derived
+from vllm_delta.engine import derived
 from vllm_delta.engine.fallback import bits
 from vllm_delta.engine.staging import Chunk, StagedUpdate, flat_storage, gather, host_values
-from vllm_delta.engine.stand_in import NotStandIn, Prebuilt
+from vllm_delta.engine.stand_in import Prebuilt
 from vllm_delta.kernels import scatter as scatter_kernel
 from vllm_delta.wire.codecs import ulp_resolve_tensor
 
@@ -88,65 +88,22 @@ def commit(model: nn.Module, targets: Mapping[str, torch.Tensor], staged: Staged
 def prebuild_touched(
     model: nn.Module, targets: Mapping[str, torch.Tensor], writes: Mapping[str, Iterable[Chunk]]
 ) -> Prebuilt:
-    """In prepare: the post-load results of every touched module and derived unit whose step runs on a
-    stand-in, from copies of the written tensors with the staged writes; the rest is named `in_pause`."""
-    out, copies = Prebuilt(), {}
+    """In prepare: the post-load results of every touched unit whose step runs on a stand-in, from copies
+    of the written tensors with the staged writes (`derived.prebuild_touched`)."""
+    copies: dict[str, torch.Tensor] = {}
 
     def written(name: str) -> torch.Tensor:
         if name not in copies:
             copies[name] = _written_copy(targets[name], writes[name])
         return copies[name]
 
-    for name, module in _touched(model, writes):
-        prefix = f"{name}." if name else ""
-        new = {
-            n: written(prefix + n)
-            for n, _ in module.named_parameters(recurse=False)
-            if writes.get(prefix + n)
-        }
-        if (built := canonical_weights.prebuild(module, new)) is None:
-            out.in_pause[name] = "its post-load step is not known to keep to its own layer"
-        else:
-            out.modules[name] = built
-    for unit in derived.touched(model, writes):
-        try:
-            moved = [n for n in unit.sources if writes.get(n) and not _is_live(model, n, targets[n])]
-            if moved:
-                raise NotStandIn(f"its sources {moved} are re-laid by their own post-load step")
-            new = {n: written(n) for n in unit.sources if writes.get(n)}
-            out.units[unit.name] = derived.prebuild(model, unit, new)
-        except NotStandIn as exc:
-            out.in_pause[unit.name or "<model>"] = f"its post-load step cannot run on a stand-in: {exc}"
-    return out
+    return derived.prebuild_touched(model, writes, written)
 
 
 def refresh_touched(model: nn.Module, writes: Iterable[str], prebuilt: Prebuilt) -> None:
-    """Install what prepare built of every touched module's and derived unit's post-load work
-    (`prebuilt`: copies into live tensors, handler swaps); re-run the rest's in place."""
-    writes = list(writes)
-    for name, module in _touched(model, writes):
-        if (built := prebuilt.modules.get(name)) is not None:
-            built.install()
-        else:
-            canonical_weights.refresh([module])
-    for unit in derived.touched(model, writes):
-        if unit.name in prebuilt.units:
-            prebuilt.units[unit.name].install()
-        else:
-            derived.rederive(unit.module, unit.step)
+    """Install what prepare built of every touched unit's post-load work; re-run the rest's in place."""
+    derived.install(model, writes, prebuilt)
     setattr(model, IN_PAUSE_ATTR, dict(prebuilt.in_pause))
-
-
-def _is_live(model: nn.Module, name: str, target: torch.Tensor) -> bool:
-    """Whether deltas to `name` are written into the live parameter itself (not a canonical stash)."""
-    live = model.get_parameter(name)
-    return live.numel() > 0 and live.untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
-
-
-def _touched(model: nn.Module, writes: Iterable[str]) -> list[tuple[str, nn.Module]]:
-    """The "rerun" modules a write landed anywhere under."""
-    names = {t.rsplit(".", i)[0] for t in writes for i in range(1, t.count(".") + 1)}
-    return [(n, m) for n, m in model.named_modules() if n in names and canonical_weights.needs_refresh(m)]
 
 
 def _written_copy(canon: torch.Tensor, chunks: Iterable[Chunk]) -> torch.Tensor:

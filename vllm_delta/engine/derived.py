@@ -1,11 +1,8 @@
-"""Derived tensors: what attention layers' and the model's own post-load steps make from weights.
-
-Why: MLA derives `W_UV` / `W_UK_T` from `kv_b_proj` in such a step (AMX keeps VNNI-packed copies and
-empties `kv_b_proj.weight`); a delta to the source would leave a copy stale while every digest passes.
-Each step (a "unit") is observed as vLLM runs it (`observe_units`); every tensor it binds or writes
-that is not a checkpoint parameter is a "view" (shares a parameter's storage), "rederive" or
-"constant" (re-running the step reproduces it bit for bit, also after its sources are changed and
-restored: `prebuild` on a stand-in in prepare, else `rederive` in place at commit), or refused.
+"""Post-load steps whose results a delta must keep exact, one `Unit` each: quant methods' (`transforms`;
+deltas go to checkpoint-layout copies), attention layers' and the model's (`observe_units`: MLA derives
+`W_UV` / `W_UK_T` from `kv_b_proj`; each tensor a step binds or writes that is not a checkpoint parameter
+is a "view", "rederive" or "constant", its sources probed, else refused). In prepare a touched unit's step
+runs on a stand-in (`prebuild`); the commit copies its results in (`install`) or re-runs it in place.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from torch import nn
 
 from vllm_delta.engine import stand_in
 from vllm_delta.engine.intercept import Intercept, storage_key
-from vllm_delta.engine.stand_in import Held, NotStandIn, reach
+from vllm_delta.engine.stand_in import Built, Held, NotStandIn, Prebuilt, reach
 
 DISCOVERY_ATTR = "_delta_derived"  # on the model: its `Discovery`
 Step = Callable[[nn.Module], None]  # a unit's step, run on the module given (the unit or its stand-in)
@@ -34,13 +31,24 @@ class DerivedTensor:
 
 @dataclass
 class Unit:
-    """A post-load step that derives tensors, and how to run it again."""
+    """A post-load step whose results a commit keeps exact, and how to run it again."""
 
     name: str
     module: nn.Module
     step: Step
-    sources: set[str]  # re-derive when a commit writes any of these
-    derived: dict[str, str] = field(default_factory=dict)  # key -> kind of each tensor it derives
+    sources: set[str]  # checkpoint parameters (full names): a commit writing one re-runs the step
+    # reach key -> what the step makes of it: "rederive" (copied in at commit), "view", "constant", or
+    # "emptied" (a checkpoint parameter it empties, which keeps its bytes)
+    derived: dict[str, str] = field(default_factory=dict)
+    # own parameter -> its checkpoint-layout copy: deltas are written there and the step reads it
+    canonical: dict[str, torch.Tensor] = field(default_factory=dict)
+    kind: str = "rederive"  # "rerun": a quant method's step (`transforms`)
+    on_stand_in: bool = True  # whether it is known to keep to its module (else re-run in the pause)
+
+    def rederive(self) -> None:
+        """Re-run the step in place from copies of the canonical tensors (a step may write into the
+        parameter it gets: vLLM's fused MoE)."""
+        rederive(self.module, self.step, inputs={n: c.clone() for n, c in self.canonical.items()})
 
 
 @dataclass
@@ -59,13 +67,11 @@ def _tensors(held: Held) -> dict[str, torch.Tensor]:
     return {k: t for k, (_, _, _, t) in held.items()}
 
 
-def rederive(
-    unit: nn.Module, step: Step, keep: Held | None = None, inputs: Mapping[str, torch.Tensor] | None = None
-) -> None:
+def rederive(unit: nn.Module, step: Step, inputs: Mapping[str, torch.Tensor] | None = None) -> None:
     """Run the step again (from `inputs`: param name -> data, where given), its results `copy_`-ed into
     the tensors the unit held before (same shape and dtype, or this raises) and every object put back:
     no `data_ptr()` moves (CUDA graphs, RFC #48312)."""
-    held = keep if keep is not None else reach(unit)
+    held = reach(unit)
     data = {k: stand_in.data(t) for k, (_, _, _, t) in held.items()}
     with torch.no_grad():
         for n, t in (inputs or {}).items():
@@ -98,102 +104,81 @@ def _other_values(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     if t.dtype.is_floating_point:
         fill = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.device, t.dtype)
         return torch.where(fill == t, fill + 1, fill)
-    if t.dtype == torch.bool:
-        return ~t
-    return t + 1
+    return ~t if t.dtype == torch.bool else t + 1
 
 
 class _Discoverer:
-    """Observes units' steps as vLLM runs them and classifies what they derive."""
+    """Observes attention layers' and the model's steps as vLLM runs them and classifies what they derive."""
 
-    def __init__(self, model: nn.Module, checkpoint_names: set[str]) -> None:
-        self.model, self.checkpoint_names = model, checkpoint_names
-        self.found = Discovery()
-        self._params: dict[str, nn.Parameter] | None = None  # checkpoint parameters, after the quant steps
-
-    def params(self) -> dict[str, nn.Parameter]:
-        """Checkpoint parameters by name, as the quant methods' steps (which run first) left them."""
-        if self._params is None:
-            self._params = {n: p for n, p in self.model.named_parameters() if n in self.checkpoint_names}
-        return self._params
-
-    def checkpoint(self) -> dict[int, str]:
-        return {id(p): n for n, p in self.params().items()}
+    def __init__(self, model: nn.Module, found: Discovery) -> None:
+        self.model, self.found = model, found
+        self.names = {n for n, _ in model.named_parameters()}
+        self.params: dict[str, nn.Parameter] = {}  # checkpoint parameters, as the quant steps left them
 
     def observe(self, name: str, unit: nn.Module, step: Step) -> None:
-        self.params()  # the checkpoint parameters as they were before this step (it may replace some)
+        if not self.params:  # the quant methods' steps ran first; this one may replace some
+            self.params = {n: p for n, p in self.model.named_parameters() if n in self.names}
+        ckpt = {id(p): n for n, p in self.params.items()}
         before = reach(unit)
         signatures = {k: (id(t), location(stand_in.data(t))) for k, (_, _, _, t) in before.items()}
         access = Intercept()  # performs everything; notes the storages each op read and wrote
         with access:
             step(unit)
         after = _tensors(reach(unit))
-        outputs = [
-            k
-            for k, t in after.items()
-            if signatures.get(k) != (id(t), location(stand_in.data(t)))
-            or (t.numel() and storage_key(t) in access.written)
-        ]
+        derived: list[str] = []
+        kinds: dict[str, str] = {}  # checkpoint parameters the step emptied, then views
         try:
-            derived = self._keep_checkpoint_params(before, after, outputs, signatures)
+            for key, t in after.items():
+                if signatures.get(key) == (id(t), location(stand_in.data(t))) and not (
+                    t.numel() and storage_key(t) in access.written
+                ):
+                    continue
+                owner, kind, attr, old = before.get(key, (None, "", "", None))
+                if old is None or id(old) not in ckpt:
+                    derived.append(key)
+                elif not t.numel() and old.numel() and location(old.data) == signatures[key][1]:
+                    stand_in.put_back(owner, kind, attr, old)  # AMX: the weight emptied, its copies derived
+                    kinds[key] = "emptied"
+                else:
+                    raise RuntimeError(f"it changes checkpoint parameter {ckpt[id(old)]} ({key})")
             if derived:
-                self._classify(name, unit, step, derived, access.read)
-        except _Refused:
-            pass
+                self._classify(name, unit, step, derived, kinds, access.read)
         except Exception as exc:
             self.found.refused[name or "<model>"] = (
                 f"its post-load step derives tensors that cannot be re-derived in place "
                 f"({type(exc).__name__}: {exc})"
             )
 
-    def _keep_checkpoint_params(
-        self, before: Held, after: dict[str, torch.Tensor], outputs: list[str], signatures: dict[str, tuple]
-    ) -> list[str]:
-        """Outputs that are not checkpoint parameters; a checkpoint parameter the step emptied gets its
-        loaded bytes back, any other change refuses."""
-        ckpt, derived = self.checkpoint(), []
-        for key in outputs:
-            owner, kind, name, old = before.get(key, (None, "", "", None))
-            if old is None or id(old) not in ckpt:
-                derived.append(key)
-                continue
-            emptied = after[key].numel() == 0 and old.numel()
-            if emptied and location(stand_in.data(old)) == signatures[key][1]:
-                stand_in.put_back(owner, kind, name, old)  # AMX: the weight emptied, its copies derived
-                continue
-            raise RuntimeError(f"it changes checkpoint parameter {ckpt[id(old)]} ({key})")
-        return derived
-
-    def _classify(self, name: str, unit: nn.Module, step: Step, derived: list[str], read: set[int]) -> None:
-        ckpt, params = self.checkpoint(), self.params()
-        keep = reach(unit)
-        now = _tensors(keep)
-        storages = {storage_key(p): n for n, p in params.items() if p.numel()}
-        copies = []
+    def _classify(
+        self, name: str, unit: nn.Module, step: Step, derived: list[str], kinds: dict, read: set
+    ) -> None:
+        now = _tensors(reach(unit))
+        storages = {storage_key(p): n for n, p in self.params.items() if p.numel()}
         for key in derived:
-            t = now[key]
-            if t.numel() and storage_key(t) in storages:
-                self.found.tensors.append(DerivedTensor(name, key, "view", [storages[storage_key(t)]]))
-            else:
-                copies.append(key)
+            if now[key].numel() and storage_key(now[key]) in storages:
+                self.found.tensors.append(DerivedTensor(name, key, "view", [storages[storage_key(now[key])]]))
+                kinds[key] = "view"
+        copies = [k for k in derived if k not in kinds]
         if not copies:
             return
         # Candidate sources: parameters the step read, and those a layer unit holds (not the model's: all).
         candidates = {n for s, n in storages.items() if s in read}
         if name:
+            ckpt = {id(p): n for n, p in self.params.items()}
             candidates |= {ckpt[id(t)] for t in now.values() if id(t) in ckpt}
         reference = {k: now[k].detach().clone() for k in copies}
-        rederive(unit, step, keep)
-        self._expect(name, unit, reference, "re-running it does not reproduce")
+        rederive(unit, step)
+        if not self._reproduces(name, unit, reference, "re-running it does not reproduce"):
+            return
         sources: dict[str, list[str]] = {k: [] for k in copies}
         gen = torch.Generator().manual_seed(0)
         for n in sorted(candidates):
-            p = params[n]
+            p = self.params[n]
             saved = p.detach().clone()
             try:
                 with torch.no_grad():
                     p.data.copy_(_other_values(saved, gen))
-                rederive(unit, step, keep)
+                rederive(unit, step)
                 probed = _tensors(reach(unit))
                 for k in copies:
                     if not stand_in.same_bits(probed[k], reference[k]):
@@ -201,45 +186,38 @@ class _Discoverer:
             finally:
                 with torch.no_grad():
                     p.data.copy_(saved)
-            rederive(unit, step, keep)
-        self._expect(name, unit, reference, "re-running it after a probe does not restore")
+            rederive(unit, step)
+        if not self._reproduces(name, unit, reference, "re-running it after a probe does not restore"):
+            return
         for k in copies:
-            self.found.tensors.append(
-                DerivedTensor(name, k, "rederive" if sources[k] else "constant", sources[k])
-            )
+            kinds[k] = "rederive" if sources[k] else "constant"
+            self.found.tensors.append(DerivedTensor(name, k, kinds[k], sources[k]))
         used = {n for k in copies for n in sources[k]}
         if used:
-            kinds = {t.key: t.kind for t in self.found.tensors if t.unit == name}
             self.found.units.append(Unit(name, unit, step, used, kinds))
 
-    def _expect(self, name: str, unit: nn.Module, reference: dict[str, torch.Tensor], what: str) -> None:
+    def _reproduces(self, name: str, unit: nn.Module, reference: dict[str, torch.Tensor], what: str) -> bool:
+        """Whether the unit holds `reference`'s bits again; each tensor that does not is refused."""
         now = _tensors(reach(unit))
         wrong = [k for k, want in reference.items() if not stand_in.same_bits(now[k], want)]
         for k in wrong:
             self.found.refused[f"{name}.{k}" if name else k] = (
                 f"derived by the post-load step of {name or 'the model'}; {what} it bit for bit"
             )
-        if wrong:
-            raise _Refused()
+        return not wrong
 
 
-class _Refused(Exception):
-    """Raised after recording refusals, to stop classifying the unit."""
-
-
-def observe_units(model: nn.Module) -> Iterator[tuple[nn.Module, Callable[..., None]]]:
-    """Each attention layer and the model itself, with its post-load step observed (`_Discoverer`); the
-    discovery lands on the model once the caller has run them all (`discovery`)."""
+def observe_units(model: nn.Module, found: Discovery) -> Iterator[tuple[nn.Module, Callable[..., None]]]:
+    """Each attention layer and the model itself, with its post-load step observed (`_Discoverer`)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    found = _Discoverer(model, {n for n, _ in model.named_parameters()})
-    setattr(model, DISCOVERY_ATTR, found.found)
+    discoverer = _Discoverer(model, found)
     units = [(n, m) for n, m in model.named_modules() if is_deferred_attention_layer(m)]
     for name, module in units + ([("", model)] if hasattr(model, "process_weights_after_loading") else []):
         real = type(module).process_weights_after_loading
 
         def observed(*args, name=name, module=module, real=real, **kwargs) -> None:
-            found.observe(name, module, lambda m: real(m, *args, **kwargs))
+            discoverer.observe(name, module, lambda m: real(m, *args, **kwargs))
 
         yield module, observed
 
@@ -254,32 +232,72 @@ def refused(model: nn.Module) -> dict[str, str]:
 
 
 def touched(model: nn.Module, written: Iterable[str]) -> list[Unit]:
-    """The units a commit writing `written` re-derives: those it writes a source of."""
+    """The units a commit writing `written` re-runs: those it writes a source of."""
     names = set(written)
     return [unit for unit in discovery(model).units if unit.sources & names]
 
 
-def prebuild(model: nn.Module, unit: Unit, written: Mapping[str, torch.Tensor]) -> stand_in.Built:
-    """In prepare: the unit's step on a stand-in holding the `written` sources and scratch copies of what
-    it derives: the new bits for the commit to copy in place (`NotStandIn` where it cannot)."""
+def prebuild(model: nn.Module, unit: Unit, written: Mapping[str, torch.Tensor]) -> Built:
+    """In prepare: the unit's step on a stand-in holding the `written` sources (param name -> the tensor
+    deltas go to, with the staged writes), canonical copies and scratch copies of what it derives: the new
+    bits for the commit to copy in place and the handlers to swap in (`NotStandIn` where it cannot)."""
+    if not unit.on_stand_in:
+        raise NotStandIn("it is not known to keep to its own layer")
+    stashed = {
+        f"{u.name}.{n}" if u.name else n for u in discovery(model).units if u is not unit for n in u.canonical
+    }
+    moved = sorted(stashed.intersection(written))
+    if moved:
+        raise NotStandIn(f"its sources {moved} are re-laid by their own post-load step")
     held = reach(unit.module)
     live = {id(model.get_parameter(n)): n for n in unit.sources if n in written}
-    swap: dict[str, torch.Tensor] = {}
+    prefix = f"{unit.name}." if unit.name else ""
+    swap = {f"param:{n}": c.clone() for n, c in unit.canonical.items() if prefix + n not in written}
     for key, (_, _, _, t) in held.items():
         if id(t) in live:
             swap[key] = written[live.pop(id(t))]
-        elif key in unit.derived:
-            swap[key] = stand_in.data(t).clone()
+        elif unit.derived.get(key, "emptied") != "emptied" and key not in swap:
+            swap[key] = stand_in.data(t).clone()  # scratch for what it derives: nothing live is written
     if live:
         raise NotStandIn(f"it reads {sorted(live.values())} other than through its module")
     after, built, read = stand_in.run(unit.module, unit.step, swap)
-    stale = {storage_key(model.get_parameter(n)) for n in unit.sources if n in written} & read
-    if stale or after.keys() != held.keys():
+    sources = [model.get_parameter(n) for n in unit.sources if n in written]
+    if {storage_key(p) for p in sources if p.numel()} & read or after.keys() != held.keys():
         raise NotStandIn("it reads a live source or adds tensors")
-    for key, kind in unit.derived.items():
-        new, old = stand_in.data(after[key][3]), stand_in.data(held[key][3])
+    for key, (_, _, _, t) in after.items():
+        new, old = stand_in.data(t), stand_in.data(held[key][3])
+        kind = unit.derived.get(key)
         if kind == "rederive":
             if new.shape != old.shape or new.dtype != old.dtype:
                 raise NotStandIn(f"it makes {key} {tuple(new.shape)} {new.dtype}, not {tuple(old.shape)}")
             built.copies.append((old, new))
+        elif kind is None and key not in swap and location(new) != location(old):
+            raise NotStandIn(f"it moves {key}")
+    if any(isinstance(v, (torch.Tensor, nn.Module)) for _, _, v in built.swaps):
+        raise NotStandIn("it swaps in a tensor or module")
     return built
+
+
+def prebuild_touched(
+    model: nn.Module, writes: Mapping[str, object], written: Callable[[str], torch.Tensor]
+) -> Prebuilt:
+    """In prepare: `prebuild` of every unit the staged `writes` touch, from `written(name)` (a copy of
+    what deltas go to with the writes); the rest is named `in_pause`."""
+    out = Prebuilt()
+    for unit in touched(model, writes):
+        try:
+            new = {n: written(n) for n in unit.sources if writes.get(n)}
+            out.built[unit.name, unit.kind] = prebuild(model, unit, new)
+        except NotStandIn as exc:
+            out.in_pause[unit.name or "<model>"] = f"its post-load step cannot run on a stand-in: {exc}"
+    return out
+
+
+def install(model: nn.Module, writes: Iterable[str], prebuilt: Prebuilt) -> None:
+    """At commit: copy in what prepare built of each touched unit; re-run the others' steps in place."""
+    for unit in touched(model, writes):
+        built = prebuilt.built.get((unit.name, unit.kind))
+        if built is not None:
+            built.install()
+        else:
+            unit.rederive()

@@ -26,10 +26,10 @@ def _random(numel: int, dtype: torch.dtype, seed: int, device: torch.device) -> 
 
 
 def live_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The live parameters by the names the probe's segments target (engine/canonical_weights.py)."""
-    from vllm_delta.engine import canonical_weights
+    """The live parameters by the names the probe's segments target (`transforms.canonical_tensors`)."""
+    from vllm_delta.engine import transforms
 
-    return {name: live for name, (live, _) in canonical_weights.canonical_tensors(model).items()}
+    return {name: live for name, (live, _) in transforms.canonical_tensors(model).items()}
 
 
 def _layer(target: str) -> str:

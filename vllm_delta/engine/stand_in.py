@@ -1,11 +1,8 @@
 """A post-load step run in prepare on a stand-in of a serving module, its results installed at commit by
-copies and attribute swaps only (the pause holds copies only).
-
-Why: vLLM's steps rebind attributes and write into tensors in place; run on a serving module they
-would change what it serves before the commit. A stand-in is a copy of the module's tree sharing no
-dict with it, its tensors the live ones but those the caller swaps in. The step runs under a sealed
-`Intercept`, and the live tree's attributes are compared after it; either gives the stand-in up
-(`NotStandIn`), and the step is re-run in the pause.
+copies and attribute swaps only. Why: run on the serving module, a step (rebinding attributes, writing
+in place) would change what it serves before the commit. A stand-in shares no dict with the live tree,
+and its tensors but those swapped in; a write into live storage (a sealed `Intercept`) or a change to the
+live tree's attributes gives it up (`NotStandIn`), and the step is re-run in the pause.
 """
 
 from __future__ import annotations
@@ -45,10 +42,10 @@ class Built:
 
 @dataclass
 class Prebuilt:
-    """A prepare's post-load work: per module, per derived unit, and why the rest is re-run in the pause."""
+    """A prepare's post-load work per unit (its name and kind, `derived.Unit`), and why the rest is re-run
+    in the pause."""
 
-    modules: dict[str, Built] = field(default_factory=dict)
-    units: dict[str, Built] = field(default_factory=dict)
+    built: dict[tuple[str, str], Built] = field(default_factory=dict)
     in_pause: dict[str, str] = field(default_factory=dict)
 
 

@@ -1,11 +1,8 @@
-"""Post-load transforms: modules whose post-load step re-lays or derives weights.
-
-Why: the probe sees `load_weights`, not the step after it; a step that swaps a fused w13's halves or
-derives `W_UV` would make an in-place delta land in the wrong slot or leave a stale copy. So each
-step is observed as vLLM runs it (`install`) and classified: unchanged; `permutation` (parameters
-only, their contents permuted, proven with element ids: deltas go through the inverse `OffsetMap`);
-`rerun` (re-running the step from the checkpoint layout reproduces it bit for bit: deltas go to a
-canonical copy, `canonical_weights`); else `UnsupportedTransform`, and the engine refuses to start.
+"""Quant methods' post-load steps, classified as vLLM runs them (`install`): unchanged; `permutation`
+(deltas go through the inverse `OffsetMap`); `rerun` (re-run from the checkpoint layout, it reproduces
+itself bit for bit: deltas go to checkpoint-layout copies, a `derived.Unit` re-runs it); else
+`UnsupportedTransform`, and the engine refuses to start. Why: the probe sees `load_weights`, not the
+step after it, which may swap a fused w13's halves or re-pack a weight where no delta reaches.
 """
 
 from __future__ import annotations
@@ -13,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from vllm_delta.engine import canonical_weights, derived
+from vllm_delta.engine import derived
+from vllm_delta.engine.derived import Unit
 from vllm_delta.engine.stand_in import held_tensors, same_bits
 
 TRANSFORM_ATTR = "_delta_transform"  # the module's `Transform`
@@ -33,22 +32,19 @@ class UnsupportedTransform(RuntimeError):
 class Transform:
     """What a module's post-load step did, and how deltas reach its weights."""
 
-    module: str
     kind: str  # "permutation" | "rerun"
     changed: list[str] = field(default_factory=list)  # parameters whose bits changed
     derived: list[str] = field(default_factory=list)  # other tensors the step added or changed
-    state: list[str] = field(default_factory=list)  # non-tensor attributes the step set (opaque)
     # permutation: param name -> inverse map (loaded position -> position after the step), start 0
     inverse: dict[str, OffsetMap] = field(default_factory=dict)
+    # rerun: the step, re-run after a delta (a weak reference: the unit holds the module, the model holds it)
+    unit: Callable[[], Unit | None] | None = None
 
 
 @dataclass(frozen=True)
 class OffsetMap:
-    """Where a permuting step moved a parameter's elements: loaded storage offset -> live one.
-
-    Why rows: a step moving whole rows (w13 half swap, row reorder) keeps one entry a row; an int32
-    an element would be twice a bf16 weight. Other permutations keep one an element (`row_len` 1).
-    """
+    """Where a permuting step moved a parameter's elements: loaded storage offset -> live one. One entry a
+    row where it moves whole rows (an int32 an element would be twice a bf16 weight), else an element."""
 
     start: int  # the parameter's storage offset
     table: torch.Tensor  # loaded row -> live row (int32 below 2**31 rows)
@@ -57,10 +53,6 @@ class OffsetMap:
     @property
     def numel(self) -> int:
         return self.table.numel() * self.row_len
-
-    @property
-    def nbytes(self) -> int:
-        return self.table.numel() * self.table.element_size()
 
     def live(self, offsets: torch.Tensor) -> torch.Tensor:
         """Storage offsets in the loaded layout -> where the step moved those elements."""
@@ -116,11 +108,31 @@ def _state(module: nn.Module) -> dict[str, int]:
 
 
 def snapshot(module: nn.Module) -> Snapshot:
-    return Snapshot(
-        {k: t.detach().clone() for k, t in _tensors(module).items()},
-        dict(module.named_parameters(recurse=False)),
-        _state(module),
-    )
+    tensors = {k: t.clone() for k, t in _tensors(module).items()}
+    return Snapshot(tensors, dict(module.named_parameters(recurse=False)), _state(module))
+
+
+def run_step(module: nn.Module) -> None:
+    """The module's post-load step again (its class's, under any observer). vLLM's unquantized fused MoE
+    treats a second call as a weight update that skips its experts' own step (the CPU prepack): both run."""
+    method = module.quant_method
+    update = getattr(method, "moe_kernel", None) is not None  # its kernel built: the step is an update
+    type(method).process_weights_after_loading(method, module)
+    if update:
+        from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as moe
+
+        if isinstance(method, moe.UnquantizedFusedMoEMethod):
+            method.moe_kernel.fused_experts.process_weights_after_loading(module)
+
+
+def _keeps_to_its_layer(module: nn.Module) -> bool:
+    """Whether the step is known to keep to its own layer, so it may run on a stand-in in prepare."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    own_layer = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod, Fp8LinearMethod)
+    return type(getattr(module, "quant_method", None)) in own_layer
 
 
 def _rerun(module: nn.Module, before: Snapshot, changed: list[str]) -> None:
@@ -129,7 +141,7 @@ def _rerun(module: nn.Module, before: Snapshot, changed: list[str]) -> None:
         param = before.params[n]
         param.data = before.tensors[f"param:{n}"].clone()
         module._parameters[n] = param
-    canonical_weights.post_load_step(module)()
+    run_step(module)
 
 
 def _inverse_permutation(
@@ -144,7 +156,7 @@ def _inverse_permutation(
         before.shape
     )
     try:
-        canonical_weights.post_load_step(module)()
+        run_step(module)
     except Exception:
         return None
     ids = module._parameters.get(name)
@@ -170,8 +182,9 @@ def _prefix_layout(canon: torch.Tensor, live: torch.Tensor) -> bool:
     )
 
 
-def classify(name: str, module: nn.Module, before: Snapshot) -> Transform | None:
-    """Classify what the step did to `module` (it has just run) and prepare deltas for it."""
+def classify(name: str, module: nn.Module, before: Snapshot, units: list[Unit]) -> Transform | None:
+    """Classify what the step did to `module` (it has just run) and prepare deltas for it (a "rerun"
+    module's unit appended to `units`)."""
     after = {k: t.clone() for k, t in _tensors(module).items()}
     differs = sorted(
         k for k in before.tensors.keys() | after.keys() if not same_bits(before.tensors.get(k), after.get(k))
@@ -181,12 +194,12 @@ def classify(name: str, module: nn.Module, before: Snapshot) -> Transform | None
     if not differs and not state:
         return None
     changed = [k.split(":", 1)[1] for k in differs if k.startswith("param:") and k in before.tensors]
-    derived = [k.split(":", 1)[1] for k in differs if k not in before.tensors or not k.startswith("param:")]
+    made = [k for k in differs if k not in before.tensors or not k.startswith("param:")]
     # A step may consume parameters (fp8 KV-cache scales folded into `_k_scale`): never a permutation.
     consumed = [n for n in changed if f"param:{n}" not in after]
     inverse: dict[str, OffsetMap | None] = {}
     try:
-        for n in changed if not derived and not state and not consumed else []:
+        for n in changed if not made and not state and not consumed else []:
             inverse[n] = _inverse_permutation(module, n, before.tensors[f"param:{n}"], after[f"param:{n}"])
             _rerun(module, before, changed)  # back from the id probe
             if inverse[n] is None:
@@ -205,29 +218,47 @@ def classify(name: str, module: nn.Module, before: Snapshot) -> Transform | None
             "and re-running it from the checkpoint layout does not reproduce its result"
         )
     if inverse and all(v is not None for v in inverse.values()):
-        transform = Transform(name, "permutation", changed, [], [], inverse)  # type: ignore[arg-type]
+        transform = Transform("permutation", changed, inverse=inverse)  # type: ignore[arg-type]
     else:
+        kinds, canonical = dict.fromkeys(made, "rederive"), {}
         for n in changed:
             live, canon = module._parameters.get(n), before.tensors[f"param:{n}"]
-            if live is not None and live.numel() and not _prefix_layout(canon, live):
+            if live is None or live.numel() == 0:
+                # The original Parameter keeps its class and weight_loader; give it back its bytes.
+                before.params[n].data = canon
+                module._parameters[n] = before.params[n]
+                kinds[f"param:{n}"] = "emptied"
+                continue
+            if not _prefix_layout(canon, live):
                 raise UnsupportedTransform(
                     f"{name}: its post-load step re-lays {n} from {tuple(canon.shape)} {canon.stride()} to "
                     f"{tuple(live.shape)} {live.stride()}: offsets learned on the live tensor would not "
                     "address the checkpoint-layout copy that deltas are written into"
                 )
-        transform = Transform(name, "rerun", changed, derived, state)
-        canonical_weights.keep_canonical(
-            module, {n: before.tensors[f"param:{n}"] for n in changed}, before.params
-        )
+            canonical[n] = canon
+            kinds[f"param:{n}"] = "rederive"
+        sources = {f"{name}.{n}" if name else n for n, _ in module.named_parameters()}
+        unit = Unit(name, module, run_step, sources, kinds, canonical, "rerun", _keeps_to_its_layer(module))
+        units.append(unit)
+        transform = Transform("rerun", changed, [k.split(":", 1)[1] for k in made], unit=weakref.ref(unit))
     setattr(module, TRANSFORM_ATTR, transform)
     return transform
+
+
+def rerun_unit(module: nn.Module) -> Unit | None:
+    """A "rerun" module's unit (its canonical tensors, its step)."""
+    t = getattr(module, TRANSFORM_ATTR, None)
+    return None if t is None or t.unit is None else t.unit()
 
 
 @contextlib.contextmanager
 def observing(model: nn.Module) -> Iterator[None]:
     """Observe each post-load step while vLLM's own loop runs it: quant methods' steps classified here,
-    attention layers' and the model's own discovered by `derived`."""
+    attention layers' and the model's own discovered by `derived`; both kinds of units land on the model
+    (`derived.discovery`) in the order vLLM runs them."""
     names = {id(m): n for n, m in model.named_modules()}
+    found = derived.Discovery()
+    setattr(model, derived.DISCOVERY_ATTR, found)
     shadowed = []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
@@ -235,17 +266,13 @@ def observing(model: nn.Module) -> Iterator[None]:
         if real is None or "process_weights_after_loading" in vars(method):
             continue  # no step, or a method shared by several modules and already observed
 
-        def observed(layer: nn.Module, method=method, real=real) -> None:
+        def observed(layer: nn.Module, real=real) -> None:
             before = snapshot(layer)
             real(layer)
-            shadow = vars(method).pop("process_weights_after_loading")  # re-runs use the real step
-            try:
-                classify(names[id(layer)], layer, before)
-            finally:
-                method.process_weights_after_loading = shadow
+            classify(names[id(layer)], layer, before, found.units)
 
         shadowed.append((method, observed))
-    shadowed += derived.observe_units(model)
+    shadowed += derived.observe_units(model, found)
     for owner, observed in shadowed:
         owner.process_weights_after_loading = observed
     try:
@@ -270,7 +297,55 @@ def install() -> None:
 
     process_observed._delta_wrapped = True  # type: ignore[attr-defined]
     base_loader.process_weights_after_loading = process_observed
-    canonical_weights.install_reload_hooks()
+    install_reload_hooks()
+
+
+def install_reload_hooks() -> None:
+    """Make vLLM's layerwise in-place reload load "rerun" modules into their canonical tensors and re-run
+    the step from there, exactly as after a delta."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    if getattr(layerwise._layerwise_process, "_delta_wrapped", False):
+        return
+    process, copy_back = layerwise._layerwise_process, layerwise._copy_and_restore_kernel_tensors
+
+    @functools.wraps(process)
+    def process_from_canonical(layer: nn.Module, info) -> None:
+        unit = rerun_unit(layer)
+        if info.kernel_tensors is None or unit is None:
+            return process(layer, info)
+        method = layer.quant_method  # vLLM's own step on the reloaded copy is skipped
+        method.process_weights_after_loading = lambda layer: None
+        try:
+            process(layer, info)
+        finally:
+            del method.process_weights_after_loading
+        unit.rederive()
+
+    @functools.wraps(copy_back)
+    def copy_into_canonical(layer: nn.Module, info) -> None:
+        unit = rerun_unit(layer)
+        if unit is not None:
+            params, _ = info.kernel_tensors
+            for n, canon in unit.canonical.items():
+                canon.copy_(getattr(layer, n))
+                layer._parameters[n] = params[n]  # the live (processed) tensor is rebuilt by the re-run
+        copy_back(layer, info)
+
+    process_from_canonical._delta_wrapped = True  # type: ignore[attr-defined]
+    layerwise._layerwise_process = process_from_canonical
+    layerwise._copy_and_restore_kernel_tensors = copy_into_canonical
+
+
+def canonical_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{param name: (live tensor, checkpoint-layout tensor that deltas are written into)}."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        unit = rerun_unit(module)
+        stash = unit.canonical if unit is not None else {}
+        for n, live in module.named_parameters(recurse=False):
+            out.setdefault(f"{name}.{n}" if name else n, (live, stash.get(n, live)))
+    return out
 
 
 def offset_maps(model: nn.Module) -> dict[str, OffsetMap]:
@@ -287,11 +362,11 @@ def offset_maps(model: nn.Module) -> dict[str, OffsetMap]:
 
 
 def transformed(model: nn.Module) -> dict[str, str]:
-    """{module: "permutation" | "rerun" | "rederive" (`derived`'s units)} for the status."""
+    """{module: "permutation" | "rerun" | "rederive" (attention layers' and the model's units)}."""
     out = {
         name: t.kind
         for name, m in model.named_modules()
         if (t := getattr(m, TRANSFORM_ATTR, None)) is not None and (t.changed or t.derived)
     }
-    out.update({u.name: "rederive" for u in derived.discovery(model).units})
+    out.update({u.name: u.kind for u in derived.discovery(model).units if u.kind == "rederive"})
     return out
