@@ -152,6 +152,9 @@ def plugin_allowlist(current: str | None) -> list[str]:
 
 
 # Shared by both doors (this CLI check and the `delta` backend's worker engine).
+TWO_DOORS_REFUSAL = (
+    "the `delta` weight-transfer backend and --enable-delta-updates cannot serve the same engine: choose one"
+)
 EPLB_REFUSAL = (
     "delta updates cannot run with --enable-eplb: EPLB moves experts between slots while the engine "
     "serves, so the placement learned at startup would write into another expert's slot"
@@ -161,13 +164,7 @@ API_SERVERS_REFUSAL = (
     "fault state, so two updates could interleave on the workers. Use --api-server-count 1."
 )
 # The load-balancing modes in which a server reaches only some DP engines (vllm/entrypoints/cli/serve.py).
-DP_LB_FLAGS = (
-    "data_parallel_external_lb",
-    "data_parallel_hybrid_lb",
-    "data_parallel_multi_port_external_lb",
-    "data_parallel_rank",
-    "data_parallel_start_rank",
-)
+DP_LB_FLAGS = ("external_lb", "hybrid_lb", "multi_port_external_lb", "rank", "start_rank")  # data_parallel_*
 NATIVE_DP_REFUSAL = (
     "the `delta` weight-transfer backend cannot run with --data-parallel-size {}: vLLM 0.32's "
     "DPLBAsyncMPClient.call_utility_async answers with the first engine's replies only, so another "
@@ -207,24 +204,19 @@ def check_args(args: argparse.Namespace) -> None:
             )
         return
     if args.worker_extension_cls != WORKER_EXTENSION:
-        raise ValueError(
-            f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}; "
-            f"it cannot be combined with --worker-extension-cls {args.worker_extension_cls}"
-        )
+        why = f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}"
+        raise ValueError(f"{why}, not --worker-extension-cls {args.worker_extension_cls}")
     if native:
-        raise ValueError(
-            "the `delta` weight-transfer backend and --enable-delta-updates cannot serve the same "
-            "engine: choose one (each door would keep its own version of the same weights)"
-        )
+        raise ValueError(TWO_DOORS_REFUSAL)
     if (getattr(args, "api_server_count", None) or 1) > 1:
         raise ValueError(API_SERVERS_REFUSAL.format("--enable-delta-updates", args.api_server_count))
     # With DP, only vLLM's internal load balancer lets our one API server reach every DP engine.
-    given = [d for d in DP_LB_FLAGS if getattr(args, d, None) not in (None, False)]
+    given = [d for d in DP_LB_FLAGS if getattr(args, f"data_parallel_{d}", None) not in (None, False)]
     if data_parallel_size(args) > 1 and given:
         raise ValueError(
             f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size} needs vLLM's "
-            f"internal load balancer, not --{given[0].replace('_', '-')}: there each API server reaches "
-            "only its own DP engines, so an update would leave the other replicas on old weights (untested)"
+            f"internal load balancer, not --data-parallel-{given[0].replace('_', '-')}: each API server "
+            "would reach only its own DP engines, so an update would leave other replicas on old weights"
         )
     if getattr(args, "enable_eplb", False):
         raise ValueError(EPLB_REFUSAL)
@@ -237,8 +229,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def check_store(args: argparse.Namespace) -> None:
-    """Refuse a store root this server cannot read (credentials, no bucket) before any engine loads the
-    model, rather than on a first sync much later."""
+    """Refuse a store root this server cannot read before any engine loads, not on a first sync."""
     from vllm_delta.transports.store import ObjectStore, StoreError, StoreURL
 
     root = args.delta_updates_root
@@ -294,8 +285,7 @@ def trainer_address(value: str) -> str:
 
 
 def delta_root(value: str) -> Path | StoreURL:
-    """An `s3://BUCKET[/PREFIX]` store root, else an existing directory, fully resolved (containment
-    checks compare real paths)."""
+    """An `s3://BUCKET[/PREFIX]` store root, else an existing directory, resolved (containment compares)."""
     from vllm_delta.transports.store import StoreURL, is_store_url
 
     if not is_store_url(value):

@@ -81,8 +81,7 @@ def refused(err: UpdateError, what: str, count: bool = True) -> UpdateError:
 
 
 async def answered(action: Awaitable[Any], what: str = "", count: bool = True) -> JSONResponse:
-    """A door's answer: `action`'s, or its refusal's (logged, and counted with `count`, when `what`
-    names it)."""
+    """A door's answer: `action`'s, or its refusal's, logged (and counted) when `what` names it."""
     try:
         return JSONResponse(await action)
     except UpdateError as err:

@@ -122,14 +122,14 @@ def resolve_version_dir(path: str, root: Path) -> Path:
     if "\0" in path:
         raise UpdateError(400, "NotADeltaDirectory", "the path contains a NUL byte")
     resolved = Path(os.path.realpath(root / path))
-    if not _inside(resolved, root):
+    if not resolved.is_relative_to(root):
         raise outside(f"{path!r} resolves outside the delta-updates root")
     if not resolved.is_dir():
         raise UpdateError(
             400, "NotADeltaDirectory", f"{path!r} is not a directory under the delta-updates root"
         )
     for entry in resolved.iterdir():
-        if not _inside(Path(os.path.realpath(entry)), root):
+        if not Path(os.path.realpath(entry)).is_relative_to(root):
             raise outside(f"{entry.name!r} in {path!r} links outside the delta-updates root")
     return resolved
 
@@ -154,10 +154,6 @@ def store_version_key(path: str, root: StoreURL) -> str:
         if not _STORE_SEGMENT.fullmatch(segment):
             raise outside(f"{path!r}: segment {segment!r} is not made of letters, digits, '.', '_' or '-'")
     return root.key(path)
-
-
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
 
 
 def prepare_request(

@@ -35,8 +35,7 @@ router = APIRouter()
 
 
 class DeltaUpdater(Transaction):
-    """Our route's door over the core: it reaches `delta_<name>` of our worker extension on every
-    worker of every DP replica."""
+    """Our route's door over the core: our worker extension's `delta_<name>` on every worker."""
 
     def __init__(
         self,

@@ -135,7 +135,7 @@ class Transaction:
         """Phase 2: scatter what every rank staged, pausing generation (and dropping the stale prefix
         cache) when anything changed; `then` runs after a successful commit, before the resume. If a
         rank fails, generation stays paused and `fault` is set until an anchor commits everywhere.
-        Returns the door's 200 (one summary for all ranks and the trace), kept as `last`."""
+        Returns the door's 200 (one summary for all ranks, the trace), kept as `last`."""
         with sync.timing():
             changed, started = bool(sync.prepared[0].total_changed), perf_counter()
             if changed and self.fault is None:  # a faulted engine is paused already

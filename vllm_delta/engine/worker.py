@@ -30,6 +30,7 @@ from vllm_delta.engine.messages import (
     failure,
 )
 from vllm_delta.engine.replicas import moe_world
+from vllm_delta.engine.request import CollectiveInitRequest
 from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE, PhaseTimes
 from vllm_delta.engine.worker_transfer import Preparing, decode_threads, pull, receive
 from vllm_delta.kernels.warmup import warm_up
@@ -95,9 +96,8 @@ class DeltaWorkerExtension:
         return int(getattr(getattr(self.vllm_config, "parallel_config", None), key, default))
 
     def delta_prepare_start(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Start `delta_prepare` on a background thread and return at once, so generation goes on. The
-        placement is learned first, on the engine's thread, if the startup probe has not (loaders must
-        not race a forward)."""
+        """Start `delta_prepare` on a background thread, so generation goes on; the placement is learned
+        first, on the engine's thread, if the startup probe has not (loaders must not race a forward)."""
         state = self._delta()
         self._delta_join_prepare()  # a prepare a cancelled request left behind
         try:
@@ -292,19 +292,14 @@ class DeltaWorkerExtension:
         ).wire()
 
     def delta_collective_init(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Join the trainer's group (the trainer is rank 0), dropping an older one."""
+        """Join the trainer's group as rank `rank_offset` + this worker's, dropping an older one."""
         from vllm_delta.transports.groups import join_group
 
         self._delta_drop_group()
         try:
-            self._delta_group = join_group(
-                backend=config["backend"],
-                master_addr=config["master_addr"],
-                master_port=int(config["master_port"]),
-                rank=int(config["rank_offset"]) + self._delta_rank(),
-                world_size=int(config["world_size"]),
-                timeout_s=float(config.get("timeout_s") or 120.0),
-            )
+            init = CollectiveInitRequest.model_validate(config)
+            rank = init.rank_offset + self._delta_rank()
+            self._delta_group = join_group(rank=rank, **init.model_dump(exclude={"rank_offset"}))
         except Exception as exc:
             return failure(500, exc)
         return JoinedReply(rank=self._delta_rank(), group_rank=self._delta_group.rank).wire()

@@ -43,8 +43,7 @@ def enabled(args: Namespace | None) -> bool:
 
 
 class WeightTransferDoor(Transaction):
-    """The backend's door over the core: the update prepared between vLLM's `/update_weights` and its
-    finish, reaching the workers through the backend's one RPC method (`delta_weight_transfer`)."""
+    """The backend's door over the core, through its one worker RPC method (`delta_weight_transfer`)."""
 
     def __init__(self, engine: Any) -> None:
         super().__init__(engine, lambda name, args: rpc_all(engine, WORKER_RPC, (name, *args)))
@@ -95,8 +94,7 @@ class WeightTransferDoor(Transaction):
         return {k: v for k, v in result.items() if k not in ("replay", "fallback", "ranks", "replicas")}
 
     async def _end_session(self) -> None:
-        """Close vLLM's update session after a refusal or a failed commit (nothing stays staged),
-        so the client's next `start_weight_update`, e.g. the repairing anchor's, is accepted."""
+        """Close vLLM's session after a refusal or failed commit, so the next `start_weight_update` works."""
         with contextlib.suppress(UpdateError):
             await self.call("end_session", reply=Done)
 

@@ -215,8 +215,7 @@ def engine_info(client: Any, name: str, route: str) -> Any:
 
 
 class OfflineLLMClient:
-    """vLLM's offline `LLM` as a `VLLMWeightSyncClient` (vLLM ships HTTP and Ray clients only); it
-    prepares on the engine loop, as nothing generates while its caller waits for an update anyway."""
+    """vLLM's offline `LLM` as a `VLLMWeightSyncClient` (vLLM ships HTTP and Ray clients only)."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm

@@ -15,7 +15,7 @@ from pydantic import Field
 from vllm.distributed.parallel_state import get_world_group
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from vllm_delta.engine.cli_args import EPLB_REFUSAL, WORKER_EXTENSION
+from vllm_delta.engine.cli_args import EPLB_REFUSAL, TWO_DOORS_REFUSAL, WORKER_EXTENSION
 from vllm_delta.engine.http_errors import DeltaTransferError, UpdateError, validated
 from vllm_delta.engine.messages import Message, PrepareReply, failure
 from vllm_delta.engine.replicas import agree
@@ -47,8 +47,7 @@ class DeltaWeightTransferEngine(
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         if vllm_config.parallel_config.worker_extension_cls == WORKER_EXTENSION:
-            why = "the `delta` backend and --enable-delta-updates cannot serve the same engine"
-            raise ValueError(f"{why}: choose one")
+            raise ValueError(TWO_DOORS_REFUSAL)
         if vllm_config.parallel_config.enable_eplb:
             raise ValueError(EPLB_REFUSAL)
         super().__init__(config, vllm_config, device, model)
@@ -73,8 +72,7 @@ class DeltaWeightTransferEngine(
             return validated(DeltaUpdateRequest, update_dict)
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
-        """Learn the placement and compile the kernels now (the offline `LLM` has no door to probe at
-        startup), then, for a collective, join the trainer's group."""
+        """Probe and compile now (the offline `LLM` has no door to do it at startup); join a collective."""
         self._delta_max_staged = init_info.max_staged_bytes
         self.delta_probe()
         if init_info.transport == "disk":
