@@ -266,7 +266,7 @@ def p3(weights: dict[str, torch.Tensor], thread_counts: list[int] | None = None)
         def scan(flag: str):
             """As the hook scans: the last capture (`hook.last_capture`; here the one popped) is held
             while the next one scans, and no other, so the scan's output arrays can be reused
-            (kernels/scan_buffers.py) as they are in training. The encode takes the latest capture
+            (kernels/scan.py ScanBuffers) as they are in training. The encode takes the latest capture
             (every scan finds the same changes: the snapshot never advances here)."""
             return _kernel(
                 flag,

@@ -1,4 +1,4 @@
-"""`EngineClient` from async code: the async API, and the sync wrapper called inside a running loop.
+"""`EngineClient` from async code: the sync wrapper called inside a running loop.
 
 Why a real server: the failure this guards against (`asyncio.run` inside a running event loop, as
 in Ray async actors and async rollout loops) only shows with a real request. The aiohttp server runs
@@ -83,31 +83,6 @@ def test_sync_wrapper_works_inside_a_running_event_loop(engines):
     assert all(r.ok and r.body == {"version": 1, "changed": 3} for r in replies.values()), replies
     assert all(s.ok and s.body["version"] == 1 for s in status.values()), status
     assert all(e.requests == [{"path": "weight_v000001", "version": 1}] for e in engines)
-
-
-def test_async_api_runs_on_the_callers_loop(engines):
-    client = EngineClient(API_KEY, timeout_s=10, retries=0)
-    urls = [e.url for e in engines]
-
-    async def rollout_loop() -> tuple[dict, dict, int]:
-        ticks = 0
-
-        async def ticker() -> None:  # the caller's loop keeps running while the requests are out
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        tick_task = asyncio.create_task(ticker())
-        replies = await client.update_async({u: {"path": "weight_v000002", "version": 2} for u in urls})
-        status = await client.status_async(urls)
-        tick_task.cancel()
-        return replies, status, ticks
-
-    replies, status, ticks = asyncio.run(rollout_loop())
-    assert all(r.ok and r.body["version"] == 2 for r in replies.values()), replies
-    assert all(s.ok and s.body["healthy"] for s in status.values()), status
-    assert ticks > 0
 
 
 def test_sync_wrapper_outside_a_loop_and_errors_come_back_as_replies(engines):

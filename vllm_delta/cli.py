@@ -60,17 +60,12 @@ def cmd_diff(a: argparse.Namespace) -> None:
     )
 
 
-def _load_deltas(info: DeltaInfo, base: Checkpoint) -> dict[str, list[ParamDelta]]:
-    # The user vouches that BASE is the delta's base; post-apply hashes check that claim.
-    grouped = defaultdict(list)
-    for pd in read_delta(info, expected=base.meta, current_version=info.manifest.base_version):
-        grouped[pd.name].append(pd)
-    return grouped
-
-
 def _apply(base: Checkpoint, info: DeltaInfo, out: Path | None) -> int:
-    """Apply to every shard (one in memory at a time), check post-apply hashes, maybe save."""
-    deltas = _load_deltas(info, base)
+    """Apply to every shard (one in memory at a time), check post-apply hashes, maybe save. The user
+    vouches that BASE is the delta's base; the post-apply hashes check that claim."""
+    deltas: dict[str, list[ParamDelta]] = defaultdict(list)
+    for pd in read_delta(info, expected=base.meta, current_version=info.manifest.base_version):
+        deltas[pd.name].append(pd)
     hashes = {p.name: p.post_hash for p in info.manifest.params}
     for shard in base.shards:
         tensors = load_file(base.path / shard)
@@ -118,15 +113,18 @@ def summarize(info: DeltaInfo) -> dict:
         "bytes_per_changed": per(m.total_bytes, m.changed),
         "files": [
             {
-                "name": f.name,
-                "bytes": f.bytes,
-                "changed": f.changed,
+                **f.model_dump(include={"name", "bytes", "changed", "hash"}),
                 "bytes_per_changed": per(f.bytes, f.changed),
-                "hash": f.hash,
             }
             for f in m.files
         ],
     }
+
+
+def _table(rows: list[tuple]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(map(len, col)) for col in zip(*cells)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
 def cmd_inspect(a: argparse.Namespace) -> None:
@@ -134,21 +132,17 @@ def cmd_inspect(a: argparse.Namespace) -> None:
     if a.json:
         print(json.dumps(s, indent=1))
         return
-    from rich.console import Console
-    from rich.table import Table
-
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-    head, files = Table.grid(padding=(0, 2)), Table("file", "bytes", "changed", "B / changed", title="files")
-    for k in ("path", "format", "version", "base_version", "encoding", "idempotent", "needs_base", "params"):
-        head.add_row(k, str(s[k]))
-    head.add_row("changed / elements", f"{s['changed']:,} / {s['elements']:,} ({s['elements_scope']})")
-    head.add_row("density", f"{s['density']:.4%}")
-    for col in files.columns[1:]:
-        col.justify = "right"
-    for f in s["files"]:
-        files.add_row(f["name"], f"{f['bytes']:,}", f"{f['changed']:,}", fmt(f["bytes_per_changed"]))
-    files.add_row("total", f"{s['bytes']:,}", f"{s['changed']:,}", fmt(s["bytes_per_changed"]), style="bold")
-    Console().print(head, files)
+    keys = ("path", "format", "version", "base_version", "encoding", "idempotent", "needs_base", "params")
+    head = [(k, s[k]) for k in keys]
+    head += [("changed / elements", f"{s['changed']:,} / {s['elements']:,} ({s['elements_scope']})")]
+    head += [("density", f"{s['density']:.4%}")]
+    files = [("file", "bytes", "changed", "B / changed")]
+    files += [
+        (f["name"], f"{f['bytes']:,}", f"{f['changed']:,}", fmt(f["bytes_per_changed"])) for f in s["files"]
+    ]
+    files += [("total", f"{s['bytes']:,}", f"{s['changed']:,}", fmt(s["bytes_per_changed"]))]
+    print(_table(head) + "\n\n" + _table(files))
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
@@ -168,36 +162,25 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 def cmd_encodings(a: argparse.Namespace) -> None:
     rows = [e.describe() for e in ENCODINGS.values()]
-    if a.json:
-        print(json.dumps(rows, indent=1))
-        return
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
     cols = ("name", "idempotent", "needs_base", "compression", "description")
-    t = Table(*cols)
-    for r in rows:
-        t.add_row(*(escape(str(r[c])) for c in cols))
-    Console().print(t)
+    table = [cols, *(tuple(r[c] for c in cols) for r in rows)]
+    print(json.dumps(rows, indent=1) if a.json else _table(table))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-delta", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("diff", help="write the delta between two HF checkpoint directories")
-    d.add_argument("old", type=Path)
-    d.add_argument("new", type=Path)
-    d.add_argument("out", type=Path)
+    for name in ("old", "new", "out"):
+        d.add_argument(name, type=Path)
     d.add_argument("--encoding", default=DEFAULT_ENCODING, choices=sorted(ENCODINGS))
     d.add_argument("--version", type=int, default=1)
     d.add_argument("--base-version", type=int, default=None, help="default: version - 1")
     d.add_argument("--flush-bytes", type=int, default=256 << 20)
     d.set_defaults(func=cmd_diff)
     ap = sub.add_parser("apply", help="write BASE + DELTA as a full HF checkpoint directory")
-    ap.add_argument("base", type=Path)
-    ap.add_argument("delta", type=Path)
-    ap.add_argument("out", type=Path)
+    for name in ("base", "delta", "out"):
+        ap.add_argument(name, type=Path)
     ap.set_defaults(func=cmd_apply)
     i = sub.add_parser("inspect", help="describe a delta")
     i.add_argument("delta", type=Path)

@@ -1,5 +1,5 @@
-"""HTTP client for the engine's delta routes (aiohttp): one concurrent request per engine, async for async
-callers, sync wrappers for the rest (inside a running event loop they run on a private loop in a thread).
+"""HTTP client for the engine's delta routes (aiohttp): one concurrent request per engine, called from sync
+code (inside a running event loop, as in Ray async actors, on a private loop in a thread).
 
 Retries only where the request cannot have reached the update logic (no connection, 502/503/504); any
 other answer, a 500 included (a possibly dirty engine), is final and goes back to the sender.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +43,7 @@ class Reply:
 
 
 class EngineClient:
-    """Talks to a set of engines, concurrently; each route has an async method and a sync wrapper."""
+    """Talks to a set of engines, concurrently."""
 
     def __init__(
         self,
@@ -58,10 +58,8 @@ class EngineClient:
         self.retries, self.backoff_s = retries, backoff_s
 
     def headers(self) -> dict[str, str]:
-        h = {"Content-Type": "application/json"}
-        if self.api_key:
-            h["Authorization"] = f"Bearer {self.api_key}"
-        return h
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return {"Content-Type": "application/json", **auth}
 
     async def _request(
         self,
@@ -94,40 +92,30 @@ class EngineClient:
             await asyncio.sleep(self.backoff_s * attempt)
         return last
 
-    async def _many(
+    def _many(
         self, method: str, route: str, bodies: Mapping[str, Mapping[str, Any] | None]
     ) -> dict[str, Reply]:
-        async with aiohttp.ClientSession(timeout=self.timeout) as session:
-            urls = list(bodies)
-            replies = await asyncio.gather(
-                *(self._request(session, method, u, route, bodies[u]) for u in urls)
-            )
-        return dict(zip(urls, replies))
+        """Every request at once, from sync code, whether or not this thread runs an event loop."""
 
-    @staticmethod
-    def _run(coro: Coroutine[Any, Any, dict[str, Reply]]) -> dict[str, Reply]:
-        """Run `coro` to completion from sync code, whether or not this thread runs an event loop."""
+        async def gather() -> list[Reply]:
+            async with aiohttp.ClientSession(timeout=self.timeout) as session:
+                return await asyncio.gather(
+                    *(self._request(session, method, u, route, b) for u, b in bodies.items())
+                )
+
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(coro)
+            return dict(zip(bodies, asyncio.run(gather())))
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-client") as pool:
-            return pool.submit(asyncio.run, coro).result()
-
-    async def update_async(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
-        """`POST /update_weights_delta` to each engine (url -> body), concurrently."""
-        return await self._many("POST", UPDATE_ROUTE, bodies)
-
-    async def status_async(self, urls: Sequence[str]) -> dict[str, Reply]:
-        """`GET /delta_updates/status` of each engine, concurrently."""
-        return await self._many("GET", STATUS_ROUTE, {u: None for u in urls})
+            return dict(zip(bodies, pool.submit(asyncio.run, gather()).result()))
 
     def update(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
-        return self._run(self.update_async(bodies))
+        """`POST /update_weights_delta` to each engine (url -> body)."""
+        return self._many("POST", UPDATE_ROUTE, bodies)
 
     def status(self, urls: Sequence[str]) -> dict[str, Reply]:
-        return self._run(self.status_async(urls))
+        return self._many("GET", STATUS_ROUTE, {u: None for u in urls})
 
     def collective_init(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
-        """`POST /delta_updates/collective/init` to each engine (url -> body), concurrently."""
-        return self._run(self._many("POST", COLLECTIVE_INIT_ROUTE, bodies))
+        return self._many("POST", COLLECTIVE_INIT_ROUTE, bodies)

@@ -1,9 +1,6 @@
-"""Bitwise diff of a param against its snapshot: no float arithmetic, dtype-agnostic.
-
-`+0.0` vs `-0.0` and differing NaN payloads are changes; equal bits are not, even for NaN.
-It runs where the tensors live: torch ops on an accelerator (only the positions are produced,
-on the device), numpy over chunks on every CPU core on the host.
-"""
+"""Bitwise diff of a param against its snapshot (no float arithmetic: `+0.0` vs `-0.0` and NaN payloads
+are changes, equal bits are not), where the tensors live: torch ops on an accelerator, numpy over chunks
+on every CPU core on the host."""
 
 from __future__ import annotations
 
@@ -62,16 +59,9 @@ def changed_positions(current: torch.Tensor, snapshot: torch.Tensor) -> torch.Te
         return np.flatnonzero(an[i : i + CHUNK_ELEMENTS] != bn[i : i + CHUNK_ELEMENTS]) + i
 
     starts = range(0, an.size, CHUNK_ELEMENTS)
-    parts = (
-        list(_cpu_pool().map(chunk, starts))
-        if len(starts) > 1 and os.cpu_count() != 1
-        else [chunk(i) for i in starts]
-    )
-    return (
-        torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
-        if parts
-        else torch.zeros(0, dtype=torch.int64)
-    )
+    threaded = len(starts) > 1 and os.cpu_count() != 1
+    parts = list(_cpu_pool().map(chunk, starts)) if threaded else [chunk(i) for i in starts]
+    return torch.from_numpy(np.concatenate([np.empty(0, np.int64), *parts]).astype(np.int64, copy=False))
 
 
 def device_positions(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ def test_nothing_with_the_kernels_off(monkeypatch):
 
 
 def test_kernels_run_uncached_where_no_cache_directory_is_writable():
-    """numba's own decorator raises at import there ("no locator available"); `jit.kernel` compiles
+    """numba's own decorator raises at import there ("no locator available"); `switch.kernel` compiles
     uncached instead. No locator is simulated by allowing only IPython's (outside IPython: none)."""
     code = (
         "import numpy as np; from vllm_delta.kernels import digest_jit; "

@@ -1,4 +1,4 @@
-"""The fused CPU scan's output sets reused from one scan to the next (`kernels/scan_buffers.py`):
+"""The fused CPU scan's output sets reused from one scan to the next (`kernels/scan.py` ScanBuffers):
 never while anything still holds a view of them (a held capture, one entry's tensor), reused once
 nothing does (counted in allocations, not timed), grown past 1/32 density and dropped when
 oversized, at most two sets a window kept; every capture equal to the torch path's, scanned from
@@ -15,7 +15,7 @@ import torch
 
 from vllm_delta.kernels import scan as scan_kernel
 from vllm_delta.kernels import switch
-from vllm_delta.kernels.scan_buffers import ScanBuffers, alone
+from vllm_delta.kernels.scan import ScanBuffers, alone
 from vllm_delta.sender import Shard, bucket_scan
 from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.shards import Segments

@@ -1,10 +1,7 @@
-"""The additive digest's arithmetic: each element's term, and the terms' sums per segment (`segment_sums`,
-the one entry point of every digest: the wire's, the engine's staged entries, the sender's scan).
-
-H(t) = sum_i mix(key(i, bits_i)) mod 2^64 in two lanes (wire/additive.py says why). On CPU tensors with
-the kernels on, the sums run compiled (`digest_jit`); elsewhere in torch integer ops where the values
-live (int64 wraps mod 2^64 on every backend), so only the sums leave the device.
-"""
+"""The additive digest's terms and their sums per segment (`segment_sums`: the one entry point of every
+digest). H(t) = sum_i mix(key(i, bits_i)) mod 2^64 in two lanes (wire/additive.py says why); compiled
+(`digest_jit`) on CPU tensors with the kernels on, else torch integer ops where the values live (int64
+wraps mod 2^64 on every backend), so only the sums leave the device."""
 
 from __future__ import annotations
 
@@ -15,11 +12,14 @@ from vllm_delta.kernels import switch
 from vllm_delta.kernels.lanes import LANES
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# On the CPU (kernels off), terms are summed this many at a time: the ~30 elementwise passes then run on
+# int64 temporaries that stay in cache, ~3x faster than whole-array passes (a sum mod 2^64 does not
+# depend on the grouping). A GPU takes the whole array at once.
+CPU_SLICE = 1 << 15
 
 
 def mix_(x: torch.Tensor, lane: int) -> torch.Tensor:
-    """A lane's 64-bit finaliser (a bijection), in place. `>>` on int64 is arithmetic: masked to be
-    logical."""
+    """A lane's 64-bit finaliser (a bijection), in place; `>>` on int64 is arithmetic, so masked."""
     _, shifts, mults = LANES[lane]
     for i, k in enumerate(shifts):
         t = x >> k
@@ -36,31 +36,17 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return t.detach().reshape(-1).view(_INT[size]).numpy().view(f"u{size}")
 
 
-def element_bits(values: torch.Tensor) -> torch.Tensor:
-    """Each element's bit pattern, zero-extended to int64 (dtype-agnostic, no float arithmetic)."""
+def keys(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One int64 key per element, injective in (position, bits) up to 32-bit dtypes: position * 2^width
+    + bits (zero-extended); 64-bit dtypes key on a mix of the position XOR the bits."""
     size = values.element_size()
+    pos = positions.reshape(-1).to(torch.int64)
     bits = values.detach().reshape(-1).view(_INT[size]).to(torch.int64)
     if size < 8:
         bits &= (1 << (8 * size)) - 1
-    return bits
-
-
-def keys(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One int64 key per element, injective in (position, bits) for dtypes up to 32 bits:
-    position * 2^width + bits. 64-bit dtypes key on a mix of the position XOR the bits."""
-    width = 8 * values.element_size()
-    pos = positions.reshape(-1).to(torch.int64)
-    bits = element_bits(values)
-    if width <= 32:
-        return (pos << width).bitwise_or_(bits)
+        return (pos << (8 * size)).bitwise_or_(bits)
     golden = LANES[0][0]
     return mix_(pos * golden + golden, 0).bitwise_xor_(bits)
-
-
-# On the CPU (with the kernels off), terms are summed this many at a time: the ~30 elementwise passes
-# then run on int64 temporaries of 256 KiB that stay in cache, about 3x faster than passes over the
-# whole array (sums mod 2^64 do not depend on the grouping). A GPU takes the whole array at once.
-CPU_SLICE = 1 << 15
 
 
 def segment_sums(
@@ -73,11 +59,20 @@ def segment_sums(
         raise ValueError(f"{count} positions for {values.numel()} values")
     if (
         switch.on()
-        and values.device.type == "cpu"
-        and positions.device.type == "cpu"
+        and values.device.type == positions.device.type == "cpu"
         and (isinstance(segments, int) or segments.device.type == "cpu")
     ):
-        return _compiled(positions, values, segments, n)
+        from vllm_delta.kernels.digest_jit import NO_SEGMENTS
+        from vllm_delta.kernels.digest_jit import segment_sums as sums
+
+        if isinstance(segments, int):
+            if not 0 <= segments < n:
+                raise IndexError(f"segment {segments} of {n}")
+            seg, one = NO_SEGMENTS, segments
+        else:
+            seg, one = segments.detach().reshape(-1).to(torch.int64).numpy(), 0
+        pos = positions.detach().reshape(-1).to(torch.int64).numpy()
+        return torch.from_numpy(sums(pos, bits(values), seg, one, n).view("i8"))
     out = torch.zeros(n, 2, dtype=torch.int64, device=values.device)
     step = CPU_SLICE if values.device.type == "cpu" else max(1, count)
     positions, values = positions.reshape(-1), values.reshape(-1)
@@ -90,20 +85,3 @@ def segment_sums(
         else:
             out.index_add_(0, segments.reshape(-1)[lo : lo + step], torch.stack([lane0, lane1], 1))
     return out
-
-
-def _compiled(
-    positions: torch.Tensor, values: torch.Tensor, segments: torch.Tensor | int, n: int
-) -> torch.Tensor:
-    """`segment_sums` through `digest_jit` (numpy views of the CPU tensors: no copy where they are int64)."""
-    from vllm_delta.kernels.digest_jit import NO_SEGMENTS
-    from vllm_delta.kernels.digest_jit import segment_sums as sums
-
-    pos = positions.detach().reshape(-1).to(torch.int64).numpy()
-    if isinstance(segments, int):
-        if not 0 <= segments < n:
-            raise IndexError(f"segment {segments} of {n}")
-        seg, one = NO_SEGMENTS, segments
-    else:
-        seg, one = segments.detach().reshape(-1).to(torch.int64).numpy(), 0
-    return torch.from_numpy(sums(pos, bits(values), seg, one, n).view("i8"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_delta.kernels.jit import kernel
 from vllm_delta.kernels.lanes import LANES
+from vllm_delta.kernels.switch import kernel
 
 
 def _u64(c: int) -> np.uint64:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_delta.kernels.jit import kernel
+from vllm_delta.kernels.switch import kernel
 
 # The keys of an entry, in the writer's order, with what precedes each (`scan`'s `keys`).
 KEYS = tuple(
@@ -158,7 +158,6 @@ def scan(buf, keys):
     heads = np.empty((r_max, 3), dtype=np.int64)
     frame_at = np.empty(r_max + 1, dtype=np.int64)
     lens = np.empty(buf.size // 2 + 1, dtype=np.int64)
-    one = np.empty(1, dtype=np.int64)
     fail = (-1, 0, 0, spans, distinct, counts, heads, frame_at, lens)
     if buf.size < 2 or buf[0] != _LBRACKET:
         return fail
@@ -190,16 +189,10 @@ def scan(buf, keys):
         if row[SHAPE] < 0:
             return fail
         i = _literal(buf, i, keys[3])
-        i = _int(buf, i, one, 0) if i >= 0 else -1
-        if i < 0:
-            return fail
-        row[COUNT] = one[0]
-        i = _literal(buf, i, keys[4])
-        i = _int(buf, i, one, 0) if i >= 0 else -1
-        if i < 0:
-            return fail
-        row[WIDTH] = one[0]
-        i = _literal(buf, i, keys[5])
+        i = _int(buf, i, row, COUNT) if i >= 0 else -1
+        i = _literal(buf, i, keys[4]) if i >= 0 else -1
+        i = _int(buf, i, row, WIDTH) if i >= 0 else -1
+        i = _literal(buf, i, keys[5]) if i >= 0 else -1
         if i < 0:
             return fail
         at = i

@@ -1,12 +1,13 @@
 """The bucket scan's diff, gather, HF map and additive digests fused into one pass over CPU weights
-(`scan_jit`), tested equal to `bucket_scan.torch_diff_digest`: the torch path makes a mask, its nonzero,
-two gathers and ~30 int64 passes for the digest terms, 6-7x the kernel (docs/results/kernels.md).
-Elements no run covers (padding, unregistered params) are never read. Without numba, for other widths than
-16 and 32 bits, off the CPU or with the kernels off (`switch.on`), the torch path runs.
+(`scan_jit`), tested equal to `bucket_scan.torch_diff_digest` (a mask, its nonzero, two gathers and ~30
+int64 passes: 6-7x the kernel, docs/results/kernels.md). Elements no run covers are never read. Other
+widths than 16 and 32 bits, off the CPU or with the kernels off (`switch.on`): the torch path.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
 from concurrent.futures import Executor, Future
 
 import numpy as np
@@ -14,12 +15,12 @@ import torch
 
 from vllm_delta.kernels import switch
 from vllm_delta.kernels.digest import bits
-from vllm_delta.kernels.scan_buffers import ScanBuffers
+
+Set = list[np.ndarray]  # offsets, HF positions, old bits, new bits, runs: `scan_jit.outputs`
 
 
 def applies(base: torch.Tensor, snap: torch.Tensor) -> bool:
-    """The kernel takes contiguous CPU spans of 16- and 32-bit dtypes (their digest key is
-    position << width | bits; those are the widths it is tested on); anything else goes the torch way."""
+    """The kernel takes contiguous CPU spans of 16- and 32-bit dtypes (the widths it is tested on)."""
     return (
         switch.on()
         and base.device.type == "cpu"
@@ -43,9 +44,8 @@ def diff_digest(
     pool: Executor | None = None,
     buffers: ScanBuffers | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """(offsets, old, new, HF positions, runs or None, pre [n, 2], post [n, 2]) of the changes of the
-    bucket span `base` against `snap` inside the run `tables` (`bucket_scan.run_tables`), as
-    `bucket_scan.torch_diff_digest` gives them: `scan_bits`' arrays as tensors."""
+    """`scan_bits` as `bucket_scan.torch_diff_digest` gives it: (offsets, old, new, HF positions, runs
+    or None, pre [n, 2], post [n, 2]) of `base` against `snap` inside the run `tables`, as tensors."""
     pos, hf, old, new, run, sums = scan_bits(
         bits(base), bits(snap), numpy_tables(tables), n, want_run, workers, pool, buffers
     )
@@ -73,7 +73,7 @@ def scan_bits(
 ) -> tuple[np.ndarray, ...]:
     """(offsets, HF positions, old bits, new bits, runs, sums [n, 4]: pre lanes 0, 1, post 0, 1) of `cur`
     against `old_bits` inside the runs, in `workers` windows with a pool, into `buffers`' sets if given.
-    Numpy in and out: a tensor op costs ~1 us of Python, which a model of many small tensors pays."""
+    Numpy, not tensors: a tensor op costs ~1 us of Python, which a model of many small tensors pays."""
     from vllm_delta.kernels.scan_jit import CHUNK, capacity, outputs, scan_runs
 
     starts, ends, shifts, segs = tables
@@ -122,3 +122,61 @@ def _windows(numel: int, workers: int, chunk: int) -> list[tuple[int, int]]:
     k = max(1, min(workers, numel // (64 * chunk)))
     step = -(-numel // k)
     return [(a, min(a + step, numel)) for a in range(0, numel, step)] or [(0, 0)]
+
+
+def _refs(arrays: Set) -> list[int]:
+    return [sys.getrefcount(a) for a in arrays]
+
+
+_ALONE = _refs([np.empty(0)])[0]  # an array that only a list holds, as `_refs` counts it
+
+
+def alone(arrays: Set) -> bool:
+    """Nothing but the list `arrays` holds any of them (strongly or weakly)."""
+    return max(_refs(arrays)) <= _ALONE and not any(weakref.getweakrefcount(a) for a in arrays)
+
+
+class ScanBuffers:
+    """The scan's output sets, handed out again from one scan of a bucket to the next once nothing but
+    this pool holds them: fresh arrays page-fault on every page written, a third of a 1 GB scan
+    (docs/results/sender.md). A set is reused only when the reference counts of its arrays (and no weak
+    reference) show this pool alone holds it. At most two sets per window (lo, hi, dtype, want_run): the
+    last scan's, and the one before while something still holds it (at most twice its changes)."""
+
+    def __init__(self) -> None:
+        self._sets: dict[tuple, list[Set]] = {}
+        self._taken: dict[tuple, Set] = {}  # the last `take`'s, by window
+        self.allocated = 0  # sets made fresh (the rest were reused): what tests count
+
+    def take(self, windows: list[tuple[int, int]], like: np.ndarray, want_run: bool) -> list[Set]:
+        """A set per window of this scan: a pooled one nothing else holds, else a fresh one."""
+        from vllm_delta.kernels.scan_jit import capacity, outputs
+
+        self._taken = {}
+        for lo, hi in windows:
+            key = (lo, hi, like.dtype, want_run)
+            sets = self._sets.setdefault(key, [])
+            i = next((i for i, s in enumerate(sets) if alone(s)), None)
+            if i is None:
+                free = list(outputs(capacity(lo, hi), like, want_run))
+                self.allocated += 1
+            else:
+                free = sets.pop(i)  # by index: `==` on lists of arrays compares their elements
+            sets.append(free)
+            self._taken[key] = free
+        return list(self._taken.values())
+
+    def settle(self, written: list[tuple[int, Set]]) -> None:
+        """After a scan: `written` is (changes, arrays the kernel returned) per set of the last `take`.
+        A grown set replaces the one taken; a set over twice its changes goes; windows not taken
+        this scan go; of the older sets, the most recent one still held elsewhere stays."""
+        from vllm_delta.kernels.scan_jit import capacity
+
+        kept = {}
+        for (key, taken), (k, out) in zip(self._taken.items(), written):
+            older = [s for s in self._sets[key][:-1] if not alone(s)][-1:]
+            grown = out[0] is not taken[0]
+            last = list(out) if grown else taken
+            small = last[0].size <= max(capacity(key[0], key[1]), 2 * k)
+            kept[key] = older + ([last] if small else [])
+        self._sets, self._taken = kept, {}

@@ -14,7 +14,7 @@ from numba.core import config
 from numba.extending import intrinsic
 
 from vllm_delta.kernels.digest_jit import range_sums
-from vllm_delta.kernels.jit import kernel
+from vllm_delta.kernels.switch import kernel
 
 # Elements of a run taken at a time: their changed indices (int32, 8 KiB at most) stay in L1.
 CHUNK = 2048
@@ -60,8 +60,8 @@ def _grow(a, n):
 @intrinsic
 def _changed16(typingctx, x, y, start, out, at):
     """The lanes `i` of x[start:start + 16] != y[start:start + 16] as int32 `start + i` at out[at:]; how
-    many. With AVX-512: `vpcompressd` into a register and a full 16-lane store (out[at:at + 16] must
-    exist), not the memory form, which AMD Zen 4 microcodes; elsewhere the generic compress store."""
+    many. AVX-512 only: `vpcompressd` into a register and a full 16-lane store (out[at:at + 16] must
+    exist), not the memory form, which AMD Zen 4 microcodes."""
     sig = types.int64(x, y, types.int64, out, types.int64)
 
     def codegen(context, builder, signature, args):
@@ -84,17 +84,10 @@ def _changed16(typingctx, x, y, start, out, at):
         )
         mod = builder.module
         dest = builder.bitcast(builder.gep(od, [at_]), i32.as_pointer())
-        if COMPRESS:  # compress in a register, then one 64-byte store (see the docstring)
-            name = "llvm.x86.avx512.mask.compress.v16i32"
-            comp = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(v32, [v32, v32, mask_t]), name)
-            packed = builder.call(comp, [idx, ir.Constant(v32, ir.Undefined), mask])
-            builder.store(packed, builder.bitcast(dest, v32.as_pointer()), align=4)
-        else:
-            name = "llvm.masked.compressstore.v16i32"
-            store = mod.globals.get(name) or ir.Function(
-                mod, ir.FunctionType(ir.VoidType(), [v32, i32.as_pointer(), mask_t]), name
-            )
-            builder.call(store, [idx, dest, mask])
+        name = "llvm.x86.avx512.mask.compress.v16i32"  # in a register, then one 64-byte store
+        comp = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(v32, [v32, v32, mask_t]), name)
+        packed = builder.call(comp, [idx, ir.Constant(v32, ir.Undefined), mask])
+        builder.store(packed, builder.bitcast(dest, v32.as_pointer()), align=4)
         i16 = ir.IntType(16)
         pop = mod.globals.get("llvm.ctpop.i16") or ir.Function(
             mod, ir.FunctionType(i16, [i16]), "llvm.ctpop.i16"
@@ -107,7 +100,8 @@ def _changed16(typingctx, x, y, start, out, at):
 @kernel
 def find_compress(x, y, at):
     """Indices where x != y, into `at` (x.size entries at least); returns how many. 16 lanes at a
-    time, branch-free; each store writes 16 lanes, which stay inside at[:x.size] (found <= i)."""
+    time, branch-free; each store writes 16 lanes, which stay inside at[:x.size] (found <= i). AVX-512
+    only (`COMPRESS`): LLVM's generic compress store is scalar, ~2x slower than `find_words`."""
     m = x.size
     m16 = m - m % 16
     found = 0
@@ -121,8 +115,8 @@ def find_compress(x, y, at):
 
 @kernel
 def find_words(x, y, at, d, words):
-    """`find_compress` for CPUs without a compress store (LLVM scalarises it there: ~2x slower than
-    this): xor into the scratch `d` (vectorised), skip its zero 64-bit `words`, branch-free within one."""
+    """`find_compress` for CPUs without AVX-512: xor into the scratch `d` (vectorised), skip its zero
+    64-bit `words`, branch-free within one."""
     m = x.size
     per = 8 // x.itemsize
     for i in range(m):

@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from vllm_delta.kernels.jit import kernel
+from vllm_delta.kernels.switch import kernel
 
 # Entries ahead whose weights line each loop prefetches: offsets rise by ~100-400 B at 0.5-2% density,
 # too irregular for the hardware prefetcher (on a 1 GB model, 30 -> 10 ns an entry at 0.5%).
@@ -70,12 +70,6 @@ def _prefetch(typingctx, arr, idx):
 
 
 @kernel
-def _ahead(flat, offsets, i, n):
-    """Prefetch the line of the entry AHEAD places on (clamped to the last: offsets is read in bounds)."""
-    _prefetch(flat, offsets[min(i + AHEAD, n - 1)])
-
-
-@kernel
 def _check(offsets, n):
     """Every offset inside [0, n), in a pass of its own: the loops after it then carry no branch out
     and vectorise (a raise inside them kept them scalar)."""
@@ -93,7 +87,7 @@ def write(flat, offsets, values):
     _check(offsets, flat.size)
     n = offsets.size
     for i in range(n):
-        _ahead(flat, offsets, i, n)
+        _prefetch(flat, offsets[min(i + AHEAD, n - 1)])  # clamped: offsets is read in bounds
         flat[offsets[i]] = values[i]
 
 
@@ -105,7 +99,7 @@ def write_resolved(flat, offsets, steps, kind, out):
     full = (np.uint64(1) << top << np.uint64(1)) - np.uint64(1)
     n = offsets.size
     for i in range(n):
-        _ahead(flat, offsets, i, n)
+        _prefetch(flat, offsets[min(i + AHEAD, n - 1)])  # clamped: offsets is read in bounds
         o = offsets[i]
         v = _resolve(np.uint64(flat[o]), np.uint64(steps[i]), kind, top, full)
         out[i] = v
@@ -119,6 +113,6 @@ def mismatches(flat, offsets, values):
     bad = 0
     n = offsets.size
     for i in range(n):
-        _ahead(flat, offsets, i, n)
+        _prefetch(flat, offsets[min(i + AHEAD, n - 1)])  # clamped: offsets is read in bounds
         bad += flat[offsets[i]] != values[i]
     return bad

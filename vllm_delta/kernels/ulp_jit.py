@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_delta.kernels.jit import kernel
+from vllm_delta.kernels.switch import kernel
 
 
 @kernel

@@ -22,7 +22,7 @@ import torch
 from vllm_delta.diff import _cpu_pool, changed_positions
 from vllm_delta.kernels import scan as scan_kernel
 from vllm_delta.kernels.digest import segment_sums
-from vllm_delta.kernels.scan_buffers import ScanBuffers
+from vllm_delta.kernels.scan import ScanBuffers
 from vllm_delta.sender.shards import Segments, Shard, flat_runs
 
 # Elements compared per op on an accelerator: a 256 M-element bool mask (256 MiB) at most, so a

@@ -25,7 +25,7 @@ from vllm_delta.sender.planner import EngineState, Plan, Planner
 from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.publisher import Published, Publisher, Ranks, describe
 from vllm_delta.sender.shards import Segments, Shard, check_disjoint
-from vllm_delta.transports import registry as transports
+from vllm_delta.transports import base as transports
 from vllm_delta.transports.base import TransportOptions
 from vllm_delta.wire.checkpoint import Checkpoint
 from vllm_delta.wire.signing import signing_keys as checked_keys

@@ -1,14 +1,16 @@
-"""What every transport is: the `Transport` interface the publisher drives, the options a sender gives
-it, `SentDelta` (what one delta put on the wire), and the background writer of the stored transports.
-A `Sink` takes each flush `FlushBuilder` encodes as it comes, so encoding the next overlaps moving it."""
+"""What every transport is: the `Transport` interface the publisher drives, the options a sender gives it,
+`SentDelta` (what one delta put on the wire), the stored transports' common half (`StoredTransport`), and
+the registry by name. A `Sink` takes each flush `FlushBuilder` encodes as it comes, so encoding the next
+overlaps moving it."""
 
 from __future__ import annotations
 
-import queue
+import importlib
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,15 @@ from vllm_delta.wire import EncodedFlush, FlushBuilder, Manifest
 if TYPE_CHECKING:  # the client needs aiohttp, which the transports' engine halves do not
     from vllm_delta.client import EngineClient, Reply
     from vllm_delta.transports.collective import FlushSpool
+
+# Imported only when one is created (as vLLM's weight-transfer `factory.py`): s3 needs boto3, the
+# collective one torch.distributed and vLLM's groups; a sender writing to disk neither.
+REGISTRY = {
+    "disk": ("vllm_delta.transports.disk", "DiskTransport"),
+    "s3": ("vllm_delta.transports.s3", "S3Transport"),
+    "gloo": ("vllm_delta.transports.collective", "CollectiveTransport"),
+    "nccl": ("vllm_delta.transports.collective", "CollectiveTransport"),
+}
 
 
 @dataclass
@@ -29,18 +40,17 @@ class SentDelta:
     flushes: int
     wire_bytes: int  # encoded bytes (after compression)
     pre_compress_bytes: int  # the same flushes before compression
-    encode_s: float = 0.0
-    location: str | None = None  # version directory (disk, s3)
+    location: str | None = None  # the version dir's name (disk, s3)
     spool: FlushSpool | None = None  # the encoded flushes, for a collective
 
 
 @dataclass(eq=False)
 class Sink:
     """Where one rank's flushes of one version go: the builder that encodes them, and what moves each
-    on as it comes (a background writer of files or objects, or a spool for a broadcast)."""
+    on (a background writer of files or objects, or a spool for a broadcast)."""
 
     builder: FlushBuilder
-    location: str | None = None  # the version directory (disk), or its name under the store prefix (s3)
+    location: str | None = None  # the version dir's name (disk, s3)
     writer: BackgroundFlushWriter | None = None
     spool: FlushSpool | None = None
 
@@ -58,19 +68,23 @@ class TransportOptions:
     planner: Any = None  # sender.planner.Planner: which engines acknowledged what (the s3 lifecycle)
 
 
+def create(name: str, options: TransportOptions) -> Transport:
+    """The transport `name`, built from `options`; ValueError for an unknown name or unfit options."""
+    if name not in REGISTRY:
+        raise ValueError(f"transport must be one of {tuple(REGISTRY)}, not {name!r}")
+    module, class_name = REGISTRY[name]
+    cls: type[Transport] = getattr(importlib.import_module(module), class_name)
+    return cls(name, options)
+
+
 class Transport(ABC):
     """How one publish's flushes reach the engines, in the order the publisher calls it: `prepare`
     (rank 0), then per rank `sink` and `finish`, then on rank 0 `seal`, `push` and `cleanup`."""
 
-    # True: every rank writes its flushes once into one shared place (a directory, a store prefix)
-    # that rank 0 seals and every engine reads. False: rank 0 gathers them and sends them to each
-    # engine (a broadcast moves the bytes once per engine).
+    # True: every rank writes its flushes once into one shared place that rank 0 seals and every engine
+    # reads. False: rank 0 gathers them and sends them to each engine (once per engine).
     stored: bool
-
-    @abstractmethod
-    def __init__(self, name: str, options: TransportOptions) -> None:
-        """The transport registered as `name`, built from the sender's options (ValueError if they
-        do not fit it)."""
+    uploaded_bytes: int | None = None  # bytes uploaded so far, where the transport counts them (s3)
 
     def prepare(self, name: str) -> None:
         """Rank 0, before any rank encodes: make version `name`'s place empty."""
@@ -102,10 +116,23 @@ class Transport(ABC):
         None where nothing is kept (the planner anchors the engine instead)."""
         return None
 
-    @property
-    def uploaded_bytes(self) -> int | None:
-        """Bytes this transport has uploaded so far, where it counts them (the object store)."""
-        return None
+
+class StoredTransport(Transport):
+    """Flushes under a version dir that every rank writes into and rank 0 seals (disk, s3), each written
+    by a background thread while the next is encoded; one HTTP push per engine names the dir."""
+
+    stored = True
+
+    @abstractmethod
+    def writer(self, name: str) -> Callable[[str, bytes], None]:
+        """What writes each flush (file name, bytes) of version dir `name`."""
+
+    def sink(self, name: str, **kwargs: Any) -> Sink:
+        writer = BackgroundFlushWriter(self.writer(name))
+        return Sink(FlushBuilder(writer.emit, **kwargs), name, writer=writer)
+
+    def push(self, client: EngineClient, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
+        return client.update({u: {"path": s.location, **body} for u, (s, body) in targets.items()})
 
 
 class Throttle:
@@ -124,43 +151,35 @@ class Throttle:
 
 
 class BackgroundFlushWriter:
-    """Hands each flush to `write(name, data)` on a thread (a file for disk, an object for s3), so the
-    sender encodes the next meanwhile; `emit` blocks only if `depth` are queued. The first error stops
-    the writes and is raised by the next `emit` or by `close`."""
+    """Hands each flush to `write(name, data)` on a thread, so the sender encodes the next meanwhile;
+    `emit` blocks only while `depth` are held. The first error stops the writes; `emit` or `close`
+    raises it."""
 
-    def __init__(
-        self, write: Callable[[str, bytes], None], *, depth: int = 2, name: str = "vllm-delta-writer"
-    ) -> None:
-        self._write = write
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
+    def __init__(self, write: Callable[[str, bytes], None], *, depth: int = 2) -> None:
+        self._write, self._slots = write, threading.BoundedSemaphore(depth)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-writer")
         self._error: BaseException | None = None
         self.write_s = 0.0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            if self._error is not None:
-                continue
-            name, data = item
-            try:
+    def _run(self, name: str, data: bytes) -> None:
+        try:
+            if self._error is None:
                 t = time.perf_counter()
                 self._write(name, data)
                 self.write_s += time.perf_counter() - t
-            except BaseException as exc:  # reported by emit() or close()
-                self._error = exc
+        except BaseException as exc:  # raised by emit() or close()
+            self._error = exc
+        finally:
+            self._slots.release()
 
     def emit(self, name: str, flush: EncodedFlush) -> None:
         if self._error is not None:
             raise self._error
-        self._q.put((name, flush.data))
+        self._slots.acquire()
+        self._pool.submit(self._run, name, flush.data)
 
     def close(self) -> None:
-        """Wait until every queued flush is written; raise the writer's error if it had one."""
-        self._q.put(None)
-        self._thread.join()
+        """Wait until every flush handed over is written; raise the writer's error if it had one."""
+        self._pool.shutdown(wait=True)
         if self._error is not None:
             raise self._error

@@ -1,13 +1,13 @@
-"""Collective transport: the same flush bytes as on disk, broadcast to each engine's own group
-(`groups.py`: the trainer's rank 0 plus that engine's workers), so a refused, stalled or killed engine
-breaks only its own group, dropped and rebuilt at the next sync; engines are served on a thread each.
+"""Collective transport: the same flush bytes as on disk, broadcast to each engine's own group (`groups.py`:
+the trainer's rank 0 plus that engine's workers), so a refused, stalled or killed engine breaks only its
+own group, dropped and rebuilt at the next sync; engines are served on a thread each.
 
-Per update and engine, a handshake before any bulk byte: the HTTP request carries the manifest; rank 0
-offers the update on the group's store (version, the manifest's digest, each flush's name and size);
-every engine rank checks it against its manifest and answers; only if all accept does rank 0 say "go"
-and stream one flush at a time. So a refusing engine never leaves the trainer blocked in a broadcast,
-and an engine rank that fails while decoding keeps receiving (and dropping) the rest. Keys, per update
-`seq`: `<seq>/offer`, `<seq>/answer/<rank>`, `<seq>/go`. The sender's flushes wait in a `FlushSpool`.
+Per update and engine, a handshake before any bulk byte (keys per update `seq`: `<seq>/offer`,
+`<seq>/answer/<rank>`, `<seq>/go`): the HTTP request carries the manifest; rank 0 offers the update
+(version, the manifest's digest, each flush's name and size); every engine rank checks it and answers;
+only if all accept does rank 0 say "go" and stream one flush at a time. So a refusing engine never
+leaves the trainer blocked in a broadcast, and an engine rank that fails while decoding keeps receiving
+(and dropping) the rest.
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ DEFAULT_WINDOW_BYTES = 256 << 20
 
 class FlushSpool:
     """Encoded flushes by name, in arrival order: in memory up to `window_bytes`, the rest in an unlinked
-    temporary file. Why: the handshake needs the whole manifest before the first broadcast, so every flush
-    is encoded first, and an anchor is the whole model. `os.pread` lets the engines' send threads share it."""
+    temporary file (the handshake needs the whole manifest, so every flush is encoded before the first
+    broadcast, and an anchor is the whole model). `os.pread` lets the engines' send threads share it."""
 
     def __init__(self, window_bytes: int = DEFAULT_WINDOW_BYTES, directory: str | None = None) -> None:
         self.window_bytes, self.directory = window_bytes, directory
         self._memory: dict[str, bytes] = {}
         self._disk: dict[str, tuple[int, int]] = {}  # name -> (offset, size) in the temp file
         self.names: list[str] = []
-        self._fd: int | None = None
+        self._file: Any = None  # a TemporaryFile: unlinked, gone with its descriptor whatever happens
         self.spilled_bytes = 0  # the temp file's size
         self.held_bytes = 0  # in memory, at most `window_bytes`
         self._lock = threading.Lock()
@@ -60,13 +60,10 @@ class FlushSpool:
                 self._memory[name] = bytes(data)
                 self.held_bytes += len(data)
                 return
-            if self._fd is None:
-                fd, path = tempfile.mkstemp(prefix="vllm-delta-spool-", dir=self.directory)
-                os.unlink(path)  # gone with the last descriptor, whatever happens to this process
-                self._fd = fd
-            view, written = memoryview(data), 0
-            while written < len(view):
-                written += os.pwrite(self._fd, view[written:], self.spilled_bytes + written)
+            if self._file is None:
+                self._file = tempfile.TemporaryFile(prefix="vllm-delta-spool-", dir=self.directory)
+            self._file.write(data)
+            self._file.flush()  # before any thread preads it
             self._disk[name] = (self.spilled_bytes, len(data))
             self.spilled_bytes += len(data)
 
@@ -77,7 +74,7 @@ class FlushSpool:
         out = bytearray(size)
         view, got = memoryview(out), 0
         while got < size:
-            n = os.preadv(self._fd, [view[got:]], offset + got)
+            n = os.preadv(self._file.fileno(), [view[got:]], offset + got)
             if n <= 0:
                 raise OSError(f"spool file ended at {offset + got}, flush {name!r} needs {size} B")
             got += n
@@ -91,9 +88,9 @@ class FlushSpool:
         with self._lock:
             self._memory.clear()
             self.held_bytes = 0
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
@@ -133,18 +130,10 @@ def offer(
     group.seq += 1
     group.bytes_sent, group.refusal = 0, None
     seq = group.seq
-    group.put(
-        f"{seq}/offer",
-        {
-            "version": version,
-            "manifest_sha256": manifest_digest(manifest),
-            "manifest_bytes": len(json.dumps(manifest)),
-            "flushes": [list(f) for f in flushes],
-        },
-    )
-    answers = group.wait_all(
-        [f"{seq}/answer/{r}" for r in range(1, group.world_size)], time.monotonic() + group.timeout_s, stop
-    )
+    offered = {"version": version, "manifest_sha256": manifest_digest(manifest)}
+    group.put(f"{seq}/offer", offered | {"flushes": [list(f) for f in flushes]})
+    keys = [f"{seq}/answer/{r}" for r in range(1, group.spg.world_size)]
+    answers = group.wait_all(keys, time.monotonic() + group.timeout_s, stop)
     if answers is None:
         return False
     refusal = group.refusal = next((a for a in answers if not a["ok"]), None)
@@ -189,17 +178,9 @@ def answer(
         flushes = _check_offer(group.get(f"{seq}/offer"), manifest, version, max_flush_bytes)
         checked = check()
     except Exception as exc:  # every refusal is answered, so rank 0 never waits on this rank
-        group.put(
-            f"{seq}/answer/{group.rank}",
-            {
-                "ok": False,
-                "status": getattr(exc, "http_status", 400),
-                "type": type(exc).__name__,
-                "message": str(getattr(exc, "reason", exc)),
-                "file": getattr(exc, "file", None),
-                "param": getattr(exc, "param", None),
-            },
-        )
+        refusal = {"ok": False, "status": getattr(exc, "http_status", 400), "type": type(exc).__name__}
+        refusal |= {"message": str(getattr(exc, "reason", exc)), "file": getattr(exc, "file", None)}
+        group.put(f"{seq}/answer/{group.rank}", refusal | {"param": getattr(exc, "param", None)})
         raise
     group.put(f"{seq}/answer/{group.rank}", {"ok": True})
     go = group.get(f"{seq}/go")
@@ -237,17 +218,8 @@ def _failed(url: str, exc: BaseException, kind: str) -> Reply:
 class CollectiveLink:
     """The trainer's end of one engine's group: `connect()` through the engine's init route, `send()`."""
 
-    def __init__(
-        self,
-        url: str,
-        client: Any,
-        *,
-        backend: str = "gloo",
-        master_addr: str = "127.0.0.1",
-        timeout_s: float = 120.0,
-    ) -> None:
-        self.url, self.client, self.backend = url, client, backend
-        self.master_addr, self.timeout_s = master_addr, timeout_s
+    def __init__(self, url: str, client: Any, transport: CollectiveTransport) -> None:
+        self.url, self.client, self.transport = url, client, transport
         self.group: Group | None = None
         self.bytes_sent = 0  # bulk bytes the last update moved to this engine
         self.refusal: dict[str, Any] | None = None  # this engine's refusal of the last offer, if any
@@ -257,70 +229,54 @@ class CollectiveLink:
         status = self.client.status([self.url])[self.url]
         if not status.ok:
             raise ConnectionError(f"{self.url}: status {status.status}: {status.error}")
-        world = 1 + len(status.body["ranks"])
-        sock = listen(self.master_addr)
-        body = {
-            "master_addr": self.master_addr,
-            "master_port": sock.getsockname()[1],
-            "world_size": world,
-            "rank_offset": 1,
-            "backend": self.backend,
-            "timeout_s": self.timeout_s,
-        }
+        t, world = self.transport, 1 + len(status.body["ranks"])
+        sock = listen(t.master_addr)
+        body = {"master_addr": t.master_addr, "master_port": sock.getsockname()[1], "world_size": world}
+        body |= {"rank_offset": 1, "backend": t.backend, "timeout_s": t.timeout_s}
         pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-init")
         init = pool.submit(self.client.collective_init, {self.url: body})
+        refused = lambda: init.done() and not init.result()[self.url].ok  # noqa: E731
         try:
             group = host_group(
-                sock,
-                world_size=world,
-                backend=self.backend,
-                timeout_s=self.timeout_s,
-                joined=lambda: not init.done() or init.result()[self.url].ok,
+                sock, world_size=world, backend=t.backend, timeout_s=t.timeout_s, joined=lambda: not refused()
             )
         except BaseException as exc:
             sock.close()
-            reply = init.result()[self.url] if init.done() else None
             pool.shutdown(wait=False)  # a worker still joining gives up at its own timeout
-            if reply is not None and not reply.ok:
-                raise ConnectionError(f"{self.url}: collective init {reply.status}: {reply.error}") from None
-            raise ConnectionError(f"{self.url}: collective init: {exc}") from exc
+            if not refused():
+                raise ConnectionError(f"{self.url}: collective init: {exc}") from exc
+            reply = init.result()[self.url]
+            raise ConnectionError(f"{self.url}: collective init {reply.status}: {reply.error}") from None
         try:  # every rank has joined; an engine that then stops answering HTTP is given up on in time
-            reply = init.result(timeout=self.timeout_s)[self.url]
+            reply = init.result(timeout=t.timeout_s)[self.url]
         except FutureTimeout:
-            group.close()
-            raise ConnectionError(
-                f"{self.url}: collective init: no answer within {self.timeout_s:.0f} s"
-            ) from None
+            reply = None
         finally:
             pool.shutdown(wait=False)
-        if not reply.ok:
+        if reply is None or not reply.ok:
             group.close()
-            raise ConnectionError(f"{self.url}: collective init {reply.status}: {reply.error}")
+            why = f" {reply.status}: {reply.error}" if reply else f": no answer within {t.timeout_s:.0f} s"
+            raise ConnectionError(f"{self.url}: collective init{why}")
         self.group = group
 
     def send(self, sent: SentDelta, body: dict[str, Any]) -> Reply:
         """One update: the HTTP request, the offer, and (if every rank accepts) the flushes; the engine's
         reply is the result. A broken or refused group is dropped (rebuilt at the next sync)."""
-        if self.group is None:
-            raise ConnectionError(f"{self.url}: not connected")
         group = self.group
+        assert group is not None, "connect() first"
         manifest = sent.manifest.model_dump(mode="json")
         flushes = [(f.name, f.bytes) for f in sent.manifest.files]
-        pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-update")
-        http = pool.submit(
-            self.client.update, {self.url: {"transport": "collective", "manifest": manifest, **body}}
-        )
-        try:
-            if offer(group, body["version"], manifest, flushes, stop=http.done):
-                stream(group, (sent.spool.read(name) for name, _ in flushes))
-        except Exception as exc:  # a dead or stalled engine: its own reply says how it ended
-            logger.warning("delta sender: collective send to %s failed: %s", self.url, exc)
-            self.close()
-        self.bytes_sent, self.refusal = group.bytes_sent, group.refusal
-        try:
+        request = {self.url: {"transport": "collective", "manifest": manifest, **body}}
+        with ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-update") as pool:
+            http = pool.submit(self.client.update, request)
+            try:
+                if offer(group, body["version"], manifest, flushes, stop=http.done):
+                    stream(group, (sent.spool.read(name) for name, _ in flushes))
+            except Exception as exc:  # a dead or stalled engine: its own reply says how it ended
+                logger.warning("delta sender: collective send to %s failed: %s", self.url, exc)
+                self.close()
+            self.bytes_sent, self.refusal = group.bytes_sent, group.refusal
             reply = http.result()[self.url]
-        finally:
-            pool.shutdown(wait=False)
         if not reply.ok:
             self.close()
         return reply
@@ -343,20 +299,16 @@ class CollectiveTransport(Transport):
             raise ValueError(f"backend must be one of {BACKENDS}, not {name!r}")
         self.backend, self.master_addr = name, options.master_addr
         self.timeout_s = options.collective_timeout_s
-        self.window_bytes = DEFAULT_WINDOW_BYTES
         self._links: dict[str, CollectiveLink] = {}
 
     def sink(self, name: str, **kwargs) -> Sink:
-        spool = FlushSpool(self.window_bytes)
+        spool = FlushSpool()
         return Sink(FlushBuilder(lambda file, enc: spool.add(file, enc.data), **kwargs), spool=spool)
 
     def link(self, url: str, client: Any) -> CollectiveLink:
-        link = self._links.get(url)
-        if link is None:
-            link = self._links[url] = CollectiveLink(
-                url, client, backend=self.backend, master_addr=self.master_addr, timeout_s=self.timeout_s
-            )
-        return link
+        if url not in self._links:
+            self._links[url] = CollectiveLink(url, client, self)
+        return self._links[url]
 
     def push(self, client: Any, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
         """Every engine at once, each on its own thread and group."""

@@ -1,31 +1,20 @@
-"""Disk transport: flush files in a version directory, each written atomically by a background thread
-while the next is encoded, the merged manifest last (rank 0): a sender that dies mid-write leaves a
-directory without one, which every engine refuses. The engine's half is the wire's own reader
-(`wire.open_delta` under the engine's `--delta-updates-root`): the files are where it reads them.
-"""
+"""Disk transport: flush files in a version directory, each written atomically, the merged manifest last
+(rank 0): a sender that dies mid-write leaves a directory without one, which every engine refuses. The
+engine's half is the wire's own reader (`wire.open_delta` under the engine's `--delta-updates-root`)."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-from vllm_delta.client import EngineClient, Reply
-from vllm_delta.transports.base import (
-    BackgroundFlushWriter,
-    SentDelta,
-    Sink,
-    Throttle,
-    Transport,
-    TransportOptions,
-)
-from vllm_delta.wire import MANIFEST_NAME, FlushBuilder, write_manifest
+from vllm_delta.transports.base import SentDelta, StoredTransport, Throttle, TransportOptions
+from vllm_delta.wire import MANIFEST_NAME, write_manifest
 from vllm_delta.wire.manifest import write_atomic
 
 
-class DiskTransport(Transport):
-    """Flush files under `delta_dir/<version dir>`, one HTTP push per engine naming that directory."""
-
-    stored = True  # every rank writes into the same directory; rank 0 seals it
+class DiskTransport(StoredTransport):
+    """Flush files under `delta_dir/<version dir>`."""
 
     def __init__(self, name: str, options: TransportOptions) -> None:
         if options.delta_dir is None:
@@ -34,28 +23,20 @@ class DiskTransport(Transport):
         self.throttle_bytes_per_s = options.throttle_bytes_per_s
 
     def prepare(self, name: str) -> None:
-        """Rank 0, before any rank writes: an empty version directory (a leftover one, e.g. from a
-        sender that died, is replaced)."""
-        path = self.delta_dir / name
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
+        """An empty version directory (a leftover one, e.g. of a sender that died, is replaced)."""
+        shutil.rmtree(self.delta_dir / name, ignore_errors=True)
+        (self.delta_dir / name).mkdir(parents=True)
 
-    def sink(self, name: str, **kwargs) -> Sink:
-        path = self.delta_dir / name
+    def writer(self, name: str) -> Callable[[str, bytes], None]:
         pace = Throttle(self.throttle_bytes_per_s).wait if self.throttle_bytes_per_s else None
-        writer = BackgroundFlushWriter(lambda file, data: write_atomic(path / file, data, pace))
-        return Sink(FlushBuilder(writer.emit, **kwargs), str(path), writer=writer)
+        return lambda file, data: write_atomic(self.delta_dir / name / file, data, pace)
 
     def seal(self, sent: SentDelta) -> None:
-        write_manifest(Path(sent.location), sent.manifest)
-
-    def push(self, client: EngineClient, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
-        return client.update({u: {"path": Path(s.location).name, **body} for u, (s, body) in targets.items()})
+        write_manifest(self.delta_dir / sent.location, sent.manifest)
 
     def cleanup(self, sent: list[SentDelta]) -> None:
         """Delete the delivered version directories, manifest first so no reader sees one as finished."""
         if not self.keep:
             for s in sent:
-                (Path(s.location) / MANIFEST_NAME).unlink(missing_ok=True)
-                shutil.rmtree(s.location, ignore_errors=True)
+                (self.delta_dir / s.location / MANIFEST_NAME).unlink(missing_ok=True)
+                shutil.rmtree(self.delta_dir / s.location, ignore_errors=True)

@@ -1,10 +1,9 @@
 """One engine's collective group: vLLM's `StatelessProcessGroup` for the rendezvous and a JSON control
 plane on its store (never pickle), and a bulk channel for flush bytes (gloo on CPU, vLLM's
-`PyNcclCommunicator` on CUDA). As in vLLM's RLHF examples, verl and OpenRLHF: the trainer's default
-group is never touched, and NCCL runs without torch's watchdog: a broadcast is waited on with a deadline,
-then aborted. The bulk channel is set up on a daemon thread with the same deadline (a peer that joined
-and died would hold `ncclCommInitRank` forever). NCCL bytes move through at most `NCCL_STAGING_SLOTS`
-staging pairs of `NCCL_CHUNK_BYTES` in this process, freed after each flush.
+`PyNcclCommunicator` on CUDA). As in vLLM's RLHF examples: the trainer's default group is never touched,
+and NCCL runs without torch's watchdog: a broadcast, and the channel's setup (a peer that joined and died
+would hold `ncclCommInitRank` forever), are waited on with a deadline. NCCL bytes move through at most
+`NCCL_STAGING_SLOTS` staging pairs of `NCCL_CHUNK_BYTES` in this process.
 """
 
 from __future__ import annotations
@@ -51,11 +50,6 @@ class Group:
     def rank(self) -> int:
         return self.spg.rank
 
-    @property
-    def world_size(self) -> int:
-        return self.spg.world_size
-
-    # ---- control plane: JSON values under keys of the group's store --------------------------------
     def put(self, key: str, value: Any) -> None:
         self.spg.store.set(f"vllm-delta/{key}", json.dumps(value).encode())
 
@@ -78,7 +72,6 @@ class Group:
             pause = min(pause * 2, _POLL_S[1])
         return [self.get(k) for k in keys]
 
-    # ---- bulk: one flush at a time, from rank 0 to every other rank ------------------------------
     def send_bytes(self, data: bytes) -> None:
         if self.backend == "gloo":
             with warnings.catch_warnings():  # the root only reads the buffer
@@ -152,11 +145,7 @@ def chunks(size: int, chunk: int = NCCL_CHUNK_BYTES) -> list[tuple[int, int]]:
 def listen(master_addr: str) -> socket.socket:
     """Rank 0's listening socket on a free port (the port goes to the engine in the init request)."""
     family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((master_addr, 0))
-    sock.listen()
-    return sock
+    return socket.create_server((master_addr, 0), family=family)  # SO_REUSEADDR set on POSIX
 
 
 def host_group(
@@ -211,7 +200,19 @@ def _bulk(group: Group) -> Any:
 
     def build() -> None:
         try:
-            built.set_result(_build_bulk(group))
+            if group.backend == "gloo":
+                import torch.distributed as dist
+
+                store = dist.PrefixStore("vllm-delta-gloo", group.spg.store)
+                timeout = datetime.timedelta(seconds=group.timeout_s)
+                built.set_result(dist.ProcessGroupGloo(store, group.rank, group.spg.world_size, timeout))
+                return
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+            comm = PyNcclCommunicator(group.spg, device=torch.device("cuda", torch.cuda.current_device()))
+            if comm.disabled:
+                raise RuntimeError("NCCL is not available to PyNcclCommunicator here")
+            built.set_result(comm)
         except BaseException as exc:
             built.set_exception(exc)
 
@@ -230,19 +231,3 @@ def _abort_late(built: Future, backend: str) -> None:
     """A channel whose setup finished after its caller gave up: nobody will use it."""
     if built.exception() is None and backend == "nccl":
         built.result().destroy()
-
-
-def _build_bulk(group: Group) -> Any:
-    if group.backend == "gloo":
-        import torch.distributed as dist
-
-        store = dist.PrefixStore("vllm-delta-gloo", group.spg.store)
-        return dist.ProcessGroupGloo(
-            store, group.rank, group.world_size, datetime.timedelta(seconds=group.timeout_s)
-        )
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-
-    comm = PyNcclCommunicator(group.spg, device=torch.device("cuda", torch.cuda.current_device()))
-    if comm.disabled:
-        raise RuntimeError("NCCL is not available to PyNcclCommunicator here")
-    return comm

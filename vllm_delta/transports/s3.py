@@ -1,14 +1,11 @@
-"""S3 transport: flush objects under `s3://BUCKET/PREFIX/<version dir>/`, uploaded as they are encoded,
-the manifest last (a version without one is invisible), then one HTTP push per engine naming the
-version dir; and the engine's half, which fetches them from the store it was started with.
-
-Why the store: between datacenters there is no shared filesystem and no collective, but there is an
-object store, and it does the fan-out. Versions stay until every engine acknowledged them, plus the
-chain late joiners replay (`catch_up`); docs/sender.md has the layout, faults and lifecycle.
-
-The engine fetches one flush ahead of the one it decodes (memory: two flushes). Where the manifest
-gives every param of a `vllm-delta/2` flush a post digest, it reads only the header and the blocks
-this rank decodes (`SparseFile`): the file hash cannot be checked then, the ranks' partial digests are.
+"""S3 transport: flush objects under `s3://BUCKET/PREFIX/<version dir>/`, uploaded as they are encoded, the
+manifest last (a version without one is invisible), one HTTP push per engine naming the version dir; and
+the engine's half, fetching from the store it was started with. Between datacenters there is no shared
+filesystem and no collective, but an object store does the fan-out. Versions stay until every engine
+acknowledged them, plus the chain late joiners replay (`catch_up`); docs/sender.md has the lifecycle.
+The engine fetches one flush ahead; where the manifest gives every param of a `vllm-delta/2` flush a post
+digest, it reads only the header and the blocks this rank decodes (`SparseFile`; the ranks' partial
+digests are checked, as the file hash cannot be).
 """
 
 from __future__ import annotations
@@ -17,24 +14,21 @@ import json
 import logging
 import math
 import struct
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from vllm_delta import settings
-from vllm_delta.transports.base import BackgroundFlushWriter, SentDelta, Sink, Transport, TransportOptions
+from vllm_delta.transports.base import SentDelta, StoredTransport, TransportOptions
 from vllm_delta.transports.store import ObjectStore, StoreError, StoreNotFound, StoreURL, is_store_url
-from vllm_delta.wire import MANIFEST_NAME, FileEntry, FlushBuilder, Manifest, blocks, parse_manifest
+from vllm_delta.wire import MANIFEST_NAME, FileEntry, Manifest, blocks, parse_manifest
 from vllm_delta.wire.container import ZSTD_MAGIC, Limits, SparseFile
 from vllm_delta.wire.errors import DeltaError, IncompleteDeltaError, IntegrityError, LimitError
 from vllm_delta.wire.flush import Owned, plan_blocked
 from vllm_delta.wire.flush_meta import FORMAT_BLOCKS, parse_streams
-
-if TYPE_CHECKING:  # the client needs aiohttp, which the engine's half does not
-    from vllm_delta.client import EngineClient, Reply
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +53,8 @@ class Stored:
         return {"path": self.name, "version": self.version, "base_version": self.base_version}
 
 
-class S3Transport(Transport):
-    """Flush objects under `url/<version dir>`, one HTTP push per engine naming that version dir."""
-
-    stored = True  # every rank uploads its own flushes into the same version dir; rank 0 seals it
+class S3Transport(StoredTransport):
+    """Flush objects under `url/<version dir>`."""
 
     def __init__(self, name: str, options: TransportOptions) -> None:
         url = str(options.delta_dir or "")
@@ -82,29 +74,20 @@ class S3Transport(Transport):
         return self.store.uploaded_bytes
 
     def prepare(self, name: str) -> None:
-        """Rank 0, before any rank uploads: no leftover objects (e.g. of a sender that died), manifest
-        first."""
+        """No leftover objects (e.g. of a sender that died), manifest first."""
         self.sealed.pop(name, None)
         self.unsealed.add(name)
         self._remove(name)  # raises: a leftover manifest must go
 
-    def sink(self, name: str, **kwargs) -> Sink:
-        key = self.url.key(name)
-        uploader = BackgroundFlushWriter(
-            lambda f, data: self.store.put(f"{key}/{f}", data), name="vllm-delta-uploader"
-        )
-        return Sink(FlushBuilder(uploader.emit, **kwargs), name, writer=uploader)
+    def writer(self, name: str) -> Callable[[str, bytes], None]:
+        return lambda file, data: self.store.put(self.url.key(name, file), data)
 
     def seal(self, sent: SentDelta) -> None:
-        """The manifest last: only now may an engine see the version."""
         m: Manifest = sent.manifest
         self.store.put(self.url.key(sent.location, MANIFEST_NAME), m.model_dump_json(indent=1).encode())
         self.unsealed.discard(sent.location)
         lo, hi = (m.lineage.min_version, m.lineage.max_version) if m.lineage else (None, None)
         self.sealed[sent.location] = Stored(sent.location, m.version, sent.kind, m.base_version, lo, hi)
-
-    def push(self, client: EngineClient, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
-        return client.update({u: {"path": s.location, **body} for u, (s, body) in targets.items()})
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def chain(self) -> tuple[int, list[Stored]] | None:
@@ -132,9 +115,7 @@ class S3Transport(Transport):
             if v is None or v > start:  # an engine accepts no version below its own
                 return None
             reach, rest = {start: versions[:1]}, versions[1:]
-        elif (
-            start == 0 and v == 0 and status.get("run_id") is None
-        ):  # on the checkpoint, which starts the chain
+        elif start == 0 and v == 0 and status.get("run_id") is None:  # the checkpoint starts the chain
             reach, rest = {0: []}, versions
         else:
             return None
@@ -169,8 +150,7 @@ class S3Transport(Transport):
         self.store.delete_prefix(self.url.key(name) + "/")
 
     def _delete(self, name: str) -> bool:
-        """`_remove`, or False if the store failed (the sync that pushed stays good: the next cleanup
-        tries again)."""
+        """`_remove`, or False if the store failed (the sync stays good: the next cleanup tries again)."""
         try:
             self._remove(name)
         except StoreError as exc:
@@ -210,7 +190,8 @@ def fetch_manifest(store: ObjectStore, prefix: str) -> tuple[Manifest, int]:
 
 class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
     """(name, bytes) of each flush listed, in order, one fetched ahead on a thread; `fetched_bytes`
-    counts what came from the store. Close it (or use `with`): a consumer that stops early stops the fetch."""
+    counts what came from the store. Close it (or use `with`): a consumer that stops early stops the fetch.
+    With `owned`, a flush whose params all have post digests is fetched sparse where that pays."""
 
     def __init__(
         self,
@@ -221,16 +202,13 @@ class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
         manifest: Manifest | None = None,
         owned: Owned | None = None,
     ) -> None:
-        self.fetched_bytes = 0
-        self._owned = owned
-        self._params: dict[str, list[tuple[str, int]]] = {}  # flush -> (param, numel) of its params
-        self._digested: set[str] = set()  # flushes whose params all have post digests
-        for f in manifest.files if manifest is not None else ():
+        self.store, self.prefix, self.owned, self.fetched_bytes = store, prefix, owned, 0
+        self.sparse: dict[str, list[tuple[str, int]]] = {}  # flush -> (param, numel) of its params
+        for f in manifest.files if manifest is not None and owned is not None else ():
             params = [p for p in manifest.params if f.name in p.files]
-            self._params[f.name] = [(p.name, math.prod(p.shape)) for p in params]
-            if owned is not None and all(p.post_digest for p in params):
-                self._digested.add(f.name)
-        self._gen = self._run(store, prefix, list(files))
+            if all(p.post_digest for p in params):
+                self.sparse[f.name] = [(p.name, math.prod(p.shape)) for p in params]
+        self._gen = self._run(list(files))
 
     def __next__(self) -> tuple[str, bytes | SparseFile]:
         return next(self._gen)
@@ -244,31 +222,25 @@ class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(
-        self, store: ObjectStore, prefix: str, files: list[FileEntry]
-    ) -> Iterator[tuple[str, bytes | SparseFile]]:
+    def _run(self, files: list[FileEntry]) -> Iterator[tuple[str, bytes | SparseFile]]:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-fetch") as pool:
-            ahead: Future[bytes | SparseFile] | None = (
-                pool.submit(self._fetch, store, prefix, files[0]) if files else None
-            )
+            ahead = pool.submit(self._fetch, files[0]) if files else None
             try:
                 for i, entry in enumerate(files):
                     data = ahead.result()
-                    ahead = (
-                        pool.submit(self._fetch, store, prefix, files[i + 1]) if i + 1 < len(files) else None
-                    )
+                    ahead = pool.submit(self._fetch, files[i + 1]) if i + 1 < len(files) else None
                     yield entry.name, data
                     del data  # before the next flush arrives: two in memory at most
             finally:
                 if ahead is not None:
                     ahead.cancel()  # not started yet: never runs; running: the pool waits for it
 
-    def _fetch(self, store: ObjectStore, prefix: str, entry: FileEntry) -> bytes | SparseFile:
-        key = f"{prefix}/{entry.name}"
+    def _fetch(self, entry: FileEntry) -> bytes | SparseFile:
+        key = f"{self.prefix}/{entry.name}"
         try:
-            if entry.name in self._digested and self._owned is not None and self._skips_any(entry):
-                return self._fetch_sparse(store, key, entry)
-            data = store.get(key, max_bytes=entry.bytes)
+            if self._skips_any(entry):
+                return self._fetch_sparse(key, entry)
+            data = self.store.get(key, max_bytes=entry.bytes)
         except StoreNotFound as exc:
             raise StoreNotFound(f"{exc.reason}: {key}", file=entry.name) from None
         except LimitError as exc:  # larger than the manifest says: not the object the sender sealed
@@ -279,15 +251,16 @@ class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
         return data
 
     def _skips_any(self, entry: FileEntry) -> bool:
-        """Whether this rank owns less than all of some param of the flush (else it reads it whole)."""
+        """Whether this rank owns less than all of some param of a sparse-capable flush."""
         return any(
-            (r := self._owned.get(name)) is not None and blocks.merge(r) != [(0, numel - 1)]
-            for name, numel in self._params[entry.name]
+            (r := self.owned.get(name)) is not None and blocks.merge(r) != [(0, numel - 1)]
+            for name, numel in self.sparse.get(entry.name, ())
         )
 
-    def _fetch_sparse(self, store: ObjectStore, key: str, entry: FileEntry) -> bytes | SparseFile:
+    def _fetch_sparse(self, key: str, entry: FileEntry) -> bytes | SparseFile:
         """The header, then the owned blocks' ranges; whole bytes where sparse would not pay. Every GET
         is pinned to the ETag of the first, so a file replaced mid-fetch is refused, never mixed."""
+        store = self.store
         size, etag = store.head(key)
         if size != entry.bytes:
             raise IntegrityError(f"{key} is {size} bytes, the manifest says {entry.bytes}", file=entry.name)
@@ -298,19 +271,18 @@ class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
             if n <= Limits().max_header_bytes and 8 + n <= size:
                 if len(head) < 8 + n:
                     head += store.get_range(key, len(head), 8 + n, etag=etag)
-                ranges = block_ranges(head[: 8 + n], self._owned)
-        if ranges is not None and any(a < 0 or b > size for a, b in ranges):
-            ranges = None  # lengths no writer wrote (past the file, or an int64 sum that wrapped)
+                ranges = block_ranges(head[: 8 + n], self.owned)
         h = len(head)
-        if ranges is not None and h + sum(b - a for a, b in ranges if b > h) > SPARSE_MAX_SHARE * size:
+        if ranges is not None and (
+            any(a < 0 or b > size for a, b in ranges)  # past the file, or an int64 sum that wrapped
+            or h + sum(b - a for a, b in ranges if b > h) > SPARSE_MAX_SHARE * size
+        ):
             ranges = None
         wanted = [(h, size)] if ranges is None else [(max(a, h), b) for a, b in ranges if b > h]
         out = bytearray(size) if ranges is None else SparseFile(size)
         out[:h] = head
         self.fetched_bytes += h + store.read_into(key, out, wanted, etag=etag)
-        if ranges is None:
-            return bytes(out)  # whole: the decoder checks its hash
-        return out
+        return bytes(out) if ranges is None else out  # whole: the decoder checks its hash
 
 
 def block_ranges(header: bytes, owned: Owned) -> list[tuple[int, int]] | None:

@@ -75,33 +75,24 @@ class ObjectStore:
         self,
         url: StoreURL,
         *,
-        client: Any = None,
         max_concurrency: int = 8,
         part_bytes: int = 8 << 20,
         max_attempts: int = 8,
         throttle_bytes_per_s: float | None = None,
     ) -> None:
-        if part_bytes < 1 or max_concurrency < 1:
-            raise ValueError("part_bytes and max_concurrency must be positive")
-        self.url, self.part_bytes, self.max_concurrency = url, part_bytes, max_concurrency
-        if client is None:
-            import boto3
-            from botocore.config import Config
+        import boto3
+        from botocore.config import Config
 
-            retries = {"mode": "standard", "max_attempts": max_attempts}
-            config = Config(retries=retries, max_pool_connections=max(10, 2 * max_concurrency))
-            client = boto3.session.Session().client("s3", config=config)
-        self.client = client
-        self.endpoint = (
-            getattr(getattr(self.client, "meta", None), "endpoint_url", None) or "the default endpoint"
-        )
+        from vllm_delta.transports.base import Throttle
+
+        self.url, self.part_bytes = url, part_bytes
+        retries = {"mode": "standard", "max_attempts": max_attempts}
+        config = Config(retries=retries, max_pool_connections=max(10, 2 * max_concurrency))
+        self.client = boto3.session.Session().client("s3", config=config)
+        self.endpoint = self.client.meta.endpoint_url or "the default endpoint"
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="vllm-delta-store")
         self._lock = threading.Lock()
-        self._throttle = None
-        if throttle_bytes_per_s:
-            from vllm_delta.transports.base import Throttle
-
-            self._throttle = Throttle(throttle_bytes_per_s)
+        self._throttle = Throttle(throttle_bytes_per_s) if throttle_bytes_per_s else None
         self.uploaded_bytes = 0  # bytes PUT so far (every request that succeeded)
 
     def put(self, key: str, data: bytes) -> None:
@@ -109,27 +100,31 @@ class ObjectStore:
         parallel parts, aborted if any part fails so no partial object is left behind."""
         part = max(self.part_bytes, MIN_PART_BYTES)
         view = memoryview(data)
+
+        def send(op: str, chunk: memoryview, **kwargs: Any) -> Any:
+            if self._throttle is not None:
+                with self._lock:  # one pace for all parts in flight: the link's rate, not a part's
+                    self._throttle.wait(len(chunk))
+            r = self._s3(key, op, Key=key, Body=bytes(chunk), **kwargs)
+            with self._lock:
+                self.uploaded_bytes += len(chunk)
+            return r
+
         if len(view) <= part:
-            self._pace(len(view))
-            self._s3(key, "put_object", Key=key, Body=bytes(view))
-            self._count(len(view))
+            send("put_object", view)
             return
-        upload_id = self._s3(key, "create_multipart_upload", Key=key)["UploadId"]
-        ids = {"Key": key, "UploadId": upload_id}
+        ids = {"UploadId": self._s3(key, "create_multipart_upload", Key=key)["UploadId"]}
 
         def one(n: int) -> dict[str, Any]:
-            chunk = view[n * part : (n + 1) * part]
-            self._pace(len(chunk))
-            r = self._s3(key, "upload_part", **ids, PartNumber=n + 1, Body=bytes(chunk))
-            self._count(len(chunk))
+            r = send("upload_part", view[n * part : (n + 1) * part], **ids, PartNumber=n + 1)
             return {"PartNumber": n + 1, "ETag": r["ETag"]}
 
         try:
             parts = list(self._pool.map(one, range(-(-len(view) // part))))
-            self._s3(key, "complete_multipart_upload", **ids, MultipartUpload={"Parts": parts})
+            self._s3(key, "complete_multipart_upload", Key=key, **ids, MultipartUpload={"Parts": parts})
         except BaseException:
             try:
-                self.client.abort_multipart_upload(Bucket=self.url.bucket, **ids)
+                self.client.abort_multipart_upload(Bucket=self.url.bucket, Key=key, **ids)
             except Exception:  # the store is down: its own lifecycle rules reap the parts
                 pass
             raise
@@ -187,12 +182,8 @@ class ObjectStore:
 
     def list(self, prefix: str) -> list[str]:
         """Every key under `prefix` (a full key prefix, e.g. `url.key("v000005") + "/"`)."""
-        pages = self._call(
-            prefix,
-            lambda: list(
-                self.client.get_paginator("list_objects_v2").paginate(Bucket=self.url.bucket, Prefix=prefix)
-            ),
-        )
+        pager = self.client.get_paginator("list_objects_v2")
+        pages = self._call(prefix, lambda: list(pager.paginate(Bucket=self.url.bucket, Prefix=prefix)))
         return [o["Key"] for p in pages for o in p.get("Contents", [])]
 
     def check_access(self) -> None:
@@ -207,57 +198,35 @@ class ObjectStore:
             raise StoreError(f"short read: {len(data)} of {end - start} bytes at {start}", file=key)
         return data
 
-    def _pace(self, nbytes: int) -> None:
-        if self._throttle is not None:
-            with self._lock:  # one pace for all parts in flight: the link's rate, not a part's
-                self._throttle.wait(nbytes)
-
-    def _count(self, nbytes: int) -> None:
-        with self._lock:
-            self.uploaded_bytes += nbytes
-
     def _s3(self, key: str, op: str, **kwargs: Any) -> Any:
         """The client's `op` on this bucket, its errors as `StoreError`s naming `key`."""
         return self._call(key, lambda: getattr(self.client, op)(Bucket=self.url.bucket, **kwargs))
 
     def _call(self, key: str, fn: Callable[[], T]) -> T:
-        from botocore.exceptions import (
-            BotoCoreError,
-            ClientError,
-            ConnectionError,
-            HTTPClientError,
-            NoCredentialsError,
-        )
+        from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, NoCredentialsError
+        from botocore.exceptions import ConnectionError as Unreachable
 
         try:
             return fn()
         except ClientError as exc:
-            raise self._client_error(exc, key) from None
+            err, meta = exc.response.get("Error", {}), exc.response.get("ResponseMetadata", {})
+            code, status = str(err.get("Code", "")), meta.get("HTTPStatusCode")
+            if code in AUTH_CODES or status in (401, 403):
+                why = f"the store at {self.endpoint} refused our credentials ({code or status}): check "
+                why += "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE and the bucket's policy"
+                raise StoreAuthError(why, file=key) from None
+            if code == "NoSuchBucket":
+                raise StoreNotFound(f"no such bucket ({self.url.bucket})", file=key) from None
+            if code in MISSING_CODES or status == 404:
+                raise StoreNotFound("no such object in the store", file=key) from None
+            if code in ("PreconditionFailed", "412") or status == 412:
+                raise StoreError("object replaced while it was being read", file=key) from None
+            raise StoreError(f"store error {code or status} at {self.endpoint}", file=key) from None
         except NoCredentialsError:
-            raise StoreAuthError(
-                "no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)",
-                file=key,
-            ) from None
-        except (ConnectionError, HTTPClientError) as exc:
-            raise StoreError(
-                f"store unreachable at {self.endpoint} ({type(exc).__name__}, after retries)", file=key
-            ) from None
+            why = "no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+            raise StoreAuthError(why, file=key) from None
+        except (Unreachable, HTTPClientError) as exc:
+            why = f"store unreachable at {self.endpoint} ({type(exc).__name__}, after retries)"
+            raise StoreError(why, file=key) from None
         except BotoCoreError as exc:
             raise StoreError(f"store client error: {type(exc).__name__}", file=key) from None
-
-    def _client_error(self, exc: Any, key: str) -> StoreError:
-        err, meta = exc.response.get("Error", {}), exc.response.get("ResponseMetadata", {})
-        code, status = str(err.get("Code", "")), meta.get("HTTPStatusCode")
-        if code in AUTH_CODES or status in (401, 403):
-            return StoreAuthError(
-                f"the store at {self.endpoint} refused our credentials ({code or status}): check "
-                f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE and the bucket's "
-                f"policy",
-                file=key,
-            )
-        if code in MISSING_CODES or status == 404:
-            what = "no such bucket" if code == "NoSuchBucket" else "no such object in the store"
-            return StoreNotFound(f"{what} ({self.url.bucket})" if code == "NoSuchBucket" else what, file=key)
-        if code in ("PreconditionFailed", "412") or status == 412:
-            return StoreError("object replaced while it was being read", file=key)
-        return StoreError(f"store error {code or status} at {self.endpoint}", file=key)
