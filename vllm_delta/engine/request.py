@@ -52,10 +52,6 @@ class DeltaUpdateRequest(Message):
         return files
 
 
-# The longest a stalled or hostile trainer may hold the workers (rendezvous, then each broadcast).
-MAX_COLLECTIVE_TIMEOUT_S = 600
-
-
 class CollectiveInitRequest(Message):
     """`POST /delta_updates/collective/init`: join the trainer's group (the trainer is rank 0)."""
 
@@ -64,7 +60,8 @@ class CollectiveInitRequest(Message):
     world_size: StrictInt = Field(ge=2)
     rank_offset: StrictInt = Field(default=1, ge=1)
     backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: StrictInt | StrictFloat = Field(default=120, gt=0, le=MAX_COLLECTIVE_TIMEOUT_S)
+    # At most 600 s: the longest a stalled or hostile trainer may hold the workers at each step.
+    timeout_s: StrictInt | StrictFloat = Field(default=120, gt=0, le=600)
 
     def check_ranks(self, ranks: int) -> None:
         """Refuse (400) a group that is not the trainer's ranks and every engine rank."""

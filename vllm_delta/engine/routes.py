@@ -172,9 +172,8 @@ class SeedPush(Message):
 
 
 def _seed_answer(status: int, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse(
-        {"success": status == 200, "message": message, "num_paused_requests": 0, **extra}, status_code=status
-    )
+    body = {"success": status == 200, "message": message, "num_paused_requests": 0, **extra}
+    return JSONResponse(body, status_code=status)
 
 
 @router.post("/update_weights_from_disk")
