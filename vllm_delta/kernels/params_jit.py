@@ -1,8 +1,6 @@
-"""The numba scan of a block-indexed flush's `params` JSON as the writer writes it (`heads_from_text`),
-tested equal to `flush_meta.parse_params` (tests/wire/test_params_columns.py). It accepts only the exact
-bytes `json.dumps(params, separators=(",", ":"))` writes for `encode_flush`'s entries, ASCII, no escapes;
-for anything else it returns -1 and the caller parses the JSON.
-"""
+"""The numba scan of a block-indexed flush's `params` JSON (`heads_from_text`), tested equal to
+`flush_meta.parse_params` (tests/wire/test_params_columns.py): only the exact ASCII bytes the writer's
+`json.dumps(params, separators=(",", ":"))` writes; for anything else -1, and the caller parses the JSON."""
 
 from __future__ import annotations
 

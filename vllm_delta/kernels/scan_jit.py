@@ -1,8 +1,6 @@
-"""The numba kernels of `scan`: per chunk of a run, the changed elements' indices, 16 lanes at a time with
-a compress store (branch-free: at 2% density a branch mispredicts on every change; CPUs without AVX-512
-skip zero 64-bit words instead), then per change its outputs; per run the digest terms of each change's
-old and new bits (`digest_jit.range_sums`), added to the run's member.
-"""
+"""The numba kernels of `scan`: per chunk of a run, the changed elements' indices, branch-free (at 2 %
+density a branch mispredicts on every change), then per change its outputs; per run the digest terms of
+each change's old and new bits (`digest_jit.range_sums`), added to the run's member."""
 
 from __future__ import annotations
 
