@@ -18,7 +18,7 @@ import torch
 
 from megatron_hook.block_ids import BlockIds
 from megatron_hook.families import TENamed, refuse_unsupported, tied_copy, with_model_vocab
-from vllm_delta.sender.shards import Segments
+from vllm_delta.sender.shards import Segments, strided, strided_view
 
 _EXPERT_KEY = ".mlp.experts.linear_fc"
 
@@ -127,16 +127,9 @@ def runs_of(starts: torch.Tensor, width: int = 1) -> tuple[tuple[int, int], ...]
 
 
 def _view(flat: torch.Tensor, runs: tuple[tuple[int, int], ...], name: str) -> torch.Tensor:
-    """A view of `flat` over the sorted local runs: one range, or equal runs at a constant stride (a
-    rank's q rows across its query groups). A copy would not follow the live weights: refused."""
-    if len(runs) == 1:
-        a, length = runs[0]
-        return flat[a : a + length]
-    lengths = {length for _, length in runs}
-    strides = {b - a for (a, _), (b, _) in zip(runs, runs[1:])}
-    if len(lengths) != 1 or len(strides) != 1:
+    """A view of `flat` over the sorted local runs; a copy would not follow the live weights: refused."""
+    if not strided(runs):
         raise NotImplementedError(
             f"{name}: local elements of one HF tensor are not a strided view: {runs[:4]}"
         )
-    (length,), (stride,) = lengths, strides
-    return flat.as_strided((len(runs), length), (stride, 1), flat.storage_offset() + runs[0][0])
+    return strided_view(flat, runs)

@@ -145,8 +145,7 @@ class HookHandle:
         self.seed_report = SeedReport()
         self._inflight = None  # the last publish's future
         self.last_capture = None  # what the last sync shipped (staged entries), for checks
-        self._had_own = "step" in vars(optimizer)
-        self._own = vars(optimizer).get("step")
+        self._own = vars(optimizer).get("step")  # an instance attribute of its own, put back by remove()
         self._step = optimizer.step
         optimizer.step = self._wrapped
 
@@ -174,8 +173,8 @@ class HookHandle:
             futures.wait([self._inflight])
         self._follow_rebinds()
         self.last_capture = self.sender.capture(self.segments)
-        if self._inflight is not None and self._inflight.done():
-            self._report(self._inflight.result())
+        if self._inflight is not None and self.on_sync is not None:  # done: waited for above
+            self.on_sync(self._inflight.result())
         self._inflight = self.sender.publish()
         self.syncs += 1
 
@@ -193,19 +192,15 @@ class HookHandle:
     def flush(self) -> dict[str, float]:
         """Wait for the publish in flight; its metrics (empty if none)."""
         metrics = self.sender.wait()
-        if self._inflight is not None:
-            self._inflight = None
-            self._report(metrics)
-        return metrics
-
-    def _report(self, metrics: dict[str, float]) -> None:
-        if self.on_sync is not None:
+        if self._inflight is not None and self.on_sync is not None:
             self.on_sync(metrics)
+        self._inflight = None
+        return metrics
 
     def remove(self) -> None:
         """Stop syncing: wait for the last publish and restore the optimizer's `step`."""
         self.flush()
-        if self._had_own:
+        if self._own is not None:
             self.optimizer.step = self._own
         else:
             del self.optimizer.step

@@ -1,7 +1,8 @@
-"""The one-pass bucket scan (`sender/bucket_scan.py`): bit-exact against the per-segment scan on a
-Megatron-like flat buffer (fused qkv rows as strided views, a split fc1, padding between params,
-chunk edges), its torch op count constant in the number of segments of a bucket (counted with a
-TorchDispatchMode), every op on `meta`, and the offset map past 2^31 elements."""
+"""The one-pass bucket scan (`sender/bucket_scan.py`): bit-exact against a plain-torch reference, shard by
+shard, on a Megatron-like flat buffer (fused qkv rows as strided views, a split fc1, padding between
+params, chunk edges) and on shards that take a bucket of their own (a transposed tensor, tied views, a
+column slice of more runs than a table takes); its torch op count constant in the number of segments of
+a bucket (counted with a TorchDispatchMode), every op on `meta`, and the offset map past 2^31 elements."""
 
 from __future__ import annotations
 
@@ -66,9 +67,51 @@ def _perturb(buf: torch.Tensor, gen: torch.Generator, count: int, edges: list[in
     bits[idx] += 1
 
 
-def _reference(monkeypatch) -> None:
-    """The per-segment scan: every shard goes the `rest` way."""
-    monkeypatch.setattr(bucket_scan, "plan", lambda shards, known=None: ([], list(shards)))
+class _Plain:
+    """What the sender must answer, in plain torch shard by shard: the positions whose bits differ from
+    the acknowledged snapshot, mapped by the shard's own `to_global`; digests by `additive.partial_sum`."""
+
+    def __init__(self, segs) -> None:
+        self.snap = {s.name: s.tensor.reshape(-1).clone() for s in segs}
+        self.digest = {s.name: additive.partial_sum(s.global_index(), self.snap[s.name]) for s in segs}
+        self.pending = {s.name: torch.zeros(0, dtype=torch.int64) for s in segs}
+        self.scanned: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # changed positions, digest after
+
+    def scan(self, segs, kind: str) -> dict[str, tuple]:
+        out = {}
+        for s in segs:
+            cur, snap = s.tensor.reshape(-1), self.snap[s.name]
+            local = torch.nonzero(cur.view(torch.int16) != snap.view(torch.int16)).reshape(-1)
+            g = s.to_global(local)
+            pre, post = additive.partial_sum(g, snap[local]), additive.partial_sum(g, cur[local])
+            digests = {"digest": self.digest[s.name] - pre + post, "post_digest": post}
+            self.scanned[s.name] = local, digests["digest"]
+            send = local
+            if kind == "catchup":
+                send = torch.cat([local, self.pending[s.name]]).unique()
+                digests["post_digest"] = additive.partial_sum(s.to_global(send), cur[send])
+            if kind == "delta":
+                digests["pre_digest"] = pre
+            gs = s.to_global(send)
+            order = torch.argsort(gs)
+            out[s.name] = (
+                local.numel(),
+                gs[order].tolist(),
+                cur[send][order].view(torch.int16).tolist(),
+                snap[send][order].view(torch.int16).tolist() if kind == "delta" else None,
+                {k: additive.to_hex(v) for k, v in digests.items()},
+            )
+        return out
+
+    def settle(self, segs, ack: bool) -> None:
+        for s in segs:
+            local, digest = self.scanned[s.name]
+            if ack:
+                self.snap[s.name][local] = s.tensor.reshape(-1)[local]
+                self.digest[s.name] = digest
+                self.pending[s.name] = torch.zeros(0, dtype=torch.int64)
+            else:
+                self.pending[s.name] = torch.cat([self.pending[s.name], local]).unique()
 
 
 def _entries(cap) -> dict[str, tuple]:
@@ -93,16 +136,21 @@ SYNCS = (
 )
 
 
-def _run(segs, buf, gen_seed: int) -> list[dict]:
-    """Syncs (kind, anchor, acknowledged): deltas that lag (deferred), catch-ups, and an anchor
-    (the per-segment scan, taking the bucket's catch-up positions and writing its snapshot)."""
+def _run(segs, bufs: list[torch.Tensor], gen_seed: int, plain: bool) -> list[dict]:
+    """Syncs (kind, anchor, acknowledged): deltas that lag (deferred), catch-ups, and an anchor (read
+    piece by piece from the snapshot patched with the changes), by the producer or by `_Plain`."""
     producer = Producer(snapshot="device", post_hash=False)
     producer.seed([s.with_tensor(s.tensor.clone()) for s in segs])
+    model = _Plain(segs)
     gen = torch.Generator().manual_seed(gen_seed)
-    edges = [0, 999, 1000, 1001, buf.numel() - 1]  # diff chunk edges (CHUNK_ELEMENTS is 1000 here)
     out = []
     for kind, anchor, ack in SYNCS:
-        _perturb(buf, gen, 300, edges)
+        for buf in bufs:
+            _perturb(buf, gen, 300, [0, 999, 1000, 1001, buf.numel() - 1])  # diff chunk edges (1000 here)
+        if plain:
+            out.append(model.scan(segs, kind))
+            model.settle(segs, ack)
+            continue
         cap = producer.scan(segs, kind=kind, anchor=anchor)
         out.append(_entries(cap))
         if anchor:  # the anchor, read from the snapshot views, is the live weights in HF order
@@ -114,22 +162,47 @@ def _run(segs, buf, gen_seed: int) -> list[dict]:
                 want[s.global_index()] = s.tensor.reshape(-1).view(torch.int16)
                 assert torch.equal(got, want), s.name
         (producer.advance if ack else producer.defer)(cap)
-    out.append({s.name: producer.snapshot_of(s.name).view(torch.int16).tolist() for s in segs})
+    snaps = model.snap if plain else {s.name: producer.snapshot_of(s.name) for s in segs}
+    out.append({n: t.view(torch.int16).tolist() for n, t in snaps.items()})
     return out
 
 
+def _own_bucket_shards(gen: torch.Generator) -> tuple[torch.Tensor, list[Shard]]:
+    """Shards no shared bucket takes, over one buffer: a transposed tensor (inner stride 20), two
+    names on the same tensor (tied), and a column slice of 12 runs (past MAX_RUNS, set to 8)."""
+    other = (torch.randn(1200, generator=gen) * 0.02).to(torch.bfloat16)
+    tied = other[480:720].view(12, 20)
+    return other, [
+        Shard.whole("t", other[:240].view(12, 20).t()),
+        Shard.whole("e", tied),
+        Shard.whole("h", tied),
+        Shard.narrow("col", other[960:].view(12, 20)[:, 4:10], (12, 20), 1, 4),
+    ]
+
+
 @pytest.mark.parametrize("kernel", ["1", "0"])  # the fused CPU kernel (scan_kernel) and the torch path
-def test_bucket_scan_is_bit_exact_with_the_per_segment_scan(monkeypatch, kernel: str) -> None:
+def test_bucket_scan_is_bit_exact_with_plain_torch(monkeypatch, kernel: str) -> None:
     monkeypatch.setenv("VLLM_DELTA_KERNELS", kernel)
     monkeypatch.setattr(diff, "CHUNK_ELEMENTS", 1000)
-    buf, segs = _buffer_segments(6, gen=torch.Generator().manual_seed(1))
-    start = buf.clone()
-    got = _run(segs, buf, 2)
-    buf.copy_(start)
-    _reference(monkeypatch)
-    want = _run(segs, buf, 2)
-    assert got == want
+    monkeypatch.setattr(bucket_scan, "MAX_RUNS", 8)
+    gen = torch.Generator().manual_seed(1)
+    buf, segs = _buffer_segments(6, gen=gen)
+    other, own = _own_bucket_shards(gen)
+    layouts = bucket_scan.plan(segs + own)
+    assert [len(lay.names) for lay in layouts] == [len(segs), 1, 1, 1, 1]
+    assert {lay.names[0]: lay.to_global is not None for lay in layouts[1:]} == {
+        "t": False,
+        "e": False,
+        "h": False,
+        "col": True,
+    }
+    start = buf.clone(), other.clone()
+    got = _run(segs + own, [buf, other], 2, plain=False)
+    buf.copy_(start[0])
+    other.copy_(start[1])
+    assert got == _run(segs + own, [buf, other], 2, plain=True)
     assert sum(e[0] for e in got[0].values()) > 250  # the changes hit members, not just padding
+    assert all(got[0][s.name][0] for s in own)
 
 
 def test_plain_tensors_and_row_shards_are_buckets_of_one() -> None:
@@ -141,8 +214,7 @@ def test_plain_tensors_and_row_shards_are_buckets_of_one() -> None:
     shards = [Shard.whole(k, v) for k, v in ws.items()] + [
         Shard.narrow("r", full[4:8].clone(), (10, 30), 0, 4)
     ]
-    layouts, rest = bucket_scan.plan(shards)
-    assert len(layouts) == 4 and not rest
+    assert len(bucket_scan.plan(shards)) == 4
     producer = Producer(snapshot="device", post_hash=False)
     producer.seed([s.with_tensor(s.tensor.clone()) for s in shards])
     before = {s.name: s.tensor.clone() for s in shards}
@@ -179,8 +251,7 @@ def test_ops_per_sync_do_not_grow_with_the_segments_of_a_bucket(kind: str) -> No
 def test_bucket_scan_runs_on_meta(meta_nonzero) -> None:
     """Every op of the bucket scan on meta: a table or temporary made on the CPU raises here."""
     _, segs = _buffer_segments(4, device="meta")
-    layouts, rest = bucket_scan.plan(segs)
-    assert len(layouts) == 1 and not rest
+    assert len(bucket_scan.plan(segs)) == 1
     producer = Producer(snapshot="device", staging="meta", post_hash=False)
     producer.seed([s.with_tensor(torch.empty_like(s.tensor)) for s in segs])
     for kind in ("delta", "catchup", ""):
@@ -204,8 +275,8 @@ def test_offsets_past_two_to_the_31(meta_nonzero) -> None:
     hf0 = (1 << 31) - 500  # HF positions straddle 2^31 too
     seg = Segments("x", buf[a0 : a0 + 4000], (1 << 32,), ((hf0, 1000), (0, 3000)))
     head = Segments("h", buf[:1000], (1000,), ((0, 1000),))
-    (layout,), rest = bucket_scan.plan([head, seg])
-    assert not rest and layout.names == ("h", "x")
+    (layout,) = bucket_scan.plan([head, seg])
+    assert layout.names == ("h", "x")
     tables = bucket_scan.run_tables(layout.rows, torch.device("cpu"))
     pos = torch.tensor([0, 999, a0, a0 + 999, a0 + 1000, (1 << 31), a0 + 3999])
     member, hf, keep, _ = bucket_scan.locate(tables, pos)

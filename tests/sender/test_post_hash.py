@@ -1,6 +1,6 @@
 """The whole-tensor xxh3 `post_hash` is opt-in: by default no scan reads a tensor whole for it (a
 per-sync cost in the model's bytes); with `post_hash=True` every changed whole shard states the xxh3
-of its bytes, computed here with `xxhash` directly, on both scan paths (bucket and per-segment)."""
+of its bytes, computed here with `xxhash` directly, in a delta and in an anchor."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_post_hash_only_when_asked(monkeypatch, post_hash: bool) -> None:
     producer.seed(shards)
     w["a"].view(-1)[::7] += 1  # "b" unchanged; the shard of "c" changes too
     w["c"].view(-1)[:3] += 1
-    for kind, anchor in (("delta", False), ("delta", True)):  # the bucket scan, the per-segment scan
+    for kind, anchor in (("delta", False), ("delta", True)):
         calls.clear()
         hashes = {e.name: e.post_hash for e in producer.scan(shards, kind=kind, anchor=anchor).entries}
         if not post_hash:

@@ -154,7 +154,7 @@ def _flipped(buf: torch.Tensor, density: float, gen: torch.Generator) -> torch.T
 def test_a_denser_scan_grows_the_set_and_an_oversized_set_goes() -> None:
     gen = torch.Generator().manual_seed(3)
     buf = (torch.randn(10_000, generator=gen) * 0.02).to(torch.bfloat16)
-    (layout,), _ = bucket_scan.plan([Shard.whole("w", buf)])
+    (layout,) = bucket_scan.plan([Shard.whole("w", buf)])
     buffers = ScanBuffers()
     sizes = lambda: sorted(s[0].size for sets in buffers._sets.values() for s in sets)  # noqa: E731
     assert jit.capacity(0, buf.numel()) == jit.CHUNK
@@ -172,7 +172,7 @@ def test_thread_windows_each_reuse_their_set() -> None:
     """Each worker's window has its own set; concatenated outputs are copies, so all are free at once."""
     gen = torch.Generator().manual_seed(4)
     buf = (torch.randn(3 * 64 * jit.CHUNK, generator=gen) * 0.02).to(torch.bfloat16)
-    (layout,), _ = bucket_scan.plan([Shard.whole("w", buf)])
+    (layout,) = bucket_scan.plan([Shard.whole("w", buf)])
     buffers = ScanBuffers()
     for _ in range(3):
         _scan(layout, _flipped(buf, 0.02, gen), buffers, workers=3)

@@ -2,16 +2,17 @@
 sorted and unique, new bits != old bits) for `Producer.scan`'s own entries. That is safe only if
 every scan path gives entries that pass those checks, which this test runs them through: the
 bucket scan (fused kernel and torch path, strided qkv-like members whose runs are out of HF
-order), the per-segment scan, catch-ups and an anchor; and a caller's own positions are still
+order), buckets of one shard (a transposed tensor, tied views, a column slice mapped by `to_global`),
+catch-ups and an anchor; and a caller's own positions are still
 checked."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_bucket_scan import _buffer_segments, _perturb, _reference  # noqa: E402
+from test_bucket_scan import _buffer_segments, _own_bucket_shards, _perturb  # noqa: E402
 
-from vllm_delta.sender import Shard
+from vllm_delta.sender import Shard, bucket_scan
 from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.publisher import _add
 from vllm_delta.wire import FlushBuilder
@@ -41,12 +42,13 @@ def _check_like_a_caller(entries, kind: str) -> int:
     return n
 
 
-@pytest.mark.parametrize("path", ["kernel", "torch", "per-segment"])
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_every_scan_path_gives_entries_that_pass_the_writers_checks(monkeypatch, path: str) -> None:
     monkeypatch.setenv("VLLM_DELTA_KERNELS", "1" if path == "kernel" else "0")
-    if path == "per-segment":
-        _reference(monkeypatch)
+    monkeypatch.setattr(bucket_scan, "MAX_RUNS", 8)  # the column slice's bucket maps by `to_global`
     buf, segs = _buffer_segments(6, gen=torch.Generator().manual_seed(1))
+    other, own = _own_bucket_shards(torch.Generator().manual_seed(4))
+    segs += own
     producer = Producer(snapshot="device", post_hash=False)
     producer.seed([s.with_tensor(s.tensor.clone()) for s in segs])
     gen = torch.Generator().manual_seed(2)
@@ -58,6 +60,7 @@ def test_every_scan_path_gives_entries_that_pass_the_writers_checks(monkeypatch,
         ("delta", False, True),
     ):
         _perturb(buf, gen, 300, [0, buf.numel() - 1])
+        _perturb(other, gen, 100, [0, other.numel() - 1])
         buf.view(torch.int16)[5:9] -= 1  # changed, then changed back below: bits equal again
         cap = producer.scan(segs, kind=kind, anchor=anchor)
         checked += _check_like_a_caller(cap.entries, kind)

@@ -1,9 +1,4 @@
-"""verl's `CheckpointEngine` for vllm-delta, loaded through verl's own plugin point:
-
-    actor_rollout_ref.rollout.checkpoint_engine.backend=vllm_delta
-    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=vllm_delta.integrations.verl
-    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.vllm_delta.engines=[http://host:8000]
-    +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.vllm_delta.delta_dir=/shared/deltas
+"""verl's `CheckpointEngine` for vllm-delta, loaded by verl's `custom_backend_module` (docs/integrations.md).
 
 Why this shape: verl's other engines carry whole tensors to a rollout-side receiver. Here the actor's
 rank 0 is a `DeltaSender` pushing to each engine's `POST /update_weights_delta`, so the rollout side

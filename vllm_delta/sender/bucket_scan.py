@@ -4,15 +4,16 @@ every shard in it, in a bounded number of torch ops per bucket, whatever its num
 Why: with Megatron's distributed optimizer every param is a view into one buffer and a rank holds
 ~1000 HF segments; diffing them one by one costs ~85 small kernels and 1-3 host syncs each. Shards
 sharing a storage (and dtype and device) form a bucket whose span is diffed against one flat
-snapshot; changed offsets map to (segment, HF position) through a table of runs. The per-segment
-scan in `producer.py` is the reference this is tested bit-exact against; on CPU weights
-`kernels/scan.py` runs the whole pass fused (the torch ops here cost ~10x a memcpy there).
+snapshot; changed offsets map to (segment, HF position) through a table of runs. A shard no shared
+bucket takes is a bucket of its own over a contiguous copy. On CPU weights `kernels/scan.py` runs the
+whole pass fused (the torch ops here cost ~10x a memcpy there).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -23,12 +24,12 @@ from vllm_delta.diff import _cpu_pool, changed_positions
 from vllm_delta.kernels import scan as scan_kernel
 from vllm_delta.kernels.digest import segment_sums
 from vllm_delta.kernels.scan import ScanBuffers
-from vllm_delta.sender.shards import Segments, Shard, flat_runs
+from vllm_delta.sender.shards import Segments, Shard, flat_runs, strided
 
-# Elements compared per op on an accelerator: a 256 M-element bool mask (256 MiB) at most, so a
-# multi-GB bucket is a few dozen chunks. The CPU diff chunks (and threads) internally.
+# Elements compared per op: a 256 M-element bool mask (256 MiB) at most on an accelerator, so a
+# multi-GB bucket is a few dozen chunks. The CPU diff chunks (and threads) within each.
 DEVICE_CHUNK = 1 << 28
-# A shard whose local order breaks into more runs than this is scanned on its own (per-segment path).
+# A shard whose local order breaks into more runs than this is a bucket of its own (HF map by `to_global`).
 MAX_RUNS = 1 << 16
 _CPUS = os.cpu_count()  # as the diff's pool decides (a call per bucket costs ~30 us here)
 
@@ -49,6 +50,7 @@ class Layout:
     gaps: bool  # the span holds elements no member covers (padding, unregistered params)
     buffers: ScanBuffers = field(default_factory=ScanBuffers, repr=False)  # the CPU kernel's outputs
     kernel_views: tuple | None = field(default=None, repr=False)  # `kernel_args`' answer and its snapshot
+    to_global: Callable | None = None  # a bucket of one whose HF runs are too many: its shard's map
 
     def kernel_args(self, snap: torch.Tensor) -> tuple:
         """(`base`'s bits, `snap`'s bits, run-table columns) as numpy views, made once per snapshot."""
@@ -110,18 +112,17 @@ def _merge(buf: list[tuple[int, int]], hf: tuple[tuple[int, int], ...]) -> list[
     return out
 
 
-def plan(
-    shards: list[Shard | Segments], known: dict[tuple, Layout] | None = None
-) -> tuple[list[Layout], list[Shard | Segments]]:
-    """The buckets' layouts (those in `known` reused) and the shards the per-segment scan must take (too
-    many runs, a non-unit inner stride, or elements shared with another shard). O(runs), no torch op."""
+def plan(shards: list[Shard | Segments], known: dict[tuple, Layout] | None = None) -> list[Layout]:
+    """Every shard's bucket: shards sharing a storage in one (those in `known` reused; O(runs), no torch
+    op), and a bucket of its own over a contiguous copy made now for a shard with too many runs, a
+    non-unit inner stride, or elements shared with another shard."""
     groups: dict[tuple, list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]] = {}
-    rest = []
+    own = []
     for s in shards:
         t = s.tensor  # metadata only: no torch op per shard
         buf, hf = storage_runs(t), hf_runs(s)
         if buf is None or hf is None or t.numel() == 0 or not strided(buf):
-            rest.append(s)
+            own.append((s, hf))
             continue
         key = t.device, t.dtype, t.untyped_storage()._cdata  # the StorageImpl (on meta data_ptr is 0)
         groups.setdefault(key, []).append((s, buf, _merge(buf, hf)))
@@ -129,32 +130,36 @@ def plan(
     for key, members in groups.items():
         flat = sorted((b, b + n) for _, buf, _ in members for b, n in buf)
         if any(e1 > b2 for (_, e1), (b2, _) in zip(flat, flat[1:])):  # overlapping shards (tied views)
-            rest.extend(s for s, _, _ in members)
+            own.extend((s, hf_runs(s)) for s, _, _ in members)
             continue
         members.sort(key=lambda m: m[1][0][0])
         full_key = key + tuple((s.name, tuple(runs)) for s, _, runs in members)
         layout = (known or {}).get(full_key)
-        layouts.append(layout if layout is not None else _layout(full_key, members))
-    return layouts, rest
-
-
-def strided(runs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> bool:
-    """One run, or equal runs at a constant positive stride: what one strided view covers."""
-    return len(runs) == 1 or (
-        len({n for _, n in runs}) == 1
-        and len({b[0] - a[0] for a, b in zip(runs, runs[1:])}) == 1
-        and runs[1][0] > runs[0][0]
-    )
+        if layout is None:
+            lo = min(b for _, buf, _ in members for b, _ in buf)
+            hi = max(b + n for _, buf, _ in members for b, n in buf)
+            layout = _layout(
+                full_key, members, members[0][0].tensor.detach().as_strided((hi - lo,), (1,), lo), lo
+            )
+        layouts.append(layout)
+    for s, hf in own:
+        base = s.tensor.detach().reshape(-1)
+        runs = _merge([(0, base.numel())], hf) if hf is not None and base.numel() else [(0, 0, base.numel())]
+        layout = _layout((base.device, base.dtype, "own", s.name), [(s, [(0, base.numel())], runs)], base, 0)
+        if hf is None:
+            layout.to_global, layout.in_order = s.to_global, s.is_whole
+        layouts.append(layout)
+    return layouts
 
 
 def _layout(
-    key: tuple, members: list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]
+    key: tuple,
+    members: list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]],
+    base: torch.Tensor,
+    lo: int,
 ) -> Layout:
-    lo = min(b for _, buf, _ in members for b, _ in buf)
-    hi = max(b + n for _, buf, _ in members for b, n in buf)
+    """The layout of `members` whose storage runs start at `lo` in their storage, over `base`."""
     rows = sorted((b - lo, h, n, k) for k, (_, _, runs) in enumerate(members) for b, h, n in runs)
-    t0 = members[0][0].tensor.detach()
-    base = t0.as_strided((hi - lo,), (1,), lo)
     rows_t = tuple(rows)
     keys = [(k, h) for _, h, _, k in rows_t]
     return Layout(
@@ -163,9 +168,9 @@ def _layout(
         base,
         tuple(tuple((b - lo, n) for b, n in buf) for _, buf, _ in members),
         rows_t,
-        run_tables(rows_t, t0.device),
+        run_tables(rows_t, base.device),
         in_order=keys == sorted(keys),
-        gaps=sum(r[2] for r in rows) != hi - lo,
+        gaps=sum(r[2] for r in rows) != base.numel(),
     )
 
 
@@ -199,7 +204,8 @@ def scan(
     digest every member, where `snap` lives (a host snapshot's live span comes over chunk by chunk)."""
     n = len(layout.names)
     catchup = kind == "catchup" and pending is not None
-    if scan_kernel.applies(layout.base, snap):  # CPU: one fused pass (numba), tested equal to the torch path
+    # CPU: one fused pass (numba), tested equal to the torch path
+    if layout.to_global is None and scan_kernel.applies(layout.base, snap):
         if not catchup and layout.in_order:
             return _kernel_scan(layout, snap, digests, n)
         pos, old, new, hf, run, pre, post = scan_kernel.diff_digest(
@@ -219,7 +225,7 @@ def scan(
         send_old = None
         post = segment_sums(send_hf, send_new, 0 if send_seg is None else send_seg, n)
     if not layout.in_order:  # runs interleave (a fused qkv): stable by run rank is (member, HF) order
-        order = torch.argsort(tables[4][send_run], stable=True)
+        order = torch.argsort(send_hf if send_run is None else tables[4][send_run], stable=True)
         send_hf, send_new = send_hf[order], send_new[order]
         send_old = send_old[order] if send_old is not None else None
     counts = torch.cat([count(tables, n, pos), count(tables, n, sent)])
@@ -268,8 +274,8 @@ def torch_diff_digest(
     layout: Layout, tables: tuple[torch.Tensor, ...], snap: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, ...]:
     """(offsets, old, new, HF positions, runs, pre [n, 2], post [n, 2]) of the changes inside the runs,
-    in torch ops on any device: the reference for `scan_kernel.diff_digest`."""
-    pos, old, new = _diff(layout.base, snap)
+    in torch ops on any device (the kernel's reference)."""
+    pos, old, new = chunked_diff(layout.base, snap, DEVICE_CHUNK)
     seg, hf, keep, run = _map(layout, tables, pos)
     # drop changes no member covers (one check first: gathering six arrays costs more; meta can't say)
     if layout.gaps and (pos.device.type == "meta" or not bool(keep.all())):
@@ -279,18 +285,11 @@ def torch_diff_digest(
     return pos, old, new, hf, run, segment_sums(hf, old, seg, n), segment_sums(hf, new, seg, n)
 
 
-def _diff(base: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(changed offsets, snapshot values there, live values there), all where `snap` lives."""
-    if base.device == snap.device and base.device.type == "cpu":
-        pos = changed_positions(base, snap)  # numpy, chunked, on every core
-        return pos, snap.index_select(0, pos), base.index_select(0, pos)
-    return chunked_diff(base, snap, DEVICE_CHUNK)
-
-
 def chunked_diff(
     base: torch.Tensor, snap: torch.Tensor, chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_diff` a chunk at a time: bounded temporaries, a fixed number of ops per chunk."""
+    """(changed offsets, snapshot values there, live values there), all where `snap` lives, a chunk at a
+    time: bounded temporaries, a fixed number of ops per chunk (on the CPU it chunks and threads within)."""
     parts = []
     for a in range(0, snap.numel(), chunk):
         cur, s = base[a : a + chunk], snap[a : a + chunk]
@@ -315,7 +314,9 @@ def locate(
 def _map(
     layout: Layout, tables: tuple[torch.Tensor, ...], pos: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`locate`, or for a bucket of one run just an offset (`seg` None: one member)."""
+    """`locate`, or for a bucket of one run (or `to_global`) just an offset (`seg` None: one member)."""
+    if layout.to_global is not None:
+        return None, layout.to_global(pos), None, None
     if len(layout.rows) == 1:
         start, hf, _, _ = layout.rows[0]
         return None, pos + (hf - start) if hf != start else pos, None, None

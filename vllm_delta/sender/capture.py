@@ -31,21 +31,12 @@ class Anchor:
     staging: torch.device  # where pieces are made (the host)
     ready: object | None = None  # a CUDA event after which the snapshot may be read
 
-    def runs(self) -> Iterator[Run]:
-        """The shard's elements as runs in HF order, adjacent ones merged."""
+    def runs(self) -> list[Run]:
+        """The shard's elements as runs in HF order."""
         _, full, dim, spans = self.placement
         flat = spans if dim is None else flat_runs(full, dim, spans)
         starts = accumulate((n for _, n in flat), initial=0)  # each run's local start
-        prev: list[int] | None = None
-        for local, (hf, n) in sorted(zip(starts, flat), key=lambda r: r[1][0]):
-            if prev is not None and prev[0] + prev[2] == local and prev[1] + prev[2] == hf:
-                prev[2] += n
-                continue
-            if prev is not None:
-                yield tuple(prev)
-            prev = [local, hf, n]
-        if prev is not None:
-            yield tuple(prev)
+        return sorted(((local, hf, n) for local, (hf, n) in zip(starts, flat)), key=lambda r: r[1])
 
     def pieces(self, max_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
         """`(HF start, values)` of at most `max_bytes` each, a fresh staging tensor per piece."""
@@ -95,15 +86,6 @@ class Entry:
 
 
 @dataclass(eq=False)
-class Advance:
-    """What moves the snapshot to the captured version once every engine acknowledged it."""
-
-    local: torch.Tensor  # changed local positions (on the device)
-    values: torch.Tensor  # their new values (on the device)
-    digest: torch.Tensor  # the shard's additive digest after the change (on the device)
-
-
-@dataclass(eq=False)
 class Bucket:
     """The snapshot of one bucket (`bucket_scan.Layout`): one flat tensor over its span (each member's
     `ShardState.snapshot` is a view of it), the members' digests, and the offsets sent since S."""
@@ -134,7 +116,6 @@ class Capture:
     """Everything a publish needs, detached from the live weights."""
 
     entries: list[Entry] = field(default_factory=list)
-    advance: dict[str, Advance] = field(default_factory=dict)
     buckets: list[BucketAdvance] = field(default_factory=list)
     changed: int = 0
     scan_s: float = 0.0
@@ -144,9 +125,6 @@ class Capture:
 @dataclass(eq=False)
 class ShardState:
     placement: tuple  # Shard.describe() as seeded; the tensor itself is not kept
-    snapshot: torch.Tensor  # flat
-    digest: torch.Tensor  # additive digest of the snapshot's elements, int64[2] on the device
-    pending: torch.Tensor | None = None  # local positions sent since S while an engine lags
-    # A bucket member at a constant stride (a fused qkv's q rows): its 2-d view of the bucket's
-    # snapshot, which is what is kept current; `snapshot` is then a flat copy made for each anchor.
-    view: torch.Tensor | None = None
+    snapshot: torch.Tensor  # flat until bucketed, then its view of the bucket's (2-d at a constant stride)
+    digest: torch.Tensor  # additive digest of the snapshot's elements, int64[2]; a row of the bucket's
+    pending: torch.Tensor | None = None  # local positions sent since S, between two buckets

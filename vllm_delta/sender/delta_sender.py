@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from vllm_delta.sender.capture import Capture
 from vllm_delta.sender.fp8_quant import BlockFp8Quantizer
 from vllm_delta.sender.planner import EngineState, Plan, Planner
 from vllm_delta.sender.producer import Producer
-from vllm_delta.sender.publisher import Published, Publisher, Ranks, describe
+from vllm_delta.sender.publisher import Publisher, Ranks, describe
 from vllm_delta.sender.shards import Segments, Shard, check_disjoint
 from vllm_delta.transports import base as transports
 from vllm_delta.transports.base import TransportOptions
@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor] | Shard]
 
 
-def _items(named: NamedTensors) -> Iterator[tuple[str, torch.Tensor] | Shard]:
-    return iter(named.items()) if isinstance(named, Mapping) else iter(named)
+def _shards(named: NamedTensors) -> list[Shard | Segments]:
+    items = named.items() if isinstance(named, Mapping) else named
+    return [x if isinstance(x, (Shard, Segments)) else Shard.whole(x[0], x[1].detach()) for x in items]
 
 
 def checkpoint_seed(
@@ -65,10 +66,6 @@ def checkpoint_seed(
         return got.reshape(s.tensor.shape).to(s.tensor.device)
 
     return [s.with_tensor(part(s)) for s in like + scales], fp8
-
-
-def _as_shard(x: tuple[str, torch.Tensor] | Shard | Segments) -> Shard | Segments:
-    return x if isinstance(x, (Shard, Segments)) else Shard.whole(x[0], x[1].detach())
 
 
 def _alias_key(t: torch.Tensor) -> tuple:
@@ -166,7 +163,7 @@ class DeltaSender:
 
     def seed(self, named: NamedTensors) -> None:
         """The snapshot: the engines' weights at `version`, for the tensors or shards this rank holds."""
-        shards = [_as_shard(x) for x in _items(named)]
+        shards = _shards(named)
         warm_up({s.tensor.dtype for s in shards}, engine=False, sender=True)  # no compile in the first sync
         self.producer.seed(shards)
         placements = self.ranks.gather(self.producer.placements())
@@ -186,9 +183,7 @@ class DeltaSender:
     ) -> None:
         """Seed from the engines' own HF checkpoint bytes (exact even if the trainer's round trip isn't);
         with `like` (what this rank will capture), only this rank's elements are read."""
-        seeded, fp8 = checkpoint_seed(
-            hf_dir, names, None if like is None else list(map(_as_shard, _items(like)))
-        )
+        seeded, fp8 = checkpoint_seed(hf_dir, names, None if like is None else _shards(like))
         self.seed(seeded)
         self.fp8 = fp8
 
@@ -283,14 +278,13 @@ class DeltaSender:
         trainer's `future.result()` cannot throw it into the training loop."""
         try:
             uploaded = self.transport.uploaded_bytes
-            done = self.publisher.run(plan, cap, self.model_elements)
-            metrics = {**self._metrics(done, changed), **captured}
+            metrics = {**self.publisher.run(plan, cap, self.model_elements, changed), **captured}
             if uploaded is not None:  # every object this sync PUT, from every rank: one delta's bytes
                 metrics["perf/update_weights_upload_bytes"] = float(
                     self.ranks.all_sum(self.transport.uploaded_bytes - uploaded)
                 )
-            metrics["perf/update_weights_time"] = captured["sender/capture_s"] + done.publish_s
-            metrics["perf/delta_encode_time"] = captured["sender/scan_s"] + done.encode_s
+            metrics["perf/update_weights_time"] = captured["sender/capture_s"] + metrics["sender/publish_s"]
+            metrics["perf/delta_encode_time"] = captured["sender/scan_s"] + metrics["sender/encode_s"]
             metrics["sender/publish_failed"] = 0.0
             return metrics
         except Exception as exc:  # one publish runs at a time: `_collect` takes it from here
@@ -363,47 +357,8 @@ class DeltaSender:
     def _given(self, named: NamedTensors) -> list[Shard]:
         """The shards to scan; a tensor tied to a seeded one under another name (lm_head and
         embed_tokens) is the same bytes and is sent once, under the checkpoint's name."""
-        shards = [_as_shard(x) for x in _items(named)]
+        shards = _shards(named)
         known = set(self.producer.names)
         seeded = {_alias_key(s.tensor) for s in shards if s.name in known}
         out = [s for s in shards if s.name in known or _alias_key(s.tensor) not in seeded]
         return self.fp8.apply(out) if self.fp8 else out
-
-    def _metrics(self, done: Published, changed: int) -> dict[str, float]:
-        plan, sent, replies = done.plan, done.sent, done.replies
-        mine = self.ranks.rank == 0
-        post = sum(s.wire_bytes for s in sent) if mine else 0
-        pre = sum(s.pre_compress_bytes for s in sent) if mine else 0
-        wire = post
-        if not self.transport.stored:  # a broadcast moves the bytes once per engine
-            per = {s.kind: s.wire_bytes for s in sent}
-            wire = sum(per.get(plan.kind, 0) for _ in plan.delta_urls) + sum(
-                per.get("anchor", 0) for _ in plan.anchor_urls
-            )
-        ok = [r.body for r in replies.values() if r.ok]
-        return {
-            "perf/update_weights_density": changed / max(1, self.model_elements),
-            "perf/update_weights_wire_bytes": float(wire),
-            "perf/update_weights_disk_bytes_pre_compress": float(pre),
-            "perf/update_weights_disk_bytes_post_compress": float(post),
-            "perf/update_weights_compression_ratio": pre / max(1, post),
-            "sender/encode_s": done.encode_s,
-            "sender/write_s": done.write_s,
-            "sender/push_s": done.push_s,
-            "sender/publish_s": done.publish_s,
-            "perf/update_weights_flushes_per_rank": float(max((s.flushes for s in sent), default=0)),
-            "perf/update_weights_engine_pause_time": max((b.get("pause_s", 0.0) for b in ok), default=0.0),
-            "perf/update_weights_engine_apply_time": max((b.get("apply_s", 0.0) for b in ok), default=0.0),
-            "perf/update_weights_engine_decode_time": max((b.get("decode_s", 0.0) for b in ok), default=0.0),
-            "sender/version": float(plan.version),
-            "sender/snapshot_version": float(self.planner.snapshot_version),
-            "sender/changed_elements": float(changed),
-            "sender/engines_acked": float(sum(r.ok for r in replies.values())),
-            "sender/engines_failed": float(
-                len(self.planner.engines)
-                - sum(e.acked == plan.version for e in self.planner.engines.values())
-            ),
-            "sender/anchors": float(len(plan.anchor_urls)),
-            "sender/catchup": float(plan.kind == "catchup"),
-            "sender/all_acked": float(done.all_acked),
-        }

@@ -1,13 +1,7 @@
-"""Block-fp8 engines fed by a bf16 trainer: quantize as the served checkpoint is quantized, per changed block.
-
-Rollouts are served in block fp8 (DeepSeek-V3, Qwen3-FP8, GLM-4.7-FP8) while the trainer holds bf16: each
-capture re-quantizes only the blocks holding a changed bf16 element, and the scan ships the codes and
-scales that changed. A rank's part of a weight is quantized alone when its tiles are whole blocks of the
-HF weight; a part that cuts a block is refused at seeding (as vLLM refuses in its own TP shards).
-
-The rule is vLLM's `per_block_cast_to_fp8` (DeepGEMM's block cast) bit for bit; per block, in float32:
-`amax = max(max|x|, 1e-4)`, `scale_inv = amax / 448`, `code = float8_e4m3fn(x * (1 / scale_inv))`, edge
-blocks zero-padded. The tests import the reference; this module imports no vLLM.
+"""Block-fp8 engines fed by a bf16 trainer: each capture re-quantizes only the blocks holding a changed
+bf16 element, by vLLM's `per_block_cast_to_fp8` rule bit for bit (the tests import it; the trainer may
+have no vLLM). A rank's part is quantized alone when its tiles are whole blocks; one that cuts a block is
+refused at seeding, as vLLM refuses in its own TP shards.
 """
 
 from __future__ import annotations
@@ -188,36 +182,28 @@ class _Tensor:
         """The part's values as the local matrix (a view if contiguous: read within the capture only)."""
         return part.tensor.detach().contiguous().reshape(self.shape)
 
-    def _pad(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` zero-padded to whole blocks (a copy only for a shape that is not whole blocks)."""
-        if self.shape == self.padded:
-            return t
-        out = torch.zeros(self.padded, dtype=t.dtype, device=t.device)
-        out[: self.shape[0], : self.shape[1]] = t
-        return out
-
     def _blocks(self, t: torch.Tensor) -> torch.Tensor:
-        (r, c), (bm, bn) = self.grid, self.block
-        return t.view(r, bm, c, bn)
+        """`t` as [row blocks, bm, column blocks, bn], zero-padded to whole blocks (a copy only then)."""
+        (m, n), (pm, pn) = t.shape, self.padded
+        if (m, n) != (pm, pn):
+            t = torch.nn.functional.pad(t, (0, pn - n, 0, pm - m))
+        return t.view(self.grid[0], self.block[0], self.grid[1], self.block[1])
 
     def changed_blocks(self, w: torch.Tensor) -> torch.Tensor:
         """Flat block indices' mask where a bf16 element's bits moved (on the device, no host sync)."""
         if self.prev is None:
             return torch.ones(self.grid, dtype=torch.bool, device=w.device).reshape(-1)
         moved = w.view(torch.int16) != self.prev.view(torch.int16)
-        return self._blocks(self._pad(moved)).any(dim=3).any(dim=1).reshape(-1)
+        return self._blocks(moved).any(dim=3).any(dim=1).reshape(-1)
 
     def requantize(self, w: torch.Tensor, mask: torch.Tensor, count: int) -> None:
         """Re-quantize the `count` blocks `mask` marks: codes and scales written in place."""
         idx = torch.nonzero_static(mask, size=count).reshape(-1)
         rows, cols = idx // self.grid[1], idx % self.grid[1]
-        q, sf = quantize_blocks(self._blocks(self._pad(w))[rows, :, cols, :])
+        q, sf = quantize_blocks(self._blocks(w)[rows, :, cols, :])
         self._blocks(self.codes.view(torch.uint8))[rows, :, cols, :] = q.view(torch.uint8)  # no fp8 index_put
         self.scale.view(-1)[idx] = sf
-        if self.prev is None:
-            self.prev = w.detach().clone()
-        else:
-            self.prev.copy_(w)
+        self.prev = w.detach().clone() if self.prev is None else self.prev.copy_(w)
 
     def shards(self, part: Part) -> list[Part]:
         """The codes where `part` sits in the weight, the scales where its blocks sit in the scale tensor."""

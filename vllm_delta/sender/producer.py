@@ -1,10 +1,6 @@
-"""The scan: diff each shard against its snapshot where it lives, gather the changes, digest them,
-and stage only O(changed) bytes on the host (through pinned buffers on a side stream on a GPU).
-
-The snapshot holds the values every engine acknowledged (version S), per shard, on the "device" (beside
-the parameter: fastest, one parameter's worth of memory) or the "host" (pinned; live weights come over
-chunk by chunk). "auto" takes the device only when the snapshot, the optimizer state still to be
-allocated and a margin fit in its free memory (`place_snapshot`), and logs why.
+"""The scan: diff every bucket against its snapshot (version S, every engine acknowledged it) where that
+lives, gather and digest the changes, and stage only O(changed) bytes on the host. The snapshot sits on
+the "device" (fastest) or the "host" (pinned); "auto" takes the device only where it fits (`place_snapshot`).
 """
 
 from __future__ import annotations
@@ -16,13 +12,10 @@ from collections.abc import Iterable, Sequence
 import torch
 
 import vllm_delta.sender.bucket_scan as bucket_scan
-from vllm_delta.diff import changed_positions
-from vllm_delta.sender.capture import Advance, Anchor, Bucket, BucketAdvance, Capture, Entry, ShardState
-from vllm_delta.sender.shards import Shard
+from vllm_delta.sender.capture import Anchor, Bucket, BucketAdvance, Capture, Entry, ShardState
+from vllm_delta.sender.shards import Shard, strided_view
 from vllm_delta.wire import additive, tensor_digest
 
-# Host-snapshot compares bring this many live elements at a time to the host.
-STREAM_ELEMENTS = 1 << 24
 SNAPSHOT_PLACES = ("auto", "device", "host")
 # "auto": registration comes before the first step, so Adam's two fp32 moments (8 B per param; not
 # DP-sharded: the worst case) do not exist yet; activations and fragmentation get a margin.
@@ -79,8 +72,7 @@ class Producer:
 
     def snapshot_of(self, name: str) -> torch.Tensor:
         """The snapshot's flat local values (read-only use: tests and seed checks)."""
-        st = self._states[name]
-        return (st.view if st.view is not None else st.snapshot).reshape(-1)
+        return self._states[name].snapshot.reshape(-1)
 
     def pending_names(self) -> list[str]:
         names = [n for n, st in self._states.items() if st.pending is not None]
@@ -97,49 +89,25 @@ class Producer:
 
     def scan(self, shards: Iterable[Shard], *, kind: str, anchor: bool) -> Capture:
         """Diff every shard; stage what a `kind` delta ("delta", "catchup", "") and, with `anchor`,
-        a full anchor need. Returns once the weights may change again."""
+        a full anchor need. A bounded number of ops per bucket, then one host transfer of every bucket's
+        digests and counts; entries in the order the shards were given. Returns once the weights may
+        change again."""
         cap = Capture()
         start = time.perf_counter()
-        seen: set[str] = set()
         shards = list(shards)
+        by_name: dict[str, Shard] = {}
         for s in shards:
             st = self._states.get(s.name)
             if st is None:
                 raise KeyError(f"{s.name!r} is not in the snapshot (seed it first)")
-            if s.name in seen:
+            if s.name in by_name:
                 raise ValueError(f"{s.name!r} given twice")
             if s.describe() != st.placement:
                 raise ValueError(f"{s.name!r}: the shard's placement differs from the seeded one")
-            seen.add(s.name)
-        if anchor:  # anchors are rare (a restart, add_engine): the per-segment scan stages them
-            for b in self._buckets.values():
-                self._unbucket_pending(b)
-            for st in self._states.values():
-                if st.view is not None:
-                    st.snapshot = st.view.reshape(-1)  # a flat copy, as the per-segment scan reads it
-            for s in shards:
-                cap.entries.append(self._scan_one(s, self._states[s.name], kind, anchor, cap))
-        else:
-            cap.entries = self._scan_buckets(shards, kind, cap)
-        if kind == "catchup" and (missing := [n for n in self.pending_names() if n not in seen]):
-            raise ValueError(f"params with unsent changes were not given: {missing[:5]}")
-        if anchor and len(seen) != len(self._states):
-            raise ValueError("an anchor needs every param; some were not given")
-        cap.scan_s = time.perf_counter() - start
-        t = time.perf_counter()
-        for stream in self._copy_streams.values():
-            stream.synchronize()
-        cap.stage_s = time.perf_counter() - t
-        return cap
-
-    def _scan_buckets(self, shards: list[Shard], kind: str, cap: Capture) -> list[Entry]:
-        """A bounded number of ops per bucket, then one host transfer of every bucket's digests and
-        counts; entries in the order the shards were given."""
-        layouts, rest = bucket_scan.plan(shards, {k: b.layout for k, b in self._buckets.items()})
-        by_name = {s.name: s for s in shards}
-        entries = {s.name: self._scan_one(s, self._states[s.name], kind, False, cap) for s in rest}
+            by_name[s.name] = s
+        entries: dict[str, Entry] = {}
         scans = []
-        for layout in layouts:
+        for layout in bucket_scan.plan(shards, {k: b.layout for k, b in self._buckets.items()}):
             b = self._bucket(layout)
             res = bucket_scan.scan(layout, b.snapshot, b.digests, b.pending, kind)
             cap.buckets.append(BucketAdvance(b, res.pos, res.new, res.digest))
@@ -149,9 +117,9 @@ class Producer:
                 self._stage(res.send_new),
                 self._stage(res.send_old) if kind == "delta" else None,
             )
-            scans.append((layout, res, staged))
+            scans.append((layout, res.summary, staged))
         if scans:  # every bucket's digests and counts, in one transfer
-            summary = torch.cat([res.summary for _, res, _ in scans]).to(self.staging)
+            summary = torch.cat([sums for _, sums, _ in scans]).to(self.staging)
             rows = summary.view(-1, 2).unbind(0)  # per member: digest, pre and post rows
             values = None if summary.device.type == "meta" else summary.tolist()  # meta has no values
             at = 0
@@ -169,7 +137,7 @@ class Producer:
                     digests = {"digest": rows[at // 2 + i], "post_digest": rows[at // 2 + 2 * n + i]}
                     if kind == "delta":
                         digests["pre_digest"] = rows[at // 2 + n + i]
-                    e = Entry(
+                    e = entries[name] = Entry(
                         name,
                         s.full_shape,
                         s.tensor.dtype,
@@ -180,11 +148,31 @@ class Producer:
                         digests,
                         scanned=True,
                     )
-                    if sent[i] and kind and self._wants_post_hash(s):
+                    if self.post_hash and s.is_whole and (anchor or (kind and sent[i])):
                         e.post_hash = tensor_digest(s.tensor)
-                    entries[name] = e
+                    if anchor:
+                        e.anchor = self._anchor(self._states[name], e)
                 at += 8 * n
-        return [entries[s.name] for s in shards]
+        cap.entries = [entries[s.name] for s in shards]
+        if kind == "catchup" and (missing := [n for n in self.pending_names() if n not in by_name]):
+            raise ValueError(f"params with unsent changes were not given: {missing[:5]}")
+        if anchor and len(by_name) != len(self._states):
+            raise ValueError("an anchor needs every param; some were not given")
+        cap.scan_s = time.perf_counter() - start
+        t = time.perf_counter()
+        for stream in self._copy_streams.values():
+            stream.synchronize()
+        cap.stage_s = time.perf_counter() - t
+        return cap
+
+    def _anchor(self, st: ShardState, e: Entry) -> Anchor:
+        """Nothing per element: the snapshot (untouched until settled; a strided member's as a flat
+        copy) patched with the staged changes."""
+        snap = st.snapshot.reshape(-1)
+        ready = torch.cuda.Event() if snap.device.type == "cuda" else None
+        if ready is not None:
+            ready.record(torch.cuda.current_stream(snap.device))
+        return Anchor(st.placement, snap, e.positions, e.new_values, self.staging, ready)
 
     def _bucket(self, layout: bucket_scan.Layout) -> Bucket:
         """The bucket's snapshot, built the first time its layout is scanned: a flat copy of its span into
@@ -206,15 +194,9 @@ class Producer:
         snap.copy_(layout.base)
         digests = torch.stack([st.digest for st in states]).to(place)
         for i, (st, runs) in enumerate(zip(states, layout.local_runs)):
-            view = (
-                snap[runs[0][0] : runs[0][0] + runs[0][1]]
-                if len(runs) == 1
-                else snap.as_strided(
-                    (len(runs), runs[0][1]), (runs[1][0] - runs[0][0], 1), snap.storage_offset() + runs[0][0]
-                )
-            )
-            view.copy_((st.view if st.view is not None else st.snapshot).reshape(view.shape))
-            st.snapshot, st.digest, st.view = view, digests[i], view if view.dim() == 2 else None
+            view = strided_view(snap, runs)
+            view.copy_(st.snapshot.reshape(view.shape))
+            st.snapshot, st.digest = view, digests[i]
         b = self._buckets[layout.key] = Bucket(layout, snap, digests)
         for st, name in zip(states, layout.names):
             if st.pending is not None:
@@ -248,67 +230,6 @@ class Producer:
             st.pending = local if st.pending is None else _union(st.pending, local)
         b.pending = None
 
-    def _scan_one(self, s: Shard, st: ShardState, kind: str, anchor: bool, cap: Capture) -> Entry:
-        cur = s.tensor.detach().reshape(-1)
-        pos, old = self._diff(cur, st.snapshot)
-        new = cur.index_select(0, pos)
-        gpos = s.to_global(pos)
-        pre, post = additive.partial_sum(gpos, old), additive.partial_sum(gpos, new)
-        digest = st.digest.to(pre.device) - pre + post
-        cap.advance[s.name] = Advance(pos, new, digest)
-        cap.changed += pos.numel()
-        digests = {"digest": digest}
-        send, gsend, send_new, send_old = pos, gpos, new, old
-        if kind == "catchup" and st.pending is not None:
-            send = _union(st.pending, pos)
-            gsend, send_new, send_old = s.to_global(send), cur.index_select(0, send), None
-            post = additive.partial_sum(gsend, send_new)
-        if kind == "delta":
-            digests["pre_digest"] = pre
-        digests["post_digest"] = post
-        if not s.is_whole:  # global order differs from local order where spans interleave
-            order = torch.argsort(gsend)
-            gsend, send_new = gsend[order], send_new[order]
-            send_old = send_old[order] if send_old is not None else None
-        entry = Entry(
-            s.name,
-            s.full_shape,
-            cur.dtype,
-            pos.numel(),
-            self._stage(gsend),
-            self._stage(send_new),
-            self._stage(send_old) if kind == "delta" else None,
-            digests,
-            scanned=True,
-        )
-        if self._wants_post_hash(s) and (anchor or (kind and send.numel())):
-            entry.post_hash = tensor_digest(cur)
-        if anchor:  # nothing per element: the snapshot (untouched until settled) + the staged changes
-            ready = torch.cuda.Event() if st.snapshot.device.type == "cuda" else None
-            if ready is not None:
-                ready.record(torch.cuda.current_stream(st.snapshot.device))
-            entry.anchor = Anchor(
-                st.placement, st.snapshot, entry.positions, entry.new_values, self.staging, ready
-            )
-        return entry
-
-    def _wants_post_hash(self, s: Shard) -> bool:
-        """xxh3 of a whole tensor, opt-in: it reads every changed tensor whole, O(model bytes) per sync
-        where the additive digests cost O(changed)."""
-        return self.post_hash and s.is_whole
-
-    def _diff(self, cur: torch.Tensor, snap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(changed local positions, snapshot values there), both on the parameter's device."""
-        snap = snap.reshape(-1)  # a bucket member's snapshot may be a strided view (then a copy here)
-        if snap.device == cur.device:
-            pos = changed_positions(cur, snap)
-            return pos, snap.index_select(0, pos)
-        if not cur.numel():
-            return cur.new_zeros(0, dtype=torch.int64), cur.new_zeros(0)
-        # host snapshot: the live chunks come to the host and are compared there
-        pos, old, _ = bucket_scan.chunked_diff(cur, snap, STREAM_ELEMENTS)
-        return pos.to(cur.device), old.to(cur.device)
-
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy (pinned, on a side stream, not yet waited for) of O(changed) device data."""
         if t.device == self.staging:
@@ -329,14 +250,6 @@ class Producer:
 
     def advance(self, cap: Capture) -> None:
         """Every engine holds the captured version: the snapshot becomes it."""
-        for name, a in cap.advance.items():
-            st = self._states[name]
-            local = a.local if st.snapshot.device == a.local.device else a.local.to(st.snapshot.device)
-            _put(st.snapshot, local, a.values.to(st.snapshot.device))
-            if st.view is not None and st.view is not st.snapshot:
-                _put(st.view, local, a.values.to(st.view.device))
-            st.digest.copy_(a.digest)  # in place: a bucket member's digest is a row of the bucket's
-            st.pending = None
         for ba in cap.buckets:
             b = ba.bucket
             b.snapshot[ba.pos] = ba.values
@@ -345,10 +258,6 @@ class Producer:
 
     def defer(self, cap: Capture) -> None:
         """Some engine missed the captured version: remember what was sent since S."""
-        for name, a in cap.advance.items():
-            if a.local.numel():
-                st = self._states[name]
-                st.pending = a.local if st.pending is None else _union(st.pending, a.local)
         for ba in cap.buckets:
             if ba.pos.numel():
                 b = ba.bucket
@@ -356,15 +265,6 @@ class Producer:
 
 
 _union = bucket_scan.union
-
-
-def _put(snapshot: torch.Tensor, local: torch.Tensor, values: torch.Tensor) -> None:
-    """`snapshot.reshape(-1)[local] = values`, writing through a 2-d strided view (a bucket member's)."""
-    if snapshot.dim() == 1:
-        snapshot[local] = values
-    else:
-        cols = snapshot.shape[1]
-        snapshot[torch.div(local, cols, rounding_mode="floor"), local % cols] = values
 
 
 def choose_place(mode: str, shards: Sequence[Shard]) -> tuple[str, str]:

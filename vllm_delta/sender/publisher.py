@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,18 +21,6 @@ from vllm_delta.wire import FlushBuilder, Manifest, additive, merge_manifests
 from vllm_delta.wire.signing import sign
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Published:
-    plan: Plan
-    sent: list[SentDelta]
-    replies: dict[str, Reply]
-    all_acked: bool
-    encode_s: float
-    write_s: float  # time the disk writer spent writing (overlaps encoding)
-    push_s: float  # from the push to the last engine's answer (engine prepare + apply)
-    publish_s: float
 
 
 def dir_name(kind: str, version: int) -> str:
@@ -54,9 +42,10 @@ class Publisher:
         self.flush_bytes = flush_bytes
         self.signing_keys = signing_keys  # the first signs each merged manifest (wire/signing.py)
 
-    def run(self, plan: Plan, cap: Capture, model_elements: int) -> Published:
-        """Every rank runs the same collectives whatever fails on it: a local failure is agreed on and
-        raised on every rank at one point; rank 0's (seal, push) travel in the outcome it broadcasts."""
+    def run(self, plan: Plan, cap: Capture, model_elements: int, changed: int) -> dict[str, float]:
+        """The publish's metrics (`changed`: elements, every rank). Every rank runs the same collectives
+        whatever fails on it: a local failure is agreed on and raised on every rank at one point; rank
+        0's (seal, push) travel in the outcome it broadcasts."""
         start = time.perf_counter()
         kinds = []
         if plan.delta_urls and plan.kind:
@@ -116,10 +105,37 @@ class Publisher:
             raise PublishError(f"rank 0: {error}")
         if self.ranks.rank != 0:  # every rank's planner keeps the versions (rank 0's word decides)
             self.planner.settle(plan, replies)
-        write_s = sum(s.writer.write_s for s in sinks if s.writer is not None)
-        return Published(
-            plan, sent, replies, all_acked, encode_s, write_s, push_s, time.perf_counter() - start
-        )
+        post = sum(s.wire_bytes for s in sent) if self.ranks.rank == 0 else 0
+        pre = sum(s.pre_compress_bytes for s in sent) if self.ranks.rank == 0 else 0
+        wire = post
+        if not self.transport.stored:  # a broadcast moves the bytes once per engine
+            per = {s.kind: s.wire_bytes for s in sent}
+            wire = per.get(plan.kind, 0) * len(plan.delta_urls) + per.get("anchor", 0) * len(plan.anchor_urls)
+        ok = [r.body for r in replies.values() if r.ok]
+        engines = self.planner.engines.values()
+        return {
+            "perf/update_weights_density": changed / max(1, model_elements),
+            "perf/update_weights_wire_bytes": float(wire),
+            "perf/update_weights_disk_bytes_pre_compress": float(pre),
+            "perf/update_weights_disk_bytes_post_compress": float(post),
+            "perf/update_weights_compression_ratio": pre / max(1, post),
+            "sender/encode_s": encode_s,
+            "sender/write_s": sum(s.writer.write_s for s in sinks if s.writer is not None),
+            "sender/push_s": push_s,
+            "sender/publish_s": time.perf_counter() - start,
+            "perf/update_weights_flushes_per_rank": float(max((s.flushes for s in sent), default=0)),
+            "perf/update_weights_engine_pause_time": max((b.get("pause_s", 0.0) for b in ok), default=0.0),
+            "perf/update_weights_engine_apply_time": max((b.get("apply_s", 0.0) for b in ok), default=0.0),
+            "perf/update_weights_engine_decode_time": max((b.get("decode_s", 0.0) for b in ok), default=0.0),
+            "sender/version": float(plan.version),
+            "sender/snapshot_version": float(self.planner.snapshot_version),
+            "sender/changed_elements": float(changed),
+            "sender/engines_acked": float(sum(r.ok for r in replies.values())),
+            "sender/engines_failed": float(len(engines) - sum(e.acked == plan.version for e in engines)),
+            "sender/anchors": float(len(plan.anchor_urls)),
+            "sender/catchup": float(plan.kind == "catchup"),
+            "sender/all_acked": float(all_acked),
+        }
 
     def _cleanup(self, sinks: list[Sink], sent: list[SentDelta]) -> bool:
         """Rank 0 drops what this publish put on the wire; a sink never sent only closes its spool."""
@@ -285,14 +301,8 @@ class Ranks:
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.group is None else dist.get_rank(self.group)
-
-    @property
-    def size(self) -> int:
-        return 1 if self.group is None else dist.get_world_size(self.group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.size = 1 if group is None else dist.get_world_size(group)
 
     def bcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""

@@ -197,3 +197,20 @@ def flat_runs(
         return ((0, 1),)
     inner, outer = math.prod(shape[dim + 1 :]), math.prod(shape[:dim])
     return tuple((o * shape[dim] * inner + a * inner, n * inner) for o in range(outer) for a, n in spans if n)
+
+
+def strided(runs: Sequence[tuple[int, int]]) -> bool:
+    """One run, or equal runs at a constant positive stride: what one strided view covers."""
+    return len(runs) == 1 or (
+        len({n for _, n in runs}) == 1
+        and len({b[0] - a[0] for a, b in zip(runs, runs[1:])}) == 1
+        and runs[1][0] > runs[0][0]
+    )
+
+
+def strided_view(flat: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The view of 1-d `flat` over `strided` runs (a rank's q rows across its query groups: 2-d)."""
+    a, n = runs[0]
+    if len(runs) == 1:
+        return flat[a : a + n]
+    return flat.as_strided((len(runs), n), (runs[1][0] - a, 1), flat.storage_offset() + a)
