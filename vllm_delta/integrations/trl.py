@@ -130,11 +130,10 @@ def take(
                 out.append((name, tensor.detach()))
                 continue
             buf = kept.get(name)
-            if (
-                buf is None
-                or buf.shape != tensor.shape
-                or buf.dtype != tensor.dtype
-                or buf.device != tensor.device
+            if buf is None or (buf.shape, buf.dtype, buf.device) != (
+                tensor.shape,
+                tensor.dtype,
+                tensor.device,
             ):
                 buf = kept[name] = torch.empty_like(tensor, memory_format=torch.contiguous_format)
             buf.copy_(tensor)

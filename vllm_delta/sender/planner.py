@@ -75,7 +75,6 @@ class Planner:
             raise ValueError(f"overwrite_encoding {overwrite_encoding!r} must not be base-relative")
         get_encoding(encoding)
         self.engines = {u: EngineState(u, acked=version) for u in engines}
-        self.client = client
         self.prober = Prober(client)
         self.encoding, self.overwrite_encoding, self.anchor_every = encoding, overwrite_encoding, anchor_every
         if max_lag_syncs < 1:
