@@ -38,7 +38,7 @@ def cases(elements: int, density: float) -> dict:
     bf = by_name("bfloat16")
     return {
         "decode_gaps": lambda: codecs.decode_gaps(gaps, elements, file=None, param=None),
-        "gap_planes": lambda: codecs.gap_planes(pos),
+        "gap_planes": lambda: codecs.to_planes(codecs.encode_gaps(pos)[1]),
         "ulp_streams": lambda: codecs.ulp_streams(new, old, bf),
         "scatter + read_back, values": lambda: read_back(
             flat, offsets, scatter(flat, Chunk(offsets, values))

@@ -1,15 +1,6 @@
-"""Seekable position blocks: a param's changes cut into blocks a receiver can skip undecoded.
-
-Why: under tensor parallelism a rank holds part of a tensor. A block records its first and last
-position and each stream's byte lengths (one zstd frame per stream), so a rank decodes only the
-blocks meeting what it owns.
-
-A block may start where positions cross a multiple of 2^`SPAN_BITS` (row shards of power-of-two
-tensors align), once it holds `MIN_ENTRIES`; none holds more than `MAX_ENTRIES`. Every block but a
-param's last holds a multiple of 8 entries (packed bits concatenate); gaps continue across blocks.
-Implicit positions (`width` 0, anchors): each block is the dense range `first..last`, cut at
-multiples of `max_entries`, decoded on its own (any count).
-"""
+"""Seekable position blocks: a param's changes cut into blocks a receiver can skip undecoded, so a
+tensor-parallel rank decodes only the blocks meeting what it owns (docs/wire-format.md: where blocks
+start, why, and implicit positions)."""
 
 from __future__ import annotations
 
@@ -29,7 +20,8 @@ Ranges = Sequence[tuple[int, int]]  # inclusive [first, last] position ranges, s
 
 @dataclass(frozen=True)
 class Policy:
-    """Where blocks may start (see the module docstring); the writer's knob, not part of the format."""
+    """Where blocks may start: where positions cross a multiple of 2^`span_bits` once a block holds
+    `min_entries`; none holds more than `max_entries`. The writer's knob, not part of the format."""
 
     span_bits: int = SPAN_BITS
     min_entries: int = MIN_ENTRIES

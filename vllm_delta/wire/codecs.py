@@ -1,9 +1,6 @@
-"""Vectorized position and value codecs on numpy arrays (and the receiver's ULP resolve in torch).
-
-Positions are sorted, unique int64 flat indices; values are bit patterns as unsigned integers of the
-param's width. Every decoder validates what it returns: a hostile byte string yields a `DeltaError`.
-Gaps: d[k] = idx[k] - idx[k-1] - 1, idx[-1] = -1. Byte planes: plane j holds byte j of every entry.
-"""
+"""Position and value codecs on numpy arrays (and the receiver's ULP resolve in torch): positions are
+sorted unique int64 flat indices, values bit patterns as unsigned integers; every decoder validates what
+it returns. Gaps: d[k] = idx[k] - idx[k-1] - 1, idx[-1] = -1. Byte plane j: byte j of every entry."""
 
 from __future__ import annotations
 
@@ -44,10 +41,6 @@ def _frombuffer(buf: memoryview, dtype: np.dtype, count: int, what: str, *, file
             f"{what}: {len(buf)} bytes for {count} entries of {dtype.itemsize} B", file=file, param=param
         )
     return np.frombuffer(buf, dtype=dtype, count=count)
-
-
-def encode_indices(pos: np.ndarray, width: int) -> bytes:
-    return pos.astype(f"<i{width}").tobytes()
 
 
 def decode_indices(
@@ -116,12 +109,6 @@ def to_planes(arr: np.ndarray) -> list[bytes]:
     grid = arr.astype(arr.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, w)
     # a contiguous copy of each column first: 3x faster than tobytes() of the strided column
     return [bytes(np.ascontiguousarray(grid[:, j]).data) for j in range(w)]
-
-
-def gap_planes(pos: np.ndarray, *, prev: int = -1, width: int | None = None) -> tuple[int, list[bytes]]:
-    """(width, byte planes): `encode_gaps` then `to_planes`."""
-    w, gaps = encode_gaps(pos, prev=prev, width=width)
-    return w, to_planes(gaps)
 
 
 def from_planes(planes: list[memoryview], count: int, width: int, what: str, *, file, param) -> np.ndarray:
@@ -199,10 +186,8 @@ def unpack_bits(buf: memoryview, count: int, what: str, *, file, param) -> np.nd
 
 
 def ulp_streams(new: np.ndarray, old: np.ndarray, d: DType) -> dict[str, bytes]:
-    """`sign`, `flag` and `esc0..` as `encode_steps(ulp_steps(new, old, d), d)` give them: written in
-    one compiled pass (kernels/ulp_jit.py) for 1-, 2- and 4-byte floats where the kernels are on, not
-    the ~10 passes over a block's changes of the numpy codecs (two order keys, steps, signs, flags,
-    magnitudes, escapes, their byte columns)."""
+    """`sign`, `flag` and `esc0..` as `encode_steps(ulp_steps(new, old, d), d)` give them, in one compiled
+    pass (kernels/ulp_jit.py) for 1-, 2- and 4-byte floats where the kernels are on (numpy: ~10 passes)."""
     if not (
         switch.on()
         and d.is_float

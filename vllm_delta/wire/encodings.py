@@ -1,10 +1,5 @@
-"""The registry of encodings: how one param's positions and values become named byte streams.
-
-An encoding pairs a position codec with a value codec and says how the flush is compressed:
-not at all, the whole file with zstd (the seed's `deltas_zstd`), or each stream on its own
-(so each gets its own entropy tables). Streams of all params in a flush are concatenated; a
-param's metadata records its byte span in each stream it uses.
-"""
+"""The registry of encodings: each pairs a position codec with a value codec and says how the flush is
+compressed (not at all, the whole file, or each stream on its own, so each gets its own entropy tables)."""
 
 from __future__ import annotations
 
@@ -19,9 +14,7 @@ from .codecs import (
     decode_gaps,
     decode_indices,
     encode_gaps,
-    encode_indices,
     from_planes,
-    gap_planes,
     gap_width,
     gaps_from_bytes,
     to_planes,
@@ -46,17 +39,15 @@ def _planes(spans: Spans, prefix: str, width: int, *, file, param) -> list[memor
 
 
 class Indices:
-    """Absolute flat positions, int32 or int64 when the tensor has more than 2^31 elements.
-
-    Position codecs: `prev` is the position before the first (-1 at a param's start), `width` is
-    param-wide, so the blocks of a param concatenate into one stream."""
+    """Absolute flat positions, int32 or int64 past 2^31 elements. Position codecs: `prev` is the position
+    before the first (-1 at a param's start); `width` is param-wide, so a param's blocks concatenate."""
 
     def width(self, pos, numel):
         return 4 if numel <= 1 << 31 else 8
 
     def encode(self, pos, numel, *, prev=-1, width=None):
         w = self.width(pos, numel)
-        return w, {"positions": encode_indices(pos, w)}
+        return w, {"positions": pos.astype(f"<i{w}").tobytes()}
 
     def decode(self, spans, count, width, numel, *, prev=-1, file, param):
         buf = _need(spans, "positions", file=file, param=param)
@@ -86,8 +77,8 @@ class GapPlanes:
         return gap_width(pos)
 
     def encode(self, pos, numel, *, prev=-1, width=None):
-        w, planes = gap_planes(pos, prev=prev, width=width)
-        return w, {f"pos{j}": p for j, p in enumerate(planes)}
+        w, gaps = encode_gaps(pos, prev=prev, width=width)
+        return w, {f"pos{j}": p for j, p in enumerate(to_planes(gaps))}
 
     def decode(self, spans, count, width, numel, *, prev=-1, file, param):
         if width not in GAP_WIDTHS:
@@ -124,12 +115,8 @@ class ValuePlanes:
 
 
 class UlpSteps:
-    """Signed ULP steps from the old value: packed `sign`, packed `flag` (|step|>1), planes `esc0..`.
-
-    Decodes to steps (unsigned, wrapping), which the receiver resolves against its own bits.
-    Bits are packed 8 to a byte, so blocks of a param hold multiples of 8 entries (but the last)
-    to concatenate.
-    """
+    """Signed ULP steps from the old value: packed `sign`, packed `flag` (|step|>1), planes `esc0..`;
+    decoded to wrapping unsigned steps the receiver resolves against its own bits."""
 
     relative = True
 
@@ -137,19 +124,14 @@ class UlpSteps:
         return ulp_streams(new, old, d)
 
     def decode(self, spans, count, d, *, file, param):
-        neg = unpack_bits(
-            _need(spans, "sign", file=file, param=param), count, "signs", file=file, param=param
-        )
-        big = unpack_bits(
-            _need(spans, "flag", file=file, param=param), count, "flags", file=file, param=param
+        neg, big = (
+            unpack_bits(_need(spans, s, file=file, param=param), count, f"{s}s", file=file, param=param)
+            for s in ("sign", "flag")
         )
         planes = _planes(spans, "esc", d.itemsize, file=file, param=param)
         mag = np.ones(count, dtype=d.uint)
         mag[big] = from_planes(planes, int(big.sum()), d.itemsize, "escapes", file=file, param=param) + 2
         return np.where(neg, d.uint.type(0) - mag, mag)
-
-
-Compression = Literal["none", "file", "streams"]
 
 
 @dataclass(frozen=True)
@@ -159,7 +141,7 @@ class Encoding:
     name: str
     positions: Indices | Gaps | GapPlanes
     values: RawValues | ValuePlanes | UlpSteps
-    compression: Compression
+    compression: Literal["none", "file", "streams"]
     description: str
     zstd_level: int = 1
 
@@ -170,7 +152,6 @@ class Encoding:
 
     @property
     def idempotent(self) -> bool:
-        """Applying the delta twice leaves the same weights as applying it once."""
         return not self.values.relative
 
     def encode_param(
@@ -184,7 +165,7 @@ class Encoding:
         prev: int = -1,
         width: int | None = None,
     ) -> tuple[int, Streams]:
-        """Streams of one param, or of one block of it (`prev`, `width`: see PositionCodec)."""
+        """Streams of one param, or of one block of it (`prev`, `width`: see `Indices`)."""
         width, streams = self.positions.encode(pos, numel, prev=prev, width=width)
         if self.needs_base and old is None:
             raise ValueError(f"encoding {self.name!r} needs the old values")

@@ -1,10 +1,6 @@
-"""Decoding one flush (a file on disk or a buffer broadcast over a collective): one 1-D uint8 tensor
-`__<stream>__` per stream, and the metadata of wire/flush_meta.py.
-
-`vllm-delta/1` gives each param's byte spans in the decoded streams; `vllm-delta/2` (the default) a
-seekable block index (wire/blocks.py), so a receiver decodes only the blocks it owns. A block-indexed
-flush is decoded in batches (wire/batch.py) where it can be; the per-param path here takes the rest.
-"""
+"""Decoding one flush (a file, or a buffer broadcast over a collective): a block-indexed one in batches
+(wire/batch.py) where it can be, the per-param path here taking the rest (the precise error, large
+params) and `vllm-delta/1`'s byte spans."""
 
 from __future__ import annotations
 
@@ -29,7 +25,6 @@ from .flush_meta import (
     Expected,
     FlushHeader,
     HeadCheck,
-    Heads,
     heads_from_text,
     meta_int,
     meta_json,
@@ -93,11 +88,22 @@ def iter_flush(
             if t is None or t.dtype.st_code != "U8" or len(t.shape) != 1:
                 raise FormatError(f"stream {name!r} missing or not a 1-D uint8 tensor", file=file)
             data[name] = t.data
-        if blocked:
-            return header, _iter_blocked(
-                enc, smeta, data, heads, meta, file, expected, owned, batches, decoder
-            )
-        return header, _iter_v1(enc, smeta, data, heads.entries(), file=file, expected=expected)
+        if not blocked:
+            return header, _iter_v1(enc, smeta, data, heads.entries(), file=file, expected=expected)
+        try:  # the batched path first, the per-param path from where it stops
+            index = index_flush(enc, smeta, data, heads, file=file, expected=expected)
+        except Fallback:
+            plan = plan_blocked(smeta, data, meta, file=file, expected=expected)
+            return header, _decode_blocked(enc, smeta, data, plan, file=file, owned=owned)
+    del heads  # the batched path has its arrays: the collector never walks the parsed metadata
+    plans: list = []
+
+    def fallback(i: int, j: int) -> Iterator[ParamDelta]:
+        if not plans:  # parsed again, for the per-param path's plans
+            plans.extend(plan_blocked(smeta, data, meta, file=file, expected=expected))
+        return _decode_blocked(enc, smeta, data, plans[i:j], file=file, owned=owned)
+
+    return header, decode_batches(enc, index, data, owned, decoder, fallback, batches)
 
 
 def _delta(enc: Encoding, name: str, shape, d, pos: np.ndarray, payload: np.ndarray, **extra) -> ParamDelta:
@@ -130,38 +136,6 @@ def _iter_v1(
         spans = {s: streams[s][a:b] for s, (a, b) in p.spans.items()}
         pos, payload = enc.decode_param(spans, p.count, p.width, numel, d, file=file, param=p.name)
         yield _delta(enc, p.name, shape, d, pos, payload)
-
-
-def _iter_blocked(
-    enc: Encoding,
-    smeta,
-    data,
-    heads: Heads,
-    meta: Mapping[str, str],
-    file: str,
-    expected: Expected | None,
-    owned: Owned | None,
-    batches: bool,
-    decoder: Decoder,
-) -> Iterator[ParamDelta | DeltaBatch]:
-    """Validate every param's block index against the streams, then decode lazily: the batched path
-    first, the per-param path from where it stops. The parsed metadata is dropped once the batched path
-    has its arrays (so the collector never walks it); a fallback parses it again."""
-    try:
-        index = index_flush(enc, smeta, data, heads, file=file, expected=expected)
-    except Fallback:
-        plan = plan_blocked(smeta, data, meta, file=file, expected=expected)
-        return _decode_blocked(enc, smeta, data, plan, file=file, owned=owned)
-
-    del heads
-    plans: list = []
-
-    def fallback(i: int, j: int) -> Iterator[ParamDelta]:
-        if not plans:
-            plans.extend(plan_blocked(smeta, data, meta, file=file, expected=expected))
-        return _decode_blocked(enc, smeta, data, plans[i:j], file=file, owned=owned)
-
-    return decode_batches(enc, index, data, owned, decoder, fallback, batches)
 
 
 def plan_blocked(smeta, data: Mapping[str, Sized], meta: Mapping[str, str], *, file: str, expected) -> list:

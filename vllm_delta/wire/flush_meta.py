@@ -1,11 +1,7 @@
-"""A flush's metadata: its formats, header, streams and the one parser of its `params`.
-
-Keys: `format`, `encoding`, `current_version`, `base_version`, `streams` (JSON: codec and decoded size
-per stream) and `params` (JSON: per param its byte `spans` (`vllm-delta/1`) or its `streams` and block
-index `blocks` (`vllm-delta/2`)). Params are read as columns (`Heads`), checked with a few set and type
-passes (a validated object a param was most of the reader's cost at 44k tensors); only input they
-refuse is walked entry by entry, for an error naming the first param at fault.
-"""
+"""A flush's metadata (docs/wire-format.md): its formats, header, streams and the one parser of its
+`params`, read as columns (`Heads`) checked in a few set and type passes (an object a param was most of
+the reader's cost at 44k tensors); only input they refuse is walked entry by entry, naming the first
+param at fault."""
 
 from __future__ import annotations
 

@@ -62,12 +62,11 @@ class DeltaDecoder:
     ):
         self.manifest, self.expected, self.seed, self.limits = manifest, expected, seed, limits
         self.decoder = decoder
-        self.encoding = check_base(manifest, current_version)
+        check_base(manifest, current_version)
         self._files = {f.name: f for f in manifest.files}
-        # What admit compares and counts, as columns by manifest position (`_index`): each param's
-        # (shape, dtype), files, whether it has parts (several writers: each file's part in `_part`) and
-        # its change count. Each dtype name looked up once, the model's heads compared in one comparison;
-        # where either does not pass, a param at a time (`HeadCheck`) for the precise error.
+        # What admit compares and counts, as columns by manifest position (`_index`): each param's head
+        # (shape, dtype), files, parts (several writers: each file's part in `_part`) and change count.
+        # The model's heads compared in one comparison; where that fails, a param at a time (`HeadCheck`).
         params = manifest.params
         self._names = names = list(map(attrgetter("name"), params))
         self._changed = list(map(attrgetter("changed"), params))
@@ -80,21 +79,13 @@ class DeltaDecoder:
         except DeltaError:
             fits = False
         if not fits:
-            check = HeadCheck(expected, file=MANIFEST_NAME)
-            deque(map(check, names, dnames, shapes), 0)
+            deque(map(HeadCheck(expected, file=MANIFEST_NAME), names, dnames, shapes), 0)
         parts = list(map(attrgetter("parts"), params))
         self._index = dict(zip(names, count()))
-        self._heads, self._listed, self._has_parts = (
-            heads,
-            list(map(attrgetter("files"), params)),
-            list(map(bool, parts)),
-        )
+        self._heads, self._listed = heads, list(map(attrgetter("files"), params))
+        self._has_parts = list(map(bool, parts))
         shared = list(compress(params, parts))  # the params of several writers, without a loop over all
-        self._part: dict[tuple[str, str], int] = {}
-        for p in shared:
-            for i, part in enumerate(p.parts or ()):
-                for f in part:
-                    self._part[(p.name, f)] = i
+        self._part = {(p.name, f): i for p in shared for i, part in enumerate(p.parts or ()) for f in part}
         # Positions of parts are kept until finish() checks that no two parts overlap.
         self._shared: dict[str, list[torch.Tensor]] = {p.name: [] for p in shared}
         self._seen: dict[str, int] = {}
@@ -229,18 +220,14 @@ class DeltaDecoder:
     def finish(self) -> None:
         """Every fed param is complete; with all files fed, the whole delta is."""
         if list(map(self._seen.get, self._names, repeat(0))) != self._changed:  # else each is complete
-            self._check_counts()
+            for p in self.manifest.params:  # in manifest order, those whose files were all fed
+                seen = self._seen.get(p.name, 0)
+                if seen != p.changed and all(f in self._done for f in p.files):
+                    raise BoundsError(f"{seen} changes, manifest says {p.changed}", param=p.name)
         for name, chunks in self._shared.items():
             merged = torch.cat(chunks).sort().values if chunks else None
             if merged is not None and bool((merged[1:] == merged[:-1]).any()):
                 raise BoundsError("parts from different writers overlap", param=name)
-
-    def _check_counts(self) -> None:
-        """Each param whose files were all fed has all its changes, in manifest order."""
-        for p in self.manifest.params:
-            seen = self._seen.get(p.name, 0)
-            if seen != p.changed and all(f in self._done for f in p.files):
-                raise BoundsError(f"{seen} changes, manifest says {p.changed}", param=p.name)
 
 
 def open_delta(
