@@ -1,10 +1,6 @@
-"""Additive per-tensor digest: H(t) = sum_i mix(i, bits_i) mod 2^64, in two independent lanes.
-
-Why additive: a sender updates H in O(changed), shards add their partial sums, and a receiver checks
-the elements it is about to overwrite before writing. The terms are `kernels/digest.py`'s; this is the
-digest as the wire carries it. Not a MAC (~2^-128 for an adversary-free fault): tampering is the file
-hashes' and route auth's job.
-"""
+"""Additive per-tensor digest H(t) = sum_i mix(i, bits_i) mod 2^64 in two lanes (terms: kernels/digest.py).
+Why additive: a sender updates H in O(changed), shards add partial sums, a receiver checks what it will
+overwrite. Not a MAC: tampering is the file hashes' and route auth's job."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The batched decode (`Decoder`): a batch of block-indexed params rebuilt from their streams in a constant
-number of torch ops per batch, on the host or on the params' device.
-
-Why torch on a device: with the weights on an accelerator, the streams cross as decompressed from the
-wire (1-3 B a change) with one table of per-row numbers, not int64 positions. Checks of decoded values
-fold into one flag per batch: the host raises it at once; a device keeps it for `Decoder.verify` (no
-sync a batch), with positions clamped in range until then.
-"""
+"""The batched decode (`Decoder`): a batch of block-indexed params rebuilt from their streams in a fixed
+number of torch ops, on the host or on the params' device (the streams cross as 1-3 B a change, not int64
+positions). Its checks fold into one flag a batch: raised at once on the host, kept for `verify` on a
+device (no sync a batch), positions clamped in range until then."""
 
 from __future__ import annotations
 
@@ -21,10 +17,8 @@ from .errors import BoundsError
 
 
 class Decoder:
-    """The batched decode's back end, chosen by the caller, never by the data: the params in `devices`
-    decode there, their checks kept for `verify`; the others on the host (the same torch ops on the
-    CPU), each batch's checks raised at once as `Fallback`. The caller calls `verify` after the last
-    delta and before using any device-decoded entry."""
+    """The back end, chosen by the caller, never by the data: the params in `devices` decode there (call
+    `verify` before using any of them), the others on the host, a failed check raised as `Fallback`."""
 
     def __init__(self, devices: Mapping[str, torch.device] | None = None) -> None:
         self.devices = dict(devices or {})

@@ -1,9 +1,5 @@
-"""The dtypes a delta can carry, and the same-width integer views the codecs work on.
-
-Codecs never do float arithmetic: they move bit patterns, viewed as unsigned integers in numpy
-(whose unsigned arithmetic wraps by definition) and as signed integers in torch (torch has few
-unsigned ops).
-"""
+"""The dtypes a delta can carry, and the same-width integer views the codecs move bit patterns in
+(unsigned in numpy, whose unsigned arithmetic wraps; signed in torch, which has few unsigned ops)."""
 
 from __future__ import annotations
 
