@@ -1,15 +1,7 @@
-"""What the map must know about a model chunk that mbridge's tables do not say.
-
-- Names: mbridge's tables use the Transformer-Engine spec, where a norm read by one linear is fused into
-  it (`layer_norm_weight`: the attention norm into `linear_qkv`, a dense MLP norm into `linear_fc1`,
-  MLA's q/kv LoRA norms into their up-projections) and a layer's experts are one grouped module; a
-  local-spec model holds the same tensors under other names (`TENamed`). TE names pass unchanged.
-- Vocab padding: mbridge trims padded rows only when it built the model; Megatron-LM and slime pad on
-  their own, so the padding is read from the model's real tensor shapes.
-- Tied copies: a later stage's MTP copy of the word embeddings ships nothing; the first stage ships them.
-- Refused at registration, naming the module: legacy `GroupedMLP` (no mbridge name table), and expert
-  TP with TP = 1 (mbridge's `_weight_merge_across_tp` then keeps one shard).
-"""
+"""What the map must know about a model chunk that mbridge's tables do not say: a local-spec model's
+names in the TE spec mbridge reads (fused norms, grouped experts), the vocab padding Megatron-LM and slime
+add on their own, tied MTP copies that ship nothing, and what is refused (legacy `GroupedMLP`, expert TP
+with TP = 1)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Where each element of a rank's Megatron weights sits in the HF checkpoint, from mbridge's own code.
-
-Why: hand-written layout tables drift from the converter that exported the served checkpoint. So each
-local tensor is probed through mbridge's conversion: for a param split over R TP ranks, R id tensors
-(rank k's ids are k * numel + arange, as `BlockIds`: O(rows)) go through `_weight_merge_across_tp` and
-`_weight_to_hf_format`; where this rank's ids land in HF tensor `h` names each local element's position.
-Vanished ids (padded vocab rows) are never shipped. Exactly one replica ships each element: this rank's
-part of a partitioned param, or TP rank 0 of a replicated one, on (expert-)DP rank 0 only.
-The private mbridge methods used are pinned with `mbridge==0.15.1` (pyproject.toml).
+"""Where each element of a rank's Megatron weights sits in the HF checkpoint, from mbridge's own code:
+hand-written tables drift from the converter that exported it. Id tensors (`BlockIds`) go through
+`_weight_merge_across_tp` and `_weight_to_hf_format` (pinned `mbridge==0.15.1`); where this rank's ids
+land places its elements. One replica ships each element (TP rank 0 of a replicated param, DP rank 0).
 """
 
 from __future__ import annotations

@@ -51,8 +51,9 @@ OVERSIZE: dict[str, int] = {}
 # (issue 30); -4: the collective timeout bound inline, the seed answer's body (issue 30); -17: scatter keying
 # inline, kernel docstrings (issue 30); -172: one sender scan (every shard in a bucket, anchors too), the
 # publisher's metrics, one strided view (issue 30); -91: wire's read side, the flush dispatch inlined, codec
-# helpers, docstrings (issue 30); -14: wire read-side docstrings (issue 30).
-MAX_LIBRARY_LINES = 17_013
+# helpers, docstrings (issue 30); -14: wire read-side docstrings (issue 30); -16: megatron_hook docstrings
+# (issue 30).
+MAX_LIBRARY_LINES = 16_997
 
 
 def _files() -> dict[str, Path]:

@@ -210,7 +210,7 @@ class Producer:
         shift = torch.tensor([a for a, _ in runs], device=st.pending.device) - starts[:-1]
         r = torch.searchsorted(starts[1:-1], st.pending, right=True)
         p = (st.pending + shift[r]).to(b.snapshot.device)
-        b.pending = p if b.pending is None else _union(b.pending, p)
+        b.pending = p if b.pending is None else bucket_scan.union(b.pending, p)
         st.pending = None
 
     def _unbucket_pending(self, b: Bucket) -> None:
@@ -227,7 +227,7 @@ class Producer:
             r = torch.searchsorted(starts, mine, right=True) - 1
             local = mine - starts[r] + before[r]
             st = self._states[name]
-            st.pending = local if st.pending is None else _union(st.pending, local)
+            st.pending = local if st.pending is None else bucket_scan.union(st.pending, local)
         b.pending = None
 
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
@@ -261,10 +261,7 @@ class Producer:
         for ba in cap.buckets:
             if ba.pos.numel():
                 b = ba.bucket
-                b.pending = ba.pos if b.pending is None else _union(b.pending, ba.pos)
-
-
-_union = bucket_scan.union
+                b.pending = ba.pos if b.pending is None else bucket_scan.union(b.pending, ba.pos)
 
 
 def choose_place(mode: str, shards: Sequence[Shard]) -> tuple[str, str]:
