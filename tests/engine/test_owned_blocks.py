@@ -13,7 +13,7 @@ from harness.synthetic import device_check, loaded, same_bits, tp_ranks
 
 from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.digests import Ownership, check_partials, coverage
-from vllm_delta.engine.placement import Segment, TensorPlacement, owned_by_tensor, owned_ranges
+from vllm_delta.engine.placement import Segment, TensorPlacement, owned_by_tensor
 from vllm_delta.wire import iter_delta, load_manifest
 from vllm_delta.wire.blocks import Policy
 
@@ -22,6 +22,10 @@ CFG = DC.SIZES["tiny"]
 META = {n: (s, torch.bfloat16) for n, s in DC.checkpoint_shapes(CFG).items()}
 SMALL = Policy(span_bits=5, min_entries=8, max_entries=16)  # many blocks in tiny tensors
 EMBED = "model.embed_tokens.weight"
+
+
+def owned_ranges(placement: TensorPlacement) -> list[tuple[int, int]] | None:
+    return owned_by_tensor({placement.name: placement})[placement.name]
 
 
 def test_owned_ranges_of_synthetic_placements():

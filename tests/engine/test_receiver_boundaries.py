@@ -32,7 +32,7 @@ from vllm_delta.engine.digests import (
     lattice,
     segment_chunks,
 )
-from vllm_delta.engine.placement import Segment, TensorPlacement, owned_ranges
+from vllm_delta.engine.placement import Segment, TensorPlacement, owned_by_tensor
 from vllm_delta.wire import ENCODINGS, DeltaWriter, load_manifest, write_manifest
 from vllm_delta.wire.additive import partial_sum, to_hex
 
@@ -54,6 +54,10 @@ WINDOWS: dict[str, tuple[int, View]] = {
     "strided32": ((1 << 32) // C - 1, lambda w: w[:, 0:16:2]),  # every other column: an ownership mask
     "transposed32": ((1 << 32) // C, lambda w: w.t()),  # other strides on each side
 }
+
+
+def owned_ranges(placement: TensorPlacement) -> list[tuple[int, int]] | None:
+    return owned_by_tensor({placement.name: placement})[placement.name]
 
 
 def values(positions: torch.Tensor, version: int) -> torch.Tensor:

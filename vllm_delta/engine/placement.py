@@ -75,16 +75,13 @@ class TensorPlacement:
         return next(((t, segs) for t, segs in by_target.items() if sum(s.numel for s in segs) == numel), None)
 
 
-def owned_ranges(placement: TensorPlacement) -> list[tuple[int, int]] | None:
-    """Inclusive checkpoint position ranges spanning what this rank holds (None: it needs all), so it
-    decodes only the blocks of a block-indexed delta that meet its shard."""
-    if placement.fallback_reason:
-        return None
-    return merge([(s.src_offset, s.src_last) for s in placement.segments])
-
-
 def owned_by_tensor(placements: Mapping[str, TensorPlacement]) -> dict[str, list[tuple[int, int]] | None]:
-    return {name: owned_ranges(p) for name, p in placements.items()}
+    """Per tensor, inclusive checkpoint position ranges spanning what this rank holds (None: it needs all),
+    so it decodes only the blocks of a block-indexed delta that meet its shard."""
+    return {
+        n: None if p.fallback_reason else merge([(s.src_offset, s.src_last) for s in p.segments])
+        for n, p in placements.items()
+    }
 
 
 def grid(offset: int, sizes: Iterable[int], strides: Iterable[int], device: Any = None) -> torch.Tensor:

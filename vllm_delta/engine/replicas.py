@@ -53,7 +53,7 @@ def rank_id(reply: Reply) -> str:
     return f"dp{_dp(reply)}:rank{reply.rank}"
 
 
-def _restricted(coverage: Mapping[str, Any], keep: Callable[[str], bool]) -> dict[str, Any]:
+def _kept(coverage: Mapping[str, Any], keep: Callable[[str], bool]) -> dict[str, Any]:
     return {n: lats for n, lats in coverage.items() if keep(n)}
 
 
@@ -80,9 +80,9 @@ def moe_world(
     )  # not held whole by every engine
     split = set(across)
     whole = Ownership.from_coverages(
-        [_restricted(c["coverage"], lambda n: n not in split) for c in engines[dp]], local.index(rank)
+        [_kept(c["coverage"], lambda n: n not in split) for c in engines[dp]], local.index(rank)
     )
-    spread = Ownership.from_coverages([_restricted(c["coverage"], split.__contains__) for c in world], me)
+    spread = Ownership.from_coverages([_kept(c["coverage"], split.__contains__) for c in world], me)
     ownership = Ownership({**whole.lower, **spread.lower}, {**whole.shares, **spread.shares})
     nowhere = shapes.keys() - set().union(*held)  # a hole if any rank's loader read it, else ignored by vLLM
     report = check_coverage(world, {n: shapes[n] for n in (*across, *sorted(nowhere))})
@@ -109,17 +109,16 @@ def digest_groups(
 ) -> list[tuple[str, list[dict[str, Any]]]]:
     """(label, replies) groups whose partial digests must each add up to the manifest (the first reply
     carries `expected`): each replica for what it holds whole, and all ranks for the `split` tensors."""
-    replicas = by_replica(replies)
-    label = (lambda dp: f"dp{dp}: ") if len(replicas) > 1 else (lambda dp: "")
-    if not split:
-        return [(label(dp), group) for dp, group in replicas.items()]
+    replicas, split = by_replica(replies), split or frozenset()
 
     def only(group: list[dict[str, Any]], keep: Callable[[str], bool]) -> list[dict[str, Any]]:
-        head = {**group[0], "expected": _restricted(group[0].get("expected") or {}, keep)}
-        return [head, *group[1:]]
+        return [{**group[0], "expected": _kept(group[0].get("expected") or {}, keep)}, *group[1:]]
 
-    groups = [(label(dp), only(group, lambda n: n not in split)) for dp, group in replicas.items()]
-    return [*groups, ("across DP engines: ", only(list(replies), split.__contains__))]
+    groups = [
+        (f"dp{dp}: " if len(replicas) > 1 else "", only(group, lambda n: n not in split))
+        for dp, group in replicas.items()
+    ]
+    return [*groups, ("across DP engines: ", only(list(replies), split.__contains__))] if split else groups
 
 
 def refusal(reply: Reply) -> UpdateError:
