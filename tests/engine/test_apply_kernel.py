@@ -220,7 +220,7 @@ def test_stage_sums_of_no_entries(path):
 @pytest.mark.parametrize("block", [None, 5])
 def test_whole_apply_is_exact_on_both_paths(tmp_path, path, encoding, block, monkeypatch):
     """prepare + commit through each path, against the loaders' own load of the new checkpoint;
-    also with the kernel's chunks cut into blocks of 5 entries (`commit._blocks`: a block's last entry
+    also with the kernel's chunks cut into blocks of 5 entries (`commit.CPU_BLOCK`: a block's last entry
     lands in the next one's first write)."""
     if block:
         monkeypatch.setattr(commit, "CPU_BLOCK", block)

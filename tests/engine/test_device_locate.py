@@ -106,7 +106,8 @@ def _stager(applier: DeltaApplier, info) -> Stager:
 
 def _stage_batch(stager: Stager, deltas) -> None:
     """Locate, digest and stage `deltas` as one batch."""
-    stager._batch = list(deltas)
+    for delta in deltas:
+        stager.take(delta)
     stager.flush()
 
 

@@ -49,7 +49,7 @@ def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
     model, applier, info, meta = _one_moe_layer_delta(tmp_path)
     deltas = list(iter_delta(info, expected=meta, current_version=0))
     first = applier.stage(info.manifest, deltas, version=1, replay=False, start=0.0)
-    calls = {"_batchable": 0, "_landings": 0}
+    calls = {"_route": 0}
     for name in calls:
 
         def counted(*args, _name=name, _real=getattr(applier.routing, name)):
@@ -58,7 +58,7 @@ def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
 
         monkeypatch.setattr(applier.routing, name, counted)
     again = applier.stage(info.manifest, deltas, version=1, replay=False, start=0.0)
-    assert calls == {"_batchable": 0, "_landings": 0}
+    assert calls == {"_route": 0}
     assert again.digests == first.digests and again.changed == first.changed > 0
     routes = applier.routing.routes()
     assert all(r.kind == routing.BATCH for r in routes.values()) and len(routes) == len(deltas)
@@ -71,7 +71,7 @@ def test_routes_are_worked_out_once_per_ownership(tmp_path, monkeypatch):
     assert now[held].kind == routing.MASKED and [r.kind for n, r in now.items() if n != held] == [
         routing.BATCH
     ] * (len(now) - 1)
-    assert calls["_batchable"] == len(now) and calls["_landings"] == len(now)
+    assert calls["_route"] == len(now)
 
 
 def _staging_calls(

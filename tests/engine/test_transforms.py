@@ -247,7 +247,7 @@ def test_permutation_maps_are_per_row_where_rows_move_and_both_forms_agree(tmp_p
     applier = apply(model, tmp_path / "found", base, new)
     DC.write_delta(tmp_path / "d", base, new, version=1)
     reference = DeltaApplier(other, META)
-    reference.offset_maps[W13] = per_element
+    reference.routing.offset_maps[W13] = per_element
     reference.commit(reference.prepare(tmp_path / "d", version=1, base_version=0, current_version=0))
     want = direct(new, {MOE: step()})
     assert same_bits(want, model) == [] and same_bits(want, other) == []

@@ -1,8 +1,6 @@
 """Two-phase in-place apply of a delta on one rank: prepare (read, verify, decode, locate, digest,
-stage) while the engine serves, then commit (scatter into the live parameters) in the pause.
-
-Why two phases: everything that can fail on bad input fails before any weight changes; the commit
-only scatters precomputed chunks, and a failure there is a reported engine fault.
+stage) while the engine serves, then commit (scatter into the live parameters) in the pause, so that
+bad input fails before any weight changes and a commit failure is a reported engine fault.
 """
 
 from __future__ import annotations
@@ -15,29 +13,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vllm_delta import wire
 from vllm_delta.engine import commit as commit_phase
 from vllm_delta.engine import derived, loaders, transforms
 from vllm_delta.engine.batched import on_device
 from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.commit import ApplyFault
-from vllm_delta.engine.digests import Ownership, contains, lattice, segment_chunks
+from vllm_delta.engine.digests import Ownership, lattice, segment_chunks
 from vllm_delta.engine.fallback import Shadows
 from vllm_delta.engine.placement import TensorPlacement, derived_params, unreached
 from vllm_delta.engine.probe import PeakRss, build_placement
 from vllm_delta.engine.routing import Routing
-from vllm_delta.engine.stager import Stager, stage_all
+from vllm_delta.engine.stager import Stager
 from vllm_delta.engine.staging import StagedUpdate
 from vllm_delta.engine.trace import WORKER_PREPARE, PhaseTimes
-from vllm_delta.wire import (
-    DeltaDecoder,
-    DeltaInfo,
-    IncompleteDeltaError,
-    Manifest,
-    ParamDelta,
-    iter_delta,
-    open_delta,
-    tensor_digest,
-)
+from vllm_delta.wire import DeltaInfo, Manifest, ParamDelta
 from vllm_delta.wire.additive import partial_sum, to_hex
 from vllm_delta.wire.batch_device import HOST, Decoder
 from vllm_delta.wire.container import paused_gc
@@ -48,8 +38,6 @@ __all__ = ["ApplyFault", "DeltaApplier", "StagedUpdate"]
 
 logger = logging.getLogger(__name__)
 
-Checkpoint = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-
 
 class DeltaApplier:
     """Applies deltas to one model on one rank, through placements learned once per model."""
@@ -57,28 +45,24 @@ class DeltaApplier:
     def __init__(
         self,
         model: nn.Module,
-        checkpoint: Checkpoint,
+        checkpoint: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
         load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object] | None = None,
         *,
         placements: dict[str, TensorPlacement] | None = None,
         rank: int = 0,
         read: Callable[[str], torch.Tensor] | None = None,
     ) -> None:
-        self.model = model
-        self.checkpoint = dict(checkpoint)
+        self.model, self.checkpoint, self._placements, self._read = model, dict(checkpoint), placements, read
         # Parameters a post-load step replaced are loaded through their model format (engine/loaders.py).
         self._load_weights = load_weights or loaders.model_format(model)
         self.targets = {n: canon for n, (_, canon) in transforms.canonical_tensors(model).items()}
-        # Parameters a post-load step permuted: deltas located in the loaded layout go through these.
-        self.offset_maps = transforms.offset_maps(model)
-        self.routing = Routing(self.checkpoint, self.targets, self.offset_maps)
-        self._placements = placements
+        # Parameters a post-load step permuted: deltas located in the loaded layout go through their maps.
+        self.routing = Routing(self.checkpoint, self.targets, transforms.offset_maps(model))
         self.probe_s: float | None = None
         self.probe_peak_bytes: int | None = None
-        self.rank = rank
         # Tensors the probe could not map: their loaders replayed on shadows read with `read` (fallback.py).
-        self._read = read
         self.shadows = Shadows(self._load_weights, self._storages, self.targets, rank)
+        self.refused = self.shadows.refused  # tensors whose loaders cannot be served exactly
         self._shadows_planned = False
         self.coverage: dict[str, object] | None = None  # digests.check_coverage across ranks, at startup
         self._claimed: set[str] | None = None  # the parameters the probe's load_weights said it loaded
@@ -92,17 +76,10 @@ class DeltaApplier:
     def ownership(self, ownership: Ownership) -> None:
         self.routing.ownership = ownership
 
-    @property
-    def refused(self) -> dict[str, str]:
-        return self.shadows.refused
-
     def _storages(self) -> dict[int, str]:
         """Live parameter storages -> their names: what the probe and the fallback replay record into."""
-        return {
-            live.untyped_storage().data_ptr(): name
-            for name, (live, _) in transforms.canonical_tensors(self.model).items()
-            if live.numel() > 0
-        }
+        live = transforms.canonical_tensors(self.model).items()
+        return {t.untyped_storage().data_ptr(): name for name, (t, _) in live if t.numel() > 0}
 
     @property
     def placements(self) -> dict[str, TensorPlacement]:
@@ -111,12 +88,8 @@ class DeltaApplier:
             with PeakRss() as peak:
                 self._placements = build_placement(self._noting_loaded, self._storages(), self.checkpoint)
             self.probe_s, self.probe_peak_bytes = time.perf_counter() - start, peak.extra
-            logger.info(
-                "delta updates: placement of %d tensors learned in %.2fs (+%s B peak)",
-                len(self._placements),
-                self.probe_s,
-                peak.extra,
-            )
+            message = "delta updates: placement of %d tensors learned in %.2fs (+%s B peak)"
+            logger.info(message, len(self._placements), self.probe_s, peak.extra)
         if not self._shadows_planned:
             self._shadows_planned = True
             self.routing.placements = self._placements
@@ -130,30 +103,24 @@ class DeltaApplier:
             self._claimed = (self._claimed or set()) | {n for n in loaded if isinstance(n, str)}
         return loaded
 
-    def _reach_checked(self, storages: Mapping[int, str]) -> dict[str, torch.Tensor]:
-        """The destinations the reach check holds to their size: those the loader said it loaded (all, if
-        it said nothing; fp8's `k_scale` keeps vLLM's default), but those a post-load step derived."""
-        made = derived_params((t.unit, t.key) for t in derived.discovery(self.model).tensors)
-        named = {
-            n: storages.get(t.untyped_storage().data_ptr())
-            for n, (t, _) in transforms.canonical_tensors(self.model).items()
-            if t.numel()
-        }
-        wanted = (
-            set(storages.values())
-            if self._claimed is None
-            else {named.get(n) for n in self._claimed} - {None}
-        )
-        return {n: self.targets[n] for n in wanted if n not in made}
-
     def _plan_fallbacks(self) -> None:
-        """At startup: shadow every unmapped tensor whose loader replays exactly; refuse the rest."""
+        """At startup: shadow every unmapped tensor whose loader replays exactly; refuse the rest. Then hold
+        to their size the destinations the loader said it loaded (all, if it said nothing; fp8's `k_scale`
+        keeps vLLM's default), but those a post-load step derived."""
         placements = self._placements
         unmapped = {n: p.fallback_reason for n, p in placements.items() if p.fallback_reason}
         read = None if self._read is None else (lambda n: self._read(n).to(placements[n].dtype).contiguous())
         replayed = self.shadows.plan(unmapped, read)
         if not self.refused:  # a refused tensor explains the destinations it leaves unreached
-            self.refused.update(unreached(placements, self._reach_checked(self._storages()), replayed))
+            made = derived_params((t.unit, t.key) for t in derived.discovery(self.model).tensors)
+            storages = self._storages()
+            wanted = set(storages.values())
+            if self._claimed is not None:
+                live = transforms.canonical_tensors(self.model).items()
+                named = {n: storages.get(t.untyped_storage().data_ptr()) for n, (t, _) in live if t.numel()}
+                wanted = {named.get(n) for n in self._claimed} - {None}
+            checked = {n: self.targets[n] for n in wanted if n not in made}
+            self.refused.update(unreached(placements, checked, replayed))
         if self.refused:
             logger.error("delta updates: refused, loaders that cannot be served exactly: %s", self.refused)
 
@@ -202,26 +169,24 @@ class DeltaApplier:
         with paused_gc():  # from the manifest's parse on: its per-tensor entries are young objects too
             with times.phase("receive"):
                 info = (
-                    source if isinstance(source, (DeltaInfo, Manifest)) else open_delta(source, files=files)
+                    source
+                    if isinstance(source, (DeltaInfo, Manifest))
+                    else wire.open_delta(source, files=files)
                 )
                 manifest = info if isinstance(info, Manifest) else info.manifest
-                base, decoder, owned = self._begin(manifest, version, base_version, current_version)
+                needs_base = check_versions(
+                    manifest, version=version, base_version=base_version, engine_version=current_version
+                ).needs_base
+                base = current_version if needs_base else None
+                # The probe first, if it has not run, then the decoder's routes.
+                owned, decoder = self.owned_ranges(), self._decoder()
+            read = {"expected": self.checkpoint, "current_version": base, "decoder": decoder}
             if flushes is not None:
-                reader = DeltaDecoder(
-                    manifest, expected=self.checkpoint, current_version=base, decoder=decoder
-                )
-                deltas = _received(reader, flushes, owned)
+                deltas = _received(wire.DeltaDecoder(manifest, **read), flushes, owned)
             else:  # lazily, a param at a time, and only the blocks meeting this rank's shard
-                deltas = iter_delta(
-                    info,
-                    expected=self.checkpoint,
-                    files=files,
-                    current_version=base,
-                    owned=owned,
-                    lazy=True,
-                    threads=decode_threads or torch.get_num_threads(),
-                    batches=True,
-                    decoder=decoder,
+                threads = decode_threads or torch.get_num_threads()
+                deltas = wire.iter_delta(
+                    info, files=files, owned=owned, lazy=True, threads=threads, batches=True, **read
                 )
             staged = self.stage(
                 manifest,
@@ -237,24 +202,14 @@ class DeltaApplier:
         times.add("stage", max(0.0, time.perf_counter() - start - sum(times.seconds.values())))
         return staged
 
-    def _begin(
-        self, manifest: Manifest, version: int, base_version: int | None, current_version: int
-    ) -> tuple[int | None, Decoder, dict[str, list[tuple[int, int]] | None]]:
-        """The versions checked: (the version steps resolve on, the reader's back end, owned ranges)."""
-        encoding = check_versions(
-            manifest, version=version, base_version=base_version, engine_version=current_version
-        )
-        owned = self.owned_ranges()  # first: the probe, if it has not run, before the decoder's routes
-        return (current_version if encoding.needs_base else None), self._decoder(), owned
-
     def owned_ranges(self) -> dict[str, list[tuple[int, int]] | None]:
         """Each tensor's checkpoint ranges this rank decodes, worked out once."""
         self.placements  # noqa: B018 - learned first (the probe, at startup)
         return self.routing.owned_ranges()
 
     def _decoder(self) -> Decoder:
-        """The reader's back end: the device's when a target is on an accelerator (`on_device`), for the
-        tensors `Routing.decode_devices` names."""
+        """The reader's back end: the device's, for the tensors `Routing.decode_devices` names, when a
+        target is on an accelerator (`on_device`)."""
         if not any(on_device(t.device) for t in self.targets.values()):
             return HOST
         return Decoder(self.routing.decode_devices())
@@ -274,20 +229,13 @@ class DeltaApplier:
         """Locate, digest and stage decoded changes (stager.py), whatever carried the bytes; build the
         post-load work of what they touch (commit.prebuild_touched)."""
         self.placements  # noqa: B018 - learned first (the probe, at startup)
-        stager = Stager(
-            self.routing,
-            self.shadows,
-            manifest,
-            max_staged_bytes=max_staged_bytes,
-            decoder=decoder,
-            times=times,
-        )
-        stage_all(stager, deltas)
-        staged = stager.finish(version=version, replay=replay, start=start)
+        stager = Stager(self.routing, self.shadows, manifest, max_staged_bytes, decoder, times)
+        stager.run(deltas)
+        staged = stager.finish(version=version, replay=replay)
         with staged.times.phase("prebuild"):
             staged.prebuilt = commit_phase.prebuild_touched(self.model, self.targets, staged.writes)
-        # What the phases timed do not cover is the staging's own work.
-        staged.decode_s = time.perf_counter() - start  # the whole prepare
+        # The whole prepare; what its timed phases do not cover is the staging's own work.
+        staged.decode_s = time.perf_counter() - start
         timed = sum(staged.times.seconds.get(p, 0.0) for p in WORKER_PREPARE if p != "stage")
         staged.times.add("stage", max(0.0, staged.decode_s - timed))
         return staged
@@ -297,23 +245,17 @@ class DeltaApplier:
         return commit_phase.commit(self.model, self.targets, staged)
 
     def rebuild(self, name: str) -> torch.Tensor | None:
-        """The full checkpoint tensor as this rank holds it (a strided copy a segment), or None."""
+        """The full checkpoint tensor as this rank holds it (a view where it is stored as in the checkpoint,
+        else a strided copy a segment), or None."""
         placement = self.placements[name]
         whole = None if placement.fallback_reason else placement.whole_target()
         if whole is None:
             return None
-        target, segments = whole
-        numel = torch.Size(placement.shape).numel()
-        flat = self.routing.loaded_flat(target)
-        if (
-            len(segments) == 1
-            and segments[0].src_offset == 0
-            and segments[0].dst_strides == segments[0].src_strides
-            and flat.dtype == placement.dtype
-        ):
-            # Stored exactly as in the checkpoint (a whole param, or a row block of a packed one).
-            start = segments[0].dst_offset
-            return flat[start : start + numel].view(placement.shape)
+        (target, segments), numel = whole, torch.Size(placement.shape).numel()
+        flat, first = self.routing.loaded_flat(target), segments[0]
+        if len(segments) == 1 and not first.src_offset and first.dst_strides == first.src_strides:
+            if flat.dtype == placement.dtype:
+                return flat[first.dst_offset : first.dst_offset + numel].view(placement.shape)
         out = torch.empty(numel, dtype=placement.dtype, device=flat.device)
         for seg in segments:
             src = torch.as_strided(flat, seg.sizes, seg.dst_strides, seg.dst_offset)
@@ -331,9 +273,7 @@ class DeltaApplier:
             flat = self.routing.loaded_flat(seg.target)
             total = total.to(flat.device)
             for pos, values in segment_chunks(seg, flat):
-                keep = self.ownership.counted(name, pos)
-                for lat in earlier:  # an element this rank holds twice counts once
-                    keep &= ~contains(lat, pos)
+                keep = self.routing.counted(name, pos, earlier)
                 total += partial_sum(pos[keep], values[keep].to(placement.dtype))
             earlier.append(lattice(seg))
         return to_hex(total)
@@ -342,24 +282,25 @@ class DeltaApplier:
         """xxh3 of every tensor this rank holds whole, against `post_hashes`: (checked, mismatched)."""
         checked, bad = 0, []
         for name, expected in post_hashes.items():
-            tensor = self.rebuild(name)
-            if tensor is None:
+            if (tensor := self.rebuild(name)) is None:
                 continue
             checked += 1
-            if tensor_digest(tensor) != expected:
+            if wire.tensor_digest(tensor) != expected:
                 bad.append(name)
         return checked, bad
 
 
 def _received(
-    reader: DeltaDecoder, flushes: Iterable[tuple[str, bytes]], owned: dict[str, list[tuple[int, int]] | None]
+    reader: wire.DeltaDecoder,
+    flushes: Iterable[tuple[str, bytes]],
+    owned: dict[str, list[tuple[int, int]] | None],
 ) -> Iterator[ParamDelta | DeltaBatch]:
     """Each flush decoded as it arrives, checked by name against the manifest, then dropped."""
     names = [f.name for f in reader.manifest.files]
     n = 0
     for name, data in flushes:
         if n >= len(names) or name != names[n]:
-            raise IncompleteDeltaError(
+            raise wire.IncompleteDeltaError(
                 f"flush {n} is {name!r}, the manifest lists {names[n] if n < len(names) else 'no more'}",
                 file=name,
             )
@@ -367,5 +308,5 @@ def _received(
         yield from reader.feed_iter(name, data, owned=owned, batches=True)
         del data
     if n != len(names):
-        raise IncompleteDeltaError(f"received {n} flushes, the manifest lists {len(names)}")
+        raise wire.IncompleteDeltaError(f"received {n} flushes, the manifest lists {len(names)}")
     reader.finish()

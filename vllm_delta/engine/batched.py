@@ -1,9 +1,9 @@
 """One pass per (batch, destination): locate every checkpoint tensor feeding a destination at once.
 
 Why: a fused MoE parameter is fed by hundreds of expert tensors, and a per-tensor loop cost ~1.5 ms
-a tensor (70 s at 46k). Here a destination's entries go through a constant number of tensor ops
-(per-piece affine maps gathered by piece id, one ownership mask, one compaction). Off the CPU the
-ownership filter stays on the host, so only owned entries cross and nothing syncs.
+a tensor (70 s at 46k). A destination's entries go through a constant number of tensor ops (per-piece
+affine maps gathered by piece id, one ownership mask, one compaction); off the CPU the ownership
+filter stays on the host, so only owned entries cross and nothing syncs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class Landing:
     @classmethod
     def of(cls, seg: Segment, numel: int) -> Landing:
         dense = seg.src_dense
-        return cls(dense and seg.src_offset == 0 and seg.numel == numel, dense, dense and _same_strides(seg))
+        same = all(n == 1 or a == b for n, a, b in zip(seg.sizes, seg.src_strides, seg.dst_strides))
+        return cls(dense and seg.src_offset == 0 and seg.numel == numel, dense, dense and same)
 
 
 @dataclass(slots=True)  # slotted: one is made per (tensor, segment) every sync
@@ -45,16 +46,23 @@ class Piece:
     landing: Landing | None = None  # `Landing.of(seg, numel)`, when the caller keeps it
 
 
-class Known:
-    """What `locate` works out of a list of pieces alone (their kinds, per-piece numbers, host tables),
-    kept by a caller whose pieces do not change between syncs (a decoded batch's `routing.Plan`)."""
+class Group:
+    """One destination's pieces (their tensors in slot order) and what `locate` works out of the pieces
+    alone (kinds, per-piece numbers, host tables): a decoded batch's plan keeps it, as its pieces recur."""
 
-    __slots__ = ("kinds", "numbers", "tables")
+    __slots__ = ("names", "pieces", "kinds", "numbers", "tables")
 
-    def __init__(self) -> None:
+    def __init__(self, names: list[str], pieces: list[Piece]) -> None:
+        self.names, self.pieces = names, pieces
         self.kinds: Landing | None = None
         self.numbers: dict[str, list[int]] = {}
         self.tables: dict[str, torch.Tensor] = {}  # per-piece numbers that differ, as host int64
+
+    def add(self, name: str, seg: Segment, numel: int, landing: Landing) -> None:
+        """A piece of tensor `name` (a new slot unless it is the last one's), its entries in `locate`'s."""
+        if not self.names or self.names[-1] != name:
+            self.names.append(name)
+        self.pieces.append(Piece(len(self.names) - 1, None, None, seg, numel, landing))
 
 
 @dataclass
@@ -68,20 +76,15 @@ class Located:
     keep: torch.Tensor | None = None  # with `locate(defer=True)`: the entries this rank owns, for `compact`
 
 
+_LANDING, _WHOLE, _DENSE, _SHIFTED = (attrgetter(k) for k in ("landing", "whole", "dense", "shifted"))
+
+
 def _kinds(pieces: list[Piece]) -> Landing:
     """What holds for every piece (each piece's `Landing` kept by the caller or made here)."""
     landings = list(map(_LANDING, pieces))
     if None in landings:
         landings = [p.landing or Landing.of(p.seg, p.numel) for p in pieces]
     return Landing(all(map(_WHOLE, landings)), all(map(_DENSE, landings)), all(map(_SHIFTED, landings)))
-
-
-_LANDING, _WHOLE, _DENSE, _SHIFTED = (attrgetter(k) for k in ("landing", "whole", "dense", "shifted"))
-
-
-def _same_strides(seg: Segment) -> bool:
-    """Source and destination strides agree on every dim that has more than one index."""
-    return all(n == 1 or a == b for n, a, b in zip(seg.sizes, seg.src_strides, seg.dst_strides))
 
 
 # Tests set this to take the device path on the CPU (it is otherwise taken for any non-CPU destination).
@@ -94,76 +97,63 @@ def on_device(device: torch.device) -> bool:
 
 
 def locate(
-    pieces: list[Piece],
+    pieces: list[Piece] | Group,
     device: torch.device | None = None,
     *,
     defer: bool = False,
-    there: bool | None = None,
+    there: bool = False,
     entries: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None,
-    known: Known | None = None,
 ) -> Located:
-    """Destination offsets of all pieces' entries, in a constant number of ops.
+    """Destination offsets of all pieces' entries, in a constant number of ops (a `Group`'s kept).
 
     `device` None: everything runs where the positions are. Else the host keeps only the owned entries
     (no device sync), which cross once with one table of the per-piece numbers that differ; positions
     decoded on `device` (`there`) are masked there, the mask left in `keep` with `defer` (`compact`).
-    `entries`: the pieces' entries already concatenated (a plan's). `known`: an earlier locate's.
+    `entries`: the pieces' entries already concatenated (a plan's).
     """
+    known = pieces if isinstance(pieces, Group) else Group([], pieces)
+    pieces = known.pieces
     if entries is None:
-        counts = [p.positions.numel() for p in pieces]
-        positions = cat([p.positions for p in pieces]).to(torch.int64)
-        values = cat([p.values for p in pieces])
-    else:
-        positions, values, counts = entries
-        positions = positions.to(torch.int64)
-    kinds = known.kinds if known is not None and known.kinds is not None else _kinds(pieces)
-    if known is not None:
-        known.kinds = kinds
-    if there is None:
-        there = device is not None and positions.device == device and values.device == device
+        entries = (
+            cat([p.positions for p in pieces]),
+            cat([p.values for p in pieces]),
+            [p.positions.numel() for p in pieces],
+        )
+    positions, values, counts = entries
+    positions = positions.to(torch.int64)
+    kinds = known.kinds = known.kinds or _kinds(pieces)
     if device is not None and there:
-        column = _Columns(pieces, counts, device, upload=_needed(pieces, kinds, owned=True))
+        column = _Columns(known, counts, device, upload=_needed(pieces, kinds, owned=True))
         located = _located(pieces, kinds, positions, values, column, compact=False)
         located.keep = _owned(pieces, kinds, positions, column)
         return located if defer or located.keep is None else compact(located, int(located.keep.sum()))
-    host = _Columns(pieces, counts, positions.device, known=known)
+    host = _Columns(known, counts, positions.device)
     if device is None:
         return _located(pieces, kinds, positions, values, host, compact=True)
     owned = _owned(pieces, kinds, positions, host)
     if owned is not None:
         keep = torch.nonzero(owned).squeeze(1)  # a host tensor: no device sync
         positions, values = positions.index_select(0, keep), values.index_select(0, keep)
-        counts = (
+        counts = (  # host tensors, so no device sync either
             [keep.numel()]
             if len(pieces) == 1
-            # host tensors, so no device sync either
             else torch.bincount(host.piece().index_select(0, keep), minlength=len(pieces)).tolist()
         )
     narrow = max(p.numel for p in pieces) < 1 << 31
     positions = positions.to(torch.int32 if narrow else torch.int64).to(device, non_blocking=True)
-    values = values.to(device, non_blocking=True)
-    return _located(
-        pieces,
-        kinds,
-        positions.to(torch.int64),
-        values,
-        _Columns(pieces, counts, device, upload=_needed(pieces, kinds, owned=False)),
-        compact=False,
-    )
+    values = values.to(device, non_blocking=True)  # then the table: the order the uploads are queued in
+    column = _Columns(known, counts, device, upload=_needed(pieces, kinds, owned=False))
+    return _located(pieces, kinds, positions.to(torch.int64), values, column)
 
 
 def _needed(pieces: list[Piece], kinds: Landing, *, owned: bool) -> list[str]:
     """The per-piece numbers the offsets (and with `owned`, the ownership mask) ask for."""
-    if kinds.shifted:
-        keys = ["slot", "shift"]
-    else:
-        ndim = max(len(p.seg.sizes) for p in pieces)
-        keys = ["slot", "src_offset", "dst_offset", *(f"{k}{d}" for d in range(ndim) for k in ("src", "dst"))]
-        if owned and not kinds.dense:
-            keys += [f"size{d}" for d in range(ndim)]
-    if owned and not kinds.whole and kinds.dense:
-        keys += [k for k in ("src_offset", "src_last") if k not in keys]
-    return keys
+    ndim = max(len(p.seg.sizes) for p in pieces)
+    keys = ["slot", "shift"] if kinds.shifted else ["slot", "src_offset", "dst_offset"]
+    keys += [] if kinds.shifted else [f"{k}{d}" for d in range(ndim) for k in ("src", "dst")]
+    if owned and not kinds.whole:
+        keys += ["src_offset", "src_last"] if kinds.dense else [f"size{d}" for d in range(ndim)]
+    return list(dict.fromkeys(keys))
 
 
 def compact(located: Located, count: int) -> Located:
@@ -185,29 +175,17 @@ class _Columns:
     gathered by piece id. With `upload` (the device path's keys), those that differ cross in one upload."""
 
     def __init__(
-        self,
-        pieces: list[Piece],
-        counts: list[int],
-        device: torch.device,
-        *,
-        upload: list[str] | None = None,
-        known: Known | None = None,
+        self, known: Group, counts: list[int], device: torch.device, *, upload: list[str] | None = None
     ) -> None:
-        self.pieces, self.counts, self.device, self.upload = pieces, counts, device, upload
-        self.total = sum(counts)
-        self.numbers: dict[str, list[int]] = {} if known is None else known.numbers
-        self.tables: dict[str, torch.Tensor] | None = (
-            None if known is None or device.type != "cpu" else known.tables
-        )
-        self.rows: dict[str, int] = {}
+        self.pieces, self.counts, self.device, self.upload = known.pieces, counts, device, upload
+        self.numbers, self.tables = known.numbers, known.tables
         self.table: torch.Tensor | None = None
         self._piece: torch.Tensor | None = None
-        if upload:
-            varying = [k for k in upload if not _same(self._numbers(k))]
-            if varying:
-                self.rows = {k: i for i, k in enumerate(varying)}
-                table = torch.tensor([self.numbers[k] for k in varying] + [counts], dtype=torch.int64)
-                self.table = table.to(device, non_blocking=True)
+        varying = [k for k in upload or () if not _same(self._numbers(k))]
+        self.rows = {k: i for i, k in enumerate(varying)}
+        if varying:
+            table = torch.tensor([self.numbers[k] for k in varying] + [counts], dtype=torch.int64)
+            self.table = table.to(device, non_blocking=True)
 
     def _numbers(self, key: str) -> list[int]:
         got = self.numbers.get(key)
@@ -218,14 +196,11 @@ class _Columns:
     def piece(self) -> torch.Tensor:
         """Each entry's piece id, made on first need."""
         if self._piece is None:
-            n = len(self.counts)
             counts = (
-                self.table[-1]
-                if self.table is not None
-                else torch.tensor(self.counts, dtype=torch.int64, device=self.device)
+                self.table[-1] if self.table is not None else torch.tensor(self.counts, device=self.device)
             )
             self._piece = torch.repeat_interleave(
-                torch.arange(n, device=self.device), counts, output_size=self.total
+                torch.arange(len(self.counts), device=self.device), counts, output_size=sum(self.counts)
             )
         return self._piece
 
@@ -235,11 +210,9 @@ class _Columns:
             return per_piece[0]
         if self.upload:  # a key not uploaded is a KeyError: never a blocking copy of its own
             return self.table[self.rows[key]].index_select(0, self.piece())
-        table = None if self.tables is None else self.tables.get(key)
+        table = self.tables.get(key)
         if table is None:
-            table = torch.tensor(per_piece, dtype=torch.int64, device=self.device)
-            if self.tables is not None:
-                self.tables[key] = table
+            table = self.tables[key] = torch.tensor(per_piece, dtype=torch.int64, device=self.device)
         return table.index_select(0, self.piece())
 
 
@@ -247,20 +220,22 @@ def _same(per_piece: list[int]) -> bool:
     return per_piece.count(per_piece[0]) == len(per_piece)
 
 
-def _dim(p: Piece, d: int) -> tuple[int, int, int]:
-    if d >= len(p.seg.sizes) or p.seg.sizes[d] == 1 or p.seg.src_strides[d] == 0:
-        return 1, _NO_DIM, 0  # index 0 whatever its stride (a size-1 dim's may be any number)
-    return p.seg.sizes[d], p.seg.src_strides[d], p.seg.dst_strides[d]
-
-
 def _number(pieces: list[Piece], key: str) -> list[int]:
-    """One per-piece number: the slot, the segment's bounds or its affine map (`size3`: dim 3's size)."""
+    """One per-piece number: the slot, the segment's bounds or its affine map (`size3`: dim 3's size;
+    a size-1, stride-0 or padded dim indexes 0 whatever its stride)."""
     if key == "shift":
         return list(map(sub, _number(pieces, "dst_offset"), _number(pieces, "src_offset")))
     if key in ("slot", "src_offset", "src_last", "dst_offset"):
         return list(map(attrgetter(key if key == "slot" else f"seg.{key}"), pieces))
-    kind, d = key[:-1], int(key[-1])
-    return [_dim(p, d)[("size", "src", "dst").index(kind)] for p in pieces]
+    which, d = ("size", "src", "dst").index(key[:-1]), int(key[-1])
+    out = []
+    for p in pieces:
+        s = p.seg
+        flat = d >= len(s.sizes) or s.sizes[d] == 1 or s.src_strides[d] == 0
+        out.append(
+            (1, _NO_DIM, 0)[which] if flat else (s.sizes[d], s.src_strides[d], s.dst_strides[d])[which]
+        )
+    return out
 
 
 def _owned(
@@ -281,15 +256,15 @@ def _located(
     values: torch.Tensor,
     column: _Columns,
     *,
-    compact: bool,
+    compact: bool = False,
 ) -> Located:
     """Offsets of every entry; with `compact`, only the owned entries are kept (else all are owned)."""
     slots = column("slot")
     owned = None
     if kinds.shifted:
         offsets = positions + column("shift")
-        if compact:
-            owned = _owned(pieces, kinds, positions, column)  # shifted pieces are dense: a range, or all
+        if compact:  # shifted pieces are dense: a range, or all
+            owned = _owned(pieces, kinds, positions, column)
     else:
         offsets, owned = _affine(pieces, positions, column, owned=compact)
     if owned is not None:

@@ -1,6 +1,6 @@
 """How each checkpoint tensor goes through staging on this rank, worked out once per ownership (the
 other ranks' coverage) and kept: placements are fixed after startup, so a tensor's route (replayed,
-batched or masked), its segments' landings and a batch's grouping by destination are the same every sync.
+batched or masked), its segments' landings and a batch's grouping by destination recur every sync.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_delta.engine.batched import Known, Landing, Piece, on_device
-from vllm_delta.engine.digests import Ownership
+from vllm_delta.engine.batched import Group, Landing, on_device
+from vllm_delta.engine.digests import Lattice, Ownership, contains
 from vllm_delta.engine.placement import Segment, TensorPlacement, owned_by_tensor
-from vllm_delta.engine.staging import Named, check_resolvable, flat_storage
+from vllm_delta.engine.staging import flat_storage
 from vllm_delta.engine.transforms import OffsetMap
 from vllm_delta.wire.deltas import DeltaBatch
 
@@ -25,122 +25,48 @@ GroupKey = tuple[str, torch.dtype, bool, bool]
 
 
 @dataclass(frozen=True)
-class Landed:
-    """A tensor's element count, its segments' landings, and whether every target is served in the
-    checkpoint's dtype (so no `check_resolvable`)."""
-
-    numel: int
-    landings: tuple[tuple[Segment, Landing], ...]
-    same: bool
-
-
-UNLANDED = Landed(0, (), True)
-
-
-@dataclass(frozen=True)
 class Route:
-    kind: int  # FALLBACK, BATCH or MASKED
-    landed: Landed  # a fallback's lands nowhere (`UNLANDED`): it is replayed through its loader
+    """A tensor's kind (a fallback lands nowhere: it is replayed), element count, segments' landings,
+    and whether every target is served in the checkpoint's dtype (so no `check_resolvable`)."""
+
+    kind: int
+    numel: int = 0
+    landings: tuple[tuple[Segment, Landing], ...] = ()
+    same: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass
 class Plan:
-    """A decoded batch's tensors grouped as the stager groups them, once for a run of tensors: per
-    destination key its tensors in slot order and `Piece`s, each piece's param, and the
-    `check_resolvable` calls its base-relative steps need."""
+    """A decoded batch's tensors grouped by destination as the stager groups them, and where each group's
+    pieces take their entries from in the batch. `whole`: every tensor is batched (else `stage` takes it
+    a tensor at a time)."""
 
     dtypes: list[torch.dtype]
-    whole: bool  # every tensor is batched (else the rest is empty: `stage` takes it a tensor at a time)
-    odd: list[int]  # tensors served in another dtype on some segment (`stage` checks their pre_digest)
-    keys: list[GroupKey]
-    tensors: list[list[str]]
-    pieces: list[list[Piece]]
-    types: list[object]  # each group's key into the batch's `values`
-    order: np.ndarray  # int64 [pieces]: each piece's param in the batch
-    bounds: list[int]  # group g's pieces are order[bounds[g]:bounds[g + 1]]
-    checks: list[tuple[str, torch.dtype, str, torch.dtype]]
-    known: list[Known]  # per group: what locate works out of its pieces alone, once for every sync
+    whole: bool = False
+    odd: list[int] = field(default_factory=list)  # tensors served in another dtype on some segment: checked
+    groups: list[tuple[GroupKey, object, Group]] = field(default_factory=list)  # key, value type, group
+    order: np.ndarray | None = None  # int64 [pieces]: each piece's param in the batch
+    bounds: list[int] = field(default_factory=list)  # group g's pieces are order[bounds[g]:bounds[g + 1]]
 
     @classmethod
-    def of(cls, item: DeltaBatch, routes: Mapping[str, Route], targets: Mapping[str, torch.Tensor]) -> Plan:
-        groups: dict[GroupKey, tuple[list[str], list[Piece], list[int], object]] = {}
-        checks, odd = [], []
-        needs_base = item.needs_base
+    def of(cls, item: DeltaBatch, routes: Mapping[str, Route]) -> Plan:
         if any(name not in routes or routes[name].kind != BATCH for name in item.names):
-            return cls(list(item.dtypes), False, [], [], [], [], [], np.zeros(0, dtype=np.int64), [0], [], [])
+            return cls(list(item.dtypes))
+        plan, found, params = cls(list(item.dtypes), True), {}, {}
         for i, (name, dtype, vtype) in enumerate(zip(item.names, item.dtypes, item.types)):
-            landed = routes[name].landed
-            if not landed.same:
-                odd.append(i)
-            for seg, landing in landed.landings:
-                if needs_base and not landed.same:
-                    checks.append((seg.target, targets[seg.target].dtype, name, dtype))
-                key = (seg.target, dtype, needs_base, False)
-                group = groups.get(key)
-                if group is None:
-                    group = groups[key] = ([], [], [], vtype)
-                tensors, pieces, params, _ = group
-                if not tensors or tensors[-1] != name:
-                    tensors.append(name)
-                pieces.append(Piece(len(tensors) - 1, None, None, seg, landed.numel, landing))
-                params.append(i)
-        values = list(groups.values())
-        return cls(
-            list(item.dtypes),
-            True,
-            odd,
-            list(groups),
-            [g[0] for g in values],
-            [g[1] for g in values],
-            [g[3] for g in values],
-            np.array([i for g in values for i in g[2]], dtype=np.int64),
-            np.cumsum([0] + [len(g[2]) for g in values]).tolist(),
-            checks,
-            [Known() for _ in values],
-        )
-
-    def add(self, item: DeltaBatch, groups: dict, runs: dict, known: dict) -> None:
-        """Put the batch's pieces and entries into the stager's groups, one gather per group; `known[key]`:
-        the group's `Known` where this plan alone gives its pieces, else None."""
-        for target, served, name, dtype in self.checks:
-            check_resolvable(target, served, Named(name, dtype))
-        sizes = np.array(item.sizes, dtype=np.int64)
-        length = sizes[self.order]  # entries of each piece
-        end = np.cumsum(length)
-        total = int(end[-1]) if end.size else 0
-        # Each piece's entries, in group order: its param's run of the batch's entries.
-        index = torch.from_numpy(
-            np.repeat((np.cumsum(sizes) - sizes)[self.order] - (end - length), length)
-            + np.arange(total, dtype=np.int64)
-        )
-        at = np.concatenate(([0], end))[self.bounds].tolist()
-        counts = length.tolist()
-        b = self.bounds
-        for g, key in enumerate(self.keys):
-            group = groups.get(key)
-            if group is None:
-                group = groups[key] = ([], [])
-                known[key] = self.known[g]
-            else:
-                known[key] = None
-            pieces, names = group
-            if key not in runs:  # a group of per-tensor deltas so far: their entries as runs, in order
-                runs[key] = [(p.positions, p.values, [p.positions.numel()]) for p in pieces]
-            base = len(names)
-            names.extend(self.tensors[g])
-            pieces.extend(
-                self.pieces[g]
-                if not base
-                else [Piece(base + p.slot, None, None, p.seg, p.numel, p.landing) for p in self.pieces[g]]
-            )
-            sub = index[at[g] : at[g + 1]]
-            runs[key].append(
-                (
-                    item.positions.index_select(0, sub),
-                    item.values[self.types[g]].index_select(0, sub),
-                    counts[b[g] : b[g + 1]],
-                )
-            )
+            route = routes[name]
+            if not route.same:
+                plan.odd.append(i)
+            for seg, landing in route.landings:
+                key = (seg.target, dtype, item.needs_base, False)
+                if key not in found:
+                    found[key], params[key] = (vtype, Group([], [])), []
+                found[key][1].add(name, seg, route.numel, landing)
+                params[key].append(i)
+        plan.groups = [(key, vtype, group) for key, (vtype, group) in found.items()]
+        plan.order = np.array([i for p in params.values() for i in p], dtype=np.int64)
+        plan.bounds = np.cumsum([0] + list(map(len, params.values()))).tolist()
+        return plan
 
 
 @dataclass
@@ -155,64 +81,50 @@ class Routing:
     ownership: Ownership = field(default_factory=Ownership)  # until the route hands over the other ranks'
     _routes: dict[str, Route] | None = None
     _routes_for: Ownership | None = None  # the ownership `_routes` were made for
-    _landed: dict[str, Landed] = field(default_factory=dict)
-    _disjoint: dict[str, bool] = field(default_factory=dict)  # tensor -> its segments hold disjoint ids
     # Plans by (tensor names, needs_base): the last sync's, and this one's (a plan unused for a sync goes).
     _last_plans: dict[tuple, Plan] = field(default_factory=dict)
     _plans: dict[tuple, Plan] = field(default_factory=dict)
-    _plans_for: dict[str, Route] | None = None  # the routes the plans were made from
     _decode_devices: dict[str, torch.device] | None = None
-    _decode_for: Ownership | None = None
     _owned_ranges: dict[str, list[tuple[int, int]] | None] | None = None
 
-    def _batchable(self, name: str) -> bool:
-        """Every element of `name` held here is held once and by no lower rank: no per-element mask."""
-        known = self._disjoint.get(name)
-        if known is None:
-            spans = sorted((s.src_offset, s.src_last) for s in self.placements[name].segments)
-            known = self._disjoint[name] = all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
-        return known and not self.ownership.lower.get(name)
-
-    def _landings(self, name: str) -> Landed:
-        got = self._landed.get(name)
-        if got is None:
-            placement = self.placements[name]
-            numel = torch.Size(placement.shape).numel()
-            same = all(
-                self.targets[seg.target].dtype == self.checkpoint[name][1] for seg in placement.segments
-            )
-            got = self._landed[name] = Landed(
-                numel, tuple((seg, Landing.of(seg, numel)) for seg in placement.segments), same
-            )
-        return got
+    def _route(self, name: str, placement: TensorPlacement) -> Route:
+        """Batched where every element held here is held once and by no lower rank (no per-element mask)."""
+        if placement.fallback_reason:
+            return Route(FALLBACK)
+        spans = sorted((s.src_offset, s.src_last) for s in placement.segments)
+        disjoint = all(a[1] < b[0] for a, b in zip(spans, spans[1:]))
+        numel = torch.Size(placement.shape).numel()
+        return Route(
+            BATCH if disjoint and not self.ownership.lower.get(name) else MASKED,
+            numel,
+            tuple((seg, Landing.of(seg, numel)) for seg in placement.segments),
+            all(self.targets[seg.target].dtype == self.checkpoint[name][1] for seg in placement.segments),
+        )
 
     def routes(self) -> dict[str, Route]:
-        """Each tensor's `Route`, made once per ownership."""
+        """Each tensor's `Route`, made once per ownership (a new one drops the plans made from the old)."""
         if self._routes is None or self._routes_for is not self.ownership:
-            self._routes = {
-                name: Route(FALLBACK, UNLANDED)
-                if placement.fallback_reason
-                else Route(BATCH if self._batchable(name) else MASKED, self._landings(name))
-                for name, placement in self.placements.items()
-            }
-            self._routes_for = self.ownership
+            self._routes = {name: self._route(name, p) for name, p in self.placements.items()}
+            self._routes_for, self._decode_devices, self._last_plans, self._plans = (
+                self.ownership,
+                None,
+                {},
+                {},
+            )
         return self._routes
 
     def new_sync(self) -> None:
         """Plans this sync does not use again are dropped after it."""
-        if self._plans_for is self.routes():
-            self._last_plans, self._plans = self._plans, {}
+        self._last_plans, self._plans = self._plans, {}
 
     def plan(self, item: DeltaBatch) -> Plan | None:
         """How a decoded batch's tensors group by destination (None: some are not batched), kept for the
         next sync, which brings the same runs."""
         routes = self.routes()
-        if self._plans_for is not routes:  # a new ownership re-routes: its plans go too
-            self._plans_for, self._last_plans, self._plans = routes, {}, {}
         key = (tuple(item.names), item.needs_base)
         plan = self._plans[key] if key in self._plans else self._last_plans.pop(key, None)
         if plan is None or plan.dtypes != item.dtypes:
-            plan = Plan.of(item, routes, self.targets)
+            plan = Plan.of(item, routes)
         self._plans[key] = plan
         return plan if plan.whole else None
 
@@ -224,16 +136,23 @@ class Routing:
 
     def decode_devices(self) -> dict[str, torch.device]:
         """Batchable tensors whose destinations are all dense on one accelerator: decoded there."""
-        if self._decode_devices is None or self._decode_for is not self.ownership:
-            devices = {}
-            for name, route in self.routes().items():
-                if route.kind != BATCH or not all(landing.dense for _, landing in route.landed.landings):
-                    continue
-                where = {self.targets[seg.target].device for seg, _ in route.landed.landings}
-                if len(where) == 1 and on_device(device := next(iter(where))):
-                    devices[name] = device
-            self._decode_devices, self._decode_for = devices, self.ownership
+        routes = self.routes()
+        if self._decode_devices is None:
+            self._decode_devices = {}
+            for name, route in routes.items():
+                where = {self.targets[seg.target].device for seg, _ in route.landings}
+                if route.kind == BATCH and all(land.dense for _, land in route.landings) and len(where) == 1:
+                    if on_device(device := next(iter(where))):
+                        self._decode_devices[name] = device
         return self._decode_devices
+
+    def counted(self, name: str, positions: torch.Tensor, earlier: list[Lattice]) -> torch.Tensor:
+        """Which of a tensor's positions this rank counts in its digests: none a lower rank holds, nor
+        an `earlier` segment of its own (an element held twice counts once)."""
+        keep = self.ownership.counted(name, positions)
+        for lat in earlier:
+            keep &= ~contains(lat, positions)
+        return keep
 
     def permuted(self, target: str, offsets: torch.Tensor) -> torch.Tensor:
         """Loaded-layout storage offsets -> where a permuting post-load step moved those elements."""

@@ -7,9 +7,8 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import chain, compress, count, repeat
+from itertools import chain, count, repeat
 from operator import getitem
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,7 +17,6 @@ from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.stand_in import Prebuilt
 from vllm_delta.engine.trace import PhaseTimes
 from vllm_delta.kernels.digest import segment_sums
-from vllm_delta.wire import ParamDelta
 from vllm_delta.wire.codecs import ulp_resolve_tensor
 from vllm_delta.wire.errors import DtypeMismatchError, IncompatibleDeltaError
 
@@ -43,8 +41,8 @@ class StagedUpdate:
     total_changed: int
     changed: int  # entries this rank writes
     bytes_read: int
-    decode_s: float
     replay: bool
+    decode_s: float = 0.0  # the whole prepare
     max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES  # the bound on everything staged
     staged_bytes: int = 0
     # This rank's counted-once partial sums [pre, post] of the changed positions, and the manifest's.
@@ -55,8 +53,7 @@ class StagedUpdate:
     anchor: bool = False  # overwrites every element of every checkpoint tensor
     blocks: tuple[int, int] = (0, 0)  # position blocks (decoded, in the delta) of block-indexed flushes
     prebuilt: Prebuilt = field(default_factory=Prebuilt)
-    # Seconds per phase on this rank: prepare's, then the commit adds its own (engine/trace.py).
-    times: PhaseTimes = field(default_factory=PhaseTimes)
+    times: PhaseTimes = field(default_factory=PhaseTimes)  # prepare's phases, then the commit's
     run_id: str | None = None  # the sender run whose lineage the weights are on once committed
 
     @property
@@ -72,7 +69,7 @@ def flat_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """`flat[offsets]`, mixed devices refused (indexing on meta, CPU indices on CUDA accept them)."""
+    """`flat[offsets]`, mixed devices refused (meta and CUDA accept CPU indices)."""
     if flat.device != offsets.device:
         raise RuntimeError(f"tensors on different devices: {sorted([str(flat.device), str(offsets.device)])}")
     return flat.index_select(0, offsets)
@@ -83,11 +80,11 @@ def host_values(scalars: list[torch.Tensor]) -> list:
     out: list = [None] * len(scalars)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(scalars):
-        if t.device.type != "meta":
-            by_device.setdefault(t.device, []).append(i)
-    for ids in by_device.values():
-        for i, value in zip(ids, torch.stack([scalars[i] for i in ids]).cpu().tolist()):
-            out[i] = value
+        by_device.setdefault(t.device, []).append(i)
+    for device, ids in by_device.items():
+        if device.type != "meta":
+            for i, value in zip(ids, torch.stack([scalars[i] for i in ids]).cpu().tolist()):
+                out[i] = value
     return out
 
 
@@ -127,42 +124,27 @@ def stage_sums(
     )
 
 
-def expected_digests(
-    names: list[str], pairs: list[tuple[str | None, str | None]]
-) -> dict[str, list[str | None]]:
-    """`StagedUpdate.expected`: each tensor's (pre, post) digests, where it has either (no loop a tensor)."""
-    return dict(compress(zip(names, map(list, pairs)), map((None, None).__ne__, pairs)))
-
-
-class Named(NamedTuple):
-    """What `check_resolvable` reads of a delta."""
-
-    name: str
-    dtype: torch.dtype
-
-
 def check_resolvable(
-    target: str,
-    served: torch.dtype,
-    delta: ParamDelta | Named,
-    what: str = "a base-relative step",
-    done: str = "resolved",
+    target: str, served: torch.dtype, name: str, sent: torch.dtype, *, pre_digest: bool = False
 ) -> None:
     """Refuse (422, before any write) a base-relative step, or a pre_digest, on served values that do
     not convert back to the checkpoint's exactly: only the same dtype, or a float at least as precise
     with at least its range (bf16 served as float32; not bf16 <-> fp16)."""
-    sent = delta.dtype
     if served == sent:
         return
     if served.is_floating_point and sent.is_floating_point:
         a, b = torch.finfo(served), torch.finfo(sent)
         if a.eps <= b.eps and a.max >= b.max and a.tiny * a.eps <= b.tiny * b.eps:
             return
-    hint = "send an overwrite encoding" if done == "resolved" else "send it without pre digests"
+    what, hint = (
+        ("its pre_digest cannot be checked", "send it without pre digests")
+        if pre_digest
+        else ("a base-relative step cannot be resolved", "send an overwrite encoding")
+    )
     raise DtypeMismatchError(
-        f"{target} is served as {served}, the delta's values are {sent}: {what} cannot be "
-        f"{done} exactly on the served values ({hint})",
-        param=delta.name,
+        f"{target} is served as {served}, the delta's values are {sent}: {what} exactly on the served "
+        f"values ({hint})",
+        param=name,
     )
 
 
@@ -176,10 +158,8 @@ class Staging:
     """Staged chunks per destination, refused past `bound` bytes in total (so an update never OOMs)."""
 
     def __init__(self, bound: int) -> None:
-        self.bound = bound
+        self.bound, self.nbytes, self.changed = bound, 0, 0
         self.writes: dict[str, deque[Chunk]] = {}
-        self.nbytes = 0
-        self.changed = 0
 
     def add(self, target: str, chunk: Chunk, counted: bool = True) -> None:
         self.nbytes += chunk.offsets.nbytes + chunk.values.nbytes
@@ -198,7 +178,6 @@ class Sums:
     """This rank's digest lane sums per tensor, kept on the device as rows until one copy at the end."""
 
     def __init__(self) -> None:
-        self.names: dict[str, tuple[bool, bool]] = {}
         self.rows: list[tuple[list[str | None], int, torch.Tensor]] = []  # (name per row, lane, int64[n, 2])
 
     def add_rows(self, names: list[str], lane: int, wanted: list[bool], sums: torch.Tensor) -> None:
@@ -206,9 +185,11 @@ class Sums:
         self.rows.append((list(map(getitem, zip(repeat(None), names), wanted)), lane, sums))
 
     def hex(self) -> dict[str, list[str | None]]:
-        """Hex digests: one device-to-host copy per device, no Python object per row (GC: 0.25 s at 6k)."""
-        ids = dict(zip(self.names, count()))
-        row_of = {**ids, None: -1}  # a row's name: None where its tensor has no such digest
+        """Hex digests of the tensors with rows: one device-to-host copy per device, no Python object
+        per row (GC: 0.25 s at 6k); a digest no row sums is None."""
+        ids = dict.fromkeys(chain.from_iterable(names for names, _, _ in self.rows))
+        ids.pop(None, None)
+        row_of = {**dict(zip(ids, count())), None: -1}
         total = np.zeros((len(ids), 2, 2), dtype=np.uint64)  # tensor, pre/post, the digest's two lanes
         held = np.zeros((len(ids), 2), dtype=bool)
         by_device: dict[torch.device, list[tuple[list[str | None], int, torch.Tensor]]] = {}
