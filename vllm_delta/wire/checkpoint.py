@@ -9,6 +9,7 @@ import os
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -34,7 +35,6 @@ class Checkpoint:
             raise FileNotFoundError(f"{path}: no safetensors checkpoint found")
         self._handles: dict[str, object] = {}  # shard file -> open safe_open handle
         self._meta: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}  # shard -> its header
-        self._all: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None  # `meta`, once built
         self.shards: dict[str, list[str]] = {}  # shard file -> tensor names
         if where is None:  # no index: the headers say what each file holds
             self.shards = {f: list(self._header(f)) for f in files}
@@ -73,12 +73,10 @@ class Checkpoint:
             self._meta[shard] = meta
         return meta
 
-    @property
+    @cached_property
     def meta(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Every tensor -> (shape, dtype) (reads every shard's header, once)."""
-        if self._all is None:
-            self._all = {k: v for f in self.shards for k, v in self._header(f).items()}
-        return self._all
+        return {k: v for f in self.shards for k, v in self._header(f).items()}
 
     def info(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """`name`'s (shape, dtype), from its own shard's header only."""

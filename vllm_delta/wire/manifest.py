@@ -1,6 +1,5 @@
-"""The manifest: written last and atomically, it is what makes a version directory a delta. It lists
-every flush file (size, hash) and every changed param (dtype, shape, count, files in order, digests).
-"""
+"""The manifest, written last and atomically: what makes a version directory a delta. It lists every
+flush file (size, hash) and every changed param (dtype, shape, count, files in order, digests)."""
 
 from __future__ import annotations
 
@@ -73,11 +72,8 @@ class LineageError(VersionError):
 
 
 class Lineage(_Strict):
-    """Which weights an update may be applied to: versions `min_version`..`max_version` of run `run_id`.
-
-    Why: a version number alone does not say whose weights an engine holds (a restarted engine, another
-    sender). Both bounds None: a full anchor, valid on any weights; it puts the engine on `run_id`.
-    """
+    """Which weights an update applies to: versions `min_version`..`max_version` of run `run_id` (a version
+    alone does not say whose weights an engine holds). No bounds: a full anchor, valid on any weights."""
 
     run_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     min_version: NonNeg | None = None

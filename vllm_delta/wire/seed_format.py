@@ -26,9 +26,8 @@ _HASH_CHUNK = 1 << 22  # elements widened at a time, so hashing a large flush st
 
 
 def seed_hash(data: bytes | memoryview, d: DType) -> int:
-    """`torch.hash_tensor(t)` (mode 0) of the 1-D tensor of dtype `d` whose bytes are `data`: each element
-    widened to float64 or int64, bit-cast to uint64, XORed (torch's own conversions, so any torch works).
-    """
+    """`torch.hash_tensor(t)` (mode 0) of the 1-D tensor of dtype `d` whose bytes are `data`: elements
+    widened to float64 or int64 by torch itself (any torch works), bit-cast to uint64, XORed."""
     bits = np.frombuffer(data, dtype=d.uint)
     wide = torch.float64 if d.is_float else torch.int64
     acc = 0

@@ -131,9 +131,7 @@ def encode_flush(
 
 class FlushBuilder:
     """Queue changes with `add`; each bucket of about `flush_bytes` raw bytes is encoded and handed to
-    `emit(name, flush)` (a version directory, a background writer, a broadcast buffer); `manifest()`
-    describes everything emitted. A param larger than a flush is split into chunks in position order.
-    """
+    `emit(name, flush)` (a directory, a background writer, a broadcast buffer); `manifest()` lists them."""
 
     def __init__(
         self,
@@ -222,10 +220,8 @@ class FlushBuilder:
         shape: tuple[int, ...] | torch.Size,
         post_hash: str | None = None,
     ) -> None:
-        """Queue every element of dense ranges of one param from `pieces`: `(first flat position, 1-D new
-        values)` in increasing, disjoint order (an anchor's shard). They go out with implicit positions,
-        and flushes are emitted as they fill, so the builder holds about a flush of values.
-        """
+        """Queue every element of the dense ranges `pieces`, `(first flat position, 1-D new values)` in
+        increasing, disjoint order (an anchor's shard), emitted as flushes fill: about a flush held."""
         if name in self._params:
             raise ValueError(f"param {name!r} added twice")
         if self.encoding.needs_base:
