@@ -42,8 +42,7 @@ class Built:
 
 @dataclass
 class Prebuilt:
-    """A prepare's post-load work per unit (its name and kind, `derived.Unit`), and why the rest is re-run
-    in the pause."""
+    """A prepare's post-load work per unit (name, kind) and why the rest is re-run in the pause."""
 
     built: dict[tuple[str, str], Built] = field(default_factory=dict)
     in_pause: dict[str, str] = field(default_factory=dict)

@@ -102,9 +102,7 @@ def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def _state(module: nn.Module) -> dict[str, int]:
     """Public non-tensor attributes by identity: a step that sets one may hide a weight copy in it."""
-    return {
-        n: id(v) for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, torch.Tensor)
-    }
+    return {n: id(v) for n, v in vars(module).items() if n[0] != "_" and not isinstance(v, torch.Tensor)}
 
 
 def snapshot(module: nn.Module) -> Snapshot:
@@ -171,17 +169,6 @@ def _inverse_permutation(
     return _compact(perm, after.shape[-1] if after.dim() else 1)
 
 
-def _prefix_layout(canon: torch.Tensor, live: torch.Tensor) -> bool:
-    """Whether every element of the checkpoint-layout `canon` sits at the same storage offset in `live`
-    (offsets the probe learns on `live` address `canon`): the same layout, or rows appended."""
-    return (
-        canon.dim() == live.dim()
-        and canon.stride() == live.stride()
-        and live.storage_offset() == 0
-        and all(c <= n for c, n in zip(canon.shape, live.shape))
-    )
-
-
 def classify(name: str, module: nn.Module, before: Snapshot, units: list[Unit]) -> Transform | None:
     """Classify what the step did to `module` (it has just run) and prepare deltas for it (a "rerun"
     module's unit appended to `units`)."""
@@ -229,7 +216,9 @@ def classify(name: str, module: nn.Module, before: Snapshot, units: list[Unit]) 
                 module._parameters[n] = before.params[n]
                 kinds[f"param:{n}"] = "emptied"
                 continue
-            if not _prefix_layout(canon, live):
+            # Offsets the probe learns on `live` must address `canon`: the same layout, or rows appended.
+            same_offsets = canon.stride() == live.stride() and not live.storage_offset()
+            if not same_offsets or not all(c <= m for c, m in zip(canon.shape, live.shape)):
                 raise UnsupportedTransform(
                     f"{name}: its post-load step re-lays {n} from {tuple(canon.shape)} {canon.stride()} to "
                     f"{tuple(live.shape)} {live.stride()}: offsets learned on the live tensor would not "
@@ -253,9 +242,8 @@ def rerun_unit(module: nn.Module) -> Unit | None:
 
 @contextlib.contextmanager
 def observing(model: nn.Module) -> Iterator[None]:
-    """Observe each post-load step while vLLM's own loop runs it: quant methods' steps classified here,
-    attention layers' and the model's own discovered by `derived`; both kinds of units land on the model
-    (`derived.discovery`) in the order vLLM runs them."""
+    """Observe each post-load step while vLLM's own loop runs it: quant methods' classified here, attention
+    layers' and the model's by `derived`; their units land on the model in the order vLLM runs them."""
     names = {id(m): n for n, m in model.named_modules()}
     found = derived.Discovery()
     setattr(model, derived.DISCOVERY_ATTR, found)
