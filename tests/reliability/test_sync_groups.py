@@ -28,8 +28,8 @@ def test_a_gloo_peer_that_joins_and_never_sets_up_is_given_up_on_in_time(world):
     peer = engine("join-then-stop")
     client = InitRecordingClient(timeout_s=10, retries=0)
     # status_wait_s: the engine's status (asked after each failure) is in before the next plan, so
-    # every sync tries it again.
-    sender = DeltaSender([peer.url], "gloo", client=client, collective_timeout_s=3, status_wait_s=5)
+    # every sync tries it again. A bound, not a sleep: the answer is quick, but under load it took over 5 s.
+    sender = DeltaSender([peer.url], "gloo", client=client, collective_timeout_s=3, status_wait_s=30)
     sender.seed(weights)
     reported = train(sender, weights, 2, torch.Generator().manual_seed(4))
     assert len(reported) == 2 and not client.on_main()
