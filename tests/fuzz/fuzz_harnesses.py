@@ -35,7 +35,6 @@ from vllm_delta.wire import (
 )
 from vllm_delta.wire.batch import Fallback
 from vllm_delta.wire.batch_device import Decoder
-from vllm_delta.wire.codecs import decode_gaps, gaps_from_bytes
 from vllm_delta.wire.container import Limits, json_loads
 from vllm_delta.wire.flush import open_flush
 from vllm_delta.wire.flush_meta import Rows, heads_from_text, parse_params
@@ -264,8 +263,9 @@ def gaps(data: bytes) -> None:
     numel = 1 + data[1] ** 3
     body = data[2:]
     try:
-        g = gaps_from_bytes(memoryview(body), len(body) // width if width else 0, width, file="f", param="p")
-        pos = decode_gaps(g, numel, prev=-1, file="f", param="p")
+        count = len(body) // width if width else 0
+        spans = {"positions": memoryview(body)}
+        pos = ENCODINGS["deltas"].positions.decode(spans, count, width, numel, file="f", param="p")
     except DeltaError:
         return
     if pos.size and (pos[0] < 0 or pos[-1] >= numel or (np.diff(pos) <= 0).any()):

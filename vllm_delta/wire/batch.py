@@ -21,7 +21,7 @@ from .blocks import wanted as block_wanted
 from .codecs import GAP_WIDTHS, check_numel
 from .deltas import DeltaBatch, ParamDelta
 from .dtypes import DType, by_name
-from .encodings import Encoding, GapPlanes, UlpSteps, ValuePlanes
+from .encodings import Encoding, UlpSteps
 from .errors import DeltaError
 from .flush_meta import Heads, Rows
 
@@ -38,10 +38,10 @@ def _supported(enc: Encoding) -> bool:
 
 def _streams(enc: Encoding, width: int, itemsize: int) -> list[str]:
     """The streams the writer lists for a param of this gap width and value width, in its order."""
-    pos = [f"pos{j}" for j in range(width)] if isinstance(enc.positions, GapPlanes) else ["positions"]
+    pos = [f"pos{j}" for j in range(width)] if enc.positions.planes else ["positions"]
     if isinstance(enc.values, UlpSteps):
         val = ["sign", "flag", *(f"esc{j}" for j in range(itemsize))]
-    elif isinstance(enc.values, ValuePlanes):
+    elif enc.values.planes:
         val = [f"val{j}" for j in range(itemsize)]
     else:
         val = ["values"]

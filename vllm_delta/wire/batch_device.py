@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .batch_host import Fallback, HostBatch
-from .encodings import Encoding, GapPlanes, RawValues, UlpSteps, ValuePlanes
+from .encodings import Encoding, UlpSteps
 from .errors import BoundsError
 
 
@@ -206,14 +206,14 @@ def _decode(
         up.column(batch.estart[heads]),
         up.column(prev),
     )
-    if isinstance(enc.positions, GapPlanes):
+    if enc.positions.planes:
         gaps = _byte_planes(batch, up, "pos", width, cnt)
     else:
         gaps = _whole_words(up, batch.stream("positions", cnt * width), width, cnt)
     ulp = isinstance(enc.values, UlpSteps)
-    if isinstance(enc.values, RawValues):
+    if not enc.values.planes:
         vals = _whole_words(up, batch.stream("values", cnt * isz), isz, cnt)
-    elif isinstance(enc.values, ValuePlanes):
+    elif not ulp:
         vals = _byte_planes(batch, up, "val", isz, cnt)
     else:
         nbytes = (cnt + 7) // 8

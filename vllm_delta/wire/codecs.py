@@ -43,19 +43,6 @@ def _frombuffer(buf: memoryview, dtype: np.dtype, count: int, what: str, *, file
     return np.frombuffer(buf, dtype=dtype, count=count)
 
 
-def decode_indices(
-    buf: memoryview, count: int, width: int, numel: int, *, prev: int = -1, file, param
-) -> np.ndarray:
-    if width not in (4, 8):
-        raise FormatError(f"index width {width} is not 4 or 8", file=file, param=param)
-    pos = _frombuffer(buf, np.dtype(f"<i{width}"), count, "positions", file=file, param=param)
-    pos = pos.astype(np.int64)
-    check_positions(pos, numel, file=file, param=param)
-    if pos.size and pos[0] <= prev:
-        raise BoundsError("positions are not strictly increasing", file=file, param=param)
-    return pos
-
-
 def encode_gaps(pos: np.ndarray, *, prev: int = -1, width: int | None = None) -> tuple[int, np.ndarray]:
     """Gaps in the narrowest unsigned width that holds the largest one (or in `width`); `prev`: the position
     before `pos[0]` (-1 at a param's start: a block continues its param's gaps)."""
@@ -96,12 +83,6 @@ def decode_gaps(gaps: np.ndarray, numel: int, *, prev: int = -1, file, param) ->
     pos += prev
     check_positions(pos, numel, file=file, param=param)
     return pos
-
-
-def gaps_from_bytes(buf: memoryview, count: int, width: int, *, file, param) -> np.ndarray:
-    if width not in GAP_WIDTHS:
-        raise FormatError(f"gap width {width} is not one of {GAP_WIDTHS}", file=file, param=param)
-    return _frombuffer(buf, _uint(width), count, "gaps", file=file, param=param)
 
 
 def to_planes(arr: np.ndarray) -> list[bytes]:
@@ -178,11 +159,6 @@ def encode_steps(steps: np.ndarray, d: DType) -> tuple[bytes, bytes, np.ndarray]
     mag = np.abs(signed).view(d.uint)  # 0 - step where negative; the most negative maps to itself, as there
     big = mag > 1
     return np.packbits(neg).tobytes(), np.packbits(big).tobytes(), mag[big] - d.uint.type(2)
-
-
-def unpack_bits(buf: memoryview, count: int, what: str, *, file, param) -> np.ndarray:
-    raw = _frombuffer(buf, np.dtype(np.uint8), (count + 7) // 8, what, file=file, param=param)
-    return np.unpackbits(raw, count=count).astype(bool)
 
 
 def ulp_streams(new: np.ndarray, old: np.ndarray, d: DType) -> dict[str, bytes]:

@@ -11,18 +11,16 @@ import numpy as np
 from .codecs import (
     GAP_WIDTHS,
     _frombuffer,
+    check_positions,
     decode_gaps,
-    decode_indices,
     encode_gaps,
     from_planes,
     gap_width,
-    gaps_from_bytes,
     to_planes,
     ulp_streams,
-    unpack_bits,
 )
 from .dtypes import DType
-from .errors import FormatError, UnknownEncodingError
+from .errors import BoundsError, FormatError, UnknownEncodingError
 
 Streams = dict[str, bytes]
 Spans = dict[str, memoryview]
@@ -38,9 +36,23 @@ def _planes(spans: Spans, prefix: str, width: int, *, file, param) -> list[memor
     return [_need(spans, f"{prefix}{j}", file=file, param=param) for j in range(width)]
 
 
+def _streams(arr: np.ndarray, planes: bool, prefix: str, name: str) -> Streams:
+    """`arr` as one stream `name`, or as byte planes `prefix0..`."""
+    return {f"{prefix}{j}": p for j, p in enumerate(to_planes(arr))} if planes else {name: arr.tobytes()}
+
+
+def _words(spans: Spans, planes: bool, prefix: str, name: str, count: int, width: int, what: str, **at):
+    """`_streams`' inverse: `count` unsigned words of `width` bytes."""
+    if planes:
+        return from_planes(_planes(spans, prefix, width, **at), count, width, what, **at)
+    return _frombuffer(_need(spans, name, **at), np.dtype(f"<u{width}"), count, what, **at)
+
+
 class Indices:
     """Absolute flat positions, int32 or int64 past 2^31 elements. Position codecs: `prev` is the position
     before the first (-1 at a param's start); `width` is param-wide, so a param's blocks concatenate."""
+
+    planes = False
 
     def width(self, pos, numel):
         return 4 if numel <= 1 << 31 else 8
@@ -50,68 +62,52 @@ class Indices:
         return w, {"positions": pos.astype(f"<i{w}").tobytes()}
 
     def decode(self, spans, count, width, numel, *, prev=-1, file, param):
+        if width not in (4, 8):
+            raise FormatError(f"index width {width} is not 4 or 8", file=file, param=param)
         buf = _need(spans, "positions", file=file, param=param)
-        return decode_indices(buf, count, width, numel, prev=prev, file=file, param=param)
+        pos = _frombuffer(buf, np.dtype(f"<i{width}"), count, "positions", file=file, param=param)
+        pos = pos.astype(np.int64)
+        check_positions(pos, numel, file=file, param=param)
+        if pos.size and pos[0] <= prev:
+            raise BoundsError("positions are not strictly increasing", file=file, param=param)
+        return pos
 
 
+@dataclass(frozen=True)
 class Gaps:
-    """Gaps in one contiguous narrow-int stream (the seed's `deltas`)."""
+    """Gaps in one narrow-int stream `positions` (the seed's `deltas`), or with `planes` in byte planes
+    `pos0..pos7` (the low plane carries the information)."""
+
+    planes: bool
 
     def width(self, pos, numel):
         return gap_width(pos)
 
     def encode(self, pos, numel, *, prev=-1, width=None):
         w, gaps = encode_gaps(pos, prev=prev, width=width)
-        return w, {"positions": gaps.tobytes()}
-
-    def decode(self, spans, count, width, numel, *, prev=-1, file, param):
-        buf = _need(spans, "positions", file=file, param=param)
-        gaps = gaps_from_bytes(buf, count, width, file=file, param=param)
-        return decode_gaps(gaps, numel, prev=prev, file=file, param=param)
-
-
-class GapPlanes:
-    """Gaps split into byte planes `pos0..pos7`: the low plane carries the information."""
-
-    def width(self, pos, numel):
-        return gap_width(pos)
-
-    def encode(self, pos, numel, *, prev=-1, width=None):
-        w, gaps = encode_gaps(pos, prev=prev, width=width)
-        return w, {f"pos{j}": p for j, p in enumerate(to_planes(gaps))}
+        return w, _streams(gaps, self.planes, "pos", "positions")
 
     def decode(self, spans, count, width, numel, *, prev=-1, file, param):
         if width not in GAP_WIDTHS:
             raise FormatError(f"gap width {width} is not one of {GAP_WIDTHS}", file=file, param=param)
-        planes = _planes(spans, "pos", width, file=file, param=param)
-        gaps = from_planes(planes, count, width, "gaps", file=file, param=param)
+        gaps = _words(spans, self.planes, "pos", "positions", count, width, "gaps", file=file, param=param)
         return decode_gaps(gaps, numel, prev=prev, file=file, param=param)
 
 
-class RawValues:
-    """New bit patterns, contiguous, in the param's own dtype."""
+@dataclass(frozen=True)
+class Values:
+    """New bit patterns in the param's own dtype: one stream `values`, or with `planes` byte planes
+    `val0..` (exponent bytes repeat, mantissas do not)."""
 
+    planes: bool
     relative = False
 
     def encode(self, new, old, d):
-        return {"values": new.tobytes()}
+        return _streams(new, self.planes, "val", "values")
 
     def decode(self, spans, count, d, *, file, param):
-        buf = _need(spans, "values", file=file, param=param)
-        return _frombuffer(buf, d.uint, count, "values", file=file, param=param).copy()
-
-
-class ValuePlanes:
-    """New bit patterns split into byte planes `val0..`: exponent bytes repeat, mantissas do not."""
-
-    relative = False
-
-    def encode(self, new, old, d):
-        return {f"val{j}": p for j, p in enumerate(to_planes(new))}
-
-    def decode(self, spans, count, d, *, file, param):
-        planes = _planes(spans, "val", d.itemsize, file=file, param=param)
-        return from_planes(planes, count, d.itemsize, "values", file=file, param=param)
+        out = _words(spans, self.planes, "val", "values", count, d.itemsize, "values", file=file, param=param)
+        return out if self.planes else out.copy()
 
 
 class UlpSteps:
@@ -119,13 +115,17 @@ class UlpSteps:
     decoded to wrapping unsigned steps the receiver resolves against its own bits."""
 
     relative = True
+    planes = True
 
     def encode(self, new, old, d):
         return ulp_streams(new, old, d)
 
     def decode(self, spans, count, d, *, file, param):
+        at = {"file": file, "param": param}
         neg, big = (
-            unpack_bits(_need(spans, s, file=file, param=param), count, f"{s}s", file=file, param=param)
+            np.unpackbits(
+                _words(spans, False, "", s, (count + 7) // 8, 1, f"{s}s", **at), count=count
+            ).astype(bool)
             for s in ("sign", "flag")
         )
         planes = _planes(spans, "esc", d.itemsize, file=file, param=param)
@@ -139,8 +139,8 @@ class Encoding:
     """One named way to put a param's changes on the wire."""
 
     name: str
-    positions: Indices | Gaps | GapPlanes
-    values: RawValues | ValuePlanes | UlpSteps
+    positions: Indices | Gaps
+    values: Values | UlpSteps
     compression: Literal["none", "file", "streams"]
     description: str
     zstd_level: int = 1
@@ -204,34 +204,34 @@ ENCODINGS: dict[str, Encoding] = {
         Encoding(
             "indices",
             Indices(),
-            RawValues(),
+            Values(planes=False),
             "none",
             "seed-compatible: absolute int32 positions (int64 past 2^31 elements), raw values",
         ),
         Encoding(
             "deltas",
-            Gaps(),
-            RawValues(),
+            Gaps(planes=False),
+            Values(planes=False),
             "none",
             "seed-compatible: gaps idx[k]-idx[k-1]-1 in the narrowest of u8/u16/u32/u64, raw values",
         ),
         Encoding(
             "deltas_zstd",
-            Gaps(),
-            RawValues(),
+            Gaps(planes=False),
+            Values(planes=False),
             "file",
             "seed-compatible: `deltas` with the whole file zstd-1 compressed",
         ),
         Encoding(
             "planes_zstd",
-            GapPlanes(),
-            ValuePlanes(),
+            Gaps(planes=True),
+            Values(planes=True),
             "streams",
             "overwrite: gap and value byte planes, each plane its own zstd stream",
         ),
         Encoding(
             "ulp_zstd",
-            GapPlanes(),
+            Gaps(planes=True),
             UlpSteps(),
             "streams",
             "base-relative: gap byte planes + signed ULP steps from the old bits, zstd per stream",

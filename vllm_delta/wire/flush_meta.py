@@ -244,33 +244,19 @@ def _check_entry(i: int, p: object, fields: tuple[str, ...], *, file: str) -> No
 
 
 def heads_from_text(text: object) -> Heads | None:
-    """A block-indexed flush's `params` columns read straight from the writer's text by one compiled scan
-    (kernels/params_jit.py), or None (anything else, or kernels off: the caller uses `parse_params`).
-
-    Why: as JSON, ~17 Python objects a tensor: 34 vs 26 us a tensor of prepare at 44k tensors
-    (benchmarks/reader_per_tensor.py, medians of 3).
-    """
+    """A block-indexed flush's `params` columns read from the writer's text by one compiled scan, or None
+    (anything else, or kernels off: `parse_params` reads it). Why: JSON makes ~17 objects a tensor, 34 vs
+    26 us a tensor of prepare at 44k tensors (benchmarks/reader_per_tensor.py, medians of 3)."""
     if type(text) is not str or not switch.on():
         return None
     try:
         raw = text.encode("ascii")
     except UnicodeEncodeError:
         return None
-    from vllm_delta.kernels.params_jit import (
-        COUNT,
-        DTYPE,
-        KEYS,
-        NAME_A,
-        NAME_B,
-        NROWS,
-        SHAPE,
-        STREAMS,
-        WIDTH,
-        scan,
-    )  # numba: on first use
+    from vllm_delta.kernels import params_jit as pj  # numba: on first use
 
-    n, nrows, nframes, spans, distinct, counts, head, frame_at, lens = scan(
-        np.frombuffer(raw, dtype=np.uint8), KEYS
+    n, nrows, nframes, spans, distinct, counts, head, frame_at, lens = pj.scan(
+        np.frombuffer(raw, dtype=np.uint8), pj.KEYS
     )
     if n < 1:
         return None
@@ -278,21 +264,26 @@ def heads_from_text(text: object) -> Heads | None:
     dtypes, shapes, streams = texts[0], _lists(texts[1]), _lists(texts[2])
     if shapes is None or streams is None:
         return None
-    count, width = (tuple(spans[:n, c].tolist()) for c in (COUNT, WIDTH))
+    cols = spans[:n].T.tolist()
+    count, width = tuple(cols[pj.COUNT]), tuple(cols[pj.WIDTH])
     # parse_params's bounds (its types hold by the scan: ints, strings, lists of them).
     if min(count) < 1 or min(width) < 0 or min(map(min, filter(None, shapes)), default=0) < 0:
         return None
-    rows = Rows(
-        spans[:n, NROWS].copy(), head[:nrows].copy(), np.diff(frame_at[: nrows + 1]), lens[:nframes].copy()
+    return Heads(
+        tuple(map(text.__getitem__, map(slice, cols[pj.NAME_A], cols[pj.NAME_B]))),
+        tuple(map(dtypes.__getitem__, cols[pj.DTYPE])),
+        tuple(map(shapes.__getitem__, cols[pj.SHAPE])),
+        count,
+        width,
+        tuple(map(streams.__getitem__, cols[pj.STREAMS])),
+        (),
+        rows=Rows(
+            spans[:n, pj.NROWS].copy(),
+            head[:nrows].copy(),
+            np.diff(frame_at[: nrows + 1]),
+            lens[:nframes].copy(),
+        ),
     )
-    bounds = map(slice, spans[:n, NAME_A].tolist(), spans[:n, NAME_B].tolist())
-    names = tuple(map(text.__getitem__, bounds))
-    dtype, shape = (
-        tuple(map(table.__getitem__, spans[:n, c].tolist()))
-        for table, c in ((dtypes, DTYPE), (shapes, SHAPE))
-    )
-    stream_names = tuple(map(streams.__getitem__, spans[:n, STREAMS].tolist()))
-    return Heads(names, dtype, shape, count, width, stream_names, (), (), rows=rows)
 
 
 def _lists(texts: list[str]) -> list[tuple] | None:

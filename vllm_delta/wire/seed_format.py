@@ -3,21 +3,20 @@ seed-built trainers can push to us."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ValidationError
 
-from .codecs import check_numel, decode_gaps, decode_indices, gaps_from_bytes
 from .container import DeltaDir, Limits
 from .deltas import ParamDelta
 from .digest import bytes_digest
 from .dtypes import DType, by_name, from_bits, to_bits
+from .encodings import get_encoding
 from .errors import FormatError, IncompleteDeltaError, IntegrityError, UnknownEncodingError
 from .flush import open_flush
-from .flush_meta import Expected, FlushHeader, check_expected, meta_int, meta_json
+from .flush_meta import Expected, FlushHeader, HeadCheck, meta_int, meta_json
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, NonNeg, ParamEntry
 
 SEED_ENCODINGS = ("indices", "deltas", "deltas_zstd")
@@ -80,23 +79,16 @@ def decode_seed_flush(
     vd = val_t.dtype
     all_values = np.frombuffer(val_t.data, dtype=vd.uint)
     out = []
+    heads, positions = HeadCheck(expected, file=file), get_encoding(encoding).positions
     for p in params:
-        d = by_name(p.dtype, file=file, param=p.name)
-        shape = tuple(p.shape)
-        check_expected(p.name, shape, d.torch, expected, file=file)
-        numel = math.prod(shape)
-        check_numel(numel, param=p.name)
         count = p.val_end - p.val_start
+        d, shape, numel = heads(p.name, p.dtype, p.shape)
         if not (p.pos_start <= p.pos_end <= len(pos_t.data) and p.val_start <= p.val_end <= all_values.size):
             raise FormatError("param spans lie outside the blobs", file=file, param=p.name)
         if count > numel:
             raise FormatError(f"{count} changes in {numel} elements", file=file, param=p.name)
-        blob = pos_t.data[p.pos_start : p.pos_end]
-        if encoding == "indices":
-            pos = decode_indices(blob, count, p.pos_width, numel, file=file, param=p.name)
-        else:
-            gaps = gaps_from_bytes(blob, count, p.pos_width, file=file, param=p.name)
-            pos = decode_gaps(gaps, numel, file=file, param=p.name)
+        spans = {"positions": pos_t.data[p.pos_start : p.pos_end]}
+        pos = positions.decode(spans, count, p.pos_width, numel, file=file, param=p.name)
         values = _narrow(all_values[p.val_start : p.val_end], vd, d, file=file, param=p.name)
         if count:  # the seed may list a param with nothing changed
             out.append(ParamDelta(p.name, shape, d.torch, torch.from_numpy(pos), values, False))
