@@ -89,12 +89,9 @@ def cmd_apply(a: argparse.Namespace) -> None:
 
 def summarize(info: DeltaInfo) -> dict:
     m = info.manifest
-    scope = "model" if m.model_elements is not None else "changed_params"
-    elements = (
-        m.model_elements
-        if m.model_elements is not None
-        else sum(torch.Size(p.shape).numel() for p in m.params)
-    )
+    elements = m.model_elements
+    if elements is None:
+        elements = sum(torch.Size(p.shape).numel() for p in m.params)
     per = lambda b, c: b / c if c else None  # noqa: E731
     return {
         "path": str(info.path),
@@ -107,7 +104,7 @@ def summarize(info: DeltaInfo) -> dict:
         "params": len(m.params),
         "changed": m.changed,
         "elements": elements,
-        "elements_scope": scope,
+        "elements_scope": "model" if m.model_elements is not None else "changed_params",
         "density": m.changed / elements if elements else 0.0,
         "bytes": m.total_bytes,
         "bytes_per_changed": per(m.total_bytes, m.changed),

@@ -20,6 +20,7 @@ UPDATE_ROUTE = "/update_weights_delta"
 STATUS_ROUTE = "/delta_updates/status"
 COLLECTIVE_INIT_ROUTE = "/delta_updates/collective/init"
 RETRY_STATUSES = frozenset({502, 503, 504})
+BACKOFF_S = 0.5  # times the attempt number, between retries
 
 
 @dataclass
@@ -29,6 +30,15 @@ class Reply:
     url: str
     status: int
     body: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, url: str, status: int, text: str) -> Reply:
+        """From an HTTP answer: its JSON object as the body, or its text as the error."""
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            payload = {"error": {"type": "HTTPError", "message": text[:500]}}
+        return cls(url, status, payload if isinstance(payload, dict) else {"body": payload})
 
     @property
     def ok(self) -> bool:
@@ -45,63 +55,37 @@ class Reply:
 class EngineClient:
     """Talks to a set of engines, concurrently."""
 
-    def __init__(
-        self,
-        api_key: str | None = None,
-        *,
-        timeout_s: float = 600.0,
-        retries: int = 3,
-        backoff_s: float = 0.5,
-    ) -> None:
-        self.api_key = api_key
+    def __init__(self, api_key: str | None = None, *, timeout_s: float = 600.0, retries: int = 3) -> None:
+        self.api_key, self.retries = api_key, retries
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
-        self.retries, self.backoff_s = retries, backoff_s
-
-    def headers(self) -> dict[str, str]:
-        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return {"Content-Type": "application/json", **auth}
-
-    async def _request(
-        self,
-        session: aiohttp.ClientSession,
-        method: str,
-        url: str,
-        route: str,
-        body: Mapping[str, Any] | None,
-    ) -> Reply:
-        last = Reply(url, 0, {"error": {"type": "NotSent", "message": "no attempt made"}})
-        for attempt in range(1, self.retries + 2):
-            try:
-                data = None if body is None else json.dumps(body).encode()
-                async with session.request(
-                    method, url.rstrip("/") + route, data=data, headers=self.headers()
-                ) as resp:
-                    try:
-                        payload = await resp.json(content_type=None)
-                    except (ValueError, aiohttp.ContentTypeError):
-                        payload = {"error": {"type": "HTTPError", "message": (await resp.text())[:500]}}
-                    payload = payload if isinstance(payload, dict) else {"body": payload}
-                    last = Reply(url, resp.status, payload)
-                    if resp.status not in RETRY_STATUSES:
-                        return last
-            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                error = {"type": type(exc).__name__, "message": str(exc) or repr(exc)}
-                last = Reply(url, 0, {"error": error})
-                if isinstance(exc, asyncio.TimeoutError):
-                    return last  # the engine may still be applying: do not send it twice
-            await asyncio.sleep(self.backoff_s * attempt)
-        return last
 
     def _many(
         self, method: str, route: str, bodies: Mapping[str, Mapping[str, Any] | None]
     ) -> dict[str, Reply]:
         """Every request at once, from sync code, whether or not this thread runs an event loop."""
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = {"Content-Type": "application/json", **auth}
+
+        async def one(session: aiohttp.ClientSession, url: str, body: Mapping[str, Any] | None) -> Reply:
+            last = Reply(url, 0, {"error": {"type": "NotSent", "message": "no attempt made"}})
+            data = None if body is None else json.dumps(body).encode()
+            for attempt in range(1, self.retries + 2):
+                try:
+                    async with session.request(method, url.rstrip("/") + route, data=data) as resp:
+                        last = Reply.of(url, resp.status, await resp.text())
+                        if resp.status not in RETRY_STATUSES:
+                            return last
+                except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                    error = {"type": type(exc).__name__, "message": str(exc) or repr(exc)}
+                    last = Reply(url, 0, {"error": error})
+                    if isinstance(exc, asyncio.TimeoutError):
+                        return last  # the engine may still be applying: do not send it twice
+                await asyncio.sleep(BACKOFF_S * attempt)
+            return last
 
         async def gather() -> list[Reply]:
-            async with aiohttp.ClientSession(timeout=self.timeout) as session:
-                return await asyncio.gather(
-                    *(self._request(session, method, u, route, b) for u, b in bodies.items())
-                )
+            async with aiohttp.ClientSession(timeout=self.timeout, headers=headers) as session:
+                return await asyncio.gather(*(one(session, u, b) for u, b in bodies.items()))
 
         try:
             asyncio.get_running_loop()

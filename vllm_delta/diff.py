@@ -31,10 +31,6 @@ class ParamDiff:
     new_values: torch.Tensor  # current values there, own dtype
     old_values: torch.Tensor  # snapshot values there, own dtype
 
-    @property
-    def count(self) -> int:
-        return self.positions.numel()
-
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
     """Flat same-width signed-integer view of a tensor's bits."""

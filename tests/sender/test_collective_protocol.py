@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import tempfile
 
 import pytest
 
@@ -25,12 +26,13 @@ FLUSHES = [
 MANIFEST = {"version": 7, "files": [{"name": n, "bytes": len(d), "hash": "x"} for n, d in FLUSHES]}
 
 
-def test_spool_keeps_a_bounded_window_in_memory_and_reads_back_every_flush(tmp_path):
-    spool = FlushSpool(window_bytes=4000, directory=str(tmp_path))
+def test_spool_keeps_a_bounded_window_in_memory_and_reads_back_every_flush(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spool = FlushSpool(window_bytes=4000)
     for name, data in FLUSHES:
         spool.add(name, data)
     assert spool.held_bytes == 3700 <= 4000 and spool.spilled_bytes == 5000  # the 5000 B one did not fit
-    assert list(spool) == FLUSHES and spool.names == [n for n, _ in FLUSHES]
+    assert list(spool) == FLUSHES and [n for n, _ in spool] == [n for n, _ in FLUSHES]
     assert [len(spool.read(n)) for n, _ in FLUSHES] == [len(d) for _, d in FLUSHES]
     assert not list(tmp_path.iterdir()), "the spill file is unlinked at once"
     with pytest.raises(ValueError, match="already spooled"):

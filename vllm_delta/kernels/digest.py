@@ -62,17 +62,14 @@ def segment_sums(
         and values.device.type == positions.device.type == "cpu"
         and (isinstance(segments, int) or segments.device.type == "cpu")
     ):
-        from vllm_delta.kernels.digest_jit import NO_SEGMENTS
-        from vllm_delta.kernels.digest_jit import segment_sums as sums
+        from vllm_delta.kernels import digest_jit
 
-        if isinstance(segments, int):
-            if not 0 <= segments < n:
-                raise IndexError(f"segment {segments} of {n}")
-            seg, one = NO_SEGMENTS, segments
+        if isinstance(segments, int):  # the kernel checks it lies in [0, n)
+            seg, one = digest_jit.NO_SEGMENTS, segments
         else:
             seg, one = segments.detach().reshape(-1).to(torch.int64).numpy(), 0
         pos = positions.detach().reshape(-1).to(torch.int64).numpy()
-        return torch.from_numpy(sums(pos, bits(values), seg, one, n).view("i8"))
+        return torch.from_numpy(digest_jit.segment_sums(pos, bits(values), seg, one, n).view("i8"))
     out = torch.zeros(n, 2, dtype=torch.int64, device=values.device)
     step = CPU_SLICE if values.device.type == "cpu" else max(1, count)
     positions, values = positions.reshape(-1), values.reshape(-1)

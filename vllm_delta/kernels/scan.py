@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import weakref
 from concurrent.futures import Executor, Future
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,44 +22,21 @@ Set = list[np.ndarray]  # offsets, HF positions, old bits, new bits, runs: `scan
 
 def applies(base: torch.Tensor, snap: torch.Tensor) -> bool:
     """The kernel takes contiguous CPU spans of 16- and 32-bit dtypes (the widths it is tested on)."""
-    return (
-        switch.on()
-        and base.device.type == "cpu"
-        and snap.device.type == "cpu"
-        and base.element_size() in (2, 4)
-        and base.dtype == snap.dtype
-        and not base.is_complex()
-        and base.is_contiguous()
-        and snap.is_contiguous()
-        and base.numel() == snap.numel()
-    )
+    same = base.dtype == snap.dtype and base.numel() == snap.numel() and not base.is_complex()
+    cpu = base.device.type == snap.device.type == "cpu" and base.is_contiguous() and snap.is_contiguous()
+    return switch.on() and same and cpu and base.element_size() in (2, 4)
 
 
 def diff_digest(
-    base: torch.Tensor,
-    snap: torch.Tensor,
-    tables: tuple[torch.Tensor, ...],
-    n: int,
-    want_run: bool,
-    workers: int = 1,
-    pool: Executor | None = None,
-    buffers: ScanBuffers | None = None,
+    base: torch.Tensor, snap: torch.Tensor, tables: tuple, n: int, want_run: bool, *scan: Any
 ) -> tuple[torch.Tensor | None, ...]:
-    """`scan_bits` as `bucket_scan.torch_diff_digest` gives it: (offsets, old, new, HF positions, runs
-    or None, pre [n, 2], post [n, 2]) of `base` against `snap` inside the run `tables`, as tensors."""
-    pos, hf, old, new, run, sums = scan_bits(
-        bits(base), bits(snap), numpy_tables(tables), n, want_run, workers, pool, buffers
-    )
+    """`scan_bits` (`scan`: its workers, pool, buffers) as `bucket_scan.torch_diff_digest` gives it: (offsets,
+    old, new, HF positions, runs or None, pre [n, 2], post [n, 2]) of `base` against `snap`, as tensors."""
+    pos, hf, old, new, run, sums = scan_bits(bits(base), bits(snap), numpy_tables(tables), n, want_run, *scan)
     pos_t, sums_t = torch.from_numpy(pos), torch.from_numpy(sums.view(np.int64))
-    return (
-        pos_t,
-        values(old, base.dtype),
-        values(new, base.dtype),
-        pos_t if hf is pos else torch.from_numpy(hf),
-        torch.from_numpy(run) if want_run else None,
-        sums_t[:, :2].contiguous(),
-        sums_t[:, 2:].contiguous(),
-    )
+    hf_t, run_t = pos_t if hf is pos else torch.from_numpy(hf), torch.from_numpy(run) if want_run else None
+    pre, post = sums_t[:, :2].contiguous(), sums_t[:, 2:].contiguous()
+    return pos_t, values(old, base.dtype), values(new, base.dtype), hf_t, run_t, pre, post
 
 
 def scan_bits(
@@ -100,9 +78,7 @@ def scan_bits(
         pos, old, new, run = pos[:k], old[:k], new[:k], run[:k] if want_run else run
         return pos, pos if same_hf else hf[:k], old, new, run, sums
     pos, hf, old, new, run = (np.concatenate([p[i][: p[0]] for p in parts]) for i in range(1, 6))
-    sums = parts[0][6]
-    for p in parts[1:]:
-        sums = sums + p[6]  # uint64: wraps mod 2^64, as the torch path's int64 sums do
+    sums = sum((p[6] for p in parts[1:]), parts[0][6])  # uint64: wraps mod 2^64 as the torch path's int64
     return pos, pos if same_hf else hf, old, new, run, sums
 
 

@@ -1,7 +1,5 @@
 """What every transport is: the `Transport` interface the publisher drives, the options a sender gives it,
-`SentDelta` (what one delta put on the wire), the stored transports' common half (`StoredTransport`), and
-the registry by name. A `Sink` takes each flush `FlushBuilder` encodes as it comes, so encoding the next
-overlaps moving it."""
+what one delta put on the wire, the stored transports' common half, and the registry by name."""
 
 from __future__ import annotations
 
@@ -152,11 +150,10 @@ class Throttle:
 
 class BackgroundFlushWriter:
     """Hands each flush to `write(name, data)` on a thread, so the sender encodes the next meanwhile;
-    `emit` blocks only while `depth` are held. The first error stops the writes; `emit` or `close`
-    raises it."""
+    `emit` blocks while two are held. The first error stops the writes; `emit` or `close` raises it."""
 
-    def __init__(self, write: Callable[[str, bytes], None], *, depth: int = 2) -> None:
-        self._write, self._slots = write, threading.BoundedSemaphore(depth)
+    def __init__(self, write: Callable[[str, bytes], None]) -> None:
+        self._write, self._slots = write, threading.BoundedSemaphore(2)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-writer")
         self._error: BaseException | None = None
         self.write_s = 0.0

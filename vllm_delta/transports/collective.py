@@ -1,13 +1,12 @@
-"""Collective transport: the same flush bytes as on disk, broadcast to each engine's own group (`groups.py`:
-the trainer's rank 0 plus that engine's workers), so a refused, stalled or killed engine breaks only its
-own group, dropped and rebuilt at the next sync; engines are served on a thread each.
+"""Collective transport: the flush bytes broadcast to each engine's own group (`groups.py`: the trainer's
+rank 0 plus that engine's workers), so a refused, stalled or killed engine breaks only its own group,
+dropped and rebuilt at the next sync; engines are served on a thread each.
 
-Per update and engine, a handshake before any bulk byte (keys per update `seq`: `<seq>/offer`,
-`<seq>/answer/<rank>`, `<seq>/go`): the HTTP request carries the manifest; rank 0 offers the update
-(version, the manifest's digest, each flush's name and size); every engine rank checks it and answers;
-only if all accept does rank 0 say "go" and stream one flush at a time. So a refusing engine never
-leaves the trainer blocked in a broadcast, and an engine rank that fails while decoding keeps receiving
-(and dropping) the rest.
+Per update and engine, a handshake before any bulk byte (store keys `<seq>/offer`, `<seq>/answer/<rank>`,
+`<seq>/go`): rank 0 offers the update (version, the manifest's digest, each flush's name and size), every
+engine rank checks it against the manifest its HTTP request carried and answers, and only if all accept
+does rank 0 say "go" and stream the flushes. So a refusing engine never leaves the trainer blocked in a
+broadcast, and an engine rank that fails while decoding keeps receiving (and dropping) the rest.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from vllm_delta.wire.errors import FormatError, IncompleteDeltaError, LimitError
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-DEFAULT_WINDOW_BYTES = 256 << 20
 
 
 class FlushSpool:
@@ -41,52 +39,48 @@ class FlushSpool:
     temporary file (the handshake needs the whole manifest, so every flush is encoded before the first
     broadcast, and an anchor is the whole model). `os.pread` lets the engines' send threads share it."""
 
-    def __init__(self, window_bytes: int = DEFAULT_WINDOW_BYTES, directory: str | None = None) -> None:
-        self.window_bytes, self.directory = window_bytes, directory
-        self._memory: dict[str, bytes] = {}
-        self._disk: dict[str, tuple[int, int]] = {}  # name -> (offset, size) in the temp file
-        self.names: list[str] = []
+    def __init__(self, window_bytes: int = 256 << 20) -> None:
+        self.window_bytes = window_bytes
+        self._flushes: dict[str, bytes | tuple[int, int]] = {}  # the bytes, or (offset, size) in the file
         self._file: Any = None  # a TemporaryFile: unlinked, gone with its descriptor whatever happens
-        self.spilled_bytes = 0  # the temp file's size
-        self.held_bytes = 0  # in memory, at most `window_bytes`
+        self.spilled_bytes = self.held_bytes = 0  # the file's size; in memory, at most `window_bytes`
         self._lock = threading.Lock()
 
     def add(self, name: str, data: bytes) -> None:
         with self._lock:
-            if name in self._memory or name in self._disk:
+            if name in self._flushes:
                 raise ValueError(f"flush {name!r} is already spooled")
-            self.names.append(name)
             if self.held_bytes + len(data) <= self.window_bytes:
-                self._memory[name] = bytes(data)
+                self._flushes[name] = bytes(data)
                 self.held_bytes += len(data)
                 return
             if self._file is None:
-                self._file = tempfile.TemporaryFile(prefix="vllm-delta-spool-", dir=self.directory)
+                self._file = tempfile.TemporaryFile(prefix="vllm-delta-spool-")
             self._file.write(data)
             self._file.flush()  # before any thread preads it
-            self._disk[name] = (self.spilled_bytes, len(data))
+            self._flushes[name] = (self.spilled_bytes, len(data))
             self.spilled_bytes += len(data)
 
     def read(self, name: str) -> bytes:
-        if name in self._memory:
-            return self._memory[name]
-        offset, size = self._disk[name]
-        out = bytearray(size)
-        view, got = memoryview(out), 0
-        while got < size:
-            n = os.preadv(self._file.fileno(), [view[got:]], offset + got)
-            if n <= 0:
-                raise OSError(f"spool file ended at {offset + got}, flush {name!r} needs {size} B")
-            got += n
-        return bytes(out)
+        held = self._flushes[name]
+        if isinstance(held, bytes):
+            return held
+        offset, size = held
+        data = b""
+        while len(data) < size:  # a pread may return fewer bytes than asked
+            got = os.pread(self._file.fileno(), size - len(data), offset + len(data))
+            if not got:
+                raise OSError(f"spool file ended at {offset + len(data)}, flush {name!r} needs {size} B")
+            data += got
+        return data
 
     def __iter__(self) -> Iterator[tuple[str, bytes]]:
-        for name in list(self.names):
+        for name in list(self._flushes):
             yield name, self.read(name)
 
     def close(self) -> None:
         with self._lock:
-            self._memory.clear()
+            self._flushes.clear()
             self.held_bytes = 0
             if self._file is not None:
                 self._file.close()

@@ -1,11 +1,7 @@
-"""S3 transport: flush objects under `s3://BUCKET/PREFIX/<version dir>/`, uploaded as they are encoded, the
-manifest last (a version without one is invisible), one HTTP push per engine naming the version dir; and
-the engine's half, fetching from the store it was started with. Between datacenters there is no shared
-filesystem and no collective, but an object store does the fan-out. Versions stay until every engine
-acknowledged them, plus the chain late joiners replay (`catch_up`); docs/sender.md has the lifecycle.
-The engine fetches one flush ahead; where the manifest gives every param of a `vllm-delta/2` flush a post
-digest, it reads only the header and the blocks this rank decodes (`SparseFile`; the ranks' partial
-digests are checked, as the file hash cannot be).
+"""S3 transport, for engines that share no filesystem or collective with the trainer: flush objects under
+`s3://BUCKET/PREFIX/<version dir>/`, the manifest last, kept until every engine acknowledged them plus
+the chain late joiners replay (docs/sender.md); and the engine's half, fetching one flush ahead, sparse
+(the header and this rank's blocks, checked by the ranks' partial digests) where that pays.
 """
 
 from __future__ import annotations
@@ -48,9 +44,6 @@ class Stored:
         if self.base_version is not None and self.base_version != version:
             return False
         return self.min_version is None or self.min_version <= version <= self.max_version
-
-    def body(self) -> dict[str, Any]:
-        return {"path": self.name, "version": self.version, "base_version": self.base_version}
 
 
 class S3Transport(StoredTransport):
@@ -124,8 +117,8 @@ class S3Transport(StoredTransport):
                 if u < s.version and s.version not in reach and s.applies_at(u):
                     reach[s.version] = reach[u] + [s]
                     break
-        steps = reach.get(target)
-        return [s.body() for s in steps] if steps else None
+        steps = reach.get(target) or []
+        return [{"path": s.name, "version": s.version, "base_version": s.base_version} for s in steps] or None
 
     def cleanup(self, sent: list[SentDelta]) -> None:
         """Delete every version all engines have moved past, except the kept chain."""

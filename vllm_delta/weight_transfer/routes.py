@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import StrictStr
+from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
 
 from vllm_delta.backend_names import is_ours
 from vllm_delta.engine.cli_args import dev_mode, weight_transfer_backend
@@ -51,8 +52,6 @@ class WeightTransferDoor(Transaction):
 
     async def update(self, update_info: dict[str, Any]) -> dict[str, Any]:
         """Phase 1 on every worker (nothing written); a refusal is the route's status and body."""
-        from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
-
         async with self.lock:
             self.prepared = None
             with weight_operation_metrics().record("update"):
@@ -68,8 +67,6 @@ class WeightTransferDoor(Transaction):
 
     async def finish(self, weight_version: str | None) -> dict[str, Any] | None:
         """Phase 2: commit, holding generation around it when the delta changes anything."""
-        from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
-
         async with self.lock:
             prepared, self.prepared = self.prepared, None
 

@@ -146,38 +146,37 @@ class SyncClientLinks:
         self.clients = dict(clients)
 
     def update(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
-        return self._each(bodies, self._update)
+        def update(client: Any, body: Mapping[str, Any]) -> dict[str, Any]:
+            client.start_weight_update()
+            client.update_weights(dict(body))
+            client.finish_weight_update(weight_version=str(body["version"]))
+            return {"version": body["version"]}
+
+        return self._each(bodies, update)
 
     def status(self, names: Sequence[str]) -> dict[str, Reply]:
-        return self._each({n: {} for n in names}, self._status)
+        """The engine's `weight_version` as our version (anything else: unknown, anchor it); the run is
+        unknown (None), as vLLM's protocol carries none."""
+
+        def status(client: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+            raw = str(engine_info(client, "weight_version", "weight_info"))
+            world = int(engine_info(client, "world_size", "get_world_size?include_dp=false"))
+            version = int(raw) if raw.isdigit() else -1
+            return {"version": version, "run_id": None, "healthy": True, "ranks": list(range(world))}
+
+        return self._each({n: {} for n in names}, status)
 
     def collective_init(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, Reply]:
-        return self._each(bodies, self._collective_init)
+        def init(client: Any, body: Mapping[str, Any]) -> dict[str, Any]:
+            client.init_weight_transfer_engine({"transport": "collective", "collective": dict(body)})
+            return {}
+
+        return self._each(bodies, init)
 
     def _each(self, bodies: Mapping[str, Mapping[str, Any]], call) -> dict[str, Reply]:
         with ThreadPoolExecutor(len(bodies), thread_name_prefix="vllm-delta-weight-transfer") as pool:
             futures = {n: pool.submit(_replied, n, call, self.clients[n], b) for n, b in bodies.items()}
             return {n: f.result() for n, f in futures.items()}
-
-    @staticmethod
-    def _update(client: Any, body: Mapping[str, Any]) -> dict[str, Any]:
-        client.start_weight_update()
-        client.update_weights(dict(body))
-        client.finish_weight_update(weight_version=str(body["version"]))
-        return {"version": body["version"]}
-
-    @staticmethod
-    def _status(client: Any, _: Mapping[str, Any]) -> dict[str, Any]:
-        """The engine's `weight_version` as our version (anything else: unknown, anchor it); the run is
-        unknown (None), as vLLM's protocol carries none."""
-        raw = str(engine_info(client, "weight_version", "weight_info"))
-        ranks = list(range(int(engine_info(client, "world_size", "get_world_size?include_dp=false"))))
-        return {"version": int(raw) if raw.isdigit() else -1, "run_id": None, "healthy": True, "ranks": ranks}
-
-    @staticmethod
-    def _collective_init(client: Any, body: Mapping[str, Any]) -> dict[str, Any]:
-        client.init_weight_transfer_engine({"transport": "collective", "collective": dict(body)})
-        return {}
 
 
 def _replied(name: str, call, client: Any, body: Mapping[str, Any]) -> Reply:
@@ -187,13 +186,7 @@ def _replied(name: str, call, client: Any, body: Mapping[str, Any]) -> Reply:
     except Exception as exc:  # the engine's answer, whatever the client raised it as
         response = getattr(exc, "response", None)
         if response is not None:
-            try:
-                payload = response.json()
-            except ValueError:
-                payload = {"error": {"type": "HTTPError", "message": response.text[:500]}}
-            return Reply(
-                name, response.status_code, payload if isinstance(payload, dict) else {"body": payload}
-            )
+            return Reply.of(name, response.status_code, response.text)
         err = parse_error(str(exc))  # an in-process client relays the worker's error as text
         if err is not None:
             return Reply(name, err.status, {"error": err.error})
