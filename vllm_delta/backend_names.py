@@ -1,9 +1,6 @@
-"""Our names in vLLM's two weight-transfer registries, and which installed package holds a name there.
-
-Why the registry decides: another package may register `delta` too (SkyRL does), and vLLM keeps the
-first registrant. `vllm_delta` is ours alone (taken: refused at startup, naming the holder); `delta`
-only while nobody else holds it. Imports nothing of this library, so both doors may ask `is_ours`.
-"""
+"""Our names in vLLM's two weight-transfer registries, and which installed package holds a name there:
+another package may register `delta` too (SkyRL does) and vLLM keeps the first, so `vllm_delta` is ours
+alone (taken: refused at startup) and `delta` only while nobody else holds it. Imports nothing of ours."""
 
 from __future__ import annotations
 

@@ -28,31 +28,18 @@ from vllm_delta.wire import (
 from vllm_delta.wire.checkpoint import Checkpoint, staged_dir
 
 
-class CliError(Exception):
-    """A user-facing failure: printed, exit status 1."""
-
-
 def cmd_diff(a: argparse.Namespace) -> None:
     old, new = Checkpoint.open(a.old), Checkpoint.open(a.new)
     if set(old.meta) != set(new.meta):
-        raise CliError(f"tensor names differ: {sorted(set(old.meta) ^ set(new.meta))[:5]}")
+        raise ValueError(f"tensor names differ: {sorted(set(old.meta) ^ set(new.meta))[:5]}")
     if bad := [k for k in new.meta if new.meta[k] != old.meta[k]]:
-        raise CliError(f"shape or dtype differs for {bad[:5]}")
+        raise ValueError(f"shape or dtype differs for {bad[:5]}")
     base = a.version - 1 if a.base_version is None else a.base_version
-    with staged_dir(a.out) as tmp:
-        with DeltaWriter(
-            tmp,
-            version=a.version,
-            base_version=base,
-            encoding=a.encoding,
-            flush_bytes=a.flush_bytes,
-            model_elements=new.elements,
-        ) as w:
-            for name, t in new.iter_tensors():
-                d = diff_param(t, old.read(name))
-                w.add(
-                    name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t)
-                )
+    opts = {"encoding": a.encoding, "flush_bytes": a.flush_bytes, "model_elements": new.elements}
+    with staged_dir(a.out) as tmp, DeltaWriter(tmp, version=a.version, base_version=base, **opts) as w:
+        for name, t in new.iter_tensors():
+            d = diff_param(t, old.read(name))
+            w.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))
     summary = summarize(open_delta(a.out))
     print(
         f"wrote {a.out}: {summary['changed']} changed elements, {summary['bytes']} B "
@@ -204,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except (CliError, DeltaError, OSError, ValueError) as e:
+    except (DeltaError, OSError, ValueError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 

@@ -1,9 +1,6 @@
-"""HTTP client for the engine's delta routes (aiohttp): one concurrent request per engine, called from sync
-code (inside a running event loop, as in Ray async actors, on a private loop in a thread).
-
+"""HTTP client for the engine's delta routes (aiohttp): one concurrent request per engine, from sync code.
 Retries only where the request cannot have reached the update logic (no connection, 502/503/504); any
-other answer, a 500 included (a possibly dirty engine), is final and goes back to the sender.
-"""
+other answer, a 500 included (a possibly dirty engine), is final and goes back to the sender."""
 
 from __future__ import annotations
 

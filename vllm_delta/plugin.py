@@ -1,6 +1,5 @@
 """vLLM's entry points into vllm-delta: the general plugin (every vLLM process) and the endpoint plugin
-(the API server), which wires both doors over the transaction core; only this module knows both.
-"""
+(the API server), which wires both doors over the transaction core; only this module knows both."""
 
 from __future__ import annotations
 

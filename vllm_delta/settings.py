@@ -1,6 +1,5 @@
 """Every `VLLM_DELTA_*` environment variable: its name, and the one function that reads it, so no two
-readers drift (defaults, what counts as "off"). Standard library only: every process may import it.
-"""
+readers drift (defaults, what counts as "off"). Standard library only: every process may import it."""
 
 from __future__ import annotations
 

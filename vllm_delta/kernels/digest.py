@@ -1,7 +1,6 @@
 """The additive digest's terms and their sums per segment (`segment_sums`: the one entry point of every
-digest). H(t) = sum_i mix(key(i, bits_i)) mod 2^64 in two lanes (wire/additive.py says why); compiled
-(`digest_jit`) on CPU tensors with the kernels on, else torch integer ops where the values live (int64
-wraps mod 2^64 on every backend), so only the sums leave the device."""
+digest), H(t) = sum_i mix(key(i, bits_i)) mod 2^64 in two lanes (wire/additive.py says why): compiled
+(`digest_jit`) on CPU tensors, else torch int64 ops where the values live, so only the sums leave it."""
 
 from __future__ import annotations
 

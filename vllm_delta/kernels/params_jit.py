@@ -21,10 +21,11 @@ _QUOTE, _BACKSLASH, _COMMA, _LBRACKET, _RBRACKET, _LBRACE, _RBRACE = 34, 92, 44,
 _MAX_DIGITS = 18  # every such int fits int64; a longer one is the JSON parser's to read
 
 
+# Each reader below answers -1 (a failure) for a negative `at`, so a chain of them fails at its first.
 @kernel
 def _literal(buf, at, text):
     """The position after `text` when `buf` holds it at `at`, else -1."""
-    if at + text.size > buf.size:
+    if at < 0 or at + text.size > buf.size:
         return -1
     for k in range(text.size):
         if buf[at + k] != text[k]:
@@ -66,7 +67,7 @@ def _intern(buf, a, b, slots, distinct, n, field):
 def _string(buf, at):
     """The end (its closing quote) of a JSON string opening at `at` with no escape, no control byte
     and no byte past ASCII, else -1."""
-    if at >= buf.size or buf[at] != _QUOTE:
+    if at < 0 or at >= buf.size or buf[at] != _QUOTE:
         return -1
     i = at + 1
     while i < buf.size:
@@ -82,7 +83,7 @@ def _string(buf, at):
 @kernel
 def _int(buf, at, out, k):
     """A JSON int of at most _MAX_DIGITS digits at `at` into out[k]: the position after it, else -1."""
-    i = at
+    i = at if at >= 0 else buf.size  # a failure passed on: no digits
     neg = i < buf.size and buf[i] == 45  # '-'
     if neg:
         i += 1
@@ -101,7 +102,7 @@ def _int(buf, at, out, k):
 @kernel
 def _ints(buf, at, out, k):
     """A JSON list of ints at `at` into out[k:]: (the position after it, how many), else (-1, 0)."""
-    if at >= buf.size or buf[at] != _LBRACKET:
+    if at < 0 or at >= buf.size or buf[at] != _LBRACKET:
         return -1, 0
     i = at + 1
     n = 0
@@ -124,7 +125,7 @@ def _ints(buf, at, out, k):
 @kernel
 def _strings(buf, at):
     """The position after a JSON list of strings (as `_string` takes them) at `at`, else -1."""
-    if at >= buf.size or buf[at] != _LBRACKET:
+    if at < 0 or at >= buf.size or buf[at] != _LBRACKET:
         return -1
     i = at + 1
     if i < buf.size and buf[i] == _RBRACKET:
@@ -165,43 +166,29 @@ def scan(buf, keys):
             return fail
         row = spans[p]
         i = _literal(buf, i, keys[0])
-        if i < 0:
-            return fail
         end = _string(buf, i)
         if end < 0:
             return fail
         row[NAME_A], row[NAME_B] = i + 1, end
         i = _literal(buf, end + 1, keys[1])
-        end = _string(buf, i) if i >= 0 else -1
+        end = _string(buf, i)
         if end < 0:
             return fail
         row[DTYPE] = _intern(buf, i + 1, end, slots, distinct, counts, 0)
-        i = _literal(buf, end + 1, keys[2])
+        at = _literal(buf, end + 1, keys[2])
+        i, _ = _ints(buf, at, lens, f)  # checked here, read from its text by the caller (`lens` reused)
         if i < 0 or row[DTYPE] < 0:
             return fail
-        at = i
-        i, _ = _ints(buf, i, lens, f)  # checked here, read from its text by the caller (`lens` reused)
-        if i < 0:
-            return fail
         row[SHAPE] = _intern(buf, at, i, slots, distinct, counts, 1)
-        if row[SHAPE] < 0:
-            return fail
-        i = _literal(buf, i, keys[3])
-        i = _int(buf, i, row, COUNT) if i >= 0 else -1
-        i = _literal(buf, i, keys[4]) if i >= 0 else -1
-        i = _int(buf, i, row, WIDTH) if i >= 0 else -1
-        i = _literal(buf, i, keys[5]) if i >= 0 else -1
-        if i < 0:
-            return fail
-        at = i
-        i = _strings(buf, i)
-        if i < 0:
+        i = _int(buf, _literal(buf, i, keys[3]), row, COUNT)
+        i = _int(buf, _literal(buf, i, keys[4]), row, WIDTH)
+        at = _literal(buf, i, keys[5])
+        i = _strings(buf, at)
+        if i < 0 or row[SHAPE] < 0:
             return fail
         row[STREAMS] = _intern(buf, at, i, slots, distinct, counts, 2)
-        if row[STREAMS] < 0:
-            return fail
         i = _literal(buf, i, keys[6])
-        if i < 0 or i >= buf.size or buf[i] != _LBRACKET:
+        if row[STREAMS] < 0 or i < 0 or i >= buf.size or buf[i] != _LBRACKET:
             return fail
         i += 1
         rows = 0

@@ -1,8 +1,6 @@
 """The bucket scan's diff, gather, HF map and additive digests fused into one pass over CPU weights
-(`scan_jit`), tested equal to `bucket_scan.torch_diff_digest` (a mask, its nonzero, two gathers and ~30
-int64 passes: 6-7x the kernel, docs/results/kernels.md). Elements no run covers are never read. Other
-widths than 16 and 32 bits, off the CPU or with the kernels off (`switch.on`): the torch path.
-"""
+(`scan_jit`), tested equal to `bucket_scan.torch_diff_digest` (6-7x slower, docs/results/kernels.md).
+Other widths than 16 and 32 bits, off the CPU or with the kernels off (`switch.on`): the torch path."""
 
 from __future__ import annotations
 
@@ -100,24 +98,19 @@ def _windows(numel: int, workers: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, numel)) for a in range(0, numel, step)] or [(0, 0)]
 
 
-def _refs(arrays: Set) -> list[int]:
-    return [sys.getrefcount(a) for a in arrays]
-
-
-_ALONE = _refs([np.empty(0)])[0]  # an array that only a list holds, as `_refs` counts it
+_ALONE = [sys.getrefcount(a) for a in [np.empty(0)]][0]  # an array only a list holds, counted as in `alone`
 
 
 def alone(arrays: Set) -> bool:
     """Nothing but the list `arrays` holds any of them (strongly or weakly)."""
-    return max(_refs(arrays)) <= _ALONE and not any(weakref.getweakrefcount(a) for a in arrays)
+    held = max([sys.getrefcount(a) for a in arrays])
+    return held <= _ALONE and not any(weakref.getweakrefcount(a) for a in arrays)
 
 
 class ScanBuffers:
-    """The scan's output sets, handed out again from one scan of a bucket to the next once nothing but
-    this pool holds them: fresh arrays page-fault on every page written, a third of a 1 GB scan
-    (docs/results/sender.md). A set is reused only when the reference counts of its arrays (and no weak
-    reference) show this pool alone holds it. At most two sets per window (lo, hi, dtype, want_run): the
-    last scan's, and the one before while something still holds it (at most twice its changes)."""
+    """The scan's output sets, reused from one scan of a bucket to the next once reference counts show only
+    this pool holds them (fresh arrays page-fault on every page written: a third of a 1 GB scan,
+    docs/results/sender.md). Per window at most the last scan's set and the one before, if still held."""
 
     def __init__(self) -> None:
         self._sets: dict[tuple, list[Set]] = {}

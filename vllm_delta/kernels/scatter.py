@@ -1,7 +1,6 @@
 """The commit's scatter (with the ULP resolve) and read-back on CPU weights as compiled loops (`scatter_jit`),
-tested equal to the torch path in `engine/commit.py` (tests/engine/test_apply_kernel.py): each entry read
-and written once, without torch's int64 offset copies; the read-back a pass of its own after the writes.
-Off the CPU, for a dtype conversion or with the kernels off (`switch.on`), the torch path runs."""
+tested equal to the torch path in `engine/commit.py`, which runs off the CPU, for a dtype conversion or
+with the kernels off (`switch.on`): each entry read and written once, without int64 offset copies."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The numba kernels of `scatter`, on bit patterns as unsigned ints of the element's width, with int32 or
 int64 offsets each checked against the storage (numba does not check: it would write outside the
-weights). The ULP resolve is `wire.codecs.ulp_resolve`'s order-key bijection, branch-free on the sign bit.
-"""
+weights). The ULP resolve is `wire.codecs.ulp_resolve`'s order-key bijection, branch-free on the sign bit."""
 
 from __future__ import annotations
 
@@ -55,15 +54,8 @@ def _prefetch(typingctx, arr, idx):
         fn = mod.globals.get(_PREFETCH) or ir.Function(
             mod, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), _PREFETCH
         )
-        builder.call(
-            fn,
-            [
-                builder.bitcast(builder.gep(data, [args[1]]), i8p),
-                ir.Constant(i32, 0),
-                ir.Constant(i32, 3),
-                ir.Constant(i32, 1),
-            ],
-        )
+        at = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+        builder.call(fn, [at, *(ir.Constant(i32, c) for c in (0, 3, 1))])  # read, keep in all levels, data
         return context.get_dummy_value()
 
     return sig, codegen

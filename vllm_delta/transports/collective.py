@@ -1,13 +1,9 @@
-"""Collective transport: the flush bytes broadcast to each engine's own group (`groups.py`: the trainer's
-rank 0 plus that engine's workers), so a refused, stalled or killed engine breaks only its own group,
-dropped and rebuilt at the next sync; engines are served on a thread each.
-
-Per update and engine, a handshake before any bulk byte (store keys `<seq>/offer`, `<seq>/answer/<rank>`,
-`<seq>/go`): rank 0 offers the update (version, the manifest's digest, each flush's name and size), every
-engine rank checks it against the manifest its HTTP request carried and answers, and only if all accept
-does rank 0 say "go" and stream the flushes. So a refusing engine never leaves the trainer blocked in a
-broadcast, and an engine rank that fails while decoding keeps receiving (and dropping) the rest.
-"""
+"""Collective transport: flush bytes broadcast to each engine's own group (`groups.py`: the trainer's rank 0
+plus that engine's workers), so a refused, stalled or killed engine breaks only its own group, rebuilt at
+the next sync. Per update, a handshake on the group's store comes before any bulk byte: rank 0 offers it
+(version, manifest digest, flush names and sizes), every engine rank checks the offer against its HTTP
+request's manifest and answers, and only if all accept does rank 0 say "go" and stream the flushes; so a
+refusing engine never leaves the trainer blocked in a broadcast."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""One engine's collective group: vLLM's `StatelessProcessGroup` for the rendezvous and a JSON control
-plane on its store (never pickle), and a bulk channel for flush bytes (gloo on CPU, vLLM's
-`PyNcclCommunicator` on CUDA). As in vLLM's RLHF examples: the trainer's default group is never touched,
-and NCCL runs without torch's watchdog: a broadcast, and the channel's setup (a peer that joined and died
-would hold `ncclCommInitRank` forever), are waited on with a deadline. NCCL bytes move through at most
-`NCCL_STAGING_SLOTS` staging pairs of `NCCL_CHUNK_BYTES` in this process.
-"""
+"""One engine's collective group: vLLM's `StatelessProcessGroup` for the rendezvous and a JSON control plane
+on its store (never pickle), and a bulk channel for flush bytes (gloo on CPU, vLLM's `PyNcclCommunicator` on
+CUDA). The trainer's default group is never touched; NCCL runs without torch's watchdog, so its setup (a
+peer that joined and died would hold `ncclCommInitRank` forever) and its broadcasts are waited on with a
+deadline, through at most `NCCL_STAGING_SLOTS` staging pairs of `NCCL_CHUNK_BYTES` in this process."""
 
 from __future__ import annotations
 
@@ -57,9 +55,7 @@ class Group:
         """Wait (at most the store's timeout) for `key`."""
         return json.loads(bytes(self.spg.store.get(f"vllm-delta/{key}")))
 
-    def wait_all(
-        self, keys: list[str], deadline: float, stop: Callable[[], bool] = lambda: False
-    ) -> list[Any] | None:
+    def wait_all(self, keys: list[str], deadline: float, stop: Callable[[], bool]) -> list[Any] | None:
         """Every key's value, or None if `stop()` turned true first; `GroupTimeout` past `deadline`."""
         full = [f"vllm-delta/{k}" for k in keys]
         pause = _POLL_S[0]
@@ -74,8 +70,7 @@ class Group:
 
     def send_bytes(self, data: bytes) -> None:
         if self.backend == "gloo":
-            with warnings.catch_warnings():  # the root only reads the buffer
-                warnings.simplefilter("ignore", UserWarning)
+            with warnings.catch_warnings(action="ignore", category=UserWarning):  # the root only reads it
                 t = torch.frombuffer(data, dtype=torch.uint8)
             self.bulk.broadcast(t, 0).wait(datetime.timedelta(seconds=self.timeout_s))
         else:

@@ -146,8 +146,6 @@ class ObjectStore:
         size, etag = self.head(key)
         if max_bytes is not None and size > max_bytes:
             raise LimitError(f"object of {size} bytes exceeds the cap of {max_bytes}", file=key)
-        if size <= self.part_bytes:
-            return self._get(key, 0, size, etag) if size else b""
         out = bytearray(size)
         self.read_into(key, out, [(0, size)], etag=etag)
         return bytes(out)

@@ -1,6 +1,5 @@
 """Our backend in vLLM's two weight-transfer registries (by module path: nothing of ours is imported until
-used), from the general plugin, which vLLM loads in every process. Who holds which name: backend_names.py.
-"""
+used), from the general plugin, which vLLM loads in every process. Who holds which name: backend_names.py."""
 
 from __future__ import annotations
 
@@ -22,15 +21,10 @@ class BackendNameTaken(RuntimeError):
 
 def register_backends() -> None:
     """Both registries; idempotent, as plugins may load more than once per process."""
-    from vllm.distributed.weight_transfer.factory import (
-        WeightTransferEngineFactory,
-        WeightTransferTrainerFactory,
-    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as Engines
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as Trainers
 
-    for factory, (module, cls) in (
-        (WeightTransferEngineFactory, WORKER),
-        (WeightTransferTrainerFactory, TRAINER),
-    ):
+    for factory, (module, cls) in ((Engines, WORKER), (Trainers, TRAINER)):
         for name in (BACKEND, ALIAS):
             held = holder(factory._registry, name)
             if held is None:
@@ -42,12 +36,8 @@ def register_backends() -> None:
                     "could then pair with different backends). Uninstall one of the two packages."
                 )
             elif held != module:
-                logger.info(
-                    "weight-transfer backend %r belongs to %s; vllm-delta answers to %r only",
-                    name,
-                    package_of(held),
-                    BACKEND,
-                )
+                why = "weight-transfer backend %r belongs to %s; vllm-delta answers to %r only"
+                logger.info(why, name, package_of(held), BACKEND)
 
 
 def observe_post_load_steps() -> None:

@@ -1,7 +1,6 @@
 """Front end of the `delta` backend, a door over the core: vLLM's `/update_weights` (the core's prepare)
 and `/finish_weight_update` (its commit, then vLLM's own finish), replaced because vLLM's make every
-worker error a 500 and cannot pause around a commit. Mounted only for `delta`, in dev mode (as vLLM's).
-"""
+worker error a 500 and cannot pause around a commit. Mounted only for `delta`, in dev mode (as vLLM's)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """The trainer side of the `delta` backend: a `DeltaSender` behind `trainer_init` and `send_weights()`,
-over vLLM's weight-sync clients (`SyncClientLinks`). With a `group`, each trainer rank diffs what it
-holds; rank 0 talks to the engines.
-"""
+over vLLM's weight-sync clients (`SyncClientLinks`); with a `group`, each trainer rank diffs what it holds."""
 
 from __future__ import annotations
 
@@ -58,7 +56,6 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.sender = sender
         self.transport = transport
-        self.last_metrics: dict[str, float] = {}
 
     @classmethod
     def trainer_init(
@@ -99,8 +96,7 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
         if self.sender is None:
             drain(self.source)
             return {}
-        self.last_metrics = self.sender.sync(held_tensors(self.source))
-        return self.last_metrics
+        return self.sender.sync(held_tensors(self.source))
 
     def shutdown(self) -> None:
         """Stop the sender (its collective groups too) and release the engines' ends of them."""

@@ -1,7 +1,6 @@
 """The worker half of the `delta` backend: our worker extension speaking vLLM's `WeightTransferEngine`
 lifecycle. The HTTP front end drives it through the core and one worker method (`worker_rpc`); the
-offline `LLM` prepares in `update_weights`, agrees over vLLM's CPU world group, commits at the finish.
-"""
+offline `LLM` prepares in `update_weights`, agrees over vLLM's CPU world group, commits at the finish."""
 
 from __future__ import annotations
 
