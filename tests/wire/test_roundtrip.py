@@ -42,11 +42,15 @@ def roundtrip(
     changes, entries = [], []
     for name, t in new.items():
         d = diff_param(t, old[name])
-        if d.count:
+        if d.positions.numel():
             changes.append(ParamChange(name, tuple(t.shape), d.positions, d.new_values, d.old_values))
             entries.append(
                 ParamEntry(
-                    name=name, dtype=str(t.dtype)[6:], shape=list(t.shape), changed=d.count, files=["f0"]
+                    name=name,
+                    dtype=str(t.dtype)[6:],
+                    shape=list(t.shape),
+                    changed=d.positions.numel(),
+                    files=["f0"],
                 )
             )
     flush = encode_flush(changes, encoding=enc, version=2, base_version=1)
