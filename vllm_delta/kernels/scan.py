@@ -136,9 +136,8 @@ class ScanBuffers:
         return list(self._taken.values())
 
     def settle(self, written: list[tuple[int, Set]]) -> None:
-        """After a scan: `written` is (changes, arrays the kernel returned) per set of the last `take`.
-        A grown set replaces the one taken; a set over twice its changes goes; windows not taken
-        this scan go; of the older sets, the most recent one still held elsewhere stays."""
+        """After a scan, `written` (changes, arrays returned) per set of the last `take`: a grown set replaces
+        its own, one over twice its changes goes, as do windows not taken and older sets but the last held."""
         from vllm_delta.kernels.scan_jit import capacity
 
         kept = {}

@@ -18,9 +18,8 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 def warm_up(
     dtypes: Iterable[torch.dtype] = (torch.bfloat16,), *, engine: bool = True, sender: bool = False
 ) -> float:
-    """Compile (or load from numba's cache) the digest's kernel and, with `engine`, the engine's
-    (flush params, scatter, read-back), with `sender` the sender's (scan, encode), for values of these
-    dtypes; the seconds it took. Nothing with the kernels switched off."""
+    """Compile (or load from numba's cache) the digest's kernel, the engine's and/or the sender's, for
+    values of these dtypes; the seconds it took (none with the kernels switched off)."""
     if not switch.on():
         return 0.0
     start = time.perf_counter()

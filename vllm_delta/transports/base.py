@@ -112,7 +112,6 @@ class Transport(ABC):
     def catch_up(self, status: dict[str, Any], target: int) -> list[dict[str, Any]] | None:
         """The kept versions that take an engine in `status` to `target`, as update bodies in order;
         None where nothing is kept (the planner anchors the engine instead)."""
-        return None
 
 
 class StoredTransport(Transport):

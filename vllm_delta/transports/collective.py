@@ -31,9 +31,8 @@ T = TypeVar("T")
 
 
 class FlushSpool:
-    """Encoded flushes by name, in arrival order: in memory up to `window_bytes`, the rest in an unlinked
-    temporary file (the handshake needs the whole manifest, so every flush is encoded before the first
-    broadcast, and an anchor is the whole model). `os.pread` lets the engines' send threads share it."""
+    """Encoded flushes by name: in memory up to `window_bytes`, the rest in an unlinked temporary file
+    (every flush is encoded before the handshake, and an anchor is the whole model), read with `pread`."""
 
     def __init__(self, window_bytes: int = 256 << 20) -> None:
         self.window_bytes = window_bytes
@@ -92,11 +91,8 @@ class Refused(DeltaError):
     """Another rank of this engine refused the offer (its status, type and fields are kept)."""
 
     def __init__(self, answer: dict[str, Any]) -> None:
-        super().__init__(
-            f"{answer['type']} on another rank: {answer['message']}",
-            file=answer.get("file"),
-            param=answer.get("param"),
-        )
+        why = f"{answer['type']} on another rank: {answer['message']}"
+        super().__init__(why, file=answer.get("file"), param=answer.get("param"))
         self.http_status = int(answer["status"])
 
 
@@ -106,7 +102,6 @@ class CollectiveError(DeltaError):
     http_status = 502
 
 
-# ---- rank 0 -------------------------------------------------------------------------------------
 def offer(
     group: Group,
     version: int,
@@ -114,9 +109,8 @@ def offer(
     flushes: Iterable[tuple[str, int]],
     stop: Callable[[], bool],
 ) -> bool:
-    """Announce one update and collect the answers. True: every rank accepted (go, now stream);
-    False: the engine answered its HTTP request without taking part (`stop()`), or a rank refused.
-    `GroupTimeout` if the ranks stay silent past the group's timeout."""
+    """Announce one update and collect the answers: True, every rank accepted (now stream); False, a rank
+    refused or the engine answered its HTTP request without taking part (`stop()`); else `GroupTimeout`."""
     group.seq += 1
     group.bytes_sent, group.refusal = 0, None
     seq = group.seq
@@ -137,7 +131,6 @@ def stream(group: Group, flushes: Iterable[bytes]) -> None:
         group.send_bytes(data)
 
 
-# ---- an engine rank -----------------------------------------------------------------------------
 class Receiver:
     """The offered flushes, received one at a time as the decoder asks for them."""
 
@@ -195,9 +188,8 @@ def _check_offer(
         )
     for name, size in flushes:
         if size > max_flush_bytes:
-            raise LimitError(
-                f"flush of {size} B exceeds this engine's {max_flush_bytes} B per-flush cap", file=name
-            )
+            why = f"flush of {size} B exceeds this engine's {max_flush_bytes} B per-flush cap"
+            raise LimitError(why, file=name)
     return flushes
 
 
@@ -228,7 +220,7 @@ class CollectiveLink:
         refused = lambda: init.done() and not init.result()[self.url].ok  # noqa: E731
         try:
             group = host_group(
-                sock, world_size=world, backend=t.backend, timeout_s=t.timeout_s, joined=lambda: not refused()
+                sock, world_size=world, backend=t.backend, timeout_s=t.timeout_s, refused=refused
             )
         except BaseException as exc:
             sock.close()

@@ -149,10 +149,10 @@ def host_group(
     world_size: int,
     backend: str,
     timeout_s: float,
-    joined: Callable[[], bool] = lambda: True,
+    refused: Callable[[], bool] = lambda: False,
 ) -> Group:
-    """Rank 0: serve the store on `sock`, wait until every engine rank has joined (or `joined()` says
-    the engine refused: `ConnectionError`), then build the bulk channel with them."""
+    """Rank 0: serve the store on `sock`, wait until every engine rank has joined (`ConnectionError` once
+    `refused()`: the engine refused), then build the bulk channel with them."""
     from vllm.distributed.utils import StatelessProcessGroup, create_tcp_store
 
     host, port = sock.getsockname()[:2]
@@ -168,7 +168,7 @@ def host_group(
     )
     group = Group(StatelessProcessGroup(rank=0, world_size=world_size, store=store), backend, timeout_s)
     ranks = [f"joined/{r}" for r in range(1, world_size)]
-    if group.wait_all(ranks, time.monotonic() + timeout_s, stop=lambda: not joined()) is None:
+    if group.wait_all(ranks, time.monotonic() + timeout_s, stop=refused) is None:
         raise ConnectionError("the engine refused to join")
     group.bulk = _bulk(group)
     return group

@@ -82,7 +82,6 @@ class S3Transport(StoredTransport):
         lo, hi = (m.lineage.min_version, m.lineage.max_version) if m.lineage else (None, None)
         self.sealed[sent.location] = Stored(sent.location, m.version, sent.kind, m.base_version, lo, hi)
 
-    # ---- lifecycle ---------------------------------------------------------------------------
     def chain(self) -> tuple[int, list[Stored]] | None:
         """(start version, the versions after it) an engine can replay: the latest anchor, or the
         checkpoint if no anchor was sent yet; None when no chain is kept."""
@@ -152,7 +151,6 @@ class S3Transport(StoredTransport):
         return True
 
 
-# ---- the engine's half ----------------------------------------------------------------------
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is ~200 B per changed tensor: room for 300k tensors
 HEAD_BYTES = 64 << 10  # the first GET of a sparse fetch: the size field and, mostly, the whole header
 MERGE_GAP = 64 << 10  # owned ranges closer than this are fetched as one: fewer GETs for a few bytes more
@@ -175,16 +173,14 @@ def fetch_manifest(store: ObjectStore, prefix: str) -> tuple[Manifest, int]:
     try:
         data = store.get(f"{prefix}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES)
     except StoreNotFound:
-        raise IncompleteDeltaError(
-            f"no manifest in the store under {prefix!r}: the delta is unfinished", file=MANIFEST_NAME
-        ) from None
+        why = f"no manifest in the store under {prefix!r}: the delta is unfinished"
+        raise IncompleteDeltaError(why, file=MANIFEST_NAME) from None
     return parse_manifest(data), len(data)
 
 
 class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
-    """(name, bytes) of each flush listed, in order, one fetched ahead on a thread; `fetched_bytes`
-    counts what came from the store. Close it (or use `with`): a consumer that stops early stops the fetch.
-    With `owned`, a flush whose params all have post digests is fetched sparse where that pays."""
+    """(name, bytes) of each flush listed, one fetched ahead on a thread (`with`: stopping early stops it),
+    sparse where `owned` and post digests let it pay; `fetched_bytes` counts what came from the store."""
 
     def __init__(
         self,
@@ -206,14 +202,13 @@ class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
     def __next__(self) -> tuple[str, bytes | SparseFile]:
         return next(self._gen)
 
-    def close(self) -> None:
-        self._gen.close()
-
     def __enter__(self) -> StoreFlushes:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._gen.close()
+
+    close = __exit__
 
     def _run(self, files: list[FileEntry]) -> Iterator[tuple[str, bytes | SparseFile]]:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-fetch") as pool:
@@ -279,10 +274,9 @@ class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
 
 
 def block_ranges(header: bytes, owned: Owned) -> list[tuple[int, int]] | None:
-    """[start, end) file byte ranges of the blocks `owned` selects in a `vllm-delta/2` flush whose
-    first bytes (size field and JSON header) are `header`, merged across gaps under MERGE_GAP;
-    None when it is not such a flush or its header does not parse (the whole file is fetched, and
-    the decoder says what is wrong). The block index is the reader's own (`flush.plan_blocked`)."""
+    """[start, end) byte ranges of the blocks `owned` selects in a `vllm-delta/2` flush whose size field and
+    JSON header are `header` (the reader's own block index), merged across gaps under MERGE_GAP; None
+    for any other file (fetched whole: the decoder says what is wrong)."""
     try:
         table = json.loads(header[8:])
         meta = table["__metadata__"]

@@ -1,7 +1,6 @@
-"""An S3-compatible object store: the few calls the sender and the engines need, done one way (large
-objects in parallel parts, botocore's standard retries, the only ones, for SlowDown and dropped
-connections, errors as `DeltaError`s naming the object, never a credential); boto3 imported lazily.
-Endpoint and credentials come from the standard AWS environment and config files."""
+"""An S3-compatible object store (endpoint and credentials from the standard AWS environment): the few calls
+the sender and the engines need, in parallel parts, with botocore's standard retries (the only ones), and
+errors as `DeltaError`s naming the object, never a credential; boto3 imported lazily."""
 
 from __future__ import annotations
 

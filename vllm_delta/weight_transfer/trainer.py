@@ -19,9 +19,8 @@ from vllm_delta.weight_transfer.registry import register_backends
 
 @dataclass
 class DeltaTrainerInitInfo(TrainerInitInfo):
-    """`DeltaSender`'s options, plus vLLM's keyword-only `rank` (0 talks to the engines). `delta_dir`:
-    the engines' `--delta-updates-root` (disk). `checkpoint` seeds the snapshot from the served files;
-    without it, from the source at `trainer_init`. `group`: all trainer ranks' gloo group."""
+    """`DeltaSender`'s options, plus vLLM's `rank` (0 talks to the engines) and `checkpoint` (seed from the
+    served files, not the source); `delta_dir`: the engines' root (disk); `group`: the trainer ranks'."""
 
     backend: ClassVar[str] = BACKEND
 

@@ -145,9 +145,8 @@ SESSION_RPCS = frozenset({"prepare_start", "commit"})
 
 
 def install_worker_rpc() -> None:
-    """Give vLLM's worker class `delta_weight_transfer` (`worker_rpc`), idempotently, in processes whose
-    engine uses `delta`. Why: `collective_rpc` resolves names on the worker, not its weight-transfer
-    engine, and vLLM's weight methods cannot poll (`update_weights` drops the return value)."""
+    """Give vLLM's worker class `worker_rpc`, idempotently: `collective_rpc` resolves names on the worker,
+    not its weight-transfer engine, and vLLM's weight methods cannot poll (`update_weights` returns None)."""
     from vllm.v1.worker.worker_base import WorkerBase
 
     if not hasattr(WorkerBase, WORKER_RPC):
