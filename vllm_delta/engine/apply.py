@@ -75,6 +75,8 @@ class DeltaApplier:
     @ownership.setter
     def ownership(self, ownership: Ownership) -> None:
         self.routing.ownership = ownership
+        if self._shadows_planned:  # at startup (set_peers): the routes now, not in the first sync
+            self.routing.routes()
 
     def _storages(self) -> dict[int, str]:
         """Live parameter storages -> their names: what the probe and the fallback replay record into."""
@@ -94,6 +96,7 @@ class DeltaApplier:
             self._shadows_planned = True
             self.routing.placements = self._placements
             self._plan_fallbacks()
+            self.routing.owned_ranges()  # worked out at startup, not in the first sync
         return self._placements
 
     def _noting_loaded(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:

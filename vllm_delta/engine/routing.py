@@ -105,12 +105,8 @@ class Routing:
         """Each tensor's `Route`, made once per ownership (a new one drops the plans made from the old)."""
         if self._routes is None or self._routes_for is not self.ownership:
             self._routes = {name: self._route(name, p) for name, p in self.placements.items()}
-            self._routes_for, self._decode_devices, self._last_plans, self._plans = (
-                self.ownership,
-                None,
-                {},
-                {},
-            )
+            self._routes_for, self._decode_devices = self.ownership, None
+            self._last_plans, self._plans = {}, {}
         return self._routes
 
     def new_sync(self) -> None:
