@@ -29,7 +29,8 @@ BATCH_ENTRIES = 1 << 19  # decoded entries per batch: bounds its temporaries (ab
 # Past this many wanted entries a param decodes 3-6x cheaper a change on the per-param path.
 PER_PARAM_ENTRIES = 1 << 13
 DEVICE_BATCH_ENTRIES = 1 << 22  # a device batch's ~86 ops are launches: more entries (~0.5 GB of int64)
-_INT64_MAX = (1 << 63) - 1
+# Host batches also end every BATCH_PARAMS params: the next sync's batches recur (and the stager's plans).
+BATCH_PARAMS = 1 << 12
 
 
 def _supported(enc: Encoding) -> bool:
@@ -129,7 +130,7 @@ def parse(
         and bool((cnt[notlast] % 8 == 0).all())
         and bool((flat >= 0).all())
     )
-    if not ok or (flat.size and int(flat.max()) > _INT64_MAX // flat.size):
+    if not ok or (flat.size and int(flat.max()) > np.iinfo(np.int64).max // flat.size):
         raise Fallback  # (the lengths' sums below could wrap in int64: the per-param path sums Python ints)
     # Each row's stream columns: its param's, row after row (ranges of the params' concatenated columns).
     col_start = np.cumsum(nstreams) - nstreams
@@ -232,9 +233,8 @@ def decode(
     # A batch holds host params and params of one device (each part decoded on its own, yielded in order).
     latest = np.maximum.accumulate(np.where(on_dev, np.arange(nparams), -1))  # the last device param so far
     dev_kind = np.where(latest >= 0, kind[np.maximum(latest, 0)], -1)
-    changes = (
-        np.flatnonzero(dev_kind[1:] != dev_kind[:-1]) + 1 if len(kinds) > 1 else np.zeros(0, dtype=np.int64)
-    )
+    ends = np.flatnonzero(dev_kind[1:] != dev_kind[:-1]) + 1 if len(kinds) > 1 else np.zeros(0, np.int64)
+    changes = ends if kinds else np.arange(BATCH_PARAMS, nparams, BATCH_PARAMS)
     large = np.flatnonzero((per_param >= min(PER_PARAM_ENTRIES, BATCH_ENTRIES)) & ~on_dev)
     p = 0
     while p < nparams:
