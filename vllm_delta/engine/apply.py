@@ -21,7 +21,7 @@ from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.commit import ApplyFault
 from vllm_delta.engine.digests import Ownership, lattice, segment_chunks
 from vllm_delta.engine.fallback import Shadows
-from vllm_delta.engine.placement import TensorPlacement, derived_params, unreached
+from vllm_delta.engine.placement import TensorPlacement, derived_params, owned_by_tensor, unreached
 from vllm_delta.engine.probe import PeakRss, build_placement
 from vllm_delta.engine.routing import Routing
 from vllm_delta.engine.stager import Stager
@@ -66,6 +66,7 @@ class DeltaApplier:
         self._shadows_planned = False
         self.coverage: dict[str, object] | None = None  # digests.check_coverage across ranks, at startup
         self._claimed: set[str] | None = None  # the parameters the probe's load_weights said it loaded
+        self._owned: dict[str, list[tuple[int, int]] | None] = {}  # owned_by_tensor, with the placement
 
     @property
     def ownership(self) -> Ownership:
@@ -96,7 +97,7 @@ class DeltaApplier:
             self._shadows_planned = True
             self.routing.placements = self._placements
             self._plan_fallbacks()
-            self.routing.owned_ranges()  # worked out at startup, not in the first sync
+            self._owned = owned_by_tensor(self._placements)  # at startup, not in the first sync
         return self._placements
 
     def _noting_loaded(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
@@ -208,7 +209,7 @@ class DeltaApplier:
     def owned_ranges(self) -> dict[str, list[tuple[int, int]] | None]:
         """Each tensor's checkpoint ranges this rank decodes, worked out once."""
         self.placements  # noqa: B018 - learned first (the probe, at startup)
-        return self.routing.owned_ranges()
+        return self._owned
 
     def _decoder(self) -> Decoder:
         """The reader's back end: the device's, for the tensors `Routing.decode_devices` names, when a

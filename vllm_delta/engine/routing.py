@@ -13,7 +13,7 @@ import torch
 
 from vllm_delta.engine.batched import Group, Landing, on_device
 from vllm_delta.engine.digests import Lattice, Ownership, contains
-from vllm_delta.engine.placement import Segment, TensorPlacement, owned_by_tensor
+from vllm_delta.engine.placement import Segment, TensorPlacement
 from vllm_delta.engine.staging import flat_storage
 from vllm_delta.engine.transforms import OffsetMap
 from vllm_delta.wire.deltas import DeltaBatch
@@ -85,7 +85,6 @@ class Routing:
     _last_plans: dict[tuple, Plan] = field(default_factory=dict)
     _plans: dict[tuple, Plan] = field(default_factory=dict)
     _decode_devices: dict[str, torch.device] | None = None
-    _owned_ranges: dict[str, list[tuple[int, int]] | None] | None = None
 
     def _route(self, name: str, placement: TensorPlacement) -> Route:
         """Batched where every element held here is held once and by no lower rank (no per-element mask)."""
@@ -123,12 +122,6 @@ class Routing:
             plan = Plan.of(item, routes)
         self._plans[key] = plan
         return plan if plan.whole else None
-
-    def owned_ranges(self) -> dict[str, list[tuple[int, int]] | None]:
-        """Each tensor's checkpoint ranges this rank decodes (`placement.owned_by_tensor`), once."""
-        if self._owned_ranges is None:
-            self._owned_ranges = owned_by_tensor(self.placements)
-        return self._owned_ranges
 
     def decode_devices(self) -> dict[str, torch.device]:
         """Batchable tensors whose destinations are all dense on one accelerator: decoded there."""
