@@ -358,7 +358,7 @@ def _observed(module: torch.nn.Module):
     found = derived.Discovery()
     setattr(model, derived.DISCOVERY_ATTR, found)
     weight = module.kv_b_proj.weight
-    derived._Discoverer(model, found).observe("0", module, type(module).process_weights_after_loading)
+    derived.Discoverer(model, found).observe("0", module, type(module).process_weights_after_loading)
     return model, found, weight
 
 

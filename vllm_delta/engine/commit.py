@@ -15,7 +15,7 @@ from torch import nn
 from vllm_delta.engine import derived
 from vllm_delta.engine.fallback import bits
 from vllm_delta.engine.staging import Chunk, StagedUpdate, flat_storage, gather, host_values
-from vllm_delta.engine.stand_in import Prebuilt
+from vllm_delta.engine.stand_in import NotStandIn, Prebuilt
 from vllm_delta.kernels import scatter as scatter_kernel
 from vllm_delta.wire.codecs import ulp_resolve_tensor
 
@@ -93,8 +93,8 @@ def commit(model: nn.Module, targets: Mapping[str, torch.Tensor], staged: Staged
 def prebuild_touched(
     model: nn.Module, targets: Mapping[str, torch.Tensor], writes: Mapping[str, Iterable[Chunk]]
 ) -> Prebuilt:
-    """In prepare: the post-load results of every touched unit whose step runs on a stand-in, from copies
-    of the written tensors with the staged writes (`derived.prebuild_touched`)."""
+    """In prepare: `derived.prebuild` of every unit the staged `writes` touch, from copies of the written
+    tensors with the writes; the rest is named `in_pause`."""
     copies: dict[str, torch.Tensor] = {}
 
     def written(name: str) -> torch.Tensor:
@@ -107,12 +107,24 @@ def prebuild_touched(
             copies[name] = torch.as_strided(flat, canon.shape, canon.stride(), canon.storage_offset())
         return copies[name]
 
-    return derived.prebuild_touched(model, writes, written)
+    out = Prebuilt()
+    for unit in derived.touched(model, writes):
+        try:
+            new = {n: written(n) for n in unit.sources if writes.get(n)}
+            out.built[unit.name, unit.kind] = derived.prebuild(model, unit, new)
+        except NotStandIn as exc:
+            out.in_pause[unit.name or "<model>"] = f"its post-load step cannot run on a stand-in: {exc}"
+    return out
 
 
 def refresh_touched(model: nn.Module, writes: Iterable[str], prebuilt: Prebuilt) -> None:
-    """Install what prepare built of every touched unit's post-load work; re-run the rest's in place."""
-    derived.install(model, writes, prebuilt)
+    """At commit: copy in what prepare built of each touched unit; re-run the others' steps in place."""
+    for unit in derived.touched(model, writes):
+        built = prebuilt.built.get((unit.name, unit.kind))
+        if built is not None:
+            built.install()
+        else:
+            unit.rederive()
     setattr(model, IN_PAUSE_ATTR, dict(prebuilt.in_pause))
 
 

@@ -1,5 +1,5 @@
 """Post-load steps whose results a delta must keep exact, one `Unit` each: quant methods' (`transforms`;
-deltas go to checkpoint-layout copies), attention layers' and the model's (`observe_units`: MLA derives
+deltas go to checkpoint-layout copies), attention layers' and the model's (`Discoverer`: MLA derives
 `W_UV` / `W_UK_T` from `kv_b_proj`; each tensor a step binds or writes that is not a checkpoint parameter
 is a "view", "rederive" or "constant", its sources probed, else refused). In prepare a touched unit's step
 runs on a stand-in (`prebuild`); the commit copies its results in (`install`) or re-runs it in place.
@@ -7,7 +7,7 @@ runs on a stand-in (`prebuild`); the commit copies its results in (`install`) or
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +15,7 @@ from torch import nn
 
 from vllm_delta.engine import stand_in
 from vllm_delta.engine.intercept import Intercept, storage_key
-from vllm_delta.engine.stand_in import Built, Held, NotStandIn, Prebuilt, reach
+from vllm_delta.engine.stand_in import Built, Held, NotStandIn, reach
 
 DISCOVERY_ATTR = "_delta_derived"  # on the model: its `Discovery`
 Step = Callable[[nn.Module], None]  # a unit's step, run on the module given (the unit or its stand-in)
@@ -107,7 +107,7 @@ def _other_values(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return ~t if t.dtype == torch.bool else t + 1
 
 
-class _Discoverer:
+class Discoverer:
     """Observes attention layers' and the model's steps as vLLM runs them and classifies what they derive."""
 
     def __init__(self, model: nn.Module, found: Discovery) -> None:
@@ -207,28 +207,8 @@ class _Discoverer:
         return not wrong
 
 
-def observe_units(model: nn.Module, found: Discovery) -> Iterator[tuple[nn.Module, Callable[..., None]]]:
-    """Each attention layer and the model itself, with its post-load step observed (`_Discoverer`)."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
-    discoverer = _Discoverer(model, found)
-    units = [(n, m) for n, m in model.named_modules() if is_deferred_attention_layer(m)]
-    for name, module in units + ([("", model)] if hasattr(model, "process_weights_after_loading") else []):
-        real = type(module).process_weights_after_loading
-
-        def observed(*args, name=name, module=module, real=real, **kwargs) -> None:
-            discoverer.observe(name, module, lambda m: real(m, *args, **kwargs))
-
-        yield module, observed
-
-
 def discovery(model: nn.Module) -> Discovery:
     return getattr(model, DISCOVERY_ATTR, None) or Discovery()
-
-
-def refused(model: nn.Module) -> dict[str, str]:
-    """{module.tensor (or module): why} for derived tensors that cannot be kept exact: updates are refused."""
-    return dict(discovery(model).refused)
 
 
 def touched(model: nn.Module, written: Iterable[str]) -> list[Unit]:
@@ -276,28 +256,3 @@ def prebuild(model: nn.Module, unit: Unit, written: Mapping[str, torch.Tensor]) 
     if any(isinstance(v, (torch.Tensor, nn.Module)) for _, _, v in built.swaps):
         raise NotStandIn("it swaps in a tensor or module")
     return built
-
-
-def prebuild_touched(
-    model: nn.Module, writes: Mapping[str, object], written: Callable[[str], torch.Tensor]
-) -> Prebuilt:
-    """In prepare: `prebuild` of every unit the staged `writes` touch, from `written(name)` (a copy of
-    what deltas go to with the writes); the rest is named `in_pause`."""
-    out = Prebuilt()
-    for unit in touched(model, writes):
-        try:
-            new = {n: written(n) for n in unit.sources if writes.get(n)}
-            out.built[unit.name, unit.kind] = prebuild(model, unit, new)
-        except NotStandIn as exc:
-            out.in_pause[unit.name or "<model>"] = f"its post-load step cannot run on a stand-in: {exc}"
-    return out
-
-
-def install(model: nn.Module, writes: Iterable[str], prebuilt: Prebuilt) -> None:
-    """At commit: copy in what prepare built of each touched unit; re-run the others' steps in place."""
-    for unit in touched(model, writes):
-        built = prebuilt.built.get((unit.name, unit.kind))
-        if built is not None:
-            built.install()
-        else:
-            unit.rederive()

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from vllm_delta.engine import derived
-from vllm_delta.engine.derived import Unit
+from vllm_delta.engine.derived import Step, Unit
 from vllm_delta.engine.stand_in import held_tensors, same_bits
 
 TRANSFORM_ATTR = "_delta_transform"  # the module's `Transform`
@@ -86,15 +86,6 @@ def _compact(perm: torch.Tensor, row_len: int) -> OffsetMap:
     )
 
 
-@dataclass
-class Snapshot:
-    """A module before its step: tensor clones, the Parameter objects, identities of other attributes."""
-
-    tensors: dict[str, torch.Tensor]
-    params: dict[str, nn.Parameter]
-    state: dict[str, int]
-
-
 def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor the module holds itself (`stand_in.held_tensors`), parameters detached."""
     return {k: t.detach() if kind == "param" else t for k, (kind, _, t) in held_tensors(module).items()}
@@ -103,11 +94,6 @@ def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 def _state(module: nn.Module) -> dict[str, int]:
     """Public non-tensor attributes by identity: a step that sets one may hide a weight copy in it."""
     return {n: id(v) for n, v in vars(module).items() if n[0] != "_" and not isinstance(v, torch.Tensor)}
-
-
-def snapshot(module: nn.Module) -> Snapshot:
-    tensors = {k: t.clone() for k, t in _tensors(module).items()}
-    return Snapshot(tensors, dict(module.named_parameters(recurse=False)), _state(module))
 
 
 def run_step(module: nn.Module) -> None:
@@ -133,12 +119,11 @@ def _keeps_to_its_layer(module: nn.Module) -> bool:
     return type(getattr(module, "quant_method", None)) in own_layer
 
 
-def _rerun(module: nn.Module, before: Snapshot, changed: list[str]) -> None:
+def _rerun(module: nn.Module, params: dict[str, nn.Parameter], tensors: dict, changed: list[str]) -> None:
     """The step again, from the checkpoint-layout values of `changed` in their original Parameters."""
     for n in changed:
-        param = before.params[n]
-        param.data = before.tensors[f"param:{n}"].clone()
-        module._parameters[n] = param
+        params[n].data = tensors[f"param:{n}"].clone()
+        module._parameters[n] = params[n]
     run_step(module)
 
 
@@ -169,30 +154,31 @@ def _inverse_permutation(
     return _compact(perm, after.shape[-1] if after.dim() else 1)
 
 
-def classify(name: str, module: nn.Module, before: Snapshot, units: list[Unit]) -> Transform | None:
-    """Classify what the step did to `module` (it has just run) and prepare deltas for it (a "rerun"
-    module's unit appended to `units`)."""
+def classify(name: str, module: nn.Module, step: Step, units: list[Unit]) -> Transform | None:
+    """Run the step, classify what it did to `module` and prepare deltas for it (a "rerun" module's unit
+    appended to `units`)."""
+    tensors = {k: t.clone() for k, t in _tensors(module).items()}
+    params, state_before = dict(module.named_parameters(recurse=False)), _state(module)
+    step(module)
     after = {k: t.clone() for k, t in _tensors(module).items()}
-    differs = sorted(
-        k for k in before.tensors.keys() | after.keys() if not same_bits(before.tensors.get(k), after.get(k))
-    )
+    differs = sorted(k for k in tensors.keys() | after.keys() if not same_bits(tensors.get(k), after.get(k)))
     now = _state(module)
-    state = sorted(n for n in now if before.state.get(n) != now[n])
+    state = sorted(n for n in now if state_before.get(n) != now[n])
     if not differs and not state:
         return None
-    changed = [k.split(":", 1)[1] for k in differs if k.startswith("param:") and k in before.tensors]
-    made = [k for k in differs if k not in before.tensors or not k.startswith("param:")]
+    changed = [k.split(":", 1)[1] for k in differs if k.startswith("param:") and k in tensors]
+    made = [k for k in differs if k not in tensors or not k.startswith("param:")]
     # A step may consume parameters (fp8 KV-cache scales folded into `_k_scale`): never a permutation.
     consumed = [n for n in changed if f"param:{n}" not in after]
     inverse: dict[str, OffsetMap | None] = {}
     try:
         for n in changed if not made and not state and not consumed else []:
-            inverse[n] = _inverse_permutation(module, n, before.tensors[f"param:{n}"], after[f"param:{n}"])
-            _rerun(module, before, changed)  # back from the id probe
+            inverse[n] = _inverse_permutation(module, n, tensors[f"param:{n}"], after[f"param:{n}"])
+            _rerun(module, params, tensors, changed)  # back from the id probe
             if inverse[n] is None:
                 break
         if not inverse:
-            _rerun(module, before, changed)
+            _rerun(module, params, tensors, changed)
     except Exception as exc:
         raise UnsupportedTransform(
             f"{name}: its post-load step changes {differs + state} and cannot be re-run "
@@ -209,11 +195,11 @@ def classify(name: str, module: nn.Module, before: Snapshot, units: list[Unit]) 
     else:
         kinds, canonical = dict.fromkeys(made, "rederive"), {}
         for n in changed:
-            live, canon = module._parameters.get(n), before.tensors[f"param:{n}"]
+            live, canon = module._parameters.get(n), tensors[f"param:{n}"]
             if live is None or live.numel() == 0:
                 # The original Parameter keeps its class and weight_loader; give it back its bytes.
-                before.params[n].data = canon
-                module._parameters[n] = before.params[n]
+                params[n].data = canon
+                module._parameters[n] = params[n]
                 kinds[f"param:{n}"] = "emptied"
                 continue
             # Offsets the probe learns on `live` must address `canon`: the same layout, or rows appended.
@@ -243,24 +229,28 @@ def rerun_unit(module: nn.Module) -> Unit | None:
 @contextlib.contextmanager
 def observing(model: nn.Module) -> Iterator[None]:
     """Observe each post-load step while vLLM's own loop runs it: quant methods' classified here, attention
-    layers' and the model's by `derived`; their units land on the model in the order vLLM runs them."""
+    layers' and the model's by `derived.Discoverer`; their units land on the model in the order vLLM runs
+    them."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
     names = {id(m): n for n, m in model.named_modules()}
     found = derived.Discovery()
     setattr(model, derived.DISCOVERY_ATTR, found)
-    shadowed = []
+    shadowed: list[tuple[object, Callable[..., None]]] = []
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         real = getattr(method, "process_weights_after_loading", None)
-        if real is None or "process_weights_after_loading" in vars(method):
-            continue  # no step, or a method shared by several modules and already observed
+        if real is not None and "process_weights_after_loading" not in vars(method):  # not observed yet
+            shadowed.append((method, lambda m, real=real: classify(names[id(m)], m, real, found.units)))
+    discoverer = derived.Discoverer(model, found)
+    units = [(n, m) for n, m in model.named_modules() if is_deferred_attention_layer(m)]
+    for name, module in units + ([("", model)] if hasattr(model, "process_weights_after_loading") else []):
+        real = type(module).process_weights_after_loading
 
-        def observed(layer: nn.Module, real=real) -> None:
-            before = snapshot(layer)
-            real(layer)
-            classify(names[id(layer)], layer, before, found.units)
+        def observed(*args, name=name, module=module, real=real, **kwargs) -> None:
+            discoverer.observe(name, module, lambda m: real(m, *args, **kwargs))
 
-        shadowed.append((method, observed))
-    shadowed += derived.observe_units(model, found)
+        shadowed.append((module, observed))
     for owner, observed in shadowed:
         owner.process_weights_after_loading = observed
     try:

@@ -81,7 +81,7 @@ class DeltaWorkerExtension:
         if (state := getattr(self, "_delta_state", None)) is None:
             model, checkpoint = self._delta_model(), Checkpoint.open(local_checkpoint_dir(self.vllm_config))
             applier = DeltaApplier(model, checkpoint.meta, rank=self._delta_rank(), read=checkpoint.read)
-            applier.refused.update(derived.refused(model))
+            applier.refused.update(derived.discovery(model).refused)
             state = self._delta_state = DeltaState(applier)
         return state
 
