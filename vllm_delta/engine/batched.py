@@ -1,9 +1,6 @@
-"""One pass per (batch, destination): locate every checkpoint tensor feeding a destination at once.
-
-Why: a fused MoE parameter is fed by hundreds of expert tensors, and a per-tensor loop cost ~1.5 ms
-a tensor (70 s at 46k). A destination's entries go through a constant number of tensor ops (per-piece
-affine maps gathered by piece id, one ownership mask, one compaction); off the CPU the ownership
-filter stays on the host, so only owned entries cross and nothing syncs.
+"""One pass per (batch, destination): locate every checkpoint tensor feeding a destination at once. Why: a
+fused MoE parameter is fed by hundreds of expert tensors, and a per-tensor loop cost ~1.5 ms a tensor (70 s
+at 46k); off the CPU the ownership filter stays on the host, so only owned entries cross and nothing syncs.
 """
 
 from __future__ import annotations

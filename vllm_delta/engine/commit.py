@@ -1,8 +1,6 @@
-"""Phase 2 of an apply, in the pause: scatter the staged chunks into the live weights, read them back,
-then install what prepare built of the touched modules' post-load steps (`prebuild_touched`): copies,
-read-backs and handler swaps only, but for a step that cannot run on a stand-in (named in `in_pause`).
-A failure part-way is an engine fault naming the tensors it may have left half-written.
-"""
+"""Phase 2 of an apply, in the pause: scatter the staged chunks, read them back, install what prepare built
+of the touched post-load steps (`prebuild_touched`). A failure part-way is an engine fault naming the
+tensors it may have left half-written."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Post-load steps whose results a delta must keep exact, one `Unit` each: quant methods' (`transforms`;
-deltas go to checkpoint-layout copies), attention layers' and the model's (`Discoverer`: MLA derives
-`W_UV` / `W_UK_T` from `kv_b_proj`; each tensor a step binds or writes that is not a checkpoint parameter
-is a "view", "rederive" or "constant", its sources probed, else refused). In prepare a touched unit's step
-runs on a stand-in (`prebuild`); the commit copies its results in (`install`) or re-runs it in place.
-"""
+"""Post-load steps whose results a delta must keep exact, one `Unit` each: quant methods' (`transforms`),
+attention layers' and the model's (`Discoverer`: what MLA derives from `kv_b_proj` is a "view", "rederive"
+or "constant", its sources probed, else refused). Built on a stand-in in prepare (`prebuild`)."""
 
 from __future__ import annotations
 

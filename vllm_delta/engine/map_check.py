@@ -25,13 +25,6 @@ def _random(numel: int, dtype: torch.dtype, seed: int, device: torch.device) -> 
     return torch.randint(0, 256, (numel * size,), dtype=torch.uint8, generator=gen, device=device).view(dtype)
 
 
-def live_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The live parameters by the names the probe's segments target (`transforms.canonical_tensors`)."""
-    from vllm_delta.engine import transforms
-
-    return {name: live for name, (live, _) in transforms.canonical_tensors(model).items()}
-
-
 def _layer(target: str) -> str:
     """`model.layers.5.` for a destination under layer 5; "" for one outside any numbered layer."""
     match = re.match(r"(.*?\.\d+\.)", target)

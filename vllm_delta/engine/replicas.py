@@ -219,11 +219,6 @@ def summarize(
     }
 
 
-def refused_of(ranks: Sequence[Reply]) -> dict[str, str]:
-    """Tensors whose loader a rank cannot serve exactly (engine/fallback.py), with the reason."""
-    return {n: reason for r in ranks for n, reason in (getattr(r, "refused", None) or {}).items()}
-
-
 def placement_summary(placements: Sequence[dict[str, Any]], peers_checked: bool) -> dict[str, Any]:
     """The ranks' placement status as one: the slowest probe, the largest peak; ready once every rank
     probed and the coverage check ran (`peers_checked`), so an update then waits for no startup work."""

@@ -1,8 +1,6 @@
-"""A post-load step run in prepare on a stand-in of a serving module, its results installed at commit by
-copies and attribute swaps only. Why: run on the serving module, a step (rebinding attributes, writing
-in place) would change what it serves before the commit. A stand-in shares no dict with the live tree,
-and its tensors but those swapped in; a write into live storage (a sealed `Intercept`) or a change to the
-live tree's attributes gives it up (`NotStandIn`), and the step is re-run in the pause.
+"""A post-load step run in prepare on a stand-in of a serving module (its own dicts, the live tensors but
+those swapped in), installed at commit by copies and attribute swaps only: on the serving module it would
+change what it serves before the commit. A write into live storage gives it up (`NotStandIn`).
 """
 
 from __future__ import annotations

@@ -214,7 +214,8 @@ class Transaction:
 
         async def probe() -> None:
             try:
-                self.refused = replicas.refused_of(await self.call("probe", reply=ProbeReply))
+                ranks = await self.call("probe", reply=ProbeReply)  # tensors a loader cannot serve exactly
+                self.refused = {n: why for r in ranks for n, why in (r.refused or {}).items()}
                 async with self.lock:  # then check, across ranks, that every element is held
                     await self.ensure_peers()
             except (UpdateError, EngineDeadError):

@@ -1,9 +1,7 @@
 """Quant methods' post-load steps, classified as vLLM runs them (`install`): unchanged; `permutation`
-(deltas go through the inverse `OffsetMap`); `rerun` (re-run from the checkpoint layout, it reproduces
-itself bit for bit: deltas go to checkpoint-layout copies, a `derived.Unit` re-runs it); else
-`UnsupportedTransform`, and the engine refuses to start. Why: the probe sees `load_weights`, not the
-step after it, which may swap a fused w13's halves or re-pack a weight where no delta reaches.
-"""
+(deltas go through the inverse `OffsetMap`); `rerun` (deltas go to checkpoint-layout copies, a
+`derived.Unit` re-runs it); else `UnsupportedTransform`. Why: the probe sees `load_weights`, not the step
+after it, which may swap a fused w13's halves or re-pack a weight where no delta reaches."""
 
 from __future__ import annotations
 
@@ -109,16 +107,6 @@ def run_step(module: nn.Module) -> None:
             method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
 
-def _keeps_to_its_layer(module: nn.Module) -> bool:
-    """Whether the step is known to keep to its own layer, so it may run on a stand-in in prepare."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    own_layer = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod, Fp8LinearMethod)
-    return type(getattr(module, "quant_method", None)) in own_layer
-
-
 def _rerun(module: nn.Module, params: dict[str, nn.Parameter], tensors: dict, changed: list[str]) -> None:
     """The step again, from the checkpoint-layout values of `changed` in their original Parameters."""
     for n in changed:
@@ -212,8 +200,14 @@ def classify(name: str, module: nn.Module, step: Step, units: list[Unit]) -> Tra
                 )
             canonical[n] = canon
             kinds[f"param:{n}"] = "rederive"
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        own_layer = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod, Fp8LinearMethod)  # on a stand-in
         sources = {f"{name}.{n}" if name else n for n, _ in module.named_parameters()}
-        unit = Unit(name, module, run_step, sources, kinds, canonical, "rerun", _keeps_to_its_layer(module))
+        on_stand_in = type(module.quant_method) in own_layer
+        unit = Unit(name, module, run_step, sources, kinds, canonical, "rerun", on_stand_in)
         units.append(unit)
         transform = Transform("rerun", changed, [k.split(":", 1)[1] for k in made], unit=weakref.ref(unit))
     setattr(module, TRANSFORM_ATTR, transform)

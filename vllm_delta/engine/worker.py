@@ -14,11 +14,11 @@ from functools import partial
 from typing import Any
 
 from vllm_delta import settings
-from vllm_delta.engine import derived
+from vllm_delta.engine import derived, transforms
 from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
 from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage, refuse_uncovered
-from vllm_delta.engine.map_check import check_map, live_params
+from vllm_delta.engine.map_check import check_map
 from vllm_delta.engine.messages import (
     CommitReply,
     CoverageReply,
@@ -238,7 +238,8 @@ class DeltaWorkerExtension:
         """Which checkpoint elements this rank holds (source lattices per tensor), for its peers."""
         applier = self._delta().applier
         placements = applier.placements
-        errors = check_map(applier._load_weights, live_params(applier.model), placements, applier.checkpoint)
+        live = {n: t for n, (t, _) in transforms.canonical_tensors(applier.model).items()}  # probe's targets
+        errors = check_map(applier._load_weights, live, placements, applier.checkpoint)
         return CoverageReply(
             rank=self._delta_rank(),
             coverage=coverage(placements),
