@@ -14,7 +14,8 @@ import torch
 from harness.synthetic import device_check
 
 from vllm_delta.engine import commit, staging
-from vllm_delta.engine.apply import ApplyFault, DeltaApplier
+from vllm_delta.engine.apply import DeltaApplier
+from vllm_delta.engine.commit import ApplyFault
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.staging import Chunk
 from vllm_delta.kernels import scatter as scatter_kernel

@@ -15,8 +15,9 @@ from harness.dispatch_log import OpLog
 from harness.synthetic import InProcessEngine, device_check, loaded, same_bits, tp_ranks
 
 from vllm_delta.engine import commit
-from vllm_delta.engine.apply import ApplyFault, DeltaApplier
+from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.batched import Piece, locate
+from vllm_delta.engine.commit import ApplyFault
 from vllm_delta.engine.digests import check_partials
 from vllm_delta.engine.http_errors import UpdateError
 from vllm_delta.engine.placement import Segment

@@ -18,7 +18,6 @@ from vllm_delta.engine import commit as commit_phase
 from vllm_delta.engine import derived, loaders, transforms
 from vllm_delta.engine.batched import on_device
 from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
-from vllm_delta.engine.commit import ApplyFault
 from vllm_delta.engine.digests import Ownership, lattice, segment_chunks
 from vllm_delta.engine.fallback import Shadows
 from vllm_delta.engine.placement import TensorPlacement, derived_params, owned_by_tensor, unreached
@@ -33,8 +32,6 @@ from vllm_delta.wire.batch_device import HOST, Decoder
 from vllm_delta.wire.container import paused_gc
 from vllm_delta.wire.deltas import DeltaBatch
 from vllm_delta.wire.lineage import check_versions
-
-__all__ = ["ApplyFault", "DeltaApplier", "StagedUpdate"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,11 +169,9 @@ class DeltaApplier:
         start = time.perf_counter() - sum(times.seconds.values())
         with paused_gc():  # from the manifest's parse on: its per-tensor entries are young objects too
             with times.phase("receive"):
-                info = (
-                    source
-                    if isinstance(source, (DeltaInfo, Manifest))
-                    else wire.open_delta(source, files=files)
-                )
+                info = source
+                if isinstance(source, (str, Path)):
+                    info = wire.open_delta(source, files=files)
                 manifest = info if isinstance(info, Manifest) else info.manifest
                 needs_base = check_versions(
                     manifest, version=version, base_version=base_version, engine_version=current_version

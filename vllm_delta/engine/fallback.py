@@ -127,13 +127,9 @@ class Shadows:
                 f"engine refuses updates to this tensor: {self.refused[name]}", param=name
             )
         shadow = self.tensors[name]
-        positions = delta.positions.to(shadow.device)
+        positions, values = delta.positions.to(shadow.device), delta.values.to(shadow.device)
         old = shadow.view(-1)[positions]
-        new = (
-            ulp_resolve_tensor(old, delta.values.to(shadow.device))
-            if delta.needs_base
-            else delta.values.to(shadow)
-        )
+        new = ulp_resolve_tensor(old, values) if delta.needs_base else values.to(shadow.dtype)
         for lane, values in enumerate((old, new)):
             if want[lane] and self.rank == 0:
                 sums.add_rows([name], lane, [True], partial_sum(positions, values).reshape(1, 2))

@@ -15,8 +15,9 @@ from typing import Any
 
 from vllm_delta import settings
 from vllm_delta.engine import derived, transforms
-from vllm_delta.engine.apply import ApplyFault, DeltaApplier, StagedUpdate
+from vllm_delta.engine.apply import DeltaApplier
 from vllm_delta.engine.cli_args import DEFAULT_MAX_STAGED_BYTES
+from vllm_delta.engine.commit import ApplyFault
 from vllm_delta.engine.digests import Ownership, check_coverage, coverage, refuse_uncovered
 from vllm_delta.engine.map_check import check_map
 from vllm_delta.engine.messages import (
@@ -32,6 +33,7 @@ from vllm_delta.engine.messages import (
 )
 from vllm_delta.engine.replicas import moe_world
 from vllm_delta.engine.request import CollectiveInitRequest
+from vllm_delta.engine.staging import StagedUpdate
 from vllm_delta.engine.trace import WORKER_COMMIT, WORKER_PREPARE, PhaseTimes
 from vllm_delta.engine.worker_transfer import Preparing, decode_threads, pull, receive
 from vllm_delta.kernels.warmup import warm_up
@@ -254,28 +256,24 @@ class DeltaWorkerExtension:
         """Count, in digests, only the elements no lower rank holds (replies of `delta_coverage`); under DP,
         `replicas` pairs each dp index with its ranks' replies: a dense replica is checked on its own, the
         DP engines of a MoE model as one world (`replicas.moe_world`)."""
-        applier = self._delta().applier
+        applier, rank = self._delta().applier, self._delta_rank()
+        dp = self._delta_parallel("data_parallel_index", 0)
         shapes = {n: shape for n, (shape, _) in applier.checkpoint.items()}
-        groups = {int(dp): group for dp, group in replicas or ()}
+        groups, across = {int(i): group for i, group in replicas or ()}, None
         if groups and self._delta_parallel("data_parallel_size", 1) > 1:
             try:
-                applier.ownership, applier.coverage, across = moe_world(
-                    groups, self._delta_parallel("data_parallel_index", 0), self._delta_rank(), shapes
-                )
+                applier.ownership, applier.coverage, across = moe_world(groups, dp, rank, shapes)
             except ValueError as exc:  # refuses every update, as a hole would
                 applier.coverage = {"ok": False, "errors": {"(data parallel)": str(exc)}, "ignored": []}
                 across = []
-            across_dp = across if self._delta_rank() == 0 else None
-            return CoverageReply(
-                rank=self._delta_rank(), coverage=applier.coverage, across_dp=across_dp
-            ).wire()
-        if groups:
-            coverages = groups[self._delta_parallel("data_parallel_index", 0)]
-        ordered = [c["coverage"] for c in sorted(coverages, key=lambda c: c["rank"])]
-        applier.ownership = Ownership.from_coverages(ordered, self._delta_rank())
-        # Holes or overlaps across ranks refuse every update (prepare) and show in the status.
-        applier.coverage = check_coverage(coverages, shapes)
-        return CoverageReply(rank=self._delta_rank(), coverage=applier.coverage).wire()
+        else:
+            coverages = groups[dp] if groups else coverages
+            ordered = [c["coverage"] for c in sorted(coverages, key=lambda c: c["rank"])]
+            applier.ownership = Ownership.from_coverages(ordered, rank)
+            # Holes or overlaps across ranks refuse every update (prepare) and show in the status.
+            applier.coverage = check_coverage(coverages, shapes)
+        across = across if rank == 0 else None  # the same on every rank
+        return CoverageReply(rank=rank, coverage=applier.coverage, across_dp=across).wire()
 
     def delta_verify(self) -> dict[str, Any]:
         """Full verify of the current weights: counted-once whole-tensor digests, xxh3 where held whole."""

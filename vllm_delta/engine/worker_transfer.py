@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from vllm_delta.engine.apply import StagedUpdate
 from vllm_delta.engine.messages import PrepareRequest, failure
+from vllm_delta.engine.staging import StagedUpdate
 from vllm_delta.wire import DeltaError, Manifest, parse_manifest
 
 logger = logging.getLogger(__name__)
