@@ -166,7 +166,11 @@ def test_strided_loaders_are_mapped_and_the_ranks_cover_each_element_once():
         (2 * H, 1),
     )
     (gu,) = appliers[1].placements["gu.weight"].segments
-    assert (gu.src_offset, gu.src_strides, gu.src_dense) == (H, (2 * H, 1), False)
+    assert (gu.src_offset, gu.src_strides, gu.src_last - gu.src_offset + 1 == gu.numel) == (
+        H,
+        (2 * H, 1),
+        False,
+    )
     (flat,) = appliers[1].placements["flat.weight"].segments
     assert (flat.src_offset, flat.src_strides, flat.sizes) == (1, (2,), (N // 2,))
     odd = next(s for s in appliers[1].placements["cols.weight"].segments if s.target == "cols_odd")

@@ -26,7 +26,7 @@ class Landing:
 
     @classmethod
     def of(cls, seg: Segment, numel: int) -> Landing:
-        dense = seg.src_dense
+        dense = seg.src_last - seg.src_offset + 1 == seg.numel  # every id in the range (they are distinct)
         same = all(n == 1 or a == b for n, a, b in zip(seg.sizes, seg.src_strides, seg.dst_strides))
         return cls(dense and seg.src_offset == 0 and seg.numel == numel, dense, dense and same)
 

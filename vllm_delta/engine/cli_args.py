@@ -94,7 +94,7 @@ def check_after_parsing(parser: argparse.ArgumentParser) -> None:
         try:
             export(namespace)
             check_args(namespace)
-            dp = data_parallel_size(namespace)  # vLLM starts one API server a DP rank unless told
+            dp = getattr(namespace, "data_parallel_size", None) or 1  # one API server a DP rank, unless told
             one = getattr(namespace, "api_server_count", None) or getattr(namespace, "headless", False)
             if namespace.enable_delta_updates and dp > 1 and not one:
                 raise ValueError(
@@ -177,10 +177,6 @@ ONLINE_QUANT_REFUSAL = (
 )
 
 
-def data_parallel_size(args: argparse.Namespace) -> int:
-    return getattr(args, "data_parallel_size", None) or 1
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Refuse a command line whose door (our route, or the `delta` backend) cannot serve updates safely."""
     ours, native = getattr(args, "enable_delta_updates", False), is_ours(weight_transfer_backend(args))
@@ -195,26 +191,25 @@ def check_args(args: argparse.Namespace) -> None:
         cfg = json.loads(config.read_text())
         if not (cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config")):
             raise ValueError(ONLINE_QUANT_REFUSAL.format(q=q, model=model))
+    dp, servers = getattr(args, "data_parallel_size", None) or 1, getattr(args, "api_server_count", None) or 1
     if not ours:  # the backend's front end must reach every engine
-        if data_parallel_size(args) > 1:
-            raise ValueError(NATIVE_DP_REFUSAL.format(args.data_parallel_size))
-        if (getattr(args, "api_server_count", None) or 1) > 1:
-            raise ValueError(
-                API_SERVERS_REFUSAL.format("the `delta` weight-transfer backend", args.api_server_count)
-            )
+        if dp > 1:
+            raise ValueError(NATIVE_DP_REFUSAL.format(dp))
+        if servers > 1:
+            raise ValueError(API_SERVERS_REFUSAL.format("the `delta` weight-transfer backend", servers))
         return
     if args.worker_extension_cls != WORKER_EXTENSION:
         why = f"--enable-delta-updates installs --worker-extension-cls {WORKER_EXTENSION}"
         raise ValueError(f"{why}, not --worker-extension-cls {args.worker_extension_cls}")
     if native:
         raise ValueError(TWO_DOORS_REFUSAL)
-    if (getattr(args, "api_server_count", None) or 1) > 1:
-        raise ValueError(API_SERVERS_REFUSAL.format("--enable-delta-updates", args.api_server_count))
+    if servers > 1:
+        raise ValueError(API_SERVERS_REFUSAL.format("--enable-delta-updates", servers))
     # With DP, only vLLM's internal load balancer lets our one API server reach every DP engine.
     given = [d for d in DP_LB_FLAGS if getattr(args, f"data_parallel_{d}", None) not in (None, False)]
-    if data_parallel_size(args) > 1 and given:
+    if dp > 1 and given:
         raise ValueError(
-            f"--enable-delta-updates with --data-parallel-size {args.data_parallel_size} needs vLLM's "
+            f"--enable-delta-updates with --data-parallel-size {dp} needs vLLM's "
             f"internal load balancer, not --data-parallel-{given[0].replace('_', '-')}: each API server "
             "would reach only its own DP engines, so an update would leave other replicas on old weights"
         )

@@ -36,11 +36,6 @@ class Segment:
     def src_last(self) -> int:
         return self.src_offset + sum((n - 1) * s for n, s in zip(self.sizes, self.src_strides))
 
-    @property
-    def src_dense(self) -> bool:
-        """Whether it holds every id from src_offset to src_last (its ids are distinct: see above)."""
-        return self.src_last - self.src_offset + 1 == self.numel
-
 
 @dataclass(frozen=True)
 class Fill:

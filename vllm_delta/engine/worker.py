@@ -126,8 +126,7 @@ class DeltaWorkerExtension:
 
     def _delta_join_prepare(self) -> None:
         """Wait for a background prepare nobody polls any more and drop what it staged."""
-        preparing = self._delta().preparing
-        if preparing is not None:
+        if (preparing := self._delta().preparing) is not None:
             preparing.join()
             self._delta().preparing = None
             self.delta_abort(preparing.request_id)
