@@ -19,39 +19,35 @@ SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SIZES = tuple(float(4**k) for k in range(4, 19))  # 256 .. 2^36
 
 
-# A successful sync's answer key -> (series, what it measures, buckets).
-OBSERVED = {
-    "decode_s": ("decode_seconds", "Decoding a delta while serving (slowest rank).", SECONDS),
-    "apply_s": ("apply_seconds", "Scattering a delta into the live weights (slowest rank).", SECONDS),
-    "pause_s": ("pause_seconds", "Generation paused for one update.", SECONDS),
-    "bytes_read": ("bytes_read", "Delta bytes read by one update (largest rank).", SIZES),
-    "changed": ("changed_elements", "Changed checkpoint elements per update.", SIZES),
-}
-
-
 class DeltaMetrics:
     """The series one successful or failed update moves."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self.observed = {
-            key: Histogram(f"vllm_delta:{name}", doc, buckets=buckets, registry=registry)
-            for key, (name, doc, buckets) in OBSERVED.items()
-        }
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = SECONDS, *labels: str) -> Histogram:
+            return Histogram(f"vllm_delta:{name}", doc, labels, buckets=buckets, registry=registry)
+
+        doc = "Reading, verifying and decoding a delta (not paused; slowest rank)."
+        self.decode = histogram("decode_seconds", doc)
+        self.apply = histogram("apply_seconds", "Scattering a delta into the live weights (slowest rank).")
+        self.pause = histogram("pause_seconds", "Generation paused for one update.")
+        self.bytes_read = histogram("bytes_read", "Delta bytes read by one update (largest rank).", SIZES)
+        self.changed = histogram("changed_elements", "Changed checkpoint elements per update.", SIZES)
         doc = "Weight version the engine serves."
         self.version = Gauge(
             "vllm_delta:weights_version", doc, multiprocess_mode="mostrecent", registry=registry
         )
         doc = "Seconds one sync spent in each phase (slowest rank; engine/trace.py names them)."
-        self.phases = Histogram(
-            "vllm_delta:sync_phase_seconds", doc, ["phase"], buckets=SECONDS, registry=registry
-        )
+        self.phases = histogram("sync_phase_seconds", doc, SECONDS, "phase")
         doc = "Refused or failed updates, by HTTP status."
         self.failures = Counter("vllm_delta:update_failures", doc, ["status"], registry=registry)
 
     def observe(self, result: dict[str, Any]) -> None:
         """Record a successful sync's answer (the route's 200, the backend's finish)."""
-        for key, histogram in self.observed.items():
-            histogram.observe(result[key])
+        self.decode.observe(result["decode_s"])
+        self.apply.observe(result["apply_s"])
+        self.pause.observe(result["pause_s"])
+        self.bytes_read.observe(result["bytes_read"])
+        self.changed.observe(result["changed"])
         self.version.set(result["version"])
         for phase, seconds in (result.get("trace") or {}).get("phases", {}).items():
             self.phases.labels(phase).observe(seconds)
