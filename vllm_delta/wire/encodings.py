@@ -19,7 +19,6 @@ from .codecs import (
     to_planes,
     ulp_streams,
 )
-from .dtypes import DType
 from .errors import BoundsError, FormatError, UnknownEncodingError
 
 Streams = dict[str, bytes]
@@ -153,40 +152,6 @@ class Encoding:
     @property
     def idempotent(self) -> bool:
         return not self.values.relative
-
-    def encode_param(
-        self,
-        pos: np.ndarray,
-        numel: int,
-        new: np.ndarray,
-        old: np.ndarray | None,
-        d: DType,
-        *,
-        prev: int = -1,
-        width: int | None = None,
-    ) -> tuple[int, Streams]:
-        """Streams of one param, or of one block of it (`prev`, `width`: see `Indices`)."""
-        width, streams = self.positions.encode(pos, numel, prev=prev, width=width)
-        if self.needs_base and old is None:
-            raise ValueError(f"encoding {self.name!r} needs the old values")
-        streams.update(self.values.encode(new, old, d))
-        return width, streams
-
-    def decode_param(
-        self,
-        spans: Spans,
-        count: int,
-        width: int,
-        numel: int,
-        d: DType,
-        *,
-        prev: int = -1,
-        file: str | None,
-        param: str | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Positions (int64, validated) and the value payload (new bits, or steps if needs_base)."""
-        pos = self.positions.decode(spans, count, width, numel, prev=prev, file=file, param=param)
-        return pos, self.values.decode(spans, count, d, file=file, param=param)
 
     def describe(self) -> dict:
         return {

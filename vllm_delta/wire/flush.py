@@ -134,8 +134,10 @@ def _iter_v1(
                 raise FormatError(f"span of stream {s!r} out of bounds", file=file, param=p.name)
     for p, (d, shape, numel) in zip(pmeta, shapes):
         spans = {s: streams[s][a:b] for s, (a, b) in p.spans.items()}
-        pos, payload = enc.decode_param(spans, p.count, p.width, numel, d, file=file, param=p.name)
-        yield _delta(enc, p.name, shape, d, pos, payload)
+        pos = enc.positions.decode(spans, p.count, p.width, numel, file=file, param=p.name)
+        yield _delta(
+            enc, p.name, shape, d, pos, enc.values.decode(spans, p.count, d, file=file, param=p.name)
+        )
 
 
 def plan_blocked(smeta, data: Mapping[str, Sized], meta: Mapping[str, str], *, file: str, expected) -> list:
@@ -223,17 +225,10 @@ def _decode_run(
     enc: Encoding, p, d, numel: int, index: BlockIndex, k: int, m: int, spans, *, file: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """Blocks k..m-1 of explicit positions, decoded as one: gaps continue across blocks."""
-    counts = index.count[k:m]
-    pos, payload = enc.decode_param(
-        spans,
-        int(counts.sum()),
-        p.width,
-        numel,
-        d,
-        prev=int(index.last[k - 1]) if k else -1,
-        file=file,
-        param=p.name,
-    )
+    counts, at = index.count[k:m], {"file": file, "param": p.name}
+    n, prev = int(counts.sum()), int(index.last[k - 1]) if k else -1
+    pos = enc.positions.decode(spans, n, p.width, numel, prev=prev, **at)
+    payload = enc.values.decode(spans, n, d, **at)
     heads = np.cumsum(counts) - counts
     if not (
         np.array_equal(pos[heads], index.first[k:m])
@@ -259,45 +254,15 @@ def _block_flags_agree(p, index: BlockIndex, k: int, m: int, heads: np.ndarray, 
 
 
 def _run_bytes(
-    stream: memoryview,
-    codec: str,
-    offsets: np.ndarray,
-    index: BlockIndex,
-    j: int,
-    k: int,
-    m: int,
-    *,
-    file: str,
-    param: str,
+    stream: memoryview, codec: str, offsets: np.ndarray, index: BlockIndex, j: int, k: int, m: int, **at
 ) -> memoryview:
     """Decoded bytes of stream column `j` for blocks k..m-1 (`offsets`: the blocks' starts and end)."""
-    a, b = int(offsets[k]), int(offsets[m])
     if codec == "raw":
-        return stream[a:b]
-    sizes = index.decoded[k:m, j]
-    if m - k == 1 and sizes[0]:
-        return memoryview(
-            decompress(
-                stream[a:b],
-                int(sizes[0]),
-                exact=int(sizes[0]),
-                file=file,
-                what=f"block {k} of stream {j}",
-                param=param,
-            )
-        )
-    out = bytearray(int(sizes.sum()))
-    at = 0
-    for i, n in zip(range(k, m), sizes.tolist()):
-        lo, hi = int(offsets[i]), int(offsets[i + 1])
-        if hi == lo:
-            if n:
-                raise FormatError(
-                    f"block {i} of stream {j} is empty but decodes to {n} B", file=file, param=param
-                )
-            continue
-        out[at : at + n] = decompress(
-            stream[lo:hi], n, exact=n, file=file, what=f"block {i} of stream {j}", param=param
-        )
-        at += n
-    return memoryview(out)
+        return stream[int(offsets[k]) : int(offsets[m])]
+    parts = []
+    for i, n in zip(range(k, m), index.decoded[k:m, j].tolist()):
+        lo, hi, what = int(offsets[i]), int(offsets[i + 1]), f"block {i} of stream {j}"
+        if hi == lo and n:
+            raise FormatError(f"{what} is empty but decodes to {n} B", **at)
+        parts.append(decompress(stream[lo:hi], n, exact=n, what=what, **at) if hi > lo else b"")
+    return memoryview(parts[0] if len(parts) == 1 else b"".join(parts))

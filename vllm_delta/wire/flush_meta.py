@@ -79,24 +79,10 @@ class Heads:
     # the block rows already as arrays (`heads_from_text`): `blocks` unused
     rows: Rows | None = dc_field(default=None, kw_only=True)
 
-    def __len__(self) -> int:
-        return len(self.name)
-
     def entries(self) -> list[Param]:
         n = len(self.name)
-        return list(
-            map(
-                Param,
-                self.name,
-                self.dtype,
-                self.shape,
-                self.count,
-                self.width,
-                self.streams or [[]] * n,
-                self.blocks or [[]] * n,
-                self.spans or [{}] * n,
-            )
-        )
+        rest: tuple = (self.streams or [[]] * n, self.blocks or [[]] * n, self.spans or [{}] * n)
+        return list(map(Param._make, zip(self.name, self.dtype, self.shape, self.count, self.width, *rest)))
 
 
 @dataclass

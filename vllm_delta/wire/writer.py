@@ -96,9 +96,8 @@ def encode_flush(
                 parts = encoding.values.encode(new[a:b], None, d)
             else:  # `width` param-wide and gaps from the previous block's last, so blocks concatenate
                 prev, part_old = int(pos[a - 1]) if a else -1, None if old is None else old[a:b]
-                _, parts = encoding.encode_param(
-                    pos[a:b], numel, new[a:b], part_old, d, prev=prev, width=width
-                )
+                _, parts = encoding.positions.encode(pos[a:b], numel, prev=prev, width=width)
+                parts.update(encoding.values.encode(new[a:b], part_old, d))
             names = names or list(parts)
             lengths = []
             for s in names:
@@ -321,15 +320,12 @@ class DeltaWriter(FlushBuilder):
     """
 
     def __init__(self, out_dir: str | os.PathLike, **kwargs) -> None:
-        super().__init__(self._write, **kwargs)
+        super().__init__(lambda name, flush: write_atomic(self.dir / name, flush.data), **kwargs)
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         if (self.dir / MANIFEST_NAME).exists():
             raise FileExistsError(f"{self.dir} already holds a finished delta")
         self._closed = False
-
-    def _write(self, name: str, flush: EncodedFlush) -> None:
-        write_atomic(self.dir / name, flush.data)
 
     def add(self, *args, **kwargs) -> None:
         if self._closed:
