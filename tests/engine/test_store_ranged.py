@@ -47,7 +47,7 @@ def write_delta(
             a, b = old[name].reshape(-1), new[name].reshape(-1)
             pos = torch.nonzero(a.view(torch.int16) != b.view(torch.int16)).squeeze(1)
             w.add(name, pos, b[pos], shape=tuple(new[name].shape))
-        manifest = w.close(seal=False)
+        manifest = w.manifest()
     if digests:  # what the sender states: the additive digest of the new values at the changed positions
         post = {}
         for name in CHANGED:
@@ -234,7 +234,7 @@ def test_an_anchor_flush_of_implicit_positions_is_fetched_by_its_blocks(tmp_path
     with DeltaWriter(tmp_path, version=1, base_version=0, encoding="planes_zstd", block_policy=POLICY) as w:
         # Two runs of odd lengths: implicit blocks need not hold a multiple of 8 entries, explicit ones must.
         w.add_dense(name, [(0, values[:501]), (601, values[601:])], shape=(1024,))
-        manifest = w.close(seal=False)
+        manifest = w.manifest()
     manifest = manifest.model_copy(
         update={"params": [p.model_copy(update={"post_digest": "0" * 32}) for p in manifest.params]}
     )

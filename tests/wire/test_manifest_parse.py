@@ -57,7 +57,7 @@ def _two_writers(path: Path) -> bytes:
         old = torch.zeros(2, dtype=torch.bfloat16)
         w.add("w", torch.tensor(positions), old + 1, old, shape=(64,))
         w.add(f"v{rank}", torch.tensor([1]), old[:1] + 1, old[:1], shape=(4,))
-        manifests.append(w.close(seal=False))
+        manifests.append(w.manifest())
     write_manifest(path, merge_manifests(manifests))
     return (path / "manifest.json").read_bytes()
 

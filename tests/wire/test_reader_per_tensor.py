@@ -326,7 +326,7 @@ def _two_writers(path: Path, first: list[int], second: list[int]) -> Path:
         w = DeltaWriter(path, version=1, base_version=0, encoding="ulp_zstd", rank=rank)
         old = torch.zeros(len(positions), dtype=torch.bfloat16)
         w.add("w", torch.tensor(positions), old + 1, old, shape=(64,))
-        manifests.append(w.close(seal=False))
+        manifests.append(w.manifest())
     write_manifest(path, merge_manifests(manifests))
     return path
 

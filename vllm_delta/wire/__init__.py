@@ -1,8 +1,5 @@
-"""The delta wire format: encodings, flush files, manifest, reader and writer.
-
-Imports neither vLLM nor torch.distributed; trainers and engines both use it. See
-docs/wire-format.md for the byte layout.
-"""
+"""The delta wire format (byte layout: docs/wire-format.md): encodings, flush files, manifest, reader and
+writer. Imports neither vLLM nor torch.distributed; trainers and engines both use it."""
 
 from .container import Limits
 from .deltas import DeltaBatch, ParamChange, ParamDelta

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import BoundsError, FormatError
+from .flush_meta import Param
 
 SPAN_BITS = 20
 MIN_ENTRIES = 8192
@@ -82,18 +83,10 @@ class BlockIndex:
         return int(self.first.size)
 
 
-def parse_index(
-    rows: object,
-    *,
-    streams: int,
-    count: int,
-    numel: int,
-    file: str | None,
-    param: str,
-    implicit: bool = False,
-) -> BlockIndex:
-    """Check a param's `blocks` metadata: [[first, last, count, [stored, decoded] * streams], ...];
-    `implicit` (width 0): every block dense, counts any."""
+def parse_index(p: Param, numel: int, *, file: str | None) -> BlockIndex:
+    """Check param `p`'s `blocks` metadata: [[first, last, count, [stored, decoded] * streams], ...]; with
+    implicit positions (width 0) every block dense, counts any."""
+    rows, streams, count, param, implicit = p.blocks, len(p.streams), p.count, p.name, p.width == 0
     if (
         not isinstance(rows, list)
         or not rows

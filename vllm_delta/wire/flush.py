@@ -154,15 +154,7 @@ def plan_blocked(smeta, data: Mapping[str, Sized], meta: Mapping[str, str], *, f
         if len(set(p.streams)) != len(p.streams) or any(s not in smeta for s in p.streams):
             raise FormatError(f"unknown or repeated streams {p.streams}", file=file, param=p.name)
         raw = [smeta[s].codec == "raw" for s in p.streams]
-        index = parse_index(
-            p.blocks,
-            streams=len(p.streams),
-            count=p.count,
-            numel=numel,
-            file=file,
-            param=p.name,
-            implicit=p.width == 0,
-        )
+        index = parse_index(p, numel, file=file)
         if any(raw) and not np.array_equal(index.stored[:, raw], index.decoded[:, raw]):
             raise FormatError("raw block lengths differ from their decoded lengths", file=file, param=p.name)
         starts = {}
@@ -208,16 +200,9 @@ def _decode_blocked(
             ]
         pos = np.concatenate([x for x, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
         payload = np.concatenate([v for _, v in parts]) if parts else np.zeros(0, dtype=d.uint)
+        bounds, blocks = (int(index.first[0]), int(index.last[-1])), (int(mask.sum()), index.size)
         yield _delta(
-            enc,
-            p.name,
-            shape,
-            d,
-            pos,
-            payload,
-            skipped=p.count - pos.size,
-            bounds=(int(index.first[0]), int(index.last[-1])),
-            blocks=(int(mask.sum()), index.size),
+            enc, p.name, shape, d, pos, payload, skipped=p.count - pos.size, bounds=bounds, blocks=blocks
         )
 
 

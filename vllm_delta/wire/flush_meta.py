@@ -291,15 +291,7 @@ class HeadCheck:
         shape = tuple(shape)
         known = self._known.get((dtype, shape))
         d = by_name(dtype, file=self.file, param=name) if known is None else known[0]
-        if self.expected is not None:
-            want = self.expected.get(name)  # the common case in one comparison; else the precise check
-            if (
-                want is None
-                or want[1] != d.torch
-                or type(want[0]) not in (tuple, torch.Size)
-                or want[0] != shape
-            ):
-                check_expected(name, shape, d.torch, self.expected, file=self.file)
+        check_expected(name, shape, d.torch, self.expected, file=self.file)
         if known is None:
             numel = math.prod(shape)
             check_numel(numel, param=name)
@@ -310,7 +302,7 @@ class HeadCheck:
 
 
 def check_expected(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, expected: Expected | None, *, file: str | None
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, expected: Expected | None, *, file: str
 ) -> None:
     """The receiver's view of a param must match the delta's exactly."""
     if expected is None:
@@ -318,7 +310,7 @@ def check_expected(
     if name not in expected:
         raise UnknownParamError("param not in the model", file=file, param=name)
     want_shape, want_dtype = expected[name]
-    if tuple(want_shape) != tuple(shape):
+    if tuple(want_shape) != shape:
         raise ShapeMismatchError(f"shape {list(shape)} != model's {list(want_shape)}", file=file, param=name)
     if want_dtype != dtype:
         raise DtypeMismatchError(f"dtype {dtype} != model's {want_dtype}", file=file, param=name)

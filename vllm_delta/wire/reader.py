@@ -12,7 +12,7 @@ from fnmatch import fnmatch
 from itertools import compress, count, repeat
 from operator import attrgetter, contains, gt
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -102,8 +102,6 @@ class DeltaDecoder:
         """Decode one flush's bytes a param at a time (`flush.iter_flush`): hash, header and block index
         checked first. A `SparseFile` skips the file hash: the caller's cross-rank check of the post
         digests, which every param of the file must then have, verifies what it decodes."""
-        if name in self._done:
-            raise FormatError("file fed twice", file=name)
         return self.admit(name, self.decode(name, data, owned=owned, batches=batches))
 
     def decode(
@@ -277,12 +275,10 @@ def iter_delta(
     decoder: Decoder = HOST,
     allow_seed: bool = False,
 ) -> Iterator[ParamDelta | DeltaBatch]:
-    """Decoded changes, one flush file at a time (a param may come in chunks, in position order).
-
-    A file's errors are raised before any of its changes (with `lazy`, a param's when it is reached);
-    count checks across files run after the last, so apply nothing until it is exhausted. `threads` > 1:
-    that many flushes decode ahead on their own threads, admitted in manifest order.
-    """
+    """Decoded changes, one flush file at a time (a param may come in chunks, in position order). A file's
+    errors are raised before any of its changes (with `lazy`, a param's when it is reached); count checks
+    across files run after the last, so apply nothing until it is exhausted. `threads` > 1: that many
+    flushes decode ahead on their own threads, admitted in manifest order."""
     info = (
         delta
         if isinstance(delta, DeltaInfo)
@@ -298,24 +294,20 @@ def iter_delta(
     )
     wanted = None if files is None or info.seed else set(files)
     entries = [e for e in info.manifest.files if wanted is None or e.name in wanted]
+    feed: dict[str, Any] = {"owned": owned, "batches": batches}
     if threads > 1 and len(entries) > 1:
-        yield from _decoded_ahead(info, dec, entries, owned, threads, batches)
+        yield from _decoded_ahead(info, dec, entries, threads, feed)
     else:
         for entry in entries:
             data = info.dir.read(entry.name, size=entry.bytes, cap=entry.bytes)
-            got = dec.feed_iter(entry.name, data, owned=owned, batches=batches)
+            got = dec.feed_iter(entry.name, data, **feed)
             yield from got if lazy else list(got)
             del data
     dec.finish()
 
 
 def _decoded_ahead(
-    info: DeltaInfo,
-    dec: DeltaDecoder,
-    entries: list[FileEntry],
-    owned: Owned | None,
-    threads: int,
-    batches: bool = False,
+    info: DeltaInfo, dec: DeltaDecoder, entries: list[FileEntry], threads: int, feed: dict
 ) -> Iterator[ParamDelta | DeltaBatch]:
     """Flushes decoded `threads` at a time on a pool (zstd, numpy and hashing release the GIL); one starts
     only while the decoded bytes the manifest allows those in flight stay within `max_decoded_at_once`."""
@@ -325,7 +317,7 @@ def _decoded_ahead(
 
     def decode(entry: FileEntry) -> list[ParamDelta | DeltaBatch]:
         data = info.dir.read(entry.name, size=entry.bytes, cap=entry.bytes)
-        return list(dec.decode(entry.name, data, owned=owned, batches=batches))
+        return list(dec.decode(entry.name, data, **feed))
 
     pool = ThreadPoolExecutor(threads, thread_name_prefix="delta-decode")
     ahead: deque[tuple[FileEntry, Future]] = deque()

@@ -1,8 +1,6 @@
-"""Signed manifests: HMAC-SHA-256 over a manifest's canonical bytes, checked before any flush is read.
-
-The manifest lists every flush's hash and every param's digests, so signing it binds every byte applied;
-a field, not a sidecar, since the manifest travels whole through every transport. The first key of a
-list signs; a receiver accepts any of its list (rotation)."""
+"""Signed manifests: HMAC-SHA-256 over a manifest's canonical bytes, checked before any flush is read. The
+manifest lists every flush's hash and every param's digests, so signing it binds every byte applied; the
+first key of a list signs, a receiver accepts any of its list (rotation)."""
 
 from __future__ import annotations
 

@@ -316,8 +316,7 @@ class FlushBuilder:
 
 class DeltaWriter(FlushBuilder):
     """Writes flush files (each atomically) into a version directory; `close` seals it with the manifest.
-    Several writers (ranks) may share a directory: each `close(seal=False)`, then `merge_manifests`.
-    """
+    Several writers (ranks) may share a directory: each gives its `manifest()`, then `merge_manifests`."""
 
     def __init__(self, out_dir: str | os.PathLike, **kwargs) -> None:
         super().__init__(lambda name, flush: write_atomic(self.dir / name, flush.data), **kwargs)
@@ -332,12 +331,11 @@ class DeltaWriter(FlushBuilder):
             raise RuntimeError("writer is closed")
         super().add(*args, **kwargs)
 
-    def close(self, *, seal: bool = True) -> Manifest:
+    def close(self) -> Manifest:
         """Write what is pending, then the manifest (last, atomically). Returns the manifest."""
         manifest = self.manifest()
         self._closed = True
-        if seal:
-            write_manifest(self.dir, manifest)
+        write_manifest(self.dir, manifest)
         return manifest
 
     def __enter__(self) -> DeltaWriter:
