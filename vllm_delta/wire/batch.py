@@ -225,16 +225,11 @@ def decode(
     run_start[1:] &= ~(mask[:-1] & (pid[1:] == pid[:-1]))
     per_param = np.add.reduceat(np.where(mask, ix.cnt, 0), ix.row0[:-1])
     nparams = len(ix.names)
-    devices = decoder.devices
-    where = list(map(devices.get, ix.names)) if devices else [None] * nparams
-    on_dev = np.fromiter(map(is_not, where, repeat(None)), dtype=bool, count=nparams)
-    kinds = {d: i for i, d in enumerate(dict.fromkeys(compress(where, on_dev.tolist())))}
-    kind = np.fromiter(map(kinds.get, where, repeat(-1)), dtype=np.int64, count=nparams)
-    # A batch holds host params and params of one device (each part decoded on its own, yielded in order).
-    latest = np.maximum.accumulate(np.where(on_dev, np.arange(nparams), -1))  # the last device param so far
-    dev_kind = np.where(latest >= 0, kind[np.maximum(latest, 0)], -1)
-    ends = np.flatnonzero(dev_kind[1:] != dev_kind[:-1]) + 1 if len(kinds) > 1 else np.zeros(0, np.int64)
-    changes = ends if kinds else np.arange(BATCH_PARAMS, nparams, BATCH_PARAMS)
+    # A batch holds host params and device params (each part decoded on its own, yielded in order).
+    on_dev = np.zeros(nparams, dtype=bool)
+    if decoder.devices:
+        on_dev = np.fromiter(map(decoder.devices.__contains__, names), dtype=bool, count=nparams)
+    changes = np.zeros(0, np.int64) if on_dev.any() else np.arange(BATCH_PARAMS, nparams, BATCH_PARAMS)
     large = np.flatnonzero((per_param >= min(PER_PARAM_ENTRIES, BATCH_ENTRIES)) & ~on_dev)
     p = 0
     while p < nparams:
@@ -257,8 +252,6 @@ def decode(
         a, b = int(ix.row0[p]), int(ix.row0[q])
         rows = a + np.flatnonzero(mask[a:b])
         dev_row = on_dev[pid[rows]]
-        first_dev = np.flatnonzero(on_dev[p:q])
-        device = where[p + int(first_dev[0])] if first_dev.size else None
         sizes_at = set(ix.itemsize[p:q].tolist())
         try:
             # (positions, values by width) on the device (True) and on the host (False)
@@ -266,7 +259,7 @@ def decode(
             for there in (False, True):
                 if (on_dev[p:q] == there).any():
                     sub = HostBatch(ix, data, rows[dev_row == there], run_start)
-                    parts[there] = decoder.decode(sub, enc, device if there else None, sizes_at)
+                    parts[there] = decoder.decode(sub, enc, decoder.device if there else None, sizes_at)
         except Fallback:
             yield from fallback(p, q)
             p = q

@@ -22,6 +22,10 @@ class Decoder:
 
     def __init__(self, devices: Mapping[str, torch.device] | None = None) -> None:
         self.devices = dict(devices or {})
+        found = set(self.devices.values())
+        if len(found) > 1:  # a worker's tensors are on its one device
+            raise ValueError(f"a Decoder decodes on one device, not on {sorted(map(str, found))}")
+        self.device = next(iter(found), None)
         self.decoded: set[str] = set()  # the params a device decoded (the rest fell back to the host)
         self.checks: list[tuple[str, torch.Tensor, int]] = []  # per batch: first param, ok flag, bytes sent
 
@@ -42,20 +46,16 @@ class Decoder:
         return pos, narrow(values, itemsizes)
 
     def verify(self) -> None:
-        """Raise `BoundsError` naming a batch's first param if its device checks failed: one copy per
-        device."""
-        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-        for name, flag, _ in self.checks:
-            if flag.device.type != "meta":  # meta holds no values to check
-                by_device.setdefault(flag.device, []).append((name, flag))
-        for items in by_device.values():
-            for (name, _), good in zip(items, torch.stack([f for _, f in items]).cpu().tolist()):
-                if not good:
-                    raise BoundsError(
-                        "positions or ULP flags disagree with the block index (checked on the device, "
-                        "for a batch of params from this one)",
-                        param=name,
-                    )
+        """Raise `BoundsError` naming a batch's first param if its device checks failed: one copy."""
+        if not self.checks or self.device is None or self.device.type == "meta":  # meta holds no values
+            return
+        for (name, *_), good in zip(self.checks, torch.stack([f for _, f, _ in self.checks]).cpu().tolist()):
+            if not good:
+                raise BoundsError(
+                    "positions or ULP flags disagree with the block index (checked on the device, for a "
+                    "batch of params from this one)",
+                    param=name,
+                )
 
 
 HOST = Decoder()  # no state on the host: `decoded` and `checks` are only filled for devices
