@@ -173,7 +173,7 @@ def make_deltas(
         if new_tensors is not None:
             new_tensors[name] = new
     for (enc, direction), (d, w) in writers.items():
-        m = w.close(seal=False)
+        m = w.manifest()
         write_manifest(
             d,
             m.model_copy(

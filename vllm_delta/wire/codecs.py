@@ -23,9 +23,7 @@ def check_numel(numel: int, *, param: str | None = None) -> None:
 
 def check_positions(pos: np.ndarray, numel: int, *, file: str | None, param: str | None) -> None:
     """Positions must lie in [0, numel) and increase strictly (no duplicates)."""
-    if pos.size == 0:
-        return
-    if pos[0] < 0 or pos[-1] >= numel:
+    if pos.size and (pos[0] < 0 or pos[-1] >= numel):
         raise BoundsError(f"position out of range [0, {numel})", file=file, param=param)
     if pos.size > 1 and not bool(np.all(pos[1:] > pos[:-1])):
         raise BoundsError("positions are not strictly increasing", file=file, param=param)

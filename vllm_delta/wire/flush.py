@@ -145,8 +145,7 @@ def plan_blocked(smeta, data: Mapping[str, Sized], meta: Mapping[str, str], *, f
     `(param, dtype, shape, numel, index, each stream's start)`; only `data`'s lengths are read."""
     with paused_gc():
         pmeta = parse_params(meta_json(meta, "params", file=file), blocked=True, file=file).entries()
-    cursor = {s: 0 for s in smeta}  # each stream holds the params' blocks back to back
-    decoded = {s: 0 for s in smeta}
+    cursor, decoded = dict.fromkeys(smeta, 0), dict.fromkeys(smeta, 0)  # the params' blocks back to back
     plans = []
     heads = HeadCheck(expected, file=file)
     for p in pmeta:

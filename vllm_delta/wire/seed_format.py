@@ -82,11 +82,9 @@ def decode_seed_flush(
     heads, positions = HeadCheck(expected, file=file), get_encoding(encoding).positions
     for p in params:
         count = p.val_end - p.val_start
-        d, shape, numel = heads(p.name, p.dtype, p.shape)
+        d, shape, numel = heads(p.name, p.dtype, p.shape, count)
         if not (p.pos_start <= p.pos_end <= len(pos_t.data) and p.val_start <= p.val_end <= all_values.size):
             raise FormatError("param spans lie outside the blobs", file=file, param=p.name)
-        if count > numel:
-            raise FormatError(f"{count} changes in {numel} elements", file=file, param=p.name)
         spans = {"positions": pos_t.data[p.pos_start : p.pos_end]}
         pos = positions.decode(spans, count, p.pos_width, numel, file=file, param=p.name)
         values = _narrow(all_values[p.val_start : p.val_end], vd, d, file=file, param=p.name)
