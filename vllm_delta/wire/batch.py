@@ -188,18 +188,11 @@ def wanted(ix: FlushIndex, owned: Mapping | None) -> np.ndarray:
             .reshape(-1, 2)
             .T
         )
-    special = []
-    for p in at[ranges != 1].tolist():
-        merged = merge(got[p])
-        if len(merged) == 1:
-            lo[p], hi[p] = merged[0]
-        else:
-            special.append((p, merged))
     mask = (ix.first <= hi[ix.pid]) & (ix.last >= lo[ix.pid])
-    for p, merged in special:  # several ranges (or none): the per-param rule
+    for p in at[ranges != 1].tolist():  # several ranges (or none): the per-param rule
         a, b = ix.row0[p], ix.row0[p + 1]
         sub = BlockIndex(ix.first[a:b], ix.last[a:b], ix.cnt[a:b], ix.stored[a:b], ix.decoded[a:b])
-        mask[a:b] = block_wanted(sub, merged)
+        mask[a:b] = block_wanted(sub, merge(got[p]))
     return mask
 
 
