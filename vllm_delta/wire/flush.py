@@ -17,7 +17,6 @@ from .blocks import BlockIndex, Ranges, merge, parse_index, runs, wanted
 from .container import ZSTD_MAGIC, Limits, decompress, paused_gc, unpack
 from .deltas import DeltaBatch, ParamDelta
 from .digest import bytes_digest
-from .dtypes import from_bits
 from .encodings import Encoding, get_encoding
 from .errors import BoundsError, FormatError, IntegrityError, LimitError
 from .flush_meta import (
@@ -107,11 +106,8 @@ def iter_flush(
 
 
 def _delta(enc: Encoding, name: str, shape, d, pos: np.ndarray, payload: np.ndarray, **extra) -> ParamDelta:
-    values = (
-        torch.from_numpy(np.ascontiguousarray(payload).view(f"<i{d.itemsize}"))
-        if enc.needs_base
-        else from_bits(payload, d)
-    )
+    values = torch.from_numpy(np.ascontiguousarray(payload).view(f"<i{d.itemsize}"))  # the steps, or the bits
+    values = values if enc.needs_base else values.view(d.torch)
     return ParamDelta(name, shape, d.torch, torch.from_numpy(pos), values, enc.needs_base, **extra)
 
 
