@@ -23,7 +23,7 @@ from .dtypes import by_name
 from .encodings import Encoding, get_encoding
 from .errors import BoundsError, DeltaError, FormatError, IncompleteDeltaError, IntegrityError
 from .flush import Owned, iter_flush, open_flush
-from .flush_meta import FLUSH_FORMATS, Expected, HeadCheck
+from .flush_meta import FLUSH_FORMATS, Expected, FlushHeader, HeadCheck
 from .lineage import check_base
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, parse_manifest
 from .seed_format import decode_seed_flush, seed_manifest
@@ -142,10 +142,8 @@ class DeltaDecoder:
                 batches=batches,
                 decoder=self.decoder,
             )
-        m = self.manifest
-        if (header.encoding, header.version) != (m.encoding, m.version) or (
-            not self.seed and header.base_version != m.base_version
-        ):
+        m = self.manifest  # (a seed delta's has no base version, as its flushes have none)
+        if header != FlushHeader(m.encoding, m.version, m.base_version):
             raise FormatError("flush header disagrees with the manifest's encoding or versions", file=name)
         return iter(deltas)
 
