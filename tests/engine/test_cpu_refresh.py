@@ -15,6 +15,7 @@ parameter they are given (`layer.w13_weight.data.copy_(...)` in the unquantized 
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 
 import pytest
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_delta.engine import commit, transforms
+from vllm_delta.engine import commit, derived, transforms
 from vllm_delta.engine.staging import Chunk, StagedUpdate
 
 pytest.importorskip("vllm")
@@ -259,7 +260,9 @@ def test_the_repack_is_built_in_prepare_and_only_swapped_in_at_commit(monkeypatc
     """Prepare builds each touched linear's new oneDNN handler from a copy of its new weights: the live
     weights and handlers are untouched until the commit, which builds nothing (it swaps handlers), and
     then computes like a layer freshly built from the new weights. A prepare dropped (failed or
-    aborted) leaves the layers serving the old weights."""
+    aborted) leaves the layers serving the old weights. Each unit's written copy is freed before the
+    next unit's is made (at 2% on benchmarks/apply.py's Llama all of them held at once were ~1 GB): the
+    handler keeps its own packed copy, so what the freed memory then holds changes nothing served."""
     w0 = weights(0)
     model = started(w0)
     served0 = outputs(fresh(w0))
@@ -268,7 +271,19 @@ def test_the_repack_is_built_in_prepare_and_only_swapped_in_at_commit(monkeypatc
     w1 = {k: t.clone() for k, t in w0.items()}
     staged = _staged_delta(model, w1, seed=1)
     targets = {n: canon for n, (_, canon) in transforms.canonical_tensors(model).items()}
+    copies: list[weakref.ref] = []
+    alive_at_each_unit = []
+    prebuild = derived.prebuild
+
+    def counted(model, unit, written):
+        alive_at_each_unit.append(sum(ref() is not None for ref in copies))
+        copies.extend(weakref.ref(t) for t in written.values())
+        return prebuild(model, unit, written)
+
+    monkeypatch.setattr(derived, "prebuild", counted)
     staged.prebuilt = commit.prebuild_touched(model, targets, staged.writes)
+    assert alive_at_each_unit == [0] * len(SHAPES) and all(ref() is None for ref in copies)
+    junk = [torch.full_like(t, float("nan")) for t in w1.values()]  # likely in the copies' freed memory
     assert sorted(n for n, _ in staged.prebuilt.built) == sorted(SHAPES)
     assert {k: m.cpu_linear for k, m in model.items()} == handlers
     assert all(torch.equal(m.weight.view(torch.int16), before[k].view(torch.int16)) for k, m in model.items())
@@ -286,6 +301,7 @@ def test_the_repack_is_built_in_prepare_and_only_swapped_in_at_commit(monkeypatc
     assert built == [] and "post_load" in staged.times.seconds
     assert differing(outputs(model), outputs(fresh(w1))) == []
     assert all(torch.equal(m.weight.view(torch.int16), w1[k].view(torch.int16)) for k, m in model.items())
+    del junk
 
 
 class LMHead(Linear):
