@@ -11,11 +11,13 @@ resident).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import re
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,6 +50,27 @@ class PeakRss:
         self.seconds = time.perf_counter() - self.start
         self.peak = _status_kib("VmHWM") << 10
         self.extra = self.peak - self.base
+
+
+@contextlib.contextmanager
+def _split_at_repack(marks: dict[str, int]) -> Iterator[None]:
+    """Splits a prepare's peak at the CPU repack built ahead (`commit.prebuild_touched`, the last step of
+    prepare; nothing it makes exists without a repack): the peak before it is read and reset there."""
+    from vllm_delta.engine import commit
+
+    real = commit.prebuild_touched
+
+    def split(*args, **kwargs):
+        marks["stage_peak"] = _status_kib("VmHWM") << 10
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return real(*args, **kwargs)
+
+    commit.prebuild_touched = split
+    try:
+        yield
+    finally:
+        commit.prebuild_touched = real
 
 
 def _applier(worker):
@@ -114,21 +137,15 @@ def ours(worker, path: str, version: int, max_staged_bytes: int) -> dict[str, An
         "base_version": None,
         "max_staged_bytes": max_staged_bytes,
     }
-    with PeakRss() as prep:
+    marks: dict[str, int] = {}
+    with PeakRss() as prep, _split_at_repack(marks):
         prepared = worker.delta_prepare(request)
         if not prepared.get("ok"):
             raise RuntimeError(f"delta_prepare failed: {prepared}")
         checked = check_partials([prepared])  # the route's check, before any write
     staged = state.staged[request["id"]]
     trace = staged.times  # the commit adds its phases to the same trace
-    # The repack built ahead holds a new packed copy of each touched linear layer until the commit frees
-    # the old one: about its weight's bytes (the CPU-only part of the extra memory).
-    model = worker.model_runner.get_model()
-    prebuilt_bytes = sum(
-        p.numel() * p.element_size()
-        for n, _ in staged.prebuilt.built
-        for p in model.get_submodule(n).parameters()
-    )
+    staged_bytes = staged.staged_bytes
     del staged
     with PeakRss() as com:  # the staged update (the payload) is resident at its start
         committed = worker.delta_commit(request["id"])
@@ -151,13 +168,20 @@ def ours(worker, path: str, version: int, max_staged_bytes: int) -> dict[str, An
         "repack_s": repack,
         "scatter_s": com.seconds - times.get("post_load", 0.0),
         "total_s": prep.seconds + com.seconds,
-        # Peaks relative to the RSS before prepare.
-        "prepare_extra": prep.extra,
+        # Peaks relative to the RSS before prepare: the prepare's up to the repack built ahead (read, decode,
+        # locate, digests, the staged chunks), the prepare's whole, the commit's.
+        "stage_extra": marks.get("stage_peak", prep.peak) - prep.base,
+        "prepare_extra": max(marks.get("stage_peak", 0), prep.peak) - prep.base,
         "commit_extra": com.peak - prep.base,
-        "staged": com.base - prep.base,
-        "prebuilt_bytes": prebuilt_bytes,
+        # Held from prepare to commit (RSS after gc and malloc_trim): the staged chunks, and the packed
+        # copies the repack built ahead (freed with the old handlers they replace at commit).
+        "staged": staged_bytes,
+        "prebuilt_bytes": com.base - prep.base - staged_bytes,
     }
     out["extra"] = max(out["prepare_extra"], out["commit_extra"])
+    # Less what exists only because of the CPU repack (its packed copies, the weight copies they are
+    # built from): what an engine with no repack (a GPU's) holds over its weights.
+    out["extra_no_repack"] = max(out["stage_extra"], out["commit_extra"] - out["prebuilt_bytes"])
     return out
 
 
