@@ -145,7 +145,7 @@ def make_deltas(
     for name, old in base.items():
         new = perturb_tensor(old, density, gen)
         diff = diff_param(new, old)
-        changed += diff.count
+        changed += diff.positions.numel()
         new_hash = tensor_digest(new)
         for enc in encodings:
             # What the sender publishes (sender/publisher.py): the post-apply digest of the changed
