@@ -95,8 +95,7 @@ def prebuild_touched(
     tensors with the writes (one unit's at a time); the rest is named `in_pause`."""
 
     def written(name: str) -> torch.Tensor:
-        """A new copy of the target (its whole storage, so staged offsets index it) with its writes: kept
-        by no one but the unit built from it, so at most one unit's copies are alive (not ~1 GB at 2%)."""
+        """A new copy of the target (its whole storage, so staged offsets index it) with its writes."""
         canon = targets[name]
         flat = flat_storage(canon).clone()
         for chunk in writes[name]:

@@ -36,8 +36,8 @@ from vllm_delta.wire import Manifest, ParamDelta, get_encoding
 from vllm_delta.wire.batch_device import HOST, Decoder
 from vllm_delta.wire.deltas import DeltaBatch
 
-# Decoded tensors are located and staged together once they hold this many bytes (engine/batched.py); a flush
-# holds ~2.5x its batch in temporaries: 64 MiB was 150 MB of 256 at 2% (docs/results/apply.md, session 18).
+# Decoded tensors are located and staged together once they hold this many bytes (engine/batched.py); a
+# flush holds ~2.5x it in temporaries (64 MiB: 150 MB of a 256 MB peak at 2%, docs/results/apply.md).
 BATCH_BYTES = 16 << 20
 
 _PRE, _POST, _NAME = attrgetter("pre_digest"), attrgetter("post_digest"), attrgetter("name")
