@@ -7,6 +7,7 @@ receives nothing; other actor ranks only drain their generator (verl's gathers a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -17,6 +18,7 @@ from verl.workers.rollout.utils import ensure_async_iterator
 from vllm_delta.sender import DeltaSender
 
 BACKEND = "vllm_delta"
+logger = logging.getLogger(__name__)
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -71,7 +73,11 @@ class VllmDeltaCheckpointEngine(CheckpointEngine):
                 self.sender.seed(named)
                 return {}
             self.sender.seed_from_checkpoint(self.checkpoint)
-        return self.sender.sync(named)
+        try:
+            return self.sender.sync(named)
+        except Exception as exc:  # the sync never stops training: `sender.status()` keeps the error
+            logger.error("vllm-delta: weight sync failed (training goes on): %s: %s", type(exc).__name__, exc)
+            return {"sender/publish_failed": 1.0}
 
     async def receive_weights(
         self, global_steps: int | None = None

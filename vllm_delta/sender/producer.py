@@ -105,6 +105,11 @@ class Producer:
             if s.describe() != st.placement:
                 raise ValueError(f"{s.name!r}: the shard's placement differs from the seeded one")
             by_name[s.name] = s
+        # before any bucket is re-formed around the shards given: a refusal changes nothing
+        if kind == "catchup" and (missing := [n for n in self.pending_names() if n not in by_name]):
+            raise ValueError(f"params with unsent changes were not given: {missing[:5]}")
+        if anchor and len(by_name) != len(self._states):
+            raise ValueError("an anchor needs every param; some were not given")
         entries: dict[str, Entry] = {}
         scans = []
         for layout in bucket_scan.plan(shards, {k: b.layout for k, b in self._buckets.items()}):
@@ -154,10 +159,6 @@ class Producer:
                         e.anchor = self._anchor(self._states[name], e)
                 at += 8 * n
         cap.entries = [entries[s.name] for s in shards]
-        if kind == "catchup" and (missing := [n for n in self.pending_names() if n not in by_name]):
-            raise ValueError(f"params with unsent changes were not given: {missing[:5]}")
-        if anchor and len(by_name) != len(self._states):
-            raise ValueError("an anchor needs every param; some were not given")
         cap.scan_s = time.perf_counter() - start
         t = time.perf_counter()
         for stream in self._copy_streams.values():
