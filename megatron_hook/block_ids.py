@@ -1,10 +1,7 @@
-"""Id tensors held one id per block of consecutive last-dim elements, for probing mbridge's conversion.
-
-Why: one int64 id per element is O(elements) (at 355B ~6 B per rank, TP-fold merged). mbridge's rules
-only cat, chunk, split, slice, view and reshape, moving whole rows or per-rank column blocks, so each
-op runs on the blocks' first ids; one that cuts finer refines the blocks first (exact, more memory).
-An op it does not know raises, naming itself: never guessed.
-"""
+"""Id tensors held one id per block of last-dim elements, for probing mbridge's conversion: one int64 id
+per element would be O(elements). mbridge's rules only cat, chunk, split, slice, view and reshape whole
+rows or column blocks, so each op runs on the blocks' first ids (refined first where it cuts finer); an op
+it does not know raises, naming itself: never guessed."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Where each element of a rank's Megatron weights sits in the HF checkpoint, from mbridge's own code:
 hand-written tables drift from the converter that exported it. Id tensors (`BlockIds`) go through
 `_weight_merge_across_tp` and `_weight_to_hf_format` (pinned `mbridge==0.15.1`); where this rank's ids
-land places its elements. One replica ships each element (TP rank 0 of a replicated param, DP rank 0).
-"""
+land places its elements. One replica ships each element (TP rank 0 of a replicated param, DP rank 0)."""
 
 from __future__ import annotations
 

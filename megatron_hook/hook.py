@@ -1,10 +1,7 @@
 """`register(optimizer, model_chunks, sender, bridge=...)`: sync the engines after each real optimizer step.
-
-Why a wrapper: megatron-core has no post-step hook, and the inner optimizer's post-step hooks fire before
-the fp32 -> bf16 copy. So this instance's `MegatronOptimizer.step` is wrapped: a step the loss scaler
-skipped fires nothing; with `overlap_param_gather` the all-gather is finished first (as Megatron-LM's
-`force_param_sync`); then it captures and publishes in the background, overlapping the next step.
-"""
+Why a wrapper of `MegatronOptimizer.step`: megatron-core has no post-step hook, and the inner optimizer's
+fire before the fp32 -> bf16 copy. A skipped step fires nothing; `overlap_param_gather`'s all-gather is
+finished first (as Megatron-LM's `force_param_sync`); the publish overlaps the next step."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """SkyRL 0.4's weight sync through vllm-delta: `generator.inference_engine.weight_sync_backend=vllm_delta`.
-
-SkyRL builds its trainer engine through vLLM's `WeightTransferTrainerFactory` with one client that fans
-out to every server; our sender gates its snapshot on each engine's own answer, so that client is seen
-as one view per server. SkyRL's backend list is closed (an unknown name becomes `nccl`), so `register()`
-adds `vllm_delta`; call it in every SkyRL process, e.g. from a module the run imports first.
-"""
+SkyRL's one client fans out to every server; our sender gates its snapshot on each engine's answer, so it
+is seen as one view per server. SkyRL's backend list is closed (an unknown name becomes `nccl`), so
+`register()` adds `vllm_delta`; call it in every SkyRL process, e.g. from a module the run imports first."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""TRL's `VLLMClient` with its weight sync through `DeltaSender`: `GRPOTrainer(use_vllm=True,
-vllm_mode="server")` ships deltas after one call, `use_delta(delta_dir)`, made before the trainer.
-
-Why a subclass: TRL's server mode syncs with `update_named_params` over an NCCL group that needs CUDA;
-everything else stays TRL's. The server runs our weight-transfer backend or our route (the client reads
-which from its config). The first sync sends an anchor, so the engine may start from any checkpoint.
-ZeRO-3/FSDP parameters are gathered and freed as the iterator advances, so they are copied into buffers
-kept across syncs. A failed sync is logged and counted, never raised into training.
-"""
+"""TRL's `VLLMClient` syncing through `DeltaSender`: `GRPOTrainer(use_vllm=True, vllm_mode="server")`
+ships deltas after one call, `use_delta(delta_dir)`, made before the trainer. Why a subclass: TRL's server
+mode syncs with `update_named_params` over an NCCL group that needs CUDA; everything else stays TRL's.
+The first sync sends an anchor, so the engine may start from any checkpoint."""
 
 from __future__ import annotations
 
@@ -129,12 +124,8 @@ def take(
             if not copy:
                 out.append((name, tensor.detach()))
                 continue
-            buf = kept.get(name)
-            if buf is None or (buf.shape, buf.dtype, buf.device) != (
-                tensor.shape,
-                tensor.dtype,
-                tensor.device,
-            ):
+            buf, like = kept.get(name), (tensor.shape, tensor.dtype, tensor.device)
+            if buf is None or (buf.shape, buf.dtype, buf.device) != like:
                 buf = kept[name] = torch.empty_like(tensor, memory_format=torch.contiguous_format)
             buf.copy_(tensor)
             out.append((name, buf))

@@ -1,9 +1,6 @@
 """verl's `CheckpointEngine` for vllm-delta, loaded by verl's `custom_backend_module` (docs/integrations.md).
-
-Why this shape: verl's other engines carry whole tensors to a rollout-side receiver. Here the actor's
-rank 0 is a `DeltaSender` pushing to each engine's `POST /update_weights_delta`, so the rollout side
-receives nothing; other actor ranks only drain their generator (verl's gathers are collectives).
-"""
+The actor's rank 0 is a `DeltaSender` pushing to each engine's `POST /update_weights_delta`, so the rollout
+side receives nothing; other actor ranks only drain their generator (verl's gathers are collectives)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""One pass over a contiguous bucket of weights: the diff, the gather, the HF map and the digests of
-every shard in it, in a bounded number of torch ops per bucket, whatever its number of shards.
-
-Why: with Megatron's distributed optimizer every param is a view into one buffer and a rank holds
-~1000 HF segments; diffing them one by one costs ~85 small kernels and 1-3 host syncs each. Shards
-sharing a storage (and dtype and device) form a bucket whose span is diffed against one flat
-snapshot; changed offsets map to (segment, HF position) through a table of runs. A shard no shared
-bucket takes is a bucket of its own over a contiguous copy. On CPU weights `kernels/scan.py` runs the
-whole pass fused (the torch ops here cost ~10x a memcpy there).
+"""One pass over a contiguous bucket of weights: the diff, gather, HF map and digests of every shard in
+it, in a bounded number of torch ops per bucket. Why: under Megatron's distributed optimizer a rank holds
+~1000 HF segments of one buffer, and diffing them one by one cost ~85 small kernels and 1-3 host syncs
+each. Changed offsets map to (segment, HF position) through a table of runs; on CPU weights
+`kernels/scan.py` runs the whole pass fused (the torch ops here cost ~10x a memcpy there).
 """
 
 from __future__ import annotations
@@ -159,18 +155,13 @@ def _layout(
     lo: int,
 ) -> Layout:
     """The layout of `members` whose storage runs start at `lo` in their storage, over `base`."""
-    rows = sorted((b - lo, h, n, k) for k, (_, _, runs) in enumerate(members) for b, h, n in runs)
-    rows_t = tuple(rows)
-    keys = [(k, h) for _, h, _, k in rows_t]
+    rows = tuple(sorted((b - lo, h, n, k) for k, (_, _, runs) in enumerate(members) for b, h, n in runs))
+    keys = [(k, h) for _, h, _, k in rows]
+    names = tuple(s.name for s, _, _ in members)
+    local_runs = tuple(tuple((b - lo, n) for b, n in buf) for _, buf, _ in members)
+    gaps = sum(r[2] for r in rows) != base.numel()
     return Layout(
-        key,
-        tuple(s.name for s, _, _ in members),
-        base,
-        tuple(tuple((b - lo, n) for b, n in buf) for _, buf, _ in members),
-        rows_t,
-        run_tables(rows_t, base.device),
-        in_order=keys == sorted(keys),
-        gaps=sum(r[2] for r in rows) != base.numel(),
+        key, names, base, local_runs, rows, run_tables(rows, base.device), keys == sorted(keys), gaps
     )
 
 
@@ -204,16 +195,15 @@ def scan(
     digest every member, where `snap` lives (a host snapshot's live span comes over chunk by chunk)."""
     n = len(layout.names)
     catchup = kind == "catchup" and pending is not None
-    # CPU: one fused pass (numba), tested equal to the torch path
-    if layout.to_global is None and scan_kernel.applies(layout.base, snap):
-        if not catchup and layout.in_order:
-            return _kernel_scan(layout, snap, digests, n)
+    kernel = layout.to_global is None and scan_kernel.applies(layout.base, snap)  # CPU: one fused pass
+    if kernel and not catchup and layout.in_order:
+        return _kernel_scan(layout, snap, digests, n)
+    tables = tuple(t.to(snap.device) for t in layout.tables)
+    if kernel:
         pos, old, new, hf, run, pre, post = scan_kernel.diff_digest(
-            layout.base, snap, layout.tables, n, not layout.in_order, *_kernel_workers(), layout.buffers
+            layout.base, snap, tables, n, not layout.in_order, *_kernel_workers(), layout.buffers
         )
-        tables = layout.tables
     else:
-        tables = tuple(t.to(snap.device) for t in layout.tables)
         pos, old, new, hf, run, pre, post = torch_diff_digest(layout, tables, snap, n)
     digest = digests - pre + post
     sent, send_hf, send_new, send_old, send_run = pos, hf, new, old, run

@@ -13,8 +13,6 @@ import torch
 import vllm_delta.sender.bucket_scan as bucket_scan
 from vllm_delta.sender.shards import flat_runs
 
-Run = tuple[int, int, int]  # (local flat start, HF flat start, length)
-
 
 @dataclass(eq=False)
 class Anchor:
@@ -31,13 +29,6 @@ class Anchor:
     staging: torch.device  # where pieces are made (the host)
     ready: object | None = None  # a CUDA event after which the snapshot may be read
 
-    def runs(self) -> list[Run]:
-        """The shard's elements as runs in HF order."""
-        _, full, dim, spans = self.placement
-        flat = spans if dim is None else flat_runs(full, dim, spans)
-        starts = accumulate((n for _, n in flat), initial=0)  # each run's local start
-        return sorted(((local, hf, n) for local, (hf, n) in zip(starts, flat)), key=lambda r: r[1])
-
     def pieces(self, max_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
         """`(HF start, values)` of at most `max_bytes` each, a fresh staging tensor per piece."""
         m = max(1, max_bytes // self.snapshot.element_size())
@@ -46,7 +37,10 @@ class Anchor:
             stream = torch.cuda.Stream(device=self.snapshot.device)
             if self.ready is not None:
                 stream.wait_event(self.ready)
-        for local, hf, n in self.runs():
+        _, full, dim, spans = self.placement
+        flat = spans if dim is None else flat_runs(full, dim, spans)
+        starts = accumulate((n for _, n in flat), initial=0)  # each run's local start
+        for local, (hf, n) in sorted(zip(starts, flat), key=lambda r: r[1][0]):  # in HF order
             for o in range(0, n, m):
                 k = min(m, n - o)
                 yield hf + o, self._piece(local + o, hf + o, k, stream)
@@ -94,13 +88,6 @@ class Bucket:
     snapshot: torch.Tensor
     digests: torch.Tensor  # [n, 2]; row i is member i's `ShardState.digest`
     pending: torch.Tensor | None = None  # bucket offsets sent since S while an engine lags
-
-    def pending_counts(self) -> list[int]:
-        """Catch-up positions per member (on `meta`, which has no values: every member)."""
-        if self.pending.device.type == "meta":
-            return [1] * len(self.layout.names)
-        tables = tuple(t.to(self.pending.device) for t in self.layout.tables)
-        return bucket_scan.count(tables, len(self.layout.names), self.pending).tolist()
 
 
 @dataclass(eq=False)

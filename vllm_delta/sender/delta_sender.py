@@ -1,9 +1,7 @@
 """`DeltaSender`: diff against a snapshot, encode, move, and advance only when every engine acknowledged.
-
-`capture(named)` diffs and stages the changes and returns once the optimizer may touch the weights
-again; `publish()` encodes, moves, pushes and collects the acks on a background thread. A failed
-publish never stops training: it is recorded and agreed on by every rank; only `sync()` raises it.
-"""
+`capture()` returns once the optimizer may touch the weights again; `publish()` runs on a background
+thread. A failed publish never stops training: it is recorded and agreed on by every rank; only `sync()`
+raises it."""
 
 from __future__ import annotations
 
@@ -109,13 +107,7 @@ class DeltaSender:
             client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)
         )
         self.planner = Planner(
-            engines,
-            self.client,
-            encoding=encoding,
-            overwrite_encoding=overwrite_encoding,
-            anchor_every=anchor_every,
-            version=version,
-            max_lag_syncs=max_lag_syncs,
+            engines, self.client, encoding, overwrite_encoding, anchor_every, version, max_lag_syncs
         )
         self.transport = transports.create(
             transport,
@@ -332,10 +324,7 @@ class DeltaSender:
         self.publish_failures += 1
         self.last_error = error
         logger.error(
-            "delta sender: publishing version %d failed (training goes on): %s: %s",
-            plan.version,
-            type(error).__name__,
-            error,
+            "delta sender: publishing version %d failed (training goes on): %s", plan.version, describe(error)
         )
         for url in plan.delta_urls + plan.anchor_urls:
             e = self.planner.engines.get(url)

@@ -1,8 +1,6 @@
 """Block-fp8 engines fed by a bf16 trainer: each capture re-quantizes only the blocks holding a changed
-bf16 element, by vLLM's `per_block_cast_to_fp8` rule bit for bit (the tests import it; the trainer may
-have no vLLM). A rank's part is quantized alone when its tiles are whole blocks; one that cuts a block is
-refused at seeding, as vLLM refuses in its own TP shards.
-"""
+bf16 element, by vLLM's `per_block_cast_to_fp8` rule bit for bit (the trainer may have no vLLM). A rank's
+part is quantized alone; one that cuts a block is refused at seeding, as vLLM refuses in its TP shards."""
 
 from __future__ import annotations
 
@@ -178,10 +176,6 @@ class _Tensor:
         self.codes = torch.zeros(self.padded, dtype=FP8, device=device)
         self.scale = torch.zeros(self.grid, dtype=torch.float32, device=device)
 
-    def local(self, part: Part) -> torch.Tensor:
-        """The part's values as the local matrix (a view if contiguous: read within the capture only)."""
-        return part.tensor.detach().contiguous().reshape(self.shape)
-
     def _blocks(self, t: torch.Tensor) -> torch.Tensor:
         """`t` as [row blocks, bm, column blocks, bn], zero-padded to whole blocks (a copy only then)."""
         (m, n), (pm, pn) = t.shape, self.padded
@@ -260,15 +254,10 @@ class BlockFp8Quantizer:
             if s.name in self.names:
                 _check_bf16(s)
                 t = self._tensors.get(s.name) or self._tensors.setdefault(s.name, _Tensor(s, self.spec.block))
-                w = t.local(s)
+                w = s.tensor.detach().contiguous().reshape(t.shape)  # a view if contiguous: read now only
                 todo.append((t, w, t.changed_blocks(w)))
-        by_device: dict[torch.device, list[int]] = {}
-        for i, (_, w, _) in enumerate(todo):
-            by_device.setdefault(w.device, []).append(i)
-        counts = [0] * len(todo)
-        for ids in by_device.values():  # one host sync per device, not per tensor
-            for i, c in zip(ids, torch.stack([todo[i][2].sum() for i in ids]).tolist()):
-                counts[i] = c
+        # one host sync, not one per tensor
+        counts = torch.stack([m.sum().to(todo[0][1].device) for _, _, m in todo]).tolist() if todo else []
         for (t, w, mask), count in zip(todo, counts):
             if count:
                 t.requantize(w, mask, count)

@@ -1,10 +1,6 @@
-"""Which engine gets what: a base-relative delta, an overwrite catch-up, or a full anchor.
-
-The snapshot stays at S, the last version every engine acknowledged; while some engine lags, everyone
-gets an overwrite catch-up (values at diff(current, S) and the positions sent since S), which takes an
-engine at any version in [S, N-1] of this lineage exactly to N and is safe to replay. docs/sender.md has
-the state machine, the correctness argument and the lineage rules.
-"""
+"""Which engine gets what: a base-relative delta from S (the last version every engine acknowledged),
+an overwrite catch-up (takes any version in [S, N-1] of this lineage exactly to N, safe to replay), or a
+full anchor. docs/sender.md has the state machine, the correctness argument and the lineage rules."""
 
 from __future__ import annotations
 
@@ -63,13 +59,11 @@ class Planner:
         self,
         engines: list[str],
         client: EngineClient,
-        *,
         encoding: str,
         overwrite_encoding: str,
         anchor_every: int | None,
         version: int,
-        max_lag_syncs: int = 3,
-        run_id: str | None = None,
+        max_lag_syncs: int,
     ) -> None:
         if get_encoding(overwrite_encoding).needs_base:
             raise ValueError(f"overwrite_encoding {overwrite_encoding!r} must not be base-relative")
@@ -85,8 +79,8 @@ class Planner:
         self.anchor_next = False
         # This sender's lineage, random per sender: a new one anchors engines it cannot vouch for,
         # unless it resumes their run.
-        self.run_id = run_id or uuid.uuid4().hex
-        self.resume = run_id is None and version > 0
+        self.run_id = uuid.uuid4().hex
+        self.resume = version > 0
         # The transport's (engine status, version to reach) -> pushes replaying a kept chain, or None.
         self.catch_up: Callable[[dict[str, Any], int], list[dict[str, Any]] | None] | None = None
 

@@ -1,7 +1,6 @@
 """The scan: diff every bucket against its snapshot (version S, every engine acknowledged it) where that
 lives, gather and digest the changes, and stage only O(changed) bytes on the host. The snapshot sits on
-the "device" (fastest) or the "host" (pinned); "auto" takes the device only where it fits (`place_snapshot`).
-"""
+the "device" (fastest) or the "host" (pinned); "auto" takes the device where it fits (`place_snapshot`)."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class Producer:
 
     def seed(self, shards: Iterable[Shard]) -> None:
         shards = list(shards)
-        names = [s.name for s in shards]
-        if len(set(names)) != len(names):
+        if len({s.name for s in shards}) != len(shards):
             raise ValueError("a param was given twice")
         place, why = choose_place(self.snapshot_place, shards)
         logger.info("vllm-delta snapshot on the %s: %s", place, why)
@@ -77,8 +75,12 @@ class Producer:
     def pending_names(self) -> list[str]:
         names = [n for n, st in self._states.items() if st.pending is not None]
         for b in self._buckets.values():
-            if b.pending is not None:  # one count per bucket with a catch-up
-                names += [n for n, c in zip(b.layout.names, b.pending_counts()) if c]
+            if b.pending is not None and b.pending.device.type == "meta":
+                names += b.layout.names  # meta has no values: every member
+            elif b.pending is not None:  # the members with a position in the catch-up
+                tables = tuple(t.to(b.pending.device) for t in b.layout.tables)
+                counts = bucket_scan.count(tables, len(b.layout.names), b.pending).tolist()
+                names += [n for n, c in zip(b.layout.names, counts) if c]
         return names
 
     def pending_elements(self) -> int:
@@ -97,12 +99,11 @@ class Producer:
         shards = list(shards)
         by_name: dict[str, Shard] = {}
         for s in shards:
-            st = self._states.get(s.name)
-            if st is None:
+            if s.name not in self._states:
                 raise KeyError(f"{s.name!r} is not in the snapshot (seed it first)")
             if s.name in by_name:
                 raise ValueError(f"{s.name!r} given twice")
-            if s.describe() != st.placement:
+            if s.describe() != self._states[s.name].placement:
                 raise ValueError(f"{s.name!r}: the shard's placement differs from the seeded one")
             by_name[s.name] = s
         # before any bucket is re-formed around the shards given: a refusal changes nothing
@@ -111,17 +112,13 @@ class Producer:
         if anchor and len(by_name) != len(self._states):
             raise ValueError("an anchor needs every param; some were not given")
         entries: dict[str, Entry] = {}
-        scans = []
+        scans, stage = [], self._stage
         for layout in bucket_scan.plan(shards, {k: b.layout for k, b in self._buckets.items()}):
             b = self._bucket(layout)
             res = bucket_scan.scan(layout, b.snapshot, b.digests, b.pending, kind)
             cap.buckets.append(BucketAdvance(b, res.pos, res.new, res.digest))
             cap.changed += res.pos.numel()
-            staged = (
-                self._stage(res.hf),
-                self._stage(res.send_new),
-                self._stage(res.send_old) if kind == "delta" else None,
-            )
+            staged = stage(res.hf), stage(res.send_new), stage(res.send_old) if kind == "delta" else None
             scans.append((layout, res.summary, staged))
         if scans:  # every bucket's digests and counts, in one transfer
             summary = torch.cat([sums for _, sums, _ in scans]).to(self.staging)
@@ -138,7 +135,7 @@ class Producer:
                     (t,) if n == 1 else t.split(sent) if t is not None else [None] * n for t in staged
                 )
                 for i, name in enumerate(layout.names):
-                    s = by_name[name]
+                    s, st = by_name[name], self._states[name]
                     digests = {"digest": rows[at // 2 + i], "post_digest": rows[at // 2 + 2 * n + i]}
                     if kind == "delta":
                         digests["pre_digest"] = rows[at // 2 + n + i]
@@ -155,8 +152,12 @@ class Producer:
                     )
                     if self.post_hash and s.is_whole and (anchor or (kind and sent[i])):
                         e.post_hash = tensor_digest(s.tensor)
-                    if anchor:
-                        e.anchor = self._anchor(self._states[name], e)
+                    if anchor:  # nothing per element: the snapshot (untouched until settled) and the changes
+                        snap = st.snapshot.reshape(-1)
+                        ready = torch.cuda.Event() if snap.device.type == "cuda" else None
+                        if ready is not None:
+                            ready.record(torch.cuda.current_stream(snap.device))
+                        e.anchor = Anchor(st.placement, snap, hf[i], new[i], self.staging, ready)
                 at += 8 * n
         cap.entries = [entries[s.name] for s in shards]
         cap.scan_s = time.perf_counter() - start
@@ -165,15 +166,6 @@ class Producer:
             stream.synchronize()
         cap.stage_s = time.perf_counter() - t
         return cap
-
-    def _anchor(self, st: ShardState, e: Entry) -> Anchor:
-        """Nothing per element: the snapshot (untouched until settled; a strided member's as a flat
-        copy) patched with the staged changes."""
-        snap = st.snapshot.reshape(-1)
-        ready = torch.cuda.Event() if snap.device.type == "cuda" else None
-        if ready is not None:
-            ready.record(torch.cuda.current_stream(snap.device))
-        return Anchor(st.placement, snap, e.positions, e.new_values, self.staging, ready)
 
     def _bucket(self, layout: bucket_scan.Layout) -> Bucket:
         """The bucket's snapshot, built the first time its layout is scanned: a flat copy of its span into

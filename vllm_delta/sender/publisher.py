@@ -47,33 +47,23 @@ class Publisher:
         whatever fails on it: a local failure is agreed on and raised on every rank at one point; rank
         0's (seal, push) travel in the outcome it broadcasts."""
         start = time.perf_counter()
+        rank0 = self.ranks.rank == 0
         kinds = []
         if plan.delta_urls and plan.kind:
             kinds.append((plan.kind, plan.base_version, plan.encoding))
         if plan.anchor_urls:
             kinds.append(("anchor", None, self.planner.overwrite_encoding))
-        self._agreed(
-            lambda: (
-                [self.transport.prepare(dir_name(k, plan.version)) for k, _, _ in kinds]
-                if self.ranks.rank == 0
-                else None
-            ),
-            "prepare",
-        )
+        dirs = [dir_name(k, plan.version) for k, _, _ in kinds]
+        self._agreed(lambda: [self.transport.prepare(d) for d in dirs] if rank0 else None, "prepare")
+        opts = {"version": plan.version, "flush_bytes": self.flush_bytes, "model_elements": model_elements}
         sent: list[SentDelta] = []
         sinks: list[Sink] = []
         failure: BaseException | None = None
         cleaned = False
         try:
-            for kind, base, encoding in kinds:
+            for d, (kind, base, encoding) in zip(dirs, kinds):
                 sink = self.transport.sink(
-                    dir_name(kind, plan.version),
-                    version=plan.version,
-                    base_version=base,
-                    encoding=encoding,
-                    flush_bytes=self.flush_bytes,
-                    rank=self.ranks.rank,
-                    model_elements=model_elements,
+                    d, base_version=base, encoding=encoding, rank=self.ranks.rank, **opts
                 )
                 sinks.append(sink)
                 manifest = self._agreed(lambda sink=sink, kind=kind: self._encode(sink, kind, cap), "encode")
@@ -83,7 +73,7 @@ class Publisher:
             encode_s = time.perf_counter() - start
             pushed = time.perf_counter()
             replies, all_acked = {}, False
-            if self.ranks.rank == 0 and failure is None:
+            if rank0 and failure is None:
                 try:  # a failed push or cleanup is rank 0's outcome, broadcast below
                     try:
                         replies = self._push(plan, sent)
@@ -103,10 +93,10 @@ class Publisher:
             raise failure
         if error is not None:
             raise PublishError(f"rank 0: {error}")
-        if self.ranks.rank != 0:  # every rank's planner keeps the versions (rank 0's word decides)
+        if not rank0:  # every rank's planner keeps the versions (rank 0's word decides)
             self.planner.settle(plan, replies)
-        post = sum(s.wire_bytes for s in sent) if self.ranks.rank == 0 else 0
-        pre = sum(s.pre_compress_bytes for s in sent) if self.ranks.rank == 0 else 0
+        post = sum(s.wire_bytes for s in sent) if rank0 else 0
+        pre = sum(s.pre_compress_bytes for s in sent) if rank0 else 0
         wire = post
         if not self.transport.stored:  # a broadcast moves the bytes once per engine
             per = {s.kind: s.wire_bytes for s in sent}
@@ -180,13 +170,7 @@ class Publisher:
         if sink.spool is not None:
             self._gather_flushes(sink.spool, parts)
         mine = SentDelta(
-            kind,
-            manifest,
-            len(b.files),
-            b.wire_bytes,
-            b.pre_compress_bytes,
-            location=sink.location,
-            spool=sink.spool,
+            kind, manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes, sink.location, sink.spool
         )
         if self.ranks.rank != 0:
             return mine, None
@@ -224,18 +208,12 @@ class Publisher:
     def _push(self, plan: Plan, sent: list[SentDelta]) -> dict[str, Reply]:
         """Rank 0: the kept chain's replays, then this plan's update to every target engine."""
         self._replay(plan.replay)
-        by_kind = {s.kind: s for s in sent}
+        by_kind = {
+            s.kind: (s, {"version": plan.version, "base_version": s.manifest.base_version}) for s in sent
+        }
         targets = {u: by_kind[plan.kind] for u in plan.delta_urls if plan.kind}
         targets.update({u: by_kind["anchor"] for u in plan.anchor_urls})
-        if not targets:
-            return {}
-        return self.transport.push(
-            self.client,
-            {
-                u: (s, {"version": plan.version, "base_version": s.manifest.base_version})
-                for u, s in targets.items()
-            },
-        )
+        return self.transport.push(self.client, targets) if targets else {}
 
     def _replay(self, replay: dict[str, list[dict]]) -> None:
         """Late joiners replay the store's kept chain version by version; one that refuses a step stops."""
@@ -243,14 +221,10 @@ class Publisher:
         while pending:
             replies = self.client.update({u: steps[0] for u, steps in pending.items()})
             for u, r in replies.items():
-                step = pending[u].pop(0)
-                if not (r.ok and r.body.get("version") == step["version"]):
+                v = pending[u].pop(0)["version"]
+                if not (r.ok and r.body.get("version") == v):
                     logger.warning(
-                        "delta sender: %s refused catch-up version %d (%s): %s",
-                        u,
-                        step["version"],
-                        r.status,
-                        r.error,
+                        "delta sender: %s refused catch-up version %d (%s): %s", u, v, r.status, r.error
                     )
                     pending[u] = []
             pending = {u: s for u, s in pending.items() if s}

@@ -1,8 +1,6 @@
-"""A rank's part of an HF tensor, and where its elements sit in the whole one.
-
-Why: gathering whole tensors before a diff is the traffic delta sync avoids, so each rank diffs its own
-part and maps changed local positions to HF flat positions, affinely per span or run (no element tables).
-"""
+"""A rank's part of an HF tensor, and where its elements sit in the whole one. Why: gathering whole tensors
+is the traffic delta sync avoids, so each rank diffs its own part and maps changed local positions to HF
+flat positions, affinely per span or run (no element tables)."""
 
 from __future__ import annotations
 
