@@ -23,8 +23,7 @@ class BlockIds:
 
     @classmethod
     def arange(cls, first: int, shape: Sequence[int], width: int | None = None) -> BlockIds:
-        """Ids `first + arange(prod(shape))` laid out as `shape`, in blocks of `width` (default: whole
-        rows)."""
+        """Ids `first + arange(prod(shape))` laid out as `shape`, in blocks of `width` (default: rows)."""
         shape = tuple(int(n) for n in shape)
         if not shape:
             raise NotImplementedError("BlockIds: a 0-d tensor")
@@ -101,13 +100,10 @@ class BlockIds:
     def split(self, split_size, dim: int = 0) -> tuple[BlockIds, ...]:
         dim = _dim(dim, self.dim())
         n = self.shape[dim]
-        sizes = (
-            list(split_size)
-            if isinstance(split_size, (list, tuple))
-            else [min(split_size, n - a) for a in range(0, n, split_size)]
-            if split_size
-            else [n]
-        )
+        if isinstance(split_size, (list, tuple)):
+            sizes = list(split_size)
+        else:
+            sizes = [min(split_size, n - a) for a in range(0, n, split_size)] if split_size else [n]
         if sum(sizes) != n:
             raise ValueError(f"split sizes {sizes} do not add up to {n}")
         if dim != self.dim() - 1:
@@ -120,10 +116,6 @@ class BlockIds:
     def chunk(self, chunks: int, dim: int = 0) -> tuple[BlockIds, ...]:
         n = self.shape[_dim(dim, self.dim())]
         return self.split(max(1, -(-n // chunks)), dim)
-
-    def narrow(self, dim: int, start: int, length: int) -> BlockIds:
-        dim = _dim(dim, self.dim())
-        return self[(slice(None),) * dim + (slice(start, start + length),)]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

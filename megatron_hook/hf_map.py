@@ -81,8 +81,7 @@ def shipped(
 
 
 def probe(bridge, global_name: str, t: torch.Tensor, rank: int, size: int) -> list[Segments]:
-    """Run block ids (one block per row) through mbridge's TP merge and HF conversion; one `Segments`
-    per HF tensor."""
+    """Block ids (a block per row) through mbridge's TP merge and HF conversion; a `Segments` per HF name."""
     n = t.numel()
     width = t.shape[-1] if t.dim() > 1 else 1
     ids = [BlockIds.arange(k * n, t.shape, width) for k in range(size)]
@@ -104,11 +103,8 @@ def probe(bridge, global_name: str, t: torch.Tensor, rank: int, size: int) -> li
         local = starts[blocks] - rank * n
         order = torch.argsort(local)
         local, hf_pos = local[order], blocks[order] * w
-        out.append(
-            Segments(
-                hf_name, _view(flat, runs_of(local, w), global_name), tuple(hf_ids.shape), runs_of(hf_pos, w)
-            )
-        )
+        view = _view(flat, runs_of(local, w), global_name)
+        out.append(Segments(hf_name, view, tuple(hf_ids.shape), runs_of(hf_pos, w)))
     return out
 
 

@@ -217,15 +217,12 @@ def register(
 ) -> HookHandle:
     """Sync `sender`'s engines after every `every`-th optimizer step that updated the weights; every rank
     of the sender's group calls this. `model_chunks`: the DDP-wrapped chunks given to the optimizer;
-    `bridge`: the model's mbridge bridge (its conversion code gives the HF map).
-
-    `checkpoint` (the HF directory the engines loaded) seeds the snapshot from its bytes and finds every
-    element where the trainer's weights differ (`handle.seed_report`), so a wrong map or checkpoint
-    raises `SeedMismatchError` at step 0 (`seed_mismatch="warn"` logs it). Without one nothing is checked,
-    which takes an explicit `seed_from_trainer=True`. A block-fp8 served checkpoint is quantized per rank
-    (`fp8_quant.py`); a shard that cuts a block is refused on every rank, naming what this rank holds:
-    gathering would put a TP collective on the capture path, for layouts block-fp8 models do not train in.
-    """
+    `bridge`: the model's mbridge bridge (its conversion code gives the HF map). `checkpoint` (the HF
+    directory the engines loaded) seeds the snapshot from its bytes and finds every element where the
+    trainer's weights differ (`handle.seed_report`): a wrong map or checkpoint raises `SeedMismatchError`
+    at step 0 (`seed_mismatch="warn"` logs it). Without one nothing is checked, which takes an explicit
+    `seed_from_trainer=True`. A block-fp8 shard that cuts a block is refused on every rank, naming what
+    this rank holds: gathering would put a TP collective on the capture path."""
     if every < 1:
         raise ValueError("every must be >= 1")
     if seed_mismatch not in ("raise", "warn"):
@@ -281,14 +278,11 @@ def _seed_values(
     served = {s.name: s.tensor.reshape(-1) for s in seeded}
     report = SeedReport()
     for s in mine:
-        ours = s.tensor.detach().reshape(-1)
-        if served[s.name].dtype != ours.dtype:
-            raise TypeError(
-                f"{s.name}: the checkpoint holds {served[s.name].dtype}, the trainer {ours.dtype}"
-            )
-        if (local := changed_positions(ours, served[s.name])).numel():
-            prev = report.mismatches.get(s.name)
-            pos = s.to_global(local).cpu()
+        ours, theirs = s.tensor.detach().reshape(-1), served[s.name]
+        if theirs.dtype != ours.dtype:
+            raise TypeError(f"{s.name}: the checkpoint holds {theirs.dtype}, the trainer {ours.dtype}")
+        if (local := changed_positions(ours, theirs)).numel():
+            prev, pos = report.mismatches.get(s.name), s.to_global(local).cpu()
             report.mismatches[s.name] = pos if prev is None else torch.cat([prev, pos])
     return seeded, fp8, report
 

@@ -200,19 +200,24 @@ def test_seed_from_checkpoint_takes_this_ranks_elements(kind, tmp_path) -> None:
 
 def test_refused_catchup_leaves_the_snapshot_as_it_was() -> None:
     """A catch-up that omits a param with unsent changes (or an anchor missing one) is refused before the
-    scan: no bucket re-formed around the params given, no catch-up positions moved, the next full catch-up
-    sends what it would have sent."""
-    buf = torch.arange(20, dtype=torch.float32)
-    shards = [Shard.whole("a", buf[:10].view(2, 5)), Shard.whole("b", buf[10:].view(2, 5))]
+    scan: no bucket re-formed around the params given, no catch-up positions moved. A bucket that does
+    re-form (a member rebound to new storage) carries its catch-up positions over to the new buckets."""
+    buf = torch.arange(30, dtype=torch.float32)
+    shards = [Shard.whole(n, buf[10 * i : 10 * i + 10].view(2, 5)) for i, n in enumerate("abc")]
     producer = Producer(snapshot="device")
     producer.seed(shards)
-    buf[[1, 12]] += 1
+    buf[[1, 12, 23]] += 1
     producer.defer(producer.scan(shards, kind="delta", anchor=False))  # one bucket, a catch-up owed
-    before = [(n, producer.snapshot_of(n).data_ptr()) for n in ("a", "b")], producer.pending_names()
+    before = [(n, producer.snapshot_of(n).data_ptr()) for n in "abc"], producer.pending_names()
     with pytest.raises(ValueError, match="params with unsent changes were not given"):
         producer.scan(shards[:1], kind="catchup", anchor=False)
     with pytest.raises(ValueError, match="an anchor needs every param"):
         producer.scan(shards[:1], kind="", anchor=True)
-    assert ([(n, producer.snapshot_of(n).data_ptr()) for n in ("a", "b")], producer.pending_names()) == before
+    assert ([(n, producer.snapshot_of(n).data_ptr()) for n in "abc"], producer.pending_names()) == before
     cap = producer.scan(shards, kind="catchup", anchor=False)
-    assert [e.positions.tolist() for e in cap.entries] == [[1], [2]]
+    assert [e.positions.tolist() for e in cap.entries] == [[1], [2], [3]]
+    moved = buf[:10].clone().view(2, 5)
+    moved.view(-1)[4] += 1
+    cap = producer.scan([Shard.whole("a", moved), *shards[1:]], kind="catchup", anchor=False)
+    assert [e.positions.tolist() for e in cap.entries] == [[1, 4], [2], [3]]
+    assert [e.new_values.tolist() for e in cap.entries] == [[2.0, 5.0], [13.0], [24.0]]

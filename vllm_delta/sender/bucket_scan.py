@@ -18,8 +18,8 @@ import torch
 
 from vllm_delta.diff import _cpu_pool, changed_positions
 from vllm_delta.kernels import scan as scan_kernel
-from vllm_delta.kernels.digest import segment_sums
-from vllm_delta.kernels.scan import ScanBuffers
+from vllm_delta.kernels.digest import bits, segment_sums
+from vllm_delta.kernels.scan import ScanBuffers, numpy_tables, values
 from vllm_delta.sender.shards import Segments, Shard, flat_runs, strided
 
 # Elements compared per op: a 256 M-element bool mask (256 MiB) at most on an accelerator, so a
@@ -32,8 +32,7 @@ _CPUS = os.cpu_count()  # as the diff's pool decides (a call per bucket costs ~3
 
 @dataclass(eq=False)
 class Layout:
-    """Where each member's elements sit in the bucket (offsets from the span's first element) and
-    the run table that maps a bucket offset to (member, HF flat position)."""
+    """Where each member's elements sit in the bucket; runs map an offset to (member, HF position)."""
 
     key: tuple
     names: tuple[str, ...]  # members, in order of their first element in the bucket
@@ -51,12 +50,7 @@ class Layout:
     def kernel_args(self, snap: torch.Tensor) -> tuple:
         """(`base`'s bits, `snap`'s bits, run-table columns) as numpy views, made once per snapshot."""
         if self.kernel_views is None or self.kernel_views[0] is not snap:
-            self.kernel_views = (
-                snap,
-                scan_kernel.bits(self.base),
-                scan_kernel.bits(snap),
-                scan_kernel.numpy_tables(self.tables),
-            )
+            self.kernel_views = (snap, bits(self.base), bits(snap), numpy_tables(self.tables))
         return self.kernel_views[1:]
 
 
@@ -241,17 +235,9 @@ def _kernel_scan(layout: Layout, snap: torch.Tensor, digests: torch.Tensor, n: i
     summary = torch.from_numpy(
         np.concatenate([digest.reshape(-1), pre.reshape(-1), post.reshape(-1), counts, counts])
     )
-    pos_t, dtype = torch.from_numpy(pos), layout.base.dtype
-    new_t = scan_kernel.values(new, dtype)
-    return BucketScan(
-        pos_t,
-        new_t,
-        pos_t if hf is pos else torch.from_numpy(hf),
-        new_t,
-        scan_kernel.values(old, dtype),
-        torch.from_numpy(digest),
-        summary,
-    )
+    dtype, pos_t = layout.base.dtype, torch.from_numpy(pos)
+    new_t, old_t, hf_t = values(new, dtype), values(old, dtype), pos_t if hf is pos else torch.from_numpy(hf)
+    return BucketScan(pos_t, new_t, hf_t, new_t, old_t, torch.from_numpy(digest), summary)
 
 
 def _kernel_workers() -> tuple[int, Executor | None]:

@@ -16,11 +16,9 @@ from vllm_delta.sender.shards import flat_runs
 
 @dataclass(eq=False)
 class Anchor:
-    """One shard's captured values, read a piece at a time in HF order while the anchor is encoded.
-
-    Why never staged whole: an int64 position and a copy per element cost ~10 B per bf16 element of
-    pinned memory. The captured version is the snapshot (nothing writes it until the engines answered)
-    patched with the capture's changes (staged anyway), so an anchor holds about a flush."""
+    """One shard's captured values, read a piece at a time in HF order while the anchor is encoded: the
+    snapshot (nothing writes it until the engines answered) patched with the staged changes. Never staged
+    whole: a position and a copy per element cost ~10 B per bf16 element of pinned memory."""
 
     placement: tuple  # Shard/Segments.describe(): (name, full_shape, dim or None, spans or runs)
     snapshot: torch.Tensor  # flat, local order, version S

@@ -244,8 +244,7 @@ class DeltaSender:
         return future
 
     def sync(self, named: NamedTensors) -> dict[str, float]:
-        """Capture, publish and wait: send the changes since the snapshot to every engine. Waits
-        for engines' status answers, and raises a failed publish's error (after recording it)."""
+        """Capture, publish and wait (for engines' status answers too); raises a failed publish's error."""
         self._capture(named, None)
         self.publish()
         metrics = self.wait()
@@ -254,8 +253,8 @@ class DeltaSender:
         return metrics
 
     def wait(self) -> dict[str, float]:
-        """Wait for the publish in flight (if any) and apply its outcome; its metrics. Never raises
-        for a failed publish: `sender/publish_failed` is 1 and `last_error` says why."""
+        """Wait for the publish in flight and apply its outcome; its metrics (a failure: never raised,
+        `sender/publish_failed` is 1 and `last_error` says why)."""
         return self._collect()
 
     def close(self) -> None:
@@ -266,8 +265,8 @@ class DeltaSender:
     def _publish(
         self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]
     ) -> dict[str, float]:
-        """The publish thread: its metrics; an error is kept for `_collect`, never raised, so a
-        trainer's `future.result()` cannot throw it into the training loop."""
+        """The publish thread: its metrics; an error is kept for `_collect`, never raised into a trainer's
+        `future.result()`."""
         try:
             uploaded = self.transport.uploaded_bytes
             metrics = {**self.publisher.run(plan, cap, self.model_elements, changed), **captured}

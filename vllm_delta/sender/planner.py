@@ -93,14 +93,13 @@ class Planner:
         None: until they answer); decide who gets a delta, a catch-up or an anchor."""
         version = self.version + 1
         S = self.snapshot_version
-        if self.resume:  # the first plan of a resumed run: every engine's answer decides the run id
-            for e in self.engines.values():
-                e.acked = None
-            wait_s = None
-        unknown = [e for e in self.engines.values() if e.acked is None]
-        replay: dict[str, list[dict[str, Any]]] = {}
         for e in self.engines.values():
             e.skipped = False
+            if self.resume:  # the first plan of a resumed run: every engine's answer decides the run id
+                e.acked = None
+        wait_s = None if self.resume else wait_s
+        unknown = [e for e in self.engines.values() if e.acked is None]
+        replay: dict[str, list[dict[str, Any]]] = {}
         if unknown:
             # A blocking plan (wait_s None, `sync()`) asks afresh, as of now; else the latest answers.
             replies = self.prober.take([e.url for e in unknown], wait_s, fresh=wait_s is None)
@@ -156,9 +155,7 @@ class Planner:
     def on_lineage(self, status: dict[str, Any], version: int) -> bool:
         """Whether an engine's status says its weights are this run's `version` (an engine that reports
         no run id at all predates lineage: its version alone decides)."""
-        if "run_id" not in status:
-            return True
-        run_id = status["run_id"]
+        run_id = status.get("run_id", self.run_id)
         return run_id == self.run_id or (run_id is None and version == 0)  # the checkpoint: every run's 0
 
     def settle(self, plan: Plan, replies: dict[str, Reply]) -> bool:
@@ -209,9 +206,8 @@ class Planner:
 
 
 class Prober:
-    """Engine status asked in the background, at most one probe in flight per engine, so the training
-    thread never waits on a dead or hung engine: the planner takes the answers that are in and skips
-    the engines still being asked."""
+    """Engine status asked in the background, one probe in flight per engine, so training never waits on
+    a dead or hung engine: the planner takes the answers that are in and skips the engines still asked."""
 
     def __init__(self, client: Any) -> None:
         self.client = client

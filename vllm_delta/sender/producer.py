@@ -12,7 +12,7 @@ import torch
 
 import vllm_delta.sender.bucket_scan as bucket_scan
 from vllm_delta.sender.capture import Anchor, Bucket, BucketAdvance, Capture, Entry, ShardState
-from vllm_delta.sender.shards import Shard, strided_view
+from vllm_delta.sender.shards import Shard, shifted, strided_view
 from vllm_delta.wire import additive, tensor_digest
 
 SNAPSHOT_PLACES = ("auto", "device", "host")
@@ -52,9 +52,7 @@ class Producer:
                 snap.copy_(flat)
             else:
                 snap = flat.clone()
-            digest = (
-                additive.partial_sum(s.global_index(), flat) if not s.is_whole else additive.tensor_sum(flat)
-            )
+            digest = additive.tensor_sum(flat) if s.is_whole else additive.partial_sum(s.global_index(), flat)
             self._states[s.name] = ShardState(s.describe(), snap, digest)
 
     @property
@@ -90,10 +88,9 @@ class Producer:
         )
 
     def scan(self, shards: Iterable[Shard], *, kind: str, anchor: bool) -> Capture:
-        """Diff every shard; stage what a `kind` delta ("delta", "catchup", "") and, with `anchor`,
-        a full anchor need. A bounded number of ops per bucket, then one host transfer of every bucket's
-        digests and counts; entries in the order the shards were given. Returns once the weights may
-        change again."""
+        """Diff every shard; stage what a `kind` delta ("delta", "catchup", "") and, with `anchor`, a full
+        anchor need: a bounded number of ops per bucket, then one host transfer of every bucket's digests
+        and counts. Returns once the weights may change again."""
         cap = Capture()
         start = time.perf_counter()
         shards = list(shards)
@@ -178,12 +175,8 @@ class Producer:
             del self._buckets[old.layout.key]
         states = [self._states[n] for n in layout.names]
         place = states[0].snapshot.device
-        snap = torch.empty(
-            layout.base.shape,
-            dtype=layout.base.dtype,
-            device=place,
-            pin_memory=place.type == "cpu" and layout.base.device.type == "cuda",
-        )
+        pin = place.type == "cpu" and layout.base.device.type == "cuda"
+        snap = torch.empty(layout.base.shape, dtype=layout.base.dtype, device=place, pin_memory=pin)
         snap.copy_(layout.base)
         digests = torch.stack([st.digest for st in states]).to(place)
         for i, (st, runs) in enumerate(zip(states, layout.local_runs)):
@@ -191,20 +184,12 @@ class Producer:
             view.copy_(st.snapshot.reshape(view.shape))
             st.snapshot, st.digest = view, digests[i]
         b = self._buckets[layout.key] = Bucket(layout, snap, digests)
-        for st, name in zip(states, layout.names):
-            if st.pending is not None:
-                self._rebucket_pending(b, name, st)
+        for st, runs in zip(states, layout.local_runs):
+            if st.pending is not None:  # a member's catch-up positions, as bucket offsets
+                p = shifted(st.pending, runs).to(snap.device)
+                b.pending = p if b.pending is None else bucket_scan.union(b.pending, p)
+                st.pending = None
         return b
-
-    def _rebucket_pending(self, b: Bucket, name: str, st: ShardState) -> None:
-        """A member's per-segment catch-up positions, as bucket offsets."""
-        runs = b.layout.local_runs[b.layout.names.index(name)]
-        starts = torch.tensor([0] + [n for _, n in runs], device=st.pending.device).cumsum(0)
-        shift = torch.tensor([a for a, _ in runs], device=st.pending.device) - starts[:-1]
-        r = torch.searchsorted(starts[1:-1], st.pending, right=True)
-        p = (st.pending + shift[r]).to(b.snapshot.device)
-        b.pending = p if b.pending is None else bucket_scan.union(b.pending, p)
-        st.pending = None
 
     def _unbucket_pending(self, b: Bucket) -> None:
         """The bucket's catch-up positions back on its members, as local positions."""

@@ -162,8 +162,7 @@ class Publisher:
     def _finish(
         self, kind: str, sink: Sink, manifest: Manifest, cap: Capture, plan: Plan
     ) -> tuple[SentDelta, BaseException | None]:
-        """Rank 0 merges the manifests, adds whole-tensor digests and the lineage, signs and seals (its
-        failure is returned)."""
+        """Rank 0 merges the manifests, adds whole-tensor digests and the lineage, signs and seals."""
         full = {e.name: additive.to_hex(e.digests["digest"]) for e in cap.entries}
         b = sink.builder
         parts = self.ranks.gather((manifest, len(b.files), b.wire_bytes, b.pre_compress_bytes, full))
@@ -245,22 +244,20 @@ def _add(b: FlushBuilder, e: Entry, kind: str) -> dict[str, str]:
         return {"post_digest": additive.to_hex(e.digests["digest"])}
     if not e.positions.numel():
         return {}
+    old = e.old_values if b.encoding.needs_base else None
     b.add(
         e.name,
         e.positions,
         e.new_values,
-        e.old_values if b.encoding.needs_base else None,
+        old,
         shape=e.full_shape,
         post_hash=e.post_hash,
         _from_scan=e.scanned,
     )
     # pre_digest pins the values the delta applies to; only a base-relative delta (pinned to its
     # base version anyway) may carry it, so an overwrite delta stays safe to replay.
-    return {
-        k: additive.to_hex(v)
-        for k, v in e.digests.items()
-        if k == "post_digest" or (k == "pre_digest" and b.encoding.needs_base)
-    }
+    keep = ("post_digest", "pre_digest") if b.encoding.needs_base else ("post_digest",)
+    return {k: additive.to_hex(v) for k, v in e.digests.items() if k in keep}
 
 
 def _with_digests(m: Manifest, digests: dict[str, dict[str, str]]) -> Manifest:
@@ -269,9 +266,8 @@ def _with_digests(m: Manifest, digests: dict[str, dict[str, str]]) -> Manifest:
 
 
 class Ranks:
-    """Multi-rank plumbing (no-ops for one rank) on a group of the sender's own: a publish runs its
-    collectives on a background thread while the trainer's run on the main one, and two threads on one
-    group can interleave differently on different ranks."""
+    """Multi-rank plumbing (no-ops for one rank) on a group of the sender's own: the publish thread's
+    collectives and the trainer's would interleave differently on different ranks on one group."""
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
@@ -295,9 +291,8 @@ class Ranks:
         return out if self.rank == 0 else []
 
     def any(self, flag: bool) -> bool:
-        """Whether any rank's `flag` is set: every rank calls it at the same point, whatever happened
-        on it, so a step that failed on one rank ends on all of them instead of leaving the others
-        waiting in the next collective."""
+        """Whether any rank's `flag` is set: called by every rank at one point, so a step that failed on
+        one rank ends on all of them instead of leaving the others waiting in the next collective."""
         return self.all_sum(int(bool(flag))) > 0
 
     def all_sum(self, n: int) -> int:

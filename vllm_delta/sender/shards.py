@@ -11,6 +11,9 @@ from itertools import accumulate
 
 import torch
 
+Runs = tuple[tuple[int, int], ...]  # (start, length) pairs
+Placement = tuple[str, tuple[int, ...], int | None, Runs]  # name, full shape, dim (None: flat runs), spans
+
 
 @dataclass(frozen=True, eq=False)
 class Shard:
@@ -87,7 +90,7 @@ class Shard:
         """The same placement over other values (e.g. the checkpoint's, to seed a snapshot)."""
         return Shard(self.name, tensor, self.full_shape, self.dim, self.spans)
 
-    def describe(self) -> tuple[str, tuple[int, ...], int, tuple[tuple[int, int], ...]]:
+    def describe(self) -> Placement:
         """The placement as plain data (what ranks exchange to check disjointness)."""
         return self.name, self.full_shape, self.dim, self.spans
 
@@ -132,11 +135,11 @@ class Segments:
     def with_tensor(self, tensor: torch.Tensor) -> Segments:
         return Segments(self.name, tensor, self.full_shape, self.runs)
 
-    def describe(self) -> tuple[str, tuple[int, ...], None, tuple[tuple[int, int], ...]]:
+    def describe(self) -> Placement:
         return self.name, self.full_shape, None, self.runs
 
 
-def _bad(runs: tuple[tuple[int, int], ...], end: int | None, min_len: int) -> bool:
+def _bad(runs: Runs, end: int | None, min_len: int) -> bool:
     """Some run starts below 0, is shorter than `min_len`, passes `end`, or overlaps another."""
     ends = sorted(runs)
     return any(a < 0 or n < min_len or (end is not None and a + n > end) for a, n in runs) or any(
@@ -156,12 +159,10 @@ def shifted(local: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tenso
     return local + shifts[torch.bucketize(local, bounds, right=True)]
 
 
-def check_disjoint(
-    placements: Iterable[tuple[str, tuple[int, ...], int, tuple[tuple[int, int], ...]]],
-) -> dict[str, float]:
+def check_disjoint(placements: Iterable[Placement]) -> dict[str, float]:
     """Raise if two placements of one tensor overlap; return each tensor's covered fraction. Spans on
     one dim overlap iff their ranges do; on different dims they always do; flat runs compare flat."""
-    by_name: dict[str, list[tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]]] = {}
+    by_name: dict[str, list[tuple[tuple[int, ...], int | None, Runs]]] = {}
     for name, shape, dim, spans in placements:
         by_name.setdefault(name, []).append((tuple(shape), dim, tuple(spans)))
     coverage = {}
@@ -187,9 +188,7 @@ def check_disjoint(
     return coverage
 
 
-def flat_runs(
-    shape: tuple[int, ...], dim: int, spans: tuple[tuple[int, int], ...]
-) -> tuple[tuple[int, int], ...]:
+def flat_runs(shape: tuple[int, ...], dim: int, spans: Runs) -> Runs:
     """A `Shard` placement as flat (HF start, length) runs covering its elements in local order."""
     if not shape:
         return ((0, 1),)
