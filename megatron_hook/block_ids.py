@@ -125,9 +125,7 @@ class BlockIds:
                 f"BlockIds: mbridge called {getattr(func, '__name__', func)}, which the "
                 "block probe does not model"
             )
-        parts = list(args[0])
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-        return cat(parts, dim)
+        return cat(list(args[0]), kwargs.get("dim", args[1] if len(args) > 1 else 0))
 
 
 def cat(parts: Sequence[BlockIds], dim: int = 0) -> BlockIds:

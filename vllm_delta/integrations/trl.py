@@ -53,8 +53,7 @@ class DeltaVLLMClient(VLLMClient):
         """Open the sender on the server's door; refuse a server that runs another backend."""
         from vllm_delta.sender import DeltaSender
 
-        transfer = self.get_server_info().get("weight_transfer_config") or {}
-        backend = transfer.get("backend")
+        backend = (self.get_server_info().get("weight_transfer_config") or {}).get("backend")
         client = None  # our route: DeltaSender's own HTTP client
         if backend in (BACKEND, ALIAS):
             from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient

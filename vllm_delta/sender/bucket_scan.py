@@ -28,6 +28,8 @@ DEVICE_CHUNK = 1 << 28
 # A shard whose local order breaks into more runs than this is a bucket of its own (HF map by `to_global`).
 MAX_RUNS = 1 << 16
 _CPUS = os.cpu_count()  # as the diff's pool decides (a call per bucket costs ~30 us here)
+# a bucket member: (shard, its storage runs, its (storage start, HF start, length) runs)
+Member = tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]
 
 
 @dataclass(eq=False)
@@ -106,7 +108,7 @@ def plan(shards: list[Shard | Segments], known: dict[tuple, Layout] | None = Non
     """Every shard's bucket: shards sharing a storage in one (those in `known` reused; O(runs), no torch
     op), and a bucket of its own over a contiguous copy made now for a shard with too many runs, a
     non-unit inner stride, or elements shared with another shard."""
-    groups: dict[tuple, list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]]] = {}
+    groups: dict[tuple, list[Member]] = {}
     own = []
     for s in shards:
         t = s.tensor  # metadata only: no torch op per shard
@@ -128,9 +130,8 @@ def plan(shards: list[Shard | Segments], known: dict[tuple, Layout] | None = Non
         if layout is None:
             lo = min(b for _, buf, _ in members for b, _ in buf)
             hi = max(b + n for _, buf, _ in members for b, n in buf)
-            layout = _layout(
-                full_key, members, members[0][0].tensor.detach().as_strided((hi - lo,), (1,), lo), lo
-            )
+            base = members[0][0].tensor.detach().as_strided((hi - lo,), (1,), lo)
+            layout = _layout(full_key, members, base, lo)
         layouts.append(layout)
     for s, hf in own:
         base = s.tensor.detach().reshape(-1)
@@ -142,12 +143,7 @@ def plan(shards: list[Shard | Segments], known: dict[tuple, Layout] | None = Non
     return layouts
 
 
-def _layout(
-    key: tuple,
-    members: list[tuple[Shard | Segments, list[tuple[int, int]], list[tuple[int, int, int]]]],
-    base: torch.Tensor,
-    lo: int,
-) -> Layout:
+def _layout(key: tuple, members: list[Member], base: torch.Tensor, lo: int) -> Layout:
     """The layout of `members` whose storage runs start at `lo` in their storage, over `base`."""
     rows = tuple(sorted((b - lo, h, n, k) for k, (_, _, runs) in enumerate(members) for b, h, n in runs))
     keys = [(k, h) for _, h, _, k in rows]

@@ -50,9 +50,7 @@ class Anchor:
         else:
             with torch.cuda.stream(stream):
                 piece = src.to(self.staging)
-        lo, hi = torch.searchsorted(
-            self.positions, torch.tensor([hf, hf + k], device=self.positions.device)
-        ).tolist()
+        lo, hi = torch.searchsorted(self.positions, self.positions.new_tensor([hf, hf + k])).tolist()
         if hi > lo:  # the capture's changes inside this piece
             piece[(self.positions[lo:hi] - hf).to(piece.device)] = self.values[lo:hi].to(piece.device)
         return piece

@@ -18,7 +18,7 @@ from vllm_delta import settings
 from vllm_delta.client import EngineClient
 from vllm_delta.kernels.warmup import warm_up
 from vllm_delta.sender.capture import Capture
-from vllm_delta.sender.fp8_quant import BlockFp8Quantizer
+from vllm_delta.sender.fp8_quant import SCALE, BlockFp8Quantizer
 from vllm_delta.sender.planner import EngineState, Plan, Planner
 from vllm_delta.sender.producer import Producer
 from vllm_delta.sender.publisher import Publisher, Ranks, describe
@@ -49,7 +49,8 @@ def checkpoint_seed(
             return ckpt.iter_tensors(), BlockFp8Quantizer.served(ckpt)
         wanted = list(dict.fromkeys(names))  # only the named tensors' shards are opened
         fp8 = BlockFp8Quantizer.served(ckpt, [n for n in wanted if n in ckpt])
-        return ((n, ckpt.read(n)) for n in (fp8.with_scales(wanted) if fp8 else wanted) if n in ckpt), fp8
+        wanted += [n + SCALE for n in wanted if fp8 and n in fp8.names]
+        return ((n, ckpt.read(n)) for n in wanted if n in ckpt), fp8
     if missing := sorted({s.name for s in like if s.name not in ckpt}):
         raise KeyError(f"not in the checkpoint: {missing[:5]}")
     fp8 = BlockFp8Quantizer.served(ckpt, [s.name for s in like])
@@ -215,7 +216,7 @@ class DeltaSender:
         if self._staged is not None:
             raise RuntimeError("publish() the previous capture first")
         t = time.perf_counter()
-        self._collect()
+        self.wait()
         self.last_wait_s = time.perf_counter() - t
         start = time.perf_counter()
         plan = self.ranks.bcast(self.planner.plan(status_wait_s) if self.ranks.rank == 0 else None)
@@ -252,11 +253,6 @@ class DeltaSender:
             raise self.last_error
         return metrics
 
-    def wait(self) -> dict[str, float]:
-        """Wait for the publish in flight and apply its outcome; its metrics (a failure: never raised,
-        `sender/publish_failed` is 1 and `last_error` says why)."""
-        return self._collect()
-
     def close(self) -> None:
         self.wait()
         self._executor.shutdown()
@@ -265,7 +261,7 @@ class DeltaSender:
     def _publish(
         self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]
     ) -> dict[str, float]:
-        """The publish thread: its metrics; an error is kept for `_collect`, never raised into a trainer's
+        """The publish thread: its metrics; an error is kept for `wait`, never raised into a trainer's
         `future.result()`."""
         try:
             uploaded = self.transport.uploaded_bytes
@@ -278,7 +274,7 @@ class DeltaSender:
             metrics["perf/delta_encode_time"] = captured["sender/scan_s"] + metrics["sender/encode_s"]
             metrics["sender/publish_failed"] = 0.0
             return metrics
-        except Exception as exc:  # one publish runs at a time: `_collect` takes it from here
+        except Exception as exc:  # one publish runs at a time: `wait` takes it from here
             self._publish_error = exc
             return {
                 **captured,
@@ -287,7 +283,9 @@ class DeltaSender:
                 "sender/version": float(plan.version),
             }
 
-    def _collect(self) -> dict[str, float]:
+    def wait(self) -> dict[str, float]:
+        """Wait for the publish in flight and apply its outcome; its metrics (a failure: never raised,
+        `sender/publish_failed` is 1 and `last_error` says why)."""
         if self._inflight is None:
             return {}
         cap, plan, future = self._inflight

@@ -234,25 +234,17 @@ class BlockFp8Quantizer:
         spec = served_spec(q, first)
         return cls(spec, quantized_weights(meta, spec))
 
-    def with_scales(self, names: list[str]) -> list[str]:
-        return names + [n + SCALE for n in names if n in self.names]
-
     def scale_parts(self, parts: list[Part]) -> list[Part]:
         """Where the block scales of `parts`' quantized weights sit (what seeding reads); a part that is not
         bf16 or cuts a block (`block_layout`) is refused, naming the tensor."""
-        out = []
-        for s in parts:
-            if s.name in self.names:
-                _check_bf16(s)
-                out.append(block_layout(s, self.spec.block)[1])
-        return out
+        return [block_layout(_checked(s), self.spec.block)[1] for s in parts if s.name in self.names]
 
     def apply(self, shards: list[Part]) -> list[Part]:
         """The shards with each quantized bf16 weight replaced by its current codes and scales."""
         todo = []
         for s in shards:
             if s.name in self.names:
-                _check_bf16(s)
+                s = _checked(s)
                 t = self._tensors.get(s.name) or self._tensors.setdefault(s.name, _Tensor(s, self.spec.block))
                 w = s.tensor.detach().contiguous().reshape(t.shape)  # a view if contiguous: read now only
                 todo.append((t, w, t.changed_blocks(w)))
@@ -262,12 +254,11 @@ class BlockFp8Quantizer:
             if count:
                 t.requantize(w, mask, count)
                 self.blocks_requantized += count
-        out = []
-        for s in shards:
-            out += self._tensors[s.name].shards(s) if s.name in self.names else [s]
-        return out
+        done = self._tensors
+        return [p for s in shards for p in (done[s.name].shards(s) if s.name in self.names else [s])]
 
 
-def _check_bf16(s: Part) -> None:
+def _checked(s: Part) -> Part:
     if s.tensor.dtype != torch.bfloat16:
         raise TypeError(f"{s.name}: block-fp8 served; the trainer must pass bf16, not {s.tensor.dtype}")
+    return s

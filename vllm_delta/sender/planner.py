@@ -217,11 +217,8 @@ class Prober:
     def start(self, urls: Iterable[str]) -> None:
         """Ask each engine's status unless a probe of it is already out."""
         with self._lock:
-            for url in urls:
-                if url in self._probes:
-                    continue
-                future: Future = Future()
-                self._probes[url] = future
+            for url in [u for u in dict.fromkeys(urls) if u not in self._probes]:
+                future = self._probes[url] = Future()
                 threading.Thread(
                     target=self._probe, args=(url, future), name="vllm-delta-probe", daemon=True
                 ).start()
@@ -246,10 +243,8 @@ class Prober:
             futures = {u: self._probes[u] for u in urls}
         if futures and wait_s != 0:
             wait(futures.values(), timeout=wait_s)
-        out = {}
         with self._lock:
-            for url, future in futures.items():
-                if future.done():
-                    out[url] = future.result()
-                    del self._probes[url]
+            out = {u: f.result() for u, f in futures.items() if f.done()}
+            for u in out:
+                del self._probes[u]
         return out

@@ -39,8 +39,8 @@ class Publisher:
         signing_keys: list[bytes],
     ) -> None:
         self.transport, self.client, self.planner, self.ranks = transport, client, planner, ranks
-        self.flush_bytes = flush_bytes
-        self.signing_keys = signing_keys  # the first signs each merged manifest (wire/signing.py)
+        # the first of `signing_keys` signs each merged manifest (wire/signing.py)
+        self.flush_bytes, self.signing_keys = flush_bytes, signing_keys
 
     def run(self, plan: Plan, cap: Capture, model_elements: int, changed: int) -> dict[str, float]:
         """The publish's metrics (`changed`: elements, every rank). Every rank runs the same collectives

@@ -11,7 +11,8 @@ from itertools import accumulate
 
 import torch
 
-Runs = tuple[tuple[int, int], ...]  # (start, length) pairs
+Span = tuple[int, int]  # (start, length)
+Runs = tuple[Span, ...]
 Placement = tuple[str, tuple[int, ...], int | None, Runs]  # name, full shape, dim (None: flat runs), spans
 
 
@@ -56,12 +57,7 @@ class Shard:
 
     @classmethod
     def pieces(
-        cls,
-        name: str,
-        tensor: torch.Tensor,
-        full_shape: Sequence[int],
-        dim: int,
-        spans: Iterable[tuple[int, int]],
+        cls, name: str, tensor: torch.Tensor, full_shape: Sequence[int], dim: int, spans: Iterable[Span]
     ) -> Shard:
         """Several slices of one dim, concatenated (e.g. interleaved query groups)."""
         return cls(name, tensor, tuple(full_shape), dim, tuple(spans))
@@ -121,11 +117,7 @@ class Segments:
 
     @property
     def is_whole(self) -> bool:
-        return (
-            len(self.runs) == 1
-            and self.runs[0] == (0, math.prod(self.full_shape))
-            and tuple(self.tensor.shape) == self.full_shape
-        )
+        return self.runs == ((0, math.prod(self.full_shape)),) and tuple(self.tensor.shape) == self.full_shape
 
     global_index = Shard.global_index
 
@@ -198,11 +190,8 @@ def flat_runs(shape: tuple[int, ...], dim: int, spans: Runs) -> Runs:
 
 def strided(runs: Sequence[tuple[int, int]]) -> bool:
     """One run, or equal runs at a constant positive stride: what one strided view covers."""
-    return len(runs) == 1 or (
-        len({n for _, n in runs}) == 1
-        and len({b[0] - a[0] for a, b in zip(runs, runs[1:])}) == 1
-        and runs[1][0] > runs[0][0]
-    )
+    steps = {b[0] - a[0] for a, b in zip(runs, runs[1:])}
+    return len(runs) == 1 or (len({n for _, n in runs}) == 1 and len(steps) == 1 and runs[1][0] > runs[0][0])
 
 
 def strided_view(flat: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
