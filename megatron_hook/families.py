@@ -45,8 +45,7 @@ def refuse_unsupported(names: list[str], tp_size: int, etp_size: int) -> None:
 
 
 def with_model_vocab(bridge, gpt: torch.nn.Module, tp_size: int):
-    """A shallow copy of `bridge` told the vocab padding that `gpt`'s own tensors have (`bridge`
-    itself for a chunk without vocab-parallel tensors); a bridge that claims another padding is refused."""
+    """`bridge` told the vocab padding `gpt`'s tensors have (a shallow copy); another claimed is refused."""
     rows = {
         n: t.shape[0] * (tp_size if getattr(t, "tensor_model_parallel", False) else 1)
         for n, t in gpt.named_parameters()

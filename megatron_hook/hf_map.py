@@ -45,10 +45,8 @@ class Parallel:
 def local_tensors(gpt: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What the engine serves from this chunk: its parameters and the MoE `expert_bias` buffers."""
     out = dict(gpt.named_parameters())
-    for name, t in gpt.state_dict(keep_vars=True).items():
-        if name.endswith("expert_bias") and name not in out:
-            out[name] = t
-    return out
+    buffers = gpt.state_dict(keep_vars=True).items()
+    return out | {n: t for n, t in buffers if n.endswith("expert_bias") and n not in out}
 
 
 def chunk_segments(bridge, gpt: torch.nn.Module, par: Parallel | None = None) -> list[Segments]:

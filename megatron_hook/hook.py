@@ -78,8 +78,8 @@ class Bindings:
         )
 
     def refresh(self, segments: list[Segments]) -> list[str]:
-        """Re-point the views of every weight rebound since the last call (in `segments`, in place);
-        the names of those weights. Raises `RebindError` for one whose layout changed."""
+        """Re-point (in place) the views of weights rebound since the last call; their names. `RebindError`
+        for one whose layout changed."""
         moved = []
         for w in self.weights:
             t = getattr(w.module, w.attr)
@@ -93,12 +93,10 @@ class Bindings:
                     f"{t.stride()}; "
                     "the hook cannot follow it (register again after changing the model's layout)"
                 )
-            base = t.detach()
             for si, off in w.views:
                 old = segments[si].tensor
-                segments[si] = segments[si].with_tensor(
-                    base.as_strided(old.shape, old.stride(), base.storage_offset() + off)
-                )
+                view = t.detach().as_strided(old.shape, old.stride(), t.storage_offset() + off)
+                segments[si] = segments[si].with_tensor(view)
             w.ptr = t.data_ptr()
             moved.append(w.name)
         return moved
@@ -117,8 +115,7 @@ class SeedReport:
 
 
 class SeedMismatchError(RuntimeError):
-    """The trainer's weights differ from the checkpoint the engines serve (a wrong HF map, or the
-    wrong checkpoint): every later sync would ship wrong positions or values."""
+    """The trainer's weights differ from the served checkpoint: every sync would ship wrong values."""
 
 
 class HookHandle:
@@ -136,9 +133,7 @@ class HookHandle:
         self.optimizer, self.chunks, self.sender, self.segments = optimizer, list(chunks), sender, segments
         self.bindings = Bindings([_unwrap(c) for c in self.chunks], segments)
         self.every, self.on_sync = every, on_sync
-        self.steps = 0  # steps that updated the weights
-        self.skipped = 0  # steps the optimizer skipped (no weight changed)
-        self.syncs = 0
+        self.steps = self.skipped = self.syncs = 0  # steps that updated weights, steps skipped, syncs
         self.seed_report = SeedReport()
         self._inflight = None  # the last publish's future
         self.last_capture = None  # what the last sync shipped (staged entries), for checks
@@ -148,13 +143,12 @@ class HookHandle:
 
     def _wrapped(self, *args, **kwargs):
         out = self._step(*args, **kwargs)
-        ok = bool(out[0]) if isinstance(out, tuple) else bool(out)
-        if not ok:
+        if not (bool(out[0]) if isinstance(out, tuple) else bool(out)):
             self.skipped += 1
-            return out
-        self.steps += 1
-        if self.steps % self.every == 0:
-            self.fire()
+        else:
+            self.steps += 1
+            if self.steps % self.every == 0:
+                self.fire()
         return out
 
     def fire(self) -> None:
@@ -164,9 +158,8 @@ class HookHandle:
             if cfg is not None and cfg.use_distributed_optimizer and cfg.overlap_param_gather:
                 chunk.start_param_sync(force_sync=True)
         if self._inflight is not None:
-            # The publish thread runs collectives on the sender's group, and so does the rebind check's
-            # agreement: on one group at once from two threads, ranks can pair them differently and hang.
-            # capture() would wait for this publish anyway.
+            # The publish thread's collectives and the rebind check's agreement on one group from two
+            # threads could pair differently on different ranks and hang; capture() would wait anyway.
             futures.wait([self._inflight])
         self._follow_rebinds()
         self.last_capture = self.sender.capture(self.segments)

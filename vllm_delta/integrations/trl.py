@@ -115,8 +115,7 @@ class DeltaVLLMClient(VLLMClient):
 def take(
     named_params: Iterable[tuple[str, torch.Tensor]], kept: dict[str, torch.Tensor], copy: bool
 ) -> list[tuple[str, torch.Tensor]]:
-    """The tensors to diff, each read before the iterator moves on (and undoes a gather): with `copy`,
-    into `kept`'s buffers, reused so the sender sees the same storage every time."""
+    """The tensors to diff, read before the iterator undoes a gather: with `copy`, into `kept`'s buffers."""
     out = []
     with torch.no_grad():
         for name, tensor in named_params:

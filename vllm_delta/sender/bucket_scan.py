@@ -20,7 +20,7 @@ from vllm_delta.diff import _cpu_pool, changed_positions
 from vllm_delta.kernels import scan as scan_kernel
 from vllm_delta.kernels.digest import bits, segment_sums
 from vllm_delta.kernels.scan import ScanBuffers, numpy_tables, values
-from vllm_delta.sender.shards import Segments, Shard, flat_runs, strided
+from vllm_delta.sender.shards import Runs, Segments, Shard, flat_runs, strided
 
 # Elements compared per op: a 256 M-element bool mask (256 MiB) at most on an accelerator, so a
 # multi-GB bucket is a few dozen chunks. The CPU diff chunks (and threads) within each.
@@ -39,8 +39,7 @@ class Layout:
     key: tuple
     names: tuple[str, ...]  # members, in order of their first element in the bucket
     base: torch.Tensor  # flat view of the live storage over the bucket's span
-    local_runs: tuple[tuple[tuple[int, int], ...], ...]  # per member: (bucket offset, length), local order:
-    # one run or equal runs at a constant stride (so the member's snapshot is a view of the bucket's)
+    local_runs: tuple[Runs, ...]  # per member: (bucket offset, length) in local order, `strided` (a view)
     rows: tuple[tuple[int, int, int, int], ...]  # runs (bucket offset, HF start, length, member), sorted
     tables: tuple[torch.Tensor, ...]  # `run_tables(rows)` on the weights' device
     in_order: bool  # bucket order is already (member, HF) order: no sort of the changes
@@ -57,8 +56,7 @@ class Layout:
 
 
 def storage_runs(t: torch.Tensor) -> list[tuple[int, int]] | None:
-    """`(storage offset, length)` runs of `t`'s elements in row-major order; None past MAX_RUNS or for
-    an inner stride that is not 1."""
+    """`(storage offset, length)` runs of `t`'s elements in row-major order (None: too many, or strided)."""
     dims = [(n, s) for n, s in zip(t.shape, t.stride()) if n != 1]
     merged: list[list[int]] = []
     for n, s in reversed(dims):  # coalesce from the inside out
@@ -81,7 +79,7 @@ def storage_runs(t: torch.Tensor) -> list[tuple[int, int]] | None:
     return [(a, inner_n) for a in starts]
 
 
-def hf_runs(s: Shard | Segments) -> tuple[tuple[int, int], ...] | None:
+def hf_runs(s: Shard | Segments) -> Runs | None:
     """`(HF flat start, length)` runs covering the local elements in order."""
     if isinstance(s, Segments):
         return s.runs
@@ -90,7 +88,7 @@ def hf_runs(s: Shard | Segments) -> tuple[tuple[int, int], ...] | None:
     return flat_runs(s.full_shape, s.dim, s.spans)
 
 
-def _merge(buf: list[tuple[int, int]], hf: tuple[tuple[int, int], ...]) -> list[tuple[int, int, int]]:
+def _merge(buf: list[tuple[int, int]], hf: Runs) -> list[tuple[int, int, int]]:
     """Intersect two partitions of the local order into `(buffer start, HF start, length)` runs."""
     out, i, j, bi, hj = [], 0, 0, 0, 0  # bi/hj: elements of the current runs already used
     while i < len(buf) and j < len(hf):
@@ -181,8 +179,8 @@ class BucketScan:
 def scan(
     layout: Layout, snap: torch.Tensor, digests: torch.Tensor, pending: torch.Tensor | None, kind: str
 ) -> BucketScan:
-    """Diff the bucket's live span against `snap` (same span, flat; `digests`: each member's [n, 2]) and
-    digest every member, where `snap` lives (a host snapshot's live span comes over chunk by chunk)."""
+    """Diff and digest the bucket's live span against `snap`, where `snap` lives (a host snapshot's live
+    span comes over chunk by chunk); `digests`: each member's [n, 2]."""
     n = len(layout.names)
     catchup = kind == "catchup" and pending is not None
     kernel = layout.to_global is None and scan_kernel.applies(layout.base, snap)  # CPU: one fused pass
@@ -245,8 +243,7 @@ def _kernel_workers() -> tuple[int, Executor | None]:
 def torch_diff_digest(
     layout: Layout, tables: tuple[torch.Tensor, ...], snap: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, ...]:
-    """(offsets, old, new, HF positions, runs, pre [n, 2], post [n, 2]) of the changes inside the runs,
-    in torch ops on any device (the kernel's reference)."""
+    """(offsets, old, new, HF positions, runs, pre, post) of the changes in torch ops (kernel reference)."""
     pos, old, new = chunked_diff(layout.base, snap, DEVICE_CHUNK)
     seg, hf, keep, run = _map(layout, tables, pos)
     # drop changes no member covers (one check first: gathering six arrays costs more; meta can't say)

@@ -70,15 +70,12 @@ class Entry:
     digests: dict[str, torch.Tensor]  # additive digests: "digest" (whole, after), "pre_digest", "post_digest"
     post_hash: str | None = None  # xxh3 of the whole tensor (`Producer(post_hash=True)`, whole shards only)
     anchor: Anchor | None = None  # the captured values, read from the snapshot as the anchor is encoded
-    # Made by `Producer.scan` from its own diff: positions sorted and unique, new bits != old bits
-    # where old values are staged. The writer then skips re-checking that, pass by pass.
-    scanned: bool = False
+    scanned: bool = False  # by `Producer.scan`: sorted unique positions, changed bits (the writer trusts it)
 
 
 @dataclass(eq=False)
 class Bucket:
-    """The snapshot of one bucket (`bucket_scan.Layout`): one flat tensor over its span (each member's
-    `ShardState.snapshot` is a view of it), the members' digests, and the offsets sent since S."""
+    """One bucket's flat snapshot (members' `ShardState.snapshot`s are views), digests, offsets sent."""
 
     layout: bucket_scan.Layout
     snapshot: torch.Tensor

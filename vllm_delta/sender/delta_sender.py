@@ -67,6 +67,10 @@ def checkpoint_seed(
     return [s.with_tensor(part(s)) for s in like + scales], fp8
 
 
+def _failure_metrics(plan: Plan) -> dict[str, float]:
+    return {"sender/publish_failed": 1.0, "sender/all_acked": 0.0, "sender/version": float(plan.version)}
+
+
 def _alias_key(t: torch.Tensor) -> tuple:
     return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
 
@@ -104,9 +108,7 @@ class DeltaSender:
         signing_keys: Sequence[str | bytes] | None = None,
     ) -> None:
         # Anything with EngineClient's `status`/`update`/`collective_init` may stand in for HTTP.
-        self.client = (
-            client if client is not None else EngineClient(api_key, timeout_s=timeout_s, retries=retries)
-        )
+        self.client = client or EngineClient(api_key, timeout_s=timeout_s, retries=retries)
         self.planner = Planner(
             engines, self.client, encoding, overwrite_encoding, anchor_every, version, max_lag_syncs
         )
@@ -181,8 +183,7 @@ class DeltaSender:
         self.fp8 = fp8
 
     def add_engine(self, url: str) -> None:
-        """A late-joining (or restarted) engine: it gets a full anchor at the next sync (with s3, it
-        replays the store's kept chain instead where that reaches the last version)."""
+        """A late-joining (or restarted) engine: a full anchor at the next sync (or s3's kept chain)."""
         self.wait()
         self.planner.add_engine(url)
 
@@ -261,8 +262,7 @@ class DeltaSender:
     def _publish(
         self, plan: Plan, cap: Capture, changed: int, captured: dict[str, float]
     ) -> dict[str, float]:
-        """The publish thread: its metrics; an error is kept for `wait`, never raised into a trainer's
-        `future.result()`."""
+        """The publish thread: its metrics; an error is kept for `wait`, never raised to `future.result()`."""
         try:
             uploaded = self.transport.uploaded_bytes
             metrics = {**self.publisher.run(plan, cap, self.model_elements, changed), **captured}
@@ -276,12 +276,7 @@ class DeltaSender:
             return metrics
         except Exception as exc:  # one publish runs at a time: `wait` takes it from here
             self._publish_error = exc
-            return {
-                **captured,
-                "sender/publish_failed": 1.0,
-                "sender/all_acked": 0.0,
-                "sender/version": float(plan.version),
-            }
+            return {**captured, **_failure_metrics(plan)}
 
     def wait(self) -> dict[str, float]:
         """Wait for the publish in flight and apply its outcome; its metrics (a failure: never raised,
@@ -298,10 +293,7 @@ class DeltaSender:
             failed, error = True, error or exc
         if failed:
             return self._failed(cap, plan, metrics, error)
-        if metrics["sender/all_acked"]:
-            self.producer.advance(cap)
-        else:
-            self.producer.defer(cap)
+        (self.producer.advance if metrics["sender/all_acked"] else self.producer.defer)(cap)
         density = self.ranks.all_sum(self.producer.pending_elements()) / max(1, self.model_elements)
         dropped: list[str] = []
         if density > self.max_pending_density:  # a catch-up this dense costs more than anchoring the laggards
@@ -332,17 +324,10 @@ class DeltaSender:
         if self.ranks.rank == 0:
             self.planner.probe_unknown()
         self.producer.defer(cap)
-        return {
-            **metrics,
-            "sender/publish_failed": 1.0,
-            "sender/all_acked": 0.0,
-            "sender/publish_failures": float(self.publish_failures),
-            "sender/version": float(plan.version),
-        }
+        return {**metrics, **_failure_metrics(plan), "sender/publish_failures": float(self.publish_failures)}
 
     def _given(self, named: NamedTensors) -> list[Shard]:
-        """The shards to scan; a tensor tied to a seeded one under another name (lm_head and
-        embed_tokens) is the same bytes and is sent once, under the checkpoint's name."""
+        """The shards to scan; a tensor tied to a seeded one (lm_head, embed_tokens) is sent once, seeded."""
         shards = _shards(named)
         known = set(self.producer.names)
         seeded = {_alias_key(s.tensor) for s in shards if s.name in known}

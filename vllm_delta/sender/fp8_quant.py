@@ -40,8 +40,7 @@ class BlockFp8Spec:
 
 
 def served_spec(q: dict, first_fp8: str) -> BlockFp8Spec:
-    """The block-fp8 spec of a `quantization_config`, refused if this sender cannot produce it.
-    `first_fp8` names a quantized tensor for the message."""
+    """The block-fp8 spec of a `quantization_config`, refused (naming `first_fp8`) if not ours to produce."""
     where = f"{first_fp8 or 'the checkpoint'}: served with quantization_config {q}"
     if q.get("quant_method") != "fp8":
         raise Fp8ConfigError(f"{where}; the sender produces only block fp8 (quant_method 'fp8')")
@@ -96,8 +95,7 @@ Part = Shard | Segments
 
 
 def _spans(part: Part) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None:
-    """(row spans, column spans) of the HF weight whose product, row-major, is the part's flat order;
-    None for a part that is no such product."""
+    """(row spans, column spans) whose row-major product is the part's flat order, or None."""
     m, n = part.full_shape
     if isinstance(part, Shard):
         return (part.spans, ((0, n),)) if part.dim == 0 else (((0, m),), part.spans)

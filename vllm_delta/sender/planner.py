@@ -153,8 +153,7 @@ class Planner:
             )
 
     def on_lineage(self, status: dict[str, Any], version: int) -> bool:
-        """Whether an engine's status says its weights are this run's `version` (an engine that reports
-        no run id at all predates lineage: its version alone decides)."""
+        """Whether an engine's status says it holds this run's `version` (no run id: it predates lineage)."""
         run_id = status.get("run_id", self.run_id)
         return run_id == self.run_id or (run_id is None and version == 0)  # the checkpoint: every run's 0
 

@@ -83,9 +83,8 @@ class Producer:
 
     def pending_elements(self) -> int:
         """Positions waiting in a catch-up (sent since S while some engine lags)."""
-        return sum(st.pending.numel() for st in self._states.values() if st.pending is not None) + sum(
-            b.pending.numel() for b in self._buckets.values() if b.pending is not None
-        )
+        pending = [st.pending for st in self._states.values()] + [b.pending for b in self._buckets.values()]
+        return sum(p.numel() for p in pending if p is not None)
 
     def scan(self, shards: Iterable[Shard], *, kind: str, anchor: bool) -> Capture:
         """Diff every shard; stage what a `kind` delta ("delta", "catchup", "") and, with `anchor`, a full
@@ -165,8 +164,8 @@ class Producer:
         return cap
 
     def _bucket(self, layout: bucket_scan.Layout) -> Bucket:
-        """The bucket's snapshot, built the first time its layout is scanned: a flat copy of its span into
-        which the members' snapshots move (their states then hold views; uncovered elements start live)."""
+        """The bucket's snapshot, built at its layout's first scan: a flat copy of its span holding the
+        members' snapshots as views (uncovered elements start live)."""
         b = self._buckets.get(layout.key)
         if b is not None:
             return b
@@ -256,8 +255,7 @@ def choose_place(mode: str, shards: Sequence[Shard]) -> tuple[str, str]:
 
 
 def place_snapshot(snapshot_bytes: int, params: int, free: int, total: int) -> tuple[str, str]:
-    """The "auto" rule: the device only if the snapshot, the optimizer state not yet allocated
-    (OPTIMIZER_BYTES_PER_PARAM) and a margin (MARGIN_FRACTION of the device) fit in its free memory."""
+    """The "auto" rule: the device only if the snapshot, optimizer state and a margin fit its free memory."""
     optimizer = OPTIMIZER_BYTES_PER_PARAM * params
     margin = int(MARGIN_FRACTION * total)
     fits = snapshot_bytes + optimizer + margin <= free

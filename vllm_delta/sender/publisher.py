@@ -191,10 +191,7 @@ class Publisher:
         return out, None
 
     def _gather_flushes(self, spool: FlushSpool, parts: list) -> None:
-        """Collective transports: the other ranks' encoded flushes go to rank 0's bounded spool, one at a
-        time over the sender's own group, for rank 0 to broadcast."""
-        if self.ranks.size == 1:
-            return
+        """Collective transports: the other ranks' flushes to rank 0's bounded spool, one at a time."""
         if self.ranks.rank == 0:
             for src, part in enumerate(parts[1:], start=1):
                 for f in part[0].files:

@@ -152,8 +152,7 @@ def shifted(local: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tenso
 
 
 def check_disjoint(placements: Iterable[Placement]) -> dict[str, float]:
-    """Raise if two placements of one tensor overlap; return each tensor's covered fraction. Spans on
-    one dim overlap iff their ranges do; on different dims they always do; flat runs compare flat."""
+    """Each tensor's covered fraction; raises if two placements of one tensor overlap (across dims always)."""
     by_name: dict[str, list[tuple[tuple[int, ...], int | None, Runs]]] = {}
     for name, shape, dim, spans in placements:
         by_name.setdefault(name, []).append((tuple(shape), dim, tuple(spans)))
