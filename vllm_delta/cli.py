@@ -40,11 +40,9 @@ def cmd_diff(a: argparse.Namespace) -> None:
         for name, t in new.iter_tensors():
             d = diff_param(t, old.read(name))
             w.add(name, d.positions, d.new_values, d.old_values, shape=t.shape, post_hash=tensor_digest(t))
-    summary = summarize(open_delta(a.out))
-    print(
-        f"wrote {a.out}: {summary['changed']} changed elements, {summary['bytes']} B "
-        f"({summary['bytes_per_changed']:.3f} B per change, {a.encoding})"
-    )
+    s = summarize(open_delta(a.out))
+    per = f"{s['bytes_per_changed']:.3f} B per change"
+    print(f"wrote {a.out}: {s['changed']} changed elements, {s['bytes']} B ({per}, {a.encoding})")
 
 
 def _apply(base: Checkpoint, info: DeltaInfo, out: Path | None) -> int:
@@ -80,6 +78,7 @@ def summarize(info: DeltaInfo) -> dict:
     if elements is None:
         elements = sum(torch.Size(p.shape).numel() for p in m.params)
     per = lambda b, c: b / c if c else None  # noqa: E731
+    keep = {"name", "bytes", "changed", "hash"}  # of each file entry
     return {
         "path": str(info.path),
         "format": "seed" if info.seed else m.format,
@@ -96,11 +95,7 @@ def summarize(info: DeltaInfo) -> dict:
         "bytes": m.total_bytes,
         "bytes_per_changed": per(m.total_bytes, m.changed),
         "files": [
-            {
-                **f.model_dump(include={"name", "bytes", "changed", "hash"}),
-                "bytes_per_changed": per(f.bytes, f.changed),
-            }
-            for f in m.files
+            {**f.model_dump(include=keep), "bytes_per_changed": per(f.bytes, f.changed)} for f in m.files
         ],
     }
 

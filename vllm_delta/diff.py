@@ -39,10 +39,8 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 def changed_positions(current: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
     """Sorted int64 flat positions where the bit patterns differ, on the tensors' device."""
     if current.shape != snapshot.shape or current.dtype != snapshot.dtype:
-        raise ValueError(
-            f"shape/dtype differ: {current.dtype}{list(current.shape)} vs "
-            f"{snapshot.dtype}{list(snapshot.shape)}"
-        )
+        got, snap = f"{current.dtype}{list(current.shape)}", f"{snapshot.dtype}{list(snapshot.shape)}"
+        raise ValueError(f"shape/dtype differ: {got} vs {snap}")
     a, b = int_view(current), int_view(snapshot)
     if a.device.type != "cpu":  # on an accelerator (or meta) the mask and positions stay there
         return device_positions(a, b)

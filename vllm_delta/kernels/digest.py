@@ -56,11 +56,8 @@ def segment_sums(
     count = positions.numel()
     if count != values.numel():
         raise ValueError(f"{count} positions for {values.numel()} values")
-    if (
-        switch.on()
-        and values.device.type == positions.device.type == "cpu"
-        and (isinstance(segments, int) or segments.device.type == "cpu")
-    ):
+    cpu = values.device.type == positions.device.type == "cpu"
+    if switch.on() and cpu and (isinstance(segments, int) or segments.device.type == "cpu"):
         from vllm_delta.kernels import digest_jit
 
         if isinstance(segments, int):  # the kernel checks it lies in [0, n)

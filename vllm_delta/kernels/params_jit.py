@@ -1,6 +1,5 @@
-"""The numba scan of a block-indexed flush's `params` JSON (`heads_from_text`), tested equal to
-`flush_meta.parse_params` (tests/wire/test_params_columns.py): only the exact ASCII bytes the writer's
-`json.dumps(params, separators=(",", ":"))` writes; for anything else -1, and the caller parses the JSON."""
+"""The numba scan of a block-indexed flush's `params` JSON, tested equal to `flush_meta.parse_params`: only
+the exact ASCII the writer's `json.dumps` writes; for anything else -1 (the caller parses the JSON)."""
 
 from __future__ import annotations
 
@@ -52,15 +51,15 @@ def _intern(buf, a, b, slots, distinct, n, field):
             n[field] += 1
             return k
         da, db = distinct[field, k, 0], distinct[field, k, 1]
-        if db - da == b - a:
-            same = True
-            for i in range(b - a):
-                if buf[da + i] != buf[a + i]:
-                    same = False
-                    break
-            if same:
-                return k
+        if db - da == b - a and _literal(buf, a, buf[da:db]) >= 0:  # the same text
+            return k
         j = (j + 1) & (_SLOTS - 1)
+
+
+@kernel
+def _byte(buf, at, c):
+    """The position after byte `c` at `at`, else -1."""
+    return at + 1 if 0 <= at < buf.size and buf[at] == c else -1
 
 
 @kernel
@@ -102,52 +101,38 @@ def _int(buf, at, out, k):
 @kernel
 def _ints(buf, at, out, k):
     """A JSON list of ints at `at` into out[k:]: (the position after it, how many), else (-1, 0)."""
-    if at < 0 or at >= buf.size or buf[at] != _LBRACKET:
-        return -1, 0
-    i = at + 1
-    n = 0
-    if i < buf.size and buf[i] == _RBRACKET:
+    i = _byte(buf, at, _LBRACKET)
+    if 0 <= i < buf.size and buf[i] == _RBRACKET:
         return i + 1, 0
-    while True:
-        if k + n >= out.size:
-            return -1, 0
+    n = 0
+    while i >= 0 and k + n < out.size:
         i = _int(buf, i, out, k + n)
-        if i < 0 or i >= buf.size:
-            return -1, 0
         n += 1
-        if buf[i] == _RBRACKET:
+        if 0 <= i < buf.size and buf[i] == _RBRACKET:
             return i + 1, n
-        if buf[i] != _COMMA:
-            return -1, 0
-        i += 1
+        i = _byte(buf, i, _COMMA)
+    return -1, 0
 
 
 @kernel
 def _strings(buf, at):
     """The position after a JSON list of strings (as `_string` takes them) at `at`, else -1."""
-    if at < 0 or at >= buf.size or buf[at] != _LBRACKET:
-        return -1
-    i = at + 1
-    if i < buf.size and buf[i] == _RBRACKET:
+    i = _byte(buf, at, _LBRACKET)
+    if 0 <= i < buf.size and buf[i] == _RBRACKET:
         return i + 1
-    while True:
-        i = _string(buf, i)
-        if i < 0 or i + 1 >= buf.size:
-            return -1
-        i += 1
-        if buf[i] == _RBRACKET:
-            return i + 1
-        if buf[i] != _COMMA:
-            return -1
-        i += 1
+    while i >= 0:
+        end = _string(buf, i)
+        if end >= 0 and end + 1 < buf.size and buf[end + 1] == _RBRACKET:
+            return end + 2
+        i = _byte(buf, end + 1, _COMMA) if end >= 0 else -1
+    return -1
 
 
 @kernel
 def scan(buf, keys):
-    """(params, rows, frames, spans, distinct, counts, heads, frame_at, lens) of the params JSON in `buf`
-    (`KEYS`), or params -1. Per param, `spans`: its name's span and its dtype, shape and streams as ids of
-    `distinct[0..2]`' spans (`counts` of each). Per block row, `heads`: first, last, count, and
-    `frame_at`: where its frame lengths start in `lens`. Only the first params/rows/frames are meant."""
+    """(params, rows, frames, spans, distinct, counts, heads, frame_at, lens) of the params JSON in `buf`, or
+    params -1: per param its name's span and its dtype, shape and streams as ids of `distinct`' spans; per
+    block row first, last, count and where its frame lengths start in `lens` (the first rows/frames)."""
     n_max = buf.size // 60 + 1
     r_max = buf.size // 10 + 1
     spans = np.empty((n_max, 8), dtype=np.int64)
@@ -187,51 +172,39 @@ def scan(buf, keys):
         if i < 0 or row[SHAPE] < 0:
             return fail
         row[STREAMS] = _intern(buf, at, i, slots, distinct, counts, 2)
-        i = _literal(buf, i, keys[6])
-        if row[STREAMS] < 0 or i < 0 or i >= buf.size or buf[i] != _LBRACKET:
+        i = _byte(buf, _literal(buf, i, keys[6]), _LBRACKET)
+        if row[STREAMS] < 0 or i < 0:
             return fail
-        i += 1
         rows = 0
         if i < buf.size and buf[i] == _RBRACKET:
             i += 1
         else:
             while True:  # [first, last, count, [frame lengths]]
-                if r >= r_max or i >= buf.size or buf[i] != _LBRACKET:
+                if r >= r_max:
                     return fail
-                i += 1
+                i = _byte(buf, i, _LBRACKET)
                 for k in range(3):
-                    i = _int(buf, i, heads[r], k)
-                    if i < 0 or i >= buf.size or buf[i] != _COMMA:
-                        return fail
-                    i += 1
+                    i = _byte(buf, _int(buf, i, heads[r], k), _COMMA)
                 frame_at[r] = f
                 i, got = _ints(buf, i, lens, f)
-                if i < 0 or i >= buf.size or buf[i] != _RBRACKET:
+                i = _byte(buf, i, _RBRACKET)
+                if i < 0 or i >= buf.size:
                     return fail
                 f += got
                 r += 1
                 rows += 1
-                i += 1
-                if i >= buf.size:
-                    return fail
                 if buf[i] == _RBRACKET:
                     i += 1
                     break
-                if buf[i] != _COMMA:
-                    return fail
-                i += 1
+                i = _byte(buf, i, _COMMA)
         row[NROWS] = rows
-        if i >= buf.size or buf[i] != _RBRACE:
+        i = _byte(buf, i, _RBRACE)
+        if i < 0 or i >= buf.size:
             return fail
         p += 1
-        i += 1
-        if i >= buf.size:
-            return fail
         if buf[i] == _RBRACKET:
             if i + 1 != buf.size:
                 return fail
             frame_at[r] = f
             return p, r, f, spans, distinct, counts, heads, frame_at, lens
-        if buf[i] != _COMMA:
-            return fail
-        i += 1
+        i = _byte(buf, i, _COMMA)

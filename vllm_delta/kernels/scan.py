@@ -47,18 +47,16 @@ def scan_bits(
     pool: Executor | None = None,
     buffers: ScanBuffers | None = None,
 ) -> tuple[np.ndarray, ...]:
-    """(offsets, HF positions, old bits, new bits, runs, sums [n, 4]: pre lanes 0, 1, post 0, 1) of `cur`
-    against `old_bits` inside the runs, in `workers` windows with a pool, into `buffers`' sets if given.
-    Numpy, not tensors: a tensor op costs ~1 us of Python, which a model of many small tensors pays."""
+    """(offsets, HF positions, old bits, new bits, runs, sums [n, 4]: pre, post) of `cur` against `old_bits`
+    in the runs, in `workers` windows; numpy, as a tensor op's ~1 us a tensor adds up over small tensors."""
     from vllm_delta.kernels.scan_jit import CHUNK, capacity, outputs, scan_runs
 
     starts, ends, shifts, segs = tables
     windows = _windows(cur.size, workers if pool is not None else 1, CHUNK)
-    sets = (
-        buffers.take(windows, cur, want_run)
-        if buffers is not None
-        else [outputs(capacity(a, b), cur, want_run) for a, b in windows]
-    )
+    if buffers is None:
+        sets = [outputs(capacity(a, b), cur, want_run) for a, b in windows]
+    else:
+        sets = buffers.take(windows, cur, want_run)
     same_hf = starts.size == 1 and shifts[0] == 0
     args = (cur, old_bits, starts, ends, shifts, segs)
     if len(windows) == 1:

@@ -57,9 +57,8 @@ def _grow(a, n):
 
 @intrinsic
 def _changed16(typingctx, x, y, start, out, at):
-    """The lanes `i` of x[start:start + 16] != y[start:start + 16] as int32 `start + i` at out[at:]; how
-    many. AVX-512 only: `vpcompressd` into a register and a full 16-lane store (out[at:at + 16] must
-    exist), not the memory form, which AMD Zen 4 microcodes."""
+    """The lanes `i` where x[start + i] != y[start + i], as int32 `start + i` at out[at:]; how many. AVX-512:
+    `vpcompressd` into a register, then a 16-lane store (the memory form is microcoded on AMD Zen 4)."""
     sig = types.int64(x, y, types.int64, out, types.int64)
 
     def codegen(context, builder, signature, args):
@@ -73,23 +72,18 @@ def _changed16(typingctx, x, y, start, out, at):
         xv = builder.load(builder.bitcast(builder.gep(xd, [st]), lanes.as_pointer()), align=bits // 8)
         yv = builder.load(builder.bitcast(builder.gep(yd, [st]), lanes.as_pointer()), align=bits // 8)
         mask = builder.icmp_unsigned("!=", xv, yv)
-        first = builder.insert_element(
-            ir.Constant(v32, ir.Undefined), builder.trunc(st, i32), ir.Constant(i32, 0)
-        )
-        idx = builder.add(
-            builder.shuffle_vector(first, ir.Constant(v32, ir.Undefined), ir.Constant(v32, [0] * 16)),
-            ir.Constant(v32, list(range(16))),
-        )
+        undef = ir.Constant(v32, ir.Undefined)
+        first = builder.insert_element(undef, builder.trunc(st, i32), ir.Constant(i32, 0))
+        splat = builder.shuffle_vector(first, undef, ir.Constant(v32, [0] * 16))
+        idx = builder.add(splat, ir.Constant(v32, list(range(16))))  # start + lane
         mod = builder.module
         dest = builder.bitcast(builder.gep(od, [at_]), i32.as_pointer())
         name = "llvm.x86.avx512.mask.compress.v16i32"  # in a register, then one 64-byte store
         comp = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(v32, [v32, v32, mask_t]), name)
-        packed = builder.call(comp, [idx, ir.Constant(v32, ir.Undefined), mask])
+        packed = builder.call(comp, [idx, undef, mask])
         builder.store(packed, builder.bitcast(dest, v32.as_pointer()), align=4)
-        i16 = ir.IntType(16)
-        pop = mod.globals.get("llvm.ctpop.i16") or ir.Function(
-            mod, ir.FunctionType(i16, [i16]), "llvm.ctpop.i16"
-        )
+        i16, name = ir.IntType(16), "llvm.ctpop.i16"
+        pop = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(i16, [i16]), name)
         return builder.zext(builder.call(pop, [builder.bitcast(mask, i16)]), ir.IntType(64))
 
     return sig, codegen
@@ -97,8 +91,7 @@ def _changed16(typingctx, x, y, start, out, at):
 
 @kernel
 def find_compress(x, y, at):
-    """Indices where x != y, into `at` (x.size entries at least); returns how many. 16 lanes at a
-    time, branch-free; each store writes 16 lanes, which stay inside at[:x.size] (found <= i). AVX-512
+    """How many indices where x != y, into `at`, 16 lanes at a time, each store inside at[:x.size]. AVX-512
     only (`COMPRESS`): LLVM's generic compress store is scalar, ~2x slower than `find_words`."""
     m = x.size
     m16 = m - m % 16
@@ -156,14 +149,10 @@ def scan_runs(
                 pos, hfs, old, new = _grow(pos, k), _grow(hfs, k), _grow(old, k), _grow(new, k)
                 if want_run:
                     run = _grow(run, k)
-            if same_hf:
-                for t in range(found):
-                    i = at[t]
-                    pos[k + t], old[k + t], new[k + t] = c + i, y[i], x[i]
-            else:
-                for t in range(found):
-                    i = at[t]
-                    pos[k + t], old[k + t], new[k + t] = c + i, y[i], x[i]
+            for t in range(found):
+                i = at[t]
+                pos[k + t], old[k + t], new[k + t] = c + i, y[i], x[i]
+            if not same_hf:
                 for t in range(k, k + found):
                     hfs[t] = pos[t] + shift
             if want_run:

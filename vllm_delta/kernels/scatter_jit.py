@@ -1,6 +1,5 @@
-"""The numba kernels of `scatter`, on bit patterns as unsigned ints of the element's width, with int32 or
-int64 offsets each checked against the storage (numba does not check: it would write outside the
-weights). The ULP resolve is `wire.codecs.ulp_resolve`'s order-key bijection, branch-free on the sign bit."""
+"""The numba kernels of `scatter`, on bit patterns as unsigned ints, with every offset checked against the
+storage (numba would write outside it); the ULP resolve is `codecs.ulp_resolve`'s, branch-free."""
 
 from __future__ import annotations
 

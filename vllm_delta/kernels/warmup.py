@@ -1,6 +1,5 @@
-"""Compile every kernel before a first sync needs it: numba compiles on a signature's first call (11-17 s
-cold, docs/results/kernels.md), so the engine's startup probe and `DeltaSender.seed` call `warm_up` with
-the argument types a sync passes (tests/kernels/test_warmup.py: a sync after it compiles nothing)."""
+"""Compile every kernel before a first sync needs it (numba compiles on a signature's first call, 11-17 s
+cold): the engine's startup probe and `DeltaSender.seed` call `warm_up` with a sync's argument types."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Collective transport: flush bytes broadcast to each engine's own group (`groups.py`: the trainer's rank 0
-plus that engine's workers), so a refused, stalled or killed engine breaks only its own group, rebuilt at
-the next sync. Per update, a handshake on the group's store comes before any bulk byte: rank 0 offers it
-(version, manifest digest, flush names and sizes), every engine rank checks the offer against its HTTP
-request's manifest and answers, and only if all accept does rank 0 say "go" and stream the flushes; so a
-refusing engine never leaves the trainer blocked in a broadcast."""
+plus that engine's workers), so a refused, stalled or killed engine breaks only its own group. Per update a
+handshake on the group's store comes first: rank 0 offers the update (version, manifest digest, flush names
+and sizes), every engine rank checks it against its HTTP request's manifest, and only if all accept does
+rank 0 say "go" and stream: a refusing engine never leaves the trainer blocked in a broadcast."""
 
 from __future__ import annotations
 
@@ -183,9 +182,8 @@ def _check_offer(
     except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
         raise FormatError("malformed offer, or a manifest whose files are not name and size") from None
     if flushes != stated:
-        raise IncompleteDeltaError(
-            f"the offer lists {len(flushes)} flushes, not the manifest's {len(stated)}"
-        )
+        why = f"the offer lists {len(flushes)} flushes, not the manifest's {len(stated)}"
+        raise IncompleteDeltaError(why)
     for name, size in flushes:
         if size > max_flush_bytes:
             why = f"flush of {size} B exceeds this engine's {max_flush_bytes} B per-flush cap"
@@ -288,9 +286,7 @@ class CollectiveTransport(Transport):
         return Sink(FlushBuilder(lambda file, enc: spool.add(file, enc.data), **kwargs), spool=spool)
 
     def link(self, url: str, client: Any) -> CollectiveLink:
-        if url not in self._links:
-            self._links[url] = CollectiveLink(url, client, self)
-        return self._links[url]
+        return self._links.setdefault(url, CollectiveLink(url, client, self))
 
     def push(self, client: Any, targets: dict[str, tuple[SentDelta, dict]]) -> dict[str, Reply]:
         """Every engine at once, each on its own thread and group."""

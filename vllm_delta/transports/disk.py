@@ -1,6 +1,5 @@
-"""Disk transport: flush files in a version directory, each written atomically, the merged manifest last
-(rank 0): a sender that dies mid-write leaves a directory without one, which every engine refuses. The
-engine's half is the wire's own reader (`wire.open_delta` under the engine's `--delta-updates-root`)."""
+"""Disk transport: flush files in a version directory, each written atomically, the manifest last (a sender
+that died mid-write leaves none: engines refuse it); the engine's half is the wire's reader (`open_delta`)."""
 
 from __future__ import annotations
 

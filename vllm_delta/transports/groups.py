@@ -1,7 +1,6 @@
-"""One engine's collective group: vLLM's `StatelessProcessGroup` for the rendezvous and a JSON control plane
-on its store (never pickle), and a bulk channel for flush bytes (gloo on CPU, vLLM's `PyNcclCommunicator` on
-CUDA). The trainer's default group is never touched; NCCL runs without torch's watchdog, so its setup (a
-peer that joined and died would hold `ncclCommInitRank` forever) and its broadcasts are waited on with a
+"""One engine's collective group: vLLM's `StatelessProcessGroup` with a JSON control plane on its store (never
+pickle), and a bulk channel (gloo on CPU, vLLM's `PyNcclCommunicator` on CUDA). NCCL runs without torch's
+watchdog, so its setup (a peer that died would hold `ncclCommInitRank` forever) and broadcasts have a
 deadline, through at most `NCCL_STAGING_SLOTS` staging pairs of `NCCL_CHUNK_BYTES` in this process."""
 
 from __future__ import annotations
@@ -120,9 +119,8 @@ class Group:
         while not done.query():
             if time.monotonic() > deadline:
                 self.close()
-                raise GroupTimeout(
-                    f"NCCL broadcast of {t.numel()} B did not finish within {self.timeout_s:.0f} s"
-                )
+                why = f"NCCL broadcast of {t.numel()} B did not finish within {self.timeout_s:.0f} s"
+                raise GroupTimeout(why)
             time.sleep(_POLL_S[0])
 
     def close(self) -> None:
@@ -215,14 +213,11 @@ def _bulk(group: Group) -> Any:
     try:
         return built.result(timeout=group.timeout_s)
     except FutureTimeout:
-        built.add_done_callback(lambda f: _abort_late(f, group.backend))
-        raise GroupTimeout(
-            f"the {group.backend} channel was not set up within {group.timeout_s:.0f} s "
-            "(a peer joined the store, then went away or stopped)"
-        ) from None
 
+        def abort_late(f: Future) -> None:  # set up after its caller gave up: nobody will use it
+            if f.exception() is None and group.backend == "nccl":
+                f.result().destroy()
 
-def _abort_late(built: Future, backend: str) -> None:
-    """A channel whose setup finished after its caller gave up: nobody will use it."""
-    if built.exception() is None and backend == "nccl":
-        built.result().destroy()
+        built.add_done_callback(abort_late)
+        why = f"the {group.backend} channel was not set up within {group.timeout_s:.0f} s (a peer joined"
+        raise GroupTimeout(why + " the store, then went away or stopped)") from None

@@ -52,9 +52,8 @@ class S3Transport(StoredTransport):
     def __init__(self, name: str, options: TransportOptions) -> None:
         url = str(options.delta_dir or "")
         if not url.startswith("s3://"):
-            raise ValueError(
-                f"the s3 transport needs delta_dir='s3://BUCKET/PREFIX', not {options.delta_dir!r}"
-            )
+            why = f"the s3 transport needs delta_dir='s3://BUCKET/PREFIX', not {options.delta_dir!r}"
+            raise ValueError(why)
         self.url = StoreURL.parse(url)
         self.store = ObjectStore(self.url, throttle_bytes_per_s=options.throttle_bytes_per_s)
         self.planner, self.keep, self.keep_chain = options.planner, options.keep, 16
@@ -162,9 +161,8 @@ def configured_store() -> ObjectStore:
     startup; a request only names a path under it)."""
     value = settings.updates_root()
     if not is_store_url(value):
-        raise StoreError(
-            f"this engine's delta root is not an s3:// URL ({settings.UPDATES_ROOT} is {value!r})"
-        )
+        why = f"this engine's delta root is not an s3:// URL ({settings.UPDATES_ROOT} is {value!r})"
+        raise StoreError(why)
     return ObjectStore(StoreURL.parse(value))
 
 
@@ -232,9 +230,8 @@ class StoreFlushes(Iterator[tuple[str, "bytes | SparseFile"]]):
         except StoreNotFound as exc:
             raise StoreNotFound(f"{exc.reason}: {key}", file=entry.name) from None
         except LimitError as exc:  # larger than the manifest says: not the object the sender sealed
-            raise IntegrityError(
-                f"{key} does not match the manifest's {entry.bytes} bytes ({exc.reason})", file=entry.name
-            ) from None
+            why = f"{key} does not match the manifest's {entry.bytes} bytes ({exc.reason})"
+            raise IntegrityError(why, file=entry.name) from None
         self.fetched_bytes += len(data)
         return data
 
@@ -290,9 +287,8 @@ def block_ranges(header: bytes, owned: Owned) -> list[tuple[int, int]] | None:
             ranges = owned.get(p.name)
             mask = blocks.wanted(index, None if ranges is None else blocks.merge(ranges))
             for j, s in enumerate(p.streams):
-                offsets = (
-                    len(header) + at[s][0] + starts[s] + np.concatenate(([0], np.cumsum(index.stored[:, j])))
-                )
+                first = len(header) + at[s][0] + starts[s]  # the stream's first byte in the file
+                offsets = first + np.concatenate(([0], np.cumsum(index.stored[:, j])))
                 out += [(int(offsets[k]), int(offsets[m])) for k, m in blocks.runs(mask)]
     except (DeltaError, KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError):
         return None  # not the writer's layout: fetched whole, and the decoder says what is wrong

@@ -1,6 +1,5 @@
-"""Front end of the `delta` backend, a door over the core: vLLM's `/update_weights` (the core's prepare)
-and `/finish_weight_update` (its commit, then vLLM's own finish), replaced because vLLM's make every
-worker error a 500 and cannot pause around a commit. Mounted only for `delta`, in dev mode (as vLLM's)."""
+"""The `delta` backend's door over the core, mounted in dev mode: vLLM's `/update_weights` (the prepare) and
+`/finish_weight_update` (the commit, then vLLM's finish), as vLLM's answer every error 500 and never pause."""
 
 from __future__ import annotations
 

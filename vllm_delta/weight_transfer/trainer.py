@@ -67,10 +67,8 @@ class DeltaTrainerWeightTransferEngine(TrainerWeightTransferEngine[DeltaTrainerI
             raise ValueError("the delta backend diffs the trainer's weights each round: pass source=")
         held = held_names(source)
         if init_info.group is None and held is not None and held != {m.name for m in source.metadata()}:
-            raise ValueError(
-                "this rank holds part of the model (held_names): pass group=, the trainer ranks' "
-                "gloo group, so every rank sends what it holds"
-            )
+            why = "this rank holds part of the model (held_names): pass group=, the trainer ranks' gloo group"
+            raise ValueError(why + ", so every rank sends what it holds")
         clients, sender = engine_clients(client), None
         if not init_info.is_sender and init_info.group is None:  # rank 0 sends everything
             if init_info.checkpoint is None:

@@ -1,6 +1,5 @@
-"""The worker half of the `delta` backend: our worker extension speaking vLLM's `WeightTransferEngine`
-lifecycle. The HTTP front end drives it through the core and one worker method (`worker_rpc`); the
-offline `LLM` prepares in `update_weights`, agrees over vLLM's CPU world group, commits at the finish."""
+"""The `delta` backend's worker half: the HTTP door drives it through the core and `worker_rpc`; the offline
+`LLM` prepares in `update_weights`, agrees over vLLM's CPU world group, and commits at the finish."""
 
 from __future__ import annotations
 
@@ -43,6 +42,9 @@ class DeltaWeightTransferEngine(
     init_info_cls = DeltaInitInfo
     update_info_cls = DeltaUpdateRequest
     supports_draft_weight_update = False
+    _delta_state: DeltaState | None = None
+    _staged_id: str | None = None  # what the offline `update_weights` prepared
+    _peers_set = False
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         if vllm_config.parallel_config.worker_extension_cls == WORKER_EXTENSION:
@@ -50,10 +52,6 @@ class DeltaWeightTransferEngine(
         if vllm_config.parallel_config.enable_eplb:
             raise ValueError(EPLB_REFUSAL)
         super().__init__(config, vllm_config, device, model)
-        self._delta_state: DeltaState | None = None
-        self._delta_group = None
-        self._staged_id: str | None = None  # what the offline `update_weights` prepared
-        self._peers_set = False
         install_worker_rpc()
 
     def _delta_model(self) -> torch.nn.Module:
@@ -154,9 +152,8 @@ def install_worker_rpc() -> None:
 
 
 def worker_rpc(worker: Any, name: str, *args: Any) -> dict[str, Any]:
-    """Our engine's `delta_<name>`, or `end_session` (what vLLM 0.32's `Worker.update_weights` does when
-    the engine raises). Never raises: in vLLM 0.32 an RPC raising on several ranks reads only the first
-    rank's failure and the others answer the next RPC; so a call outside a session is a 409 here."""
+    """Our engine's `delta_<name>`, or `end_session` (vLLM's cleanup when the engine raises). Never raises:
+    vLLM 0.32 reads one rank's failure and the others answer the next RPC; outside a session it is a 409."""
     engine = getattr(worker, "weight_transfer_engine", None)
     if not isinstance(engine, DeltaWeightTransferEngine):
         why = f"this worker's weight-transfer engine is not `delta` ({engine!r})"
