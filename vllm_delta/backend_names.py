@@ -1,6 +1,5 @@
-"""Our names in vLLM's two weight-transfer registries, and which installed package holds a name there:
-another package may register `delta` too (SkyRL does) and vLLM keeps the first, so `vllm_delta` is ours
-alone (taken: refused at startup) and `delta` only while nobody else holds it. Imports nothing of ours."""
+"""Our names in vLLM's weight-transfer registries and who holds them (vLLM keeps the first registrant, and
+SkyRL registers `delta` too): `vllm_delta` is ours alone, `delta` while nobody else holds it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""HTTP client for the engine's delta routes (aiohttp): one concurrent request per engine, from sync code.
-Retries only where the request cannot have reached the update logic (no connection, 502/503/504); any
-other answer, a 500 included (a possibly dirty engine), is final and goes back to the sender."""
+"""HTTP client for the engines' delta routes (aiohttp), one concurrent request each, from sync code. Retries
+only a request that cannot have reached the update (no connection, 502/503/504); a 500 is final."""
 
 from __future__ import annotations
 

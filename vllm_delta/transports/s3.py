@@ -1,8 +1,7 @@
 """S3 transport, for engines that share no filesystem or collective with the trainer: flush objects under
 `s3://BUCKET/PREFIX/<version dir>/`, the manifest last, kept until every engine acknowledged them plus
-the chain late joiners replay (docs/sender.md); and the engine's half, fetching one flush ahead, sparse
-(the header and this rank's blocks, checked by the ranks' partial digests) where that pays.
-"""
+the chain late joiners replay (docs/sender.md); the engine's half fetches one flush ahead, sparse where
+that pays (the header and this rank's blocks, checked by the ranks' partial digests)."""
 
 from __future__ import annotations
 
