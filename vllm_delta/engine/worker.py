@@ -5,6 +5,7 @@ one rank's bad input reaches the door as a status.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -314,6 +315,7 @@ class DeltaWorkerExtension:
         warm_up({p.dtype for p in applier.placements.values()} | {t.dtype for t in applier.targets.values()})
         gc.collect()  # then the startup heap (model, placement) frozen out of every later collection, as
         gc.freeze()  # vLLM's GPU worker does after its warm-up: a sync's collections walk what it made
+        atexit.register(gc.unfreeze)  # collected at exit, so bindings (triton's nanobind) report no leaks
         return applier.placement_status()
 
     def delta_abort(self, request_id: str) -> dict[str, Any]:
