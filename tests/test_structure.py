@@ -18,8 +18,10 @@ PACKAGES = ("vllm_delta", "megatron_hook")
 MAX_FILE_LINES = 450
 # Files still over MAX_FILE_LINES, with the size they may not grow past; each entry is owed a split.
 OVERSIZE: dict[str, int] = {}
-# Formatted with `ruff format` (about 12 % more lines than the hand-wrapped code it replaced). The
-# redesign's target is 13,000 hand-wrapped lines (about 14,600 formatted); lowered as the library shrinks.
+# Formatted with `ruff format`: 11.6 % more lines than the hand-wrapped code it replaced (18,269 -> 20,389
+# lines on the tree before 31ff4d6). The redesign's target is 13,000 hand-wrapped lines (about 14,500
+# formatted); issues 31-33 then added 1,241 lines of features, so about 15,750 like for like. Lowered as
+# the library shrinks.
 # +215: signed manifests (issue 33); +75: our own weight-transfer backend name (issue 31); -118: one loader
 # interception (issue 30); +73: the seed trainer's push (issue 31); +306: block-fp8 sender and the fp8
 # refusals (issue 32); -3: one Decoder interface (issue 30); +205: verl and SkyRL integrations (issue 31);
