@@ -187,7 +187,7 @@ def main() -> None:
         changes = []
         for n, (old, new) in pairs.items():
             d = diff_param(new, old)
-            if d.count:
+            if d.positions.numel():
                 changes.append(ParamChange(n, tuple(new.shape), d.positions, d.new_values, d.old_values))
         changed = sum(c.positions.numel() for c in changes)
         res = {e: run_encoding(e, changes, a.repeat) for e in ENCODINGS}

@@ -16,7 +16,6 @@ UPDATE_ROUTE = "/update_weights_delta"
 STATUS_ROUTE = "/delta_updates/status"
 COLLECTIVE_INIT_ROUTE = "/delta_updates/collective/init"
 RETRY_STATUSES = frozenset({502, 503, 504})
-BACKOFF_S = 0.5  # times the attempt number, between retries
 
 
 @dataclass
@@ -51,8 +50,15 @@ class Reply:
 class EngineClient:
     """Talks to a set of engines, concurrently."""
 
-    def __init__(self, api_key: str | None = None, *, timeout_s: float = 600.0, retries: int = 3) -> None:
-        self.api_key, self.retries = api_key, retries
+    def __init__(
+        self,
+        api_key: str | None = None,
+        *,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+    ) -> None:  # backoff_s: seconds times the attempt number, between retries
+        self.api_key, self.retries, self.backoff_s = api_key, retries, backoff_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
 
     def _many(
@@ -76,7 +82,7 @@ class EngineClient:
                     last = Reply(url, 0, {"error": error})
                     if isinstance(exc, asyncio.TimeoutError):
                         return last  # the engine may still be applying: do not send it twice
-                await asyncio.sleep(BACKOFF_S * attempt)
+                await asyncio.sleep(self.backoff_s * attempt)
             return last
 
         async def gather() -> list[Reply]:
