@@ -67,8 +67,8 @@ OVERSIZE: dict[str, int] = {}
 # -164: sender/hook/integrations' inlined one-use helpers, one shift map, shorter calls and docstrings (issue
 # 30); -77: the sender's failure metrics once, wait() without a forwarder, fp8's scale names and checks (issue
 # 30); -76: the params scan's readers chained, scan_runs' one copy loop, raises and docstrings in
-# transports/kernels/doors (issue 30); +2: the worker's frozen heap unfrozen at exit (issue 30); +6: EngineClient's
-# backoff_s back (tests set it; issue 30).
+# transports/kernels/doors (issue 30); +2: the worker's frozen heap unfrozen at exit (issue 30); +6:
+# EngineClient's backoff_s back (tests set it; issue 30).
 MAX_LIBRARY_LINES = 15_924
 
 
